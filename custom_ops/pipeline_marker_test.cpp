@@ -1,0 +1,355 @@
+// Tests of the `zerolock::pipeline_marker.out` kernel and its thread-local
+// hook: one test per behaviour or failure mode. The kernel is called directly
+// with TensorImpl-backed tensors (extension/tensor), through the operator
+// registry, and (when ZL_MARKER_TEST_PTE names a program) inside a real
+// Module::execute.
+#include <zl/pipeline_marker.h>
+
+#include <cstdlib>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include <executorch/extension/module/module.h>
+#include <executorch/extension/tensor/tensor.h>
+#include <executorch/runtime/core/evalue.h>
+#include <executorch/runtime/kernel/operator_registry.h>
+
+namespace {
+
+using executorch::aten::ScalarType;
+using executorch::aten::SizesType;
+using executorch::aten::Tensor;
+using executorch::aten::TensorShapeDynamism;
+using executorch::extension::make_tensor_ptr;
+using executorch::extension::TensorPtr;
+using executorch::runtime::Error;
+using executorch::runtime::EValue;
+using executorch::runtime::KernelRuntimeContext;
+
+constexpr const char* kOpName = "zerolock::pipeline_marker.out";
+
+/// What a hook saw on one call.
+struct HookRecord {
+  int calls = 0;
+  std::thread::id thread;
+  std::vector<float> data;
+  std::vector<SizesType> sizes;
+  const void* data_ptr = nullptr;
+};
+
+void recording_hook(const Tensor& hidden, void* user_data) {
+  auto* record = static_cast<HookRecord*>(user_data);
+  record->calls += 1;
+  record->thread = std::this_thread::get_id();
+  const float* begin = hidden.const_data_ptr<float>();
+  record->data.assign(begin, begin + hidden.numel());
+  record->sizes.assign(hidden.sizes().begin(), hidden.sizes().end());
+  record->data_ptr = hidden.const_data_ptr();
+}
+
+void other_hook(const Tensor&, void* user_data) {
+  static_cast<HookRecord*>(user_data)->calls += 100;
+}
+
+/// (2, 3, 4) float32 with values 0.5 * i, so a missed or partial copy shows.
+TensorPtr make_hidden() {
+  std::vector<float> values(2 * 3 * 4);
+  for (size_t i = 0; i < values.size(); ++i) {
+    values[i] = 0.5f * static_cast<float>(i) - 3.0f;
+  }
+  return make_tensor_ptr({2, 3, 4}, std::move(values));
+}
+
+/// Zero-filled float32 `out` of the given shape and dynamism; -1 sentinel
+/// values would work as well, zeros differ from every hidden value but one.
+TensorPtr make_out(
+    std::vector<SizesType> sizes,
+    TensorShapeDynamism dynamism = TensorShapeDynamism::STATIC) {
+  const size_t numel = std::accumulate(
+      sizes.begin(), sizes.end(), size_t{1}, std::multiplies<size_t>());
+  return make_tensor_ptr(
+      std::move(sizes),
+      std::vector<float>(numel, -7.0f),
+      {},
+      {},
+      ScalarType::Float,
+      dynamism);
+}
+
+std::vector<float> values_of(const Tensor& t) {
+  const float* begin = t.const_data_ptr<float>();
+  return std::vector<float>(begin, begin + t.numel());
+}
+
+std::vector<SizesType> sizes_of(const Tensor& t) {
+  return std::vector<SizesType>(t.sizes().begin(), t.sizes().end());
+}
+
+class PipelineMarkerTest : public ::testing::Test {
+ protected:
+  // The hook is thread-local and the tests share the main thread.
+  void SetUp() override {
+    zl::set_pipeline_marker_hook(nullptr, nullptr);
+  }
+  void TearDown() override {
+    zl::set_pipeline_marker_hook(nullptr, nullptr);
+  }
+};
+
+TEST_F(PipelineMarkerTest, RegisteredUnderTheProgramsOperatorName) {
+  EXPECT_TRUE(executorch::runtime::registry_has_op_function(kOpName));
+}
+
+TEST_F(PipelineMarkerTest, CopiesHiddenIntoOut) {
+  TensorPtr hidden = make_hidden();
+  TensorPtr out = make_out({2, 3, 4});
+  KernelRuntimeContext ctx;
+
+  Tensor& result = zl::pipeline_marker_out(ctx, *hidden, *out);
+
+  EXPECT_EQ(ctx.failure_state(), Error::Ok);
+  EXPECT_EQ(&result, out.get());
+  EXPECT_EQ(values_of(*out), values_of(*hidden));
+  // A copy, not an alias: the runner may keep the marker output while the
+  // method overwrites the chunk output's buffer.
+  EXPECT_NE(out->const_data_ptr(), hidden->const_data_ptr());
+}
+
+TEST_F(PipelineMarkerTest, ResizesDynamicOutToHiddenShape) {
+  TensorPtr hidden = make_hidden();
+  TensorPtr out = make_out({2, 3, 8}, TensorShapeDynamism::DYNAMIC_BOUND);
+  KernelRuntimeContext ctx;
+
+  zl::pipeline_marker_out(ctx, *hidden, *out);
+
+  EXPECT_EQ(ctx.failure_state(), Error::Ok);
+  EXPECT_EQ(sizes_of(*out), (std::vector<SizesType>{2, 3, 4}));
+  EXPECT_EQ(values_of(*out), values_of(*hidden));
+}
+
+TEST_F(PipelineMarkerTest, HookFiresOnExecutingThreadWithCopiedData) {
+  TensorPtr hidden = make_hidden();
+  TensorPtr out = make_out({2, 3, 4});
+  HookRecord record;
+  zl::set_pipeline_marker_hook(recording_hook, &record);
+  KernelRuntimeContext ctx;
+
+  zl::pipeline_marker_out(ctx, *hidden, *out);
+
+  ASSERT_EQ(ctx.failure_state(), Error::Ok);
+  EXPECT_EQ(record.calls, 1);
+  EXPECT_EQ(record.thread, std::this_thread::get_id());
+  EXPECT_EQ(record.data, values_of(*hidden));
+  EXPECT_EQ(record.sizes, (std::vector<SizesType>{2, 3, 4}));
+  // The hook sees the marker's output, which outlives the chunk's buffers.
+  EXPECT_EQ(record.data_ptr, out->const_data_ptr());
+}
+
+TEST_F(PipelineMarkerTest, WithoutHookOnlyCopies) {
+  TensorPtr hidden = make_hidden();
+  TensorPtr out = make_out({2, 3, 4});
+  HookRecord record;
+  zl::set_pipeline_marker_hook(recording_hook, &record);
+  zl::set_pipeline_marker_hook(nullptr, nullptr);
+  const uint64_t calls_before = zl_pipeline_marker_call_count();
+  KernelRuntimeContext ctx;
+
+  zl::pipeline_marker_out(ctx, *hidden, *out);
+
+  EXPECT_EQ(ctx.failure_state(), Error::Ok);
+  EXPECT_EQ(record.calls, 0);
+  EXPECT_EQ(values_of(*out), values_of(*hidden));
+  EXPECT_EQ(zl_pipeline_marker_call_count(), calls_before + 1);
+}
+
+TEST_F(PipelineMarkerTest, SetHookReturnsThePreviousHook) {
+  HookRecord record;
+  EXPECT_EQ(zl::set_pipeline_marker_hook(recording_hook, &record), nullptr);
+  EXPECT_EQ(zl::set_pipeline_marker_hook(other_hook, &record), recording_hook);
+  EXPECT_EQ(zl::set_pipeline_marker_hook(nullptr, nullptr), other_hook);
+  EXPECT_EQ(zl::set_pipeline_marker_hook(nullptr, nullptr), nullptr);
+}
+
+TEST_F(PipelineMarkerTest, HookIsThreadLocal) {
+  TensorPtr hidden = make_hidden();
+  HookRecord main_record;
+  HookRecord worker_record;
+  zl::set_pipeline_marker_hook(recording_hook, &main_record);
+
+  std::thread::id worker_id;
+  Error worker_without_hook = Error::Internal;
+  Error worker_with_hook = Error::Internal;
+  std::thread worker([&] {
+    worker_id = std::this_thread::get_id();
+    TensorPtr out = make_out({2, 3, 4});
+    KernelRuntimeContext ctx_a;
+    // The main thread's hook must not fire here.
+    zl::pipeline_marker_out(ctx_a, *hidden, *out);
+    worker_without_hook = ctx_a.failure_state();
+    EXPECT_EQ(zl::set_pipeline_marker_hook(recording_hook, &worker_record),
+              nullptr);
+    KernelRuntimeContext ctx_b;
+    zl::pipeline_marker_out(ctx_b, *hidden, *out);
+    worker_with_hook = ctx_b.failure_state();
+  });
+  worker.join();
+
+  EXPECT_EQ(worker_without_hook, Error::Ok);
+  EXPECT_EQ(worker_with_hook, Error::Ok);
+  EXPECT_EQ(main_record.calls, 0);
+  EXPECT_EQ(worker_record.calls, 1);
+  EXPECT_EQ(worker_record.thread, worker_id);
+
+  // The worker's install did not replace the main thread's hook.
+  TensorPtr out = make_out({2, 3, 4});
+  KernelRuntimeContext ctx;
+  zl::pipeline_marker_out(ctx, *hidden, *out);
+  EXPECT_EQ(main_record.calls, 1);
+  EXPECT_EQ(main_record.thread, std::this_thread::get_id());
+  EXPECT_EQ(worker_record.calls, 1);
+}
+
+TEST_F(PipelineMarkerTest, OutDtypeMismatchFailsThroughContext) {
+  TensorPtr hidden = make_hidden();
+  TensorPtr out = make_tensor_ptr(
+      {2, 3, 4}, std::vector<double>(24, -7.0), {}, {}, ScalarType::Double,
+      TensorShapeDynamism::STATIC);
+  HookRecord record;
+  zl::set_pipeline_marker_hook(recording_hook, &record);
+  KernelRuntimeContext ctx;
+
+  zl::pipeline_marker_out(ctx, *hidden, *out);
+
+  EXPECT_EQ(ctx.failure_state(), Error::InvalidArgument);
+  EXPECT_EQ(record.calls, 0);
+  EXPECT_EQ(out->const_data_ptr<double>()[0], -7.0);
+}
+
+TEST_F(PipelineMarkerTest, NonFloatHiddenFailsThroughContext) {
+  // Same dtype on both sides, but the stage contract is float32 only.
+  TensorPtr hidden = make_tensor_ptr({2, 2}, std::vector<double>{1, 2, 3, 4});
+  TensorPtr out = make_tensor_ptr(
+      {2, 2}, std::vector<double>(4, -7.0), {}, {}, ScalarType::Double,
+      TensorShapeDynamism::STATIC);
+  KernelRuntimeContext ctx;
+
+  zl::pipeline_marker_out(ctx, *hidden, *out);
+
+  EXPECT_EQ(ctx.failure_state(), Error::InvalidArgument);
+  EXPECT_EQ(out->const_data_ptr<double>()[0], -7.0);
+}
+
+TEST_F(PipelineMarkerTest, StaticOutShapeMismatchFailsThroughContext) {
+  TensorPtr hidden = make_hidden();
+  TensorPtr out = make_out({2, 3, 5}, TensorShapeDynamism::STATIC);
+  HookRecord record;
+  zl::set_pipeline_marker_hook(recording_hook, &record);
+  KernelRuntimeContext ctx;
+
+  zl::pipeline_marker_out(ctx, *hidden, *out);
+
+  EXPECT_EQ(ctx.failure_state(), Error::InvalidArgument);
+  EXPECT_EQ(record.calls, 0);
+  EXPECT_EQ(sizes_of(*out), (std::vector<SizesType>{2, 3, 5}));
+  EXPECT_EQ(values_of(*out), std::vector<float>(30, -7.0f));
+}
+
+TEST_F(PipelineMarkerTest, OutTooSmallForHiddenFailsThroughContext) {
+  // DYNAMIC_BOUND may shrink but never grow past its allocation.
+  TensorPtr hidden = make_hidden();
+  TensorPtr out = make_out({2, 3, 2}, TensorShapeDynamism::DYNAMIC_BOUND);
+  KernelRuntimeContext ctx;
+
+  zl::pipeline_marker_out(ctx, *hidden, *out);
+
+  EXPECT_EQ(ctx.failure_state(), Error::InvalidArgument);
+  EXPECT_EQ(sizes_of(*out), (std::vector<SizesType>{2, 3, 2}));
+}
+
+TEST_F(PipelineMarkerTest, UnallocatedOutFailsThroughContext) {
+  TensorPtr hidden = make_hidden();
+  TensorPtr out = make_tensor_ptr(
+      {2, 3, 4}, nullptr, ScalarType::Float,
+      executorch::aten::Device(executorch::aten::DeviceType::CPU),
+      TensorShapeDynamism::STATIC);
+  KernelRuntimeContext ctx;
+
+  zl::pipeline_marker_out(ctx, *hidden, *out);
+
+  EXPECT_EQ(ctx.failure_state(), Error::InvalidArgument);
+}
+
+TEST_F(PipelineMarkerTest, BoxedCallThroughRegistryCopiesAndFiresHook) {
+  // The path Method::execute takes: look up by name, call with EValues
+  // (hidden, out, return value aliasing out).
+  auto op = executorch::runtime::get_op_function_from_registry(kOpName);
+  ASSERT_TRUE(op.ok());
+  TensorPtr hidden = make_hidden();
+  TensorPtr out = make_out({2, 3, 4});
+  HookRecord record;
+  zl::set_pipeline_marker_hook(recording_hook, &record);
+  EValue values[] = {EValue(*hidden), EValue(*out), EValue(*out)};
+  EValue* stack[] = {&values[0], &values[1], &values[2]};
+  KernelRuntimeContext ctx;
+
+  (*op.get())(ctx, executorch::runtime::Span<EValue*>(stack, 3));
+
+  EXPECT_EQ(ctx.failure_state(), Error::Ok);
+  EXPECT_EQ(values_of(*out), values_of(*hidden));
+  EXPECT_EQ(record.calls, 1);
+}
+
+// The early-forwarding contract inside a real program: the hook fires during
+// Module::execute, on this thread, once, with what becomes user output 0.
+// Needs a .pte whose first output is the marker's; tests/test_custom_ops.py
+// writes one and runs this test with ZL_MARKER_TEST_PTE set.
+TEST_F(PipelineMarkerTest, ModuleExecuteFiresHookWithFirstOutput) {
+  const char* pte = std::getenv("ZL_MARKER_TEST_PTE");
+  if (pte == nullptr || *pte == '\0') {
+    GTEST_SKIP() << "set ZL_MARKER_TEST_PTE to a .pte whose first output is "
+                    "the pipeline marker's";
+  }
+  executorch::extension::Module module(pte);
+  auto meta = module.method_meta("forward");
+  ASSERT_TRUE(meta.ok()) << "cannot load " << pte;
+
+  // Inputs from the method's own metadata: floats 0.25, integers 1 (a valid
+  // token id, attention-mask value and label for the stage programs).
+  std::vector<TensorPtr> inputs;
+  std::vector<EValue> input_values;
+  for (size_t i = 0; i < meta->num_inputs(); ++i) {
+    auto info = meta->input_tensor_meta(i);
+    ASSERT_TRUE(info.ok()) << "input " << i << " is not a tensor";
+    std::vector<SizesType> sizes(info->sizes().begin(), info->sizes().end());
+    const size_t numel = std::accumulate(
+        sizes.begin(), sizes.end(), size_t{1}, std::multiplies<size_t>());
+    if (info->scalar_type() == ScalarType::Float) {
+      inputs.push_back(make_tensor_ptr(sizes, std::vector<float>(numel, 0.25f)));
+    } else if (info->scalar_type() == ScalarType::Long) {
+      inputs.push_back(make_tensor_ptr(sizes, std::vector<int64_t>(numel, 1)));
+    } else {
+      FAIL() << "input " << i << " has unsupported dtype "
+             << executorch::runtime::toString(info->scalar_type());
+    }
+    input_values.emplace_back(*inputs.back());
+  }
+
+  HookRecord record;
+  zl::set_pipeline_marker_hook(recording_hook, &record);
+  auto outputs = module.execute("forward", input_values);
+
+  ASSERT_TRUE(outputs.ok()) << "execute failed: "
+                            << static_cast<int>(outputs.error());
+  EXPECT_EQ(record.calls, 1);
+  EXPECT_EQ(record.thread, std::this_thread::get_id());
+  ASSERT_TRUE((*outputs)[0].isTensor());
+  const Tensor& first = (*outputs)[0].toTensor();
+  EXPECT_EQ(record.sizes, sizes_of(first));
+  EXPECT_EQ(record.data, values_of(first));
+}
+
+} // namespace

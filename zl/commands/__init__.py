@@ -1,0 +1,1 @@
+"""One module per `zl` command group; `zl.cli` wires them into the root app."""

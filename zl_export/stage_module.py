@@ -1,0 +1,98 @@
+"""One pipeline stage as an `nn.Module` whose forward is the stage's whole local step.
+
+The module owns layers `first..last` of a (PEFT-wrapped) Llama model, the
+rotary embedding, and — frozen — the final norm and LM head for the readout;
+stage 0 also owns the token embedding. Its forward follows the program
+contract of DESIGN.md §3:
+
+    inputs : input_ids (B,S) int64 | hidden (B,S,D) f32, attention_mask (B,S) int64, labels (B,S) int64
+    outputs: hidden (B,S,D) f32 [not on the last stage], loss, task_loss, consistency_loss
+
+`hidden` comes out of `zerolock::pipeline_marker` applied to the detached
+chunk output, called before the readout so that it precedes every readout,
+loss and backward instruction of the exported program.
+"""
+
+import torch
+from torch import nn
+
+from custom_ops import pipeline_marker
+from zl_export.local_loss import LossConfig, local_loss
+from zl_export.stages import StageRange
+
+
+def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask (B, 1, S, S): 0 where query i may attend key j, a large negative elsewhere.
+
+    Query i attends key j when j <= i and key j is a real token. With right
+    padding every query still sees key 0, so no row is fully masked.
+    """
+    seq = attention_mask.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()  # (S, S)
+    allowed = causal[None, None, :, :] & attention_mask[:, None, None, :].bool()  # (B, 1, S, S)
+    neg = torch.finfo(dtype).min
+    return torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device).masked_fill(~allowed, neg)
+
+
+class StageModule(nn.Module):
+    """Layers `stage.first..stage.last` of `model` with the stage's local loss."""
+
+    def __init__(self, model: nn.Module, stage: StageRange, num_stages: int, loss: LossConfig):
+        """
+        Args:
+            model: a `LlamaForCausalLM`, possibly wrapped by PEFT (LoRA modules
+                inside its layers are kept and stay trainable).
+            stage: the layer range of this stage.
+            num_stages: stages in the pipeline; the last one has no hidden output.
+            loss: α and the KL direction.
+        """
+        super().__init__()
+        llama = _llama_backbone(model)
+        self.stage = stage
+        self.is_first = stage.index == 0
+        self.is_last = stage.index == num_stages - 1
+        self.loss_cfg = loss
+        self.embed_tokens = llama.model.embed_tokens if self.is_first else None
+        self.layers = nn.ModuleList(llama.model.layers[stage.first : stage.last + 1])
+        self.rotary_emb = llama.model.rotary_emb
+        self.norm = llama.model.norm
+        self.lm_head = llama.lm_head
+
+    def readout(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, S, D) hidden state -> (B, S, V) logits through the frozen final norm and LM head."""
+        return self.lm_head(self.norm(hidden))
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
+        if self.is_first:
+            h_in = self.embed_tokens(x)  # (B, S, D)
+        else:
+            h_in = x  # (B, S, D)
+        batch, seq = attention_mask.shape
+        position_ids = torch.arange(seq, device=attention_mask.device).unsqueeze(0).expand(batch, seq)  # (B, S)
+        mask = causal_padding_mask(attention_mask, h_in.dtype)  # (B, 1, S, S)
+        cos_sin = self.rotary_emb(h_in, position_ids)
+        h = h_in
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
+        # Early forwarding point: everything after this is local to the stage.
+        hidden_out = pipeline_marker(h.detach()) if not self.is_last else None  # (B, S, D)
+        prev_logits = self.readout(h_in.detach())  # (B, S, V), sg(p_{k-1}): frozen weights, detached input
+        logits = self.readout(h)  # (B, S, V)
+        loss, task, consistency = local_loss(logits, prev_logits, labels, self.loss_cfg)
+        # The joint export differentiates `loss` only; the other outputs must not require grad.
+        task, consistency = task.detach(), consistency.detach()
+        if self.is_last:
+            return loss, task, consistency
+        return hidden_out, loss, task, consistency
+
+    @property
+    def loss_output_index(self) -> int:
+        """Position of `loss` among the user outputs (after `hidden`, if any)."""
+        return 0 if self.is_last else 1
+
+
+def _llama_backbone(model: nn.Module) -> nn.Module:
+    """The `LlamaForCausalLM` inside a PEFT wrapper (or the model itself)."""
+    if hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model

@@ -1,0 +1,510 @@
+// Frame codec; see include/zl/frame.h and PROTOCOL.md for the layout.
+#include "zl/frame.h"
+
+#include <sodium.h>
+
+#include <cstring>
+#include <limits>
+#include <mutex>
+
+#include <nlohmann/json.hpp>
+
+// Tensor payloads are copied as host memory; every target (x86-64, arm64) is
+// little-endian, which is what the wire format says.
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "zl frames assume a little-endian host"
+#endif
+
+namespace zl {
+namespace {
+
+// Header field offsets (PROTOCOL.md §2).
+constexpr size_t kOffVersion = 4;
+constexpr size_t kOffType = 6;
+constexpr size_t kOffTotalLength = 8;
+constexpr size_t kOffFlags = 12;
+constexpr size_t kOffRunId = 16;
+constexpr size_t kOffStage = 32;
+constexpr size_t kOffTensorCount = 36;
+constexpr size_t kOffWindow = 40;
+constexpr size_t kOffMicroBatch = 48;
+constexpr size_t kOffJsonLength = 56;
+constexpr size_t kOffReserved = 60;
+constexpr size_t kMinFrameSize = kFrameHeaderSize + kFrameMacSize;
+
+void put_u16(uint8_t* p, uint16_t v) {
+  p[0] = static_cast<uint8_t>(v);
+  p[1] = static_cast<uint8_t>(v >> 8);
+}
+void put_u32(uint8_t* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+void put_u64(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+uint16_t get_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+uint32_t get_u32(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+uint64_t get_u64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+void ensure_sodium() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // sodium_init only picks the fastest implementation; it cannot fail in a
+    // way that makes crypto_generichash unsafe, but -1 means it did not run.
+    if (sodium_init() < 0) {
+      // Only possible without a usable entropy source; BLAKE2b does not need one.
+    }
+  });
+}
+
+// numel of `shape`, or -1 on a negative dim or overflow past `limit`.
+int64_t checked_numel(const std::vector<int64_t>& shape, uint64_t limit) {
+  uint64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) return -1;
+    if (d != 0 && n > limit / static_cast<uint64_t>(d)) return -1;
+    n *= static_cast<uint64_t>(d);
+  }
+  return static_cast<int64_t>(n);
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+DecodeResult fail(FrameError error, std::string reason) {
+  DecodeResult r;
+  r.error = error;
+  r.reason = std::string(frame_error_name(error)) + ": " + reason;
+  return r;
+}
+
+// Checks one expected DATA tensor; empty string when it matches.
+std::string check_tensor(const Frame& f, const char* name, DType dtype,
+                         const std::vector<int64_t>& shape) {
+  const TensorRecord* t = f.find(name);
+  if (!t) return std::string("DATA frame has no tensor '") + name + "'";
+  if (t->dtype != dtype) {
+    const char* seen = dtype_name(static_cast<uint8_t>(t->dtype));
+    return std::string("tensor '") + name + "' has dtype " + (seen ? seen : "?") +
+           ", expected " + dtype_name(static_cast<uint8_t>(dtype));
+  }
+  if (t->shape != shape) {
+    return std::string("tensor '") + name + "' has shape " + shape_str(t->shape) +
+           ", expected " + shape_str(shape);
+  }
+  return {};
+}
+
+}  // namespace
+
+const char* frame_type_name(uint16_t type) {
+  switch (static_cast<FrameType>(type)) {
+    case FrameType::kData: return "DATA";
+    case FrameType::kAck: return "ACK";
+    case FrameType::kRegister: return "REGISTER";
+    case FrameType::kHeartbeat: return "HEARTBEAT";
+    case FrameType::kStart: return "START";
+    case FrameType::kStop: return "STOP";
+    case FrameType::kWindowCommitted: return "WINDOW_COMMITTED";
+    case FrameType::kError: return "ERROR";
+  }
+  return nullptr;
+}
+
+bool parse_frame_type(const std::string& name, FrameType* out) {
+  std::string upper;
+  for (char c : name) upper += static_cast<char>(c >= 'a' && c <= 'z' ? c - 32 : c);
+  for (uint16_t v : {1, 2, 16, 17, 18, 19, 20, 21}) {
+    if (upper == frame_type_name(v)) {
+      *out = static_cast<FrameType>(v);
+      return true;
+    }
+  }
+  return false;
+}
+
+size_t dtype_size(uint8_t dtype) {
+  switch (static_cast<DType>(dtype)) {
+    case DType::kFloat32: return 4;
+    case DType::kInt64: return 8;
+    case DType::kInt32: return 4;
+    case DType::kFloat16: return 2;
+    case DType::kBFloat16: return 2;
+    case DType::kUInt8: return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(uint8_t dtype) {
+  switch (static_cast<DType>(dtype)) {
+    case DType::kFloat32: return "float32";
+    case DType::kInt64: return "int64";
+    case DType::kInt32: return "int32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kUInt8: return "uint8";
+  }
+  return nullptr;
+}
+
+bool parse_dtype(const std::string& name, DType* out) {
+  for (uint8_t v = 1; v <= 6; ++v) {
+    if (name == dtype_name(v)) {
+      *out = static_cast<DType>(v);
+      return true;
+    }
+  }
+  return false;
+}
+
+const char* frame_error_name(FrameError error) {
+  switch (error) {
+    case FrameError::kNone: return "ok";
+    case FrameError::kTruncated: return "truncated";
+    case FrameError::kBadMagic: return "bad_magic";
+    case FrameError::kBadVersion: return "bad_version";
+    case FrameError::kOversize: return "oversize";
+    case FrameError::kLengthMismatch: return "length_mismatch";
+    case FrameError::kBadMac: return "bad_mac";
+    case FrameError::kUnknownType: return "unknown_type";
+    case FrameError::kBadHeader: return "bad_header";
+    case FrameError::kBadPayload: return "bad_payload";
+    case FrameError::kBadTensor: return "bad_tensor";
+    case FrameError::kUnexpectedTensor: return "unexpected_tensor";
+    case FrameError::kWrongRun: return "wrong_run";
+    case FrameError::kWrongStage: return "wrong_stage";
+  }
+  return "unknown";
+}
+
+int64_t TensorRecord::numel() const {
+  return checked_numel(shape, std::numeric_limits<int64_t>::max());
+}
+
+const TensorRecord* Frame::find(const std::string& name) const {
+  for (const auto& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+std::array<uint8_t, kFrameMacSize> frame_mac(const uint8_t* data, size_t size,
+                                             const FrameKey& key) {
+  ensure_sodium();
+  std::array<uint8_t, kFrameMacSize> mac{};
+  crypto_generichash(mac.data(), mac.size(), data, size, key.data(), key.size());
+  return mac;
+}
+
+Status encode_frame(const Frame& frame, const FrameKey& key, std::vector<uint8_t>* out,
+                    size_t max_frame_bytes) {
+  if (frame_type_name(static_cast<uint16_t>(frame.type)) == nullptr) {
+    return Status(StatusCode::kInvalidArgument,
+                  "frame type " + std::to_string(static_cast<int>(frame.type)) + " is unknown");
+  }
+  uint64_t total = kFrameHeaderSize + frame.json.size() + kFrameMacSize;
+  for (const auto& t : frame.tensors) {
+    const size_t elem = dtype_size(static_cast<uint8_t>(t.dtype));
+    if (elem == 0) {
+      return Status(StatusCode::kInvalidArgument, "tensor '" + t.name + "' has an unknown dtype");
+    }
+    if (t.shape.size() > kMaxTensorRank) {
+      return Status(StatusCode::kInvalidArgument,
+                    "tensor '" + t.name + "' has rank " + std::to_string(t.shape.size()) +
+                        ", the maximum is 8");
+    }
+    if (t.name.size() > 0xFFFF) {
+      return Status(StatusCode::kInvalidArgument, "tensor name longer than 65535 bytes");
+    }
+    const int64_t n = t.numel();
+    if (n < 0 || static_cast<uint64_t>(n) * elem != t.data.size()) {
+      return Status(StatusCode::kInvalidArgument,
+                    "tensor '" + t.name + "' has shape " + shape_str(t.shape) + " but " +
+                        std::to_string(t.data.size()) + " data bytes");
+    }
+    total += kTensorRecordHeaderSize + t.name.size() + 8 * t.shape.size() + t.data.size();
+  }
+  if (total > max_frame_bytes || total > std::numeric_limits<uint32_t>::max()) {
+    return Status(StatusCode::kInvalidArgument,
+                  "frame of " + std::to_string(total) + " bytes exceeds the maximum of " +
+                      std::to_string(max_frame_bytes));
+  }
+
+  out->assign(static_cast<size_t>(total), 0);
+  uint8_t* p = out->data();
+  std::memcpy(p, kFrameMagic.data(), 4);
+  put_u16(p + kOffVersion, kFrameVersion);
+  put_u16(p + kOffType, static_cast<uint16_t>(frame.type));
+  put_u32(p + kOffTotalLength, static_cast<uint32_t>(total));
+  put_u32(p + kOffFlags, 0);
+  std::memcpy(p + kOffRunId, frame.run_id.data(), kRunIdSize);
+  put_u32(p + kOffStage, frame.stage);
+  put_u32(p + kOffTensorCount, static_cast<uint32_t>(frame.tensors.size()));
+  put_u64(p + kOffWindow, frame.window);
+  put_u64(p + kOffMicroBatch, frame.micro_batch);
+  put_u32(p + kOffJsonLength, static_cast<uint32_t>(frame.json.size()));
+  put_u32(p + kOffReserved, 0);
+  size_t pos = kFrameHeaderSize;
+  std::memcpy(p + pos, frame.json.data(), frame.json.size());
+  pos += frame.json.size();
+  for (const auto& t : frame.tensors) {
+    p[pos] = static_cast<uint8_t>(t.dtype);
+    p[pos + 1] = static_cast<uint8_t>(t.shape.size());
+    put_u16(p + pos + 2, static_cast<uint16_t>(t.name.size()));
+    put_u32(p + pos + 4, 0);
+    put_u64(p + pos + 8, t.data.size());
+    pos += kTensorRecordHeaderSize;
+    std::memcpy(p + pos, t.name.data(), t.name.size());
+    pos += t.name.size();
+    for (int64_t d : t.shape) {
+      put_u64(p + pos, static_cast<uint64_t>(d));
+      pos += 8;
+    }
+    if (!t.data.empty()) std::memcpy(p + pos, t.data.data(), t.data.size());
+    pos += t.data.size();
+  }
+  const auto mac = frame_mac(p, pos, key);
+  std::memcpy(p + pos, mac.data(), kFrameMacSize);
+  return Status();
+}
+
+FrameError peek_frame_length(const uint8_t* header, size_t size, size_t max_frame_bytes,
+                             size_t* total_length, std::string* reason) {
+  if (size < 4) {
+    *reason = "only " + std::to_string(size) + " bytes, a frame header has 64";
+    return FrameError::kTruncated;
+  }
+  if (std::memcmp(header, kFrameMagic.data(), 4) != 0) {
+    *reason = "first bytes are " + to_hex(header, 4) + ", expected 5a4c4652 (\"ZLFR\")";
+    return FrameError::kBadMagic;
+  }
+  if (size < kFrameHeaderSize) {
+    *reason = "only " + std::to_string(size) + " bytes, a frame header has 64";
+    return FrameError::kTruncated;
+  }
+  const uint16_t version = get_u16(header + kOffVersion);
+  if (version != kFrameVersion) {
+    *reason = "version " + std::to_string(version) + ", this build speaks version " +
+              std::to_string(kFrameVersion);
+    return FrameError::kBadVersion;
+  }
+  const uint32_t total = get_u32(header + kOffTotalLength);
+  if (total > max_frame_bytes) {
+    *reason = "total_length " + std::to_string(total) + " exceeds the maximum of " +
+              std::to_string(max_frame_bytes) + " bytes";
+    return FrameError::kOversize;
+  }
+  if (total < kMinFrameSize) {
+    *reason = "total_length " + std::to_string(total) + " is below the minimum of " +
+              std::to_string(kMinFrameSize);
+    return FrameError::kLengthMismatch;
+  }
+  *total_length = total;
+  return FrameError::kNone;
+}
+
+DecodeResult decode_frame(const uint8_t* data, size_t size, const FrameKey& key,
+                          const FrameExpectation& expect) {
+  size_t total = 0;
+  std::string reason;
+  const FrameError peeked = peek_frame_length(data, size, expect.max_frame_bytes, &total, &reason);
+  if (peeked != FrameError::kNone) return fail(peeked, reason);
+  if (size < total) {
+    return fail(FrameError::kTruncated, "have " + std::to_string(size) + " bytes, total_length is " +
+                                            std::to_string(total));
+  }
+  if (size > total) {
+    return fail(FrameError::kLengthMismatch, "have " + std::to_string(size) +
+                                                 " bytes, total_length is " + std::to_string(total));
+  }
+  // Authenticate before interpreting anything else: past this point every
+  // byte was written by a holder of the run key.
+  const size_t body = total - kFrameMacSize;
+  const auto mac = frame_mac(data, body, key);
+  if (sodium_memcmp(mac.data(), data + body, kFrameMacSize) != 0) {
+    return fail(FrameError::kBadMac,
+                "MAC does not verify (frame corrupted in transit or sent under another run key)");
+  }
+
+  DecodeResult r;
+  Frame& f = r.frame;
+  const uint16_t type = get_u16(data + kOffType);
+  if (frame_type_name(type) == nullptr) {
+    return fail(FrameError::kUnknownType, "type " + std::to_string(type) + " is not a known frame type");
+  }
+  f.type = static_cast<FrameType>(type);
+  if (get_u32(data + kOffFlags) != 0 || get_u32(data + kOffReserved) != 0) {
+    return fail(FrameError::kBadHeader, "flags/reserved header fields must be 0");
+  }
+  std::memcpy(f.run_id.data(), data + kOffRunId, kRunIdSize);
+  f.stage = get_u32(data + kOffStage);
+  f.window = get_u64(data + kOffWindow);
+  f.micro_batch = get_u64(data + kOffMicroBatch);
+  const uint32_t tensor_count = get_u32(data + kOffTensorCount);
+  const uint32_t json_length = get_u32(data + kOffJsonLength);
+
+  size_t pos = kFrameHeaderSize;
+  if (json_length > body - pos) {
+    return fail(FrameError::kLengthMismatch, "json_length " + std::to_string(json_length) +
+                                                 " runs past the end of the frame");
+  }
+  f.json.assign(reinterpret_cast<const char*>(data + pos), json_length);
+  pos += json_length;
+  if (!f.json.empty() && !nlohmann::json::accept(f.json)) {
+    return fail(FrameError::kBadPayload, "JSON payload of " + std::to_string(json_length) +
+                                             " bytes does not parse");
+  }
+  // Each record needs at least its 16-byte header, which bounds tensor_count
+  // before anything is allocated for it.
+  if (tensor_count > (body - pos) / kTensorRecordHeaderSize) {
+    return fail(FrameError::kLengthMismatch,
+                "tensor_count " + std::to_string(tensor_count) + " does not fit in the frame");
+  }
+  f.tensors.reserve(tensor_count);
+  for (uint32_t i = 0; i < tensor_count; ++i) {
+    const std::string where = "tensor record " + std::to_string(i);
+    if (body - pos < kTensorRecordHeaderSize) {
+      return fail(FrameError::kLengthMismatch, where + " header runs past the end of the frame");
+    }
+    const uint8_t dtype = data[pos];
+    const uint8_t rank = data[pos + 1];
+    const uint16_t name_length = get_u16(data + pos + 2);
+    const uint32_t reserved = get_u32(data + pos + 4);
+    const uint64_t payload_length = get_u64(data + pos + 8);
+    pos += kTensorRecordHeaderSize;
+    const size_t elem = dtype_size(dtype);
+    if (elem == 0) return fail(FrameError::kBadTensor, where + " has unknown dtype " + std::to_string(dtype));
+    if (rank > kMaxTensorRank) {
+      return fail(FrameError::kBadTensor, where + " has rank " + std::to_string(rank) + " > 8");
+    }
+    if (reserved != 0) return fail(FrameError::kBadHeader, where + " reserved field must be 0");
+    const uint64_t fixed = static_cast<uint64_t>(name_length) + 8ull * rank;
+    if (fixed > body - pos || payload_length > body - pos - fixed) {
+      return fail(FrameError::kLengthMismatch, where + " runs past the end of the frame");
+    }
+    TensorRecord t;
+    t.dtype = static_cast<DType>(dtype);
+    t.name.assign(reinterpret_cast<const char*>(data + pos), name_length);
+    pos += name_length;
+    t.shape.resize(rank);
+    for (uint8_t d = 0; d < rank; ++d) {
+      t.shape[d] = static_cast<int64_t>(get_u64(data + pos));
+      pos += 8;
+    }
+    const int64_t n = checked_numel(t.shape, payload_length);
+    if (n < 0 || static_cast<uint64_t>(n) * elem != payload_length) {
+      return fail(FrameError::kBadTensor, "tensor '" + t.name + "' has shape " + shape_str(t.shape) +
+                                              " and dtype " + dtype_name(dtype) + " but " +
+                                              std::to_string(payload_length) + " payload bytes");
+    }
+    t.data.assign(data + pos, data + pos + payload_length);
+    pos += payload_length;
+    f.tensors.push_back(std::move(t));
+  }
+  if (pos != body) {
+    return fail(FrameError::kLengthMismatch, std::to_string(body - pos) +
+                                                 " unaccounted bytes before the MAC");
+  }
+
+  if (expect.run_id && *expect.run_id != f.run_id) {
+    return fail(FrameError::kWrongRun, "run id " + to_hex(f.run_id.data(), kRunIdSize) +
+                                           ", expected " + to_hex(expect.run_id->data(), kRunIdSize));
+  }
+  if (expect.stage && *expect.stage != f.stage) {
+    return fail(FrameError::kWrongStage, "stage " + std::to_string(f.stage) + ", expected " +
+                                             std::to_string(*expect.stage));
+  }
+  if (f.type == FrameType::kData && expect.batch > 0 && expect.seq_len > 0 &&
+      expect.hidden_size > 0) {
+    const int64_t b = expect.batch, s = expect.seq_len, d = expect.hidden_size;
+    std::string bad = check_tensor(f, "hidden", DType::kFloat32, {b, s, d});
+    if (bad.empty()) bad = check_tensor(f, "attention_mask", DType::kInt64, {b, s});
+    if (bad.empty()) bad = check_tensor(f, "labels", DType::kInt64, {b, s});
+    if (bad.empty() && f.tensors.size() != 3) {
+      bad = "DATA frame has " + std::to_string(f.tensors.size()) + " tensors, expected 3";
+    }
+    if (!bad.empty()) return fail(FrameError::kUnexpectedTensor, bad);
+  }
+  return r;
+}
+
+Frame make_data_frame(const RunId& run_id, uint32_t stage, uint64_t window, uint64_t micro_batch,
+                      int64_t batch, int64_t seq_len, int64_t hidden_size, const float* hidden,
+                      const int64_t* attention_mask, const int64_t* labels) {
+  Frame f = make_control_frame(FrameType::kData, run_id, stage, window, micro_batch);
+  const size_t bs = static_cast<size_t>(batch * seq_len);
+  auto bytes_of = [](const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    return std::vector<uint8_t>(b, b + n);
+  };
+  f.tensors.push_back({"hidden", DType::kFloat32, {batch, seq_len, hidden_size},
+                       bytes_of(hidden, bs * static_cast<size_t>(hidden_size) * sizeof(float))});
+  f.tensors.push_back(
+      {"attention_mask", DType::kInt64, {batch, seq_len}, bytes_of(attention_mask, bs * 8)});
+  f.tensors.push_back({"labels", DType::kInt64, {batch, seq_len}, bytes_of(labels, bs * 8)});
+  return f;
+}
+
+Frame make_control_frame(FrameType type, const RunId& run_id, uint32_t stage, uint64_t window,
+                         uint64_t micro_batch, std::string json) {
+  Frame f;
+  f.type = type;
+  f.run_id = run_id;
+  f.stage = stage;
+  f.window = window;
+  f.micro_batch = micro_batch;
+  f.json = std::move(json);
+  return f;
+}
+
+namespace {
+bool parse_hex(const std::string& hex, uint8_t* out, size_t n) {
+  if (hex.size() != 2 * n) return false;
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const int hi = nibble(hex[2 * i]), lo = nibble(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0) return false;
+    out[i] = static_cast<uint8_t>(hi * 16 + lo);
+  }
+  return true;
+}
+}  // namespace
+
+bool parse_hex_key(const std::string& hex, FrameKey* out) {
+  return parse_hex(hex, out->data(), out->size());
+}
+bool parse_hex_run_id(const std::string& hex, RunId* out) {
+  return parse_hex(hex, out->data(), out->size());
+}
+
+std::string to_hex(const uint8_t* data, size_t size) {
+  static const char* const kDigits = "0123456789abcdef";
+  std::string s;
+  s.reserve(2 * size);
+  for (size_t i = 0; i < size; ++i) {
+    s += kDigits[data[i] >> 4];
+    s += kDigits[data[i] & 15];
+  }
+  return s;
+}
+
+}  // namespace zl

@@ -1,0 +1,290 @@
+// Frame codec: round trips and one test per rejection reason; the reason
+// code and the reason text are both checked.
+#include "zl/frame.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "net_test_support.h"
+
+namespace zl {
+namespace {
+
+using testing::data_frame;
+using testing::re_mac;
+using testing::test_key;
+using testing::test_run;
+
+std::vector<uint8_t> encode(const Frame& f, const FrameKey& key = test_key()) {
+  std::vector<uint8_t> out;
+  const Status s = encode_frame(f, key, &out);
+  EXPECT_TRUE(s.ok()) << s.message();
+  return out;
+}
+
+FrameExpectation shape_expectation(int64_t b, int64_t s, int64_t d) {
+  FrameExpectation e;
+  e.batch = b;
+  e.seq_len = s;
+  e.hidden_size = d;
+  return e;
+}
+
+TEST(FrameTest, DataRoundTripKeepsIdsAndTensors) {
+  const Frame f = data_frame(/*window=*/3, /*mb=*/17, 2, 5, 8, /*stage=*/1);
+  const auto bytes = encode(f);
+  const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key(),
+                                      shape_expectation(2, 5, 8));
+  ASSERT_TRUE(r.ok()) << r.reason;
+  EXPECT_EQ(r.frame.type, FrameType::kData);
+  EXPECT_EQ(r.frame.run_id, test_run());
+  EXPECT_EQ(r.frame.stage, 1u);
+  EXPECT_EQ(r.frame.window, 3u);
+  EXPECT_EQ(r.frame.micro_batch, 17u);
+  ASSERT_EQ(r.frame.tensors.size(), 3u);
+  const TensorRecord* hidden = r.frame.find("hidden");
+  ASSERT_NE(hidden, nullptr);
+  EXPECT_EQ(hidden->shape, (std::vector<int64_t>{2, 5, 8}));
+  EXPECT_EQ(hidden->data, f.find("hidden")->data);
+  const float* h = reinterpret_cast<const float*>(hidden->data.data());
+  EXPECT_FLOAT_EQ(h[9], 17.0f + 9 / 8.0f);
+  const TensorRecord* labels = r.frame.find("labels");
+  ASSERT_NE(labels, nullptr);
+  EXPECT_EQ(labels->dtype, DType::kInt64);
+  EXPECT_EQ(reinterpret_cast<const int64_t*>(labels->data.data())[0], -1);
+  // Header 64 + MAC 32 + 3 records (16 + name + 8 * rank + payload).
+  const size_t expected = 64 + 32 + (16 + 6 + 24 + 2 * 5 * 8 * 4) + (16 + 14 + 16 + 80) +
+                          (16 + 6 + 16 + 80);
+  EXPECT_EQ(bytes.size(), expected);
+}
+
+TEST(FrameTest, ControlFrameCarriesJson) {
+  const Frame f = make_control_frame(FrameType::kHeartbeat, test_run(), 2, 4, 40,
+                                     R"({"progress":0.5,"pss_kib":123456,"temperature_c":null})");
+  const auto bytes = encode(f);
+  const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
+  ASSERT_TRUE(r.ok()) << r.reason;
+  EXPECT_EQ(r.frame.type, FrameType::kHeartbeat);
+  EXPECT_EQ(r.frame.json, f.json);
+  EXPECT_TRUE(r.frame.tensors.empty());
+  EXPECT_EQ(bytes.size(), kFrameHeaderSize + f.json.size() + kFrameMacSize);
+}
+
+TEST(FrameTest, HeaderLayoutMatchesProtocolDoc) {
+  const auto bytes = encode(data_frame(0x0102, 0x0a0b, 1, 1, 1, 0x33));
+  EXPECT_EQ(std::string(bytes.begin(), bytes.begin() + 4), "ZLFR");
+  EXPECT_EQ(bytes[4], 1);     // version
+  EXPECT_EQ(bytes[6], 1);     // type DATA
+  EXPECT_EQ(bytes[8] | (bytes[9] << 8), static_cast<int>(bytes.size()));  // total_length
+  EXPECT_EQ(bytes[32], 0x33);  // stage
+  EXPECT_EQ(bytes[36], 3);     // tensor_count
+  EXPECT_EQ(bytes[40], 0x02);  // window, little-endian
+  EXPECT_EQ(bytes[41], 0x01);
+  EXPECT_EQ(bytes[48], 0x0b);  // micro_batch
+  EXPECT_EQ(bytes[64], static_cast<uint8_t>(DType::kFloat32));  // first record's dtype
+  EXPECT_EQ(bytes[65], 3);                                       // rank
+}
+
+TEST(FrameTest, CorruptByteFailsMac) {
+  auto bytes = encode(data_frame(0, 1));
+  bytes[kFrameHeaderSize + 40] ^= 0x01;  // inside the first tensor record
+  const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
+  EXPECT_EQ(r.error, FrameError::kBadMac);
+  EXPECT_NE(r.reason.find("MAC does not verify"), std::string::npos) << r.reason;
+}
+
+TEST(FrameTest, CorruptMacFails) {
+  auto bytes = encode(data_frame(0, 1));
+  bytes.back() ^= 0x80;
+  EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error, FrameError::kBadMac);
+}
+
+TEST(FrameTest, WrongKeyFailsMac) {
+  const auto bytes = encode(data_frame(0, 1), test_key(7));
+  const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key(8));
+  EXPECT_EQ(r.error, FrameError::kBadMac);
+  EXPECT_EQ(r.reason.rfind("bad_mac:", 0), 0u) << r.reason;
+}
+
+TEST(FrameTest, TruncatedFramesAreRejected) {
+  const auto bytes = encode(data_frame(0, 1));
+  for (size_t n : {size_t{0}, size_t{3}, size_t{10}, size_t{63}, bytes.size() - 1}) {
+    const DecodeResult r = decode_frame(bytes.data(), n, test_key());
+    EXPECT_EQ(r.error, FrameError::kTruncated) << "size " << n << ": " << r.reason;
+  }
+  const DecodeResult r = decode_frame(bytes.data(), bytes.size() - 1, test_key());
+  EXPECT_NE(r.reason.find("total_length is " + std::to_string(bytes.size())), std::string::npos)
+      << r.reason;
+}
+
+TEST(FrameTest, TrailingBytesAreALengthMismatch) {
+  auto bytes = encode(data_frame(0, 1));
+  bytes.push_back(0);
+  EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error,
+            FrameError::kLengthMismatch);
+}
+
+TEST(FrameTest, BadMagicIsRejected) {
+  auto bytes = encode(data_frame(0, 1));
+  bytes[0] = 'X';
+  const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
+  EXPECT_EQ(r.error, FrameError::kBadMagic);
+  EXPECT_NE(r.reason.find("ZLFR"), std::string::npos) << r.reason;
+}
+
+TEST(FrameTest, WrongVersionIsRejectedEvenWithAValidMac) {
+  auto bytes = encode(data_frame(0, 1));
+  bytes[4] = 2;
+  re_mac(&bytes, test_key());
+  const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
+  EXPECT_EQ(r.error, FrameError::kBadVersion);
+  EXPECT_NE(r.reason.find("version 2"), std::string::npos) << r.reason;
+}
+
+TEST(FrameTest, UnknownTypeIsRejected) {
+  auto bytes = encode(data_frame(0, 1));
+  bytes[6] = 99;
+  re_mac(&bytes, test_key());
+  const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
+  EXPECT_EQ(r.error, FrameError::kUnknownType);
+  EXPECT_NE(r.reason.find("99"), std::string::npos) << r.reason;
+}
+
+TEST(FrameTest, OversizeIsRejectedFromTheHeaderAlone) {
+  const auto bytes = encode(data_frame(0, 1, 1, 16, 64));
+  FrameExpectation e;
+  e.max_frame_bytes = 1024;
+  // Only the header is passed: the limit must apply before the body is read.
+  const DecodeResult r = decode_frame(bytes.data(), kFrameHeaderSize, test_key(), e);
+  EXPECT_EQ(r.error, FrameError::kOversize);
+  EXPECT_NE(r.reason.find("maximum of 1024"), std::string::npos) << r.reason;
+  std::vector<uint8_t> out;
+  EXPECT_EQ(encode_frame(data_frame(0, 1, 1, 16, 64), test_key(), &out, 1024).code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(FrameTest, UnexpectedShapeIsRejected) {
+  const auto bytes = encode(data_frame(0, 1, 1, 3, 4));
+  const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key(),
+                                      shape_expectation(1, 3, 8));
+  EXPECT_EQ(r.error, FrameError::kUnexpectedTensor);
+  EXPECT_NE(r.reason.find("'hidden' has shape [1,3,4], expected [1,3,8]"), std::string::npos)
+      << r.reason;
+}
+
+TEST(FrameTest, UnexpectedDtypeOrMissingTensorIsRejected) {
+  Frame f = data_frame(0, 1, 1, 3, 4);
+  f.tensors[2].dtype = DType::kInt32;  // labels int32: 3 elements need 12 bytes
+  f.tensors[2].data.resize(12);
+  auto bytes = encode(f);
+  DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key(), shape_expectation(1, 3, 4));
+  EXPECT_EQ(r.error, FrameError::kUnexpectedTensor);
+  EXPECT_NE(r.reason.find("'labels' has dtype int32, expected int64"), std::string::npos)
+      << r.reason;
+
+  f = data_frame(0, 1, 1, 3, 4);
+  f.tensors.pop_back();
+  bytes = encode(f);
+  r = decode_frame(bytes.data(), bytes.size(), test_key(), shape_expectation(1, 3, 4));
+  EXPECT_EQ(r.error, FrameError::kUnexpectedTensor);
+  EXPECT_NE(r.reason.find("no tensor 'labels'"), std::string::npos) << r.reason;
+}
+
+TEST(FrameTest, PayloadSizeThatContradictsTheShapeIsABadTensor) {
+  auto bytes = encode(data_frame(0, 1, 1, 3, 4));
+  // First record: shape dim 2 at 64 + 16 + 6 ("hidden") + 16; make it 5.
+  bytes[kFrameHeaderSize + 16 + 6 + 16] = 5;
+  re_mac(&bytes, test_key());
+  const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
+  EXPECT_EQ(r.error, FrameError::kBadTensor);
+  EXPECT_NE(r.reason.find("[1,3,5]"), std::string::npos) << r.reason;
+}
+
+TEST(FrameTest, LyingInnerLengthsAreRejectedWithoutOverreading) {
+  auto bytes = encode(data_frame(0, 1));
+  bytes[56] = 0xff;  // json_length = 0xff... past the end
+  bytes[57] = 0xff;
+  re_mac(&bytes, test_key());
+  EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error,
+            FrameError::kLengthMismatch);
+
+  bytes = encode(data_frame(0, 1));
+  bytes[36] = 200;  // tensor_count
+  re_mac(&bytes, test_key());
+  EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error,
+            FrameError::kLengthMismatch);
+
+  bytes = encode(data_frame(0, 1));
+  bytes[kFrameHeaderSize + 15] = 0x7f;  // payload_length of record 0: huge
+  re_mac(&bytes, test_key());
+  EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error,
+            FrameError::kLengthMismatch);
+}
+
+TEST(FrameTest, InvalidJsonPayloadIsRejected) {
+  const Frame f = make_control_frame(FrameType::kError, test_run(), 0, 0, 0, "{not json");
+  const auto bytes = encode(f);
+  EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error, FrameError::kBadPayload);
+}
+
+TEST(FrameTest, WrongRunAndWrongStageAreRejected) {
+  const auto bytes = encode(data_frame(0, 1, 1, 3, 4, /*stage=*/0, test_run(5)));
+  FrameExpectation e;
+  e.run_id = test_run(6);
+  DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key(), e);
+  EXPECT_EQ(r.error, FrameError::kWrongRun);
+  e.run_id = test_run(5);
+  e.stage = 1;
+  r = decode_frame(bytes.data(), bytes.size(), test_key(), e);
+  EXPECT_EQ(r.error, FrameError::kWrongStage);
+  EXPECT_NE(r.reason.find("stage 0, expected 1"), std::string::npos) << r.reason;
+}
+
+TEST(FrameTest, EncodeRejectsDataThatDoesNotMatchTheShape) {
+  Frame f = data_frame(0, 1);
+  f.tensors[0].data.pop_back();
+  std::vector<uint8_t> out;
+  const Status s = encode_frame(f, test_key(), &out);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("'hidden'"), std::string::npos) << s.message();
+}
+
+// Random single-byte edits and truncations: the decoder must reject every
+// altered frame and never read out of bounds (run under ASan to see it).
+TEST(FrameTest, RandomCorruptionNeverCrashesAndIsAlwaysRejected) {
+  const auto good = encode(data_frame(1, 2, 1, 4, 4));
+  std::mt19937 rng(1234);
+  for (int i = 0; i < 3000; ++i) {
+    auto bytes = good;
+    const size_t pos = rng() % bytes.size();
+    const uint8_t flip = static_cast<uint8_t>(1 + rng() % 255);
+    bytes[pos] ^= flip;
+    if (i % 3 == 0) re_mac(&bytes, test_key());  // also exercise post-MAC parsing
+    const size_t size = (i % 5 == 0) ? rng() % bytes.size() : bytes.size();
+    const DecodeResult r = decode_frame(bytes.data(), size, test_key());
+    if (!r.ok()) {
+      EXPECT_FALSE(r.reason.empty());
+      continue;
+    }
+    // Only a re-MACed edit of a field without constraints may still decode.
+    EXPECT_EQ(i % 3, 0) << "unsigned edit at " << pos << " was accepted";
+  }
+}
+
+TEST(FrameTest, NamesAndHelpers) {
+  EXPECT_STREQ(frame_type_name(20), "WINDOW_COMMITTED");
+  EXPECT_EQ(frame_type_name(3), nullptr);
+  FrameType t{};
+  EXPECT_TRUE(parse_frame_type("heartbeat", &t));
+  EXPECT_EQ(t, FrameType::kHeartbeat);
+  EXPECT_STREQ(frame_error_name(FrameError::kUnexpectedTensor), "unexpected_tensor");
+  FrameKey k{};
+  EXPECT_TRUE(parse_hex_key(std::string(64, 'a'), &k));
+  EXPECT_EQ(k[0], 0xaa);
+  EXPECT_FALSE(parse_hex_key("abc", &k));
+  EXPECT_EQ(to_hex(k.data(), 2), "aaaa");
+}
+
+}  // namespace
+}  // namespace zl

@@ -123,3 +123,123 @@ def marker_index(pte_bytes: bytes | str | os.PathLike[str], method: str = "forwa
             "export the stage with custom_ops.pipeline_marker applied once to the chunk output."
         )
     return found[0]
+
+
+# Bytes per element by ExecuTorch ScalarType (the c10 numbering).
+_ELEMENT_SIZE = {0: 1, 1: 1, 2: 2, 3: 4, 4: 8, 5: 2, 6: 4, 7: 8, 11: 1, 15: 2}
+
+
+def instructions_not_feeding_marker(
+    pte_bytes: bytes | str | os.PathLike[str], method: str = "forward"
+) -> list[tuple[int, str]]:
+    """Kernel instructions placed before the marker that the marker's input does not depend on.
+
+    The stage contract wants the marker right after the chunk forward: every
+    instruction before it must be one the hidden state needs (embedding,
+    masks, rotary tables, the layers). A readout, loss or backward instruction
+    never feeds the chunk output, so any of them placed before the marker
+    shows up here. An empty list means the placement is right.
+
+    Dependencies are traced through the memory plan, not through value ids:
+    ExecuTorch turns static views into aliases of planned memory (no
+    instruction), so the writer of a value read at instruction i is the last
+    instruction before i that wrote any of its bytes.
+
+    Raises:
+        ZLError: not a program, no such method, or not exactly one marker.
+    """
+    import torch
+
+    from executorch.exir._serialize.generated.executorch_flatbuffer.KernelTypes import KernelTypes
+    from executorch.exir._serialize.generated.executorch_flatbuffer.OptionalTensorList import OptionalTensorList
+    from executorch.exir._serialize.generated.executorch_flatbuffer.Tensor import Tensor
+    from executorch.exir._serialize.generated.executorch_flatbuffer.TensorList import TensorList
+
+    import custom_ops.pipeline_marker  # noqa: F401  (registers the zerolock schemas)
+
+    data = _program_bytes(pte_bytes)
+    names = kernel_instructions(data, method)  # validates the program and the method
+    marker = marker_index(data, method)
+    program = Program.GetRootAs(data, 0)
+    plan = next(
+        program.ExecutionPlan(i)
+        for i in range(program.ExecutionPlanLength())
+        if program.ExecutionPlan(i).Name().decode() == method
+    )
+
+    def storage(idx: int) -> list[tuple]:
+        """Storage keys of value `idx`: (mem_id, start, end) byte ranges, or ("value", idx) when unplanned."""
+        value = plan.Values(idx)
+        kind = value.ValType()
+        table = value.Val()
+        if kind in (KernelTypes.TensorList, KernelTypes.OptionalTensorList):
+            lst = TensorList() if kind == KernelTypes.TensorList else OptionalTensorList()
+            lst.Init(table.Bytes, table.Pos)
+            return [key for i in range(lst.ItemsLength()) if lst.Items(i) >= 0 for key in storage(lst.Items(i))]
+        if kind != KernelTypes.Tensor:
+            return []
+        tensor = Tensor()
+        tensor.Init(table.Bytes, table.Pos)
+        alloc = tensor.AllocationInfo()
+        if alloc is None:
+            return [("value", idx)]
+        nbytes = _ELEMENT_SIZE.get(tensor.ScalarType(), 8)
+        for i in range(tensor.SizesLength()):
+            nbytes *= tensor.Sizes(i)
+        start = alloc.MemoryOffsetLow() | (alloc.MemoryOffsetHigh() << 32)
+        return [(alloc.MemoryId(), start, start + max(nbytes, 1))]
+
+    def reads_writes(position: int) -> tuple[list[tuple], list[tuple]]:
+        instruction = _instruction(plan, position)
+        call = KernelCall()
+        table = instruction.InstrArgs()
+        call.Init(table.Bytes, table.Pos)
+        args = [call.Args(i) for i in range(call.ArgsLength())]
+        ns, _, rest = names[position].partition("::")
+        op, _, overload = rest.partition(".")
+        try:
+            schema = getattr(getattr(getattr(torch.ops, ns), op), overload or "default")._schema
+            n = len(schema.arguments)
+            written = {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+            written |= set(range(n, len(args)))  # the returned values follow the arguments
+        except (AttributeError, RuntimeError):
+            written = {len(args) - 1}  # ExecuTorch's convention: the out value comes last
+        reads = [k for i, a in enumerate(args) if i not in written for k in storage(a)]
+        writes = [k for i, a in enumerate(args) if i in written for k in storage(a)]
+        return reads, writes
+
+    needed: set[tuple] = set(reads_writes(marker)[0])
+    outside = []
+    for position in range(marker - 1, -1, -1):
+        if names[position].startswith("<"):
+            continue
+        reads, writes = reads_writes(position)
+        hit = [n for n in needed if any(_overlaps(n, w) for w in writes)]
+        if not hit:
+            outside.append((position, names[position]))
+            continue
+        needed.difference_update(n for n in hit if any(_covers(w, n) for w in writes))
+        needed.update(reads)
+    return sorted(outside)
+
+
+def _instruction(plan, position: int):
+    """Instruction `position` of the plan, counting across chains as `kernel_instructions` does."""
+    for c in range(plan.ChainsLength()):
+        chain = plan.Chains(c)
+        if position < chain.InstructionsLength():
+            return chain.Instructions(position)
+        position -= chain.InstructionsLength()
+    raise IndexError(position)
+
+
+def _overlaps(a: tuple, b: tuple) -> bool:
+    if a[0] == "value" or b[0] == "value":
+        return a == b
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def _covers(writer: tuple, needed: tuple) -> bool:
+    if writer[0] == "value" or needed[0] == "value":
+        return writer == needed
+    return writer[0] == needed[0] and writer[1] <= needed[1] and needed[2] <= writer[2]

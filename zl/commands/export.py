@@ -1,0 +1,132 @@
+"""`zl export`: cut a model into per-stage ExecuTorch training programs."""
+
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from zl.errors import ZLError
+
+EXAMPLE = """
+Examples:
+
+  zl export                                             # SmolLM2-135M, 3 balanced stages, one checked step
+
+  zl export --model tinyllama-random --stages 0-6,7-13,14-21 --out runs/tinyllama --no-check
+"""
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def export_command(
+    model: str = typer.Option("smollm2-135m", "--model", help="Built-in name (smollm2-135m, tinyllama-random, tiny-random), Hugging Face hub id, model directory or .gguf file."),
+    stages: str = typer.Option(None, "--stages", help="Layer ranges per stage, e.g. 0-6,7-13,14-21 (inclusive, consecutive, covering every layer)."),
+    num_stages: int = typer.Option(3, "--num-stages", help="Balanced split into this many stages (used when --stages is not given)."),
+    out: Path = typer.Option(Path("runs/export"), "--out", help="Output directory for stage_<k>.pte and manifest.json."),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per sample; programs have fixed shapes."),
+    micro_batch: int = typer.Option(1, "--micro-batch", help="Samples per micro-batch."),
+    lora_rank: int = typer.Option(8, "--lora-rank", help="LoRA rank r."),
+    lora_alpha: float = typer.Option(16.0, "--lora-alpha", help="LoRA scaling α (the update is scaled by α/r)."),
+    lora_targets: str = typer.Option("q_proj,v_proj", "--lora-targets", help="Comma-separated Llama projections that get adapters."),
+    alpha: float = typer.Option(0.5, "--alpha", help="Weight of CE against KL in the local loss, in (0, 1]."),
+    consistency: str = typer.Option("kl_rev", "--consistency", help="KL direction: kl_rev = KL(p_k‖p_k-1) (the paper's Eq. 5) or kl_fwd."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the LoRA initialisation (and random-weight models)."),
+    check: bool = typer.Option(True, "--check/--no-check", help="Run one training step of every stage through ExecuTorch and compare with PyTorch eager."),
+) -> None:
+    """Export one ExecuTorch training program per pipeline stage, plus manifest.json."""
+    from zl_export.exporter import ExportOptions, build_stage_modules, example_inputs, export_stage, write_program
+    from zl_export.local_loss import LossConfig
+    from zl_export.lora import LoraSettings
+    from zl_export.manifest import build_manifest, write_manifest
+    from zl_export.model_source import load_model
+    from zl_export.stages import balanced_split, format_spec, parse_spec
+
+    opts = ExportOptions(
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        lora=LoraSettings(lora_rank, lora_alpha, tuple(t.strip() for t in lora_targets.split(",") if t.strip())),
+        loss=LossConfig(alpha, consistency),
+        seed=seed,
+    )
+    opts.validate()
+    with console.status(f"loading {model}"):
+        t0 = time.perf_counter()
+        loaded = load_model(model, seed=seed)
+        load_s = time.perf_counter() - t0
+    cfg = loaded.config
+    opts.validate(cfg.max_position_embeddings)
+    split = parse_spec(stages, cfg.num_hidden_layers) if stages else balanced_split(cfg.num_hidden_layers, num_stages)
+    console.print(
+        f"[bold]{model}[/]: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} "
+        f"(loaded in {load_s:.1f} s); stages {format_spec(split)}"
+    )
+    peft_model, modules = build_stage_modules(loaded.model, split, opts)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[phase]}"),
+        TimeElapsedColumn(), console=console,
+    ) as progress:
+        tasks = [progress.add_task(f"stage {s.index} (layers {s})", total=5, phase="waiting") for s in split]
+        for module, task in zip(modules, tasks):
+            def on_phase(phase: str, task=task) -> None:
+                progress.update(task, advance=1, phase=phase)
+
+            program = export_stage(module, peft_model, opts, cfg.vocab_size, on_phase)
+            progress.update(task, phase="writing")
+            entries.append(write_program(program, out))
+            progress.update(task, completed=5, phase=f"{len(program.buffer) / 2**20:.1f} MiB in {program.export_s:.1f} s")
+            del program
+    manifest = build_manifest(loaded, opts, entries)
+    write_manifest(manifest, out)
+    _print_summary(manifest, out)
+    if check:
+        _run_check(out, manifest, modules, example_inputs(modules[0], opts, cfg.vocab_size, seed=1))
+
+
+def _print_summary(manifest: dict, out: Path) -> None:
+    table = Table(title=f"exported to {out}")
+    for col in ("stage", "layers", "LoRA params", ".pte MiB", "export s"):
+        table.add_column(col, justify="right")
+    for s in manifest["stages"]:
+        n = sum(_numel(p["shape"]) for p in s["parameters"])
+        table.add_row(str(s["index"]), f"{s['layers'][0]}-{s['layers'][1]}", f"{n:,}", f"{s['size_bytes'] / 2**20:.1f}", f"{s['export_s']:.1f}")
+    console.print(table)
+
+
+def _run_check(out: Path, manifest: dict, modules, first_inputs) -> None:
+    from zl_export.step_check import check_pipeline
+
+    with console.status("one training step per stage: ExecuTorch and PyTorch eager"):
+        results = check_pipeline(out, manifest, modules, first_inputs)
+    table = Table(title="one training step (ExecuTorch runtime vs PyTorch eager)")
+    for col in ("stage", "loss ET", "loss eager", "CE", "KL", "|Δ| loss", "|Δ| grad", "ET ms"):
+        table.add_column(col, justify="right", no_wrap=True)
+    worst = 0.0
+    for r in results:
+        o = r.et.outputs
+        table.add_row(
+            str(r.index), f"{float(o['loss']):.5f}", f"{float(r.eager.outputs['loss']):.5f}", f"{float(o['task_loss']):.4f}",
+            f"{float(o['consistency_loss']):.4f}", f"{r.loss_diff():.1e}", f"{r.grad_diff():.1e}", f"{r.et_ms:.0f}",
+        )
+        worst = max(worst, r.loss_diff() / max(1.0, abs(float(r.eager.outputs["loss"]))))
+    console.print(table)
+    if worst > 1e-4:
+        raise ZLError(
+            f"the ExecuTorch programs disagree with PyTorch eager (relative loss difference {worst:.2e} > 1e-4); "
+            "please report this with the command you ran."
+        )
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+export_command.__doc__ = (export_command.__doc__ or "") + EXAMPLE

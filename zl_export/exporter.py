@@ -1,0 +1,232 @@
+"""Export each pipeline stage as an ExecuTorch training program (DESIGN.md §3).
+
+    torch.export (ATen)  ->  _export_forward_backward (joint fwd+bwd, loss = `loss`)
+    ->  rewrite empty_permuted  ->  to_edge  ->  to_executorch  ->  stage_<k>.pte
+
+The emitted program returns user outputs, then the LoRA gradients, then the
+LoRA parameters (ExecuTorch's training convention, sliced by the
+`__et_training_*` index methods).
+"""
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from zl.errors import ZLError
+from zl_export.local_loss import LossConfig
+from zl_export.lora import LoraSettings, attach_lora, peft_names
+from zl_export.stage_module import StageModule
+from zl_export.stages import StageRange
+
+MARKER_OP = "zerolock::pipeline_marker.out"
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """Everything besides the model and the stage split that shapes the programs."""
+
+    seq_len: int = 128
+    micro_batch: int = 1
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    loss: LossConfig = field(default_factory=LossConfig)
+    seed: int = 0
+
+    def validate(self, max_positions: int | None = None) -> None:
+        if self.seq_len < 2:
+            raise ZLError(f"--seq-len {self.seq_len}: needs at least 2 tokens (one input, one target).")
+        if max_positions is not None and self.seq_len > max_positions:
+            raise ZLError(
+                f"--seq-len {self.seq_len}: longer than the model's {max_positions} positions; use --seq-len {max_positions} or less."
+            )
+        if self.micro_batch < 1:
+            raise ZLError(f"--micro-batch {self.micro_batch}: must be at least 1.")
+        if not 0.0 < self.loss.alpha <= 1.0:
+            raise ZLError(f"--alpha {self.loss.alpha}: α weighs CE against KL and must lie in (0, 1]; the paper uses 0.5.")
+        if self.loss.consistency not in ("kl_rev", "kl_fwd"):
+            raise ZLError(f"--consistency {self.loss.consistency!r}: choose kl_rev (KL(p_k‖p_k-1), the paper's) or kl_fwd.")
+        self.lora.validate()
+
+
+@dataclass
+class StageProgram:
+    """One exported stage: its program bytes and what the manifest records of it."""
+
+    stage: StageRange
+    buffer: bytes
+    parameters: list[dict]  # in gradient order: {"name" (PEFT), "program_name", "shape"}
+    inputs: list[dict]
+    outputs: list[dict]
+    export_s: float
+
+
+def build_stage_modules(
+    base_model: torch.nn.Module, stages: list[StageRange], opts: ExportOptions
+) -> tuple[torch.nn.Module, list[StageModule]]:
+    """Attach LoRA to `base_model` and cut it into one `StageModule` per stage.
+
+    Returns:
+        (peft_model, stage modules); the modules share the peft model's weights.
+    """
+    peft_model = attach_lora(base_model, opts.lora, seed=opts.seed)
+    modules = [StageModule(peft_model, s, len(stages), opts.loss).eval() for s in stages]
+    return peft_model, modules
+
+
+def example_inputs(module: StageModule, opts: ExportOptions, vocab_size: int, seed: int = 0) -> tuple:
+    """Deterministic inputs of the program's shapes: the first row right-padded, some labels ignored.
+
+    Returns:
+        (input_ids (B,S) int64 | hidden (B,S,D) f32, attention_mask (B,S) int64, labels (B,S) int64)
+    """
+    batch, seq = opts.micro_batch, opts.seq_len
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=gen)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, seq - max(1, seq // 4) :] = 0  # right padding on the first row
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, : max(1, seq // 8)] = -100  # an ignored "prompt"
+    if module.is_first:
+        x = ids
+    else:
+        hidden = module.norm.weight.shape[0]
+        x = torch.randn(batch, seq, hidden, generator=gen)
+    return x, mask, labels
+
+
+def input_specs(module: StageModule, opts: ExportOptions, hidden: int) -> list[dict]:
+    b, s = opts.micro_batch, opts.seq_len
+    first = {"name": "input_ids", "dtype": "int64", "shape": [b, s]} if module.is_first else {
+        "name": "hidden", "dtype": "float32", "shape": [b, s, hidden]}
+    return [first, {"name": "attention_mask", "dtype": "int64", "shape": [b, s]},
+            {"name": "labels", "dtype": "int64", "shape": [b, s]}]
+
+
+def output_specs(module: StageModule, opts: ExportOptions, hidden: int) -> list[dict]:
+    outs = [] if module.is_last else [{"name": "hidden", "dtype": "float32", "shape": [opts.micro_batch, opts.seq_len, hidden]}]
+    return outs + [{"name": n, "dtype": "float32", "shape": []} for n in ("loss", "task_loss", "consistency_loss")]
+
+
+def export_stage(
+    module: StageModule,
+    peft_model: torch.nn.Module,
+    opts: ExportOptions,
+    vocab_size: int,
+    on_phase: Callable[[str], None] = lambda phase: None,
+) -> StageProgram:
+    """Export one stage to an ExecuTorch training program.
+
+    Args:
+        module: the stage.
+        peft_model: the model the stage was cut from (for PEFT parameter names).
+        opts: shapes, LoRA and loss settings.
+        vocab_size: range of example token ids.
+        on_phase: called with the name of each export phase, for progress display.
+    """
+    from executorch.exir import EdgeCompileConfig, to_edge
+    from torch.export import export
+    from torch.export.experimental import _export_forward_backward
+
+    start = time.perf_counter()
+    inputs = example_inputs(module, opts, vocab_size)
+    on_phase("torch.export")
+    ep = export(module, inputs, strict=False)
+    on_phase("joint graph")
+    joint = _export_forward_backward(ep, joint_loss_index=module.loss_output_index)
+    _rewrite_empty_permuted(joint)
+    _schedule_marker_first(joint)
+    grad_fqns = [
+        spec.target for spec in joint.graph_signature.output_specs if spec.kind.name == "GRADIENT_TO_PARAMETER"
+    ]
+    on_phase("to_edge")
+    # The marker is a custom op outside the edge dialect's core set.
+    edge = to_edge(joint, compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    on_phase("to_executorch")
+    program = edge.to_executorch()
+    buffer = program.buffer
+    names = peft_names(peft_model)
+    params = dict(module.named_parameters())
+    hidden = module.norm.weight.shape[0]
+    parameters = [
+        {"name": names[id(params[fqn])], "program_name": fqn, "shape": list(params[fqn].shape)} for fqn in grad_fqns
+    ]
+    return StageProgram(
+        stage=module.stage,
+        buffer=buffer,
+        parameters=parameters,
+        inputs=input_specs(module, opts, hidden),
+        outputs=output_specs(module, opts, hidden),
+        export_s=time.perf_counter() - start,
+    )
+
+
+def write_program(program: StageProgram, out_dir: Path) -> dict:
+    """Write `stage_<k>.pte` and return its manifest entry."""
+    name = f"stage_{program.stage.index}.pte"
+    path = out_dir / name
+    tmp = path.with_suffix(".pte.tmp")
+    tmp.write_bytes(program.buffer)
+    tmp.replace(path)
+    return {
+        "index": program.stage.index,
+        "layers": [program.stage.first, program.stage.last],
+        "file": name,
+        "sha256": hashlib.sha256(program.buffer).hexdigest(),
+        "size_bytes": len(program.buffer),
+        "export_s": round(program.export_s, 2),
+        "inputs": program.inputs,
+        "outputs": program.outputs,
+        "parameters": program.parameters,
+    }
+
+
+def _rewrite_empty_permuted(ep: torch.export.ExportedProgram) -> None:
+    """Replace `aten.empty_permuted` (from the SiLU backward) with `aten.empty` of the same shape.
+
+    The edge dialect has no `empty_permuted`. Its result is an uninitialised
+    buffer whose values are all overwritten, so only the memory layout could
+    differ; in these graphs the permutation is the identity anyway.
+    """
+    graph = ep.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target == torch.ops.aten.empty_permuted.default:
+            with graph.inserting_before(node):
+                empty = graph.call_function(torch.ops.aten.empty.memory_format, (node.args[0],), dict(node.kwargs))
+            empty.meta = dict(node.meta)
+            node.replace_all_uses_with(empty)
+            graph.erase_node(node)
+    graph.lint()
+    ep.graph_module.recompile()
+
+
+def _schedule_marker_first(ep: torch.export.ExportedProgram) -> None:
+    """Order the graph so the marker runs as soon as the chunk output exists.
+
+    Everything the marker does not depend on (activation copies kept for the
+    backward, the previous readout, the loss, the backward) moves after it,
+    keeping relative order. The emitted program then reaches the marker with
+    the least work (phase 1 is the chunk forward only), which is what the
+    stage contract asks and what makes early forwarding pay.
+    """
+    graph = ep.graph
+    nodes = list(graph.nodes)
+    markers = [n for n in nodes if n.op == "call_function" and "pipeline_marker" in str(n.target)]
+    if not markers:
+        return  # the last stage has no hidden output
+    (marker,) = markers
+    ancestors, stack = set(), list(marker.all_input_nodes)
+    while stack:
+        node = stack.pop()
+        if node not in ancestors:
+            ancestors.add(node)
+            stack.extend(node.all_input_nodes)
+    cursor = marker
+    for node in nodes[: nodes.index(marker)]:
+        if node.op == "call_function" and node not in ancestors:
+            cursor.append(node)
+            cursor = node
+    graph.lint()
+    ep.graph_module.recompile()

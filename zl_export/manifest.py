@@ -1,0 +1,89 @@
+"""`manifest.json`: what an export directory holds (DESIGN.md §3).
+
+Written by `zl export`, read by the runner's host side, `zl merge` and the
+tests. Parameters are listed per stage in gradient order, under their PEFT
+names, so per-stage checkpoints merge into one `adapter_model.safetensors`.
+"""
+
+import hashlib
+import json
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+from zl import __version__
+from zl.errors import ZLError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def build_manifest(loaded, opts, stage_entries: list[dict]) -> dict:
+    """The manifest of an export of `loaded` (a `LoadedModel`) with `opts` (an `ExportOptions`)."""
+    cfg = loaded.config
+    return {
+        "format_version": FORMAT_VERSION,
+        "zl_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": {
+            "name": loaded.name,
+            "source": loaded.source,
+            "model_type": cfg.model_type,
+            "num_layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+            "dtype": "float32",
+        },
+        "tokenizer": loaded.tokenizer.name,
+        "seq_len": opts.seq_len,
+        "micro_batch": opts.micro_batch,
+        "seed": opts.seed,
+        "loss": asdict(opts.loss),
+        "lora": {**asdict(opts.lora), "targets": list(opts.lora.targets), "dropout": 0.0},
+        "stages": stage_entries,
+    }
+
+
+def write_manifest(manifest: dict, out_dir: Path) -> Path:
+    path = out_dir / MANIFEST
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_manifest(export_dir: Path, verify: bool = False) -> dict:
+    """Read and check `export_dir/manifest.json`.
+
+    Args:
+        export_dir: an output directory of `zl export`.
+        verify: also check each program's sha256 (reads every `.pte`).
+
+    Raises:
+        ZLError: a missing or malformed manifest, an unknown format version, a
+            missing program, or (with `verify`) a program whose hash differs.
+    """
+    path = Path(export_dir) / MANIFEST
+    if not path.is_file():
+        raise ZLError(f"{path}: no manifest; is {export_dir} an output directory of `zl export`?")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ZLError(f"{path}: not valid JSON ({e}); export again with `zl export --out {export_dir}`.") from e
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ZLError(
+            f"{path}: format_version {version!r}, this zl reads {FORMAT_VERSION}; export again with this version of zl."
+        )
+    for stage in manifest.get("stages", []):
+        program = Path(export_dir) / stage["file"]
+        if not program.is_file():
+            raise ZLError(f"{program}: listed in the manifest but missing; export again.")
+        if verify:
+            digest = hashlib.sha256(program.read_bytes()).hexdigest()
+            if digest != stage["sha256"]:
+                raise ZLError(
+                    f"{program}: sha256 {digest[:12]}… differs from the manifest's {stage['sha256'][:12]}…; "
+                    "the file is corrupt or from another export. Export again."
+                )
+    return manifest

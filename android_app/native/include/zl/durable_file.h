@@ -1,0 +1,43 @@
+// POSIX file helpers for crash-safe writes (checkpoints): write everything,
+// fsync files and directories, read a whole file. Plain open/write/fsync so
+// they behave the same on Linux and Android (bionic).
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "zl/status.h"
+
+namespace zl {
+
+/// Writes `size` bytes to a fresh file `path` (O_TRUNC), retrying short
+/// writes and EINTR, then fsyncs and closes it. Does not fsync the directory.
+Status write_file_synced(const std::string& path, const void* data, size_t size);
+
+/// Writes several buffers back to back into a fresh file, then fsyncs it.
+/// Avoids concatenating a large tensor payload in memory.
+Status write_file_synced(const std::string& path, const std::vector<std::pair<const void*, size_t>>& parts);
+
+/// fsyncs a directory so that entries created, renamed or removed in it
+/// survive power loss.
+Status fsync_directory(const std::string& path);
+
+/// Reads the whole of `path` into `out`; kNotFound if it does not exist.
+Status read_file(const std::string& path, std::string* out);
+
+/// Lists the names in directory `path` (without "." and ".."); kNotFound if
+/// the directory does not exist.
+Status list_directory(const std::string& path, std::vector<std::string>* names);
+
+/// Removes `path` and, if it is a directory, everything below it.
+/// A missing path is not an error.
+Status remove_tree(const std::string& path);
+
+/// True if `path` exists and is a directory.
+bool is_directory(const std::string& path);
+
+/// mkdir -p; existing directories are fine.
+Status make_directories(const std::string& path);
+
+}  // namespace zl

@@ -1,0 +1,178 @@
+// AdamW and the learning-rate schedules. Agreement with torch.optim.AdamW over
+// many steps is tested from Python (tests/test_adamw.py via zl_adamw_check);
+// these pin the formulas on values computed by hand.
+#include "zl/adamw.h"
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace {
+
+using zl::AdamW;
+using zl::AdamWConfig;
+using zl::LrSchedule;
+using zl::LrScheduleKind;
+using zl::TrainableParam;
+
+LrSchedule warmup_cosine(int64_t warmup, int64_t total, double floor) {
+  LrSchedule s;
+  s.kind = LrScheduleKind::kWarmupCosine;
+  s.warmup_steps = warmup;
+  s.total_steps = total;
+  s.min_lr_ratio = floor;
+  return s;
+}
+
+TEST(LrSchedule, ConstantIsOne) {
+  LrSchedule s;
+  EXPECT_EQ(s.factor(0), 1.0);
+  EXPECT_EQ(s.factor(1000), 1.0);
+}
+
+TEST(LrSchedule, WarmupRisesLinearlyToOne) {
+  LrSchedule s = warmup_cosine(4, 10, 0.1);
+  EXPECT_DOUBLE_EQ(s.factor(0), 0.25);
+  EXPECT_DOUBLE_EQ(s.factor(1), 0.5);
+  EXPECT_DOUBLE_EQ(s.factor(3), 1.0);
+  EXPECT_DOUBLE_EQ(s.factor(4), 1.0);  // cosine starts at its top
+}
+
+TEST(LrSchedule, CosineReachesFloorAndStays) {
+  LrSchedule s = warmup_cosine(2, 10, 0.1);
+  // Midway through the decay (t = 6 of 2..10) the cosine term is 0.5.
+  EXPECT_DOUBLE_EQ(s.factor(6), 0.1 + 0.9 * 0.5);
+  EXPECT_DOUBLE_EQ(s.factor(10), 0.1);
+  EXPECT_DOUBLE_EQ(s.factor(50), 0.1);
+  EXPECT_GT(s.factor(5), s.factor(7));
+}
+
+TEST(LrSchedule, NoWarmupStartsAtOne) {
+  LrSchedule s = warmup_cosine(0, 4, 0.0);
+  EXPECT_DOUBLE_EQ(s.factor(0), 1.0);
+  EXPECT_DOUBLE_EQ(s.factor(2), 0.5);
+  EXPECT_DOUBLE_EQ(s.factor(4), 0.0);
+}
+
+TEST(LrSchedule, ValidateRejectsBadSettings) {
+  EXPECT_FALSE(warmup_cosine(5, 3, 0.1).validate().ok());
+  EXPECT_FALSE(warmup_cosine(-1, 3, 0.1).validate().ok());
+  zl::Status s = warmup_cosine(1, 3, 1.5).validate();
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("min_lr_ratio"), std::string::npos) << s.message();
+}
+
+std::unique_ptr<AdamW> make(AdamWConfig config, std::vector<float>* p) {
+  std::unique_ptr<AdamW> opt;
+  zl::Status s = AdamW::create(config, {TrainableParam{"w", {static_cast<int64_t>(p->size())}, p->data()}}, &opt);
+  EXPECT_TRUE(s.ok()) << s.message();
+  return opt;
+}
+
+TEST(AdamW, FirstStepMatchesHandComputation) {
+  // p=1, g=0.5, lr=0.1, wd=0.1: p <- 0.99 (decay), m=0.05, v=2.5e-4,
+  // bias corrections 0.1 and 0.001: denom = 0.5 + eps, step 1.0 -> p = 0.89.
+  AdamWConfig config;
+  config.lr = 0.1;
+  config.weight_decay = 0.1;
+  std::vector<float> p = {1.0f};
+  auto opt = make(config, &p);
+  const float g = 0.5f;
+  ASSERT_TRUE(opt->accumulate({&g}).ok());
+  double lr = 0;
+  ASSERT_TRUE(opt->step(&lr).ok());
+  EXPECT_DOUBLE_EQ(lr, 0.1);
+  EXPECT_NEAR(p[0], 0.89f, 1e-6);
+  EXPECT_NEAR(opt->exp_avg(0)[0], 0.05f, 1e-8);
+  EXPECT_NEAR(opt->exp_avg_sq(0)[0], 2.5e-4f, 1e-10);
+  EXPECT_EQ(opt->step_count(), 1);
+}
+
+TEST(AdamW, AccumulationStepsWithTheMean) {
+  AdamWConfig config;
+  config.lr = 0.01;
+  std::vector<float> a = {1.0f, -2.0f}, b = a;
+  auto mean_opt = make(config, &a);
+  auto acc_opt = make(config, &b);
+  const std::vector<float> g1 = {0.2f, -0.4f}, g2 = {0.6f, 0.0f}, mean = {0.4f, -0.2f};
+  ASSERT_TRUE(mean_opt->accumulate({mean.data()}).ok());
+  ASSERT_TRUE(acc_opt->accumulate({g1.data()}).ok());
+  ASSERT_TRUE(acc_opt->accumulate({g2.data()}).ok());
+  EXPECT_EQ(acc_opt->accumulated(), 2);
+  ASSERT_TRUE(mean_opt->step().ok());
+  ASSERT_TRUE(acc_opt->step().ok());
+  EXPECT_EQ(acc_opt->accumulated(), 0);
+  EXPECT_NEAR(a[0], b[0], 1e-7);
+  EXPECT_NEAR(a[1], b[1], 1e-7);
+  EXPECT_NE(b[0], 1.0f);
+}
+
+TEST(AdamW, StepWithoutGradientsFailsAndChangesNothing) {
+  std::vector<float> p = {3.0f};
+  auto opt = make(AdamWConfig{}, &p);
+  EXPECT_FALSE(opt->step().ok());
+  EXPECT_EQ(p[0], 3.0f);
+  EXPECT_EQ(opt->step_count(), 0);
+}
+
+TEST(AdamW, ScheduleScalesTheUpdate) {
+  // With zero weight decay the first Adam step moves each weight by ~lr_t.
+  AdamWConfig config;
+  config.lr = 0.1;
+  config.weight_decay = 0.0;
+  config.schedule = warmup_cosine(4, 8, 0.0);
+  std::vector<float> p = {0.0f};
+  auto opt = make(config, &p);
+  const float g = 1.0f;
+  ASSERT_TRUE(opt->accumulate({&g}).ok());
+  ASSERT_TRUE(opt->step().ok());
+  EXPECT_NEAR(p[0], -0.025f, 1e-6);  // lr * 1/4
+  EXPECT_DOUBLE_EQ(opt->lr_at(1), 0.05);
+}
+
+TEST(AdamW, RejectsBadParamsAndConfig) {
+  std::vector<float> p = {0.0f};
+  std::unique_ptr<AdamW> opt;
+  EXPECT_FALSE(AdamW::create(AdamWConfig{}, {{"w", {1}, p.data()}, {"w", {1}, p.data()}}, &opt).ok());
+  EXPECT_FALSE(AdamW::create(AdamWConfig{}, {{"w", {1}, nullptr}}, &opt).ok());
+  AdamWConfig bad;
+  bad.beta2 = 1.0;
+  zl::Status s = AdamW::create(bad, {{"w", {1}, p.data()}}, &opt);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("betas[1]"), std::string::npos) << s.message();
+}
+
+TEST(AdamW, AccumulateChecksGradientCount) {
+  std::vector<float> p = {0.0f};
+  auto opt = make(AdamWConfig{}, &p);
+  const float g = 1.0f;
+  EXPECT_FALSE(opt->accumulate({&g, &g}).ok());
+  EXPECT_EQ(opt->accumulated(), 0);
+}
+
+TEST(AdamW, RestoreContinuesLikeTheOriginal) {
+  AdamWConfig config;
+  config.lr = 0.05;
+  std::vector<float> a = {0.5f, 1.5f};
+  auto original = make(config, &a);
+  const std::vector<float> g = {0.3f, -0.7f};
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(original->accumulate({g.data()}).ok());
+    ASSERT_TRUE(original->step().ok());
+  }
+  std::vector<float> b = {9.0f, 9.0f};
+  auto copy = make(config, &b);
+  ASSERT_TRUE(copy->restore(original->step_count(), {a.data()}, {original->exp_avg(0).data()},
+                            {original->exp_avg_sq(0).data()})
+                  .ok());
+  EXPECT_EQ(b, a);
+  ASSERT_TRUE(original->accumulate({g.data()}).ok());
+  ASSERT_TRUE(original->step().ok());
+  ASSERT_TRUE(copy->accumulate({g.data()}).ok());
+  ASSERT_TRUE(copy->step().ok());
+  EXPECT_EQ(b, a);  // bit-identical: same state, same arithmetic
+}
+
+}  // namespace

@@ -1,0 +1,122 @@
+// Atomic per-window checkpoints of one stage: LoRA parameters, AdamW state
+// and progress.
+//
+// Layout (one directory per committed window):
+//
+//   <dir>/window_000012/adapter.safetensors    LoRA params under their PEFT names, F32
+//   <dir>/window_000012/optimizer.safetensors  "<name>.exp_avg", "<name>.exp_avg_sq", F32
+//   <dir>/window_000012/progress.json          see CheckpointProgress
+//
+// A save writes into "<dir>/.tmp-window_000012-<pid>/", fsyncs every file and
+// that directory, renames it to "window_000012", and fsyncs <dir>. So a
+// window directory exists only complete: the latest checkpoint is the
+// window_* directory with the highest number (no separate pointer file that
+// could disagree), and a process killed mid-save leaves only a .tmp-* entry,
+// which loads ignore and the next save removes. The oldest window
+// directories beyond `keep_last` are deleted after each save.
+//
+// The gradient accumulator is not saved: checkpoints are taken right after
+// the window's AdamW step, when it is empty.
+//
+// progress.json (all integers are JSON numbers):
+//   {"format": "zl-checkpoint", "version": 1, "run_id": str, "stage": int,
+//    "window": int        last committed window (0-based),
+//    "last_micro_batch": int   id of the last micro-batch in that window,
+//    "micro_batches_done": int micro-batches consumed so far (replay starts here),
+//    "optimizer_step": int     AdamW steps taken,
+//    "lr": float               learning rate of the last step,
+//    "created_unix_ms": int,
+//    "params": [{"name": str, "shape": [int]}],
+//    "extra": {...}            whatever else the executor needs to resume}
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "zl/adamw.h"
+#include "zl/safetensors.h"
+#include "zl/status.h"
+
+namespace zl {
+
+/// File names inside a window directory.
+inline constexpr const char* kAdapterFile = "adapter.safetensors";
+inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
+inline constexpr const char* kProgressFile = "progress.json";
+
+/// Where training stands when a checkpoint is taken (progress.json).
+struct CheckpointProgress {
+  std::string run_id;
+  int64_t stage = 0;
+  int64_t window = -1;             ///< last committed window, 0-based
+  int64_t last_micro_batch = -1;   ///< id of the last micro-batch in `window`
+  int64_t micro_batches_done = 0;  ///< micro-batches consumed; a resume continues at this index
+  int64_t optimizer_step = 0;      ///< AdamW steps taken (must equal AdamW::step_count())
+  double lr = 0.0;                 ///< learning rate of the last step
+  int64_t created_unix_ms = 0;     ///< filled in by save
+  nlohmann::json extra = nlohmann::json::object();  ///< executor-defined resume data
+};
+
+/// Everything read back from one window directory, validated.
+struct CheckpointData {
+  CheckpointProgress progress;
+  SafetensorsFile adapter;
+  SafetensorsFile optimizer;
+};
+
+/// Where and how often to checkpoint.
+struct CheckpointOptions {
+  std::string dir;        ///< checkpoint root; created on the first save
+  int64_t interval = 1;   ///< save after every `interval`-th window (and the last one)
+  int64_t keep_last = 2;  ///< complete checkpoints kept on disk (>= 1)
+};
+
+/// "window_000012" for window 12.
+std::string checkpoint_dir_name(int64_t window);
+
+/// Reads `window_dir` and validates it against `expected` (names and shapes;
+/// `data` is ignored): every file present and well-formed, dtype F32, exactly
+/// the expected names, matching shapes. Errors name the file and the problem.
+Status read_checkpoint(const std::string& window_dir, const std::vector<TrainableParam>& expected,
+                       CheckpointData* out);
+
+/// Saves and restores checkpoints of one stage under `options.dir`.
+class CheckpointStore {
+ public:
+  explicit CheckpointStore(CheckpointOptions options) : options_(std::move(options)) {}
+
+  /// Checks interval >= 1, keep_last >= 1 and a non-empty dir.
+  Status validate() const;
+
+  /// True if window `window` (0-based) should be checkpointed:
+  /// (window + 1) % interval == 0, or it is the last window of the run.
+  bool due(int64_t window, bool is_last_window) const;
+
+  /// Writes parameters and state of `optimizer` with `progress` atomically as
+  /// checkpoint `progress.window` (see the file comment), then prunes old
+  /// ones. Replaces an existing directory of the same window.
+  Status save(const AdamW& optimizer, const CheckpointProgress& progress);
+
+  /// Window numbers of the complete checkpoints on disk, ascending.
+  Status list_windows(std::vector<int64_t>* windows) const;
+
+  /// Restores the newest checkpoint into `optimizer` (parameters in place,
+  /// moments, step count). `*found` is false, and nothing changes, when there
+  /// is none. A newest checkpoint that fails validation is an error (its
+  /// message says which file); older ones are not tried silently, because
+  /// other stages and the input log have moved past them.
+  Status load_latest(AdamW* optimizer, CheckpointProgress* progress, bool* found) const;
+
+  /// Restores checkpoint `window` into `optimizer`.
+  Status load(int64_t window, AdamW* optimizer, CheckpointProgress* progress) const;
+
+  const CheckpointOptions& options() const { return options_; }
+
+ private:
+  CheckpointOptions options_;
+};
+
+}  // namespace zl

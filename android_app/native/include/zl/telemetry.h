@@ -1,0 +1,107 @@
+// Runner telemetry: JSON lines, one record per micro-batch and one per update
+// window (DESIGN.md §4), plus the probes for memory (PSS) and temperature.
+//
+// Micro-batch line (times in milliseconds, memory in MiB, temperature in °C):
+//   {"type": "micro_batch", "t_unix_ms": ..., "stage": 1, "window": 3, "micro_batch": 14,
+//    "phase1_ms": ..., "phase2_ms": ..., "queue_ms": ..., "send_ms": ..., "total_ms": ...,
+//    "loss": ..., "task_loss": ..., "consistency_loss": ..., "pss_mib": ..., "temperature_c": ...}
+// Window line:
+//   {"type": "window", "t_unix_ms": ..., "stage": 1, "window": 3, "micro_batches": 4,
+//    "mean_loss": ..., "mean_task_loss": ..., "mean_consistency_loss": ...,
+//    "lr": ..., "step": 4, "checkpoint_ms": ..., "pss_mib": ..., "temperature_c": ...}
+// A value that was not measured (no sensor, no smaps_rollup, a NaN loss) is
+// written as null — never a made-up number.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "zl/status.h"
+
+namespace zl {
+
+/// One micro-batch through this stage.
+struct MicroBatchRecord {
+  int64_t stage = 0;
+  int64_t window = 0;
+  int64_t micro_batch = 0;
+  double phase1_ms = 0;  ///< method start to the marker (hidden ready)
+  double phase2_ms = 0;  ///< marker to method end (readout, loss, backward)
+  double queue_ms = 0;   ///< waiting for input (shard read or inbound entry)
+  double send_ms = 0;    ///< handing the hidden state to the link (incl. back-pressure)
+  double total_ms = 0;   ///< whole micro-batch, wall clock
+  double loss = 0;
+  double task_loss = 0;
+  double consistency_loss = 0;
+  std::optional<double> pss_mib;
+  std::optional<double> temperature_c;
+};
+
+/// One update window (after its AdamW step and checkpoint).
+struct WindowRecord {
+  int64_t stage = 0;
+  int64_t window = 0;
+  int64_t micro_batches = 0;  ///< micro-batches averaged below
+  double mean_loss = 0;
+  double mean_task_loss = 0;
+  double mean_consistency_loss = 0;
+  double lr = 0;              ///< learning rate of this window's step
+  int64_t step = 0;           ///< optimizer steps taken after this window
+  std::optional<double> checkpoint_ms;  ///< empty when no checkpoint was due
+  std::optional<double> pss_mib;
+  std::optional<double> temperature_c;
+};
+
+/// The JSON object of a record (see file comment), with t_unix_ms stamped.
+nlohmann::json to_json(const MicroBatchRecord& record);
+nlohmann::json to_json(const WindowRecord& record);
+
+/// Appends records as JSON lines. Thread-safe; each line is flushed so a
+/// killed process loses at most the line being written.
+class TelemetryWriter {
+ public:
+  /// Opens `path` for appending, creating it if needed.
+  static Status open(const std::string& path, std::unique_ptr<TelemetryWriter>* out);
+  ~TelemetryWriter();
+  TelemetryWriter(const TelemetryWriter&) = delete;
+  TelemetryWriter& operator=(const TelemetryWriter&) = delete;
+
+  Status write(const MicroBatchRecord& record);
+  Status write(const WindowRecord& record);
+  /// Writes any JSON object as one line (e.g. a "start" or "error" event).
+  Status write_json(const nlohmann::json& object);
+
+ private:
+  explicit TelemetryWriter(std::FILE* file, std::string path) : file_(file), path_(std::move(path)) {}
+  std::mutex mutex_;
+  std::FILE* file_;
+  std::string path_;
+};
+
+/// Proportional set size of this process in MiB: the `Pss:` line (kB) of
+/// `<root>/proc/self/smaps_rollup`, or, on kernels without it (< 4.14), the
+/// sum of the `Pss:` lines of `<root>/proc/self/smaps`. Empty if neither is
+/// readable. `root` is "/" in production; tests point it at a fake tree.
+std::optional<double> read_pss_mib(const std::string& root = "/");
+
+/// Battery temperature in °C from `<root>/sys/class/power_supply/battery/temp`
+/// (tenths of a degree, the Android convention). Empty if absent or implausible.
+std::optional<double> read_battery_temperature_c(const std::string& root = "/");
+
+/// Temperature in °C of the first `<root>/sys/class/thermal/thermal_zone<N>`
+/// (by N) whose `type` names a CPU/SoC/package sensor (contains "cpu", "soc",
+/// "pkg", "package", "coretemp", "acpitz" or "tsens") and whose `temp`
+/// (millidegrees) reads a plausible value. Empty if none.
+std::optional<double> read_thermal_zone_temperature_c(const std::string& root = "/");
+
+/// The device temperature the report uses: the battery on Android (the
+/// paper's measure), the first plausible thermal zone on Linux.
+std::optional<double> read_temperature_c(const std::string& root = "/");
+
+}  // namespace zl

@@ -1,0 +1,336 @@
+#include "zl/checkpoint.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <set>
+
+#include "zl/durable_file.h"
+
+namespace zl {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kWindowPrefix = "window_";
+constexpr const char* kTmpPrefix = ".tmp-";
+constexpr int kFormatVersion = 1;
+
+// "window_<digits>" -> window number; false for anything else (.tmp-*, files, junk).
+bool parse_window_name(const std::string& name, int64_t* window) {
+  const std::string prefix = kWindowPrefix;
+  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return false;
+  int64_t value = 0;
+  for (size_t i = prefix.size(); i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9' || value > (INT64_MAX - 9) / 10) return false;
+    value = value * 10 + (name[i] - '0');
+  }
+  *window = value;
+  return true;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) { return json(shape).dump(); }
+
+Status check_tensor(const std::string& file, const SafetensorsFile& contents, const std::string& name,
+                    const std::vector<int64_t>& shape) {
+  auto it = contents.tensors.find(name);
+  if (it == contents.tensors.end()) {
+    return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "' lacks tensor '" + name + "'");
+  }
+  if (it->second.dtype != SafetensorsDtype::kF32) {
+    return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "': tensor '" + name + "' has dtype " +
+                                            safetensors_dtype_name(it->second.dtype) + ", expected F32");
+  }
+  if (it->second.shape != shape) {
+    return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "': tensor '" + name + "' has shape " +
+                                            shape_text(it->second.shape) + ", expected " + shape_text(shape));
+  }
+  return Status();
+}
+
+Status check_no_extra(const std::string& file, const SafetensorsFile& contents, const std::set<std::string>& names) {
+  for (const auto& entry : contents.tensors) {
+    if (names.count(entry.first) == 0) {
+      return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "' has tensor '" + entry.first +
+                                              "' that is not a parameter of this stage program");
+    }
+  }
+  return Status();
+}
+
+json progress_to_json(const CheckpointProgress& p, const AdamW& optimizer) {
+  json params = json::array();
+  for (size_t i = 0; i < optimizer.num_params(); ++i) {
+    params.push_back({{"name", optimizer.param(i).name}, {"shape", optimizer.param(i).shape}});
+  }
+  return {{"format", "zl-checkpoint"},
+          {"version", kFormatVersion},
+          {"run_id", p.run_id},
+          {"stage", p.stage},
+          {"window", p.window},
+          {"last_micro_batch", p.last_micro_batch},
+          {"micro_batches_done", p.micro_batches_done},
+          {"optimizer_step", p.optimizer_step},
+          {"lr", p.lr},
+          {"created_unix_ms", p.created_unix_ms},
+          {"params", params},
+          {"extra", p.extra.is_object() ? p.extra : json::object()}};
+}
+
+Status progress_from_json(const std::string& file, const std::string& text, CheckpointProgress* out) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "' is not a valid JSON object");
+  }
+  auto missing = [&](const char* key, const char* type) {
+    return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "': field '" + key + "' is missing or not " + type);
+  };
+  auto get_int = [&](const char* key, int64_t* value) {
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_number_integer()) return missing(key, "an integer");
+    *value = it->get<int64_t>();
+    return Status();
+  };
+  auto format = j.find("format");
+  if (format == j.end() || !format->is_string() || format->get<std::string>() != "zl-checkpoint") {
+    return missing("format", "\"zl-checkpoint\"");
+  }
+  int64_t version = 0;
+  Status status = get_int("version", &version);
+  if (!status.ok()) return status;
+  if (version != kFormatVersion) {
+    return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "' has version " + std::to_string(version) +
+                                            ", this runner reads version " + std::to_string(kFormatVersion));
+  }
+  for (auto field : {std::make_pair("stage", &out->stage), std::make_pair("window", &out->window),
+                     std::make_pair("last_micro_batch", &out->last_micro_batch),
+                     std::make_pair("micro_batches_done", &out->micro_batches_done),
+                     std::make_pair("optimizer_step", &out->optimizer_step),
+                     std::make_pair("created_unix_ms", &out->created_unix_ms)}) {
+    status = get_int(field.first, field.second);
+    if (!status.ok()) return status;
+  }
+  auto run_id = j.find("run_id");
+  if (run_id == j.end() || !run_id->is_string()) return missing("run_id", "a string");
+  out->run_id = run_id->get<std::string>();
+  auto lr = j.find("lr");
+  if (lr == j.end() || !lr->is_number()) return missing("lr", "a number");
+  out->lr = lr->get<double>();
+  auto extra = j.find("extra");
+  out->extra = (extra != j.end() && extra->is_object()) ? *extra : json::object();
+  if (out->optimizer_step < 0 || out->window < 0) {
+    return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "' has a negative window or optimizer_step");
+  }
+  return Status();
+}
+
+int64_t now_unix_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+std::string checkpoint_dir_name(int64_t window) {
+  char buffer[40];
+  std::snprintf(buffer, sizeof(buffer), "%s%06" PRId64, kWindowPrefix, window);
+  return buffer;
+}
+
+Status read_checkpoint(const std::string& window_dir, const std::vector<TrainableParam>& expected,
+                       CheckpointData* out) {
+  if (!is_directory(window_dir)) {
+    return Status(StatusCode::kNotFound, "checkpoint directory '" + window_dir + "' does not exist");
+  }
+  const std::string progress_path = window_dir + "/" + kProgressFile;
+  const std::string adapter_path = window_dir + "/" + kAdapterFile;
+  const std::string optimizer_path = window_dir + "/" + kOptimizerFile;
+  std::string text;
+  Status status = read_file(progress_path, &text);
+  if (!status.ok()) return Status(status.code(), "checkpoint is incomplete: " + status.message());
+  status = progress_from_json(progress_path, text, &out->progress);
+  if (!status.ok()) return status;
+  status = read_safetensors(adapter_path, &out->adapter);
+  if (!status.ok()) return Status(status.code(), "checkpoint is unreadable: " + status.message());
+  status = read_safetensors(optimizer_path, &out->optimizer);
+  if (!status.ok()) return Status(status.code(), "checkpoint is unreadable: " + status.message());
+
+  std::set<std::string> param_names, moment_names;
+  for (const auto& p : expected) {
+    param_names.insert(p.name);
+    moment_names.insert(p.name + ".exp_avg");
+    moment_names.insert(p.name + ".exp_avg_sq");
+    status = check_tensor(adapter_path, out->adapter, p.name, p.shape);
+    if (!status.ok()) return status;
+    status = check_tensor(optimizer_path, out->optimizer, p.name + ".exp_avg", p.shape);
+    if (!status.ok()) return status;
+    status = check_tensor(optimizer_path, out->optimizer, p.name + ".exp_avg_sq", p.shape);
+    if (!status.ok()) return status;
+  }
+  status = check_no_extra(adapter_path, out->adapter, param_names);
+  if (!status.ok()) return status;
+  return check_no_extra(optimizer_path, out->optimizer, moment_names);
+}
+
+Status CheckpointStore::validate() const {
+  if (options_.dir.empty()) return Status(StatusCode::kInvalidArgument, "checkpoint dir is empty");
+  if (options_.interval < 1) {
+    return Status(StatusCode::kInvalidArgument,
+                  "checkpoint interval must be >= 1, got " + std::to_string(options_.interval));
+  }
+  if (options_.keep_last < 1) {
+    return Status(StatusCode::kInvalidArgument,
+                  "checkpoint keep_last must be >= 1, got " + std::to_string(options_.keep_last));
+  }
+  return Status();
+}
+
+bool CheckpointStore::due(int64_t window, bool is_last_window) const {
+  return is_last_window || (window + 1) % std::max<int64_t>(1, options_.interval) == 0;
+}
+
+Status CheckpointStore::list_windows(std::vector<int64_t>* windows) const {
+  windows->clear();
+  std::vector<std::string> names;
+  Status status = list_directory(options_.dir, &names);
+  if (status.code() == StatusCode::kNotFound) return Status();
+  if (!status.ok()) return status;
+  for (const auto& name : names) {
+    int64_t window = 0;
+    if (parse_window_name(name, &window) && is_directory(options_.dir + "/" + name)) windows->push_back(window);
+  }
+  std::sort(windows->begin(), windows->end());
+  return Status();
+}
+
+Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& progress) {
+  Status status = validate();
+  if (!status.ok()) return status;
+  if (progress.window < 0) {
+    return Status(StatusCode::kInvalidArgument, "checkpoint save: window must be >= 0, got " +
+                                                    std::to_string(progress.window));
+  }
+  if (progress.optimizer_step != optimizer.step_count()) {
+    return Status(StatusCode::kInvalidArgument, "checkpoint save: progress.optimizer_step " +
+                                                    std::to_string(progress.optimizer_step) +
+                                                    " != optimizer step count " +
+                                                    std::to_string(optimizer.step_count()));
+  }
+  const std::string& root = options_.dir;
+  status = make_directories(root);
+  if (!status.ok()) return status;
+
+  // One writer per checkpoint root: any .tmp-* left here is from a killed save.
+  std::vector<std::string> names;
+  status = list_directory(root, &names);
+  if (!status.ok()) return status;
+  for (const auto& name : names) {
+    if (name.compare(0, std::strlen(kTmpPrefix), kTmpPrefix) == 0) {
+      status = remove_tree(root + "/" + name);
+      if (!status.ok()) return status;
+    }
+  }
+
+  const std::string final_name = checkpoint_dir_name(progress.window);
+  const std::string pid = std::to_string(static_cast<long>(::getpid()));
+  const std::string tmp = root + "/" + kTmpPrefix + final_name + "-" + pid;
+  if (::mkdir(tmp.c_str(), 0755) != 0) {
+    return Status(StatusCode::kIoError, "cannot create '" + tmp + "': " + std::strerror(errno));
+  }
+
+  std::vector<SafetensorsTensorRef> adapter, moments;
+  for (size_t i = 0; i < optimizer.num_params(); ++i) {
+    const TrainableParam& p = optimizer.param(i);
+    adapter.push_back({p.name, SafetensorsDtype::kF32, p.shape, p.data});
+    moments.push_back({p.name + ".exp_avg", SafetensorsDtype::kF32, p.shape, optimizer.exp_avg(i).data()});
+    moments.push_back({p.name + ".exp_avg_sq", SafetensorsDtype::kF32, p.shape, optimizer.exp_avg_sq(i).data()});
+  }
+  // "format": "pt" is what safetensors.torch.save_file writes; PEFT expects it.
+  const std::map<std::string, std::string> metadata = {
+      {"format", "pt"}, {"run_id", progress.run_id}, {"window", std::to_string(progress.window)}};
+  status = write_safetensors(tmp + "/" + kAdapterFile, adapter, metadata);
+  if (!status.ok()) return status;
+  status = write_safetensors(tmp + "/" + kOptimizerFile, moments, metadata);
+  if (!status.ok()) return status;
+  CheckpointProgress stamped = progress;
+  stamped.created_unix_ms = now_unix_ms();
+  const std::string progress_text = progress_to_json(stamped, optimizer).dump(2) + "\n";
+  status = write_file_synced(tmp + "/" + kProgressFile, progress_text.data(), progress_text.size());
+  if (!status.ok()) return status;
+  status = fsync_directory(tmp);
+  if (!status.ok()) return status;
+
+  // rename() cannot replace a non-empty directory: move an existing one of the
+  // same window aside first (under .tmp-, so a crash here leaves it ignored).
+  const std::string final_path = root + "/" + final_name;
+  const std::string old_path = root + "/" + kTmpPrefix + "old-" + final_name + "-" + pid;
+  const bool replacing = is_directory(final_path);
+  if (replacing && ::rename(final_path.c_str(), old_path.c_str()) != 0) {
+    return Status(StatusCode::kIoError, "cannot move aside '" + final_path + "': " + std::strerror(errno));
+  }
+  if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
+    return Status(StatusCode::kIoError,
+                  "cannot rename '" + tmp + "' to '" + final_path + "': " + std::strerror(errno));
+  }
+  status = fsync_directory(root);
+  if (!status.ok()) return status;
+  if (replacing) {
+    status = remove_tree(old_path);
+    if (!status.ok()) return status;
+  }
+
+  std::vector<int64_t> windows;
+  status = list_windows(&windows);
+  if (!status.ok()) return status;
+  const int64_t excess = static_cast<int64_t>(windows.size()) - options_.keep_last;
+  for (int64_t i = 0; i < excess; ++i) {
+    status = remove_tree(root + "/" + checkpoint_dir_name(windows[static_cast<size_t>(i)]));
+    if (!status.ok()) return status;
+  }
+  return excess > 0 ? fsync_directory(root) : Status();
+}
+
+Status CheckpointStore::load(int64_t window, AdamW* optimizer, CheckpointProgress* progress) const {
+  std::vector<TrainableParam> expected;
+  for (size_t i = 0; i < optimizer->num_params(); ++i) expected.push_back(optimizer->param(i));
+  const std::string dir = options_.dir + "/" + checkpoint_dir_name(window);
+  CheckpointData data;
+  Status status = read_checkpoint(dir, expected, &data);
+  if (!status.ok()) return status;
+  if (data.progress.window != window) {
+    return Status(StatusCode::kCorrupt, "checkpoint '" + dir + "' says window " +
+                                            std::to_string(data.progress.window) + " in " + kProgressFile);
+  }
+  std::vector<const float*> params, exp_avg, exp_avg_sq;
+  for (const auto& p : expected) {
+    params.push_back(data.adapter.tensors.at(p.name).f32());
+    exp_avg.push_back(data.optimizer.tensors.at(p.name + ".exp_avg").f32());
+    exp_avg_sq.push_back(data.optimizer.tensors.at(p.name + ".exp_avg_sq").f32());
+  }
+  status = optimizer->restore(data.progress.optimizer_step, params, exp_avg, exp_avg_sq);
+  if (!status.ok()) return status;
+  *progress = data.progress;
+  return Status();
+}
+
+Status CheckpointStore::load_latest(AdamW* optimizer, CheckpointProgress* progress, bool* found) const {
+  *found = false;
+  std::vector<int64_t> windows;
+  Status status = list_windows(&windows);
+  if (!status.ok()) return status;
+  if (windows.empty()) return Status();
+  status = load(windows.back(), optimizer, progress);
+  if (!status.ok()) {
+    return Status(status.code(), status.message() + " (newest checkpoint; remove its directory to resume from the one before)");
+  }
+  *found = true;
+  return Status();
+}
+
+}  // namespace zl

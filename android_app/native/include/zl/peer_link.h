@@ -1,0 +1,202 @@
+// The data-plane link between neighbouring stages (DESIGN.md §4):
+//
+//   stage k  Sender  --DATA-->  Receiver  stage k+1
+//                    <--ACK---            (ACK only after the entry is in the
+//                                          receiver's durable InputLog)
+//
+// Sender: at most D entries un-acknowledged (send() blocks beyond that),
+// reconnects with exponential back-off and re-sends every un-acknowledged
+// entry, shapes the link by a LinkProfile.
+// Receiver: validates every frame (MAC, run, stage, shapes), logs before it
+// acknowledges, drops duplicates by micro-batch id (acknowledging them
+// again), and keeps listening after a bad frame or a broken connection.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "zl/frame.h"
+#include "zl/input_log.h"
+#include "zl/link_profile.h"
+#include "zl/status.h"
+#include "zl/tcp_socket.h"
+
+namespace zl {
+
+struct SenderOptions {
+  std::string host = "127.0.0.1";  ///< downstream's listen address
+  uint16_t port = 0;
+  FrameKey key{};
+  std::optional<RunId> run_id;     ///< if set, ACKs from another run are rejected
+  size_t max_in_flight = 2;        ///< D: un-acknowledged entries allowed on the link
+  LinkProfile profile;             ///< sender-side shaping (default: none)
+  std::chrono::milliseconds connect_timeout{2000};
+  std::chrono::milliseconds backoff_initial{20};  ///< first retry delay, doubled per failure
+  std::chrono::milliseconds backoff_max{2000};
+  size_t max_frame_bytes = kDefaultMaxFrameBytes;
+};
+
+struct SenderStats {
+  uint64_t transmissions = 0;     ///< frames written, re-sends included
+  uint64_t resends = 0;           ///< frames written again after a reconnect
+  uint64_t acks = 0;              ///< ACKs that released an entry
+  uint64_t connects = 0;          ///< successful connections
+  size_t max_in_flight_seen = 0;  ///< never exceeds SenderOptions::max_in_flight
+};
+
+/// Upstream end of a link. Owns one I/O thread.
+class Sender {
+ public:
+  explicit Sender(SenderOptions options);
+  ~Sender();
+  Sender(const Sender&) = delete;
+  Sender& operator=(const Sender&) = delete;
+
+  /// Starts the I/O thread; it connects (and keeps reconnecting) in the background.
+  Status start();
+
+  /// Queues a frame (normally DATA). Blocks while D entries are un-acknowledged;
+  /// kTimeout if none is acknowledged within `timeout`, kClosed after stop().
+  /// Returns once queued, not once delivered.
+  Status send(const Frame& frame, std::chrono::milliseconds timeout);
+
+  /// Waits until every queued entry is acknowledged; kTimeout otherwise.
+  Status flush(std::chrono::milliseconds timeout);
+
+  /// Points the link at a new downstream (e.g. a spare device); un-acknowledged
+  /// entries are re-sent there.
+  void set_peer(const std::string& host, uint16_t port);
+
+  size_t in_flight() const;
+  bool connected() const;
+  SenderStats stats() const;
+
+  /// Stops the I/O thread; un-acknowledged entries are dropped. Idempotent.
+  void stop();
+
+ private:
+  struct Entry {
+    uint64_t window = 0;
+    uint64_t micro_batch = 0;
+    std::shared_ptr<const std::vector<uint8_t>> bytes;
+    SteadyClock::time_point queued_at;
+    std::optional<SteadyClock::time_point> deliver_at;  // set once scheduled on the wire
+    bool sent = false;
+    bool sent_before = false;
+  };
+
+  void run();
+  bool connect_once();
+  void drop_connection(const std::string& why);
+  void handle_incoming();
+  void wake();
+  void sleep_interruptibly(std::chrono::milliseconds d);
+
+  SenderOptions options_;
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<Entry> queue_;  // un-acknowledged, in send order
+  SenderStats stats_;
+  bool stopping_ = false;
+  bool connected_ = false;
+  bool peer_changed_ = false;
+  std::thread thread_;
+  Socket conn_;  // touched only by the I/O thread (and shutdown() by stop())
+  FrameReader reader_;
+  LinkShaper shaper_;
+  int wake_pipe_[2] = {-1, -1};
+};
+
+struct ReceiverOptions {
+  std::string host = "127.0.0.1";  ///< listen address ("0.0.0.0" on a phone on Wi-Fi)
+  uint16_t port = 0;               ///< 0: ephemeral, see Receiver::port()
+  FrameKey key{};
+  /// Checked on every frame: run id, upstream stage index, B/S/D of DATA.
+  FrameExpectation expect;
+  uint32_t stage = 0;              ///< this stage's index, written into ACKs
+  std::string log_dir;             ///< InputLog directory
+  /// Entries logged but not yet taken by the consumer before the receiver
+  /// stops reading from the socket (back-pressure onto the sender's D).
+  size_t max_pending = 4;
+  /// Next micro-batch id the consumer will take (after a restart: the first
+  /// one after the restored checkpoint). Ids are consecutive integers.
+  uint64_t first_micro_batch = 0;
+  /// Last committed window, if any: log entries through it are deleted on start.
+  std::optional<uint64_t> committed_window;
+};
+
+struct ReceiverStats {
+  uint64_t accepted = 0;     ///< new entries logged and acknowledged
+  uint64_t duplicates = 0;   ///< dropped by micro-batch id, acknowledged again
+  uint64_t rejected = 0;     ///< frames that failed validation
+  uint64_t connections = 0;  ///< accepted upstream connections
+  std::string last_reject_reason;
+};
+
+/// One entry handed to the consumer.
+struct InputEntry {
+  uint64_t window = 0;
+  uint64_t micro_batch = 0;
+  Frame frame;  ///< hidden [B,S,D] float32, attention_mask / labels [B,S] int64
+};
+
+/// Downstream end of a link. Owns one I/O thread and the InputLog.
+class Receiver {
+ public:
+  explicit Receiver(ReceiverOptions options);
+  ~Receiver();
+  Receiver(const Receiver&) = delete;
+  Receiver& operator=(const Receiver&) = delete;
+
+  /// Opens the log (reporting corrupt files), listens and starts serving.
+  Status start();
+
+  /// The port actually listened on (valid after start()).
+  uint16_t port() const { return port_; }
+
+  /// Takes the next entry in micro-batch order (from the network or, after a
+  /// restart, from the log). kTimeout if it does not arrive in time,
+  /// kCorrupt if its log file no longer verifies, kClosed after stop().
+  Status next(std::chrono::milliseconds timeout, InputEntry* out);
+
+  /// The window's checkpoint is in place: deletes log entries at or before it.
+  Status window_committed(uint64_t window);
+
+  ReceiverStats stats() const;
+  const InputLog& input_log() const { return log_; }
+
+  /// Stops listening and serving. Idempotent.
+  void stop();
+
+ private:
+  void run();
+  void serve_connection();
+  void handle_frame(const std::vector<uint8_t>& bytes);
+  void reject(const std::string& reason, bool send_error);
+  size_t pending_locked() const;
+  void wake();
+
+  ReceiverOptions options_;
+  InputLog log_;
+  Socket listener_;
+  Socket conn_;  // current upstream, I/O thread only
+  FrameReader reader_;
+  uint16_t port_ = 0;
+  mutable std::mutex mutex_;
+  std::condition_variable arrived_;
+  uint64_t next_micro_batch_ = 0;
+  ReceiverStats stats_;
+  bool stopping_ = false;
+  std::thread thread_;
+  int wake_pipe_[2] = {-1, -1};
+};
+
+}  // namespace zl

@@ -1,0 +1,83 @@
+// Thin POSIX TCP helpers for the peer links and the control channel: an
+// owning socket, listen/connect with timeouts, and frame-sized reads/writes.
+// No exceptions; SIGPIPE is avoided per call (MSG_NOSIGNAL).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "zl/frame.h"
+#include "zl/status.h"
+
+namespace zl {
+
+/// Owns one file descriptor; closes it on destruction.
+class Socket {
+ public:
+  Socket() = default;
+  explicit Socket(int fd) : fd_(fd) {}
+  ~Socket() { close(); }
+  Socket(Socket&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+  Socket& operator=(Socket&& other) noexcept;
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+
+  int fd() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  void close();
+  /// shutdown(SHUT_RDWR): wakes a thread blocked in send/recv/poll on it.
+  void shutdown();
+
+ private:
+  int fd_ = -1;
+};
+
+/// Binds and listens on host:port (port 0: ephemeral). `*bound_port` gets the
+/// actual port. SO_REUSEADDR is set so a restarted receiver can take its port back.
+Status listen_tcp(const std::string& host, uint16_t port, Socket* out, uint16_t* bound_port);
+
+/// Connects to host:port within `timeout`; the socket is blocking, TCP_NODELAY.
+Status connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout,
+                   Socket* out);
+
+/// Accepts one pending connection (call after poll says the listener is readable).
+Status accept_tcp(const Socket& listener, Socket* out);
+
+/// Writes all `size` bytes (blocking). kIoError names errno.
+Status send_all(int fd, const uint8_t* data, size_t size);
+
+/// Encodes and writes one frame.
+Status write_frame(int fd, const Frame& frame, const FrameKey& key);
+
+/// Reads exactly one frame within `timeout` and decodes it. Transport errors
+/// come back as Status (kTimeout, kClosed, kIoError); a frame that arrives but
+/// fails validation comes back as ok Status with `out->error` set. A framing
+/// error (bad magic/version, oversize) leaves the stream unusable: close it.
+Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
+                  std::chrono::milliseconds timeout, DecodeResult* out,
+                  std::vector<uint8_t>* raw = nullptr);
+
+/// Accumulates bytes from a non-blocking read loop and splits them into frames.
+class FrameReader {
+ public:
+  explicit FrameReader(size_t max_frame_bytes = kDefaultMaxFrameBytes)
+      : max_frame_bytes_(max_frame_bytes) {}
+
+  enum class Next { kNeedMore, kFrame, kBroken };
+
+  /// recv()s what is available without blocking. kClosed on orderly EOF.
+  Status fill(int fd);
+  /// Pops the next complete frame's bytes into `*frame`. kBroken means the
+  /// stream cannot be re-synchronized (`*error`, `*reason` say why).
+  Next next(std::vector<uint8_t>* frame, FrameError* error, std::string* reason);
+  void clear() { buffer_.clear(); }
+
+ private:
+  size_t max_frame_bytes_;
+  std::vector<uint8_t> buffer_;
+};
+
+}  // namespace zl

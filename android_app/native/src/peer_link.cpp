@@ -1,0 +1,560 @@
+#include "zl/peer_link.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "zl/log.h"
+
+namespace zl {
+namespace {
+
+// A self-pipe lets other threads wake an I/O thread blocked in poll().
+bool make_wake_pipe(int fds[2]) {
+  if (::pipe(fds) != 0) return false;
+  for (int i = 0; i < 2; ++i) {
+    ::fcntl(fds[i], F_SETFL, ::fcntl(fds[i], F_GETFL, 0) | O_NONBLOCK);
+    ::fcntl(fds[i], F_SETFD, FD_CLOEXEC);
+  }
+  return true;
+}
+
+void close_wake_pipe(int fds[2]) {
+  for (int i = 0; i < 2; ++i) {
+    if (fds[i] >= 0) ::close(fds[i]);
+    fds[i] = -1;
+  }
+}
+
+void write_wake(int fd) {
+  if (fd < 0) return;
+  const uint8_t b = 1;
+  // A full pipe already means "wake up"; EAGAIN is fine.
+  (void)!::write(fd, &b, 1);
+}
+
+void drain_wake(int fd) {
+  uint8_t buf[64];
+  while (::read(fd, buf, sizeof(buf)) > 0) {
+  }
+}
+
+int poll_timeout_ms(SteadyClock::time_point until) {
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(until - SteadyClock::now()).count();
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left + 1, 1000)));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- Sender
+
+Sender::Sender(SenderOptions options)
+    : options_(std::move(options)),
+      reader_(options_.max_frame_bytes),
+      shaper_(options_.profile) {}
+
+Sender::~Sender() {
+  stop();
+  close_wake_pipe(wake_pipe_);
+}
+
+Status Sender::start() {
+  if (options_.max_in_flight == 0) {
+    return Status(StatusCode::kInvalidArgument, "max_in_flight (D) is 0; it must be at least 1");
+  }
+  if (thread_.joinable()) return Status(StatusCode::kInvalidArgument, "sender already started");
+  if (!make_wake_pipe(wake_pipe_)) {
+    return Status(StatusCode::kIoError, std::string("pipe: ") + std::strerror(errno));
+  }
+  thread_ = std::thread([this] { run(); });
+  return Status();
+}
+
+void Sender::wake() { write_wake(wake_pipe_[1]); }
+
+Status Sender::send(const Frame& frame, std::chrono::milliseconds timeout) {
+  auto bytes = std::make_shared<std::vector<uint8_t>>();
+  Status s = encode_frame(frame, options_.key, bytes.get(), options_.max_frame_bytes);
+  if (!s.ok()) return s;
+  std::unique_lock<std::mutex> lock(mutex_);
+  const bool room = changed_.wait_for(lock, timeout, [this] {
+    return stopping_ || queue_.size() < options_.max_in_flight;
+  });
+  if (stopping_) return Status(StatusCode::kClosed, "sender is stopped");
+  if (!room) {
+    return Status(StatusCode::kTimeout,
+                  std::to_string(queue_.size()) + " entries (D = " +
+                      std::to_string(options_.max_in_flight) + ") still un-acknowledged after " +
+                      std::to_string(timeout.count()) + " ms; downstream stalled?");
+  }
+  Entry e;
+  e.window = frame.window;
+  e.micro_batch = frame.micro_batch;
+  e.bytes = std::move(bytes);
+  e.queued_at = SteadyClock::now();
+  queue_.push_back(std::move(e));
+  stats_.max_in_flight_seen = std::max(stats_.max_in_flight_seen, queue_.size());
+  lock.unlock();
+  wake();
+  return Status();
+}
+
+Status Sender::flush(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!changed_.wait_for(lock, timeout, [this] { return stopping_ || queue_.empty(); })) {
+    return Status(StatusCode::kTimeout, std::to_string(queue_.size()) +
+                                            " entries still un-acknowledged after " +
+                                            std::to_string(timeout.count()) + " ms");
+  }
+  if (!queue_.empty()) return Status(StatusCode::kClosed, "sender stopped before flush completed");
+  return Status();
+}
+
+void Sender::set_peer(const std::string& host, uint16_t port) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    options_.host = host;
+    options_.port = port;
+    peer_changed_ = true;
+  }
+  wake();
+}
+
+size_t Sender::in_flight() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return queue_.size();
+}
+
+bool Sender::connected() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return connected_;
+}
+
+SenderStats Sender::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_;
+}
+
+void Sender::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+    // Unblocks a send_all() stuck on a peer that stopped reading.
+    conn_.shutdown();
+  }
+  changed_.notify_all();
+  wake();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Sender::sleep_interruptibly(std::chrono::milliseconds d) {
+  pollfd p{wake_pipe_[0], POLLIN, 0};
+  ::poll(&p, 1, static_cast<int>(d.count()));
+  drain_wake(wake_pipe_[0]);
+}
+
+bool Sender::connect_once() {
+  std::string host;
+  uint16_t port = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    host = options_.host;
+    port = options_.port;
+    peer_changed_ = false;
+  }
+  Socket sock;
+  Status s = connect_tcp(host, port, options_.connect_timeout, &sock);
+  if (!s.ok()) {
+    log(LogLevel::kDebug, "sender: %s", s.message().c_str());
+    return false;
+  }
+  const int one = 1;
+  ::setsockopt(sock.fd(), SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stopping_) return false;
+  conn_ = std::move(sock);
+  connected_ = true;
+  ++stats_.connects;
+  reader_.clear();
+  shaper_.reset();
+  // Everything not yet acknowledged goes out again, in order.
+  for (auto& e : queue_) {
+    e.sent_before = e.sent_before || e.sent;
+    e.sent = false;
+    e.deliver_at.reset();
+  }
+  log(LogLevel::kInfo, "sender: connected to %s:%u (%zu entries to (re)send)", host.c_str(),
+      static_cast<unsigned>(port), queue_.size());
+  return true;
+}
+
+void Sender::drop_connection(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (conn_.valid() && !stopping_) {
+    log(LogLevel::kWarn, "sender: connection to %s:%u lost (%s); reconnecting",
+        options_.host.c_str(), static_cast<unsigned>(options_.port), why.c_str());
+  }
+  conn_.close();
+  connected_ = false;
+  for (auto& e : queue_) {
+    e.sent_before = e.sent_before || e.sent;
+    e.sent = false;
+    e.deliver_at.reset();
+  }
+}
+
+void Sender::handle_incoming() {
+  const Status filled = reader_.fill(conn_.fd());
+  FrameExpectation expect;
+  expect.run_id = options_.run_id;
+  expect.max_frame_bytes = options_.max_frame_bytes;
+  for (;;) {
+    std::vector<uint8_t> bytes;
+    FrameError error = FrameError::kNone;
+    std::string reason;
+    const FrameReader::Next next = reader_.next(&bytes, &error, &reason);
+    if (next == FrameReader::Next::kNeedMore) break;
+    if (next == FrameReader::Next::kBroken) {
+      log(LogLevel::kWarn, "sender: unreadable stream from downstream: %s: %s",
+          frame_error_name(error), reason.c_str());
+      drop_connection("bad frame from downstream");
+      return;
+    }
+    const DecodeResult r = decode_frame(bytes.data(), bytes.size(), options_.key, expect);
+    if (!r.ok()) {
+      log(LogLevel::kWarn, "sender: rejected frame from downstream: %s", r.reason.c_str());
+      continue;
+    }
+    if (r.frame.type == FrameType::kAck) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+        if (it->micro_batch == r.frame.micro_batch && it->window == r.frame.window) {
+          queue_.erase(it);
+          ++stats_.acks;
+          changed_.notify_all();
+          break;
+        }
+      }
+    } else if (r.frame.type == FrameType::kError) {
+      log(LogLevel::kWarn, "sender: downstream reports an error: %s", r.frame.json.c_str());
+    } else {
+      log(LogLevel::kWarn, "sender: ignoring %s frame on the data link",
+          frame_type_name(static_cast<uint16_t>(r.frame.type)));
+    }
+  }
+  if (!filled.ok()) drop_connection(filled.message());
+}
+
+void Sender::run() {
+  auto backoff = options_.backoff_initial;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) break;
+    }
+    if (!conn_.valid()) {
+      if (!connect_once()) {
+        sleep_interruptibly(backoff);
+        backoff = std::min(backoff * 2, options_.backoff_max);
+        continue;
+      }
+      backoff = options_.backoff_initial;
+    }
+
+    // The next frame to put on the wire and when the emulated link delivers it.
+    std::shared_ptr<const std::vector<uint8_t>> bytes;
+    SteadyClock::time_point deliver_at = SteadyClock::now() + std::chrono::seconds(1);
+    bool resend = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (peer_changed_) {
+        conn_.close();
+        connected_ = false;
+        continue;
+      }
+      for (auto& e : queue_) {
+        if (e.sent) continue;
+        if (!e.deliver_at) {
+          const auto handed_over = e.sent_before ? SteadyClock::now() : e.queued_at;
+          e.deliver_at = shaper_.schedule(e.bytes->size(), handed_over);
+        }
+        bytes = e.bytes;
+        deliver_at = *e.deliver_at;
+        resend = e.sent_before;
+        break;
+      }
+    }
+
+    pollfd fds[2] = {{wake_pipe_[0], POLLIN, 0}, {conn_.fd(), POLLIN, 0}};
+    const int rc = ::poll(fds, 2, poll_timeout_ms(deliver_at));
+    if (rc < 0 && errno != EINTR) {
+      drop_connection(std::string("poll: ") + std::strerror(errno));
+      continue;
+    }
+    if (fds[0].revents) drain_wake(wake_pipe_[0]);
+    if (fds[1].revents & (POLLIN | POLLHUP | POLLERR)) {
+      handle_incoming();
+      if (!conn_.valid()) continue;
+    }
+    if (!bytes || SteadyClock::now() < deliver_at) continue;
+
+    const Status s = send_all(conn_.fd(), bytes->data(), bytes->size());
+    if (!s.ok()) {
+      drop_connection(s.message());
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& e : queue_) {
+      if (e.bytes == bytes) {
+        e.sent = true;
+        break;
+      }
+    }
+    ++stats_.transmissions;
+    if (resend) ++stats_.resends;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  conn_.close();
+  connected_ = false;
+}
+
+// ---------------------------------------------------------------- Receiver
+
+Receiver::Receiver(ReceiverOptions options)
+    : options_(std::move(options)),
+      log_(options_.log_dir, options_.key, options_.expect),
+      reader_(options_.expect.max_frame_bytes),
+      next_micro_batch_(options_.first_micro_batch) {}
+
+Receiver::~Receiver() {
+  stop();
+  close_wake_pipe(wake_pipe_);
+}
+
+Status Receiver::start() {
+  if (options_.log_dir.empty()) {
+    return Status(StatusCode::kInvalidArgument, "receiver needs a log_dir for its input log");
+  }
+  if (options_.max_pending == 0) {
+    return Status(StatusCode::kInvalidArgument, "max_pending is 0; it must be at least 1");
+  }
+  Status s = log_.open();
+  if (!s.ok()) return s;
+  for (const auto& c : log_.corrupt()) {
+    log(LogLevel::kError, "receiver: input log entry %s unusable: %s", c.path.c_str(),
+        c.reason.c_str());
+  }
+  if (options_.committed_window) {
+    s = log_.delete_through(*options_.committed_window);
+    if (!s.ok()) return s;
+  }
+  s = listen_tcp(options_.host, options_.port, &listener_, &port_);
+  if (!s.ok()) return s;
+  if (!make_wake_pipe(wake_pipe_)) {
+    return Status(StatusCode::kIoError, std::string("pipe: ") + std::strerror(errno));
+  }
+  log(LogLevel::kInfo, "receiver: stage %u listening on %s:%u, %zu logged entries to replay",
+      options_.stage, options_.host.c_str(), static_cast<unsigned>(port_), log_.size());
+  thread_ = std::thread([this] { run(); });
+  return Status();
+}
+
+void Receiver::wake() { write_wake(wake_pipe_[1]); }
+
+size_t Receiver::pending_locked() const {
+  size_t n = 0;
+  for (const auto& e : log_.entries()) {
+    if (e.micro_batch >= next_micro_batch_) ++n;
+  }
+  return n;
+}
+
+Status Receiver::next(std::chrono::milliseconds timeout, InputEntry* out) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const uint64_t mb = next_micro_batch_;
+  const bool ready = arrived_.wait_for(lock, timeout, [&] {
+    return stopping_ || log_.contains(mb);
+  });
+  if (stopping_) return Status(StatusCode::kClosed, "receiver is stopped");
+  if (!ready) {
+    return Status(StatusCode::kTimeout, "micro-batch " + std::to_string(mb) +
+                                            " did not arrive within " +
+                                            std::to_string(timeout.count()) + " ms");
+  }
+  lock.unlock();
+  Frame frame;
+  Status s = log_.read(mb, &frame);
+  if (!s.ok()) return s;
+  lock.lock();
+  ++next_micro_batch_;
+  lock.unlock();
+  wake();  // room for one more pending entry
+  out->window = frame.window;
+  out->micro_batch = frame.micro_batch;
+  out->frame = std::move(frame);
+  return Status();
+}
+
+Status Receiver::window_committed(uint64_t window) { return log_.delete_through(window); }
+
+ReceiverStats Receiver::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_;
+}
+
+void Receiver::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_ && !thread_.joinable()) return;
+    stopping_ = true;
+  }
+  arrived_.notify_all();
+  wake();
+  if (thread_.joinable()) thread_.join();
+  conn_.close();
+  listener_.close();
+}
+
+void Receiver::reject(const std::string& reason, bool send_error) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.rejected;
+    stats_.last_reject_reason = reason;
+  }
+  log(LogLevel::kWarn, "receiver: stage %u rejected a frame: %s", options_.stage, reason.c_str());
+  if (send_error && conn_.valid()) {
+    // Best effort: tells an honest but misconfigured upstream why.
+    const Frame err = make_control_frame(FrameType::kError, options_.expect.run_id.value_or(RunId{}),
+                                         options_.stage, 0, 0,
+                                         nlohmann::json{{"reason", reason}}.dump());
+    (void)write_frame(conn_.fd(), err, options_.key);
+  }
+  conn_.close();
+  reader_.clear();
+}
+
+void Receiver::handle_frame(const std::vector<uint8_t>& bytes) {
+  DecodeResult r = decode_frame(bytes.data(), bytes.size(), options_.key, options_.expect);
+  if (!r.ok()) {
+    reject(r.reason, true);
+    return;
+  }
+  if (r.frame.type != FrameType::kData) {
+    log(LogLevel::kWarn, "receiver: ignoring %s frame on the data link",
+        frame_type_name(static_cast<uint16_t>(r.frame.type)));
+    return;
+  }
+  const uint64_t mb = r.frame.micro_batch;
+  const uint64_t window = r.frame.window;
+  bool duplicate = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    duplicate = mb < next_micro_batch_ || log_.contains(mb);
+  }
+  if (duplicate) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.duplicates;
+  } else {
+    // Durable before acknowledged: the ACK releases the sender's copy.
+    const Status s = log_.append(window, mb, bytes);
+    if (!s.ok()) {
+      log(LogLevel::kError, "receiver: cannot log micro-batch %llu: %s",
+          static_cast<unsigned long long>(mb), s.message().c_str());
+      conn_.close();  // no ACK: the sender re-sends after reconnecting
+      reader_.clear();
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.accepted;
+    arrived_.notify_all();
+  }
+  const Frame ack = make_control_frame(FrameType::kAck, r.frame.run_id, options_.stage, window, mb);
+  const Status s = write_frame(conn_.fd(), ack, options_.key);
+  if (!s.ok()) {
+    log(LogLevel::kWarn, "receiver: cannot send ACK: %s", s.message().c_str());
+    conn_.close();
+    reader_.clear();
+  }
+}
+
+void Receiver::serve_connection() {
+  // Frames already buffered are handled only while there is room, so a
+  // stalled consumer stops the acknowledgements (back-pressure).
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_ || pending_locked() >= options_.max_pending) return;
+    }
+    if (!conn_.valid()) return;
+    std::vector<uint8_t> bytes;
+    FrameError error = FrameError::kNone;
+    std::string reason;
+    const FrameReader::Next next = reader_.next(&bytes, &error, &reason);
+    if (next == FrameReader::Next::kNeedMore) return;
+    if (next == FrameReader::Next::kBroken) {
+      reject(std::string(frame_error_name(error)) + ": " + reason, true);
+      return;
+    }
+    handle_frame(bytes);
+  }
+}
+
+void Receiver::run() {
+  for (;;) {
+    bool room = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) break;
+      room = pending_locked() < options_.max_pending;
+    }
+    if (room && conn_.valid()) serve_connection();
+
+    pollfd fds[3] = {{wake_pipe_[0], POLLIN, 0},
+                     {listener_.fd(), POLLIN, 0},
+                     {room && conn_.valid() ? conn_.fd() : -1, POLLIN, 0}};
+    const int rc = ::poll(fds, 3, 1000);
+    if (rc < 0) {
+      if (errno == EINTR) continue;
+      log(LogLevel::kError, "receiver: poll: %s", std::strerror(errno));
+      break;
+    }
+    if (fds[0].revents) drain_wake(wake_pipe_[0]);
+    if (fds[1].revents & POLLIN) {
+      Socket incoming;
+      const Status s = accept_tcp(listener_, &incoming);
+      if (s.ok()) {
+        if (conn_.valid()) {
+          log(LogLevel::kInfo, "receiver: upstream reconnected; dropping its old connection");
+        }
+        conn_ = std::move(incoming);
+        reader_.clear();
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++stats_.connections;
+      } else {
+        log(LogLevel::kWarn, "receiver: %s", s.message().c_str());
+      }
+    }
+    if (fds[2].fd >= 0 && (fds[2].revents & (POLLIN | POLLHUP | POLLERR))) {
+      const Status filled = reader_.fill(conn_.fd());
+      serve_connection();
+      if (!filled.ok() && conn_.valid()) {
+        // Frames already buffered were handled above (as far as room allowed).
+        if (filled.code() != StatusCode::kClosed) {
+          log(LogLevel::kWarn, "receiver: upstream connection: %s", filled.message().c_str());
+        }
+        conn_.close();
+        reader_.clear();
+      }
+    }
+  }
+}
+
+}  // namespace zl

@@ -1,0 +1,238 @@
+#include "zl/tcp_socket.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+namespace zl {
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+Status errno_status(const std::string& what) {
+  return Status(StatusCode::kIoError, what + ": " + std::strerror(errno));
+}
+
+Status resolve(const std::string& host, uint16_t port, sockaddr_storage* addr, socklen_t* len) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const std::string service = std::to_string(port);
+  const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    return Status(StatusCode::kInvalidArgument,
+                  "cannot resolve host '" + host + "': " + gai_strerror(rc));
+  }
+  std::memcpy(addr, res->ai_addr, res->ai_addrlen);
+  *len = res->ai_addrlen;
+  freeaddrinfo(res);
+  return Status();
+}
+
+// Waits until `fd` is readable/writable or `deadline` passes.
+Status wait_fd(int fd, short events, SteadyClock::time_point deadline) {
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - SteadyClock::now());
+    if (left.count() < 0) return Status(StatusCode::kTimeout, "timed out");
+    pollfd p{fd, events, 0};
+    const int rc = ::poll(&p, 1, static_cast<int>(left.count()) + 1);
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc < 0) return errno_status("poll");
+    if (rc == 0) continue;  // re-check the deadline
+    return Status();
+  }
+}
+
+Status recv_exact(int fd, uint8_t* out, size_t size, SteadyClock::time_point deadline) {
+  size_t got = 0;
+  while (got < size) {
+    Status s = wait_fd(fd, POLLIN, deadline);
+    if (!s.ok()) return s;
+    const ssize_t n = ::recv(fd, out + got, size - got, MSG_DONTWAIT);
+    if (n == 0) return Status(StatusCode::kClosed, "connection closed by peer");
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+      return errno_status("recv");
+    }
+    got += static_cast<size_t>(n);
+  }
+  return Status();
+}
+
+}  // namespace
+
+Socket& Socket::operator=(Socket&& other) noexcept {
+  if (this != &other) {
+    close();
+    fd_ = other.fd_;
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+void Socket::close() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+}
+
+void Socket::shutdown() {
+  if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+}
+
+Status listen_tcp(const std::string& host, uint16_t port, Socket* out, uint16_t* bound_port) {
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  Status s = resolve(host, port, &addr, &len);
+  if (!s.ok()) return s;
+  Socket sock(::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!sock.valid()) return errno_status("socket");
+  const int one = 1;
+  ::setsockopt(sock.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(sock.fd(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    return errno_status("bind " + host + ":" + std::to_string(port));
+  }
+  if (::listen(sock.fd(), 8) != 0) return errno_status("listen");
+  sockaddr_storage bound{};
+  socklen_t bound_len = sizeof(bound);
+  ::getsockname(sock.fd(), reinterpret_cast<sockaddr*>(&bound), &bound_len);
+  *bound_port = ntohs(bound.ss_family == AF_INET6
+                          ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                          : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  *out = std::move(sock);
+  return Status();
+}
+
+Status connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout,
+                   Socket* out) {
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  Status s = resolve(host, port, &addr, &len);
+  if (!s.ok()) return s;
+  Socket sock(::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!sock.valid()) return errno_status("socket");
+  const int flags = ::fcntl(sock.fd(), F_GETFL, 0);
+  ::fcntl(sock.fd(), F_SETFL, flags | O_NONBLOCK);
+  const std::string where = host + ":" + std::to_string(port);
+  if (::connect(sock.fd(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    if (errno != EINPROGRESS) return errno_status("connect " + where);
+    s = wait_fd(sock.fd(), POLLOUT, SteadyClock::now() + timeout);
+    if (!s.ok()) return Status(s.code(), "connect " + where + ": " + s.message());
+    int err = 0;
+    socklen_t err_len = sizeof(err);
+    ::getsockopt(sock.fd(), SOL_SOCKET, SO_ERROR, &err, &err_len);
+    if (err != 0) {
+      errno = err;
+      return errno_status("connect " + where);
+    }
+  }
+  ::fcntl(sock.fd(), F_SETFL, flags & ~O_NONBLOCK);
+  const int one = 1;
+  ::setsockopt(sock.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  *out = std::move(sock);
+  return Status();
+}
+
+Status accept_tcp(const Socket& listener, Socket* out) {
+  const int fd = ::accept(listener.fd(), nullptr, nullptr);
+  if (fd < 0) return errno_status("accept");
+  ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  *out = Socket(fd);
+  return Status();
+}
+
+Status send_all(int fd, const uint8_t* data, size_t size) {
+  size_t sent = 0;
+  while (sent < size) {
+    const ssize_t n = ::send(fd, data + sent, size - sent, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno_status("send");
+    }
+    sent += static_cast<size_t>(n);
+  }
+  return Status();
+}
+
+Status write_frame(int fd, const Frame& frame, const FrameKey& key) {
+  std::vector<uint8_t> bytes;
+  Status s = encode_frame(frame, key, &bytes);
+  if (!s.ok()) return s;
+  return send_all(fd, bytes.data(), bytes.size());
+}
+
+Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
+                  std::chrono::milliseconds timeout, DecodeResult* out,
+                  std::vector<uint8_t>* raw) {
+  const auto deadline = SteadyClock::now() + timeout;
+  std::vector<uint8_t> bytes(kFrameHeaderSize);
+  Status s = recv_exact(fd, bytes.data(), kFrameHeaderSize, deadline);
+  if (!s.ok()) return s;
+  size_t total = 0;
+  std::string reason;
+  const FrameError e =
+      peek_frame_length(bytes.data(), bytes.size(), expect.max_frame_bytes, &total, &reason);
+  if (e != FrameError::kNone) {
+    out->error = e;
+    out->reason = std::string(frame_error_name(e)) + ": " + reason;
+    return Status();
+  }
+  bytes.resize(total);
+  s = recv_exact(fd, bytes.data() + kFrameHeaderSize, total - kFrameHeaderSize, deadline);
+  if (!s.ok()) return s;
+  *out = decode_frame(bytes.data(), bytes.size(), key, expect);
+  if (raw) *raw = std::move(bytes);
+  return Status();
+}
+
+Status FrameReader::fill(int fd) {
+  uint8_t chunk[64 * 1024];
+  for (;;) {
+    const ssize_t n = ::recv(fd, chunk, sizeof(chunk), MSG_DONTWAIT);
+    if (n == 0) return Status(StatusCode::kClosed, "connection closed by peer");
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return Status();
+      return errno_status("recv");
+    }
+    buffer_.insert(buffer_.end(), chunk, chunk + n);
+    // Do not buffer more than one maximal frame ahead of the consumer.
+    if (buffer_.size() > max_frame_bytes_ + kFrameHeaderSize) return Status();
+  }
+}
+
+FrameReader::Next FrameReader::next(std::vector<uint8_t>* frame, FrameError* error,
+                                    std::string* reason) {
+  if (buffer_.size() < kFrameHeaderSize) {
+    // The magic can be checked early, so garbage is rejected without waiting.
+    if (buffer_.size() >= 4 &&
+        std::memcmp(buffer_.data(), kFrameMagic.data(), kFrameMagic.size()) != 0) {
+      size_t unused = 0;
+      *error = peek_frame_length(buffer_.data(), buffer_.size(), max_frame_bytes_, &unused, reason);
+      return Next::kBroken;
+    }
+    return Next::kNeedMore;
+  }
+  size_t total = 0;
+  *error = peek_frame_length(buffer_.data(), buffer_.size(), max_frame_bytes_, &total, reason);
+  if (*error != FrameError::kNone) return Next::kBroken;
+  if (buffer_.size() < total) return Next::kNeedMore;
+  frame->assign(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(total));
+  buffer_.erase(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(total));
+  return Next::kFrame;
+}
+
+}  // namespace zl

@@ -1,0 +1,403 @@
+// Sender/Receiver over loopback (127.0.0.1, ephemeral ports): delivery in
+// order, log-before-ack, duplicates, bad frames, the in-flight bound D under
+// a stalled downstream, reconnect/re-send, and link shaping (lower bounds only).
+#include "zl/peer_link.h"
+
+#include <sys/stat.h>
+
+#include <atomic>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "net_test_support.h"
+
+namespace zl {
+namespace {
+
+using namespace std::chrono_literals;
+using std::chrono::milliseconds;
+using testing::data_frame;
+using testing::TempDir;
+using testing::test_key;
+using testing::test_run;
+
+constexpr int64_t kB = 1, kS = 3, kD = 4;
+
+ReceiverOptions receiver_options(const std::string& log_dir, uint16_t port = 0) {
+  ReceiverOptions o;
+  o.port = port;
+  o.key = test_key();
+  o.expect.run_id = test_run();
+  o.expect.stage = 0;  // frames come from stage 0
+  o.expect.batch = kB;
+  o.expect.seq_len = kS;
+  o.expect.hidden_size = kD;
+  o.stage = 1;
+  o.log_dir = log_dir;
+  return o;
+}
+
+SenderOptions sender_options(uint16_t port, size_t d = 2) {
+  SenderOptions o;
+  o.port = port;
+  o.key = test_key();
+  o.run_id = test_run();
+  o.max_in_flight = d;
+  o.backoff_initial = 10ms;
+  o.backoff_max = 100ms;
+  return o;
+}
+
+bool file_exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+// Plays an upstream by hand: one raw connection to the receiver.
+struct RawUpstream {
+  Socket sock;
+  explicit RawUpstream(uint16_t port) {
+    EXPECT_TRUE(connect_tcp("127.0.0.1", port, 1000ms, &sock).ok());
+  }
+  void send_bytes(const std::vector<uint8_t>& b) { ASSERT_TRUE(send_all(sock.fd(), b.data(), b.size()).ok()); }
+  void send(const Frame& f, const FrameKey& key = test_key()) {
+    ASSERT_TRUE(write_frame(sock.fd(), f, key).ok());
+  }
+  DecodeResult reply(Status* status) {
+    DecodeResult r;
+    *status = read_frame(sock.fd(), test_key(), {}, 2000ms, &r);
+    return r;
+  }
+};
+
+TEST(PeerLinkTest, DeliversEntriesInMicroBatchOrder) {
+  TempDir dir;
+  Receiver receiver(receiver_options(dir.path()));
+  ASSERT_TRUE(receiver.start().ok());
+  Sender sender(sender_options(receiver.port(), 2));
+  ASSERT_TRUE(sender.start().ok());
+  for (uint64_t mb = 0; mb < 6; ++mb) ASSERT_TRUE(sender.send(data_frame(mb / 3, mb), 2000ms).ok());
+  for (uint64_t mb = 0; mb < 6; ++mb) {
+    InputEntry e;
+    const Status s = receiver.next(2000ms, &e);
+    ASSERT_TRUE(s.ok()) << s.message();
+    EXPECT_EQ(e.micro_batch, mb);
+    EXPECT_EQ(e.window, mb / 3);
+    EXPECT_EQ(e.frame.find("hidden")->data, data_frame(mb / 3, mb).find("hidden")->data);
+  }
+  ASSERT_TRUE(sender.flush(2000ms).ok());
+  EXPECT_EQ(sender.stats().acks, 6u);
+  EXPECT_LE(sender.stats().max_in_flight_seen, 2u);
+  EXPECT_EQ(receiver.stats().accepted, 6u);
+  InputEntry none;
+  EXPECT_EQ(receiver.next(50ms, &none).code(), StatusCode::kTimeout);
+}
+
+TEST(PeerLinkTest, EntryIsInTheLogWhenItsAckArrives) {
+  TempDir dir;
+  Receiver receiver(receiver_options(dir.path()));
+  ASSERT_TRUE(receiver.start().ok());
+  RawUpstream up(receiver.port());
+  for (uint64_t mb = 0; mb < 3; ++mb) {
+    up.send(data_frame(7, mb));
+    Status s;
+    const DecodeResult ack = up.reply(&s);
+    ASSERT_TRUE(s.ok()) << s.message();
+    ASSERT_TRUE(ack.ok()) << ack.reason;
+    EXPECT_EQ(ack.frame.type, FrameType::kAck);
+    EXPECT_EQ(ack.frame.micro_batch, mb);
+    EXPECT_EQ(ack.frame.window, 7u);
+    EXPECT_EQ(ack.frame.stage, 1u);
+    EXPECT_TRUE(file_exists(receiver.input_log().path_for(7, mb))) << "ACK before the entry was durable";
+  }
+}
+
+TEST(PeerLinkTest, DuplicatesAreDroppedAndAcknowledgedAgain) {
+  TempDir dir;
+  Receiver receiver(receiver_options(dir.path()));
+  ASSERT_TRUE(receiver.start().ok());
+  RawUpstream up(receiver.port());
+  Status s;
+  up.send(data_frame(0, 0));
+  ASSERT_EQ(up.reply(&s).frame.type, FrameType::kAck);
+  InputEntry e;
+  ASSERT_TRUE(receiver.next(1000ms, &e).ok());  // mb 0 consumed
+  up.send(data_frame(0, 1));
+  ASSERT_EQ(up.reply(&s).frame.micro_batch, 1u);
+  up.send(data_frame(0, 1));  // still in the log
+  const DecodeResult again1 = up.reply(&s);
+  EXPECT_EQ(again1.frame.type, FrameType::kAck);
+  EXPECT_EQ(again1.frame.micro_batch, 1u);
+  up.send(data_frame(0, 0));  // already consumed
+  EXPECT_EQ(up.reply(&s).frame.micro_batch, 0u);
+  EXPECT_EQ(receiver.stats().duplicates, 2u);
+  EXPECT_EQ(receiver.stats().accepted, 2u);
+  ASSERT_TRUE(receiver.next(1000ms, &e).ok());
+  EXPECT_EQ(e.micro_batch, 1u);
+  EXPECT_EQ(receiver.next(50ms, &e).code(), StatusCode::kTimeout);
+}
+
+TEST(PeerLinkTest, BadFramesAreRejectedAndTheReceiverKeepsServing) {
+  TempDir dir;
+  Receiver receiver(receiver_options(dir.path()));
+  ASSERT_TRUE(receiver.start().ok());
+  struct Case {
+    std::string name;
+    std::vector<uint8_t> bytes;
+    std::string reason;
+  };
+  std::vector<Case> cases;
+  std::vector<uint8_t> b;
+  ASSERT_TRUE(encode_frame(data_frame(0, 0), test_key(9), &b).ok());
+  cases.push_back({"wrong key", b, "bad_mac"});
+  ASSERT_TRUE(encode_frame(data_frame(0, 0, 1, 3, 8), test_key(), &b).ok());
+  cases.push_back({"wrong shape", b, "unexpected_tensor"});
+  ASSERT_TRUE(encode_frame(data_frame(0, 0, kB, kS, kD, 0, test_run(2)), test_key(), &b).ok());
+  cases.push_back({"wrong run", b, "wrong_run"});
+  cases.push_back({"garbage", std::vector<uint8_t>(100, 'x'), "bad_magic"});
+  for (size_t i = 0; i < cases.size(); ++i) {
+    RawUpstream bad(receiver.port());
+    bad.send_bytes(cases[i].bytes);
+    Status s;
+    const DecodeResult r = bad.reply(&s);
+    // The receiver explains (ERROR frame) and then closes the connection.
+    if (s.ok() && r.ok()) {
+      EXPECT_EQ(r.frame.type, FrameType::kError) << cases[i].name;
+      EXPECT_NE(r.frame.json.find(cases[i].reason), std::string::npos) << r.frame.json;
+    }
+    EXPECT_EQ(receiver.stats().rejected, i + 1) << cases[i].name;
+    EXPECT_NE(receiver.stats().last_reject_reason.find(cases[i].reason), std::string::npos)
+        << cases[i].name << ": " << receiver.stats().last_reject_reason;
+  }
+  // A good frame on a new connection is accepted.
+  RawUpstream good(receiver.port());
+  good.send(data_frame(0, 0));
+  Status s;
+  EXPECT_EQ(good.reply(&s).frame.type, FrameType::kAck);
+  InputEntry e;
+  ASSERT_TRUE(receiver.next(1000ms, &e).ok());
+  EXPECT_EQ(e.micro_batch, 0u);
+  EXPECT_EQ(receiver.stats().accepted, 1u);
+}
+
+// A downstream that reads frames and never acknowledges them.
+class SilentDownstream {
+ public:
+  SilentDownstream() {
+    EXPECT_TRUE(listen_tcp("127.0.0.1", 0, &listener_, &port_).ok());
+    thread_ = std::thread([this] {
+      Socket conn;
+      if (!accept_tcp(listener_, &conn).ok()) return;
+      while (!stop_) {
+        DecodeResult r;
+        const Status s = read_frame(conn.fd(), test_key(), {}, 50ms, &r);
+        if (s.code() == StatusCode::kTimeout) continue;
+        if (!s.ok()) return;
+        if (r.ok()) ++frames_;
+      }
+    });
+  }
+  ~SilentDownstream() {
+    stop_ = true;
+    listener_.shutdown();
+    thread_.join();
+  }
+  uint16_t port() const { return port_; }
+  int frames() const { return frames_; }
+
+ private:
+  Socket listener_;
+  uint16_t port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> frames_{0};
+  std::thread thread_;
+};
+
+TEST(PeerLinkTest, InFlightBoundHoldsWhenDownstreamDoesNotAck) {
+  SilentDownstream downstream;
+  Sender sender(sender_options(downstream.port(), 3));
+  ASSERT_TRUE(sender.start().ok());
+  for (uint64_t mb = 0; mb < 3; ++mb) ASSERT_TRUE(sender.send(data_frame(0, mb), 1000ms).ok());
+  const auto t0 = SteadyClock::now();
+  const Status s = sender.send(data_frame(0, 3), 200ms);
+  EXPECT_EQ(s.code(), StatusCode::kTimeout) << s.message();
+  EXPECT_GE(SteadyClock::now() - t0, 200ms);
+  EXPECT_NE(s.message().find("D = 3"), std::string::npos) << s.message();
+  EXPECT_EQ(sender.in_flight(), 3u);
+  EXPECT_EQ(sender.stats().max_in_flight_seen, 3u);
+  for (int i = 0; i < 100 && downstream.frames() < 3; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(downstream.frames(), 3);  // the fourth never went out
+  sender.stop();
+}
+
+TEST(PeerLinkTest, StalledConsumerBackPressuresTheSender) {
+  TempDir dir;
+  ReceiverOptions ro = receiver_options(dir.path());
+  ro.max_pending = 2;
+  Receiver receiver(ro);
+  ASSERT_TRUE(receiver.start().ok());
+  Sender sender(sender_options(receiver.port(), 2));
+  ASSERT_TRUE(sender.start().ok());
+  // 2 logged but not consumed + 2 un-acknowledged on the link, then it blocks.
+  uint64_t queued = 0;
+  while (queued < 10 && sender.send(data_frame(0, queued), 300ms).ok()) ++queued;
+  EXPECT_EQ(queued, 4u);
+  EXPECT_EQ(sender.in_flight(), 2u);
+  EXPECT_EQ(receiver.input_log().size(), 2u);
+  EXPECT_LE(sender.stats().max_in_flight_seen, 2u);
+  // Consuming releases the pipeline.
+  for (uint64_t mb = 0; mb < 4; ++mb) {
+    InputEntry e;
+    ASSERT_TRUE(receiver.next(2000ms, &e).ok());
+    EXPECT_EQ(e.micro_batch, mb);
+  }
+  EXPECT_TRUE(sender.flush(2000ms).ok());
+}
+
+TEST(PeerLinkTest, ReconnectsAfterTheReceiverRestartsAndResendsUnacked) {
+  TempDir dir;
+  uint16_t port = 0;
+  auto sender_holder = std::unique_ptr<Sender>();
+  {
+    Receiver first(receiver_options(dir.path()));
+    ASSERT_TRUE(first.start().ok());
+    port = first.port();
+    sender_holder = std::make_unique<Sender>(sender_options(port, 4));
+    ASSERT_TRUE(sender_holder->start().ok());
+    for (uint64_t mb = 0; mb < 2; ++mb) ASSERT_TRUE(sender_holder->send(data_frame(0, mb), 1000ms).ok());
+    ASSERT_TRUE(sender_holder->flush(2000ms).ok());
+  }  // receiver "crashes": nothing consumed yet
+  Sender& sender = *sender_holder;
+  ASSERT_TRUE(sender.send(data_frame(1, 2), 1000ms).ok());
+  ASSERT_TRUE(sender.send(data_frame(1, 3), 1000ms).ok());
+  std::this_thread::sleep_for(100ms);  // sender retries with back-off meanwhile
+  EXPECT_EQ(sender.in_flight(), 2u);
+
+  Receiver second(receiver_options(dir.path(), port));
+  ASSERT_TRUE(second.start().ok());
+  EXPECT_EQ(second.input_log().size(), 2u);  // replayable from the log
+  ASSERT_TRUE(sender.flush(3000ms).ok());
+  for (uint64_t mb = 0; mb < 4; ++mb) {
+    InputEntry e;
+    ASSERT_TRUE(second.next(2000ms, &e).ok());
+    EXPECT_EQ(e.micro_batch, mb);
+  }
+  EXPECT_GE(sender.stats().connects, 2u);
+}
+
+TEST(PeerLinkTest, UnackedEntriesAreResentAfterTheConnectionDrops) {
+  TempDir dir;
+  uint16_t port = 0;
+  Socket listener;
+  ASSERT_TRUE(listen_tcp("127.0.0.1", 0, &listener, &port).ok());
+  Sender sender(sender_options(port, 3));
+  ASSERT_TRUE(sender.start().ok());
+  {
+    // First downstream reads two frames, never acknowledges, and dies.
+    Socket conn;
+    ASSERT_TRUE(accept_tcp(listener, &conn).ok());
+    for (uint64_t mb = 0; mb < 2; ++mb) ASSERT_TRUE(sender.send(data_frame(0, mb), 1000ms).ok());
+    for (int i = 0; i < 2; ++i) {
+      DecodeResult r;
+      ASSERT_TRUE(read_frame(conn.fd(), test_key(), {}, 1000ms, &r).ok());
+      ASSERT_TRUE(r.ok());
+    }
+    listener.close();
+  }
+  Receiver receiver(receiver_options(dir.path(), port));
+  ASSERT_TRUE(receiver.start().ok());
+  ASSERT_TRUE(sender.flush(3000ms).ok());
+  EXPECT_GE(sender.stats().resends, 2u);
+  InputEntry e;
+  ASSERT_TRUE(receiver.next(1000ms, &e).ok());
+  EXPECT_EQ(e.micro_batch, 0u);
+}
+
+TEST(PeerLinkTest, RestartReplaysFromTheLogAfterTheCheckpoint) {
+  TempDir dir;
+  {
+    InputLog log(dir.path(), test_key());
+    ASSERT_TRUE(log.open().ok());
+    for (uint64_t mb = 0; mb < 6; ++mb) {
+      std::vector<uint8_t> b;
+      ASSERT_TRUE(encode_frame(data_frame(mb / 2, mb), test_key(), &b).ok());
+      ASSERT_TRUE(log.append(mb / 2, mb, b).ok());
+    }
+  }
+  // Checkpoint of window 0 is in place (micro-batches 0, 1): replay from 2.
+  ReceiverOptions ro = receiver_options(dir.path());
+  ro.committed_window = 0;
+  ro.first_micro_batch = 2;
+  ro.max_pending = 8;
+  Receiver receiver(ro);
+  ASSERT_TRUE(receiver.start().ok());
+  EXPECT_EQ(receiver.input_log().size(), 4u);
+  InputEntry e;
+  ASSERT_TRUE(receiver.next(1000ms, &e).ok());
+  EXPECT_EQ(e.micro_batch, 2u);
+  ASSERT_TRUE(receiver.next(1000ms, &e).ok());
+  EXPECT_EQ(e.micro_batch, 3u);
+  ASSERT_TRUE(receiver.window_committed(1).ok());
+  EXPECT_FALSE(file_exists(receiver.input_log().path_for(1, 3)));
+  EXPECT_TRUE(file_exists(receiver.input_log().path_for(2, 4)));
+  EXPECT_EQ(receiver.input_log().size(), 2u);
+}
+
+TEST(PeerLinkTest, LinkShapingAddsLatencyAndSerializationDelay) {
+  TempDir dir;
+  Receiver receiver(receiver_options(dir.path()));
+  ASSERT_TRUE(receiver.start().ok());
+
+  SenderOptions so = sender_options(receiver.port(), 4);
+  ASSERT_TRUE(link_profile_from_name("constrained", &so.profile).ok());
+  Sender sender(so);
+  ASSERT_TRUE(sender.start().ok());
+  for (int i = 0; i < 100 && !sender.connected(); ++i) std::this_thread::sleep_for(5ms);
+  auto t0 = SteadyClock::now();
+  ASSERT_TRUE(sender.send(data_frame(0, 0), 1000ms).ok());
+  ASSERT_TRUE(sender.flush(2000ms).ok());
+  EXPECT_GE(SteadyClock::now() - t0, 30ms);  // one-way latency of `constrained`
+  sender.stop();
+
+  // Bandwidth only: 2 frames of 1 + 131,072 floats (~512 KiB) at 80 Mbit/s
+  // need >= 2 * 52 ms on the wire.
+  ReceiverOptions ro = receiver_options(dir.path() + "/big");
+  ro.expect.batch = 1;
+  ro.expect.seq_len = 128;
+  ro.expect.hidden_size = 1024;
+  Receiver big(ro);
+  ASSERT_TRUE(big.start().ok());
+  SenderOptions bo = sender_options(big.port(), 4);
+  bo.profile.name = "test";
+  bo.profile.bandwidth_bits_per_s = 80'000'000;
+  Sender bulk(bo);
+  ASSERT_TRUE(bulk.start().ok());
+  for (int i = 0; i < 100 && !bulk.connected(); ++i) std::this_thread::sleep_for(5ms);
+  t0 = SteadyClock::now();
+  for (uint64_t mb = 0; mb < 2; ++mb) ASSERT_TRUE(bulk.send(data_frame(0, mb, 1, 128, 1024), 1000ms).ok());
+  ASSERT_TRUE(bulk.flush(3000ms).ok());
+  EXPECT_GE(SteadyClock::now() - t0, 104ms);
+}
+
+TEST(PeerLinkTest, StopUnblocksAWaitingSendAndNext) {
+  TempDir dir;
+  Receiver receiver(receiver_options(dir.path()));
+  ASSERT_TRUE(receiver.start().ok());
+  SilentDownstream downstream;
+  Sender sender(sender_options(downstream.port(), 1));
+  ASSERT_TRUE(sender.start().ok());
+  ASSERT_TRUE(sender.send(data_frame(0, 0), 1000ms).ok());
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(50ms);
+    sender.stop();
+    receiver.stop();
+  });
+  EXPECT_EQ(sender.send(data_frame(0, 1), 5000ms).code(), StatusCode::kClosed);
+  InputEntry e;
+  EXPECT_EQ(receiver.next(5000ms, &e).code(), StatusCode::kClosed);
+  stopper.join();
+}
+
+}  // namespace
+}  // namespace zl

@@ -1,0 +1,86 @@
+// Per-stage runner configuration: one JSON object per stage, written by the
+// orchestrator (zl_device) and passed as `zl_runner --config stage1.json`.
+//
+// The field table in runner_config.cpp is the single source for parsing,
+// validation of types, `--help` text and `runner_config_to_json`; defaults
+// are the member initializers below (and in AdamWConfig / LrSchedule).
+//
+// Example (stage 1 of 3):
+//   {"program": "stage1.pte", "stage_index": 1, "num_stages": 3,
+//    "listen": "0.0.0.0:7001", "downstream": "192.168.1.12:7002",
+//    "run_key_file": "run.key", "run_id": "00112233445566778899aabbccddeeff",
+//    "window_size": 4, "num_micro_batches": 128, "checkpoint_dir": "ckpt",
+//    "optimizer": {"lr": 2e-4, "schedule": {"kind": "warmup_cosine", "warmup_steps": 2}}}
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "zl/adamw.h"
+#include "zl/frame.h"
+#include "zl/status.h"
+
+namespace zl {
+
+/// Everything one stage process needs to run. Relative paths in the file are
+/// resolved against the config file's directory by load_runner_config.
+struct RunnerConfig {
+  std::string program;            ///< this stage's training program (.pte)
+  int64_t stage_index = 0;        ///< 0-based
+  int64_t num_stages = 0;         ///< K
+  std::string data_shard;         ///< tokenized shard (stage 0 only)
+  std::string listen;             ///< "host:port" for upstream DATA (stages > 0)
+  std::string downstream;         ///< "host:port" of the next stage (stages < K-1)
+  std::string coordinator;        ///< "host:port" of the coordinator; empty = none
+  std::string run_key_file;       ///< file with the per-run MAC key: 64 hex chars
+  std::string run_id;             ///< 32 hex chars (16 bytes), same on every stage
+  int64_t window_size = 0;        ///< m: micro-batches per AdamW step
+  int64_t num_micro_batches = 0;  ///< micro-batches in the whole run
+  int64_t in_flight_depth = 4;    ///< D: un-acknowledged DATA entries per link
+  std::string checkpoint_dir;     ///< root of window_* checkpoints
+  int64_t checkpoint_interval = 1;  ///< checkpoint every n-th window (and the last)
+  int64_t keep_last = 2;          ///< complete checkpoints kept
+  std::string input_log_dir;      ///< durable inbound log; empty = <checkpoint_dir>/input_log
+  bool resume = true;             ///< restore the latest checkpoint if there is one
+  AdamWConfig optimizer;          ///< lr, betas, eps, weight_decay, schedule
+  std::string link_profile = "local";  ///< local | wifi | mobile | constrained
+  int64_t threads = 0;            ///< ExecuTorch CPU threads; 0 = runtime default
+  std::string log_path = "metrics.jsonl";  ///< telemetry JSON lines (appended)
+  bool early_forwarding = true;   ///< send hidden at the marker, before phase 2
+  int64_t seed = 0;               ///< for anything random in the runner (data order)
+
+  /// Number of update windows: ceil(num_micro_batches / window_size).
+  int64_t num_windows() const;
+  bool is_first_stage() const { return stage_index == 0; }
+  bool is_last_stage() const { return stage_index == num_stages - 1; }
+};
+
+/// Parses a JSON text into `out` and validates it. Unknown fields, missing
+/// required fields, wrong types and bad values fail with a message naming
+/// the field (e.g. "optimizer.lr"), the expected type and the value seen.
+/// Relative paths are joined to `base_dir` (unless it is empty).
+/// For warmup_cosine with total_steps 0, total_steps becomes num_windows().
+Status parse_runner_config(const std::string& json_text, const std::string& base_dir, RunnerConfig* out);
+
+/// Reads `path` and parses it; relative paths resolve against its directory.
+Status load_runner_config(const std::string& path, RunnerConfig* out);
+
+/// Parses just an "optimizer" object (same fields, defaults and messages as
+/// in the stage config) and validates it; used by tools that run AdamW alone.
+Status parse_optimizer_config(const nlohmann::json& optimizer, AdamWConfig* out);
+
+/// The `--help` text: every field with type, default (or "required") and
+/// meaning, in the order of the field table.
+std::string runner_config_help();
+
+/// The effective configuration (all fields, defaults filled in), for logs.
+nlohmann::json runner_config_to_json(const RunnerConfig& config);
+
+/// Reads the run key: the file holds the 32-byte key as 64 hex characters
+/// (surrounding whitespace, e.g. a trailing newline, is ignored). Hex rather
+/// than raw bytes so it survives `adb push`, shell tools and JSON alike.
+Status load_run_key(const std::string& path, FrameKey* out);
+
+}  // namespace zl

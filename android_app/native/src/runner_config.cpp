@@ -1,0 +1,405 @@
+#include "zl/runner_config.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+
+#include "zl/durable_file.h"
+#include "zl/link_profile.h"
+
+namespace zl {
+namespace {
+
+using nlohmann::json;
+
+enum class FieldType { kString, kInteger, kNumber, kBoolean, kObject, kNumberPair };
+
+const char* type_name(FieldType type) {
+  switch (type) {
+    case FieldType::kString: return "string";
+    case FieldType::kInteger: return "integer";
+    case FieldType::kNumber: return "number";
+    case FieldType::kBoolean: return "boolean";
+    case FieldType::kObject: return "object";
+    case FieldType::kNumberPair: return "[number, number]";
+  }
+  return "?";
+}
+
+// One row per config field. Scalar rows point at their storage through
+// `ref`; rows whose JSON form differs from the member (betas, schedule kind)
+// supply `set`/`get` instead. Object rows only group their children.
+struct Field {
+  const char* path;  // dotted: "optimizer.schedule.kind"
+  FieldType type;
+  bool required;
+  bool is_path;      // resolved against the config file's directory
+  const char* help;
+  void* (*ref)(RunnerConfig*);
+  Status (*set)(const json&, RunnerConfig*);
+  json (*get)(const RunnerConfig&);
+};
+
+#define ZL_REF(expr) [](RunnerConfig* c) -> void* { return &(c->expr); }, nullptr, nullptr
+#define ZL_GROUP nullptr, nullptr, nullptr
+
+Status set_betas(const json& v, RunnerConfig* c) {
+  c->optimizer.beta1 = v[0].get<double>();
+  c->optimizer.beta2 = v[1].get<double>();
+  return Status();
+}
+json get_betas(const RunnerConfig& c) { return json::array({c.optimizer.beta1, c.optimizer.beta2}); }
+
+Status set_schedule_kind(const json& v, RunnerConfig* c) {
+  if (!parse_lr_schedule_kind(v.get<std::string>(), &c->optimizer.schedule.kind)) {
+    return Status(StatusCode::kInvalidArgument, "config field 'optimizer.schedule.kind' is " + v.dump() +
+                                                    "; expected \"constant\" or \"warmup_cosine\"");
+  }
+  return Status();
+}
+json get_schedule_kind(const RunnerConfig& c) { return lr_schedule_kind_name(c.optimizer.schedule.kind); }
+
+// The field table: order is the order of --help.
+const Field kFields[] = {
+    {"program", FieldType::kString, true, true, "Path of this stage's training program (.pte).", ZL_REF(program)},
+    {"stage_index", FieldType::kInteger, true, false, "This stage's index, 0-based.", ZL_REF(stage_index)},
+    {"num_stages", FieldType::kInteger, true, false, "Number of stages K in the pipeline.", ZL_REF(num_stages)},
+    {"data_shard", FieldType::kString, false, true, "Tokenized data shard; required on stage 0, unused elsewhere.",
+     ZL_REF(data_shard)},
+    {"listen", FieldType::kString, false, false,
+     "host:port to accept upstream DATA on; required on stages > 0 (port 0 = any free port).", ZL_REF(listen)},
+    {"downstream", FieldType::kString, false, false,
+     "host:port of the next stage; required on every stage but the last.", ZL_REF(downstream)},
+    {"coordinator", FieldType::kString, false, false, "host:port of the coordinator; empty = run without one.",
+     ZL_REF(coordinator)},
+    {"run_key_file", FieldType::kString, true, true,
+     "File holding the per-run 32-byte MAC key as 64 hex characters (trailing newline allowed).",
+     ZL_REF(run_key_file)},
+    {"run_id", FieldType::kString, true, false, "Run id, 32 hex characters (16 bytes); the same on every stage.",
+     ZL_REF(run_id)},
+    {"window_size", FieldType::kInteger, true, false,
+     "m: micro-batches per update window (one AdamW step on their mean gradient).", ZL_REF(window_size)},
+    {"num_micro_batches", FieldType::kInteger, true, false, "Micro-batches in the whole run.",
+     ZL_REF(num_micro_batches)},
+    {"in_flight_depth", FieldType::kInteger, false, false, "D: most un-acknowledged DATA entries per link.",
+     ZL_REF(in_flight_depth)},
+    {"checkpoint_dir", FieldType::kString, true, true, "Directory of this stage's window_* checkpoints.",
+     ZL_REF(checkpoint_dir)},
+    {"checkpoint_interval", FieldType::kInteger, false, false,
+     "Checkpoint after every n-th window (the last window always).", ZL_REF(checkpoint_interval)},
+    {"keep_last", FieldType::kInteger, false, false, "Complete checkpoints kept on disk.", ZL_REF(keep_last)},
+    {"input_log_dir", FieldType::kString, false, true,
+     "Durable inbound log (stages > 0); empty = <checkpoint_dir>/input_log.", ZL_REF(input_log_dir)},
+    {"resume", FieldType::kBoolean, false, false, "Restore the latest checkpoint on start if one exists.",
+     ZL_REF(resume)},
+    {"optimizer", FieldType::kObject, false, false, "AdamW settings (torch.optim.AdamW names).", ZL_GROUP},
+    {"optimizer.lr", FieldType::kNumber, false, false, "Base learning rate.", ZL_REF(optimizer.lr)},
+    {"optimizer.betas", FieldType::kNumberPair, false, false, "Moment decays [beta1, beta2].", nullptr, set_betas,
+     get_betas},
+    {"optimizer.eps", FieldType::kNumber, false, false, "Added to sqrt of the bias-corrected second moment.",
+     ZL_REF(optimizer.eps)},
+    {"optimizer.weight_decay", FieldType::kNumber, false, false, "Decoupled weight decay: p *= 1 - lr_t * wd.",
+     ZL_REF(optimizer.weight_decay)},
+    {"optimizer.schedule", FieldType::kObject, false, false, "Learning-rate schedule over optimizer steps.", ZL_GROUP},
+    {"optimizer.schedule.kind", FieldType::kString, false, false,
+     "constant, or warmup_cosine: lr*(t+1)/W for t < W, then cosine from lr to lr*min_lr_ratio at t = T.", nullptr,
+     set_schedule_kind, get_schedule_kind},
+    {"optimizer.schedule.warmup_steps", FieldType::kInteger, false, false, "W: warm-up length in optimizer steps.",
+     ZL_REF(optimizer.schedule.warmup_steps)},
+    {"optimizer.schedule.total_steps", FieldType::kInteger, false, false,
+     "T: step where the cosine reaches the floor; 0 = number of windows.", ZL_REF(optimizer.schedule.total_steps)},
+    {"optimizer.schedule.min_lr_ratio", FieldType::kNumber, false, false, "Floor as a fraction of lr, in [0, 1].",
+     ZL_REF(optimizer.schedule.min_lr_ratio)},
+    {"link_profile", FieldType::kString, false, false,
+     "Sender-side link emulation: local, wifi (2 ms, 1000 Mbps), mobile (10 ms, 200 Mbps), constrained (30 ms, 50 Mbps).",
+     ZL_REF(link_profile)},
+    {"threads", FieldType::kInteger, false, false, "ExecuTorch CPU threads; 0 = runtime default.", ZL_REF(threads)},
+    {"log_path", FieldType::kString, false, true, "Telemetry JSON-lines file (appended).", ZL_REF(log_path)},
+    {"early_forwarding", FieldType::kBoolean, false, false,
+     "Send the hidden state at the marker, before readout/loss/backward finish.", ZL_REF(early_forwarding)},
+    {"seed", FieldType::kInteger, false, false, "Seed for anything random in the runner.", ZL_REF(seed)},
+};
+
+#undef ZL_REF
+#undef ZL_GROUP
+
+bool type_matches(FieldType type, const json& v) {
+  switch (type) {
+    case FieldType::kString: return v.is_string();
+    case FieldType::kInteger: return v.is_number_integer();
+    case FieldType::kNumber: return v.is_number();
+    case FieldType::kBoolean: return v.is_boolean();
+    case FieldType::kObject: return v.is_object();
+    case FieldType::kNumberPair: return v.is_array() && v.size() == 2 && v[0].is_number() && v[1].is_number();
+  }
+  return false;
+}
+
+std::string shown(const json& v) {
+  std::string text = v.dump();
+  if (text.size() > 80) text = text.substr(0, 77) + "...";
+  return text;
+}
+
+const char* json_kind(const json& v) {
+  if (v.is_string()) return "string";
+  if (v.is_boolean()) return "boolean";
+  if (v.is_number_integer()) return "integer";
+  if (v.is_number()) return "number";
+  if (v.is_array()) return "array";
+  if (v.is_object()) return "object";
+  return "null";
+}
+
+Status set_field(const Field& f, const json& v, RunnerConfig* c) {
+  if (f.set != nullptr) return f.set(v, c);
+  void* p = f.ref(c);
+  switch (f.type) {
+    case FieldType::kString: *static_cast<std::string*>(p) = v.get<std::string>(); break;
+    case FieldType::kInteger: *static_cast<int64_t*>(p) = v.get<int64_t>(); break;
+    case FieldType::kNumber: *static_cast<double*>(p) = v.get<double>(); break;
+    case FieldType::kBoolean: *static_cast<bool*>(p) = v.get<bool>(); break;
+    default: break;
+  }
+  return Status();
+}
+
+json get_field(const Field& f, const RunnerConfig& c) {
+  if (f.get != nullptr) return f.get(c);
+  void* p = f.ref(const_cast<RunnerConfig*>(&c));
+  switch (f.type) {
+    case FieldType::kString: return *static_cast<std::string*>(p);
+    case FieldType::kInteger: return *static_cast<int64_t*>(p);
+    case FieldType::kNumber: return *static_cast<double*>(p);
+    case FieldType::kBoolean: return *static_cast<bool*>(p);
+    default: return nullptr;
+  }
+}
+
+// Children of `prefix` ("" or "optimizer.") are the rows one level below it.
+bool is_child(const Field& f, const std::string& prefix, std::string* name) {
+  const std::string path = f.path;
+  if (path.compare(0, prefix.size(), prefix) != 0) return false;
+  std::string rest = path.substr(prefix.size());
+  if (rest.empty() || rest.find('.') != std::string::npos) return false;
+  *name = rest;
+  return true;
+}
+
+Status invalid(const std::string& message) { return Status(StatusCode::kInvalidArgument, "config: " + message); }
+
+Status parse_object(const json& object, const std::string& prefix, RunnerConfig* config) {
+  std::vector<std::string> valid;
+  std::string name;
+  for (const Field& f : kFields) {
+    if (is_child(f, prefix, &name)) valid.push_back(name);
+  }
+  for (auto it = object.begin(); it != object.end(); ++it) {
+    if (std::find(valid.begin(), valid.end(), it.key()) == valid.end()) {
+      std::string list;
+      for (const auto& v : valid) list += (list.empty() ? "" : ", ") + v;
+      return invalid("unknown field '" + prefix + it.key() + "'; valid fields" +
+                     (prefix.empty() ? "" : " in '" + prefix.substr(0, prefix.size() - 1) + "'") + ": " + list);
+    }
+  }
+  for (const Field& f : kFields) {
+    if (!is_child(f, prefix, &name)) continue;
+    auto it = object.find(name);
+    if (it == object.end()) {
+      if (f.required) return invalid("missing required field '" + std::string(f.path) + "' (" + type_name(f.type) +
+                                     ": " + f.help + ")");
+      continue;
+    }
+    if (!type_matches(f.type, *it)) {
+      return invalid("field '" + std::string(f.path) + "' must be " + type_name(f.type) + ", got " +
+                     json_kind(*it) + " " + shown(*it));
+    }
+    Status status = f.type == FieldType::kObject ? parse_object(*it, std::string(f.path) + ".", config)
+                                                 : set_field(f, *it, config);
+    if (!status.ok()) return status;
+  }
+  return Status();
+}
+
+// "host:port" with a numeric port; the host may be empty only where
+// `allow_empty_host` (listen on all interfaces).
+Status check_address(const char* field, const std::string& value, bool allow_port_zero) {
+  const size_t colon = value.rfind(':');
+  bool ok = colon != std::string::npos && colon + 1 < value.size() && colon > 0;
+  long port = -1;
+  if (ok) {
+    const std::string digits = value.substr(colon + 1);
+    ok = digits.size() <= 5 && std::all_of(digits.begin(), digits.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); });
+    if (ok) port = std::stol(digits);
+    ok = ok && port <= 65535 && (port > 0 || allow_port_zero);
+  }
+  if (!ok) return invalid("field '" + std::string(field) + "' is \"" + value + "\"; expected host:port, e.g. 192.168.1.12:7001");
+  return Status();
+}
+
+Status check_at_least(const char* field, int64_t value, int64_t minimum) {
+  if (value < minimum) {
+    return invalid("field '" + std::string(field) + "' is " + std::to_string(value) + "; expected >= " +
+                   std::to_string(minimum));
+  }
+  return Status();
+}
+
+Status validate(const RunnerConfig& c) {
+  for (auto check : {check_at_least("num_stages", c.num_stages, 1), check_at_least("stage_index", c.stage_index, 0),
+                     check_at_least("window_size", c.window_size, 1),
+                     check_at_least("num_micro_batches", c.num_micro_batches, 1),
+                     check_at_least("in_flight_depth", c.in_flight_depth, 1),
+                     check_at_least("checkpoint_interval", c.checkpoint_interval, 1),
+                     check_at_least("keep_last", c.keep_last, 1), check_at_least("threads", c.threads, 0)}) {
+    if (!check.ok()) return check;
+  }
+  if (c.stage_index >= c.num_stages) {
+    return invalid("field 'stage_index' is " + std::to_string(c.stage_index) + " but num_stages is " +
+                   std::to_string(c.num_stages) + "; expected 0 <= stage_index < num_stages");
+  }
+  if (c.is_first_stage() && c.data_shard.empty()) return invalid("stage 0 needs field 'data_shard' (its data shard)");
+  if (!c.is_first_stage()) {
+    if (c.listen.empty()) return invalid("stage " + std::to_string(c.stage_index) + " needs field 'listen' (host:port)");
+    Status s = check_address("listen", c.listen, /*allow_port_zero=*/true);
+    if (!s.ok()) return s;
+  }
+  if (!c.is_last_stage()) {
+    if (c.downstream.empty()) {
+      return invalid("stage " + std::to_string(c.stage_index) + " of " + std::to_string(c.num_stages) +
+                     " needs field 'downstream' (host:port of the next stage)");
+    }
+    Status s = check_address("downstream", c.downstream, false);
+    if (!s.ok()) return s;
+  }
+  if (!c.coordinator.empty()) {
+    Status s = check_address("coordinator", c.coordinator, false);
+    if (!s.ok()) return s;
+  }
+  RunId run_id{};
+  if (!parse_hex_run_id(c.run_id, &run_id)) {
+    return invalid("field 'run_id' is \"" + c.run_id + "\"; expected 32 hex characters (16 bytes)");
+  }
+  LinkProfile profile;
+  Status s = link_profile_from_name(c.link_profile, &profile);
+  if (!s.ok()) return invalid("field 'link_profile': " + s.message());
+  s = c.optimizer.validate();
+  if (!s.ok()) return invalid(s.message());
+  return Status();
+}
+
+std::string directory_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+}  // namespace
+
+int64_t RunnerConfig::num_windows() const {
+  return window_size > 0 ? (num_micro_batches + window_size - 1) / window_size : 0;
+}
+
+Status parse_runner_config(const std::string& json_text, const std::string& base_dir, RunnerConfig* out) {
+  json root = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded()) return invalid("not valid JSON");
+  if (!root.is_object()) return invalid("expected a JSON object, got " + std::string(json_kind(root)));
+  RunnerConfig config;
+  Status status = parse_object(root, "", &config);
+  if (!status.ok()) return status;
+  if (!base_dir.empty()) {
+    for (const Field& f : kFields) {
+      if (!f.is_path) continue;
+      auto* path = static_cast<std::string*>(f.ref(&config));
+      if (!path->empty() && (*path)[0] != '/') *path = base_dir + "/" + *path;
+    }
+  }
+  if (config.input_log_dir.empty() && !config.checkpoint_dir.empty()) {
+    config.input_log_dir = config.checkpoint_dir + "/input_log";
+  }
+  LrSchedule& schedule = config.optimizer.schedule;
+  if (schedule.kind == LrScheduleKind::kWarmupCosine && schedule.total_steps == 0) {
+    schedule.total_steps = config.num_windows();
+  }
+  status = validate(config);
+  if (!status.ok()) return status;
+  *out = std::move(config);
+  return Status();
+}
+
+Status parse_optimizer_config(const json& optimizer, AdamWConfig* out) {
+  if (!optimizer.is_object()) return invalid("field 'optimizer' must be object, got " + shown(optimizer));
+  RunnerConfig config;
+  Status status = parse_object(optimizer, "optimizer.", &config);
+  if (!status.ok()) return status;
+  status = config.optimizer.validate();
+  if (!status.ok()) return invalid(status.message());
+  *out = config.optimizer;
+  return Status();
+}
+
+Status load_runner_config(const std::string& path, RunnerConfig* out) {
+  std::string text;
+  Status status = read_file(path, &text);
+  if (!status.ok()) return Status(status.code(), "config: " + status.message());
+  status = parse_runner_config(text, directory_of(path), out);
+  if (!status.ok()) return Status(status.code(), status.message() + " (in " + path + ")");
+  return Status();
+}
+
+std::string runner_config_help() {
+  const RunnerConfig defaults;
+  std::string text =
+      "Stage configuration: a JSON object, one file per stage (zl_runner --config FILE).\n"
+      "Relative paths resolve against the config file's directory. Nested fields are\n"
+      "written as objects: {\"optimizer\": {\"schedule\": {\"kind\": \"warmup_cosine\"}}}.\n\n";
+  for (const Field& f : kFields) {
+    std::string def;
+    if (f.type == FieldType::kObject) {
+      def = "";
+    } else if (f.required) {
+      def = "required";
+    } else {
+      def = "default " + get_field(f, defaults).dump();
+    }
+    char line[160];
+    std::snprintf(line, sizeof(line), "  %-34s %-17s %s\n", f.path, type_name(f.type), def.c_str());
+    text += line;
+    text += std::string("      ") + f.help + "\n";
+  }
+  return text;
+}
+
+json runner_config_to_json(const RunnerConfig& config) {
+  json root = json::object();
+  for (const Field& f : kFields) {
+    if (f.type == FieldType::kObject) continue;
+    json* node = &root;
+    std::string path = f.path;
+    size_t dot;
+    while ((dot = path.find('.')) != std::string::npos) {
+      node = &(*node)[path.substr(0, dot)];
+      path = path.substr(dot + 1);
+    }
+    (*node)[path] = get_field(f, config);
+  }
+  return root;
+}
+
+Status load_run_key(const std::string& path, FrameKey* out) {
+  std::string text;
+  Status status = read_file(path, &text);
+  if (!status.ok()) return Status(status.code(), "run key: " + status.message());
+  auto is_space = [](char ch) { return std::isspace(static_cast<unsigned char>(ch)) != 0; };
+  while (!text.empty() && is_space(text.back())) text.pop_back();
+  size_t start = 0;
+  while (start < text.size() && is_space(text[start])) ++start;
+  text = text.substr(start);
+  if (text.size() != 2 * kFrameKeySize || !parse_hex_key(text, out)) {
+    return Status(StatusCode::kInvalidArgument, "run key file '" + path + "' must hold 64 hex characters (32 bytes); found " +
+                                                    std::to_string(text.size()) + " characters that are not a hex key");
+  }
+  return Status();
+}
+
+}  // namespace zl

@@ -4,12 +4,51 @@ Used by `zl export --check`, the tests and the benchmarks; the device side
 runs the same program from C++ (`android_app/native`).
 """
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from zl.errors import ZLError
+
+
+# The `.pte` container: a flatbuffer whose file identifier "ET12" sits at bytes
+# 4..8, followed at byte 8 by the extended header
+# (magic "eh00", u32 header length, u64 program size, u64 segment base offset,
+# u64 segment data size; little-endian). Segments hold the constant weights.
+_PTE_IDENTIFIER = b"ET12"
+_EXTENDED_HEADER = struct.Struct("<4sIQQQ")
+
+
+def check_program_file(path: Path) -> None:
+    """Check a `.pte` file's header and that its segments fit in the file.
+
+    ExecuTorch's loader maps the file lazily, so a truncated program (an
+    interrupted copy or `adb push`) loads without complaint and fails, or
+    crashes, only when a method reads the missing bytes. This checks up front.
+
+    Raises:
+        ZLError: the file is missing, not an ExecuTorch program, or truncated.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ZLError(f"{path}: no such program; run `zl export` first.")
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8 + _EXTENDED_HEADER.size)
+    if len(head) < 8 or head[4:8] != _PTE_IDENTIFIER:
+        raise ZLError(f"{path}: not an ExecuTorch program (no {_PTE_IDENTIFIER.decode()} identifier at byte 4); "
+                      "pass a stage_<k>.pte written by `zl export`.")
+    if len(head) < 8 + _EXTENDED_HEADER.size:
+        raise ZLError(f"{path}: truncated ExecuTorch program ({size} bytes); export or copy it again.")
+    magic, _, program_size, segment_base, segment_size = _EXTENDED_HEADER.unpack(head[8:])
+    if magic != b"eh00":
+        return  # an older container without an extended header: nothing more to check
+    need = max(program_size, segment_base + segment_size if segment_size else 0)
+    if size < need:
+        raise ZLError(f"{path}: truncated ExecuTorch program: {size} bytes, its header says {need}; "
+                      "export or copy it again.")
 
 
 @dataclass
@@ -38,8 +77,7 @@ class TrainingProgram:
         from executorch.extension.training import _load_for_executorch_for_training
 
         path = Path(path)
-        if not path.is_file():
-            raise ZLError(f"{path}: no such program; run `zl export` first.")
+        check_program_file(path)
         try:
             self._module = _load_for_executorch_for_training(str(path))
         except RuntimeError as e:

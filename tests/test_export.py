@@ -1,0 +1,195 @@
+"""`zl export` on a tiny random Llama: the ExecuTorch programs against an independent eager reference.
+
+The reference runs the Hugging Face model itself (its own masks, rotary
+embedding and layer loop), cuts out one stage with hooks, and writes the loss
+of DESIGN.md §1 with `F.cross_entropy` / `F.kl_div` — no code shared with
+`StageModule` or `local_loss`.
+"""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import native_library_or_skip
+from custom_ops.program_inspect import instructions_not_feeding_marker, kernel_instructions, marker_index
+from zl_export import exporter
+from zl_export.exporter import ExportOptions, build_stage_modules, example_inputs, export_stage, write_program
+from zl_export.local_loss import LossConfig
+from zl_export.lora import LoraSettings
+from zl_export.manifest import build_manifest, load_manifest, write_manifest
+from zl_export.model_source import load_model
+from zl_export.stages import parse_spec
+from zl_export.training_program import TrainingProgram
+
+SPEC = "0-1,2-2,3-3"
+
+
+def _export(tmp_path, consistency: str, alpha: float = 0.3):
+    loaded = load_model("tiny-random", seed=3)
+    opts = ExportOptions(
+        seq_len=24, micro_batch=2, lora=LoraSettings(4, 8.0, ("q_proj", "v_proj", "down_proj")),
+        loss=LossConfig(alpha, consistency), seed=5,
+    )
+    stages = parse_spec(SPEC, loaded.config.num_hidden_layers)
+    peft_model, modules = build_stage_modules(loaded.model, stages, opts)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # B = 0 at init would make every lora_A gradient 0
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    entries = [write_program(export_stage(m, peft_model, opts, loaded.config.vocab_size), tmp_path) for m in modules]
+    manifest = build_manifest(loaded, opts, entries)
+    write_manifest(manifest, tmp_path)
+    return loaded, peft_model, modules, opts, manifest
+
+
+@pytest.fixture(scope="module", params=["kl_rev", "kl_fwd"])
+def exported(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"export_{request.param}")
+    return (out, *_export(out, request.param))
+
+
+def _reference(peft_model, first, last, input_ids, mask, labels, cfg: LossConfig, hidden_in=None):
+    """Stage `first..last` through the HF model with hooks; returns (hidden_out, loss, ce, kl, grads by PEFT name)."""
+    base = peft_model.get_base_model()
+    layers = base.model.layers
+    captured = {}
+
+    def pre(module, args, kwargs):
+        h = hidden_in if hidden_in is not None else (args[0] if args else kwargs["hidden_states"])
+        h = h.detach()
+        captured["in"] = h
+        if args:
+            return (h, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": h}
+
+    def post(module, args, kwargs, output):
+        captured["out"] = output[0] if isinstance(output, tuple) else output
+
+    handles = [
+        layers[first].register_forward_pre_hook(pre, with_kwargs=True),
+        layers[last].register_forward_hook(post, with_kwargs=True),
+    ]
+    try:
+        peft_model.zero_grad(set_to_none=True)
+        base.model(input_ids=input_ids, attention_mask=mask)
+    finally:
+        for h in handles:
+            h.remove()
+    h_in, h_out = captured["in"], captured["out"]
+    logits = base.lm_head(base.model.norm(h_out))[:, :-1]  # (B, S-1, V)
+    prev = base.lm_head(base.model.norm(h_in))[:, :-1].detach()
+    targets = labels[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+    lp, lq = F.log_softmax(logits, -1), F.log_softmax(prev, -1)
+    if cfg.consistency == "kl_rev":
+        kl_pos = F.kl_div(lq, lp, log_target=True, reduction="none").sum(-1)  # Σ p_k (log p_k − log p_k−1)
+    else:
+        kl_pos = F.kl_div(lp, lq, log_target=True, reduction="none").sum(-1)  # Σ p_k−1 (log p_k−1 − log p_k)
+    kl = kl_pos[targets != -100].mean()
+    loss = cfg.alpha * ce + (1 - cfg.alpha) * kl
+    loss.backward()
+    grads = {}
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name and p.grad is not None:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            if first <= layer <= last:
+                grads[name.replace(".default.", ".")] = p.grad.clone()
+    return h_out.detach(), loss.detach(), ce.detach(), kl.detach(), grads
+
+
+def test_programs_match_eager_reference(exported):
+    native_library_or_skip()
+    out, loaded, peft_model, modules, opts, manifest = exported
+    input_ids, mask, labels = example_inputs(modules[0], opts, loaded.config.vocab_size, seed=7)
+    assert (mask == 0).any() and (labels == -100).any(), "the batch must exercise padding and ignored labels"
+    hidden = None
+    for entry in manifest["stages"]:
+        program = TrainingProgram(out / entry["file"], [o["name"] for o in entry["outputs"]])
+        x = input_ids if hidden is None else hidden
+        result = program.step(x, mask, labels)
+        first, last = entry["layers"]
+        ref_h, ref_loss, ref_ce, ref_kl, ref_grads = _reference(
+            peft_model, first, last, input_ids, mask, labels, opts.loss, hidden_in=hidden
+        )
+        torch.testing.assert_close(result.outputs["loss"], ref_loss, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(result.outputs["task_loss"], ref_ce, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(result.outputs["consistency_loss"], ref_kl, rtol=1e-4, atol=1e-6)
+        assert float(ref_kl) > 1e-4, "a zero KL would not test the consistency term"
+        by_program_name = {p["program_name"]: p["name"] for p in entry["parameters"]}
+        got = {by_program_name[k]: v for k, v in result.gradients.items()}
+        assert set(got) == set(ref_grads), "every LoRA parameter of the stage has exactly one gradient"
+        for name, g in ref_grads.items():
+            assert g.abs().max() > 0, f"{name}: zero reference gradient tests nothing"
+            torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
+        if entry["index"] < len(manifest["stages"]) - 1:
+            torch.testing.assert_close(result.outputs["hidden"], ref_h, rtol=1e-4, atol=1e-5)
+            hidden = result.outputs["hidden"].clone()
+        else:
+            assert "hidden" not in result.outputs
+
+
+def test_marker_precedes_readout_loss_and_backward(exported):
+    out, _, _, _, _, manifest = exported
+    for entry in manifest["stages"][:-1]:
+        pte = (out / entry["file"]).read_bytes()
+        names = kernel_instructions(pte)
+        m = marker_index(pte)
+        assert 0 < m < len(names) - 1
+        assert instructions_not_feeding_marker(pte) == [], entry["file"]
+    last = (out / manifest["stages"][-1]["file"]).read_bytes()
+    assert "zerolock::pipeline_marker.out" not in kernel_instructions(last)
+
+
+def test_placement_check_catches_work_before_the_marker(tmp_path, monkeypatch):
+    """Without the scheduling pass, activation copies for the backward land before the marker."""
+    monkeypatch.setattr(exporter, "_schedule_marker_first", lambda ep: None)
+    loaded = load_model("tiny-random")
+    opts = ExportOptions(seq_len=8, micro_batch=1, lora=LoraSettings(2, 4.0, ("q_proj", "v_proj")))
+    peft_model, modules = build_stage_modules(loaded.model, parse_spec("0-1,2-3", 4), opts)
+    program = export_stage(modules[0], peft_model, opts, loaded.config.vocab_size)
+    assert instructions_not_feeding_marker(program.buffer) != []
+
+
+def test_manifest_contents(exported):
+    out, loaded, peft_model, modules, opts, manifest = exported
+    again = load_manifest(out, verify=True)
+    assert again == json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["num_layers"] == 4 and manifest["seq_len"] == 24 and manifest["micro_batch"] == 2
+    assert manifest["loss"] == {"alpha": 0.3, "consistency": opts.loss.consistency}
+    assert manifest["lora"]["targets"] == ["q_proj", "v_proj", "down_proj"]
+    assert [s["layers"] for s in manifest["stages"]] == [[0, 1], [2, 2], [3, 3]]
+    assert [i["name"] for i in manifest["stages"][0]["inputs"]] == ["input_ids", "attention_mask", "labels"]
+    assert [i["name"] for i in manifest["stages"][1]["inputs"]] == ["hidden", "attention_mask", "labels"]
+    assert [o["name"] for o in manifest["stages"][2]["outputs"]] == ["loss", "task_loss", "consistency_loss"]
+    peft_params = {n.replace(".default.", "."): list(p.shape) for n, p in peft_model.named_parameters() if "lora_" in n}
+    listed = {p["name"]: p["shape"] for s in manifest["stages"] for p in s["parameters"]}
+    assert listed == peft_params, "the stages together list every LoRA parameter of the model once, by PEFT name"
+
+
+def test_manifest_order_matches_runtime_fqn_method(exported):
+    native_library_or_skip()
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch
+
+    out, *_, manifest = exported
+    for entry in manifest["stages"]:
+        module = _load_for_executorch(str(out / entry["file"]))
+        fqns = list(module.run_method("__et_training_fqn_forward", ()))
+        assert fqns == [p["program_name"] for p in entry["parameters"]]
+
+
+def test_corrupt_program_is_a_clear_error(exported, tmp_path):
+    native_library_or_skip()
+    from zl.errors import ZLError
+
+    out, *_, manifest = exported
+    bad = tmp_path / "stage_0.pte"
+    data = bytearray((out / "stage_0.pte").read_bytes())
+    bad.write_bytes(bytes(data[: len(data) // 3]))
+    with pytest.raises(ZLError, match="stage_0.pte"):
+        TrainingProgram(bad, ["hidden", "loss", "task_loss", "consistency_loss"])
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ZLError, match="sha256"):
+        load_manifest(tmp_path, verify=True)

@@ -1,0 +1,99 @@
+"""Model sources: built-in names, GGUF files, local directories, hub ids, and their errors."""
+
+import json
+
+import pytest
+import torch
+
+from zl.errors import ZLError
+from zl_export import model_source
+from zl_export.model_source import load_model, load_tokenizer, resolve
+
+
+def test_random_models_are_seeded_and_shaped():
+    a, b = load_model("tiny-random", seed=1), load_model("tiny-random", seed=1)
+    assert a.config.num_hidden_layers == 4 and a.config.model_type == "llama"
+    assert a.config._attn_implementation == "eager"
+    for (name, pa), (_, pb) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        assert torch.equal(pa, pb), name
+    assert not torch.equal(a.model.lm_head.weight, load_model("tiny-random", seed=2).model.lm_head.weight)
+
+
+def test_tinyllama_random_has_the_real_shape():
+    cfg = model_source.TINYLLAMA_CONFIG
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (22, 2048, 5632)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (32, 4, 32000)
+
+
+def test_unknown_name():
+    with pytest.raises(ZLError, match="not a built-in model.*smollm2-135m, tinyllama-random, tiny-random"):
+        resolve("tinyllama")
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(ZLError, match="no such GGUF file"):
+        load_model(str(tmp_path / "model.gguf"))
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ZLError, match="no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_file_that_is_not_a_model(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ZLError, match="neither a .gguf nor a model directory"):
+        load_model(str(f))
+
+
+def test_non_llama_architecture(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(ZLError, match="architecture 'gpt2' is not supported"):
+        load_model(str(tmp_path))
+
+
+def test_unreachable_hub_id_says_to_use_a_local_directory(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ZLError, match="download the model once and pass its local directory"):
+        load_model("nobody-zl-test/not-a-model")
+
+
+def _save_tiny_llama_dir(path):
+    """A local Hugging Face directory: tiny Llama weights plus a word-level tokenizer built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    loaded = load_model("tiny-random", seed=5)
+    loaded.model.save_pretrained(path)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate("the cat sat on mat".split())}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    return loaded
+
+
+def test_local_directory_loads_weights_and_tokenizer(tmp_path):
+    saved = _save_tiny_llama_dir(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert loaded.source == f"dir:{tmp_path}"
+    assert loaded.config._attn_implementation == "eager"
+    assert torch.equal(loaded.model.lm_head.weight, saved.model.lm_head.weight)
+    assert load_tokenizer(str(tmp_path)).encode("the cat") == loaded.tokenizer.encode("the cat")
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_is_converted_once_and_cached(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setenv("ZL_CACHE_DIR", str(tmp_path))
+    first = load_model("smollm2-135m")
+    assert (first.config.num_hidden_layers, first.config.hidden_size, first.config.vocab_size) == (30, 576, 49152)
+    t0 = time.perf_counter()
+    again = load_model("smollm2-135m")
+    assert time.perf_counter() - t0 < 10
+    assert torch.equal(first.model.lm_head.weight, again.model.lm_head.weight)
+    cached = list((tmp_path / "models").iterdir())
+    assert len(cached) == 1 and json.loads((cached[0] / "zl_source.json").read_text())["size"] > 0

@@ -1,0 +1,120 @@
+"""`zl data`: tokenize a CSV/JSONL file (or the built-in demo task) into training shards."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from zl.errors import ZLError
+
+DEFAULT_SEQ_LEN = 128
+
+
+def data_command(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for SPLIT.safetensors and SPLIT.json (created).",
+                                      show_default=False)],
+    input_: Annotated[
+        str | None,
+        typer.Option("--input", "-i", help="A .csv or .jsonl file, or `demo` for the built-in demo task.", show_default=False),
+    ] = None,
+    demo: Annotated[bool, typer.Option("--demo", help="Same as --input demo: write the demo task's train and dev shards.")] = False,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            "-f",
+            help="auto (from the columns), prompt_completion (prompt,completion), text_label (text,label) "
+            "or agnews (label,title,description with labels 1-4).",
+        ),
+    ] = "auto",
+    model: Annotated[
+        str, typer.Option("--model", "-m", help="Whose tokenizer to use: smollm2-135m, tiny-random, a hub id or a directory.")
+    ] = "smollm2-135m",
+    seq_len: Annotated[
+        int | None,
+        typer.Option("--seq-len", help=f"Tokens per sample, padded on the right (default {DEFAULT_SEQ_LEN}; demo 64).",
+                     show_default=False),
+    ] = None,
+    split: Annotated[
+        str | None,
+        typer.Option("--split", help="Shard name: writes OUT/SPLIT.safetensors (default train; the demo writes train and dev).",
+                     show_default=False),
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", help="Keep only the first N rows (after shuffling).", show_default=False)] = None,
+    truncate: Annotated[
+        bool, typer.Option("--truncate", help="Cut over-long prompts from the left, keeping the completion, instead of failing.")
+    ] = False,
+    shuffle: Annotated[bool, typer.Option("--shuffle/--no-shuffle", help="Shuffle the rows (seeded) before --limit.")] = True,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for shuffling and for generating the demo task.")] = 0,
+    labels: Annotated[
+        str | None,
+        typer.Option("--labels", help="text_label: comma-separated label values, in the order the prompt lists them "
+                     "(default: the file's labels, sorted). Use the same list for train and dev.", show_default=False),
+    ] = None,
+) -> None:
+    """Tokenize training data into shards for stage 0 and `zl eval`.
+
+    Each row becomes prompt + completion + end-of-sequence tokens, right-padded to --seq-len; the loss covers the completion and end-of-sequence only.
+
+    Examples:
+
+      zl data --input ../shared/data/agnews/train.csv --format agnews --out runs/data
+
+      zl data --input ../shared/data/agnews/dev.csv --format agnews --split dev --out runs/data
+
+      zl data --demo --out runs/demo-data
+    """
+    from zl_export import data as zdata
+    from zl_export.model_source import load_tokenizer
+
+    if demo and input_ not in (None, "demo"):
+        raise ZLError(f"--demo and --input {input_} both given; pass one of them.")
+    if input_ is None and not demo:
+        raise ZLError("no input: pass --input FILE (.csv or .jsonl), or --demo for the built-in demo task.")
+    is_demo = demo or input_ == "demo"
+    if is_demo and fmt not in ("auto", "text_label"):
+        raise ZLError(f"--format {fmt} does not apply to the demo task; drop --format.")
+    if split is not None and not split.replace("-", "").replace("_", "").isalnum():
+        raise ZLError(f"--split {split!r}: expected a plain name like train or dev (it names the output file).")
+    tokenizer = load_tokenizer(model)
+    if is_demo:
+        from zl_export.demo_task import DEMO_SEQ_LEN, demo_rows, rows_sha256
+
+        splits = demo_rows(seed)
+        if split is not None and split not in splits:
+            raise ZLError(f"--split {split}: the demo task has the splits {', '.join(splits)}.")
+        jobs = []
+        for name, rows in splits.items():
+            if split in (None, name):
+                source = {"path": "demo", "sha256": rows_sha256(rows), "demo_seed": seed, "rows_in_source": len(rows)}
+                jobs.append((name, zdata.demo_task(rows), source))
+        seq_len = seq_len or DEMO_SEQ_LEN
+    else:
+        path = Path(input_).expanduser()
+        task = zdata.load_task(path, fmt, labels.split(",") if labels else None)
+        source = {"path": str(path.resolve()), "sha256": zdata.file_sha256(path), "rows_in_source": len(task.examples)}
+        jobs = [(split or "train", task, source)]
+        seq_len = seq_len or DEFAULT_SEQ_LEN
+    for name, task, source in jobs:
+        task = zdata.select(task, limit, shuffle, seed)
+        tokenized, task = _tokenize_with_progress(zdata, task, tokenizer, seq_len, truncate, source["path"])
+        target = out / f"{name}.safetensors"
+        meta = zdata.save(
+            target, tokenized, task, tokenizer, model, source,
+            extra={"split": name, "shuffle": shuffle, "seed": seed, "limit": limit, "truncate": truncate},
+        )
+        typer.echo(
+            f"{name}: {meta['rows']} rows x {meta['seq_len']} tokens, {meta['label_tokens']} label tokens, "
+            f"longest {meta['max_length']}, {meta['truncated_rows']} truncated -> {target}"
+        )
+
+
+def _tokenize_with_progress(zdata, task, tokenizer, seq_len: int, truncate: bool, source: str):
+    """Tokenize with a progress bar on stderr (transient; rich draws nothing when stderr is not a terminal)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("tokenizing"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        bar = progress.add_task("tokenize", total=len(task.examples))
+        return zdata.tokenize(task, tokenizer, seq_len, truncate, source, lambda n: progress.advance(bar, n))

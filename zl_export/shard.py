@@ -1,0 +1,154 @@
+"""Shards: the tokenized samples stage 0 and `zl eval` read, and their JSON sidecar.
+
+`NAME.safetensors` holds `input_ids`, `attention_mask`, `labels`, int64
+[N, S] (DESIGN.md §3 conventions, see zl_export.data); `NAME.json` next to it
+says how they were made (see `write_shard`).
+"""
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zl.errors import ZLError
+
+SHARD_FORMAT_VERSION = 1
+TENSOR_NAMES = ("input_ids", "attention_mask", "labels")
+
+
+def sidecar_path(shard: Path | str) -> Path:
+    """`DIR/train.safetensors` -> `DIR/train.json`."""
+    return Path(shard).with_suffix(".json")
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_shard(path: Path | str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Write the three int64 [N, S] `tensors` to `path` (.safetensors) and `meta` to its sidecar.
+
+    Both files are written under a temporary name and renamed, the tensors
+    first, so a sidecar never describes a half-written shard. `meta` gets
+    `format_version`, `rows` and `seq_len` from the tensors.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows, seq_len = tensors["input_ids"].shape
+    meta = {"format_version": SHARD_FORMAT_VERSION, "rows": int(rows), "seq_len": int(seq_len), **meta}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({n: tensors[n].contiguous() for n in TENSOR_NAMES}, str(tmp), metadata={"zl_shard": str(SHARD_FORMAT_VERSION)})
+    os.replace(tmp, path)
+    side = sidecar_path(path)
+    tmp = side.with_name(side.name + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, side)
+
+
+@dataclass
+class Shard:
+    """A loaded shard: three int64 [N, S] tensors and the sidecar."""
+
+    path: Path
+    input_ids: torch.Tensor  # (N, S)
+    attention_mask: torch.Tensor  # (N, S)
+    labels: torch.Tensor  # (N, S)
+    meta: dict
+
+    @property
+    def rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def label_words(self) -> list[str] | None:
+        return self.meta.get("label_words")
+
+    def micro_batches(self, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Consecutive micro-batches of `batch_size` rows, in shard order.
+
+        The last partial batch is dropped: stage programs are exported for a
+        fixed batch size, so every micro-batch must have exactly that many rows.
+
+        Raises:
+            ZLError: batch_size < 1 or larger than the shard.
+        """
+        if batch_size < 1 or batch_size > self.rows:
+            raise ZLError(
+                f"micro-batch size {batch_size} does not fit shard {self.path} with {self.rows} rows; "
+                f"expected 1..{self.rows}. Lower the micro-batch size or prepare more rows."
+            )
+        for start in range(0, self.rows - batch_size + 1, batch_size):
+            end = start + batch_size
+            yield {n: getattr(self, n)[start:end] for n in TENSOR_NAMES}
+
+    def check_matches(self, seq_len: int | None = None, tokenizer_name: str | None = None) -> None:
+        """Raise ZLError when the shard was built for another seq_len or tokenizer than a program expects."""
+        if seq_len is not None and seq_len != self.seq_len:
+            raise ZLError(
+                f"shard {self.path} has seq_len {self.seq_len}, the program expects {seq_len}. "
+                f"Rebuild the data with `zl data ... --seq-len {seq_len}`."
+            )
+        built = self.meta.get("tokenizer", {}).get("name")
+        if tokenizer_name is not None and built != tokenizer_name:
+            raise ZLError(
+                f"shard {self.path} was tokenized for {built!r}, the model uses {tokenizer_name!r}. "
+                f"Rebuild the data with `zl data ... --model {tokenizer_name}`."
+            )
+
+
+def load_shard(path: Path | str) -> Shard:
+    """Load and validate a shard written by `write_shard`.
+
+    Raises:
+        ZLError: missing files, unreadable safetensors, missing tensors, wrong
+            dtype or shape, or a sidecar that disagrees with the tensors.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.is_dir():
+        raise ZLError(f"shard {path} is a directory; pass the file, e.g. {path / 'train.safetensors'}.")
+    if not path.is_file():
+        raise ZLError(f"shard {path}: no such file. Create it with `zl data --input FILE --out {path.parent}`.")
+    side = sidecar_path(path)
+    if not side.is_file():
+        raise ZLError(f"shard {path}: its sidecar {side} is missing. Recreate the shard with `zl data`.")
+    try:
+        meta = json.loads(side.read_text())
+    except json.JSONDecodeError as e:
+        raise ZLError(f"shard sidecar {side}: not valid JSON ({e.msg}). Recreate the shard with `zl data`.") from e
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise ZLError(f"shard {path}: not a readable safetensors file ({e}). Recreate it with `zl data`.") from e
+    missing = [n for n in TENSOR_NAMES if n not in tensors]
+    if missing:
+        raise ZLError(f"shard {path}: tensors {', '.join(missing)} are missing (found {', '.join(tensors) or 'none'}).")
+    shape = tuple(tensors["input_ids"].shape)
+    for n in TENSOR_NAMES:
+        t = tensors[n]
+        if t.dtype != torch.int64:
+            raise ZLError(f"shard {path}: tensor {n} is {t.dtype}, expected torch.int64. Recreate it with `zl data`.")
+        if t.dim() != 2 or tuple(t.shape) != shape:
+            raise ZLError(f"shard {path}: tensor {n} has shape {list(t.shape)}, expected [rows, seq_len] = {list(shape)}.")
+    if meta.get("rows") != shape[0] or meta.get("seq_len") != shape[1]:
+        raise ZLError(
+            f"shard {path}: the sidecar says {meta.get('rows')} rows x {meta.get('seq_len')} tokens, the tensors are "
+            f"{shape[0]} x {shape[1]}. The two files come from different runs; recreate the shard with `zl data`."
+        )
+    return Shard(path, tensors["input_ids"], tensors["attention_mask"], tensors["labels"], meta)

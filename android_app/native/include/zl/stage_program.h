@@ -1,0 +1,165 @@
+// One stage's ExecuTorch training program, run in two phases (DESIGN.md §3-4).
+//
+//   begin(inputs)  runs `forward` on the program's worker thread until the
+//                  `zerolock::pipeline_marker` kernel fires; the marker hook
+//                  copies the hidden state (B, S, D) float32 and then holds the
+//                  method suspended inside the kernel. begin returns the copy.
+//   finish()       lets the method go on (readout, local loss, backward) and
+//                  returns the losses and the LoRA gradients.
+//
+// So the runner can send the hidden state downstream while phase 2 has not
+// even started, and phase 2 runs while the link carries it. The last stage's
+// program has no marker (it has no downstream): there begin() only stages the
+// inputs and finish() runs the whole method.
+//
+// The parameters are the program's own LoRA tensors (ExecuTorch's training
+// convention: `forward` returns user outputs, then gradients, then the
+// parameters, sliced by `__et_training_gradients_index_forward` /
+// `__et_training_parameters_index_forward`, named by `__et_training_fqn_forward`).
+// They are exposed under their PEFT names (from the export's manifest.json),
+// pointing into the program's memory, so AdamW updates them in place and the
+// next execution uses the new values.
+//
+// Threading: the marker hook is thread-local, so the program owns one worker
+// thread that installs the hook and executes every `forward`. All public
+// methods are for one caller thread; the ExecuTorch Module is only ever
+// touched by one thread at a time (the caller waits while the worker runs).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "zl/adamw.h"
+#include "zl/status.h"
+
+namespace zl {
+
+/// How to load a stage program.
+struct StageProgramOptions {
+  std::string program_path;   ///< stage_<k>.pte written by `zl export`
+  /// The export's manifest.json (PEFT names, layer range); empty = the
+  /// manifest.json next to the program.
+  std::string manifest_path;
+  /// ExecuTorch CPU threads for this program: 0 = runtime default, 1 = no
+  /// thread pool on the worker thread, n > 1 = resize the process's pool.
+  int64_t threads = 0;
+};
+
+/// Inputs of one micro-batch. Stage 0 sets `input_ids`, later stages
+/// `hidden`; `attention_mask` and `labels` always. Pointers hold B*S int64
+/// resp. B*S*D float32 values and are read (copied) by begin()/run() only.
+struct StageInputs {
+  const int64_t* input_ids = nullptr;       ///< (B, S) int64, stage 0
+  const float* hidden = nullptr;            ///< (B, S, D) float32, stages > 0
+  const int64_t* attention_mask = nullptr;  ///< (B, S) int64, 1 = token, 0 = padding
+  const int64_t* labels = nullptr;          ///< (B, S) int64, -100 = ignored
+};
+
+/// What one finished step yields.
+struct StageStepResult {
+  double loss = 0;              ///< α·CE + (1-α)·KL, the differentiated one
+  double task_loss = 0;         ///< CE
+  double consistency_loss = 0;  ///< KL
+  /// One pointer per parameter (order of parameters()), numel floats each,
+  /// in the method's planned memory: valid until the next begin()/run().
+  std::vector<const float*> gradients;
+};
+
+/// A loaded stage program (see the file comment).
+class StageProgram {
+ public:
+  /// Loads the program (whole file into heap memory, so the parameters are
+  /// writable), checks it against the manifest (stage entry by file name,
+  /// parameter names, order and shapes, input shapes) and starts the worker.
+  /// Errors name the file and the mismatch.
+  static Status load(const StageProgramOptions& options, std::unique_ptr<StageProgram>* out);
+
+  /// Lets a suspended method run to its end, then stops the worker thread.
+  ~StageProgram();
+  StageProgram(const StageProgram&) = delete;
+  StageProgram& operator=(const StageProgram&) = delete;
+
+  /// Phase 1: runs `forward` until the marker and copies the hidden state
+  /// (B*S*D floats) into `*hidden`; the method stays suspended until
+  /// finish(). On the last stage only stores the inputs and clears `*hidden`.
+  /// Fails if a step is already in progress, or if the method ends (or
+  /// fails) without the marker firing; the method is then complete and no
+  /// finish() is due.
+  Status begin(const StageInputs& inputs, std::vector<float>* hidden);
+
+  /// Phase 2: resumes the method suspended by begin() (or, on the last stage,
+  /// runs the whole method) and returns losses and gradients.
+  Status finish(StageStepResult* result);
+
+  /// One plain execution on the calling thread, no marker hook involved (the
+  /// reference begin()+finish() must match). `hidden` (optional) receives the
+  /// program's `hidden` output on stages with one.
+  Status run(const StageInputs& inputs, std::vector<float>* hidden, StageStepResult* result);
+
+  /// The LoRA parameters under their PEFT names, in gradient order; `data`
+  /// points into the program. Do not write while a step is in progress.
+  const std::vector<TrainableParam>& parameters() const { return params_; }
+
+  int64_t stage_index() const { return stage_index_; }
+  int64_t first_layer() const { return first_layer_; }
+  int64_t last_layer() const { return last_layer_; }
+  bool is_first() const { return is_first_; }
+  /// True when the program has no `hidden` output (and no marker).
+  bool is_last() const { return is_last_; }
+  int64_t batch() const { return batch_; }
+  int64_t seq_len() const { return seq_len_; }
+  int64_t hidden_size() const { return hidden_size_; }
+  const std::string& path() const { return path_; }
+
+  /// Marker hook calls seen since the last begin() (1 on stages with a marker).
+  int64_t last_marker_calls() const;
+
+  /// True between a successful begin() and finish() on a stage with a
+  /// marker: the method is parked inside the marker kernel.
+  bool suspended() const;
+
+ private:
+  enum class State { kIdle, kDeferred, kPhase1, kSuspended, kPhase2, kDone };
+  struct Impl;
+
+  StageProgram();
+  Status stage_inputs(const StageInputs& inputs);
+  Status collect(StageStepResult* result, std::vector<float>* hidden_from_output);
+  void worker_main();
+  // Called by the marker hook on the worker thread with the kernel's `out`
+  // tensor (an executorch::aten::Tensor, kept out of this header).
+  void on_marker(const void* hidden_tensor);
+  friend struct StageProgramHook;
+
+  std::unique_ptr<Impl> impl_;  // ExecuTorch objects (kept out of this header)
+  std::string path_;
+  int64_t threads_ = 0;
+  int64_t stage_index_ = 0;
+  int64_t first_layer_ = 0;
+  int64_t last_layer_ = 0;
+  bool is_first_ = false;
+  bool is_last_ = false;
+  int64_t batch_ = 0;
+  int64_t seq_len_ = 0;
+  int64_t hidden_size_ = 0;
+  size_t grad_start_ = 0;
+  size_t param_start_ = 0;
+  std::vector<TrainableParam> params_;
+
+  // Two-phase hand-off between the caller and the worker (guarded by mutex_).
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  State state_ = State::kIdle;
+  bool shutdown_ = false;
+  std::vector<float>* hidden_out_ = nullptr;
+  int64_t marker_calls_ = 0;
+  std::string marker_error_;
+  std::thread worker_;
+};
+
+}  // namespace zl

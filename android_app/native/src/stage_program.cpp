@@ -1,0 +1,565 @@
+#include "zl/stage_program.h"
+
+#include <cstring>
+#include <optional>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include <executorch/extension/module/module.h>
+#include <executorch/extension/tensor/tensor.h>
+#include <executorch/extension/threadpool/threadpool_guard.h>
+#include <executorch/runtime/core/evalue.h>
+#include <zl/pipeline_marker.h>
+
+#include "zl/durable_file.h"
+#include "zl/log.h"
+
+#if __has_include(<executorch/extension/threadpool/threadpool.h>)
+#include <executorch/extension/threadpool/threadpool.h>
+#else
+// The executorch wheel ships libexecutorch_threadpool.so but not this header;
+// these two declarations match its exported symbols (non-virtual members).
+namespace executorch::extension::threadpool {
+class ThreadPool {
+ public:
+  size_t get_thread_count() const;
+  bool _unsafe_reset_threadpool(uint32_t num_threads);
+};
+ThreadPool* get_threadpool();
+}  // namespace executorch::extension::threadpool
+#endif
+
+namespace zl {
+
+using executorch::aten::ScalarType;
+using executorch::aten::Tensor;
+using executorch::extension::Module;
+using executorch::extension::TensorPtr;
+using executorch::runtime::Error;
+using executorch::runtime::EValue;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kMethod = "forward";
+constexpr const char* kGradientsIndexMethod = "__et_training_gradients_index_forward";
+constexpr const char* kParametersIndexMethod = "__et_training_parameters_index_forward";
+constexpr const char* kFqnMethod = "__et_training_fqn_forward";
+
+std::string error_name(Error error) {
+  return "ExecuTorch error " + std::to_string(static_cast<int>(error));
+}
+
+std::string dir_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+std::string base_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+bool read_int_vector(const json& value, std::vector<int64_t>* out) {
+  if (!value.is_array()) return false;
+  out->clear();
+  for (const json& v : value) {
+    if (!v.is_number_integer()) return false;
+    out->push_back(v.get<int64_t>());
+  }
+  return true;
+}
+
+/// What the runner needs from manifest.json for one program file.
+struct ManifestStage {
+  int64_t index = 0;
+  int64_t first_layer = 0;
+  int64_t last_layer = 0;
+  bool has_hidden_output = false;
+  struct Param {
+    std::string name;          // PEFT
+    std::string program_name;  // fqn inside the program
+    std::vector<int64_t> shape;
+  };
+  std::vector<Param> params;
+};
+
+Status manifest_error(const std::string& path, const std::string& what) {
+  return Status(StatusCode::kInvalidArgument,
+                "manifest " + path + ": " + what + "; export the stages again with `zl export`");
+}
+
+Status read_manifest_stage(const std::string& manifest_path, const std::string& program_file, ManifestStage* out) {
+  std::string text;
+  Status status = read_file(manifest_path, &text);
+  if (!status.ok()) {
+    return Status(status.code(), "manifest " + manifest_path + " (needed for the PEFT parameter names): " +
+                                     status.message() + "; pass the export's manifest.json as 'manifest'");
+  }
+  const json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object()) return manifest_error(manifest_path, "not a JSON object");
+  auto stages = root.find("stages");
+  if (stages == root.end() || !stages->is_array()) return manifest_error(manifest_path, "no 'stages' list");
+  for (const json& stage : *stages) {
+    auto file = stage.find("file");
+    if (!stage.is_object() || file == stage.end() || !file->is_string() || file->get<std::string>() != program_file) {
+      continue;
+    }
+    auto index = stage.find("index");
+    auto layers = stage.find("layers");
+    auto outputs = stage.find("outputs");
+    auto params = stage.find("parameters");
+    std::vector<int64_t> layer_range;
+    if (index == stage.end() || !index->is_number_integer() || layers == stage.end() ||
+        !read_int_vector(*layers, &layer_range) || layer_range.size() != 2 || outputs == stage.end() ||
+        !outputs->is_array() || params == stage.end() || !params->is_array()) {
+      return manifest_error(manifest_path, "entry of " + program_file + " lacks index, layers, outputs or parameters");
+    }
+    out->index = index->get<int64_t>();
+    out->first_layer = layer_range[0];
+    out->last_layer = layer_range[1];
+    out->has_hidden_output = false;
+    for (const json& o : *outputs) {
+      if (o.is_object() && o.value("name", "") == "hidden") out->has_hidden_output = true;
+    }
+    out->params.clear();
+    for (const json& p : *params) {
+      ManifestStage::Param param;
+      auto name = p.find("name");
+      auto program_name = p.find("program_name");
+      auto shape = p.find("shape");
+      if (!p.is_object() || name == p.end() || !name->is_string() || program_name == p.end() ||
+          !program_name->is_string() || shape == p.end() || !read_int_vector(*shape, &param.shape)) {
+        return manifest_error(manifest_path, "a parameter of " + program_file + " lacks name, program_name or shape");
+      }
+      param.name = name->get<std::string>();
+      param.program_name = program_name->get<std::string>();
+      out->params.push_back(std::move(param));
+    }
+    return Status();
+  }
+  return manifest_error(manifest_path, "no stage entry with file \"" + program_file + "\"");
+}
+
+void apply_thread_count(int64_t threads) {
+  if (threads <= 1) return;  // 0: runtime default; 1: NoThreadPoolGuard on the worker
+  auto* pool = executorch::extension::threadpool::get_threadpool();
+  if (pool == nullptr) {
+    log(LogLevel::kWarn, "ExecuTorch thread pool unavailable; 'threads' = %lld ignored",
+        static_cast<long long>(threads));
+    return;
+  }
+  if (!pool->_unsafe_reset_threadpool(static_cast<uint32_t>(threads))) {
+    log(LogLevel::kWarn, "could not resize the ExecuTorch thread pool to %lld threads",
+        static_cast<long long>(threads));
+  }
+}
+
+}  // namespace
+
+/// ExecuTorch state, out of the public header.
+struct StageProgram::Impl {
+  std::unique_ptr<Module> module;
+  std::vector<int64_t> ids;     // (B, S)
+  std::vector<float> hidden;    // (B, S, D)
+  std::vector<int64_t> mask;    // (B, S)
+  std::vector<int64_t> labels;  // (B, S)
+  std::vector<TensorPtr> tensors;
+  std::vector<EValue> inputs;
+  // Result of the worker's last execute.
+  Error exec_error = Error::Ok;
+  std::vector<EValue> outputs;
+};
+
+/// Lets the C hook reach the private handler.
+struct StageProgramHook {
+  static void call(const Tensor& hidden, void* self) {
+    static_cast<StageProgram*>(self)->on_marker(&hidden);
+  }
+};
+
+StageProgram::StageProgram() : impl_(new Impl) {}
+
+Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<StageProgram>* out) {
+  const std::string& path = options.program_path;
+  if (options.threads < 0) {
+    return Status(StatusCode::kInvalidArgument, "threads must be >= 0, got " + std::to_string(options.threads));
+  }
+  std::unique_ptr<StageProgram> program(new StageProgram);
+  program->path_ = path;
+  program->threads_ = options.threads;
+  const std::string manifest_path =
+      options.manifest_path.empty() ? dir_of(path) + "/manifest.json" : options.manifest_path;
+  ManifestStage stage;
+  Status status = read_manifest_stage(manifest_path, base_of(path), &stage);
+  if (!status.ok()) return status;
+
+  // File, not Mmap: the parameters are constants of the program, and AdamW
+  // writes them in place, which needs heap memory rather than a read-only map.
+  Impl& impl = *program->impl_;
+  impl.module.reset(new Module(path, Module::LoadMode::File));
+  Error error = impl.module->load();
+  if (error != Error::Ok) {
+    return Status(StatusCode::kInvalidArgument,
+                  "program " + path + ": ExecuTorch cannot load it (" + error_name(error) + "); is it a `zl export` output?");
+  }
+  auto grad_index = impl.module->execute(kGradientsIndexMethod);
+  auto param_index = impl.module->execute(kParametersIndexMethod);
+  auto fqns = impl.module->execute(kFqnMethod);
+  if (!grad_index.ok() || !param_index.ok() || !fqns.ok() || grad_index->empty() || param_index->empty() ||
+      !(*grad_index)[0].isInt() || !(*param_index)[0].isInt()) {
+    return Status(StatusCode::kInvalidArgument,
+                  "program " + path + " is not an ExecuTorch training program (no " + kGradientsIndexMethod + " / " +
+                      kParametersIndexMethod + " / " + kFqnMethod + " methods)");
+  }
+  program->grad_start_ = static_cast<size_t>((*grad_index)[0].toInt());
+  program->param_start_ = static_cast<size_t>((*param_index)[0].toInt());
+
+  auto meta = impl.module->method_meta(kMethod);
+  if (!meta.ok()) return Status(StatusCode::kInvalidArgument, "program " + path + ": no method 'forward'");
+  if (meta->num_inputs() != 3) {
+    return Status(StatusCode::kInvalidArgument, "program " + path + ": 'forward' takes " +
+                                                    std::to_string(meta->num_inputs()) +
+                                                    " inputs, a stage program takes 3 (x, attention_mask, labels)");
+  }
+  std::vector<std::vector<int64_t>> in_shapes;
+  std::vector<ScalarType> in_types;
+  for (size_t i = 0; i < 3; ++i) {
+    auto info = meta->input_tensor_meta(i);
+    if (!info.ok()) return Status(StatusCode::kInvalidArgument, "program " + path + ": input " + std::to_string(i) + " is not a tensor");
+    in_shapes.emplace_back(info->sizes().begin(), info->sizes().end());
+    in_types.push_back(info->scalar_type());
+  }
+  const bool first = in_types[0] == ScalarType::Long && in_shapes[0].size() == 2;
+  const bool hidden_in = in_types[0] == ScalarType::Float && in_shapes[0].size() == 3;
+  if ((!first && !hidden_in) || in_shapes[1].size() != 2 || in_shapes[1] != in_shapes[2] ||
+      in_shapes[0][0] != in_shapes[1][0] || in_shapes[0][1] != in_shapes[1][1] || in_types[1] != ScalarType::Long ||
+      in_types[2] != ScalarType::Long) {
+    return Status(StatusCode::kInvalidArgument,
+                  "program " + path + ": inputs " + shape_text(in_shapes[0]) + ", " + shape_text(in_shapes[1]) + ", " +
+                      shape_text(in_shapes[2]) +
+                      " are not (input_ids int64 [B,S] | hidden float32 [B,S,D], attention_mask int64 [B,S], labels int64 [B,S])");
+  }
+  program->is_first_ = first;
+  program->batch_ = in_shapes[1][0];
+  program->seq_len_ = in_shapes[1][1];
+  program->hidden_size_ = hidden_in ? in_shapes[0][2] : 0;
+  program->stage_index_ = stage.index;
+  program->first_layer_ = stage.first_layer;
+  program->last_layer_ = stage.last_layer;
+  program->is_last_ = !stage.has_hidden_output;
+  if (first != (stage.index == 0)) {
+    return Status(StatusCode::kInvalidArgument, "program " + path + ": manifest says stage " +
+                                                    std::to_string(stage.index) + " but its first input is " +
+                                                    (first ? "input_ids" : "hidden"));
+  }
+
+  // User outputs: [hidden,] loss, task_loss, consistency_loss.
+  const size_t user_outputs = program->is_last_ ? 3 : 4;
+  const size_t num_params = program->param_start_ - program->grad_start_;
+  if (program->grad_start_ != user_outputs || program->param_start_ < program->grad_start_ ||
+      meta->num_outputs() != program->param_start_ + num_params || fqns->size() != num_params) {
+    return Status(StatusCode::kInvalidArgument,
+                  "program " + path + ": outputs do not follow the stage contract (user outputs " +
+                      std::to_string(program->grad_start_) + ", expected " + std::to_string(user_outputs) +
+                      "; gradients " + std::to_string(num_params) + ", names " + std::to_string(fqns->size()) +
+                      ", outputs " + std::to_string(meta->num_outputs()) + ")");
+  }
+  if (num_params != stage.params.size()) {
+    return Status(StatusCode::kInvalidArgument, "program " + path + " has " + std::to_string(num_params) +
+                                                    " trainable parameters, manifest " + manifest_path + " lists " +
+                                                    std::to_string(stage.params.size()) +
+                                                    "; the manifest belongs to another export");
+  }
+  // hidden output shape: (B, S, D); take D from it on stage 0.
+  if (!program->is_last_) {
+    auto info = meta->output_tensor_meta(0);
+    if (!info.ok() || info->sizes().size() != 3 || info->scalar_type() != ScalarType::Float) {
+      return Status(StatusCode::kInvalidArgument, "program " + path + ": output 0 is not hidden float32 [B,S,D]");
+    }
+    program->hidden_size_ = info->sizes()[2];
+  }
+
+  auto outputs = impl.module->get_outputs(kMethod);
+  if (!outputs.ok() || outputs->size() != meta->num_outputs()) {
+    return Status(StatusCode::kInternal, "program " + path + ": cannot read the outputs of 'forward' after loading");
+  }
+  for (size_t i = 0; i < num_params; ++i) {
+    const std::string fqn((*fqns)[i].toString());
+    const ManifestStage::Param& expected = stage.params[i];
+    if (fqn != expected.program_name) {
+      return Status(StatusCode::kInvalidArgument, "program " + path + ": parameter " + std::to_string(i) + " is '" +
+                                                      fqn + "', manifest " + manifest_path + " says '" +
+                                                      expected.program_name + "'");
+    }
+    const EValue& value = (*outputs)[program->param_start_ + i];
+    if (!value.isTensor() || value.toTensor().scalar_type() != ScalarType::Float) {
+      return Status(StatusCode::kInvalidArgument, "program " + path + ": parameter '" + fqn + "' is not float32");
+    }
+    const Tensor& tensor = value.toTensor();
+    std::vector<int64_t> shape(tensor.sizes().begin(), tensor.sizes().end());
+    if (shape != expected.shape) {
+      return Status(StatusCode::kInvalidArgument, "program " + path + ": parameter '" + fqn + "' has shape " +
+                                                      shape_text(shape) + ", manifest says " +
+                                                      shape_text(expected.shape));
+    }
+    program->params_.push_back({expected.name, shape, tensor.mutable_data_ptr<float>()});
+  }
+
+  // Input buffers and the tensors over them (shapes fixed by the program).
+  const int64_t bs = program->batch_ * program->seq_len_;
+  using executorch::extension::from_blob;
+  using Sizes = std::vector<executorch::aten::SizesType>;
+  const auto b = static_cast<executorch::aten::SizesType>(program->batch_);
+  const auto s = static_cast<executorch::aten::SizesType>(program->seq_len_);
+  if (first) {
+    impl.ids.assign(bs, 0);
+    impl.tensors.push_back(from_blob(impl.ids.data(), Sizes{b, s}, ScalarType::Long));
+  } else {
+    impl.hidden.assign(bs * program->hidden_size_, 0.0f);
+    impl.tensors.push_back(from_blob(impl.hidden.data(),
+                                     Sizes{b, s, static_cast<executorch::aten::SizesType>(program->hidden_size_)},
+                                     ScalarType::Float));
+  }
+  impl.mask.assign(bs, 1);
+  impl.labels.assign(bs, -100);
+  impl.tensors.push_back(from_blob(impl.mask.data(), Sizes{b, s}, ScalarType::Long));
+  impl.tensors.push_back(from_blob(impl.labels.data(), Sizes{b, s}, ScalarType::Long));
+  for (const TensorPtr& t : impl.tensors) impl.inputs.emplace_back(*t);
+
+  apply_thread_count(options.threads);
+  program->worker_ = std::thread(&StageProgram::worker_main, program.get());
+  log(LogLevel::kInfo, "stage program %s: stage %lld, layers %lld-%lld, B=%lld S=%lld D=%lld, %zu LoRA tensors%s",
+      path.c_str(), static_cast<long long>(program->stage_index_), static_cast<long long>(program->first_layer_),
+      static_cast<long long>(program->last_layer_), static_cast<long long>(program->batch_),
+      static_cast<long long>(program->seq_len_), static_cast<long long>(program->hidden_size_),
+      program->params_.size(), program->is_last_ ? " (last stage: no marker)" : "");
+  *out = std::move(program);
+  return Status();
+}
+
+StageProgram::~StageProgram() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // A method suspended at the marker cannot be abandoned mid-way: let it end.
+    if (state_ == State::kSuspended) state_ = State::kPhase2;
+    shutdown_ = true;
+  }
+  changed_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void StageProgram::worker_main() {
+  set_pipeline_marker_hook(&StageProgramHook::call, this);
+  std::optional<executorch::extension::threadpool::NoThreadPoolGuard> no_pool;
+  if (threads_ == 1) no_pool.emplace();
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    changed_.wait(lock, [&] { return state_ == State::kPhase1 || shutdown_; });
+    if (state_ != State::kPhase1) break;  // shutdown with nothing to run
+    lock.unlock();
+    auto result = impl_->module->execute(kMethod, impl_->inputs);
+    lock.lock();
+    impl_->exec_error = result.ok() ? Error::Ok : result.error();
+    if (result.ok()) impl_->outputs = std::move(*result);
+    state_ = State::kDone;
+    changed_.notify_all();
+  }
+  lock.unlock();
+  set_pipeline_marker_hook(nullptr, nullptr);
+}
+
+void StageProgram::on_marker(const void* hidden_tensor) {
+  const Tensor& hidden = *static_cast<const Tensor*>(hidden_tensor);
+  std::unique_lock<std::mutex> lock(mutex_);
+  ++marker_calls_;
+  if (state_ != State::kPhase1 || hidden_out_ == nullptr) {
+    // A second marker in one method, or a marker on a stage whose manifest
+    // says it has none: do not suspend, report at the end.
+    if (marker_error_.empty()) marker_error_ = "the marker fired more than once or on a stage without hidden output";
+    return;
+  }
+  const int64_t expected = batch_ * seq_len_ * hidden_size_;
+  if (hidden.scalar_type() != ScalarType::Float || hidden.numel() != expected) {
+    marker_error_ = "marker tensor has " + std::to_string(hidden.numel()) + " elements, expected B*S*D = " +
+                    std::to_string(expected);
+  } else {
+    // The tensor lives in planned memory that later instructions may reuse:
+    // copy now, while the method is stopped here.
+    const float* data = hidden.const_data_ptr<float>();
+    hidden_out_->assign(data, data + expected);
+  }
+  state_ = State::kSuspended;
+  changed_.notify_all();
+  changed_.wait(lock, [&] { return state_ == State::kPhase2; });
+}
+
+int64_t StageProgram::last_marker_calls() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return marker_calls_;
+}
+
+bool StageProgram::suspended() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return state_ == State::kSuspended;
+}
+
+Status StageProgram::stage_inputs(const StageInputs& inputs) {
+  const size_t bs = static_cast<size_t>(batch_ * seq_len_);
+  if (inputs.attention_mask == nullptr || inputs.labels == nullptr ||
+      (is_first_ ? inputs.input_ids == nullptr : inputs.hidden == nullptr)) {
+    return Status(StatusCode::kInvalidArgument,
+                  std::string("stage inputs need ") + (is_first_ ? "input_ids" : "hidden") + ", attention_mask and labels");
+  }
+  if (is_first_) {
+    std::memcpy(impl_->ids.data(), inputs.input_ids, bs * sizeof(int64_t));
+  } else {
+    std::memcpy(impl_->hidden.data(), inputs.hidden, impl_->hidden.size() * sizeof(float));
+  }
+  std::memcpy(impl_->mask.data(), inputs.attention_mask, bs * sizeof(int64_t));
+  std::memcpy(impl_->labels.data(), inputs.labels, bs * sizeof(int64_t));
+  return Status();
+}
+
+Status StageProgram::begin(const StageInputs& inputs, std::vector<float>* hidden) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (state_ != State::kIdle) {
+    return Status(StatusCode::kInvalidArgument, "begin() while a step is in progress; call finish() first");
+  }
+  Status status = stage_inputs(inputs);
+  if (!status.ok()) return status;
+  marker_calls_ = 0;
+  marker_error_.clear();
+  if (hidden != nullptr) hidden->clear();
+  if (is_last_) {
+    hidden_out_ = nullptr;
+    state_ = State::kDeferred;
+    return Status();
+  }
+  if (hidden == nullptr) return Status(StatusCode::kInvalidArgument, "begin() needs a hidden buffer on this stage");
+  hidden_out_ = hidden;
+  state_ = State::kPhase1;
+  changed_.notify_all();
+  changed_.wait(lock, [&] { return state_ == State::kSuspended || state_ == State::kDone; });
+  if (state_ == State::kDone) {
+    // Ended (or failed) without ever reaching the marker.
+    state_ = State::kIdle;
+    hidden_out_ = nullptr;
+    if (impl_->exec_error != Error::Ok) {
+      return Status(StatusCode::kInternal, "program " + path_ + ": 'forward' failed before the marker (" +
+                                               error_name(impl_->exec_error) + ")");
+    }
+    return Status(StatusCode::kInternal,
+                  "program " + path_ + ": 'forward' ran to its end without the pipeline marker firing; is the "
+                  "zerolock::pipeline_marker kernel of libzl_custom_ops the one registered?");
+  }
+  if (!marker_error_.empty()) {
+    return Status(StatusCode::kInternal, "program " + path_ + ": " + marker_error_);
+  }
+  return Status();
+}
+
+Status StageProgram::finish(StageStepResult* result) {
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (state_ == State::kDeferred) {
+      state_ = State::kPhase1;
+    } else if (state_ == State::kSuspended) {
+      state_ = State::kPhase2;
+    } else {
+      return Status(StatusCode::kInvalidArgument, "finish() without a successful begin()");
+    }
+    changed_.notify_all();
+    changed_.wait(lock, [&] { return state_ == State::kDone; });
+    state_ = State::kIdle;
+    hidden_out_ = nullptr;
+    if (impl_->exec_error != Error::Ok) {
+      return Status(StatusCode::kInternal, "program " + path_ + ": 'forward' failed after the marker (" +
+                                               error_name(impl_->exec_error) + ")");
+    }
+    if (!marker_error_.empty()) return Status(StatusCode::kInternal, "program " + path_ + ": " + marker_error_);
+  }
+  return collect(result, nullptr);
+}
+
+Status StageProgram::run(const StageInputs& inputs, std::vector<float>* hidden, StageStepResult* result) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (state_ != State::kIdle) {
+      return Status(StatusCode::kInvalidArgument, "run() while a step is in progress; call finish() first");
+    }
+    Status status = stage_inputs(inputs);
+    if (!status.ok()) return status;
+  }
+  // The caller's thread has no marker hook of ours; the worker is idle, so the
+  // Module is not shared.
+  auto out = impl_->module->execute(kMethod, impl_->inputs);
+  if (!out.ok()) {
+    return Status(StatusCode::kInternal, "program " + path_ + ": 'forward' failed (" + error_name(out.error()) + ")");
+  }
+  impl_->outputs = std::move(*out);
+  return collect(result, hidden);
+}
+
+Status StageProgram::collect(StageStepResult* result, std::vector<float>* hidden_from_output) {
+  const std::vector<EValue>& outputs = impl_->outputs;
+  if (outputs.size() != param_start_ + params_.size()) {
+    return Status(StatusCode::kInternal, "program " + path_ + ": 'forward' returned " +
+                                             std::to_string(outputs.size()) + " outputs");
+  }
+  const size_t loss_at = is_last_ ? 0 : 1;
+  double losses[3];
+  for (size_t k = 0; k < 3; ++k) {
+    const EValue& v = outputs[loss_at + k];
+    if (!v.isTensor() || v.toTensor().scalar_type() != ScalarType::Float || v.toTensor().numel() != 1) {
+      return Status(StatusCode::kInternal, "program " + path_ + ": loss output " + std::to_string(loss_at + k) +
+                                               " is not a float32 scalar");
+    }
+    losses[k] = v.toTensor().const_data_ptr<float>()[0];
+  }
+  if (hidden_from_output != nullptr) {
+    hidden_from_output->clear();
+    if (!is_last_) {
+      const Tensor& h = outputs[0].toTensor();
+      hidden_from_output->assign(h.const_data_ptr<float>(), h.const_data_ptr<float>() + h.numel());
+    }
+  }
+  if (result == nullptr) return Status();
+  result->loss = losses[0];
+  result->task_loss = losses[1];
+  result->consistency_loss = losses[2];
+  result->gradients.clear();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const EValue& g = outputs[grad_start_ + i];
+    const EValue& p = outputs[param_start_ + i];
+    if (!g.isTensor() || g.toTensor().numel() != static_cast<ssize_t>(params_[i].numel()) ||
+        g.toTensor().scalar_type() != ScalarType::Float) {
+      return Status(StatusCode::kInternal, "program " + path_ + ": gradient of '" + params_[i].name +
+                                               "' has the wrong size or dtype");
+    }
+    // AdamW writes through params_[i].data; it must still be the tensor the
+    // method reads, or updates would silently be lost.
+    if (!p.isTensor() || p.toTensor().const_data_ptr<float>() != params_[i].data) {
+      return Status(StatusCode::kInternal, "program " + path_ + ": parameter '" + params_[i].name +
+                                               "' moved in memory; in-place updates would be lost");
+    }
+    result->gradients.push_back(g.toTensor().const_data_ptr<float>());
+  }
+  return Status();
+}
+
+}  // namespace zl

@@ -1,0 +1,263 @@
+// Two-phase execution of real stage programs. Needs an export of at least
+// three stages (a first, a middle and a last program):
+//
+//   ZL_CUSTOM_OPS_LIB=build/custom_ops/libzl_custom_ops.so \
+//     .venv/bin/zl export --model tiny-random --num-stages 3 --seq-len 16 --out /tmp/zl3 --no-check
+//   ZL_TEST_EXPORT_DIR=/tmp/zl3 build/android_app/native/zl_runner_tests --gtest_filter='StageProgram*'
+//
+// tests/test_runner.py does exactly this with its session export. Without
+// ZL_TEST_EXPORT_DIR the tests skip.
+#include "zl/stage_program.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include <zl/pipeline_marker.h>
+
+#include "temp_dir_support.h"
+
+namespace {
+
+using zl::StageInputs;
+using zl::StageProgram;
+using zl::StageProgramOptions;
+using zl::StageStepResult;
+
+std::string export_dir() {
+  const char* dir = std::getenv("ZL_TEST_EXPORT_DIR");
+  return dir != nullptr ? dir : "";
+}
+
+/// Deterministic inputs of the program's shapes: tokens, a padded tail, an
+/// ignored prefix, and a hidden state of moderate values.
+struct Batch {
+  std::vector<int64_t> ids, mask, labels;
+  std::vector<float> hidden;
+
+  Batch(const StageProgram& p, int seed) {
+    const int64_t bs = p.batch() * p.seq_len();
+    for (int64_t i = 0; i < bs; ++i) {
+      const int64_t pos = i % p.seq_len();
+      ids.push_back((i * 37 + seed * 11) % 250);
+      mask.push_back(pos < p.seq_len() - 3 ? 1 : 0);
+      labels.push_back(pos < 2 || mask.back() == 0 ? -100 : ids.back());
+    }
+    const int64_t d = p.hidden_size() > 0 ? p.hidden_size() : 1;
+    for (int64_t i = 0; i < bs * d; ++i) hidden.push_back(0.5f * std::sin(0.37f * i + seed));
+  }
+
+  StageInputs inputs() const {
+    StageInputs in;
+    in.input_ids = ids.data();
+    in.hidden = hidden.data();
+    in.attention_mask = mask.data();
+    in.labels = labels.data();
+    return in;
+  }
+};
+
+std::vector<std::vector<float>> copy_grads(const StageProgram& p, const StageStepResult& r) {
+  std::vector<std::vector<float>> out;
+  for (size_t i = 0; i < r.gradients.size(); ++i) {
+    out.emplace_back(r.gradients[i], r.gradients[i] + p.parameters()[i].numel());
+  }
+  return out;
+}
+
+/// Gives lora_B nonzero values: with B = 0 (PEFT's init) every lora_A
+/// gradient is exactly 0, which would hide a broken gradient read-out.
+void perturb_lora_b(StageProgram* p) {
+  for (const zl::TrainableParam& param : p->parameters()) {
+    if (param.name.find("lora_B") == std::string::npos) continue;
+    for (size_t i = 0; i < param.numel(); ++i) param.data[i] = 0.01f * std::cos(0.7f * i);
+  }
+}
+
+class StageProgramTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (export_dir().empty()) GTEST_SKIP() << "set ZL_TEST_EXPORT_DIR to a `zl export --num-stages 3` directory";
+  }
+
+  std::unique_ptr<StageProgram> load(int stage) {
+    StageProgramOptions options;
+    options.program_path = export_dir() + "/stage_" + std::to_string(stage) + ".pte";
+    std::unique_ptr<StageProgram> program;
+    zl::Status status = StageProgram::load(options, &program);
+    EXPECT_TRUE(status.ok()) << status.message();
+    return program;
+  }
+};
+
+TEST_F(StageProgramTest, ExposesLoraParametersUnderPeftNames) {
+  for (int stage : {0, 1}) {
+    auto p = load(stage);
+    ASSERT_TRUE(p);
+    EXPECT_EQ(p->stage_index(), stage);
+    EXPECT_EQ(p->is_first(), stage == 0);
+    EXPECT_FALSE(p->is_last());
+    ASSERT_FALSE(p->parameters().empty());
+    for (const zl::TrainableParam& param : p->parameters()) {
+      // Global layer numbers (first_layer + local index), PEFT spelling.
+      EXPECT_EQ(param.name.rfind("base_model.model.model.layers.", 0), 0u) << param.name;
+      EXPECT_EQ(param.name.find(".default."), std::string::npos) << param.name;
+      const std::string layer = "layers." + std::to_string(p->first_layer()) + ".";
+      if (param.name.find(layer) == std::string::npos) {
+        // Stages of several layers also hold later ones; all within range.
+        bool in_range = false;
+        for (int64_t l = p->first_layer(); l <= p->last_layer(); ++l) {
+          in_range |= param.name.find("layers." + std::to_string(l) + ".") != std::string::npos;
+        }
+        EXPECT_TRUE(in_range) << param.name;
+      }
+      EXPECT_NE(param.data, nullptr);
+      EXPECT_EQ(param.shape.size(), 2u);
+    }
+  }
+}
+
+TEST_F(StageProgramTest, BeginReturnsHiddenWhileForwardIsSuspended) {
+  auto p = load(1);
+  ASSERT_TRUE(p);
+  Batch batch(*p, 1);
+  const uint64_t calls_before = zl_pipeline_marker_call_count();
+  std::vector<float> hidden;
+  zl::Status status = p->begin(batch.inputs(), &hidden);
+  ASSERT_TRUE(status.ok()) << status.message();
+  EXPECT_EQ(zl_pipeline_marker_call_count(), calls_before + 1);
+  EXPECT_EQ(p->last_marker_calls(), 1);
+  EXPECT_EQ(hidden.size(), static_cast<size_t>(p->batch() * p->seq_len() * p->hidden_size()));
+  // The method stays parked in the marker kernel until finish().
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_TRUE(p->suspended());
+  // A second begin() while suspended is refused, and changes nothing.
+  std::vector<float> other;
+  EXPECT_FALSE(p->begin(batch.inputs(), &other).ok());
+  EXPECT_TRUE(p->suspended());
+  StageStepResult result;
+  status = p->finish(&result);
+  ASSERT_TRUE(status.ok()) << status.message();
+  EXPECT_FALSE(p->suspended());
+  EXPECT_TRUE(std::isfinite(result.loss));
+  EXPECT_EQ(result.gradients.size(), p->parameters().size());
+}
+
+TEST_F(StageProgramTest, TwoPhasesGiveThePlainExecutionsNumbers) {
+  for (int stage : {0, 1, 2}) {
+    auto p = load(stage);
+    ASSERT_TRUE(p);
+    perturb_lora_b(p.get());
+    Batch batch(*p, stage + 3);
+    std::vector<float> plain_hidden;
+    StageStepResult plain;
+    zl::Status status = p->run(batch.inputs(), &plain_hidden, &plain);
+    ASSERT_TRUE(status.ok()) << status.message();
+    const auto plain_grads = copy_grads(*p, plain);
+
+    std::vector<float> hidden;
+    status = p->begin(batch.inputs(), &hidden);
+    ASSERT_TRUE(status.ok()) << status.message();
+    StageStepResult two_phase;
+    status = p->finish(&two_phase);
+    ASSERT_TRUE(status.ok()) << status.message();
+
+    // Same program, same inputs, same kernels: bit-identical.
+    EXPECT_EQ(two_phase.loss, plain.loss) << "stage " << stage;
+    EXPECT_EQ(two_phase.task_loss, plain.task_loss);
+    EXPECT_EQ(two_phase.consistency_loss, plain.consistency_loss);
+    EXPECT_EQ(copy_grads(*p, two_phase), plain_grads);
+    EXPECT_EQ(hidden, plain_hidden) << "the hook's copy differs from the program's hidden output";
+    if (p->is_last()) {
+      EXPECT_TRUE(hidden.empty());
+      EXPECT_EQ(p->last_marker_calls(), 0);
+    } else {
+      EXPECT_FALSE(hidden.empty());
+    }
+    bool any_a_grad = false;
+    for (size_t i = 0; i < plain_grads.size(); ++i) {
+      if (p->parameters()[i].name.find("lora_A") == std::string::npos) continue;
+      for (float g : plain_grads[i]) any_a_grad |= g != 0.0f;
+    }
+    EXPECT_TRUE(any_a_grad) << "lora_A gradients all zero with nonzero lora_B";
+  }
+}
+
+TEST_F(StageProgramTest, LastStageRunsEverythingInFinish) {
+  auto p = load(2);
+  ASSERT_TRUE(p);
+  EXPECT_TRUE(p->is_last());
+  Batch batch(*p, 5);
+  std::vector<float> hidden = {1.0f};
+  ASSERT_TRUE(p->begin(batch.inputs(), &hidden).ok());
+  EXPECT_TRUE(hidden.empty());
+  EXPECT_FALSE(p->suspended());
+  StageStepResult result;
+  ASSERT_TRUE(p->finish(&result).ok());
+  EXPECT_TRUE(std::isfinite(result.loss));
+}
+
+TEST_F(StageProgramTest, ParameterWritesReachTheProgram) {
+  auto p = load(0);
+  ASSERT_TRUE(p);
+  Batch batch(*p, 7);
+  StageStepResult before, changed, restored;
+  ASSERT_TRUE(p->run(batch.inputs(), nullptr, &before).ok());
+  std::vector<std::vector<float>> saved;
+  for (const auto& param : p->parameters()) saved.emplace_back(param.data, param.data + param.numel());
+  perturb_lora_b(p.get());
+  std::vector<float> hidden;
+  ASSERT_TRUE(p->begin(batch.inputs(), &hidden).ok());
+  ASSERT_TRUE(p->finish(&changed).ok());
+  EXPECT_NE(changed.loss, before.loss) << "writing lora_B did not change the program's loss";
+  for (size_t i = 0; i < saved.size(); ++i) {
+    std::copy(saved[i].begin(), saved[i].end(), p->parameters()[i].data);
+  }
+  ASSERT_TRUE(p->run(batch.inputs(), nullptr, &restored).ok());
+  EXPECT_EQ(restored.loss, before.loss);
+}
+
+TEST_F(StageProgramTest, FinishWithoutBeginFails) {
+  auto p = load(1);
+  ASSERT_TRUE(p);
+  StageStepResult result;
+  zl::Status status = p->finish(&result);
+  EXPECT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("begin"), std::string::npos) << status.message();
+}
+
+TEST_F(StageProgramTest, DestroyingASuspendedProgramDoesNotHang) {
+  auto p = load(0);
+  ASSERT_TRUE(p);
+  Batch batch(*p, 2);
+  std::vector<float> hidden;
+  ASSERT_TRUE(p->begin(batch.inputs(), &hidden).ok());
+  ASSERT_TRUE(p->suspended());
+  p.reset();  // lets the method end, then joins the worker
+  SUCCEED();
+}
+
+TEST_F(StageProgramTest, RejectsAManifestOfAnotherExport) {
+  zl_test::TempDir tmp;
+  zl_test::write_text(tmp.file("manifest.json"),
+                      R"({"stages": [{"index": 0, "file": "stage_0.pte", "layers": [0, 1],)"
+                      R"( "outputs": [{"name": "hidden"}], "parameters": []}]})");
+  StageProgramOptions options;
+  options.program_path = export_dir() + "/stage_0.pte";
+  options.manifest_path = tmp.file("manifest.json");
+  std::unique_ptr<StageProgram> program;
+  zl::Status status = StageProgram::load(options, &program);
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("manifest"), std::string::npos) << status.message();
+  options.manifest_path = tmp.file("missing.json");
+  status = StageProgram::load(options, &program);
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("missing.json"), std::string::npos) << status.message();
+}
+
+}  // namespace

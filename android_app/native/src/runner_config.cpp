@@ -62,6 +62,9 @@ json get_schedule_kind(const RunnerConfig& c) { return lr_schedule_kind_name(c.o
 // The field table: order is the order of --help.
 const Field kFields[] = {
     {"program", FieldType::kString, true, true, "Path of this stage's training program (.pte).", ZL_REF(program)},
+    {"manifest", FieldType::kString, false, true,
+     "The export's manifest.json (PEFT parameter names); empty = manifest.json next to the program.",
+     ZL_REF(manifest)},
     {"stage_index", FieldType::kInteger, true, false, "This stage's index, 0-based.", ZL_REF(stage_index)},
     {"num_stages", FieldType::kInteger, true, false, "Number of stages K in the pipeline.", ZL_REF(num_stages)},
     {"data_shard", FieldType::kString, false, true, "Tokenized data shard; required on stage 0, unused elsewhere.",
@@ -83,6 +86,9 @@ const Field kFields[] = {
      ZL_REF(num_micro_batches)},
     {"in_flight_depth", FieldType::kInteger, false, false, "D: most un-acknowledged DATA entries per link.",
      ZL_REF(in_flight_depth)},
+    {"input_timeout_s", FieldType::kInteger, false, false,
+     "Seconds to wait for an upstream entry (or for acknowledgements at the end) before failing; 0 = forever.",
+     ZL_REF(input_timeout_s)},
     {"checkpoint_dir", FieldType::kString, true, true, "Directory of this stage's window_* checkpoints.",
      ZL_REF(checkpoint_dir)},
     {"checkpoint_interval", FieldType::kInteger, false, false,
@@ -251,7 +257,8 @@ Status validate(const RunnerConfig& c) {
                      check_at_least("num_micro_batches", c.num_micro_batches, 1),
                      check_at_least("in_flight_depth", c.in_flight_depth, 1),
                      check_at_least("checkpoint_interval", c.checkpoint_interval, 1),
-                     check_at_least("keep_last", c.keep_last, 1), check_at_least("threads", c.threads, 0)}) {
+                     check_at_least("keep_last", c.keep_last, 1), check_at_least("threads", c.threads, 0),
+                     check_at_least("input_timeout_s", c.input_timeout_s, 0)}) {
     if (!check.ok()) return check;
   }
   if (c.stage_index >= c.num_stages) {

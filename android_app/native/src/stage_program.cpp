@@ -8,27 +8,24 @@
 
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
-#include <executorch/extension/threadpool/threadpool_guard.h>
 #include <executorch/runtime/core/evalue.h>
 #include <zl/pipeline_marker.h>
 
 #include "zl/durable_file.h"
 #include "zl/log.h"
 
-#if __has_include(<executorch/extension/threadpool/threadpool.h>)
-#include <executorch/extension/threadpool/threadpool.h>
-#else
-// The executorch wheel ships libexecutorch_threadpool.so but not this header;
-// these two declarations match its exported symbols (non-virtual members).
+// ExecuTorch's CPU thread pool. The wheel ships libexecutorch_threadpool.so
+// without its header, and an Android build may leave the pool out, so these
+// declarations (matching the library's exported symbols, non-virtual
+// members) are weak: without the library get_threadpool's address is null and
+// the 'threads' setting is reported as ignored.
 namespace executorch::extension::threadpool {
 class ThreadPool {
  public:
-  size_t get_thread_count() const;
-  bool _unsafe_reset_threadpool(uint32_t num_threads);
+  __attribute__((weak)) bool _unsafe_reset_threadpool(uint32_t num_threads);
 };
-ThreadPool* get_threadpool();
+__attribute__((weak)) ThreadPool* get_threadpool();
 }  // namespace executorch::extension::threadpool
-#endif
 
 namespace zl {
 
@@ -156,8 +153,9 @@ Status read_manifest_stage(const std::string& manifest_path, const std::string& 
 }
 
 void apply_thread_count(int64_t threads) {
-  if (threads <= 1) return;  // 0: runtime default; 1: NoThreadPoolGuard on the worker
-  auto* pool = executorch::extension::threadpool::get_threadpool();
+  if (threads == 0) return;  // the runtime's default (one thread per core)
+  namespace tp = executorch::extension::threadpool;
+  auto* pool = &tp::get_threadpool != nullptr ? tp::get_threadpool() : nullptr;
   if (pool == nullptr) {
     log(LogLevel::kWarn, "ExecuTorch thread pool unavailable; 'threads' = %lld ignored",
         static_cast<long long>(threads));
@@ -365,8 +363,6 @@ StageProgram::~StageProgram() {
 
 void StageProgram::worker_main() {
   set_pipeline_marker_hook(&StageProgramHook::call, this);
-  std::optional<executorch::extension::threadpool::NoThreadPoolGuard> no_pool;
-  if (threads_ == 1) no_pool.emplace();
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     changed_.wait(lock, [&] { return state_ == State::kPhase1 || shutdown_; });

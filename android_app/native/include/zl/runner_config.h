@@ -28,6 +28,7 @@ namespace zl {
 /// resolved against the config file's directory by load_runner_config.
 struct RunnerConfig {
   std::string program;            ///< this stage's training program (.pte)
+  std::string manifest;           ///< the export's manifest.json; empty = next to `program`
   int64_t stage_index = 0;        ///< 0-based
   int64_t num_stages = 0;         ///< K
   std::string data_shard;         ///< tokenized shard (stage 0 only)
@@ -39,6 +40,7 @@ struct RunnerConfig {
   int64_t window_size = 0;        ///< m: micro-batches per AdamW step
   int64_t num_micro_batches = 0;  ///< micro-batches in the whole run
   int64_t in_flight_depth = 4;    ///< D: un-acknowledged DATA entries per link
+  int64_t input_timeout_s = 600;  ///< give up waiting for upstream input (or acks) after this; 0 = never
   std::string checkpoint_dir;     ///< root of window_* checkpoints
   int64_t checkpoint_interval = 1;  ///< checkpoint every n-th window (and the last)
   int64_t keep_last = 2;          ///< complete checkpoints kept

@@ -45,8 +45,8 @@ struct StageProgramOptions {
   /// The export's manifest.json (PEFT names, layer range); empty = the
   /// manifest.json next to the program.
   std::string manifest_path;
-  /// ExecuTorch CPU threads for this program: 0 = runtime default, 1 = no
-  /// thread pool on the worker thread, n > 1 = resize the process's pool.
+  /// ExecuTorch CPU threads: 0 = runtime default, n >= 1 = resize the
+  /// process-wide pool to n (one pool per process).
   int64_t threads = 0;
 };
 

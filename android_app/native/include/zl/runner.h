@@ -1,0 +1,51 @@
+// The stage runner's main loop (DESIGN.md §4): one call runs this stage of
+// the pipeline from its latest checkpoint (or the start) to the end of the
+// run. Used by the `zl_runner` executable and by the Android JNI bridge.
+//
+// Per micro-batch i (ids 0..num_micro_batches-1, window w = i / window_size):
+//   1. input:   stage 0 slices its shard (rows of micro-batch i, wrapping
+//               around the shard); stage k>0 takes entry i from its Receiver
+//               (durably logged before it was acknowledged upstream)
+//   2. phase 1: StageProgram::begin, up to the pipeline marker
+//   3. send:    the hidden state (plus mask and labels) to the downstream
+//               Sender right away ("early forwarding"); with
+//               early_forwarding = false only after phase 2
+//   4. phase 2: StageProgram::finish, then accumulate the LoRA gradients
+// At the end of window w:
+//   5. AdamW step on the mean gradient (in place in the program)
+//   6. flush the Sender: every hidden state of window w is durable
+//      downstream before w can be committed, because after the commit this
+//      stage can never recompute it (its parameters have moved on)
+//   7. checkpoint (when due), then COMMIT: input-log entries of windows <= w
+//      are deleted
+// Telemetry: one JSON line per micro-batch and per window (telemetry.h),
+// plus "start", "listening" and "done" events.
+//
+// Recovery: with `resume`, the latest checkpoint is restored and the run
+// continues with its micro_batches_done; stage 0 re-reads its shard, later
+// stages replay their input log, and downstream drops the re-sent hidden
+// states it already has by micro-batch id. Parameters change only at window
+// ends, so the replay recomputes exactly what the lost window computed.
+#pragma once
+
+#include <atomic>
+
+#include "zl/runner_config.h"
+#include "zl/status.h"
+
+namespace zl {
+
+/// Runs this stage to the end of the run described by `config`.
+///
+/// `stop_requested` (may be null) is polled between micro-batches and while
+/// waiting for input, acknowledgements or back-pressure; once it reads true
+/// the runner stops without committing the current window and returns
+/// kClosed ("stop requested"), so a later run with `resume` continues from
+/// the last checkpoint.
+///
+/// Returns ok when every micro-batch was processed, the last window was
+/// checkpointed and (stages < K-1) every hidden state was acknowledged
+/// downstream. Errors carry a message naming the file, peer or value.
+Status run_stage(const RunnerConfig& config, const std::atomic<bool>* stop_requested);
+
+}  // namespace zl

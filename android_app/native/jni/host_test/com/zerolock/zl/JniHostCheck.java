@@ -58,6 +58,61 @@ public final class JniHostCheck {
     return path;
   }
 
+  /**
+   * Runs the last stage of a real export with no upstream, so it loads its
+   * program and then waits for input forever (input_timeout_s 0), on a
+   * thread of its own as RunnerService does; then stops it.
+   */
+  private static void checkStopWhileRunning(Path exportDir, Path dir) throws Exception {
+    int numStages = 0;
+    while (Files.isRegularFile(exportDir.resolve("stage_" + numStages + ".pte"))) numStages++;
+    expect(numStages >= 1, "no stage_0.pte in " + exportDir);
+    final int last = numStages - 1;
+    write(dir.resolve("run.key"), "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f\n");
+    final String firstStage = last == 0 ? ", \"data_shard\": \"missing_shard.bin\"" : "";
+    final Path config = write(dir.resolve("stage.json"),
+        "{\"program\": \"" + exportDir.resolve("stage_" + last + ".pte") + "\","
+            + " \"manifest\": \"" + exportDir.resolve("manifest.json") + "\","
+            + " \"stage_index\": " + last + ", \"num_stages\": " + numStages + ","
+            + " \"listen\": \"127.0.0.1:0\", \"input_timeout_s\": 0" + firstStage + ","
+            + " \"run_key_file\": \"run.key\", \"run_id\": \"00112233445566778899aabbccddeeff\","
+            + " \"window_size\": 1, \"num_micro_batches\": 2, \"checkpoint_dir\": \"ckpt\","
+            + " \"log_path\": \"metrics.jsonl\"}");
+    expect(last > 0, "the export has one stage: stage 0 reads its shard and never waits; need 2+ stages");
+
+    final Throwable[] outcome = new Throwable[1];
+    final boolean[] returned = new boolean[1];
+    Thread worker = new Thread(() -> {
+      try {
+        NativeRunner.nativeRun(config.toString());
+        returned[0] = true;
+      } catch (Throwable t) {
+        outcome[0] = t;
+      }
+    }, "zl-stage");
+    worker.start();
+    // Loading a test-sized program takes well under a second; give it 5 s,
+    // then it must still be running (waiting for upstream input).
+    worker.join(5000);
+    expect(worker.isAlive(), "the stage ended before the stop: returned=" + returned[0] + ", " + outcome[0]);
+
+    try {
+      NativeRunner.nativeRun(config.toString());
+      throw new AssertionError("a second concurrent nativeRun returned");
+    } catch (IllegalStateException e) {
+      expect(e.getMessage().contains("already running"), "message: " + e.getMessage());
+    }
+
+    expect(NativeRunner.nativeStop(), "nativeStop() returned false while a stage was running");
+    worker.join(30000);
+    expect(!worker.isAlive(), "the stage did not stop within 30 s of nativeStop");
+    expect(outcome[0] instanceof NativeRunnerException, "run ended with " + outcome[0] + ", returned=" + returned[0]);
+    NativeRunnerException e = (NativeRunnerException) outcome[0];
+    expect("closed".equals(e.code), "code " + e.code + ": " + e.getMessage());
+    expect(e.getMessage().startsWith("stage " + last + " (config " + config + "): closed: "), "message: " + e.getMessage());
+    expect(!NativeRunner.nativeStop(), "nativeStop() returned true after the stage ended");
+  }
+
   public static void main(String[] args) throws Exception {
     final Path work = Paths.get(args.length > 0 ? args[0] : "jni_host_check").toAbsolutePath();
     Files.createDirectories(work);
@@ -113,6 +168,14 @@ public final class JniHostCheck {
 
     check("nativeStop after the runs returns false again", () ->
         expect(!NativeRunner.nativeStop(), "nativeStop() returned true while idle"));
+
+    final String exportDir = System.getenv("ZL_TEST_EXPORT_DIR");
+    if (exportDir == null || exportDir.isEmpty()) {
+      System.out.println("SKIP nativeStop ends a running stage (set ZL_TEST_EXPORT_DIR to a `zl export` directory)");
+    } else {
+      check("nativeStop ends a running stage: closed, and a second run is refused meanwhile",
+          () -> checkStopWhileRunning(Paths.get(exportDir).toAbsolutePath(), work.resolve("stop")));
+    }
 
     System.out.println(passed + " passed, " + failures.size() + " failed");
     System.exit(failures.isEmpty() ? 0 : 1);

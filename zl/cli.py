@@ -7,6 +7,7 @@ Errors of type `ZLError` print as one line and exit with status 2; set
 import logging
 import os
 import sys
+import warnings
 
 import typer
 
@@ -28,9 +29,31 @@ def _register() -> None:
     app.command("data")(data.data_command)
 
 
+# Third-party chatter that says nothing to a zl user: torchao's optional CUDA
+# extensions that cannot load on a CPU build, torch's pytree deprecation notes
+# for torchao's enums, and ExecuTorch's "experimental API" warnings.
+_QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "torch._export", "torch.export", "executorch")
+_QUIET_WARNINGS = (
+    ("ignore", "This API is experimental"),
+    ("ignore", ".*is deprecated.*"),
+)
+
+
+def _quiet_third_party() -> None:
+    # transformers' per-load tqdm bars ("Loading weights") would interleave with zl's own progress display.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for action, message in _QUIET_WARNINGS:
+        warnings.filterwarnings(action, message=message)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
 def main() -> None:
     debug = os.environ.get("ZL_DEBUG") == "1"
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not debug:
+        _quiet_third_party()
     _register()
     try:
         app()

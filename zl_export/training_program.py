@@ -4,7 +4,11 @@ Used by `zl export --check`, the tests and the benchmarks; the device side
 runs the same program from C++ (`android_app/native`).
 """
 
+import contextlib
+import os
 import struct
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +55,31 @@ def check_program_file(path: Path) -> None:
                       "export or copy it again.")
 
 
+# ExecuTorch's thread pool probes the CPU on first use and logs every /sys file
+# it could not open straight to file descriptor 2; on x86 hosts all of them fail.
+_NATIVE_NOISE = ("cpuinfo_utils.cpp",)
+
+
+@contextlib.contextmanager
+def _filtered_native_stderr():
+    """Pass native stderr through, minus the CPU-probe lines of _NATIVE_NOISE."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [ln for ln in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if not any(noise in ln for noise in _NATIVE_NOISE)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 @dataclass
 class StepResult:
     """User outputs by name (`hidden`, `loss`, `task_loss`, `consistency_loss`) and gradients by program name."""
@@ -79,14 +108,16 @@ class TrainingProgram:
         path = Path(path)
         check_program_file(path)
         try:
-            self._module = _load_for_executorch_for_training(str(path))
+            with _filtered_native_stderr():
+                self._module = _load_for_executorch_for_training(str(path))
         except RuntimeError as e:
             raise ZLError(f"{path}: ExecuTorch could not load the program ({e}); is it a complete `zl export` output?") from e
         self.path = path
         self.output_names = output_names
 
     def step(self, *inputs: torch.Tensor) -> StepResult:
-        outs = self._module.forward_backward("forward", list(inputs))
+        with _filtered_native_stderr():
+            outs = self._module.forward_backward("forward", list(inputs))
         if len(outs) != len(self.output_names):
             raise ZLError(
                 f"{self.path}: the program returned {len(outs)} user outputs, the manifest lists "

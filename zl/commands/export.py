@@ -2,6 +2,7 @@
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -10,7 +11,12 @@ from rich.table import Table
 
 from zl.errors import ZLError
 
+if TYPE_CHECKING:
+    from zl_export.exporter import ExportOptions
+    from zl_export.stage_module import StageModule
+
 EXAMPLE = """
+
 Examples:
 
   zl export                                             # SmolLM2-135M, 3 balanced stages, one checked step
@@ -38,7 +44,7 @@ def export_command(
     check: bool = typer.Option(True, "--check/--no-check", help="Run one training step of every stage through ExecuTorch and compare with PyTorch eager."),
 ) -> None:
     """Export one ExecuTorch training program per pipeline stage, plus manifest.json."""
-    from zl_export.exporter import ExportOptions, build_stage_modules, example_inputs, export_stage, write_program
+    from zl_export.exporter import ExportOptions, build_stage_modules, export_stage, write_program
     from zl_export.local_loss import LossConfig
     from zl_export.lora import LoraSettings
     from zl_export.manifest import build_manifest, write_manifest
@@ -53,7 +59,8 @@ def export_command(
         seed=seed,
     )
     opts.validate()
-    with console.status(f"loading {model}"):
+    first_gguf = " (a GGUF is converted to float32 once, ~30 s)" if model.endswith(".gguf") or model == "smollm2-135m" else ""
+    with console.status(f"loading {model}{first_gguf}"):
         t0 = time.perf_counter()
         loaded = load_model(model, seed=seed)
         load_s = time.perf_counter() - t0
@@ -79,13 +86,33 @@ def export_command(
             program = export_stage(module, peft_model, opts, cfg.vocab_size, on_phase)
             progress.update(task, phase="writing")
             entries.append(write_program(program, out))
-            progress.update(task, completed=5, phase=f"{len(program.buffer) / 2**20:.1f} MiB in {program.export_s:.1f} s")
+            done = f"{len(program.buffer) / 2**20:.1f} MiB in {program.export_s:.1f} s"
+            progress.update(task, completed=5, phase=done)
+            if not console.is_terminal:  # no live display in a log: one line per stage instead
+                console.print(f"stage {module.stage.index} (layers {module.stage}): {done}")
             del program
     manifest = build_manifest(loaded, opts, entries)
     write_manifest(manifest, out)
     _print_summary(manifest, out)
     if check:
-        _run_check(out, manifest, modules, example_inputs(modules[0], opts, cfg.vocab_size, seed=1))
+        _run_check(out, manifest, modules, _check_inputs(loaded.tokenizer, modules[0], opts, cfg.vocab_size))
+
+
+def _check_inputs(tokenizer, first: "StageModule", opts: "ExportOptions", vocab_size: int) -> tuple:
+    """Stage 0's inputs for the check: the first demo-task samples, so the losses are those of real text.
+
+    Falls back to random token ids when a demo sample does not fit --seq-len.
+    """
+    from zl_export import data as zdata
+    from zl_export.demo_task import demo_rows
+    from zl_export.exporter import example_inputs
+
+    rows = demo_rows(0)["dev"][: opts.micro_batch]
+    try:
+        tokenized, _ = zdata.tokenize(zdata.demo_task(rows), tokenizer, opts.seq_len)
+    except ZLError:
+        return example_inputs(first, opts, vocab_size, seed=1)
+    return tokenized.input_ids, tokenized.attention_mask, tokenized.labels
 
 
 def _print_summary(manifest: dict, out: Path) -> None:
@@ -103,15 +130,15 @@ def _run_check(out: Path, manifest: dict, modules, first_inputs) -> None:
 
     with console.status("one training step per stage: ExecuTorch and PyTorch eager"):
         results = check_pipeline(out, manifest, modules, first_inputs)
-    table = Table(title="one training step (ExecuTorch runtime vs PyTorch eager)")
-    for col in ("stage", "loss ET", "loss eager", "CE", "KL", "|Δ| loss", "|Δ| grad", "ET ms"):
-        table.add_column(col, justify="right", no_wrap=True)
+    table = Table(title="one training step on a demo-task sample: ExecuTorch runtime vs PyTorch eager")
+    for col in ("stage", "loss ET", "loss eager", "CE", "KL", "|Δ|loss", "|Δ|grad", "ET ms"):
+        table.add_column(col, justify="right", no_wrap=True, min_width=len(col))
     worst = 0.0
     for r in results:
         o = r.et.outputs
         table.add_row(
-            str(r.index), f"{float(o['loss']):.5f}", f"{float(r.eager.outputs['loss']):.5f}", f"{float(o['task_loss']):.4f}",
-            f"{float(o['consistency_loss']):.4f}", f"{r.loss_diff():.1e}", f"{r.grad_diff():.1e}", f"{r.et_ms:.0f}",
+            str(r.index), f"{float(o['loss']):.5f}", f"{float(r.eager.outputs['loss']):.5f}", f"{float(o['task_loss']):.3f}",
+            f"{float(o['consistency_loss']):.3f}", f"{r.loss_diff():.1e}", f"{r.grad_diff():.1e}", f"{r.et_ms:.0f}",
         )
         worst = max(worst, r.loss_diff() / max(1.0, abs(float(r.eager.outputs["loss"]))))
     console.print(table)

@@ -22,11 +22,23 @@ app = typer.Typer(
 )
 
 
-def _register() -> None:
-    from zl.commands import data, export
+# `zl --help` lists commands in this order (pipeline order); each module in
+# zl/commands/ declares its commands in a COMMANDS dict {name: function}.
+_ORDER = ("train", "export", "data", "devices", "deploy", "pull", "report", "merge", "eval")
 
-    app.command("export")(export.export_command)
-    app.command("data")(data.data_command)
+
+def _register() -> None:
+    import importlib
+    import pkgutil
+
+    import zl.commands
+
+    found = {}
+    for info in pkgutil.iter_modules(zl.commands.__path__):
+        module = importlib.import_module(f"zl.commands.{info.name}")
+        found.update(getattr(module, "COMMANDS", {}))
+    for name in sorted(found, key=lambda n: (_ORDER.index(n) if n in _ORDER else len(_ORDER), n)):
+        app.command(name)(found[name])
 
 
 # Third-party chatter that says nothing to a zl user: torchao's optional CUDA

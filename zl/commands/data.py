@@ -118,3 +118,6 @@ def _tokenize_with_progress(zdata, task, tokenizer, seq_len: int, truncate: bool
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         bar = progress.add_task("tokenize", total=len(task.examples))
         return zdata.tokenize(task, tokenizer, seq_len, truncate, source, lambda n: progress.advance(bar, n))
+
+
+COMMANDS = {"data": data_command}

@@ -157,3 +157,6 @@ def _numel(shape: list[int]) -> int:
 
 
 export_command.__doc__ = (export_command.__doc__ or "") + EXAMPLE
+
+
+COMMANDS = {"export": export_command}

@@ -1,0 +1,1 @@
+"""Host orchestrator: device backends, deploy, the coordinator, telemetry, pull, report, merge and eval."""

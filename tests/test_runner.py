@@ -1,0 +1,438 @@
+"""The stage runner end to end: `zl_runner` processes on localhost against a PyTorch eager reference.
+
+Each test exports tiny-random stage programs (seq_len 16), makes a demo shard,
+starts one `zl_runner` per stage (last stage first, each listening on a free
+port) and reads the LoRA parameters of the final checkpoint of every stage
+(`window_*/adapter.safetensors`, PEFT names). The reference runs the same
+pipeline in eager PyTorch: every stage's local loss, mean gradient over each
+window, `torch.optim.AdamW` + `LambdaLR` with the runner's schedule.
+
+    cmake --build build -j2 --target zl_runner zl_runner_tests
+    .venv/bin/python -m pytest tests/test_runner.py            # fast ones
+    .venv/bin/python -m pytest tests/test_runner.py -m slow    # 2 stages, more windows
+
+The runner binary is build/android_app/native/zl_runner (override with
+$ZL_RUNNER_BIN); the programs need the marker kernel (build/custom_ops, or
+$ZL_CUSTOM_OPS_LIB).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, native_library_or_skip
+
+SEQ_LEN = 16
+RUN_ID = "0123456789abcdef0123456789abcdef"
+RUN_KEY = "5a" * 32
+OPTIMIZER = {"lr": 2e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01,
+             "schedule": {"kind": "warmup_cosine", "warmup_steps": 1, "min_lr_ratio": 0.1}}
+PROCESS_TIMEOUT_S = 120
+
+
+def runner_bin() -> Path:
+    return Path(os.environ.get("ZL_RUNNER_BIN", REPO / "build" / "android_app" / "native" / "zl_runner")).resolve()
+
+
+@pytest.fixture(scope="module")
+def runner() -> Path:
+    path = runner_bin()
+    if not path.is_file():
+        pytest.skip(f"{path} not built; run `cmake --build build -j2 --target zl_runner` (or set ZL_RUNNER_BIN)")
+    native_library_or_skip()
+    return path
+
+
+# --- programs and data -----------------------------------------------------------------------------------
+
+
+def export_programs(out: Path, num_stages: int) -> Path:
+    """`zl export --model tiny-random --num-stages K --seq-len 16`, in-process."""
+    from custom_ops import load_library
+    from zl_export.exporter import ExportOptions, build_stage_modules, export_stage, write_program
+    from zl_export.manifest import build_manifest, write_manifest
+    from zl_export.model_source import load_model
+    from zl_export.stages import balanced_split
+
+    load_library()
+    loaded = load_model("tiny-random", seed=0)
+    opts = ExportOptions(seq_len=SEQ_LEN, micro_batch=1, seed=0)
+    stages = balanced_split(loaded.config.num_hidden_layers, num_stages)
+    peft_model, modules = build_stage_modules(loaded.model, stages, opts)
+    entries = [write_program(export_stage(m, peft_model, opts, loaded.config.vocab_size), out) for m in modules]
+    write_manifest(build_manifest(loaded, opts, entries), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def export3(tmp_path_factory) -> Path:
+    native_library_or_skip()
+    return export_programs(tmp_path_factory.mktemp("export3"), 3)
+
+
+@pytest.fixture(scope="session")
+def shard(tmp_path_factory) -> Path:
+    """The demo task's train shard at seq_len 16 (`zl data --demo`, prompts cut from the left)."""
+    out = tmp_path_factory.mktemp("data")
+    proc = subprocess.run(
+        [sys.executable, "-m", "zl.cli", "data", "--demo", "--model", "tiny-random", "--out", str(out),
+         "--seq-len", str(SEQ_LEN), "--truncate", "--split", "train"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out / "train.safetensors"
+
+
+# --- running a pipeline ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Pipeline:
+    """One localhost run: a directory with a config, logs and checkpoints per stage."""
+
+    runner: Path
+    export_dir: Path
+    shard: Path
+    run_dir: Path
+    num_stages: int
+    num_micro_batches: int
+    window_size: int
+    early_forwarding: bool = True
+    link_profile: str = "local"
+    optimizer: dict = field(default_factory=lambda: dict(OPTIMIZER))
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    starts: dict[int, int] = field(default_factory=dict)
+
+    def config_path(self, k: int) -> Path:
+        return self.run_dir / f"stage{k}.json"
+
+    def config(self, k: int) -> dict:
+        cfg = {
+            "program": str(self.export_dir / f"stage_{k}.pte"),
+            "stage_index": k,
+            "num_stages": self.num_stages,
+            "run_key_file": "run.key",
+            "run_id": RUN_ID,
+            "window_size": self.window_size,
+            "num_micro_batches": self.num_micro_batches,
+            "in_flight_depth": 2,
+            "checkpoint_dir": f"ckpt{k}",
+            "log_path": f"metrics{k}.jsonl",
+            "early_forwarding": self.early_forwarding,
+            "link_profile": self.link_profile,
+            "input_timeout_s": 60,
+            "threads": 1,
+            "optimizer": self.optimizer,
+        }
+        if k == 0:
+            cfg["data_shard"] = str(self.shard)
+        if k > 0:
+            cfg["listen"] = "127.0.0.1:0"
+        return cfg
+
+    def start_all(self) -> None:
+        """Start the last stage first; each upstream gets the port its downstream reported."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "run.key").write_text(RUN_KEY + "\n")
+        downstream_port = None
+        for k in reversed(range(self.num_stages)):
+            cfg = self.config(k)
+            if downstream_port is not None:
+                cfg["downstream"] = f"127.0.0.1:{downstream_port}"
+            self.config_path(k).write_text(json.dumps(cfg, indent=2))
+            self.start(k)
+            if k > 0:
+                downstream_port = self.wait_port(k)
+                # A restarted stage must come back on the port its upstream knows.
+                cfg["listen"] = f"127.0.0.1:{downstream_port}"
+                self.config_path(k).write_text(json.dumps(cfg, indent=2))
+
+    def start(self, k: int, resume: bool = False) -> None:
+        n = self.starts.get(k, 0)
+        self.starts[k] = n + 1
+        args = [str(self.runner), "--config", str(self.config_path(k))] + (["--resume"] if resume else [])
+        self.procs[k] = subprocess.Popen(
+            args, cwd=self.run_dir, stdout=open(self.run_dir / f"stdout{k}.{n}", "w"),
+            stderr=open(self.run_dir / f"stderr{k}.{n}", "w"),
+        )
+
+    def wait_port(self, k: int) -> int:
+        path = self.run_dir / f"stdout{k}.{self.starts[k] - 1}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for line in path.read_text().splitlines():
+                event = json.loads(line)
+                if event.get("event") == "listening":
+                    return int(event["port"])
+            if self.procs[k].poll() is not None:
+                pytest.fail(f"stage {k} exited with {self.procs[k].returncode}: {self.stderr(k)}")
+            time.sleep(0.02)
+        pytest.fail(f"stage {k} did not report its port: {self.stderr(k)}")
+
+    def stderr(self, k: int) -> str:
+        return (self.run_dir / f"stderr{k}.{self.starts[k] - 1}").read_text()[-3000:]
+
+    def wait_all(self) -> None:
+        deadline = time.monotonic() + PROCESS_TIMEOUT_S
+        try:
+            for k, proc in sorted(self.procs.items()):
+                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                assert rc == 0, f"stage {k} exited with {rc}:\n{self.stderr(k)}"
+        finally:
+            self.kill_all()
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def metrics(self, k: int) -> list[dict]:
+        path = self.run_dir / f"metrics{k}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def final_adapter(self, k: int) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        windows = sorted((self.run_dir / f"ckpt{k}").glob("window_*"))
+        assert windows, f"stage {k} wrote no checkpoint"
+        last = windows[-1]
+        progress = json.loads((last / "progress.json").read_text())
+        assert progress["micro_batches_done"] == self.num_micro_batches, progress
+        return load_file(str(last / "adapter.safetensors"))
+
+    def run(self) -> list[dict[str, torch.Tensor]]:
+        self.start_all()
+        self.wait_all()
+        return [self.final_adapter(k) for k in range(self.num_stages)]
+
+
+def make_pipeline(runner, export_dir, shard, tmp_path, name, **kw) -> Pipeline:
+    num_stages = len(json.loads((export_dir / "manifest.json").read_text())["stages"])
+    kw.setdefault("num_micro_batches", 12)
+    kw.setdefault("window_size", 4)
+    return Pipeline(runner, export_dir, shard, tmp_path / name, num_stages, **kw)
+
+
+def micro_batches_logged(path: Path) -> list[int]:
+    """Micro-batch ids in a telemetry file so far (a line being written is skipped)."""
+    ids = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("type") == "micro_batch":
+            ids.append(event["micro_batch"])
+    return ids
+
+
+# --- the eager reference ---------------------------------------------------------------------------------
+
+
+def lr_factor(t: int, schedule: dict, total_steps: int) -> float:
+    """zl/lr_schedule.h: linear warm-up from 1/W, then cosine to min_lr_ratio at T."""
+    if schedule.get("kind", "constant") == "constant":
+        return 1.0
+    w, r = schedule.get("warmup_steps", 0), schedule.get("min_lr_ratio", 0.0)
+    total = schedule.get("total_steps", 0) or total_steps
+    if t < w:
+        return (t + 1) / w
+    p = min(max((t - w) / max(1, total - w), 0.0), 1.0)
+    return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def eager_reference(export_dir: Path, shard_path: Path, num_micro_batches: int, window_size: int,
+                    optimizer: dict = OPTIMIZER) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+    """The pipeline in PyTorch eager with local AdamW per stage.
+
+    Returns:
+        (final LoRA parameters by PEFT name, loss per micro-batch per stage)
+    """
+    from zl_export.exporter import ExportOptions, build_stage_modules
+    from zl_export.local_loss import LossConfig
+    from zl_export.lora import LoraSettings
+    from zl_export.model_source import load_model
+    from zl_export.shard import load_shard
+    from zl_export.stages import StageRange
+
+    manifest = json.loads((export_dir / "manifest.json").read_text())
+    lora = manifest["lora"]
+    opts = ExportOptions(seq_len=manifest["seq_len"], micro_batch=manifest["micro_batch"],
+                         lora=LoraSettings(lora["rank"], lora["alpha"], tuple(lora["targets"])),
+                         loss=LossConfig(**manifest["loss"]), seed=manifest["seed"])
+    loaded = load_model(manifest["model"]["name"], seed=manifest["seed"])
+    stages = [StageRange(s["index"], *s["layers"]) for s in manifest["stages"]]
+    _, modules = build_stage_modules(loaded.model, stages, opts)
+    num_windows = -(-num_micro_batches // window_size)
+    optimizers, schedulers, params = [], [], []
+    for module in modules:
+        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        params.append(named)
+        opt = torch.optim.AdamW(list(named.values()), lr=optimizer["lr"], betas=tuple(optimizer["betas"]),
+                                eps=optimizer["eps"], weight_decay=optimizer["weight_decay"])
+        optimizers.append(opt)
+        schedulers.append(torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda t: lr_factor(t, optimizer["schedule"], num_windows)))
+    data = load_shard(shard_path)
+    batch = manifest["micro_batch"]
+    batches = data.rows // batch
+    losses, count = [], 0
+    for mb in range(num_micro_batches):
+        j = mb % batches
+        x = data.input_ids[j * batch:(j + 1) * batch]
+        mask = data.attention_mask[j * batch:(j + 1) * batch]
+        labels = data.labels[j * batch:(j + 1) * batch]
+        row = []
+        for module in modules:
+            outs = module(x, mask, labels)
+            loss = outs[module.loss_output_index]
+            loss.backward()
+            row.append(float(loss))
+            if not module.is_last:
+                x = outs[0].detach()
+        losses.append(row)
+        count += 1
+        if (mb + 1) % window_size == 0 or mb + 1 == num_micro_batches:
+            for named, opt, sched in zip(params, optimizers, schedulers):
+                for p in named.values():
+                    p.grad /= count  # the runner steps on the MEAN gradient of the window
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+            count = 0
+    final = {}
+    for s, named in zip(manifest["stages"], params):
+        by_program = {p["program_name"]: p["name"] for p in s["parameters"]}
+        final.update({by_program[n]: p.detach().clone() for n, p in named.items()})
+    return final, losses
+
+
+# --- tests -----------------------------------------------------------------------------------------------
+
+
+def test_stage_program_gtests(export3):
+    """The C++ two-phase tests (tests/stage_program_test.cpp) on this session's 3-stage export."""
+    binary = Path(os.environ.get("ZL_RUNNER_TESTS_BIN", runner_bin().parent / "zl_runner_tests"))
+    if not binary.is_file():
+        pytest.skip(f"{binary} not built; run `cmake --build build -j2 --target zl_runner_tests`")
+    proc = subprocess.run([str(binary), "--gtest_filter=StageProgram*", "--gtest_brief=1"],
+                          env={**os.environ, "ZL_TEST_EXPORT_DIR": str(export3)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "PASSED" in proc.stdout and "SKIPPED" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_help_lists_every_config_field(runner):
+    out = subprocess.run([str(runner), "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0
+    for name in ("--config", "--resume", "program", "early_forwarding", "window_size", "input_timeout_s"):
+        assert name in out.stdout
+
+
+def test_three_stages_match_eager_reference(runner, export3, shard, tmp_path):
+    """Final LoRA parameters of every stage (3 windows, warmup-cosine) equal eager AdamW's to rtol 1e-4."""
+    pipe = make_pipeline(runner, export3, shard, tmp_path, "run")
+    adapters = pipe.run()
+    expected, eager_losses = eager_reference(export3, shard, pipe.num_micro_batches, pipe.window_size)
+
+    got = {}
+    for adapter in adapters:
+        assert not set(adapter) & set(got), "two stages wrote the same parameter"
+        got.update(adapter)
+    assert set(got) == set(expected)
+    moved = 0
+    for name, want in expected.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        moved += int("lora_B" in name and bool(want.abs().max() > 1e-4))
+    assert moved > 0, "no lora_B moved: the comparison would not catch a runner that never steps"
+    assert any(n.startswith("base_model.model.model.layers.3.") for n in got), "PEFT names carry global layer numbers"
+
+    for k in range(pipe.num_stages):
+        lines = [m for m in pipe.metrics(k) if m["type"] == "micro_batch"]
+        assert [m["micro_batch"] for m in lines] == list(range(pipe.num_micro_batches))
+        for m in lines:
+            assert m["loss"] == pytest.approx(eager_losses[m["micro_batch"]][k], rel=1e-4)
+            for key in ("phase1_ms", "phase2_ms", "queue_ms", "send_ms", "total_ms"):
+                assert m[key] >= 0
+            assert m["pss_mib"] is None or m["pss_mib"] > 0
+        windows = [m for m in pipe.metrics(k) if m["type"] == "window"]
+        assert [w["window"] for w in windows] == [0, 1, 2]
+        assert [w["step"] for w in windows] == [1, 2, 3]
+    # Committed windows leave no input-log entries behind.
+    for k in (1, 2):
+        assert not list((pipe.run_dir / f"ckpt{k}" / "input_log").glob("entry-*"))
+
+
+def test_early_forwarding_off_gives_identical_parameters(runner, export3, shard, tmp_path):
+    """Sending after phase 2 changes timing only: the adapters are bit-identical."""
+    on = make_pipeline(runner, export3, shard, tmp_path, "on", num_micro_batches=8).run()
+    off = make_pipeline(runner, export3, shard, tmp_path, "off", num_micro_batches=8, early_forwarding=False).run()
+    for a, b in zip(on, off):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+
+
+def test_sigkill_middle_stage_and_resume_ends_identical(runner, export3, shard, tmp_path):
+    """SIGKILL stage 1 in the middle of window 2, restart it with --resume: every adapter equals the clean run's."""
+    n, m = 16, 4
+    clean = make_pipeline(runner, export3, shard, tmp_path, "clean", num_micro_batches=n, window_size=m).run()
+
+    # A shaped link slows stage 0 -> 1 enough to land the kill inside a window.
+    pipe = make_pipeline(runner, export3, shard, tmp_path, "kill", num_micro_batches=n, window_size=m,
+                         link_profile="constrained")
+    pipe.start_all()
+    try:
+        deadline = time.monotonic() + 60
+        killed_after = None
+        while time.monotonic() < deadline and killed_after is None:
+            done = micro_batches_logged(pipe.run_dir / "metrics1.jsonl")
+            if done and done[-1] >= 2 * m + 1:  # inside window 2 (micro-batches 8..11)
+                pipe.procs[1].send_signal(signal.SIGKILL)
+                pipe.procs[1].wait()
+                killed_after = done[-1]
+            time.sleep(0.002)
+        assert killed_after is not None, "stage 1 never reached window 2"
+        assert killed_after < n - 1, "stage 1 finished before the kill"
+        print(f"killed stage 1 after micro-batch {killed_after}")
+        pipe.start(1, resume=True)
+        pipe.wait_all()
+    finally:
+        pipe.kill_all()
+    resumed = [pipe.final_adapter(k) for k in range(pipe.num_stages)]
+
+    starts = [e for e in pipe.metrics(1) if e["type"] == "start"]
+    assert len(starts) == 2 and starts[1]["resumed_from_window"] is not None
+    replayed = [e["micro_batch"] for e in pipe.metrics(1) if e["type"] == "micro_batch"]
+    assert len(replayed) > n, "the restarted stage replayed nothing"
+    for a, b in zip(clean, resumed):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{name} differs after kill + resume"
+
+
+@pytest.mark.slow
+def test_two_stages_match_eager_reference(runner, shard, tmp_path_factory, tmp_path):
+    """Two stages, 5 windows with a short last one, constant lr."""
+    export2 = export_programs(tmp_path_factory.mktemp("export2"), 2)
+    optimizer = {**OPTIMIZER, "schedule": {"kind": "constant"}}
+    pipe = make_pipeline(runner, export2, shard, tmp_path, "run2", num_micro_batches=18, window_size=4,
+                         optimizer=optimizer)
+    adapters = pipe.run()
+    expected, _ = eager_reference(export2, shard, 18, 4, optimizer)
+    got = {k: v for a in adapters for k, v in a.items()}
+    assert set(got) == set(expected)
+    for name, want in expected.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,119 @@
+"""The Python frame codec (zl_device/frames.py): round trips, every rejection reason, and the C++ twin."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zl_device import frames
+from zl_device.frames import Frame, FrameRejected, FrameType, decode, encode
+
+KEY = bytes(range(32))
+RUN = bytes.fromhex("00112233445566778899aabbccddeeff")
+REPO = Path(__file__).resolve().parent.parent
+FRAME_TOOL = Path(os.environ.get("ZL_FRAME_TOOL", REPO / "build" / "android_app" / "native" / "zl_frame_tool"))
+
+
+def data_frame() -> Frame:
+    rng = np.random.default_rng(0)
+    return Frame(FrameType.DATA, RUN, stage=1, window=3, micro_batch=14, payload={"note": "x"},
+                 tensors={"hidden": rng.standard_normal((1, 4, 8)).astype(np.float32),
+                          "attention_mask": np.ones((1, 4), np.int64), "labels": np.arange(4, dtype=np.int64)[None]})
+
+
+def test_round_trip_keeps_every_field():
+    f = data_frame()
+    wire = encode(f, KEY)
+    assert wire[:4] == b"ZLFR" and int.from_bytes(wire[8:12], "little") == len(wire)
+    g = decode(wire, KEY, run_id=RUN)
+    assert (g.type, g.run_id, g.stage, g.window, g.micro_batch, g.payload) == (f.type, RUN, 1, 3, 14, {"note": "x"})
+    for name, t in f.tensors.items():
+        assert g.tensors[name].dtype == t.dtype and np.array_equal(g.tensors[name], t)
+
+
+def test_control_frame_without_payload_or_tensors():
+    wire = encode(Frame(FrameType.STOP, RUN, stage=frames.COORDINATOR_STAGE), KEY)
+    assert len(wire) == frames.HEADER_SIZE + frames.MAC_SIZE
+    g = decode(wire, KEY)
+    assert g.type is FrameType.STOP and g.payload is None and g.tensors == {} and g.stage == 0xFFFFFFFF
+
+
+def _reject(wire: bytes, error: str, **kw) -> None:
+    with pytest.raises(FrameRejected) as e:
+        decode(wire, kw.pop("key", KEY), **kw)
+    assert e.value.error == error, str(e.value)
+
+
+def test_rejections_name_the_reason():
+    wire = encode(data_frame(), KEY)
+    _reject(wire[:-1], "truncated")
+    _reject(wire[:40], "truncated")
+    _reject(wire + b"\0", "length_mismatch")
+    _reject(b"XXXX" + wire[4:], "bad_magic")
+    _reject(wire[:4] + (2).to_bytes(2, "little") + wire[6:], "bad_version")
+    flipped = bytearray(wire)
+    flipped[100] ^= 1
+    _reject(bytes(flipped), "bad_mac")
+    _reject(wire, "bad_mac", key=bytes(32))
+    _reject(wire, "wrong_run", run_id=bytes(16))
+    _reject(wire, "oversize", max_frame_bytes=len(wire) - 1)
+
+
+def _resigned(body: bytes) -> bytes:
+    """A frame whose body was altered by a holder of the key: the MAC verifies, the content is bad."""
+    return body + frames.frame_mac(body, KEY)
+
+
+def test_authenticated_but_malformed_frames():
+    wire = encode(Frame(FrameType.HEARTBEAT, RUN, payload={"a": 1}), KEY)
+    body = bytearray(wire[:-32])
+    body[6:8] = (99).to_bytes(2, "little")
+    _reject(_resigned(bytes(body)), "unknown_type")
+    body = bytearray(wire[:-32])
+    body[64:71] = b"{not js"
+    _reject(_resigned(bytes(body)), "bad_payload")
+    body = bytearray(wire[:-32])
+    body[60:64] = (1).to_bytes(4, "little")
+    _reject(_resigned(bytes(body)), "bad_header")
+
+
+def test_encode_refuses_what_the_wire_cannot_carry():
+    with pytest.raises(ValueError, match="run key has 3 bytes"):
+        encode(data_frame(), b"abc")
+    with pytest.raises(ValueError, match="dtype float64"):
+        encode(Frame(FrameType.DATA, RUN, tensors={"x": np.zeros(2)}), KEY)
+
+
+def test_parse_key():
+    assert frames.parse_key(KEY.hex() + "\n") == KEY
+    with pytest.raises(ValueError, match="64 hex characters"):
+        frames.parse_key("abcd")
+
+
+def _tool(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(FRAME_TOOL), *args], capture_output=True, timeout=30, input=stdin)
+
+
+@pytest.mark.skipif(not FRAME_TOOL.is_file(), reason=f"{FRAME_TOOL} not built (bash setup.sh)")
+def test_cpp_decodes_python_frames_and_python_decodes_cpp_frames(tmp_path):
+    f = data_frame()
+    (tmp_path / "py.bin").write_bytes(encode(f, KEY))
+    out = _tool("decode", "--key", KEY.hex(), "--in", str(tmp_path / "py.bin"))
+    assert out.returncode == 0, out.stderr.decode()
+    spec = json.loads(out.stdout)
+    assert (spec["type"], spec["run_id"], spec["stage"], spec["window"], spec["micro_batch"]) == ("DATA", RUN.hex(), 1, 3, 14)
+    by_name = {t["name"]: t for t in spec["tensors"]}
+    assert bytes.fromhex(by_name["hidden"]["data_hex"]) == f.tensors["hidden"].tobytes()
+    # And back: the C++ encoder's bytes are what Python writes for the same spec.
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    back = _tool("encode", "--key", KEY.hex(), "--in", str(tmp_path / "spec.json"), "--out", str(tmp_path / "cpp.bin"))
+    assert back.returncode == 0, back.stderr.decode()
+    g = decode((tmp_path / "cpp.bin").read_bytes(), KEY, run_id=RUN)
+    assert g.payload == f.payload and np.array_equal(g.tensors["hidden"], f.tensors["hidden"])
+    # A frame under another key is rejected by C++ with the same reason name.
+    (tmp_path / "bad.bin").write_bytes(encode(f, bytes(32)))
+    bad = _tool("decode", "--key", KEY.hex(), "--in", str(tmp_path / "bad.bin"))
+    assert bad.returncode == 2 and json.loads(bad.stdout)["error"] == "bad_mac"

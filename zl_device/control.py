@@ -1,0 +1,160 @@
+"""The coordinator's end of the control channel: a TCP server for runner frames.
+
+Each stage runner connects to the coordinator's address (its config's
+`coordinator` field) and sends REGISTER after every (re)connect, HEARTBEAT
+periodically, WINDOW_COMMITTED after each checkpointed window and ERROR on
+failure; the coordinator can send START and STOP. Frames are those of the
+data plane (zl_device/frames.py) under the same per-run key; a frame that
+fails validation is logged with its reason and the connection is dropped,
+the server keeps serving.
+
+Received frames become ControlEvent objects on a queue that the coordinator's
+loop drains; the server never calls back into coordinator state from its
+threads.
+"""
+
+import logging
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from zl_device import frames
+from zl_device.frames import Frame, FrameRejected, FrameType
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ControlEvent:
+    """One frame from a stage, as the coordinator sees it."""
+
+    stage: int
+    type: FrameType
+    window: int
+    micro_batch: int
+    payload: dict
+    t: float  # time.monotonic() at receipt
+
+
+class ControlServer:
+    """Accepts runner connections; `events` is the queue of ControlEvent."""
+
+    def __init__(self, key: bytes, run_id: bytes, host: str = "127.0.0.1", port: int = 0):
+        self.key, self.run_id = key, run_id
+        self.events: queue.Queue[ControlEvent] = queue.Queue()
+        self.rejected: list[str] = []  # reasons of rejected frames, for the report and tests
+        self._sock = socket.create_server((host, port))
+        self._sock.settimeout(0.2)
+        self._conns: dict[int, socket.socket] = {}  # stage -> its latest connection
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._accept = threading.Thread(target=self._accept_loop, name="zl-control-accept", daemon=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._sock.getsockname()[:2]
+
+    def start(self) -> "ControlServer":
+        self._accept.start()
+        return self
+
+    def send(self, stage: int, type_: FrameType, payload: dict | None = None) -> bool:
+        """Send a command to a stage's current connection; False when it has none."""
+        wire = frames.encode(Frame(type_, self.run_id, stage=frames.COORDINATOR_STAGE, payload=payload), self.key)
+        with self._lock:
+            conn = self._conns.get(stage)
+        if conn is None:
+            return False
+        try:
+            conn.sendall(wire)
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()
+        with self._lock:
+            for conn in self._conns.values():
+                _close_quietly(conn)
+            self._conns.clear()
+        for t in [self._accept, *self._threads]:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(timeout=2)
+
+    def __enter__(self) -> "ControlServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(0.5)
+            t = threading.Thread(target=self._serve, args=(conn, peer), name=f"zl-control-{peer[1]}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket, peer) -> None:
+        stage = None
+        try:
+            while not self._closed.is_set():
+                header = _read_exact(conn, frames.HEADER_SIZE, self._closed)
+                if header is None:
+                    return
+                total = frames.peek_length(header)
+                rest = _read_exact(conn, total - frames.HEADER_SIZE, self._closed)
+                if rest is None:
+                    return
+                frame = frames.decode(header + rest, self.key, run_id=self.run_id)
+                if frame.type == FrameType.REGISTER or stage is None:
+                    stage = frame.stage
+                    with self._lock:
+                        old = self._conns.get(stage)
+                        self._conns[stage] = conn
+                    if old is not None and old is not conn:
+                        _close_quietly(old)
+                self.events.put(ControlEvent(frame.stage, frame.type, frame.window, frame.micro_batch,
+                                             frame.payload or {}, time.monotonic()))
+        except FrameRejected as e:
+            self.rejected.append(e.error)
+            log.warning("control frame from %s:%s rejected (%s); closing that connection", peer[0], peer[1], e)
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                if stage is not None and self._conns.get(stage) is conn:
+                    del self._conns[stage]
+            _close_quietly(conn)
+
+
+def _read_exact(conn: socket.socket, n: int, closed: threading.Event) -> bytes | None:
+    """n bytes, or None when the peer closed or the server is shutting down."""
+    buf = bytearray()
+    while len(buf) < n:
+        if closed.is_set():
+            return None
+        try:
+            chunk = conn.recv(n - len(buf))
+        except TimeoutError:
+            continue
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _close_quietly(conn: socket.socket) -> None:
+    try:
+        conn.close()
+    except OSError:
+        pass

@@ -44,12 +44,9 @@ def export_command(
     check: bool = typer.Option(True, "--check/--no-check", help="Run one training step of every stage through ExecuTorch and compare with PyTorch eager."),
 ) -> None:
     """Export one ExecuTorch training program per pipeline stage, plus manifest.json."""
-    from zl_export.exporter import ExportOptions, build_stage_modules, export_stage, write_program
+    from zl_export.exporter import ExportOptions
     from zl_export.local_loss import LossConfig
     from zl_export.lora import LoraSettings
-    from zl_export.manifest import build_manifest, write_manifest
-    from zl_export.model_source import load_model
-    from zl_export.stages import balanced_split, format_spec, parse_spec
 
     opts = ExportOptions(
         seq_len=seq_len,
@@ -58,11 +55,24 @@ def export_command(
         loss=LossConfig(alpha, consistency),
         seed=seed,
     )
+    export_pipeline(model, stages, num_stages, out, opts, check)
+
+
+def export_pipeline(model: str, stages: str | None, num_stages: int, out: Path, opts: "ExportOptions", check: bool) -> dict:
+    """Load `model`, split it, export every stage into `out` with a progress display; returns the manifest.
+
+    Also used by `zl train`. Raises ZLError for bad options, model sources and stage specs.
+    """
+    from zl_export.exporter import build_stage_modules, export_stage, write_program
+    from zl_export.manifest import build_manifest, write_manifest
+    from zl_export.model_source import load_model
+    from zl_export.stages import balanced_split, format_spec, parse_spec
+
     opts.validate()
     first_gguf = " (a GGUF is converted to float32 once, ~30 s)" if model.endswith(".gguf") or model == "smollm2-135m" else ""
     with console.status(f"loading {model}{first_gguf}"):
         t0 = time.perf_counter()
-        loaded = load_model(model, seed=seed)
+        loaded = load_model(model, seed=opts.seed)
         load_s = time.perf_counter() - t0
     cfg = loaded.config
     opts.validate(cfg.max_position_embeddings)
@@ -96,6 +106,7 @@ def export_command(
     _print_summary(manifest, out)
     if check:
         _run_check(out, manifest, modules, _check_inputs(loaded.tokenizer, modules[0], opts, cfg.vocab_size))
+    return manifest
 
 
 def _check_inputs(tokenizer, first: "StageModule", opts: "ExportOptions", vocab_size: int) -> tuple:

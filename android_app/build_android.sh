@@ -16,7 +16,8 @@
 #
 # Optional: NLOHMANN_JSON_INCLUDE_DIR (folder with nlohmann/json.hpp, default
 # /usr/include), ZL_ANDROID_PLATFORM (default android-26), ZL_BUILD_TYPE
-# (default Release), ZL_JOBS (default 2), ZL_ALLOW_EXECUTORCH_VERSION_MISMATCH=1.
+# (default Release), ZL_JOBS (default 2), ZL_ANDROID_BUILD_DIR (default
+# <repo>/build-android), ZL_ALLOW_EXECUTORCH_VERSION_MISMATCH=1.
 set -euo pipefail
 
 readonly EXPECTED_ET_VERSION="1.5.1"
@@ -24,11 +25,11 @@ readonly MIN_NDK_MAJOR=27
 readonly ABI="arm64-v8a"
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-BUILD_DIR="${REPO_ROOT}/build-android"
+BUILD_DIR="${ZL_ANDROID_BUILD_DIR:-${REPO_ROOT}/build-android}"
 CHECK_ONLY=0
 CLEAN=0
 
-usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 for arg in "$@"; do
   case "$arg" in

@@ -1,0 +1,66 @@
+package com.zerolock.zl
+
+import java.io.File
+import org.json.JSONException
+import org.json.JSONObject
+
+/**
+ * What the app checks of a stage config before handing it to the native
+ * runner: that the file is there and readable by this app, and which stage
+ * it describes (for the status UI). The runner validates every field again
+ * with messages that name them; this only catches what would otherwise
+ * surface late or unclearly (a path the app cannot read, a file that is not
+ * a stage config at all).
+ */
+data class StageConfig(val path: String, val stageIndex: Int, val numStages: Int) {
+    /** "stage 1 of 3", as the UI shows it (1-based). */
+    val label: String get() = "stage ${stageIndex + 1} of $numStages"
+
+    companion object {
+        /** A stage config is a few hundred bytes; anything this big is the wrong file. */
+        private const val MAX_BYTES = 1L shl 20
+
+        /**
+         * Reads and checks the config at [path].
+         *
+         * @throws IllegalArgumentException with a message that names the path,
+         *   what was wrong and what is expected.
+         */
+        fun load(path: String): StageConfig {
+            val trimmed = path.trim()
+            require(trimmed.isNotEmpty()) { "no stage config path given" }
+            val file = File(trimmed)
+            require(file.isAbsolute) { "stage config path '$trimmed' is relative; give an absolute path" }
+            require(file.isFile) {
+                "stage config '$trimmed' does not exist or is not a file " +
+                    "(the app reads its own storage, e.g. /sdcard/Android/data/com.zerolock.zl/files/; " +
+                    "it cannot read /data/local/tmp)"
+            }
+            require(file.canRead()) { "stage config '$trimmed' is not readable by the app" }
+            require(file.length() <= MAX_BYTES) {
+                "stage config '$trimmed' is ${file.length()} bytes; expected a small JSON file (<= $MAX_BYTES)"
+            }
+            val json = try {
+                JSONObject(file.readText())
+            } catch (e: JSONException) {
+                throw IllegalArgumentException("stage config '$trimmed' is not a JSON object: ${e.message}")
+            }
+            val stageIndex = intField(json, "stage_index", trimmed)
+            val numStages = intField(json, "num_stages", trimmed)
+            require(numStages >= 1 && stageIndex in 0 until numStages) {
+                "stage config '$trimmed': stage_index $stageIndex, num_stages $numStages; " +
+                    "expected 0 <= stage_index < num_stages"
+            }
+            return StageConfig(trimmed, stageIndex, numStages)
+        }
+
+        private fun intField(json: JSONObject, name: String, path: String): Int {
+            require(json.has(name)) { "stage config '$path' has no field '$name'" }
+            val value = json.get(name)
+            require(value is Int || (value is Long && value in Int.MIN_VALUE..Int.MAX_VALUE)) {
+                "stage config '$path': field '$name' is $value; expected an integer"
+            }
+            return (value as Number).toInt()
+        }
+    }
+}

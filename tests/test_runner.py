@@ -385,12 +385,26 @@ def test_early_forwarding_off_gives_identical_parameters(runner, export3, shard,
             assert torch.equal(a[name], b[name]), name
 
 
-def test_sigkill_middle_stage_and_resume_ends_identical(runner, export3, shard, tmp_path):
-    """SIGKILL stage 1 in the middle of window 2, restart it with --resume: every adapter equals the clean run's."""
-    n, m = 16, 4
-    clean = make_pipeline(runner, export3, shard, tmp_path, "clean", num_micro_batches=n, window_size=m).run()
+KILL_N, KILL_M = 16, 4
 
-    # A shaped link slows stage 0 -> 1 enough to land the kill inside a window.
+
+@pytest.fixture(scope="module")
+def clean_adapters(runner, export3, shard, tmp_path_factory) -> list[dict[str, torch.Tensor]]:
+    """The failure-free run the kill tests compare with (16 micro-batches, windows of 4)."""
+    return make_pipeline(runner, export3, shard, tmp_path_factory.mktemp("clean"), "clean",
+                         num_micro_batches=KILL_N, window_size=KILL_M).run()
+
+
+@pytest.mark.parametrize("victim", [1, 0, 2])
+def test_sigkill_and_resume_ends_identical(runner, export3, shard, tmp_path, clean_adapters, victim):
+    """SIGKILL one stage inside window 2, restart it with --resume: every adapter equals the clean run's, bit for bit.
+
+    Stage 1 (the middle) replays from its input log and re-sends to stage 2,
+    which drops the duplicates; stage 0 re-reads its shard; stage 2 replays
+    from its log while stage 1 re-sends what it never acknowledged.
+    """
+    n, m = KILL_N, KILL_M
+    # A shaped link (30 ms per hop) paces the pipeline, so the kill lands inside a window.
     pipe = make_pipeline(runner, export3, shard, tmp_path, "kill", num_micro_batches=n, window_size=m,
                          link_profile="constrained")
     pipe.start_all()
@@ -398,29 +412,38 @@ def test_sigkill_middle_stage_and_resume_ends_identical(runner, export3, shard, 
         deadline = time.monotonic() + 60
         killed_after = None
         while time.monotonic() < deadline and killed_after is None:
-            done = micro_batches_logged(pipe.run_dir / "metrics1.jsonl")
-            if done and done[-1] >= 2 * m + 1:  # inside window 2 (micro-batches 8..11)
-                pipe.procs[1].send_signal(signal.SIGKILL)
-                pipe.procs[1].wait()
+            done = micro_batches_logged(pipe.run_dir / f"metrics{victim}.jsonl")
+            # Downstream has consumed micro-batch 8, so the restarted victim's re-sends are duplicates there.
+            delivered = victim == pipe.num_stages - 1 or 2 * m in micro_batches_logged(
+                pipe.run_dir / f"metrics{victim + 1}.jsonl")
+            if done and done[-1] >= 2 * m + 1 and delivered:  # inside window 2 (micro-batches 8..11)
+                pipe.procs[victim].send_signal(signal.SIGKILL)
+                pipe.procs[victim].wait()
                 killed_after = done[-1]
             time.sleep(0.002)
-        assert killed_after is not None, "stage 1 never reached window 2"
-        assert killed_after < n - 1, "stage 1 finished before the kill"
-        print(f"killed stage 1 after micro-batch {killed_after}")
-        pipe.start(1, resume=True)
+        assert killed_after is not None, f"stage {victim} never reached window 2"
+        assert killed_after < n - 1, f"stage {victim} finished before the kill"
+        pipe.start(victim, resume=True)
         pipe.wait_all()
     finally:
         pipe.kill_all()
     resumed = [pipe.final_adapter(k) for k in range(pipe.num_stages)]
 
-    starts = [e for e in pipe.metrics(1) if e["type"] == "start"]
-    assert len(starts) == 2 and starts[1]["resumed_from_window"] is not None
-    replayed = [e["micro_batch"] for e in pipe.metrics(1) if e["type"] == "micro_batch"]
-    assert len(replayed) > n, "the restarted stage replayed nothing"
-    for a, b in zip(clean, resumed):
+    starts = [e for e in pipe.metrics(victim) if e["type"] == "start"]
+    assert len(starts) == 2 and starts[1]["resumed_from_window"] is not None, starts
+    replayed = micro_batches_logged(pipe.run_dir / f"metrics{victim}.jsonl")
+    assert len(replayed) > n, f"the restarted stage {victim} replayed nothing"
+    assert replayed[-1] == n - 1
+    finals = {k: [e for e in pipe.metrics(k) if e["type"] == "done"][-1] for k in range(pipe.num_stages)}
+    if victim < pipe.num_stages - 1:
+        assert finals[victim + 1]["receiver"]["duplicates"] >= 1, "downstream saw none of the re-sent hidden states"
+    if victim > 0:
+        # Micro-batches 8 and 9 were in the victim's input log: replayed from disk, not received again.
+        assert finals[victim]["receiver"]["accepted"] < finals[victim]["micro_batches"], finals[victim]
+    for a, b in zip(clean_adapters, resumed):
         assert a.keys() == b.keys()
         for name in a:
-            assert torch.equal(a[name], b[name]), f"{name} differs after kill + resume"
+            assert torch.equal(a[name], b[name]), f"{name} differs after kill of stage {victim} + resume"
 
 
 @pytest.mark.slow

@@ -1,0 +1,56 @@
+"""`zl report`: summarize a run's telemetry into report.json, report.md and plots."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from zl.errors import ZLError
+
+
+def report_command(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory: metrics.jsonl (merged) and/or "
+                                                 "stages/stage_<k>/metrics.jsonl, and manifest.json.",
+                                            metavar="RUN_DIR", show_default=False)],
+    manifest: Annotated[
+        Path | None,
+        typer.Option("--manifest", help="The export's manifest.json, for the stages' layer ranges "
+                     "(default RUN_DIR/manifest.json when present).", show_default=False),
+    ] = None,
+    plots: Annotated[
+        bool, typer.Option("--plots/--no-plots", help="Also draw plots/latency.png and plots/loss.png.")
+    ] = True,
+) -> None:
+    """Write RUN_DIR/report.json, report.md and plots/ from the run's telemetry.
+
+    Per stage: median and p95 of phase-1, phase-2, queue, send and total time per micro-batch, peak PSS and temperature; for the run: wall time and records/s; after failures: detection, replay and recovery times. A replayed micro-batch counts once (its last run).
+
+    Examples:
+
+      zl report runs/demo
+
+      zl report runs/phones --manifest runs/export/manifest.json --no-plots
+    """
+    from zl_device.report import write_report
+
+    if not run_dir.is_dir():
+        raise ZLError(f"{run_dir}: not a directory; pass the run directory that holds metrics.jsonl.")
+    report = write_report(run_dir, manifest, plots=plots)
+    run = report["run"]
+    rate = "n/a" if run["records_per_s"] is None else f"{run['records_per_s']:.4f}"
+    wall = "n/a" if run["wall_s"] is None else f"{run['wall_s']:.1f} s"
+    typer.echo(f"run: {wall}, {run['samples'] if run['samples'] is not None else 'n/a'} samples, {rate} records/s")
+    for s in report["stages"]:
+        total = s["total_ms"]
+        median = "n/a" if total["median"] is None else f"{total['median']:.1f}"
+        p95 = "n/a" if total["p95"] is None else f"{total['p95']:.1f}"
+        pss = "n/a" if s["peak_pss_mib"] is None else f"{s['peak_pss_mib']:.0f} MiB"
+        typer.echo(f"stage {s['index']}: {s['micro_batches']} micro-batches, total {median} ms median / {p95} ms p95, "
+                   f"peak PSS {pss}")
+    if report["recovery"]:
+        typer.echo(f"recovery: {len(report['recovery'])} failure(s), see report.md")
+    for name in report["files"].values():
+        typer.echo(f"wrote {run_dir / name}")
+
+
+COMMANDS = {"report": report_command}

@@ -1,0 +1,197 @@
+"""A run's telemetry: the JSON lines of `metrics.jsonl`, where they live and what each kind holds.
+
+Where the lines are (both layouts are read, DESIGN.md §6):
+
+- `RUN_DIR/metrics.jsonl` — the merged log: every runner's lines plus the
+  coordinator's events, as the orchestrator writes it at the end of a run;
+- `RUN_DIR/stages/stage_<k>/metrics.jsonl` — one runner's own log, as
+  pulled from a device (the runner's `log_path`).
+
+A stage's runner lines are taken from the merged file when it holds any line
+of that stage (runner kinds: `start`, `micro_batch`, `window`, `done`), and
+from its per-stage file otherwise, so a merged file next to the per-stage
+files it was merged from is never counted twice. Coordinator events
+(`run`, `failure`, `restart`, `recovered`) are read from the merged file
+only: the coordinator writes them there, and a per-stage file holds one
+runner's lines. Within one stage, line order is time order: the
+runner appends, so a merge must keep each stage's lines in their order.
+
+Runner lines (android_app/native/include/zl/telemetry.h, src/runner.cpp);
+times in ms, memory in MiB, temperature in °C; an unmeasured value is null:
+
+    {"type": "start", "stage", "num_stages", "pid", "first_micro_batch",
+     "resumed_from_window" (null on a fresh start), "listen_port", "config"}
+    {"type": "micro_batch", "t_unix_ms", "stage", "window", "micro_batch",
+     "phase1_ms", "phase2_ms", "queue_ms", "send_ms", "total_ms",
+     "loss", "task_loss", "consistency_loss", "pss_mib", "temperature_c", "early_forwarding"}
+    {"type": "window", "t_unix_ms", "stage", "window", "micro_batches",
+     "mean_loss", "mean_task_loss", "mean_consistency_loss", "lr", "step",
+     "checkpoint_ms" (null when no checkpoint was due), "pss_mib", "temperature_c"}
+    {"type": "done", "stage", "micro_batches", "wall_s", "optimizer_step", "sender": {...}, "receiver": {...}}
+
+Coordinator events (written by the coordinator into the merged file;
+`t_unix_ms` on the host's clock):
+
+    {"type": "run", "start_unix_ms", "end_unix_ms", "samples", ...}
+        one per run, written at its end; `samples` = records trained through
+        every stage. Extra keys (run_id, num_stages, window_size, ...) are kept.
+    {"type": "failure", "stage", "t_unix_ms", "detected_after_ms", "window", "micro_batch"}
+        the stage was declared failed at t_unix_ms, detected_after_ms after its
+        last sign of life (heartbeat or exit); window / micro_batch: the
+        micro-batch the stage had in flight and its window.
+    {"type": "restart", "stage", "t_unix_ms", "replayed_micro_batches", "replay_bytes", "device"}
+        the replacement runner was started; it replays replayed_micro_batches
+        micro-batches (replay_bytes bytes of input log or shard) after its
+        latest checkpoint.
+    {"type": "recovered", "stage", "t_unix_ms", "recovery_ms", "downstream_stage", "window"}
+        the downstream stage (the stage itself when it is the last) committed
+        `window`, the window in flight at the failure; recovery_ms = from the
+        restart event to that commit.
+
+Every other `type` (e.g. a future "error" or "heartbeat" line) is read and
+ignored by the report.
+"""
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zl.errors import ZLError
+
+log = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+STAGES_DIR = "stages"
+RUNNER_TYPES = ("start", "micro_batch", "window", "done")
+EVENT_TYPES = ("run", "failure", "restart", "recovered")
+
+# Keys that must be integers, and keys that must be numbers or null, per kind.
+_INT_KEYS = {
+    "start": ("stage",),
+    "micro_batch": ("stage", "window", "micro_batch"),
+    "window": ("stage", "window"),
+    "done": ("stage",),
+    "failure": ("stage",),
+    "restart": ("stage",),
+    "recovered": ("stage",),
+}
+_NUMBER_KEYS = {
+    "micro_batch": ("t_unix_ms", "phase1_ms", "phase2_ms", "queue_ms", "send_ms", "total_ms", "loss", "task_loss",
+                    "consistency_loss", "pss_mib", "temperature_c"),
+    "window": ("t_unix_ms", "micro_batches", "mean_loss", "mean_task_loss", "mean_consistency_loss", "lr", "step",
+               "checkpoint_ms", "pss_mib", "temperature_c"),
+    "run": ("start_unix_ms", "end_unix_ms", "samples"),
+    "failure": ("t_unix_ms", "detected_after_ms", "window", "micro_batch"),
+    "restart": ("t_unix_ms", "replayed_micro_batches", "replay_bytes"),
+    "recovered": ("t_unix_ms", "recovery_ms", "downstream_stage", "window"),
+    "start": ("first_micro_batch", "resumed_from_window"),
+}
+
+
+@dataclass
+class MetricsLog:
+    """The lines of one run, each kind in file order (see module docstring)."""
+
+    runner: dict[int, list[dict]] = field(default_factory=dict)  # stage -> its runner lines, in order
+    events: list[dict] = field(default_factory=list)  # coordinator events, in order
+    sources: list[Path] = field(default_factory=list)  # the files read
+
+    def of_type(self, stage: int, kind: str) -> list[dict]:
+        return [r for r in self.runner.get(stage, []) if r["type"] == kind]
+
+
+def stage_files(run_dir: Path) -> dict[int, Path]:
+    """`RUN_DIR/stages/stage_<k>/metrics.jsonl` by k."""
+    found = {}
+    for path in (Path(run_dir) / STAGES_DIR).glob(f"stage_*/{METRICS}"):
+        match = re.fullmatch(r"stage_(\d+)", path.parent.name)
+        if match and path.is_file():
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def read_lines(path: Path) -> list[dict]:
+    """Parse and check one metrics file.
+
+    Raises:
+        ZLError: a line that is not a JSON object, has no `type`, or has a
+            field of the wrong type; the message names the file and line.
+    """
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ZLError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): {_clip(text)}; "
+                              "fix or delete that line and run `zl report` again.") from e
+            if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+                raise ZLError(f"{where}: expected a JSON object with a string \"type\", got {_clip(text)}.")
+            _check_fields(record, where)
+            records.append(record)
+    return records
+
+
+def read_metrics(run_dir: Path) -> MetricsLog:
+    """Read a run's telemetry from the merged file and/or the per-stage files.
+
+    Raises:
+        ZLError: neither layout exists, or a malformed line (see `read_lines`).
+    """
+    run_dir = Path(run_dir)
+    merged = run_dir / METRICS
+    per_stage = stage_files(run_dir)
+    if not merged.is_file() and not per_stage:
+        raise ZLError(f"{run_dir}: no {METRICS} and no {STAGES_DIR}/stage_<k>/{METRICS}; is {run_dir} the "
+                      "directory of a run (the one `zl train` wrote)?")
+    result = MetricsLog()
+    if merged.is_file():
+        result.sources.append(merged)
+        _add(result, read_lines(merged))
+    covered = set(result.runner)
+    for stage, path in per_stage.items():
+        if stage in covered:
+            log.info("%s: stage %d is already in %s; its per-stage file is not read", path, stage, merged)
+            continue
+        lines = [r for r in read_lines(path) if r["type"] in RUNNER_TYPES]
+        others = sorted({r["stage"] for r in lines} - {stage})
+        if others:
+            raise ZLError(f"{path}: holds lines of stage(s) {others}, expected only stage {stage}; per-stage files "
+                          f"are {STAGES_DIR}/stage_<k>/{METRICS} with stage k's lines.")
+        result.sources.append(path)
+        _add(result, lines)
+    return result
+
+
+def _add(result: MetricsLog, lines: list[dict]) -> None:
+    for record in lines:
+        if record["type"] in RUNNER_TYPES:
+            result.runner.setdefault(record["stage"], []).append(record)
+        elif record["type"] in EVENT_TYPES:
+            result.events.append(record)
+
+
+def _check_fields(record: dict, where: str) -> None:
+    kind = record["type"]
+    for key in _INT_KEYS.get(kind, ()):
+        value = record.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ZLError(f"{where}: {kind} line has {key}={value!r}, expected a non-negative integer.")
+    for key in _NUMBER_KEYS.get(kind, ()):
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ZLError(f"{where}: {kind} line has {key}={value!r}, expected a number or null.")
+        if isinstance(value, float) and not math.isfinite(value):
+            # Python's json reads NaN/Infinity; the runner writes null instead, so treat them alike.
+            record[key] = None
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    text = text.strip()
+    return repr(text if len(text) <= limit else text[:limit] + "…")

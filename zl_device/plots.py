@@ -1,0 +1,76 @@
+"""The run report's figures: latency breakdown and loss per stage (PNG, matplotlib's Agg canvas).
+
+Figures are drawn on `matplotlib.figure.Figure` with an explicit Agg canvas,
+not through pyplot: no global backend is switched and no display is needed.
+"""
+
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+# The parts of a micro-batch's time that the runner measures separately (send overlaps phase 2 with early forwarding).
+PHASES = (("phase1_ms", "phase 1 (to the marker)"), ("phase2_ms", "phase 2 (readout, loss, backward)"),
+          ("queue_ms", "queue (waiting for input)"))
+
+
+def plot_latency(stages: list[dict], path: Path) -> Path:
+    """Grouped bars: median phase-1 / phase-2 / queue time per stage, whiskers up to the p95.
+
+    Args:
+        stages: `report["stages"]` (each with `index` and `{median, p95}` per key of PHASES).
+        path: the PNG to write.
+    """
+    fig = Figure(figsize=(max(5.0, 1.6 * len(stages) + 2.5), 4.0), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    width = 0.8 / len(PHASES)
+    for j, (key, label) in enumerate(PHASES):
+        xs, medians, above = [], [], []
+        for i, stage in enumerate(stages):
+            stats = stage[key]
+            if stats["median"] is None:
+                continue  # not measured: no bar rather than a zero
+            xs.append(i + (j - (len(PHASES) - 1) / 2) * width)
+            medians.append(stats["median"])
+            above.append(max(stats["p95"] - stats["median"], 0.0))
+        ax.bar(xs, medians, width, label=label, yerr=[[0.0] * len(above), above], capsize=3)
+    ax.set_xticks(range(len(stages)), [_stage_label(s) for s in stages])
+    ax.set_ylabel("ms per micro-batch (bar: median, whisker: p95)")
+    ax.set_title("Micro-batch time per stage")
+    ax.legend(fontsize="small")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    return Path(path)
+
+
+def plot_loss(curves: dict[int, dict], path: Path) -> Path:
+    """Local loss per micro-batch (thin line) and per update window (markers, at the window's last micro-batch).
+
+    Args:
+        curves: by stage index, `{"micro_batch", "loss", "window_end", "window_mean_loss"}` lists.
+        path: the PNG to write.
+    """
+    fig = Figure(figsize=(7.0, 4.0), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for index, curve in sorted(curves.items()):
+        (line,) = ax.plot(curve["micro_batch"], curve["loss"], linewidth=0.8, alpha=0.5, label=f"stage {index}")
+        if curve["window_end"]:
+            ax.plot(curve["window_end"], curve["window_mean_loss"], marker="o", markersize=3.5, linewidth=1.5,
+                    color=line.get_color(), label=f"stage {index}, window mean")
+    ax.set_xlabel("micro-batch")
+    ax.set_ylabel("local loss  α·CE + (1−α)·KL")
+    ax.set_title("Loss per stage")
+    if curves:
+        ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    return Path(path)
+
+
+def _stage_label(stage: dict) -> str:
+    layers = stage.get("layers")
+    return f"stage {stage['index']}" + (f"\nlayers {layers[0]}–{layers[1]}" if layers else "")

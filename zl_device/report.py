@@ -1,0 +1,363 @@
+"""The run report (DESIGN.md §6): `report.json`, `report.md` and `plots/` from a run's telemetry.
+
+`build_report(run_dir)` returns the report as a dict; `write_report(run_dir)`
+writes `report.json`, `report.md`, `plots/latency.png` and `plots/loss.png`
+into the run directory. The telemetry layouts and every line kind, including
+the coordinator's recovery events, are described in `zl_device.metrics_log`.
+
+What the numbers mean:
+
+- `stages[i].{phase1,phase2,queue,send,total}_ms`: `{"median", "p95"}` over the
+  stage's micro-batches, as `numpy.median` and `numpy.percentile(x, 95)`
+  (linear interpolation) compute them; null values (unmeasured) are left out,
+  and a statistic of no values is null.
+- A micro-batch that a restarted stage replays appears twice in its
+  telemetry. Latency and loss use the **last** line per (stage, micro-batch),
+  the run whose gradients went into the committed window; the earlier lines
+  are counted in `replayed_micro_batches` and left out of the statistics.
+  Window lines likewise keep the last line per (stage, window).
+- `peak_pss_mib` and `temperature_c` are the maxima over all of the stage's
+  micro-batch and window lines (replays included: a peak is a peak);
+  `temperature_median_c` is the median. A stage with no sensor has null —
+  never a made-up value.
+- `run.wall_s`: the coordinator's `run` line (end − start) when there is
+  one; otherwise from the runners' lines: the first micro-batch's start
+  (its `t_unix_ms − total_ms`) to the last micro-batch or window line, which
+  leaves out process start-up (and is off by any clock skew between devices).
+  `run.samples`: the `run` line's, or else the last stage's distinct
+  micro-batches × the manifest's `micro_batch`. `records_per_s` = samples / wall_s.
+- `recovery`: one entry per failure (a `failure` line, then the `restart`
+  and `recovered` lines of the same stage that follow it). `recovery_ms` is
+  the `recovered` line's, or its `t_unix_ms` minus the restart's (both on
+  the coordinator's clock). `replayed_in_telemetry` counts, for the n-th
+  restart of a stage, the micro-batches in the runner's (n+1)-th run (after
+  its n-th `start` line) that an earlier run had already done.
+
+Layers come from the export manifest (`RUN_DIR/manifest.json`, written by
+`zl export`): `stages[i].layers = [first, last]`, null without a manifest.
+"""
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from zl.errors import ZLError
+from zl_device.metrics_log import MetricsLog, read_metrics
+
+log = logging.getLogger(__name__)
+
+REPORT_JSON = "report.json"
+REPORT_MD = "report.md"
+PLOTS_DIR = "plots"
+MANIFEST = "manifest.json"
+LATENCY_KEYS = ("phase1_ms", "phase2_ms", "queue_ms", "send_ms", "total_ms")
+REPORT_VERSION = 1
+
+
+def latency_stats(values: list[float | None]) -> dict:
+    """`{"median", "p95"}` of the non-null values (numpy's definitions); nulls when there are none."""
+    kept = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    if kept.size == 0:
+        return {"median": None, "p95": None}
+    return {"median": float(np.median(kept)), "p95": float(np.percentile(kept, 95))}
+
+
+def build_report(run_dir: Path, manifest_path: Path | None = None) -> dict:
+    """The report of the run in `run_dir` as a JSON-ready dict (see module docstring).
+
+    Args:
+        run_dir: the run directory (metrics.jsonl and/or stages/stage_<k>/metrics.jsonl).
+        manifest_path: the export manifest; default `run_dir/manifest.json` when it exists.
+
+    Raises:
+        ZLError: missing telemetry, a malformed line (named by file and line), a
+            malformed manifest, or no micro-batch line at all.
+    """
+    return _analyze(Path(run_dir), manifest_path)[0]
+
+
+def write_report(run_dir: Path, manifest_path: Path | None = None, plots: bool = True) -> dict:
+    """Write report.json, report.md and (with `plots`) plots/latency.png and plots/loss.png into `run_dir`.
+
+    Returns:
+        The report (as in report.json); its "files" maps "json", "md" (and "latency", "loss" with plots)
+        to the written paths, relative to `run_dir`.
+    """
+    run_dir = Path(run_dir)
+    report, curves = _analyze(run_dir, manifest_path)
+    files = {"json": REPORT_JSON, "md": REPORT_MD}
+    if plots:
+        from zl_device import plots as zplots
+
+        (run_dir / PLOTS_DIR).mkdir(exist_ok=True)
+        files["latency"] = f"{PLOTS_DIR}/latency.png"
+        files["loss"] = f"{PLOTS_DIR}/loss.png"
+        zplots.plot_latency(report["stages"], run_dir / files["latency"])
+        zplots.plot_loss(curves, run_dir / files["loss"])
+    report["files"] = files
+    _write_text(run_dir / REPORT_JSON, json.dumps(report, indent=2) + "\n")
+    _write_text(run_dir / REPORT_MD, render_markdown(report, with_plots=plots))
+    return report
+
+
+def read_manifest(path: Path) -> dict:
+    """The export manifest as JSON (the .pte files need not be in the run directory)."""
+    try:
+        manifest = json.loads(Path(path).read_text())
+    except FileNotFoundError as e:
+        raise ZLError(f"{path}: no such manifest; pass the manifest.json of the export this run used.") from e
+    except json.JSONDecodeError as e:
+        raise ZLError(f"{path}: not valid JSON ({e}); copy the export's manifest.json again.") from e
+    stages = manifest.get("stages") if isinstance(manifest, dict) else None
+    if not isinstance(stages, list) or not all(isinstance(s, dict) and isinstance(s.get("index"), int) for s in stages):
+        raise ZLError(f"{path}: no \"stages\" list of {{\"index\", \"layers\", ...}}; is it the manifest.json of "
+                      "`zl export`?")
+    return manifest
+
+
+def _analyze(run_dir: Path, manifest_path: Path | None) -> tuple[dict, dict]:
+    """(report, loss curves by stage) of a run."""
+    metrics = read_metrics(run_dir)
+    if not any(metrics.of_type(s, "micro_batch") for s in metrics.runner):
+        raise ZLError(f"{', '.join(map(str, metrics.sources))}: no micro_batch lines; did any stage run a "
+                      "micro-batch? (the runner writes them to its log_path)")
+    if manifest_path is None and (run_dir / MANIFEST).is_file():
+        manifest_path = run_dir / MANIFEST
+    manifest = read_manifest(manifest_path) if manifest_path is not None else None
+    layers = {s["index"]: s.get("layers") for s in manifest["stages"]} if manifest else {}
+    unknown = sorted(set(metrics.runner) - set(layers)) if manifest else []
+    if unknown:
+        log.warning("stage(s) %s are not in %s; is it this run's manifest?", unknown, manifest_path)
+
+    indices = sorted(set(metrics.runner) | set(layers))
+    stages, curves, replays_by_run = [], {}, {}
+    for index in indices:
+        summary, curve, replays_by_run[index] = _stage(index, metrics, layers.get(index))
+        stages.append(summary)
+        curves[index] = curve
+    report = {
+        "version": REPORT_VERSION,
+        "run_dir": str(run_dir),
+        "sources": [str(p) for p in metrics.sources],
+        "model": _model(manifest),
+        "run": _run(metrics, manifest, stages),
+        "stages": stages,
+        "recovery": _recovery(metrics.events, replays_by_run),
+    }
+    return report, curves
+
+
+def _stage(index: int, metrics: MetricsLog, layers: list[int] | None) -> tuple[dict, dict, list[int]]:
+    """One stage's summary, its loss curve, and per runner start the micro-batches it redid."""
+    lines = metrics.runner.get(index, [])
+    last_mb: dict[int, dict] = {}
+    last_window: dict[int, dict] = {}
+    replays_by_run = [0]  # replays_by_run[n]: repeats in the runner's n-th run (0 = first start)
+    started = False
+    for line in lines:
+        if line["type"] == "start":
+            if started:
+                replays_by_run.append(0)
+            started = True
+        elif line["type"] == "micro_batch":
+            if line["micro_batch"] in last_mb:
+                replays_by_run[-1] += 1
+            last_mb[line["micro_batch"]] = line
+        elif line["type"] == "window":
+            last_window[line["window"]] = line
+    kept = [last_mb[k] for k in sorted(last_mb)]
+    windows = [last_window[k] for k in sorted(last_window)]
+    measured = [line for line in lines if line["type"] in ("micro_batch", "window")]
+    pss = [line["pss_mib"] for line in measured if line.get("pss_mib") is not None]
+    temps = [line["temperature_c"] for line in measured if line.get("temperature_c") is not None]
+    summary = {
+        "index": index,
+        "layers": layers,
+        "micro_batches": len(kept),
+        "replayed_micro_batches": sum(replays_by_run),
+        "restarts": max(len(replays_by_run) - 1, 0),
+        "windows": len(windows),
+        **{key: latency_stats([r.get(key) for r in kept]) for key in LATENCY_KEYS},
+        "checkpoint_ms": latency_stats([w.get("checkpoint_ms") for w in windows]),
+        "peak_pss_mib": max(pss) if pss else None,
+        "temperature_c": max(temps) if temps else None,
+        "temperature_median_c": float(np.median(temps)) if temps else None,
+        "first_window_mean_loss": windows[0].get("mean_loss") if windows else None,
+        "last_window_mean_loss": windows[-1].get("mean_loss") if windows else None,
+    }
+    # A window's mean is drawn at its last micro-batch.
+    ends = {}
+    for r in kept:
+        ends[r["window"]] = max(ends.get(r["window"], -1), r["micro_batch"])
+    curve = {
+        "micro_batch": [r["micro_batch"] for r in kept if r.get("loss") is not None],
+        "loss": [r["loss"] for r in kept if r.get("loss") is not None],
+        "window_end": [ends[w["window"]] for w in windows if w["window"] in ends and w.get("mean_loss") is not None],
+        "window_mean_loss": [w["mean_loss"] for w in windows if w["window"] in ends and w.get("mean_loss") is not None],
+    }
+    return summary, curve, replays_by_run
+
+
+def _model(manifest: dict | None) -> dict | None:
+    if manifest is None:
+        return None
+    model = manifest.get("model", {})
+    return {"name": model.get("name"), "num_layers": model.get("num_layers"), "seq_len": manifest.get("seq_len"),
+            "micro_batch": manifest.get("micro_batch"), "num_stages": len(manifest["stages"])}
+
+
+def _run(metrics: MetricsLog, manifest: dict | None, stages: list[dict]) -> dict:
+    runs = [e for e in metrics.events if e["type"] == "run"]
+    run = runs[-1] if runs else {}
+    wall_s, wall_source = None, None
+    if run.get("start_unix_ms") is not None and run.get("end_unix_ms") is not None:
+        wall_s, wall_source = (run["end_unix_ms"] - run["start_unix_ms"]) / 1000.0, "run"
+    else:
+        starts, ends = [], []
+        for lines in metrics.runner.values():
+            for line in lines:
+                if line["type"] == "micro_batch" and line.get("t_unix_ms") is not None:
+                    starts.append(line["t_unix_ms"] - (line.get("total_ms") or 0.0))
+                if line["type"] in ("micro_batch", "window") and line.get("t_unix_ms") is not None:
+                    ends.append(line["t_unix_ms"])
+        if starts:
+            wall_s, wall_source = (max(ends) - min(starts)) / 1000.0, "telemetry"
+    samples, samples_source = run.get("samples"), "run" if run.get("samples") is not None else None
+    micro_batch = manifest.get("micro_batch") if manifest else None
+    if samples is None and isinstance(micro_batch, int) and stages:
+        samples, samples_source = stages[-1]["micro_batches"] * micro_batch, "telemetry"
+    rate = samples / wall_s if samples is not None and wall_s else None
+    return {"wall_s": wall_s, "wall_s_source": wall_source, "samples": samples, "samples_source": samples_source,
+            "records_per_s": rate, "start_unix_ms": run.get("start_unix_ms"), "end_unix_ms": run.get("end_unix_ms")}
+
+
+def _recovery(events: list[dict], replays_by_run: dict[int, list[int]]) -> list[dict]:
+    entries: list[dict] = []
+    open_entry: dict[int, dict] = {}
+    restarts: dict[int, int] = {}
+
+    def entry_for(stage: int, step: str) -> dict:
+        # A restart or recovered line with no open failure (or one that already has it) starts its own entry.
+        entry = open_entry.get(stage)
+        if entry is None or entry[step] is not None:
+            entry = _new_entry(stage)
+            entries.append(entry)
+            open_entry[stage] = entry
+        return entry
+
+    for event in events:
+        kind = event["type"]
+        if kind == "run":
+            continue
+        stage = event["stage"]
+        if kind == "failure":
+            entry = _new_entry(stage)
+            entries.append(entry)
+            open_entry[stage] = entry
+            entry.update(failure_t_unix_ms=event.get("t_unix_ms"), detected_after_ms=event.get("detected_after_ms"),
+                         window=event.get("window"), micro_batch=event.get("micro_batch"))
+        elif kind == "restart":
+            entry = entry_for(stage, "restart_t_unix_ms")
+            restarts[stage] = restarts.get(stage, 0) + 1
+            runs = replays_by_run.get(stage, [])
+            entry.update(restart_t_unix_ms=event.get("t_unix_ms"), replay_bytes=event.get("replay_bytes"),
+                         replayed_micro_batches=event.get("replayed_micro_batches"),
+                         replayed_in_telemetry=runs[restarts[stage]] if restarts[stage] < len(runs) else None)
+        elif kind == "recovered":
+            entry = entry_for(stage, "recovered_t_unix_ms")
+            recovery_ms = event.get("recovery_ms")
+            if recovery_ms is None and event.get("t_unix_ms") is not None and entry["restart_t_unix_ms"] is not None:
+                recovery_ms = float(event["t_unix_ms"] - entry["restart_t_unix_ms"])
+            entry.update(recovered_t_unix_ms=event.get("t_unix_ms"), recovery_ms=recovery_ms,
+                         downstream_stage=event.get("downstream_stage"))
+            if entry["window"] is None:
+                entry["window"] = event.get("window")
+    return entries
+
+
+def _new_entry(stage: int) -> dict:
+    keys = ("window", "micro_batch", "failure_t_unix_ms", "detected_after_ms", "restart_t_unix_ms",
+            "replayed_micro_batches", "replayed_in_telemetry", "replay_bytes", "recovered_t_unix_ms",
+            "downstream_stage", "recovery_ms")
+    return {"stage": stage, **dict.fromkeys(keys)}
+
+
+def _num(value, digits: int = 1) -> str:
+    """A number for the Markdown tables; `n/a` for a null."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def _pair(stats: dict) -> str:
+    return f"{_num(stats['median'])} / {_num(stats['p95'])}"
+
+
+def render_markdown(report: dict, with_plots: bool = True) -> str:
+    """`report.md`: the run, per-stage latency / memory / temperature, losses, recovery, plots."""
+    run, stages = report["run"], report["stages"]
+    out = ["# Run report", ""]
+    model = report.get("model")
+    if model:
+        out += [f"Model {model['name']} ({model['num_layers']} layers) in {model['num_stages']} stages; "
+                f"seq_len {model['seq_len']}, micro-batch {model['micro_batch']}.", ""]
+    out += ["## Run", "", "| wall time (s) | samples | records/s |", "|---|---|---|",
+            f"| {_num(run['wall_s'])} | {_num(run['samples'])} | {_num(run['records_per_s'], 4)} |", ""]
+    if run["wall_s_source"] == "telemetry":
+        out += ["Wall time from the runners' lines (first micro-batch start to last line; no coordinator "
+                "`run` line): it leaves out process start-up.", ""]
+    out += ["## Stages", "",
+            "Times in ms, median / p95 over each stage's micro-batches; a replayed micro-batch counts once "
+            "(its last run).", "",
+            "| stage | layers | micro-batches | phase 1 | phase 2 | queue | send | total | peak PSS (MiB) | "
+            "temperature (°C) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in stages:
+        layers = f"{s['layers'][0]}–{s['layers'][1]}" if s["layers"] else "n/a"
+        out.append(f"| {s['index']} | {layers} | {s['micro_batches']} | {_pair(s['phase1_ms'])} | "
+                   f"{_pair(s['phase2_ms'])} | {_pair(s['queue_ms'])} | {_pair(s['send_ms'])} | "
+                   f"{_pair(s['total_ms'])} | {_num(s['peak_pss_mib'])} | {_num(s['temperature_c'])} |")
+    out += ["", "Temperature: the highest reading (battery on Android, CPU thermal zone on Linux); n/a where the "
+            "device has no sensor.", "",
+            "## Loss", "", "| stage | windows | first window mean loss | last window mean loss |", "|---|---|---|---|"]
+    for s in stages:
+        out.append(f"| {s['index']} | {s['windows']} | {_num(s['first_window_mean_loss'], 4)} | "
+                   f"{_num(s['last_window_mean_loss'], 4)} |")
+    out.append("")
+    replayed = [s for s in stages if s["replayed_micro_batches"] or s["restarts"]]
+    if report["recovery"] or replayed:
+        out += _recovery_markdown(report["recovery"], replayed)
+    if with_plots:
+        out += ["## Plots", "", "![latency per stage](plots/latency.png)", "", "![loss per stage](plots/loss.png)", ""]
+    return "\n".join(out)
+
+
+def _recovery_markdown(entries: list[dict], replayed: list[dict]) -> list[str]:
+    out = ["## Recovery", ""]
+    if entries:
+        out += ["Recovery time: from the restart until the downstream stage commits the window that was in "
+                "flight at the failure.", "",
+                "| stage | window / micro-batch in flight | detected after (ms) | replayed micro-batches "
+                "(coordinator / telemetry) | replay bytes | recovery (ms) |",
+                "|---|---|---|---|---|---|"]
+        for e in entries:
+            out.append(f"| {e['stage']} | {_num(e['window'])} / {_num(e['micro_batch'])} | "
+                       f"{_num(e['detected_after_ms'])} | {_num(e['replayed_micro_batches'])} / "
+                       f"{_num(e['replayed_in_telemetry'])} | {_num(e['replay_bytes'])} | {_num(e['recovery_ms'])} |")
+        out.append("")
+    for s in replayed:
+        out.append(f"- stage {s['index']}: {s['restarts']} restart(s), {s['replayed_micro_batches']} micro-batch(es) "
+                   "replayed (left out of the latency statistics).")
+    if replayed:
+        out.append("")
+    return out
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

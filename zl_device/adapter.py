@@ -1,0 +1,401 @@
+"""Merge per-stage LoRA checkpoints into one PEFT adapter (`zl merge`, DESIGN.md §3, §6).
+
+Each stage runner checkpoints only its own LoRA parameters, under their PEFT
+names (android_app/native/include/zl/checkpoint.h):
+
+    <checkpoints>/stage_<k>/window_000012/adapter.safetensors   F32, PEFT names
+    <checkpoints>/stage_<k>/window_000012/progress.json         stage, window, run_id, progress
+
+The orchestrator gives stage k the runner `checkpoint_dir` `stage_<k>` under
+the run's checkpoint root (`CheckpointLayout` says so, and can be changed).
+Because every name is a PEFT name and the manifest lists each stage's
+parameters, merging is a union of the stages' tensors checked against the
+manifest: every parameter present exactly once with its shape, nothing else,
+and all stages at the same window. The result is a directory that
+`PeftModel.from_pretrained(base_model, out)` loads:
+
+    adapter_config.json          from the manifest's LoRA settings (zl_export.lora.adapter_config)
+    adapter_model.safetensors    all stages' LoRA tensors, F32
+    zl_merge.json                where they came from: manifest, stage windows, run id
+"""
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from zl.errors import ZLError
+from zl_export.lora import LoraSettings, adapter_config
+from zl_export.manifest import FORMAT_VERSION, MANIFEST
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MERGE_INFO = "zl_merge.json"
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Where a stage's checkpoints live under the checkpoint root.
+
+    `stage_dir` is formatted with the stage index `k` (the runner's
+    `checkpoint_dir` per stage, relative to the root); window directories match
+    `window_pattern` (the runner's `checkpoint_dir_name`: `window_` + 6 digits)
+    and hold `adapter_file` and `progress_file`. Anything else in a stage
+    directory (the runner's `.tmp-*` of an interrupted save, `input_log/`) is
+    ignored.
+    """
+
+    stage_dir: str = "stage_{k}"
+    window_pattern: str = r"window_(\d+)"
+    window_dir: str = "window_{window:06d}"
+    adapter_file: str = "adapter.safetensors"
+    progress_file: str = "progress.json"
+
+    def stage_root(self, root: Path, k: int) -> Path:
+        return Path(root) / self.stage_dir.format(k=k)
+
+    def windows(self, stage_root: Path) -> list[int]:
+        """Window numbers of the checkpoint directories under `stage_root`, ascending.
+
+        The runner renames a window directory into place only once it is
+        complete, so a listed window that lacks a file is corrupt (an error when
+        read), not a save in progress.
+        """
+        pattern = re.compile(self.window_pattern)
+        found = [int(m.group(1)) for e in stage_root.iterdir() if (m := pattern.fullmatch(e.name)) and e.is_dir()]
+        return sorted(found)
+
+
+DEFAULT_LAYOUT = CheckpointLayout()
+
+
+@dataclass
+class StageCheckpoint:
+    """What was taken from one stage."""
+
+    index: int
+    window: int
+    path: Path  # the adapter file
+    tensors: int
+    numel: int
+    progress: dict  # progress.json
+
+
+@dataclass
+class MergeResult:
+    out: Path
+    stages: list[StageCheckpoint]
+    window: int
+    run_id: str | None
+    finished: bool  # every stage's checkpoint covers its run's last micro-batch (as far as progress.json says)
+    config: dict = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.stages)
+
+
+def read_manifest(path: Path | str) -> tuple[dict, Path]:
+    """Read a manifest written by `zl export`, without needing its programs next to it.
+
+    Args:
+        path: `manifest.json`, or a directory that holds one (an export or run directory).
+
+    Returns:
+        (manifest, path of the file).
+
+    Raises:
+        ZLError: no file, not JSON, another format version, or no stage parameters.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / MANIFEST
+    if not path.is_file():
+        raise ZLError(f"manifest {path}: no such file; pass the manifest.json that `zl export` wrote (EXPORT_DIR/manifest.json).")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ZLError(f"manifest {path}: not valid JSON ({e.msg}, line {e.lineno}); export again with `zl export`.") from e
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        seen = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise ZLError(f"manifest {path}: format_version {seen!r}, this zl reads {FORMAT_VERSION}; export again with this zl.")
+    stages = manifest.get("stages")
+    if not stages or not all(isinstance(s, dict) and "index" in s and "parameters" in s for s in stages):
+        raise ZLError(f"manifest {path}: no stages with parameters; is it a manifest of `zl export`?")
+    indices = sorted(s["index"] for s in stages)
+    if indices != list(range(len(stages))):
+        raise ZLError(f"manifest {path}: stage indices {indices}, expected 0..{len(stages) - 1}; export again.")
+    for key in ("lora", "model"):
+        if not isinstance(manifest.get(key), dict):
+            raise ZLError(f"manifest {path}: no {key!r} section; export again with this zl.")
+    return manifest, path
+
+
+def base_model_reference(manifest: dict) -> str:
+    """What `adapter_config.json` names as the base model: a hub id or directory when the weights came from one.
+
+    The built-in names (`smollm2-135m`, `tiny-random`) are zl's, so they are
+    kept as they are: `zl eval --model NAME` resolves them.
+    """
+    model = manifest["model"]
+    kind, _, where = str(model.get("source", "")).partition(":")
+    if kind in ("hub", "dir") and where:
+        return where
+    return str(model.get("name", ""))
+
+
+def merge_checkpoints(
+    checkpoints: Path | str,
+    manifest_path: Path | str,
+    out: Path | str,
+    window: int | None = None,
+    layout: CheckpointLayout = DEFAULT_LAYOUT,
+) -> MergeResult:
+    """Collect one checkpoint per stage and write a PEFT adapter directory.
+
+    Args:
+        checkpoints: the checkpoint root (`RUN_DIR/checkpoints`).
+        manifest_path: the export's `manifest.json` (or a directory holding it).
+        out: the adapter directory to write (created; existing adapter files are replaced).
+        window: take this window of every stage; None takes each stage's
+            latest, which must be the same window on all stages.
+        layout: where stage and window directories are under `checkpoints`.
+
+    Returns:
+        what was merged.
+
+    Raises:
+        ZLError: a missing stage or window, stages at different windows, a
+            checkpoint of another stage or run, a missing, extra, wrongly
+            shaped or non-F32 parameter, or a parameter listed twice in the manifest.
+    """
+    manifest, manifest_file = read_manifest(manifest_path)
+    root = Path(checkpoints)
+    if not root.is_dir():
+        raise ZLError(
+            f"checkpoints {root}: no such directory; pass the run's checkpoint root (RUN_DIR/checkpoints), "
+            f"which holds {layout.stage_dir.format(k='<k>')}/window_NNNNNN/{layout.adapter_file} per stage."
+        )
+    stages = sorted(manifest["stages"], key=lambda s: s["index"])
+    owner = _parameter_owners(stages, manifest_file)
+    chosen = _choose_window(root, stages, window, layout)
+
+    merged: dict[str, torch.Tensor] = {}
+    taken: list[StageCheckpoint] = []
+    run_ids: dict[int, str] = {}
+    finished = True
+    for stage in stages:
+        k = stage["index"]
+        window_dir = layout.stage_root(root, k) / layout.window_dir.format(window=chosen)
+        progress = _read_progress(window_dir / layout.progress_file, k, chosen)
+        run_ids[k] = progress.get("run_id")
+        total = (progress.get("extra") or {}).get("num_micro_batches")
+        if total is None or progress.get("micro_batches_done") != total:
+            finished = False
+        tensors = _read_stage_adapter(window_dir / layout.adapter_file, stage, owner)
+        merged.update(tensors)
+        taken.append(StageCheckpoint(k, chosen, window_dir / layout.adapter_file, len(tensors),
+                                     sum(t.numel() for t in tensors.values()), progress))
+    if len(set(run_ids.values())) > 1:
+        listing = ", ".join(f"stage {k}: {r}" for k, r in run_ids.items())
+        raise ZLError(
+            f"checkpoints {root}: the stages come from different runs ({listing}); "
+            "merge the checkpoints of one run (one RUN_DIR/checkpoints)."
+        )
+    lora = manifest["lora"]
+    settings = LoraSettings(int(lora["rank"]), float(lora["alpha"]), tuple(lora["targets"]))
+    config = adapter_config(settings, base_model_reference(manifest))
+    run_id = next(iter(run_ids.values()), None)
+    info = {
+        "format": "zl-merge",
+        "version": 1,
+        "manifest": str(manifest_file.resolve()),
+        "model": manifest["model"],
+        "tokenizer": manifest.get("tokenizer"),
+        "lora": lora,
+        "run_id": run_id,
+        "window": chosen,
+        "finished": finished,
+        "stages": [
+            {"index": s.index, "layers": stages[s.index].get("layers"), "window": s.window, "checkpoint": str(s.path.resolve()),
+             "tensors": s.tensors, "micro_batches_done": s.progress.get("micro_batches_done"),
+             "num_micro_batches": (s.progress.get("extra") or {}).get("num_micro_batches"),
+             "optimizer_step": s.progress.get("optimizer_step")}
+            for s in taken
+        ],
+    }
+    _write_adapter(Path(out), merged, config, info)
+    return MergeResult(Path(out), taken, chosen, run_id, finished, config)
+
+
+def _parameter_owners(stages: list[dict], manifest_file: Path) -> dict[str, int]:
+    """PEFT name -> stage index; a name on two stages would make the merge ambiguous."""
+    owner: dict[str, int] = {}
+    for stage in stages:
+        for p in stage["parameters"]:
+            if p["name"] in owner:
+                raise ZLError(
+                    f"manifest {manifest_file}: parameter {p['name']} is listed by stage {owner[p['name']]} and stage "
+                    f"{stage['index']}; each LoRA parameter belongs to one stage. Export again."
+                )
+            owner[p["name"]] = stage["index"]
+    return owner
+
+
+def _choose_window(root: Path, stages: list[dict], window: int | None, layout: CheckpointLayout) -> int:
+    """The window every stage is merged at: `window`, or the latest one, which all stages must share."""
+    per_stage: dict[int, list[int]] = {}
+    for stage in stages:
+        k = stage["index"]
+        stage_root = layout.stage_root(root, k)
+        windows = layout.windows(stage_root) if stage_root.is_dir() else []
+        if not windows:
+            where = "no such directory" if not stage_root.is_dir() else "no window directory in it"
+            raise ZLError(
+                f"stage {k}: no checkpoint at {stage_root} ({where}). The manifest has {len(stages)} stages; "
+                f"stage {k} must have committed at least one window (pull its checkpoints into {root} first)."
+            )
+        per_stage[k] = windows
+    listing = "; ".join(f"stage {k}: {', '.join(map(str, w))}" for k, w in per_stage.items())
+    if window is not None:
+        lacking = [k for k, w in per_stage.items() if window not in w]
+        if lacking:
+            common = sorted(set.intersection(*(set(w) for w in per_stage.values())))
+            raise ZLError(
+                f"--window {window}: stage(s) {', '.join(map(str, lacking))} have no checkpoint of that window "
+                f"(windows on disk: {listing}). "
+                + (f"Choose one all stages have: {', '.join(map(str, common))}." if common else "No window is on every stage.")
+            )
+        return window
+    latest = {k: w[-1] for k, w in per_stage.items()}
+    if len(set(latest.values())) > 1:
+        common = sorted(set.intersection(*(set(w) for w in per_stage.values())))
+        hint = (f"pass --window {common[-1]} (the latest window every stage has)" if common
+                else "no window is on every stage; let the run finish (or resume it) and merge again")
+        raise ZLError(
+            f"the stages' latest checkpoints are at different windows ({', '.join(f'stage {k}: {w}' for k, w in latest.items())}), "
+            f"so they would not form one model state; {hint}. Windows on disk: {listing}."
+        )
+    return next(iter(latest.values()))
+
+
+def _read_progress(path: Path, k: int, window: int) -> dict:
+    """progress.json of a window, checked against the stage and window it was found under."""
+    if not path.is_file():
+        raise ZLError(
+            f"checkpoint file {path} is missing, so the checkpoint is incomplete (the runner writes it with every "
+            "window); copy the whole window directory, or merge another --window."
+        )
+    try:
+        progress = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ZLError(f"checkpoint file {path}: not valid JSON ({e.msg}); the checkpoint is corrupt, merge another --window.") from e
+    if progress.get("format") != "zl-checkpoint":
+        raise ZLError(f"checkpoint file {path}: format {progress.get('format')!r}, expected 'zl-checkpoint'.")
+    if progress.get("stage") != k:
+        raise ZLError(
+            f"checkpoint file {path}: written by stage {progress.get('stage')}, but found under stage {k}'s directory; "
+            "each stage's checkpoints must be in its own directory (stage_<k>)."
+        )
+    if progress.get("window") != window:
+        raise ZLError(f"checkpoint file {path}: says window {progress.get('window')}, its directory says {window}; the checkpoint is corrupt.")
+    return progress
+
+
+def _read_stage_adapter(path: Path, stage: dict, owner: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Load one stage's adapter.safetensors and check it holds exactly the manifest's parameters of that stage."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    k = stage["index"]
+    if not path.is_file():
+        raise ZLError(f"checkpoint file {path} is missing, so the checkpoint is incomplete; copy the whole window directory, or merge another --window.")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise ZLError(f"checkpoint file {path}: not a readable safetensors file ({e}); merge another --window.") from e
+    expected = {p["name"]: [int(d) for d in p["shape"]] for p in stage["parameters"]}
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise ZLError(
+            f"checkpoint file {path}: lacks {len(missing)} of stage {k}'s {len(expected)} LoRA parameters "
+            f"(first: {missing[0]}); is it from an export with other --lora-targets or --stages? "
+            "Merge with the manifest of the export the run used."
+        )
+    extra = [n for n in tensors if n not in expected]
+    if extra:
+        name = extra[0]
+        where = f"the manifest lists it under stage {owner[name]}" if name in owner else "the manifest does not list it"
+        raise ZLError(
+            f"checkpoint file {path}: has {len(extra)} tensor(s) that are not stage {k}'s parameters (first: {name}; {where}). "
+            "Merge with the manifest of the export the run used, and keep each stage's checkpoints in its own directory."
+        )
+    for name, shape in expected.items():
+        t = tensors[name]
+        if list(t.shape) != shape:
+            raise ZLError(
+                f"checkpoint file {path}: {name} has shape {list(t.shape)}, the manifest says {shape}; "
+                "the checkpoint is from another export (--lora-rank?). Merge with the manifest the run used."
+            )
+        if t.dtype != torch.float32:
+            raise ZLError(f"checkpoint file {path}: {name} is {t.dtype}, expected torch.float32 (F32) as the runner writes it.")
+    return tensors
+
+
+def _write_adapter(out: Path, tensors: dict[str, torch.Tensor], config: dict, info: dict) -> None:
+    """Write the adapter files, each under a temporary name and renamed, weights first."""
+    from safetensors.torch import save_file
+
+    if out.exists() and not out.is_dir():
+        raise ZLError(f"--out {out}: exists and is not a directory; pass a directory for the adapter.")
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (ADAPTER_WEIGHTS + ".tmp")
+    save_file({n: t.contiguous() for n, t in sorted(tensors.items())}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / ADAPTER_WEIGHTS)
+    for name, content in ((ADAPTER_CONFIG, config), (MERGE_INFO, info)):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(json.dumps(content, indent=2) + "\n")
+        os.replace(tmp, out / name)
+
+
+def check_adapter_dir(adapter_dir: Path | str) -> Path:
+    """Raise ZLError unless `adapter_dir` holds the two files PEFT loads; returns it as a Path."""
+    adapter_dir = Path(adapter_dir)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (adapter_dir / name).is_file():
+            raise ZLError(
+                f"--adapter {adapter_dir}: {name} is missing; pass a directory written by `zl merge` "
+                "(RUN_DIR/adapter) or by PEFT's save_pretrained."
+            )
+    return adapter_dir
+
+
+def load_adapter(model: torch.nn.Module, adapter_dir: Path | str) -> torch.nn.Module:
+    """Wrap `model` with the PEFT adapter in `adapter_dir` (as written by `merge_checkpoints`), for inference.
+
+    Checks that the adapter fits the model: every LoRA parameter PEFT creates
+    gets a tensor from the file and every tensor in the file is used.
+
+    Raises:
+        ZLError: missing files, or an adapter for another model (names or shapes differ).
+    """
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    adapter_dir = check_adapter_dir(adapter_dir)
+    try:
+        peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
+    except (RuntimeError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ZLError(f"--adapter {adapter_dir}: does not fit this model ({first}); was it trained on another --model?") from e
+    saved = set(load_file(str(adapter_dir / ADAPTER_WEIGHTS)))
+    created = {n.replace(".default.", ".") for n, _ in peft_model.named_parameters() if "lora_" in n}
+    if saved != created:
+        unused, missing = sorted(saved - created), sorted(created - saved)
+        detail = f"{len(missing)} LoRA parameters of the model have no tensor (first: {missing[0]})" if missing else (
+            f"{len(unused)} tensors match no LoRA parameter of the model (first: {unused[0]})")
+        raise ZLError(f"--adapter {adapter_dir}: {detail}; was it trained on another --model?")
+    return peft_model.eval()

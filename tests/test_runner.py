@@ -446,6 +446,65 @@ def test_sigkill_and_resume_ends_identical(runner, export3, shard, tmp_path, cle
             assert torch.equal(a[name], b[name]), f"{name} differs after kill of stage {victim} + resume"
 
 
+def test_sigterm_stops_without_commit_and_resume_completes(runner, export3, shard, tmp_path, clean_adapters):
+    """SIGTERM (what `zl train` and the app's stop send) ends a stage with exit 3 and no half window; --resume finishes it."""
+    pipe = make_pipeline(runner, export3, shard, tmp_path, "term", num_micro_batches=KILL_N, window_size=KILL_M,
+                         link_profile="constrained")
+    pipe.start_all()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(micro_batches_logged(pipe.run_dir / "metrics1.jsonl")) < 6:
+            time.sleep(0.002)
+        pipe.procs[1].send_signal(signal.SIGTERM)
+        assert pipe.procs[1].wait(timeout=10) == 3, pipe.stderr(1)
+        assert "stop requested" in pipe.stderr(1)
+        windows = sorted(p.name for p in (pipe.run_dir / "ckpt1").glob("window_*"))
+        done = micro_batches_logged(pipe.run_dir / "metrics1.jsonl")
+        assert windows and int(windows[-1].split("_")[1]) < KILL_N // KILL_M - 1, windows
+        pipe.start(1, resume=True)
+        pipe.wait_all()
+    finally:
+        pipe.kill_all()
+    assert len(done) < KILL_N
+    for a, b in zip(clean_adapters, [pipe.final_adapter(k) for k in range(pipe.num_stages)]):
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+
+
+def run_single(runner: Path, run_dir: Path, cfg: dict, *extra: str) -> subprocess.CompletedProcess:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.key").write_text(RUN_KEY + "\n")
+    (run_dir / "stage.json").write_text(json.dumps(cfg))
+    return subprocess.run([str(runner), "--config", str(run_dir / "stage.json"), *extra], cwd=run_dir,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_program_of_another_stage_is_refused(runner, export3, shard, tmp_path):
+    pipe = make_pipeline(runner, export3, shard, tmp_path, "x")
+    cfg = {**pipe.config(0), "program": str(export3 / "stage_1.pte"), "downstream": "127.0.0.1:9"}
+    proc = run_single(runner, tmp_path / "wrong", cfg)
+    assert proc.returncode == 1
+    assert "is stage 1" in proc.stderr and "config says stage 0" in proc.stderr, proc.stderr[-1000:]
+
+
+def test_fresh_start_over_existing_checkpoints_is_refused(runner, export3, shard, tmp_path):
+    """resume: false must not silently train on top of (or over) an earlier run's checkpoints."""
+    cfg = {**make_pipeline(runner, export3, shard, tmp_path, "x").config(2), "resume": False}  # the last stage
+    run_dir = tmp_path / "fresh"
+    (run_dir / "ckpt2" / "window_000000").mkdir(parents=True)
+    proc = run_single(runner, run_dir, cfg)
+    assert proc.returncode == 1
+    assert "already holds window 0" in proc.stderr, proc.stderr[-1000:]
+
+
+def test_missing_manifest_names_the_fix(runner, export3, shard, tmp_path):
+    pipe = make_pipeline(runner, export3, shard, tmp_path, "x")
+    cfg = {**pipe.config(0), "manifest": str(tmp_path / "nowhere" / "manifest.json"), "downstream": "127.0.0.1:9"}
+    proc = run_single(runner, tmp_path / "nomanifest", cfg)
+    assert proc.returncode == 1
+    assert "nowhere/manifest.json" in proc.stderr and "PEFT" in proc.stderr, proc.stderr[-1000:]
+
+
 @pytest.mark.slow
 def test_two_stages_match_eager_reference(runner, shard, tmp_path_factory, tmp_path):
     """Two stages, 5 windows with a short last one, constant lr."""

@@ -1,0 +1,447 @@
+"""Device backends, part 2: adb through a fake adbutils client and a real offline adb server, the address
+plan for Wi-Fi and USB-only phones, and (marked `device`) a real phone.
+
+    .venv/bin/python -m pytest tests/test_devices_adb.py
+    ZL_TEST_SERIAL=R58M123 .venv/bin/python -m pytest tests/test_devices_adb.py -m device   # with a phone
+
+Tests that start an adb server use a free port of their own (ANDROID_ADB_SERVER_PORT), never the user's
+5037, and kill that server when done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from test_devices import WAIT_S, cli_app, free_port, make_configs, make_export
+from zl.errors import ZLError
+from zl_device import adb as zadb
+from zl_device import deploy as zdeploy
+from zl_device.backend import signal_exit_code
+from zl_device.devices import open_devices
+from zl_device.network import apply_tunnels, plan_addresses
+
+
+# --- address plan ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeEndpoint:
+    name: str
+    kind: str = "adb"
+    ip: str | None = None
+
+    def address(self):
+        return self.ip
+
+    def __post_init__(self):
+        self.calls = []
+
+    def forward(self, host_port, device_port):
+        self.calls.append(("forward", host_port, device_port))
+
+    def reverse(self, device_port, host_port):
+        self.calls.append(("reverse", device_port, host_port))
+
+
+def test_usb_plan_tunnels_each_link_through_the_host():
+    phones = [FakeEndpoint("A"), FakeEndpoint("B"), FakeEndpoint("C")]
+    plan = plan_addresses(phones, mode="usb", stage_port=7100, host_port=7200, coordinator_port=7099)
+    assert plan.mode == "usb"
+    assert [s.config_fields() for s in plan.stages] == [
+        {"downstream": "127.0.0.1:7101", "coordinator": "127.0.0.1:7099"},
+        {"listen": "127.0.0.1:7101", "downstream": "127.0.0.1:7102", "coordinator": "127.0.0.1:7099"},
+        {"listen": "127.0.0.1:7102", "coordinator": "127.0.0.1:7099"},
+    ]
+    assert [t.command() for t in plan.tunnels] == [
+        "adb -s B forward tcp:7201 tcp:7101",  # host 7201 -> B's listening stage 1
+        "adb -s A reverse tcp:7101 tcp:7201",  # A's 127.0.0.1:7101 -> host 7201
+        "adb -s C forward tcp:7202 tcp:7102",
+        "adb -s B reverse tcp:7102 tcp:7202",
+        "adb -s A reverse tcp:7099 tcp:7099",  # the coordinator on the host, seen from every phone
+        "adb -s B reverse tcp:7099 tcp:7099",
+        "adb -s C reverse tcp:7099 tcp:7099",
+    ]
+    apply_tunnels(plan, phones)
+    assert phones[0].calls == [("reverse", 7101, 7201), ("reverse", 7099, 7099)]
+    assert phones[1].calls == [("forward", 7201, 7101), ("reverse", 7102, 7202), ("reverse", 7099, 7099)]
+
+
+def test_usb_plan_two_stages_on_one_phone_talk_directly():
+    phones = [FakeEndpoint("A"), FakeEndpoint("A"), FakeEndpoint("B")]
+    plan = plan_addresses(phones, mode="usb", coordinator_port=None)
+    assert plan.stages[0].downstream == "127.0.0.1:7101" and plan.stages[0].coordinator == ""
+    assert [t.command() for t in plan.tunnels] == ["adb -s B forward tcp:7202 tcp:7102",
+                                                   "adb -s A reverse tcp:7102 tcp:7202"]
+
+
+def test_wifi_plan_and_auto_fallback():
+    phones = [FakeEndpoint("A", ip="192.168.1.10"), FakeEndpoint("B", ip="192.168.1.11")]
+    plan = plan_addresses(phones, mode="auto", host_ip="192.168.1.2")
+    assert plan.mode == "wifi" and plan.tunnels == ()
+    assert plan.stages[0].config_fields() == {"downstream": "192.168.1.11:7101", "coordinator": "192.168.1.2:7099"}
+    assert plan.stages[1].listen == "0.0.0.0:7101"
+    phones[1].ip = None
+    assert plan_addresses(phones, mode="auto").mode == "usb"
+    with pytest.raises(ZLError, match="B have no Wi-Fi address"):
+        plan_addresses(phones, mode="wifi", host_ip="192.168.1.2")
+
+
+def test_local_plan_and_plan_errors():
+    local = [FakeEndpoint(f"local-{i}", kind="local") for i in range(2)]
+    plan = plan_addresses(local, stage_port=9000, coordinator_port=8999)
+    assert plan.mode == "local"
+    assert plan.stages[1].config_fields() == {"listen": "127.0.0.1:9001", "coordinator": "127.0.0.1:8999"}
+    with pytest.raises(ZLError, match="mix kinds"):
+        plan_addresses([local[0], FakeEndpoint("A")])
+    with pytest.raises(ZLError, match="collides"):
+        plan_addresses(local, stage_port=9000, coordinator_port=9001)
+    with pytest.raises(ZLError, match="applies to phones"):
+        plan_addresses(local, mode="usb")
+    with pytest.raises(ZLError, match="expected one of"):
+        plan_addresses(local, mode="bluetooth")
+
+
+# --- adb with a fake adbutils client --------------------------------------------------------------------
+
+# `adb shell dumpsys battery` on a Pixel 6 (Android 14), charging over USB.
+DUMPSYS_BATTERY = """Current Battery Service state:
+  AC powered: false
+  USB powered: true
+  Wireless powered: false
+  Dock powered: false
+  Max charging current: 500000
+  Max charging voltage: 5000000
+  Charge counter: 3474000
+  status: 2
+  health: 2
+  present: true
+  level: 78
+  scale: 100
+  voltage: 4123
+  temperature: 312
+  technology: Li-ion
+  Capacity level: 3
+"""
+
+# toybox `df -k /data/local/tmp` (Android 13); the second sample wraps a long device name like busybox.
+DF_TOYBOX = """Filesystem      1K-blocks     Used Available Use% Mounted on
+/dev/block/dm-48 115249236 60387732  54730432  53% /data
+"""
+DF_WRAPPED = """Filesystem           1K-blocks      Used Available Use% Mounted on
+/dev/block/bootdevice/by-name/userdata
+                      25671908  24999908    672000  97% /data
+"""
+
+IP_ADDR = """30: wlan0: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 1500 qdisc mq state UP group default qlen 3000
+    inet 192.168.1.23/24 brd 192.168.1.255 scope global wlan0
+       valid_lft forever preferred_lft forever
+"""
+
+
+def test_parse_real_device_outputs():
+    assert zadb.parse_battery_temperature(DUMPSYS_BATTERY) == 31.2
+    assert zadb.parse_battery_temperature("  level: 50\n") is None
+    assert zadb.parse_battery_temperature("  temperature: 9999\n") is None  # 999.9 °C: a broken sensor
+    assert zadb.parse_df_available(DF_TOYBOX) == 54730432 * 1024
+    assert zadb.parse_df_available(DF_WRAPPED) == 672000 * 1024
+    assert zadb.parse_df_available("df: /nope: No such file or directory") is None
+    assert zadb.parse_wifi_ip(IP_ADDR) == "192.168.1.23" and zadb.parse_wifi_ip("") is None
+
+
+@dataclass
+class Entry:
+    serial: str
+    state: str
+
+
+@dataclass
+class FileInfo:
+    mode: int
+    size: int
+    mtime: object
+    path: str
+
+
+class FakeSync:
+    def __init__(self, phone):
+        self.phone = phone
+
+    def push(self, src, dst, mode=0o755, check=False):
+        data = src if isinstance(src, bytes) else b"".join(iter(lambda: src.read(4096), b""))
+        self.phone.files[dst] = (data, mode)
+        self.phone.calls.append(("push", dst, oct(mode)))
+        return len(data)
+
+    def stat(self, path):
+        if path in self.phone.files:
+            return FileInfo(stat.S_IFREG | 0o644, len(self.phone.files[path][0]), None, path)
+        if any(p.startswith(path.rstrip("/") + "/") for p in self.phone.files):
+            return FileInfo(stat.S_IFDIR | 0o755, 0, None, path)
+        return FileInfo(0, 0, None, path)
+
+    def iter_directory(self, path):
+        prefix = path.rstrip("/") + "/"
+        names = {p[len(prefix):].split("/")[0] for p in self.phone.files if p.startswith(prefix)}
+        for name in sorted(names):
+            yield FileInfo(self.stat(prefix + name).mode, 0, None, name)
+
+    def pull_file(self, src, dst):
+        Path(dst).write_bytes(self.phone.files[src][0])
+        return len(self.phone.files[src][0])
+
+    def read_text(self, path):
+        return self.phone.files[path][0].decode()
+
+
+class FakePhone:
+    """An adbutils AdbDevice stand-in: records shell commands, answers from `responses` (regex -> text)."""
+
+    def __init__(self, serial, props=("Pixel 6", "arm64-v8a", "arm64-v8a,armeabi-v7a,armeabi", "14")):
+        self.serial, self.props = serial, props
+        self.calls, self.files, self.responses = [], {}, {}
+        self.sync = FakeSync(self)
+
+    def shell(self, command, timeout=None):
+        self.calls.append(("shell", command))
+        if command.startswith("getprop"):
+            return "\n".join(self.props)
+        for pattern, answer in self.responses.items():
+            if re.search(pattern, command):
+                return answer(command) if callable(answer) else answer
+        return ""
+
+    def forward(self, local, remote):
+        self.calls.append(("forward", local, remote))
+
+    def reverse(self, remote, local):
+        self.calls.append(("reverse", remote, local))
+
+
+class FakeClient:
+    def __init__(self, phones: dict[str, FakePhone], states: dict[str, str] | None = None):
+        self.phones = phones
+        self.states = states or {s: "device" for s in phones}
+
+    def list(self):
+        return [Entry(s, st) for s, st in self.states.items()]
+
+    def device(self, serial):
+        return self.phones[serial]
+
+
+def test_list_and_open_phones_with_clear_errors():
+    client = FakeClient({"P1": FakePhone("P1"), "P2": FakePhone("P2", ("Galaxy J2", "armeabi-v7a", "armeabi-v7a", "7"))},
+                        {"P1": "device", "P2": "device", "P3": "unauthorized", "P4": "offline"})
+    rows = {r.name: r for r in zadb.list_phones(client)}
+    assert (rows["P1"].state, rows["P1"].model, rows["P1"].abi, rows["P1"].android) == ("ready", "Pixel 6",
+                                                                                         "arm64-v8a", "14")
+    assert rows["P2"].state == "unsupported" and "armeabi-v7a" in rows["P2"].note
+    assert rows["P3"].state == "unauthorized" and "Allow USB debugging" in rows["P3"].note
+    assert rows["P4"].state == "offline"
+
+    assert zadb.open_phone("P1", client).info().model == "Pixel 6"
+    with pytest.raises(ZLError, match=r"phone XYZ not found: the adb server sees P1 \(device\), P2 \(device\)"):
+        zadb.open_phone("XYZ", client)
+    with pytest.raises(ZLError, match="phone P3 is unauthorized: unlock the phone and accept"):
+        zadb.open_phone("P3", client)
+    with pytest.raises(ZLError, match="phone P4 is offline: unplug and replug"):
+        zadb.open_phone("P4", client)
+    with pytest.raises(ZLError, match=r"phone P2 \(Galaxy J2\) has ABI armeabi-v7a .* built for arm64-v8a"):
+        zadb.open_phone("P2", client)
+    assert zadb.open_phone("P2", client, check_abi=False).serial == "P2"
+    devs = open_devices("P1", client=client, link_profile="mobile")
+    assert devs[0].kind == "adb" and devs[0].link_profile == "mobile" and devs[0].workdir == "/data/local/tmp/zerolock"
+
+
+def wait_for_file(path: Path, timeout_s: float = WAIT_S) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and path.read_text().strip()):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+    return path.read_text().strip()
+
+
+def test_adb_start_command_runs_under_a_posix_shell(tmp_path):
+    """The exact line sent over `adb shell`, run by this host's sh in a stand-in workdir (quoting, pid, status)."""
+    dev = zadb.AdbDevice("P1", FakeClient({"P1": FakePhone("P1")}), workdir=str(tmp_path))
+    runner = tmp_path / "zl_runner"
+    runner.write_text('#!/bin/sh\necho "args: $*"\necho oops >&2\n[ "$2" = sleep.json ] && exec sleep 60\nexit 3\n')
+    runner.chmod(0o755)
+    line = dev.start_command("stage 1.json", resume=True)
+    assert line.startswith(f"cd {tmp_path} && rm -f runner.pid runner.exit && (nohup sh -c ")
+    subprocess.run(["sh", "-c", line], check=True, timeout=10)
+    assert wait_for_file(tmp_path / "runner.exit") == "3"
+    assert (tmp_path / "runner.out").read_text() == "args: --config stage 1.json --resume\n"
+    assert (tmp_path / "runner.err").read_text() == "oops\n"
+    assert "--resume" not in dev.start_command("stage_1.json")
+
+    subprocess.run(["sh", "-c", dev.start_command("sleep.json")], check=True, timeout=10)
+    pid = int(wait_for_file(tmp_path / "runner.pid"))
+    try:
+        assert not (tmp_path / "runner.exit").exists()  # the previous status was cleared before the start
+    finally:
+        os.kill(pid, 9)
+    assert signal_exit_code(int(wait_for_file(tmp_path / "runner.exit"))) == -9
+
+
+def test_adb_runner_lifecycle_commands():
+    phone = FakePhone("P1")
+    dev = zadb.AdbDevice("P1", FakeClient({"P1": phone}))
+    # The runner exists, starts and writes its pid; then runs; then was SIGKILLed (status 137).
+    phone.files["/data/local/tmp/zerolock/zl_runner"] = (b"\x7fELF", 0o755)
+    phone.files["/data/local/tmp/zerolock/stage_1.json"] = (b"{}", 0o644)
+    state = {"started": False, "exit": ""}
+    phone.responses = {
+        r"nohup sh -c": lambda c: state.update(started=True) or "",
+        r"^cat /data/local/tmp/zerolock/runner\.pid": lambda c: "4242" if state["started"] else "",
+        r"\[ -e runner\.exit \]": lambda c: "running" if state["started"] and not state["exit"] else "",
+        r"^cat /data/local/tmp/zerolock/runner\.exit": lambda c: state["exit"],
+        r"^kill -9 4242$": lambda c: state.update(exit="137") or "",
+        r"^cat /proc/4242/smaps_rollup": "Rss: 4000000 kB\nPss: 3145728 kB\n",
+        r"^dumpsys battery$": DUMPSYS_BATTERY,
+        r"^df -k /data/local/tmp$": DF_TOYBOX,
+    }
+    dev.start_runner("stage_1.json", resume=True)
+    assert dev.is_running() and dev.exit_code() is None
+    assert dev.pss_mib() == 3072.0 and dev.temperature_c() == 31.2 and dev.free_bytes() == 54730432 * 1024
+    with pytest.raises(ZLError, match="already running"):
+        dev.start_runner("stage_1.json")
+    assert dev.kill_runner(timeout_s=5) == -9
+    assert ("shell", "kill -9 4242") in phone.calls and not dev.is_running()
+
+    missing = zadb.AdbDevice("P2", FakeClient({"P2": FakePhone("P2")}))
+    with pytest.raises(ZLError, match=r"zerolock/zl_runner does not exist; run `zl deploy` first"):
+        missing.start_runner("stage_0.json")
+
+
+def test_adb_push_pull_and_tunnels(tmp_path):
+    phone = FakePhone("P1")
+    dev = zadb.AdbDevice("P1", FakeClient({"P1": phone}))
+    binary = tmp_path / "zl_runner"
+    binary.write_bytes(b"\x7fELF" + bytes(5000))
+    seen = []
+    assert dev.push(binary, "zl_runner", mode=0o755, on_bytes=seen.append) == 5004 and sum(seen) == 5004
+    # Pushed under a temp name with the mode bits, then renamed into place.
+    assert ("push", "/data/local/tmp/zerolock/.zl_runner.tmp", "0o755") in phone.calls
+    assert ("shell", "mv -f /data/local/tmp/zerolock/.zl_runner.tmp /data/local/tmp/zerolock/zl_runner") in phone.calls
+    for name in ("ckpt/window_1/adapter.safetensors", "ckpt/.tmp-window_2/adapter.safetensors",
+                 "ckpt/input_log/e1.bin", "metrics.jsonl"):
+        phone.files[f"/data/local/tmp/zerolock/{name}"] = (name.encode(), 0o644)
+    dev.pull("ckpt", tmp_path / "ck", exclude=(".tmp-*", "input_log"))
+    assert [str(p.relative_to(tmp_path / "ck")) for p in (tmp_path / "ck").rglob("*") if p.is_file()] == [
+        "window_1/adapter.safetensors"]
+    with pytest.raises(ZLError, match="does not exist; nothing to pull"):
+        dev.pull("nothing", tmp_path / "n")
+
+    dev.forward(7201, 7101)
+    dev.reverse(7101, 7201)
+    assert phone.calls[-2:] == [("forward", "tcp:7201", "tcp:7101"), ("reverse", "tcp:7101", "tcp:7201")]
+    phone.responses = {r"ip -f inet addr show wlan0": IP_ADDR}
+    assert dev.address() == "192.168.1.23"
+
+
+def test_adb_errors_name_the_phone():
+    from adbutils.errors import AdbError
+
+    class Broken(FakePhone):
+        def shell(self, command, timeout=None):
+            raise AdbError("device unauthorized.\nThis adb server's $ADB_VENDOR_KEYS is not set")
+
+    dev = zadb.AdbDevice("P9", FakeClient({"P9": Broken("P9")}))
+    with pytest.raises(ZLError, match="phone P9 is unauthorized: unlock the phone"):
+        dev.temperature_c()
+
+
+def test_deploy_to_phone_through_fake_client(tmp_path, monkeypatch):
+    """A phone gets the arm64 runner, the program and the config; a full disk stops the deploy with a fix."""
+    export, configs = make_export(tmp_path, stages=1), make_configs(tmp_path, stages=1)
+    arm = tmp_path / "zl_runner"
+    arm.write_bytes(b"\x7fELF" + bytes(14) + (183).to_bytes(2, "little") + bytes(40))
+    monkeypatch.setenv("ZL_ANDROID_RUNNER", str(arm))
+    phone = FakePhone("P1")
+    phone.responses = {r"^df -k": DF_TOYBOX}
+    dev = zadb.AdbDevice("P1", FakeClient({"P1": phone}))
+    result = zdeploy.deploy([dev], export, configs)[0]
+    assert sorted(result.pushed) == ["manifest.json", "run.key", "stage_0.json", "stage_0.pte", "train.safetensors",
+                                     "zl_runner"]
+    assert phone.files["/data/local/tmp/zerolock/.zl_runner.tmp"][1] == 0o755
+    assert json.loads(phone.files["/data/local/tmp/zerolock/stage_0.json"][0])["program"] == "stage_0.pte"
+    phone.responses = {r"^df -k": DF_WRAPPED.replace("672000", "1000")}
+    with pytest.raises(ZLError, match=r"P1: 0 MiB free under /data/local/tmp, deploy needs"):
+        zdeploy.deploy([dev], export, configs)
+
+
+# --- the real adb binary and server, no phone attached ----------------------------------------------------
+
+
+@pytest.fixture()
+def adb_server(monkeypatch):
+    """A private adb server on a free port, killed at the end (it would outlive the tests otherwise)."""
+    adb = zadb.find_adb()
+    if adb is None:
+        pytest.skip("no adb binary (apt install adb)")
+    port = free_port()
+    monkeypatch.setenv("ANDROID_ADB_SERVER_PORT", str(port))
+    monkeypatch.delenv("ANDROID_ADB_SERVER_HOST", raising=False)
+    yield port
+    subprocess.run([adb, "-P", str(port), "kill-server"], capture_output=True, timeout=30)
+
+
+def test_real_adb_server_serial_not_found(adb_server):
+    client = zadb.connect()  # starts the server on the private port
+    assert zadb._server_up("127.0.0.1", adb_server)
+    phones = zadb.list_phones(client)
+    with pytest.raises(ZLError, match=r"phone XYZ not found: the adb server sees .*zl devices"):
+        zadb.open_phone("XYZ", client)
+    with pytest.raises(ZLError, match="phone XYZ not found"):
+        open_devices("XYZ,ABC", client=client)
+    result = CliRunner().invoke(cli_app(), ["devices"])
+    assert result.exit_code == 0 and "local" in result.stdout
+    assert all(p.name in result.stdout for p in phones)
+    result = CliRunner().invoke(cli_app(), ["devices", "--json"])
+    assert [json.loads(line)["name"] for line in result.stdout.splitlines()] == ["local"] + [p.name for p in phones]
+    zadb.kill_server()
+    assert not zadb._server_up("127.0.0.1", adb_server)
+
+
+def test_no_server_and_no_adb_binary(monkeypatch):
+    monkeypatch.setenv("ANDROID_ADB_SERVER_PORT", str(free_port()))
+    monkeypatch.setenv("ADBUTILS_ADB_PATH", "/nonexistent/platform-tools/adb")
+    with pytest.raises(ZLError, match=r"no adb server at 127.0.0.1:\d+ and no adb binary .*apt install adb"):
+        zadb.connect()
+    with pytest.raises(ZLError, match="no adb binary"):
+        open_devices("R58M123")
+    with pytest.raises(ZLError, match=r"no adb server at .*adb start-server"):
+        zadb.connect(start=False)
+    result = CliRunner().invoke(cli_app(), ["devices"])  # lists local anyway, says why phones are missing
+    assert result.exit_code == 0 and "local" in result.stdout and "no adb binary" in result.stderr
+
+
+# --- with a phone -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.device
+def test_real_phone_files_and_probes(tmp_path):
+    serial = os.environ.get("ZL_TEST_SERIAL")
+    if not serial:
+        pytest.skip("set ZL_TEST_SERIAL to an attached phone's serial")
+    dev = zadb.open_phone(serial)
+    dev.workdir = "/data/local/tmp/zerolock-test"
+    src = tmp_path / "blob"
+    src.write_bytes(os.urandom(2 << 20))
+    assert dev.push(src, "blob", mode=0o600) == 2 << 20
+    assert dev.file_sha256("blob") == zdeploy.file_sha256(src)
+    dev.pull("blob", tmp_path / "back")
+    assert (tmp_path / "back").read_bytes() == src.read_bytes()
+    assert dev.free_bytes() > 0 and dev.temperature_c() is not None
+    dev.shell(f"rm -rf {dev.workdir}")

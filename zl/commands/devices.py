@@ -1,0 +1,150 @@
+"""`zl devices`, `zl deploy`, `zl pull`: see the phones, put an export on devices, copy a run's results back."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from zl.errors import ZLError
+
+DEVICES_HELP = "local:N (N local processes) or phone serials SERIAL1,SERIAL2,... in stage order (see `zl devices`)."
+
+
+def devices_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per device instead of a table.")] = False,
+) -> None:
+    """List attached phones (serial, state, model, ABI, Android version) and the always-available `local` backend.
+
+    A phone must be `ready`: authorized, online and arm64-v8a. The adb server is started when it is not running.
+
+    Examples:
+
+      zl devices
+
+      zl devices --json
+    """
+    import os
+    import platform
+
+    from zl_device.adb import connect, list_phones
+    from zl_device.backend import DeviceInfo
+
+    rows = [DeviceInfo("local", "local", "ready", model=platform.node() or "this host", abi=platform.machine(),
+                       note=f"{os.cpu_count()} CPUs; --devices local:N")]
+    adb_problem = ""
+    try:
+        rows += list_phones(connect())
+    except ZLError as e:
+        adb_problem = str(e)
+    if as_json:
+        for row in rows:
+            typer.echo(json.dumps(dataclasses.asdict(row)))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table("device", "kind", "state", "model", "ABI", "Android", "note", box=None)
+        for r in rows:
+            state = r.state if r.state == "ready" else f"[red]{r.state}[/red]"
+            table.add_row(r.name, r.kind, state, r.model, r.abi, r.android, r.note)
+        Console().print(table)
+        if len(rows) == 1 and not adb_problem:
+            typer.echo("no phones attached (enable USB debugging and plug one in, or `adb connect IP:5555`).", err=True)
+    if adb_problem:
+        typer.echo(f"phones: unavailable: {adb_problem}", err=True)
+
+
+def _progress():
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    return Progress(*columns, console=Console(stderr=True), transient=True)
+
+
+def deploy_command(
+    devices: Annotated[str, typer.Option("--devices", "-d", help=DEVICES_HELP, show_default=False)],
+    export: Annotated[Path, typer.Option("--export", "-e", help="Output directory of `zl export` (manifest.json, "
+                                         "stage_<k>.pte).", show_default=False)],
+    configs: Annotated[
+        Path | None,
+        typer.Option("--configs", help="Folder with stage_<k>.json runner configs; the files they name (data "
+                     "shard, run key) are pushed too.", show_default=False),
+    ] = None,
+    run_dir: Annotated[
+        Path | None,
+        typer.Option("--run-dir", help="Local devices only: their folders are RUN_DIR/devices/local-N.",
+                     show_default=False),
+    ] = None,
+    runner: Annotated[
+        Path | None,
+        typer.Option("--runner", help="The zl_runner binary to push (default: build/android_app/native/zl_runner "
+                     "for local devices, build-android/zl_runner for phones).", show_default=False),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Push every file, even those whose sha256 already matches.")] = False,
+) -> None:
+    """Push the runner, the manifest and stage k's program (and config) to the k-th device.
+
+    Phones get /data/local/tmp/zerolock/; devices beyond the number of stages are spares (runner and manifest only).
+    Unchanged files are skipped by sha256.
+
+    Examples:
+
+      zl deploy --devices local:3 --export runs/export --run-dir runs/demo
+
+      zl deploy --devices R58M123,R58M456,R58M789 --export runs/export --configs runs/demo/configs
+    """
+    from zl_device.deploy import deploy
+    from zl_device.devices import open_devices
+
+    opened = open_devices(devices, run_dir)
+    with _progress() as progress:
+        task = progress.add_task("deploy", total=None)
+
+        def on_file(device: str, name: str, size: int, unchanged: bool) -> None:
+            if not unchanged:
+                progress.reset(task, total=size, description=f"{device}: {name}")
+
+        results = deploy(opened, export, configs, runner, force, on_file, lambda n: progress.advance(task, n))
+    for r in results:
+        what = f"stage {r.stage}" if r.stage is not None else "spare"
+        unchanged = f", {len(r.unchanged)} unchanged" if r.unchanged else ""
+        typer.echo(f"{r.device}: {what}: pushed {len(r.pushed)} files ({r.bytes_pushed / 2**20:.1f} MiB){unchanged}"
+                   + (f", config {r.config}" if r.config else ""))
+
+
+def pull_command(
+    devices: Annotated[str, typer.Option("--devices", "-d", help=DEVICES_HELP, show_default=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory to copy into: logs/<device>/ and "
+                                      "checkpoints/stage_<k>/.", show_default=False)],
+    run_dir: Annotated[
+        Path | None,
+        typer.Option("--run-dir", help="Local devices only: where their folders are (default: --out).",
+                     show_default=False),
+    ] = None,
+    checkpoints: Annotated[bool, typer.Option("--checkpoints/--no-checkpoints", help="Pull complete checkpoints.")] = True,
+    input_logs: Annotated[bool, typer.Option("--input-logs", help="Pull the stages' durable input logs too.")] = False,
+) -> None:
+    """Copy runner logs, telemetry and checkpoints from the devices into a run directory.
+
+    Examples:
+
+      zl pull --devices local:3 --out runs/demo
+
+      zl pull --devices R58M123,R58M456,R58M789 --out runs/phones --no-checkpoints
+    """
+    from zl_device.deploy import pull
+    from zl_device.devices import open_devices
+
+    opened = open_devices(devices, run_dir or out, check_abi=False)
+    for r in pull(opened, out, checkpoints, input_logs):
+        stages = ", ".join(map(str, r.stages)) or "none"
+        typer.echo(f"{r.device}: stages {stages}: {r.bytes_pulled / 2**20:.1f} MiB -> {r.logs_dir}"
+                   + "".join(f", {p}" for p in r.checkpoint_dirs.values()))
+
+
+COMMANDS = {"devices": devices_command, "deploy": deploy_command, "pull": pull_command}

@@ -1,0 +1,469 @@
+"""The `adb` backend: a phone, reached through the adb server with adbutils.
+
+Files live under /data/local/tmp/zerolock (writable by adb's shell user, no
+root needed). The runner runs there as a background process of `adb shell`:
+`nohup` keeps it alive when the shell session ends, a wrapper shell writes
+its pid to runner.pid and its exit status to runner.exit, and its output
+goes to runner.out / runner.err.
+
+Every adb failure becomes a `ZLError` that names the phone and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import shutil
+import socket
+import stat
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import adbutils
+from adbutils.errors import AdbError
+
+from zl.errors import ZLError
+from zl_device.backend import (
+    RUNNER_EXIT,
+    RUNNER_NAME,
+    RUNNER_PID,
+    RUNNER_STDERR,
+    RUNNER_STDOUT,
+    ByteCallback,
+    Device,
+    DeviceInfo,
+    excluded,
+    signal_exit_code,
+    sum_pss_kib,
+)
+
+log = logging.getLogger(__name__)
+
+REMOTE_ROOT = "/data/local/tmp/zerolock"
+REQUIRED_ABI = "arm64-v8a"
+DEFAULT_PORT = 5037
+_SHELL_TIMEOUT_S = 30.0
+_START_TIMEOUT_S = 10.0  # until the wrapper wrote runner.pid
+
+_STATE_FIXES = {
+    "unauthorized": "unlock the phone and accept the 'Allow USB debugging?' prompt (tick 'Always allow'), "
+    "then run `zl devices` again",
+    "offline": "unplug and replug the cable (or `adb reconnect offline`); if it stays offline, "
+    "revoke USB debugging authorizations in Developer options and accept the prompt again",
+    "no permissions": "the host user may not open the USB device: add a udev rule for the phone's vendor "
+    "(or run `adb kill-server; sudo adb start-server`)",
+    "authorizing": "wait a few seconds and accept the prompt on the phone",
+    "connecting": "wait a few seconds and run `zl devices` again",
+    "bootloader": "reboot the phone into Android",
+    "recovery": "reboot the phone into Android",
+    "sideload": "reboot the phone into Android",
+}
+
+
+# --- the adb server ---------------------------------------------------------------------------------
+
+
+def server_address() -> tuple[str, int]:
+    """Where adbutils and the adb binary look for the server ($ANDROID_ADB_SERVER_HOST / _PORT)."""
+    return os.environ.get("ANDROID_ADB_SERVER_HOST", "127.0.0.1"), int(
+        os.environ.get("ANDROID_ADB_SERVER_PORT", DEFAULT_PORT))
+
+
+def find_adb() -> str | None:
+    """The adb binary: $ADBUTILS_ADB_PATH (when set it is the only candidate), PATH, adbutils' bundled copy."""
+    explicit = os.environ.get("ADBUTILS_ADB_PATH")
+    if explicit:
+        return explicit if os.path.isfile(explicit) and os.access(explicit, os.X_OK) else None
+    found = shutil.which("adb")
+    if found:
+        return found
+    bundled = Path(adbutils.__file__).parent / "binaries" / "adb"
+    return str(bundled) if bundled.is_file() and os.access(bundled, os.X_OK) else None
+
+
+def _server_up(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def connect(start: bool = True) -> adbutils.AdbClient:
+    """An adbutils client for the adb server, started first when it is not running.
+
+    Raises:
+        ZLError: no server and no adb binary to start one, or the server does not start.
+    """
+    host, port = server_address()
+    if not _server_up(host, port):
+        where = f"{host}:{port}"
+        if not start or host not in ("127.0.0.1", "localhost"):
+            raise ZLError(f"no adb server at {where}; start it with `adb start-server` "
+                          "(or unset ANDROID_ADB_SERVER_HOST/PORT).")
+        adb = find_adb()
+        if adb is None:
+            hint = (f"ADBUTILS_ADB_PATH={os.environ['ADBUTILS_ADB_PATH']} is not an executable; fix or unset it"
+                    if os.environ.get("ADBUTILS_ADB_PATH") else "put adb on PATH")
+            raise ZLError(f"no adb server at {where} and no adb binary to start one: install Android platform-tools "
+                          f"(`apt install adb`, or the SDK's platform-tools) and {hint}.")
+        try:
+            done = subprocess.run([adb, "-P", str(port), "start-server"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ZLError(f"`{adb} start-server` failed: {e}; run it by hand to see why.") from e
+        if done.returncode != 0 or not _server_up(host, port):
+            raise ZLError(f"`{adb} -P {port} start-server` failed (exit {done.returncode}): "
+                          f"{(done.stderr or done.stdout).strip()[-300:]}; is another adb version holding the port?")
+    return adbutils.AdbClient(host=host, port=port, socket_timeout=_SHELL_TIMEOUT_S)
+
+
+def kill_server() -> None:
+    """`adb kill-server` for the server at server_address() (no-op when none runs)."""
+    host, port = server_address()
+    if _server_up(host, port):
+        adbutils.AdbClient(host=host, port=port).server_kill()
+
+
+@contextmanager
+def _adb_errors(serial: str, action: str) -> Iterator[None]:
+    """adbutils errors (and lost sockets) as one-line ZLErrors naming the phone."""
+    try:
+        yield
+    except AdbError as e:
+        text = str(e)
+        if "not found" in text:
+            raise ZLError(f"phone {serial}: not found by the adb server while trying to {action}; "
+                          "check the cable and `zl devices`.") from e
+        if "unauthorized" in text or "offline" in text:
+            state = "unauthorized" if "unauthorized" in text else "offline"
+            raise ZLError(f"phone {serial} is {state}: {_STATE_FIXES[state]}.") from e
+        raise ZLError(f"phone {serial}: adb failed to {action}: {text}.") from e
+    except OSError as e:
+        raise ZLError(f"phone {serial}: lost the adb connection while trying to {action} ({e}); "
+                      "check the cable and that the adb server runs (`adb devices`).") from e
+
+
+# --- listing and opening phones ---------------------------------------------------------------------
+
+
+def _props(dev, serial: str) -> tuple[str, str, str, str]:
+    """model, primary ABI, ABI list, Android version in one shell round trip."""
+    with _adb_errors(serial, "read its properties"):
+        out = dev.shell("getprop ro.product.model; getprop ro.product.cpu.abi; getprop ro.product.cpu.abilist; "
+                        "getprop ro.build.version.release", timeout=_SHELL_TIMEOUT_S)
+    lines = (out.splitlines() + ["", "", "", ""])[:4]
+    return tuple(line.strip() for line in lines)  # type: ignore[return-value]
+
+
+def abi_problem(abi: str, abilist: str) -> str:
+    """Why zl_runner (arm64-v8a) cannot run with these ABIs; "" when it can."""
+    if abi == REQUIRED_ABI or REQUIRED_ABI in abilist.split(","):
+        return ""
+    return f"ABI {abi or 'unknown'} (supports {abilist or abi or 'unknown'}); zl_runner is built for {REQUIRED_ABI}"
+
+
+def list_phones(client: adbutils.AdbClient) -> list[DeviceInfo]:
+    """Every phone the adb server sees, with model, ABI and Android version where it is usable."""
+    try:
+        entries = client.list()
+    except (AdbError, OSError) as e:
+        raise ZLError(f"cannot list phones from the adb server ({e}); run `adb devices` to see why.") from e
+    rows = []
+    for entry in entries:
+        if entry.state != "device":
+            fix = _STATE_FIXES.get(entry.state, "run `adb devices -l` to see why")
+            rows.append(DeviceInfo(entry.serial, "adb", entry.state, note=fix))
+            continue
+        model, abi, abilist, version = _props(client.device(entry.serial), entry.serial)
+        problem = abi_problem(abi, abilist)
+        rows.append(DeviceInfo(entry.serial, "adb", "unsupported" if problem else "ready", model=model, abi=abi,
+                               android=version, note=problem))
+    return rows
+
+
+def open_phone(serial: str, client: adbutils.AdbClient | None = None, check_abi: bool = True,
+               link_profile: str = "local") -> AdbDevice:
+    """The phone with this serial, checked to be online, authorized and (optionally) arm64-v8a.
+
+    Raises:
+        ZLError: the serial is not attached, unauthorized or offline, or the ABI is wrong.
+    """
+    client = client or connect()
+    try:
+        entries = {e.serial: e.state for e in client.list()}
+    except (AdbError, OSError) as e:
+        raise ZLError(f"phone {serial}: cannot ask the adb server for phones ({e}); run `adb devices`.") from e
+    if serial not in entries:
+        seen = ", ".join(f"{s} ({st})" for s, st in entries.items()) or "no phones"
+        raise ZLError(f"phone {serial} not found: the adb server sees {seen}. Check the cable (or "
+                      f"`adb connect IP:5555` for Wi-Fi debugging) and the serial in `zl devices`.")
+    state = entries[serial]
+    if state != "device":
+        raise ZLError(f"phone {serial} is {state}: {_STATE_FIXES.get(state, 'run `adb devices -l` to see why')}.")
+    phone = AdbDevice(serial, client, link_profile=link_profile)
+    if check_abi:
+        info = phone.info()
+        if info.note:
+            raise ZLError(f"phone {serial} ({info.model or 'unknown model'}) has {info.note}; use a 64-bit ARM "
+                          "phone, or leave this one out of --devices.")
+    return phone
+
+
+# --- one phone -------------------------------------------------------------------------------------
+
+
+class _ProgressReader:
+    """A file wrapper that reports each chunk adbutils reads (sync push has no callback of its own)."""
+
+    def __init__(self, f, on_bytes: ByteCallback):
+        self._f, self._on_bytes = f, on_bytes
+
+    def read(self, n: int) -> bytes:
+        chunk = self._f.read(n)
+        if chunk:
+            self._on_bytes(len(chunk))
+        return chunk
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def parse_battery_temperature(dumpsys: str) -> float | None:
+    """°C from `dumpsys battery` ("  temperature: 312" is tenths of a degree); None when absent or implausible."""
+    m = re.search(r"^\s*temperature:\s*(-?\d+)\s*$", dumpsys, re.MULTILINE)
+    if not m:
+        return None
+    celsius = int(m.group(1)) / 10.0
+    return celsius if -40.0 < celsius < 150.0 else None
+
+
+def parse_df_available(df: str) -> int | None:
+    """Available bytes from `df -k PATH` (toybox or busybox; a long device name may wrap the row)."""
+    tokens = " ".join(df.splitlines()[1:]).split()
+    for i in range(len(tokens) - 3):
+        a, b, c, pct = tokens[i:i + 4]
+        if a.isdigit() and b.isdigit() and c.isdigit() and pct.endswith("%"):
+            return int(c) * 1024
+    return None
+
+
+def parse_wifi_ip(ip_addr: str) -> str | None:
+    """The IPv4 address in `ip -f inet addr show wlan0` output."""
+    m = re.search(r"\binet (\d+\.\d+\.\d+\.\d+)/", ip_addr)
+    return m.group(1) if m else None
+
+
+class AdbDevice(Device):
+    """A phone: a workdir under /data/local/tmp/zerolock and a runner started over `adb shell`.
+
+    Use `open_phone` to get one with its state and ABI checked.
+    """
+
+    kind = "adb"
+
+    def __init__(self, serial: str, client: adbutils.AdbClient, workdir: str = REMOTE_ROOT,
+                 link_profile: str = "local"):
+        super().__init__(serial, workdir, link_profile)
+        self.serial = serial
+        self.client = client
+        self._dev = client.device(serial)
+        self._info: DeviceInfo | None = None
+        self._out_offset = 0
+
+    def shell(self, command: str, action: str = "run a shell command", timeout: float = _SHELL_TIMEOUT_S) -> str:
+        """Run `command` with /system/bin/sh on the phone; its output, right-stripped."""
+        log.debug("%s$ %s", self.serial, command)
+        with _adb_errors(self.serial, action):
+            return self._dev.shell(command, timeout=timeout)
+
+    def _q(self, remote: str) -> str:
+        return shlex.quote(self.path(remote))
+
+    # --- description ---------------------------------------------------------------------------------
+
+    def info(self) -> DeviceInfo:
+        if self._info is None:
+            model, abi, abilist, version = _props(self._dev, self.serial)
+            problem = abi_problem(abi, abilist)
+            self._info = DeviceInfo(self.serial, self.kind, "unsupported" if problem else "ready", model=model,
+                                    abi=abi, android=version, note=problem)
+        return self._info
+
+    def address(self) -> str | None:
+        return parse_wifi_ip(self.shell("ip -f inet addr show wlan0 2>/dev/null", "read its Wi-Fi address"))
+
+    # --- files ---------------------------------------------------------------------------------------
+
+    def push(self, local: Path, remote: str, mode: int | None = None, on_bytes: ByteCallback | None = None) -> int:
+        src = Path(local)
+        if not src.is_file():
+            raise ZLError(f"{src}: no such file to push to phone {self.serial}.")
+        dst = self.path(remote)
+        tmp = f"{os.path.dirname(dst)}/.{os.path.basename(dst)}.tmp"
+        mode = mode if mode is not None else (src.stat().st_mode & 0o777)
+        self.shell(f"mkdir -p {shlex.quote(os.path.dirname(dst))}", "create the folder " + os.path.dirname(dst))
+        # Push under a temp name and rename: a runner never sees half a program.
+        with open(src, "rb") as f, _adb_errors(self.serial, f"push {src.name}"):
+            size = self._dev.sync.push(_ProgressReader(f, on_bytes) if on_bytes else f, tmp, mode=mode, check=True)
+        self.shell(f"mv -f {shlex.quote(tmp)} {shlex.quote(dst)}", "rename " + tmp)
+        return size
+
+    def _stat(self, path: str):
+        with _adb_errors(self.serial, "stat " + path):
+            return self._dev.sync.stat(path)
+
+    def pull(self, remote: str, local: Path, exclude: tuple[str, ...] = ()) -> int:
+        src, dst = self.path(remote), Path(local)
+        info = self._stat(src)
+        if info.mode == 0:
+            raise ZLError(f"phone {self.serial}: {src} does not exist; nothing to pull.")
+        if stat.S_ISREG(info.mode):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            with _adb_errors(self.serial, "pull " + src):
+                return self._dev.sync.pull_file(src, dst)
+        total = 0
+        dst.mkdir(parents=True, exist_ok=True)
+        with _adb_errors(self.serial, "list " + src):
+            entries = [e for e in self._dev.sync.iter_directory(src) if e.path not in (".", "..")]
+        for entry in entries:
+            if excluded(entry.path, exclude):
+                continue
+            child = f"{remote.rstrip('/')}/{entry.path}"
+            if stat.S_ISDIR(entry.mode):
+                total += self.pull(child, dst / entry.path, exclude)
+            elif stat.S_ISREG(entry.mode):
+                with _adb_errors(self.serial, "pull " + self.path(child)):
+                    total += self._dev.sync.pull_file(self.path(child), dst / entry.path)
+        return total
+
+    def exists(self, remote: str) -> bool:
+        return self._stat(self.path(remote)).mode != 0
+
+    def listdir(self, remote: str = ".") -> list[str]:
+        path = self.path(remote)
+        if not stat.S_ISDIR(self._stat(path).mode):
+            return []
+        with _adb_errors(self.serial, "list " + path):
+            return sorted(e.path for e in self._dev.sync.iter_directory(path) if e.path not in (".", ".."))
+
+    def read_text(self, remote: str) -> str | None:
+        if not self.exists(remote):
+            return None
+        with _adb_errors(self.serial, "read " + self.path(remote)):
+            return self._dev.sync.read_text(self.path(remote))
+
+    def write_text(self, remote: str, text: str) -> None:
+        dst = self.path(remote)
+        self.shell(f"mkdir -p {shlex.quote(os.path.dirname(dst))}", "create the folder " + os.path.dirname(dst))
+        with _adb_errors(self.serial, "write " + dst):
+            self._dev.sync.push(text.encode(), dst, mode=0o644)
+
+    def file_sha256(self, remote: str) -> str | None:
+        out = self.shell(f"sha256sum {self._q(remote)} 2>/dev/null", "hash " + self.path(remote), timeout=300)
+        digest = out.split()[0] if out.split() else ""
+        return digest if re.fullmatch(r"[0-9a-f]{64}", digest) else None
+
+    def free_bytes(self) -> int:
+        # The workdir may not exist yet; its parent /data/local/tmp is on the same filesystem.
+        where = os.path.dirname(self.workdir.rstrip("/"))
+        out = self.shell(f"df -k {shlex.quote(where)}", "check free space")
+        free = parse_df_available(out)
+        if free is None:
+            raise ZLError(f"phone {self.serial}: cannot read free space from `df -k {where}`: {out[:200]!r}.")
+        return free
+
+    # --- the runner ----------------------------------------------------------------------------------
+
+    def start_command(self, config: str, resume: bool = False) -> str:
+        """The `adb shell` line that starts the runner in the background (shown by --verbose, tested)."""
+        args = " ".join(shlex.quote(a) for a in [f"./{RUNNER_NAME}", "--config", config] + (["--resume"] if resume else []))
+        # The inner shell records the runner's pid and, once it ends, its status ($? is 128+N after signal N).
+        inner = (f"{args} >>{RUNNER_STDOUT} 2>>{RUNNER_STDERR} </dev/null & echo $! >{RUNNER_PID}; "
+                 f"wait $!; echo $? >{RUNNER_EXIT}")
+        # `a && b && c &` would background the rm as well; the subshell backgrounds only the runner (and
+        # detaches it from the adb shell session).
+        return (f"cd {shlex.quote(self.workdir)} && rm -f {RUNNER_PID} {RUNNER_EXIT} && "
+                f"(nohup sh -c {shlex.quote(inner)} >/dev/null 2>&1 </dev/null &)")
+
+    def start_runner(self, config: str, resume: bool = False) -> None:
+        if self.is_running():
+            raise ZLError(f"phone {self.serial}: a runner is already running (pid {self._pid()}); stop it first.")
+        for needed in (RUNNER_NAME, config):
+            if not self.exists(needed):
+                raise ZLError(f"phone {self.serial}: {self.path(needed)} does not exist; run `zl deploy` first.")
+        size = self.shell(f"stat -c %s {self._q(RUNNER_STDOUT)} 2>/dev/null", "stat runner.out").strip()
+        self._out_offset = int(size) if size.isdigit() else 0
+        self.shell(self.start_command(config, resume), "start zl_runner")
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while self._pid() is None:
+            if time.monotonic() > deadline:
+                err = self.read_text(RUNNER_STDERR) or ""
+                raise ZLError(f"phone {self.serial}: zl_runner did not start within {_START_TIMEOUT_S:.0f} s; "
+                              f"{RUNNER_STDERR}: {err.strip()[-300:]!r}.")
+            time.sleep(0.1)
+
+    def _pid(self) -> int | None:
+        text = self.shell(f"cat {self._q(RUNNER_PID)} 2>/dev/null", "read runner.pid").strip()
+        return int(text) if text.isdigit() else None
+
+    def is_running(self) -> bool:
+        # runner.exit appears when the runner ended; the pid check covers a wrapper that was killed itself.
+        out = self.shell(
+            f"cd {shlex.quote(self.workdir)} 2>/dev/null || exit 0; [ -e {RUNNER_EXIT} ] && exit 0; "
+            f"[ -e {RUNNER_PID} ] && kill -0 $(cat {RUNNER_PID}) 2>/dev/null && echo running",
+            "check the runner")
+        return out.strip() == "running"
+
+    def exit_code(self) -> int | None:
+        text = self.shell(f"cat {self._q(RUNNER_EXIT)} 2>/dev/null", "read runner.exit").strip()
+        return signal_exit_code(int(text)) if text.isdigit() else None
+
+    def signal_runner(self, sig: int) -> bool:
+        pid = self._pid()
+        if pid is None or not self.is_running():
+            return False
+        self.shell(f"kill -{int(sig)} {pid}", f"send signal {int(sig)} to zl_runner")
+        return True
+
+    def wait(self, timeout_s: float, poll_s: float = 0.2) -> bool:
+        return super().wait(timeout_s, poll_s)
+
+    def runner_output(self) -> str:
+        """What the runner printed on stdout since the last start by this object (JSON event lines)."""
+        text = self.read_text(RUNNER_STDOUT) or ""
+        return text.encode()[self._out_offset:].decode(errors="replace")
+
+    # --- tunnels ------------------------------------------------------------------------------------
+
+    def forward(self, host_port: int, device_port: int) -> None:
+        """Host 127.0.0.1:host_port -> phone's 127.0.0.1:device_port (`adb forward`)."""
+        with _adb_errors(self.serial, f"forward tcp:{host_port}"):
+            self._dev.forward(f"tcp:{host_port}", f"tcp:{device_port}")
+
+    def reverse(self, device_port: int, host_port: int) -> None:
+        """Phone's 127.0.0.1:device_port -> host 127.0.0.1:host_port (`adb reverse`)."""
+        with _adb_errors(self.serial, f"reverse tcp:{device_port}"):
+            self._dev.reverse(f"tcp:{device_port}", f"tcp:{host_port}")
+
+    def remove_tunnels(self) -> None:
+        """Drop this phone's forwards and reverses (end of a run)."""
+        with _adb_errors(self.serial, "remove port forwards"):
+            self._dev.forward_remove_all()
+            self._dev.reverse_remove_all()
+
+    # --- probes --------------------------------------------------------------------------------------
+
+    def temperature_c(self) -> float | None:
+        return parse_battery_temperature(self.shell("dumpsys battery", "read the battery temperature"))
+
+    def pss_mib(self) -> float | None:
+        pid = self._pid()
+        if pid is None or not self.is_running():
+            return None
+        kib = sum_pss_kib(self.shell(f"cat /proc/{pid}/smaps_rollup 2>/dev/null", "read the runner's PSS"))
+        return kib / 1024.0 if kib is not None else None

@@ -1,0 +1,205 @@
+"""The `Device` interface every backend implements (DESIGN.md §5).
+
+A device is a working directory plus at most one `zl_runner` process in it:
+a folder and a child process on this host (`local`), or a folder under
+/data/local/tmp/zerolock on a phone reached over adb (`adb`). The
+orchestrator, `zl deploy` and `zl pull` only use the operations below, so a
+new backend (an SSH board, say) is one more subclass.
+
+Paths on the device are POSIX strings; a relative one is relative to the
+device's `workdir`. Exit codes follow Python's `subprocess` convention:
+0..255 is the runner's status (DESIGN.md: 0 done, 1 failed, 2 bad config,
+3 stopped), -N means killed by signal N.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import posixpath
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Name of the runner binary inside a device's workdir.
+RUNNER_NAME = "zl_runner"
+#: The runner's stdout (JSON event lines: listening, done) and stderr (diagnostics), appended per start.
+RUNNER_STDOUT = "runner.out"
+RUNNER_STDERR = "runner.err"
+#: Process id of the running runner, written at start.
+RUNNER_PID = "runner.pid"
+#: The runner's exit status once it ended (adb backend; written by the wrapper shell).
+RUNNER_EXIT = "runner.exit"
+
+#: Called with the number of bytes just copied, for progress bars.
+ByteCallback = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One row of `zl devices`."""
+
+    name: str  # "local-0" or the adb serial
+    kind: str  # "local" | "adb"
+    state: str  # "ready" when usable; adb states otherwise ("unauthorized", "offline", ...)
+    model: str = ""
+    abi: str = ""  # ro.product.cpu.abi on a phone, the machine on the host (x86_64, aarch64)
+    android: str = ""  # Android version (ro.build.version.release); "" for local
+    note: str = ""  # what to do when state is not "ready", or extra detail
+
+
+class Device(ABC):
+    """A place to run one pipeline stage: a working directory and a runner process."""
+
+    kind: str = ""
+
+    def __init__(self, name: str, workdir: str, link_profile: str):
+        self.name = name
+        self.workdir = workdir
+        self.link_profile = link_profile  # the runner config's `link_profile` for stages on this device
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, workdir={self.workdir!r})"
+
+    def path(self, remote: str) -> str:
+        """`remote` resolved against the workdir."""
+        return posixpath.join(self.workdir, remote)
+
+    # --- description ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def info(self) -> DeviceInfo:
+        """Model, ABI, OS version and state."""
+
+    @abstractmethod
+    def address(self) -> str | None:
+        """The IP other pipeline devices reach this one at directly (None: only through host tunnels)."""
+
+    # --- files ---------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def push(self, local: Path, remote: str, mode: int | None = None, on_bytes: ByteCallback | None = None) -> int:
+        """Copy one host file to `remote` (parents created); `mode` sets permission bits. Returns bytes copied."""
+
+    @abstractmethod
+    def pull(self, remote: str, local: Path, exclude: tuple[str, ...] = ()) -> int:
+        """Copy a device file or folder to `local` (folders merge into an existing one).
+
+        `exclude`: glob patterns of entry names to skip at any depth, e.g. ("input_log", ".tmp-*").
+        Returns bytes copied.
+        """
+
+    @abstractmethod
+    def exists(self, remote: str) -> bool: ...
+
+    @abstractmethod
+    def listdir(self, remote: str = ".") -> list[str]:
+        """Entry names of a device folder ([] when it does not exist)."""
+
+    @abstractmethod
+    def read_text(self, remote: str) -> str | None:
+        """A small device file's text, or None when it does not exist."""
+
+    @abstractmethod
+    def write_text(self, remote: str, text: str) -> None:
+        """Write a small text file (parents created)."""
+
+    @abstractmethod
+    def file_sha256(self, remote: str) -> str | None:
+        """Hex sha256 of a device file, None when it does not exist (used to skip unchanged pushes)."""
+
+    @abstractmethod
+    def free_bytes(self) -> int:
+        """Free space on the filesystem that holds the workdir."""
+
+    # --- the runner ----------------------------------------------------------------------------------
+
+    @abstractmethod
+    def start_runner(self, config: str, resume: bool = False) -> None:
+        """Start `zl_runner --config CONFIG [--resume]` in the workdir, in the background.
+
+        Output is appended to runner.out / runner.err in the workdir.
+
+        Raises:
+            ZLError: a runner is already running here, or the binary is missing.
+        """
+
+    @abstractmethod
+    def is_running(self) -> bool: ...
+
+    @abstractmethod
+    def exit_code(self) -> int | None:
+        """The last runner's exit status (-N: killed by signal N); None while running or never started."""
+
+    @abstractmethod
+    def signal_runner(self, sig: int) -> bool:
+        """Send `sig` to the runner; False when none is running."""
+
+    @abstractmethod
+    def runner_output(self) -> str:
+        """What the runner printed on stdout since this object last started it (JSON event lines such as
+        {"event": "listening", "port": 7101}); the whole runner.out when this object started none."""
+
+    def stop_runner(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM (the runner stops and exits 3; resume later with --resume), then SIGKILL after `timeout_s`.
+
+        Returns the exit code, or None when no runner had been started.
+        """
+        import signal
+
+        if self.signal_runner(signal.SIGTERM) and not self.wait(timeout_s):
+            self.signal_runner(signal.SIGKILL)
+            self.wait(timeout_s)
+        return self.exit_code()
+
+    def kill_runner(self, timeout_s: float = 10.0) -> int | None:
+        """SIGKILL at once, as a crash would (failure injection). Returns the exit code (-9)."""
+        import signal
+
+        if self.signal_runner(signal.SIGKILL):
+            self.wait(timeout_s)
+        return self.exit_code()
+
+    def wait(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Wait until the runner ended; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.is_running():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
+    # --- probes --------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def temperature_c(self) -> float | None:
+        """Battery (phone) or CPU thermal zone (host) temperature in °C; None where there is no sensor."""
+
+    @abstractmethod
+    def pss_mib(self) -> float | None:
+        """Proportional set size of the running runner in MiB; None when not running or unreadable."""
+
+
+def sum_pss_kib(smaps: str) -> int | None:
+    """Sum of the "Pss:" lines of /proc/PID/smaps_rollup (or smaps) in kB; None when there are none.
+
+    "Pss_Anon:" and friends do not count: the key must end at the colon.
+    """
+    total, found = 0, False
+    for line in smaps.splitlines():
+        key, _, rest = line.partition(":")
+        if key.strip() == "Pss" and rest.split():
+            total += int(rest.split()[0])
+            found = True
+    return total if found else None
+
+
+def excluded(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether an entry name matches one of the glob patterns."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def signal_exit_code(shell_status: int) -> int:
+    """A shell's `$?` (128+N for a process killed by signal N) in subprocess's convention (-N)."""
+    return -(shell_status - 128) if shell_status > 128 else shell_status

@@ -1,0 +1,301 @@
+"""Deploy an export to devices and pull a run's results back (`zl deploy`, `zl pull`, the orchestrator).
+
+A deployed device's workdir holds, flat:
+
+    zl_runner          the runner (host build for local devices, build-android/zl_runner for phones)
+    manifest.json      the export's manifest
+    stage_<k>.pte      this device's stage program
+    stage_<k>.json     the stage config, its host paths rewritten to the names above (when given)
+    run.key, *.safetensors ...   the other files the config names (run key, data shard)
+
+Stage k goes to devices[k]; devices past the last stage are spares and get
+the runner and manifest only (`deploy_stage` puts a stage on one when the
+orchestrator moves a failed stage there). Files whose sha256 already matches
+are not pushed again: a stage program is ~250 MB.
+
+`pull` copies back, per device, into OUT/logs/<device>/ (runner.out,
+runner.err, runner.exit, stage configs, telemetry) and complete checkpoints
+into OUT/checkpoints/stage_<k>/.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import posixpath
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zl.errors import ZLError
+from zl_device.backend import (
+    RUNNER_EXIT,
+    RUNNER_NAME,
+    RUNNER_STDERR,
+    RUNNER_STDOUT,
+    ByteCallback,
+    Device,
+)
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFEST = "manifest.json"
+#: Runner config fields that name host files to push next to the config.
+PATH_FIELDS = ("program", "manifest", "data_shard", "run_key_file")
+#: Room left free for checkpoints, input logs and telemetry beyond the pushed files, bytes.
+DISK_MARGIN = 64 << 20
+#: Files at least this big are hashed on both sides before pushing (smaller ones are just pushed).
+_HASH_MIN_BYTES = 1 << 20
+ANDROID_RUNNER_ENV = "ZL_ANDROID_RUNNER"
+
+#: Called before each push with (device name, remote name, bytes to push, skipped because unchanged).
+FileCallback = Callable[[str, str, int, bool], None]
+
+
+def stage_config_name(stage: int) -> str:
+    return f"stage_{stage}.json"
+
+
+def android_runner_binary() -> Path:
+    """The arm64-v8a runner: $ZL_ANDROID_RUNNER, else $ZL_ANDROID_BUILD_DIR/zl_runner (default build-android/).
+
+    Raises:
+        ZLError: not built, with the command that builds it.
+    """
+    build_dir = Path(os.environ.get("ZL_ANDROID_BUILD_DIR", REPO / "build-android"))
+    path = Path(os.environ.get(ANDROID_RUNNER_ENV, build_dir / RUNNER_NAME))
+    if not path.is_file():
+        raise ZLError(
+            f"{path}: the Android (arm64-v8a) zl_runner is not built; set ANDROID_NDK, EXECUTORCH_ANDROID_PREFIX "
+            f"and ZL_SODIUM_ANDROID_PREFIX and run `android_app/build_android.sh` (`--check` lists what is "
+            f"missing), or set {ANDROID_RUNNER_ENV} to a built binary."
+        )
+    with open(path, "rb") as f:
+        header = f.read(20)
+    # ELF e_machine at byte 18 (little endian): 183 = AArch64. A host build pushed to a phone fails with a
+    # cryptic "not executable: 64-bit ELF file" only when it starts.
+    if header[:4] != b"\x7fELF" or int.from_bytes(header[18:20], "little") != 183:
+        raise ZLError(f"{path} is not an AArch64 ELF executable; build it with `android_app/build_android.sh`.")
+    return path
+
+
+def runner_binary_for(device: Device) -> Path:
+    """The runner build that runs on `device`."""
+    if device.kind == "local":
+        from zl_device.local import host_runner_binary
+
+        return host_runner_binary()
+    return android_runner_binary()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class DeployResult:
+    device: str
+    stage: int | None  # None for a spare
+    pushed: list[str] = field(default_factory=list)  # remote names
+    unchanged: list[str] = field(default_factory=list)
+    bytes_pushed: int = 0
+    config: str | None = None  # remote name of the stage config
+
+
+def _load_config(config: Path | Mapping, base: Path) -> tuple[dict, Path]:
+    if isinstance(config, Mapping):
+        return dict(config), base
+    path = Path(config)
+    try:
+        return json.loads(path.read_text()), path.parent
+    except FileNotFoundError as e:
+        raise ZLError(f"{path}: no such stage config.") from e
+    except json.JSONDecodeError as e:
+        raise ZLError(f"{path}: not valid JSON ({e}).") from e
+
+
+def deploy_stage(
+    device: Device,
+    export_dir: Path,
+    stage: int | None,
+    config: Path | Mapping | None = None,
+    runner: Path | None = None,
+    manifest: dict | None = None,
+    force: bool = False,
+    on_file: FileCallback | None = None,
+    on_bytes: ByteCallback | None = None,
+) -> DeployResult:
+    """Put the runner, the manifest and (unless `stage` is None) stage `stage`'s program and config on `device`.
+
+    Args:
+        config: the stage's runner config, a JSON file or a dict; relative paths in it resolve against the
+            file's folder (a dict: against `export_dir`). Host files it names are pushed next to it and the
+            fields rewritten to their names; paths that do not exist on the host are kept (device paths).
+        runner: the runner binary (default: the build for this device's kind).
+        manifest: the export's manifest, when the caller has read it already.
+        force: push even files whose sha256 already matches.
+
+    Raises:
+        ZLError: a missing export file or runner build, a config for another stage, or too little free space.
+    """
+    from zl_export.manifest import load_manifest
+
+    export_dir = Path(export_dir)
+    manifest = manifest or load_manifest(export_dir)
+    runner = Path(runner) if runner else runner_binary_for(device)
+    files: dict[str, tuple[Path, int]] = {RUNNER_NAME: (runner, 0o755), MANIFEST: (export_dir / MANIFEST, 0o644)}
+    config_text = None
+    if stage is not None:
+        entries = {s["index"]: s for s in manifest["stages"]}
+        if stage not in entries:
+            raise ZLError(f"stage {stage}: {export_dir} has stages {sorted(entries)}.")
+        program = entries[stage]["file"]
+        files[program] = (export_dir / program, 0o644)
+        if config is not None:
+            cfg, base = _load_config(config, export_dir)
+            if cfg.get("stage_index", stage) != stage:
+                raise ZLError(f"config {config if not isinstance(config, Mapping) else ''} is for stage "
+                              f"{cfg.get('stage_index')}, but {device.name} gets stage {stage}; pass stage {stage}'s.")
+            cfg.setdefault("program", program)
+            for key in PATH_FIELDS:
+                value = cfg.get(key)
+                if not value:
+                    continue
+                host = (base / value) if not os.path.isabs(value) else Path(value)
+                if host.is_file():
+                    name = os.path.basename(value)
+                    if name in files and files[name][0].resolve() != host.resolve():
+                        raise ZLError(f"config field {key}={value}: another file named {name} is deployed too; "
+                                      "rename one of them.")
+                    files[name] = (host, 0o644)
+                    cfg[key] = name
+                elif not os.path.isabs(value) and value not in files:
+                    raise ZLError(f"config field {key}={value}: no such file under {base}; fix the stage config.")
+            config_text = json.dumps(cfg, indent=2) + "\n"
+
+    result = DeployResult(device.name, stage)
+    todo = []
+    for name, (host, mode) in files.items():
+        if not host.is_file():
+            raise ZLError(f"{host}: missing; cannot deploy {name} to {device.name}.")
+        size = host.stat().st_size
+        unchanged = (not force and size >= _HASH_MIN_BYTES and device.file_sha256(name) == file_sha256(host))
+        if unchanged:
+            result.unchanged.append(name)
+            if on_file:
+                on_file(device.name, name, size, True)
+        else:
+            todo.append((name, host, mode, size))
+    needed = sum(t[3] for t in todo)
+    if todo:
+        free = device.free_bytes()
+        if free < needed + DISK_MARGIN:
+            raise ZLError(f"{device.name}: {free >> 20} MiB free under {posixpath.dirname(device.workdir)}, deploy "
+                          f"needs {(needed + DISK_MARGIN) >> 20} MiB ({needed >> 20} MiB of files + "
+                          f"{DISK_MARGIN >> 20} MiB for checkpoints and logs); free space on the device.")
+    for name, host, mode, size in todo:
+        if on_file:
+            on_file(device.name, name, size, False)
+        result.bytes_pushed += device.push(host, name, mode=mode, on_bytes=on_bytes)
+        result.pushed.append(name)
+    if config_text is not None:
+        result.config = stage_config_name(stage)
+        device.write_text(result.config, config_text)
+        result.pushed.append(result.config)
+    log.info("%s: stage %s, pushed %s, unchanged %s", device.name, stage, result.pushed, result.unchanged)
+    return result
+
+
+def deploy(
+    devices: Sequence[Device],
+    export_dir: Path,
+    configs: Mapping[int, Path | Mapping] | Path | None = None,
+    runner: Path | None = None,
+    force: bool = False,
+    on_file: FileCallback | None = None,
+    on_bytes: ByteCallback | None = None,
+) -> list[DeployResult]:
+    """Stage k of `export_dir` to devices[k]; extra devices become spares (runner and manifest only).
+
+    Args:
+        configs: {stage: config file or dict}, or a folder with stage_<k>.json files, or None (programs only).
+
+    Raises:
+        ZLError: fewer devices than stages, a missing config, or any `deploy_stage` error.
+    """
+    from zl_export.manifest import load_manifest
+
+    manifest = load_manifest(Path(export_dir))
+    num_stages = len(manifest["stages"])
+    if len(devices) < num_stages:
+        raise ZLError(f"{export_dir} has {num_stages} stages but --devices gives {len(devices)} device(s) "
+                      f"({', '.join(d.name for d in devices)}); pass at least {num_stages}.")
+    if isinstance(configs, (str, Path)):
+        folder = Path(configs)
+        configs = {k: folder / stage_config_name(k) for k in range(num_stages)}
+        missing = [str(p) for p in configs.values() if not p.is_file()]
+        if missing:
+            raise ZLError(f"no stage config {', '.join(missing)}; --configs needs stage_0.json .. "
+                          f"stage_{num_stages - 1}.json.")
+    configs = configs or {}
+    results = []
+    for i, device in enumerate(devices):
+        stage = i if i < num_stages else None
+        results.append(deploy_stage(device, export_dir, stage, configs.get(stage) if stage is not None else None,
+                                    runner, manifest, force, on_file, on_bytes))
+    return results
+
+
+@dataclass
+class PullResult:
+    device: str
+    stages: list[int] = field(default_factory=list)
+    logs_dir: Path | None = None
+    checkpoint_dirs: dict[int, Path] = field(default_factory=dict)
+    bytes_pulled: int = 0
+
+
+def pull(devices: Sequence[Device], out_dir: Path, checkpoints: bool = True, input_logs: bool = False) -> list[PullResult]:
+    """Copy each device's logs, telemetry and checkpoints into `out_dir` (see the module docstring).
+
+    Incomplete checkpoints (`.tmp-*`) are skipped; input logs only with `input_logs`.
+    """
+    out_dir = Path(out_dir)
+    results = []
+    for device in devices:
+        result = PullResult(device.name, logs_dir=out_dir / "logs" / device.name)
+        names = device.listdir(".")
+        for name in (RUNNER_STDOUT, RUNNER_STDERR, RUNNER_EXIT):
+            if name in names:
+                result.bytes_pulled += device.pull(name, result.logs_dir / name)
+        for name in names:
+            m = re.fullmatch(r"stage_(\d+)\.json", name)
+            if not m:
+                continue
+            stage = int(m.group(1))
+            result.stages.append(stage)
+            result.bytes_pulled += device.pull(name, result.logs_dir / name)
+            try:
+                cfg = json.loads(device.read_text(name) or "{}")
+            except json.JSONDecodeError:
+                log.warning("%s: %s is not valid JSON; pulled it without its telemetry", device.name, name)
+                continue
+            telemetry = cfg.get("log_path") or "metrics.jsonl"
+            if device.exists(telemetry):
+                result.bytes_pulled += device.pull(telemetry, result.logs_dir / posixpath.basename(telemetry))
+            ckpt = cfg.get("checkpoint_dir")
+            if checkpoints and ckpt and device.exists(ckpt):
+                target = out_dir / "checkpoints" / f"stage_{stage}"
+                exclude = (".tmp-*",) + (() if input_logs else ("input_log",))
+                result.bytes_pulled += device.pull(ckpt, target, exclude=exclude)
+                result.checkpoint_dirs[stage] = target
+        results.append(result)
+    return results

@@ -1,0 +1,110 @@
+"""`--devices`: `local:3` (three local devices) or `SERIAL1,SERIAL2,...` (phones over adb).
+
+    open_devices("local:3", run_dir=Path("runs/demo"))   # runs/demo/devices/local-0 .. local-2
+    open_devices("R58M123,R58M456")                      # two phones, checked online and arm64-v8a
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from zl.errors import ZLError
+from zl_device.backend import Device
+
+LOCAL = "local"
+LINK_PROFILES = ("local", "wifi", "mobile", "constrained")
+
+
+@dataclass(frozen=True)
+class DevicesSpec:
+    """A parsed --devices value: `count` local devices, or the listed phone serials."""
+
+    kind: str  # "local" | "adb"
+    count: int
+    serials: tuple[str, ...] = ()
+
+
+def parse_devices(spec: str) -> DevicesSpec:
+    """Parse `local`, `local:N` or a comma-separated list of adb serials.
+
+    Raises:
+        ZLError: empty, a bad count, or a serial listed twice.
+    """
+    text = spec.strip()
+    if not text:
+        raise ZLError("--devices is empty; pass local:N (e.g. local:3) or phone serials (see `zl devices`).")
+    if text == LOCAL or text.startswith(LOCAL + ":"):
+        count = text[len(LOCAL) + 1:] if text != LOCAL else "1"
+        if not count.isdigit() or int(count) < 1:
+            raise ZLError(f"--devices {spec}: expected local:N with N >= 1 local devices, e.g. local:3.")
+        return DevicesSpec(LOCAL, int(count))
+    serials = [s.strip() for s in text.split(",")]
+    if any(not s for s in serials):
+        raise ZLError(f"--devices {spec}: an empty serial; write SERIAL1,SERIAL2 without spaces or trailing commas.")
+    bad = [s for s in serials if not re.fullmatch(r"[\w.:\-]+", s)]
+    if bad:
+        raise ZLError(f"--devices {spec}: {bad[0]!r} does not look like an adb serial (see `zl devices`).")
+    dupes = sorted({s for s in serials if serials.count(s) > 1})
+    if dupes:
+        raise ZLError(f"--devices {spec}: {', '.join(dupes)} listed more than once; each phone runs one stage.")
+    return DevicesSpec("adb", len(serials), tuple(serials))
+
+
+def local_cpu_sets(count: int, cpus: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+    """Split the CPUs this process may use into `count` contiguous groups (one per local device).
+
+    With fewer CPUs than devices, devices share CPUs round robin rather than failing.
+    """
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(cpus) < count:
+        return [(cpus[i % len(cpus)],) for i in range(count)]
+    per = len(cpus) // count
+    return [tuple(cpus[i * per:(i + 1) * per]) for i in range(count)]
+
+
+def open_devices(
+    spec: str | DevicesSpec,
+    run_dir: Path | None = None,
+    *,
+    runner: Sequence[str] | None = None,
+    pin_cpus: bool = False,
+    link_profile: str | None = None,
+    check_abi: bool = True,
+    client=None,
+) -> list[Device]:
+    """The devices of a --devices value, in stage order.
+
+    Args:
+        spec: `local:N` or `SERIAL1,SERIAL2,...` (or a parsed DevicesSpec).
+        run_dir: local devices live in RUN_DIR/devices/local-<i> (required for local).
+        runner: local only: the command to start instead of zl_runner (tests).
+        pin_cpus: local only: give each device its own share of this host's CPUs.
+        link_profile: the sender-side link emulation of stages on these devices (default local: none; phones
+            already have a real link, a profile adds its delay on top).
+        check_abi: phones: fail unless arm64-v8a.
+        client: an adbutils client (default: connect to the adb server, starting it).
+
+    Raises:
+        ZLError: a bad spec, no run_dir for local devices, or a phone that is missing, unauthorized, offline or
+            of the wrong ABI.
+    """
+    parsed = parse_devices(spec) if isinstance(spec, str) else spec
+    if link_profile is not None and link_profile not in LINK_PROFILES:
+        raise ZLError(f"link profile {link_profile!r}: expected one of {', '.join(LINK_PROFILES)}.")
+    if parsed.kind == LOCAL:
+        from zl_device.local import LocalDevice
+
+        if run_dir is None:
+            raise ZLError("local devices need a run directory (their folders are RUN_DIR/devices/local-N); "
+                          "pass --run-dir.")
+        cpu_sets = local_cpu_sets(parsed.count) if pin_cpus else [None] * parsed.count
+        return [LocalDevice(f"local-{i}", Path(run_dir) / "devices" / f"local-{i}", runner=runner, cpus=cpu_sets[i],
+                            link_profile=link_profile or "local") for i in range(parsed.count)]
+    from zl_device.adb import connect, open_phone
+
+    client = client or connect()
+    return [open_phone(s, client, check_abi=check_abi, link_profile=link_profile or "local") for s in parsed.serials]

@@ -1,0 +1,307 @@
+"""The `local` backend: a device is a folder on this host and a `zl_runner` child process.
+
+`--devices local:3` makes RUN_DIR/devices/local-0 .. local-2. They stand in
+for phones in tests and benchmarks: optional CPU pinning (so three stages do
+not share cores the way they would not share a phone's), and a link profile
+the stage configs pass to the runner's sender-side shaping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from zl.errors import ZLError
+from zl_device.backend import (
+    RUNNER_EXIT,
+    RUNNER_NAME,
+    RUNNER_PID,
+    RUNNER_STDERR,
+    RUNNER_STDOUT,
+    ByteCallback,
+    Device,
+    DeviceInfo,
+    excluded,
+    sum_pss_kib,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+#: Environment override for the host runner binary (same variable as tests/test_runner.py).
+RUNNER_ENV = "ZL_RUNNER_BIN"
+_CHUNK = 1 << 20  # copy granularity for progress callbacks, bytes
+
+
+def host_runner_binary() -> Path:
+    """The host build of zl_runner: $ZL_RUNNER_BIN, else build/android_app/native/zl_runner.
+
+    Raises:
+        ZLError: it is not built.
+    """
+    path = Path(os.environ.get(RUNNER_ENV, REPO / "build" / "android_app" / "native" / RUNNER_NAME))
+    if not path.is_file():
+        raise ZLError(
+            f"{path}: the host zl_runner is not built; run `bash setup.sh` or "
+            f"`cmake --build build -j2 --target zl_runner` (or set {RUNNER_ENV} to a built binary)."
+        )
+    return path
+
+
+class LocalDevice(Device):
+    """A working directory plus one runner process on this host.
+
+    Args:
+        name: "local-0", ...
+        workdir: the device's folder (created).
+        runner: the command to start instead of the deployed or built zl_runner (tests inject a dummy
+            process here); `--config FILE [--resume]` is appended.
+        cpus: pin the runner to these CPU ids (taskset, or sched_setaffinity where taskset is missing).
+        link_profile: the link profile of stages placed here (local, wifi, mobile, constrained).
+    """
+
+    kind = "local"
+
+    def __init__(
+        self,
+        name: str,
+        workdir: Path,
+        runner: Sequence[str] | None = None,
+        cpus: Sequence[int] | None = None,
+        link_profile: str = "local",
+    ):
+        workdir = Path(workdir).resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+        super().__init__(name, str(workdir), link_profile)
+        self.runner = list(runner) if runner else None
+        self.cpus = tuple(cpus) if cpus else None
+        self._proc: subprocess.Popen | None = None
+        self._out_offset = 0
+
+    def _local(self, remote: str) -> Path:
+        return Path(self.path(remote))
+
+    # --- description ---------------------------------------------------------------------------------
+
+    def info(self) -> DeviceInfo:
+        cpus = f"CPUs {','.join(map(str, self.cpus))}" if self.cpus else f"{os.cpu_count()} CPUs"
+        return DeviceInfo(self.name, self.kind, "ready", model=platform.node() or "this host",
+                          abi=platform.machine(), note=f"{cpus}, {self.workdir}")
+
+    def address(self) -> str | None:
+        return "127.0.0.1"
+
+    # --- files ---------------------------------------------------------------------------------------
+
+    def push(self, local: Path, remote: str, mode: int | None = None, on_bytes: ByteCallback | None = None) -> int:
+        src, dst = Path(local), self._local(remote)
+        if not src.is_file():
+            raise ZLError(f"{src}: no such file to push to {self.name}.")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if dst.exists() and os.path.samefile(src, dst):
+            return 0
+        # Copy to a temp name and rename: a runner never sees half a program.
+        tmp = dst.with_name(f".{dst.name}.tmp")
+        copied = 0
+        with open(src, "rb") as fin, open(tmp, "wb") as fout:
+            while chunk := fin.read(_CHUNK):
+                fout.write(chunk)
+                copied += len(chunk)
+                if on_bytes:
+                    on_bytes(len(chunk))
+        os.chmod(tmp, mode if mode is not None else (src.stat().st_mode & 0o777))
+        tmp.replace(dst)
+        return copied
+
+    def pull(self, remote: str, local: Path, exclude: tuple[str, ...] = ()) -> int:
+        src, dst = self._local(remote), Path(local)
+        if not src.exists():
+            raise ZLError(f"{self.name}: {src} does not exist; nothing to pull.")
+        if src.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+            return dst.stat().st_size
+        total = 0
+        for root, dirs, files in os.walk(src):
+            dirs[:] = [d for d in dirs if not excluded(d, exclude)]
+            out = dst / Path(root).relative_to(src)
+            out.mkdir(parents=True, exist_ok=True)
+            for f in files:
+                if not excluded(f, exclude):
+                    shutil.copy2(Path(root) / f, out / f)
+                    total += (out / f).stat().st_size
+        return total
+
+    def exists(self, remote: str) -> bool:
+        return self._local(remote).exists()
+
+    def listdir(self, remote: str = ".") -> list[str]:
+        p = self._local(remote)
+        return sorted(os.listdir(p)) if p.is_dir() else []
+
+    def read_text(self, remote: str) -> str | None:
+        p = self._local(remote)
+        return p.read_text(errors="replace") if p.is_file() else None
+
+    def write_text(self, remote: str, text: str) -> None:
+        p = self._local(remote)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(p)
+
+    def file_sha256(self, remote: str) -> str | None:
+        p = self._local(remote)
+        if not p.is_file():
+            return None
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.workdir).free
+
+    # --- the runner ----------------------------------------------------------------------------------
+
+    def _command(self) -> list[str]:
+        if self.runner:
+            return list(self.runner)
+        deployed = self._local(RUNNER_NAME)
+        return [str(deployed if deployed.is_file() else host_runner_binary())]
+
+    def start_runner(self, config: str, resume: bool = False) -> None:
+        if self.is_running():
+            raise ZLError(f"{self.name}: a runner is already running (pid {self._pid()}); stop it first.")
+        if not self._local(config).is_file():
+            raise ZLError(f"{self.name}: config {self._local(config)} does not exist; deploy it first.")
+        cmd = self._command() + ["--config", config] + (["--resume"] if resume else [])
+        taskset = shutil.which("taskset") if self.cpus else None
+        if taskset:
+            cmd = [taskset, "-c", ",".join(map(str, self.cpus))] + cmd
+        out_path = self._local(RUNNER_STDOUT)
+        self._out_offset = out_path.stat().st_size if out_path.exists() else 0
+        self._local(RUNNER_EXIT).unlink(missing_ok=True)
+        with open(out_path, "ab") as out, open(self._local(RUNNER_STDERR), "ab") as err:
+            try:
+                # A session of its own: Ctrl-C in the orchestrator's terminal must not reach the stages.
+                self._proc = subprocess.Popen(cmd, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=out,
+                                              stderr=err, start_new_session=True)
+            except OSError as e:
+                raise ZLError(f"{self.name}: cannot start {cmd[0]}: {e}.") from e
+        if self.cpus and not taskset:
+            # Threads the runner creates later inherit this mask; only a thread started in the first
+            # microseconds could escape it.
+            try:
+                os.sched_setaffinity(self._proc.pid, self.cpus)
+            except OSError as e:
+                raise ZLError(f"{self.name}: cannot pin to CPUs {self.cpus}: {e}; available: "
+                              f"{sorted(os.sched_getaffinity(0))}.") from e
+        self._local(RUNNER_PID).write_text(f"{self._proc.pid}\n")
+
+    def _pid(self) -> int | None:
+        if self._proc is not None:
+            return self._proc.pid
+        text = self.read_text(RUNNER_PID)
+        return int(text) if text and text.strip().isdigit() else None
+
+    def _alive_elsewhere(self, pid: int) -> bool:
+        """A runner started by another zl process: alive, not a zombie, and still in this workdir."""
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            return stat.rsplit(")", 1)[1].split()[0] != "Z" and os.readlink(f"/proc/{pid}/cwd") == self.workdir
+        except OSError:
+            return False
+
+    def is_running(self) -> bool:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                return True
+            self._record_exit()
+            return False
+        pid = self._pid()
+        return pid is not None and self._alive_elsewhere(pid)
+
+    def _record_exit(self) -> None:
+        exit_path = self._local(RUNNER_EXIT)
+        if not exit_path.exists():
+            exit_path.write_text(f"{self._proc.returncode}\n")
+
+    def exit_code(self) -> int | None:
+        if self._proc is not None:
+            code = self._proc.poll()
+            if code is not None:
+                self._record_exit()
+            return code
+        text = self.read_text(RUNNER_EXIT)
+        return int(text) if text and text.strip().lstrip("-").isdigit() and not self.is_running() else None
+
+    def signal_runner(self, sig: int) -> bool:
+        if not self.is_running():
+            return False
+        try:
+            os.kill(self._pid(), sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def wait(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        if self._proc is None:
+            return super().wait(timeout_s, poll_s)
+        try:
+            self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        self._record_exit()
+        return True
+
+    def runner_output(self) -> str:
+        """What the runner printed on stdout since the last start by this object (JSON event lines)."""
+        text = self._local(RUNNER_STDOUT).read_bytes() if self.exists(RUNNER_STDOUT) else b""
+        return text[self._out_offset:].decode(errors="replace")
+
+    # --- probes --------------------------------------------------------------------------------------
+
+    def temperature_c(self) -> float | None:
+        return thermal_zone_celsius()
+
+    def pss_mib(self) -> float | None:
+        pid = self._pid()
+        if pid is None or not self.is_running():
+            return None
+        for name in ("smaps_rollup", "smaps"):
+            try:
+                kib = sum_pss_kib(Path(f"/proc/{pid}/{name}").read_text())
+            except OSError:
+                continue
+            if kib is not None:
+                return kib / 1024.0
+        return None
+
+
+# Thermal zones that measure the CPU package, as the runner's telemetry picks them
+# (android_app/native/src/telemetry.cpp): battery, wifi and ACPI "virtual" zones say nothing about load.
+_ZONE_KEYS = ("cpu", "soc", "pkg", "package", "coretemp", "acpitz", "tsens")
+
+
+def thermal_zone_celsius(root: Path = Path("/sys/class/thermal")) -> float | None:
+    """The first plausible CPU thermal zone in °C (millidegrees in sysfs); None when there is none."""
+    if not root.is_dir():
+        return None
+    zones = sorted((int(p.name[len("thermal_zone"):]), p) for p in root.glob("thermal_zone*")
+                   if p.name[len("thermal_zone"):].isdigit())
+    for _, zone in zones:
+        try:
+            kind = (zone / "type").read_text().strip().lower()
+            if not any(key in kind for key in _ZONE_KEYS):
+                continue
+            celsius = int((zone / "temp").read_text().strip()) / 1000.0
+        except (OSError, ValueError):
+            continue
+        if -40.0 < celsius < 150.0:
+            return celsius
+    return None

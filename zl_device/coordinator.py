@@ -1,0 +1,406 @@
+"""The coordinator: runs a deployed pipeline to the end and recovers failed stages (DESIGN.md §5).
+
+Membership: every stage's runner registers and sends heartbeats on the
+control channel (zl_device/control.py); on local devices the coordinator
+also reads each runner's telemetry file as it grows, so progress shows even
+without a control connection. A stage has failed when its process exits
+with a non-zero status or, once it has sent a heartbeat, when no heartbeat
+arrived for `heartbeat_timeout_s`.
+
+Recovery:
+- `local` (ZeroLock's stage-local recovery): only the failed stage is
+  restarted with --resume, on its device or on the next spare; it restores
+  its latest checkpoint and replays the micro-batches after it from its own
+  input log (stage 0: its shard). Its neighbours keep running; the links
+  reconnect and re-send what was not acknowledged.
+- `global` (the baseline): every stage is stopped, rolled back to the last
+  window all stages committed (newer checkpoints are deleted) and restarted
+  with --resume, so every stage replays from that window.
+
+Failure injection (`Injection`): SIGKILL a stage once it is half-way through
+a given window, as a crash would; for experiments and tests.
+
+The coordinator writes its events (`failure`, `restart`, `recovered`, and
+`run` at the end) to a list that the caller appends to RUN_DIR/metrics.jsonl
+(schemas in zl_device/metrics_log.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zl.errors import ZLError
+from zl_device.backend import Device
+from zl_device.control import ControlServer
+from zl_device.frames import FrameType
+
+log = logging.getLogger(__name__)
+
+RECOVERY_MODES = ("local", "global")
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Injection:
+    """Kill `stage` with SIGKILL in the middle of `window` (0-based)."""
+
+    stage: int
+    window: int
+
+    @staticmethod
+    def parse(text: str, num_stages: int, num_windows: int) -> Injection:
+        m = re.fullmatch(r"\s*(\d+)\s*@\s*(\d+)\s*", text)
+        if not m:
+            raise ZLError(f"--inject-failure {text!r}: expected STAGE@WINDOW, e.g. 1@2 (stage 1 in window 2).")
+        stage, window = int(m.group(1)), int(m.group(2))
+        if stage >= num_stages:
+            raise ZLError(f"--inject-failure {text}: stage {stage} does not exist; stages are 0-{num_stages - 1}.")
+        if window >= num_windows:
+            raise ZLError(f"--inject-failure {text}: window {window} does not exist; the run has windows "
+                          f"0-{num_windows - 1}.")
+        return Injection(stage, window)
+
+
+@dataclass
+class StageStatus:
+    """What the coordinator knows about one stage, for the live display and recovery."""
+
+    index: int
+    device: str
+    state: str = "starting"  # starting | running | failed | restarting | done | error
+    micro_batches_done: int = 0  # by this stage's telemetry / heartbeats
+    last_committed_window: int = -1
+    last_loss: float | None = None
+    pss_mib: float | None = None
+    peak_pss_mib: float | None = None
+    temperature_c: float | None = None
+    restarts: int = 0
+    last_sign_of_life: float = field(default_factory=time.monotonic)
+    heartbeat_seen: bool = False
+    commit_times: dict[int, float] = field(default_factory=dict)  # window -> time.monotonic() of its commit
+
+
+@dataclass
+class StagePlan:
+    """Where and how stage k runs: its device, its config's name on the device, its telemetry file there."""
+
+    index: int
+    device: Device
+    config: str  # remote config name, e.g. stage_1.json
+    log_path: str  # remote telemetry file, e.g. metrics.jsonl
+    checkpoint_dir: str  # remote checkpoint folder
+    input_bytes: int  # bytes of one input entry (hidden + mask + labels, or a shard row)
+
+
+@dataclass
+class _Failure:
+    stage: int
+    window: int  # the window in flight at the failure
+    restart_t: float | None = None
+    restart_unix_ms: int | None = None
+
+
+class Coordinator:
+    """Runs the stages in `plans` to completion; see the module docstring."""
+
+    def __init__(
+        self,
+        plans: Sequence[StagePlan],
+        window_size: int,
+        num_micro_batches: int,
+        control: ControlServer | None = None,
+        recovery: str = "local",
+        injection: Injection | None = None,
+        spares: Sequence[Device] = (),
+        heartbeat_timeout_s: float = 30.0,
+        timeout_s: float | None = None,
+        redeploy: Callable[[Device, int], None] | None = None,
+    ):
+        if recovery not in RECOVERY_MODES:
+            raise ZLError(f"--recovery {recovery!r}: expected one of {', '.join(RECOVERY_MODES)}.")
+        self.plans = list(plans)
+        self.window_size = window_size
+        self.num_micro_batches = num_micro_batches
+        self.control = control
+        self.recovery = recovery
+        self.injection = injection
+        self.spares = list(spares)
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.timeout_s = timeout_s
+        self.redeploy = redeploy  # puts stage k's program and config on a spare before it takes over
+        self.status = [StageStatus(p.index, p.device.name) for p in self.plans]
+        self.events: list[dict] = []  # coordinator events for metrics.jsonl
+        self._offsets = [0] * len(self.plans)  # bytes of each local telemetry file already read
+        self._partial = [""] * len(self.plans)
+        self._injected = False
+        self._failures: list[_Failure] = []
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def run(self, on_update: Callable[[list[StageStatus]], None] | None = None) -> list[dict]:
+        """Start every stage (last first, so listeners are up early) and supervise until all are done.
+
+        Returns:
+            the coordinator events of the run.
+
+        Raises:
+            ZLError: a runner that fails for a reason a restart cannot fix (bad config, exit status 2), one
+                that keeps failing, or the run timing out.
+        """
+        start = time.monotonic()
+        for plan in reversed(self.plans):
+            plan.device.start_runner(plan.config, resume=False)
+        while True:
+            self._drain_control()
+            for k in range(len(self.plans)):
+                self._read_telemetry(k)
+            self._maybe_inject()
+            self._check_health()
+            self._check_recovered()
+            if on_update:
+                on_update(self.status)
+            if all(s.state == "done" for s in self.status):
+                return self.events
+            if self.timeout_s and time.monotonic() - start > self.timeout_s:
+                self.stop_all()
+                raise ZLError(f"the run did not finish within {self.timeout_s:.0f} s; stages: "
+                              + ", ".join(f"{s.index}: {s.state} at micro-batch {s.micro_batches_done}"
+                                          for s in self.status)
+                              + ". Look at RUN_DIR/logs/*/runner.err.")
+            time.sleep(POLL_S)
+
+    def stop_all(self) -> None:
+        for plan in self.plans:
+            plan.device.stop_runner(timeout_s=5)
+
+    # --- progress ------------------------------------------------------------------------------------
+
+    def _drain_control(self) -> None:
+        if self.control is None:
+            return
+        while True:
+            try:
+                e = self.control.events.get_nowait()
+            except queue.Empty:
+                return
+            if not 0 <= e.stage < len(self.status):
+                continue
+            s = self.status[e.stage]
+            s.last_sign_of_life = e.t
+            if e.type == FrameType.HEARTBEAT:
+                s.heartbeat_seen = True
+                s.micro_batches_done = max(s.micro_batches_done, int(e.payload.get("micro_batches_done", 0)))
+                self._memory(s, e.payload.get("pss_mib"), e.payload.get("temperature_c"))
+            elif e.type == FrameType.WINDOW_COMMITTED:
+                self._committed(s, e.window, e.payload.get("mean_loss"), e.t)
+            elif e.type == FrameType.ERROR:
+                log.warning("stage %d reports: %s", e.stage, e.payload.get("reason"))
+
+    def _read_telemetry(self, k: int) -> None:
+        """New lines of a local device's telemetry file (phones report through heartbeats instead)."""
+        plan = self.plans[k]
+        if plan.device.kind != "local":
+            return
+        path = Path(plan.device.path(plan.log_path))
+        try:
+            with path.open("rb") as f:
+                f.seek(self._offsets[k])
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        self._offsets[k] += len(chunk)
+        text = self._partial[k] + chunk.decode(errors="replace")
+        *lines, self._partial[k] = text.split("\n")
+        s, now = self.status[k], time.monotonic()
+        for line in lines:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            kind = r.get("type")
+            if kind == "micro_batch":
+                s.last_sign_of_life = now
+                s.micro_batches_done = max(s.micro_batches_done, int(r["micro_batch"]) + 1)
+                s.last_loss = r.get("loss")
+                self._memory(s, r.get("pss_mib"), r.get("temperature_c"))
+                if s.state in ("starting", "restarting"):
+                    s.state = "running"
+            elif kind == "window":
+                self._committed(s, int(r["window"]), r.get("mean_loss"), now)
+
+    @staticmethod
+    def _memory(s: StageStatus, pss, temperature) -> None:
+        if pss is not None:
+            s.pss_mib = float(pss)
+            s.peak_pss_mib = max(s.peak_pss_mib or 0.0, s.pss_mib)
+        if temperature is not None:
+            s.temperature_c = float(temperature)
+
+    def _committed(self, s: StageStatus, window: int, loss, t: float) -> None:
+        s.last_committed_window = max(s.last_committed_window, window)
+        s.commit_times.setdefault(window, t)
+        if loss is not None:
+            s.last_loss = float(loss)
+        if s.state in ("starting", "restarting"):
+            s.state = "running"
+
+    # --- failures ------------------------------------------------------------------------------------
+
+    def _maybe_inject(self) -> None:
+        inj = self.injection
+        if inj is None or self._injected:
+            return
+        s = self.status[inj.stage]
+        half = inj.window * self.window_size + max(1, self.window_size // 2)
+        if s.micro_batches_done >= half:
+            self._injected = True
+            log.info("injecting a failure: SIGKILL stage %d at micro-batch %d (window %d)", inj.stage,
+                     s.micro_batches_done, inj.window)
+            self.plans[inj.stage].device.kill_runner()
+
+    def _check_health(self) -> None:
+        now = time.monotonic()
+        for k, plan in enumerate(self.plans):
+            s = self.status[k]
+            if s.state in ("done", "error"):
+                continue
+            code = plan.device.exit_code()
+            if code == 0:
+                self._read_telemetry(k)
+                s.state = "done"
+                s.micro_batches_done = max(s.micro_batches_done, self.num_micro_batches)
+                continue
+            if code == 2:
+                s.state = "error"
+                self.stop_all()
+                raise ZLError(f"stage {k} on {plan.device.name} rejected its configuration (exit status 2): "
+                              f"{_stderr_tail(plan.device)}")
+            timed_out = s.heartbeat_seen and now - s.last_sign_of_life > self.heartbeat_timeout_s
+            if code is not None or timed_out:
+                if timed_out and code is None:
+                    plan.device.kill_runner()
+                self._failed(k, now, "exited with status %s" % code if code is not None else "heartbeat timeout")
+
+    def _failed(self, k: int, now: float, why: str) -> None:
+        s = self.status[k]
+        self._read_telemetry(k)
+        in_flight = s.micro_batches_done // self.window_size
+        log.warning("stage %d on %s failed (%s) in window %d", k, s.device, why, in_flight)
+        s.state = "failed"
+        self.events.append({"type": "failure", "stage": k, "t_unix_ms": _unix_ms(),
+                            "detected_after_ms": round((now - s.last_sign_of_life) * 1e3, 1),
+                            "window": in_flight, "micro_batch": s.micro_batches_done, "reason": why})
+        if s.restarts >= 3:
+            self.stop_all()
+            raise ZLError(f"stage {k} failed {s.restarts + 1} times ({why}); giving up. "
+                          f"Last error output: {_stderr_tail(self.plans[k].device)}")
+        if self.recovery == "local":
+            self._restart(k, in_flight)
+        else:
+            self._restart_all(k, in_flight)
+
+    def _restart(self, k: int, in_flight: int) -> None:
+        plan, s = self.plans[k], self.status[k]
+        if self.spares:
+            spare = self.spares.pop(0)
+            log.warning("moving stage %d from %s to spare %s", k, plan.device.name, spare.name)
+            if self.redeploy is None:
+                raise ZLError("a spare needs a redeploy function to receive the stage's program.")
+            self.redeploy(spare, k)
+            plan.device = spare
+            s.device = spare.name
+            self._offsets[k], self._partial[k] = 0, ""
+        committed = self._latest_checkpoint_mb(plan)
+        replayed = max(0, s.micro_batches_done - committed)
+        s.micro_batches_done = committed
+        s.state, s.restarts = "restarting", s.restarts + 1
+        plan.device.start_runner(plan.config, resume=True)
+        t = time.monotonic()
+        self.events.append({"type": "restart", "stage": k, "t_unix_ms": _unix_ms(), "replayed_micro_batches": replayed,
+                            "replay_bytes": replayed * plan.input_bytes, "device": plan.device.name})
+        self._failures.append(_Failure(k, in_flight, t, self.events[-1]["t_unix_ms"]))
+
+    def _restart_all(self, failed: int, in_flight: int) -> None:
+        """Global recovery: stop everyone, roll back to the last window all stages committed, restart all."""
+        for plan in self.plans:
+            plan.device.kill_runner()
+        for k in range(len(self.plans)):
+            self._read_telemetry(k)
+        common = min(self._latest_checkpoint_window(p) for p in self.plans)
+        replayed_total, bytes_total = 0, 0
+        for plan, s in zip(self.plans, self.status):
+            self._remove_checkpoints_after(plan, common)
+            replay_from = (common + 1) * self.window_size
+            replayed = max(0, s.micro_batches_done - replay_from)
+            replayed_total += replayed
+            bytes_total += replayed * plan.input_bytes
+            s.micro_batches_done = replay_from
+            s.last_committed_window = common
+            s.commit_times = {w: t for w, t in s.commit_times.items() if w <= common}
+            if s.state != "done":
+                s.state = "restarting"
+            s.restarts += plan.index == failed
+        for plan in reversed(self.plans):
+            self.status[plan.index].state = "restarting"
+            plan.device.start_runner(plan.config, resume=True)
+        t = time.monotonic()
+        self.events.append({"type": "restart", "stage": failed, "t_unix_ms": _unix_ms(),
+                            "replayed_micro_batches": replayed_total, "replay_bytes": bytes_total,
+                            "device": self.plans[failed].device.name, "rolled_back_to_window": common,
+                            "scope": "global"})
+        self._failures.append(_Failure(failed, in_flight, t, self.events[-1]["t_unix_ms"]))
+
+    def _check_recovered(self) -> None:
+        for f in list(self._failures):
+            downstream = min(f.stage + 1, len(self.plans) - 1)
+            t = self.status[downstream].commit_times.get(f.window)
+            if t is not None and t >= f.restart_t:
+                self.events.append({"type": "recovered", "stage": f.stage, "t_unix_ms": _unix_ms(),
+                                    "recovery_ms": round((t - f.restart_t) * 1e3, 1),
+                                    "downstream_stage": downstream, "window": f.window})
+                self._failures.remove(f)
+            elif self.status[downstream].state == "done" and f.window * self.window_size >= self.num_micro_batches:
+                self._failures.remove(f)  # the failure hit after the last window: nothing left to recover
+
+    # --- checkpoints on the device -------------------------------------------------------------------
+
+    def _checkpoint_windows(self, plan: StagePlan) -> list[int]:
+        names = plan.device.listdir(plan.checkpoint_dir)
+        return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"window_(\d+)", n)))
+
+    def _latest_checkpoint_window(self, plan: StagePlan) -> int:
+        windows = self._checkpoint_windows(plan)
+        return windows[-1] if windows else -1
+
+    def _latest_checkpoint_mb(self, plan: StagePlan) -> int:
+        """micro_batches_done of the stage's latest checkpoint (0 without one)."""
+        w = self._latest_checkpoint_window(plan)
+        if w < 0:
+            return 0
+        text = plan.device.read_text(f"{plan.checkpoint_dir}/window_{w:06d}/progress.json")
+        try:
+            return int(json.loads(text or "{}").get("micro_batches_done", (w + 1) * self.window_size))
+        except ValueError:
+            return (w + 1) * self.window_size
+
+    def _remove_checkpoints_after(self, plan: StagePlan, window: int) -> None:
+        for w in self._checkpoint_windows(plan):
+            if w > window:
+                plan.device.remove(f"{plan.checkpoint_dir}/window_{w:06d}")
+
+
+def _unix_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _stderr_tail(device: Device, lines: int = 5) -> str:
+    text = device.read_text("runner.err") or ""
+    tail = [ln for ln in text.strip().splitlines() if ln.strip()][-lines:]
+    return " | ".join(tail) or "(no output)"

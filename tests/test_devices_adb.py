@@ -430,18 +430,55 @@ def test_no_server_and_no_adb_binary(monkeypatch):
 # --- with a phone -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.device
-def test_real_phone_files_and_probes(tmp_path):
+@pytest.fixture()
+def phone():
     serial = os.environ.get("ZL_TEST_SERIAL")
     if not serial:
         pytest.skip("set ZL_TEST_SERIAL to an attached phone's serial")
     dev = zadb.open_phone(serial)
-    dev.workdir = "/data/local/tmp/zerolock-test"
+    dev.workdir = "/data/local/tmp/zerolock-test"  # not the real workdir: a test must not clobber a deployment
+    yield dev
+    dev.shell(f"rm -rf {dev.workdir}")
+
+
+@pytest.mark.device
+def test_real_phone_files_and_probes(phone, tmp_path):
     src = tmp_path / "blob"
     src.write_bytes(os.urandom(2 << 20))
-    assert dev.push(src, "blob", mode=0o600) == 2 << 20
-    assert dev.file_sha256("blob") == zdeploy.file_sha256(src)
-    dev.pull("blob", tmp_path / "back")
-    assert (tmp_path / "back").read_bytes() == src.read_bytes()
-    assert dev.free_bytes() > 0 and dev.temperature_c() is not None
-    dev.shell(f"rm -rf {dev.workdir}")
+    assert phone.push(src, "dir/blob", mode=0o600) == 2 << 20
+    assert phone.file_sha256("dir/blob") == zdeploy.file_sha256(src)
+    assert phone.listdir("dir") == ["blob"]
+    phone.pull("dir", tmp_path / "back")
+    assert (tmp_path / "back" / "blob").read_bytes() == src.read_bytes()
+    assert phone.free_bytes() > 0
+    celsius = phone.temperature_c()
+    assert celsius is not None and 0 < celsius < 80
+
+
+@pytest.mark.device
+def test_real_phone_runner_lifecycle(phone, tmp_path):
+    """nohup, runner.pid and runner.exit under Android's sh, with a shell script standing in for zl_runner."""
+    script = tmp_path / "zl_runner"
+    script.write_text('#!/system/bin/sh\necho "args: $*"\n[ "$2" = exit.json ] && exit 3\nexec sleep 60\n')
+    phone.push(script, "zl_runner", mode=0o755)
+    for name in ("sleep.json", "exit.json"):
+        phone.write_text(name, "{}")
+    phone.start_runner("sleep.json", resume=True)
+    assert phone.is_running() and phone.exit_code() is None
+    assert phone.pss_mib() is not None
+    assert phone.stop_runner(timeout_s=10) == -15  # sleep has no SIGTERM handler
+    phone.start_runner("sleep.json")
+    assert phone.kill_runner() == -9
+    phone.start_runner("exit.json")
+    assert phone.wait(10) and phone.exit_code() == 3
+    assert phone.runner_output() == "args: --config exit.json\n"
+
+
+@pytest.mark.device
+def test_real_phone_zl_runner_bad_config(phone):
+    """The arm64 zl_runner runs on the phone and rejects an empty config with exit status 2."""
+    phone.push(zdeploy.android_runner_binary(), "zl_runner", mode=0o755)  # fails with the build command if unbuilt
+    phone.write_text("bad.json", "{}")
+    phone.start_runner("bad.json")
+    assert phone.wait(30) and phone.exit_code() == 2
+    assert "required" in (phone.read_text("runner.err") or "")

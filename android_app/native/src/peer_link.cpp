@@ -16,36 +16,6 @@
 namespace zl {
 namespace {
 
-// A self-pipe lets other threads wake an I/O thread blocked in poll().
-bool make_wake_pipe(int fds[2]) {
-  if (::pipe(fds) != 0) return false;
-  for (int i = 0; i < 2; ++i) {
-    ::fcntl(fds[i], F_SETFL, ::fcntl(fds[i], F_GETFL, 0) | O_NONBLOCK);
-    ::fcntl(fds[i], F_SETFD, FD_CLOEXEC);
-  }
-  return true;
-}
-
-void close_wake_pipe(int fds[2]) {
-  for (int i = 0; i < 2; ++i) {
-    if (fds[i] >= 0) ::close(fds[i]);
-    fds[i] = -1;
-  }
-}
-
-void write_wake(int fd) {
-  if (fd < 0) return;
-  const uint8_t b = 1;
-  // A full pipe already means "wake up"; EAGAIN is fine.
-  (void)!::write(fd, &b, 1);
-}
-
-void drain_wake(int fd) {
-  uint8_t buf[64];
-  while (::read(fd, buf, sizeof(buf)) > 0) {
-  }
-}
-
 int poll_timeout_ms(SteadyClock::time_point until) {
   const auto left =
       std::chrono::duration_cast<std::chrono::milliseconds>(until - SteadyClock::now()).count();

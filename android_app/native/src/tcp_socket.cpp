@@ -198,6 +198,34 @@ Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
   return Status();
 }
 
+bool make_wake_pipe(int fds[2]) {
+  if (::pipe(fds) != 0) return false;
+  for (int i = 0; i < 2; ++i) {
+    ::fcntl(fds[i], F_SETFL, ::fcntl(fds[i], F_GETFL, 0) | O_NONBLOCK);
+    ::fcntl(fds[i], F_SETFD, FD_CLOEXEC);
+  }
+  return true;
+}
+
+void close_wake_pipe(int fds[2]) {
+  for (int i = 0; i < 2; ++i) {
+    if (fds[i] >= 0) ::close(fds[i]);
+    fds[i] = -1;
+  }
+}
+
+void write_wake(int fd) {
+  if (fd < 0) return;
+  const uint8_t b = 1;
+  (void)!::write(fd, &b, 1);  // EAGAIN (pipe full) is fine: a wake-up is pending
+}
+
+void drain_wake(int fd) {
+  uint8_t buf[64];
+  while (::read(fd, buf, sizeof(buf)) > 0) {
+  }
+}
+
 Status FrameReader::fill(int fd) {
   uint8_t chunk[64 * 1024];
   for (;;) {

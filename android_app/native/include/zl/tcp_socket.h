@@ -60,6 +60,17 @@ Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
                   std::chrono::milliseconds timeout, DecodeResult* out,
                   std::vector<uint8_t>* raw = nullptr);
 
+/// A self-pipe lets other threads wake an I/O thread blocked in poll():
+/// `fds[0]` goes into the poll set, `fds[1]` is written by write_wake(). Both
+/// ends are non-blocking and close-on-exec. False (errno set) if pipe() fails.
+bool make_wake_pipe(int fds[2]);
+/// Closes both ends (if open) and sets them to -1.
+void close_wake_pipe(int fds[2]);
+/// Writes one byte to the write end; a full pipe already means "wake up".
+void write_wake(int fd);
+/// Empties the read end after poll() reported it readable.
+void drain_wake(int fd);
+
 /// Accumulates bytes from a non-blocking read loop and splits them into frames.
 class FrameReader {
  public:

@@ -1,0 +1,597 @@
+#include "zl/control_client.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/utsname.h>
+#include <unistd.h>
+
+#if defined(__ANDROID__)
+#include <sys/system_properties.h>
+#endif
+
+#include <algorithm>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "zl/log.h"
+
+namespace zl {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+using nlohmann::json;
+
+/// The coordinator shows ERROR reasons in logs and reports; a runaway message
+/// must not make a frame that cannot be encoded.
+constexpr size_t kMaxReasonChars = 4000;
+
+/// How often the I/O thread looks at ControlClientOptions::chain_stop.
+constexpr milliseconds kChainStopPoll{50};
+
+int64_t now_unix_ms() {
+  return std::chrono::duration_cast<milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+json optional_json(const std::optional<double>& v) { return v ? json(*v) : json(nullptr); }
+
+/// Never throws: invalid UTF-8 (e.g. in an error reason) becomes U+FFFD, NaN becomes null.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+/// "host:port", "[v6]:port" -> parts; port must be 1..65535.
+bool parse_host_port(const std::string& address, std::string* host, uint16_t* port) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 >= address.size()) return false;
+  std::string h = address.substr(0, colon);
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  const std::string p = address.substr(colon + 1);
+  if (h.empty() || p.size() > 5 || !std::all_of(p.begin(), p.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return false;
+  }
+  const unsigned long value = std::stoul(p);  // digits only, at most 5: cannot throw
+  if (value == 0 || value > 65535) return false;
+  *host = h;
+  *port = static_cast<uint16_t>(value);
+  return true;
+}
+
+int poll_timeout_ms(Clock::time_point until) {
+  const int64_t left = std::chrono::duration_cast<milliseconds>(until - Clock::now()).count();
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left + 1, 1000)));
+}
+
+}  // namespace
+
+const char* control_phase_name(ControlPhase phase) {
+  switch (phase) {
+    case ControlPhase::kStarting: return "starting";
+    case ControlPhase::kWaitingForStart: return "waiting_for_start";
+    case ControlPhase::kRunning: return "running";
+    case ControlPhase::kStopped: return "stopped";
+    case ControlPhase::kDone: return "done";
+    case ControlPhase::kFailed: return "failed";
+  }
+  return "unknown";
+}
+
+Status control_options_from_config(const RunnerConfig& config, const FrameKey& key,
+                                   ControlClientOptions* out) {
+  if (config.coordinator.empty()) {
+    return Status(StatusCode::kInvalidArgument, "the stage config names no coordinator (\"coordinator\": \"host:port\")");
+  }
+  RunId run_id{};
+  if (!parse_hex_run_id(config.run_id, &run_id)) {
+    return Status(StatusCode::kInvalidArgument, "run_id \"" + config.run_id + "\" is not 32 hex characters");
+  }
+  if (config.stage_index < 0 || config.stage_index >= static_cast<int64_t>(kCoordinatorStage)) {
+    return Status(StatusCode::kInvalidArgument, "stage_index " + std::to_string(config.stage_index) + " out of range");
+  }
+  out->coordinator = config.coordinator;
+  out->run_id = run_id;
+  out->key = key;
+  out->stage = static_cast<uint32_t>(config.stage_index);
+  return Status();
+}
+
+std::string describe_device() {
+  std::string name;
+#if defined(__ANDROID__)
+  char manufacturer[PROP_VALUE_MAX] = {0};
+  char model[PROP_VALUE_MAX] = {0};
+  __system_property_get("ro.product.manufacturer", manufacturer);
+  __system_property_get("ro.product.model", model);
+  name = manufacturer;
+  if (model[0] != '\0') name += (name.empty() ? "" : " ") + std::string(model);
+#endif
+  utsname u{};
+  if (::uname(&u) == 0) {
+#if defined(__ANDROID__)
+    const std::string os = "Android";
+#else
+    const std::string os = u.sysname;
+#endif
+    if (name.empty()) name = u.nodename;
+    name += " (" + os + " " + u.machine + ")";
+  }
+  return name.empty() ? "unknown" : name;
+}
+
+WindowCommittedEvent WindowCommittedEvent::from(const WindowRecord& record, int64_t micro_batches_done) {
+  WindowCommittedEvent e;
+  e.window = record.window;
+  e.micro_batches_done = micro_batches_done;
+  e.mean_loss = record.mean_loss;
+  e.mean_task_loss = record.mean_task_loss;
+  e.mean_consistency_loss = record.mean_consistency_loss;
+  e.checkpoint_ms = record.checkpoint_ms;
+  return e;
+}
+
+// ---------------------------------------------------------------- public API
+
+ControlClient::ControlClient(ControlClientOptions options)
+    : options_(std::move(options)),
+      micro_batches_done_(options_.micro_batches_done),
+      reader_(options_.max_frame_bytes) {}
+
+ControlClient::~ControlClient() {
+  shutdown();
+  close_wake_pipe(wake_pipe_);
+}
+
+Status ControlClient::start() {
+  if (!parse_host_port(options_.coordinator, &host_, &port_)) {
+    return Status(StatusCode::kInvalidArgument, "coordinator address \"" + options_.coordinator +
+                                                    "\" is not host:port with a port in 1..65535 "
+                                                    "(e.g. 192.168.1.10:7100)");
+  }
+  if (options_.heartbeat_ms.count() <= 0) {
+    return Status(StatusCode::kInvalidArgument,
+                  "heartbeat_ms is " + std::to_string(options_.heartbeat_ms.count()) + "; it must be > 0");
+  }
+  if (options_.max_queued == 0) {
+    return Status(StatusCode::kInvalidArgument, "max_queued is 0; it must be at least 1");
+  }
+  if (options_.stage == kCoordinatorStage) {
+    return Status(StatusCode::kInvalidArgument, "stage 0xFFFFFFFF is reserved for the coordinator");
+  }
+  if (options_.pid == 0) options_.pid = static_cast<int64_t>(::getpid());
+  if (options_.device.empty()) options_.device = describe_device();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (thread_.joinable() || closing_) {
+      return Status(StatusCode::kInvalidArgument, "control client already started or shut down");
+    }
+  }
+  if (!make_wake_pipe(wake_pipe_)) {
+    return Status(StatusCode::kIoError, std::string("pipe: ") + std::strerror(errno));
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  thread_ = std::thread([this] { run(); });
+  return Status();
+}
+
+Status ControlClient::wait_for_start(milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const ControlPhase before = phase_;
+  if (!started_) phase_ = ControlPhase::kWaitingForStart;
+  const auto deadline = Clock::now() + timeout;
+  auto stopped = [this] {
+    return closing_ || stop_.load() || (options_.chain_stop != nullptr && options_.chain_stop->load());
+  };
+  // Sliced so a chained stop flag is seen even before the I/O thread mirrors it.
+  while (!started_ && !stopped() && Clock::now() < deadline) {
+    changed_.wait_until(lock, std::min(deadline, Clock::now() + kChainStopPoll));
+  }
+  if (phase_ == ControlPhase::kWaitingForStart) phase_ = before;
+  if (started_) return Status();
+  if (stopped()) return Status(StatusCode::kClosed, "stop requested while waiting for START from the coordinator");
+  return Status(StatusCode::kTimeout, "no START from the coordinator " + options_.coordinator + " within " +
+                                          std::to_string(timeout.count()) + " ms");
+}
+
+std::string ControlClient::start_settings() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return start_settings_;
+}
+
+void ControlClient::update_progress(int64_t micro_batches_done, int64_t window, ControlPhase phase) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  micro_batches_done_ = micro_batches_done;
+  window_ = window;
+  phase_ = phase;
+}
+
+void ControlClient::set_phase(ControlPhase phase) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  phase_ = phase;
+}
+
+Status ControlClient::window_committed(const WindowCommittedEvent& event) {
+  const json payload = {{"mean_loss", event.mean_loss},
+                        {"mean_task_loss", event.mean_task_loss},
+                        {"mean_consistency_loss", event.mean_consistency_loss},
+                        {"micro_batches_done", event.micro_batches_done},
+                        {"checkpoint_ms", optional_json(event.checkpoint_ms)},
+                        {"checkpointed", event.checkpoint_ms.has_value()}};
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closing_) return Status(StatusCode::kClosed, "control client is shut down");
+    if (event.window < 0) {
+      return Status(StatusCode::kInvalidArgument, "window " + std::to_string(event.window) + " is negative");
+    }
+    Frame f = control_frame_locked(FrameType::kWindowCommitted, static_cast<uint64_t>(event.window), dump(payload));
+    f.micro_batch = static_cast<uint64_t>(std::max<int64_t>(0, event.micro_batches_done));
+    enqueue_locked(std::move(f));
+  }
+  wake();
+  return Status();
+}
+
+Status ControlClient::error(const std::string& reason) {
+  const std::string text =
+      reason.size() > kMaxReasonChars ? reason.substr(0, kMaxReasonChars) + "..." : reason;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closing_) return Status(StatusCode::kClosed, "control client is shut down");
+    enqueue_locked(control_frame_locked(FrameType::kError, window_.value_or(0), dump(json{{"reason", text}})));
+  }
+  wake();
+  return Status();
+}
+
+void ControlClient::shutdown() {
+  std::lock_guard<std::mutex> serial(shutdown_mutex_);
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!closing_) {
+      closing_ = true;
+      close_deadline_ = Clock::now() + options_.flush_timeout;
+    }
+    changed_.notify_all();  // releases wait_for_start()
+    if (!thread_.joinable()) return;
+  }
+  wake();
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    // The I/O thread leaves by close_deadline_ on its own unless it is stuck
+    // in a connect (bounded by connect_timeout) or in send() to a coordinator
+    // that stopped reading; shutting the socket down ends the latter.
+    const bool done = changed_.wait_until(lock, close_deadline_ + milliseconds(100), [this] { return thread_done_; });
+    if (!done) {
+      force_exit_ = true;
+      conn_.shutdown();
+    }
+  }
+  wake();
+  thread_.join();
+  std::lock_guard<std::mutex> lock(mutex_);
+  conn_.close();
+  connected_ = false;
+}
+
+bool ControlClient::connected() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return connected_;
+}
+
+ControlClientStats ControlClient::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ControlClientStats s = stats_;
+  s.queued = queue_.size();
+  return s;
+}
+
+// ---------------------------------------------------------------- frames
+
+Frame ControlClient::control_frame_locked(FrameType type, uint64_t window, std::string payload) const {
+  return make_control_frame(type, options_.run_id, options_.stage, window,
+                            static_cast<uint64_t>(std::max<int64_t>(0, micro_batches_done_)), std::move(payload));
+}
+
+Frame ControlClient::heartbeat_locked(std::optional<double> pss_mib, std::optional<double> temperature_c) const {
+  const json payload = {{"micro_batches_done", micro_batches_done_},
+                        {"window", window_ ? json(*window_) : json(nullptr)},
+                        {"pss_mib", optional_json(pss_mib)},
+                        {"temperature_c", optional_json(temperature_c)},
+                        {"phase", control_phase_name(phase_)},
+                        {"t_unix_ms", now_unix_ms()}};
+  return control_frame_locked(FrameType::kHeartbeat, window_.value_or(0), dump(payload));
+}
+
+Frame ControlClient::register_locked() const {
+  const json payload = {{"stage", options_.stage},
+                        {"pid", options_.pid},
+                        {"device", options_.device},
+                        {"listen", options_.listen.empty() ? json(nullptr) : json(options_.listen)},
+                        {"resume", options_.resume},
+                        {"micro_batches_done", micro_batches_done_},
+                        {"reconnects", stats_.connects}};
+  return control_frame_locked(FrameType::kRegister, window_.value_or(0), dump(payload));
+}
+
+void ControlClient::enqueue_locked(Frame frame) {
+  queue_.push_back(Outgoing{next_seq_++, std::move(frame)});
+  // Over the bound: the oldest heartbeat goes first (a newer one says more),
+  // then the oldest error; WINDOW_COMMITTED is never dropped, so a queue of
+  // only committed events may exceed the bound (one per window at most).
+  size_t droppable = 0;
+  for (const auto& o : queue_) droppable += o.frame.type != FrameType::kWindowCommitted;
+  while (droppable > options_.max_queued) {
+    auto victim = std::find_if(queue_.begin(), queue_.end(),
+                               [](const Outgoing& o) { return o.frame.type == FrameType::kHeartbeat; });
+    if (victim != queue_.end()) {
+      ++stats_.heartbeats_dropped;
+    } else {
+      victim = std::find_if(queue_.begin(), queue_.end(),
+                            [](const Outgoing& o) { return o.frame.type == FrameType::kError; });
+      if (victim == queue_.end()) break;
+      ++stats_.errors_dropped;
+      log(LogLevel::kWarn, "control: queue full while the coordinator is unreachable; dropped ERROR %s",
+          victim->frame.json.c_str());
+    }
+    queue_.erase(victim);
+    --droppable;
+  }
+}
+
+// ---------------------------------------------------------------- I/O thread
+
+void ControlClient::wake() { write_wake(wake_pipe_[1]); }
+
+void ControlClient::mirror_chain_stop() {
+  if (options_.chain_stop == nullptr || stop_.load() || !options_.chain_stop->load()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  stop_.store(true);
+  changed_.notify_all();
+}
+
+Status ControlClient::send_frame(const Frame& frame) {
+  std::vector<uint8_t> bytes;
+  Status s = encode_frame(frame, options_.key, &bytes, options_.max_frame_bytes);
+  if (!s.ok()) return s;  // kInvalidArgument: the frame itself is bad
+  return send_all(conn_.fd(), bytes.data(), bytes.size());
+}
+
+bool ControlClient::connect_once(milliseconds timeout) {
+  Socket sock;
+  Status s = connect_tcp(host_, port_, timeout, &sock);
+  if (!s.ok()) {
+    // One line per outage at info level; every retry only at debug.
+    std::lock_guard<std::mutex> lock(mutex_);
+    log(unreachable_logged_ ? LogLevel::kDebug : LogLevel::kInfo,
+        "control: coordinator %s not reachable (%s); retrying with back-off", options_.coordinator.c_str(),
+        s.message().c_str());
+    unreachable_logged_ = true;
+    return false;
+  }
+  const int one = 1;
+  ::setsockopt(sock.fd(), SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (force_exit_) return false;
+  const Frame reg = register_locked();
+  conn_ = std::move(sock);
+  lock.unlock();
+  // REGISTER goes first on every connection: a restarted coordinator learns
+  // who this is and how far it got before any queued event arrives.
+  s = send_frame(reg);
+  lock.lock();
+  if (!s.ok()) {
+    log(LogLevel::kWarn, "control: REGISTER to %s failed: %s", options_.coordinator.c_str(), s.message().c_str());
+    conn_.close();
+    return false;
+  }
+  connected_ = true;
+  unreachable_logged_ = false;
+  ++stats_.connects;
+  reader_.clear();
+  log(LogLevel::kInfo, "control: registered with coordinator %s as stage %u (%zu frames queued)",
+      options_.coordinator.c_str(), options_.stage, queue_.size());
+  return true;
+}
+
+void ControlClient::drop_connection(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (conn_.valid() && !closing_) {
+    log(LogLevel::kWarn, "control: connection to coordinator %s lost (%s); reconnecting", options_.coordinator.c_str(),
+        why.c_str());
+  }
+  conn_.close();
+  connected_ = false;
+  reader_.clear();
+}
+
+void ControlClient::drain_queue() {
+  while (conn_.valid()) {
+    Outgoing next;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (queue_.empty() || force_exit_) return;
+      next = queue_.front();
+    }
+    const Status s = send_frame(next.frame);
+    if (!s.ok() && s.code() != StatusCode::kInvalidArgument) {
+      drop_connection(s.message());  // the entry stays queued for the next connection
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Another thread may have dropped it from a full queue meanwhile: find it by seq.
+    auto it = std::find_if(queue_.begin(), queue_.end(), [&](const Outgoing& o) { return o.seq == next.seq; });
+    if (it != queue_.end()) queue_.erase(it);
+    if (!s.ok()) {
+      log(LogLevel::kError, "control: cannot encode %s frame, dropped: %s",
+          frame_type_name(static_cast<uint16_t>(next.frame.type)), s.message().c_str());
+    } else if (next.frame.type == FrameType::kHeartbeat) {
+      ++stats_.heartbeats_sent;
+    } else {
+      ++stats_.events_sent;
+    }
+  }
+}
+
+void ControlClient::reject(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++stats_.rejected;
+  stats_.last_reject_reason = reason;
+  log(LogLevel::kWarn, "control: rejected a frame from the coordinator: %s", reason.c_str());
+}
+
+void ControlClient::handle_frame(const Frame& frame) {
+  switch (frame.type) {
+    case FrameType::kStop: {
+      log(LogLevel::kInfo, "control: STOP from the coordinator %s", frame.json.c_str());
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_.store(true);
+      changed_.notify_all();
+      return;
+    }
+    case FrameType::kStart: {
+      log(LogLevel::kInfo, "control: START from the coordinator %s", frame.json.c_str());
+      std::lock_guard<std::mutex> lock(mutex_);
+      started_ = true;
+      start_settings_ = frame.json;
+      changed_.notify_all();
+      return;
+    }
+    case FrameType::kError:
+      log(LogLevel::kWarn, "control: the coordinator reports an error: %s", frame.json.c_str());
+      return;
+    default: {
+      log(LogLevel::kWarn, "control: ignoring %s frame from the coordinator",
+          frame_type_name(static_cast<uint16_t>(frame.type)));
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++stats_.ignored;
+      return;
+    }
+  }
+}
+
+void ControlClient::handle_incoming() {
+  const Status filled = reader_.fill(conn_.fd());
+  FrameExpectation expect;
+  expect.run_id = options_.run_id;
+  expect.stage = kCoordinatorStage;
+  expect.max_frame_bytes = options_.max_frame_bytes;
+  for (;;) {
+    std::vector<uint8_t> bytes;
+    FrameError error = FrameError::kNone;
+    std::string reason;
+    const FrameReader::Next next = reader_.next(&bytes, &error, &reason);
+    if (next == FrameReader::Next::kNeedMore) break;
+    if (next == FrameReader::Next::kBroken) {
+      // Frame boundaries are lost: only a new connection can re-synchronize.
+      reject(std::string(frame_error_name(error)) + ": " + reason);
+      drop_connection("unreadable stream from the coordinator");
+      return;
+    }
+    // A frame that fails its MAC or ids is skipped; its length was sound, so
+    // the stream stays in sync and the connection is kept.
+    const DecodeResult r = decode_frame(bytes.data(), bytes.size(), options_.key, expect);
+    if (!r.ok()) {
+      reject(r.reason);
+      continue;
+    }
+    handle_frame(r.frame);
+  }
+  if (!filled.ok()) drop_connection(filled.message());
+}
+
+void ControlClient::run() {
+  milliseconds backoff = options_.backoff_initial;
+  Clock::time_point next_connect = Clock::now();
+  Clock::time_point next_heartbeat = Clock::now() + options_.heartbeat_ms;
+  bool final_heartbeat_queued = false;
+  for (;;) {
+    mirror_chain_stop();
+    // Probes read files (smaps_rollup, sysfs): outside the lock, so the
+    // training thread's update_progress() never waits on them.
+    const bool heartbeat_due = Clock::now() >= next_heartbeat;
+    bool closing = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      closing = closing_;
+    }
+    std::optional<double> pss, temperature;
+    if (heartbeat_due || (closing && !final_heartbeat_queued)) {
+      pss = read_pss_mib(options_.probe_root);
+      temperature = read_temperature_c(options_.probe_root);
+    }
+
+    const Clock::time_point now = Clock::now();
+    size_t undelivered_events = 0;
+    bool exit_now = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (closing && !final_heartbeat_queued) {
+        // Queued heartbeats are stale now; one last one carries the final phase.
+        queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
+                                    [](const Outgoing& o) { return o.frame.type == FrameType::kHeartbeat; }),
+                     queue_.end());
+        queue_.push_back(Outgoing{next_seq_++, heartbeat_locked(pss, temperature)});
+        final_heartbeat_queued = true;
+      } else if (!closing && heartbeat_due) {
+        enqueue_locked(heartbeat_locked(pss, temperature));
+        next_heartbeat += options_.heartbeat_ms;
+        if (next_heartbeat <= now) next_heartbeat = now + options_.heartbeat_ms;
+      }
+      for (const auto& o : queue_) undelivered_events += o.frame.type != FrameType::kHeartbeat;
+      if (closing) {
+        if (force_exit_ || now >= close_deadline_) {
+          if (undelivered_events > 0) {
+            log(LogLevel::kWarn, "control: shutting down with %zu WINDOW_COMMITTED/ERROR frames not delivered to %s",
+                undelivered_events, options_.coordinator.c_str());
+          }
+          exit_now = true;
+        } else if (queue_.empty() || (undelivered_events == 0 && !conn_.valid())) {
+          exit_now = true;  // all sent, or only the last heartbeat left and no connection for it
+        }
+      }
+    }
+    if (exit_now) break;
+
+    if (!conn_.valid() && now >= next_connect) {
+      milliseconds timeout = options_.connect_timeout;
+      if (closing) {
+        timeout = std::min(timeout, std::chrono::duration_cast<milliseconds>(close_deadline_ - now) + milliseconds(1));
+      }
+      if (connect_once(timeout)) {
+        backoff = options_.backoff_initial;
+      } else {
+        next_connect = Clock::now() + backoff;
+        backoff = std::min(backoff * 2, options_.backoff_max);
+      }
+    }
+    if (conn_.valid()) drain_queue();
+
+    Clock::time_point wake_at = closing ? close_deadline_ : next_heartbeat;
+    if (!conn_.valid()) wake_at = std::min(wake_at, next_connect);
+    if (options_.chain_stop != nullptr) wake_at = std::min(wake_at, Clock::now() + kChainStopPoll);
+    if (closing) {
+      // Re-check the exit conditions at once when the flush has nothing left to wait for.
+      std::lock_guard<std::mutex> lock(mutex_);
+      const bool events_left = std::any_of(queue_.begin(), queue_.end(), [](const Outgoing& o) {
+        return o.frame.type != FrameType::kHeartbeat;
+      });
+      if (queue_.empty() || (!events_left && !conn_.valid())) continue;
+    }
+    pollfd fds[2] = {{wake_pipe_[0], POLLIN, 0}, {conn_.valid() ? conn_.fd() : -1, POLLIN, 0}};
+    const int rc = ::poll(fds, 2, poll_timeout_ms(wake_at));
+    if (rc < 0 && errno != EINTR) {
+      log(LogLevel::kError, "control: poll: %s", std::strerror(errno));
+      drop_connection(std::string("poll: ") + std::strerror(errno));
+      continue;
+    }
+    if (rc > 0 && fds[0].revents) drain_wake(wake_pipe_[0]);
+    if (rc > 0 && fds[1].fd >= 0 && (fds[1].revents & (POLLIN | POLLHUP | POLLERR))) handle_incoming();
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  conn_.close();
+  connected_ = false;
+  thread_done_ = true;
+  changed_.notify_all();
+}
+
+}  // namespace zl

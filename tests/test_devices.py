@@ -333,6 +333,8 @@ def test_cli_deploy_and_pull_local(tmp_path):
     assert (run / "logs" / "local-1" / "metrics.jsonl").read_text() == '{"stage": 1}\n'
     result = CliRunner().invoke(cli_app(), ["deploy", "--devices", "local:2", "--export", str(export)])
     assert isinstance(result.exception, ZLError) and "--run-dir" in str(result.exception)
+    result = CliRunner().invoke(cli_app(), ["pull", "--devices", "local:3", "--out", str(run)])
+    assert isinstance(result.exception, ZLError) and "local-2 does not exist" in str(result.exception)
 
 
 # --- the real zl_runner through the local backend -----------------------------------------------------------

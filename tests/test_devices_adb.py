@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import time
@@ -271,21 +272,24 @@ def wait_for_file(path: Path, timeout_s: float = WAIT_S) -> str:
     return path.read_text().strip()
 
 
-def test_adb_start_command_runs_under_a_posix_shell(tmp_path):
-    """The exact line sent over `adb shell`, run by this host's sh in a stand-in workdir (quoting, pid, status)."""
+@pytest.mark.parametrize("shell", ["sh", "mksh"])  # mksh is Android's /system/bin/sh
+def test_adb_start_command_runs_under_a_posix_shell(tmp_path, shell):
+    """The exact line sent over `adb shell`, run by this host's shell in a stand-in workdir (quoting, pid, status)."""
+    if shutil.which(shell) is None:
+        pytest.skip(f"{shell} not installed (apt install {shell})")
     dev = zadb.AdbDevice("P1", FakeClient({"P1": FakePhone("P1")}), workdir=str(tmp_path))
     runner = tmp_path / "zl_runner"
     runner.write_text('#!/bin/sh\necho "args: $*"\necho oops >&2\n[ "$2" = sleep.json ] && exec sleep 60\nexit 3\n')
     runner.chmod(0o755)
     line = dev.start_command("stage 1.json", resume=True)
     assert line.startswith(f"cd {tmp_path} && rm -f runner.pid runner.exit && (nohup sh -c ")
-    subprocess.run(["sh", "-c", line], check=True, timeout=10)
+    subprocess.run([shell, "-c", line], check=True, timeout=10)
     assert wait_for_file(tmp_path / "runner.exit") == "3"
     assert (tmp_path / "runner.out").read_text() == "args: --config stage 1.json --resume\n"
     assert (tmp_path / "runner.err").read_text() == "oops\n"
     assert "--resume" not in dev.start_command("stage_1.json")
 
-    subprocess.run(["sh", "-c", dev.start_command("sleep.json")], check=True, timeout=10)
+    subprocess.run([shell, "-c", dev.start_command("sleep.json")], check=True, timeout=10)
     pid = int(wait_for_file(tmp_path / "runner.pid"))
     try:
         assert not (tmp_path / "runner.exit").exists()  # the previous status was cleared before the start

@@ -138,10 +138,19 @@ def pull_command(
       zl pull --devices R58M123,R58M456,R58M789 --out runs/phones --no-checkpoints
     """
     from zl_device.deploy import pull
-    from zl_device.devices import open_devices
+    from zl_device.devices import LOCAL, open_devices, parse_devices
 
-    opened = open_devices(devices, run_dir or out, check_abi=False)
+    spec = parse_devices(devices)
+    if spec.kind == LOCAL:
+        missing = [p for i in range(spec.count) if not (p := (run_dir or out) / "devices" / f"local-{i}").is_dir()]
+        if missing:
+            raise ZLError(f"{missing[0]} does not exist: no local device was deployed there; pass the run "
+                          "directory of `zl deploy --run-dir` as --run-dir (or --out).")
+    opened = open_devices(spec, run_dir or out, check_abi=False)
     for r in pull(opened, out, checkpoints, input_logs):
+        if not r.bytes_pulled:
+            typer.echo(f"{r.device}: nothing to pull (no runner output, stage config or telemetry yet)")
+            continue
         stages = ", ".join(map(str, r.stages)) or "none"
         typer.echo(f"{r.device}: stages {stages}: {r.bytes_pulled / 2**20:.1f} MiB -> {r.logs_dir}"
                    + "".join(f", {p}" for p in r.checkpoint_dirs.values()))

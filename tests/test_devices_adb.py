@@ -354,7 +354,7 @@ def test_adb_push_pull_and_tunnels(tmp_path):
     assert dev.address() == "192.168.1.23"
 
 
-def test_adb_errors_name_the_phone():
+def test_adb_errors_name_the_phone(tmp_path):
     from adbutils.errors import AdbError
 
     class Broken(FakePhone):
@@ -364,6 +364,17 @@ def test_adb_errors_name_the_phone():
     dev = zadb.AdbDevice("P9", FakeClient({"P9": Broken("P9")}))
     with pytest.raises(ZLError, match="phone P9 is unauthorized: unlock the phone"):
         dev.temperature_c()
+
+    class Full(FakeSync):
+        def push(self, src, dst, mode=0o755, check=False):
+            raise AdbError("FAIL", "write failed: No space left on device")
+
+    full = FakePhone("P8")
+    full.sync = Full(full)
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"x")
+    with pytest.raises(ZLError, match=r"phone P8: storage full while trying to push blob; free space"):
+        zadb.AdbDevice("P8", FakeClient({"P8": full})).push(blob, "blob")
 
 
 def test_deploy_to_phone_through_fake_client(tmp_path, monkeypatch):

@@ -139,6 +139,9 @@ def _adb_errors(serial: str, action: str) -> Iterator[None]:
         if "not found" in text:
             raise ZLError(f"phone {serial}: not found by the adb server while trying to {action}; "
                           "check the cable and `zl devices`.") from e
+        if "No space left" in text or "ENOSPC" in text:
+            raise ZLError(f"phone {serial}: storage full while trying to {action}; free space on the phone "
+                          "(`adb shell df -h /data`, delete old runs under /data/local/tmp/zerolock).") from e
         if "unauthorized" in text or "offline" in text:
             state = "unauthorized" if "unauthorized" in text else "offline"
             raise ZLError(f"phone {serial} is {state}: {_STATE_FIXES[state]}.") from e

@@ -114,7 +114,7 @@ def _breakdown(pte: Path, module, inputs, out: Path) -> None:
         if max(a, b) < 0.5:
             continue
         print(f"{fam:<26}{a:>12.1f}{b:>10.1f}{(a / b if b else float('inf')):>8.2f}")
-    print("\nExecuTorch top operators:")
+    print("\nExecuTorch top kernels:")
     for name, ms in sorted(et.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {name:<48}{ms:>9.1f}")
 
@@ -131,11 +131,18 @@ def _etdump_op_ms(pte: Path, inputs, out: Path) -> dict[str, float]:
     m.write_etdump_result_to_file(str(dump))
     inspector = Inspector(etdump_path=str(dump))
     ms: dict[str, float] = defaultdict(float)
+    calls = 0.0  # OPERATOR_CALL events enclose the kernels: their sum minus the kernels' is dispatch overhead
     for block in inspector.event_blocks:
         for event in block.events:
             if event.perf_data is None or event.name in ("Method::execute", "Program::load_method", "Method::init"):
                 continue
-            ms[_short(event.name)] += sum(event.perf_data.raw) / len(event.perf_data.raw)
+            t = sum(event.perf_data.raw) / len(event.perf_data.raw)
+            if event.name == "OPERATOR_CALL":
+                calls += t
+            else:
+                ms[_short(event.name)] += t
+    print(f"ExecuTorch: {calls:.0f} ms in operator calls, {sum(ms.values()):.0f} ms of it in kernels "
+          f"(dispatch overhead {calls - sum(ms.values()):.0f} ms)")
     return dict(ms)
 
 

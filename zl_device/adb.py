@@ -366,6 +366,9 @@ class AdbDevice(Device):
         with _adb_errors(self.serial, "write " + dst):
             self._dev.sync.push(text.encode(), dst, mode=0o644)
 
+    def remove(self, remote: str) -> None:
+        self.shell(f"rm -rf {self._q(remote)}", "remove " + self.path(remote))
+
     def file_sha256(self, remote: str) -> str | None:
         out = self.shell(f"sha256sum {self._q(remote)} 2>/dev/null", "hash " + self.path(remote), timeout=300)
         digest = out.split()[0] if out.split() else ""

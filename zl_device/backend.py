@@ -106,6 +106,10 @@ class Device(ABC):
         """Write a small text file (parents created)."""
 
     @abstractmethod
+    def remove(self, remote: str) -> None:
+        """Delete a device file or folder (nothing when it does not exist); global recovery drops newer checkpoints."""
+
+    @abstractmethod
     def file_sha256(self, remote: str) -> str | None:
         """Hex sha256 of a device file, None when it does not exist (used to skip unchanged pushes)."""
 

@@ -17,8 +17,13 @@ Recovery:
   window all stages committed (newer checkpoints are deleted) and restarted
   with --resume, so every stage replays from that window.
 
-Failure injection (`Injection`): SIGKILL a stage once it is half-way through
-a given window, as a crash would; for experiments and tests.
+Failure injection (`Injection`): SIGKILL a stage half-way through a given
+window, as a crash would; for experiments and tests. To make the point
+reproducible however fast the stages run, the stage's config asks it to
+park right after sending micro-batch `Injection.hold_micro_batch` downstream
+(config `hold_at_micro_batch`, before that micro-batch's phase 2: its hidden
+state is downstream, its gradient is lost); the coordinator kills it once it
+has parked and drops the field from the config before the restart.
 
 The coordinator writes its events (`failure`, `restart`, `recovered`, and
 `run` at the end) to a list that the caller appends to RUN_DIR/metrics.jsonl
@@ -66,6 +71,10 @@ class Injection:
             raise ZLError(f"--inject-failure {text}: window {window} does not exist; the run has windows "
                           f"0-{num_windows - 1}.")
         return Injection(stage, window)
+
+    def hold_micro_batch(self, window_size: int) -> int:
+        """The micro-batch the stage parks after: the middle of the window."""
+        return self.window * window_size + max(0, window_size // 2 - 1)
 
 
 @dataclass
@@ -140,6 +149,8 @@ class Coordinator:
         self._offsets = [0] * len(self.plans)  # bytes of each local telemetry file already read
         self._partial = [""] * len(self.plans)
         self._injected = False
+        self._held = False
+        self._last_remote_poll = 0.0
         self._failures: list[_Failure] = []
 
     # --- the loop ------------------------------------------------------------------------------------
@@ -234,6 +245,8 @@ class Coordinator:
                     s.state = "running"
             elif kind == "window":
                 self._committed(s, int(r["window"]), r.get("mean_loss"), now)
+            elif kind == "hold":
+                self._held = True
 
     @staticmethod
     def _memory(s: StageStatus, pss, temperature) -> None:
@@ -257,13 +270,23 @@ class Coordinator:
         inj = self.injection
         if inj is None or self._injected:
             return
-        s = self.status[inj.stage]
-        half = inj.window * self.window_size + max(1, self.window_size // 2)
-        if s.micro_batches_done >= half:
+        plan = self.plans[inj.stage]
+        if plan.device.kind != "local" and time.monotonic() - self._last_remote_poll > 1.0:
+            # Phones: look for the hold line in the device's telemetry file (local devices are tailed anyway).
+            self._last_remote_poll = time.monotonic()
+            self._held = '"type": "hold"' in (plan.device.read_text(plan.log_path) or "")
+        if self._held:
             self._injected = True
-            log.info("injecting a failure: SIGKILL stage %d at micro-batch %d (window %d)", inj.stage,
-                     s.micro_batches_done, inj.window)
-            self.plans[inj.stage].device.kill_runner()
+            log.info("injecting a failure: SIGKILL stage %d parked at micro-batch %d (window %d)", inj.stage,
+                     inj.hold_micro_batch(self.window_size), inj.window)
+            plan.device.kill_runner()
+
+    def _clear_hold(self, plan: StagePlan) -> None:
+        """Drop hold_at_micro_batch from the stage's config on its device, so the restart runs through."""
+        text = plan.device.read_text(plan.config)
+        cfg = json.loads(text) if text else {}
+        if cfg.pop("hold_at_micro_batch", None) is not None:
+            plan.device.write_text(plan.config, json.dumps(cfg, indent=2) + "\n")
 
     def _check_health(self) -> None:
         now = time.monotonic()
@@ -313,10 +336,11 @@ class Coordinator:
             log.warning("moving stage %d from %s to spare %s", k, plan.device.name, spare.name)
             if self.redeploy is None:
                 raise ZLError("a spare needs a redeploy function to receive the stage's program.")
-            self.redeploy(spare, k)
+            self.redeploy(spare, k)  # the config it gets carries no hold_at_micro_batch (see train_job)
             plan.device = spare
             s.device = spare.name
             self._offsets[k], self._partial[k] = 0, ""
+        self._clear_hold(plan)
         committed = self._latest_checkpoint_mb(plan)
         replayed = max(0, s.micro_batches_done - committed)
         s.micro_batches_done = committed
@@ -336,6 +360,7 @@ class Coordinator:
         common = min(self._latest_checkpoint_window(p) for p in self.plans)
         replayed_total, bytes_total = 0, 0
         for plan, s in zip(self.plans, self.status):
+            self._clear_hold(plan)
             self._remove_checkpoints_after(plan, common)
             replay_from = (common + 1) * self.window_size
             replayed = max(0, s.micro_batches_done - replay_from)

@@ -153,6 +153,13 @@ class LocalDevice(Device):
         tmp.write_text(text)
         tmp.replace(p)
 
+    def remove(self, remote: str) -> None:
+        p = self._local(remote)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+
     def file_sha256(self, remote: str) -> str | None:
         p = self._local(remote)
         if not p.is_file():

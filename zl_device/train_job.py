@@ -297,7 +297,7 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
     from zl_device.coordinator import Coordinator, Injection, StagePlan
     from zl_device.deploy import deploy, deploy_stage, pull
     from zl_device.devices import open_devices, parse_devices
-    from zl_device.network import plan_addresses
+    from zl_device.network import apply_tunnels, plan_addresses
     from zl_device.report import write_report
 
     start = time.time()
@@ -332,12 +332,17 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
         base = free_port_base(num_stages) if spec.kind == "local" else None
         plan = plan_addresses(stage_devices, coordinator_port=control.address[1],
                               **({"stage_port": base} if base else {}))
+        if plan.tunnels:  # phones only on USB: stage links and the control channel go through this host
+            apply_tunnels(plan, stage_devices)
         configs = stage_configs(s, manifest, export_dir, shard, plan, key_file, run_id, num_micro_batches)
-        for k, cfg in configs.items():
+        deployed = {k: dict(cfg) for k, cfg in configs.items()}
+        if injection:
+            deployed[injection.stage]["hold_at_micro_batch"] = injection.hold_micro_batch(s.window)
+        for k, cfg in deployed.items():
             (run_dir / f"stage_{k}.json").write_text(json.dumps(cfg, indent=2) + "\n")
         say(f"deploy: {num_stages} stages to {', '.join(d.name for d in stage_devices)}"
             + (f" (spares: {', '.join(d.name for d in spares)})" if spares else ""))
-        results = deploy(stage_devices, export_dir, configs)
+        results = deploy(stage_devices, export_dir, deployed)
         plans = [StagePlan(k, d, r.config, "metrics.jsonl", "checkpoints", entry_bytes(manifest, k))
                  for k, (d, r) in enumerate(zip(stage_devices, results))]
 
@@ -356,13 +361,18 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
             coordinator.stop_all()
             pull([p.device for p in plans], run_dir)
             raise
+        finally:
+            for device in devices:
+                if hasattr(device, "remove_tunnels") and plan.tunnels:
+                    device.remove_tunnels()
         run_end = time.time()
     used = [p.device for p in plans]
     pull(used, run_dir)
     events.append({"type": "run", "start_unix_ms": int(run_start * 1000), "end_unix_ms": int(run_end * 1000),
                    "samples": num_micro_batches * s.micro_batch, "run_id": run_id, "num_stages": num_stages,
                    "window_size": s.window, "num_micro_batches": num_micro_batches, "recovery": s.recovery,
-                   "devices": [d.name for d in used]})
+                   "devices": [d.name for d in used],
+                   "control_heartbeats": [st.heartbeat_seen for st in coordinator.status]})
     collect_metrics(run_dir, used, num_stages, events)
 
     from zl_device.adapter import merge_checkpoints

@@ -10,12 +10,14 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "zl/adamw.h"
 #include "zl/checkpoint.h"
+#include "zl/control_client.h"
 #include "zl/durable_file.h"
 #include "zl/frame.h"
 #include "zl/link_profile.h"
@@ -146,8 +148,14 @@ class StageRunner {
 
   Status run() {
     Status status = setup();
-    if (!status.ok()) return status;
-    status = loop();
+    if (status.ok()) status = loop();
+    if (control_) {
+      if (!status.ok() && status.code() != StatusCode::kClosed) (void)control_->error(status.message());
+      control_->set_phase(status.ok() ? ControlPhase::kDone
+                          : status.code() == StatusCode::kClosed ? ControlPhase::kStopped
+                                                                 : ControlPhase::kFailed);
+      control_->shutdown();  // queued WINDOW_COMMITTED / ERROR and a last heartbeat, bounded by flush_timeout
+    }
     shutdown();
     return status;
   }
@@ -159,6 +167,8 @@ class StageRunner {
   Status take_input(int64_t mb, InputEntry* entry, StageInputs* inputs, double* queue_ms);
   Status send_hidden(int64_t mb, const StageInputs& inputs, const std::vector<float>& hidden);
   Status end_window(int64_t window, int64_t last_mb, const WindowSums& sums);
+  Status start_control();
+  Status hold(int64_t mb);
   void shutdown();
 
   const RunnerConfig& config_;
@@ -171,6 +181,7 @@ class StageRunner {
   std::unique_ptr<CheckpointStore> store_;
   std::unique_ptr<Receiver> receiver_;
   std::unique_ptr<Sender> sender_;
+  std::unique_ptr<ControlClient> control_;
   Shard shard_;
   int64_t start_mb_ = 0;
   std::optional<int64_t> restored_window_;
@@ -188,11 +199,6 @@ Status StageRunner::setup() {
     if (status.ok()) status = TelemetryWriter::open(c.log_path, &telemetry_);
     if (!status.ok()) return status;
   }
-  if (!c.coordinator.empty()) {
-    log(LogLevel::kWarn, "coordinator %s: the control channel is not implemented in this runner; running standalone",
-        c.coordinator.c_str());
-  }
-
   StageProgramOptions program_options;
   program_options.program_path = c.program;
   program_options.manifest_path = c.manifest;
@@ -268,11 +274,46 @@ Status StageRunner::setup() {
                   {"config", runner_config_to_json(c)}};
     (void)telemetry_->write_json(start);
   }
+  status = start_control();
+  if (!status.ok()) return status;
   log(LogLevel::kInfo, "stage %lld/%lld: micro-batches %lld..%lld, window %lld, early forwarding %s",
       static_cast<long long>(c.stage_index), static_cast<long long>(c.num_stages),
       static_cast<long long>(start_mb_), static_cast<long long>(c.num_micro_batches - 1),
       static_cast<long long>(c.window_size), c.early_forwarding ? "on" : "off");
   return Status();
+}
+
+Status StageRunner::start_control() {
+  const RunnerConfig& c = config_;
+  if (c.coordinator.empty()) return Status();
+  ControlClientOptions o;
+  Status status = control_options_from_config(c, key_, &o);
+  if (!status.ok()) return status;
+  if (receiver_) o.listen = c.listen.substr(0, c.listen.rfind(':') + 1) + std::to_string(receiver_->port());
+  o.resume = restored_window_.has_value();
+  o.micro_batches_done = start_mb_;
+  o.chain_stop = stop_;  // the caller's flag (JNI nativeStop, signals) keeps working
+  control_.reset(new ControlClient(o));
+  status = control_->start();  // returns at once; connects in the background
+  if (!status.ok()) return Status(status.code(), "coordinator " + c.coordinator + ": " + status.message());
+  stop_ = control_->stop_flag();  // true on STOP or when the chained flag is set
+  control_->set_phase(ControlPhase::kRunning);
+  return Status();
+}
+
+Status StageRunner::hold(int64_t mb) {
+  // Failure injection (config hold_at_micro_batch): the hidden state of `mb`
+  // is downstream, its gradient is not accumulated: the worst moment to die.
+  log(LogLevel::kWarn, "holding after sending micro-batch %lld (hold_at_micro_batch) until killed or stopped",
+      static_cast<long long>(mb));
+  if (telemetry_) {
+    const int64_t now_ms = std::chrono::duration_cast<milliseconds>(
+                               std::chrono::system_clock::now().time_since_epoch()).count();
+    (void)telemetry_->write_json({{"type", "hold"}, {"stage", config_.stage_index}, {"micro_batch", mb},
+                                  {"t_unix_ms", now_ms}});
+  }
+  while (!stopping(stop_)) std::this_thread::sleep_for(kPollSlice);
+  return stop_status("held at micro-batch " + std::to_string(mb));
 }
 
 Status StageRunner::restore() {
@@ -396,8 +437,8 @@ Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums
     }
     checkpoint_ms = ms_since(start);
   }
-  if (telemetry_) {
-    WindowRecord record;
+  WindowRecord record;
+  {
     record.stage = c.stage_index;
     record.window = window;
     record.micro_batches = sums.count;
@@ -409,8 +450,9 @@ Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums
     record.checkpoint_ms = checkpoint_ms;
     record.pss_mib = read_pss_mib();
     record.temperature_c = read_temperature_c();
-    (void)telemetry_->write(record);
   }
+  if (telemetry_) (void)telemetry_->write(record);
+  if (control_) (void)control_->window_committed(WindowCommittedEvent::from(record, last_mb + 1));
   return Status();
 }
 
@@ -451,6 +493,13 @@ Status StageRunner::loop() {
       }
     }
 
+    if (mb == c.hold_at_micro_batch) {
+      const Status held = hold(mb);
+      StageStepResult ignored;
+      (void)program_->finish(&ignored);
+      return held;
+    }
+
     t = Clock::now();
     StageStepResult result;
     status = program_->finish(&result);
@@ -486,6 +535,7 @@ Status StageRunner::loop() {
       sums = WindowSums();
     }
     done = mb + 1;
+    if (control_) control_->update_progress(done, window);
   }
   const double wall_s = ms_since(run_start) / 1000.0;
   if (telemetry_) {

@@ -124,6 +124,11 @@ const Field kFields[] = {
     {"early_forwarding", FieldType::kBoolean, false, false,
      "Send the hidden state at the marker, before readout/loss/backward finish.", ZL_REF(early_forwarding)},
     {"seed", FieldType::kInteger, false, false, "Seed for anything random in the runner.", ZL_REF(seed)},
+    {"hold_at_micro_batch", FieldType::kInteger, false, false,
+     "Failure injection: after micro-batch N's hidden state is sent (before its phase 2), write a \"hold\" "
+     "telemetry line and wait until killed or stopped; -1 = never. The coordinator sets it to kill a stage at a "
+     "reproducible point and removes it before the restart.",
+     ZL_REF(hold_at_micro_batch)},
 };
 
 #undef ZL_REF

@@ -52,6 +52,7 @@ struct RunnerConfig {
   std::string log_path = "metrics.jsonl";  ///< telemetry JSON lines (appended)
   bool early_forwarding = true;   ///< send hidden at the marker, before phase 2
   int64_t seed = 0;               ///< for anything random in the runner (data order)
+  int64_t hold_at_micro_batch = -1;  ///< failure injection: park after sending this micro-batch; -1 = never
 
   /// Number of update windows: ceil(num_micro_batches / window_size).
   int64_t num_windows() const;

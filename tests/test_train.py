@@ -1,0 +1,149 @@
+"""`zl train` end to end on tiny-random with three local devices: report, adapter, failure recovery.
+
+Each run exports once into a shared cache (the first test pays ~40 s), then
+deploys, runs three `zl_runner` processes, pulls, merges, evaluates and
+reports. A failure injected into any stage must leave the final adapter
+bit-identical to the failure-free run's: parameters change only at window
+ends, and a replayed window recomputes exactly what the lost one did.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, native_library_or_skip
+
+RUNNER = Path(os.environ.get("ZL_RUNNER_BIN", REPO / "build" / "android_app" / "native" / "zl_runner"))
+SAMPLES, WINDOW = 24, 4  # 6 windows
+
+
+@pytest.fixture(scope="module")
+def export_cache(tmp_path_factory) -> Path:
+    native_library_or_skip()
+    if not RUNNER.is_file():
+        pytest.skip(f"{RUNNER} not built; run `bash setup.sh`")
+    return tmp_path_factory.mktemp("export-cache")
+
+
+def train(out: Path, cache: Path, **kw):
+    from zl_device.train_job import TrainSettings, run_training
+
+    settings = TrainSettings(model="tiny-random", samples=SAMPLES, window=WINDOW, out=out, export_cache=cache,
+                             seq_len=32, eval_limit=16, timeout_s=300, **kw)
+    # The demo task needs 64 tokens for the byte tokenizer; with seq_len 32 use a small prompt/completion file.
+    return run_training(settings, say=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    rows = [{"prompt": f"item {i} is", "completion": " odd" if i % 2 else " even"} for i in range(40)]
+    path = tmp_path_factory.mktemp("data") / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def clean_run(export_cache, data_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean") / "run"
+    return train(out, export_cache, data=str(data_file), eval_data=str(data_file))
+
+
+def adapter_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def test_report_files_consistent_with_metrics(clean_run):
+    run_dir = clean_run.run_dir
+    for name in ("report.json", "report.md", "plots/latency.png", "plots/loss.png", "metrics.jsonl", "eval.json",
+                 "adapter/adapter_config.json", "manifest.json"):
+        assert (run_dir / name).is_file(), name
+    report = json.loads((run_dir / "report.json").read_text())
+    lines = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert report["run"]["samples"] == SAMPLES
+    for stage in report["stages"]:
+        k = stage["index"]
+        mbs = [r for r in lines if r["type"] == "micro_batch" and r["stage"] == k]
+        assert sorted(r["micro_batch"] for r in mbs) == list(range(SAMPLES))
+        for key in ("phase1_ms", "phase2_ms", "queue_ms", "total_ms"):
+            values = [r[key] for r in mbs]
+            assert stage[key]["median"] == pytest.approx(float(np.median(values)))
+            assert stage[key]["p95"] == pytest.approx(float(np.percentile(values, 95)))
+        pss = [r["pss_mib"] for r in lines if r.get("stage") == k and r.get("pss_mib") is not None]
+        assert stage["peak_pss_mib"] == pytest.approx(max(pss))
+    run = next(r for r in lines if r["type"] == "run")
+    assert run["control_heartbeats"] == [True, True, True]  # every runner reached the coordinator
+    assert report["run"]["wall_s"] == pytest.approx((run["end_unix_ms"] - run["start_unix_ms"]) / 1e3, rel=1e-3)
+
+
+def test_adapter_loads_with_peft_and_equals_final_checkpoints(clean_run):
+    from peft import PeftModel
+
+    from zl_export.model_source import load_model
+
+    run_dir = clean_run.run_dir
+    merged = adapter_tensors(run_dir)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    expected = {}
+    for st in manifest["stages"]:
+        windows = sorted((run_dir / "checkpoints" / f"stage_{st['index']}").glob("window_*"))
+        assert windows[-1].name == f"window_{SAMPLES // WINDOW - 1:06d}"
+        expected.update(load_file(str(windows[-1] / "adapter.safetensors")))
+    assert merged.keys() == expected.keys() and len(merged) == sum(len(s["parameters"]) for s in manifest["stages"])
+    for name, t in expected.items():
+        assert torch.equal(merged[name], t), name
+    model = PeftModel.from_pretrained(load_model("tiny-random").model, str(run_dir / "adapter"))
+    loaded = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    some = next(iter(expected))
+    match = [p for n, p in loaded.items() if n.replace(".default", "").endswith(some.removeprefix("base_model.model."))]
+    assert match and torch.equal(match[0].detach(), expected[some])
+    assert any(t.abs().sum() > 0 for n, t in merged.items() if "lora_B" in n)  # training moved B off zero
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_injected_failure_with_local_recovery_ends_identical(clean_run, export_cache, data_file, tmp_path, stage):
+    result = train(tmp_path / "run", export_cache, data=str(data_file), inject_failure=f"{stage}@2")
+    events = [json.loads(ln) for ln in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    kinds = [e["type"] for e in events if e["type"] in ("failure", "restart", "recovered")]
+    assert kinds == ["failure", "restart", "recovered"], kinds
+    failure = next(e for e in events if e["type"] == "failure")
+    assert failure["stage"] == stage and failure["window"] == 2
+    clean, recovered = adapter_tensors(clean_run.run_dir), adapter_tensors(result.run_dir)
+    for name, t in clean.items():
+        assert torch.equal(recovered[name], t), name
+    report = json.loads((result.run_dir / "report.json").read_text())
+    assert report["recovery"] and report["recovery"][0]["stage"] == stage
+
+
+def test_global_recovery_replays_more_than_local(clean_run, export_cache, data_file, tmp_path):
+    runs = {mode: train(tmp_path / mode, export_cache, data=str(data_file), inject_failure="1@3", recovery=mode)
+            for mode in ("local", "global")}
+    replayed = {}
+    for mode, result in runs.items():
+        events = [json.loads(ln) for ln in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        replayed[mode] = sum(e["replayed_micro_batches"] for e in events if e["type"] == "restart")
+        clean, got = adapter_tensors(clean_run.run_dir), adapter_tensors(result.run_dir)
+        assert all(torch.equal(got[n], t) for n, t in clean.items()), mode
+    assert replayed["global"] > replayed["local"] > 0, replayed
+
+
+def test_bad_inputs_are_clear_errors(export_cache, tmp_path):
+    from zl.errors import ZLError
+
+    with pytest.raises(ZLError, match="expected STAGE@WINDOW"):
+        from zl_device.coordinator import Injection
+
+        Injection.parse("1-2", 3, 6)
+    with pytest.raises(ZLError, match="stage 5 does not exist"):
+        Injection.parse("5@1", 3, 6)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    with pytest.raises(ZLError, match="exists and is not empty"):
+        train(busy, export_cache)
+    with pytest.raises(ZLError, match="gives 2 device"):
+        train(tmp_path / "few", export_cache, devices="local:2")

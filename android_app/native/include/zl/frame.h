@@ -38,7 +38,7 @@ enum class FrameType : uint16_t {
   kData = 1,             ///< upstream -> downstream: hidden, attention_mask, labels
   kAck = 2,              ///< downstream -> upstream: entry (window, micro_batch) is durable
   kRegister = 16,        ///< stage -> coordinator: JSON {device, pid, listen port, ...}
-  kHeartbeat = 17,       ///< stage -> coordinator: JSON {progress, pss_kib, temperature_c}
+  kHeartbeat = 17,       ///< stage -> coordinator: JSON {micro_batches_done, window, phase, pss_mib, temperature_c, t_unix_ms}
   kStart = 18,           ///< coordinator -> stage: JSON run settings
   kStop = 19,            ///< coordinator -> stage
   kWindowCommitted = 20, ///< stage -> coordinator: window's checkpoint is in place

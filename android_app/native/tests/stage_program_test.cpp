@@ -9,6 +9,7 @@
 // ZL_TEST_EXPORT_DIR the tests skip.
 #include "zl/stage_program.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -185,6 +186,39 @@ TEST_F(StageProgramTest, TwoPhasesGiveThePlainExecutionsNumbers) {
       for (float g : plain_grads[i]) any_a_grad |= g != 0.0f;
     }
     EXPECT_TRUE(any_a_grad) << "lora_A gradients all zero with nonzero lora_B";
+  }
+}
+
+TEST_F(StageProgramTest, HookFiresBeforeAnyGradientIsWritten) {
+  // The gradients are the backward's outputs, the last thing the method
+  // computes. Fill their (planned, fixed) memory with NaN, run phase 1, and
+  // look while the method is parked at the marker: no gradient may hold its
+  // final value yet. Phase-1 activations may reuse that memory, but they
+  // cannot reproduce the exact gradients.
+  for (int stage : {0, 1}) {
+    auto p = load(stage);
+    ASSERT_TRUE(p);
+    perturb_lora_b(p.get());
+    Batch batch(*p, 11 + stage);
+    StageStepResult plain;
+    ASSERT_TRUE(p->run(batch.inputs(), nullptr, &plain).ok());
+    const auto final_grads = copy_grads(*p, plain);
+    for (size_t i = 0; i < plain.gradients.size(); ++i) {
+      float* g = const_cast<float*>(plain.gradients[i]);
+      std::fill(g, g + p->parameters()[i].numel(), std::nanf(""));
+    }
+    std::vector<float> hidden;
+    ASSERT_TRUE(p->begin(batch.inputs(), &hidden).ok());
+    ASSERT_TRUE(p->suspended());
+    const auto during = copy_grads(*p, plain);  // same planned buffers
+    for (size_t i = 0; i < during.size(); ++i) {
+      EXPECT_NE(during[i], final_grads[i]) << "stage " << stage << ": gradient of " << p->parameters()[i].name
+                                           << " was already computed when the marker fired";
+    }
+    StageStepResult two_phase;
+    ASSERT_TRUE(p->finish(&two_phase).ok());
+    ASSERT_EQ(two_phase.gradients, plain.gradients) << "gradient buffers moved between executions";
+    EXPECT_EQ(copy_grads(*p, two_phase), final_grads);
   }
 }
 

@@ -427,6 +427,28 @@ def test_early_forwarding_off_gives_identical_parameters(runner, export3, shard,
             assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.parametrize("early", [True, False])
+def test_hidden_state_leaves_before_phase_2_only_with_early_forwarding(runner, export3, shard, tmp_path, early):
+    """Stage 0 parks between phase 1 and phase 2 of micro-batch 5: stage 1 gets it only with early forwarding."""
+    held = 5
+    pipe = make_pipeline(runner, export3, shard, tmp_path, "ef", num_micro_batches=8, early_forwarding=early,
+                         overrides={0: {"hold_at_micro_batch": held}})
+    pipe.start_all()
+    try:
+        pipe.wait_for(lambda: pipe.events(0, "hold"), "stage 0 to hold")
+        consumed = lambda: micro_batches_logged(pipe.run_dir / "metrics1.jsonl")  # noqa: E731
+        if early:
+            pipe.wait_for(lambda: held in consumed(), f"stage 1 to consume micro-batch {held}")
+        else:
+            pipe.wait_for(lambda: held - 1 in consumed(), f"stage 1 to consume micro-batch {held - 1}")
+            time.sleep(0.5)
+            assert held not in consumed(), "without early forwarding the hidden state left before phase 2"
+        pipe.procs[0].send_signal(signal.SIGTERM)
+        assert pipe.procs[0].wait(timeout=10) == 3, pipe.stderr(0)
+    finally:
+        pipe.kill_all()
+
+
 KILL_N, KILL_M = 16, 4
 
 

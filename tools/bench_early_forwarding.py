@@ -4,7 +4,10 @@ Starts one `zl_runner` per stage of an export (last stage first, each on a
 free port), runs N micro-batches with early_forwarding on, then again with it
 off (hidden state sent only after phase 2), and prints per stage the medians
 of phase 1, phase 2, queue (waiting for input), send and total time from the
-runners' telemetry, plus each run's wall time and micro-batches per second.
+runners' telemetry, plus each run's wall time, micro-batches per second and
+the median pipeline latency of a micro-batch (stage 0 starts it -> the last
+stage finishes it), which early forwarding should shorten by about the
+phase 2 of every stage but the last.
 
     .venv/bin/zl export --model tiny-random --num-stages 3 --seq-len 128 --out /tmp/zl3 --no-check
     .venv/bin/zl data --demo --model tiny-random --seq-len 128 --split train --out /tmp/zl3data
@@ -62,14 +65,19 @@ def run_pipeline(runner: Path, export: Path, shard: Path, run_dir: Path, args, e
         if proc.wait(timeout=600) != 0:
             sys.exit(f"stage {k} failed:\n{(run_dir / f'stderr{k}').read_text()[-2000:]}")
     wall = time.monotonic() - start
-    stages = []
+    stages, per_stage = [], []
     for k in range(num_stages):
         lines = [json.loads(x) for x in (run_dir / f"metrics{k}.jsonl").read_text().splitlines()]
+        per_stage.append({x["micro_batch"]: x for x in lines if x["type"] == "micro_batch"})
         mbs = [x for x in lines if x["type"] == "micro_batch"][args.warmup:]
         stages.append({f: statistics.median(x[f] for x in mbs) for f in FIELDS})
-        stages[-1]["loss_last"] = [x for x in lines if x["type"] == "micro_batch"][-1]["loss"]
+    # Pipeline latency of micro-batch i: from stage 0 starting it (its line's time minus its total) to the
+    # last stage finishing it. Telemetry times are whole milliseconds of the wall clock, same host.
+    first, last = per_stage[0], per_stage[-1]
+    latency = [last[i]["t_unix_ms"] - (first[i]["t_unix_ms"] - first[i]["total_ms"])
+               for i in sorted(first)[args.warmup:] if i in last]
     return {"early_forwarding": early, "wall_s": wall, "micro_batches_per_s": args.micro_batches / wall,
-            "stages": stages}
+            "latency_ms": statistics.median(latency), "stages": stages}
 
 
 def wait_port(path: Path, proc: subprocess.Popen) -> int:
@@ -110,7 +118,8 @@ def main() -> None:
     for r in results:
         for k, s in enumerate(r["stages"]):
             print(f"{'on' if r['early_forwarding'] else 'off':>9} {k:>5} " + " ".join(f"{s[f]:8.2f}" for f in FIELDS))
-        print(f"{'':>9} wall {r['wall_s']:.2f} s, {r['micro_batches_per_s']:.1f} micro-batches/s")
+        print(f"{'':>9} wall {r['wall_s']:.2f} s, {r['micro_batches_per_s']:.1f} micro-batches/s, "
+              f"pipeline latency (stage 0 start to last stage end) median {r['latency_ms']:.1f} ms")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

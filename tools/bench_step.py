@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="threads for both runtimes")
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per runtime (after one warm-up each)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-operator breakdown")
+    ap.add_argument("--compare-linear", action="store_true",
+                    help="also export the stage without the matmul->linear rewrite and time it alongside")
     ap.add_argument("--out", type=Path, default=None, help="keep the .pte here (default: a temporary directory)")
     args = ap.parse_args()
 
@@ -74,21 +76,33 @@ def main() -> None:
     names = [o["name"] for o in program_entry["outputs"]]
     program = TrainingProgram(out / program_entry["file"], names)
     inputs = example_inputs(module, opts, loaded.config.vocab_size, seed=1)
+    runs = {"ExecuTorch": program.step, "eager": lambda *x: eager_step(module, *x)}
+    if args.compare_linear:
+        import zl_export.exporter as exporter
 
-    et_ms, eager_ms = [], []
-    et, eager = program.step(*inputs), eager_step(module, *inputs)  # warm-up (and a correctness check)
-    for _ in range(args.repeats):  # alternate, so drift (heat, other load) hits both alike
-        t0 = time.perf_counter()
-        program.step(*inputs)
-        t1 = time.perf_counter()
-        eager_step(module, *inputs)
-        t2 = time.perf_counter()
-        et_ms.append((t1 - t0) * 1e3)
-        eager_ms.append((t2 - t1) * 1e3)
-    et_med, eager_med = statistics.median(et_ms), statistics.median(eager_ms)
-    print(f"loss: ExecuTorch {float(et.outputs['loss']):.6f}, eager {float(eager.outputs['loss']):.6f}")
-    print(f"step ms (median of {args.repeats}): ExecuTorch {et_med:.0f} [{min(et_ms):.0f}-{max(et_ms):.0f}], "
-          f"eager {eager_med:.0f} [{min(eager_ms):.0f}-{max(eager_ms):.0f}]; ExecuTorch / eager = {et_med / eager_med:.2f}")
+        rewrite, exporter._matmuls_to_linear = exporter._matmuls_to_linear, lambda ep: 0
+        try:
+            plain_dir = out / "without_linear_rewrite"
+            plain_dir.mkdir(exist_ok=True)
+            plain = write_program(export_stage(module, peft_model, opts, loaded.config.vocab_size), plain_dir)
+        finally:
+            exporter._matmuls_to_linear = rewrite
+        print(f"exported without the matmul->linear rewrite: {plain['size_bytes'] / 2**20:.1f} MiB", flush=True)
+        runs["ExecuTorch, mm + permute_copy"] = TrainingProgram(plain_dir / plain["file"], names).step
+
+    first = {name: run(*inputs) for name, run in runs.items()}  # warm-up (and a correctness check)
+    ms: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.repeats):  # alternate, so drift (heat, other load) hits all alike
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run(*inputs)
+            ms[name].append((time.perf_counter() - t0) * 1e3)
+    print("loss: " + ", ".join(f"{name} {float(r.outputs['loss']):.6f}" for name, r in first.items()))
+    eager_med = statistics.median(ms["eager"])
+    print(f"step ms (median of {args.repeats}, [min-max]):")
+    for name, values in ms.items():
+        med = statistics.median(values)
+        print(f"  {name:<32}{med:>8.0f}  [{min(values):.0f}-{max(values):.0f}]   / eager = {med / eager_med:.2f}")
     if not args.no_profile:
         _breakdown(out / program_entry["file"], module, inputs, out)
 

@@ -301,7 +301,7 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
     from zl_device.report import write_report
 
     start = time.time()
-    run_dir = Path(s.out)
+    run_dir = Path(s.out).expanduser().resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
         raise ZLError(f"--out {run_dir}: the directory exists and is not empty; pick a new run directory "
                       "(a run never overwrites another run's results).")

@@ -137,13 +137,16 @@ def export_stage(
     on_phase("joint graph")
     joint = _export_forward_backward(ep, joint_loss_index=module.loss_output_index)
     _rewrite_empty_permuted(joint)
+    _matmuls_to_linear(joint)
     _schedule_marker_first(joint)
     grad_fqns = [
         spec.target for spec in joint.graph_signature.output_specs if spec.kind.name == "GRADIENT_TO_PARAMETER"
     ]
     on_phase("to_edge")
     # The marker is a custom op outside the edge dialect's core set.
-    edge = to_edge(joint, compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    # linear stays linear (see _matmuls_to_linear): ExecuTorch's linear.out kernel needs no transposed copy.
+    edge = to_edge(joint, compile_config=EdgeCompileConfig(_check_ir_validity=False,
+                                                           preserve_ops=[torch.ops.aten.linear.default]))
     on_phase("to_executorch")
     program = edge.to_executorch()
     buffer = program.buffer
@@ -200,6 +203,59 @@ def _rewrite_empty_permuted(ep: torch.export.ExportedProgram) -> None:
             graph.erase_node(node)
     graph.lint()
     ep.graph_module.recompile()
+
+
+_TRANSPOSES = (torch.ops.aten.permute.default, torch.ops.aten.t.default)
+
+
+def _is_2d_transpose(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or node.target not in _TRANSPOSES:
+        return False
+    return node.target == torch.ops.aten.t.default or list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])
+
+
+def _matmuls_to_linear(ep: torch.export.ExportedProgram) -> int:
+    """Take the weight transposes out of the matmuls; returns how many matmuls changed.
+
+    The joint graph computes an `nn.Linear` forward as `mm(x, t(W))` and its
+    input gradient as `mm(g, t(t(W)))`. ExecuTorch runs every `t` as
+    `permute_copy`, a real copy of the weight: all the frozen base weights
+    and the LM head, twice a step. Rewritten, `mm(x, t(W))` becomes
+    `linear(x, W)` (ExecuTorch's `linear.out` reads W as it is) and
+    `mm(g, t(t(W)))` becomes `mm(g, W)`; `addmm` likewise.
+    """
+    graph, count = ep.graph, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target == torch.ops.aten.mm.default:
+            x, wt = node.args
+            bias = None
+        elif node.target == torch.ops.aten.addmm.default and not node.kwargs:
+            bias, x, wt = node.args
+        else:
+            continue
+        if not (isinstance(wt, torch.fx.Node) and _is_2d_transpose(wt)):
+            continue
+        weight = wt.args[0]
+        with graph.inserting_before(node):
+            if isinstance(weight, torch.fx.Node) and _is_2d_transpose(weight):  # x @ t(t(W)) = x @ W
+                args = (x, weight.args[0]) if bias is None else (bias, x, weight.args[0])
+                new = graph.call_function(node.target, args)
+            else:
+                args = (x, weight) if bias is None else (x, weight, bias)
+                new = graph.call_function(torch.ops.aten.linear.default, args)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        if not wt.users:
+            graph.erase_node(wt)
+            if isinstance(weight, torch.fx.Node) and _is_2d_transpose(weight) and not weight.users:
+                graph.erase_node(weight)
+        count += 1
+    graph.lint()
+    ep.graph_module.recompile()
+    return count
 
 
 def _schedule_marker_first(ep: torch.export.ExportedProgram) -> None:

@@ -48,17 +48,6 @@ std::string error_name(Error error) {
   return "ExecuTorch error " + std::to_string(static_cast<int>(error));
 }
 
-std::string dir_of(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
-}
-
-std::string base_of(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? path : path.substr(slash + 1);
-}
-
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string text = "[";
   for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);

@@ -40,4 +40,10 @@ bool is_directory(const std::string& path);
 /// mkdir -p; existing directories are fine.
 Status make_directories(const std::string& path);
 
+/// "a/b/c.pte" -> "a/b"; "c.pte" -> "."; "/c" -> "/".
+std::string dir_of(const std::string& path);
+
+/// "a/b/c.pte" -> "c.pte".
+std::string base_of(const std::string& path);
+
 }  // namespace zl

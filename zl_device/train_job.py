@@ -33,7 +33,7 @@ from zl.errors import ZLError
 log = logging.getLogger(__name__)
 
 DEMO = "demo"
-EXPORT_CACHE_VERSION = 1  # bump when the exporter's output changes for the same options
+EXPORT_CACHE_VERSION = 2  # bump when the exporter's output changes for the same options
 
 
 @dataclass
@@ -72,7 +72,9 @@ class TrainSettings:
     export_cache: Path | None = None  # default: $ZL_CACHE_DIR/exports
 
     def effective_seq_len(self) -> int:
-        return self.seq_len or (64 if self.data == DEMO else 128)
+        if self.seq_len is None:
+            self.seq_len = default_seq_len(self.model, self.data)
+        return self.seq_len
 
     def export_options(self):
         from zl_export.exporter import ExportOptions
@@ -83,6 +85,21 @@ class TrainSettings:
         return ExportOptions(seq_len=self.effective_seq_len(), micro_batch=self.micro_batch,
                              lora=LoraSettings(self.lora_rank, self.lora_alpha, targets),
                              loss=LossConfig(self.alpha, self.consistency), seed=self.seed)
+
+
+def default_seq_len(model: str, data: str) -> int:
+    """128 tokens, or for the demo task the longest sample under the model's tokenizer rounded up to 16."""
+    if data != DEMO:
+        return 128
+    from zl_export import data as zdata
+    from zl_export.demo_task import demo_rows
+    from zl_export.model_source import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    rows = [r for split in demo_rows(0).values() for r in split]
+    tokenized, _ = zdata.tokenize(zdata.demo_task(rows), tokenizer, 512)
+    longest = int(tokenized.attention_mask.sum(dim=1).max())
+    return max(16, -(-longest // 16) * 16)
 
 
 @dataclass

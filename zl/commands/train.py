@@ -40,7 +40,7 @@ def train_command(
     inject_failure: str = typer.Option(None, "--inject-failure", help="STAGE@WINDOW: SIGKILL that stage in the middle of that window."),
     spares: int = typer.Option(0, "--spares", help="Devices after the stages' that take over a failed stage."),
     seed: int = typer.Option(0, "--seed", help="Seeds LoRA init, data order and the demo task."),
-    seq_len: int = typer.Option(None, "--seq-len", help="Tokens per sample (default 64 for the demo task, else 128)."),
+    seq_len: int = typer.Option(None, "--seq-len", help="Tokens per sample (default: 128; the demo task: its longest sample, rounded up to 16)."),
     micro_batch: int = typer.Option(1, "--micro-batch", help="Samples per micro-batch."),
     lora_rank: int = typer.Option(8, "--lora-rank", help="LoRA rank r."),
     lora_alpha: float = typer.Option(16.0, "--lora-alpha", help="LoRA scaling α."),

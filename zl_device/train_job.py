@@ -46,8 +46,9 @@ class TrainSettings:
     data: str = DEMO
     eval_data: str | None = None
     data_format: str = "auto"
+    truncate: bool = False
     samples: int = 256
-    window: int = 8
+    window: int = 4
     devices: str = "local:3"
     out: Path = Path("runs/train")
     recovery: str = "local"
@@ -61,7 +62,7 @@ class TrainSettings:
     lora_targets: str = "q_proj,v_proj"
     alpha: float = 0.5
     consistency: str = "kl_rev"
-    lr: float = 2e-3
+    lr: float = 5e-3
     warmup_windows: int = 2
     in_flight: int = 4
     threads: int = 1
@@ -174,7 +175,7 @@ def prepare_data(s: TrainSettings, data_dir: Path, say) -> tuple[Path, Path | No
     data_dir.mkdir(parents=True, exist_ok=True)
 
     def write(name: str, task, source: dict) -> Path:
-        tokenized, task = zdata.tokenize(task, tokenizer, seq_len, truncate=False, source=source["path"])
+        tokenized, task = zdata.tokenize(task, tokenizer, seq_len, truncate=s.truncate, source=source["path"])
         path = data_dir / f"{name}.safetensors"
         meta = zdata.save(path, tokenized, task, tokenizer, s.model, source, extra={"split": name, "seed": s.seed})
         say(f"data: {name} {meta['rows']} rows x {seq_len} tokens -> {path}")

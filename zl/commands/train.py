@@ -32,8 +32,9 @@ def train_command(
     data: str = typer.Option("demo", "--data", help="`demo` (the built-in task), a .csv/.jsonl file or a shard (.safetensors)."),
     eval_data: str = typer.Option(None, "--eval-data", help="Dev data for the evaluation (the demo task brings its own)."),
     data_format: str = typer.Option("auto", "--format", help="Format of a .csv/.jsonl --data (see `zl data`)."),
+    truncate: bool = typer.Option(False, "--truncate", help="Cut over-long prompts from the left instead of failing (see `zl data`)."),
     samples: int = typer.Option(256, "--samples", help="Training samples (the shard repeats when it has fewer rows)."),
-    window: int = typer.Option(8, "--window", help="Update window m: micro-batches per AdamW step."),
+    window: int = typer.Option(4, "--window", help="Update window m: micro-batches per AdamW step."),
     devices: str = typer.Option("local:3", "--devices", help="local:N, or phone serials SERIAL1,SERIAL2,... (see `zl devices`)."),
     out: Path = typer.Option(Path("runs/train"), "--out", help="Run directory (must be new or empty)."),
     recovery: str = typer.Option("local", "--recovery", help="local: restart only the failed stage; global: roll every stage back."),
@@ -47,7 +48,7 @@ def train_command(
     lora_targets: str = typer.Option("q_proj,v_proj", "--lora-targets", help="Projections with adapters."),
     alpha: float = typer.Option(0.5, "--alpha", help="CE weight of the local loss, in (0, 1]."),
     consistency: str = typer.Option("kl_rev", "--consistency", help="KL direction: kl_rev or kl_fwd."),
-    lr: float = typer.Option(2e-3, "--lr", help="AdamW learning rate (warm-up, then cosine to 10%)."),
+    lr: float = typer.Option(5e-3, "--lr", help="AdamW learning rate (warm-up, then cosine to 10%)."),
     threads: int = typer.Option(1, "--threads", help="ExecuTorch threads per runner."),
     eval_limit: int = typer.Option(None, "--eval-limit", help="Evaluate on the first N dev rows only."),
     timeout: float = typer.Option(3600, "--timeout", help="Give up when the run takes longer (seconds)."),
@@ -57,7 +58,7 @@ def train_command(
 
     settings = TrainSettings(
         model=model, stages=stages, num_stages=num_stages, data=data, eval_data=eval_data, data_format=data_format,
-        samples=samples, window=window, devices=devices, out=out, recovery=recovery, inject_failure=inject_failure,
+        truncate=truncate, samples=samples, window=window, devices=devices, out=out, recovery=recovery, inject_failure=inject_failure,
         spares=spares, seed=seed, seq_len=seq_len, micro_batch=micro_batch, lora_rank=lora_rank,
         lora_alpha=lora_alpha, lora_targets=lora_targets, alpha=alpha, consistency=consistency, lr=lr,
         threads=threads, eval_limit=eval_limit, timeout_s=timeout,

@@ -1,0 +1,539 @@
+"""The backprop baseline of issue 4: one process, ordinary end-to-end backprop, same data, budget and optimizer as `zl train`.
+
+Fine-tunes the whole model with PEFT LoRA (same rank, alpha, targets, seed
+and initialisation as the export, dropout 0) on the standard causal-LM loss
+of the final output, over exactly the micro-batches a ZeroLock run's stage 0
+reads (micro-batch mb takes shard rows [j*B, (j+1)*B) with
+j = mb mod floor(N/B), android_app/native/src/runner.cpp take_input). The
+gradient is the MEAN over each window of m micro-batches (k for a short last
+window) and one `torch.optim.AdamW` step is taken per window, with the
+runner's learning-rate schedule (zl/lr_schedule.h) as a `LambdaLR`. Then it
+scores the base model and the trained model on the dev shard with
+`zl_device.evaluate.evaluate` (accuracy and NLL per label token), prints a
+table (with the ZeroLock adapter's row from `--zl-eval`) and writes
+`--json-out`.
+
+    # after `zl train --out runs/train`: data, model and hyper-parameters from the run directory
+    .venv/bin/python tools/train_backprop_baseline.py --run-dir runs/train \\
+        --zl-eval runs/train/eval.json --json-out runs/train/backprop_baseline.json
+    # explicit shards (from `zl data`) and settings; the defaults are those of `zl train`
+    .venv/bin/python tools/train_backprop_baseline.py --model tiny-random \\
+        --train runs/tiny-data/train.safetensors --dev runs/tiny-data/dev.safetensors --samples 32 --window 4
+
+Results go to stdout, progress and notes to stderr; a user mistake is one
+line on stderr (exit status 2), `ZL_DEBUG=1` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch  # noqa: E402
+
+from zl.errors import ZLError  # noqa: E402
+from zl_export.local_loss import shift_targets  # noqa: E402
+from zl_export.lora import LoraSettings  # noqa: E402
+from zl_export.shard import Shard  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+# `zl train`'s defaults (zl_device/train_job.py TrainSettings, stage_configs) and the runner's AdamW defaults
+# (zl/adamw.h) for fields the stage config leaves out.
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_SAMPLES = 256
+DEFAULT_WINDOW = 8
+DEFAULT_LR = 2e-3
+DEFAULT_WEIGHT_DECAY = 0.0  # zl train writes 0.0; the runner's own default (0.01) applies only to hand-written configs
+DEFAULT_WARMUP_WINDOWS = 2
+DEFAULT_MIN_LR_RATIO = 0.1
+RUNNER_BETAS = (0.9, 0.999)
+RUNNER_EPS = 1e-8
+RUNNER_WEIGHT_DECAY = 0.01
+
+
+# --- settings ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Schedule:
+    """zl/lr_schedule.h: `factor(t)` multiplies the base lr of optimizer step t (0-based, steps already taken)."""
+
+    kind: str = "warmup_cosine"  # or "constant"
+    warmup_steps: int = 0  # W
+    total_steps: int = 0  # T; 0 = number of windows (the runner's rule)
+    min_lr_ratio: float = 0.0  # r
+
+    def validate(self) -> None:
+        """The runner's LrSchedule::validate, with its messages."""
+        if self.kind not in ("constant", "warmup_cosine"):
+            raise ZLError(f"schedule kind {self.kind!r}: expected constant or warmup_cosine.")
+        if self.kind == "constant":
+            return
+        if self.warmup_steps < 0:
+            raise ZLError(f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}.")
+        if self.total_steps < self.warmup_steps:
+            raise ZLError(f"schedule.total_steps ({self.total_steps}) must be >= warmup_steps ({self.warmup_steps}).")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ZLError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
+
+    def factor(self, t: int) -> float:
+        """Same arithmetic as LrSchedule::factor (double precision, same pi), so the lrs match the runner's exactly."""
+        if self.kind == "constant":
+            return 1.0
+        t = max(t, 0)
+        if t < self.warmup_steps:
+            return (t + 1) / self.warmup_steps
+        span = float(max(1, self.total_steps - self.warmup_steps))
+        progress = min(1.0, max(0.0, (t - self.warmup_steps) / span))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class BaselineSettings:
+    """What the baseline trains on and with; `from_run_dir` fills it from a `zl train` run."""
+
+    model: str = DEFAULT_MODEL
+    seed: int = 0  # LoRA initialisation and random-weight models, as `zl export --seed`
+    train: Path | None = None
+    dev: Path | None = None
+    samples: int = DEFAULT_SAMPLES
+    window: int = DEFAULT_WINDOW  # micro-batches per AdamW step
+    micro_batch: int = 1  # rows per micro-batch (the export's --micro-batch)
+    seq_len: int | None = None  # the programs' seq_len when known (run dir): the shards must match it
+    lr: float = DEFAULT_LR
+    betas: tuple[float, float] = RUNNER_BETAS
+    eps: float = RUNNER_EPS
+    weight_decay: float = DEFAULT_WEIGHT_DECAY
+    schedule: Schedule = field(default_factory=Schedule)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    threads: int = 2
+    eval_limit: int | None = None
+    eval_batch_size: int = 16
+    source: str = "command line"  # or the run directory the settings came from
+
+    @property
+    def num_micro_batches(self) -> int:
+        return math.ceil(self.samples / self.micro_batch)
+
+    @property
+    def num_windows(self) -> int:
+        return math.ceil(self.num_micro_batches / self.window)
+
+    def resolved_schedule(self) -> Schedule:
+        """The schedule with T = number of windows when it says 0 (runner_config.cpp does the same)."""
+        s = self.schedule
+        if s.kind == "warmup_cosine" and s.total_steps == 0:
+            s = replace(s, total_steps=self.num_windows)
+        s.validate()
+        return s
+
+    def check_budget(self) -> None:
+        """Samples, window, micro-batch and threads are at least 1 (before anything divides by them)."""
+        for name, value in (("--samples", self.samples), ("--window", self.window), ("--micro-batch", self.micro_batch),
+                            ("--threads", self.threads)):
+            if value < 1:
+                raise ZLError(f"{name} {value}: must be at least 1.")
+
+    def validate(self) -> None:
+        """Everything `run` needs; raises ZLError naming the bad value."""
+        self.check_budget()
+        if not self.lr > 0:
+            raise ZLError(f"--lr {self.lr}: must be positive (zl train uses {DEFAULT_LR}).")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ZLError(f"betas {list(self.betas)}: each must be in [0, 1).")
+        if self.eps < 0 or self.weight_decay < 0:
+            raise ZLError(f"eps {self.eps}, weight_decay {self.weight_decay}: must not be negative.")
+        self.lora.validate()
+        self.resolved_schedule()
+        if self.train is None:
+            raise ZLError("no training data: pass --train SHARD.safetensors (from `zl data`) or --run-dir RUN_DIR.")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(train=str(self.train) if self.train else None, dev=str(self.dev) if self.dev else None,
+                 schedule=asdict(self.resolved_schedule()), lora={**asdict(self.lora), "targets": list(self.lora.targets)},
+                 num_micro_batches=self.num_micro_batches, num_windows=self.num_windows)
+        return d
+
+
+def default_schedule(samples: int, window: int, micro_batch: int = 1) -> Schedule:
+    """The schedule `zl train` writes into every stage config (zl_device/train_job.py stage_configs)."""
+    num_windows = math.ceil(math.ceil(samples / micro_batch) / window)
+    return Schedule("warmup_cosine", min(DEFAULT_WARMUP_WINDOWS, max(0, num_windows - 1)), 0, DEFAULT_MIN_LR_RATIO)
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise ZLError(f"{path}: no such file; {what}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ZLError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}).") from e
+
+
+def settings_from_run_dir(run_dir: Path | str) -> BaselineSettings:
+    """Data, model and hyper-parameters of a `zl train` run directory.
+
+    Reads RUN_DIR/stage_0.json (window_size, num_micro_batches, optimizer,
+    data_shard) and RUN_DIR/manifest.json (model, seed, seq_len, micro_batch,
+    LoRA). The shards are RUN_DIR/data/train.safetensors (else the config's
+    data_shard) and RUN_DIR/data/dev.safetensors when present.
+
+    Raises:
+        ZLError: not a run directory, or a config/manifest without the fields zl train writes.
+    """
+    run_dir = Path(run_dir).expanduser()
+    if not run_dir.is_dir():
+        raise ZLError(f"--run-dir {run_dir}: no such directory; pass the --out directory of a `zl train` run.")
+    hint = f"is {run_dir} the --out directory of a `zl train` run that got as far as deploying?"
+    stage0 = _read_json(run_dir / "stage_0.json", hint)
+    manifest = _read_json(run_dir / "manifest.json", hint)
+    try:
+        window = int(stage0["window_size"])
+        num_micro_batches = int(stage0["num_micro_batches"])
+        optimizer = stage0["optimizer"]
+        lr = float(optimizer["lr"])
+        micro_batch = int(manifest.get("micro_batch", 1))
+        lora = manifest["lora"]
+        model = manifest["model"]["name"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ZLError(f"--run-dir {run_dir}: stage_0.json or manifest.json lacks field {e} (or it has the wrong type); "
+                      "were they written by `zl train`?") from e
+    sched = optimizer.get("schedule", {"kind": "constant"})
+    betas = optimizer.get("betas", list(RUNNER_BETAS))
+    train = run_dir / "data" / "train.safetensors"
+    if not train.is_file() and stage0.get("data_shard"):
+        train = Path(stage0["data_shard"])
+    dev = run_dir / "data" / "dev.safetensors"
+    return BaselineSettings(
+        model=model,
+        seed=int(manifest.get("seed", 0)),
+        train=train,
+        dev=dev if dev.is_file() else None,
+        samples=num_micro_batches * micro_batch,
+        window=window,
+        micro_batch=micro_batch,
+        seq_len=int(manifest["seq_len"]) if "seq_len" in manifest else None,
+        lr=lr,
+        betas=(float(betas[0]), float(betas[1])),
+        eps=float(optimizer.get("eps", RUNNER_EPS)),
+        weight_decay=float(optimizer.get("weight_decay", RUNNER_WEIGHT_DECAY)),
+        schedule=Schedule(str(sched.get("kind", "constant")), int(sched.get("warmup_steps", 0)),
+                          int(sched.get("total_steps", 0)), float(sched.get("min_lr_ratio", 0.0))),
+        lora=LoraSettings(int(lora["rank"]), float(lora["alpha"]), tuple(lora["targets"])),
+        source=str(run_dir),
+    )
+
+
+# --- data ----------------------------------------------------------------------------------------------
+
+
+def load_shards(s: BaselineSettings, tokenizer_name: str, vocab_size: int) -> tuple[Shard, Shard | None]:
+    """The train and dev shards, checked against each other, the programs' seq_len and the model's tokenizer.
+
+    Raises:
+        ZLError: a missing or malformed shard, a seq_len or tokenizer mismatch, or fewer rows than a micro-batch.
+    """
+    from zl_export.shard import load_shard
+
+    train = load_shard(s.train)
+    dev = load_shard(s.dev) if s.dev is not None else None
+    for shard in (train, dev):
+        if shard is None:
+            continue
+        shard.check_matches(seq_len=s.seq_len, tokenizer_name=tokenizer_name)
+        top = int(shard.input_ids.max())
+        if top >= vocab_size:
+            raise ZLError(f"shard {shard.path}: token id {top} is outside the model's vocabulary of {vocab_size}; "
+                          f"was it tokenized for another model than {s.model}?")
+    if dev is not None and dev.seq_len != train.seq_len:
+        raise ZLError(f"--dev {dev.path} has seq_len {dev.seq_len}, --train {train.path} has {train.seq_len}; "
+                      "tokenize both with the same `zl data --seq-len`.")
+    if train.rows < s.micro_batch:
+        raise ZLError(f"--train {train.path} has {train.rows} rows, fewer than one micro-batch of {s.micro_batch}; "
+                      "prepare more rows or lower --micro-batch.")
+    return train, dev
+
+
+def micro_batch_rows(mb: int, rows: int, batch: int) -> slice:
+    """Rows of micro-batch `mb`, as the runner's stage 0 takes them: j = mb mod floor(rows/batch), rows [j*B, (j+1)*B)."""
+    j = mb % (rows // batch)
+    return slice(j * batch, (j + 1) * batch)
+
+
+# --- training ------------------------------------------------------------------------------------------
+
+
+def causal_lm_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the final output over the target positions (position i predicts labels[i+1]).
+
+    The same positions and mean as the task term of the local loss
+    (zl_export.local_loss.shift_targets); the LM head runs only on those
+    positions. Inputs are right-padded (B, S) int64; the padded tail is cut.
+    """
+    length = int(mask.sum(1).max())
+    ids, mask, labels = ids[:, :length], mask[:, :length], labels[:, :length]  # (B, L)
+    targets, valid = shift_targets(labels)  # (B, L), (B, L)
+    rows, cols = valid.bool().nonzero(as_tuple=True)  # K target positions
+    if len(rows) == 0:
+        raise ZLError("a training micro-batch has no target positions (all labels -100); recreate the shard with `zl data`.")
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # (B, L, d)
+    logits = model.get_output_embeddings()(hidden[rows, cols]).float()  # (K, V)
+    return torch.nn.functional.cross_entropy(logits, targets[rows, cols])
+
+
+@dataclass
+class TrainLog:
+    """Per-window figures of a baseline run."""
+
+    losses: list[float] = field(default_factory=list)  # mean micro-batch loss of each window (nats per target token)
+    lrs: list[float] = field(default_factory=list)  # lr of each window's step
+    seconds: float = 0.0
+
+
+def make_optimizer(params, s: BaselineSettings) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with the runner's settings and its schedule as a LambdaLR stepped once per window."""
+    optimizer = torch.optim.AdamW(params, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
+    schedule = s.resolved_schedule()
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
+
+
+def train_backprop(model: torch.nn.Module, shard: Shard, s: BaselineSettings, on_window=lambda w, loss, lr: None) -> TrainLog:
+    """Train the LoRA parameters of `model` (a PeftModel) with end-to-end backprop over the run's micro-batches.
+
+    Args:
+        model: the PEFT-wrapped model; only parameters with requires_grad train.
+        shard: the training shard (stage 0's data).
+        s: budget and optimizer settings.
+        on_window: called after each step with (window index, mean loss, lr).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, scheduler = make_optimizer(params, s)
+    model.train()
+    result = TrainLog()
+    start = time.perf_counter()
+    n, m = s.num_micro_batches, s.window
+    for w, first in enumerate(range(0, n, m)):
+        window = range(first, min(first + m, n))
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for mb in window:
+            rows = micro_batch_rows(mb, shard.rows, s.micro_batch)
+            loss = causal_lm_loss(model, shard.input_ids[rows], shard.attention_mask[rows], shard.labels[rows])
+            (loss / len(window)).backward()  # MEAN over the window's k micro-batches, as the runner accumulates
+            loss_sum += float(loss.detach())
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        result.losses.append(loss_sum / len(window))
+        result.lrs.append(lr)
+        on_window(w, result.losses[-1], lr)
+    result.seconds = time.perf_counter() - start
+    model.eval()
+    return result
+
+
+# --- the command ---------------------------------------------------------------------------------------
+
+
+def read_zl_eval(path: Path) -> dict:
+    """RUN_DIR/eval.json of `zl train`: {"rows", "base": {...}, "adapter": {...}}."""
+    data = _read_json(path, "pass the eval.json of a `zl train` run that had a dev split.")
+    if not isinstance(data.get("adapter"), dict) or "nll" not in data["adapter"]:
+        raise ZLError(f"--zl-eval {path}: no \"adapter\" figures; expected the eval.json `zl train` writes.")
+    return data
+
+
+def build_settings(args: argparse.Namespace) -> BaselineSettings:
+    """Settings from --run-dir (if given), then every option given on the command line on top."""
+    s = settings_from_run_dir(args.run_dir) if args.run_dir else BaselineSettings()
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    for name in ("model", "seed", "train", "dev", "samples", "window", "micro_batch", "lr", "eps", "weight_decay",
+                 "threads", "eval_limit", "eval_batch_size"):
+        if name in given:
+            setattr(s, name, given[name])
+    if "betas" in given:
+        s.betas = tuple(given["betas"])
+    if any(k in given for k in ("lora_rank", "lora_alpha", "lora_targets")):
+        targets = (tuple(t.strip() for t in given["lora_targets"].split(",") if t.strip())
+                   if "lora_targets" in given else s.lora.targets)
+        s.lora = LoraSettings(given.get("lora_rank", s.lora.rank), given.get("lora_alpha", s.lora.alpha), targets)
+    s.check_budget()
+    if not args.run_dir:
+        s.schedule = default_schedule(s.samples, s.window, s.micro_batch)
+    if "schedule" in given:
+        s.schedule = replace(s.schedule, kind=given["schedule"])
+    if "warmup_windows" in given:
+        s.schedule = replace(s.schedule, warmup_steps=given["warmup_windows"])
+    if "min_lr_ratio" in given:
+        s.schedule = replace(s.schedule, min_lr_ratio=given["min_lr_ratio"])
+    s.validate()
+    return s
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:3]),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run-dir", type=Path, help="a `zl train --out` directory: data, model and settings from its "
+                    "stage_0.json and manifest.json (options below override them)")
+    ap.add_argument("--model", help=f"as `zl train --model` (default {DEFAULT_MODEL})")
+    ap.add_argument("--seed", type=int, help="LoRA initialisation and random-weight models (default 0)")
+    ap.add_argument("--train", type=Path, help="training shard (.safetensors from `zl data`)")
+    ap.add_argument("--dev", type=Path, help="dev shard to score base and trained model on")
+    ap.add_argument("--samples", type=int, help=f"training samples, wrapping over the shard (default {DEFAULT_SAMPLES})")
+    ap.add_argument("--window", type=int, help=f"micro-batches per AdamW step (default {DEFAULT_WINDOW})")
+    ap.add_argument("--micro-batch", type=int, help="rows per micro-batch (default 1)")
+    ap.add_argument("--lr", type=float, help=f"base learning rate (default {DEFAULT_LR})")
+    ap.add_argument("--betas", type=float, nargs=2, help=f"AdamW betas (default {RUNNER_BETAS[0]} {RUNNER_BETAS[1]})")
+    ap.add_argument("--eps", type=float, help=f"AdamW eps (default {RUNNER_EPS})")
+    ap.add_argument("--weight-decay", type=float, help=f"AdamW decoupled weight decay (default {DEFAULT_WEIGHT_DECAY})")
+    ap.add_argument("--schedule", choices=("constant", "warmup_cosine"), help="lr schedule (default warmup_cosine)")
+    ap.add_argument("--warmup-windows", type=int, help=f"W (default min({DEFAULT_WARMUP_WINDOWS}, windows-1))")
+    ap.add_argument("--min-lr-ratio", type=float, help=f"cosine floor as a fraction of lr (default {DEFAULT_MIN_LR_RATIO})")
+    ap.add_argument("--lora-rank", type=int, help="LoRA rank (default 8)")
+    ap.add_argument("--lora-alpha", type=float, help="LoRA alpha (default 16)")
+    ap.add_argument("--lora-targets", help="comma-separated projections (default q_proj,v_proj)")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default 2; on a busy machine 1 can be "
+                    "far faster: spinning threads wait on each other)")
+    ap.add_argument("--eval-limit", type=int, help="score only the first N dev rows (default: all, or as many as --zl-eval)")
+    ap.add_argument("--eval-batch-size", type=int, help="dev rows per forward pass (default 16)")
+    ap.add_argument("--zl-eval", type=Path, help="RUN_DIR/eval.json: show the ZeroLock adapter's row alongside")
+    ap.add_argument("--json-out", type=Path, help="write settings, figures and times here")
+    ap.add_argument("--save-adapter", type=Path, help="also save the trained PEFT adapter in this directory")
+    return ap.parse_args(argv)
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """The whole baseline; returns what --json-out gets. Raises ZLError on user mistakes."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from zl_device.evaluate import evaluate, limit_rows
+    from zl_export.lora import attach_lora
+    from zl_export.model_source import load_model
+
+    args = parse_args(argv)
+    s = build_settings(args)
+    err = Console(stderr=True)
+    zl_eval = read_zl_eval(args.zl_eval) if args.zl_eval else None
+    torch.set_num_threads(s.threads)
+    wall_start = time.perf_counter()
+
+    with err.status(f"loading {s.model}"):
+        loaded = load_model(s.model, seed=s.seed)
+    train, dev = load_shards(s, loaded.tokenizer.name, int(loaded.config.vocab_size))
+    if dev is not None:
+        limit = s.eval_limit
+        if limit is None and zl_eval is not None and int(zl_eval.get("rows", dev.rows)) < dev.rows:
+            limit = int(zl_eval["rows"])
+            err.print(f"note: scoring the first {limit} dev rows, as many as {args.zl_eval} did.")
+        dev = limit_rows(dev, limit)
+    else:
+        err.print("note: no dev shard (--dev or RUN_DIR/data/dev.safetensors): training only, nothing is scored.")
+    err.print(f"backprop baseline: {s.model}, {s.num_micro_batches} micro-batches of {s.micro_batch} from {train.path} "
+              f"({train.rows} rows) in {s.num_windows} windows of {s.window}, lr {s.lr:g}, {s.threads} threads "
+              f"(settings from {s.source})")
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn())
+
+    def score(model, label: str):
+        with Progress(*columns, console=err, transient=True) as progress:
+            bar = progress.add_task(f"scoring {label}", total=dev.rows)
+            return evaluate(model, dev, s.eval_batch_size, lambda rows: progress.advance(bar, rows))
+
+    base = score(loaded.model, "base") if dev is not None else None
+    peft_model = attach_lora(loaded.model, s.lora, seed=s.seed)  # the same initial LoRA weights as the export
+    with Progress(*columns, TextColumn("{task.fields[loss]}"), console=err, transient=True) as progress:
+        bar = progress.add_task("training", total=s.num_windows, loss="")
+
+        def on_window(w: int, loss: float, lr: float) -> None:
+            progress.update(bar, advance=1, loss=f"loss {loss:.3f}, lr {lr:.2e}")
+            log.info("window %d: loss %.4f lr %.3e", w, loss, lr)
+
+        trained = train_backprop(peft_model, train, s, on_window)
+    err.print(f"trained in {trained.seconds:.1f} s: window loss {trained.losses[0]:.3f} -> {trained.losses[-1]:.3f}")
+    after = score(peft_model, "backprop") if dev is not None else None
+    if args.save_adapter:
+        peft_model.save_pretrained(str(args.save_adapter))
+        err.print(f"adapter saved to {args.save_adapter}")
+
+    report = {
+        "settings": s.to_dict(),
+        "train": {"path": str(train.path), "rows": train.rows, "seq_len": train.seq_len},
+        "dev": {"path": str(dev.path), "rows": dev.rows} if dev is not None else None,
+        "base": base.to_dict() if base else None,
+        "backprop": after.to_dict() if after else None,
+        "zerolock": zl_eval.get("adapter") if zl_eval else None,
+        "zerolock_eval": str(args.zl_eval) if args.zl_eval else None,
+        "training": {"seconds": trained.seconds, "window_losses": trained.losses, "window_lrs": trained.lrs},
+        "wall_s": time.perf_counter() - wall_start,
+    }
+    print_table(report, Console(), s, err)
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json_out.with_name(args.json_out.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, args.json_out)
+        err.print(f"figures written to {args.json_out}")
+    return report
+
+
+def print_table(report: dict, console, s: BaselineSettings, err) -> None:
+    """base / ZeroLock (from --zl-eval) / backprop on the dev rows."""
+    from rich.table import Table
+
+    if report["base"] is None:
+        return
+    rows = [("base", report["base"])]
+    if report["zerolock"] is not None:
+        rows.append(("ZeroLock adapter (eval.json)", report["zerolock"]))
+    rows.append(("backprop LoRA", report["backprop"]))
+    table = Table(title=f"{s.model} on {report['dev']['path']} ({report['dev']['rows']} rows), "
+                        f"{s.samples} samples, window {s.window}")
+    for name, justify in (("model", "left"), ("accuracy", "right"), ("NLL / label token (nats)", "right"),
+                          ("eval seconds", "right")):
+        table.add_column(name, justify=justify)
+    for name, r in rows:
+        acc = "—" if r.get("accuracy") is None else f"{r['accuracy']:.3f}"
+        table.add_row(name, acc, f"{r['nll']:.4f}", f"{r.get('seconds', float('nan')):.1f}")
+    console.print(table)
+    zl_eval = report["zerolock_eval"]
+    if zl_eval is not None:
+        theirs = json.loads(Path(zl_eval).read_text()).get("base", {})
+        if theirs and abs(theirs.get("nll", 0.0) - report["base"]["nll"]) > 1e-3:
+            err.print(f"[yellow]note:[/] the base NLL in {zl_eval} ({theirs['nll']:.4f}) differs from this run's "
+                      f"({report['base']['nll']:.4f}): another model, seed or set of dev rows?")
+
+
+def main() -> None:
+    debug = os.environ.get("ZL_DEBUG") == "1"
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not debug:  # third-party chatter that says nothing here (zl/cli.py quiets the same)
+        for name in ("torchao", "torch.utils._pytree", "peft"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*is deprecated.*")
+    try:
+        run()
+    except ZLError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,6 @@ $ZL_ADAMW_CHECK_BIN).
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 from pathlib import Path
@@ -26,6 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO
+
+from zl_device.lr_schedule import lr_factor
 
 STEPS = 20
 SHAPES = {"layers.0.q_proj.lora_A.weight": (4, 16), "layers.0.q_proj.lora_B.weight": (16, 4), "bias_like": (7,)}
@@ -42,18 +43,6 @@ def binary() -> Path:
     if not path.is_file():
         pytest.skip(f"{path} not built; run `cmake --build build -j2 --target zl_adamw_check` (or set ZL_ADAMW_CHECK_BIN)")
     return path
-
-
-def lr_factor(t: int, schedule: dict, total_steps: int) -> float:
-    """zl/lr_schedule.h: constant, or linear warm-up from 1/W then cosine down to min_lr_ratio at T."""
-    if schedule["kind"] == "constant":
-        return 1.0
-    w, r = schedule.get("warmup_steps", 0), schedule.get("min_lr_ratio", 0.0)
-    total = schedule.get("total_steps", 0) or total_steps
-    if t < w:
-        return (t + 1) / w
-    p = min(max((t - w) / max(1, total - w), 0.0), 1.0)
-    return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * p))
 
 
 def make_inputs(n: int, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -19,7 +19,6 @@ $ZL_CUSTOM_OPS_LIB).
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -32,6 +31,8 @@ import pytest
 import torch
 
 from conftest import REPO, native_library_or_skip
+
+from zl_device.lr_schedule import lr_factor
 
 SEQ_LEN = 16
 RUN_ID = "0123456789abcdef0123456789abcdef"
@@ -281,18 +282,6 @@ def micro_batches_logged(path: Path) -> list[int]:
 
 
 # --- the eager reference ---------------------------------------------------------------------------------
-
-
-def lr_factor(t: int, schedule: dict, total_steps: int) -> float:
-    """zl/lr_schedule.h: linear warm-up from 1/W, then cosine to min_lr_ratio at T."""
-    if schedule.get("kind", "constant") == "constant":
-        return 1.0
-    w, r = schedule.get("warmup_steps", 0), schedule.get("min_lr_ratio", 0.0)
-    total = schedule.get("total_steps", 0) or total_steps
-    if t < w:
-        return (t + 1) / w
-    p = min(max((t - w) / max(1, total - w), 0.0), 1.0)
-    return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * p))
 
 
 def eager_reference(export_dir: Path, shard_path: Path, num_micro_batches: int, window_size: int,

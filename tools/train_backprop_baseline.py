@@ -33,7 +33,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -519,20 +518,9 @@ def print_table(report: dict, console, s: BaselineSettings, err) -> None:
 
 
 def main() -> None:
-    debug = os.environ.get("ZL_DEBUG") == "1"
-    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if not debug:  # third-party chatter that says nothing here (zl/cli.py quiets the same)
-        for name in ("torchao", "torch.utils._pytree", "peft"):
-            logging.getLogger(name).setLevel(logging.ERROR)
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", message=".*is deprecated.*")
-    try:
-        run()
-    except ZLError as e:
-        if debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from zl.cli import run_cli
+
+    run_cli(run)
 
 
 if __name__ == "__main__":

@@ -61,19 +61,24 @@ def _quiet_third_party() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-def main() -> None:
+def run_cli(entry) -> None:
+    """Run `entry()` as a zl command line: logging, quiet third parties, ZLError as one line and exit 2."""
     debug = os.environ.get("ZL_DEBUG") == "1"
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not debug:
         _quiet_third_party()
-    _register()
     try:
-        app()
+        entry()
     except ZLError as e:
         if debug:
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def main() -> None:
+    _register()
+    run_cli(app)
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def export_cached(s: TrainSettings, say) -> tuple[Path, dict]:
             log.warning("export cache %s is unusable (%s); exporting again", target, e)
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    manifest = export_pipeline(s.model, s.stages, s.num_stages, tmp, s.export_options(), check=False)
+    manifest = export_pipeline(s.model, s.stages, s.num_stages, tmp, s.export_options(), check=False, final_dir=target)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target, manifest

@@ -58,10 +58,12 @@ def export_command(
     export_pipeline(model, stages, num_stages, out, opts, check)
 
 
-def export_pipeline(model: str, stages: str | None, num_stages: int, out: Path, opts: "ExportOptions", check: bool) -> dict:
+def export_pipeline(model: str, stages: str | None, num_stages: int, out: Path, opts: "ExportOptions", check: bool,
+                    final_dir: Path | None = None) -> dict:
     """Load `model`, split it, export every stage into `out` with a progress display; returns the manifest.
 
-    Also used by `zl train`. Raises ZLError for bad options, model sources and stage specs.
+    Also used by `zl train`, which exports into a temporary `out` and renames it to `final_dir` (the name shown).
+    Raises ZLError for bad options, model sources and stage specs.
     """
     from zl_export.exporter import build_stage_modules, export_stage, write_program
     from zl_export.manifest import build_manifest, write_manifest
@@ -103,7 +105,7 @@ def export_pipeline(model: str, stages: str | None, num_stages: int, out: Path, 
             del program
     manifest = build_manifest(loaded, opts, entries)
     write_manifest(manifest, out)
-    _print_summary(manifest, out)
+    _print_summary(manifest, final_dir or out)
     if check:
         _run_check(out, manifest, modules, _check_inputs(loaded.tokenizer, modules[0], opts, cfg.vocab_size))
     return manifest

@@ -13,7 +13,7 @@ EXAMPLE = """
 
 Examples:
 
-  zl train                                                     # SmolLM2-135M, demo task, 3 local devices
+  zl train        # SmolLM2-135M, demo task, 3 local devices
 
   zl train --model tiny-random --samples 64 --window 4 --out runs/tiny
 

@@ -29,7 +29,7 @@ import torch
 
 from zl.errors import ZLError
 from zl_export.lora import LoraSettings, adapter_config
-from zl_export.manifest import FORMAT_VERSION, MANIFEST
+from zl_export.manifest import MANIFEST, read_manifest_file
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -113,16 +113,8 @@ def read_manifest(path: Path | str) -> tuple[dict, Path]:
     path = Path(path)
     if path.is_dir():
         path = path / MANIFEST
-    if not path.is_file():
-        raise ZLError(f"manifest {path}: no such file; pass the manifest.json that `zl export` wrote (EXPORT_DIR/manifest.json).")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ZLError(f"manifest {path}: not valid JSON ({e.msg}, line {e.lineno}); export again with `zl export`.") from e
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-        seen = manifest.get("format_version") if isinstance(manifest, dict) else None
-        raise ZLError(f"manifest {path}: format_version {seen!r}, this zl reads {FORMAT_VERSION}; export again with this zl.")
-    stages = manifest.get("stages")
+    manifest = read_manifest_file(path)
+    stages = manifest["stages"]
     if not stages or not all(isinstance(s, dict) and "index" in s and "parameters" in s for s in stages):
         raise ZLError(f"manifest {path}: no stages with parameters; is it a manifest of `zl export`?")
     indices = sorted(s["index"] for s in stages)

@@ -45,13 +45,14 @@ import numpy as np
 
 from zl.errors import ZLError
 from zl_device.metrics_log import MetricsLog, read_metrics
+from zl_export.manifest import MANIFEST, read_manifest_file
 
 log = logging.getLogger(__name__)
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 PLOTS_DIR = "plots"
-MANIFEST = "manifest.json"
+
 LATENCY_KEYS = ("phase1_ms", "phase2_ms", "queue_ms", "send_ms", "total_ms")
 REPORT_VERSION = 1
 
@@ -102,21 +103,6 @@ def write_report(run_dir: Path, manifest_path: Path | None = None, plots: bool =
     return report
 
 
-def read_manifest(path: Path) -> dict:
-    """The export manifest as JSON (the .pte files need not be in the run directory)."""
-    try:
-        manifest = json.loads(Path(path).read_text())
-    except FileNotFoundError as e:
-        raise ZLError(f"{path}: no such manifest; pass the manifest.json of the export this run used.") from e
-    except json.JSONDecodeError as e:
-        raise ZLError(f"{path}: not valid JSON ({e}); copy the export's manifest.json again.") from e
-    stages = manifest.get("stages") if isinstance(manifest, dict) else None
-    if not isinstance(stages, list) or not all(isinstance(s, dict) and isinstance(s.get("index"), int) for s in stages):
-        raise ZLError(f"{path}: no \"stages\" list of {{\"index\", \"layers\", ...}}; is it the manifest.json of "
-                      "`zl export`?")
-    return manifest
-
-
 def _analyze(run_dir: Path, manifest_path: Path | None) -> tuple[dict, dict]:
     """(report, loss curves by stage) of a run."""
     metrics = read_metrics(run_dir)
@@ -125,7 +111,7 @@ def _analyze(run_dir: Path, manifest_path: Path | None) -> tuple[dict, dict]:
                       "micro-batch? (the runner writes them to its log_path)")
     if manifest_path is None and (run_dir / MANIFEST).is_file():
         manifest_path = run_dir / MANIFEST
-    manifest = read_manifest(manifest_path) if manifest_path is not None else None
+    manifest = read_manifest_file(manifest_path) if manifest_path is not None else None
     layers = {s["index"]: s.get("layers") for s in manifest["stages"]} if manifest else {}
     unknown = sorted(set(metrics.runner) - set(layers)) if manifest else []
     if unknown:

@@ -52,6 +52,30 @@ def write_manifest(manifest: dict, out_dir: Path) -> Path:
     return path
 
 
+def read_manifest_file(path: Path) -> dict:
+    """Read and check one `manifest.json` without needing its programs next to it (run directories, merge).
+
+    Raises:
+        ZLError: no file, not a JSON object, another format version, or no list of stages with indices.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ZLError(f"manifest {path}: no such file; pass the manifest.json that `zl export` wrote "
+                      "(EXPORT_DIR/manifest.json).")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ZLError(f"manifest {path}: not valid JSON ({e.msg}, line {e.lineno}); export again with `zl export`.") from e
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        seen = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise ZLError(f"manifest {path}: format_version {seen!r}, this zl reads {FORMAT_VERSION}; export again with this zl.")
+    stages = manifest.get("stages")
+    if not isinstance(stages, list) or not all(isinstance(st, dict) and isinstance(st.get("index"), int) for st in stages):
+        raise ZLError(f"manifest {path}: no \"stages\" list of {{\"index\", \"layers\", ...}}; is it a manifest of "
+                      "`zl export`?")
+    return manifest
+
+
 def load_manifest(export_dir: Path, verify: bool = False) -> dict:
     """Read and check `export_dir/manifest.json`.
 
@@ -63,18 +87,7 @@ def load_manifest(export_dir: Path, verify: bool = False) -> dict:
         ZLError: a missing or malformed manifest, an unknown format version, a
             missing program, or (with `verify`) a program whose hash differs.
     """
-    path = Path(export_dir) / MANIFEST
-    if not path.is_file():
-        raise ZLError(f"{path}: no manifest; is {export_dir} an output directory of `zl export`?")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ZLError(f"{path}: not valid JSON ({e}); export again with `zl export --out {export_dir}`.") from e
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ZLError(
-            f"{path}: format_version {version!r}, this zl reads {FORMAT_VERSION}; export again with this version of zl."
-        )
+    manifest = read_manifest_file(Path(export_dir) / MANIFEST)
     for stage in manifest.get("stages", []):
         program = Path(export_dir) / stage["file"]
         if not program.is_file():

@@ -42,6 +42,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 
 from zl.errors import ZLError  # noqa: E402
+from zl_device.lr_schedule import lr_factor  # noqa: E402
 from zl_export.local_loss import shift_targets  # noqa: E402
 from zl_export.lora import LoraSettings  # noqa: E402
 from zl_export.shard import Shard  # noqa: E402
@@ -88,15 +89,9 @@ class Schedule:
             raise ZLError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
 
     def factor(self, t: int) -> float:
-        """Same arithmetic as LrSchedule::factor (double precision, same pi), so the lrs match the runner's exactly."""
-        if self.kind == "constant":
-            return 1.0
-        t = max(t, 0)
-        if t < self.warmup_steps:
-            return (t + 1) / self.warmup_steps
-        span = float(max(1, self.total_steps - self.warmup_steps))
-        progress = min(1.0, max(0.0, (t - self.warmup_steps) / span))
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        """zl_device.lr_schedule.lr_factor: the runner's LrSchedule::factor in double precision."""
+        schedule = {"kind": self.kind, "warmup_steps": self.warmup_steps, "min_lr_ratio": self.min_lr_ratio}
+        return lr_factor(max(t, 0), schedule, self.total_steps)
 
 
 @dataclass

@@ -57,7 +57,9 @@ def check_program_file(path: Path) -> None:
 
 # ExecuTorch's thread pool probes the CPU on first use and logs every /sys file
 # it could not open straight to file descriptor 2; on x86 hosts all of them fail.
+# The probe runs once per process, so only the first load and step are filtered.
 _NATIVE_NOISE = ("cpuinfo_utils.cpp",)
+_probe_done = False
 
 
 @contextlib.contextmanager
@@ -108,7 +110,7 @@ class TrainingProgram:
         path = Path(path)
         check_program_file(path)
         try:
-            with _filtered_native_stderr():
+            with contextlib.nullcontext() if _probe_done else _filtered_native_stderr():
                 self._module = _load_for_executorch_for_training(str(path))
         except RuntimeError as e:
             raise ZLError(f"{path}: ExecuTorch could not load the program ({e}); is it a complete `zl export` output?") from e
@@ -116,8 +118,10 @@ class TrainingProgram:
         self.output_names = output_names
 
     def step(self, *inputs: torch.Tensor) -> StepResult:
-        with _filtered_native_stderr():
+        global _probe_done
+        with contextlib.nullcontext() if _probe_done else _filtered_native_stderr():
             outs = self._module.forward_backward("forward", list(inputs))
+        _probe_done = True
         if len(outs) != len(self.output_names):
             raise ZLError(
                 f"{self.path}: the program returned {len(outs)} user outputs, the manifest lists "

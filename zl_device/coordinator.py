@@ -87,9 +87,7 @@ class StageStatus:
     micro_batches_done: int = 0  # by this stage's telemetry / heartbeats
     last_committed_window: int = -1
     last_loss: float | None = None
-    pss_mib: float | None = None
-    peak_pss_mib: float | None = None
-    temperature_c: float | None = None
+    pss_mib: float | None = None  # latest reading (peaks and temperatures are the report's, from telemetry)
     restarts: int = 0
     last_sign_of_life: float = field(default_factory=time.monotonic)
     heartbeat_seen: bool = False
@@ -113,7 +111,6 @@ class _Failure:
     stage: int
     window: int  # the window in flight at the failure
     restart_t: float | None = None
-    restart_unix_ms: int | None = None
 
 
 class Coordinator:
@@ -208,7 +205,7 @@ class Coordinator:
             if e.type == FrameType.HEARTBEAT:
                 s.heartbeat_seen = True
                 s.micro_batches_done = max(s.micro_batches_done, int(e.payload.get("micro_batches_done", 0)))
-                self._memory(s, e.payload.get("pss_mib"), e.payload.get("temperature_c"))
+                s.pss_mib = e.payload.get("pss_mib") or s.pss_mib  # a missing reading keeps the last one
             elif e.type == FrameType.WINDOW_COMMITTED:
                 self._committed(s, e.window, e.payload.get("mean_loss"), e.t)
             elif e.type == FrameType.ERROR:
@@ -240,21 +237,13 @@ class Coordinator:
                 s.last_sign_of_life = now
                 s.micro_batches_done = max(s.micro_batches_done, int(r["micro_batch"]) + 1)
                 s.last_loss = r.get("loss")
-                self._memory(s, r.get("pss_mib"), r.get("temperature_c"))
+                s.pss_mib = r.get("pss_mib") or s.pss_mib
                 if s.state in ("starting", "restarting"):
                     s.state = "running"
             elif kind == "window":
                 self._committed(s, int(r["window"]), r.get("mean_loss"), now)
             elif kind == "hold":
                 self._held = True
-
-    @staticmethod
-    def _memory(s: StageStatus, pss, temperature) -> None:
-        if pss is not None:
-            s.pss_mib = float(pss)
-            s.peak_pss_mib = max(s.peak_pss_mib or 0.0, s.pss_mib)
-        if temperature is not None:
-            s.temperature_c = float(temperature)
 
     def _committed(self, s: StageStatus, window: int, loss, t: float) -> None:
         s.last_committed_window = max(s.last_committed_window, window)
@@ -349,7 +338,7 @@ class Coordinator:
         t = time.monotonic()
         self.events.append({"type": "restart", "stage": k, "t_unix_ms": _unix_ms(), "replayed_micro_batches": replayed,
                             "replay_bytes": replayed * plan.input_bytes, "device": plan.device.name})
-        self._failures.append(_Failure(k, in_flight, t, self.events[-1]["t_unix_ms"]))
+        self._failures.append(_Failure(k, in_flight, t))
 
     def _restart_all(self, failed: int, in_flight: int) -> None:
         """Global recovery: stop everyone, roll back to the last window all stages committed, restart all."""
@@ -380,7 +369,7 @@ class Coordinator:
                             "replayed_micro_batches": replayed_total, "replay_bytes": bytes_total,
                             "device": self.plans[failed].device.name, "rolled_back_to_window": common,
                             "scope": "global"})
-        self._failures.append(_Failure(failed, in_flight, t, self.events[-1]["t_unix_ms"]))
+        self._failures.append(_Failure(failed, in_flight, t))
 
     def _check_recovered(self) -> None:
         for f in list(self._failures):

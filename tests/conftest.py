@@ -5,6 +5,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -26,3 +27,32 @@ def native_library_or_skip() -> None:
     path = Path(os.environ.get(ENV_VAR, DEFAULT_PATH))
     if not path.is_file():
         pytest.skip(f"{path} not built; run `bash setup.sh` (or set {ENV_VAR})")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models' kernels take microseconds; on a shared 2-core machine extra intra-op threads only spin."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def brute_force_label_scores(model, shard) -> tuple[float, float]:
+    """Reference for label-word scoring: accuracy from the full logits of prompt + each label word (summed
+    log-probs of its tokens), NLL from the model's own loss over the label tokens."""
+    cands = shard.meta["label_token_ids"]
+    correct = 0
+    with torch.no_grad():
+        for i in range(shard.rows):
+            n = int(shard.attention_mask[i].sum())
+            p = int((shard.labels[i] != -100).nonzero()[0])
+            prompt = shard.input_ids[i, :p].tolist()
+            truth = cands.index(shard.input_ids[i, p : n - 1].tolist())
+            scores = []
+            for c in cands:
+                logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + c])).logits[0].float(), -1)
+                scores.append(sum(float(logp[p - 1 + j, t]) for j, t in enumerate(c)))
+            correct += int(max(range(len(cands)), key=scores.__getitem__) == truth)
+        loss = model(input_ids=shard.input_ids, attention_mask=shard.attention_mask, labels=shard.labels).loss
+    return correct / shard.rows, float(loss)

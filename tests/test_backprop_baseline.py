@@ -41,13 +41,7 @@ def _load_tool():
 bpb = _load_tool()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny kernels on a shared 2-core machine: a second intra-op thread only spins (2 s instead of 6 ms a step).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

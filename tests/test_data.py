@@ -17,7 +17,9 @@ from zl_export.demo_task import DEMO_SEQ_LEN, TOPIC_COLORS, demo_rows
 from zl_export.shard import load_shard, sidecar_path
 from zl_export.tokenizer import ByteTokenizer
 
-AGNEWS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "agnews"
+from conftest import SHARED_DATA, brute_force_label_scores
+
+AGNEWS = SHARED_DATA / "agnews"
 BYTES = ByteTokenizer()
 
 
@@ -332,25 +334,6 @@ def test_demo_shard_fits_the_byte_tokenizer_at_the_demo_seq_len(tmp_path):
 # ---------------------------------------------------------------- scoring
 
 
-def _reference_scores(model, shard):
-    """Brute force: full logits for prompt + each label word, summed log-probs of its tokens."""
-    cands = shard.meta["label_token_ids"]
-    correct = 0
-    for i in range(shard.rows):
-        n = int(shard.attention_mask[i].sum())
-        p = int((shard.labels[i] != -100).nonzero()[0])
-        prompt = shard.input_ids[i, :p].tolist()
-        truth = cands.index(shard.input_ids[i, p : n - 1].tolist())
-        scores = []
-        for c in cands:
-            ids = torch.tensor([prompt + c])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-            scores.append(sum(float(logp[p - 1 + j, t]) for j, t in enumerate(c)))
-        correct += int(max(range(len(cands)), key=scores.__getitem__) == truth)
-    out = model(input_ids=shard.input_ids, attention_mask=shard.attention_mask, labels=shard.labels)
-    return correct / shard.rows, float(out.loss)
-
-
 def test_label_word_accuracy_matches_brute_force_on_tiny_model(tmp_path):
     from zl_export.model_source import load_model
     from zl_export.scoring import label_word_accuracy
@@ -361,8 +344,7 @@ def test_label_word_accuracy_matches_brute_force_on_tiny_model(tmp_path):
     data.save(tmp_path / "dev.safetensors", tokenized, task, BYTES, "tiny-random", {"path": "demo"})
     shard = load_shard(tmp_path / "dev.safetensors")
     acc, nll = label_word_accuracy(model, shard, batch_size=5)
-    with torch.no_grad():
-        ref_acc, ref_nll = _reference_scores(model, shard)
+    ref_acc, ref_nll = brute_force_label_scores(model, shard)
     assert acc == pytest.approx(ref_acc)
     assert nll == pytest.approx(ref_nll, rel=1e-5)
     assert 0.0 <= acc <= 1.0 and nll > 0

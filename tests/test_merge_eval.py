@@ -26,19 +26,17 @@ from zl_device.evaluate import evaluate, limit_rows
 from zl_export.model_source import load_model
 from zl_export.shard import load_shard
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # PEFT calls a deprecated transformers API
+from conftest import brute_force_label_scores
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning"),  # PEFT calls a deprecated transformers API
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 RUN_ID = "00112233445566778899aabbccddeeff"
 STAGES = ((0, 1), (2, 3))  # tiny-random has 4 layers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The tiny model's kernels are microseconds; on a shared 2-core machine, intra-op threads only wait on each other.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -264,25 +262,6 @@ def demo_dev(tmp_path_factory) -> Path:
     return out / "dev.safetensors"
 
 
-def brute_force(model, shard) -> tuple[float, float]:
-    """Accuracy from full logits of prompt + each label word; NLL from the model's own loss over the label tokens."""
-    cands = shard.meta["label_token_ids"]
-    correct = 0
-    with torch.no_grad():
-        for i in range(shard.rows):
-            n = int(shard.attention_mask[i].sum())
-            p = int((shard.labels[i] != -100).nonzero()[0])
-            prompt = shard.input_ids[i, :p].tolist()
-            truth = cands.index(shard.input_ids[i, p : n - 1].tolist())
-            scores = []
-            for c in cands:
-                logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + c])).logits[0], -1)
-                scores.append(sum(float(logp[p - 1 + j, t]) for j, t in enumerate(c)))
-            correct += int(max(range(len(cands)), key=scores.__getitem__) == truth)
-        loss = model(input_ids=shard.input_ids, attention_mask=shard.attention_mask, labels=shard.labels).loss
-    return correct / shard.rows, float(loss)
-
-
 def test_eval_matches_brute_force_and_an_adapter_changes_it(demo_dev, run, export_dir, tmp_path):
     shard = limit_rows(load_shard(demo_dev), 24)
     assert shard.rows == 24
@@ -290,7 +269,7 @@ def test_eval_matches_brute_force_and_an_adapter_changes_it(demo_dev, run, expor
     seen = []
     base = evaluate(model, shard, batch_size=5, on_batch=seen.append)
     assert seen == [5, 5, 5, 5, 4]
-    ref_acc, ref_nll = brute_force(model, shard)
+    ref_acc, ref_nll = brute_force_label_scores(model, shard)
     assert base.accuracy == pytest.approx(ref_acc) and base.nll == pytest.approx(ref_nll, rel=1e-5)
     assert base.label_tokens == int((shard.labels != -100).sum())
     whole = evaluate(model, shard, batch_size=24)
@@ -302,7 +281,7 @@ def test_eval_matches_brute_force_and_an_adapter_changes_it(demo_dev, run, expor
     adapted = load_adapter(model, tmp_path / "adapter")
     tuned = evaluate(adapted, shard, batch_size=8)
     assert abs(tuned.nll - base.nll) > 1e-3
-    ref_acc, ref_nll = brute_force(adapted, shard)
+    ref_acc, ref_nll = brute_force_label_scores(adapted, shard)
     assert tuned.accuracy == pytest.approx(ref_acc) and tuned.nll == pytest.approx(ref_nll, rel=1e-5)
 
 

@@ -113,6 +113,7 @@ class Pipeline:
     link_profile: str = "local"
     optimizer: dict = field(default_factory=lambda: dict(OPTIMIZER))
     overrides: dict[int, dict] = field(default_factory=dict)  # extra config fields per stage
+    commands: dict[int, list[str]] = field(default_factory=dict)  # a stage's command instead of the runner
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
     starts: dict[int, int] = field(default_factory=dict)
 
@@ -204,7 +205,8 @@ class Pipeline:
     def start(self, k: int, resume: bool = False) -> None:
         n = self.starts.get(k, 0)
         self.starts[k] = n + 1
-        args = [str(self.runner), "--config", str(self.config_path(k))] + (["--resume"] if resume else [])
+        command = self.commands.get(k, [str(self.runner)])
+        args = command + ["--config", str(self.config_path(k))] + (["--resume"] if resume else [])
         self.procs[k] = subprocess.Popen(
             args, cwd=self.run_dir, stdout=open(self.run_dir / f"stdout{k}.{n}", "w"),
             stderr=open(self.run_dir / f"stderr{k}.{n}", "w"),
@@ -363,6 +365,50 @@ def test_stage_program_gtests(export3):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "PASSED" in proc.stdout and "SKIPPED" not in proc.stdout, proc.stdout[-2000:]
+
+
+def jni_host_classes() -> tuple[Path, Path]:
+    """The JNI library and the compiled host-test classes (jni/CMakeLists.txt), or skip."""
+    jni_dir = runner_bin().parent / "jni"
+    library, classes = jni_dir / "libzl_jni.so", jni_dir / "host_test_classes"
+    if not library.is_file() or not (classes / "com" / "zerolock" / "zl" / "AppStageDriver.class").is_file():
+        pytest.skip(f"{library} or its host-test classes not built (needs a JDK); run `cmake --build build -j2`")
+    return library, classes
+
+
+def test_jni_bridge_host_check_on_a_real_export(export3, tmp_path):
+    """The app's JNI surface from a JVM, including stopNative on a stage that loaded a real program and waits."""
+    library, classes = jni_host_classes()
+    proc = subprocess.run(["java", f"-Dzl.jni.library={library}", "-cp", str(classes), "com.zerolock.zl.JniHostCheck",
+                           str(tmp_path)], env={**os.environ, "ZL_TEST_EXPORT_DIR": str(export3)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " 0 failed" in proc.stdout and "SKIP" not in proc.stdout, proc.stdout[-2000:]
+    assert "PASS stopNative ends a running stage" in proc.stdout
+
+
+def test_stage_run_through_the_app_native_path_trains_identically(runner, export3, shard, tmp_path):
+    """Stage 1 run as the app runs it (JNI: startNative, statusNative polling) gives bit-identical adapters.
+
+    It also leaves the files the host's app backend reads: runner.pid (the JVM's pid), the listening and done
+    events in runner.out, runner.exit 0.
+    """
+    library, classes = jni_host_classes()
+    binary = make_pipeline(runner, export3, shard, tmp_path, "binary", num_micro_batches=8).run()
+    app = make_pipeline(runner, export3, shard, tmp_path, "app", num_micro_batches=8, commands={
+        1: ["java", f"-Dzl.jni.library={library}", "-cp", str(classes), "com.zerolock.zl.AppStageDriver"]})
+    adapters = app.run()
+    for a, b in zip(binary, adapters):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+    run = app.run_dir
+    assert (run / "runner.pid").read_text() == f"{app.procs[1].pid}\n"
+    assert (run / "runner.exit").read_text() == "0\n"
+    events = [json.loads(line)["event"] for line in (run / "runner.out").read_text().splitlines()]
+    assert events == ["listening", "done"], events
+    assert "app: stage 1 of 3" in (run / "runner.err").read_text()
+    assert len(app.metrics(1)) > 8  # telemetry as from zl_runner: one line per micro-batch, window, done
 
 
 def test_help_lists_every_config_field(runner):

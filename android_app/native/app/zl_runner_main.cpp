@@ -84,13 +84,13 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
 
   status = zl::run_stage(config, &g_stop);
-  if (status.ok()) return 0;
-  if (status.code() == zl::StatusCode::kClosed && g_stop.load()) {
+  const int code = zl::stage_exit_code(status, g_stop.load());
+  if (code == 3) {
     zl::log(zl::LogLevel::kWarn, "stage %lld stopped: %s", static_cast<long long>(config.stage_index),
             status.message().c_str());
-    return 3;
+  } else if (code != 0) {
+    std::fprintf(stderr, "zl_runner: stage %lld failed: %s\n", static_cast<long long>(config.stage_index),
+                 status.message().c_str());
   }
-  std::fprintf(stderr, "zl_runner: stage %lld failed: %s\n", static_cast<long long>(config.stage_index),
-               status.message().c_str());
-  return 1;
+  return code;
 }

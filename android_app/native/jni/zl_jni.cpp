@@ -1,40 +1,38 @@
-// JNI bridge of the Kotlin app: the whole native surface is two static
+// JNI bridge of the Kotlin app: the whole native surface is four static
 // methods of `com.zerolock.zl.NativeRunner` (android_app/app/.../NativeRunner.kt):
 //
-//   nativeRun(configPath: String)   runs one stage to the end on the calling
-//                                   thread; a failure throws
-//                                   NativeRunnerException(message, code) whose
-//                                   message names the config path
-//   nativeStop(): Boolean           asks a running nativeRun to stop; true if
-//                                   one was running
+//   startNative(configJson: String)          starts one stage run on a native
+//                                            thread of its own and returns;
+//                                            a config or run-folder problem
+//                                            throws NativeRunnerException
+//   stopNative(): Boolean                    asks the run to stop; true if one
+//                                            was running
+//   statusNative(): String                   the run's state and progress as
+//                                            JSON (StageSession::to_json);
+//                                            a failed run's error is in it
+//   reportBatteryTemperatureNative(c: Double) BatteryManager's reading, for
+//                                            telemetry where the app may not
+//                                            read /sys (zl/telemetry.h)
 //
-// Kotlin owns the thread, the lifecycle (foreground service) and the UI; this
-// file only translates: Java strings in, zl::Status out as a Java exception.
-// The methods are bound with RegisterNatives in JNI_OnLoad, so a mismatch with
-// the Kotlin class fails System.loadLibrary at once instead of the first call.
+// Kotlin owns the lifecycle (foreground service), the status polling and the
+// UI; zl::StageSession owns the run (thread, files for the host, status);
+// this file only translates Java types and errors. The methods are bound
+// with RegisterNatives in JNI_OnLoad, so a mismatch with the Kotlin class
+// fails System.loadLibrary at once instead of the first call.
 #include <jni.h>
 
-#include <atomic>
 #include <string>
 
 #include "zl/log.h"
-#include "zl/runner_config.h"
+#include "zl/stage_session.h"
 #include "zl/status.h"
-
-#if __has_include("zl/runner.h")
-#include "zl/runner.h"
-#else
-// The stage main loop (another part of the runner, android_app/native/src);
-// declared here exactly as zl/runner.h states it until that header lands.
-namespace zl {
-Status run_stage(const RunnerConfig& config, const std::atomic<bool>* stop_requested);
-}  // namespace zl
-#endif
+#include "zl/telemetry.h"
 
 #if defined(__ANDROID__)
 #include <android/log.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <thread>
 #endif
@@ -44,25 +42,11 @@ namespace {
 constexpr const char* kRunnerClass = "com/zerolock/zl/NativeRunner";
 constexpr const char* kExceptionClass = "com/zerolock/zl/NativeRunnerException";
 
-// One stage per process (DESIGN §4), so one flag pair per process. Set by
-// nativeStop from any thread, polled by run_stage between micro-batches.
-std::atomic<bool> g_stop_requested{false};
-std::atomic<bool> g_running{false};
-
-/// Stable lower-case names for NativeRunnerException.code (the Kotlin UI
-/// shows them, tests match them).
-const char* status_code_name(zl::StatusCode code) {
-  switch (code) {
-    case zl::StatusCode::kOk: return "ok";
-    case zl::StatusCode::kInvalidArgument: return "invalid_argument";
-    case zl::StatusCode::kNotFound: return "not_found";
-    case zl::StatusCode::kIoError: return "io_error";
-    case zl::StatusCode::kCorrupt: return "corrupt";
-    case zl::StatusCode::kTimeout: return "timeout";
-    case zl::StatusCode::kClosed: return "closed";
-    case zl::StatusCode::kInternal: return "internal";
-  }
-  return "unknown";
+/// One stage per process (DESIGN §4), so one session per process. Never
+/// destroyed: the process ends with it.
+zl::StageSession& session() {
+  static zl::StageSession* instance = new zl::StageSession();
+  return *instance;
 }
 
 /// Throws `class_name(message)`; RuntimeException if that class is missing
@@ -77,9 +61,9 @@ void throw_simple(JNIEnv* env, const char* class_name, const std::string& messag
   env->DeleteLocalRef(cls);
 }
 
-/// Throws NativeRunnerException(message, code) for a failed zl::Status.
+/// Throws NativeRunnerException("<what>: <code>: <message>", code) for a failed zl::Status.
 void throw_status(JNIEnv* env, const std::string& what, const zl::Status& status) {
-  const char* code = status_code_name(status.code());
+  const char* code = zl::status_code_name(status.code());
   const std::string message = what + ": " + code + ": " + status.message();
   jclass cls = env->FindClass(kExceptionClass);
   jmethodID ctor = cls != nullptr
@@ -99,56 +83,37 @@ void throw_status(JNIEnv* env, const std::string& what, const zl::Status& status
   if (cls != nullptr) env->DeleteLocalRef(cls);
 }
 
-/// Marks the process as running a stage for the lifetime of the guard.
-class RunningGuard {
- public:
-  RunningGuard() : acquired_(!g_running.exchange(true)) {}
-  ~RunningGuard() {
-    if (acquired_) g_running.store(false);
-  }
-  bool acquired() const { return acquired_; }
-
- private:
-  bool acquired_;
-};
-
-void native_run(JNIEnv* env, jclass, jstring config_path) {
-  if (config_path == nullptr) {
-    throw_simple(env, "java/lang/IllegalArgumentException", "nativeRun: configPath is null");
+void start_native(JNIEnv* env, jclass, jstring config_json) {
+  if (config_json == nullptr) {
+    throw_simple(env, "java/lang/IllegalArgumentException", "startNative: configJson is null");
     return;
   }
-  const char* chars = env->GetStringUTFChars(config_path, nullptr);
+  const char* chars = env->GetStringUTFChars(config_json, nullptr);
   if (chars == nullptr) return;  // OutOfMemoryError is pending
-  const std::string path(chars);
-  env->ReleaseStringUTFChars(config_path, chars);
+  const std::string text(chars);
+  env->ReleaseStringUTFChars(config_json, chars);
 
-  RunningGuard guard;
-  if (!guard.acquired()) {
+  if (session().running()) {
     throw_simple(env, "java/lang/IllegalStateException",
-                 "nativeRun(" + path + "): a stage is already running in this process");
+                 "startNative: a stage is already running in this process (" + session().status().run_dir +
+                     "); stopNative() it first");
     return;
   }
-  // A stop request belongs to the run it was made for; a new run starts
-  // clean. (The Kotlin service never starts a run after asking to stop.)
-  g_stop_requested.store(false);
-
-  zl::RunnerConfig config;
-  zl::Status status = zl::load_runner_config(path, &config);
+  const zl::Status status = session().start(text);
   if (!status.ok()) {
-    throw_status(env, "stage config " + path, status);
-    return;
-  }
-  zl::log(zl::LogLevel::kInfo, "jni: stage %lld of %lld from %s", static_cast<long long>(config.stage_index),
-          static_cast<long long>(config.num_stages), path.c_str());
-  status = zl::run_stage(config, &g_stop_requested);
-  if (!status.ok()) {
-    throw_status(env, "stage " + std::to_string(config.stage_index) + " (config " + path + ")", status);
+    const std::string run_dir = session().status().run_dir;
+    throw_status(env, "startNative" + (run_dir.empty() ? std::string() : " (run folder " + run_dir + ")"), status);
   }
 }
 
-jboolean native_stop(JNIEnv*, jclass) {
-  g_stop_requested.store(true);
-  return g_running.load() ? JNI_TRUE : JNI_FALSE;
+jboolean stop_native(JNIEnv*, jclass) { return session().stop() ? JNI_TRUE : JNI_FALSE; }
+
+jstring status_native(JNIEnv* env, jclass) {
+  return env->NewStringUTF(session().status().to_json().dump().c_str());
+}
+
+void report_battery_temperature_native(JNIEnv*, jclass, jdouble celsius) {
+  zl::report_temperature_c(static_cast<double>(celsius));
 }
 
 #if defined(__ANDROID__)
@@ -198,9 +163,13 @@ extern "C" JNIEXPORT jint JNI_OnLoad(JavaVM* vm, void*) {
   jclass cls = env->FindClass(kRunnerClass);
   if (cls == nullptr) return JNI_ERR;  // NoClassDefFoundError names the class
   const JNINativeMethod methods[] = {
-      {const_cast<char*>("nativeRun"), const_cast<char*>("(Ljava/lang/String;)V"),
-       reinterpret_cast<void*>(native_run)},
-      {const_cast<char*>("nativeStop"), const_cast<char*>("()Z"), reinterpret_cast<void*>(native_stop)},
+      {const_cast<char*>("startNative"), const_cast<char*>("(Ljava/lang/String;)V"),
+       reinterpret_cast<void*>(start_native)},
+      {const_cast<char*>("stopNative"), const_cast<char*>("()Z"), reinterpret_cast<void*>(stop_native)},
+      {const_cast<char*>("statusNative"), const_cast<char*>("()Ljava/lang/String;"),
+       reinterpret_cast<void*>(status_native)},
+      {const_cast<char*>("reportBatteryTemperatureNative"), const_cast<char*>("(D)V"),
+       reinterpret_cast<void*>(report_battery_temperature_native)},
   };
   const jint rc = env->RegisterNatives(cls, methods, sizeof(methods) / sizeof(methods[0]));
   env->DeleteLocalRef(cls);

@@ -133,9 +133,16 @@ struct WindowSums {
 /// Everything one stage process holds while it runs.
 class StageRunner {
  public:
-  StageRunner(const RunnerConfig& config, const std::atomic<bool>* stop) : config_(config), stop_(stop) {}
+  StageRunner(const RunnerConfig& config, const std::atomic<bool>* stop, ProgressBoard* progress)
+      : config_(config), stop_(stop), progress_(progress) {}
 
   Status run() {
+    report([this](StageProgress* p) {
+      p->phase = "loading";
+      p->stage_index = config_.stage_index;
+      p->num_stages = config_.num_stages;
+      p->num_micro_batches = config_.num_micro_batches;
+    });
     Status status = setup();
     if (status.ok()) status = loop();
     if (control_) {
@@ -159,9 +166,14 @@ class StageRunner {
   Status start_control();
   Status hold(int64_t mb);
   void shutdown();
+  template <typename Update>
+  void report(Update update) {
+    if (progress_ != nullptr) progress_->update(update);
+  }
 
   const RunnerConfig& config_;
   const std::atomic<bool>* stop_;
+  ProgressBoard* progress_;
   FrameKey key_{};
   RunId run_id_{};
   std::unique_ptr<TelemetryWriter> telemetry_;
@@ -236,9 +248,8 @@ Status StageRunner::setup() {
       log(LogLevel::kWarn, "input log: set aside %s (%s)", bad.path.c_str(), bad.reason.c_str());
     }
     // Tests and orchestrators that asked for port 0 read the real one here.
-    std::printf("{\"event\": \"listening\", \"stage\": %" PRId64 ", \"port\": %u}\n", c.stage_index,
-                static_cast<unsigned>(receiver_->port()));
-    std::fflush(stdout);
+    emit_event("{\"event\": \"listening\", \"stage\": %" PRId64 ", \"port\": %u}", c.stage_index,
+               static_cast<unsigned>(receiver_->port()));
   }
   if (!c.is_last_stage()) {
     SenderOptions options;
@@ -451,6 +462,11 @@ Status StageRunner::loop() {
   WindowSums sums;
   int64_t done = start_mb_;
   const Clock::time_point run_start = Clock::now();
+  report([&](StageProgress* p) {
+    p->phase = "running";
+    p->micro_batches_done = start_mb_;
+    p->committed_window = restored_window_.value_or(-1);
+  });
   for (int64_t mb = start_mb_; mb < c.num_micro_batches; ++mb) {
     if (stopping(stop_)) return stop_status("before micro-batch " + std::to_string(mb));
     const Clock::time_point mb_start = Clock::now();
@@ -509,9 +525,11 @@ Status StageRunner::loop() {
     record.task_loss = result.task_loss;
     record.consistency_loss = result.consistency_loss;
     record.total_ms = ms_since(mb_start);
-    if (telemetry_) {
+    if (telemetry_ || progress_) {
       record.pss_mib = read_pss_mib();
       record.temperature_c = read_temperature_c();
+    }
+    if (telemetry_) {
       json line = to_json(record);
       line["early_forwarding"] = c.early_forwarding;
       (void)telemetry_->write_json(line);
@@ -524,6 +542,14 @@ Status StageRunner::loop() {
       sums = WindowSums();
     }
     done = mb + 1;
+    report([&](StageProgress* p) {
+      p->micro_batches_done = done;
+      p->window = window;
+      if (window_end) p->committed_window = window;
+      p->loss = record.loss;
+      p->pss_mib = record.pss_mib;
+      p->temperature_c = record.temperature_c;
+    });
     if (control_) control_->update_progress(done, window);
   }
   const double wall_s = ms_since(run_start) / 1000.0;
@@ -545,9 +571,9 @@ Status StageRunner::loop() {
     }
     (void)telemetry_->write_json(line);
   }
-  std::printf("{\"event\": \"done\", \"stage\": %" PRId64 ", \"micro_batches\": %" PRId64 ", \"wall_s\": %.3f}\n",
-              c.stage_index, done - start_mb_, wall_s);
-  std::fflush(stdout);
+  emit_event("{\"event\": \"done\", \"stage\": %" PRId64 ", \"micro_batches\": %" PRId64 ", \"wall_s\": %.3f}",
+             c.stage_index, done - start_mb_, wall_s);
+  report([](StageProgress* p) { p->phase = "done"; });
   return Status();
 }
 
@@ -558,8 +584,8 @@ void StageRunner::shutdown() {
 
 }  // namespace
 
-Status run_stage(const RunnerConfig& config, const std::atomic<bool>* stop_requested) {
-  StageRunner runner(config, stop_requested);
+Status run_stage(const RunnerConfig& config, const std::atomic<bool>* stop_requested, ProgressBoard* progress) {
+  StageRunner runner(config, stop_requested, progress);
   return runner.run();
 }
 

@@ -61,6 +61,10 @@ json get_schedule_kind(const RunnerConfig& c) { return lr_schedule_kind_name(c.o
 
 // The field table: order is the order of --help.
 const Field kFields[] = {
+    {"base_dir", FieldType::kString, false, false,
+     "Folder that relative paths resolve against (itself relative to the config file's folder); default: "
+     "the config file's folder. The Android app sets it, and writes runner.pid/.out/.err/.exit there.",
+     ZL_REF(base_dir)},
     {"program", FieldType::kString, true, true, "Path of this stage's training program (.pte).", ZL_REF(program)},
     {"manifest", FieldType::kString, false, true,
      "The export's manifest.json (PEFT parameter names); empty = manifest.json next to the program.",
@@ -319,11 +323,16 @@ Status parse_runner_config(const std::string& json_text, const std::string& base
   RunnerConfig config;
   Status status = parse_object(root, "", &config);
   if (!status.ok()) return status;
-  if (!base_dir.empty()) {
+  if (config.base_dir.empty()) {
+    config.base_dir = base_dir;
+  } else if (config.base_dir[0] != '/' && !base_dir.empty()) {
+    config.base_dir = base_dir + "/" + config.base_dir;
+  }
+  if (!config.base_dir.empty()) {
     for (const Field& f : kFields) {
       if (!f.is_path) continue;
       auto* path = static_cast<std::string*>(f.ref(&config));
-      if (!path->empty() && (*path)[0] != '/') *path = base_dir + "/" + *path;
+      if (!path->empty() && (*path)[0] != '/') *path = config.base_dir + "/" + *path;
     }
   }
   if (config.input_log_dir.empty() && !config.checkpoint_dir.empty()) {
@@ -363,8 +372,9 @@ std::string runner_config_help() {
   const RunnerConfig defaults;
   std::string text =
       "Stage configuration: a JSON object, one file per stage (zl_runner --config FILE).\n"
-      "Relative paths resolve against the config file's directory. Nested fields are\n"
-      "written as objects: {\"optimizer\": {\"schedule\": {\"kind\": \"warmup_cosine\"}}}.\n\n";
+      "Relative paths resolve against base_dir (default: the config file's directory).\n"
+      "Nested fields are written as objects:\n"
+      "{\"optimizer\": {\"schedule\": {\"kind\": \"warmup_cosine\"}}}.\n\n";
   for (const Field& f : kFields) {
     std::string def;
     if (f.type == FieldType::kObject) {

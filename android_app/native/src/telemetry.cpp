@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -196,12 +197,41 @@ std::optional<double> read_thermal_zone_temperature_c(const std::string& root) {
   return std::nullopt;
 }
 
+namespace {
+
+struct ReportedTemperature {
+  std::mutex mutex;
+  std::optional<double> celsius;
+  std::chrono::steady_clock::time_point at;
+};
+
+ReportedTemperature& reported_temperature() {
+  static ReportedTemperature reported;
+  return reported;
+}
+
+}  // namespace
+
+void report_temperature_c(double celsius) {
+  if (!plausible_celsius(celsius)) return;
+  ReportedTemperature& r = reported_temperature();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.celsius = celsius;
+  r.at = std::chrono::steady_clock::now();
+}
+
 std::optional<double> read_temperature_c(const std::string& root) {
 #if defined(__ANDROID__)
-  return read_battery_temperature_c(root);
+  std::optional<double> sensor = read_battery_temperature_c(root);
 #else
-  return read_thermal_zone_temperature_c(root);
+  std::optional<double> sensor = read_thermal_zone_temperature_c(root);
 #endif
+  if (sensor) return sensor;
+  ReportedTemperature& r = reported_temperature();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const double age_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - r.at).count();
+  if (r.celsius && age_s <= kReportedTemperatureMaxAgeS) return r.celsius;
+  return std::nullopt;
 }
 
 }  // namespace zl

@@ -29,11 +29,60 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
 
 #include "zl/runner_config.h"
 #include "zl/status.h"
 
 namespace zl {
+
+/// Where a running stage is, for a status display (the app's notification):
+/// updated by run_stage as it loads, after every micro-batch and after every
+/// committed window. Telemetry (metrics.jsonl) stays the record; this is
+/// only the latest values.
+struct StageProgress {
+  std::string phase = "starting";  ///< starting | loading | running | done
+  int64_t stage_index = -1;
+  int64_t num_stages = 0;
+  int64_t micro_batches_done = 0;  ///< including those restored from a checkpoint
+  int64_t num_micro_batches = 0;
+  int64_t window = -1;             ///< the window the last micro-batch belonged to
+  int64_t committed_window = -1;   ///< the last window whose update was committed
+  std::optional<double> loss;      ///< the last micro-batch's local loss
+  std::optional<double> pss_mib;
+  std::optional<double> temperature_c;
+};
+
+/// A StageProgress shared between the run (writer) and any thread that
+/// shows it (reader).
+class ProgressBoard {
+ public:
+  template <typename Update>
+  void update(Update update) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    update(&progress_);
+  }
+  StageProgress get() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return progress_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  StageProgress progress_;
+};
+
+/// Exit status of a stage process (zl_runner) or app run for the result of
+/// run_stage: 0 done, 3 stopped on request (resume later), 1 failed. (2, a
+/// bad command line or config, is decided before run_stage.)
+inline int stage_exit_code(const Status& status, bool stop_requested) {
+  if (status.ok()) return 0;
+  if (status.code() == StatusCode::kClosed && stop_requested) return 3;
+  return 1;
+}
 
 /// Runs this stage to the end of the run described by `config`.
 ///
@@ -46,6 +95,9 @@ namespace zl {
 /// Returns ok when every micro-batch was processed, the last window was
 /// checkpointed and (stages < K-1) every hidden state was acknowledged
 /// downstream. Errors carry a message naming the file, peer or value.
-Status run_stage(const RunnerConfig& config, const std::atomic<bool>* stop_requested);
+///
+/// `progress` (may be null) receives the stage's progress as it runs.
+Status run_stage(const RunnerConfig& config, const std::atomic<bool>* stop_requested,
+                 ProgressBoard* progress = nullptr);
 
 }  // namespace zl

@@ -27,6 +27,7 @@ namespace zl {
 /// Everything one stage process needs to run. Relative paths in the file are
 /// resolved against the config file's directory by load_runner_config.
 struct RunnerConfig {
+  std::string base_dir;           ///< relative paths resolve here; after parsing: the folder used (may be empty)
   std::string program;            ///< this stage's training program (.pte)
   std::string manifest;           ///< the export's manifest.json; empty = next to `program`
   int64_t stage_index = 0;        ///< 0-based
@@ -63,7 +64,9 @@ struct RunnerConfig {
 /// Parses a JSON text into `out` and validates it. Unknown fields, missing
 /// required fields, wrong types and bad values fail with a message naming
 /// the field (e.g. "optimizer.lr"), the expected type and the value seen.
-/// Relative paths are joined to `base_dir` (unless it is empty).
+/// Relative paths are joined to the config's own `base_dir` field, which is
+/// itself joined to the `base_dir` argument when relative; without the
+/// field, to the argument (unless it is empty).
 /// For warmup_cosine with total_steps 0, total_steps becomes num_windows().
 Status parse_runner_config(const std::string& json_text, const std::string& base_dir, RunnerConfig* out);
 

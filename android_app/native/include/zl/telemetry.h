@@ -101,7 +101,19 @@ std::optional<double> read_battery_temperature_c(const std::string& root = "/");
 std::optional<double> read_thermal_zone_temperature_c(const std::string& root = "/");
 
 /// The device temperature the report uses: the battery on Android (the
-/// paper's measure), the first plausible thermal zone on Linux.
+/// paper's measure), the first plausible thermal zone on Linux. Where the
+/// sensor file cannot be read (an app process is usually denied
+/// /sys/class/power_supply by SELinux), the last value given to
+/// report_temperature_c if it is at most kReportedTemperatureMaxAgeS old;
+/// else empty.
 std::optional<double> read_temperature_c(const std::string& root = "/");
+
+/// How long a reported temperature stands in for the sensor file.
+constexpr double kReportedTemperatureMaxAgeS = 120.0;
+
+/// A temperature in °C read by someone who can (the Android app, from
+/// BatteryManager's sticky ACTION_BATTERY_CHANGED); implausible values are
+/// ignored. Thread-safe.
+void report_temperature_c(double celsius);
 
 }  // namespace zl

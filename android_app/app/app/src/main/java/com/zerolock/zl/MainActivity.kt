@@ -11,8 +11,9 @@ import android.widget.TextView
 import java.io.File
 
 /**
- * Status UI of this device's stage (stage, state, last error) with
- * start/stop for manual runs. The run itself lives in [RunnerService]; this
+ * Status UI of this device's stage (stage, state, window and micro-batch,
+ * loss, PSS, battery temperature, last error) with start/stop for manual
+ * runs. The run itself lives in [RunnerService]; this
  * activity only reads [StatusBoard] and sends intents, so closing it does
  * not touch the run.
  */
@@ -21,10 +22,13 @@ class MainActivity : Activity() {
         const val PREFS = "zerolock"
         const val PREF_CONFIG_PATH = "config_path"
         const val REQUEST_NOTIFICATIONS = 1
+        val STAGE_CONFIG = Regex("""stage_\d+\.json""")
     }
 
     private lateinit var stageView: TextView
     private lateinit var stateView: TextView
+    private lateinit var progressView: TextView
+    private lateinit var metricsView: TextView
     private lateinit var errorView: TextView
     private lateinit var configPathView: EditText
     private lateinit var startButton: Button
@@ -33,6 +37,8 @@ class MainActivity : Activity() {
     private val render: (RunnerStatus) -> Unit = { status ->
         stageView.text = status.stage ?: "-"
         stateView.text = status.state.name.lowercase()
+        progressView.text = status.progressLine ?: "-"
+        metricsView.text = status.metricsLine.ifEmpty { "-" }
         errorView.text = status.lastError ?: "-"
         val active = status.state == RunState.RUNNING || status.state == RunState.STOPPING
         startButton.isEnabled = !active
@@ -45,14 +51,19 @@ class MainActivity : Activity() {
         setContentView(R.layout.activity_main)
         stageView = findViewById(R.id.stage)
         stateView = findViewById(R.id.state)
+        progressView = findViewById(R.id.progress)
+        metricsView = findViewById(R.id.metrics)
         errorView = findViewById(R.id.last_error)
         configPathView = findViewById(R.id.config_path)
         startButton = findViewById(R.id.start)
         stopButton = findViewById(R.id.stop)
 
-        // Default: the app's own external files folder, where `adb push` can
-        // put configs and programs (see android_app/README.md).
-        val default = File(getExternalFilesDir(null), "stage.json").path
+        // Default: a stage config in the app's own external files folder,
+        // where `zl deploy --mode app` (or `adb push`) puts configs and
+        // programs (see android_app/README.md).
+        val files = getExternalFilesDir(null)
+        val deployed = files?.listFiles()?.filter { STAGE_CONFIG.matches(it.name) }?.minByOrNull { it.name }
+        val default = (deployed ?: File(files, "stage_0.json")).path
         configPathView.setText(getSharedPreferences(PREFS, MODE_PRIVATE).getString(PREF_CONFIG_PATH, default))
 
         startButton.setOnClickListener { startStage() }

@@ -7,29 +7,46 @@ import android.app.PendingIntent
 import android.app.Service
 import android.content.Context
 import android.content.Intent
+import android.content.IntentFilter
 import android.content.pm.ServiceInfo
+import android.os.BatteryManager
 import android.os.Build
 import android.os.Handler
 import android.os.IBinder
 import android.os.Looper
 import android.os.PowerManager
+import android.os.Process
 import android.util.Log
 import androidx.core.app.NotificationCompat
 import androidx.core.app.ServiceCompat
 import androidx.core.content.ContextCompat
+import java.io.File
+import java.io.IOException
+import org.json.JSONObject
 
 /**
- * Runs one pipeline stage in the foreground: validates the config, holds a
- * partial wake lock, calls [NativeRunner.nativeRun] on a thread of its own,
- * and keeps the notification and [StatusBoard] in step. Stops the stage on
- * ACTION_STOP (the notification's button, the activity, or adb) and goes
- * away when the run ends.
+ * Runs one pipeline stage in the foreground: validates the config, starts
+ * the native run ([NativeRunner.startNative], which runs on a native thread
+ * of its own), holds a partial wake lock, polls the run once a second for
+ * the notification and [StatusBoard] (stage, window, loss, PSS, battery
+ * temperature), and goes away when the run ends. Stops the stage on
+ * ACTION_STOP (the notification's button, the activity, or adb).
  *
- * Start over adb (the service is guarded by the DUMP permission, which the
- * shell holds):
+ * Driven by intents, so the host runs it without touching the screen (the
+ * service is guarded by the DUMP permission, which the adb shell holds):
  *
+ *     D=/sdcard/Android/data/com.zerolock.zl/files
  *     adb shell am start-foreground-service -n com.zerolock.zl/.RunnerService \
- *       -a com.zerolock.zl.action.START --es config_path /sdcard/Android/data/com.zerolock.zl/files/stage1.json
+ *       -a com.zerolock.zl.action.START --es config $D/stage_1.json [--ez resume true]
+ *     adb shell am start-foreground-service -n com.zerolock.zl/.RunnerService -a com.zerolock.zl.action.STOP
+ *     adb shell am start-foreground-service -n com.zerolock.zl/.RunnerService -a com.zerolock.zl.action.PREPARE
+ *
+ * PREPARE creates the app's external files folder and writes app.json there
+ * (package, version, folder), so the host knows the app starts and where to
+ * push. A run leaves runner.pid, runner.out, runner.err and, at its end,
+ * runner.exit in the config's folder (zl_device/app.py reads them); a start
+ * refused before the native run began leaves the same files, with exit
+ * status 2 (bad config) or 1.
  *
  * START_NOT_STICKY: if the process dies, the coordinator decides whether and
  * where the stage restarts (it resumes from its last checkpoint).
@@ -38,20 +55,21 @@ class RunnerService : Service() {
     companion object {
         const val ACTION_START = "com.zerolock.zl.action.START"
         const val ACTION_STOP = "com.zerolock.zl.action.STOP"
-        const val EXTRA_CONFIG_PATH = "config_path"
+        const val ACTION_PREPARE = "com.zerolock.zl.action.PREPARE"
+        const val EXTRA_CONFIG = "config"
+        const val EXTRA_RESUME = "resume"
+        const val APP_INFO_FILE = "app.json"
 
         private const val TAG = "zl.RunnerService"
         private const val CHANNEL_ID = "zl_stage"
         private const val NOTIFICATION_ID = 1
+        private const val POLL_MS = 1000L
 
-        // ExecuTorch runs the whole program on this thread; 16 MiB leaves
-        // room for the kernels' stack use beyond the default ~1 MiB.
-        private const val WORKER_STACK_BYTES = 16L shl 20
-
-        fun start(context: Context, configPath: String) {
+        fun start(context: Context, configPath: String, resume: Boolean = false) {
             val intent = Intent(context, RunnerService::class.java)
                 .setAction(ACTION_START)
-                .putExtra(EXTRA_CONFIG_PATH, configPath)
+                .putExtra(EXTRA_CONFIG, configPath)
+                .putExtra(EXTRA_RESUME, resume)
             ContextCompat.startForegroundService(context, intent)
         }
 
@@ -63,12 +81,17 @@ class RunnerService : Service() {
     private val mainHandler = Handler(Looper.getMainLooper())
 
     // Main thread only.
-    private var worker: Thread? = null
+    private var config: StageConfig? = null
     private var wakeLock: PowerManager.WakeLock? = null
+    private var polling = false
 
-    // Set on the main thread, read by the worker when the run returns.
-    @Volatile
-    private var stopRequested = false
+    private val poll = object : Runnable {
+        override fun run() {
+            if (!polling) return
+            pollRun()
+            if (polling) mainHandler.postDelayed(this, POLL_MS)
+        }
+    }
 
     override fun onBind(intent: Intent?): IBinder? = null
 
@@ -78,11 +101,17 @@ class RunnerService : Service() {
                 // Started with startForegroundService: enter the foreground
                 // promptly whatever happens next, so this comes first.
                 enterForeground(StatusBoard.current)
-                startStage(intent.getStringExtra(EXTRA_CONFIG_PATH))
+                startStage(intent.getStringExtra(EXTRA_CONFIG), intent.getBooleanExtra(EXTRA_RESUME, false))
             }
             ACTION_STOP -> requestStop()
+            ACTION_PREPARE -> {
+                enterForegroundIfAllowed()
+                writeAppInfo()
+                finishIfIdle()
+            }
             else -> {
                 Log.w(TAG, "ignoring intent with action ${intent?.action}")
+                enterForegroundIfAllowed()
                 finishIfIdle()
             }
         }
@@ -92,96 +121,161 @@ class RunnerService : Service() {
     override fun onDestroy() {
         // The system is taking the service down (or the app is being
         // stopped): ask the stage to stop; its last checkpoint stands.
-        if (worker?.isAlive == true) {
-            stopRequested = true
-            NativeRunner.nativeStop()
-        }
+        if (polling) NativeRunner.stopNative()
+        polling = false
+        mainHandler.removeCallbacks(poll)
         releaseWakeLock()
         super.onDestroy()
     }
 
-    private fun startStage(configPath: String?) {
-        if (worker?.isAlive == true) {
+    private fun startStage(configPath: String?, resume: Boolean) {
+        if (polling) {
             val running = StatusBoard.current.configPath
             Log.w(TAG, "a stage is already running ($running); ignoring start of $configPath")
             StatusBoard.update { it.copy(lastError = "already running $running; stop it before starting $configPath") }
             return
         }
-        val config = try {
+        val loaded = try {
             StageConfig.load(configPath ?: "")
         } catch (e: IllegalArgumentException) {
-            Log.e(TAG, e.message ?: "invalid stage config")
-            StatusBoard.update { RunnerStatus(RunState.FAILED, null, configPath, e.message) }
-            finishIfIdle()
+            refuse(configPath, e.message ?: "invalid stage config", exitCode = 2)
             return
         }
-        stopRequested = false
-        StatusBoard.update { RunnerStatus(RunState.RUNNING, config.label, config.path, it.lastError) }
-        acquireWakeLock()
-        notifyStatus(StatusBoard.current)
-        worker = Thread(null, { runStage(config) }, "zl-stage", WORKER_STACK_BYTES).also { it.start() }
-    }
-
-    /** Worker thread: the whole run, then hands back to the main thread. */
-    private fun runStage(config: StageConfig) {
-        Log.i(TAG, "running ${config.label} from ${config.path}")
-        val ended: RunnerStatus = try {
-            NativeRunner.nativeRun(config.path)
-            val state = if (stopRequested) RunState.STOPPED else RunState.FINISHED
-            RunnerStatus(state, config.label, config.path, StatusBoard.current.lastError)
+        try {
+            NativeRunner.startNative(loaded.toNativeJson(resume))
         } catch (e: NativeRunnerException) {
-            if (stopRequested) {
-                // The interruption we asked for, reported as an error by the runner.
-                Log.i(TAG, "stopped: ${e.message}")
-                RunnerStatus(RunState.STOPPED, config.label, config.path, StatusBoard.current.lastError)
-            } else {
-                Log.e(TAG, "run failed (${e.code}): ${e.message}")
-                RunnerStatus(RunState.FAILED, config.label, config.path, e.message)
-            }
-        } catch (e: RuntimeException) {
-            // IllegalStateException (a run already in the process) and the like.
-            Log.e(TAG, "run failed", e)
-            RunnerStatus(RunState.FAILED, config.label, config.path, e.toString())
+            // Native code has written runner.exit where it could (a bad field: 2).
+            Log.e(TAG, "start refused (${e.code}): ${e.message}")
+            StatusBoard.update { RunnerStatus(RunState.FAILED, loaded.label, loaded.path, e.message) }
+            finishIfIdle()
+            return
+        } catch (e: IllegalStateException) {
+            refuse(configPath, e.message ?: "a stage is already running", exitCode = null)
+            return
         } catch (e: LinkageError) {
             // UnsatisfiedLinkError, or its wrappers from NativeRunner's initializer.
-            Log.e(TAG, "cannot load libzl_jni.so", e)
-            RunnerStatus(RunState.FAILED, config.label, config.path, "cannot load libzl_jni.so: ${e.message}")
+            refuse(configPath, "cannot load libzl_jni.so: ${e.message}", exitCode = 1)
+            return
         }
-        StatusBoard.update { ended }
-        mainHandler.post { onStageEnded(ended) }
+        Log.i(TAG, "running ${loaded.label} from ${loaded.path}${if (resume) " (resume)" else ""}")
+        config = loaded
+        StatusBoard.update { RunnerStatus(RunState.RUNNING, loaded.label, loaded.path, it.lastError) }
+        acquireWakeLock()
+        notifyStatus(StatusBoard.current)
+        polling = true
+        mainHandler.post(poll)
+    }
+
+    /**
+     * A start that never reached the native run: shown, logged and, when the
+     * config's folder exists, recorded for the host as zl_runner would
+     * (runner.pid, the message in runner.err, runner.exit [exitCode]).
+     */
+    private fun refuse(configPath: String?, message: String, exitCode: Int?) {
+        Log.e(TAG, message)
+        StatusBoard.update { RunnerStatus(RunState.FAILED, null, configPath, message) }
+        val folder = configPath?.let { File(it.trim()).absoluteFile.parentFile }
+        if (exitCode != null && folder != null && folder.isDirectory) {
+            try {
+                File(folder, "runner.exit").delete()
+                File(folder, "runner.pid").writeText("${Process.myPid()}\n")
+                File(folder, "runner.err").appendText("zl.RunnerService: $message\n")
+                File(folder, "runner.exit").writeText("$exitCode\n")
+            } catch (e: IOException) {
+                Log.w(TAG, "cannot record the refusal in $folder: ${e.message}")
+            }
+        }
+        finishIfIdle()
     }
 
     private fun requestStop() {
-        if (worker?.isAlive != true) {
+        if (!polling) {
             // Nothing to stop. If this start came through
             // startForegroundService (adb), the system still expects the
-            // foreground call; where it is not allowed, there is nothing to do.
-            try {
-                enterForeground(StatusBoard.current)
-            } catch (e: IllegalStateException) {
-                Log.i(TAG, "stop with no stage running: ${e.message}")
-            }
+            // foreground call.
+            enterForegroundIfAllowed()
             finishIfIdle()
             return
         }
-        stopRequested = true
+        NativeRunner.stopNative()
         StatusBoard.update { it.copy(state = RunState.STOPPING) }
         notifyStatus(StatusBoard.current)
-        NativeRunner.nativeStop()
     }
 
-    private fun onStageEnded(ended: RunnerStatus) {
-        worker = null
+    /** Main thread, once a second while a run is going: battery in, progress out. */
+    private fun pollRun() {
+        val battery = batteryTemperatureC()
+        if (battery != null) NativeRunner.reportBatteryTemperatureNative(battery)
+        val native = NativeRunner.status()
+        val windowSize = config?.windowSize
+        StatusBoard.update { it.withProgress(native, windowSize).copy(batteryC = battery ?: it.batteryC) }
+        if (native.ended) {
+            onStageEnded(native)
+        } else {
+            notifyStatus(StatusBoard.current)
+        }
+    }
+
+    private fun onStageEnded(native: NativeStatus) {
+        polling = false
+        mainHandler.removeCallbacks(poll)
+        val failure = native.failure()
+        val state = when (native.state) {
+            "finished" -> RunState.FINISHED
+            "stopped" -> RunState.STOPPED
+            else -> RunState.FAILED
+        }
+        if (failure != null) {
+            Log.e(TAG, "run failed (${failure.code}): ${failure.message}")
+        } else {
+            Log.i(TAG, "run ${native.state}, exit status ${native.exitCode}")
+        }
+        StatusBoard.update { it.copy(state = state, lastError = failure?.message ?: it.lastError) }
+        config = null
         releaseWakeLock()
         // Leave the final notification up (not ongoing) so the outcome stays
         // visible after the service is gone.
         ServiceCompat.stopForeground(this, ServiceCompat.STOP_FOREGROUND_DETACH)
-        notifyStatus(ended)
+        notifyStatus(StatusBoard.current)
         stopSelf()
     }
 
+    /** BatteryManager's temperature in °C from the sticky ACTION_BATTERY_CHANGED; null if absent. */
+    private fun batteryTemperatureC(): Double? {
+        val battery = registerReceiver(null, IntentFilter(Intent.ACTION_BATTERY_CHANGED)) ?: return null
+        val tenths = battery.getIntExtra(BatteryManager.EXTRA_TEMPERATURE, Int.MIN_VALUE)
+        return if (tenths == Int.MIN_VALUE) null else tenths / 10.0
+    }
+
+    /** app.json in the external files folder: the host's proof that the app starts, and where to push. */
+    private fun writeAppInfo() {
+        val folder = getExternalFilesDir(null)
+        if (folder == null) {
+            Log.e(TAG, "no external files folder (shared storage not mounted?)")
+            return
+        }
+        val info = packageManager.getPackageInfo(packageName, 0)
+        val versionCode = if (Build.VERSION.SDK_INT >= Build.VERSION_CODES.P) {
+            info.longVersionCode
+        } else {
+            @Suppress("DEPRECATION")
+            info.versionCode.toLong()
+        }
+        val json = JSONObject()
+            .put("package", packageName)
+            .put("version_name", info.versionName ?: "")
+            .put("version_code", versionCode)
+            .put("files_dir", folder.absolutePath)
+        try {
+            File(folder, APP_INFO_FILE).writeText(json.toString() + "\n")
+            Log.i(TAG, "prepared $folder")
+        } catch (e: IOException) {
+            Log.e(TAG, "cannot write $APP_INFO_FILE in $folder: ${e.message}")
+        }
+    }
+
     private fun finishIfIdle() {
-        if (worker?.isAlive == true) return
+        if (polling) return
         ServiceCompat.stopForeground(this, ServiceCompat.STOP_FOREGROUND_REMOVE)
         stopSelf()
     }
@@ -211,6 +305,15 @@ class RunnerService : Service() {
         ServiceCompat.startForeground(this, NOTIFICATION_ID, buildNotification(status), type)
     }
 
+    /** For intents that may come through startForegroundService (adb) but start no run. */
+    private fun enterForegroundIfAllowed() {
+        try {
+            enterForeground(StatusBoard.current)
+        } catch (e: IllegalStateException) {
+            Log.i(TAG, "not entering the foreground: ${e.message}")
+        }
+    }
+
     private fun notifyStatus(status: RunnerStatus) {
         getSystemService(NotificationManager::class.java).notify(NOTIFICATION_ID, buildNotification(status))
     }
@@ -226,15 +329,17 @@ class RunnerService : Service() {
         val openApp = PendingIntent.getActivity(
             this, 0, Intent(this, MainActivity::class.java), PendingIntent.FLAG_IMMUTABLE,
         )
-        val text = buildString {
-            append(status.state.name.lowercase())
-            if (status.state == RunState.FAILED && status.lastError != null) append(": ").append(status.lastError)
+        val summary = listOfNotNull(status.state.name.lowercase(), status.progressLine).joinToString(" · ")
+        val details = buildString {
+            append(summary)
+            if (status.metricsLine.isNotEmpty()) append('\n').append(status.metricsLine)
+            if (status.state == RunState.FAILED && status.lastError != null) append('\n').append(status.lastError)
         }
         val builder = NotificationCompat.Builder(this, CHANNEL_ID)
             .setSmallIcon(android.R.drawable.stat_notify_sync)
             .setContentTitle("ZeroLock ${status.stage ?: "stage"}")
-            .setContentText(text)
-            .setStyle(NotificationCompat.BigTextStyle().bigText(text))
+            .setContentText(summary)
+            .setStyle(NotificationCompat.BigTextStyle().bigText(details))
             .setContentIntent(openApp)
             .setOngoing(active)
             .setOnlyAlertOnce(true)

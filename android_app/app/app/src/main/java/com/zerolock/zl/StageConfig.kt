@@ -12,9 +12,37 @@ import org.json.JSONObject
  * surface late or unclearly (a path the app cannot read, a file that is not
  * a stage config at all).
  */
-data class StageConfig(val path: String, val stageIndex: Int, val numStages: Int) {
+data class StageConfig(
+    val path: String,
+    val stageIndex: Int,
+    val numStages: Int,
+    /** Micro-batches per update window (for "window 3/16" in the UI); 0 if the file has none. */
+    val windowSize: Long,
+    private val text: String,
+) {
     /** "stage 1 of 3", as the UI shows it (1-based). */
     val label: String get() = "stage ${stageIndex + 1} of $numStages"
+
+    /** The folder of the config file: relative paths resolve here, and the run's host files go here. */
+    val folder: File get() = File(path).absoluteFile.parentFile ?: File("/")
+
+    /**
+     * What [NativeRunner.startNative] takes: the file's JSON with `base_dir`
+     * made absolute (the file's folder, or its own `base_dir` resolved
+     * against it) and, with [resume], `"resume": true` (as `zl_runner --resume`).
+     */
+    fun toNativeJson(resume: Boolean): String {
+        val json = JSONObject(text)
+        val own = json.optString("base_dir", "")
+        val base = when {
+            own.isEmpty() -> folder
+            File(own).isAbsolute -> File(own)
+            else -> File(folder, own)
+        }
+        json.put("base_dir", base.path)
+        if (resume) json.put("resume", true)
+        return json.toString()
+    }
 
     companion object {
         /** A stage config is a few hundred bytes; anything this big is the wrong file. */
@@ -40,8 +68,9 @@ data class StageConfig(val path: String, val stageIndex: Int, val numStages: Int
             require(file.length() <= MAX_BYTES) {
                 "stage config '$trimmed' is ${file.length()} bytes; expected a small JSON file (<= $MAX_BYTES)"
             }
+            val text = file.readText()
             val json = try {
-                JSONObject(file.readText())
+                JSONObject(text)
             } catch (e: JSONException) {
                 throw IllegalArgumentException("stage config '$trimmed' is not a JSON object: ${e.message}")
             }
@@ -51,7 +80,7 @@ data class StageConfig(val path: String, val stageIndex: Int, val numStages: Int
                 "stage config '$trimmed': stage_index $stageIndex, num_stages $numStages; " +
                     "expected 0 <= stage_index < num_stages"
             }
-            return StageConfig(trimmed, stageIndex, numStages)
+            return StageConfig(trimmed, stageIndex, numStages, json.optLong("window_size", 0), text)
         }
 
         private fun intField(json: JSONObject, name: String, path: String): Int {

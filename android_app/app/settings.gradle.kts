@@ -1,5 +1,6 @@
-// The ZeroLock app shell: one module, `:app`. Its native library comes
-// prebuilt from android_app/build_android.sh (build-android/jniLibs).
+// The ZeroLock app shell: one module, `:app`, which also builds its native
+// library (libzl_jni.so) from android_app/native with CMake. The whole build,
+// with its prerequisite checks: tools/build_android.sh (android_app/README.md).
 pluginManagement {
     repositories {
         google()

@@ -304,7 +304,7 @@ def test_deploy_errors(tmp_path, monkeypatch):
 def test_android_runner_must_be_built_for_arm64(tmp_path, monkeypatch):
     monkeypatch.setenv("ZL_ANDROID_BUILD_DIR", str(tmp_path / "build-android"))
     monkeypatch.delenv("ZL_ANDROID_RUNNER", raising=False)
-    with pytest.raises(ZLError, match=r"build-android/zl_runner: the Android .* `android_app/build_android.sh`"):
+    with pytest.raises(ZLError, match=r"build-android/zl_runner: the Android .*`tools/build_android.sh --native-only`"):
         zdeploy.android_runner_binary()
     (tmp_path / "build-android").mkdir()
     host_elf = (tmp_path / "build-android" / "zl_runner")

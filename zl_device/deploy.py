@@ -71,7 +71,7 @@ def android_runner_binary() -> Path:
     if not path.is_file():
         raise ZLError(
             f"{path}: the Android (arm64-v8a) zl_runner is not built; set ANDROID_NDK, EXECUTORCH_ANDROID_PREFIX "
-            f"and ZL_SODIUM_ANDROID_PREFIX and run `android_app/build_android.sh` (`--check` lists what is "
+            f"and ZL_SODIUM_ANDROID_PREFIX and run `tools/build_android.sh --native-only` (`--check` lists what is "
             f"missing), or set {ANDROID_RUNNER_ENV} to a built binary."
         )
     with open(path, "rb") as f:
@@ -79,7 +79,7 @@ def android_runner_binary() -> Path:
     # ELF e_machine at byte 18 (little endian): 183 = AArch64. A host build pushed to a phone fails with a
     # cryptic "not executable: 64-bit ELF file" only when it starts.
     if header[:4] != b"\x7fELF" or int.from_bytes(header[18:20], "little") != 183:
-        raise ZLError(f"{path} is not an AArch64 ELF executable; build it with `android_app/build_android.sh`.")
+        raise ZLError(f"{path} is not an AArch64 ELF executable; build it with `tools/build_android.sh --native-only`.")
     return path
 
 

@@ -190,8 +190,12 @@ def list_phones(client: adbutils.AdbClient) -> list[DeviceInfo]:
 
 
 def open_phone(serial: str, client: adbutils.AdbClient | None = None, check_abi: bool = True,
-               link_profile: str = "local") -> AdbDevice:
+               link_profile: str = "local", mode: str = "binary") -> AdbDevice:
     """The phone with this serial, checked to be online, authorized and (optionally) arm64-v8a.
+
+    Args:
+        mode: "binary": stages run as zl_runner in /data/local/tmp/zerolock (`AdbDevice`); "app": in the app
+            com.zerolock.zl (`zl_device.app.AppDevice`).
 
     Raises:
         ZLError: the serial is not attached, unauthorized or offline, or the ABI is wrong.
@@ -208,7 +212,12 @@ def open_phone(serial: str, client: adbutils.AdbClient | None = None, check_abi:
     state = entries[serial]
     if state != "device":
         raise ZLError(f"phone {serial} is {state}: {_STATE_FIXES.get(state, 'run `adb devices -l` to see why')}.")
-    phone = AdbDevice(serial, client, link_profile=link_profile)
+    if mode == "app":
+        from zl_device.app import AppDevice
+
+        phone: AdbDevice = AppDevice(serial, client, link_profile=link_profile)
+    else:
+        phone = AdbDevice(serial, client, link_profile=link_profile)
     if check_abi:
         info = phone.info()
         if info.note:

@@ -1,10 +1,12 @@
 """The `Device` interface every backend implements (DESIGN.md §5).
 
-A device is a working directory plus at most one `zl_runner` process in it:
-a folder and a child process on this host (`local`), or a folder under
-/data/local/tmp/zerolock on a phone reached over adb (`adb`). The
-orchestrator, `zl deploy` and `zl pull` only use the operations below, so a
-new backend (an SSH board, say) is one more subclass.
+A device is a working directory plus at most one runner in it: a folder and
+a `zl_runner` child process on this host (`local`), a folder under
+/data/local/tmp/zerolock on a phone reached over adb with `zl_runner` started
+by `adb shell` (`adb`, `--mode binary`), or the app com.zerolock.zl's files
+folder and its foreground service (`adb`, `--mode app`). The orchestrator,
+`zl deploy` and `zl pull` only use the operations below, so a new backend (an
+SSH board, say) is one more subclass.
 
 Paths on the device are POSIX strings; a relative one is relative to the
 device's `workdir`. Exit codes follow Python's `subprocess` convention:
@@ -34,6 +36,8 @@ RUNNER_EXIT = "runner.exit"
 
 #: Called with the number of bytes just copied, for progress bars.
 ByteCallback = Callable[[int], None]
+#: Called before each push with (device name, remote name, bytes to push, skipped because unchanged).
+FileCallback = Callable[[str, str, int, bool], None]
 
 
 @dataclass(frozen=True)
@@ -47,12 +51,25 @@ class DeviceInfo:
     abi: str = ""  # ro.product.cpu.abi on a phone, the machine on the host (x86_64, aarch64)
     android: str = ""  # Android version (ro.build.version.release); "" for local
     note: str = ""  # what to do when state is not "ready", or extra detail
+    app: str = ""  # versionName of the installed com.zerolock.zl app (phones); "" when not installed
+
+
+@dataclass(frozen=True)
+class RuntimeInstall:
+    """What `Device.install_runtime` did."""
+
+    name: str  # what runs the stages, e.g. "app com.zerolock.zl 0.1.0"
+    installed: bool  # False: the same build was already there
+    bytes_pushed: int = 0
 
 
 class Device(ABC):
     """A place to run one pipeline stage: a working directory and a runner process."""
 
     kind: str = ""
+    #: Whether stages run as the `zl_runner` binary in the workdir, which deploy pushes there. False: the
+    #: runtime lives outside the workdir and `install_runtime` puts it on the device (the app).
+    runs_runner_binary: bool = True
 
     def __init__(self, name: str, workdir: str, link_profile: str):
         self.name = name
@@ -118,6 +135,18 @@ class Device(ABC):
         """Free space on the filesystem that holds the workdir."""
 
     # --- the runner ----------------------------------------------------------------------------------
+
+    def install_runtime(self, force: bool = False, on_file: FileCallback | None = None,
+                        on_bytes: ByteCallback | None = None) -> RuntimeInstall | None:
+        """Install what runs stages here beyond the workdir's files; deploy calls it before pushing any.
+
+        The default has nothing to install: the runner is `zl_runner` in the workdir, pushed with the stage
+        files (`runs_runner_binary`). Returns None then.
+
+        Args:
+            force: install even when the same build is already there.
+        """
+        return None
 
     @abstractmethod
     def start_runner(self, config: str, resume: bool = False) -> None:

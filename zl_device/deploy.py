@@ -2,14 +2,15 @@
 
 A deployed device's workdir holds, flat:
 
-    zl_runner          the runner (host build for local devices, build-android/zl_runner for phones)
+    zl_runner          the runner (host build for local devices, build-android/zl_runner for phones;
+                       not in `--mode app`, where the app is installed instead: `Device.install_runtime`)
     manifest.json      the export's manifest
     stage_<k>.pte      this device's stage program
     stage_<k>.json     the stage config, its host paths rewritten to the names above (when given)
     run.key, *.safetensors ...   the other files the config names (run key, data shard)
 
 Stage k goes to devices[k]; devices past the last stage are spares and get
-the runner and manifest only (`deploy_stage` puts a stage on one when the
+the runner (or the app) and manifest only (`deploy_stage` puts a stage on one when the
 orchestrator moves a failed stage there). Files whose sha256 already matches
 are not pushed again: a stage program is ~250 MB.
 
@@ -26,7 +27,7 @@ import logging
 import os
 import posixpath
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,8 @@ from zl_device.backend import (
     RUNNER_STDOUT,
     ByteCallback,
     Device,
+    FileCallback,
+    RuntimeInstall,
 )
 
 log = logging.getLogger(__name__)
@@ -51,9 +54,6 @@ DISK_MARGIN = 64 << 20
 #: Files at least this big are hashed on both sides before pushing (smaller ones are just pushed).
 _HASH_MIN_BYTES = 1 << 20
 ANDROID_RUNNER_ENV = "ZL_ANDROID_RUNNER"
-
-#: Called before each push with (device name, remote name, bytes to push, skipped because unchanged).
-FileCallback = Callable[[str, str, int, bool], None]
 
 
 def stage_config_name(stage: int) -> str:
@@ -108,6 +108,7 @@ class DeployResult:
     unchanged: list[str] = field(default_factory=list)
     bytes_pushed: int = 0
     config: str | None = None  # remote name of the stage config
+    runtime: RuntimeInstall | None = None  # the app, where the device runs one (`--mode app`)
 
 
 def _load_config(config: Path | Mapping, base: Path) -> tuple[dict, Path]:
@@ -133,25 +134,32 @@ def deploy_stage(
     on_file: FileCallback | None = None,
     on_bytes: ByteCallback | None = None,
 ) -> DeployResult:
-    """Put the runner, the manifest and (unless `stage` is None) stage `stage`'s program and config on `device`.
+    """Put the runner (or the app), the manifest and (unless `stage` is None) stage `stage`'s program and config
+    on `device`.
 
     Args:
         config: the stage's runner config, a JSON file or a dict; relative paths in it resolve against the
             file's folder (a dict: against `export_dir`). Host files it names are pushed next to it and the
             fields rewritten to their names; paths that do not exist on the host are kept (device paths).
-        runner: the runner binary (default: the build for this device's kind).
+        runner: the runner binary (default: the build for this device's kind); devices that do not run the
+            binary (`--mode app`) take none.
         manifest: the export's manifest, when the caller has read it already.
-        force: push even files whose sha256 already matches.
+        force: push even files whose sha256 already matches (and reinstall the app).
 
     Raises:
-        ZLError: a missing export file or runner build, a config for another stage, or too little free space.
+        ZLError: a missing export file, runner build or APK, a config for another stage, or too little free space.
     """
     from zl_export.manifest import load_manifest
 
     export_dir = Path(export_dir)
     manifest = manifest or load_manifest(export_dir)
-    runner = Path(runner) if runner else runner_binary_for(device)
-    files: dict[str, tuple[Path, int]] = {RUNNER_NAME: (runner, 0o755), MANIFEST: (export_dir / MANIFEST, 0o644)}
+    files: dict[str, tuple[Path, int]] = {}
+    if device.runs_runner_binary:
+        files[RUNNER_NAME] = (Path(runner) if runner else runner_binary_for(device), 0o755)
+    elif runner is not None:
+        raise ZLError(f"--runner {runner}: {device.name} runs its stage in the app (--mode app), which carries its "
+                      "own runtime; drop --runner (set ZL_ANDROID_APK to install another APK).")
+    files[MANIFEST] = (export_dir / MANIFEST, 0o644)
     config_text = None
     if stage is not None:
         entries = {s["index"]: s for s in manifest["stages"]}
@@ -181,11 +189,14 @@ def deploy_stage(
                     raise ZLError(f"config field {key}={value}: no such file under {base}; fix the stage config.")
             config_text = json.dumps(cfg, indent=2) + "\n"
 
-    result = DeployResult(device.name, stage)
-    todo = []
-    for name, (host, mode) in files.items():
+    for name, (host, _) in files.items():
         if not host.is_file():
             raise ZLError(f"{host}: missing; cannot deploy {name} to {device.name}.")
+    # First, as the app creates the workdir it runs in.
+    runtime = device.install_runtime(force, on_file, on_bytes)
+    result = DeployResult(device.name, stage, runtime=runtime, bytes_pushed=runtime.bytes_pushed if runtime else 0)
+    todo = []
+    for name, (host, mode) in files.items():
         size = host.stat().st_size
         unchanged = (not force and size >= _HASH_MIN_BYTES and device.file_sha256(name) == file_sha256(host))
         if unchanged:
@@ -223,7 +234,7 @@ def deploy(
     on_file: FileCallback | None = None,
     on_bytes: ByteCallback | None = None,
 ) -> list[DeployResult]:
-    """Stage k of `export_dir` to devices[k]; extra devices become spares (runner and manifest only).
+    """Stage k of `export_dir` to devices[k]; extra devices become spares (runner or app, and manifest only).
 
     Args:
         configs: {stage: config file or dict}, or a folder with stage_<k>.json files, or None (programs only).

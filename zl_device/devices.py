@@ -1,7 +1,11 @@
-"""`--devices`: `local:3` (three local devices) or `SERIAL1,SERIAL2,...` (phones over adb).
+"""`--devices`: `local:3` (three local devices) or `SERIAL1,SERIAL2,...` (phones over adb), and `--mode`.
 
     open_devices("local:3", run_dir=Path("runs/demo"))   # runs/demo/devices/local-0 .. local-2
     open_devices("R58M123,R58M456")                      # two phones, checked online and arm64-v8a
+    open_devices("R58M123,R58M456", mode="app")          # the same phones, stages run in the app
+
+`--mode binary` (the default) runs a phone's stage as `zl_runner` in /data/local/tmp/zerolock;
+`--mode app` in the app com.zerolock.zl (zl_device/app.py). Local devices always run the host binary.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from zl_device.backend import Device
 
 LOCAL = "local"
 LINK_PROFILES = ("local", "wifi", "mobile", "constrained")
+#: How a phone runs its stage: the zl_runner binary over `adb shell`, or the app's foreground service.
+MODES = ("binary", "app")
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,20 @@ def parse_devices(spec: str) -> DevicesSpec:
     return DevicesSpec("adb", len(serials), tuple(serials))
 
 
+def check_mode(spec: DevicesSpec, mode: str) -> None:
+    """`mode` is one of MODES and fits the devices.
+
+    Raises:
+        ZLError: an unknown mode, or `app` with local devices.
+    """
+    if mode not in MODES:
+        raise ZLError(f"--mode {mode!r}: expected one of {', '.join(MODES)} (binary: zl_runner over adb; app: the "
+                      "com.zerolock.zl app).")
+    if mode == "app" and spec.kind == LOCAL:
+        raise ZLError(f"--mode app needs phones; local devices run the host binary (--devices local:{spec.count}). "
+                      "Pass phone serials (see `zl devices`) or drop --mode app.")
+
+
 def local_cpu_sets(count: int, cpus: Sequence[int] | None = None) -> list[tuple[int, ...]]:
     """Split the CPUs this process may use into `count` contiguous groups (one per local device).
 
@@ -75,6 +95,7 @@ def open_devices(
     link_profile: str | None = None,
     check_abi: bool = True,
     client=None,
+    mode: str = "binary",
 ) -> list[Device]:
     """The devices of a --devices value, in stage order.
 
@@ -87,12 +108,14 @@ def open_devices(
             already have a real link, a profile adds its delay on top).
         check_abi: phones: fail unless arm64-v8a.
         client: an adbutils client (default: connect to the adb server, starting it).
+        mode: phones: "binary" (zl_runner over adb) or "app" (the com.zerolock.zl app); see MODES.
 
     Raises:
-        ZLError: a bad spec, no run_dir for local devices, or a phone that is missing, unauthorized, offline or
-            of the wrong ABI.
+        ZLError: a bad spec or mode, no run_dir for local devices, or a phone that is missing, unauthorized,
+            offline or of the wrong ABI.
     """
     parsed = parse_devices(spec) if isinstance(spec, str) else spec
+    check_mode(parsed, mode)
     if link_profile is not None and link_profile not in LINK_PROFILES:
         raise ZLError(f"link profile {link_profile!r}: expected one of {', '.join(LINK_PROFILES)}.")
     if parsed.kind == LOCAL:
@@ -107,4 +130,5 @@ def open_devices(
     from zl_device.adb import connect, open_phone
 
     client = client or connect()
-    return [open_phone(s, client, check_abi=check_abi, link_profile=link_profile or "local") for s in parsed.serials]
+    return [open_phone(s, client, check_abi=check_abi, link_profile=link_profile or "local", mode=mode)
+            for s in parsed.serials]

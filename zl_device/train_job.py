@@ -50,6 +50,7 @@ class TrainSettings:
     samples: int = 256
     window: int = 4
     devices: str = "local:3"
+    mode: str = "binary"  # phones: "binary" (zl_runner over adb) or "app" (the com.zerolock.zl app)
     out: Path = Path("runs/train")
     recovery: str = "local"
     inject_failure: str | None = None
@@ -314,7 +315,7 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
     from zl_device.control import ControlServer
     from zl_device.coordinator import Coordinator, Injection, StagePlan
     from zl_device.deploy import deploy, deploy_stage, pull
-    from zl_device.devices import open_devices, parse_devices
+    from zl_device.devices import check_mode, open_devices, parse_devices
     from zl_device.network import apply_tunnels, plan_addresses
     from zl_device.report import write_report
 
@@ -326,6 +327,7 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
     if s.samples < 1 or s.window < 1:
         raise ZLError(f"--samples {s.samples} --window {s.window}: both must be at least 1.")
     spec = parse_devices(s.devices)
+    check_mode(spec, s.mode)  # before the export, which takes minutes
     run_dir.mkdir(parents=True, exist_ok=True)
 
     export_dir, manifest = export_cached(s, say)
@@ -339,7 +341,7 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
     num_windows = math.ceil(num_micro_batches / s.window)
     injection = Injection.parse(s.inject_failure, num_stages, num_windows) if s.inject_failure else None
 
-    devices = open_devices(spec, run_dir, link_profile=s.link_profile)
+    devices = open_devices(spec, run_dir, link_profile=s.link_profile, mode=s.mode)
     stage_devices, spares = devices[:num_stages], devices[num_stages:num_stages + s.spares]
     key_file = run_dir / "run.key"
     key_file.write_text(secrets.token_hex(32) + "\n")
@@ -359,7 +361,8 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
         for k, cfg in deployed.items():
             (run_dir / f"stage_{k}.json").write_text(json.dumps(cfg, indent=2) + "\n")
         say(f"deploy: {num_stages} stages to {', '.join(d.name for d in stage_devices)}"
-            + (f" (spares: {', '.join(d.name for d in spares)})" if spares else ""))
+            + (f" (spares: {', '.join(d.name for d in spares)})" if spares else "")
+            + (" in the app" if s.mode == "app" else ""))
         results = deploy(stage_devices, export_dir, deployed)
         plans = [StagePlan(k, d, r.config, "metrics.jsonl", "checkpoints", entry_bytes(manifest, k))
                  for k, (d, r) in enumerate(zip(stage_devices, results))]

@@ -12,14 +12,21 @@ import typer
 from zl.errors import ZLError
 
 DEVICES_HELP = "local:N (N local processes) or phone serials SERIAL1,SERIAL2,... in stage order (see `zl devices`)."
+MODE_HELP = ("How phones run their stage: `binary` (zl_runner started over adb in /data/local/tmp/zerolock) or `app` "
+             "(the com.zerolock.zl app's foreground service, files in /sdcard/Android/data/com.zerolock.zl/files; "
+             "`zl deploy --mode app` installs the APK: $ZL_ANDROID_APK, else the debug build of tools/build_android.sh). "
+             "Phones only.")
 
 
 def devices_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per device instead of a table.")] = False,
 ) -> None:
-    """List attached phones (serial, state, model, ABI, Android version) and the always-available `local` backend.
+    """List attached phones (serial, state, model, ABI, Android version, installed app version) and the
+    always-available `local` backend.
 
-    A phone must be `ready`: authorized, online and arm64-v8a. The adb server is started when it is not running.
+    A phone must be `ready`: authorized, online and arm64-v8a. The `app` column shows the version of the
+    com.zerolock.zl app (`--mode app`), `-` when it is not installed. The adb server is started when it is not
+    running.
 
     Examples:
 
@@ -37,7 +44,8 @@ def devices_command(
                        note=f"{os.cpu_count()} CPUs; --devices local:N")]
     adb_problem = ""
     try:
-        rows += list_phones(connect())
+        client = connect()
+        rows += [_with_app_version(client, r) for r in list_phones(client)]
     except ZLError as e:
         adb_problem = str(e)
     if as_json:
@@ -47,15 +55,28 @@ def devices_command(
         from rich.console import Console
         from rich.table import Table
 
-        table = Table("device", "kind", "state", "model", "ABI", "Android", "note", box=None)
+        table = Table("device", "kind", "state", "model", "ABI", "Android", "app", "note", box=None)
         for r in rows:
             state = r.state if r.state == "ready" else f"[red]{r.state}[/red]"
-            table.add_row(r.name, r.kind, state, r.model, r.abi, r.android, r.note)
+            app = r.app or ("-" if r.kind == "adb" and r.state == "ready" else "")
+            table.add_row(r.name, r.kind, state, r.model, r.abi, r.android, app, r.note)
         Console().print(table)
         if len(rows) == 1 and not adb_problem:
             typer.echo("no phones attached (enable USB debugging and plug one in, or `adb connect IP:5555`).", err=True)
     if adb_problem:
         typer.echo(f"phones: unavailable: {adb_problem}", err=True)
+
+
+def _with_app_version(client, row):
+    """`row` with the installed app's version, for a ready phone (a failed lookup leaves it empty)."""
+    from zl_device.app import app_version
+
+    if row.state != "ready":
+        return row
+    try:
+        return dataclasses.replace(row, app=app_version(client.device(row.name), row.name) or "")
+    except ZLError:
+        return row
 
 
 def _progress():
@@ -85,23 +106,30 @@ def deploy_command(
         typer.Option("--runner", help="The zl_runner binary to push (default: build/android_app/native/zl_runner "
                      "for local devices, build-android/zl_runner for phones).", show_default=False),
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Push every file, even those whose sha256 already matches.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Push every file, even those whose sha256 already matches "
+                                        "(and reinstall the app).")] = False,
+    mode: Annotated[str, typer.Option("--mode", help=MODE_HELP)] = "binary",
 ) -> None:
     """Push the runner, the manifest and stage k's program (and config) to the k-th device.
 
     Phones get /data/local/tmp/zerolock/; devices beyond the number of stages are spares (runner and manifest only).
     Unchanged files are skipped by sha256.
 
+    With --mode app, phones get the app com.zerolock.zl instead of zl_runner (reinstalled only when the APK changed).
+    Their files go to the app's folder /sdcard/Android/data/com.zerolock.zl/files/.
+
     Examples:
 
       zl deploy --devices local:3 --export runs/export --run-dir runs/demo
 
       zl deploy --devices R58M123,R58M456,R58M789 --export runs/export --configs runs/demo/configs
+
+      zl deploy --devices R58M123,R58M456,R58M789 --mode app --export runs/export --configs runs/demo/configs
     """
     from zl_device.deploy import deploy
     from zl_device.devices import open_devices
 
-    opened = open_devices(devices, run_dir)
+    opened = open_devices(devices, run_dir, mode=mode)
     with _progress() as progress:
         task = progress.add_task("deploy", total=None)
 
@@ -113,8 +141,9 @@ def deploy_command(
     for r in results:
         what = f"stage {r.stage}" if r.stage is not None else "spare"
         unchanged = f", {len(r.unchanged)} unchanged" if r.unchanged else ""
+        app = (f", {r.runtime.name} {'installed' if r.runtime.installed else 'unchanged'}" if r.runtime else "")
         typer.echo(f"{r.device}: {what}: pushed {len(r.pushed)} files ({r.bytes_pushed / 2**20:.1f} MiB){unchanged}"
-                   + (f", config {r.config}" if r.config else ""))
+                   + (f", config {r.config}" if r.config else "") + app)
 
 
 def pull_command(
@@ -128,6 +157,8 @@ def pull_command(
     ] = None,
     checkpoints: Annotated[bool, typer.Option("--checkpoints/--no-checkpoints", help="Pull complete checkpoints.")] = True,
     input_logs: Annotated[bool, typer.Option("--input-logs", help="Pull the stages' durable input logs too.")] = False,
+    mode: Annotated[str, typer.Option("--mode", help="The --mode the phones were deployed with (it decides the "
+                                      "folder pulled from): binary or app.")] = "binary",
 ) -> None:
     """Copy runner logs, telemetry and checkpoints from the devices into a run directory.
 
@@ -136,17 +167,20 @@ def pull_command(
       zl pull --devices local:3 --out runs/demo
 
       zl pull --devices R58M123,R58M456,R58M789 --out runs/phones --no-checkpoints
+
+      zl pull --devices R58M123,R58M456,R58M789 --mode app --out runs/phones
     """
     from zl_device.deploy import pull
-    from zl_device.devices import LOCAL, open_devices, parse_devices
+    from zl_device.devices import LOCAL, check_mode, open_devices, parse_devices
 
     spec = parse_devices(devices)
+    check_mode(spec, mode)
     if spec.kind == LOCAL:
         missing = [p for i in range(spec.count) if not (p := (run_dir or out) / "devices" / f"local-{i}").is_dir()]
         if missing:
             raise ZLError(f"{missing[0]} does not exist: no local device was deployed there; pass the run "
                           "directory of `zl deploy --run-dir` as --run-dir (or --out).")
-    opened = open_devices(spec, run_dir or out, check_abi=False)
+    opened = open_devices(spec, run_dir or out, check_abi=False, mode=mode)
     for r in pull(opened, out, checkpoints, input_logs):
         if not r.bytes_pulled:
             typer.echo(f"{r.device}: nothing to pull (no runner output, stage config or telemetry yet)")

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from zl.commands.devices import MODE_HELP
 from zl.errors import ZLError
 
 EXAMPLE = """
@@ -20,6 +21,8 @@ Examples:
   zl train --inject-failure 1@2 --recovery local --out runs/fail-local
 
   zl train --model tinyllama-random --stages 0-6,7-13,14-21 --seq-len 128 --samples 16 --window 4 --data demo
+
+  zl train --devices R58M123,R58M456,R58M789 --mode app --out runs/phones
 """
 
 console = Console()
@@ -36,6 +39,7 @@ def train_command(
     samples: int = typer.Option(256, "--samples", help="Training samples (the shard repeats when it has fewer rows)."),
     window: int = typer.Option(4, "--window", help="Update window m: micro-batches per AdamW step."),
     devices: str = typer.Option("local:3", "--devices", help="local:N, or phone serials SERIAL1,SERIAL2,... (see `zl devices`)."),
+    mode: str = typer.Option("binary", "--mode", help=MODE_HELP),
     out: Path = typer.Option(Path("runs/train"), "--out", help="Run directory (must be new or empty)."),
     recovery: str = typer.Option("local", "--recovery", help="local: restart only the failed stage; global: roll every stage back."),
     inject_failure: str = typer.Option(None, "--inject-failure", help="STAGE@WINDOW: SIGKILL that stage in the middle of that window."),
@@ -58,7 +62,7 @@ def train_command(
 
     settings = TrainSettings(
         model=model, stages=stages, num_stages=num_stages, data=data, eval_data=eval_data, data_format=data_format,
-        truncate=truncate, samples=samples, window=window, devices=devices, out=out, recovery=recovery, inject_failure=inject_failure,
+        truncate=truncate, samples=samples, window=window, devices=devices, mode=mode, out=out, recovery=recovery, inject_failure=inject_failure,
         spares=spares, seed=seed, seq_len=seq_len, micro_batch=micro_batch, lora_rank=lora_rank,
         lora_alpha=lora_alpha, lora_targets=lora_targets, alpha=alpha, consistency=consistency, lr=lr,
         threads=threads, eval_limit=eval_limit, timeout_s=timeout,

@@ -282,7 +282,12 @@ class RunnerService : Service() {
 
     private fun acquireWakeLock() {
         if (wakeLock?.isHeld == true) return
-        val power = getSystemService(PowerManager::class.java)
+        // getSystemService(Class) is documented to return null for a service
+        // the device lacks: then the run goes on without a wake lock.
+        val power = getSystemService(PowerManager::class.java) ?: run {
+            Log.w(TAG, "no PowerManager: running without a wake lock")
+            return
+        }
         // Released in onStageEnded / onDestroy: a run lasts as long as it
         // lasts, so there is no fixed timeout to give.
         wakeLock = power.newWakeLock(PowerManager.PARTIAL_WAKE_LOCK, "zerolock:stage").apply {
@@ -315,12 +320,12 @@ class RunnerService : Service() {
     }
 
     private fun notifyStatus(status: RunnerStatus) {
-        getSystemService(NotificationManager::class.java).notify(NOTIFICATION_ID, buildNotification(status))
+        getSystemService(NotificationManager::class.java)?.notify(NOTIFICATION_ID, buildNotification(status))
     }
 
     private fun buildNotification(status: RunnerStatus): Notification {
         val manager = getSystemService(NotificationManager::class.java)
-        if (manager.getNotificationChannel(CHANNEL_ID) == null) {
+        if (manager != null && manager.getNotificationChannel(CHANNEL_ID) == null) {
             manager.createNotificationChannel(
                 NotificationChannel(CHANNEL_ID, getString(R.string.channel_name), NotificationManager.IMPORTANCE_LOW),
             )

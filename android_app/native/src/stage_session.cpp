@@ -9,13 +9,12 @@
 
 #include "zl/durable_file.h"
 #include "zl/log.h"
+#include "zl/telemetry.h"
 
 namespace zl {
 namespace {
 
 using nlohmann::json;
-
-json number_or_null(const std::optional<double>& value) { return value ? json(*value) : json(nullptr); }
 
 json index_or_null(int64_t value) { return value >= 0 ? json(value) : json(nullptr); }
 

@@ -24,11 +24,6 @@ std::string join(const std::string& root, const char* relative) {
   return root.back() == '/' ? root + relative : root + "/" + relative;
 }
 
-json number_or_null(double value) { return std::isfinite(value) ? json(value) : json(nullptr); }
-json number_or_null(const std::optional<double>& value) {
-  return value.has_value() ? number_or_null(*value) : json(nullptr);
-}
-
 int64_t now_unix_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
@@ -88,6 +83,11 @@ bool plausible_zone_type(std::string type) {
 }
 
 }  // namespace
+
+json number_or_null(double value) { return std::isfinite(value) ? json(value) : json(nullptr); }
+json number_or_null(const std::optional<double>& value) {
+  return value.has_value() ? number_or_null(*value) : json(nullptr);
+}
 
 json to_json(const MicroBatchRecord& r) {
   return {{"type", "micro_batch"},

@@ -59,6 +59,11 @@ struct WindowRecord {
 };
 
 /// The JSON object of a record (see file comment), with t_unix_ms stamped.
+/// A JSON number, or null for a missing or non-finite value (telemetry never
+/// writes a made-up number).
+nlohmann::json number_or_null(double value);
+nlohmann::json number_or_null(const std::optional<double>& value);
+
 nlohmann::json to_json(const MicroBatchRecord& record);
 nlohmann::json to_json(const WindowRecord& record);
 

@@ -14,7 +14,16 @@ phase 2 of every stage but the last.
     .venv/bin/python tools/bench_early_forwarding.py --export /tmp/zl3 --shard /tmp/zl3data/train.safetensors
     .venv/bin/python tools/bench_early_forwarding.py ... --link-profile mobile --micro-batches 64 --json out.json
 
-The runner binary is build/android_app/native/zl_runner (or --runner / $ZL_RUNNER_BIN).
+With `--app-stage K` the two runs are instead: every stage as `zl_runner`,
+then stage K the Android app's way (libzl_jni.so driven from a JVM by
+AppStageDriver: startNative, statusNative polling, as RunnerService does),
+both with early forwarding on; the ratio line shows what the app's native
+path costs against the bare binary:
+
+    .venv/bin/python tools/bench_early_forwarding.py --export /tmp/zl3 --shard /tmp/zl3data/train.safetensors --app-stage 1
+
+The runner binary is build/android_app/native/zl_runner (or --runner / $ZL_RUNNER_BIN); the JNI library and
+the JVM classes are built next to it (android_app/native/jni, needs a JDK).
 """
 
 from __future__ import annotations
@@ -34,8 +43,21 @@ RUN_ID = "00112233445566778899aabbccddeeff"
 FIELDS = ("phase1_ms", "phase2_ms", "queue_ms", "send_ms", "total_ms")
 
 
-def run_pipeline(runner: Path, export: Path, shard: Path, run_dir: Path, args, early: bool) -> dict:
-    """One run; returns {"wall_s", "stages": [{field: median}], "loss_last": [...]} from the telemetry."""
+def app_stage_command(runner: Path) -> list[str]:
+    """The JVM command that runs one stage through libzl_jni.so (AppStageDriver), built next to `runner`."""
+    jni = runner.parent / "jni"
+    library, classes = jni / "libzl_jni.so", jni / "host_test_classes"
+    if not library.is_file() or not (classes / "com" / "zerolock" / "zl" / "AppStageDriver.class").is_file():
+        sys.exit(f"{library} or its JVM classes are not built (needs a JDK); run `cmake --build build -j2`")
+    return ["java", f"-Dzl.jni.library={library}", "-cp", str(classes), "com.zerolock.zl.AppStageDriver"]
+
+
+def run_pipeline(runner: Path, export: Path, shard: Path, run_dir: Path, args, early: bool,
+                 app_stage: int | None = None) -> dict:
+    """One run; returns {"wall_s", "stages": [{field: median}], "loss_last": [...]} from the telemetry.
+
+    `app_stage`: that stage runs through the app's JNI library instead of zl_runner.
+    """
     num_stages = len(json.loads((export / "manifest.json").read_text())["stages"])
     run_dir.mkdir(parents=True)
     (run_dir / "run.key").write_text(os.urandom(32).hex() + "\n")
@@ -57,7 +79,8 @@ def run_pipeline(runner: Path, export: Path, shard: Path, run_dir: Path, args, e
             cfg["downstream"] = f"127.0.0.1:{port}"
         (run_dir / f"stage{k}.json").write_text(json.dumps(cfg))
         out = open(run_dir / f"stdout{k}", "w")
-        procs[k] = subprocess.Popen([str(runner), "--config", f"stage{k}.json"], cwd=run_dir, stdout=out,
+        command = app_stage_command(runner) if k == app_stage else [str(runner)]
+        procs[k] = subprocess.Popen(command + ["--config", f"stage{k}.json"], cwd=run_dir, stdout=out,
                                     stderr=open(run_dir / f"stderr{k}", "w"))
         if k > 0:
             port = wait_port(run_dir / f"stdout{k}", procs[k])
@@ -76,7 +99,9 @@ def run_pipeline(runner: Path, export: Path, shard: Path, run_dir: Path, args, e
     first, last = per_stage[0], per_stage[-1]
     latency = [last[i]["t_unix_ms"] - (first[i]["t_unix_ms"] - first[i]["total_ms"])
                for i in sorted(first)[args.warmup:] if i in last]
-    return {"early_forwarding": early, "wall_s": wall, "micro_batches_per_s": args.micro_batches / wall,
+    label = ("on" if early else "off") if args.app_stage is None else (f"app@{app_stage}" if app_stage is not None
+                                                                       else "binary")
+    return {"label": label, "early_forwarding": early, "app_stage": app_stage, "wall_s": wall, "micro_batches_per_s": args.micro_batches / wall,
             "latency_ms": statistics.median(latency), "stages": stages}
 
 
@@ -104,22 +129,32 @@ def main() -> None:
     parser.add_argument("--link-profile", default="local", help="local, wifi, mobile or constrained")
     parser.add_argument("--threads", type=int, default=1, help="ExecuTorch threads per stage")
     parser.add_argument("--warmup", type=int, default=2, help="first micro-batches left out of the medians")
+    parser.add_argument("--app-stage", type=int, help="compare all-zl_runner against this stage run through the "
+                        "app's JNI library (instead of early forwarding on vs off)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
+    runs = [(True, None), (False, None)] if args.app_stage is None else [(True, None), (True, args.app_stage)]
     results = []
     with tempfile.TemporaryDirectory(prefix="zl_bench_ef_") as tmp:
-        for early in (True, False):
+        for i, (early, app_stage) in enumerate(runs):
             results.append(run_pipeline(args.runner.resolve(), args.export.resolve(), args.shard.resolve(),
-                                        Path(tmp) / ("on" if early else "off"), args, early))
+                                        Path(tmp) / f"run{i}", args, early, app_stage))
     print(f"{args.micro_batches} micro-batches, window {args.window_size}, D={args.depth}, "
           f"link {args.link_profile}, {args.threads} thread(s) per stage; medians in ms")
-    print(f"{'early fwd':>9} {'stage':>5} " + " ".join(f"{f[:-3]:>8}" for f in FIELDS))
+    column = "early fwd" if args.app_stage is None else "run"
+    print(f"{column:>9} {'stage':>5} " + " ".join(f"{f[:-3]:>8}" for f in FIELDS))
     for r in results:
         for k, s in enumerate(r["stages"]):
-            print(f"{'on' if r['early_forwarding'] else 'off':>9} {k:>5} " + " ".join(f"{s[f]:8.2f}" for f in FIELDS))
+            print(f"{r['label']:>9} {k:>5} " + " ".join(f"{s[f]:8.2f}" for f in FIELDS))
         print(f"{'':>9} wall {r['wall_s']:.2f} s, {r['micro_batches_per_s']:.1f} micro-batches/s, "
               f"pipeline latency (stage 0 start to last stage end) median {r['latency_ms']:.1f} ms")
+    if args.app_stage is not None:
+        k = args.app_stage
+        base, app = results[0]["stages"][k], results[1]["stages"][k]
+        print(f"stage {k} app/binary: " + ", ".join(f"{f[:-3]} {app[f] / base[f]:.3f}" for f in FIELDS
+                                                    if base[f] > 0) +
+              f"; throughput {results[1]['micro_batches_per_s'] / results[0]['micro_batches_per_s']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

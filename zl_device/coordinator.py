@@ -3,7 +3,8 @@
 Membership: every stage's runner registers and sends heartbeats on the
 control channel (zl_device/control.py); on local devices the coordinator
 also reads each runner's telemetry file as it grows, so progress shows even
-without a control connection. A stage has failed when its process exits
+without a control connection; on phones it reads that file over adb when a
+stage fails, to know the window in flight (heartbeats come once a second). A stage has failed when its process exits
 with a non-zero status or, once it has sent a heartbeat, when no heartbeat
 arrived for `heartbeat_timeout_s`.
 
@@ -175,6 +176,10 @@ class Coordinator:
             if on_update:
                 on_update(self.status)
             if all(s.state == "done" for s in self.status):
+                # Frames sent just before the runners exited (last commits, a final heartbeat) may be queued
+                # still: a phone's exit is seen over adb, not on the control channel.
+                self._drain_control()
+                self._check_recovered()
                 return self.events
             if self.timeout_s and time.monotonic() - start > self.timeout_s:
                 self.stop_all()
@@ -211,17 +216,21 @@ class Coordinator:
             elif e.type == FrameType.ERROR:
                 log.warning("stage %d reports: %s", e.stage, e.payload.get("reason"))
 
-    def _read_telemetry(self, k: int) -> None:
-        """New lines of a local device's telemetry file (phones report through heartbeats instead)."""
+    def _read_telemetry(self, k: int, remote: bool = False) -> None:
+        """New lines of a stage's telemetry file: tailed on local devices; on phones, which report through
+        heartbeats, read over adb only when `remote` (at a failure: a heartbeat may be a window behind)."""
         plan = self.plans[k]
-        if plan.device.kind != "local":
-            return
-        path = Path(plan.device.path(plan.log_path))
-        try:
-            with path.open("rb") as f:
-                f.seek(self._offsets[k])
-                chunk = f.read()
-        except FileNotFoundError:
+        if plan.device.kind == "local":
+            path = Path(plan.device.path(plan.log_path))
+            try:
+                with path.open("rb") as f:
+                    f.seek(self._offsets[k])
+                    chunk = f.read()
+            except FileNotFoundError:
+                return
+        elif remote:
+            chunk = (plan.device.read_text(plan.log_path) or "").encode()[self._offsets[k]:]
+        else:
             return
         self._offsets[k] += len(chunk)
         text = self._partial[k] + chunk.decode(errors="replace")
@@ -263,7 +272,9 @@ class Coordinator:
         if plan.device.kind != "local" and time.monotonic() - self._last_remote_poll > 1.0:
             # Phones: look for the hold line in the device's telemetry file (local devices are tailed anyway).
             self._last_remote_poll = time.monotonic()
-            self._held = '"type": "hold"' in (plan.device.read_text(plan.log_path) or "")
+            text = plan.device.read_text(plan.log_path) or ""
+            # Parsed, not matched as text: the runner writes compact JSON ({"type":"hold",...}).
+            self._held = any(_telemetry_type(line) == "hold" for line in text.splitlines() if "hold" in line)
         if self._held:
             self._injected = True
             log.info("injecting a failure: SIGKILL stage %d parked at micro-batch %d (window %d)", inj.stage,
@@ -302,12 +313,13 @@ class Coordinator:
 
     def _failed(self, k: int, now: float, why: str) -> None:
         s = self.status[k]
-        self._read_telemetry(k)
+        last_sign_of_life = s.last_sign_of_life  # before the lines read now, which are not news of life
+        self._read_telemetry(k, remote=True)
         in_flight = s.micro_batches_done // self.window_size
         log.warning("stage %d on %s failed (%s) in window %d", k, s.device, why, in_flight)
         s.state = "failed"
         self.events.append({"type": "failure", "stage": k, "t_unix_ms": _unix_ms(),
-                            "detected_after_ms": round((now - s.last_sign_of_life) * 1e3, 1),
+                            "detected_after_ms": round((now - last_sign_of_life) * 1e3, 1),
                             "window": in_flight, "micro_batch": s.micro_batches_done, "reason": why})
         if s.restarts >= 3:
             self.stop_all()
@@ -334,9 +346,11 @@ class Coordinator:
         replayed = max(0, s.micro_batches_done - committed)
         s.micro_batches_done = committed
         s.state, s.restarts = "restarting", s.restarts + 1
+        # The clock starts when the restart is issued: a start that waits for the runner's pid (adb, the app)
+        # returns when the stage may have replayed whole windows already.
+        t, t_unix_ms = time.monotonic(), _unix_ms()
         plan.device.start_runner(plan.config, resume=True)
-        t = time.monotonic()
-        self.events.append({"type": "restart", "stage": k, "t_unix_ms": _unix_ms(), "replayed_micro_batches": replayed,
+        self.events.append({"type": "restart", "stage": k, "t_unix_ms": t_unix_ms, "replayed_micro_batches": replayed,
                             "replay_bytes": replayed * plan.input_bytes, "device": plan.device.name})
         self._failures.append(_Failure(k, in_flight, t))
 
@@ -345,7 +359,7 @@ class Coordinator:
         for plan in self.plans:
             plan.device.kill_runner()
         for k in range(len(self.plans)):
-            self._read_telemetry(k)
+            self._read_telemetry(k, remote=True)
         common = min(self._latest_checkpoint_window(p) for p in self.plans)
         replayed_total, bytes_total = 0, 0
         for plan, s in zip(self.plans, self.status):
@@ -361,11 +375,11 @@ class Coordinator:
             if s.state != "done":
                 s.state = "restarting"
             s.restarts += plan.index == failed
+        t, t_unix_ms = time.monotonic(), _unix_ms()  # when the restart is issued (see _restart)
         for plan in reversed(self.plans):
             self.status[plan.index].state = "restarting"
             plan.device.start_runner(plan.config, resume=True)
-        t = time.monotonic()
-        self.events.append({"type": "restart", "stage": failed, "t_unix_ms": _unix_ms(),
+        self.events.append({"type": "restart", "stage": failed, "t_unix_ms": t_unix_ms,
                             "replayed_micro_batches": replayed_total, "replay_bytes": bytes_total,
                             "device": self.plans[failed].device.name, "rolled_back_to_window": common,
                             "scope": "global"})
@@ -408,6 +422,15 @@ class Coordinator:
         for w in self._checkpoint_windows(plan):
             if w > window:
                 plan.device.remove(f"{plan.checkpoint_dir}/window_{w:06d}")
+
+
+def _telemetry_type(line: str) -> str | None:
+    """The "type" of one telemetry JSON line; None for a line that is not a JSON object (e.g. half written)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("type") if isinstance(record, dict) else None
 
 
 def _unix_ms() -> int:

@@ -223,7 +223,7 @@ class AppDevice(AdbDevice):
             if time.monotonic() > deadline:
                 raise ZLError(f"phone {self.serial}: the app {APP_PACKAGE} did not write {self.path(APP_INFO)} "
                               f"within {timeout_s:.0f} s of {ACTION_PREPARE}; open the app once on the phone "
-                              f"(Android does not start services of an app that was never opened) and "
+                              f"(some vendors block background starts of an app that was never opened) and "
                               f"{self._logcat_hint()}.")
             time.sleep(_POLL_S)
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import posixpath
 import shlex
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -514,3 +516,58 @@ def test_cli_devices_shows_the_app_version(monkeypatch):
         "local": "", "P1": "0.3.0", "P2": ""}
     result = CliRunner().invoke(cli_app(), ["devices"], terminal_width=200)
     assert result.exit_code == 0 and "0.3.0" in result.stdout and " app " in result.stdout
+
+
+# --- with a phone -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def app_phone():
+    """The attached phone in app mode, with the app installed from the built APK and prepared.
+
+    Its workdir is a subfolder of the app's files folder: a test must not clobber a deployment there.
+    """
+    serial = os.environ.get("ZL_TEST_SERIAL")
+    if not serial:
+        pytest.skip("set ZL_TEST_SERIAL to an attached phone's serial (and build the APK: tools/build_android.sh)")
+    dev = zadb.open_phone(serial, mode="app")
+    dev.install_runtime()  # fails with the build command when the APK is not built
+    dev.workdir = f"{zapp.APP_WORKDIR}/zl-test"
+    yield dev
+    if dev.is_running():
+        dev.kill_runner()
+    dev.shell(f"rm -rf {dev.workdir}")
+
+
+@pytest.mark.device
+def test_real_phone_app_refuses_a_bad_config_with_exit_2(app_phone):
+    """START reaches the app, the native session parses the config and leaves runner.pid/.err/.exit 2."""
+    app_phone.write_text("bad.json", "{}")
+    app_phone.start_runner("bad.json")
+    assert app_phone.wait(30) and app_phone.exit_code() == 2
+    assert "required" in (app_phone.read_text("runner.err") or "")
+
+
+@pytest.mark.device
+def test_real_phone_app_runs_stops_and_is_force_stopped(app_phone, tmp_path):
+    """The last stage of a real export loads in the app and waits for input: running, PSS, listening event;
+    STOP ends it with exit 3, a force-stop with -9, and a restart resumes."""
+    from test_runner import RUN_KEY, export_programs
+
+    export = export_programs(tmp_path / "export", 3)
+    for name in ("manifest.json", "stage_2.pte"):
+        app_phone.push(export / name, name)
+    app_phone.write_text("run.key", RUN_KEY + "\n")
+    app_phone.write_text("stage_2.json", json.dumps({
+        "program": "stage_2.pte", "stage_index": 2, "num_stages": 3, "listen": "127.0.0.1:0",
+        "input_timeout_s": 0, "run_key_file": "run.key", "run_id": "00112233445566778899aabbccddeeff",
+        "window_size": 1, "num_micro_batches": 2, "checkpoint_dir": "ckpt", "log_path": "metrics.jsonl"}))
+    app_phone.start_runner("stage_2.json")
+    deadline = time.monotonic() + 60
+    while '"listening"' not in app_phone.runner_output():
+        assert app_phone.is_running() and time.monotonic() < deadline, app_phone.read_text("runner.err")
+        time.sleep(0.5)
+    assert app_phone.pss_mib() is not None
+    assert app_phone.stop_runner(timeout_s=30) == 3
+    app_phone.start_runner("stage_2.json", resume=True)
+    assert app_phone.kill_runner() == -9

@@ -292,7 +292,7 @@ Status StageRunner::start_control() {
   if (receiver_) o.listen = c.listen.substr(0, c.listen.rfind(':') + 1) + std::to_string(receiver_->port());
   o.resume = restored_window_.has_value();
   o.micro_batches_done = start_mb_;
-  o.chain_stop = stop_;  // the caller's flag (JNI nativeStop, signals) keeps working
+  o.chain_stop = stop_;  // the caller's flag (JNI stopNative, signals) keeps working
   control_.reset(new ControlClient(o));
   status = control_->start();  // returns at once; connects in the background
   if (!status.ok()) return Status(status.code(), "coordinator " + c.coordinator + ": " + status.message());

@@ -18,6 +18,12 @@ say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 # 1. System packages: compiler, CMake, libsodium (frame MACs), nlohmann-json
 #    (runner config, safetensors headers), GoogleTest, adb (phones).
 APT_PKGS=(build-essential cmake pkg-config libsodium-dev nlohmann-json3-dev libgtest-dev adb python3-venv)
+# ZL_APP_TESTS=1 (CI sets it): also what the app's tests need on the host: a JDK
+# (the JNI library driven from a JVM) and Kotlin, JUnit 4 and Android's org.json
+# (the app's Kotlin unit tests, tests/test_app_kotlin.py); about 400 MB, so opt-in.
+if [ "${ZL_APP_TESTS:-0}" = 1 ]; then
+  APT_PKGS+=(default-jdk-headless kotlin junit4 libandroid-json-org-java)
+fi
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

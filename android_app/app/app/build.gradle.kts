@@ -163,4 +163,8 @@ android {
 
 dependencies {
     implementation("androidx.core:core-ktx:1.13.1")
+    // Unit tests (src/test, `./gradlew test`): the Kotlin that needs no Android classes. android.jar's
+    // org.json is a stub there, so they get the real one.
+    testImplementation("junit:junit:4.13.2")
+    testImplementation("org.json:json:20231013")
 }

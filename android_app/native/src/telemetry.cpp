@@ -220,6 +220,12 @@ void report_temperature_c(double celsius) {
   r.at = std::chrono::steady_clock::now();
 }
 
+void clear_reported_temperature_c() {
+  ReportedTemperature& r = reported_temperature();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.celsius.reset();
+}
+
 std::optional<double> read_temperature_c(const std::string& root) {
 #if defined(__ANDROID__)
   std::optional<double> sensor = read_battery_temperature_c(root);

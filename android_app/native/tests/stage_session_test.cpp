@@ -120,6 +120,11 @@ TEST(StageSession, UnwritableRunFolderIsAnIoError) {
 }
 
 TEST(Telemetry, ReportedTemperatureStandsInOnlyWhereTheSensorIsUnreadable) {
+  // The reading is process-wide: forget it afterwards, or tests of fake trees that run later in this
+  // process (ControlClientTest.MissingSensorsAreNullNotMadeUp) would see it.
+  struct Forget {
+    ~Forget() { zl::clear_reported_temperature_c(); }
+  } forget;
   zl_test::TempDir empty;  // no /sys under it: no sensor
   zl::report_temperature_c(1000.0);  // implausible: ignored
   const auto before = zl::read_temperature_c(empty.path());
@@ -127,6 +132,10 @@ TEST(Telemetry, ReportedTemperatureStandsInOnlyWhereTheSensorIsUnreadable) {
   zl::report_temperature_c(31.5);
   ASSERT_TRUE(zl::read_temperature_c(empty.path()).has_value());
   EXPECT_DOUBLE_EQ(*zl::read_temperature_c(empty.path()), 31.5);
+  zl::clear_reported_temperature_c();
+  EXPECT_FALSE(zl::read_temperature_c(empty.path()).has_value());
+
+  zl::report_temperature_c(31.5);  // the sensor file still wins over it
 
   zl_test::TempDir sensor;
 #if defined(__ANDROID__)

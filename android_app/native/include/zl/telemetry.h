@@ -121,4 +121,8 @@ constexpr double kReportedTemperatureMaxAgeS = 120.0;
 /// ignored. Thread-safe.
 void report_temperature_c(double celsius);
 
+/// Forgets the reported temperature (the reading is process-wide: a test
+/// that reports one must clear it, or later readings of fake trees see it).
+void clear_reported_temperature_c();
+
 }  // namespace zl

@@ -89,8 +89,12 @@ class FakeCoordinator {
   int fd() const { return conn_.fd(); }
 
  private:
-  Socket listener_;
+  // Members close in reverse order: the listener before the connection, so a
+  // stage that reconnects the moment its connection drops finds nobody
+  // listening, not the backlog of a coordinator that is going away (which
+  // would count as one more connect).
   Socket conn_;
+  Socket listener_;
   uint16_t port_ = 0;
 };
 

@@ -68,20 +68,13 @@ public final class AppStageDriver {
     System.exit(code);
   }
 
-  /** Polls statusNative until the run ended; its exit code. */
+  /** The run's exit code once it ended (JniHostCheck.waitForEnd without a limit); 1 if interrupted. */
   static int waitForEnd() {
-    while (true) {
-      final String status = NativeRunner.statusNative();
-      final String state = JniHostCheck.field(status, "state");
-      if ("finished".equals(state) || "stopped".equals(state) || "failed".equals(state)) {
-        return Integer.parseInt(JniHostCheck.field(status, "exit_code"));
-      }
-      try {
-        Thread.sleep(20);
-      } catch (InterruptedException e) {
-        Thread.currentThread().interrupt();
-        return 1;
-      }
+    try {
+      return Integer.parseInt(JniHostCheck.field(JniHostCheck.waitForEnd(0), "exit_code"));
+    } catch (InterruptedException e) {
+      Thread.currentThread().interrupt();
+      return 1;
     }
   }
 }

@@ -69,14 +69,19 @@ public final class JniHostCheck {
     throw new AssertionError("startNative(" + json + ") returned normally");
   }
 
-  /** Polls statusNative until the run is no longer running or stopping; the last status. */
-  private static String waitForEnd(long timeoutMs) throws InterruptedException {
+  /**
+   * Polls statusNative until the run is no longer running or stopping (as RunnerService does, more often);
+   * the last status. {@code timeoutMs} 0: no limit.
+   */
+  static String waitForEnd(long timeoutMs) throws InterruptedException {
     final long deadline = System.currentTimeMillis() + timeoutMs;
     while (true) {
       final String status = NativeRunner.statusNative();
       final String state = field(status, "state");
       if (!"running".equals(state) && !"stopping".equals(state)) return status;
-      if (System.currentTimeMillis() > deadline) throw new AssertionError("still " + state + ": " + status);
+      if (timeoutMs > 0 && System.currentTimeMillis() > deadline) {
+        throw new AssertionError("still " + state + ": " + status);
+      }
       Thread.sleep(20);
     }
   }

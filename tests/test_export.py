@@ -24,35 +24,48 @@ from zl_export.stages import parse_spec
 from zl_export.training_program import TrainingProgram
 
 SPEC = "0-1,2-2,3-3"
+# The loss variants of issue 9, all at once: α per stage, no consistency target for stage 0, a gated KL and a
+# readout translator on stages 0 and 1.
+VARIANTS = {"alpha": (0.3, 0.6, 0.8), "first_target": "none", "gate": "target_prob", "translator_rank": 3}
 
 
-def _export(tmp_path, consistency: str, alpha: float = 0.3):
+def _export(tmp_path, consistency: str, alpha: float = 0.3, **variants):
     loaded = load_model("tiny-random", seed=3)
     opts = ExportOptions(
         seq_len=24, micro_batch=2, lora=LoraSettings(4, 8.0, ("q_proj", "v_proj", "down_proj")),
-        loss=LossConfig(alpha, consistency), seed=5,
+        loss=LossConfig(**{"alpha": alpha, "consistency": consistency, **variants}), seed=5,
     )
     stages = parse_spec(SPEC, loaded.config.num_hidden_layers)
     peft_model, modules = build_stage_modules(loaded.model, stages, opts)
     gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():  # B = 0 at init would make every lora_A gradient 0
+    with torch.no_grad():  # B = 0 at init would make every lora_A gradient 0 (the translator's A likewise)
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        for m in modules:
+            if m.translator is not None:
+                m.translator.up.copy_(torch.randn(m.translator.up.shape, generator=gen) * 0.2)
+                m.translator.scale.copy_(torch.randn(m.translator.scale.shape, generator=gen) * 0.2)
     entries = [write_program(export_stage(m, peft_model, opts, loaded.config.vocab_size), tmp_path) for m in modules]
     manifest = build_manifest(loaded, opts, entries)
     write_manifest(manifest, tmp_path)
     return loaded, peft_model, modules, opts, manifest
 
 
-@pytest.fixture(scope="module", params=["kl_rev", "kl_fwd"])
+@pytest.fixture(scope="module", params=["kl_rev", "kl_fwd", "kl_rev+variants", "kl_fwd+variants"])
 def exported(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"export_{request.param}")
-    return (out, *_export(out, request.param))
+    consistency, _, variants = request.param.partition("+")
+    return (out, *_export(out, consistency, **(VARIANTS if variants else {})))
 
 
-def _reference(peft_model, first, last, input_ids, mask, labels, cfg: LossConfig, hidden_in=None):
-    """Stage `first..last` through the HF model with hooks; returns (hidden_out, loss, ce, kl, grads by PEFT name)."""
+def _reference(peft_model, first, last, input_ids, mask, labels, cfg: LossConfig, hidden_in=None, stage=0,
+               translator=None):
+    """Stage `first..last` through the HF model with hooks; returns (hidden_out, loss, ce, kl, grads by name).
+
+    `translator` is the stage's (scale, down, up) tensors, applied as u ⊙ (1 + scale) + (u · downᵀ) · upᵀ on
+    the normed hidden state; their gradients come back under the manifest's translator names.
+    """
     base = peft_model.get_base_model()
     layers = base.model.layers
     captured = {}
@@ -79,7 +92,12 @@ def _reference(peft_model, first, last, input_ids, mask, labels, cfg: LossConfig
         for h in handles:
             h.remove()
     h_in, h_out = captured["in"], captured["out"]
-    logits = base.lm_head(base.model.norm(h_out))[:, :-1]  # (B, S-1, V)
+    u = base.model.norm(h_out)
+    leaves = {}
+    if translator is not None:
+        leaves = {n: t.detach().clone().requires_grad_(True) for n, t in zip(("scale", "down", "up"), translator)}
+        u = u * (1 + leaves["scale"]) + (u @ leaves["down"].T) @ leaves["up"].T
+    logits = base.lm_head(u)[:, :-1]  # (B, S-1, V)
     prev = base.lm_head(base.model.norm(h_in))[:, :-1].detach()
     targets = labels[:, 1:]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
@@ -88,10 +106,17 @@ def _reference(peft_model, first, last, input_ids, mask, labels, cfg: LossConfig
         kl_pos = F.kl_div(lq, lp, log_target=True, reduction="none").sum(-1)  # Σ p_k (log p_k − log p_k−1)
     else:
         kl_pos = F.kl_div(lp, lq, log_target=True, reduction="none").sum(-1)  # Σ p_k−1 (log p_k−1 − log p_k)
-    kl = kl_pos[targets != -100].mean()
-    loss = cfg.alpha * ce + (1 - cfg.alpha) * kl
+    valid = targets != -100
+    if cfg.gate == "target_prob":  # weight by p_k−1(target)
+        kl_pos = kl_pos * lq.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1).exp()
+    alpha = cfg.alpha[0] if len(cfg.alpha) == 1 else cfg.alpha[stage]
+    if stage == 0 and cfg.first_target == "none":
+        kl, loss = torch.zeros(()), ce
+    else:
+        kl = kl_pos[valid].mean()
+        loss = alpha * ce + (1 - alpha) * kl
     loss.backward()
-    grads = {}
+    grads = {f"zl.translator.stage_{stage}.{n}": t.grad.clone() for n, t in leaves.items()}
     for name, p in peft_model.named_parameters():
         if "lora_" in name and p.grad is not None:
             layer = int(name.split(".layers.")[1].split(".")[0])
@@ -111,13 +136,21 @@ def test_programs_match_eager_reference(exported):
         x = input_ids if hidden is None else hidden
         result = program.step(x, mask, labels)
         first, last = entry["layers"]
+        t = modules[entry["index"]].translator
         ref_h, ref_loss, ref_ce, ref_kl, ref_grads = _reference(
-            peft_model, first, last, input_ids, mask, labels, opts.loss, hidden_in=hidden
+            peft_model, first, last, input_ids, mask, labels, opts.loss, hidden_in=hidden, stage=entry["index"],
+            translator=None if t is None else (t.scale, t.down, t.up),
         )
         torch.testing.assert_close(result.outputs["loss"], ref_loss, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(result.outputs["task_loss"], ref_ce, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(result.outputs["consistency_loss"], ref_kl, rtol=1e-4, atol=1e-6)
-        assert float(ref_kl) > 1e-4, "a zero KL would not test the consistency term"
+        torch.testing.assert_close(result.outputs["consistency_loss"], ref_kl, rtol=1e-4, atol=1e-9)
+        no_target = entry["index"] == 0 and opts.loss.first_target == "none"
+        # Gated by p_k-1(target) ~ 1/V on a random model, the KL is small but far above float noise.
+        floor = 1e-6 if opts.loss.gate == "target_prob" else 1e-4
+        assert no_target or float(ref_kl) > floor, "a zero KL would not test the consistency term"
+        if opts.loss.translator_rank and entry["index"] < len(manifest["stages"]) - 1:
+            roles = [p["name"] for p in entry["parameters"] if p.get("role") == "translator"]
+            assert len(roles) == 3, "stages before the last carry a translator (scale, down, up)"
         by_program_name = {p["program_name"]: p["name"] for p in entry["parameters"]}
         got = {by_program_name[k]: v for k, v in result.gradients.items()}
         assert set(got) == set(ref_grads), "every LoRA parameter of the stage has exactly one gradient"
@@ -158,14 +191,15 @@ def test_manifest_contents(exported):
     again = load_manifest(out, verify=True)
     assert again == json.loads((out / "manifest.json").read_text())
     assert manifest["model"]["num_layers"] == 4 and manifest["seq_len"] == 24 and manifest["micro_batch"] == 2
-    assert manifest["loss"] == {"alpha": 0.3, "consistency": opts.loss.consistency}
+    assert manifest["loss"] == opts.loss.to_manifest()
+    assert LossConfig.from_manifest(manifest["loss"]) == opts.loss
     assert manifest["lora"]["targets"] == ["q_proj", "v_proj", "down_proj"]
     assert [s["layers"] for s in manifest["stages"]] == [[0, 1], [2, 2], [3, 3]]
     assert [i["name"] for i in manifest["stages"][0]["inputs"]] == ["input_ids", "attention_mask", "labels"]
     assert [i["name"] for i in manifest["stages"][1]["inputs"]] == ["hidden", "attention_mask", "labels"]
     assert [o["name"] for o in manifest["stages"][2]["outputs"]] == ["loss", "task_loss", "consistency_loss"]
     peft_params = {n.replace(".default.", "."): list(p.shape) for n, p in peft_model.named_parameters() if "lora_" in n}
-    listed = {p["name"]: p["shape"] for s in manifest["stages"] for p in s["parameters"]}
+    listed = {p["name"]: p["shape"] for s in manifest["stages"] for p in s["parameters"] if p.get("role") != "translator"}
     assert listed == peft_params, "the stages together list every LoRA parameter of the model once, by PEFT name"
 
 

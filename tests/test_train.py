@@ -104,6 +104,46 @@ def test_adapter_loads_with_peft_and_equals_final_checkpoints(clean_run):
     assert any(t.abs().sum() > 0 for n, t in merged.items() if "lora_B" in n)  # training moved B off zero
 
 
+def eager_zerolock(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The run's pipeline retrained in PyTorch eager (zl_device.eager_training) from its manifest, config and shard.
+
+    Returns:
+        (trained tensors by manifest name, the run's merged adapter tensors).
+    """
+    from zl_device.eager_training import Budget, OptimizerSettings, stage_parameters, train_zerolock
+    from zl_export.exporter import ExportOptions, build_stage_modules
+    from zl_export.local_loss import LossConfig
+    from zl_export.lora import LoraSettings
+    from zl_export.model_source import load_model
+    from zl_export.shard import load_shard
+    from zl_export.stages import StageRange
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    config = json.loads((run_dir / "stage_0.json").read_text())
+    lora, batch = manifest["lora"], manifest["micro_batch"]
+    opts = ExportOptions(seq_len=manifest["seq_len"], micro_batch=batch,
+                         lora=LoraSettings(lora["rank"], lora["alpha"], tuple(lora["targets"])),
+                         loss=LossConfig.from_manifest(manifest["loss"]), seed=manifest["seed"])
+    loaded = load_model(manifest["model"]["name"], seed=manifest["seed"])
+    peft_model, modules = build_stage_modules(
+        loaded.model, [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]], opts)
+    optimizer = config["optimizer"]
+    train_zerolock(modules, load_shard(run_dir / "data" / "train.safetensors"),
+                   Budget(config["num_micro_batches"] * batch, config["window_size"], batch),
+                   OptimizerSettings(lr=optimizer["lr"], weight_decay=optimizer["weight_decay"],
+                                     schedule=optimizer["schedule"]))
+    return stage_parameters(modules, peft_model), adapter_tensors(run_dir)
+
+
+def test_eager_zerolock_gives_the_adapter_of_the_run(clean_run):
+    """The accuracy study's eager path (issue 9) trains what `zl train` trains: the same adapter to rtol 1e-4."""
+    got, merged = eager_zerolock(clean_run.run_dir)
+    assert set(got) == set(merged)
+    for name, want in merged.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert sum(int(t.abs().max() > 1e-3) for n, t in merged.items() if "lora_B" in n) > 0, "nothing moved"
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_injected_failure_with_local_recovery_ends_identical(clean_run, export_cache, data_file, tmp_path, stage):
     result = train(tmp_path / "run", export_cache, data=str(data_file), inject_failure=f"{stage}@2")

@@ -17,6 +17,8 @@ and all stages at the same window. The result is a directory that
     adapter_config.json          from the manifest's LoRA settings (zl_export.lora.adapter_config)
     adapter_model.safetensors    all stages' LoRA tensors, F32
     zl_merge.json                where they came from: manifest, stage windows, run id
+    early_exit/stage_<k>.safetensors   a stage's readout translator (`--translator-rank`), if it has one:
+                                 not part of the fine-tuned model, an early-exit head of stage k
 """
 
 import json
@@ -30,10 +32,12 @@ import torch
 from zl.errors import ZLError
 from zl_export.lora import LoraSettings, adapter_config
 from zl_export.manifest import MANIFEST, read_manifest_file
+from zl_export.translator import is_translator_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MERGE_INFO = "zl_merge.json"
+EARLY_EXIT_DIR = "early_exit"
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,7 @@ def merge_checkpoints(
     chosen = _choose_window(root, stages, window, layout)
 
     merged: dict[str, torch.Tensor] = {}
+    heads: dict[int, dict[str, torch.Tensor]] = {}  # stage -> its readout translator's tensors
     taken: list[StageCheckpoint] = []
     run_ids: dict[int, str] = {}
     finished = True
@@ -188,6 +193,9 @@ def merge_checkpoints(
         if total is None or progress.get("micro_batches_done") != total:
             finished = False
         tensors = _read_stage_adapter(window_dir / layout.adapter_file, stage, owner)
+        head = {n: tensors.pop(n) for n in [n for n in tensors if is_translator_name(n)]}
+        if head:
+            heads[k] = head
         merged.update(tensors)
         taken.append(StageCheckpoint(k, chosen, window_dir / layout.adapter_file, len(tensors),
                                      sum(t.numel() for t in tensors.values()), progress))
@@ -219,7 +227,7 @@ def merge_checkpoints(
             for s in taken
         ],
     }
-    _write_adapter(Path(out), merged, config, info)
+    _write_adapter(Path(out), merged, config, info, heads)
     return MergeResult(Path(out), taken, chosen, run_id, finished, config)
 
 
@@ -337,8 +345,9 @@ def _read_stage_adapter(path: Path, stage: dict, owner: dict[str, int]) -> dict[
     return tensors
 
 
-def _write_adapter(out: Path, tensors: dict[str, torch.Tensor], config: dict, info: dict) -> None:
-    """Write the adapter files, each under a temporary name and renamed, weights first."""
+def _write_adapter(out: Path, tensors: dict[str, torch.Tensor], config: dict, info: dict,
+                   heads: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Write the adapter files, each under a temporary name and renamed, weights first; early-exit heads aside."""
     from safetensors.torch import save_file
 
     if out.exists() and not out.is_dir():
@@ -347,6 +356,11 @@ def _write_adapter(out: Path, tensors: dict[str, torch.Tensor], config: dict, in
     tmp = out / (ADAPTER_WEIGHTS + ".tmp")
     save_file({n: t.contiguous() for n, t in sorted(tensors.items())}, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / ADAPTER_WEIGHTS)
+    for k, head in heads.items():
+        (out / EARLY_EXIT_DIR).mkdir(exist_ok=True)
+        tmp = out / EARLY_EXIT_DIR / f"stage_{k}.safetensors.tmp"
+        save_file({n: t.contiguous() for n, t in sorted(head.items())}, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, tmp.with_suffix(""))
     for name, content in ((ADAPTER_CONFIG, config), (MERGE_INFO, info)):
         tmp = out / (name + ".tmp")
         tmp.write_text(json.dumps(content, indent=2) + "\n")

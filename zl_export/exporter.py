@@ -21,6 +21,7 @@ from zl_export.local_loss import LossConfig
 from zl_export.lora import LoraSettings, attach_lora, peft_names
 from zl_export.stage_module import StageModule
 from zl_export.stages import StageRange
+from zl_export.translator import translator_name
 
 MARKER_OP = "zerolock::pipeline_marker.out"
 
@@ -44,10 +45,7 @@ class ExportOptions:
             )
         if self.micro_batch < 1:
             raise ZLError(f"--micro-batch {self.micro_batch}: must be at least 1.")
-        if not 0.0 < self.loss.alpha <= 1.0:
-            raise ZLError(f"--alpha {self.loss.alpha}: α weighs CE against KL and must lie in (0, 1]; the paper uses 0.5.")
-        if self.loss.consistency not in ("kl_rev", "kl_fwd"):
-            raise ZLError(f"--consistency {self.loss.consistency!r}: choose kl_rev (KL(p_k‖p_k-1), the paper's) or kl_fwd.")
+        self.loss.validate()
         self.lora.validate()
 
 
@@ -71,8 +69,9 @@ def build_stage_modules(
     Returns:
         (peft_model, stage modules); the modules share the peft model's weights.
     """
+    opts.loss.validate(len(stages))
     peft_model = attach_lora(base_model, opts.lora, seed=opts.seed)
-    modules = [StageModule(peft_model, s, len(stages), opts.loss).eval() for s in stages]
+    modules = [StageModule(peft_model, s, len(stages), opts.loss, seed=opts.seed).eval() for s in stages]
     return peft_model, modules
 
 
@@ -151,10 +150,13 @@ def export_stage(
     program = edge.to_executorch()
     buffer = program.buffer
     names = peft_names(peft_model)
+    if module.translator is not None:
+        names.update({id(p): translator_name(module.stage.index, n) for n, p in module.translator.named_parameters()})
     params = dict(module.named_parameters())
     hidden = module.norm.weight.shape[0]
     parameters = [
-        {"name": names[id(params[fqn])], "program_name": fqn, "shape": list(params[fqn].shape)} for fqn in grad_fqns
+        {"name": names[id(params[fqn])], "program_name": fqn, "shape": list(params[fqn].shape),
+         **({"role": "translator"} if fqn.startswith("translator.") else {})} for fqn in grad_fqns
     ]
     return StageProgram(
         stage=module.stage,

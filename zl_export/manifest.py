@@ -38,7 +38,7 @@ def build_manifest(loaded, opts, stage_entries: list[dict]) -> dict:
         "seq_len": opts.seq_len,
         "micro_batch": opts.micro_batch,
         "seed": opts.seed,
-        "loss": asdict(opts.loss),
+        "loss": opts.loss.to_manifest(),
         "lora": {**asdict(opts.lora), "targets": list(opts.lora.targets), "dropout": 0.0},
         "stages": stage_entries,
     }

@@ -11,14 +11,20 @@ contract of DESIGN.md §3:
 `hidden` comes out of `zerolock::pipeline_marker` applied to the detached
 chunk output, called before the readout so that it precedes every readout,
 loss and backward instruction of the exported program.
+
+The exported program reads out every position and masks the loss to Ω (its
+shapes are static). In eager use (`gather_targets=True`: the accuracy study,
+references) the readouts run on the target positions only, which gives the
+same loss at a fraction of the cost: a readout is a (D × V) matmul per position.
 """
 
 import torch
 from torch import nn
 
 from custom_ops import pipeline_marker
-from zl_export.local_loss import LossConfig, local_loss
+from zl_export.local_loss import LossConfig, local_loss, shift_targets
 from zl_export.stages import StageRange
+from zl_export.translator import ReadoutTranslator
 
 
 def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -37,14 +43,15 @@ def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> tor
 class StageModule(nn.Module):
     """Layers `stage.first..stage.last` of `model` with the stage's local loss."""
 
-    def __init__(self, model: nn.Module, stage: StageRange, num_stages: int, loss: LossConfig):
+    def __init__(self, model: nn.Module, stage: StageRange, num_stages: int, loss: LossConfig, seed: int = 0):
         """
         Args:
             model: a `LlamaForCausalLM`, possibly wrapped by PEFT (LoRA modules
                 inside its layers are kept and stay trainable).
             stage: the layer range of this stage.
             num_stages: stages in the pipeline; the last one has no hidden output.
-            loss: α and the KL direction.
+            loss: the local loss's settings (α of this stage, KL direction, translator, ...).
+            seed: seeds the readout translator (with the stage index folded in).
         """
         super().__init__()
         llama = _llama_backbone(model)
@@ -52,21 +59,32 @@ class StageModule(nn.Module):
         self.is_first = stage.index == 0
         self.is_last = stage.index == num_stages - 1
         self.loss_cfg = loss
+        self.alpha = loss.alpha_of(stage.index)
+        # Stage 0's consistency target is the embedding readout, unless turned off.
+        self.has_prev_target = not (self.is_first and loss.first_target == "none")
+        self.gather_targets = False
         self.embed_tokens = llama.model.embed_tokens if self.is_first else None
         self.layers = nn.ModuleList(llama.model.layers[stage.first : stage.last + 1])
         self.rotary_emb = llama.model.rotary_emb
         self.norm = llama.model.norm
         self.lm_head = llama.lm_head
+        hidden = llama.config.hidden_size
+        use_translator = loss.translator_rank > 0 and not self.is_last
+        self.translator = ReadoutTranslator(hidden, loss.translator_rank, seed * 1009 + stage.index) if use_translator else None
 
     def readout(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, S, D) hidden state -> (B, S, V) logits through the frozen final norm and LM head."""
+        """(…, D) hidden state -> (…, V) logits through the frozen final norm and LM head (the plain readout)."""
         return self.lm_head(self.norm(hidden))
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
-        if self.is_first:
-            h_in = self.embed_tokens(x)  # (B, S, D)
-        else:
-            h_in = x  # (B, S, D)
+    def stage_readout(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(…, D) -> (…, V): this stage's own readout, through its translator when it has one."""
+        if self.translator is None:
+            return self.readout(hidden)
+        return self.lm_head(self.translator(self.norm(hidden)))
+
+    def chunk(self, x: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stage's layers: (input hidden state h_in, output hidden state h), both (B, S, D)."""
+        h_in = self.embed_tokens(x) if self.is_first else x  # (B, S, D)
         batch, seq = attention_mask.shape
         position_ids = torch.arange(seq, device=attention_mask.device).unsqueeze(0).expand(batch, seq)  # (B, S)
         mask = causal_padding_mask(attention_mask, h_in.dtype)  # (B, 1, S, S)
@@ -74,11 +92,24 @@ class StageModule(nn.Module):
         h = h_in
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
+        return h_in, h
+
+    def loss_terms(self, h_in: torch.Tensor, h: torch.Tensor, labels: torch.Tensor):
+        """(loss, task_loss, consistency_loss) of the stage from its input and output hidden states."""
+        targets, valid = shift_targets(labels)  # (B, S), (B, S)
+        if self.gather_targets:  # eager only: a data-dependent shape
+            rows, cols = valid.bool().nonzero(as_tuple=True)  # K target positions
+            h_in, h, targets, valid = h_in[rows, cols], h[rows, cols], targets[rows, cols], valid[rows, cols]
+        # sg(p_{k-1}): frozen weights, detached input. (…, V)
+        prev_logits = self.readout(h_in.detach()) if self.has_prev_target else None
+        logits = self.stage_readout(h)  # (…, V)
+        return local_loss(logits, prev_logits, targets, valid, self.alpha, self.loss_cfg)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
+        h_in, h = self.chunk(x, attention_mask)
         # Early forwarding point: everything after this is local to the stage.
         hidden_out = pipeline_marker(h.detach()) if not self.is_last else None  # (B, S, D)
-        prev_logits = self.readout(h_in.detach())  # (B, S, V), sg(p_{k-1}): frozen weights, detached input
-        logits = self.readout(h)  # (B, S, V)
-        loss, task, consistency = local_loss(logits, prev_logits, labels, self.loss_cfg)
+        loss, task, consistency = self.loss_terms(h_in, h, labels)
         # The joint export differentiates `loss` only; the other outputs must not require grad.
         task, consistency = task.detach(), consistency.detach()
         if self.is_last:

@@ -1,0 +1,439 @@
+"""Accuracy study (issue 9): ZeroLock's local-loss variants against backprop LoRA, side by side, per budget.
+
+For a model, a classification data set and a list of budgets it trains and
+scores on the dev rows:
+
+    base            the model without an adapter
+    backprop        LoRA over the whole model, end-to-end backprop (the baseline of tools/train_backprop_baseline.py)
+    backprop-last   LoRA on the last stage's layers only, the others frozen: the cheapest honest
+                    competitor of any pipeline method
+    zl-*            ZeroLock, each stage on its local loss, in PyTorch eager with exactly the runner's
+                    semantics (zl_device.eager_training): the paper's loss and the variants below
+
+Every arm sees the same micro-batches in the same order, the same LoRA
+initialisation, AdamW settings and learning-rate schedule as `zl train`.
+Per arm it records dev accuracy (label word with the highest likelihood),
+NLL per label token, training and scoring time, the mean loss of each window,
+and for ZeroLock the early-exit accuracy of every stage (the stage's readout,
+translator included, used as the classifier), which shows which stage holds the
+model back.
+
+    .venv/bin/python tools/accuracy_study.py --train ../shared/data/agnews/train.csv \\
+        --dev ../shared/data/agnews/dev.csv --format agnews --samples 256,1024 --out runs/study
+    .venv/bin/python tools/accuracy_study.py ... --arms base,backprop,zl-paper \\
+        --arm "zl-mine:alpha=0.3/0.7/1;translator_rank=8;stage_lr=1/1/2"
+
+Each finished arm is cached as OUT/arms/<samples>-<arm>.json (with the
+settings it ran with), so a study stopped half-way resumes where it stopped;
+change a setting and the affected arms run again. Results: OUT/study.json,
+OUT/study.md (tables) and OUT/accuracy.png (accuracy against samples).
+Results go to stdout, progress and notes to stderr; a user mistake is one
+line on stderr (exit status 2), `ZL_DEBUG=1` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch  # noqa: E402
+
+from zl.errors import ZLError  # noqa: E402
+from zl_device.eager_training import Budget, OptimizerSettings  # noqa: E402
+from zl_export.local_loss import LossConfig  # noqa: E402
+from zl_export.lora import LoraSettings  # noqa: E402
+
+STUDY_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way of training: `kind` base | backprop | backprop-last | zerolock, with ZeroLock's loss settings."""
+
+    name: str
+    kind: str
+    loss: dict = field(default_factory=dict)  # LossConfig fields (zerolock)
+    stage_lr: tuple[float, ...] = (1.0,)  # learning-rate multiplier per stage (zerolock)
+    note: str = ""
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(**self.loss)
+
+
+# The built-in arms. zl-paper is the loss of the paper (and of `--loss paper`).
+ARMS = {a.name: a for a in (
+    Arm("base", "base", note="no adapter"),
+    Arm("backprop", "backprop", note="LoRA on every layer, end-to-end backprop"),
+    Arm("backprop-last", "backprop-last", note="LoRA on the last stage's layers only, backprop"),
+    Arm("zl-paper", "zerolock", {"alpha": (0.5,)}, note="α 0.5, KL(p_k‖p_k-1), stage 0 towards the embedding readout"),
+    Arm("zl-ce", "zerolock", {"alpha": (1.0,)}, note="α 1: CE only"),
+    Arm("zl-gated", "zerolock", {"alpha": (0.5,), "gate": "target_prob", "first_target": "none"},
+        note="α 0.5, KL gated by p_k-1(target), none for stage 0"),
+    Arm("zl-translator", "zerolock", {"alpha": (1.0,), "translator_rank": 32},
+        note="α 1, rank-32 readout translator on stages before the last"),
+    Arm("zl-translator-gated", "zerolock", {"alpha": (0.5,), "gate": "target_prob", "first_target": "none",
+                                            "translator_rank": 32},
+        note="gated KL and rank-32 translators"),
+    Arm("zl-last-heavy", "zerolock", {"alpha": (1.0,), "translator_rank": 32}, stage_lr=(0.5, 0.5, 2.0),
+        note="translators; lr ×0.5 on early stages, ×2 on the last"),
+)}
+DEFAULT_ARMS = ("base", "backprop", "backprop-last", "zl-paper", "zl-ce", "zl-gated", "zl-translator")
+
+
+# --- settings ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StudySettings:
+    model: str = "smollm2-135m"
+    train: Path | None = None
+    dev: Path | None = None
+    data_format: str = "auto"
+    truncate: bool = True
+    seq_len: int = 128
+    samples: tuple[int, ...] = (256, 1024)
+    stages: str | None = None
+    num_stages: int = 3
+    window: int = 4
+    micro_batch: int = 1
+    lr: float = 5e-3
+    warmup_windows: int = 2
+    min_lr_ratio: float = 0.1
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    seed: int = 0
+    threads: int = 2
+    eval_limit: int | None = None
+    eval_batch_size: int = 16
+
+    def optimizer(self, budget: Budget) -> OptimizerSettings:
+        """`zl train`'s AdamW settings and schedule for `budget` (train_job.stage_configs)."""
+        warmup = min(self.warmup_windows, max(0, budget.num_windows - 1))
+        return OptimizerSettings(lr=self.lr, schedule={"kind": "warmup_cosine", "warmup_steps": warmup,
+                                                        "min_lr_ratio": self.min_lr_ratio})
+
+    def fingerprint(self, arm: Arm, samples: int) -> str:
+        """What determines an arm's result: a cached arm with another fingerprint runs again."""
+        blob = {"v": STUDY_VERSION, "arm": asdict(arm), "samples": samples if arm.kind != "base" else 0,
+                **{k: str(v) for k, v in asdict(self).items() if k not in ("samples", "threads", "eval_batch_size")}}
+        return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def parse_list(text: str, kind, flag: str) -> tuple:
+    try:
+        values = tuple(kind(v) for v in text.replace("/", ",").split(",") if v.strip())
+    except ValueError as e:
+        raise ZLError(f"{flag} {text!r}: expected comma-separated {kind.__name__} values ({e}).") from e
+    if not values:
+        raise ZLError(f"{flag} {text!r}: give at least one value.")
+    return values
+
+
+def parse_arm(spec: str) -> Arm:
+    """`NAME:key=value;key=value` with LossConfig fields, stage_lr, and lists as a/b/c (a ZeroLock arm)."""
+    name, _, body = spec.partition(":")
+    name = name.strip()
+    if not name or name in ARMS:
+        raise ZLError(f"--arm {spec!r}: give a new name before ':' (built-in arms: {', '.join(ARMS)}).")
+    loss, stage_lr = {}, (1.0,)
+    fields = LossConfig.__dataclass_fields__
+    for item in filter(None, (p.strip() for p in body.split(";"))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq:
+            raise ZLError(f"--arm {spec!r}: {item!r} is not key=value.")
+        if key == "stage_lr":
+            stage_lr = parse_list(value, float, f"--arm {name} stage_lr")
+        elif key == "alpha":
+            loss["alpha"] = parse_list(value, float, f"--arm {name} alpha")
+        elif key == "translator_rank":
+            loss["translator_rank"] = parse_list(value, int, f"--arm {name} translator_rank")[0]
+        elif key in fields:
+            loss[key] = value.strip()
+        else:
+            raise ZLError(f"--arm {spec!r}: unknown key {key!r}; use stage_lr or one of {', '.join(fields)}.")
+    arm = Arm(name, "zerolock", loss, stage_lr, note=body)
+    arm.loss_config().validate()
+    return arm
+
+
+# --- data ----------------------------------------------------------------------------------------------
+
+
+def prepare_shard(s: StudySettings, path: Path, split: str, tokenizer, out: Path):
+    """`path` as a shard: loaded when it is one (.safetensors from `zl data`), else tokenized into OUT/data/."""
+    from zl_export import data as zdata
+    from zl_export.shard import load_shard
+
+    if path.suffix == ".safetensors":
+        shard = load_shard(path)
+        shard.check_matches(tokenizer_name=tokenizer.name)
+        return shard
+    target = out / "data" / f"{split}.safetensors"
+    source = {"path": str(path.resolve()), "sha256": zdata.file_sha256(path)}
+    if target.is_file():
+        shard = load_shard(target)
+        if shard.meta.get("source", {}).get("sha256") == source["sha256"] and shard.seq_len == s.seq_len:
+            return shard
+    task = zdata.select(zdata.load_task(path, s.data_format), None, True, s.seed)
+    tokenized, task = zdata.tokenize(task, tokenizer, s.seq_len, truncate=s.truncate, source=str(path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    zdata.save(target, tokenized, task, tokenizer, s.model, {**source, "rows_in_source": len(task.examples)},
+               extra={"split": split, "seed": s.seed})
+    return load_shard(target)
+
+
+# --- one arm -------------------------------------------------------------------------------------------
+
+
+def run_arm(arm: Arm, samples: int, s: StudySettings, base_model, split, train, dev, progress) -> dict:
+    """Train (unless base) a fresh copy of the model as `arm` on `samples` samples and score it on `dev`."""
+    from zl_device.eager_training import (freeze_lora_below, train_backprop, train_zerolock)
+    from zl_device.early_exit import EarlyExitModel
+    from zl_device.evaluate import evaluate
+    from zl_export.exporter import ExportOptions, build_stage_modules
+    from zl_export.lora import attach_lora
+
+    budget = Budget(samples, s.window, s.micro_batch)
+    result = {"arm": arm.name, "kind": arm.kind, "samples": samples, "note": arm.note}
+    model = copy.deepcopy(base_model)
+    modules, log = None, None
+    bar = progress.add_task(f"{arm.name} @ {samples}", total=budget.num_windows if arm.kind != "base" else 1, loss="")
+
+    def on_window(w, train_log) -> None:
+        loss = train_log.losses[-1]
+        progress.update(bar, advance=1, loss="loss " + "/".join(f"{x:.2f}" for x in loss))
+
+    if arm.kind == "zerolock":
+        opts = ExportOptions(seq_len=s.seq_len, micro_batch=s.micro_batch, lora=s.lora, loss=arm.loss_config(),
+                             seed=s.seed)
+        peft_model, modules = build_stage_modules(model, split, opts)
+        log = train_zerolock(modules, train, budget, s.optimizer(budget), arm.stage_lr, on_window)
+        trained = peft_model
+    elif arm.kind in ("backprop", "backprop-last"):
+        trained = attach_lora(model, s.lora, seed=s.seed)  # the same initial LoRA weights as the export
+        if arm.kind == "backprop-last":
+            result["trainable"] = freeze_lora_below(trained, split[-1].first)
+        log = train_backprop(trained, train, budget, s.optimizer(budget), on_window)
+    else:
+        trained = model
+        progress.update(bar, advance=1)
+    if log is not None:
+        result.update(train_s=log.seconds, window_losses=log.losses)
+        if log.task_losses:
+            result.update(window_task_losses=log.task_losses, window_consistency_losses=log.consistency_losses)
+    progress.update(bar, description=f"{arm.name} @ {samples}: scoring", loss="")
+    score = evaluate(trained, dev, s.eval_batch_size)
+    result.update(accuracy=score.accuracy, nll=score.nll, eval_s=score.seconds)
+    if modules is not None:
+        exits = [evaluate(EarlyExitModel(modules, k), dev, s.eval_batch_size) for k in range(len(modules) - 1)]
+        result["early_exit_accuracy"] = [e.accuracy for e in exits] + [score.accuracy]
+        result["early_exit_nll"] = [e.nll for e in exits] + [score.nll]
+    progress.update(bar, description=f"{arm.name} @ {samples}: {score.accuracy:.1%}")
+    return result
+
+
+# --- the study -----------------------------------------------------------------------------------------
+
+
+def run_study(s: StudySettings, arms: list[Arm], out: Path, err) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from zl_device.evaluate import limit_rows
+    from zl_export.model_source import load_model
+    from zl_export.stages import balanced_split, format_spec, parse_spec
+
+    torch.set_num_threads(s.threads)
+    with err.status(f"loading {s.model}"):
+        loaded = load_model(s.model, seed=s.seed)
+    cfg = loaded.config
+    split = parse_spec(s.stages, cfg.num_hidden_layers) if s.stages else balanced_split(cfg.num_hidden_layers,
+                                                                                       s.num_stages)
+    for arm in arms:
+        arm.loss_config().validate(len(split))
+        if len(arm.stage_lr) not in (1, len(split)):
+            raise ZLError(f"arm {arm.name}: stage_lr has {len(arm.stage_lr)} values for {len(split)} stages.")
+    train = prepare_shard(s, s.train, "train", loaded.tokenizer, out)
+    dev = limit_rows(prepare_shard(s, s.dev, "dev", loaded.tokenizer, out), s.eval_limit)
+    if not dev.meta.get("label_token_ids"):
+        raise ZLError(f"--dev {s.dev}: not a classification data set (no label words); the study scores accuracy.")
+    err.print(f"study: {s.model}, stages {format_spec(split)}, {train.rows} train rows, {dev.rows} dev rows, "
+              f"samples {', '.join(map(str, s.samples))}, window {s.window}, lr {s.lr:g}, {s.threads} threads")
+    results = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[loss]}"))
+    with Progress(*columns, console=err) as progress:
+        for samples in s.samples:
+            for arm in arms:
+                key = f"{samples if arm.kind != 'base' else 0}-{arm.name}"
+                cached = out / "arms" / f"{key}.json"
+                fp = s.fingerprint(arm, samples)
+                if cached.is_file() and json.loads(cached.read_text()).get("fingerprint") == fp:
+                    result = json.loads(cached.read_text())
+                elif arm.kind == "base" and any(r["arm"] == arm.name for r in results):
+                    result = next(r for r in results if r["arm"] == arm.name)
+                else:
+                    start = time.perf_counter()
+                    result = run_arm(arm, samples, s, loaded.model, split, train, dev, progress)
+                    result.update(fingerprint=fp, wall_s=time.perf_counter() - start)
+                    _write_json(cached, result)
+                results.append({**result, "samples": samples})
+    study = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items()},
+             "stages": format_spec(split), "train_rows": train.rows, "dev_rows": dev.rows,
+             "arms": [asdict(a) for a in arms], "results": results}
+    _write_json(out / "study.json", study)
+    (out / "study.md").write_text(markdown(study))
+    plot(study, out / "accuracy.png")
+    return study
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def markdown(study: dict) -> str:
+    """Accuracy / NLL per arm and budget, then the ZeroLock arms' early-exit accuracy per stage."""
+    budgets = sorted({r["samples"] for r in study["results"]})
+    arms = list(dict.fromkeys(r["arm"] for r in study["results"]))
+    by = {(r["arm"], r["samples"]): r for r in study["results"]}
+    s = study["settings"]
+    lines = [f"# Accuracy study: {s['model']}, stages {study['stages']}", "",
+             f"{study['train_rows']} train rows ({s['train']}), {study['dev_rows']} dev rows ({s['dev']}); "
+             f"seq {s['seq_len']}, window {s['window']}, micro-batch {s['micro_batch']}, lr {s['lr']}, "
+             f"LoRA r={s['lora']['rank']} on {','.join(s['lora']['targets'])}, seed {s['seed']}.", "",
+             "## Dev accuracy (NLL per label token, nats; training seconds)", "",
+             "| arm | " + " | ".join(f"{b} samples" for b in budgets) + " |",
+             "|---|" + "---|" * len(budgets)]
+    for arm in arms:
+        cells = []
+        for b in budgets:
+            r = by.get((arm, b))
+            cells.append("—" if r is None else f"{r['accuracy']:.1%} ({r['nll']:.3f}; {r.get('train_s', 0):.0f} s)")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    exits = [r for r in study["results"] if r.get("early_exit_accuracy")]
+    if exits:
+        lines += ["", "## Early-exit accuracy of each stage's readout (ZeroLock arms)", "",
+                  "| arm | samples | " + " | ".join(f"stage {k}" for k in range(len(exits[0]["early_exit_accuracy"])))
+                  + " |", "|---|---|" + "---|" * len(exits[0]["early_exit_accuracy"])]
+        for r in exits:
+            lines.append(f"| {r['arm']} | {r['samples']} | " + " | ".join(f"{a:.1%}" for a in r["early_exit_accuracy"])
+                         + " |")
+    notes = {a["name"]: a["note"] for a in study["arms"]}
+    lines += ["", "## Arms", ""] + [f"- `{n}`: {notes.get(n, '')}" for n in arms]
+    return "\n".join(lines) + "\n"
+
+
+def plot(study: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm in dict.fromkeys(r["arm"] for r in study["results"]):
+        points = sorted((r["samples"], r["accuracy"]) for r in study["results"] if r["arm"] == arm)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=arm,
+                linestyle="--" if arm.startswith(("base", "backprop")) else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("training samples")
+    ax.set_ylabel("dev accuracy")
+    ax.set_title(f"{study['settings']['model']}: dev accuracy per arm")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- command line --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[3:5]),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train", type=Path, required=True, help="training rows: .csv/.jsonl (with --format) or a shard")
+    ap.add_argument("--dev", type=Path, required=True, help="dev rows to score on: .csv/.jsonl or a shard")
+    ap.add_argument("--format", dest="data_format", default="auto", help="format of .csv/.jsonl files (see `zl data`)")
+    ap.add_argument("--model", default="smollm2-135m", help="as `zl train --model` (default smollm2-135m)")
+    ap.add_argument("--samples", default="256,1024", help="budgets, comma-separated (default 256,1024)")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                    help=f"built-in arms to run, comma-separated (default {','.join(DEFAULT_ARMS)}; all: {','.join(ARMS)})")
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME:key=value;...",
+                    help="an extra ZeroLock arm, e.g. 'zl-x:alpha=0.3/0.7/1;translator_rank=8;stage_lr=1/1/2'")
+    ap.add_argument("--stages", help="layer ranges per stage (default: --num-stages balanced)")
+    ap.add_argument("--num-stages", type=int, default=3, help="balanced split (default 3)")
+    ap.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
+    ap.add_argument("--no-truncate", dest="truncate", action="store_false",
+                    help="fail on over-long prompts instead of cutting them from the left")
+    ap.add_argument("--window", type=int, default=4, help="micro-batches per AdamW step (default 4, as zl train)")
+    ap.add_argument("--micro-batch", type=int, default=1, help="rows per micro-batch (default 1)")
+    ap.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate (default 5e-3, as zl train)")
+    ap.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default 8)")
+    ap.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
+    ap.add_argument("--lora-targets", default="q_proj,v_proj", help="projections with adapters (default q_proj,v_proj)")
+    ap.add_argument("--seed", type=int, default=0, help="LoRA init, data order (default 0)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--eval-limit", type=int, help="score only the first N dev rows (default: all)")
+    ap.add_argument("--out", type=Path, default=Path("runs/study"), help="results and cache (default runs/study)")
+    return ap.parse_args(argv)
+
+
+def build(args: argparse.Namespace) -> tuple[StudySettings, list[Arm]]:
+    samples = parse_list(args.samples, int, "--samples")
+    for flag, value in (("--samples", min(samples)), ("--window", args.window), ("--micro-batch", args.micro_batch),
+                        ("--threads", args.threads), ("--num-stages", args.num_stages)):
+        if value < 1:
+            raise ZLError(f"{flag} {value}: must be at least 1.")
+    if not args.lr > 0:
+        raise ZLError(f"--lr {args.lr}: must be positive.")
+    for flag, path in (("--train", args.train), ("--dev", args.dev)):
+        if not path.is_file():
+            raise ZLError(f"{flag} {path}: no such file; pass a .csv/.jsonl data file or a shard from `zl data`.")
+    lora = LoraSettings(args.lora_rank, args.lora_alpha, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
+    lora.validate()
+    names = [n.strip() for n in args.arms.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ARMS]
+    if unknown:
+        raise ZLError(f"--arms: unknown arm {unknown[0]!r}; choose from {', '.join(ARMS)} (or add one with --arm).")
+    arms = [ARMS[n] for n in names] + [parse_arm(spec) for spec in args.arm]
+    if not arms:
+        raise ZLError("no arms to run: pass --arms and/or --arm.")
+    s = StudySettings(model=args.model, train=args.train, dev=args.dev, data_format=args.data_format,
+                      truncate=args.truncate, seq_len=args.seq_len, samples=samples, stages=args.stages,
+                      num_stages=args.num_stages, window=args.window, micro_batch=args.micro_batch, lr=args.lr,
+                      lora=lora, seed=args.seed, threads=args.threads, eval_limit=args.eval_limit)
+    return s, arms
+
+
+def run(argv: list[str] | None = None) -> dict:
+    from rich.console import Console
+
+    args = parse_args(argv)
+    s, arms = build(args)
+    err = Console(stderr=True)
+    study = run_study(s, arms, args.out, err)
+    Console().print(markdown(study))
+    err.print(f"written: {args.out / 'study.json'}, {args.out / 'study.md'}, {args.out / 'accuracy.png'}")
+    return study
+
+
+def main() -> None:
+    from zl.cli import run_cli
+
+    run_cli(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Training in PyTorch eager with exactly the runner's semantics: ZeroLock's pipeline and the backprop baselines.
+
+What "the runner's semantics" means (android_app/native/src/runner.cpp, zl/adamw.h):
+
+- micro-batch mb of stage 0 takes shard rows [j*B, (j+1)*B) with
+  j = mb mod floor(N/B), in order;
+- a window is m consecutive micro-batches (the last one may be shorter); the
+  gradient of a window is the MEAN of its micro-batches' gradients, and one
+  AdamW step (torch's, decoupled weight decay) is taken per window with the
+  runner's learning-rate schedule (zl_device/lr_schedule.py);
+- in ZeroLock every stage steps its own parameters on its own local loss, and
+  stage k's micro-batch mb is computed on the hidden state stage k-1 produced
+  for mb with its weights of the same window (parameters change only at window
+  ends), so running the stages one after another per micro-batch computes what
+  the pipeline computes.
+
+Padding is cut per micro-batch (right padding and causal attention make the
+valid positions independent of it) and the readouts run only on the target
+positions: the same losses, at eager speed, for the accuracy study
+(tools/accuracy_study.py). `tests/test_train.py` checks the ZeroLock trainer
+against a `zl train` run's adapter.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from zl.errors import ZLError
+from zl_device.lr_schedule import lr_factor
+from zl_export.local_loss import shift_targets
+from zl_export.shard import Shard
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW and its schedule as `zl train` writes them into every stage config."""
+
+    lr: float = 5e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    schedule: dict = field(default_factory=lambda: {"kind": "warmup_cosine", "warmup_steps": 2, "min_lr_ratio": 0.1})
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many micro-batches of how many rows, in windows of how many micro-batches."""
+
+    samples: int
+    window: int
+    micro_batch: int = 1
+
+    @property
+    def num_micro_batches(self) -> int:
+        return math.ceil(self.samples / self.micro_batch)
+
+    @property
+    def num_windows(self) -> int:
+        return math.ceil(self.num_micro_batches / self.window)
+
+    def windows(self) -> list[range]:
+        """Micro-batch ids of each window, in order."""
+        n, m = self.num_micro_batches, self.window
+        return [range(first, min(first + m, n)) for first in range(0, n, m)]
+
+
+def micro_batch_rows(mb: int, rows: int, batch: int) -> slice:
+    """Rows of micro-batch `mb`, as the runner's stage 0 takes them: j = mb mod floor(rows/batch), rows [j*B, (j+1)*B)."""
+    j = mb % (rows // batch)
+    return slice(j * batch, (j + 1) * batch)
+
+
+def micro_batch(shard: Shard, mb: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels), each (B, L) int64, cut to the longest row of the micro-batch."""
+    rows = micro_batch_rows(mb, shard.rows, batch)
+    mask = shard.attention_mask[rows]
+    length = int(mask.sum(1).max())
+    return shard.input_ids[rows, :length], mask[:, :length], shard.labels[rows, :length]
+
+
+def runner_optimizer(groups: list[dict], opt: OptimizerSettings, num_windows: int):
+    """torch AdamW over `groups` (each {"params", "lr"}) with the runner's schedule as a LambdaLR stepped per window."""
+    optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: lr_factor(t, opt.schedule, num_windows))
+    return optimizer, scheduler
+
+
+def _step(optimizer, scheduler, params: Sequence[torch.nn.Parameter], count: int) -> float:
+    """One window's update on the MEAN gradient of its `count` micro-batches; returns the lr used."""
+    for p in params:
+        if p.grad is not None:
+            p.grad /= count
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr
+
+
+@dataclass
+class TrainLog:
+    """Per-window figures: mean loss of each window (per stage for ZeroLock), lr, wall time."""
+
+    losses: list[list[float]] = field(default_factory=list)  # [window][stage] mean micro-batch loss (nats)
+    task_losses: list[list[float]] = field(default_factory=list)
+    consistency_losses: list[list[float]] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+# --- ZeroLock ------------------------------------------------------------------------------------------
+
+
+def train_zerolock(
+    modules: Sequence[torch.nn.Module],
+    shard: Shard,
+    budget: Budget,
+    opt: OptimizerSettings,
+    stage_lr: Sequence[float] = (1.0,),
+    on_window: Callable[[int, TrainLog], None] = lambda w, log: None,
+) -> TrainLog:
+    """Train every stage's parameters on its local loss, window by window, as the pipeline does.
+
+    Args:
+        modules: the `StageModule`s of one split (zl_export.exporter.build_stage_modules), in order.
+        shard: stage 0's training shard.
+        budget: samples, window, micro-batch.
+        opt: AdamW and schedule; each stage has its own optimizer, as each runner does.
+        stage_lr: learning-rate multiplier per stage (one value: all stages).
+        on_window: called after each window's step.
+    """
+    if len(stage_lr) not in (1, len(modules)):
+        raise ZLError(f"--stage-lr: {len(stage_lr)} values for {len(modules)} stages; give one or {len(modules)}.")
+    if shard.rows < budget.micro_batch:
+        raise ZLError(f"shard {shard.path} has {shard.rows} rows, fewer than one micro-batch of {budget.micro_batch}.")
+    stages = []
+    for k, module in enumerate(modules):
+        module.gather_targets = True
+        params = [p for p in module.parameters() if p.requires_grad]
+        mult = stage_lr[0] if len(stage_lr) == 1 else stage_lr[k]
+        stages.append((module, params, *runner_optimizer([{"params": params, "lr": opt.lr * mult}], opt,
+                                                         budget.num_windows)))
+    log = TrainLog()
+    start = time.perf_counter()
+    for w, window in enumerate(budget.windows()):
+        sums = torch.zeros(3, len(modules), dtype=torch.float64)  # loss, task, consistency per stage
+        for mb in window:
+            x, mask, labels = micro_batch(shard, mb, budget.micro_batch)
+            for k, (module, *_rest) in enumerate(stages):
+                h_in, h = module.chunk(x, mask)
+                loss, task, consistency = module.loss_terms(h_in, h, labels)
+                loss.backward()
+                sums[:, k] += torch.tensor([loss.item(), task.item(), consistency.item()], dtype=torch.float64)
+                x = h.detach()  # what the marker hands downstream
+        lr = [_step(optimizer, scheduler, params, len(window)) for _, params, optimizer, scheduler in stages][0]
+        means = (sums / len(window)).tolist()
+        log.losses.append(means[0])
+        log.task_losses.append(means[1])
+        log.consistency_losses.append(means[2])
+        log.lrs.append(lr)
+        on_window(w, log)
+    log.seconds = time.perf_counter() - start
+    for module in modules:
+        module.gather_targets = False
+    return log
+
+
+def stage_parameters(modules: Sequence[torch.nn.Module], peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every stage's trainable tensors under their manifest names (PEFT names; translator names for translators)."""
+    from zl_export.lora import peft_names
+    from zl_export.translator import translator_name
+
+    names = peft_names(peft_model)
+    out = {}
+    for module in modules:
+        if module.translator is not None:
+            out.update({translator_name(module.stage.index, n): p.detach().clone()
+                        for n, p in module.translator.named_parameters()})
+        out.update({names[id(p)]: p.detach().clone() for p in module.parameters() if id(p) in names})
+    return out
+
+
+# --- backprop baselines ---------------------------------------------------------------------------------
+
+
+def causal_lm_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the final output over the target positions (position i predicts labels[i+1]).
+
+    The same positions and mean as the task term of the local loss
+    (zl_export.local_loss.shift_targets); the LM head runs only on those positions.
+    """
+    targets, valid = shift_targets(labels)  # (B, L), (B, L)
+    rows, cols = valid.bool().nonzero(as_tuple=True)  # K target positions
+    if len(rows) == 0:
+        raise ZLError("a training micro-batch has no target positions (all labels -100); recreate the shard with `zl data`.")
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # (B, L, d)
+    logits = model.get_output_embeddings()(hidden[rows, cols]).float()  # (K, V)
+    return torch.nn.functional.cross_entropy(logits, targets[rows, cols])
+
+
+def train_backprop(
+    model: torch.nn.Module,
+    shard: Shard,
+    budget: Budget,
+    opt: OptimizerSettings,
+    on_window: Callable[[int, TrainLog], None] = lambda w, log: None,
+) -> TrainLog:
+    """Ordinary end-to-end backprop of the trainable parameters of `model` (a PeftModel) over the run's micro-batches."""
+    if shard.rows < budget.micro_batch:
+        raise ZLError(f"shard {shard.path} has {shard.rows} rows, fewer than one micro-batch of {budget.micro_batch}.")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, scheduler = runner_optimizer([{"params": params, "lr": opt.lr}], opt, budget.num_windows)
+    model.train()
+    log = TrainLog()
+    start = time.perf_counter()
+    for w, window in enumerate(budget.windows()):
+        total = 0.0
+        for mb in window:
+            loss = causal_lm_loss(model, *micro_batch(shard, mb, budget.micro_batch))
+            loss.backward()
+            total += float(loss.detach())
+        log.lrs.append(_step(optimizer, scheduler, params, len(window)))
+        log.losses.append([total / len(window)])
+        on_window(w, log)
+    log.seconds = time.perf_counter() - start
+    model.eval()
+    return log
+
+
+def freeze_lora_below(peft_model: torch.nn.Module, first_layer: int) -> int:
+    """Freeze the LoRA parameters of layers < `first_layer` (the last-stage-only baseline); returns how many train."""
+    import re
+
+    trainable = 0
+    for name, p in peft_model.named_parameters():
+        if "lora_" not in name:
+            continue
+        m = re.search(r"\.layers\.(\d+)\.", name)
+        p.requires_grad_(m is not None and int(m.group(1)) >= first_layer)
+        trainable += p.numel() if p.requires_grad else 0
+    return trainable

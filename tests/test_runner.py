@@ -32,7 +32,7 @@ import torch
 
 from conftest import REPO, native_library_or_skip
 
-from zl_device.lr_schedule import lr_factor
+from zl_device.run.lr_schedule import lr_factor
 
 SEQ_LEN = 16
 RUN_ID = "0123456789abcdef0123456789abcdef"

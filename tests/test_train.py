@@ -31,7 +31,7 @@ def export_cache(tmp_path_factory) -> Path:
 
 
 def train(out: Path, cache: Path, **kw):
-    from zl_device.train_job import TrainSettings, run_training
+    from zl_device.run.train_job import TrainSettings, run_training
 
     settings = TrainSettings(model="tiny-random", samples=SAMPLES, window=WINDOW, out=out, export_cache=cache,
                              seq_len=32, eval_limit=16, timeout_s=300, **kw)
@@ -135,7 +135,7 @@ def test_bad_inputs_are_clear_errors(export_cache, tmp_path):
     from zl.errors import ZLError
 
     with pytest.raises(ZLError, match="expected STAGE@WINDOW"):
-        from zl_device.coordinator import Injection
+        from zl_device.run.coordinator import Injection
 
         Injection.parse("1-2", 3, 6)
     with pytest.raises(ZLError, match="stage 5 does not exist"):

@@ -48,8 +48,8 @@ def eval_command(
 
       zl eval --model tiny-random --data runs/tiny-data/dev.safetensors --limit 32 --batch-size 8
     """
-    from zl_device.adapter import MERGE_INFO, check_adapter_dir, load_adapter
-    from zl_device.evaluate import evaluate, limit_rows
+    from zl_device.results.adapter import MERGE_INFO, check_adapter_dir, load_adapter
+    from zl_device.results.evaluate import evaluate, limit_rows
     from zl_export.model_source import DEFAULT_MODEL, load_model
     from zl_export.shard import load_shard
 

@@ -58,7 +58,7 @@ def train_command(
     timeout: float = typer.Option(3600, "--timeout", help="Give up when the run takes longer (seconds)."),
 ) -> None:
     """Fine-tune with LoRA on a pipeline of devices: export, data, deploy, run, pull, merge, eval, report."""
-    from zl_device.train_job import TrainSettings, run_training
+    from zl_device.run.train_job import TrainSettings, run_training
 
     settings = TrainSettings(
         model=model, stages=stages, num_stages=num_stages, data=data, eval_data=eval_data, data_format=data_format,

@@ -273,7 +273,7 @@ def entry_bytes(manifest: dict, k: int) -> int:
 
 def collect_metrics(run_dir: Path, devices, num_stages: int, events: list[dict]) -> Path:
     """Per-stage telemetry into RUN_DIR/stages/stage_<k>/, then the merged RUN_DIR/metrics.jsonl."""
-    from zl_device.metrics_log import METRICS, STAGES_DIR
+    from zl_device.run.metrics_log import METRICS, STAGES_DIR
 
     lines: list[str] = []
     for k in range(num_stages):
@@ -291,8 +291,8 @@ def collect_metrics(run_dir: Path, devices, num_stages: int, events: list[dict])
 
 def evaluate_run(s: TrainSettings, run_dir: Path, dev: Path, say) -> dict:
     """Base model and adapter on the dev shard; writes RUN_DIR/eval.json."""
-    from zl_device.adapter import load_adapter
-    from zl_device.evaluate import evaluate, limit_rows
+    from zl_device.results.adapter import load_adapter
+    from zl_device.results.evaluate import evaluate, limit_rows
     from zl_export.model_source import load_model
     from zl_export.shard import load_shard
 
@@ -312,12 +312,12 @@ def evaluate_run(s: TrainSettings, run_dir: Path, dev: Path, say) -> dict:
 
 def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
     """The whole `zl train` job; `say` prints a step's line, `on_update` gets the coordinator's stage states."""
-    from zl_device.control import ControlServer
-    from zl_device.coordinator import Coordinator, Injection, StagePlan
-    from zl_device.deploy import deploy, deploy_stage, pull
-    from zl_device.devices import check_mode, open_devices, parse_devices
-    from zl_device.network import apply_tunnels, plan_addresses
-    from zl_device.report import write_report
+    from zl_device.run.control import ControlServer
+    from zl_device.run.coordinator import Coordinator, Injection, StagePlan
+    from zl_device.devices.deploy import deploy, deploy_stage, pull
+    from zl_device.devices.registry import check_mode, open_devices, parse_devices
+    from zl_device.devices.network import apply_tunnels, plan_addresses
+    from zl_device.results.report import write_report
 
     start = time.time()
     run_dir = Path(s.out).expanduser().resolve()
@@ -396,7 +396,7 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
                    "control_heartbeats": [st.heartbeat_seen for st in coordinator.status]})
     collect_metrics(run_dir, used, num_stages, events)
 
-    from zl_device.adapter import merge_checkpoints
+    from zl_device.results.adapter import merge_checkpoints
 
     merged = merge_checkpoints(run_dir / "checkpoints", run_dir / "manifest.json", run_dir / "adapter")
     say(f"merge: {merged.numel:,} LoRA parameters of window {merged.window} -> {run_dir / 'adapter'}")

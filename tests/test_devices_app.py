@@ -462,9 +462,11 @@ def test_mode_option_values_and_local_devices(tmp_path):
 
 
 def test_train_refuses_app_mode_on_local_devices_before_exporting(tmp_path):
-    from zl_device.run.train_job import TrainSettings, run_training
+    from zl_device.run.train_job import run_training
+    from zl_device.run.train_settings import TrainSettings
+    from zl_export.options import ModelSplit
 
-    settings = TrainSettings(model="no-such-model", devices="local:3", mode="app", out=tmp_path / "run")
+    settings = TrainSettings(split=ModelSplit("no-such-model"), devices="local:3", mode="app", out=tmp_path / "run")
     with pytest.raises(ZLError, match="--mode app needs phones"):
         run_training(settings, say=lambda line: None)
     assert not (tmp_path / "run").exists()

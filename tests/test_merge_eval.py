@@ -42,7 +42,7 @@ STAGES = ((0, 1), (2, 3))  # tiny-random has 4 layers
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory) -> Path:
     """A manifest of a 2-stage tiny-random export (no programs: merge needs only the parameter lists)."""
-    from zl_export.exporter import ExportOptions
+    from zl_export.options import ExportOptions
     from zl_export.lora import attach_lora, peft_names
     from zl_export.manifest import build_manifest, write_manifest
 

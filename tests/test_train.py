@@ -31,9 +31,11 @@ def export_cache(tmp_path_factory) -> Path:
 
 
 def train(out: Path, cache: Path, **kw):
-    from zl_device.run.train_job import TrainSettings, run_training
+    from zl_device.run.train_job import run_training
+    from zl_device.run.train_settings import TrainSettings
+    from zl_export.options import ModelSplit
 
-    settings = TrainSettings(model="tiny-random", samples=SAMPLES, window=WINDOW, out=out, export_cache=cache,
+    settings = TrainSettings(split=ModelSplit("tiny-random"), samples=SAMPLES, window=WINDOW, out=out, export_cache=cache,
                              seq_len=32, eval_limit=16, timeout_s=300, **kw)
     # The demo task needs 64 tokens for the byte tokenizer; with seq_len 32 use a small prompt/completion file.
     return run_training(settings, say=lambda line: None)

@@ -44,14 +44,14 @@ import torch  # noqa: E402
 from zl.errors import ZLError  # noqa: E402
 from zl_device.run.lr_schedule import lr_factor  # noqa: E402
 from zl_export.local_loss import shift_targets  # noqa: E402
-from zl_export.lora import LoraSettings  # noqa: E402
+from zl_export.options import DEFAULT_MODEL, LoraSettings  # noqa: E402
 from zl_export.shard import Shard  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 # `zl train`'s defaults (zl_device/run/train_job.py TrainSettings, stage_configs) and the runner's AdamW defaults
 # (zl/adamw.h) for fields the stage config leaves out.
-DEFAULT_MODEL = "smollm2-135m"
+
 DEFAULT_SAMPLES = 256
 DEFAULT_WINDOW = 8
 DEFAULT_LR = 2e-3

@@ -10,21 +10,12 @@ Hugging Face, so position i predicts token i+1). The last position never has
 a target.
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from zl_export.options import CONSISTENCY_KINDS, LossConfig
+
 IGNORE_INDEX = -100
-CONSISTENCY_KINDS = ("kl_rev", "kl_fwd")
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """α weights CE against the consistency (KL) term; `consistency` picks the KL direction."""
-
-    alpha: float = 0.5
-    consistency: str = "kl_rev"
 
 
 def shift_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

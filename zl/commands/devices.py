@@ -10,12 +10,9 @@ from typing import Annotated
 import typer
 
 from zl.errors import ZLError
+from zl_device.devices.registry import MODE_HELP
 
 DEVICES_HELP = "local:N (N local processes) or phone serials SERIAL1,SERIAL2,... in stage order (see `zl devices`)."
-MODE_HELP = ("How phones run their stage: `binary` (zl_runner started over adb in /data/local/tmp/zerolock) or `app` "
-             "(the com.zerolock.zl app's foreground service, files in /sdcard/Android/data/com.zerolock.zl/files; "
-             "`zl deploy --mode app` installs the APK: $ZL_ANDROID_APK, else the debug build of tools/build_android.sh). "
-             "Phones only.")
 
 
 def devices_command(

@@ -50,7 +50,8 @@ def eval_command(
     """
     from zl_device.results.adapter import MERGE_INFO, check_adapter_dir, load_adapter
     from zl_device.results.evaluate import evaluate, limit_rows
-    from zl_export.model_source import DEFAULT_MODEL, load_model
+    from zl_export.model_source import load_model
+    from zl_export.options import DEFAULT_MODEL
     from zl_export.shard import load_shard
 
     if batch_size < 1:

@@ -1,18 +1,20 @@
 """`zl export`: cut a model into per-stage ExecuTorch training programs."""
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from zl.errors import ZLError
+from zl.options import settings_command
+from zl.settings import nested, setting
+from zl_export.options import ExportOptions, ModelSplit
 
 if TYPE_CHECKING:
-    from zl_export.exporter import ExportOptions
     from zl_export.stage_module import StageModule
 
 EXAMPLE = """
@@ -28,39 +30,22 @@ console = Console()
 err_console = Console(stderr=True)
 
 
-def export_command(
-    model: str = typer.Option("smollm2-135m", "--model", help="Built-in name (smollm2-135m, tinyllama-random, tiny-random), Hugging Face hub id, model directory or .gguf file."),
-    stages: str = typer.Option(None, "--stages", help="Layer ranges per stage, e.g. 0-6,7-13,14-21 (inclusive, consecutive, covering every layer)."),
-    num_stages: int = typer.Option(3, "--num-stages", help="Balanced split into this many stages (used when --stages is not given)."),
-    out: Path = typer.Option(Path("runs/export"), "--out", help="Output directory for stage_<k>.pte and manifest.json."),
-    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per sample; programs have fixed shapes."),
-    micro_batch: int = typer.Option(1, "--micro-batch", help="Samples per micro-batch."),
-    lora_rank: int = typer.Option(8, "--lora-rank", help="LoRA rank r."),
-    lora_alpha: float = typer.Option(16.0, "--lora-alpha", help="LoRA scaling α (the update is scaled by α/r)."),
-    lora_targets: str = typer.Option("q_proj,v_proj", "--lora-targets", help="Comma-separated Llama projections that get adapters."),
-    alpha: float = typer.Option(0.5, "--alpha", help="Weight of CE against KL in the local loss, in (0, 1]."),
-    consistency: str = typer.Option("kl_rev", "--consistency", help="KL direction: kl_rev = KL(p_k‖p_k-1) (the paper's Eq. 5) or kl_fwd."),
-    seed: int = typer.Option(0, "--seed", help="Seeds the LoRA initialisation (and random-weight models)."),
-    check: bool = typer.Option(True, "--check/--no-check", help="Run one training step of every stage through ExecuTorch and compare with PyTorch eager."),
-) -> None:
-    """Export one ExecuTorch training program per pipeline stage, plus manifest.json."""
-    from zl_export.exporter import ExportOptions
-    from zl_export.local_loss import LossConfig
-    from zl_export.lora import LoraSettings
+@dataclass(frozen=True)
+class ExportArgs:
+    """`zl export`'s options: the model split, the output folder, the export options and the check."""
 
-    opts = ExportOptions(
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        lora=LoraSettings(lora_rank, lora_alpha, tuple(t.strip() for t in lora_targets.split(",") if t.strip())),
-        loss=LossConfig(alpha, consistency),
-        seed=seed,
-    )
-    export_pipeline(model, stages, num_stages, out, opts, check)
+    split: ModelSplit = nested(ModelSplit)
+    out: Path = setting(Path("runs/export"), "Output directory for stage_<k>.pte and manifest.json.")
+    options: ExportOptions = nested(ExportOptions)
+    check: bool = setting(True, "Run one training step of every stage through ExecuTorch and compare with PyTorch eager.")
 
 
-def export_pipeline(model: str, stages: str | None, num_stages: int, out: Path, opts: "ExportOptions", check: bool,
-                    final_dir: Path | None = None) -> dict:
-    """Load `model`, split it, export every stage into `out` with a progress display; returns the manifest.
+def run_export(args: ExportArgs) -> None:
+    export_pipeline(args.split, args.out, args.options, args.check)
+
+
+def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bool, final_dir: Path | None = None) -> dict:
+    """Load the model, split it, export every stage into `out` with a progress display; returns the manifest.
 
     Also used by `zl train`, which exports into a temporary `out` and renames it to `final_dir` (the name shown).
     Raises ZLError for bad options, model sources and stage specs.
@@ -68,8 +53,9 @@ def export_pipeline(model: str, stages: str | None, num_stages: int, out: Path, 
     from zl_export.exporter import build_stage_modules, export_stage, write_program
     from zl_export.manifest import build_manifest, write_manifest
     from zl_export.model_source import load_model
-    from zl_export.stages import balanced_split, format_spec, parse_spec
+    from zl_export.stages import format_spec
 
+    model = split.model
     opts.validate()
     first_gguf = " (a GGUF is converted to float32 once, ~30 s)" if model.endswith(".gguf") or model == "smollm2-135m" else ""
     with console.status(f"loading {model}{first_gguf}"):
@@ -78,19 +64,19 @@ def export_pipeline(model: str, stages: str | None, num_stages: int, out: Path, 
         load_s = time.perf_counter() - t0
     cfg = loaded.config
     opts.validate(cfg.max_position_embeddings)
-    split = parse_spec(stages, cfg.num_hidden_layers) if stages else balanced_split(cfg.num_hidden_layers, num_stages)
+    stages = split.ranges(cfg.num_hidden_layers)
     console.print(
         f"[bold]{model}[/]: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} "
-        f"(loaded in {load_s:.1f} s); stages {format_spec(split)}"
+        f"(loaded in {load_s:.1f} s); stages {format_spec(stages)}"
     )
-    peft_model, modules = build_stage_modules(loaded.model, split, opts)
+    peft_model, modules = build_stage_modules(loaded.model, stages, opts)
     out.mkdir(parents=True, exist_ok=True)
     entries = []
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[phase]}"),
         TimeElapsedColumn(), console=console,
     ) as progress:
-        tasks = [progress.add_task(f"stage {s.index} (layers {s})", total=5, phase="waiting") for s in split]
+        tasks = [progress.add_task(f"stage {s.index} (layers {s})", total=5, phase="waiting") for s in stages]
         for module, task in zip(modules, tasks):
             def on_phase(phase: str, task=task) -> None:
                 progress.update(task, advance=1, phase=phase)
@@ -111,7 +97,7 @@ def export_pipeline(model: str, stages: str | None, num_stages: int, out: Path, 
     return manifest
 
 
-def _check_inputs(tokenizer, first: "StageModule", opts: "ExportOptions", vocab_size: int) -> tuple:
+def _check_inputs(tokenizer, first: "StageModule", opts: ExportOptions, vocab_size: int) -> tuple:
     """Stage 0's inputs for the check: the first demo-task samples, so the losses are those of real text.
 
     Falls back to random token ids when a demo sample does not fit --seq-len.
@@ -169,7 +155,8 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-export_command.__doc__ = (export_command.__doc__ or "") + EXAMPLE
+export_command = settings_command(
+    ExportArgs, run_export, "Export one ExecuTorch training program per pipeline stage, plus manifest.json." + EXAMPLE)
 
 
 COMMANDS = {"export": export_command}

@@ -23,6 +23,10 @@ LOCAL = "local"
 LINK_PROFILES = ("local", "wifi", "mobile", "constrained")
 #: How a phone runs its stage: the zl_runner binary over `adb shell`, or the app's foreground service.
 MODES = ("binary", "app")
+MODE_HELP = ("How phones run their stage: `binary` (zl_runner started over adb in /data/local/tmp/zerolock) or `app` "
+             "(the com.zerolock.zl app's foreground service, files in /sdcard/Android/data/com.zerolock.zl/files; "
+             "`zl deploy --mode app` installs the APK: $ZL_ANDROID_APK, else the debug build of tools/build_android.sh). "
+             "Phones only.")
 
 
 @dataclass(frozen=True)

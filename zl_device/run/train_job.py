@@ -29,64 +29,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from zl.errors import ZLError
+from zl_device.run.train_settings import DEMO, TrainSettings
 
 log = logging.getLogger(__name__)
 
-DEMO = "demo"
 EXPORT_CACHE_VERSION = 2  # bump when the exporter's output changes for the same options
 
 
-@dataclass
-class TrainSettings:
-    """Everything `zl train` takes (the CLI's options)."""
-
-    model: str = "smollm2-135m"
-    stages: str | None = None
-    num_stages: int = 3
-    data: str = DEMO
-    eval_data: str | None = None
-    data_format: str = "auto"
-    truncate: bool = False
-    samples: int = 256
-    window: int = 4
-    devices: str = "local:3"
-    mode: str = "binary"  # phones: "binary" (zl_runner over adb) or "app" (the com.zerolock.zl app)
-    out: Path = Path("runs/train")
-    recovery: str = "local"
-    inject_failure: str | None = None
-    spares: int = 0
-    seed: int = 0
-    seq_len: int | None = None  # default: 64 for the demo task, 128 otherwise
-    micro_batch: int = 1
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_targets: str = "q_proj,v_proj"
-    alpha: float = 0.5
-    consistency: str = "kl_rev"
-    lr: float = 5e-3
-    warmup_windows: int = 2
-    in_flight: int = 4
-    threads: int = 1
-    link_profile: str | None = None
-    heartbeat_timeout_s: float = 30.0
-    timeout_s: float = 3600.0
-    eval_limit: int | None = None
-    export_cache: Path | None = None  # default: $ZL_CACHE_DIR/exports
-
-    def effective_seq_len(self) -> int:
-        if self.seq_len is None:
-            self.seq_len = default_seq_len(self.model, self.data)
-        return self.seq_len
-
-    def export_options(self):
-        from zl_export.exporter import ExportOptions
-        from zl_export.local_loss import LossConfig
-        from zl_export.lora import LoraSettings
-
-        targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
-        return ExportOptions(seq_len=self.effective_seq_len(), micro_batch=self.micro_batch,
-                             lora=LoraSettings(self.lora_rank, self.lora_alpha, targets),
-                             loss=LossConfig(self.alpha, self.consistency), seed=self.seed)
+def effective_seq_len(s: TrainSettings) -> int:
+    """--seq-len, or its default for the model and data (computed once, then kept in `s`)."""
+    if s.seq_len is None:
+        s.seq_len = default_seq_len(s.split.model, s.data)
+    return s.seq_len
 
 
 def default_seq_len(model: str, data: str) -> int:
@@ -120,14 +74,14 @@ def export_key(s: TrainSettings) -> str:
     """A hash of what determines the stage programs: model identity, split and export options."""
     from zl_export.model_source import resolve
 
-    kind, path = resolve(s.model)
-    identity = {"spec": s.model, "kind": kind}
+    kind, path = resolve(s.split.model)
+    identity = {"spec": s.split.model, "kind": kind}
     if path is not None:
         probe = path / "config.json" if path.is_dir() else path
         st = probe.stat()
         identity.update(path=str(path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns)
-    opts = s.export_options()
-    blob = {"v": EXPORT_CACHE_VERSION, "model": identity, "stages": s.stages or f"balanced:{s.num_stages}",
+    opts = s.export_options(effective_seq_len(s))
+    blob = {"v": EXPORT_CACHE_VERSION, "model": identity, "stages": s.split.key,
             "opts": {"seq_len": opts.seq_len, "micro_batch": opts.micro_batch, "seed": opts.seed,
                      "lora": asdict(opts.lora), "loss": asdict(opts.loss)}}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -152,7 +106,7 @@ def export_cached(s: TrainSettings, say) -> tuple[Path, dict]:
             log.warning("export cache %s is unusable (%s); exporting again", target, e)
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    manifest = export_pipeline(s.model, s.stages, s.num_stages, tmp, s.export_options(), check=False, final_dir=target)
+    manifest = export_pipeline(s.split, tmp, s.export_options(effective_seq_len(s)), check=False, final_dir=target)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target, manifest
@@ -171,14 +125,14 @@ def prepare_data(s: TrainSettings, data_dir: Path, say) -> tuple[Path, Path | No
     from zl_export.model_source import load_tokenizer
     from zl_export.shard import load_shard
 
-    seq_len = s.effective_seq_len()
-    tokenizer = load_tokenizer(s.model)
+    seq_len = effective_seq_len(s)
+    tokenizer = load_tokenizer(s.split.model)
     data_dir.mkdir(parents=True, exist_ok=True)
 
     def write(name: str, task, source: dict) -> Path:
         tokenized, task = zdata.tokenize(task, tokenizer, seq_len, truncate=s.truncate, source=source["path"])
         path = data_dir / f"{name}.safetensors"
-        meta = zdata.save(path, tokenized, task, tokenizer, s.model, source, extra={"split": name, "seed": s.seed})
+        meta = zdata.save(path, tokenized, task, tokenizer, s.split.model, source, extra={"split": name, "seed": s.seed})
         say(f"data: {name} {meta['rows']} rows x {seq_len} tokens -> {path}")
         return path
 
@@ -297,7 +251,7 @@ def evaluate_run(s: TrainSettings, run_dir: Path, dev: Path, say) -> dict:
     from zl_export.shard import load_shard
 
     shard = limit_rows(load_shard(dev), s.eval_limit)
-    base = load_model(s.model, seed=s.seed).model
+    base = load_model(s.split.model, seed=s.seed).model
     before = evaluate(base, shard)
     after = evaluate(load_adapter(base, run_dir / "adapter"), shard)
     result = {"data": str(dev), "rows": shard.rows, "base": before.to_dict(), "adapter": after.to_dict()}
@@ -324,8 +278,7 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
     if run_dir.exists() and any(run_dir.iterdir()):
         raise ZLError(f"--out {run_dir}: the directory exists and is not empty; pick a new run directory "
                       "(a run never overwrites another run's results).")
-    if s.samples < 1 or s.window < 1:
-        raise ZLError(f"--samples {s.samples} --window {s.window}: both must be at least 1.")
+    s.validate()
     spec = parse_devices(s.devices)
     check_mode(spec, s.mode)  # before the export, which takes minutes
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -337,7 +290,7 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
         raise ZLError(f"--devices {s.devices} gives {spec.count} device(s); {num_stages} stages"
                       f"{f' and {s.spares} spare(s)' if s.spares else ''} need {num_stages + s.spares}.")
     shard, dev = prepare_data(s, run_dir / "data", say)
-    num_micro_batches = math.ceil(s.samples / s.micro_batch)
+    num_micro_batches = math.ceil(s.samples / s.export.micro_batch)
     num_windows = math.ceil(num_micro_batches / s.window)
     injection = Injection.parse(s.inject_failure, num_stages, num_windows) if s.inject_failure else None
 
@@ -390,7 +343,7 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
     used = [p.device for p in plans]
     pull(used, run_dir)
     events.append({"type": "run", "start_unix_ms": int(run_start * 1000), "end_unix_ms": int(run_end * 1000),
-                   "samples": num_micro_batches * s.micro_batch, "run_id": run_id, "num_stages": num_stages,
+                   "samples": num_micro_batches * s.export.micro_batch, "run_id": run_id, "num_stages": num_stages,
                    "window_size": s.window, "num_micro_batches": num_micro_batches, "recovery": s.recovery,
                    "devices": [d.name for d in used],
                    "control_heartbeats": [st.heartbeat_seen for st in coordinator.status]})
@@ -400,7 +353,7 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
 
     merged = merge_checkpoints(run_dir / "checkpoints", run_dir / "manifest.json", run_dir / "adapter")
     say(f"merge: {merged.numel:,} LoRA parameters of window {merged.window} -> {run_dir / 'adapter'}")
-    result = TrainResult(run_dir, time.time() - start, num_micro_batches * s.micro_batch)
+    result = TrainResult(run_dir, time.time() - start, num_micro_batches * s.export.micro_batch)
     if dev is not None:
         result.eval = evaluate_run(s, run_dir, dev, say)
     result.report = write_report(run_dir)

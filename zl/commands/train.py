@@ -28,6 +28,7 @@ console = Console()
 
 
 def run_train(settings: TrainSettings) -> None:
+    from zl.commands.export import RichExportProgress
     from zl_device.run.train_job import run_training
 
     total = -(-settings.samples // settings.export.micro_batch)
@@ -42,7 +43,9 @@ def run_train(settings: TrainSettings) -> None:
         live.update(_table(status, total))
 
     try:
-        result = run_training(settings, say=lambda line: console.print(line), on_update=on_update)
+        with RichExportProgress() as export_progress:
+            result = run_training(settings, say=lambda line: console.print(line), on_update=on_update,
+                                  export_progress=export_progress)
     finally:
         if started:
             live.stop()

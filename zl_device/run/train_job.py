@@ -45,17 +45,12 @@ def effective_seq_len(s: TrainSettings) -> int:
 
 def default_seq_len(model: str, data: str) -> int:
     """128 tokens, or for the demo task the longest sample under the model's tokenizer rounded up to 16."""
-    if data != DEMO:
-        return 128
-    from zl_export import data as zdata
-    from zl_export.demo_task import demo_rows
     from zl_export.model_source import load_tokenizer
+    from zl_export.shard_jobs import DEFAULT_SEQ_LEN, default_seq_len as shard_seq_len
 
-    tokenizer = load_tokenizer(model)
-    rows = [r for split in demo_rows(0).values() for r in split]
-    tokenized, _ = zdata.tokenize(zdata.demo_task(rows), tokenizer, 512)
-    longest = int(tokenized.attention_mask.sum(dim=1).max())
-    return max(16, -(-longest // 16) * 16)
+    if data != DEMO:
+        return DEFAULT_SEQ_LEN
+    return shard_seq_len(load_tokenizer(model), demo=True)
 
 
 @dataclass
@@ -87,10 +82,13 @@ def export_key(s: TrainSettings) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def export_cached(s: TrainSettings, say) -> tuple[Path, dict]:
-    """The export directory for `s`: reused from the cache when complete, else exported into it."""
-    from zl.commands.export import export_pipeline
+def export_cached(s: TrainSettings, say, progress=None) -> tuple[Path, dict]:
+    """The export directory for `s`: reused from the cache when complete, else exported into it.
+
+    `progress` (a zl_export.pipeline.ExportProgress) sees the export when there is one.
+    """
     from zl_export.manifest import load_manifest
+    from zl_export.pipeline import export_pipeline
     from zl_export.model_source import cache_dir
 
     root = s.export_cache or cache_dir() / "exports"
@@ -106,7 +104,8 @@ def export_cached(s: TrainSettings, say) -> tuple[Path, dict]:
             log.warning("export cache %s is unusable (%s); exporting again", target, e)
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    manifest = export_pipeline(s.split, tmp, s.export_options(effective_seq_len(s)), check=False, final_dir=target)
+    manifest = export_pipeline(s.split, tmp, s.export_options(effective_seq_len(s)), progress=progress,
+                               shown_dir=target).manifest
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target, manifest
@@ -124,16 +123,15 @@ def prepare_data(s: TrainSettings, data_dir: Path, say) -> tuple[Path, Path | No
     from zl_export import data as zdata
     from zl_export.model_source import load_tokenizer
     from zl_export.shard import load_shard
+    from zl_export.shard_jobs import ShardJob, demo_jobs, file_job, write_shard
 
     seq_len = effective_seq_len(s)
     tokenizer = load_tokenizer(s.split.model)
     data_dir.mkdir(parents=True, exist_ok=True)
 
-    def write(name: str, task, source: dict) -> Path:
-        tokenized, task = zdata.tokenize(task, tokenizer, seq_len, truncate=s.truncate, source=source["path"])
-        path = data_dir / f"{name}.safetensors"
-        meta = zdata.save(path, tokenized, task, tokenizer, s.split.model, source, extra={"split": name, "seed": s.seed})
-        say(f"data: {name} {meta['rows']} rows x {seq_len} tokens -> {path}")
+    def write(job: ShardJob) -> Path:
+        path, meta = write_shard(job, tokenizer, s.split.model, seq_len, data_dir, s.truncate, extra={"seed": s.seed})
+        say(f"data: {job.name} {meta['rows']} rows x {seq_len} tokens -> {path}")
         return path
 
     def from_file(spec: str, name: str) -> Path:
@@ -144,17 +142,12 @@ def prepare_data(s: TrainSettings, data_dir: Path, say) -> tuple[Path, Path | No
                 raise ZLError(f"--data {spec}: the shard has seq_len {shard.seq_len}, the programs {seq_len}; pass "
                               f"--seq-len {shard.seq_len} or re-tokenize with `zl data --seq-len {seq_len}`.")
             return path
-        task = zdata.select(zdata.load_task(path, s.data_format), None, True, s.seed)
-        return write(name, task, {"path": str(path.resolve()), "sha256": zdata.file_sha256(path),
-                                  "rows_in_source": len(task.examples)})
+        job = file_job(path, s.data_format, name)
+        job.task = zdata.select(job.task, None, True, s.seed)
+        return write(job)
 
     if s.data == DEMO:
-        from zl_export.demo_task import demo_rows, rows_sha256
-
-        splits = demo_rows(s.seed)
-        paths = {name: write(name, zdata.demo_task(rows), {"path": "demo", "sha256": rows_sha256(rows),
-                                                            "demo_seed": s.seed, "rows_in_source": len(rows)})
-                 for name, rows in splits.items()}
+        paths = {job.name: write(job) for job in demo_jobs(s.seed)}
         return paths["train"], (from_file(s.eval_data, "dev") if s.eval_data else paths.get("dev"))
     return from_file(s.data, "train"), (from_file(s.eval_data, "dev") if s.eval_data else None)
 
@@ -245,15 +238,13 @@ def collect_metrics(run_dir: Path, devices, num_stages: int, events: list[dict])
 
 def evaluate_run(s: TrainSettings, run_dir: Path, dev: Path, say) -> dict:
     """Base model and adapter on the dev shard; writes RUN_DIR/eval.json."""
-    from zl_device.results.adapter import load_adapter
-    from zl_device.results.evaluate import evaluate, limit_rows
+    from zl_device.results.evaluate import evaluate_with_adapter, limit_rows
     from zl_export.model_source import load_model
     from zl_export.shard import load_shard
 
     shard = limit_rows(load_shard(dev), s.eval_limit)
-    base = load_model(s.split.model, seed=s.seed).model
-    before = evaluate(base, shard)
-    after = evaluate(load_adapter(base, run_dir / "adapter"), shard)
+    scores = evaluate_with_adapter(load_model(s.split.model, seed=s.seed).model, shard, run_dir / "adapter")
+    before, after = scores["base"], scores["adapter"]
     result = {"data": str(dev), "rows": shard.rows, "base": before.to_dict(), "adapter": after.to_dict()}
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     acc = (f"accuracy {before.accuracy:.1%} -> {after.accuracy:.1%}, " if before.accuracy is not None else "")
@@ -264,8 +255,9 @@ def evaluate_run(s: TrainSettings, run_dir: Path, dev: Path, say) -> dict:
 # --- the job -------------------------------------------------------------------------------------------
 
 
-def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
-    """The whole `zl train` job; `say` prints a step's line, `on_update` gets the coordinator's stage states."""
+def run_training(s: TrainSettings, say=print, on_update=None, export_progress=None) -> TrainResult:
+    """The whole `zl train` job; `say` prints a step's line, `on_update` gets the coordinator's stage states,
+    `export_progress` (a zl_export.pipeline.ExportProgress) sees the export when the cache has none."""
     from zl_device.run.control import ControlServer
     from zl_device.run.coordinator import Coordinator, Injection, StagePlan
     from zl_device.devices.deploy import deploy, deploy_stage, pull
@@ -283,7 +275,7 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
     check_mode(spec, s.mode)  # before the export, which takes minutes
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    export_dir, manifest = export_cached(s, say)
+    export_dir, manifest = export_cached(s, say, export_progress)
     shutil.copyfile(export_dir / "manifest.json", run_dir / "manifest.json")
     num_stages = len(manifest["stages"])
     if spec.count < num_stages + s.spares:

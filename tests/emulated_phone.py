@@ -27,7 +27,7 @@ emulated (they raise): all phones share this host's loopback, so a reverse tunne
 127.0.0.1:P would take the port that phone B's stage listens on.
 
     phones = [EmulatedPhone(f"zlemu-{i}", tmp_path / f"zlemu-{i}", f"127.0.0.{2 + i}", app) for i in range(3)]
-    monkeypatch.setattr(zl_device.adb, "connect", lambda start=True: emulated_client(phones))
+    monkeypatch.setattr(zl_device.devices.adb, "connect", lambda start=True: emulated_client(phones))
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ import socket
 
 import pytest
 
-from zl_device import frames
-from zl_device.control import ControlServer
-from zl_device.frames import Frame, FrameType
+from zl_device.run import frames
+from zl_device.run.control import ControlServer
+from zl_device.run.frames import Frame, FrameType
 
 KEY = bytes(range(32))
 RUN = bytes(range(16))

@@ -24,11 +24,11 @@ from typer.testing import CliRunner
 
 from zl.commands import devices as devices_cli
 from zl.errors import ZLError
-from zl_device import deploy as zdeploy
-from zl_device.backend import signal_exit_code, sum_pss_kib
-from zl_device.devices import local_cpu_sets, open_devices, parse_devices
-from zl_device.local import LocalDevice, thermal_zone_celsius
-from zl_device.network import plan_addresses
+from zl_device.devices import deploy as zdeploy
+from zl_device.devices.backend import signal_exit_code, sum_pss_kib
+from zl_device.devices.registry import local_cpu_sets, open_devices, parse_devices
+from zl_device.devices.local import LocalDevice, thermal_zone_celsius
+from zl_device.devices.network import plan_addresses
 
 # A stand-in for zl_runner: reads --config, prints the "listening" event, writes telemetry and checkpoint
 # folders like the real one, then behaves as the config's "dummy" field says. SIGTERM exits 3 (as zl_runner).

@@ -25,11 +25,11 @@ from typer.testing import CliRunner
 
 from test_devices import WAIT_S, cli_app, free_port, make_configs, make_export
 from zl.errors import ZLError
-from zl_device import adb as zadb
-from zl_device import deploy as zdeploy
-from zl_device.backend import signal_exit_code
-from zl_device.devices import open_devices
-from zl_device.network import apply_tunnels, plan_addresses
+from zl_device.devices import adb as zadb
+from zl_device.devices import deploy as zdeploy
+from zl_device.devices.backend import signal_exit_code
+from zl_device.devices.registry import open_devices
+from zl_device.devices.network import apply_tunnels, plan_addresses
 
 
 # --- address plan ---------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Device backends, part 3: `--mode app`, phones that run their stage in the app com.zerolock.zl.
 
 A fake phone (`FakeAppPhone`, built on tests/test_devices_adb.py's fakes of adbutils) plays the app's side of
-the contract in zl_device/app.py: START writes runner.pid, STOP writes runner.exit 3, force-stop kills the
+the contract in zl_device/devices/app.py: START writes runner.pid, STOP writes runner.exit 3, force-stop kills the
 process without one, PREPARE writes app.json, `pm` installs. The status line `pidof` decides on runs under
 this host's sh / mksh with a stand-in `pidof`.
 
@@ -28,10 +28,10 @@ from typer.testing import CliRunner
 from test_devices import cli_app, make_configs, make_export
 from test_devices_adb import DF_TOYBOX, DUMPSYS_BATTERY, FakeClient, FakePhone, FakeSync
 from zl.errors import ZLError
-from zl_device import adb as zadb
-from zl_device import app as zapp
-from zl_device import deploy as zdeploy
-from zl_device.devices import open_devices
+from zl_device.devices import adb as zadb
+from zl_device.devices import app as zapp
+from zl_device.devices import deploy as zdeploy
+from zl_device.devices.registry import open_devices
 
 WD = zapp.APP_WORKDIR
 BASE_APK = "/data/app/~~Xa1bC2==/com.zerolock.zl-Qd3eF4==/base.apk"
@@ -462,9 +462,11 @@ def test_mode_option_values_and_local_devices(tmp_path):
 
 
 def test_train_refuses_app_mode_on_local_devices_before_exporting(tmp_path):
-    from zl_device.train_job import TrainSettings, run_training
+    from zl_device.run.train_job import run_training
+    from zl_device.run.train_settings import TrainSettings
+    from zl_export.options import ModelSplit
 
-    settings = TrainSettings(model="no-such-model", devices="local:3", mode="app", out=tmp_path / "run")
+    settings = TrainSettings(split=ModelSplit("no-such-model"), devices="local:3", mode="app", out=tmp_path / "run")
     with pytest.raises(ZLError, match="--mode app needs phones"):
         run_training(settings, say=lambda line: None)
     assert not (tmp_path / "run").exists()

@@ -15,9 +15,8 @@ import torch.nn.functional as F
 from conftest import native_library_or_skip
 from custom_ops.program_inspect import instructions_not_feeding_marker, kernel_instructions, marker_index
 from zl_export import exporter
-from zl_export.exporter import ExportOptions, build_stage_modules, example_inputs, export_stage, write_program
-from zl_export.local_loss import LossConfig
-from zl_export.lora import LoraSettings
+from zl_export.exporter import build_stage_modules, example_inputs, export_stage, write_program
+from zl_export.options import ExportOptions, LoraSettings, LossConfig
 from zl_export.manifest import build_manifest, load_manifest, write_manifest
 from zl_export.model_source import load_model
 from zl_export.stages import parse_spec

@@ -1,4 +1,4 @@
-"""The Python frame codec (zl_device/frames.py): round trips, every rejection reason, and the C++ twin."""
+"""The Python frame codec (zl_device/run/frames.py): round trips, every rejection reason, and the C++ twin."""
 
 import json
 import os
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zl_device import frames
-from zl_device.frames import Frame, FrameRejected, FrameType, decode, encode
+from zl_device.run import frames
+from zl_device.run.frames import Frame, FrameRejected, FrameType, decode, encode
 
 KEY = bytes(range(32))
 RUN = bytes.fromhex("00112233445566778899aabbccddeeff")

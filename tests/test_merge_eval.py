@@ -21,8 +21,8 @@ from zl.commands.data import data_command
 from zl.commands.eval import eval_command
 from zl.commands.merge import merge_command
 from zl.errors import ZLError
-from zl_device.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGE_INFO, load_adapter, merge_checkpoints
-from zl_device.evaluate import evaluate, limit_rows
+from zl_device.results.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGE_INFO, load_adapter, merge_checkpoints
+from zl_device.results.evaluate import evaluate, limit_rows
 from zl_export.model_source import load_model
 from zl_export.shard import load_shard
 
@@ -42,7 +42,7 @@ STAGES = ((0, 1), (2, 3))  # tiny-random has 4 layers
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory) -> Path:
     """A manifest of a 2-stage tiny-random export (no programs: merge needs only the parameter lists)."""
-    from zl_export.exporter import ExportOptions
+    from zl_export.options import ExportOptions
     from zl_export.lora import attach_lora, peft_names
     from zl_export.manifest import build_manifest, write_manifest
 
@@ -239,7 +239,7 @@ def test_checkpoints_of_another_stage_run_or_incomplete_are_refused(run, export_
 
 
 def test_custom_layout(tmp_path, export_dir):
-    from zl_device.adapter import CheckpointLayout
+    from zl_device.results.adapter import CheckpointLayout
 
     manifest = manifest_of(export_dir)
     values = stage_tensors(manifest, 3)

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from zl.commands.report import report_command
 from zl.errors import ZLError
-from zl_device.report import LATENCY_KEYS, build_report, latency_stats, render_markdown, write_report
+from zl_device.results.report import LATENCY_KEYS, build_report, latency_stats, render_markdown, write_report
 
 T0 = 1_700_000_000_000  # ms
 WINDOW = 2

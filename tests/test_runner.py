@@ -32,7 +32,7 @@ import torch
 
 from conftest import REPO, native_library_or_skip
 
-from zl_device.lr_schedule import lr_factor
+from zl_device.run.lr_schedule import lr_factor
 
 SEQ_LEN = 16
 RUN_ID = "0123456789abcdef0123456789abcdef"
@@ -61,7 +61,8 @@ def runner() -> Path:
 def export_programs(out: Path, num_stages: int) -> Path:
     """`zl export --model tiny-random --num-stages K --seq-len 16`, in-process."""
     from custom_ops import load_library
-    from zl_export.exporter import ExportOptions, build_stage_modules, export_stage, write_program
+    from zl_export.exporter import build_stage_modules, export_stage, write_program
+    from zl_export.options import ExportOptions
     from zl_export.manifest import build_manifest, write_manifest
     from zl_export.model_source import load_model
     from zl_export.stages import balanced_split
@@ -293,9 +294,8 @@ def eager_reference(export_dir: Path, shard_path: Path, num_micro_batches: int, 
     Returns:
         (final LoRA parameters by PEFT name, loss per micro-batch per stage)
     """
-    from zl_export.exporter import ExportOptions, build_stage_modules
-    from zl_export.local_loss import LossConfig
-    from zl_export.lora import LoraSettings
+    from zl_export.exporter import build_stage_modules
+    from zl_export.options import ExportOptions, LoraSettings, LossConfig
     from zl_export.model_source import load_model
     from zl_export.shard import load_shard
     from zl_export.stages import StageRange

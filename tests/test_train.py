@@ -31,9 +31,11 @@ def export_cache(tmp_path_factory) -> Path:
 
 
 def train(out: Path, cache: Path, **kw):
-    from zl_device.train_job import TrainSettings, run_training
+    from zl_device.run.train_job import run_training
+    from zl_device.run.train_settings import TrainSettings
+    from zl_export.options import ModelSplit
 
-    settings = TrainSettings(model="tiny-random", samples=SAMPLES, window=WINDOW, out=out, export_cache=cache,
+    settings = TrainSettings(split=ModelSplit("tiny-random"), samples=SAMPLES, window=WINDOW, out=out, export_cache=cache,
                              seq_len=32, eval_limit=16, timeout_s=300, **kw)
     # The demo task needs 64 tokens for the byte tokenizer; with seq_len 32 use a small prompt/completion file.
     return run_training(settings, say=lambda line: None)
@@ -105,16 +107,15 @@ def test_adapter_loads_with_peft_and_equals_final_checkpoints(clean_run):
 
 
 def eager_zerolock(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The run's pipeline retrained in PyTorch eager (zl_device.eager_training) from its manifest, config and shard.
+    """The run's pipeline retrained in PyTorch eager (zl_device.run.eager_training) from its manifest, config and shard.
 
     Returns:
         (trained tensors by manifest name, the run's merged adapter tensors).
     """
-    from zl_device.eager_training import Budget, OptimizerSettings, stage_parameters, train_zerolock
-    from zl_export.exporter import ExportOptions, build_stage_modules
-    from zl_export.local_loss import LossConfig
-    from zl_export.lora import LoraSettings
+    from zl_device.run.eager_training import Budget, OptimizerSettings, stage_parameters, train_zerolock
+    from zl_export.exporter import build_stage_modules
     from zl_export.model_source import load_model
+    from zl_export.options import ExportOptions, LoraSettings, LossConfig
     from zl_export.shard import load_shard
     from zl_export.stages import StageRange
 
@@ -175,7 +176,7 @@ def test_bad_inputs_are_clear_errors(export_cache, tmp_path):
     from zl.errors import ZLError
 
     with pytest.raises(ZLError, match="expected STAGE@WINDOW"):
-        from zl_device.coordinator import Injection
+        from zl_device.run.coordinator import Injection
 
         Injection.parse("1-2", 3, 6)
     with pytest.raises(ZLError, match="stage 5 does not exist"):

@@ -8,7 +8,7 @@ scores on the dev rows:
     backprop-last   LoRA on the last stage's layers only, the others frozen: the cheapest honest
                     competitor of any pipeline method
     zl-*            ZeroLock, each stage on its local loss, in PyTorch eager with exactly the runner's
-                    semantics (zl_device.eager_training): the paper's loss and the variants below
+                    semantics (zl_device.run.eager_training): the paper's loss and the variants below
 
 Every arm sees the same micro-batches in the same order, the same LoRA
 initialisation, AdamW settings and learning-rate schedule as `zl train`.
@@ -49,9 +49,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 
 from zl.errors import ZLError  # noqa: E402
-from zl_device.eager_training import Budget, OptimizerSettings  # noqa: E402
-from zl_export.local_loss import LossConfig  # noqa: E402
-from zl_export.lora import LoraSettings  # noqa: E402
+from zl_device.run.eager_training import Budget, OptimizerSettings  # noqa: E402
+from zl_export.options import ExportOptions, LoraSettings, LossConfig  # noqa: E402
 
 STUDY_VERSION = 1
 
@@ -197,10 +196,10 @@ def prepare_shard(s: StudySettings, path: Path, split: str, tokenizer, out: Path
 
 def run_arm(arm: Arm, samples: int, s: StudySettings, base_model, split, train, dev, progress) -> dict:
     """Train (unless base) a fresh copy of the model as `arm` on `samples` samples and score it on `dev`."""
-    from zl_device.eager_training import (freeze_lora_below, train_backprop, train_zerolock)
-    from zl_device.early_exit import EarlyExitModel
-    from zl_device.evaluate import evaluate
-    from zl_export.exporter import ExportOptions, build_stage_modules
+    from zl_device.run.eager_training import (freeze_lora_below, train_backprop, train_zerolock)
+    from zl_device.results.early_exit import EarlyExitModel
+    from zl_device.results.evaluate import evaluate
+    from zl_export.exporter import build_stage_modules
     from zl_export.lora import attach_lora
 
     budget = Budget(samples, s.window, s.micro_batch)
@@ -248,7 +247,7 @@ def run_arm(arm: Arm, samples: int, s: StudySettings, base_model, split, train, 
 def run_study(s: StudySettings, arms: list[Arm], out: Path, err) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from zl_device.evaluate import limit_rows
+    from zl_device.results.evaluate import limit_rows
     from zl_export.model_source import load_model
     from zl_export.stages import balanced_split, format_spec, parse_spec
 

@@ -32,9 +32,8 @@ for _name in ("torchao", "torch.utils._pytree", "executorch"):
 
 import torch  # noqa: E402
 
-from zl_export.exporter import ExportOptions, build_stage_modules, example_inputs, export_stage, write_program  # noqa: E402
-from zl_export.local_loss import LossConfig  # noqa: E402
-from zl_export.lora import LoraSettings  # noqa: E402
+from zl_export.exporter import build_stage_modules, example_inputs, export_stage, write_program  # noqa: E402
+from zl_export.options import ExportOptions, LoraSettings, LossConfig  # noqa: E402
 from zl_export.model_source import load_model  # noqa: E402
 from zl_export.stages import parse_spec  # noqa: E402
 from zl_export.step_check import eager_step  # noqa: E402

@@ -9,7 +9,7 @@ gradient is the MEAN over each window of m micro-batches (k for a short last
 window) and one `torch.optim.AdamW` step is taken per window, with the
 runner's learning-rate schedule (zl/lr_schedule.h) as a `LambdaLR`. Then it
 scores the base model and the trained model on the dev shard with
-`zl_device.evaluate.evaluate` (accuracy and NLL per label token), prints a
+`zl_device.results.evaluate.evaluate` (accuracy and NLL per label token), prints a
 table (with the ZeroLock adapter's row from `--zl-eval`) and writes
 `--json-out`.
 
@@ -42,16 +42,16 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 
 from zl.errors import ZLError  # noqa: E402
-from zl_device.lr_schedule import lr_factor  # noqa: E402
+from zl_device.run.lr_schedule import lr_factor  # noqa: E402
 from zl_export.local_loss import shift_targets  # noqa: E402
-from zl_export.lora import LoraSettings  # noqa: E402
+from zl_export.options import DEFAULT_MODEL, LoraSettings  # noqa: E402
 from zl_export.shard import Shard  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-# `zl train`'s defaults (zl_device/train_job.py TrainSettings, stage_configs) and the runner's AdamW defaults
+# `zl train`'s defaults (zl_device/run/train_job.py TrainSettings, stage_configs) and the runner's AdamW defaults
 # (zl/adamw.h) for fields the stage config leaves out.
-DEFAULT_MODEL = "smollm2-135m"
+
 DEFAULT_SAMPLES = 256
 DEFAULT_WINDOW = 8
 DEFAULT_LR = 2e-3
@@ -89,7 +89,7 @@ class Schedule:
             raise ZLError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
 
     def factor(self, t: int) -> float:
-        """zl_device.lr_schedule.lr_factor: the runner's LrSchedule::factor in double precision."""
+        """zl_device.run.lr_schedule.lr_factor: the runner's LrSchedule::factor in double precision."""
         schedule = {"kind": self.kind, "warmup_steps": self.warmup_steps, "min_lr_ratio": self.min_lr_ratio}
         return lr_factor(max(t, 0), schedule, self.total_steps)
 
@@ -163,7 +163,7 @@ class BaselineSettings:
 
 
 def default_schedule(samples: int, window: int, micro_batch: int = 1) -> Schedule:
-    """The schedule `zl train` writes into every stage config (zl_device/train_job.py stage_configs)."""
+    """The schedule `zl train` writes into every stage config (zl_device/run/train_job.py stage_configs)."""
     num_windows = math.ceil(math.ceil(samples / micro_batch) / window)
     return Schedule("warmup_cosine", min(DEFAULT_WARMUP_WINDOWS, max(0, num_windows - 1)), 0, DEFAULT_MIN_LR_RATIO)
 
@@ -414,7 +414,7 @@ def run(argv: list[str] | None = None) -> dict:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from zl_device.evaluate import evaluate, limit_rows
+    from zl_device.results.evaluate import evaluate, limit_rows
     from zl_export.lora import attach_lora
     from zl_export.model_source import load_model
 

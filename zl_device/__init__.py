@@ -1,1 +1,2 @@
-"""Host orchestrator: device backends, deploy, the coordinator, telemetry, pull, report, merge and eval."""
+"""Host orchestrator, in three parts: `devices` (backends, deploy, network), `run` (the train job, coordinator,
+control channel, telemetry) and `results` (merge to a PEFT adapter, eval, report, plots)."""

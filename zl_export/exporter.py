@@ -11,42 +11,18 @@ LoRA parameters (ExecuTorch's training convention, sliced by the
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from zl.errors import ZLError
-from zl_export.local_loss import LossConfig
-from zl_export.lora import LoraSettings, attach_lora, peft_names
+from zl_export.lora import attach_lora, peft_names
+from zl_export.options import ExportOptions
 from zl_export.stage_module import StageModule
 from zl_export.stages import StageRange
 from zl_export.translator import translator_name
 
 MARKER_OP = "zerolock::pipeline_marker.out"
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    """Everything besides the model and the stage split that shapes the programs."""
-
-    seq_len: int = 128
-    micro_batch: int = 1
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    loss: LossConfig = field(default_factory=LossConfig)
-    seed: int = 0
-
-    def validate(self, max_positions: int | None = None) -> None:
-        if self.seq_len < 2:
-            raise ZLError(f"--seq-len {self.seq_len}: needs at least 2 tokens (one input, one target).")
-        if max_positions is not None and self.seq_len > max_positions:
-            raise ZLError(
-                f"--seq-len {self.seq_len}: longer than the model's {max_positions} positions; use --seq-len {max_positions} or less."
-            )
-        if self.micro_batch < 1:
-            raise ZLError(f"--micro-batch {self.micro_batch}: must be at least 1.")
-        self.loss.validate()
-        self.lora.validate()
 
 
 @dataclass

@@ -15,74 +15,12 @@ device); stage 0's is the readout of the token embeddings, or nothing with
 `first_target="none"` (then stage 0 trains on CE alone).
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from zl.errors import ZLError
+from zl_export.options import CONSISTENCY_KINDS, LossConfig
 
 IGNORE_INDEX = -100
-CONSISTENCY_KINDS = ("kl_rev", "kl_fwd")
-FIRST_TARGETS = ("embedding", "none")
-GATES = ("none", "target_prob")
-LOSS_PRESETS = ("paper",)
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """What each stage's local loss is made of (recorded in `manifest.json` under "loss")."""
-
-    alpha: tuple[float, ...] = (0.5,)
-    """CE weight α_k in (0, 1]: one value for every stage, or one per stage (`--alpha 0.3,0.7,1.0`)."""
-    consistency: str = "kl_rev"
-    """KL direction: kl_rev = KL(p_k‖p_k-1) (the paper's Eq. 5) or kl_fwd = KL(p_k-1‖p_k)."""
-    first_target: str = "embedding"
-    """What stage 0's consistency term points at: the readout of the token embeddings (paper) or none (CE only)."""
-    translator_rank: int = 0
-    """Rank of a trainable readout translator (diagonal + low-rank map before the frozen LM head) on every
-    non-final stage; 0 = none (the paper's plain readout)."""
-    gate: str = "none"
-    """Consistency weight per position: none (1) or target_prob (the previous readout's probability of the target)."""
-
-    def __post_init__(self) -> None:
-        # A single float is accepted for α (Python callers, manifests of format 1 before per-stage α).
-        alpha = self.alpha
-        if isinstance(alpha, (int, float)):
-            object.__setattr__(self, "alpha", (float(alpha),))
-        else:
-            object.__setattr__(self, "alpha", tuple(float(a) for a in alpha))
-
-    def alpha_of(self, stage: int) -> float:
-        """α of stage `stage` (the single value when one is given for all stages)."""
-        return self.alpha[0] if len(self.alpha) == 1 else self.alpha[stage]
-
-    def validate(self, num_stages: int | None = None) -> None:
-        """Raises ZLError naming the option, the value seen and the fix."""
-        shown = ",".join(f"{a:g}" for a in self.alpha)
-        if not self.alpha or not all(0.0 < a <= 1.0 for a in self.alpha):
-            raise ZLError(f"--alpha {shown}: α weighs CE against KL and must lie in (0, 1] (one value, or one per "
-                          "stage); the paper uses 0.5.")
-        if num_stages is not None and len(self.alpha) not in (1, num_stages):
-            raise ZLError(f"--alpha {shown}: {len(self.alpha)} values for {num_stages} stages; give one value for all "
-                          f"stages or exactly {num_stages}.")
-        if self.consistency not in CONSISTENCY_KINDS:
-            raise ZLError(f"--consistency {self.consistency!r}: choose kl_rev (KL(p_k‖p_k-1), the paper's) or kl_fwd.")
-        if self.first_target not in FIRST_TARGETS:
-            raise ZLError(f"--first-target {self.first_target!r}: choose embedding (the paper's) or none.")
-        if self.gate not in GATES:
-            raise ZLError(f"--gate {self.gate!r}: choose none (the paper's) or target_prob.")
-        if self.translator_rank < 0:
-            raise ZLError(f"--translator-rank {self.translator_rank}: must be 0 (no translator) or a rank >= 1.")
-
-    def to_manifest(self) -> dict:
-        return {"alpha": list(self.alpha), "consistency": self.consistency, "first_target": self.first_target,
-                "translator_rank": self.translator_rank, "gate": self.gate}
-
-    @classmethod
-    def from_manifest(cls, loss: dict) -> "LossConfig":
-        """The config a manifest's "loss" records (older manifests: only alpha and consistency)."""
-        return cls(**{k: v for k, v in loss.items() if k in cls.__dataclass_fields__})
 
 
 def shift_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,35 +5,10 @@ constant of the exported program. Dropout is 0: a training program is a fixed
 graph, and the pipeline's replay after a failure must recompute exactly.
 """
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from zl.errors import ZLError
-
-LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    rank: int = 8
-    alpha: float = 16.0
-    targets: tuple[str, ...] = ("q_proj", "v_proj")
-
-    def validate(self) -> None:
-        if self.rank < 1:
-            raise ZLError(f"--lora-rank {self.rank}: the rank must be at least 1 (typical: 4-64).")
-        if self.alpha <= 0:
-            raise ZLError(f"--lora-alpha {self.alpha}: must be positive (typical: 2 x rank).")
-        if not self.targets:
-            raise ZLError("--lora-targets is empty; name at least one of " + ",".join(LLAMA_LINEARS) + ".")
-        unknown = [t for t in self.targets if t not in LLAMA_LINEARS]
-        if unknown:
-            raise ZLError(
-                f"--lora-targets {','.join(self.targets)}: {','.join(unknown)} is not a Llama projection; "
-                f"choose from {','.join(LLAMA_LINEARS)}."
-            )
+from zl_export.options import LoraSettings
 
 
 def attach_lora(model: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.Module:

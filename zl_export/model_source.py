@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from zl.errors import ZLError
+from zl_export.options import DEFAULT_MODEL
 from zl_export.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m"
 SUPPORTED_MODEL_TYPES = ("llama",)
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

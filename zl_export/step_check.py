@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from zl.errors import ZLError
+from zl_export.options import ExportOptions
 from zl_export.stage_module import StageModule
 from zl_export.training_program import StepResult, TrainingProgram
 
@@ -65,3 +67,30 @@ def check_pipeline(
         if "hidden" in et.outputs:
             x_et, x_eager = et.outputs["hidden"], eager.outputs["hidden"]
     return results
+
+
+def check_agreement(results: list[StageCheck]) -> None:
+    """Raise ZLError when a stage's ExecuTorch losses differ from eager by more than 1e-4 (relative)."""
+    worst = max(r.loss_diff() / max(1.0, abs(float(r.eager.outputs["loss"]))) for r in results)
+    if worst > 1e-4:
+        raise ZLError(
+            f"the ExecuTorch programs disagree with PyTorch eager (relative loss difference {worst:.2e} > 1e-4); "
+            "please report this with the command you ran."
+        )
+
+
+def demo_inputs(tokenizer, first: StageModule, opts: ExportOptions, vocab_size: int) -> tuple:
+    """Stage 0's inputs for the check: the first demo-task samples, so the losses are those of real text.
+
+    Falls back to random token ids when a demo sample does not fit the programs' seq_len.
+    """
+    from zl_export import data as zdata
+    from zl_export.demo_task import demo_rows
+    from zl_export.exporter import example_inputs
+
+    rows = demo_rows(0)["dev"][: opts.micro_batch]
+    try:
+        tokenized, _ = zdata.tokenize(zdata.demo_task(rows), tokenizer, opts.seq_len)
+    except ZLError:
+        return example_inputs(first, opts, vocab_size, seed=1)
+    return tokenized.input_ids, tokenized.attention_mask, tokenized.labels

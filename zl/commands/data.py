@@ -1,13 +1,13 @@
 """`zl data`: tokenize a CSV/JSONL file (or the built-in demo task) into training shards."""
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from zl.errors import ZLError
-
-DEFAULT_SEQ_LEN = 128
 
 
 def data_command(
@@ -32,7 +32,7 @@ def data_command(
     ] = "smollm2-135m",
     seq_len: Annotated[
         int | None,
-        typer.Option("--seq-len", help=f"Tokens per sample, padded on the right (default {DEFAULT_SEQ_LEN}; demo 64).",
+        typer.Option("--seq-len", help="Tokens per sample, padded on the right (default 128; the demo task: its longest sample, rounded up to 16).",
                      show_default=False),
     ] = None,
     split: Annotated[
@@ -65,6 +65,7 @@ def data_command(
       zl data --demo --out runs/demo-data
     """
     from zl_export import data as zdata
+    from zl_export import shard_jobs
     from zl_export.model_source import load_tokenizer
 
     if demo and input_ not in (None, "demo"):
@@ -78,46 +79,36 @@ def data_command(
         raise ZLError(f"--split {split!r}: expected a plain name like train or dev (it names the output file).")
     tokenizer = load_tokenizer(model)
     if is_demo:
-        from zl_export.demo_task import DEMO_SEQ_LEN, demo_rows, rows_sha256
-
-        splits = demo_rows(seed)
-        if split is not None and split not in splits:
-            raise ZLError(f"--split {split}: the demo task has the splits {', '.join(splits)}.")
-        jobs = []
-        for name, rows in splits.items():
-            if split in (None, name):
-                source = {"path": "demo", "sha256": rows_sha256(rows), "demo_seed": seed, "rows_in_source": len(rows)}
-                jobs.append((name, zdata.demo_task(rows), source))
-        seq_len = seq_len or DEMO_SEQ_LEN
+        jobs = shard_jobs.demo_jobs(seed)
+        if split is not None and split not in [job.name for job in jobs]:
+            raise ZLError(f"--split {split}: the demo task has the splits {', '.join(job.name for job in jobs)}.")
+        jobs = [job for job in jobs if split in (None, job.name)]
     else:
-        path = Path(input_).expanduser()
-        task = zdata.load_task(path, fmt, labels.split(",") if labels else None)
-        source = {"path": str(path.resolve()), "sha256": zdata.file_sha256(path), "rows_in_source": len(task.examples)}
-        jobs = [(split or "train", task, source)]
-        seq_len = seq_len or DEFAULT_SEQ_LEN
-    for name, task, source in jobs:
-        task = zdata.select(task, limit, shuffle, seed)
-        tokenized, task = _tokenize_with_progress(zdata, task, tokenizer, seq_len, truncate, source["path"])
-        target = out / f"{name}.safetensors"
-        meta = zdata.save(
-            target, tokenized, task, tokenizer, model, source,
-            extra={"split": name, "shuffle": shuffle, "seed": seed, "limit": limit, "truncate": truncate},
-        )
+        jobs = [shard_jobs.file_job(Path(input_), fmt, split or "train", labels.split(",") if labels else None)]
+    seq_len = seq_len or shard_jobs.default_seq_len(tokenizer, is_demo)
+    for job in jobs:
+        job.task = zdata.select(job.task, limit, shuffle, seed)
+        with _row_progress(len(job.task.examples)) as on_rows:
+            target, meta = shard_jobs.write_shard(
+                job, tokenizer, model, seq_len, out, truncate,
+                extra={"shuffle": shuffle, "seed": seed, "limit": limit, "truncate": truncate}, on_rows=on_rows,
+            )
         typer.echo(
-            f"{name}: {meta['rows']} rows x {meta['seq_len']} tokens, {meta['label_tokens']} label tokens, "
+            f"{job.name}: {meta['rows']} rows x {meta['seq_len']} tokens, {meta['label_tokens']} label tokens, "
             f"longest {meta['max_length']}, {meta['truncated_rows']} truncated -> {target}"
         )
 
 
-def _tokenize_with_progress(zdata, task, tokenizer, seq_len: int, truncate: bool, source: str):
-    """Tokenize with a progress bar on stderr (transient; rich draws nothing when stderr is not a terminal)."""
+@contextmanager
+def _row_progress(total: int) -> Iterator[Callable[[int], None]]:
+    """A tokenizing progress bar on stderr (transient; rich draws nothing when stderr is not a terminal)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("tokenizing"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        bar = progress.add_task("tokenize", total=len(task.examples))
-        return zdata.tokenize(task, tokenizer, seq_len, truncate, source, lambda n: progress.advance(bar, n))
+        bar = progress.add_task("tokenize", total=total)
+        yield lambda n: progress.advance(bar, n)
 
 
 COMMANDS = {"data": data_command}

@@ -10,12 +10,9 @@ from typing import Annotated
 import typer
 
 from zl.errors import ZLError
+from zl_device.devices.registry import MODE_HELP
 
 DEVICES_HELP = "local:N (N local processes) or phone serials SERIAL1,SERIAL2,... in stage order (see `zl devices`)."
-MODE_HELP = ("How phones run their stage: `binary` (zl_runner started over adb in /data/local/tmp/zerolock) or `app` "
-             "(the com.zerolock.zl app's foreground service, files in /sdcard/Android/data/com.zerolock.zl/files; "
-             "`zl deploy --mode app` installs the APK: $ZL_ANDROID_APK, else the debug build of tools/build_android.sh). "
-             "Phones only.")
 
 
 def devices_command(
@@ -37,8 +34,8 @@ def devices_command(
     import os
     import platform
 
-    from zl_device.adb import connect, list_phones
-    from zl_device.backend import DeviceInfo
+    from zl_device.devices.adb import connect, list_phones
+    from zl_device.devices.backend import DeviceInfo
 
     rows = [DeviceInfo("local", "local", "ready", model=platform.node() or "this host", abi=platform.machine(),
                        note=f"{os.cpu_count()} CPUs; --devices local:N")]
@@ -69,7 +66,7 @@ def devices_command(
 
 def _with_app_version(client, row):
     """`row` with the installed app's version, for a ready phone (a failed lookup leaves it empty)."""
-    from zl_device.app import app_version
+    from zl_device.devices.app import app_version
 
     if row.state != "ready":
         return row
@@ -126,8 +123,8 @@ def deploy_command(
 
       zl deploy --devices R58M123,R58M456,R58M789 --mode app --export runs/export --configs runs/demo/configs
     """
-    from zl_device.deploy import deploy
-    from zl_device.devices import open_devices
+    from zl_device.devices.deploy import deploy
+    from zl_device.devices.registry import open_devices
 
     opened = open_devices(devices, run_dir, mode=mode)
     with _progress() as progress:
@@ -170,8 +167,8 @@ def pull_command(
 
       zl pull --devices R58M123,R58M456,R58M789 --mode app --out runs/phones
     """
-    from zl_device.deploy import pull
-    from zl_device.devices import LOCAL, check_mode, open_devices, parse_devices
+    from zl_device.devices.deploy import pull
+    from zl_device.devices.registry import LOCAL, check_mode, open_devices, parse_devices
 
     spec = parse_devices(devices)
     check_mode(spec, mode)

@@ -2,6 +2,8 @@
 
 import json
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -48,9 +50,10 @@ def eval_command(
 
       zl eval --model tiny-random --data runs/tiny-data/dev.safetensors --limit 32 --batch-size 8
     """
-    from zl_device.adapter import MERGE_INFO, check_adapter_dir, load_adapter
-    from zl_device.evaluate import evaluate, limit_rows
-    from zl_export.model_source import DEFAULT_MODEL, load_model
+    from zl_device.results.adapter import MERGE_INFO, check_adapter_dir
+    from zl_device.results.evaluate import evaluate_with_adapter, limit_rows
+    from zl_export.model_source import load_model
+    from zl_export.options import DEFAULT_MODEL
     from zl_export.shard import load_shard
 
     if batch_size < 1:
@@ -67,10 +70,8 @@ def eval_command(
         loaded = load_model(model, seed=seed)
     shard.check_matches(tokenizer_name=loaded.tokenizer.name)
 
-    results = {"base": _run(evaluate, loaded.model, shard, batch_size, "base")}
-    if adapter is not None:
-        adapted = load_adapter(loaded.model, adapter)
-        results["adapter"] = _run(evaluate, adapted, shard, batch_size, "adapter")
+    with _row_progress(shard.rows) as on_batch:
+        results = evaluate_with_adapter(loaded.model, shard, adapter, batch_size, on_batch)
     _print_table(results, shard, model, adapter)
     if json_out is not None:
         report = {
@@ -97,14 +98,22 @@ def _adapter_model(info: Path) -> str | None:
         return None
 
 
-def _run(evaluate, model, shard, batch_size: int, label: str):
-    """`evaluate` with a progress bar over rows on stderr (transient; nothing is drawn when stderr is not a terminal)."""
+@contextmanager
+def _row_progress(rows: int) -> Iterator[Callable[[str, int], None]]:
+    """A progress bar over rows per scored model, on stderr (transient; nothing is drawn when stderr is not a
+    terminal)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    columns = (TextColumn(f"scoring {label}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    columns = (TextColumn("scoring {task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err_console, transient=True) as progress:
-        bar = progress.add_task(label, total=shard.rows)
-        return evaluate(model, shard, batch_size, lambda rows: progress.advance(bar, rows))
+        bars: dict[str, int] = {}
+
+        def on_batch(label: str, n: int) -> None:
+            if label not in bars:
+                bars[label] = progress.add_task(label, total=rows)
+            progress.advance(bars[label], n)
+
+        yield on_batch
 
 
 def _print_table(results: dict, shard, model: str, adapter: Path | None) -> None:

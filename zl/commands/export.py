@@ -1,19 +1,19 @@
-"""`zl export`: cut a model into per-stage ExecuTorch training programs."""
+"""`zl export`: cut a model into per-stage ExecuTorch training programs (the work is zl_export/pipeline.py)."""
 
-import time
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from zl.errors import ZLError
-
-if TYPE_CHECKING:
-    from zl_export.exporter import ExportOptions
-    from zl_export.stage_module import StageModule
+from zl.options import settings_command
+from zl.settings import nested, setting
+from zl_export.options import ExportOptions, ModelSplit
+from zl_export.pipeline import ExportProgress
 
 EXAMPLE = """
 
@@ -25,141 +25,102 @@ Examples:
 """
 
 console = Console()
-err_console = Console(stderr=True)
 
 
-def export_command(
-    model: str = typer.Option("smollm2-135m", "--model", help="Built-in name (smollm2-135m, tinyllama-random, tiny-random), Hugging Face hub id, model directory or .gguf file."),
-    stages: str = typer.Option(None, "--stages", help="Layer ranges per stage, e.g. 0-6,7-13,14-21 (inclusive, consecutive, covering every layer)."),
-    num_stages: int = typer.Option(3, "--num-stages", help="Balanced split into this many stages (used when --stages is not given)."),
-    out: Path = typer.Option(Path("runs/export"), "--out", help="Output directory for stage_<k>.pte and manifest.json."),
-    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per sample; programs have fixed shapes."),
-    micro_batch: int = typer.Option(1, "--micro-batch", help="Samples per micro-batch."),
-    lora_rank: int = typer.Option(8, "--lora-rank", help="LoRA rank r."),
-    lora_alpha: float = typer.Option(16.0, "--lora-alpha", help="LoRA scaling α (the update is scaled by α/r)."),
-    lora_targets: str = typer.Option("q_proj,v_proj", "--lora-targets", help="Comma-separated Llama projections that get adapters."),
-    alpha: float = typer.Option(0.5, "--alpha", help="Weight of CE against KL in the local loss, in (0, 1]."),
-    consistency: str = typer.Option("kl_rev", "--consistency", help="KL direction: kl_rev = KL(p_k‖p_k-1) (the paper's Eq. 5) or kl_fwd."),
-    seed: int = typer.Option(0, "--seed", help="Seeds the LoRA initialisation (and random-weight models)."),
-    check: bool = typer.Option(True, "--check/--no-check", help="Run one training step of every stage through ExecuTorch and compare with PyTorch eager."),
-) -> None:
-    """Export one ExecuTorch training program per pipeline stage, plus manifest.json."""
-    from zl_export.exporter import ExportOptions
-    from zl_export.local_loss import LossConfig
-    from zl_export.lora import LoraSettings
+@dataclass(frozen=True)
+class ExportArgs:
+    """`zl export`'s options: the model split, the output folder, the export options and the check."""
 
-    opts = ExportOptions(
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        lora=LoraSettings(lora_rank, lora_alpha, tuple(t.strip() for t in lora_targets.split(",") if t.strip())),
-        loss=LossConfig(alpha, consistency),
-        seed=seed,
-    )
-    export_pipeline(model, stages, num_stages, out, opts, check)
+    split: ModelSplit = nested(ModelSplit)
+    out: Path = setting(Path("runs/export"), "Output directory for stage_<k>.pte and manifest.json.")
+    options: ExportOptions = nested(ExportOptions)
+    check: bool = setting(True, "Run one training step of every stage through ExecuTorch and compare with PyTorch eager.")
 
 
-def export_pipeline(model: str, stages: str | None, num_stages: int, out: Path, opts: "ExportOptions", check: bool,
-                    final_dir: Path | None = None) -> dict:
-    """Load `model`, split it, export every stage into `out` with a progress display; returns the manifest.
+def run_export(args: ExportArgs) -> None:
+    from zl_export.pipeline import export_pipeline
 
-    Also used by `zl train`, which exports into a temporary `out` and renames it to `final_dir` (the name shown).
-    Raises ZLError for bad options, model sources and stage specs.
-    """
-    from zl_export.exporter import build_stage_modules, export_stage, write_program
-    from zl_export.manifest import build_manifest, write_manifest
-    from zl_export.model_source import load_model
-    from zl_export.stages import balanced_split, format_spec, parse_spec
-
-    opts.validate()
-    first_gguf = " (a GGUF is converted to float32 once, ~30 s)" if model.endswith(".gguf") or model == "smollm2-135m" else ""
-    with console.status(f"loading {model}{first_gguf}"):
-        t0 = time.perf_counter()
-        loaded = load_model(model, seed=opts.seed)
-        load_s = time.perf_counter() - t0
-    cfg = loaded.config
-    opts.validate(cfg.max_position_embeddings)
-    split = parse_spec(stages, cfg.num_hidden_layers) if stages else balanced_split(cfg.num_hidden_layers, num_stages)
-    console.print(
-        f"[bold]{model}[/]: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} "
-        f"(loaded in {load_s:.1f} s); stages {format_spec(split)}"
-    )
-    peft_model, modules = build_stage_modules(loaded.model, split, opts)
-    out.mkdir(parents=True, exist_ok=True)
-    entries = []
-    with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[phase]}"),
-        TimeElapsedColumn(), console=console,
-    ) as progress:
-        tasks = [progress.add_task(f"stage {s.index} (layers {s})", total=5, phase="waiting") for s in split]
-        for module, task in zip(modules, tasks):
-            def on_phase(phase: str, task=task) -> None:
-                progress.update(task, advance=1, phase=phase)
-
-            program = export_stage(module, peft_model, opts, cfg.vocab_size, on_phase)
-            progress.update(task, phase="writing")
-            entries.append(write_program(program, out))
-            done = f"{len(program.buffer) / 2**20:.1f} MiB in {program.export_s:.1f} s"
-            progress.update(task, completed=5, phase=done)
-            if not console.is_terminal:  # no live display in a log: one line per stage instead
-                console.print(f"stage {module.stage.index} (layers {module.stage}): {done}")
-            del program
-    manifest = build_manifest(loaded, opts, entries)
-    write_manifest(manifest, out)
-    _print_summary(manifest, final_dir or out)
-    if check:
-        _run_check(out, manifest, modules, _check_inputs(loaded.tokenizer, modules[0], opts, cfg.vocab_size))
-    return manifest
+    with RichExportProgress() as progress:
+        export_pipeline(args.split, args.out, args.options, args.check, progress)
 
 
-def _check_inputs(tokenizer, first: "StageModule", opts: "ExportOptions", vocab_size: int) -> tuple:
-    """Stage 0's inputs for the check: the first demo-task samples, so the losses are those of real text.
+class RichExportProgress(ExportProgress):
+    """Draws an export: a spinner while loading, a bar per stage, the summary table and the check's table."""
 
-    Falls back to random token ids when a demo sample does not fit --seq-len.
-    """
-    from zl_export import data as zdata
-    from zl_export.demo_task import demo_rows
-    from zl_export.exporter import example_inputs
+    PHASES = 5  # the exporter's phases per stage, for the bars
 
-    rows = demo_rows(0)["dev"][: opts.micro_batch]
-    try:
-        tokenized, _ = zdata.tokenize(zdata.demo_task(rows), tokenizer, opts.seq_len)
-    except ZLError:
-        return example_inputs(first, opts, vocab_size, seed=1)
-    return tokenized.input_ids, tokenized.attention_mask, tokenized.labels
+    def __init__(self) -> None:
+        self._bars: Progress | None = None
+        self._tasks: dict[int, int] = {}
+        self._stages: dict = {}
 
+    def __enter__(self) -> RichExportProgress:
+        return self
 
-def _print_summary(manifest: dict, out: Path) -> None:
-    table = Table(title=f"exported to {out}")
-    for col in ("stage", "layers", "LoRA params", ".pte MiB", "export s"):
-        table.add_column(col, justify="right")
-    for s in manifest["stages"]:
-        n = sum(_numel(p["shape"]) for p in s["parameters"])
-        table.add_row(str(s["index"]), f"{s['layers'][0]}-{s['layers'][1]}", f"{n:,}", f"{s['size_bytes'] / 2**20:.1f}", f"{s['export_s']:.1f}")
-    console.print(table)
+    def __exit__(self, *exc) -> None:
+        self._stop_bars()
 
+    def loading(self, model: str) -> AbstractContextManager:
+        first_gguf = " (a GGUF is converted to float32 once, ~30 s)" if model.endswith(".gguf") or model == "smollm2-135m" else ""
+        return console.status(f"loading {model}{first_gguf}")
 
-def _run_check(out: Path, manifest: dict, modules, first_inputs) -> None:
-    from zl_export.step_check import check_pipeline
+    def loaded(self, model: str, loaded, stages, load_s: float) -> None:
+        from zl_export.stages import format_spec
 
-    with console.status("one training step per stage: ExecuTorch and PyTorch eager"):
-        results = check_pipeline(out, manifest, modules, first_inputs)
-    table = Table(title="one training step on a demo-task sample: ExecuTorch runtime vs PyTorch eager")
-    for col in ("stage", "loss ET", "loss eager", "CE", "KL", "|Δ|loss", "|Δ|grad", "ET ms"):
-        table.add_column(col, justify="right", no_wrap=True, min_width=len(col))
-    worst = 0.0
-    for r in results:
-        o = r.et.outputs
-        table.add_row(
-            str(r.index), f"{float(o['loss']):.5f}", f"{float(r.eager.outputs['loss']):.5f}", f"{float(o['task_loss']):.3f}",
-            f"{float(o['consistency_loss']):.3f}", f"{r.loss_diff():.1e}", f"{r.grad_diff():.1e}", f"{r.et_ms:.0f}",
+        cfg = loaded.config
+        console.print(
+            f"[bold]{model}[/]: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+            f"vocab {cfg.vocab_size} (loaded in {load_s:.1f} s); stages {format_spec(stages)}"
         )
-        worst = max(worst, r.loss_diff() / max(1.0, abs(float(r.eager.outputs["loss"]))))
-    console.print(table)
-    if worst > 1e-4:
-        raise ZLError(
-            f"the ExecuTorch programs disagree with PyTorch eager (relative loss difference {worst:.2e} > 1e-4); "
-            "please report this with the command you ran."
-        )
+        self._bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                              TextColumn("{task.fields[phase]}"), TimeElapsedColumn(), console=console)
+        self._bars.start()
+        self._tasks = {s.index: self._bars.add_task(f"stage {s.index} (layers {s})", total=self.PHASES, phase="waiting")
+                       for s in stages}
+        self._stages = {s.index: s for s in stages}
+
+    def stage_phase(self, index: int, phase: str) -> None:
+        if phase == "writing":
+            self._bars.update(self._tasks[index], phase=phase)
+        else:
+            self._bars.update(self._tasks[index], advance=1, phase=phase)
+
+    def stage_done(self, index: int, size_bytes: int, export_s: float) -> None:
+        done = f"{size_bytes / 2**20:.1f} MiB in {export_s:.1f} s"
+        self._bars.update(self._tasks[index], completed=self.PHASES, phase=done)
+        if not console.is_terminal:  # no live display in a log: one line per stage instead
+            console.print(f"stage {index} (layers {self._stages[index]}): {done}")
+
+    def exported(self, manifest: dict, shown_dir: Path) -> None:
+        self._stop_bars()
+        table = Table(title=f"exported to {shown_dir}")
+        for col in ("stage", "layers", "LoRA params", ".pte MiB", "export s"):
+            table.add_column(col, justify="right")
+        for s in manifest["stages"]:
+            n = sum(_numel(p["shape"]) for p in s["parameters"])
+            table.add_row(str(s["index"]), f"{s['layers'][0]}-{s['layers'][1]}", f"{n:,}",
+                          f"{s['size_bytes'] / 2**20:.1f}", f"{s['export_s']:.1f}")
+        console.print(table)
+
+    def checking(self) -> AbstractContextManager:
+        return console.status("one training step per stage: ExecuTorch and PyTorch eager")
+
+    def checked(self, checks) -> None:
+        table = Table(title="one training step on a demo-task sample: ExecuTorch runtime vs PyTorch eager")
+        for col in ("stage", "loss ET", "loss eager", "CE", "KL", "|Δ|loss", "|Δ|grad", "ET ms"):
+            table.add_column(col, justify="right", no_wrap=True, min_width=len(col))
+        for r in checks:
+            o = r.et.outputs
+            table.add_row(
+                str(r.index), f"{float(o['loss']):.5f}", f"{float(r.eager.outputs['loss']):.5f}", f"{float(o['task_loss']):.3f}",
+                f"{float(o['consistency_loss']):.3f}", f"{r.loss_diff():.1e}", f"{r.grad_diff():.1e}", f"{r.et_ms:.0f}",
+            )
+        console.print(table)
+
+    def _stop_bars(self) -> None:
+        if self._bars is not None:
+            self._bars.stop()
+            self._bars = None
 
 
 def _numel(shape: list[int]) -> int:
@@ -169,7 +130,6 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-export_command.__doc__ = (export_command.__doc__ or "") + EXAMPLE
-
-
+export_command = settings_command(
+    ExportArgs, run_export, "Export one ExecuTorch training program per pipeline stage, plus manifest.json." + EXAMPLE)
 COMMANDS = {"export": export_command}

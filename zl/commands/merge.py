@@ -43,7 +43,7 @@ def merge_command(
 
       zl merge -c runs/r1/checkpoints -m runs/export -o runs/r1/adapter-w3 --window 3
     """
-    from zl_device.adapter import merge_checkpoints
+    from zl_device.results.adapter import merge_checkpoints
 
     result = merge_checkpoints(checkpoints, manifest, out, window)
     table = Table(title=f"merged window {result.window} of {len(result.stages)} stages from {checkpoints} -> {result.out}")

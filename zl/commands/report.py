@@ -31,7 +31,7 @@ def report_command(
 
       zl report runs/phones --manifest runs/export/manifest.json --no-plots
     """
-    from zl_device.report import write_report
+    from zl_device.results.report import write_report
 
     if not run_dir.is_dir():
         raise ZLError(f"{run_dir}: not a directory; pass the run directory that holds metrics.jsonl.")

@@ -2,7 +2,7 @@
 // plane (stage -> stage) and of the control channel (stage <-> coordinator).
 //
 // Layout (little-endian, byte offsets) is specified in PROTOCOL.md; the
-// Python twin is zl_device/frames.py. A frame is
+// Python twin is zl_device/run/frames.py. A frame is
 //   [64-byte header][JSON payload][tensor records][32-byte MAC]
 // where the MAC is keyed BLAKE2b-256 (libsodium crypto_generichash, the
 // per-run 32-byte key) over every byte before it. Decoding never trusts a
@@ -114,7 +114,7 @@ enum class FrameError : int {
   kWrongStage,       ///< stage index differs from the expected one
 };
 
-/// "truncated", "bad_magic", ... (same strings as zl_device/frames.py).
+/// "truncated", "bad_magic", ... (same strings as zl_device/run/frames.py).
 const char* frame_error_name(FrameError error);
 
 /// What the decoder checks beyond well-formedness. Unset fields are not checked.

@@ -1,7 +1,7 @@
 // A stage run inside a long-lived process (the Android app): one run at a
 // time, on a thread of its own, with a status that a UI can poll and the same
 // files in the run folder that the orchestrator reads for the bare
-// `zl_runner` (zl_device/backend.py):
+// `zl_runner` (zl_device/devices/backend.py):
 //
 //   runner.pid    this process's pid, written when a run starts
 //   runner.out    event lines ({"event": "listening", ...}), appended
@@ -33,7 +33,7 @@
 
 namespace zl {
 
-/// File names in the run folder (shared with zl_device/backend.py).
+/// File names in the run folder (shared with zl_device/devices/backend.py).
 constexpr const char* kRunnerPidFile = "runner.pid";
 constexpr const char* kRunnerOutFile = "runner.out";
 constexpr const char* kRunnerErrFile = "runner.err";

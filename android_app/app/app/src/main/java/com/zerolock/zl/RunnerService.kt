@@ -44,7 +44,7 @@ import org.json.JSONObject
  * PREPARE creates the app's external files folder and writes app.json there
  * (package, version, folder), so the host knows the app starts and where to
  * push. A run leaves runner.pid, runner.out, runner.err and, at its end,
- * runner.exit in the config's folder (zl_device/app.py reads them); a start
+ * runner.exit in the config's folder (zl_device/devices/app.py reads them); a start
  * refused before the native run began leaves the same files, with exit
  * status 2 (bad config) or 1.
  *

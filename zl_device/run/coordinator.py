@@ -1,7 +1,7 @@
 """The coordinator: runs a deployed pipeline to the end and recovers failed stages (DESIGN.md §5).
 
 Membership: every stage's runner registers and sends heartbeats on the
-control channel (zl_device/control.py); on local devices the coordinator
+control channel (zl_device/run/control.py); on local devices the coordinator
 also reads each runner's telemetry file as it grows, so progress shows even
 without a control connection; on phones it reads that file over adb when a
 stage fails, to know the window in flight (heartbeats come once a second). A stage has failed when its process exits
@@ -28,7 +28,7 @@ has parked and drops the field from the config before the restart.
 
 The coordinator writes its events (`failure`, `restart`, `recovered`, and
 `run` at the end) to a list that the caller appends to RUN_DIR/metrics.jsonl
-(schemas in zl_device/metrics_log.py).
+(schemas in zl_device/run/metrics_log.py).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zl.errors import ZLError
-from zl_device.backend import Device
-from zl_device.control import ControlServer
-from zl_device.frames import FrameType
+from zl_device.devices.backend import Device
+from zl_device.run.control import ControlServer
+from zl_device.run.frames import FrameType
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
     open_devices("R58M123,R58M456", mode="app")          # the same phones, stages run in the app
 
 `--mode binary` (the default) runs a phone's stage as `zl_runner` in /data/local/tmp/zerolock;
-`--mode app` in the app com.zerolock.zl (zl_device/app.py). Local devices always run the host binary.
+`--mode app` in the app com.zerolock.zl (zl_device/devices/app.py). Local devices always run the host binary.
 """
 
 from __future__ import annotations
@@ -17,12 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zl.errors import ZLError
-from zl_device.backend import Device
+from zl_device.devices.backend import Device
 
 LOCAL = "local"
 LINK_PROFILES = ("local", "wifi", "mobile", "constrained")
 #: How a phone runs its stage: the zl_runner binary over `adb shell`, or the app's foreground service.
 MODES = ("binary", "app")
+MODE_HELP = ("How phones run their stage: `binary` (zl_runner started over adb in /data/local/tmp/zerolock) or `app` "
+             "(the com.zerolock.zl app's foreground service, files in /sdcard/Android/data/com.zerolock.zl/files; "
+             "`zl deploy --mode app` installs the APK: $ZL_ANDROID_APK, else the debug build of tools/build_android.sh). "
+             "Phones only.")
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,7 @@ def open_devices(
     if link_profile is not None and link_profile not in LINK_PROFILES:
         raise ZLError(f"link profile {link_profile!r}: expected one of {', '.join(LINK_PROFILES)}.")
     if parsed.kind == LOCAL:
-        from zl_device.local import LocalDevice
+        from zl_device.devices.local import LocalDevice
 
         if run_dir is None:
             raise ZLError("local devices need a run directory (their folders are RUN_DIR/devices/local-N); "
@@ -127,7 +131,7 @@ def open_devices(
         cpu_sets = local_cpu_sets(parsed.count) if pin_cpus else [None] * parsed.count
         return [LocalDevice(f"local-{i}", Path(run_dir) / "devices" / f"local-{i}", runner=runner, cpus=cpu_sets[i],
                             link_profile=link_profile or "local") for i in range(parsed.count)]
-    from zl_device.adb import connect, open_phone
+    from zl_device.devices.adb import connect, open_phone
 
     client = client or connect()
     return [open_phone(s, client, check_abi=check_abi, link_profile=link_profile or "local", mode=mode)

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 from zl.errors import ZLError
-from zl_device.adb import AdbDevice, _adb_errors, parse_df_available
-from zl_device.backend import (
+from zl_device.devices.adb import AdbDevice, _adb_errors, parse_df_available
+from zl_device.devices.backend import (
     RUNNER_EXIT,
     RUNNER_PID,
     RUNNER_STDERR,
@@ -43,7 +43,7 @@ from zl_device.backend import (
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 APP_PACKAGE = "com.zerolock.zl"
 APP_SERVICE = f"{APP_PACKAGE}/.RunnerService"
 APP_WORKDIR = f"/sdcard/Android/data/{APP_PACKAGE}/files"
@@ -230,7 +230,7 @@ class AppDevice(AdbDevice):
     def install_runtime(self, force: bool = False, on_file: FileCallback | None = None,
                         on_bytes: ByteCallback | None = None) -> RuntimeInstall:
         """Install the APK unless the same build is installed (sha256 of base.apk), then PREPARE."""
-        from zl_device.deploy import file_sha256
+        from zl_device.devices.deploy import file_sha256
 
         apk = android_apk()
         size = apk.stat().st_size

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from zl.errors import ZLError
-from zl_device.backend import (
+from zl_device.devices.backend import (
     RUNNER_EXIT,
     RUNNER_NAME,
     RUNNER_PID,
@@ -30,7 +30,7 @@ from zl_device.backend import (
     sum_pss_kib,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: Environment override for the host runner binary (same variable as tests/test_runner.py).
 RUNNER_ENV = "ZL_RUNNER_BIN"
 _CHUNK = 1 << 20  # copy granularity for progress callbacks, bytes

@@ -16,6 +16,7 @@ does not depend on the batch size.
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -93,6 +94,26 @@ def evaluate(
         nll=nll_sum / max(tokens, 1),
         seconds=time.perf_counter() - start_time,
     )
+
+
+def evaluate_with_adapter(
+    model: torch.nn.Module,
+    shard: Shard,
+    adapter_dir: Path | str | None = None,
+    batch_size: int = 16,
+    on_batch: Callable[[str, int], None] = lambda label, rows: None,
+) -> dict[str, EvalResult]:
+    """`model` ("base") and, with `adapter_dir`, `model` with that PEFT adapter ("adapter") on the same rows.
+
+    The adapter is loaded into `model` after the base is scored. `on_batch(label, rows)` reports progress.
+    """
+    from zl_device.results.adapter import load_adapter
+
+    results = {"base": evaluate(model, shard, batch_size, lambda rows: on_batch("base", rows))}
+    if adapter_dir is not None:
+        adapted = load_adapter(model, adapter_dir)
+        results["adapter"] = evaluate(adapted, shard, batch_size, lambda rows: on_batch("adapter", rows))
+    return results
 
 
 def _rows(shard: Shard, start: int, end: int) -> Shard:

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from zl.errors import ZLError
-from zl_export.lora import LoraSettings, adapter_config
+from zl_export.lora import adapter_config
+from zl_export.options import LoraSettings
 from zl_export.manifest import MANIFEST, read_manifest_file
 from zl_export.translator import is_translator_name
 

@@ -29,79 +29,28 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from zl.errors import ZLError
+from zl_device.run.train_settings import DEMO, TrainSettings
 
 log = logging.getLogger(__name__)
 
-DEMO = "demo"
 EXPORT_CACHE_VERSION = 2  # bump when the exporter's output changes for the same options
 
 
-@dataclass
-class TrainSettings:
-    """Everything `zl train` takes (the CLI's options)."""
-
-    model: str = "smollm2-135m"
-    stages: str | None = None
-    num_stages: int = 3
-    data: str = DEMO
-    eval_data: str | None = None
-    data_format: str = "auto"
-    truncate: bool = False
-    samples: int = 256
-    window: int = 4
-    devices: str = "local:3"
-    mode: str = "binary"  # phones: "binary" (zl_runner over adb) or "app" (the com.zerolock.zl app)
-    out: Path = Path("runs/train")
-    recovery: str = "local"
-    inject_failure: str | None = None
-    spares: int = 0
-    seed: int = 0
-    seq_len: int | None = None  # default: 64 for the demo task, 128 otherwise
-    micro_batch: int = 1
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_targets: str = "q_proj,v_proj"
-    alpha: float = 0.5
-    consistency: str = "kl_rev"
-    lr: float = 5e-3
-    warmup_windows: int = 2
-    in_flight: int = 4
-    threads: int = 1
-    link_profile: str | None = None
-    heartbeat_timeout_s: float = 30.0
-    timeout_s: float = 3600.0
-    eval_limit: int | None = None
-    export_cache: Path | None = None  # default: $ZL_CACHE_DIR/exports
-
-    def effective_seq_len(self) -> int:
-        if self.seq_len is None:
-            self.seq_len = default_seq_len(self.model, self.data)
-        return self.seq_len
-
-    def export_options(self):
-        from zl_export.exporter import ExportOptions
-        from zl_export.local_loss import LossConfig
-        from zl_export.lora import LoraSettings
-
-        targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
-        return ExportOptions(seq_len=self.effective_seq_len(), micro_batch=self.micro_batch,
-                             lora=LoraSettings(self.lora_rank, self.lora_alpha, targets),
-                             loss=LossConfig(self.alpha, self.consistency), seed=self.seed)
+def effective_seq_len(s: TrainSettings) -> int:
+    """--seq-len, or its default for the model and data (computed once, then kept in `s`)."""
+    if s.seq_len is None:
+        s.seq_len = default_seq_len(s.split.model, s.data)
+    return s.seq_len
 
 
 def default_seq_len(model: str, data: str) -> int:
     """128 tokens, or for the demo task the longest sample under the model's tokenizer rounded up to 16."""
-    if data != DEMO:
-        return 128
-    from zl_export import data as zdata
-    from zl_export.demo_task import demo_rows
     from zl_export.model_source import load_tokenizer
+    from zl_export.shard_jobs import DEFAULT_SEQ_LEN, default_seq_len as shard_seq_len
 
-    tokenizer = load_tokenizer(model)
-    rows = [r for split in demo_rows(0).values() for r in split]
-    tokenized, _ = zdata.tokenize(zdata.demo_task(rows), tokenizer, 512)
-    longest = int(tokenized.attention_mask.sum(dim=1).max())
-    return max(16, -(-longest // 16) * 16)
+    if data != DEMO:
+        return DEFAULT_SEQ_LEN
+    return shard_seq_len(load_tokenizer(model), demo=True)
 
 
 @dataclass
@@ -120,23 +69,26 @@ def export_key(s: TrainSettings) -> str:
     """A hash of what determines the stage programs: model identity, split and export options."""
     from zl_export.model_source import resolve
 
-    kind, path = resolve(s.model)
-    identity = {"spec": s.model, "kind": kind}
+    kind, path = resolve(s.split.model)
+    identity = {"spec": s.split.model, "kind": kind}
     if path is not None:
         probe = path / "config.json" if path.is_dir() else path
         st = probe.stat()
         identity.update(path=str(path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns)
-    opts = s.export_options()
-    blob = {"v": EXPORT_CACHE_VERSION, "model": identity, "stages": s.stages or f"balanced:{s.num_stages}",
+    opts = s.export_options(effective_seq_len(s))
+    blob = {"v": EXPORT_CACHE_VERSION, "model": identity, "stages": s.split.key,
             "opts": {"seq_len": opts.seq_len, "micro_batch": opts.micro_batch, "seed": opts.seed,
                      "lora": asdict(opts.lora), "loss": asdict(opts.loss)}}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def export_cached(s: TrainSettings, say) -> tuple[Path, dict]:
-    """The export directory for `s`: reused from the cache when complete, else exported into it."""
-    from zl.commands.export import export_pipeline
+def export_cached(s: TrainSettings, say, progress=None) -> tuple[Path, dict]:
+    """The export directory for `s`: reused from the cache when complete, else exported into it.
+
+    `progress` (a zl_export.pipeline.ExportProgress) sees the export when there is one.
+    """
     from zl_export.manifest import load_manifest
+    from zl_export.pipeline import export_pipeline
     from zl_export.model_source import cache_dir
 
     root = s.export_cache or cache_dir() / "exports"
@@ -152,7 +104,8 @@ def export_cached(s: TrainSettings, say) -> tuple[Path, dict]:
             log.warning("export cache %s is unusable (%s); exporting again", target, e)
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    manifest = export_pipeline(s.model, s.stages, s.num_stages, tmp, s.export_options(), check=False, final_dir=target)
+    manifest = export_pipeline(s.split, tmp, s.export_options(effective_seq_len(s)), progress=progress,
+                               shown_dir=target).manifest
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target, manifest
@@ -170,16 +123,15 @@ def prepare_data(s: TrainSettings, data_dir: Path, say) -> tuple[Path, Path | No
     from zl_export import data as zdata
     from zl_export.model_source import load_tokenizer
     from zl_export.shard import load_shard
+    from zl_export.shard_jobs import ShardJob, demo_jobs, file_job, write_shard
 
-    seq_len = s.effective_seq_len()
-    tokenizer = load_tokenizer(s.model)
+    seq_len = effective_seq_len(s)
+    tokenizer = load_tokenizer(s.split.model)
     data_dir.mkdir(parents=True, exist_ok=True)
 
-    def write(name: str, task, source: dict) -> Path:
-        tokenized, task = zdata.tokenize(task, tokenizer, seq_len, truncate=s.truncate, source=source["path"])
-        path = data_dir / f"{name}.safetensors"
-        meta = zdata.save(path, tokenized, task, tokenizer, s.model, source, extra={"split": name, "seed": s.seed})
-        say(f"data: {name} {meta['rows']} rows x {seq_len} tokens -> {path}")
+    def write(job: ShardJob) -> Path:
+        path, meta = write_shard(job, tokenizer, s.split.model, seq_len, data_dir, s.truncate, extra={"seed": s.seed})
+        say(f"data: {job.name} {meta['rows']} rows x {seq_len} tokens -> {path}")
         return path
 
     def from_file(spec: str, name: str) -> Path:
@@ -190,17 +142,12 @@ def prepare_data(s: TrainSettings, data_dir: Path, say) -> tuple[Path, Path | No
                 raise ZLError(f"--data {spec}: the shard has seq_len {shard.seq_len}, the programs {seq_len}; pass "
                               f"--seq-len {shard.seq_len} or re-tokenize with `zl data --seq-len {seq_len}`.")
             return path
-        task = zdata.select(zdata.load_task(path, s.data_format), None, True, s.seed)
-        return write(name, task, {"path": str(path.resolve()), "sha256": zdata.file_sha256(path),
-                                  "rows_in_source": len(task.examples)})
+        job = file_job(path, s.data_format, name)
+        job.task = zdata.select(job.task, None, True, s.seed)
+        return write(job)
 
     if s.data == DEMO:
-        from zl_export.demo_task import demo_rows, rows_sha256
-
-        splits = demo_rows(s.seed)
-        paths = {name: write(name, zdata.demo_task(rows), {"path": "demo", "sha256": rows_sha256(rows),
-                                                            "demo_seed": s.seed, "rows_in_source": len(rows)})
-                 for name, rows in splits.items()}
+        paths = {job.name: write(job) for job in demo_jobs(s.seed)}
         return paths["train"], (from_file(s.eval_data, "dev") if s.eval_data else paths.get("dev"))
     return from_file(s.data, "train"), (from_file(s.eval_data, "dev") if s.eval_data else None)
 
@@ -253,7 +200,7 @@ def stage_configs(s: TrainSettings, manifest: dict, export_dir: Path, shard: Pat
             "keep_last": num_windows + 1 if s.recovery == "global" else 2,
             "log_path": "metrics.jsonl",
             "threads": s.threads,
-            "optimizer": {"lr": s.lr, "weight_decay": 0.0, "schedule": schedule},
+            "optimizer": {"lr": s.stage_lr_of(k), "weight_decay": 0.0, "schedule": schedule},
             **addresses.config_fields(),
         }
         if k == 0:
@@ -273,7 +220,7 @@ def entry_bytes(manifest: dict, k: int) -> int:
 
 def collect_metrics(run_dir: Path, devices, num_stages: int, events: list[dict]) -> Path:
     """Per-stage telemetry into RUN_DIR/stages/stage_<k>/, then the merged RUN_DIR/metrics.jsonl."""
-    from zl_device.metrics_log import METRICS, STAGES_DIR
+    from zl_device.run.metrics_log import METRICS, STAGES_DIR
 
     lines: list[str] = []
     for k in range(num_stages):
@@ -291,15 +238,13 @@ def collect_metrics(run_dir: Path, devices, num_stages: int, events: list[dict])
 
 def evaluate_run(s: TrainSettings, run_dir: Path, dev: Path, say) -> dict:
     """Base model and adapter on the dev shard; writes RUN_DIR/eval.json."""
-    from zl_device.adapter import load_adapter
-    from zl_device.evaluate import evaluate, limit_rows
+    from zl_device.results.evaluate import evaluate_with_adapter, limit_rows
     from zl_export.model_source import load_model
     from zl_export.shard import load_shard
 
     shard = limit_rows(load_shard(dev), s.eval_limit)
-    base = load_model(s.model, seed=s.seed).model
-    before = evaluate(base, shard)
-    after = evaluate(load_adapter(base, run_dir / "adapter"), shard)
+    scores = evaluate_with_adapter(load_model(s.split.model, seed=s.seed).model, shard, run_dir / "adapter")
+    before, after = scores["base"], scores["adapter"]
     result = {"data": str(dev), "rows": shard.rows, "base": before.to_dict(), "adapter": after.to_dict()}
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     acc = (f"accuracy {before.accuracy:.1%} -> {after.accuracy:.1%}, " if before.accuracy is not None else "")
@@ -310,34 +255,34 @@ def evaluate_run(s: TrainSettings, run_dir: Path, dev: Path, say) -> dict:
 # --- the job -------------------------------------------------------------------------------------------
 
 
-def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
-    """The whole `zl train` job; `say` prints a step's line, `on_update` gets the coordinator's stage states."""
-    from zl_device.control import ControlServer
-    from zl_device.coordinator import Coordinator, Injection, StagePlan
-    from zl_device.deploy import deploy, deploy_stage, pull
-    from zl_device.devices import check_mode, open_devices, parse_devices
-    from zl_device.network import apply_tunnels, plan_addresses
-    from zl_device.report import write_report
+def run_training(s: TrainSettings, say=print, on_update=None, export_progress=None) -> TrainResult:
+    """The whole `zl train` job; `say` prints a step's line, `on_update` gets the coordinator's stage states,
+    `export_progress` (a zl_export.pipeline.ExportProgress) sees the export when the cache has none."""
+    from zl_device.run.control import ControlServer
+    from zl_device.run.coordinator import Coordinator, Injection, StagePlan
+    from zl_device.devices.deploy import deploy, deploy_stage, pull
+    from zl_device.devices.registry import check_mode, open_devices, parse_devices
+    from zl_device.devices.network import apply_tunnels, plan_addresses
+    from zl_device.results.report import write_report
 
     start = time.time()
     run_dir = Path(s.out).expanduser().resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
         raise ZLError(f"--out {run_dir}: the directory exists and is not empty; pick a new run directory "
                       "(a run never overwrites another run's results).")
-    if s.samples < 1 or s.window < 1:
-        raise ZLError(f"--samples {s.samples} --window {s.window}: both must be at least 1.")
+    s.validate()
     spec = parse_devices(s.devices)
     check_mode(spec, s.mode)  # before the export, which takes minutes
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    export_dir, manifest = export_cached(s, say)
+    export_dir, manifest = export_cached(s, say, export_progress)
     shutil.copyfile(export_dir / "manifest.json", run_dir / "manifest.json")
     num_stages = len(manifest["stages"])
     if spec.count < num_stages + s.spares:
         raise ZLError(f"--devices {s.devices} gives {spec.count} device(s); {num_stages} stages"
                       f"{f' and {s.spares} spare(s)' if s.spares else ''} need {num_stages + s.spares}.")
     shard, dev = prepare_data(s, run_dir / "data", say)
-    num_micro_batches = math.ceil(s.samples / s.micro_batch)
+    num_micro_batches = math.ceil(s.samples / s.export.micro_batch)
     num_windows = math.ceil(num_micro_batches / s.window)
     injection = Injection.parse(s.inject_failure, num_stages, num_windows) if s.inject_failure else None
 
@@ -390,17 +335,17 @@ def run_training(s: TrainSettings, say=print, on_update=None) -> TrainResult:
     used = [p.device for p in plans]
     pull(used, run_dir)
     events.append({"type": "run", "start_unix_ms": int(run_start * 1000), "end_unix_ms": int(run_end * 1000),
-                   "samples": num_micro_batches * s.micro_batch, "run_id": run_id, "num_stages": num_stages,
+                   "samples": num_micro_batches * s.export.micro_batch, "run_id": run_id, "num_stages": num_stages,
                    "window_size": s.window, "num_micro_batches": num_micro_batches, "recovery": s.recovery,
                    "devices": [d.name for d in used],
                    "control_heartbeats": [st.heartbeat_seen for st in coordinator.status]})
     collect_metrics(run_dir, used, num_stages, events)
 
-    from zl_device.adapter import merge_checkpoints
+    from zl_device.results.adapter import merge_checkpoints
 
     merged = merge_checkpoints(run_dir / "checkpoints", run_dir / "manifest.json", run_dir / "adapter")
     say(f"merge: {merged.numel:,} LoRA parameters of window {merged.window} -> {run_dir / 'adapter'}")
-    result = TrainResult(run_dir, time.time() - start, num_micro_batches * s.micro_batch)
+    result = TrainResult(run_dir, time.time() - start, num_micro_batches * s.export.micro_batch)
     if dev is not None:
         result.eval = evaluate_run(s, run_dir, dev, say)
     result.report = write_report(run_dir)

@@ -4,7 +4,7 @@ Each stage runner connects to the coordinator's address (its config's
 `coordinator` field) and sends REGISTER after every (re)connect, HEARTBEAT
 periodically, WINDOW_COMMITTED after each checkpointed window and ERROR on
 failure; the coordinator can send START and STOP. Frames are those of the
-data plane (zl_device/frames.py) under the same per-run key; a frame that
+data plane (zl_device/run/frames.py) under the same per-run key; a frame that
 fails validation is logged with its reason and the connection is dropped,
 the server keeps serving.
 
@@ -20,8 +20,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from zl_device import frames
-from zl_device.frames import Frame, FrameRejected, FrameType
+from zl_device.run import frames
+from zl_device.run.frames import Frame, FrameRejected, FrameType
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zl.errors import ZLError
-from zl_device.lr_schedule import lr_factor
+from zl_device.run.lr_schedule import lr_factor
 from zl_export.local_loss import shift_targets
 from zl_export.shard import Shard
 

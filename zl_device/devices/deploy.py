@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zl.errors import ZLError
-from zl_device.backend import (
+from zl_device.devices.backend import (
     RUNNER_EXIT,
     RUNNER_NAME,
     RUNNER_STDERR,
@@ -45,7 +45,7 @@ from zl_device.backend import (
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MANIFEST = "manifest.json"
 #: Runner config fields that name host files to push next to the config.
 PATH_FIELDS = ("program", "manifest", "data_shard", "run_key_file")
@@ -86,7 +86,7 @@ def android_runner_binary() -> Path:
 def runner_binary_for(device: Device) -> Path:
     """The runner build that runs on `device`."""
     if device.kind == "local":
-        from zl_device.local import host_runner_binary
+        from zl_device.devices.local import host_runner_binary
 
         return host_runner_binary()
     return android_runner_binary()

@@ -3,7 +3,7 @@
 `build_report(run_dir)` returns the report as a dict; `write_report(run_dir)`
 writes `report.json`, `report.md`, `plots/latency.png` and `plots/loss.png`
 into the run directory. The telemetry layouts and every line kind, including
-the coordinator's recovery events, are described in `zl_device.metrics_log`.
+the coordinator's recovery events, are described in `zl_device.run.metrics_log`.
 
 What the numbers mean:
 
@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from zl.errors import ZLError
-from zl_device.metrics_log import MetricsLog, read_metrics
+from zl_device.run.metrics_log import MetricsLog, read_metrics
 from zl_export.manifest import MANIFEST, read_manifest_file
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def write_report(run_dir: Path, manifest_path: Path | None = None, plots: bool =
     report, curves = _analyze(run_dir, manifest_path)
     files = {"json": REPORT_JSON, "md": REPORT_MD}
     if plots:
-        from zl_device import plots as zplots
+        from zl_device.results import plots as zplots
 
         (run_dir / PLOTS_DIR).mkdir(exist_ok=True)
         files["latency"] = f"{PLOTS_DIR}/latency.png"

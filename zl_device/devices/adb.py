@@ -28,7 +28,7 @@ import adbutils
 from adbutils.errors import AdbError
 
 from zl.errors import ZLError
-from zl_device.backend import (
+from zl_device.devices.backend import (
     RUNNER_EXIT,
     RUNNER_NAME,
     RUNNER_PID,
@@ -195,7 +195,7 @@ def open_phone(serial: str, client: adbutils.AdbClient | None = None, check_abi:
 
     Args:
         mode: "binary": stages run as zl_runner in /data/local/tmp/zerolock (`AdbDevice`); "app": in the app
-            com.zerolock.zl (`zl_device.app.AppDevice`).
+            com.zerolock.zl (`zl_device.devices.app.AppDevice`).
 
     Raises:
         ZLError: the serial is not attached, unauthorized or offline, or the ABI is wrong.
@@ -213,7 +213,7 @@ def open_phone(serial: str, client: adbutils.AdbClient | None = None, check_abi:
     if state != "device":
         raise ZLError(f"phone {serial} is {state}: {_STATE_FIXES.get(state, 'run `adb devices -l` to see why')}.")
     if mode == "app":
-        from zl_device.app import AppDevice
+        from zl_device.devices.app import AppDevice
 
         phone: AdbDevice = AppDevice(serial, client, link_profile=link_profile)
     else:

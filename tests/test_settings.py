@@ -1,0 +1,130 @@
+"""Settings trees (zl/settings.py) and the typer options generated from them (zl/options.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from zl.errors import ZLError
+from zl.options import settings_command
+from zl.settings import check_choices, flag, leaves, nested, setting
+from zl_device.run.train_settings import TrainSettings
+from zl_export.options import ExportOptions, LoraSettings, LossConfig, ModelSplit
+
+
+@dataclass(frozen=True)
+class Inner:
+    ratio: float = setting(0.5, "A float.")
+    stage_lr: tuple[float, ...] = setting((1.0, 1.0), "Per-stage factors, e.g. 1,1,2.")
+    ranks: tuple[int, ...] | None = setting(None, "Optional ints.")
+
+    def validate(self) -> None:
+        check_choices(self)
+
+
+@dataclass(frozen=True)
+class Outer:
+    count: int = setting(3, "An int.")
+    name: str | None = setting(None, "An optional str.")
+    kind: str = setting("a", "A choice.", choices=("a", "b"))
+    fast: bool = setting(True, "A bool with --fast/--no-fast.")
+    out: Path = setting(Path("runs/x"), "A path.", flag="--out-dir")
+    inner: Inner = nested(Inner)
+    hidden: int = setting(7, "Not an option.", cli=False)
+
+
+def _invoke(args: list[str]):
+    seen = []
+    app = typer.Typer()
+    app.command("run")(settings_command(Outer, seen.append, "Run it.\n\nExample: run --count 2"))
+    app.command("other")(lambda: None)
+    result = CliRunner().invoke(app, ["run", *args], terminal_width=200)
+    return result, seen
+
+
+def test_defaults_come_from_the_fields():
+    result, seen = _invoke([])
+    assert result.exit_code == 0, result.output
+    assert seen == [Outer()]
+
+
+def test_every_type_round_trips_through_the_command_line():
+    result, seen = _invoke(["--count", "5", "--name", "n", "--kind", "b", "--no-fast", "--out-dir", "o",
+                            "--ratio", "0.25", "--stage-lr", "1, 1,2", "--ranks", "4,8"])
+    assert result.exit_code == 0, result.output
+    assert seen == [Outer(5, "n", "b", False, Path("o"), Inner(0.25, (1.0, 1.0, 2.0), (4, 8)))]
+    assert "--hidden" not in _invoke(["--help"])[0].stdout
+
+
+def test_help_shows_every_option_with_its_help():
+    out = _invoke(["--help"])[0].stdout
+    for leaf in leaves(Outer):
+        assert leaf.flag.split("/")[0] in out and leaf.help in out, leaf.name
+    assert "--no-fast" in out and "Example: run --count 2" in out
+
+
+def test_bad_values_are_one_line_errors_naming_the_flag():
+    result, _ = _invoke(["--stage-lr", "1,x"])
+    assert isinstance(result.exception, ZLError)
+    assert str(result.exception) == "--stage-lr 1,x: expected comma-separated float values, e.g. --stage-lr 0.3,0.7,1.0."
+    with pytest.raises(ZLError, match=r"^--kind 'c': expected one of a, b\.$"):
+        check_choices(Outer(kind="c"))
+
+
+def test_export_and_train_keep_their_flags_and_defaults():
+    assert [leaf.flag for leaf in leaves(ExportOptions)] == [
+        "--seq-len", "--micro-batch", "--lora-rank", "--lora-alpha", "--lora-targets", "--alpha", "--consistency",
+        "--first-target", "--gate", "--translator-rank", "--seed"]
+    assert ExportOptions() == ExportOptions(128, 1, LoraSettings(8, 16.0, ("q_proj", "v_proj")), LossConfig(0.5, "kl_rev"), 0)
+    flags = [leaf.flag for leaf in leaves(TrainSettings)]
+    assert flags.count("--seq-len") == flags.count("--seed") == 1  # the run's own, not the export's
+    assert {"--model", "--stages", "--num-stages", "--alpha", "--consistency", "--lora-rank", "--timeout", "--format",
+            "--truncate", "--micro-batch", "--window", "--samples"} <= set(flags)
+    assert flag(LoraSettings, "rank") == "--lora-rank" and flag(ModelSplit, "num_stages") == "--num-stages"
+    s = TrainSettings()
+    assert (s.split.model, s.window, s.samples, s.seq_len, s.export.loss.alpha, s.timeout_s) == (
+        "smollm2-135m", 4, 256, None, (0.5,), 3600.0)
+    assert s.export_options(64) == ExportOptions(seq_len=64)
+
+
+@pytest.mark.parametrize("opts, problem", [
+    (ExportOptions(loss=LossConfig(alpha=0.0)), r"^--alpha 0: .*must lie in \(0, 1\]"),
+    (ExportOptions(loss=LossConfig(alpha=(0.5, 1.2))), r"^--alpha 0.5,1.2: "),
+    (ExportOptions(loss=LossConfig(consistency="kl")), r"^--consistency 'kl': expected one of kl_rev, kl_fwd"),
+    (ExportOptions(loss=LossConfig(first_target="stage")), r"^--first-target 'stage': expected one of embedding, none"),
+    (ExportOptions(loss=LossConfig(gate="soft")), r"^--gate 'soft': expected one of none, target_prob"),
+    (ExportOptions(loss=LossConfig(translator_rank=-1)), r"^--translator-rank -1: "),
+    (ExportOptions(lora=LoraSettings(rank=0)), r"^--lora-rank 0: "),
+    (ExportOptions(seq_len=1), r"^--seq-len 1: "),
+])
+def test_each_dataclass_validates_its_own_fields(opts, problem):
+    with pytest.raises(ZLError, match=problem):
+        opts.validate()
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["export", "--alpha", "0.3,0.7"], "--alpha 0.3,0.7: 2 values for 3 stages; give one value for every stage or exactly 3."),
+    (["export", "--alpha", "1.5", "--stages", "0-1,2-3"], "--alpha 1.5: α weighs CE against KL and must lie in (0, 1]"),
+    (["train", "--alpha", "0.5,0.5", "--stages", "0-9,10-19,20-29"], "--alpha 0.5,0.5: 2 values for 3 stages"),
+    (["train", "--stage-lr", "1,2", "--num-stages", "3"], "--stage-lr 1,2: 2 values for 3 stages"),
+    (["train", "--stage-lr", "1,0,1"], "--stage-lr 1,0,1: learning-rate multipliers must be positive"),
+    (["train", "--gate", "soft"], "--gate 'soft': expected one of none, target_prob."),
+    (["export", "--translator-rank", "-2"], "--translator-rank -2: must be 0"),
+])
+def test_bad_loss_options_exit_2_with_one_line(tmp_path, args, problem):
+    """Per-stage values are checked against the stage count before any model is loaded (issue 9)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "zl.cli", *args, "--out", str(tmp_path / "out")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and problem in lines[0], proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists(), "a refused run leaves nothing behind"

@@ -1,0 +1,176 @@
+"""Settings trees: nested dataclasses whose fields carry their own default, flag and help text.
+
+`zl export` and `zl train` take their options from such trees (`ExportOptions`,
+`TrainSettings`); zl/options.py turns a tree into typer options and the
+command line back into the tree. So one field declaration is the only place
+an option's default, flag and help live, and each dataclass's `validate()`
+checks its own fields with one-line `ZLError`s (flag, bad value, fix).
+
+How to add an option: declare one field, nothing else. For example, in
+zl_export/options.py:
+
+    @dataclass(frozen=True)
+    class LossConfig:
+        ...
+        readout_rank: int = setting(0, "Rank of the readout translator; 0 turns it off, e.g. 4.")
+
+`--readout-rank` then appears in `zl export --help` and `zl train --help`,
+reaches the exporter as `opts.loss.readout_rank`, is written into
+`asdict(opts.loss)` (so the export cache key follows) and is checked where
+you check it, in `LossConfig.validate()`:
+
+        if self.readout_rank < 0:
+            raise ZLError(f"{flag(LossConfig, 'readout_rank')} {self.readout_rank}: must be 0 (off) or more.")
+
+Types: int, float, str, Path, bool (`--x/--no-x`), `X | None`, and
+`tuple[float, ...]` / `tuple[int, ...]` / `tuple[str, ...]`, which the
+command line takes comma-separated (`--stage-lr 1,1,2`). Keywords of
+`setting`: `flag="--name"` when the flag is not the field name with dashes,
+`choices=(...)` for a str with fixed values (checked by `check_choices(self)`
+in `validate()`), `cli=False` for a field that is no option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from zl.errors import ZLError
+
+_HELP, _FLAG, _CHOICES, _CLI, _NESTED, _SKIP = "help", "flag", "choices", "cli", "nested", "skip"
+
+
+def setting(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None,
+            cli: bool = True) -> Any:
+    """A dataclass field that is an option: its default, help text and (unless derived from the name) flag."""
+    if choices is not None and default is not None and default not in choices:
+        raise ValueError(f"default {default!r} is not one of the choices {choices}")
+    return dataclasses.field(default=default, metadata={_HELP: help, _FLAG: flag, _CHOICES: choices, _CLI: cli})
+
+
+def nested(cls: type, *, skip: tuple[str, ...] = ()) -> Any:
+    """A dataclass field holding another settings dataclass; its options join the parent's.
+
+    `skip` names fields of `cls` that the parent declares itself (with its own default and help); they keep
+    `cls`'s default inside the nested value.
+    """
+    return dataclasses.field(default_factory=cls, metadata={_NESTED: True, _SKIP: tuple(skip)})
+
+
+def flag(cls: type, name: str) -> str:
+    """The command-line flag of field `name` of `cls`, e.g. flag(LoraSettings, "rank") == "--lora-rank"."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    given = f.metadata.get(_FLAG)
+    return given.split("/")[0] if given else "--" + name.replace("_", "-")
+
+
+def check_choices(obj: Any) -> None:
+    """Raise ZLError for a field of `obj` declared with `choices` whose value is not one of them."""
+    for f in dataclasses.fields(obj):
+        choices = f.metadata.get(_CHOICES)
+        value = getattr(obj, f.name)
+        if choices and value is not None and value not in choices:
+            raise ZLError(f"{flag(type(obj), f.name)} {value!r}: expected one of {', '.join(choices)}.")
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One option of a settings tree: where it lives (`path` of attribute names) and how it is typed."""
+
+    path: tuple[str, ...]
+    field: dataclasses.Field
+    base: type  # int, float, str, bool, Path, ... (the item type for a tuple)
+    optional: bool
+    is_tuple: bool
+
+    @property
+    def name(self) -> str:
+        """A Python identifier unique in the tree, e.g. export__loss__alpha."""
+        return "__".join(self.path)
+
+    @property
+    def flag(self) -> str:
+        given = self.field.metadata.get(_FLAG)
+        if given:
+            return given
+        dashed = "--" + self.path[-1].replace("_", "-")
+        return f"{dashed}/--no-{dashed[2:]}" if self.base is bool else dashed
+
+    @property
+    def help(self) -> str:
+        return self.field.metadata[_HELP]
+
+    @property
+    def default(self) -> Any:
+        return self.field.default
+
+
+def leaves(cls: type, path: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> list[Leaf]:
+    """The options of the tree rooted at `cls`, depth first in declaration order (the order of --help)."""
+    hints = typing.get_type_hints(cls)
+    out: list[Leaf] = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not f.init:
+            continue
+        if f.metadata.get(_NESTED):
+            out += leaves(hints[f.name], path + (f.name,), f.metadata[_SKIP])
+        elif _HELP in f.metadata and f.metadata[_CLI]:
+            base, optional, is_tuple = _shape(hints[f.name])
+            out.append(Leaf(path + (f.name,), f, base, optional, is_tuple))
+    return out
+
+
+def build(cls: type, values: dict[str, Any], path: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> Any:
+    """The tree `cls` from option values keyed by `Leaf.name`; tuple options may be comma-separated strings.
+
+    Fields without a value keep their defaults.
+    """
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not f.init:
+            continue
+        here = path + (f.name,)
+        if f.metadata.get(_NESTED):
+            kwargs[f.name] = build(hints[f.name], values, here, f.metadata[_SKIP])
+        elif "__".join(here) in values:
+            value = values["__".join(here)]
+            base, _, is_tuple = _shape(hints[f.name])
+            if is_tuple and isinstance(value, str):
+                value = parse_list(value, base, flag(cls, f.name))
+            kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def parse_list(text: str, item: type, name: str) -> tuple:
+    """"0.3,0.7,1.0" -> (0.3, 0.7, 1.0); empty items are dropped. Raises ZLError naming `name` (the flag)."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        return tuple(item(t) for t in parts)
+    except ValueError:
+        example = {int: "1,1,2", float: "0.3,0.7,1.0"}.get(item, "a,b")
+        raise ZLError(f"{name} {text}: expected comma-separated {item.__name__} values, e.g. {name} {example}.") from None
+
+
+def format_value(leaf: Leaf, value: Any) -> Any:
+    """A default as the command line writes it (tuples comma-separated)."""
+    if leaf.is_tuple and value is not None:
+        return ",".join(str(v) for v in value)
+    return value
+
+
+def _shape(tp: Any) -> tuple[type, bool, bool]:
+    """(base type, optional, is_tuple) of a field's type hint."""
+    optional = False
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(tp))
+        if len(args) != 1:
+            raise TypeError(f"settings support X | None, not {tp}")
+        tp = args[0]
+    if typing.get_origin(tp) is tuple:
+        return typing.get_args(tp)[0], optional, True
+    return tp, optional, False

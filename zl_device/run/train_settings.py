@@ -1,0 +1,78 @@
+"""`zl train`'s settings tree: the model split and export options (zl_export/options.py) plus the run's own.
+
+`zl train`'s options are generated from `TrainSettings` (zl/options.py); to add
+one, add a field with `setting(default, "help")` (see zl/settings.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from zl.errors import ZLError
+from zl.settings import check_choices, nested, setting
+from zl_device.devices.registry import MODE_HELP, MODES
+from zl_export.options import ExportOptions, ModelSplit
+
+DEMO = "demo"
+RECOVERY_MODES = ("local", "global")
+
+
+@dataclass
+class TrainSettings:
+    """Everything `zl train` takes."""
+
+    split: ModelSplit = nested(ModelSplit)
+    data: str = setting(DEMO, "`demo` (the built-in task), a .csv/.jsonl file or a shard (.safetensors).")
+    eval_data: str | None = setting(None, "Dev data for the evaluation (the demo task brings its own).")
+    data_format: str = setting("auto", "Format of a .csv/.jsonl --data (see `zl data`).", flag="--format")
+    truncate: bool = setting(False, "Cut over-long prompts from the left instead of failing (see `zl data`).",
+                             flag="--truncate")
+    samples: int = setting(256, "Training samples (the shard repeats when it has fewer rows).")
+    window: int = setting(4, "Update window m: micro-batches per AdamW step.")
+    devices: str = setting("local:3", "local:N, or phone serials SERIAL1,SERIAL2,... (see `zl devices`).")
+    mode: str = setting("binary", MODE_HELP, choices=MODES)
+    out: Path = setting(Path("runs/train"), "Run directory (must be new or empty).")
+    recovery: str = setting("local", "local: restart only the failed stage; global: roll every stage back.",
+                            choices=RECOVERY_MODES)
+    inject_failure: str | None = setting(None, "STAGE@WINDOW: SIGKILL that stage in the middle of that window.")
+    spares: int = setting(0, "Devices after the stages' that take over a failed stage.")
+    seed: int = setting(0, "Seeds LoRA init, data order and the demo task.")
+    seq_len: int | None = setting(None, "Tokens per sample (default: 128; the demo task: its longest sample, "
+                                        "rounded up to 16).")
+    export: ExportOptions = nested(ExportOptions, skip=("seq_len", "seed"))  # those two are the run's, above
+    lr: float = setting(5e-3, "AdamW learning rate (warm-up, then cosine to 10%).")
+    stage_lr: tuple[float, ...] = setting((1.0,), "Learning-rate multiplier per stage (one value for every stage, "
+                                                  "or one per stage, e.g. 1,1,2).")
+    threads: int = setting(1, "ExecuTorch threads per runner.")
+    eval_limit: int | None = setting(None, "Evaluate on the first N dev rows only.")
+    timeout_s: float = setting(3600.0, "Give up when the run takes longer (seconds).", flag="--timeout")
+    # Not on the command line: tests and experiments set them.
+    warmup_windows: int = setting(2, "Windows of linear LR warm-up (capped at the run's windows - 1).", cli=False)
+    in_flight: int = setting(4, "Un-acknowledged entries per link (the runner's in_flight_depth).", cli=False)
+    link_profile: str | None = setting(None, "Shape local links like local, wifi, mobile or constrained.", cli=False)
+    heartbeat_timeout_s: float = setting(30.0, "A stage without a heartbeat for this long has failed.", cli=False)
+    export_cache: Path | None = setting(None, "Export cache folder (default: $ZL_CACHE_DIR/exports).", cli=False)
+
+    def validate(self) -> None:
+        """The checks that need no model or device; run before anything slow."""
+        if self.samples < 1 or self.window < 1:
+            raise ZLError(f"--samples {self.samples} --window {self.window}: both must be at least 1.")
+        check_choices(self)
+        self.export.validate()
+        stages = self.split.count
+        self.export.loss.validate(stages)
+        shown = ",".join(f"{m:g}" for m in self.stage_lr)
+        if not self.stage_lr or not all(m > 0 for m in self.stage_lr):
+            raise ZLError(f"--stage-lr {shown}: learning-rate multipliers must be positive, e.g. --stage-lr 1,1,2.")
+        if len(self.stage_lr) not in (1, stages):
+            raise ZLError(f"--stage-lr {shown}: {len(self.stage_lr)} values for {stages} stages; give one value for "
+                          f"every stage or exactly {stages}.")
+
+    def stage_lr_of(self, stage: int) -> float:
+        """The learning rate of stage `stage`: --lr times its multiplier."""
+        return self.lr * (self.stage_lr[0] if len(self.stage_lr) == 1 else self.stage_lr[stage])
+
+    def export_options(self, seq_len: int) -> ExportOptions:
+        """The export's options with the run's sequence length (resolved by the job) and seed."""
+        return replace(self.export, seq_len=seq_len, seed=self.seed)

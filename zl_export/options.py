@@ -1,0 +1,146 @@
+"""What shapes an export: the model and its split, LoRA, the local loss, fixed shapes and the seed.
+
+One settings tree (zl/settings.py) for `zl export` and `zl train`: each field
+declares its default, flag and help; each class validates its own fields.
+Torch-free, so the CLI builds its options without loading torch. To add an
+option, add a field with `setting(default, "help")` here (see zl/settings.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zl.errors import ZLError
+from zl.settings import check_choices, flag, nested, setting
+
+DEFAULT_MODEL = "smollm2-135m"
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONSISTENCY_KINDS = ("kl_rev", "kl_fwd")
+FIRST_TARGETS = ("embedding", "none")
+GATES = ("none", "target_prob")
+
+
+@dataclass(frozen=True)
+class ModelSplit:
+    """Which model, cut into which stages."""
+
+    model: str = setting(DEFAULT_MODEL, "Built-in name (smollm2-135m, tinyllama-random, tiny-random), Hugging Face "
+                                        "hub id, model directory or .gguf file.")
+    stages: str | None = setting(None, "Layer ranges per stage, e.g. 0-6,7-13,14-21 (inclusive, consecutive, "
+                                       "covering every layer).")
+    num_stages: int = setting(3, "Balanced split into this many stages (used when --stages is not given).")
+
+    def ranges(self, num_layers: int) -> list:
+        """The stage ranges for a model of `num_layers` layers. Raises ZLError for a bad spec or count."""
+        from zl_export.stages import balanced_split, parse_spec
+
+        return parse_spec(self.stages, num_layers) if self.stages else balanced_split(num_layers, self.num_stages)
+
+    @property
+    def count(self) -> int:
+        """How many stages the split has, known before the model is loaded (per-stage options are checked on it)."""
+        return len([r for r in self.stages.split(",") if r.strip()]) if self.stages else self.num_stages
+
+    @property
+    def key(self) -> str:
+        """The split as the export cache key records it: the spec, or balanced:N."""
+        return self.stages or f"balanced:{self.num_stages}"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The LoRA adapters every stage trains."""
+
+    rank: int = setting(8, "LoRA rank r.", flag="--lora-rank")
+    alpha: float = setting(16.0, "LoRA scaling α (the update is scaled by α/r).", flag="--lora-alpha")
+    targets: tuple[str, ...] = setting(("q_proj", "v_proj"), "Comma-separated Llama projections that get adapters.",
+                                       flag="--lora-targets")
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise ZLError(f"--lora-rank {self.rank}: the rank must be at least 1 (typical: 4-64).")
+        if self.alpha <= 0:
+            raise ZLError(f"--lora-alpha {self.alpha}: must be positive (typical: 2 x rank).")
+        if not self.targets:
+            raise ZLError("--lora-targets is empty; name at least one of " + ",".join(LLAMA_LINEARS) + ".")
+        unknown = [t for t in self.targets if t not in LLAMA_LINEARS]
+        if unknown:
+            raise ZLError(
+                f"--lora-targets {','.join(self.targets)}: {','.join(unknown)} is not a Llama projection; "
+                f"choose from {','.join(LLAMA_LINEARS)}."
+            )
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The local loss of every stage (zl_export/local_loss.py), recorded in `manifest.json` under "loss"."""
+
+    alpha: tuple[float, ...] = setting((0.5,), "CE weight α of the local loss against its KL term, in (0, 1]: one "
+                                               "value for every stage, or one per stage (e.g. 0.3,0.7,1.0).")
+    consistency: str = setting("kl_rev", "KL direction: kl_rev = KL(p_k‖p_k-1) (the paper's Eq. 5) or kl_fwd.",
+                               choices=CONSISTENCY_KINDS)
+    first_target: str = setting("embedding", "What stage 0's KL term points at: the readout of the token "
+                                             "embeddings (the paper's) or none (stage 0 trains on CE alone).",
+                                choices=FIRST_TARGETS)
+    gate: str = setting("none", "Weight of the KL term per position: none (the paper's) or target_prob (the "
+                                "previous readout's probability of the target: follow it only where it is right).",
+                        choices=GATES)
+    translator_rank: int = setting(0, "Rank of a trainable readout translator (diagonal + low-rank map in front of "
+                                      "the frozen LM head) on every stage but the last; 0 = the paper's plain readout.")
+
+    def __post_init__(self) -> None:
+        # α as one number is accepted too (Python callers; manifests written before per-stage α).
+        alpha = self.alpha
+        object.__setattr__(self, "alpha", (float(alpha),) if isinstance(alpha, (int, float))
+                           else tuple(float(a) for a in alpha))
+
+    def alpha_of(self, stage: int) -> float:
+        """α of stage `stage` (the single value when one is given for all stages)."""
+        return self.alpha[0] if len(self.alpha) == 1 else self.alpha[stage]
+
+    def validate(self, num_stages: int | None = None) -> None:
+        """Raises ZLError naming the option, the value seen and the fix; `num_stages` checks α's count."""
+        shown = ",".join(f"{a:g}" for a in self.alpha)
+        name = flag(LossConfig, "alpha")
+        if not self.alpha or not all(0.0 < a <= 1.0 for a in self.alpha):
+            raise ZLError(f"{name} {shown}: α weighs CE against KL and must lie in (0, 1] (one value, or one per "
+                          "stage); the paper uses 0.5.")
+        if num_stages is not None and len(self.alpha) not in (1, num_stages):
+            raise ZLError(f"{name} {shown}: {len(self.alpha)} values for {num_stages} stages; give one value for "
+                          f"every stage or exactly {num_stages}.")
+        check_choices(self)
+        if self.translator_rank < 0:
+            raise ZLError(f"{flag(LossConfig, 'translator_rank')} {self.translator_rank}: must be 0 (no translator) "
+                          "or a rank of at least 1 (e.g. 32).")
+
+    def to_manifest(self) -> dict:
+        return {"alpha": list(self.alpha), "consistency": self.consistency, "first_target": self.first_target,
+                "gate": self.gate, "translator_rank": self.translator_rank}
+
+    @classmethod
+    def from_manifest(cls, loss: dict) -> "LossConfig":
+        """The config a manifest's "loss" records (older manifests: alpha as a number and consistency only)."""
+        return cls(**{k: v for k, v in loss.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """Everything besides the model and the stage split that shapes the programs."""
+
+    seq_len: int = setting(128, "Tokens per sample; programs have fixed shapes.")
+    micro_batch: int = setting(1, "Samples per micro-batch.")
+    lora: LoraSettings = nested(LoraSettings)
+    loss: LossConfig = nested(LossConfig)
+    seed: int = setting(0, "Seeds the LoRA initialisation (and random-weight models).")
+
+    def validate(self, max_positions: int | None = None) -> None:
+        if self.seq_len < 2:
+            raise ZLError(f"--seq-len {self.seq_len}: needs at least 2 tokens (one input, one target).")
+        if max_positions is not None and self.seq_len > max_positions:
+            raise ZLError(
+                f"--seq-len {self.seq_len}: longer than the model's {max_positions} positions; use --seq-len {max_positions} or less."
+            )
+        if self.micro_batch < 1:
+            raise ZLError(f"--micro-batch {self.micro_batch}: must be at least 1.")
+        self.loss.validate()
+        self.lora.validate()

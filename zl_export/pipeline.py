@@ -1,0 +1,110 @@
+"""A whole export: load the model, split it, export every stage, write the manifest, optionally check one step.
+
+Used by `zl export` and by `zl train` (through its export cache). The caller
+sees progress through an `ExportProgress`, whose hooks do nothing by default;
+the CLI's subclass draws (zl/commands/export.py).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from zl_export.options import ExportOptions, ModelSplit
+
+if TYPE_CHECKING:
+    from zl_export.model_source import LoadedModel
+    from zl_export.stages import StageRange
+    from zl_export.step_check import StageCheck
+
+
+class ExportProgress:
+    """What an export reports as it goes. Subclass and override the hooks you show."""
+
+    def loading(self, model: str) -> AbstractContextManager:
+        """Wraps loading the model (seconds; a GGUF's first conversion ~30 s)."""
+        return nullcontext()
+
+    def loaded(self, model: str, loaded: LoadedModel, stages: list[StageRange], load_s: float) -> None:
+        """The model is loaded (in `load_s` seconds; 0 when the caller had it) and split."""
+
+    def stage_phase(self, index: int, phase: str) -> None:
+        """Stage `index` entered `phase` (the exporter's phases, then "writing")."""
+
+    def stage_done(self, index: int, size_bytes: int, export_s: float) -> None:
+        """Stage `index`'s program is written."""
+
+    def exported(self, manifest: dict, shown_dir: Path) -> None:
+        """Every program and the manifest are written; `shown_dir` is the directory to name."""
+
+    def checking(self) -> AbstractContextManager:
+        """Wraps the one-step check of every stage."""
+        return nullcontext()
+
+    def checked(self, checks: list[StageCheck]) -> None:
+        """The check's results, before they are judged."""
+
+
+@dataclass
+class ExportResult:
+    manifest: dict
+    checks: list[StageCheck] | None  # with check=True: one step per stage, ExecuTorch next to eager
+
+
+def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bool = False,
+                    progress: ExportProgress | None = None, loaded: LoadedModel | None = None,
+                    shown_dir: Path | None = None) -> ExportResult:
+    """Export every stage of `split` into `out` (stage_<k>.pte, manifest.json).
+
+    Args:
+        loaded: the model, when the caller has loaded it already (with seed `opts.seed`); its LoRA layers are
+            removed again at the end, so the caller keeps the base model.
+        shown_dir: the directory to name in progress (`zl train` exports into a temporary `out`).
+
+    Raises:
+        ZLError: bad options, model source or stage spec, or ExecuTorch disagreeing with eager in the check.
+    """
+    from zl_export.exporter import build_stage_modules, export_stage, write_program
+    from zl_export.manifest import build_manifest, write_manifest
+    from zl_export.model_source import load_model
+    from zl_export.step_check import check_agreement, check_pipeline, demo_inputs
+
+    progress = progress or ExportProgress()
+    opts.validate()
+    opts.loss.validate(split.count)
+    load_s = 0.0
+    if loaded is None:
+        with progress.loading(split.model):
+            t0 = time.perf_counter()
+            loaded = load_model(split.model, seed=opts.seed)
+            load_s = time.perf_counter() - t0
+    cfg = loaded.config
+    opts.validate(cfg.max_position_embeddings)
+    stages = split.ranges(cfg.num_hidden_layers)
+    progress.loaded(split.model, loaded, stages, load_s)
+    peft_model, modules = build_stage_modules(loaded.model, stages, opts)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        entries = []
+        for module in modules:
+            k = module.stage.index
+            program = export_stage(module, peft_model, opts, cfg.vocab_size, lambda phase, k=k: progress.stage_phase(k, phase))
+            progress.stage_phase(k, "writing")
+            entries.append(write_program(program, out))
+            progress.stage_done(k, len(program.buffer), program.export_s)
+            del program
+        manifest = build_manifest(loaded, opts, entries)
+        write_manifest(manifest, out)
+        progress.exported(manifest, shown_dir or out)
+        checks = None
+        if check:
+            with progress.checking():
+                checks = check_pipeline(out, manifest, modules, demo_inputs(loaded.tokenizer, modules[0], opts, cfg.vocab_size))
+            progress.checked(checks)
+            check_agreement(checks)
+        return ExportResult(manifest, checks)
+    finally:
+        peft_model.unload()  # the caller's model without LoRA layers again

@@ -122,8 +122,10 @@ class StudySettings:
 
     def fingerprint(self, arm: Arm, samples: int) -> str:
         """What determines an arm's result: a cached arm with another fingerprint runs again."""
-        blob = {"v": STUDY_VERSION, "arm": asdict(arm), "samples": samples if arm.kind != "base" else 0,
-                **{k: str(v) for k, v in asdict(self).items() if k not in ("samples", "threads", "eval_batch_size")}}
+        fields = {k: str(v) for k, v in asdict(self).items() if k not in ("samples", "threads", "eval_batch_size")}
+        if arm.kind == "base":  # scoring only: the training settings do not matter
+            fields = {k: fields[k] for k in ("model", "dev", "data_format", "truncate", "seq_len", "seed", "eval_limit")}
+        blob = {"v": STUDY_VERSION, "arm": asdict(arm), "samples": samples if arm.kind != "base" else 0, **fields}
         return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -208,20 +210,26 @@ def run_arm(arm: Arm, samples: int, s: StudySettings, base_model, split, train, 
     modules, log = None, None
     bar = progress.add_task(f"{arm.name} @ {samples}", total=budget.num_windows if arm.kind != "base" else 1, loss="")
 
+    every = max(1, budget.num_windows // 10)
+
     def on_window(w, train_log) -> None:
-        loss = train_log.losses[-1]
-        progress.update(bar, advance=1, loss="loss " + "/".join(f"{x:.2f}" for x in loss))
+        loss = "loss " + "/".join(f"{x:.2f}" for x in train_log.losses[-1])
+        progress.update(bar, advance=1, loss=loss)
+        if not progress.console.is_terminal and (w + 1) % every == 0:  # a log file: a plain line now and then
+            progress.console.print(f"{arm.name} @ {samples}: window {w + 1}/{budget.num_windows}, {loss}")
 
     if arm.kind == "zerolock":
         opts = ExportOptions(seq_len=s.seq_len, micro_batch=s.micro_batch, lora=s.lora, loss=arm.loss_config(),
                              seed=s.seed)
         peft_model, modules = build_stage_modules(model, split, opts)
+        result["trainable"] = sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
         log = train_zerolock(modules, train, budget, s.optimizer(budget), arm.stage_lr, on_window)
         trained = peft_model
     elif arm.kind in ("backprop", "backprop-last"):
         trained = attach_lora(model, s.lora, seed=s.seed)  # the same initial LoRA weights as the export
         if arm.kind == "backprop-last":
-            result["trainable"] = freeze_lora_below(trained, split[-1].first)
+            freeze_lora_below(trained, split[-1].first)
+        result["trainable"] = sum(p.numel() for p in trained.parameters() if p.requires_grad)
         log = train_backprop(trained, train, budget, s.optimizer(budget), on_window)
     else:
         trained = model
@@ -289,6 +297,7 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err) -> dict:
     study = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items()},
              "stages": format_spec(split), "train_rows": train.rows, "dev_rows": dev.rows,
              "arms": [asdict(a) for a in arms], "results": results}
+    study = json.loads(json.dumps(study, default=str))  # what study.json holds (tuples as lists)
     _write_json(out / "study.json", study)
     (out / "study.md").write_text(markdown(study))
     plot(study, out / "accuracy.png")

@@ -1,0 +1,111 @@
+"""tools/accuracy_study.py end to end on tiny-random with tiny budgets: files, tables, plot, cache, bad input.
+
+    .venv/bin/python -m pytest tests/test_accuracy_study.py
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from conftest import REPO
+from zl.commands.data import data_command
+from zl.errors import ZLError
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")]
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("accuracy_study", REPO / "tools" / "accuracy_study.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+study_tool = _load_tool()
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory) -> Path:
+    """`zl data --demo --model tiny-random`: a classification task (label words) with train and dev shards."""
+    out = tmp_path_factory.mktemp("demo")
+    app = typer.Typer(add_completion=False)
+    app.command("data")(data_command)
+    result = CliRunner().invoke(app, ["--demo", "--model", "tiny-random", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _args(demo: Path, out: Path, *extra: str) -> list[str]:
+    return ["--model", "tiny-random", "--train", str(demo / "train.safetensors"), "--dev", str(demo / "dev.safetensors"),
+            "--samples", "4,8", "--num-stages", "2", "--eval-limit", "8", "--threads", "1", "--out", str(out), *extra]
+
+
+ARMS = ["--arms", "base,backprop,backprop-last,zl-paper",
+        "--arm", "zl-t:alpha=0.5/1;translator_rank=2;gate=target_prob;stage_lr=1/2"]
+
+
+@pytest.fixture(scope="module")
+def study(demo_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    return out, study_tool.run(_args(demo_data, out, *ARMS))
+
+
+def test_every_arm_and_budget_lands_in_the_files(study):
+    out, result = study
+    for name in ("study.json", "study.md", "accuracy.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert json.loads((out / "study.json").read_text()) == result
+    runs = {(r["arm"], r["samples"]): r for r in result["results"]}
+    assert set(runs) == {(a, s) for a in ("base", "backprop", "backprop-last", "zl-paper", "zl-t") for s in (4, 8)}
+    table = (out / "study.md").read_text()
+    for (arm, samples), r in runs.items():
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["nll"] > 0
+        assert f"{r['accuracy']:.1%} ({r['nll']:.3f}" in table, (arm, samples)
+        if arm != "base":
+            assert len(r["window_losses"]) == samples // 4  # window 4: one mean loss per AdamW step
+            assert (out / "arms" / f"{samples}-{arm}.json").is_file()
+        if arm.startswith("zl-"):
+            assert len(r["early_exit_accuracy"]) == 2 and r["early_exit_accuracy"][-1] == r["accuracy"]
+            assert len(r["window_losses"][0]) == 2  # one loss per stage
+    assert runs[("base", 4)]["nll"] == runs[("base", 8)]["nll"]  # the base model is scored once
+    # Training moved every trained arm away from the base model.
+    assert all(runs[(a, 8)]["nll"] != runs[("base", 8)]["nll"] for a in ("backprop", "backprop-last", "zl-paper", "zl-t"))
+    trainable = {a: runs[(a, 8)]["trainable"] for a in ("backprop", "backprop-last", "zl-paper", "zl-t")}
+    assert 0 < trainable["backprop-last"] < trainable["backprop"] == trainable["zl-paper"] < trainable["zl-t"]
+    # The per-stage options reached the trainer: stage 1 of zl-t has α 1, so its loss is its CE.
+    zl_t = runs[("zl-t", 8)]
+    assert zl_t["window_losses"][-1][1] == pytest.approx(zl_t["window_task_losses"][-1][1])
+    assert "early-exit" in table.lower() and "| zl-t | 8 |" in table
+
+
+def test_a_finished_arm_is_not_trained_again_but_a_changed_setting_is(study, demo_data):
+    out, first = study
+    stamp = {p.name: p.stat().st_mtime_ns for p in (out / "arms").iterdir()}
+    again = study_tool.run(_args(demo_data, out, *ARMS))
+    assert again["results"] == first["results"]
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "arms").iterdir()} == stamp
+    changed = study_tool.run(_args(demo_data, out, "--arms", "base,zl-paper", "--lr", "1e-2"))
+    by = {(r["arm"], r["samples"]): r for r in changed["results"]}
+    assert by[("base", 8)] == next(r for r in first["results"] if (r["arm"], r["samples"]) == ("base", 8))
+    old = next(r for r in first["results"] if (r["arm"], r["samples"]) == ("zl-paper", 8))
+    assert by[("zl-paper", 8)]["fingerprint"] != old["fingerprint"]
+    assert by[("zl-paper", 8)]["window_losses"] != old["window_losses"]
+
+
+@pytest.mark.parametrize("extra, problem", [
+    (["--arms", "zl-nope"], "--arms: unknown arm 'zl-nope'"),
+    (["--arm", "zl-x:alpha=1.5"], "--alpha 1.5: α weighs CE against KL"),
+    (["--arm", "zl-x:colour=red"], "unknown key 'colour'"),
+    (["--arm", "zl-x:alpha=0.5/0.5/0.5"], "--alpha 0.5,0.5,0.5: 3 values for 2 stages"),
+    (["--samples", "0"], "--samples 0: must be at least 1"),
+])
+def test_bad_options_are_clear_errors(demo_data, tmp_path, extra, problem):
+    with pytest.raises(ZLError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+        study_tool.run(_args(demo_data, tmp_path, *extra))

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -42,8 +41,10 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 
 from zl.errors import ZLError  # noqa: E402
+from zl_device.run.eager_training import (Budget, OptimizerSettings, causal_lm_loss,  # noqa: E402,F401
+                                          micro_batch_rows)
+from zl_device.run.eager_training import train_backprop as eager_train_backprop  # noqa: E402
 from zl_device.run.lr_schedule import lr_factor  # noqa: E402
-from zl_export.local_loss import shift_targets  # noqa: E402
 from zl_export.options import DEFAULT_MODEL, LoraSettings  # noqa: E402
 from zl_export.shard import Shard  # noqa: E402
 
@@ -118,12 +119,16 @@ class BaselineSettings:
     source: str = "command line"  # or the run directory the settings came from
 
     @property
+    def budget(self) -> Budget:
+        return Budget(self.samples, self.window, self.micro_batch)
+
+    @property
     def num_micro_batches(self) -> int:
-        return math.ceil(self.samples / self.micro_batch)
+        return self.budget.num_micro_batches
 
     @property
     def num_windows(self) -> int:
-        return math.ceil(self.num_micro_batches / self.window)
+        return self.budget.num_windows
 
     def resolved_schedule(self) -> Schedule:
         """The schedule with T = number of windows when it says 0 (runner_config.cpp does the same)."""
@@ -164,7 +169,7 @@ class BaselineSettings:
 
 def default_schedule(samples: int, window: int, micro_batch: int = 1) -> Schedule:
     """The schedule `zl train` writes into every stage config (zl_device/run/train_job.py stage_configs)."""
-    num_windows = math.ceil(math.ceil(samples / micro_batch) / window)
+    num_windows = Budget(samples, window, micro_batch).num_windows
     return Schedule("warmup_cosine", min(DEFAULT_WARMUP_WINDOWS, max(0, num_windows - 1)), 0, DEFAULT_MIN_LR_RATIO)
 
 
@@ -261,31 +266,7 @@ def load_shards(s: BaselineSettings, tokenizer_name: str, vocab_size: int) -> tu
     return train, dev
 
 
-def micro_batch_rows(mb: int, rows: int, batch: int) -> slice:
-    """Rows of micro-batch `mb`, as the runner's stage 0 takes them: j = mb mod floor(rows/batch), rows [j*B, (j+1)*B)."""
-    j = mb % (rows // batch)
-    return slice(j * batch, (j + 1) * batch)
-
-
 # --- training ------------------------------------------------------------------------------------------
-
-
-def causal_lm_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the final output over the target positions (position i predicts labels[i+1]).
-
-    The same positions and mean as the task term of the local loss
-    (zl_export.local_loss.shift_targets); the LM head runs only on those
-    positions. Inputs are right-padded (B, S) int64; the padded tail is cut.
-    """
-    length = int(mask.sum(1).max())
-    ids, mask, labels = ids[:, :length], mask[:, :length], labels[:, :length]  # (B, L)
-    targets, valid = shift_targets(labels)  # (B, L), (B, L)
-    rows, cols = valid.bool().nonzero(as_tuple=True)  # K target positions
-    if len(rows) == 0:
-        raise ZLError("a training micro-batch has no target positions (all labels -100); recreate the shard with `zl data`.")
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # (B, L, d)
-    logits = model.get_output_embeddings()(hidden[rows, cols]).float()  # (K, V)
-    return torch.nn.functional.cross_entropy(logits, targets[rows, cols])
 
 
 @dataclass
@@ -307,36 +288,19 @@ def make_optimizer(params, s: BaselineSettings) -> tuple[torch.optim.AdamW, torc
 def train_backprop(model: torch.nn.Module, shard: Shard, s: BaselineSettings, on_window=lambda w, loss, lr: None) -> TrainLog:
     """Train the LoRA parameters of `model` (a PeftModel) with end-to-end backprop over the run's micro-batches.
 
+    The loop is zl_device.run.eager_training.train_backprop (shared with tools/accuracy_study.py).
+
     Args:
         model: the PEFT-wrapped model; only parameters with requires_grad train.
         shard: the training shard (stage 0's data).
         s: budget and optimizer settings.
         on_window: called after each step with (window index, mean loss, lr).
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = make_optimizer(params, s)
-    model.train()
-    result = TrainLog()
-    start = time.perf_counter()
-    n, m = s.num_micro_batches, s.window
-    for w, first in enumerate(range(0, n, m)):
-        window = range(first, min(first + m, n))
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for mb in window:
-            rows = micro_batch_rows(mb, shard.rows, s.micro_batch)
-            loss = causal_lm_loss(model, shard.input_ids[rows], shard.attention_mask[rows], shard.labels[rows])
-            (loss / len(window)).backward()  # MEAN over the window's k micro-batches, as the runner accumulates
-            loss_sum += float(loss.detach())
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        result.losses.append(loss_sum / len(window))
-        result.lrs.append(lr)
-        on_window(w, result.losses[-1], lr)
-    result.seconds = time.perf_counter() - start
-    model.eval()
-    return result
+    opt = OptimizerSettings(lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay,
+                            schedule=asdict(s.resolved_schedule()))
+    log = eager_train_backprop(model, shard, s.budget, opt,
+                               lambda w, log: on_window(w, log.losses[-1][0], log.lrs[-1]))
+    return TrainLog([window[0] for window in log.losses], log.lrs, log.seconds)
 
 
 # --- the command ---------------------------------------------------------------------------------------

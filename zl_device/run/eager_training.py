@@ -91,14 +91,16 @@ def runner_optimizer(groups: list[dict], opt: OptimizerSettings, num_windows: in
 
 
 def _step(optimizer, scheduler, params: Sequence[torch.nn.Parameter], count: int) -> float:
-    """One window's update on the MEAN gradient of its `count` micro-batches; returns the lr used."""
+    """One window's update on the MEAN gradient of its `count` micro-batches; returns the lr used.
+
+    `.grad` keeps that mean gradient until the next window starts (tests inspect it).
+    """
     for p in params:
         if p.grad is not None:
             p.grad /= count
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
     return lr
 
 
@@ -148,6 +150,8 @@ def train_zerolock(
     log = TrainLog()
     start = time.perf_counter()
     for w, window in enumerate(budget.windows()):
+        for _, _, optimizer, _ in stages:
+            optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(3, len(modules), dtype=torch.float64)  # loss, task, consistency per stage
         for mb in window:
             x, mask, labels = micro_batch(shard, mb, budget.micro_batch)
@@ -192,8 +196,11 @@ def causal_lm_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     """Mean cross-entropy of the final output over the target positions (position i predicts labels[i+1]).
 
     The same positions and mean as the task term of the local loss
-    (zl_export.local_loss.shift_targets); the LM head runs only on those positions.
+    (zl_export.local_loss.shift_targets); the LM head runs only on those
+    positions. Inputs are right-padded (B, S) int64; the padded tail is cut.
     """
+    length = int(mask.sum(1).max())
+    ids, mask, labels = ids[:, :length], mask[:, :length], labels[:, :length]  # (B, L)
     targets, valid = shift_targets(labels)  # (B, L), (B, L)
     rows, cols = valid.bool().nonzero(as_tuple=True)  # K target positions
     if len(rows) == 0:
@@ -219,6 +226,7 @@ def train_backprop(
     log = TrainLog()
     start = time.perf_counter()
     for w, window in enumerate(budget.windows()):
+        optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for mb in window:
             loss = causal_lm_loss(model, *micro_batch(shard, mb, budget.micro_batch))

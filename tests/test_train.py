@@ -107,10 +107,10 @@ def test_adapter_loads_with_peft_and_equals_final_checkpoints(clean_run):
 
 
 def eager_zerolock(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The run's pipeline retrained in PyTorch eager (zl_device.run.eager_training) from its manifest, config and shard.
+    """The run's pipeline retrained in PyTorch eager (zl_device.run.eager_training) from its manifest, configs and shard.
 
     Returns:
-        (trained tensors by manifest name, the run's merged adapter tensors).
+        (trained tensors by manifest name, the run's merged adapter tensors plus its early-exit heads).
     """
     from zl_device.run.eager_training import Budget, OptimizerSettings, stage_parameters, train_zerolock
     from zl_export.exporter import build_stage_modules
@@ -120,7 +120,7 @@ def eager_zerolock(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, to
     from zl_export.stages import StageRange
 
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    config = json.loads((run_dir / "stage_0.json").read_text())
+    configs = [json.loads((run_dir / f"stage_{st['index']}.json").read_text()) for st in manifest["stages"]]
     lora, batch = manifest["lora"], manifest["micro_batch"]
     opts = ExportOptions(seq_len=manifest["seq_len"], micro_batch=batch,
                          lora=LoraSettings(lora["rank"], lora["alpha"], tuple(lora["targets"])),
@@ -128,21 +128,52 @@ def eager_zerolock(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, to
     loaded = load_model(manifest["model"]["name"], seed=manifest["seed"])
     peft_model, modules = build_stage_modules(
         loaded.model, [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]], opts)
-    optimizer = config["optimizer"]
+    optimizer = configs[0]["optimizer"]
     train_zerolock(modules, load_shard(run_dir / "data" / "train.safetensors"),
-                   Budget(config["num_micro_batches"] * batch, config["window_size"], batch),
+                   Budget(configs[0]["num_micro_batches"] * batch, configs[0]["window_size"], batch),
                    OptimizerSettings(lr=optimizer["lr"], weight_decay=optimizer["weight_decay"],
-                                     schedule=optimizer["schedule"]))
-    return stage_parameters(modules, peft_model), adapter_tensors(run_dir)
+                                     schedule=optimizer["schedule"]),
+                   stage_lr=[c["optimizer"]["lr"] / optimizer["lr"] for c in configs])
+    merged = adapter_tensors(run_dir)
+    for head in sorted((run_dir / "adapter" / "early_exit").glob("stage_*.safetensors")):
+        merged.update(load_file(str(head)))
+    return stage_parameters(modules, peft_model), merged
 
 
-def test_eager_zerolock_gives_the_adapter_of_the_run(clean_run):
-    """The accuracy study's eager path (issue 9) trains what `zl train` trains: the same adapter to rtol 1e-4."""
-    got, merged = eager_zerolock(clean_run.run_dir)
+def assert_eager_equals_run(run_dir: Path) -> dict[str, torch.Tensor]:
+    got, merged = eager_zerolock(run_dir)
     assert set(got) == set(merged)
     for name, want in merged.items():
         torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
     assert sum(int(t.abs().max() > 1e-3) for n, t in merged.items() if "lora_B" in n) > 0, "nothing moved"
+    return merged
+
+
+def test_eager_zerolock_gives_the_adapter_of_the_run(clean_run):
+    """The accuracy study's eager path (issue 9) trains what `zl train` trains: the same adapter to rtol 1e-4."""
+    assert_eager_equals_run(clean_run.run_dir)
+
+
+def test_loss_variants_train_through_the_runner_as_in_eager(export_cache, data_file, tmp_path):
+    """Per-stage α, a gated KL, no target for stage 0, translators and per-stage lr through the real runners.
+
+    The translators train in the runners (checkpoints), stay out of the PEFT adapter and land in
+    adapter/early_exit/; everything equals the eager path's result.
+    """
+    from zl_export.options import ExportOptions, LossConfig
+
+    loss = LossConfig(alpha=(0.5, 0.7, 1.0), first_target="none", gate="target_prob", translator_rank=2)
+    result = train(tmp_path / "run", export_cache, data=str(data_file), export=ExportOptions(loss=loss),
+                   stage_lr=(1.0, 1.0, 2.0))
+    run_dir = result.run_dir
+    assert json.loads((run_dir / "manifest.json").read_text())["loss"] == loss.to_manifest()
+    lrs = [json.loads((run_dir / f"stage_{k}.json").read_text())["optimizer"]["lr"] for k in range(3)]
+    assert lrs[2] == 2 * lrs[0] == 2 * lrs[1]
+    assert not any("translator" in n for n in adapter_tensors(run_dir)), "translators are not part of the model"
+    heads = sorted(p.name for p in (run_dir / "adapter" / "early_exit").iterdir())
+    assert heads == ["stage_0.safetensors", "stage_1.safetensors"]  # every stage but the last
+    merged = assert_eager_equals_run(run_dir)
+    assert merged["zl.translator.stage_0.up"].abs().max() > 0, "the runner trained the translator"
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -78,7 +78,7 @@ def test_bad_values_are_one_line_errors_naming_the_flag():
 def test_export_and_train_keep_their_flags_and_defaults():
     assert [leaf.flag for leaf in leaves(ExportOptions)] == [
         "--seq-len", "--micro-batch", "--lora-rank", "--lora-alpha", "--lora-targets", "--alpha", "--consistency",
-        "--first-target", "--gate", "--translator-rank", "--seed"]
+        "--first-target", "--gate", "--translator-rank", "--loss", "--seed"]
     assert ExportOptions() == ExportOptions(128, 1, LoraSettings(8, 16.0, ("q_proj", "v_proj")), LossConfig(0.5, "kl_rev"), 0)
     flags = [leaf.flag for leaf in leaves(TrainSettings)]
     assert flags.count("--seq-len") == flags.count("--seed") == 1  # the run's own, not the export's
@@ -98,6 +98,7 @@ def test_export_and_train_keep_their_flags_and_defaults():
     (ExportOptions(loss=LossConfig(first_target="stage")), r"^--first-target 'stage': expected one of embedding, none"),
     (ExportOptions(loss=LossConfig(gate="soft")), r"^--gate 'soft': expected one of none, target_prob"),
     (ExportOptions(loss=LossConfig(translator_rank=-1)), r"^--translator-rank -1: "),
+    (ExportOptions(loss=LossConfig(preset="mine")), r"^--loss 'mine': expected one of paper"),
     (ExportOptions(lora=LoraSettings(rank=0)), r"^--lora-rank 0: "),
     (ExportOptions(seq_len=1), r"^--seq-len 1: "),
 ])
@@ -128,3 +129,26 @@ def test_bad_loss_options_exit_2_with_one_line(tmp_path, args, problem):
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and problem in lines[0], proc.stderr[-2000:]
     assert not (tmp_path / "out").exists(), "a refused run leaves nothing behind"
+
+
+def test_loss_paper_is_the_papers_loss_whatever_else_is_given():
+    from zl_export.options import PAPER_LOSS
+
+    paper = LossConfig(alpha=(1.0,), gate="target_prob", first_target="none", translator_rank=16, preset="paper")
+    assert {k: getattr(paper, k) for k in PAPER_LOSS} == PAPER_LOSS
+    assert LossConfig.from_manifest(paper.to_manifest()) == paper
+    result = CliRunner().invoke(_export_app(), ["export", "--loss", "paper", "--translator-rank", "8"])
+    assert result.exit_code == 0, result.output
+    assert _seen_export[-1].options.loss.translator_rank == 0
+
+
+_seen_export: list = []
+
+
+def _export_app():
+    from zl.commands.export import ExportArgs
+
+    app = typer.Typer()
+    app.command("export")(settings_command(ExportArgs, _seen_export.append, "Export."))
+    app.command("other")(lambda: None)
+    return app

@@ -18,6 +18,9 @@ LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 CONSISTENCY_KINDS = ("kl_rev", "kl_fwd")
 FIRST_TARGETS = ("embedding", "none")
 GATES = ("none", "target_prob")
+# `--loss paper`: the local loss exactly as the ZeroLock paper writes it (Eq. 5), whatever the defaults are.
+PAPER_LOSS = {"alpha": (0.5,), "consistency": "kl_rev", "first_target": "embedding", "gate": "none",
+              "translator_rank": 0}
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,14 @@ class LossConfig:
                         choices=GATES)
     translator_rank: int = setting(0, "Rank of a trainable readout translator (diagonal + low-rank map in front of "
                                       "the frozen LM head) on every stage but the last; 0 = the paper's plain readout.")
+    preset: str | None = setting(None, "paper: the paper's loss (α 0.5, KL(p_k‖p_k-1), stage 0 towards the "
+                                       "embedding readout, no gate, no translator); overrides the loss options above.",
+                                 flag="--loss", choices=("paper",))
 
     def __post_init__(self) -> None:
+        if self.preset == "paper":
+            for name, value in PAPER_LOSS.items():
+                object.__setattr__(self, name, value)
         # α as one number is accepted too (Python callers; manifests written before per-stage α).
         alpha = self.alpha
         object.__setattr__(self, "alpha", (float(alpha),) if isinstance(alpha, (int, float))
@@ -115,7 +124,7 @@ class LossConfig:
 
     def to_manifest(self) -> dict:
         return {"alpha": list(self.alpha), "consistency": self.consistency, "first_target": self.first_target,
-                "gate": self.gate, "translator_rank": self.translator_rank}
+                "gate": self.gate, "translator_rank": self.translator_rank, "preset": self.preset}
 
     @classmethod
     def from_manifest(cls, loss: dict) -> "LossConfig":

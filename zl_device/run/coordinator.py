@@ -40,7 +40,6 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from zl.errors import ZLError
 from zl_device.devices.backend import Device
@@ -217,21 +216,13 @@ class Coordinator:
                 log.warning("stage %d reports: %s", e.stage, e.payload.get("reason"))
 
     def _read_telemetry(self, k: int, remote: bool = False) -> None:
-        """New lines of a stage's telemetry file: tailed on local devices; on phones, which report through
-        heartbeats, read over adb only when `remote` (at a failure: a heartbeat may be a window behind)."""
+        """New lines of a stage's telemetry file: tailed where its files are on this host (local devices); on
+        phones, which report through heartbeats, read over adb only when `remote` (at a failure: a heartbeat may
+        be a window behind)."""
         plan = self.plans[k]
-        if plan.device.kind == "local":
-            path = Path(plan.device.path(plan.log_path))
-            try:
-                with path.open("rb") as f:
-                    f.seek(self._offsets[k])
-                    chunk = f.read()
-            except FileNotFoundError:
-                return
-        elif remote:
-            chunk = (plan.device.read_text(plan.log_path) or "").encode()[self._offsets[k]:]
-        else:
+        if not (plan.device.files_on_host or remote):
             return
+        chunk = plan.device.read_from(plan.log_path, self._offsets[k])
         self._offsets[k] += len(chunk)
         text = self._partial[k] + chunk.decode(errors="replace")
         *lines, self._partial[k] = text.split("\n")
@@ -269,7 +260,7 @@ class Coordinator:
         if inj is None or self._injected:
             return
         plan = self.plans[inj.stage]
-        if plan.device.kind != "local" and time.monotonic() - self._last_remote_poll > 1.0:
+        if not plan.device.files_on_host and time.monotonic() - self._last_remote_poll > 1.0:
             # Phones: look for the hold line in the device's telemetry file (local devices are tailed anyway).
             self._last_remote_poll = time.monotonic()
             text = plan.device.read_text(plan.log_path) or ""
@@ -337,7 +328,7 @@ class Coordinator:
             log.warning("moving stage %d from %s to spare %s", k, plan.device.name, spare.name)
             if self.redeploy is None:
                 raise ZLError("a spare needs a redeploy function to receive the stage's program.")
-            self.redeploy(spare, k)  # the config it gets carries no hold_at_micro_batch (see train_job)
+            self.redeploy(spare, k)  # the config it gets carries no hold_at_micro_batch (see zl_device/run/launch.py)
             plan.device = spare
             s.device = spare.name
             self._offsets[k], self._partial[k] = 0, ""

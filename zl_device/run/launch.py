@@ -10,7 +10,6 @@ stay up while the caller runs the coordinator; both go when it leaves.
 from __future__ import annotations
 
 import json
-import math
 import secrets
 import socket
 from collections.abc import Iterator, Sequence
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from zl.errors import ZLError
 from zl_device.devices.backend import Device
+from zl_device.run.windows import WindowPlan
 from zl_device.run.train_settings import TrainSettings
 
 
@@ -29,7 +29,7 @@ class Launched:
 
     coordinator: object  # zl_device.run.coordinator.Coordinator
     run_id: str
-    num_micro_batches: int
+    windows: WindowPlan
 
     @property
     def devices(self) -> list[Device]:
@@ -39,7 +39,7 @@ class Launched:
 
 @contextmanager
 def launch(s: TrainSettings, devices: Sequence[Device], local: bool, run_dir: Path, export_dir: Path, manifest: dict,
-           shard: Path, num_micro_batches: int, injection, say) -> Iterator[Launched]:
+           shard: Path, windows: WindowPlan, injection, say) -> Iterator[Launched]:
     """Deploy the stages of `manifest` to `devices` (stages first, then spares) and yield the pipeline to run.
 
     Args:
@@ -56,7 +56,7 @@ def launch(s: TrainSettings, devices: Sequence[Device], local: bool, run_dir: Pa
         plan = address_plan(stage_devices, control.address[1], local)
         try:
             yield _deploy_and_coordinate(s, stage_devices, spares, run_dir, export_dir, manifest, shard, plan, key_file,
-                                         run_id, control, num_micro_batches, injection, say)
+                                         run_id, control, windows, injection, say)
         finally:
             if plan.tunnels:
                 for device in devices:
@@ -83,17 +83,16 @@ def address_plan(stage_devices: Sequence[Device], coordinator_port: int, local: 
 
 
 def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Path, export_dir: Path, manifest: dict,
-                           shard: Path, plan, key_file: Path, run_id: str, control, num_micro_batches: int, injection,
+                           shard: Path, plan, key_file: Path, run_id: str, control, windows: WindowPlan, injection,
                            say) -> Launched:
     from zl_device.devices.deploy import deploy, deploy_stage
     from zl_device.run.coordinator import Coordinator, StagePlan
 
     num_stages = len(manifest["stages"])
-    num_windows = math.ceil(num_micro_batches / s.window)
-    configs = stage_configs(s, manifest, export_dir, shard, plan, key_file, run_id, num_micro_batches)
+    configs = stage_configs(s, manifest, export_dir, shard, plan, key_file, run_id, windows)
     deployed = {k: dict(cfg) for k, cfg in configs.items()}
     if injection:
-        deployed[injection.stage]["hold_at_micro_batch"] = injection.hold_micro_batch(s.window)
+        deployed[injection.stage]["hold_at_micro_batch"] = injection.hold_micro_batch(windows)
     for k, cfg in deployed.items():
         (run_dir / f"stage_{k}.json").write_text(json.dumps(cfg, indent=2) + "\n")
     say(f"deploy: {num_stages} stages to {', '.join(d.name for d in stage_devices)}"
@@ -106,12 +105,13 @@ def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Pat
     def redeploy(device: Device, k: int) -> None:
         deploy_stage(device, export_dir, k, configs[k], manifest=manifest)
 
-    coordinator = Coordinator(plans, s.window, num_micro_batches, control, s.recovery, injection, spares,
-                              s.heartbeat_timeout_s, s.timeout_s, redeploy)
-    say(f"run: {s.samples} samples, {num_micro_batches} micro-batches in {num_windows} windows of {s.window}, "
+    coordinator = Coordinator(plans, windows, control, s.recovery, injection, spares, s.heartbeat_timeout_s,
+                              s.timeout_s, redeploy)
+    say(f"run: {s.samples} samples, {windows.num_micro_batches} micro-batches in {windows.num_windows} windows of "
+        f"{windows.window_size}, "
         f"recovery {s.recovery}" + (f", failure injected at stage {injection.stage} window {injection.window}"
                                    if injection else ""))
-    return Launched(coordinator, run_id, num_micro_batches)
+    return Launched(coordinator, run_id, windows)
 
 
 def free_port_base(count: int, start: int = 20000, stop: int = 60000) -> int:
@@ -135,11 +135,10 @@ def free_port_base(count: int, start: int = 20000, stop: int = 60000) -> int:
 
 
 def stage_configs(s: TrainSettings, manifest: dict, export_dir: Path, shard: Path, plan, key_file: Path,
-                  run_id: str, num_micro_batches: int) -> dict[int, dict]:
+                  run_id: str, windows: WindowPlan) -> dict[int, dict]:
     """The runner config of every stage (host paths; deploy pushes the files and rewrites them)."""
     num_stages = len(manifest["stages"])
-    num_windows = math.ceil(num_micro_batches / s.window)
-    schedule = {"kind": "warmup_cosine", "warmup_steps": min(s.warmup_windows, max(0, num_windows - 1)),
+    schedule = {"kind": "warmup_cosine", "warmup_steps": min(s.warmup_windows, max(0, windows.num_windows - 1)),
                 "min_lr_ratio": 0.1}
     configs = {}
     for addresses in plan.stages:
@@ -151,12 +150,12 @@ def stage_configs(s: TrainSettings, manifest: dict, export_dir: Path, shard: Pat
             "num_stages": num_stages,
             "run_key_file": str(key_file),
             "run_id": run_id,
-            "window_size": s.window,
-            "num_micro_batches": num_micro_batches,
+            "window_size": windows.window_size,
+            "num_micro_batches": windows.num_micro_batches,
             "in_flight_depth": s.in_flight,
             "checkpoint_dir": "checkpoints",
             # Global recovery rolls every stage back to the last window all committed: keep them all.
-            "keep_last": num_windows + 1 if s.recovery == "global" else 2,
+            "keep_last": windows.num_windows + 1 if s.recovery == "global" else 2,
             "log_path": "metrics.jsonl",
             "threads": s.threads,
             "optimizer": {"lr": s.stage_lr_of(k), "weight_decay": 0.0, "schedule": schedule},

@@ -18,7 +18,6 @@ holding (DESIGN.md §6):
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -82,17 +81,16 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     num_stages = len(manifest["stages"])
     check_device_count(s, spec, num_stages)
     shard, dev = prepare_data(s, model.tokenizer, seq_len, run_dir / "data", say)
-    num_micro_batches = math.ceil(s.samples / s.export.micro_batch)
-    num_windows = math.ceil(num_micro_batches / s.window)
-    injection = Injection.parse(s.inject_failure, num_stages, num_windows) if s.inject_failure else None
+    windows = s.windows()
+    injection = Injection.parse(s.inject_failure, num_stages, windows.num_windows) if s.inject_failure else None
 
     devices = open_devices(spec, run_dir, link_profile=s.link_profile, mode=s.mode)
-    with launch(s, devices, spec.kind == "local", run_dir, export_dir, manifest, shard, num_micro_batches, injection,
+    with launch(s, devices, spec.kind == "local", run_dir, export_dir, manifest, shard, windows, injection,
                 say) as launched:
         events, run_times = supervise(launched, run_dir, on_update)
     events.append(run_event(s, launched, num_stages, run_times))
     collect(run_dir, launched.devices, num_stages, events, say)
-    result = TrainResult(run_dir, time.time() - start, num_micro_batches * s.export.micro_batch)
+    result = TrainResult(run_dir, time.time() - start, windows.num_micro_batches * s.export.micro_batch)
     if dev is not None:
         result.eval = evaluate_run(s, model, run_dir, dev, say)
     result.report = write_report(run_dir)
@@ -146,8 +144,9 @@ def run_event(s: TrainSettings, launched, num_stages: int, times: tuple[float, f
     """The `run` event of metrics.jsonl (schema in zl_device/run/metrics_log.py)."""
     run_start, run_end = times
     return {"type": "run", "start_unix_ms": int(run_start * 1000), "end_unix_ms": int(run_end * 1000),
-            "samples": launched.num_micro_batches * s.export.micro_batch, "run_id": launched.run_id,
-            "num_stages": num_stages, "window_size": s.window, "num_micro_batches": launched.num_micro_batches,
+            "samples": launched.windows.num_micro_batches * s.export.micro_batch, "run_id": launched.run_id,
+            "num_stages": num_stages, "window_size": launched.windows.window_size,
+            "num_micro_batches": launched.windows.num_micro_batches,
             "recovery": s.recovery, "devices": [d.name for d in launched.devices],
             "control_heartbeats": [st.heartbeat_seen for st in launched.coordinator.status]}
 

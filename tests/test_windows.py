@@ -9,6 +9,7 @@ def test_window_plan_of_a_run_with_a_short_last_window():
     assert (plan.num_micro_batches, plan.num_windows) == (10, 3)
     assert [plan.window_of(mb) for mb in range(10)] == [0] * 4 + [1] * 4 + [2] * 2
     assert [plan.start(w) for w in range(3)] == [0, 4, 8]
+    assert [plan.micro_batches(w) for w in range(3)] == [range(0, 4), range(4, 8), range(8, 10)]
     assert [plan.done_after(w) for w in (-1, 0, 1)] == [0, 4, 8]
     assert [plan.middle(w) for w in range(3)] == [1, 5, 9]
     assert [plan.exists(w) for w in (-1, 0, 2, 3)] == [False, True, True, False]

@@ -37,6 +37,10 @@ class WindowPlan:
         """The first micro-batch of `window`."""
         return window * self.window_size
 
+    def micro_batches(self, window: int) -> range:
+        """The micro-batches of `window` (the last window's may be fewer than `window_size`)."""
+        return range(self.start(window), min(self.start(window + 1), self.num_micro_batches))
+
     def done_after(self, window: int) -> int:
         """Micro-batches done once `window` is committed (window -1: none)."""
         return (window + 1) * self.window_size

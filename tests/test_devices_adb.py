@@ -28,7 +28,7 @@ from zl.errors import ZLError
 from zl_device.devices import adb as zadb
 from zl_device.devices import deploy as zdeploy
 from zl_device.devices.backend import signal_exit_code
-from zl_device.devices.registry import open_devices
+from zl_device.devices.registry import open_devices, open_phone
 from zl_device.devices.network import apply_tunnels, plan_addresses
 
 
@@ -250,16 +250,16 @@ def test_list_and_open_phones_with_clear_errors():
     assert rows["P3"].state == "unauthorized" and "Allow USB debugging" in rows["P3"].note
     assert rows["P4"].state == "offline"
 
-    assert zadb.open_phone("P1", client).info().model == "Pixel 6"
+    assert open_phone("P1", client).info().model == "Pixel 6"
     with pytest.raises(ZLError, match=r"phone XYZ not found: the adb server sees P1 \(device\), P2 \(device\)"):
-        zadb.open_phone("XYZ", client)
+        open_phone("XYZ", client)
     with pytest.raises(ZLError, match="phone P3 is unauthorized: unlock the phone and accept"):
-        zadb.open_phone("P3", client)
+        open_phone("P3", client)
     with pytest.raises(ZLError, match="phone P4 is offline: unplug and replug"):
-        zadb.open_phone("P4", client)
+        open_phone("P4", client)
     with pytest.raises(ZLError, match=r"phone P2 \(Galaxy J2\) has ABI armeabi-v7a .* built for arm64-v8a"):
-        zadb.open_phone("P2", client)
-    assert zadb.open_phone("P2", client, check_abi=False).serial == "P2"
+        open_phone("P2", client)
+    assert open_phone("P2", client, check_abi=False).serial == "P2"
     devs = open_devices("P1", client=client, link_profile="mobile")
     assert devs[0].kind == "adb" and devs[0].link_profile == "mobile" and devs[0].workdir == "/data/local/tmp/zerolock"
 
@@ -417,7 +417,7 @@ def test_real_adb_server_serial_not_found(adb_server):
     assert zadb._server_up("127.0.0.1", adb_server)
     phones = zadb.list_phones(client)
     with pytest.raises(ZLError, match=r"phone XYZ not found: the adb server sees .*zl devices"):
-        zadb.open_phone("XYZ", client)
+        open_phone("XYZ", client)
     with pytest.raises(ZLError, match="phone XYZ not found"):
         open_devices("XYZ,ABC", client=client)
     result = CliRunner().invoke(cli_app(), ["devices"])
@@ -450,7 +450,7 @@ def phone():
     serial = os.environ.get("ZL_TEST_SERIAL")
     if not serial:
         pytest.skip("set ZL_TEST_SERIAL to an attached phone's serial")
-    dev = zadb.open_phone(serial)
+    dev = open_phone(serial)
     dev.workdir = "/data/local/tmp/zerolock-test"  # not the real workdir: a test must not clobber a deployment
     yield dev
     dev.shell(f"rm -rf {dev.workdir}")

@@ -31,7 +31,7 @@ from zl.errors import ZLError
 from zl_device.devices import adb as zadb
 from zl_device.devices import app as zapp
 from zl_device.devices import deploy as zdeploy
-from zl_device.devices.registry import open_devices
+from zl_device.devices.registry import open_devices, open_phone
 
 WD = zapp.APP_WORKDIR
 BASE_APK = "/data/app/~~Xa1bC2==/com.zerolock.zl-Qd3eF4==/base.apk"
@@ -532,7 +532,7 @@ def app_phone():
     serial = os.environ.get("ZL_TEST_SERIAL")
     if not serial:
         pytest.skip("set ZL_TEST_SERIAL to an attached phone's serial (and build the APK: tools/build_android.sh)")
-    dev = zadb.open_phone(serial, mode="app")
+    dev = open_phone(serial, mode="app")
     dev.install_runtime()  # fails with the build command when the APK is not built
     dev.workdir = f"{zapp.APP_WORKDIR}/zl-test"
     yield dev

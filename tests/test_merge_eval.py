@@ -239,7 +239,7 @@ def test_checkpoints_of_another_stage_run_or_incomplete_are_refused(run, export_
 
 
 def test_custom_layout(tmp_path, export_dir):
-    from zl_device.results.adapter import CheckpointLayout
+    from zl_device.run.checkpoints import CheckpointLayout
 
     manifest = manifest_of(export_dir)
     values = stage_tensors(manifest, 3)

@@ -115,7 +115,7 @@ class StudySettings:
     eval_batch_size: int = 16
 
     def optimizer(self, budget: Budget) -> OptimizerSettings:
-        """`zl train`'s AdamW settings and schedule for `budget` (train_job.stage_configs)."""
+        """`zl train`'s AdamW settings and schedule for `budget` (zl_device/run/launch.py stage_configs)."""
         warmup = min(self.warmup_windows, max(0, budget.num_windows - 1))
         return OptimizerSettings(lr=self.lr, schedule={"kind": "warmup_cosine", "warmup_steps": warmup,
                                                         "min_lr_ratio": self.min_lr_ratio})

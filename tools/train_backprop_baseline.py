@@ -50,7 +50,7 @@ from zl_export.shard import Shard  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-# `zl train`'s defaults (zl_device/run/train_job.py TrainSettings, stage_configs) and the runner's AdamW defaults
+# `zl train`'s defaults (zl_device/run/train_settings.py TrainSettings, zl_device/run/launch.py stage_configs) and the runner's AdamW defaults
 # (zl/adamw.h) for fields the stage config leaves out.
 
 DEFAULT_SAMPLES = 256
@@ -168,7 +168,7 @@ class BaselineSettings:
 
 
 def default_schedule(samples: int, window: int, micro_batch: int = 1) -> Schedule:
-    """The schedule `zl train` writes into every stage config (zl_device/run/train_job.py stage_configs)."""
+    """The schedule `zl train` writes into every stage config (zl_device/run/launch.py stage_configs)."""
     num_windows = Budget(samples, window, micro_batch).num_windows
     return Schedule("warmup_cosine", min(DEFAULT_WARMUP_WINDOWS, max(0, num_windows - 1)), 0, DEFAULT_MIN_LR_RATIO)
 

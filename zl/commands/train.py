@@ -31,7 +31,7 @@ def run_train(settings: TrainSettings) -> None:
     from zl.commands.export import RichExportProgress
     from zl_device.run.train_job import run_training
 
-    total = -(-settings.samples // settings.export.micro_batch)
+    total = settings.windows().num_micro_batches
     live = Live(_table([], total), console=console, refresh_per_second=4, transient=False)
     started = False
 

@@ -189,16 +189,11 @@ def list_phones(client: adbutils.AdbClient) -> list[DeviceInfo]:
     return rows
 
 
-def open_phone(serial: str, client: adbutils.AdbClient | None = None, check_abi: bool = True,
-               link_profile: str = "local", mode: str = "binary") -> AdbDevice:
-    """The phone with this serial, checked to be online, authorized and (optionally) arm64-v8a.
-
-    Args:
-        mode: "binary": stages run as zl_runner in /data/local/tmp/zerolock (`AdbDevice`); "app": in the app
-            com.zerolock.zl (`zl_device.devices.app.AppDevice`).
+def attached(serial: str, client: adbutils.AdbClient | None = None) -> adbutils.AdbClient:
+    """The adb client, once the phone with this serial is checked to be attached, online and authorized.
 
     Raises:
-        ZLError: the serial is not attached, unauthorized or offline, or the ABI is wrong.
+        ZLError: the serial is not attached, unauthorized or offline.
     """
     client = client or connect()
     try:
@@ -212,18 +207,15 @@ def open_phone(serial: str, client: adbutils.AdbClient | None = None, check_abi:
     state = entries[serial]
     if state != "device":
         raise ZLError(f"phone {serial} is {state}: {_STATE_FIXES.get(state, 'run `adb devices -l` to see why')}.")
-    if mode == "app":
-        from zl_device.devices.app import AppDevice
+    return client
 
-        phone: AdbDevice = AppDevice(serial, client, link_profile=link_profile)
-    else:
-        phone = AdbDevice(serial, client, link_profile=link_profile)
-    if check_abi:
-        info = phone.info()
-        if info.note:
-            raise ZLError(f"phone {serial} ({info.model or 'unknown model'}) has {info.note}; use a 64-bit ARM "
-                          "phone, or leave this one out of --devices.")
-    return phone
+
+def check_abi(phone: AdbDevice) -> None:
+    """Raises ZLError when the phone is not arm64-v8a (the runner is built for that ABI only)."""
+    info = phone.info()
+    if info.note:
+        raise ZLError(f"phone {phone.serial} ({info.model or 'unknown model'}) has {info.note}; use a 64-bit ARM "
+                      "phone, or leave this one out of --devices.")
 
 
 # --- one phone -------------------------------------------------------------------------------------
@@ -273,7 +265,7 @@ def parse_wifi_ip(ip_addr: str) -> str | None:
 class AdbDevice(Device):
     """A phone: a workdir under /data/local/tmp/zerolock and a runner started over `adb shell`.
 
-    Use `open_phone` to get one with its state and ABI checked.
+    Use `zl_device.devices.registry.open_phone` to get one with its state and ABI checked.
     """
 
     kind = "adb"

@@ -128,7 +128,7 @@ def app_version(dev, serial: str) -> str | None:
 class AppDevice(AdbDevice):
     """A phone that runs its stage in the app's foreground service (`--mode app`).
 
-    Use `open_phone(serial, mode="app")` to get one with its state and ABI checked.
+    Use `zl_device.devices.registry.open_phone(serial, mode="app")` to get one with its state and ABI checked.
     """
 
     runs_runner_binary = False  # the APK carries the runtime (libzl_jni.so); install_runtime installs it

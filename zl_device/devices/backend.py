@@ -70,6 +70,9 @@ class Device(ABC):
     #: Whether stages run as the `zl_runner` binary in the workdir, which deploy pushes there. False: the
     #: runtime lives outside the workdir and `install_runtime` puts it on the device (the app).
     runs_runner_binary: bool = True
+    #: Whether the workdir's files are on this host, cheap enough to poll: the coordinator tails such a
+    #: device's telemetry as it grows, and reads a phone's (over adb) only when it must.
+    files_on_host: bool = False
 
     def __init__(self, name: str, workdir: str, link_profile: str):
         self.name = name
@@ -113,6 +116,10 @@ class Device(ABC):
     @abstractmethod
     def listdir(self, remote: str = ".") -> list[str]:
         """Entry names of a device folder ([] when it does not exist)."""
+
+    def read_from(self, remote: str, offset: int) -> bytes:
+        """The bytes of `remote` from byte `offset` on; b"" when it is missing."""
+        return (self.read_text(remote) or "").encode()[offset:]
 
     @abstractmethod
     def read_text(self, remote: str) -> str | None:
@@ -193,6 +200,9 @@ class Device(ABC):
         if self.signal_runner(signal.SIGKILL):
             self.wait(timeout_s)
         return self.exit_code()
+
+    def remove_tunnels(self) -> None:
+        """Drop the port tunnels a run set up to this device (phones on USB only); nothing to do elsewhere."""
 
     def wait(self, timeout_s: float, poll_s: float = 0.05) -> bool:
         """Wait until the runner ended; False on timeout."""

@@ -64,6 +64,7 @@ class LocalDevice(Device):
     """
 
     kind = "local"
+    files_on_host = True
 
     def __init__(
         self,
@@ -141,6 +142,14 @@ class LocalDevice(Device):
     def listdir(self, remote: str = ".") -> list[str]:
         p = self._local(remote)
         return sorted(os.listdir(p)) if p.is_dir() else []
+
+    def read_from(self, remote: str, offset: int) -> bytes:
+        try:
+            with self._local(remote).open("rb") as f:
+                f.seek(offset)
+                return f.read()
+        except FileNotFoundError:
+            return b""
 
     def read_text(self, remote: str) -> str | None:
         p = self._local(remote)

@@ -131,8 +131,32 @@ def open_devices(
         cpu_sets = local_cpu_sets(parsed.count) if pin_cpus else [None] * parsed.count
         return [LocalDevice(f"local-{i}", Path(run_dir) / "devices" / f"local-{i}", runner=runner, cpus=cpu_sets[i],
                             link_profile=link_profile or "local") for i in range(parsed.count)]
-    from zl_device.devices.adb import connect, open_phone
+    from zl_device.devices import adb
 
-    client = client or connect()
+    client = client or adb.connect()
     return [open_phone(s, client, check_abi=check_abi, link_profile=link_profile or "local", mode=mode)
             for s in parsed.serials]
+
+
+def open_phone(serial: str, client=None, check_abi: bool = True, link_profile: str = "local", mode: str = "binary"):
+    """The phone with this serial, checked to be online, authorized and (optionally) arm64-v8a.
+
+    Args:
+        client: an adbutils.AdbClient (default: connect to the adb server, starting it when needed).
+        mode: "binary": stages run as zl_runner in /data/local/tmp/zerolock (`AdbDevice`); "app": in the app
+            com.zerolock.zl (`AppDevice`).
+
+    Returns:
+        the `AdbDevice` or `AppDevice`.
+
+    Raises:
+        ZLError: the serial is not attached, unauthorized or offline, or the ABI is wrong.
+    """
+    from zl_device.devices import adb
+    from zl_device.devices.app import AppDevice
+
+    client = adb.attached(serial, client)
+    phone = (AppDevice if mode == "app" else adb.AdbDevice)(serial, client, link_profile=link_profile)
+    if check_abi:
+        adb.check_abi(phone)
+    return phone

@@ -7,7 +7,7 @@ names (android_app/native/include/zl/checkpoint.h):
     <checkpoints>/stage_<k>/window_000012/progress.json         stage, window, run_id, progress
 
 The orchestrator gives stage k the runner `checkpoint_dir` `stage_<k>` under
-the run's checkpoint root (`CheckpointLayout` says so, and can be changed).
+the run's checkpoint root (zl_device/run/checkpoints.py `CheckpointLayout` says so, and can be changed).
 Because every name is a PEFT name and the manifest lists each stage's
 parameters, merging is a union of the stages' tensors checked against the
 manifest: every parameter present exactly once with its shape, nothing else,
@@ -23,13 +23,13 @@ and all stages at the same window. The result is a directory that
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from zl.errors import ZLError
+from zl_device.run.checkpoints import DEFAULT_LAYOUT, CheckpointLayout
 from zl_export.lora import adapter_config
 from zl_export.options import LoraSettings
 from zl_export.manifest import MANIFEST, read_manifest_file
@@ -39,42 +39,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MERGE_INFO = "zl_merge.json"
 EARLY_EXIT_DIR = "early_exit"
-
-
-@dataclass(frozen=True)
-class CheckpointLayout:
-    """Where a stage's checkpoints live under the checkpoint root.
-
-    `stage_dir` is formatted with the stage index `k` (the runner's
-    `checkpoint_dir` per stage, relative to the root); window directories match
-    `window_pattern` (the runner's `checkpoint_dir_name`: `window_` + 6 digits)
-    and hold `adapter_file` and `progress_file`. Anything else in a stage
-    directory (the runner's `.tmp-*` of an interrupted save, `input_log/`) is
-    ignored.
-    """
-
-    stage_dir: str = "stage_{k}"
-    window_pattern: str = r"window_(\d+)"
-    window_dir: str = "window_{window:06d}"
-    adapter_file: str = "adapter.safetensors"
-    progress_file: str = "progress.json"
-
-    def stage_root(self, root: Path, k: int) -> Path:
-        return Path(root) / self.stage_dir.format(k=k)
-
-    def windows(self, stage_root: Path) -> list[int]:
-        """Window numbers of the checkpoint directories under `stage_root`, ascending.
-
-        The runner renames a window directory into place only once it is
-        complete, so a listed window that lacks a file is corrupt (an error when
-        read), not a save in progress.
-        """
-        pattern = re.compile(self.window_pattern)
-        found = [int(m.group(1)) for e in stage_root.iterdir() if (m := pattern.fullmatch(e.name)) and e.is_dir()]
-        return sorted(found)
-
-
-DEFAULT_LAYOUT = CheckpointLayout()
 
 
 @dataclass

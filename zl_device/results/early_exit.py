@@ -1,7 +1,7 @@
 """A stage's readout used as the classifier: the model cut after stage k, read out through that stage's head.
 
 `EarlyExitModel` quacks like a Hugging Face causal LM for the scorers
-(`zl_export.scoring`, `zl_device.evaluate`): `get_decoder()` returns the
+(`zl_export.scoring`, `zl_device.results.evaluate`): `get_decoder()` returns the
 layers up to the end of stage k followed by the final norm and, when the stage
 has one, its readout translator; `get_output_embeddings()` the frozen LM head.
 The exit after the last stage is the fine-tuned model itself.

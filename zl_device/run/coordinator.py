@@ -40,12 +40,13 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from zl.errors import ZLError
 from zl_device.devices.backend import Device
 from zl_device.run.control import ControlServer
+from zl_device.run.checkpoints import DEFAULT_LAYOUT
 from zl_device.run.frames import FrameType
+from zl_device.run.windows import WindowPlan
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +74,9 @@ class Injection:
                           f"0-{num_windows - 1}.")
         return Injection(stage, window)
 
-    def hold_micro_batch(self, window_size: int) -> int:
+    def hold_micro_batch(self, windows: WindowPlan) -> int:
         """The micro-batch the stage parks after: the middle of the window."""
-        return self.window * window_size + max(0, window_size // 2 - 1)
+        return windows.middle(self.window)
 
 
 @dataclass
@@ -120,8 +121,7 @@ class Coordinator:
     def __init__(
         self,
         plans: Sequence[StagePlan],
-        window_size: int,
-        num_micro_batches: int,
+        windows: WindowPlan,
         control: ControlServer | None = None,
         recovery: str = "local",
         injection: Injection | None = None,
@@ -133,8 +133,8 @@ class Coordinator:
         if recovery not in RECOVERY_MODES:
             raise ZLError(f"--recovery {recovery!r}: expected one of {', '.join(RECOVERY_MODES)}.")
         self.plans = list(plans)
-        self.window_size = window_size
-        self.num_micro_batches = num_micro_batches
+        self.windows = windows
+        self.layout = DEFAULT_LAYOUT
         self.control = control
         self.recovery = recovery
         self.injection = injection
@@ -217,21 +217,13 @@ class Coordinator:
                 log.warning("stage %d reports: %s", e.stage, e.payload.get("reason"))
 
     def _read_telemetry(self, k: int, remote: bool = False) -> None:
-        """New lines of a stage's telemetry file: tailed on local devices; on phones, which report through
-        heartbeats, read over adb only when `remote` (at a failure: a heartbeat may be a window behind)."""
+        """New lines of a stage's telemetry file: tailed where its files are on this host (local devices); on
+        phones, which report through heartbeats, read over adb only when `remote` (at a failure: a heartbeat may
+        be a window behind)."""
         plan = self.plans[k]
-        if plan.device.kind == "local":
-            path = Path(plan.device.path(plan.log_path))
-            try:
-                with path.open("rb") as f:
-                    f.seek(self._offsets[k])
-                    chunk = f.read()
-            except FileNotFoundError:
-                return
-        elif remote:
-            chunk = (plan.device.read_text(plan.log_path) or "").encode()[self._offsets[k]:]
-        else:
+        if not (plan.device.files_on_host or remote):
             return
+        chunk = plan.device.read_from(plan.log_path, self._offsets[k])
         self._offsets[k] += len(chunk)
         text = self._partial[k] + chunk.decode(errors="replace")
         *lines, self._partial[k] = text.split("\n")
@@ -269,7 +261,7 @@ class Coordinator:
         if inj is None or self._injected:
             return
         plan = self.plans[inj.stage]
-        if plan.device.kind != "local" and time.monotonic() - self._last_remote_poll > 1.0:
+        if not plan.device.files_on_host and time.monotonic() - self._last_remote_poll > 1.0:
             # Phones: look for the hold line in the device's telemetry file (local devices are tailed anyway).
             self._last_remote_poll = time.monotonic()
             text = plan.device.read_text(plan.log_path) or ""
@@ -278,7 +270,7 @@ class Coordinator:
         if self._held:
             self._injected = True
             log.info("injecting a failure: SIGKILL stage %d parked at micro-batch %d (window %d)", inj.stage,
-                     inj.hold_micro_batch(self.window_size), inj.window)
+                     inj.hold_micro_batch(self.windows), inj.window)
             plan.device.kill_runner()
 
     def _clear_hold(self, plan: StagePlan) -> None:
@@ -298,7 +290,7 @@ class Coordinator:
             if code == 0:
                 self._read_telemetry(k)
                 s.state = "done"
-                s.micro_batches_done = max(s.micro_batches_done, self.num_micro_batches)
+                s.micro_batches_done = max(s.micro_batches_done, self.windows.num_micro_batches)
                 continue
             if code == 2:
                 s.state = "error"
@@ -315,7 +307,7 @@ class Coordinator:
         s = self.status[k]
         last_sign_of_life = s.last_sign_of_life  # before the lines read now, which are not news of life
         self._read_telemetry(k, remote=True)
-        in_flight = s.micro_batches_done // self.window_size
+        in_flight = self.windows.window_of(s.micro_batches_done)
         log.warning("stage %d on %s failed (%s) in window %d", k, s.device, why, in_flight)
         s.state = "failed"
         self.events.append({"type": "failure", "stage": k, "t_unix_ms": _unix_ms(),
@@ -337,7 +329,7 @@ class Coordinator:
             log.warning("moving stage %d from %s to spare %s", k, plan.device.name, spare.name)
             if self.redeploy is None:
                 raise ZLError("a spare needs a redeploy function to receive the stage's program.")
-            self.redeploy(spare, k)  # the config it gets carries no hold_at_micro_batch (see train_job)
+            self.redeploy(spare, k)  # the config it gets carries no hold_at_micro_batch (see zl_device/run/launch.py)
             plan.device = spare
             s.device = spare.name
             self._offsets[k], self._partial[k] = 0, ""
@@ -365,7 +357,7 @@ class Coordinator:
         for plan, s in zip(self.plans, self.status):
             self._clear_hold(plan)
             self._remove_checkpoints_after(plan, common)
-            replay_from = (common + 1) * self.window_size
+            replay_from = self.windows.done_after(common)
             replayed = max(0, s.micro_batches_done - replay_from)
             replayed_total += replayed
             bytes_total += replayed * plan.input_bytes
@@ -394,14 +386,13 @@ class Coordinator:
                                     "recovery_ms": round((t - f.restart_t) * 1e3, 1),
                                     "downstream_stage": downstream, "window": f.window})
                 self._failures.remove(f)
-            elif self.status[downstream].state == "done" and f.window * self.window_size >= self.num_micro_batches:
+            elif self.status[downstream].state == "done" and not self.windows.exists(f.window):
                 self._failures.remove(f)  # the failure hit after the last window: nothing left to recover
 
     # --- checkpoints on the device -------------------------------------------------------------------
 
     def _checkpoint_windows(self, plan: StagePlan) -> list[int]:
-        names = plan.device.listdir(plan.checkpoint_dir)
-        return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"window_(\d+)", n)))
+        return self.layout.window_numbers(plan.device.listdir(plan.checkpoint_dir))
 
     def _latest_checkpoint_window(self, plan: StagePlan) -> int:
         windows = self._checkpoint_windows(plan)
@@ -412,16 +403,16 @@ class Coordinator:
         w = self._latest_checkpoint_window(plan)
         if w < 0:
             return 0
-        text = plan.device.read_text(f"{plan.checkpoint_dir}/window_{w:06d}/progress.json")
+        text = plan.device.read_text(self.layout.device_progress(plan.checkpoint_dir, w))
         try:
-            return int(json.loads(text or "{}").get("micro_batches_done", (w + 1) * self.window_size))
+            return int(json.loads(text or "{}").get("micro_batches_done", self.windows.done_after(w)))
         except ValueError:
-            return (w + 1) * self.window_size
+            return self.windows.done_after(w)
 
     def _remove_checkpoints_after(self, plan: StagePlan, window: int) -> None:
         for w in self._checkpoint_windows(plan):
             if w > window:
-                plan.device.remove(f"{plan.checkpoint_dir}/window_{w:06d}")
+                plan.device.remove(self.layout.device_window(plan.checkpoint_dir, w))
 
 
 def _telemetry_type(line: str) -> str | None:

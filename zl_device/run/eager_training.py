@@ -7,7 +7,7 @@ What "the runner's semantics" means (android_app/native/src/runner.cpp, zl/adamw
 - a window is m consecutive micro-batches (the last one may be shorter); the
   gradient of a window is the MEAN of its micro-batches' gradients, and one
   AdamW step (torch's, decoupled weight decay) is taken per window with the
-  runner's learning-rate schedule (zl_device/lr_schedule.py);
+  runner's learning-rate schedule (zl_device/run/lr_schedule.py);
 - in ZeroLock every stage steps its own parameters on its own local loss, and
   stage k's micro-batch mb is computed on the hidden state stage k-1 produced
   for mb with its weights of the same window (parameters change only at window
@@ -23,7 +23,6 @@ against a `zl train` run's adapter.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import torch
 
 from zl.errors import ZLError
 from zl_device.run.lr_schedule import lr_factor
+from zl_device.run.windows import WindowPlan
 from zl_export.local_loss import shift_targets
 from zl_export.shard import Shard
 
@@ -49,24 +49,28 @@ class OptimizerSettings:
 
 @dataclass(frozen=True)
 class Budget:
-    """How many micro-batches of how many rows, in windows of how many micro-batches."""
+    """How many micro-batches of how many rows, in windows of how many micro-batches (arithmetic: `WindowPlan`)."""
 
     samples: int
     window: int
     micro_batch: int = 1
 
     @property
+    def plan(self) -> WindowPlan:
+        return WindowPlan.for_samples(self.samples, self.micro_batch, self.window)
+
+    @property
     def num_micro_batches(self) -> int:
-        return math.ceil(self.samples / self.micro_batch)
+        return self.plan.num_micro_batches
 
     @property
     def num_windows(self) -> int:
-        return math.ceil(self.num_micro_batches / self.window)
+        return self.plan.num_windows
 
     def windows(self) -> list[range]:
         """Micro-batch ids of each window, in order."""
-        n, m = self.num_micro_batches, self.window
-        return [range(first, min(first + m, n)) for first in range(0, n, m)]
+        plan = self.plan
+        return [plan.micro_batches(w) for w in range(plan.num_windows)]
 
 
 def micro_batch_rows(mb: int, rows: int, batch: int) -> slice:

@@ -12,6 +12,7 @@ from pathlib import Path
 from zl.errors import ZLError
 from zl.settings import check_choices, nested, setting
 from zl_device.devices.registry import MODE_HELP, MODES
+from zl_device.run.windows import WindowPlan
 from zl_export.options import ExportOptions, ModelSplit
 
 DEMO = "demo"
@@ -72,6 +73,10 @@ class TrainSettings:
     def stage_lr_of(self, stage: int) -> float:
         """The learning rate of stage `stage`: --lr times its multiplier."""
         return self.lr * (self.stage_lr[0] if len(self.stage_lr) == 1 else self.stage_lr[stage])
+
+    def windows(self) -> WindowPlan:
+        """The run's micro-batches (--samples in micro-batches of --micro-batch) in windows of --window."""
+        return WindowPlan.for_samples(self.samples, self.export.micro_batch, self.window)
 
     def export_options(self, seq_len: int) -> ExportOptions:
         """The export's options with the run's sequence length (resolved by the job) and seed."""

@@ -1,0 +1,68 @@
+"""Where a run's checkpoints live: the runner's layout (android_app/native checkpoint.h), in one place for Python.
+
+    <checkpoint root>/stage_<k>/window_000012/adapter.safetensors   F32, PEFT names
+    <checkpoint root>/stage_<k>/window_000012/progress.json         stage, window, run_id, micro_batches_done, ...
+
+On a device a stage's runner writes the window directories into its own
+`checkpoint_dir`; pulled to the host they sit under RUN_DIR/checkpoints/stage_<k>/.
+The coordinator reads them on the devices (recovery), the merge on the host.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Where a stage's checkpoints live under the checkpoint root.
+
+    `stage_dir` is formatted with the stage index `k` (the runner's
+    `checkpoint_dir` per stage, relative to the root); window directories match
+    `window_pattern` (the runner's `checkpoint_dir_name`: `window_` + 6 digits)
+    and hold `adapter_file` and `progress_file`. Anything else in a stage
+    directory (the runner's `.tmp-*` of an interrupted save, `input_log/`) is
+    ignored.
+    """
+
+    stage_dir: str = "stage_{k}"
+    window_pattern: str = r"window_(\d+)"
+    window_dir: str = "window_{window:06d}"
+    adapter_file: str = "adapter.safetensors"
+    progress_file: str = "progress.json"
+
+    def stage_root(self, root: Path, k: int) -> Path:
+        return Path(root) / self.stage_dir.format(k=k)
+
+    def window_name(self, window: int) -> str:
+        """window_000012 for window 12."""
+        return self.window_dir.format(window=window)
+
+    def window_numbers(self, names: Iterable[str]) -> list[int]:
+        """The window numbers among directory entry `names`, ascending; other names are ignored."""
+        pattern = re.compile(self.window_pattern)
+        return sorted(int(m.group(1)) for n in names if (m := pattern.fullmatch(n)))
+
+    def windows(self, stage_root: Path) -> list[int]:
+        """Window numbers of the checkpoint directories under a host `stage_root`, ascending.
+
+        The runner renames a window directory into place only once it is
+        complete, so a listed window that lacks a file is corrupt (an error when
+        read), not a save in progress.
+        """
+        return self.window_numbers(e.name for e in stage_root.iterdir() if e.is_dir())
+
+    def device_window(self, checkpoint_dir: str, window: int) -> str:
+        """A window's directory on a device, under the stage's runner `checkpoint_dir` (POSIX path)."""
+        return posixpath.join(checkpoint_dir, self.window_name(window))
+
+    def device_progress(self, checkpoint_dir: str, window: int) -> str:
+        """A window's progress.json on a device."""
+        return posixpath.join(self.device_window(checkpoint_dir, window), self.progress_file)
+
+
+DEFAULT_LAYOUT = CheckpointLayout()

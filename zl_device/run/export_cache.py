@@ -1,0 +1,70 @@
+"""`zl train`'s export step: the stage programs for a run's options, exported once and reused from a cache.
+
+    $ZL_CACHE_DIR/exports/<key>/   stage_<k>.pte, manifest.json    (key: `export_key`)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from zl.errors import ZLError
+from zl_device.run.train_settings import TrainSettings
+
+log = logging.getLogger(__name__)
+
+EXPORT_CACHE_VERSION = 2  # bump when the exporter's output changes for the same options
+
+
+def export_key(s: TrainSettings, seq_len: int) -> str:
+    """A hash of what determines the stage programs: model identity, split and export options."""
+    from zl_export.model_source import resolve
+
+    kind, path = resolve(s.split.model)
+    identity = {"spec": s.split.model, "kind": kind}
+    if path is not None:
+        probe = path / "config.json" if path.is_dir() else path
+        st = probe.stat()
+        identity.update(path=str(path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns)
+    opts = s.export_options(seq_len)
+    blob = {"v": EXPORT_CACHE_VERSION, "model": identity, "stages": s.split.key,
+            "opts": {"seq_len": opts.seq_len, "micro_batch": opts.micro_batch, "seed": opts.seed,
+                     "lora": asdict(opts.lora), "loss": asdict(opts.loss)}}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def export_cached(s: TrainSettings, seq_len: int, load, say, progress=None) -> tuple[Path, dict]:
+    """The export directory for `s`: reused from the cache when complete, else exported into it.
+
+    Args:
+        load: returns the run's `LoadedModel` (called only when there is something to export).
+        progress: a zl_export.pipeline.ExportProgress that sees the export, if there is one.
+    """
+    from zl_export.manifest import load_manifest
+    from zl_export.model_source import cache_dir
+    from zl_export.pipeline import export_pipeline
+
+    root = s.export_cache or cache_dir() / "exports"
+    target = root / export_key(s, seq_len)
+    if (target / "manifest.json").is_file():
+        try:
+            manifest = load_manifest(target)
+            if all((target / st["file"]).is_file() and (target / st["file"]).stat().st_size == st["size_bytes"]
+                   for st in manifest["stages"]):
+                say(f"export: reusing {target}")
+                return target, manifest
+        except ZLError as e:
+            log.warning("export cache %s is unusable (%s); exporting again", target, e)
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    opts = s.export_options(seq_len)
+    opts.validate()  # before minutes of loading
+    manifest = export_pipeline(s.split, tmp, opts, progress=progress, loaded=load(), shown_dir=target).manifest
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target, manifest

@@ -1,0 +1,173 @@
+"""`zl train`'s launch step: control server, address plan, stage configs, deploy, tunnels and the coordinator.
+
+    RUN_DIR/run.key, stage_<k>.json  the run key and the stage configs as generated
+    RUN_DIR/devices/local-<i>/       local devices' working folders
+
+`launch` is a context manager: the control server listens and the tunnels
+stay up while the caller runs the coordinator; both go when it leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from zl.errors import ZLError
+from zl_device.devices.backend import Device
+from zl_device.run.windows import WindowPlan
+from zl_device.run.train_settings import TrainSettings
+
+
+@dataclass
+class Launched:
+    """A deployed pipeline, ready to run."""
+
+    coordinator: object  # zl_device.run.coordinator.Coordinator
+    run_id: str
+    windows: WindowPlan
+
+    @property
+    def devices(self) -> list[Device]:
+        """The stages' devices (a spare that took over a stage included, once the run is over)."""
+        return [p.device for p in self.coordinator.plans]
+
+
+@contextmanager
+def launch(s: TrainSettings, devices: Sequence[Device], local: bool, run_dir: Path, export_dir: Path, manifest: dict,
+           shard: Path, windows: WindowPlan, injection, say) -> Iterator[Launched]:
+    """Deploy the stages of `manifest` to `devices` (stages first, then spares) and yield the pipeline to run.
+
+    Args:
+        local: the devices are local processes (they listen on 127.0.0.1 ports of this host).
+        injection: a zl_device.run.coordinator.Injection, or None.
+    """
+    from zl_device.run.control import ControlServer
+
+    num_stages = len(manifest["stages"])
+    stage_devices, spares = list(devices[:num_stages]), list(devices[num_stages:num_stages + s.spares])
+    key_file, run_id = write_run_key(run_dir)
+    with ControlServer(bytes.fromhex(key_file.read_text().strip()), bytes.fromhex(run_id),
+                       host="127.0.0.1" if local else "0.0.0.0") as control:
+        plan = address_plan(stage_devices, control.address[1], local)
+        try:
+            yield _deploy_and_coordinate(s, stage_devices, spares, run_dir, export_dir, manifest, shard, plan, key_file,
+                                         run_id, control, windows, injection, say)
+        finally:
+            if plan.tunnels:
+                for device in devices:
+                    device.remove_tunnels()
+
+
+def write_run_key(run_dir: Path) -> tuple[Path, str]:
+    """RUN_DIR/run.key (the per-run MAC key, owner-only) and a fresh run id."""
+    key_file = run_dir / "run.key"
+    key_file.write_text(secrets.token_hex(32) + "\n")
+    key_file.chmod(0o600)
+    return key_file, secrets.token_hex(16)
+
+
+def address_plan(stage_devices: Sequence[Device], coordinator_port: int, local: bool):
+    """Where each stage listens and connects; phones only on USB get their adb tunnels here."""
+    from zl_device.devices.network import apply_tunnels, plan_addresses
+
+    base = free_port_base(len(stage_devices)) if local else None
+    plan = plan_addresses(stage_devices, coordinator_port=coordinator_port, **({"stage_port": base} if base else {}))
+    if plan.tunnels:  # phones only on USB: stage links and the control channel go through this host
+        apply_tunnels(plan, stage_devices)
+    return plan
+
+
+def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Path, export_dir: Path, manifest: dict,
+                           shard: Path, plan, key_file: Path, run_id: str, control, windows: WindowPlan, injection,
+                           say) -> Launched:
+    from zl_device.devices.deploy import deploy, deploy_stage
+    from zl_device.run.coordinator import Coordinator, StagePlan
+
+    num_stages = len(manifest["stages"])
+    configs = stage_configs(s, manifest, export_dir, shard, plan, key_file, run_id, windows)
+    deployed = {k: dict(cfg) for k, cfg in configs.items()}
+    if injection:
+        deployed[injection.stage]["hold_at_micro_batch"] = injection.hold_micro_batch(windows)
+    for k, cfg in deployed.items():
+        (run_dir / f"stage_{k}.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    say(f"deploy: {num_stages} stages to {', '.join(d.name for d in stage_devices)}"
+        + (f" (spares: {', '.join(d.name for d in spares)})" if spares else "")
+        + (" in the app" if s.mode == "app" else ""))
+    results = deploy(stage_devices, export_dir, deployed)
+    plans = [StagePlan(k, d, r.config, "metrics.jsonl", "checkpoints", entry_bytes(manifest, k))
+             for k, (d, r) in enumerate(zip(stage_devices, results))]
+
+    def redeploy(device: Device, k: int) -> None:
+        deploy_stage(device, export_dir, k, configs[k], manifest=manifest)
+
+    coordinator = Coordinator(plans, windows, control, s.recovery, injection, spares, s.heartbeat_timeout_s,
+                              s.timeout_s, redeploy)
+    say(f"run: {s.samples} samples, {windows.num_micro_batches} micro-batches in {windows.num_windows} windows of "
+        f"{windows.window_size}, "
+        f"recovery {s.recovery}" + (f", failure injected at stage {injection.stage} window {injection.window}"
+                                   if injection else ""))
+    return Launched(coordinator, run_id, windows)
+
+
+def free_port_base(count: int, start: int = 20000, stop: int = 60000) -> int:
+    """A base port with `count` consecutive free ports on 127.0.0.1 (local devices share this host)."""
+    rng = secrets.SystemRandom()
+    for _ in range(200):
+        base = rng.randrange(start, stop - count)
+        socks = []
+        try:
+            for p in range(base, base + count):
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", p))
+                socks.append(sock)
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise ZLError("found no free local ports for the stages; is the host out of ports?")
+
+
+def stage_configs(s: TrainSettings, manifest: dict, export_dir: Path, shard: Path, plan, key_file: Path,
+                  run_id: str, windows: WindowPlan) -> dict[int, dict]:
+    """The runner config of every stage (host paths; deploy pushes the files and rewrites them)."""
+    num_stages = len(manifest["stages"])
+    schedule = {"kind": "warmup_cosine", "warmup_steps": min(s.warmup_windows, max(0, windows.num_windows - 1)),
+                "min_lr_ratio": 0.1}
+    configs = {}
+    for addresses in plan.stages:
+        k = addresses.stage
+        cfg = {
+            "program": str(export_dir / manifest["stages"][k]["file"]),
+            "manifest": str(export_dir / "manifest.json"),
+            "stage_index": k,
+            "num_stages": num_stages,
+            "run_key_file": str(key_file),
+            "run_id": run_id,
+            "window_size": windows.window_size,
+            "num_micro_batches": windows.num_micro_batches,
+            "in_flight_depth": s.in_flight,
+            "checkpoint_dir": "checkpoints",
+            # Global recovery rolls every stage back to the last window all committed: keep them all.
+            "keep_last": windows.num_windows + 1 if s.recovery == "global" else 2,
+            "log_path": "metrics.jsonl",
+            "threads": s.threads,
+            "optimizer": {"lr": s.stage_lr_of(k), "weight_decay": 0.0, "schedule": schedule},
+            **addresses.config_fields(),
+        }
+        if k == 0:
+            cfg["data_shard"] = str(shard)
+        configs[k] = cfg
+    return configs
+
+
+def entry_bytes(manifest: dict, k: int) -> int:
+    """Bytes of one input entry of stage k: a DATA frame's tensors (stage 0: a shard row)."""
+    b, sl, d = manifest["micro_batch"], manifest["seq_len"], manifest["model"]["hidden_size"]
+    return 3 * b * sl * 8 if k == 0 else b * sl * d * 4 + 2 * b * sl * 8

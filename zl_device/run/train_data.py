@@ -1,0 +1,54 @@
+"""`zl train`'s data step: the training shard (and dev shard) at the programs' sequence length.
+
+    RUN_DIR/data/train.safetensors   the shard stage 0 trains on (+ dev.safetensors when there is one)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zl.errors import ZLError
+from zl_device.run.train_settings import DEMO, TrainSettings
+from zl_export.tokenizer import Tokenizer
+
+
+def run_seq_len(s: TrainSettings, tokenizer: Tokenizer) -> int:
+    """--seq-len, else 128, or for the demo task its longest sample under `tokenizer` rounded up to 16."""
+    from zl_export.shard_jobs import default_seq_len
+
+    return s.seq_len if s.seq_len is not None else default_seq_len(tokenizer, demo=s.data == DEMO)
+
+
+def prepare_data(s: TrainSettings, tokenizer: Tokenizer, seq_len: int, data_dir: Path, say) -> tuple[Path, Path | None]:
+    """Tokenize the training data (and dev data) with the model's tokenizer into `data_dir`.
+
+    Returns:
+        (train shard, dev shard or None).
+    """
+    from zl_export import data as zdata
+    from zl_export.shard import load_shard
+    from zl_export.shard_jobs import ShardJob, demo_jobs, file_job, write_shard
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+
+    def write(job: ShardJob) -> Path:
+        path, meta = write_shard(job, tokenizer, s.split.model, seq_len, data_dir, s.truncate, extra={"seed": s.seed})
+        say(f"data: {job.name} {meta['rows']} rows x {seq_len} tokens -> {path}")
+        return path
+
+    def from_file(spec: str, name: str) -> Path:
+        path = Path(spec).expanduser()
+        if path.suffix == ".safetensors":
+            shard = load_shard(path)
+            if shard.seq_len != seq_len:
+                raise ZLError(f"--data {spec}: the shard has seq_len {shard.seq_len}, the programs {seq_len}; pass "
+                              f"--seq-len {shard.seq_len} or re-tokenize with `zl data --seq-len {seq_len}`.")
+            return path
+        job = file_job(path, s.data_format, name)
+        job.task = zdata.select(job.task, None, True, s.seed)
+        return write(job)
+
+    if s.data == DEMO:
+        paths = {job.name: write(job) for job in demo_jobs(s.seed)}
+        return paths["train"], (from_file(s.eval_data, "dev") if s.eval_data else paths.get("dev"))
+    return from_file(s.data, "train"), (from_file(s.eval_data, "dev") if s.eval_data else None)

@@ -20,6 +20,18 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
         monkeypatch.setenv("ZL_CACHE_DIR", str(Path.home() / ".cache" / "zl"))
 
 
+def load_tool(name: str):
+    """tools/<name>.py as a module (the tools are scripts, not a package)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def native_library_or_skip() -> None:
     """Skip when the marker kernel is not built (run `bash setup.sh`)."""
     from custom_ops.runtime import DEFAULT_PATH, ENV_VAR

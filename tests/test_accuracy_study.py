@@ -3,16 +3,14 @@
     .venv/bin/python -m pytest tests/test_accuracy_study.py
 """
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
-from conftest import REPO
+from conftest import load_tool
 from zl.commands.data import data_command
 from zl.errors import ZLError
 
@@ -20,15 +18,7 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")]
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("accuracy_study", REPO / "tools" / "accuracy_study.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-study_tool = _load_tool()
+study_tool = load_tool("accuracy_study")
 
 
 @pytest.fixture(scope="module")

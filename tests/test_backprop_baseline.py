@@ -8,12 +8,10 @@ data, budget, optimizer and LoRA settings.
     .venv/bin/python -m pytest tests/test_backprop_baseline.py
 """
 
-import importlib.util
 import json
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ import typer
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from conftest import REPO
+from conftest import REPO, load_tool
 from zl.commands.data import data_command
 from zl.errors import ZLError
 from zl_export.shard import write_shard
@@ -30,15 +28,7 @@ from zl_export.shard import write_shard
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("train_backprop_baseline", REPO / "tools" / "train_backprop_baseline.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-bpb = _load_tool()
+bpb = load_tool("train_backprop_baseline")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -52,8 +52,7 @@ void Sender::wake() { write_wake(wake_pipe_[1]); }
 
 Status Sender::send(const Frame& frame, std::chrono::milliseconds timeout) {
   auto bytes = std::make_shared<std::vector<uint8_t>>();
-  Status s = encode_frame(frame, options_.key, bytes.get(), options_.max_frame_bytes);
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(encode_frame(frame, options_.key, bytes.get(), options_.max_frame_bytes));
   std::unique_lock<std::mutex> lock(mutex_);
   const bool room = changed_.wait_for(lock, timeout, [this] {
     return stopping_ || queue_.size() < options_.max_in_flight;
@@ -316,18 +315,15 @@ Status Receiver::start() {
   if (options_.max_pending == 0) {
     return Status(StatusCode::kInvalidArgument, "max_pending is 0; it must be at least 1");
   }
-  Status s = log_.open();
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(log_.open());
   for (const auto& c : log_.corrupt()) {
     log(LogLevel::kError, "receiver: input log entry %s unusable: %s", c.path.c_str(),
         c.reason.c_str());
   }
   if (options_.committed_window) {
-    s = log_.delete_through(*options_.committed_window);
-    if (!s.ok()) return s;
+    ZL_RETURN_IF_ERROR(log_.delete_through(*options_.committed_window));
   }
-  s = listen_tcp(options_.host, options_.port, &listener_, &port_);
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(listen_tcp(options_.host, options_.port, &listener_, &port_));
   if (!make_wake_pipe(wake_pipe_)) {
     return Status(StatusCode::kIoError, std::string("pipe: ") + std::strerror(errno));
   }
@@ -361,8 +357,7 @@ Status Receiver::next(std::chrono::milliseconds timeout, InputEntry* out) {
   }
   lock.unlock();
   Frame frame;
-  Status s = log_.read(mb, &frame);
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(log_.read(mb, &frame));
   lock.lock();
   ++next_micro_batch_;
   lock.unlock();

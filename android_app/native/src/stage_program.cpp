@@ -192,8 +192,7 @@ Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<St
   const std::string manifest_path =
       options.manifest_path.empty() ? dir_of(path) + "/manifest.json" : options.manifest_path;
   ManifestStage stage;
-  Status status = read_manifest_stage(manifest_path, base_of(path), &stage);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(read_manifest_stage(manifest_path, base_of(path), &stage));
 
   // File, not Mmap: the parameters are constants of the program, and AdamW
   // writes them in place, which needs heap memory rather than a read-only map.
@@ -425,8 +424,7 @@ Status StageProgram::begin(const StageInputs& inputs, std::vector<float>* hidden
   if (state_ != State::kIdle) {
     return Status(StatusCode::kInvalidArgument, "begin() while a step is in progress; call finish() first");
   }
-  Status status = stage_inputs(inputs);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(stage_inputs(inputs));
   marker_calls_ = 0;
   marker_error_.clear();
   if (hidden != nullptr) hidden->clear();
@@ -487,8 +485,7 @@ Status StageProgram::run(const StageInputs& inputs, std::vector<float>* hidden, 
     if (state_ != State::kIdle) {
       return Status(StatusCode::kInvalidArgument, "run() while a step is in progress; call finish() first");
     }
-    Status status = stage_inputs(inputs);
-    if (!status.ok()) return status;
+    ZL_RETURN_IF_ERROR(stage_inputs(inputs));
   }
   // The caller's thread has no marker hook of ours; the worker is idle, so the
   // Module is not shared.

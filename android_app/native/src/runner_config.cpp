@@ -312,10 +312,6 @@ std::string directory_of(const std::string& path) {
 
 }  // namespace
 
-int64_t RunnerConfig::num_windows() const {
-  return window_size > 0 ? (num_micro_batches + window_size - 1) / window_size : 0;
-}
-
 Status parse_runner_config(const std::string& json_text, const std::string& base_dir, RunnerConfig* out) {
   json root = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) return invalid("not valid JSON");

@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "zl/host_port.h"
 #include "zl/log.h"
 
 namespace zl {
@@ -40,23 +41,6 @@ json optional_json(const std::optional<double>& v) { return v ? json(*v) : json(
 
 /// Never throws: invalid UTF-8 (e.g. in an error reason) becomes U+FFFD, NaN becomes null.
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
-
-/// "host:port", "[v6]:port" -> parts; port must be 1..65535.
-bool parse_host_port(const std::string& address, std::string* host, uint16_t* port) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 >= address.size()) return false;
-  std::string h = address.substr(0, colon);
-  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
-  const std::string p = address.substr(colon + 1);
-  if (h.empty() || p.size() > 5 || !std::all_of(p.begin(), p.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-    return false;
-  }
-  const unsigned long value = std::stoul(p);  // digits only, at most 5: cannot throw
-  if (value == 0 || value > 65535) return false;
-  *host = h;
-  *port = static_cast<uint16_t>(value);
-  return true;
-}
 
 int poll_timeout_ms(Clock::time_point until) {
   const int64_t left = std::chrono::duration_cast<milliseconds>(until - Clock::now()).count();
@@ -143,11 +127,14 @@ ControlClient::~ControlClient() {
 }
 
 Status ControlClient::start() {
-  if (!parse_host_port(options_.coordinator, &host_, &port_)) {
+  const Result<HostPort> coordinator = parse_host_port(options_.coordinator);
+  if (!coordinator.ok()) {
     return Status(StatusCode::kInvalidArgument, "coordinator address \"" + options_.coordinator +
                                                     "\" is not host:port with a port in 1..65535 "
                                                     "(e.g. 192.168.1.10:7100)");
   }
+  host_ = coordinator->host;
+  port_ = coordinator->port;
   if (options_.heartbeat_ms.count() <= 0) {
     return Status(StatusCode::kInvalidArgument,
                   "heartbeat_ms is " + std::to_string(options_.heartbeat_ms.count()) + "; it must be > 0");

@@ -1,0 +1,34 @@
+// The part of an export's manifest.json (written by `zl export`) that a
+// stage program is checked against: its stage entry, found by file name, with
+// the layer range, whether it has a `hidden` output, and its LoRA parameters
+// (PEFT name, name inside the program, shape) in gradient order.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "zl/status.h"
+
+namespace zl {
+
+/// What the runner needs from manifest.json for one program file.
+struct ManifestStage {
+  int64_t index = 0;
+  int64_t first_layer = 0;
+  int64_t last_layer = 0;
+  bool has_hidden_output = false;
+  struct Param {
+    std::string name;          // PEFT
+    std::string program_name;  // fqn inside the program
+    std::vector<int64_t> shape;
+  };
+  std::vector<Param> params;
+};
+
+/// Reads `manifest_path` and returns the entry of `program_file` (a base
+/// name such as "stage_1.pte"). Errors name the manifest and the missing or
+/// malformed field and say to export again.
+Status read_manifest_stage(const std::string& manifest_path, const std::string& program_file, ManifestStage* out);
+
+}  // namespace zl

@@ -1,8 +1,5 @@
 #include "zl/control_client.h"
 
-#include <errno.h>
-#include <poll.h>
-#include <sys/socket.h>
 #include <sys/utsname.h>
 #include <unistd.h>
 
@@ -11,7 +8,6 @@
 #endif
 
 #include <algorithm>
-#include <cstring>
 
 #include <nlohmann/json.hpp>
 
@@ -42,9 +38,13 @@ json optional_json(const std::optional<double>& v) { return v ? json(*v) : json(
 /// Never throws: invalid UTF-8 (e.g. in an error reason) becomes U+FFFD, NaN becomes null.
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
-int poll_timeout_ms(Clock::time_point until) {
-  const int64_t left = std::chrono::duration_cast<milliseconds>(until - Clock::now()).count();
-  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left + 1, 1000)));
+/// What the client accepts: frames of its run from the coordinator.
+FrameExpectation control_expectation(const ControlClientOptions& options) {
+  FrameExpectation expect;
+  expect.run_id = options.run_id;
+  expect.stage = kCoordinatorStage;
+  expect.max_frame_bytes = options.max_frame_bytes;
+  return expect;
 }
 
 }  // namespace
@@ -119,12 +119,9 @@ WindowCommittedEvent WindowCommittedEvent::from(const WindowRecord& record, int6
 ControlClient::ControlClient(ControlClientOptions options)
     : options_(std::move(options)),
       micro_batches_done_(options_.micro_batches_done),
-      reader_(options_.max_frame_bytes) {}
+      link_(options_.key, control_expectation(options_)) {}
 
-ControlClient::~ControlClient() {
-  shutdown();
-  close_wake_pipe(wake_pipe_);
-}
+ControlClient::~ControlClient() { shutdown(); }
 
 Status ControlClient::start() {
   const Result<HostPort> coordinator = parse_host_port(options_.coordinator);
@@ -153,9 +150,7 @@ Status ControlClient::start() {
       return Status(StatusCode::kInvalidArgument, "control client already started or shut down");
     }
   }
-  if (!make_wake_pipe(wake_pipe_)) {
-    return Status(StatusCode::kIoError, std::string("pipe: ") + std::strerror(errno));
-  }
+  ZL_RETURN_IF_ERROR(link_.open());
   std::lock_guard<std::mutex> lock(mutex_);
   thread_ = std::thread([this] { run(); });
   return Status();
@@ -214,7 +209,7 @@ Status ControlClient::window_committed(const WindowCommittedEvent& event) {
     f.micro_batch = static_cast<uint64_t>(std::max<int64_t>(0, event.micro_batches_done));
     enqueue_locked(std::move(f));
   }
-  wake();
+  link_.wake();
   return Status();
 }
 
@@ -226,7 +221,7 @@ Status ControlClient::error(const std::string& reason) {
     if (closing_) return Status(StatusCode::kClosed, "control client is shut down");
     enqueue_locked(control_frame_locked(FrameType::kError, window_.value_or(0), dump(json{{"reason", text}})));
   }
-  wake();
+  link_.wake();
   return Status();
 }
 
@@ -241,7 +236,7 @@ void ControlClient::shutdown() {
     changed_.notify_all();  // releases wait_for_start()
     if (!thread_.joinable()) return;
   }
-  wake();
+  link_.wake();
   {
     std::unique_lock<std::mutex> lock(mutex_);
     // The I/O thread leaves by close_deadline_ on its own unless it is stuck
@@ -250,13 +245,13 @@ void ControlClient::shutdown() {
     const bool done = changed_.wait_until(lock, close_deadline_ + milliseconds(100), [this] { return thread_done_; });
     if (!done) {
       force_exit_ = true;
-      conn_.shutdown();
+      link_.shutdown();
     }
   }
-  wake();
+  link_.wake();
   thread_.join();
   std::lock_guard<std::mutex> lock(mutex_);
-  conn_.close();
+  link_.close();
   connected_ = false;
 }
 
@@ -327,8 +322,6 @@ void ControlClient::enqueue_locked(Frame frame) {
 
 // ---------------------------------------------------------------- I/O thread
 
-void ControlClient::wake() { write_wake(wake_pipe_[1]); }
-
 void ControlClient::mirror_chain_stop() {
   if (options_.chain_stop == nullptr || stop_.load() || !options_.chain_stop->load()) return;
   std::lock_guard<std::mutex> lock(mutex_);
@@ -338,14 +331,14 @@ void ControlClient::mirror_chain_stop() {
 
 Status ControlClient::send_frame(const Frame& frame) {
   std::vector<uint8_t> bytes;
-  Status s = encode_frame(frame, options_.key, &bytes, options_.max_frame_bytes);
-  if (!s.ok()) return s;  // kInvalidArgument: the frame itself is bad
-  return send_all(conn_.fd(), bytes.data(), bytes.size());
+  // kInvalidArgument: the frame itself is bad
+  ZL_RETURN_IF_ERROR(encode_frame(frame, options_.key, &bytes, options_.max_frame_bytes));
+  return link_.send(bytes.data(), bytes.size());
 }
 
 bool ControlClient::connect_once(milliseconds timeout) {
   Socket sock;
-  Status s = connect_tcp(host_, port_, timeout, &sock);
+  Status s = ReconnectingLink::dial(host_, port_, timeout, &sock);
   if (!s.ok()) {
     // One line per outage at info level; every retry only at debug.
     std::lock_guard<std::mutex> lock(mutex_);
@@ -355,12 +348,10 @@ bool ControlClient::connect_once(milliseconds timeout) {
     unreachable_logged_ = true;
     return false;
   }
-  const int one = 1;
-  ::setsockopt(sock.fd(), SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
   std::unique_lock<std::mutex> lock(mutex_);
   if (force_exit_) return false;
   const Frame reg = register_locked();
-  conn_ = std::move(sock);
+  link_.adopt(std::move(sock));
   lock.unlock();
   // REGISTER goes first on every connection: a restarted coordinator learns
   // who this is and how far it got before any queued event arrives.
@@ -368,13 +359,12 @@ bool ControlClient::connect_once(milliseconds timeout) {
   lock.lock();
   if (!s.ok()) {
     log(LogLevel::kWarn, "control: REGISTER to %s failed: %s", options_.coordinator.c_str(), s.message().c_str());
-    conn_.close();
+    link_.close();
     return false;
   }
   connected_ = true;
   unreachable_logged_ = false;
   ++stats_.connects;
-  reader_.clear();
   log(LogLevel::kInfo, "control: registered with coordinator %s as stage %u (%zu frames queued)",
       options_.coordinator.c_str(), options_.stage, queue_.size());
   return true;
@@ -382,17 +372,16 @@ bool ControlClient::connect_once(milliseconds timeout) {
 
 void ControlClient::drop_connection(const std::string& why) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (conn_.valid() && !closing_) {
+  if (link_.connected() && !closing_) {
     log(LogLevel::kWarn, "control: connection to coordinator %s lost (%s); reconnecting", options_.coordinator.c_str(),
         why.c_str());
   }
-  conn_.close();
+  link_.close();
   connected_ = false;
-  reader_.clear();
 }
 
 void ControlClient::drain_queue() {
-  while (conn_.valid()) {
+  while (link_.connected()) {
     Outgoing next;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -457,37 +446,26 @@ void ControlClient::handle_frame(const Frame& frame) {
 }
 
 void ControlClient::handle_incoming() {
-  const Status filled = reader_.fill(conn_.fd());
-  FrameExpectation expect;
-  expect.run_id = options_.run_id;
-  expect.stage = kCoordinatorStage;
-  expect.max_frame_bytes = options_.max_frame_bytes;
-  for (;;) {
-    std::vector<uint8_t> bytes;
-    FrameError error = FrameError::kNone;
-    std::string reason;
-    const FrameReader::Next next = reader_.next(&bytes, &error, &reason);
-    if (next == FrameReader::Next::kNeedMore) break;
-    if (next == FrameReader::Next::kBroken) {
-      // Frame boundaries are lost: only a new connection can re-synchronize.
-      reject(std::string(frame_error_name(error)) + ": " + reason);
-      drop_connection("unreadable stream from the coordinator");
-      return;
-    }
+  const LinkReadResult read = link_.read_frames([this](const DecodeResult& r) {
     // A frame that fails its MAC or ids is skipped; its length was sound, so
     // the stream stays in sync and the connection is kept.
-    const DecodeResult r = decode_frame(bytes.data(), bytes.size(), options_.key, expect);
     if (!r.ok()) {
       reject(r.reason);
-      continue;
+      return;
     }
     handle_frame(r.frame);
+  });
+  if (read.broken) {
+    // Frame boundaries are lost: only a new connection can re-synchronize.
+    reject(std::string(frame_error_name(read.error)) + ": " + read.reason);
+    drop_connection("unreadable stream from the coordinator");
+    return;
   }
-  if (!filled.ok()) drop_connection(filled.message());
+  if (!read.filled.ok()) drop_connection(read.filled.message());
 }
 
 void ControlClient::run() {
-  milliseconds backoff = options_.backoff_initial;
+  Backoff backoff(options_.backoff_initial, options_.backoff_max);
   Clock::time_point next_connect = Clock::now();
   Clock::time_point next_heartbeat = Clock::now() + options_.heartbeat_ms;
   bool final_heartbeat_queued = false;
@@ -532,29 +510,28 @@ void ControlClient::run() {
                 undelivered_events, options_.coordinator.c_str());
           }
           exit_now = true;
-        } else if (queue_.empty() || (undelivered_events == 0 && !conn_.valid())) {
+        } else if (queue_.empty() || (undelivered_events == 0 && !link_.connected())) {
           exit_now = true;  // all sent, or only the last heartbeat left and no connection for it
         }
       }
     }
     if (exit_now) break;
 
-    if (!conn_.valid() && now >= next_connect) {
+    if (!link_.connected() && now >= next_connect) {
       milliseconds timeout = options_.connect_timeout;
       if (closing) {
         timeout = std::min(timeout, std::chrono::duration_cast<milliseconds>(close_deadline_ - now) + milliseconds(1));
       }
       if (connect_once(timeout)) {
-        backoff = options_.backoff_initial;
+        backoff.reset();
       } else {
-        next_connect = Clock::now() + backoff;
-        backoff = std::min(backoff * 2, options_.backoff_max);
+        next_connect = Clock::now() + backoff.next();
       }
     }
-    if (conn_.valid()) drain_queue();
+    if (link_.connected()) drain_queue();
 
     Clock::time_point wake_at = closing ? close_deadline_ : next_heartbeat;
-    if (!conn_.valid()) wake_at = std::min(wake_at, next_connect);
+    if (!link_.connected()) wake_at = std::min(wake_at, next_connect);
     if (options_.chain_stop != nullptr) wake_at = std::min(wake_at, Clock::now() + kChainStopPoll);
     if (closing) {
       // Re-check the exit conditions at once when the flush has nothing left to wait for.
@@ -562,20 +539,19 @@ void ControlClient::run() {
       const bool events_left = std::any_of(queue_.begin(), queue_.end(), [](const Outgoing& o) {
         return o.frame.type != FrameType::kHeartbeat;
       });
-      if (queue_.empty() || (!events_left && !conn_.valid())) continue;
+      if (queue_.empty() || (!events_left && !link_.connected())) continue;
     }
-    pollfd fds[2] = {{wake_pipe_[0], POLLIN, 0}, {conn_.valid() ? conn_.fd() : -1, POLLIN, 0}};
-    const int rc = ::poll(fds, 2, poll_timeout_ms(wake_at));
-    if (rc < 0 && errno != EINTR) {
-      log(LogLevel::kError, "control: poll: %s", std::strerror(errno));
-      drop_connection(std::string("poll: ") + std::strerror(errno));
+    bool readable = false;
+    const Status waited = link_.wait_for_input(wake_at, &readable);
+    if (!waited.ok()) {
+      log(LogLevel::kError, "control: %s", waited.message().c_str());
+      drop_connection(waited.message());
       continue;
     }
-    if (rc > 0 && fds[0].revents) drain_wake(wake_pipe_[0]);
-    if (rc > 0 && fds[1].fd >= 0 && (fds[1].revents & (POLLIN | POLLHUP | POLLERR))) handle_incoming();
+    if (readable) handle_incoming();
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  conn_.close();
+  link_.close();
   connected_ = false;
   thread_done_ = true;
   changed_.notify_all();

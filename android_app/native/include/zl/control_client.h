@@ -35,7 +35,7 @@
 //
 // A coordinator that is not up yet, restarts, or sends bad frames never stops
 // training: the client reconnects with exponential back-off in its own
-// thread, and rejects bad frames with a logged reason (frame_error_name).
+// thread (a ReconnectingLink, as the data plane's Sender), and rejects bad frames with a logged reason (frame_error_name).
 //
 // How runner.cpp uses it (StageRunner gets a member
 // `std::unique_ptr<ControlClient> control_;`):
@@ -92,6 +92,7 @@
 #include <thread>
 
 #include "zl/frame.h"
+#include "zl/reconnecting_link.h"
 #include "zl/runner_config.h"
 #include "zl/status.h"
 #include "zl/tcp_socket.h"
@@ -243,7 +244,6 @@ class ControlClient {
   Frame register_locked() const;
   Frame control_frame_locked(FrameType type, uint64_t window, std::string json) const;
   void mirror_chain_stop();
-  void wake();
 
   ControlClientOptions options_;
   std::string host_;
@@ -269,9 +269,7 @@ class ControlClient {
   std::atomic<bool> stop_{false};
   std::mutex shutdown_mutex_;  // serializes concurrent shutdown() calls
   std::thread thread_;
-  Socket conn_;  // mutated under mutex_ by the I/O thread; shutdown() may shut it down
-  FrameReader reader_;
-  int wake_pipe_[2] = {-1, -1};
+  ReconnectingLink link_;  // the connection to the coordinator; driven by the I/O thread
 };
 
 }  // namespace zl

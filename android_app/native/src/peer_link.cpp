@@ -435,16 +435,13 @@ void Receiver::serve_connection() {
       if (stopping_ || pending_locked() >= options_.max_pending) return;
     }
     if (!conn_.valid()) return;
-    std::vector<uint8_t> bytes;
-    FrameError error = FrameError::kNone;
-    std::string reason;
-    const FrameReader::Next next = reader_.next(&bytes, &error, &reason);
-    if (next == FrameReader::Next::kNeedMore) return;
-    if (next == FrameReader::Next::kBroken) {
-      reject(std::string(frame_error_name(error)) + ": " + reason, true);
+    const FrameReader::Popped popped = reader_.pop();
+    if (popped.next == FrameReader::Next::kNeedMore) return;
+    if (popped.next == FrameReader::Next::kBroken) {
+      reject(std::string(frame_error_name(popped.error)) + ": " + popped.reason, true);
       return;
     }
-    handle_frame(bytes);
+    handle_frame(popped.frame);
   }
 }
 

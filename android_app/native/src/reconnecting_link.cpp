@@ -94,18 +94,15 @@ LinkReadResult ReconnectingLink::read_frames(const std::function<void(const Deco
   LinkReadResult result;
   result.filled = reader_.fill(conn_.fd());
   for (;;) {
-    std::vector<uint8_t> bytes;
-    FrameError error = FrameError::kNone;
-    std::string reason;
-    const FrameReader::Next next = reader_.next(&bytes, &error, &reason);
-    if (next == FrameReader::Next::kNeedMore) break;
-    if (next == FrameReader::Next::kBroken) {
+    const FrameReader::Popped popped = reader_.pop();
+    if (popped.next == FrameReader::Next::kNeedMore) break;
+    if (popped.next == FrameReader::Next::kBroken) {
       result.broken = true;
-      result.error = error;
-      result.reason = reason;
+      result.error = popped.error;
+      result.reason = popped.reason;
       return result;
     }
-    on_frame(decode_frame(bytes.data(), bytes.size(), key_, expect_));
+    on_frame(decode_frame(popped.frame.data(), popped.frame.size(), key_, expect_));
   }
   return result;
 }

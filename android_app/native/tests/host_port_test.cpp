@@ -2,39 +2,40 @@
 // addresses; good forms, IPv6 brackets, and each way an address can be bad.
 #include "zl/host_port.h"
 
+#include <string>
+
 #include <gtest/gtest.h>
 
 namespace zl {
 namespace {
 
+// Parses `address` and checks both parts.
+void expect_parses(const std::string& address, const std::string& host, uint16_t port) {
+  Result<HostPort> r = parse_host_port(address);
+  ASSERT_TRUE(r.ok()) << address << ": " << r.status().message();
+  EXPECT_EQ(r->host, host) << address;
+  EXPECT_EQ(r->port, port) << address;
+}
+
 TEST(HostPortTest, NameAndNumericHosts) {
-  Result<HostPort> a = parse_host_port("192.168.1.12:7001");
-  ASSERT_TRUE(a.ok()) << a.status().message();
-  EXPECT_EQ(a->host, "192.168.1.12");
-  EXPECT_EQ(a->port, 7001);
-  Result<HostPort> b = parse_host_port("pixel-7.local:1");
-  ASSERT_TRUE(b.ok()) << b.status().message();
-  EXPECT_EQ(b->host, "pixel-7.local");
-  EXPECT_EQ(b->port, 1);
-  EXPECT_EQ(parse_host_port("h:65535")->port, 65535);
+  expect_parses("192.168.1.12:7001", "192.168.1.12", 7001);
+  expect_parses("pixel-7.local:1", "pixel-7.local", 1);
+  expect_parses("h:65535", "h", 65535);
 }
 
 TEST(HostPortTest, Ipv6InBracketsLosesTheBrackets) {
-  Result<HostPort> a = parse_host_port("[::1]:7100");
-  ASSERT_TRUE(a.ok()) << a.status().message();
-  EXPECT_EQ(a->host, "::1");
-  EXPECT_EQ(a->port, 7100);
-  Result<HostPort> b = parse_host_port("[fe80::1%wlan0]:80");
-  ASSERT_TRUE(b.ok()) << b.status().message();
-  EXPECT_EQ(b->host, "fe80::1%wlan0");
+  expect_parses("[::1]:7100", "::1", 7100);
+  expect_parses("[fe80::1%wlan0]:80", "fe80::1%wlan0", 80);
 }
 
 TEST(HostPortTest, PortIsAfterTheLastColon) {
   // Unbracketed IPv6: the last ':' separates the port, as it always has.
-  Result<HostPort> a = parse_host_port("::1:7001");
-  ASSERT_TRUE(a.ok()) << a.status().message();
-  EXPECT_EQ(a->host, "::1");
-  EXPECT_EQ(a->port, 7001);
+  expect_parses("::1:7001", "::1", 7001);
+}
+
+TEST(HostPortTest, LeadingZerosWithinFiveDigitsAreTheSamePort) {
+  // The config check has always read "07001" as 7001; keep it so.
+  expect_parses("h:07001", "h", 7001);
 }
 
 TEST(HostPortTest, PortZeroOnlyWhereAllowed) {
@@ -62,13 +63,6 @@ TEST(HostPortTest, PortOutOfRangeOrNotDecimal) {
   const Status status = parse_host_port("h:70000").status();
   EXPECT_NE(status.message().find("70000"), std::string::npos) << status.message();
   EXPECT_NE(status.message().find("1..65535"), std::string::npos) << status.message();
-}
-
-TEST(HostPortTest, LeadingZerosWithinFiveDigitsAreTheSamePort) {
-  // The config check has always read "07001" as 7001; keep it so.
-  Result<HostPort> r = parse_host_port("h:07001");
-  ASSERT_TRUE(r.ok()) << r.status().message();
-  EXPECT_EQ(r->port, 7001);
 }
 
 }  // namespace

@@ -26,10 +26,10 @@ std::string checkpoint_dir_name(int64_t window);
 
 /// "window_<digits>" -> its window number; false for anything else (.tmp-*,
 /// files, other names, numbers beyond int64).
-bool parse_checkpoint_dir_name(const std::string& name, int64_t* window);
+[[nodiscard]] bool parse_checkpoint_dir_name(const std::string& name, int64_t* window);
 
 /// True for the ".tmp-*" entries a save leaves while it runs (or when killed).
-bool is_checkpoint_staging_name(const std::string& name);
+[[nodiscard]] bool is_checkpoint_staging_name(const std::string& name);
 
 /// Paths under one checkpoint root.
 class CheckpointLayout {

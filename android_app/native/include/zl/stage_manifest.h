@@ -14,16 +14,17 @@ namespace zl {
 
 /// What the runner needs from manifest.json for one program file.
 struct ManifestStage {
-  int64_t index = 0;
-  int64_t first_layer = 0;
-  int64_t last_layer = 0;
-  bool has_hidden_output = false;
+  /// One LoRA tensor of the stage.
   struct Param {
-    std::string name;          // PEFT
-    std::string program_name;  // fqn inside the program
+    std::string name;          ///< PEFT name, as in adapter_model.safetensors
+    std::string program_name;  ///< fqn inside the program (__et_training_fqn_forward)
     std::vector<int64_t> shape;
   };
-  std::vector<Param> params;
+  int64_t index = 0;        ///< stage index k
+  int64_t first_layer = 0;  ///< decoder layers [first_layer, last_layer] of the model
+  int64_t last_layer = 0;
+  bool has_hidden_output = false;  ///< false on the last stage (no marker, no downstream)
+  std::vector<Param> params;       ///< in gradient order
 };
 
 /// Reads `manifest_path` and returns the entry of `program_file` (a base

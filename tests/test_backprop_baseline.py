@@ -126,7 +126,7 @@ def test_lrs_equal_the_runners(tmp_path):
 
 
 def test_micro_batches_wrap_like_the_runner():
-    """runner.cpp take_input: j = mb mod floor(N/B); a partial last group of rows is never used."""
+    """data_shard.cpp DataShard::micro_batch: j = mb mod floor(N/B); a partial last group of rows is never used."""
     assert [bpb.micro_batch_rows(mb, 5, 2) for mb in range(5)] == [slice(0, 2), slice(2, 4), slice(0, 2), slice(2, 4),
                                                                    slice(0, 2)]
     assert bpb.micro_batch_rows(7, 4, 1) == slice(3, 4)

@@ -36,8 +36,7 @@ AdamW::AdamW(const AdamWConfig& config, std::vector<TrainableParam> params)
 }
 
 Status AdamW::create(const AdamWConfig& config, std::vector<TrainableParam> params, std::unique_ptr<AdamW>* out) {
-  Status status = config.validate();
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(config.validate());
   std::set<std::string> names;
   for (const auto& p : params) {
     if (p.name.empty()) return Status(StatusCode::kInvalidArgument, "AdamW: a parameter has an empty name");

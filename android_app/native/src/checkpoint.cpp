@@ -6,8 +6,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cinttypes>
-#include <cstdio>
 #include <cstring>
 #include <set>
 
@@ -18,22 +16,7 @@ namespace {
 
 using nlohmann::json;
 
-constexpr const char* kWindowPrefix = "window_";
-constexpr const char* kTmpPrefix = ".tmp-";
 constexpr int kFormatVersion = 1;
-
-// "window_<digits>" -> window number; false for anything else (.tmp-*, files, junk).
-bool parse_window_name(const std::string& name, int64_t* window) {
-  const std::string prefix = kWindowPrefix;
-  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return false;
-  int64_t value = 0;
-  for (size_t i = prefix.size(); i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9' || value > (INT64_MAX - 9) / 10) return false;
-    value = value * 10 + (name[i] - '0');
-  }
-  *window = value;
-  return true;
-}
 
 std::string shape_text(const std::vector<int64_t>& shape) { return json(shape).dump(); }
 
@@ -102,8 +85,7 @@ Status progress_from_json(const std::string& file, const std::string& text, Chec
     return missing("format", "\"zl-checkpoint\"");
   }
   int64_t version = 0;
-  Status status = get_int("version", &version);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(get_int("version", &version));
   if (version != kFormatVersion) {
     return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "' has version " + std::to_string(version) +
                                             ", this runner reads version " + std::to_string(kFormatVersion));
@@ -113,8 +95,7 @@ Status progress_from_json(const std::string& file, const std::string& text, Chec
                      std::make_pair("micro_batches_done", &out->micro_batches_done),
                      std::make_pair("optimizer_step", &out->optimizer_step),
                      std::make_pair("created_unix_ms", &out->created_unix_ms)}) {
-    status = get_int(field.first, field.second);
-    if (!status.ok()) return status;
+    ZL_RETURN_IF_ERROR(get_int(field.first, field.second));
   }
   auto run_id = j.find("run_id");
   if (run_id == j.end() || !run_id->is_string()) return missing("run_id", "a string");
@@ -137,12 +118,6 @@ int64_t now_unix_ms() {
 
 }  // namespace
 
-std::string checkpoint_dir_name(int64_t window) {
-  char buffer[40];
-  std::snprintf(buffer, sizeof(buffer), "%s%06" PRId64, kWindowPrefix, window);
-  return buffer;
-}
-
 Status read_checkpoint(const std::string& window_dir, const std::vector<TrainableParam>& expected,
                        CheckpointData* out) {
   if (!is_directory(window_dir)) {
@@ -152,29 +127,21 @@ Status read_checkpoint(const std::string& window_dir, const std::vector<Trainabl
   const std::string adapter_path = window_dir + "/" + kAdapterFile;
   const std::string optimizer_path = window_dir + "/" + kOptimizerFile;
   std::string text;
-  Status status = read_file(progress_path, &text);
-  if (!status.ok()) return Status(status.code(), "checkpoint is incomplete: " + status.message());
-  status = progress_from_json(progress_path, text, &out->progress);
-  if (!status.ok()) return status;
-  status = read_safetensors(adapter_path, &out->adapter);
-  if (!status.ok()) return Status(status.code(), "checkpoint is unreadable: " + status.message());
-  status = read_safetensors(optimizer_path, &out->optimizer);
-  if (!status.ok()) return Status(status.code(), "checkpoint is unreadable: " + status.message());
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_file(progress_path, &text), "checkpoint is incomplete: ");
+  ZL_RETURN_IF_ERROR(progress_from_json(progress_path, text, &out->progress));
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_safetensors(adapter_path, &out->adapter), "checkpoint is unreadable: ");
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_safetensors(optimizer_path, &out->optimizer), "checkpoint is unreadable: ");
 
   std::set<std::string> param_names, moment_names;
   for (const auto& p : expected) {
     param_names.insert(p.name);
     moment_names.insert(p.name + ".exp_avg");
     moment_names.insert(p.name + ".exp_avg_sq");
-    status = check_tensor(adapter_path, out->adapter, p.name, p.shape);
-    if (!status.ok()) return status;
-    status = check_tensor(optimizer_path, out->optimizer, p.name + ".exp_avg", p.shape);
-    if (!status.ok()) return status;
-    status = check_tensor(optimizer_path, out->optimizer, p.name + ".exp_avg_sq", p.shape);
-    if (!status.ok()) return status;
+    ZL_RETURN_IF_ERROR(check_tensor(adapter_path, out->adapter, p.name, p.shape));
+    ZL_RETURN_IF_ERROR(check_tensor(optimizer_path, out->optimizer, p.name + ".exp_avg", p.shape));
+    ZL_RETURN_IF_ERROR(check_tensor(optimizer_path, out->optimizer, p.name + ".exp_avg_sq", p.shape));
   }
-  status = check_no_extra(adapter_path, out->adapter, param_names);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(check_no_extra(adapter_path, out->adapter, param_names));
   return check_no_extra(optimizer_path, out->optimizer, moment_names);
 }
 
@@ -198,20 +165,20 @@ bool CheckpointStore::due(int64_t window, bool is_last_window) const {
 Status CheckpointStore::list_windows(std::vector<int64_t>* windows) const {
   windows->clear();
   std::vector<std::string> names;
-  Status status = list_directory(options_.dir, &names);
+  const Status status = list_directory(options_.dir, &names);
   if (status.code() == StatusCode::kNotFound) return Status();
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(status);
+  const CheckpointLayout layout(options_.dir);
   for (const auto& name : names) {
     int64_t window = 0;
-    if (parse_window_name(name, &window) && is_directory(options_.dir + "/" + name)) windows->push_back(window);
+    if (parse_checkpoint_dir_name(name, &window) && is_directory(layout.entry(name))) windows->push_back(window);
   }
   std::sort(windows->begin(), windows->end());
   return Status();
 }
 
 Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& progress) {
-  Status status = validate();
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(validate());
   if (progress.window < 0) {
     return Status(StatusCode::kInvalidArgument, "checkpoint save: window must be >= 0, got " +
                                                     std::to_string(progress.window));
@@ -222,24 +189,19 @@ Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& p
                                                     " != optimizer step count " +
                                                     std::to_string(optimizer.step_count()));
   }
-  const std::string& root = options_.dir;
-  status = make_directories(root);
-  if (!status.ok()) return status;
+  const CheckpointLayout layout(options_.dir);
+  const std::string& root = layout.root();
+  ZL_RETURN_IF_ERROR(make_directories(root));
 
   // One writer per checkpoint root: any .tmp-* left here is from a killed save.
   std::vector<std::string> names;
-  status = list_directory(root, &names);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(list_directory(root, &names));
   for (const auto& name : names) {
-    if (name.compare(0, std::strlen(kTmpPrefix), kTmpPrefix) == 0) {
-      status = remove_tree(root + "/" + name);
-      if (!status.ok()) return status;
-    }
+    if (is_checkpoint_staging_name(name)) ZL_RETURN_IF_ERROR(remove_tree(layout.entry(name)));
   }
 
-  const std::string final_name = checkpoint_dir_name(progress.window);
-  const std::string pid = std::to_string(static_cast<long>(::getpid()));
-  const std::string tmp = root + "/" + kTmpPrefix + final_name + "-" + pid;
+  const long pid = static_cast<long>(::getpid());
+  const std::string tmp = layout.staging_dir(progress.window, pid);
   if (::mkdir(tmp.c_str(), 0755) != 0) {
     return Status(StatusCode::kIoError, "cannot create '" + tmp + "': " + std::strerror(errno));
   }
@@ -254,22 +216,18 @@ Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& p
   // "format": "pt" is what safetensors.torch.save_file writes; PEFT expects it.
   const std::map<std::string, std::string> metadata = {
       {"format", "pt"}, {"run_id", progress.run_id}, {"window", std::to_string(progress.window)}};
-  status = write_safetensors(tmp + "/" + kAdapterFile, adapter, metadata);
-  if (!status.ok()) return status;
-  status = write_safetensors(tmp + "/" + kOptimizerFile, moments, metadata);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(write_safetensors(tmp + "/" + kAdapterFile, adapter, metadata));
+  ZL_RETURN_IF_ERROR(write_safetensors(tmp + "/" + kOptimizerFile, moments, metadata));
   CheckpointProgress stamped = progress;
   stamped.created_unix_ms = now_unix_ms();
   const std::string progress_text = progress_to_json(stamped, optimizer).dump(2) + "\n";
-  status = write_file_synced(tmp + "/" + kProgressFile, progress_text.data(), progress_text.size());
-  if (!status.ok()) return status;
-  status = fsync_directory(tmp);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(write_file_synced(tmp + "/" + kProgressFile, progress_text.data(), progress_text.size()));
+  ZL_RETURN_IF_ERROR(fsync_directory(tmp));
 
   // rename() cannot replace a non-empty directory: move an existing one of the
   // same window aside first (under .tmp-, so a crash here leaves it ignored).
-  const std::string final_path = root + "/" + final_name;
-  const std::string old_path = root + "/" + kTmpPrefix + "old-" + final_name + "-" + pid;
+  const std::string final_path = layout.window_dir(progress.window);
+  const std::string old_path = layout.replaced_dir(progress.window, pid);
   const bool replacing = is_directory(final_path);
   if (replacing && ::rename(final_path.c_str(), old_path.c_str()) != 0) {
     return Status(StatusCode::kIoError, "cannot move aside '" + final_path + "': " + std::strerror(errno));
@@ -278,20 +236,14 @@ Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& p
     return Status(StatusCode::kIoError,
                   "cannot rename '" + tmp + "' to '" + final_path + "': " + std::strerror(errno));
   }
-  status = fsync_directory(root);
-  if (!status.ok()) return status;
-  if (replacing) {
-    status = remove_tree(old_path);
-    if (!status.ok()) return status;
-  }
+  ZL_RETURN_IF_ERROR(fsync_directory(root));
+  if (replacing) ZL_RETURN_IF_ERROR(remove_tree(old_path));
 
   std::vector<int64_t> windows;
-  status = list_windows(&windows);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(list_windows(&windows));
   const int64_t excess = static_cast<int64_t>(windows.size()) - options_.keep_last;
   for (int64_t i = 0; i < excess; ++i) {
-    status = remove_tree(root + "/" + checkpoint_dir_name(windows[static_cast<size_t>(i)]));
-    if (!status.ok()) return status;
+    ZL_RETURN_IF_ERROR(remove_tree(layout.window_dir(windows[static_cast<size_t>(i)])));
   }
   return excess > 0 ? fsync_directory(root) : Status();
 }
@@ -299,10 +251,9 @@ Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& p
 Status CheckpointStore::load(int64_t window, AdamW* optimizer, CheckpointProgress* progress) const {
   std::vector<TrainableParam> expected;
   for (size_t i = 0; i < optimizer->num_params(); ++i) expected.push_back(optimizer->param(i));
-  const std::string dir = options_.dir + "/" + checkpoint_dir_name(window);
+  const std::string dir = CheckpointLayout(options_.dir).window_dir(window);
   CheckpointData data;
-  Status status = read_checkpoint(dir, expected, &data);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(read_checkpoint(dir, expected, &data));
   if (data.progress.window != window) {
     return Status(StatusCode::kCorrupt, "checkpoint '" + dir + "' says window " +
                                             std::to_string(data.progress.window) + " in " + kProgressFile);
@@ -313,8 +264,7 @@ Status CheckpointStore::load(int64_t window, AdamW* optimizer, CheckpointProgres
     exp_avg.push_back(data.optimizer.tensors.at(p.name + ".exp_avg").f32());
     exp_avg_sq.push_back(data.optimizer.tensors.at(p.name + ".exp_avg_sq").f32());
   }
-  status = optimizer->restore(data.progress.optimizer_step, params, exp_avg, exp_avg_sq);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(optimizer->restore(data.progress.optimizer_step, params, exp_avg, exp_avg_sq));
   *progress = data.progress;
   return Status();
 }
@@ -322,12 +272,11 @@ Status CheckpointStore::load(int64_t window, AdamW* optimizer, CheckpointProgres
 Status CheckpointStore::load_latest(AdamW* optimizer, CheckpointProgress* progress, bool* found) const {
   *found = false;
   std::vector<int64_t> windows;
-  Status status = list_windows(&windows);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(list_windows(&windows));
   if (windows.empty()) return Status();
-  status = load(windows.back(), optimizer, progress);
+  const Status status = load(windows.back(), optimizer, progress);
   if (!status.ok()) {
-    return Status(status.code(), status.message() + " (newest checkpoint; remove its directory to resume from the one before)");
+    return status.with_context("", " (newest checkpoint; remove its directory to resume from the one before)");
   }
   *found = true;
   return Status();

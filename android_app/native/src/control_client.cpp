@@ -1,20 +1,12 @@
 #include "zl/control_client.h"
 
-#include <errno.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/utsname.h>
 #include <unistd.h>
 
-#if defined(__ANDROID__)
-#include <sys/system_properties.h>
-#endif
-
 #include <algorithm>
-#include <cstring>
 
 #include <nlohmann/json.hpp>
 
+#include "zl/host_port.h"
 #include "zl/log.h"
 
 namespace zl {
@@ -41,113 +33,35 @@ json optional_json(const std::optional<double>& v) { return v ? json(*v) : json(
 /// Never throws: invalid UTF-8 (e.g. in an error reason) becomes U+FFFD, NaN becomes null.
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
-/// "host:port", "[v6]:port" -> parts; port must be 1..65535.
-bool parse_host_port(const std::string& address, std::string* host, uint16_t* port) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 >= address.size()) return false;
-  std::string h = address.substr(0, colon);
-  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
-  const std::string p = address.substr(colon + 1);
-  if (h.empty() || p.size() > 5 || !std::all_of(p.begin(), p.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-    return false;
-  }
-  const unsigned long value = std::stoul(p);  // digits only, at most 5: cannot throw
-  if (value == 0 || value > 65535) return false;
-  *host = h;
-  *port = static_cast<uint16_t>(value);
-  return true;
-}
-
-int poll_timeout_ms(Clock::time_point until) {
-  const int64_t left = std::chrono::duration_cast<milliseconds>(until - Clock::now()).count();
-  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left + 1, 1000)));
+/// What the client accepts: frames of its run from the coordinator.
+FrameExpectation control_expectation(const ControlClientOptions& options) {
+  FrameExpectation expect;
+  expect.run_id = options.run_id;
+  expect.stage = kCoordinatorStage;
+  expect.max_frame_bytes = options.max_frame_bytes;
+  return expect;
 }
 
 }  // namespace
-
-const char* control_phase_name(ControlPhase phase) {
-  switch (phase) {
-    case ControlPhase::kStarting: return "starting";
-    case ControlPhase::kWaitingForStart: return "waiting_for_start";
-    case ControlPhase::kRunning: return "running";
-    case ControlPhase::kStopped: return "stopped";
-    case ControlPhase::kDone: return "done";
-    case ControlPhase::kFailed: return "failed";
-  }
-  return "unknown";
-}
-
-Status control_options_from_config(const RunnerConfig& config, const FrameKey& key,
-                                   ControlClientOptions* out) {
-  if (config.coordinator.empty()) {
-    return Status(StatusCode::kInvalidArgument, "the stage config names no coordinator (\"coordinator\": \"host:port\")");
-  }
-  RunId run_id{};
-  if (!parse_hex_run_id(config.run_id, &run_id)) {
-    return Status(StatusCode::kInvalidArgument, "run_id \"" + config.run_id + "\" is not 32 hex characters");
-  }
-  if (config.stage_index < 0 || config.stage_index >= static_cast<int64_t>(kCoordinatorStage)) {
-    return Status(StatusCode::kInvalidArgument, "stage_index " + std::to_string(config.stage_index) + " out of range");
-  }
-  out->coordinator = config.coordinator;
-  out->run_id = run_id;
-  out->key = key;
-  out->stage = static_cast<uint32_t>(config.stage_index);
-  return Status();
-}
-
-std::string describe_device() {
-  std::string name;
-#if defined(__ANDROID__)
-  char manufacturer[PROP_VALUE_MAX] = {0};
-  char model[PROP_VALUE_MAX] = {0};
-  __system_property_get("ro.product.manufacturer", manufacturer);
-  __system_property_get("ro.product.model", model);
-  name = manufacturer;
-  if (model[0] != '\0') name += (name.empty() ? "" : " ") + std::string(model);
-#endif
-  utsname u{};
-  if (::uname(&u) == 0) {
-#if defined(__ANDROID__)
-    const std::string os = "Android";
-#else
-    const std::string os = u.sysname;
-#endif
-    if (name.empty()) name = u.nodename;
-    name += " (" + os + " " + u.machine + ")";
-  }
-  return name.empty() ? "unknown" : name;
-}
-
-WindowCommittedEvent WindowCommittedEvent::from(const WindowRecord& record, int64_t micro_batches_done) {
-  WindowCommittedEvent e;
-  e.window = record.window;
-  e.micro_batches_done = micro_batches_done;
-  e.mean_loss = record.mean_loss;
-  e.mean_task_loss = record.mean_task_loss;
-  e.mean_consistency_loss = record.mean_consistency_loss;
-  e.checkpoint_ms = record.checkpoint_ms;
-  return e;
-}
 
 // ---------------------------------------------------------------- public API
 
 ControlClient::ControlClient(ControlClientOptions options)
     : options_(std::move(options)),
       micro_batches_done_(options_.micro_batches_done),
-      reader_(options_.max_frame_bytes) {}
+      link_(options_.key, control_expectation(options_)) {}
 
-ControlClient::~ControlClient() {
-  shutdown();
-  close_wake_pipe(wake_pipe_);
-}
+ControlClient::~ControlClient() { shutdown(); }
 
 Status ControlClient::start() {
-  if (!parse_host_port(options_.coordinator, &host_, &port_)) {
+  const Result<HostPort> coordinator = parse_host_port(options_.coordinator);
+  if (!coordinator.ok()) {
     return Status(StatusCode::kInvalidArgument, "coordinator address \"" + options_.coordinator +
                                                     "\" is not host:port with a port in 1..65535 "
                                                     "(e.g. 192.168.1.10:7100)");
   }
+  host_ = coordinator->host;
+  port_ = coordinator->port;
   if (options_.heartbeat_ms.count() <= 0) {
     return Status(StatusCode::kInvalidArgument,
                   "heartbeat_ms is " + std::to_string(options_.heartbeat_ms.count()) + "; it must be > 0");
@@ -166,9 +80,7 @@ Status ControlClient::start() {
       return Status(StatusCode::kInvalidArgument, "control client already started or shut down");
     }
   }
-  if (!make_wake_pipe(wake_pipe_)) {
-    return Status(StatusCode::kIoError, std::string("pipe: ") + std::strerror(errno));
-  }
+  ZL_RETURN_IF_ERROR(link_.open());
   std::lock_guard<std::mutex> lock(mutex_);
   thread_ = std::thread([this] { run(); });
   return Status();
@@ -227,7 +139,7 @@ Status ControlClient::window_committed(const WindowCommittedEvent& event) {
     f.micro_batch = static_cast<uint64_t>(std::max<int64_t>(0, event.micro_batches_done));
     enqueue_locked(std::move(f));
   }
-  wake();
+  link_.wake();
   return Status();
 }
 
@@ -239,7 +151,7 @@ Status ControlClient::error(const std::string& reason) {
     if (closing_) return Status(StatusCode::kClosed, "control client is shut down");
     enqueue_locked(control_frame_locked(FrameType::kError, window_.value_or(0), dump(json{{"reason", text}})));
   }
-  wake();
+  link_.wake();
   return Status();
 }
 
@@ -254,7 +166,7 @@ void ControlClient::shutdown() {
     changed_.notify_all();  // releases wait_for_start()
     if (!thread_.joinable()) return;
   }
-  wake();
+  link_.wake();
   {
     std::unique_lock<std::mutex> lock(mutex_);
     // The I/O thread leaves by close_deadline_ on its own unless it is stuck
@@ -263,13 +175,13 @@ void ControlClient::shutdown() {
     const bool done = changed_.wait_until(lock, close_deadline_ + milliseconds(100), [this] { return thread_done_; });
     if (!done) {
       force_exit_ = true;
-      conn_.shutdown();
+      link_.shutdown();
     }
   }
-  wake();
+  link_.wake();
   thread_.join();
   std::lock_guard<std::mutex> lock(mutex_);
-  conn_.close();
+  link_.close();
   connected_ = false;
 }
 
@@ -340,8 +252,6 @@ void ControlClient::enqueue_locked(Frame frame) {
 
 // ---------------------------------------------------------------- I/O thread
 
-void ControlClient::wake() { write_wake(wake_pipe_[1]); }
-
 void ControlClient::mirror_chain_stop() {
   if (options_.chain_stop == nullptr || stop_.load() || !options_.chain_stop->load()) return;
   std::lock_guard<std::mutex> lock(mutex_);
@@ -351,14 +261,14 @@ void ControlClient::mirror_chain_stop() {
 
 Status ControlClient::send_frame(const Frame& frame) {
   std::vector<uint8_t> bytes;
-  Status s = encode_frame(frame, options_.key, &bytes, options_.max_frame_bytes);
-  if (!s.ok()) return s;  // kInvalidArgument: the frame itself is bad
-  return send_all(conn_.fd(), bytes.data(), bytes.size());
+  // kInvalidArgument: the frame itself is bad
+  ZL_RETURN_IF_ERROR(encode_frame(frame, options_.key, &bytes, options_.max_frame_bytes));
+  return link_.send(bytes.data(), bytes.size());
 }
 
 bool ControlClient::connect_once(milliseconds timeout) {
   Socket sock;
-  Status s = connect_tcp(host_, port_, timeout, &sock);
+  Status s = ReconnectingLink::dial(host_, port_, timeout, &sock);
   if (!s.ok()) {
     // One line per outage at info level; every retry only at debug.
     std::lock_guard<std::mutex> lock(mutex_);
@@ -368,12 +278,10 @@ bool ControlClient::connect_once(milliseconds timeout) {
     unreachable_logged_ = true;
     return false;
   }
-  const int one = 1;
-  ::setsockopt(sock.fd(), SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
   std::unique_lock<std::mutex> lock(mutex_);
   if (force_exit_) return false;
   const Frame reg = register_locked();
-  conn_ = std::move(sock);
+  link_.adopt(std::move(sock));
   lock.unlock();
   // REGISTER goes first on every connection: a restarted coordinator learns
   // who this is and how far it got before any queued event arrives.
@@ -381,13 +289,12 @@ bool ControlClient::connect_once(milliseconds timeout) {
   lock.lock();
   if (!s.ok()) {
     log(LogLevel::kWarn, "control: REGISTER to %s failed: %s", options_.coordinator.c_str(), s.message().c_str());
-    conn_.close();
+    link_.close();
     return false;
   }
   connected_ = true;
   unreachable_logged_ = false;
   ++stats_.connects;
-  reader_.clear();
   log(LogLevel::kInfo, "control: registered with coordinator %s as stage %u (%zu frames queued)",
       options_.coordinator.c_str(), options_.stage, queue_.size());
   return true;
@@ -395,17 +302,16 @@ bool ControlClient::connect_once(milliseconds timeout) {
 
 void ControlClient::drop_connection(const std::string& why) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (conn_.valid() && !closing_) {
+  if (link_.connected() && !closing_) {
     log(LogLevel::kWarn, "control: connection to coordinator %s lost (%s); reconnecting", options_.coordinator.c_str(),
         why.c_str());
   }
-  conn_.close();
+  link_.close();
   connected_ = false;
-  reader_.clear();
 }
 
 void ControlClient::drain_queue() {
-  while (conn_.valid()) {
+  while (link_.connected()) {
     Outgoing next;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -470,37 +376,26 @@ void ControlClient::handle_frame(const Frame& frame) {
 }
 
 void ControlClient::handle_incoming() {
-  const Status filled = reader_.fill(conn_.fd());
-  FrameExpectation expect;
-  expect.run_id = options_.run_id;
-  expect.stage = kCoordinatorStage;
-  expect.max_frame_bytes = options_.max_frame_bytes;
-  for (;;) {
-    std::vector<uint8_t> bytes;
-    FrameError error = FrameError::kNone;
-    std::string reason;
-    const FrameReader::Next next = reader_.next(&bytes, &error, &reason);
-    if (next == FrameReader::Next::kNeedMore) break;
-    if (next == FrameReader::Next::kBroken) {
-      // Frame boundaries are lost: only a new connection can re-synchronize.
-      reject(std::string(frame_error_name(error)) + ": " + reason);
-      drop_connection("unreadable stream from the coordinator");
-      return;
-    }
+  const LinkReadResult read = link_.read_frames([this](const DecodeResult& r) {
     // A frame that fails its MAC or ids is skipped; its length was sound, so
     // the stream stays in sync and the connection is kept.
-    const DecodeResult r = decode_frame(bytes.data(), bytes.size(), options_.key, expect);
     if (!r.ok()) {
       reject(r.reason);
-      continue;
+      return;
     }
     handle_frame(r.frame);
+  });
+  if (read.broken) {
+    // Frame boundaries are lost: only a new connection can re-synchronize.
+    reject(std::string(frame_error_name(read.error)) + ": " + read.reason);
+    drop_connection("unreadable stream from the coordinator");
+    return;
   }
-  if (!filled.ok()) drop_connection(filled.message());
+  if (!read.filled.ok()) drop_connection(read.filled.message());
 }
 
 void ControlClient::run() {
-  milliseconds backoff = options_.backoff_initial;
+  Backoff backoff(options_.backoff_initial, options_.backoff_max);
   Clock::time_point next_connect = Clock::now();
   Clock::time_point next_heartbeat = Clock::now() + options_.heartbeat_ms;
   bool final_heartbeat_queued = false;
@@ -545,29 +440,28 @@ void ControlClient::run() {
                 undelivered_events, options_.coordinator.c_str());
           }
           exit_now = true;
-        } else if (queue_.empty() || (undelivered_events == 0 && !conn_.valid())) {
+        } else if (queue_.empty() || (undelivered_events == 0 && !link_.connected())) {
           exit_now = true;  // all sent, or only the last heartbeat left and no connection for it
         }
       }
     }
     if (exit_now) break;
 
-    if (!conn_.valid() && now >= next_connect) {
+    if (!link_.connected() && now >= next_connect) {
       milliseconds timeout = options_.connect_timeout;
       if (closing) {
         timeout = std::min(timeout, std::chrono::duration_cast<milliseconds>(close_deadline_ - now) + milliseconds(1));
       }
       if (connect_once(timeout)) {
-        backoff = options_.backoff_initial;
+        backoff.reset();
       } else {
-        next_connect = Clock::now() + backoff;
-        backoff = std::min(backoff * 2, options_.backoff_max);
+        next_connect = Clock::now() + backoff.next();
       }
     }
-    if (conn_.valid()) drain_queue();
+    if (link_.connected()) drain_queue();
 
     Clock::time_point wake_at = closing ? close_deadline_ : next_heartbeat;
-    if (!conn_.valid()) wake_at = std::min(wake_at, next_connect);
+    if (!link_.connected()) wake_at = std::min(wake_at, next_connect);
     if (options_.chain_stop != nullptr) wake_at = std::min(wake_at, Clock::now() + kChainStopPoll);
     if (closing) {
       // Re-check the exit conditions at once when the flush has nothing left to wait for.
@@ -575,20 +469,19 @@ void ControlClient::run() {
       const bool events_left = std::any_of(queue_.begin(), queue_.end(), [](const Outgoing& o) {
         return o.frame.type != FrameType::kHeartbeat;
       });
-      if (queue_.empty() || (!events_left && !conn_.valid())) continue;
+      if (queue_.empty() || (!events_left && !link_.connected())) continue;
     }
-    pollfd fds[2] = {{wake_pipe_[0], POLLIN, 0}, {conn_.valid() ? conn_.fd() : -1, POLLIN, 0}};
-    const int rc = ::poll(fds, 2, poll_timeout_ms(wake_at));
-    if (rc < 0 && errno != EINTR) {
-      log(LogLevel::kError, "control: poll: %s", std::strerror(errno));
-      drop_connection(std::string("poll: ") + std::strerror(errno));
+    bool readable = false;
+    const Status waited = link_.wait_for_input(wake_at, &readable);
+    if (!waited.ok()) {
+      log(LogLevel::kError, "control: %s", waited.message().c_str());
+      drop_connection(waited.message());
       continue;
     }
-    if (rc > 0 && fds[0].revents) drain_wake(wake_pipe_[0]);
-    if (rc > 0 && fds[1].fd >= 0 && (fds[1].revents & (POLLIN | POLLHUP | POLLERR))) handle_incoming();
+    if (readable) handle_incoming();
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  conn_.close();
+  link_.close();
   connected_ = false;
   thread_done_ = true;
   changed_.notify_all();

@@ -104,11 +104,9 @@ Status remove_tree(const std::string& path) {
   }
   if (S_ISDIR(st.st_mode)) {
     std::vector<std::string> names;
-    Status status = list_directory(path, &names);
-    if (!status.ok()) return status;
+    ZL_RETURN_IF_ERROR(list_directory(path, &names));
     for (const auto& name : names) {
-      status = remove_tree(path + "/" + name);
-      if (!status.ok()) return status;
+      ZL_RETURN_IF_ERROR(remove_tree(path + "/" + name));
     }
     if (::rmdir(path.c_str()) != 0 && errno != ENOENT) return io_error("cannot remove directory", path, errno);
     return Status();

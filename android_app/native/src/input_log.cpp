@@ -141,8 +141,7 @@ std::string InputLog::path_for(uint64_t window, uint64_t micro_batch) const {
 Status InputLog::sync_dir() const { return fsync_path(dir_, O_RDONLY | O_DIRECTORY); }
 
 Status InputLog::open() {
-  Status s = make_dirs(dir_);
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(make_dirs(dir_));
   std::vector<std::string> names;
   DIR* d = ::opendir(dir_.c_str());
   if (!d) return errno_status("opendir " + dir_);
@@ -162,7 +161,7 @@ Status InputLog::open() {
     uint64_t mb = 0, window = 0;
     if (!parse_entry_name(name, &mb, &window)) continue;  // .corrupt and foreign files
     std::vector<uint8_t> bytes;
-    s = read_file_bytes(path, &bytes);
+    const Status s = read_file_bytes(path, &bytes);
     std::string reason;
     if (!s.ok()) {
       reason = s.message();
@@ -190,8 +189,7 @@ Status InputLog::open() {
 Status InputLog::append(uint64_t window, uint64_t micro_batch,
                         const std::vector<uint8_t>& frame_bytes) {
   const std::string path = path_for(window, micro_batch);
-  Status s = write_file_durably(path, frame_bytes.data(), frame_bytes.size());
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(write_file_durably(path, frame_bytes.data(), frame_bytes.size()));
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = entries_.find(micro_batch);
   if (it != entries_.end() && it->second.path != path) ::unlink(it->second.path.c_str());
@@ -216,8 +214,7 @@ Status InputLog::read(uint64_t micro_batch, Frame* out) const {
     path = it->second.path;
   }
   std::vector<uint8_t> bytes;
-  Status s = read_file_bytes(path, &bytes);
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(read_file_bytes(path, &bytes));
   DecodeResult r = decode_frame(bytes.data(), bytes.size(), key_, expect_);
   if (!r.ok()) return Status(StatusCode::kCorrupt, path + ": " + r.reason);
   *out = std::move(r.frame);

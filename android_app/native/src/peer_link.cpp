@@ -14,46 +14,40 @@
 #include "zl/log.h"
 
 namespace zl {
+// ---------------------------------------------------------------- Sender
+
 namespace {
 
-int poll_timeout_ms(SteadyClock::time_point until) {
-  const auto left =
-      std::chrono::duration_cast<std::chrono::milliseconds>(until - SteadyClock::now()).count();
-  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left + 1, 1000)));
+/// What the Sender accepts from downstream: ACKs (and ERRORs) of its run.
+FrameExpectation sender_expectation(const SenderOptions& options) {
+  FrameExpectation expect;
+  expect.run_id = options.run_id;
+  expect.max_frame_bytes = options.max_frame_bytes;
+  return expect;
 }
 
 }  // namespace
 
-// ---------------------------------------------------------------- Sender
-
 Sender::Sender(SenderOptions options)
     : options_(std::move(options)),
-      reader_(options_.max_frame_bytes),
+      link_(options_.key, sender_expectation(options_)),
       shaper_(options_.profile) {}
 
-Sender::~Sender() {
-  stop();
-  close_wake_pipe(wake_pipe_);
-}
+Sender::~Sender() { stop(); }
 
 Status Sender::start() {
   if (options_.max_in_flight == 0) {
     return Status(StatusCode::kInvalidArgument, "max_in_flight (D) is 0; it must be at least 1");
   }
   if (thread_.joinable()) return Status(StatusCode::kInvalidArgument, "sender already started");
-  if (!make_wake_pipe(wake_pipe_)) {
-    return Status(StatusCode::kIoError, std::string("pipe: ") + std::strerror(errno));
-  }
+  ZL_RETURN_IF_ERROR(link_.open());
   thread_ = std::thread([this] { run(); });
   return Status();
 }
 
-void Sender::wake() { write_wake(wake_pipe_[1]); }
-
 Status Sender::send(const Frame& frame, std::chrono::milliseconds timeout) {
   auto bytes = std::make_shared<std::vector<uint8_t>>();
-  Status s = encode_frame(frame, options_.key, bytes.get(), options_.max_frame_bytes);
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(encode_frame(frame, options_.key, bytes.get(), options_.max_frame_bytes));
   std::unique_lock<std::mutex> lock(mutex_);
   const bool room = changed_.wait_for(lock, timeout, [this] {
     return stopping_ || queue_.size() < options_.max_in_flight;
@@ -73,7 +67,7 @@ Status Sender::send(const Frame& frame, std::chrono::milliseconds timeout) {
   queue_.push_back(std::move(e));
   stats_.max_in_flight_seen = std::max(stats_.max_in_flight_seen, queue_.size());
   lock.unlock();
-  wake();
+  link_.wake();
   return Status();
 }
 
@@ -95,7 +89,7 @@ void Sender::set_peer(const std::string& host, uint16_t port) {
     options_.port = port;
     peer_changed_ = true;
   }
-  wake();
+  link_.wake();
 }
 
 size_t Sender::in_flight() const {
@@ -118,17 +112,11 @@ void Sender::stop() {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
     // Unblocks a send_all() stuck on a peer that stopped reading.
-    conn_.shutdown();
+    link_.shutdown();
   }
   changed_.notify_all();
-  wake();
+  link_.wake();
   if (thread_.joinable()) thread_.join();
-}
-
-void Sender::sleep_interruptibly(std::chrono::milliseconds d) {
-  pollfd p{wake_pipe_[0], POLLIN, 0};
-  ::poll(&p, 1, static_cast<int>(d.count()));
-  drain_wake(wake_pipe_[0]);
 }
 
 bool Sender::connect_once() {
@@ -141,19 +129,16 @@ bool Sender::connect_once() {
     peer_changed_ = false;
   }
   Socket sock;
-  Status s = connect_tcp(host, port, options_.connect_timeout, &sock);
+  const Status s = ReconnectingLink::dial(host, port, options_.connect_timeout, &sock);
   if (!s.ok()) {
     log(LogLevel::kDebug, "sender: %s", s.message().c_str());
     return false;
   }
-  const int one = 1;
-  ::setsockopt(sock.fd(), SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
   std::lock_guard<std::mutex> lock(mutex_);
   if (stopping_) return false;
-  conn_ = std::move(sock);
+  link_.adopt(std::move(sock));
   connected_ = true;
   ++stats_.connects;
-  reader_.clear();
   shaper_.reset();
   // Everything not yet acknowledged goes out again, in order.
   for (auto& e : queue_) {
@@ -168,11 +153,11 @@ bool Sender::connect_once() {
 
 void Sender::drop_connection(const std::string& why) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (conn_.valid() && !stopping_) {
+  if (link_.connected() && !stopping_) {
     log(LogLevel::kWarn, "sender: connection to %s:%u lost (%s); reconnecting",
         options_.host.c_str(), static_cast<unsigned>(options_.port), why.c_str());
   }
-  conn_.close();
+  link_.close();
   connected_ = false;
   for (auto& e : queue_) {
     e.sent_before = e.sent_before || e.sent;
@@ -182,61 +167,52 @@ void Sender::drop_connection(const std::string& why) {
 }
 
 void Sender::handle_incoming() {
-  const Status filled = reader_.fill(conn_.fd());
-  FrameExpectation expect;
-  expect.run_id = options_.run_id;
-  expect.max_frame_bytes = options_.max_frame_bytes;
-  for (;;) {
-    std::vector<uint8_t> bytes;
-    FrameError error = FrameError::kNone;
-    std::string reason;
-    const FrameReader::Next next = reader_.next(&bytes, &error, &reason);
-    if (next == FrameReader::Next::kNeedMore) break;
-    if (next == FrameReader::Next::kBroken) {
-      log(LogLevel::kWarn, "sender: unreadable stream from downstream: %s: %s",
-          frame_error_name(error), reason.c_str());
-      drop_connection("bad frame from downstream");
-      return;
-    }
-    const DecodeResult r = decode_frame(bytes.data(), bytes.size(), options_.key, expect);
-    if (!r.ok()) {
-      log(LogLevel::kWarn, "sender: rejected frame from downstream: %s", r.reason.c_str());
-      continue;
-    }
-    if (r.frame.type == FrameType::kAck) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (auto it = queue_.begin(); it != queue_.end(); ++it) {
-        if (it->micro_batch == r.frame.micro_batch && it->window == r.frame.window) {
-          queue_.erase(it);
-          ++stats_.acks;
-          changed_.notify_all();
-          break;
-        }
-      }
-    } else if (r.frame.type == FrameType::kError) {
-      log(LogLevel::kWarn, "sender: downstream reports an error: %s", r.frame.json.c_str());
-    } else {
-      log(LogLevel::kWarn, "sender: ignoring %s frame on the data link",
-          frame_type_name(static_cast<uint16_t>(r.frame.type)));
-    }
+  const LinkReadResult read = link_.read_frames([this](const DecodeResult& r) { handle_frame(r); });
+  if (read.broken) {
+    log(LogLevel::kWarn, "sender: unreadable stream from downstream: %s: %s", frame_error_name(read.error),
+        read.reason.c_str());
+    drop_connection("bad frame from downstream");
+    return;
   }
-  if (!filled.ok()) drop_connection(filled.message());
+  if (!read.filled.ok()) drop_connection(read.filled.message());
+}
+
+void Sender::handle_frame(const DecodeResult& r) {
+  if (!r.ok()) {
+    log(LogLevel::kWarn, "sender: rejected frame from downstream: %s", r.reason.c_str());
+    return;
+  }
+  if (r.frame.type == FrameType::kAck) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+      if (it->micro_batch == r.frame.micro_batch && it->window == r.frame.window) {
+        queue_.erase(it);
+        ++stats_.acks;
+        changed_.notify_all();
+        break;
+      }
+    }
+  } else if (r.frame.type == FrameType::kError) {
+    log(LogLevel::kWarn, "sender: downstream reports an error: %s", r.frame.json.c_str());
+  } else {
+    log(LogLevel::kWarn, "sender: ignoring %s frame on the data link",
+        frame_type_name(static_cast<uint16_t>(r.frame.type)));
+  }
 }
 
 void Sender::run() {
-  auto backoff = options_.backoff_initial;
+  Backoff backoff(options_.backoff_initial, options_.backoff_max);
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (stopping_) break;
     }
-    if (!conn_.valid()) {
+    if (!link_.connected()) {
       if (!connect_once()) {
-        sleep_interruptibly(backoff);
-        backoff = std::min(backoff * 2, options_.backoff_max);
+        link_.sleep(backoff.next());
         continue;
       }
-      backoff = options_.backoff_initial;
+      backoff.reset();
     }
 
     // The next frame to put on the wire and when the emulated link delivers it.
@@ -246,7 +222,7 @@ void Sender::run() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (peer_changed_) {
-        conn_.close();
+        link_.close();
         connected_ = false;
         continue;
       }
@@ -263,20 +239,19 @@ void Sender::run() {
       }
     }
 
-    pollfd fds[2] = {{wake_pipe_[0], POLLIN, 0}, {conn_.fd(), POLLIN, 0}};
-    const int rc = ::poll(fds, 2, poll_timeout_ms(deliver_at));
-    if (rc < 0 && errno != EINTR) {
-      drop_connection(std::string("poll: ") + std::strerror(errno));
+    bool readable = false;
+    const Status waited = link_.wait_for_input(deliver_at, &readable);
+    if (!waited.ok()) {
+      drop_connection(waited.message());
       continue;
     }
-    if (fds[0].revents) drain_wake(wake_pipe_[0]);
-    if (fds[1].revents & (POLLIN | POLLHUP | POLLERR)) {
+    if (readable) {
       handle_incoming();
-      if (!conn_.valid()) continue;
+      if (!link_.connected()) continue;
     }
     if (!bytes || SteadyClock::now() < deliver_at) continue;
 
-    const Status s = send_all(conn_.fd(), bytes->data(), bytes->size());
+    const Status s = link_.send(bytes->data(), bytes->size());
     if (!s.ok()) {
       drop_connection(s.message());
       continue;
@@ -292,7 +267,7 @@ void Sender::run() {
     if (resend) ++stats_.resends;
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  conn_.close();
+  link_.close();
   connected_ = false;
 }
 
@@ -316,18 +291,15 @@ Status Receiver::start() {
   if (options_.max_pending == 0) {
     return Status(StatusCode::kInvalidArgument, "max_pending is 0; it must be at least 1");
   }
-  Status s = log_.open();
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(log_.open());
   for (const auto& c : log_.corrupt()) {
     log(LogLevel::kError, "receiver: input log entry %s unusable: %s", c.path.c_str(),
         c.reason.c_str());
   }
   if (options_.committed_window) {
-    s = log_.delete_through(*options_.committed_window);
-    if (!s.ok()) return s;
+    ZL_RETURN_IF_ERROR(log_.delete_through(*options_.committed_window));
   }
-  s = listen_tcp(options_.host, options_.port, &listener_, &port_);
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(listen_tcp(options_.host, options_.port, &listener_, &port_));
   if (!make_wake_pipe(wake_pipe_)) {
     return Status(StatusCode::kIoError, std::string("pipe: ") + std::strerror(errno));
   }
@@ -361,8 +333,7 @@ Status Receiver::next(std::chrono::milliseconds timeout, InputEntry* out) {
   }
   lock.unlock();
   Frame frame;
-  Status s = log_.read(mb, &frame);
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(log_.read(mb, &frame));
   lock.lock();
   ++next_micro_batch_;
   lock.unlock();
@@ -464,16 +435,13 @@ void Receiver::serve_connection() {
       if (stopping_ || pending_locked() >= options_.max_pending) return;
     }
     if (!conn_.valid()) return;
-    std::vector<uint8_t> bytes;
-    FrameError error = FrameError::kNone;
-    std::string reason;
-    const FrameReader::Next next = reader_.next(&bytes, &error, &reason);
-    if (next == FrameReader::Next::kNeedMore) return;
-    if (next == FrameReader::Next::kBroken) {
-      reject(std::string(frame_error_name(error)) + ": " + reason, true);
+    const FrameReader::Popped popped = reader_.pop();
+    if (popped.next == FrameReader::Next::kNeedMore) return;
+    if (popped.next == FrameReader::Next::kBroken) {
+      reject(std::string(frame_error_name(popped.error)) + ": " + popped.reason, true);
       return;
     }
-    handle_frame(bytes);
+    handle_frame(popped.frame);
   }
 }
 

@@ -1,13 +1,9 @@
+// run_stage and StageRunner's loop: per micro-batch input, the two phases,
+// the send and the gradient accumulation; per window the AdamW step, flush,
+// checkpoint and commit. Setup is in stage_runner_setup.cpp.
 #include "zl/runner.h"
 
-#include <unistd.h>
-
-#include <algorithm>
-#include <chrono>
 #include <cinttypes>
-#include <cstdio>
-#include <cstring>
-#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -15,45 +11,15 @@
 
 #include <nlohmann/json.hpp>
 
-#include "zl/adamw.h"
-#include "zl/checkpoint.h"
-#include "zl/control_client.h"
+#include "stage_runner.h"
 #include "zl/durable_file.h"
-#include "zl/frame.h"
-#include "zl/link_profile.h"
 #include "zl/log.h"
-#include "zl/peer_link.h"
-#include "zl/safetensors.h"
-#include "zl/stage_program.h"
-#include "zl/telemetry.h"
 
 namespace zl {
+namespace internal {
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
-using std::chrono::milliseconds;
-
-/// Waits are sliced so a stop request is seen within this time.
-constexpr milliseconds kPollSlice{200};
-
-double ms_since(Clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-}
-
-bool stopping(const std::atomic<bool>* stop) { return stop != nullptr && stop->load(); }
-
-Status stop_status(const std::string& where) {
-  return Status(StatusCode::kClosed, "stop requested (" + where + ")");
-}
-
-/// "host:port" -> parts (validated by the config parser already).
-void split_address(const std::string& address, std::string* host, uint16_t* port) {
-  const size_t colon = address.rfind(':');
-  *host = address.substr(0, colon);
-  *port = static_cast<uint16_t>(std::stoul(address.substr(colon + 1)));
-  if (host->empty()) *host = "0.0.0.0";
-}
 
 /// Repeats `attempt(slice)` while it times out, until the stop flag is set or
 /// `timeout_s` (0 = forever) has passed.
@@ -71,234 +37,26 @@ Status wait_sliced(Attempt attempt, const std::atomic<bool>* stop, int64_t timeo
   }
 }
 
-/// Stage 0's data: the three int64 [N, S] tensors of a `zl data` shard.
-struct Shard {
-  SafetensorsFile file;
-  const int64_t* ids = nullptr;
-  const int64_t* mask = nullptr;
-  const int64_t* labels = nullptr;
-  int64_t rows = 0;
-  int64_t seq_len = 0;
-};
+}  // namespace
 
-Status load_shard(const std::string& path, int64_t batch, int64_t seq_len, Shard* out) {
-  Status status = read_safetensors(path, &out->file);
-  if (!status.ok()) return Status(status.code(), "data shard: " + status.message());
-  const int64_t* ptrs[3] = {nullptr, nullptr, nullptr};
-  const char* names[3] = {"input_ids", "attention_mask", "labels"};
-  std::vector<int64_t> shape;
-  for (int i = 0; i < 3; ++i) {
-    auto it = out->file.tensors.find(names[i]);
-    if (it == out->file.tensors.end()) {
-      return Status(StatusCode::kInvalidArgument, "data shard " + path + " has no tensor '" + names[i] +
-                                                      "'; make it with `zl data`");
-    }
-    const SafetensorsTensor& t = it->second;
-    if (t.dtype != SafetensorsDtype::kI64 || t.shape.size() != 2 || (i > 0 && t.shape != shape)) {
-      return Status(StatusCode::kInvalidArgument, "data shard " + path + ": '" + names[i] +
-                                                      "' must be I64 [N, S] like input_ids");
-    }
-    shape = t.shape;
-    ptrs[i] = reinterpret_cast<const int64_t*>(t.bytes.data());
+Status StageRunner::run() {
+  report([this](StageProgress* p) {
+    p->phase = "loading";
+    p->stage_index = config_.stage_index;
+    p->num_stages = config_.num_stages;
+    p->num_micro_batches = config_.num_micro_batches;
+  });
+  Status status = setup();
+  if (status.ok()) status = loop();
+  if (control_) {
+    if (!status.ok() && status.code() != StatusCode::kClosed) (void)control_->error(status.message());
+    control_->set_phase(status.ok() ? ControlPhase::kDone
+                        : status.code() == StatusCode::kClosed ? ControlPhase::kStopped
+                                                               : ControlPhase::kFailed);
+    control_->shutdown();  // queued WINDOW_COMMITTED / ERROR and a last heartbeat, bounded by flush_timeout
   }
-  if (shape[1] != seq_len) {
-    return Status(StatusCode::kInvalidArgument, "data shard " + path + " has seq_len " + std::to_string(shape[1]) +
-                                                    ", the program expects " + std::to_string(seq_len) +
-                                                    "; rebuild it with `zl data --seq-len " + std::to_string(seq_len) + "`");
-  }
-  if (shape[0] < batch) {
-    return Status(StatusCode::kInvalidArgument, "data shard " + path + " has " + std::to_string(shape[0]) +
-                                                    " rows, fewer than one micro-batch of " + std::to_string(batch));
-  }
-  out->ids = ptrs[0];
-  out->mask = ptrs[1];
-  out->labels = ptrs[2];
-  out->rows = shape[0];
-  out->seq_len = shape[1];
-  return Status();
-}
-
-/// Running sums for one window's telemetry line.
-struct WindowSums {
-  int64_t count = 0;
-  double loss = 0, task = 0, consistency = 0;
-  void add(const StageStepResult& r) {
-    ++count;
-    loss += r.loss;
-    task += r.task_loss;
-    consistency += r.consistency_loss;
-  }
-};
-
-/// Everything one stage process holds while it runs.
-class StageRunner {
- public:
-  StageRunner(const RunnerConfig& config, const std::atomic<bool>* stop, ProgressBoard* progress)
-      : config_(config), stop_(stop), progress_(progress) {}
-
-  Status run() {
-    report([this](StageProgress* p) {
-      p->phase = "loading";
-      p->stage_index = config_.stage_index;
-      p->num_stages = config_.num_stages;
-      p->num_micro_batches = config_.num_micro_batches;
-    });
-    Status status = setup();
-    if (status.ok()) status = loop();
-    if (control_) {
-      if (!status.ok() && status.code() != StatusCode::kClosed) (void)control_->error(status.message());
-      control_->set_phase(status.ok() ? ControlPhase::kDone
-                          : status.code() == StatusCode::kClosed ? ControlPhase::kStopped
-                                                                 : ControlPhase::kFailed);
-      control_->shutdown();  // queued WINDOW_COMMITTED / ERROR and a last heartbeat, bounded by flush_timeout
-    }
-    shutdown();
-    return status;
-  }
-
- private:
-  Status setup();
-  Status restore();
-  Status loop();
-  Status take_input(int64_t mb, InputEntry* entry, StageInputs* inputs, double* queue_ms);
-  Status send_hidden(int64_t mb, const StageInputs& inputs, const std::vector<float>& hidden);
-  Status end_window(int64_t window, int64_t last_mb, const WindowSums& sums);
-  Status start_control();
-  Status hold(int64_t mb);
-  void shutdown();
-  template <typename Update>
-  void report(Update update) {
-    if (progress_ != nullptr) progress_->update(update);
-  }
-
-  const RunnerConfig& config_;
-  const std::atomic<bool>* stop_;
-  ProgressBoard* progress_;
-  FrameKey key_{};
-  RunId run_id_{};
-  std::unique_ptr<TelemetryWriter> telemetry_;
-  std::unique_ptr<StageProgram> program_;
-  std::unique_ptr<AdamW> optimizer_;
-  std::unique_ptr<CheckpointStore> store_;
-  std::unique_ptr<Receiver> receiver_;
-  std::unique_ptr<Sender> sender_;
-  std::unique_ptr<ControlClient> control_;
-  Shard shard_;
-  int64_t start_mb_ = 0;
-  std::optional<int64_t> restored_window_;
-};
-
-Status StageRunner::setup() {
-  const RunnerConfig& c = config_;
-  Status status = load_run_key(c.run_key_file, &key_);
-  if (!status.ok()) return status;
-  if (!parse_hex_run_id(c.run_id, &run_id_)) {
-    return Status(StatusCode::kInvalidArgument, "run_id \"" + c.run_id + "\" is not 32 hex characters");
-  }
-  if (!c.log_path.empty()) {
-    status = make_directories(dir_of(c.log_path));
-    if (status.ok()) status = TelemetryWriter::open(c.log_path, &telemetry_);
-    if (!status.ok()) return status;
-  }
-  StageProgramOptions program_options;
-  program_options.program_path = c.program;
-  program_options.manifest_path = c.manifest;
-  program_options.threads = c.threads;
-  status = StageProgram::load(program_options, &program_);
-  if (!status.ok()) return status;
-  if (program_->stage_index() != c.stage_index || program_->is_last() != c.is_last_stage()) {
-    return Status(StatusCode::kInvalidArgument,
-                  "program " + c.program + " is stage " + std::to_string(program_->stage_index()) +
-                      (program_->is_last() ? " (a last stage)" : " (not a last stage)") + ", the config says stage " +
-                      std::to_string(c.stage_index) + " of " + std::to_string(c.num_stages));
-  }
-  status = AdamW::create(c.optimizer, program_->parameters(), &optimizer_);
-  if (!status.ok()) return status;
-  CheckpointOptions checkpoint_options;
-  checkpoint_options.dir = c.checkpoint_dir;
-  checkpoint_options.interval = c.checkpoint_interval;
-  checkpoint_options.keep_last = c.keep_last;
-  store_.reset(new CheckpointStore(checkpoint_options));
-  status = store_->validate();
-  if (!status.ok()) return status;
-  status = restore();
-  if (!status.ok()) return status;
-
-  if (c.is_first_stage()) {
-    status = load_shard(c.data_shard, program_->batch(), program_->seq_len(), &shard_);
-    if (!status.ok()) return status;
-  } else {
-    ReceiverOptions options;
-    split_address(c.listen, &options.host, &options.port);
-    options.key = key_;
-    options.expect.run_id = run_id_;
-    options.expect.stage = static_cast<uint32_t>(c.stage_index - 1);
-    options.expect.batch = program_->batch();
-    options.expect.seq_len = program_->seq_len();
-    options.expect.hidden_size = program_->hidden_size();
-    options.stage = static_cast<uint32_t>(c.stage_index);
-    options.log_dir = c.input_log_dir;
-    options.max_pending = static_cast<size_t>(c.in_flight_depth);
-    options.first_micro_batch = static_cast<uint64_t>(start_mb_);
-    if (restored_window_) options.committed_window = static_cast<uint64_t>(*restored_window_);
-    receiver_.reset(new Receiver(options));
-    status = receiver_->start();
-    if (!status.ok()) return Status(status.code(), "listen " + c.listen + ": " + status.message());
-    for (const CorruptLogFile& bad : receiver_->input_log().corrupt()) {
-      log(LogLevel::kWarn, "input log: set aside %s (%s)", bad.path.c_str(), bad.reason.c_str());
-    }
-    // Tests and orchestrators that asked for port 0 read the real one here.
-    emit_event("{\"event\": \"listening\", \"stage\": %" PRId64 ", \"port\": %u}", c.stage_index,
-               static_cast<unsigned>(receiver_->port()));
-  }
-  if (!c.is_last_stage()) {
-    SenderOptions options;
-    split_address(c.downstream, &options.host, &options.port);
-    options.key = key_;
-    options.run_id = run_id_;
-    options.max_in_flight = static_cast<size_t>(c.in_flight_depth);
-    status = link_profile_from_name(c.link_profile, &options.profile);
-    if (!status.ok()) return status;
-    sender_.reset(new Sender(options));
-    status = sender_->start();
-    if (!status.ok()) return Status(status.code(), "downstream " + c.downstream + ": " + status.message());
-  }
-  if (telemetry_) {
-    json start = {{"type", "start"},
-                  {"stage", c.stage_index},
-                  {"num_stages", c.num_stages},
-                  {"pid", static_cast<int64_t>(::getpid())},
-                  {"first_micro_batch", start_mb_},
-                  {"resumed_from_window", restored_window_ ? json(*restored_window_) : json(nullptr)},
-                  {"listen_port", receiver_ ? json(receiver_->port()) : json(nullptr)},
-                  {"config", runner_config_to_json(c)}};
-    (void)telemetry_->write_json(start);
-  }
-  status = start_control();
-  if (!status.ok()) return status;
-  log(LogLevel::kInfo, "stage %lld/%lld: micro-batches %lld..%lld, window %lld, early forwarding %s",
-      static_cast<long long>(c.stage_index), static_cast<long long>(c.num_stages),
-      static_cast<long long>(start_mb_), static_cast<long long>(c.num_micro_batches - 1),
-      static_cast<long long>(c.window_size), c.early_forwarding ? "on" : "off");
-  return Status();
-}
-
-Status StageRunner::start_control() {
-  const RunnerConfig& c = config_;
-  if (c.coordinator.empty()) return Status();
-  ControlClientOptions o;
-  Status status = control_options_from_config(c, key_, &o);
-  if (!status.ok()) return status;
-  if (receiver_) o.listen = c.listen.substr(0, c.listen.rfind(':') + 1) + std::to_string(receiver_->port());
-  o.resume = restored_window_.has_value();
-  o.micro_batches_done = start_mb_;
-  o.chain_stop = stop_;  // the caller's flag (JNI stopNative, signals) keeps working
-  control_.reset(new ControlClient(o));
-  status = control_->start();  // returns at once; connects in the background
-  if (!status.ok()) return Status(status.code(), "coordinator " + c.coordinator + ": " + status.message());
-  stop_ = control_->stop_flag();  // true on STOP or when the chained flag is set
-  control_->set_phase(ControlPhase::kRunning);
-  return Status();
+  shutdown();
+  return status;
 }
 
 Status StageRunner::hold(int64_t mb) {
@@ -316,66 +74,19 @@ Status StageRunner::hold(int64_t mb) {
   return stop_status("held at micro-batch " + std::to_string(mb));
 }
 
-Status StageRunner::restore() {
-  const RunnerConfig& c = config_;
-  std::vector<int64_t> windows;
-  Status status = store_->list_windows(&windows);
-  if (!status.ok() && status.code() != StatusCode::kNotFound) return status;
-  if (!c.resume) {
-    if (!windows.empty()) {
-      return Status(StatusCode::kInvalidArgument,
-                    "checkpoint_dir " + c.checkpoint_dir + " already holds window " + std::to_string(windows.back()) +
-                        "; resume (--resume / \"resume\": true) or use an empty checkpoint_dir");
-    }
-    return Status();
-  }
-  CheckpointProgress progress;
-  bool found = false;
-  status = store_->load_latest(optimizer_.get(), &progress, &found);
-  if (!status.ok()) return status;
-  if (!found) return Status();
-  if (progress.run_id != c.run_id || progress.stage != c.stage_index) {
-    return Status(StatusCode::kInvalidArgument,
-                  "checkpoint in " + c.checkpoint_dir + " is of run " + progress.run_id + " stage " +
-                      std::to_string(progress.stage) + ", this is run " + c.run_id + " stage " +
-                      std::to_string(c.stage_index) + "; use another checkpoint_dir");
-  }
-  const int64_t expected_done = std::min((progress.window + 1) * c.window_size, c.num_micro_batches);
-  if (progress.micro_batches_done != expected_done) {
-    return Status(StatusCode::kInvalidArgument,
-                  "checkpoint window " + std::to_string(progress.window) + " says " +
-                      std::to_string(progress.micro_batches_done) + " micro-batches done, window_size " +
-                      std::to_string(c.window_size) + " implies " + std::to_string(expected_done) +
-                      "; was window_size changed? Resume with the original settings");
-  }
-  start_mb_ = progress.micro_batches_done;
-  restored_window_ = progress.window;
-  log(LogLevel::kInfo, "resumed from checkpoint window %lld (optimizer step %lld); replaying from micro-batch %lld",
-      static_cast<long long>(progress.window), static_cast<long long>(progress.optimizer_step),
-      static_cast<long long>(start_mb_));
-  return Status();
-}
-
 Status StageRunner::take_input(int64_t mb, InputEntry* entry, StageInputs* inputs, double* queue_ms) {
   const Clock::time_point start = Clock::now();
   if (config_.is_first_stage()) {
-    // Micro-batch mb takes rows [j*B, (j+1)*B) with j = mb mod floor(N/B):
-    // shard order, wrapping around for more than one epoch.
-    const int64_t b = program_->batch();
-    const int64_t j = mb % (shard_.rows / b);
-    const int64_t offset = j * b * shard_.seq_len;
-    inputs->input_ids = shard_.ids + offset;
-    inputs->attention_mask = shard_.mask + offset;
-    inputs->labels = shard_.labels + offset;
+    shard_.micro_batch(mb, inputs);
     *queue_ms = ms_since(start);
     return Status();
   }
-  Status status = wait_sliced([&](milliseconds slice) { return receiver_->next(slice, entry); }, stop_,
-                              config_.input_timeout_s, "waiting for micro-batch " + std::to_string(mb) + " from stage " +
-                                                           std::to_string(config_.stage_index - 1));
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(wait_sliced([&](milliseconds slice) { return receiver_->next(slice, entry); }, stop_,
+                                 config_.input_timeout_s,
+                                 "waiting for micro-batch " + std::to_string(mb) + " from stage " +
+                                     std::to_string(config_.stage_index - 1)));
   *queue_ms = ms_since(start);
-  const uint64_t window = static_cast<uint64_t>(mb / config_.window_size);
+  const uint64_t window = static_cast<uint64_t>(plan_.window_of(mb));
   if (entry->micro_batch != static_cast<uint64_t>(mb) || entry->window != window) {
     return Status(StatusCode::kCorrupt, "upstream entry is micro-batch " + std::to_string(entry->micro_batch) +
                                             " of window " + std::to_string(entry->window) + ", expected " +
@@ -395,7 +106,7 @@ Status StageRunner::take_input(int64_t mb, InputEntry* entry, StageInputs* input
 }
 
 Status StageRunner::send_hidden(int64_t mb, const StageInputs& inputs, const std::vector<float>& hidden) {
-  const uint64_t window = static_cast<uint64_t>(mb / config_.window_size);
+  const uint64_t window = static_cast<uint64_t>(plan_.window_of(mb));
   const Frame frame = make_data_frame(run_id_, static_cast<uint32_t>(config_.stage_index), window,
                                       static_cast<uint64_t>(mb), program_->batch(), program_->seq_len(),
                                       program_->hidden_size(), hidden.data(), inputs.attention_mask, inputs.labels);
@@ -406,17 +117,15 @@ Status StageRunner::send_hidden(int64_t mb, const StageInputs& inputs, const std
 Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums& sums) {
   const RunnerConfig& c = config_;
   double lr = 0;
-  Status status = optimizer_->step(&lr);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(optimizer_->step(&lr));
   if (sender_) {
     // Commit only what downstream holds durably (see runner.h, step 6).
-    status = wait_sliced([&](milliseconds slice) { return sender_->flush(slice); }, stop_, c.input_timeout_s,
-                         "waiting for " + c.downstream + " to acknowledge window " + std::to_string(window));
-    if (!status.ok()) return status;
+    ZL_RETURN_IF_ERROR(wait_sliced([&](milliseconds slice) { return sender_->flush(slice); }, stop_,
+                                   c.input_timeout_s,
+                                   "waiting for " + c.downstream + " to acknowledge window " + std::to_string(window)));
   }
-  const bool is_last_window = last_mb + 1 >= c.num_micro_batches;
   std::optional<double> checkpoint_ms;
-  if (store_->due(window, is_last_window)) {
+  if (store_->due(window, plan_.is_last_of_run(last_mb))) {
     const Clock::time_point start = Clock::now();
     CheckpointProgress progress;
     progress.run_id = c.run_id;
@@ -428,12 +137,11 @@ Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums
     progress.lr = lr;
     progress.extra = {{"program", base_of(c.program)}, {"window_size", c.window_size},
                       {"num_micro_batches", c.num_micro_batches}};
-    status = store_->save(*optimizer_, progress);
-    if (!status.ok()) return status;
+    ZL_RETURN_IF_ERROR(store_->save(*optimizer_, progress));
     if (receiver_) {
-      status = receiver_->window_committed(static_cast<uint64_t>(window));
-      if (!status.ok()) log(LogLevel::kWarn, "input log cleanup after window %lld: %s",
-                            static_cast<long long>(window), status.message().c_str());
+      const Status cleaned = receiver_->window_committed(static_cast<uint64_t>(window));
+      if (!cleaned.ok()) log(LogLevel::kWarn, "input log cleanup after window %lld: %s",
+                             static_cast<long long>(window), cleaned.message().c_str());
     }
     checkpoint_ms = ms_since(start);
   }
@@ -458,7 +166,6 @@ Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums
 
 Status StageRunner::loop() {
   const RunnerConfig& c = config_;
-  std::vector<float> hidden;
   WindowSums sums;
   int64_t done = start_mb_;
   const Clock::time_point run_start = Clock::now();
@@ -469,76 +176,16 @@ Status StageRunner::loop() {
   });
   for (int64_t mb = start_mb_; mb < c.num_micro_batches; ++mb) {
     if (stopping(stop_)) return stop_status("before micro-batch " + std::to_string(mb));
-    const Clock::time_point mb_start = Clock::now();
-    const int64_t window = mb / c.window_size;
+    const int64_t window = plan_.window_of(mb);
     MicroBatchRecord record;
-    record.stage = c.stage_index;
-    record.window = window;
-    record.micro_batch = mb;
-
-    InputEntry entry;
-    StageInputs inputs;
-    Status status = take_input(mb, &entry, &inputs, &record.queue_ms);
-    if (!status.ok()) return status;
-
-    Clock::time_point t = Clock::now();
-    status = program_->begin(inputs, &hidden);
-    if (!status.ok()) return status;
-    record.phase1_ms = ms_since(t);
-
-    if (sender_ && c.early_forwarding) {
-      t = Clock::now();
-      status = send_hidden(mb, inputs, hidden);
-      record.send_ms = ms_since(t);
-      if (!status.ok()) {
-        // The method is parked at the marker; let it end before unwinding.
-        StageStepResult ignored;
-        (void)program_->finish(&ignored);
-        return status;
-      }
-    }
-
-    if (mb == c.hold_at_micro_batch) {
-      const Status held = hold(mb);
-      StageStepResult ignored;
-      (void)program_->finish(&ignored);
-      return held;
-    }
-
-    t = Clock::now();
     StageStepResult result;
-    status = program_->finish(&result);
-    if (!status.ok()) return status;
-    record.phase2_ms = ms_since(t);
-
-    if (sender_ && !c.early_forwarding) {
-      t = Clock::now();
-      status = send_hidden(mb, inputs, hidden);
-      record.send_ms = ms_since(t);
-      if (!status.ok()) return status;
-    }
-
-    status = optimizer_->accumulate(result.gradients);
-    if (!status.ok()) return status;
+    ZL_RETURN_IF_ERROR(run_micro_batch(mb, &record, &result));
     sums.add(result);
-    record.loss = result.loss;
-    record.task_loss = result.task_loss;
-    record.consistency_loss = result.consistency_loss;
-    record.total_ms = ms_since(mb_start);
-    if (telemetry_ || progress_) {
-      record.pss_mib = read_pss_mib();
-      record.temperature_c = read_temperature_c();
-    }
-    if (telemetry_) {
-      json line = to_json(record);
-      line["early_forwarding"] = c.early_forwarding;
-      (void)telemetry_->write_json(line);
-    }
+    write_micro_batch(&record);
 
-    const bool window_end = (mb + 1) % c.window_size == 0 || mb + 1 == c.num_micro_batches;
+    const bool window_end = plan_.is_last_of_window(mb);
     if (window_end) {
-      status = end_window(window, mb, sums);
-      if (!status.ok()) return status;
+      ZL_RETURN_IF_ERROR(end_window(window, mb, sums));
       sums = WindowSums();
     }
     done = mb + 1;
@@ -552,11 +199,86 @@ Status StageRunner::loop() {
     });
     if (control_) control_->update_progress(done, window);
   }
-  const double wall_s = ms_since(run_start) / 1000.0;
+  finish_run(done - start_mb_, ms_since(run_start) / 1000.0);
+  return Status();
+}
+
+Status StageRunner::run_micro_batch(int64_t mb, MicroBatchRecord* record, StageStepResult* result) {
+  const Clock::time_point mb_start = Clock::now();
+  record->stage = config_.stage_index;
+  record->window = plan_.window_of(mb);
+  record->micro_batch = mb;
+
+  InputEntry entry;  // a later stage's input lives here until its hidden state is sent
+  StageInputs inputs;
+  ZL_RETURN_IF_ERROR(take_input(mb, &entry, &inputs, &record->queue_ms));
+  ZL_RETURN_IF_ERROR(begin_micro_batch(mb, inputs, record));
+
+  Clock::time_point t = Clock::now();
+  ZL_RETURN_IF_ERROR(program_->finish(result));
+  record->phase2_ms = ms_since(t);
+
+  if (sender_ && !config_.early_forwarding) {
+    t = Clock::now();
+    const Status sent = send_hidden(mb, inputs, hidden_);
+    record->send_ms = ms_since(t);
+    ZL_RETURN_IF_ERROR(sent);
+  }
+
+  ZL_RETURN_IF_ERROR(optimizer_->accumulate(result->gradients));
+  record->loss = result->loss;
+  record->task_loss = result->task_loss;
+  record->consistency_loss = result->consistency_loss;
+  record->total_ms = ms_since(mb_start);
+  return Status();
+}
+
+Status StageRunner::begin_micro_batch(int64_t mb, const StageInputs& inputs, MicroBatchRecord* record) {
+  const Clock::time_point t = Clock::now();
+  ZL_RETURN_IF_ERROR(program_->begin(inputs, &hidden_));
+  record->phase1_ms = ms_since(t);
+
+  if (sender_ && config_.early_forwarding) {
+    const Clock::time_point send_start = Clock::now();
+    const Status sent = send_hidden(mb, inputs, hidden_);
+    record->send_ms = ms_since(send_start);
+    if (!sent.ok()) {
+      abandon_step();
+      return sent;
+    }
+  }
+  if (mb == config_.hold_at_micro_batch) {
+    const Status held = hold(mb);
+    abandon_step();
+    return held;
+  }
+  return Status();
+}
+
+void StageRunner::abandon_step() {
+  // The method is parked at the marker; let it end before unwinding.
+  StageStepResult ignored;
+  (void)program_->finish(&ignored);
+}
+
+void StageRunner::write_micro_batch(MicroBatchRecord* record) {
+  if (telemetry_ || progress_) {
+    record->pss_mib = read_pss_mib();
+    record->temperature_c = read_temperature_c();
+  }
+  if (telemetry_) {
+    json line = to_json(*record);
+    line["early_forwarding"] = config_.early_forwarding;
+    (void)telemetry_->write_json(line);
+  }
+}
+
+void StageRunner::finish_run(int64_t micro_batches, double wall_s) {
+  const RunnerConfig& c = config_;
   if (telemetry_) {
     json line = {{"type", "done"},
                  {"stage", c.stage_index},
-                 {"micro_batches", done - start_mb_},
+                 {"micro_batches", micro_batches},
                  {"wall_s", wall_s},
                  {"optimizer_step", optimizer_->step_count()}};
     if (sender_) {
@@ -572,9 +294,8 @@ Status StageRunner::loop() {
     (void)telemetry_->write_json(line);
   }
   emit_event("{\"event\": \"done\", \"stage\": %" PRId64 ", \"micro_batches\": %" PRId64 ", \"wall_s\": %.3f}",
-             c.stage_index, done - start_mb_, wall_s);
+             c.stage_index, micro_batches, wall_s);
   report([](StageProgress* p) { p->phase = "done"; });
-  return Status();
 }
 
 void StageRunner::shutdown() {
@@ -582,10 +303,10 @@ void StageRunner::shutdown() {
   if (receiver_) receiver_->stop();
 }
 
-}  // namespace
+}  // namespace internal
 
 Status run_stage(const RunnerConfig& config, const std::atomic<bool>* stop_requested, ProgressBoard* progress) {
-  StageRunner runner(config, stop_requested, progress);
+  internal::StageRunner runner(config, stop_requested, progress);
   return runner.run();
 }
 

@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "zl/durable_file.h"
+#include "zl/host_port.h"
 #include "zl/link_profile.h"
 
 namespace zl {
@@ -229,26 +230,17 @@ Status parse_object(const json& object, const std::string& prefix, RunnerConfig*
       return invalid("field '" + std::string(f.path) + "' must be " + type_name(f.type) + ", got " +
                      json_kind(*it) + " " + shown(*it));
     }
-    Status status = f.type == FieldType::kObject ? parse_object(*it, std::string(f.path) + ".", config)
-                                                 : set_field(f, *it, config);
-    if (!status.ok()) return status;
+    ZL_RETURN_IF_ERROR(f.type == FieldType::kObject ? parse_object(*it, std::string(f.path) + ".", config)
+                                                    : set_field(f, *it, config));
   }
   return Status();
 }
 
-// "host:port" with a numeric port; the host may be empty only where
-// `allow_empty_host` (listen on all interfaces).
+// "host:port" (see host_port.h); port 0 only for a listen address.
 Status check_address(const char* field, const std::string& value, bool allow_port_zero) {
-  const size_t colon = value.rfind(':');
-  bool ok = colon != std::string::npos && colon + 1 < value.size() && colon > 0;
-  long port = -1;
-  if (ok) {
-    const std::string digits = value.substr(colon + 1);
-    ok = digits.size() <= 5 && std::all_of(digits.begin(), digits.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); });
-    if (ok) port = std::stol(digits);
-    ok = ok && port <= 65535 && (port > 0 || allow_port_zero);
+  if (!parse_host_port(value, allow_port_zero ? PortZero::kAllowed : PortZero::kRejected).ok()) {
+    return invalid("field '" + std::string(field) + "' is \"" + value + "\"; expected host:port, e.g. 192.168.1.12:7001");
   }
-  if (!ok) return invalid("field '" + std::string(field) + "' is \"" + value + "\"; expected host:port, e.g. 192.168.1.12:7001");
   return Status();
 }
 
@@ -268,7 +260,7 @@ Status validate(const RunnerConfig& c) {
                      check_at_least("checkpoint_interval", c.checkpoint_interval, 1),
                      check_at_least("keep_last", c.keep_last, 1), check_at_least("threads", c.threads, 0),
                      check_at_least("input_timeout_s", c.input_timeout_s, 0)}) {
-    if (!check.ok()) return check;
+    ZL_RETURN_IF_ERROR(check);
   }
   if (c.stage_index >= c.num_stages) {
     return invalid("field 'stage_index' is " + std::to_string(c.stage_index) + " but num_stages is " +
@@ -277,20 +269,17 @@ Status validate(const RunnerConfig& c) {
   if (c.is_first_stage() && c.data_shard.empty()) return invalid("stage 0 needs field 'data_shard' (its data shard)");
   if (!c.is_first_stage()) {
     if (c.listen.empty()) return invalid("stage " + std::to_string(c.stage_index) + " needs field 'listen' (host:port)");
-    Status s = check_address("listen", c.listen, /*allow_port_zero=*/true);
-    if (!s.ok()) return s;
+    ZL_RETURN_IF_ERROR(check_address("listen", c.listen, /*allow_port_zero=*/true));
   }
   if (!c.is_last_stage()) {
     if (c.downstream.empty()) {
       return invalid("stage " + std::to_string(c.stage_index) + " of " + std::to_string(c.num_stages) +
                      " needs field 'downstream' (host:port of the next stage)");
     }
-    Status s = check_address("downstream", c.downstream, false);
-    if (!s.ok()) return s;
+    ZL_RETURN_IF_ERROR(check_address("downstream", c.downstream, false));
   }
   if (!c.coordinator.empty()) {
-    Status s = check_address("coordinator", c.coordinator, false);
-    if (!s.ok()) return s;
+    ZL_RETURN_IF_ERROR(check_address("coordinator", c.coordinator, false));
   }
   RunId run_id{};
   if (!parse_hex_run_id(c.run_id, &run_id)) {
@@ -312,17 +301,12 @@ std::string directory_of(const std::string& path) {
 
 }  // namespace
 
-int64_t RunnerConfig::num_windows() const {
-  return window_size > 0 ? (num_micro_batches + window_size - 1) / window_size : 0;
-}
-
 Status parse_runner_config(const std::string& json_text, const std::string& base_dir, RunnerConfig* out) {
   json root = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) return invalid("not valid JSON");
   if (!root.is_object()) return invalid("expected a JSON object, got " + std::string(json_kind(root)));
   RunnerConfig config;
-  Status status = parse_object(root, "", &config);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(parse_object(root, "", &config));
   if (config.base_dir.empty()) {
     config.base_dir = base_dir;
   } else if (config.base_dir[0] != '/' && !base_dir.empty()) {
@@ -342,8 +326,7 @@ Status parse_runner_config(const std::string& json_text, const std::string& base
   if (schedule.kind == LrScheduleKind::kWarmupCosine && schedule.total_steps == 0) {
     schedule.total_steps = config.num_windows();
   }
-  status = validate(config);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(validate(config));
   *out = std::move(config);
   return Status();
 }
@@ -351,9 +334,8 @@ Status parse_runner_config(const std::string& json_text, const std::string& base
 Status parse_optimizer_config(const json& optimizer, AdamWConfig* out) {
   if (!optimizer.is_object()) return invalid("field 'optimizer' must be object, got " + shown(optimizer));
   RunnerConfig config;
-  Status status = parse_object(optimizer, "optimizer.", &config);
-  if (!status.ok()) return status;
-  status = config.optimizer.validate();
+  ZL_RETURN_IF_ERROR(parse_object(optimizer, "optimizer.", &config));
+  const Status status = config.optimizer.validate();
   if (!status.ok()) return invalid(status.message());
   *out = config.optimizer;
   return Status();
@@ -361,11 +343,9 @@ Status parse_optimizer_config(const json& optimizer, AdamWConfig* out) {
 
 Status load_runner_config(const std::string& path, RunnerConfig* out) {
   std::string text;
-  Status status = read_file(path, &text);
-  if (!status.ok()) return Status(status.code(), "config: " + status.message());
-  status = parse_runner_config(text, directory_of(path), out);
-  if (!status.ok()) return Status(status.code(), status.message() + " (in " + path + ")");
-  return Status();
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_file(path, &text), "config: ");
+  const Status status = parse_runner_config(text, directory_of(path), out);
+  return status.ok() ? status : status.with_context("", " (in " + path + ")");
 }
 
 std::string runner_config_help() {
@@ -410,8 +390,7 @@ json runner_config_to_json(const RunnerConfig& config) {
 
 Status load_run_key(const std::string& path, FrameKey* out) {
   std::string text;
-  Status status = read_file(path, &text);
-  if (!status.ok()) return Status(status.code(), "run key: " + status.message());
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_file(path, &text), "run key: ");
   auto is_space = [](char ch) { return std::isspace(static_cast<unsigned char>(ch)) != 0; };
   while (!text.empty() && is_space(text.back())) text.pop_back();
   size_t start = 0;

@@ -141,8 +141,7 @@ Status read_safetensors(const std::string& path, SafetensorsFile* out) {
   out->tensors.clear();
   out->metadata.clear();
   std::string content;
-  Status status = read_file(path, &content);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(read_file(path, &content));
   if (content.size() < 8) {
     return corrupt(path, "file is " + std::to_string(content.size()) +
                              " bytes, shorter than the 8-byte header length (truncated?)");

@@ -4,8 +4,6 @@
 #include <optional>
 #include <utility>
 
-#include <nlohmann/json.hpp>
-
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/core/evalue.h>
@@ -13,6 +11,7 @@
 
 #include "zl/durable_file.h"
 #include "zl/log.h"
+#include "zl/stage_manifest.h"
 
 // ExecuTorch's CPU thread pool. The wheel ships libexecutorch_threadpool.so
 // without its header, and an Android build may leave the pool out, so these
@@ -35,7 +34,7 @@ using executorch::extension::Module;
 using executorch::extension::TensorPtr;
 using executorch::runtime::Error;
 using executorch::runtime::EValue;
-using nlohmann::json;
+using executorch::runtime::MethodMeta;
 
 namespace {
 
@@ -52,93 +51,6 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   std::string text = "[";
   for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
   return text + "]";
-}
-
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
-bool read_int_vector(const json& value, std::vector<int64_t>* out) {
-  if (!value.is_array()) return false;
-  out->clear();
-  for (const json& v : value) {
-    if (!v.is_number_integer()) return false;
-    out->push_back(v.get<int64_t>());
-  }
-  return true;
-}
-
-/// What the runner needs from manifest.json for one program file.
-struct ManifestStage {
-  int64_t index = 0;
-  int64_t first_layer = 0;
-  int64_t last_layer = 0;
-  bool has_hidden_output = false;
-  struct Param {
-    std::string name;          // PEFT
-    std::string program_name;  // fqn inside the program
-    std::vector<int64_t> shape;
-  };
-  std::vector<Param> params;
-};
-
-Status manifest_error(const std::string& path, const std::string& what) {
-  return Status(StatusCode::kInvalidArgument,
-                "manifest " + path + ": " + what + "; export the stages again with `zl export`");
-}
-
-Status read_manifest_stage(const std::string& manifest_path, const std::string& program_file, ManifestStage* out) {
-  std::string text;
-  Status status = read_file(manifest_path, &text);
-  if (!status.ok()) {
-    return Status(status.code(), "manifest " + manifest_path + " (needed for the PEFT parameter names): " +
-                                     status.message() + "; pass the export's manifest.json as 'manifest'");
-  }
-  const json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded() || !root.is_object()) return manifest_error(manifest_path, "not a JSON object");
-  auto stages = root.find("stages");
-  if (stages == root.end() || !stages->is_array()) return manifest_error(manifest_path, "no 'stages' list");
-  for (const json& stage : *stages) {
-    auto file = stage.find("file");
-    if (!stage.is_object() || file == stage.end() || !file->is_string() || file->get<std::string>() != program_file) {
-      continue;
-    }
-    auto index = stage.find("index");
-    auto layers = stage.find("layers");
-    auto outputs = stage.find("outputs");
-    auto params = stage.find("parameters");
-    std::vector<int64_t> layer_range;
-    if (index == stage.end() || !index->is_number_integer() || layers == stage.end() ||
-        !read_int_vector(*layers, &layer_range) || layer_range.size() != 2 || outputs == stage.end() ||
-        !outputs->is_array() || params == stage.end() || !params->is_array()) {
-      return manifest_error(manifest_path, "entry of " + program_file + " lacks index, layers, outputs or parameters");
-    }
-    out->index = index->get<int64_t>();
-    out->first_layer = layer_range[0];
-    out->last_layer = layer_range[1];
-    out->has_hidden_output = false;
-    for (const json& o : *outputs) {
-      if (o.is_object() && o.value("name", "") == "hidden") out->has_hidden_output = true;
-    }
-    out->params.clear();
-    for (const json& p : *params) {
-      ManifestStage::Param param;
-      auto name = p.find("name");
-      auto program_name = p.find("program_name");
-      auto shape = p.find("shape");
-      if (!p.is_object() || name == p.end() || !name->is_string() || program_name == p.end() ||
-          !program_name->is_string() || shape == p.end() || !read_int_vector(*shape, &param.shape)) {
-        return manifest_error(manifest_path, "a parameter of " + program_file + " lacks name, program_name or shape");
-      }
-      param.name = name->get<std::string>();
-      param.program_name = program_name->get<std::string>();
-      out->params.push_back(std::move(param));
-    }
-    return Status();
-  }
-  return manifest_error(manifest_path, "no stage entry with file \"" + program_file + "\"");
 }
 
 void apply_thread_count(int64_t threads) {
@@ -181,52 +93,64 @@ struct StageProgramHook {
 
 StageProgram::StageProgram() : impl_(new Impl) {}
 
-Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<StageProgram>* out) {
-  const std::string& path = options.program_path;
-  if (options.threads < 0) {
-    return Status(StatusCode::kInvalidArgument, "threads must be >= 0, got " + std::to_string(options.threads));
-  }
-  std::unique_ptr<StageProgram> program(new StageProgram);
-  program->path_ = path;
-  program->threads_ = options.threads;
-  const std::string manifest_path =
-      options.manifest_path.empty() ? dir_of(path) + "/manifest.json" : options.manifest_path;
-  ManifestStage stage;
-  Status status = read_manifest_stage(manifest_path, base_of(path), &stage);
-  if (!status.ok()) return status;
+/// StageProgram::load's steps, in order. Each fills part of the program and
+/// checks it against the stage contract and the manifest; errors name the
+/// program (and the manifest) and the mismatch. A friend of StageProgram, so
+/// the steps and their ExecuTorch types stay out of the header.
+struct StageProgramLoader {
+  StageProgram& program;
+  StageProgram::Impl& impl;
+  const std::string& path;
+  const std::string& manifest_path;
+  const ManifestStage& stage;
+  std::vector<EValue> fqns;  // program names of the parameters, gradient order
 
+  Status load_module();
+  Status read_training_indices();
+  Status check_inputs(const MethodMeta& meta);
+  Status check_outputs(const MethodMeta& meta);
+  Status bind_parameters(const MethodMeta& meta);
+  void allocate_input_buffers();
+};
+
+Status StageProgramLoader::load_module() {
   // File, not Mmap: the parameters are constants of the program, and AdamW
   // writes them in place, which needs heap memory rather than a read-only map.
-  Impl& impl = *program->impl_;
   impl.module.reset(new Module(path, Module::LoadMode::File));
-  Error error = impl.module->load();
+  const Error error = impl.module->load();
   if (error != Error::Ok) {
     return Status(StatusCode::kInvalidArgument,
                   "program " + path + ": ExecuTorch cannot load it (" + error_name(error) + "); is it a `zl export` output?");
   }
+  return Status();
+}
+
+Status StageProgramLoader::read_training_indices() {
   auto grad_index = impl.module->execute(kGradientsIndexMethod);
   auto param_index = impl.module->execute(kParametersIndexMethod);
-  auto fqns = impl.module->execute(kFqnMethod);
-  if (!grad_index.ok() || !param_index.ok() || !fqns.ok() || grad_index->empty() || param_index->empty() ||
+  auto names = impl.module->execute(kFqnMethod);
+  if (!grad_index.ok() || !param_index.ok() || !names.ok() || grad_index->empty() || param_index->empty() ||
       !(*grad_index)[0].isInt() || !(*param_index)[0].isInt()) {
     return Status(StatusCode::kInvalidArgument,
                   "program " + path + " is not an ExecuTorch training program (no " + kGradientsIndexMethod + " / " +
                       kParametersIndexMethod + " / " + kFqnMethod + " methods)");
   }
-  program->grad_start_ = static_cast<size_t>((*grad_index)[0].toInt());
-  program->param_start_ = static_cast<size_t>((*param_index)[0].toInt());
+  program.grad_start_ = static_cast<size_t>((*grad_index)[0].toInt());
+  program.param_start_ = static_cast<size_t>((*param_index)[0].toInt());
+  fqns = std::move(*names);
+  return Status();
+}
 
-  auto meta = impl.module->method_meta(kMethod);
-  if (!meta.ok()) return Status(StatusCode::kInvalidArgument, "program " + path + ": no method 'forward'");
-  if (meta->num_inputs() != 3) {
+Status StageProgramLoader::check_inputs(const MethodMeta& meta) {
+  if (meta.num_inputs() != 3) {
     return Status(StatusCode::kInvalidArgument, "program " + path + ": 'forward' takes " +
-                                                    std::to_string(meta->num_inputs()) +
+                                                    std::to_string(meta.num_inputs()) +
                                                     " inputs, a stage program takes 3 (x, attention_mask, labels)");
   }
   std::vector<std::vector<int64_t>> in_shapes;
   std::vector<ScalarType> in_types;
   for (size_t i = 0; i < 3; ++i) {
-    auto info = meta->input_tensor_meta(i);
+    auto info = meta.input_tensor_meta(i);
     if (!info.ok()) return Status(StatusCode::kInvalidArgument, "program " + path + ": input " + std::to_string(i) + " is not a tensor");
     in_shapes.emplace_back(info->sizes().begin(), info->sizes().end());
     in_types.push_back(info->scalar_type());
@@ -241,30 +165,33 @@ Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<St
                       shape_text(in_shapes[2]) +
                       " are not (input_ids int64 [B,S] | hidden float32 [B,S,D], attention_mask int64 [B,S], labels int64 [B,S])");
   }
-  program->is_first_ = first;
-  program->batch_ = in_shapes[1][0];
-  program->seq_len_ = in_shapes[1][1];
-  program->hidden_size_ = hidden_in ? in_shapes[0][2] : 0;
-  program->stage_index_ = stage.index;
-  program->first_layer_ = stage.first_layer;
-  program->last_layer_ = stage.last_layer;
-  program->is_last_ = !stage.has_hidden_output;
+  program.is_first_ = first;
+  program.batch_ = in_shapes[1][0];
+  program.seq_len_ = in_shapes[1][1];
+  program.hidden_size_ = hidden_in ? in_shapes[0][2] : 0;
+  program.stage_index_ = stage.index;
+  program.first_layer_ = stage.first_layer;
+  program.last_layer_ = stage.last_layer;
+  program.is_last_ = !stage.has_hidden_output;
   if (first != (stage.index == 0)) {
     return Status(StatusCode::kInvalidArgument, "program " + path + ": manifest says stage " +
                                                     std::to_string(stage.index) + " but its first input is " +
                                                     (first ? "input_ids" : "hidden"));
   }
+  return Status();
+}
 
+Status StageProgramLoader::check_outputs(const MethodMeta& meta) {
   // User outputs: [hidden,] loss, task_loss, consistency_loss.
-  const size_t user_outputs = program->is_last_ ? 3 : 4;
-  const size_t num_params = program->param_start_ - program->grad_start_;
-  if (program->grad_start_ != user_outputs || program->param_start_ < program->grad_start_ ||
-      meta->num_outputs() != program->param_start_ + num_params || fqns->size() != num_params) {
+  const size_t user_outputs = program.is_last_ ? 3 : 4;
+  const size_t num_params = program.param_start_ - program.grad_start_;
+  if (program.grad_start_ != user_outputs || program.param_start_ < program.grad_start_ ||
+      meta.num_outputs() != program.param_start_ + num_params || fqns.size() != num_params) {
     return Status(StatusCode::kInvalidArgument,
                   "program " + path + ": outputs do not follow the stage contract (user outputs " +
-                      std::to_string(program->grad_start_) + ", expected " + std::to_string(user_outputs) +
-                      "; gradients " + std::to_string(num_params) + ", names " + std::to_string(fqns->size()) +
-                      ", outputs " + std::to_string(meta->num_outputs()) + ")");
+                      std::to_string(program.grad_start_) + ", expected " + std::to_string(user_outputs) +
+                      "; gradients " + std::to_string(num_params) + ", names " + std::to_string(fqns.size()) +
+                      ", outputs " + std::to_string(meta.num_outputs()) + ")");
   }
   if (num_params != stage.params.size()) {
     return Status(StatusCode::kInvalidArgument, "program " + path + " has " + std::to_string(num_params) +
@@ -273,27 +200,32 @@ Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<St
                                                     "; the manifest belongs to another export");
   }
   // hidden output shape: (B, S, D); take D from it on stage 0.
-  if (!program->is_last_) {
-    auto info = meta->output_tensor_meta(0);
+  if (!program.is_last_) {
+    auto info = meta.output_tensor_meta(0);
     if (!info.ok() || info->sizes().size() != 3 || info->scalar_type() != ScalarType::Float) {
       return Status(StatusCode::kInvalidArgument, "program " + path + ": output 0 is not hidden float32 [B,S,D]");
     }
-    program->hidden_size_ = info->sizes()[2];
+    program.hidden_size_ = info->sizes()[2];
   }
+  return Status();
+}
 
+Status StageProgramLoader::bind_parameters(const MethodMeta& meta) {
+  // The parameters are outputs of the loaded method: their tensors point at
+  // the program's own memory, which AdamW then updates in place.
   auto outputs = impl.module->get_outputs(kMethod);
-  if (!outputs.ok() || outputs->size() != meta->num_outputs()) {
+  if (!outputs.ok() || outputs->size() != meta.num_outputs()) {
     return Status(StatusCode::kInternal, "program " + path + ": cannot read the outputs of 'forward' after loading");
   }
-  for (size_t i = 0; i < num_params; ++i) {
-    const std::string fqn((*fqns)[i].toString());
+  for (size_t i = 0; i < fqns.size(); ++i) {
+    const std::string fqn(fqns[i].toString());
     const ManifestStage::Param& expected = stage.params[i];
     if (fqn != expected.program_name) {
       return Status(StatusCode::kInvalidArgument, "program " + path + ": parameter " + std::to_string(i) + " is '" +
                                                       fqn + "', manifest " + manifest_path + " says '" +
                                                       expected.program_name + "'");
     }
-    const EValue& value = (*outputs)[program->param_start_ + i];
+    const EValue& value = (*outputs)[program.param_start_ + i];
     if (!value.isTensor() || value.toTensor().scalar_type() != ScalarType::Float) {
       return Status(StatusCode::kInvalidArgument, "program " + path + ": parameter '" + fqn + "' is not float32");
     }
@@ -304,22 +236,25 @@ Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<St
                                                       shape_text(shape) + ", manifest says " +
                                                       shape_text(expected.shape));
     }
-    program->params_.push_back({expected.name, shape, tensor.mutable_data_ptr<float>()});
+    program.params_.push_back({expected.name, shape, tensor.mutable_data_ptr<float>()});
   }
+  return Status();
+}
 
+void StageProgramLoader::allocate_input_buffers() {
   // Input buffers and the tensors over them (shapes fixed by the program).
-  const int64_t bs = program->batch_ * program->seq_len_;
+  const int64_t bs = program.batch_ * program.seq_len_;
   using executorch::extension::from_blob;
   using Sizes = std::vector<executorch::aten::SizesType>;
-  const auto b = static_cast<executorch::aten::SizesType>(program->batch_);
-  const auto s = static_cast<executorch::aten::SizesType>(program->seq_len_);
-  if (first) {
+  const auto b = static_cast<executorch::aten::SizesType>(program.batch_);
+  const auto s = static_cast<executorch::aten::SizesType>(program.seq_len_);
+  if (program.is_first_) {
     impl.ids.assign(bs, 0);
     impl.tensors.push_back(from_blob(impl.ids.data(), Sizes{b, s}, ScalarType::Long));
   } else {
-    impl.hidden.assign(bs * program->hidden_size_, 0.0f);
+    impl.hidden.assign(bs * program.hidden_size_, 0.0f);
     impl.tensors.push_back(from_blob(impl.hidden.data(),
-                                     Sizes{b, s, static_cast<executorch::aten::SizesType>(program->hidden_size_)},
+                                     Sizes{b, s, static_cast<executorch::aten::SizesType>(program.hidden_size_)},
                                      ScalarType::Float));
   }
   impl.mask.assign(bs, 1);
@@ -327,6 +262,30 @@ Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<St
   impl.tensors.push_back(from_blob(impl.mask.data(), Sizes{b, s}, ScalarType::Long));
   impl.tensors.push_back(from_blob(impl.labels.data(), Sizes{b, s}, ScalarType::Long));
   for (const TensorPtr& t : impl.tensors) impl.inputs.emplace_back(*t);
+}
+
+Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<StageProgram>* out) {
+  const std::string& path = options.program_path;
+  if (options.threads < 0) {
+    return Status(StatusCode::kInvalidArgument, "threads must be >= 0, got " + std::to_string(options.threads));
+  }
+  std::unique_ptr<StageProgram> program(new StageProgram);
+  program->path_ = path;
+  program->threads_ = options.threads;
+  const std::string manifest_path =
+      options.manifest_path.empty() ? dir_of(path) + "/manifest.json" : options.manifest_path;
+  ManifestStage stage;
+  ZL_RETURN_IF_ERROR(read_manifest_stage(manifest_path, base_of(path), &stage));
+
+  StageProgramLoader loader{*program, *program->impl_, path, manifest_path, stage, {}};
+  ZL_RETURN_IF_ERROR(loader.load_module());
+  ZL_RETURN_IF_ERROR(loader.read_training_indices());
+  auto meta = program->impl_->module->method_meta(kMethod);
+  if (!meta.ok()) return Status(StatusCode::kInvalidArgument, "program " + path + ": no method 'forward'");
+  ZL_RETURN_IF_ERROR(loader.check_inputs(*meta));
+  ZL_RETURN_IF_ERROR(loader.check_outputs(*meta));
+  ZL_RETURN_IF_ERROR(loader.bind_parameters(*meta));
+  loader.allocate_input_buffers();
 
   apply_thread_count(options.threads);
   program->worker_ = std::thread(&StageProgram::worker_main, program.get());
@@ -425,8 +384,7 @@ Status StageProgram::begin(const StageInputs& inputs, std::vector<float>* hidden
   if (state_ != State::kIdle) {
     return Status(StatusCode::kInvalidArgument, "begin() while a step is in progress; call finish() first");
   }
-  Status status = stage_inputs(inputs);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(stage_inputs(inputs));
   marker_calls_ = 0;
   marker_error_.clear();
   if (hidden != nullptr) hidden->clear();
@@ -487,8 +445,7 @@ Status StageProgram::run(const StageInputs& inputs, std::vector<float>* hidden, 
     if (state_ != State::kIdle) {
       return Status(StatusCode::kInvalidArgument, "run() while a step is in progress; call finish() first");
     }
-    Status status = stage_inputs(inputs);
-    if (!status.ok()) return status;
+    ZL_RETURN_IF_ERROR(stage_inputs(inputs));
   }
   // The caller's thread has no marker hook of ours; the worker is idle, so the
   // Module is not shared.

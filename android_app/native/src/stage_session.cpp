@@ -102,21 +102,19 @@ Status StageSession::start(const std::string& config_json) {
                                              "); stop it before starting another");
   }
   std::string run_dir;
-  Status status = run_dir_of(config_json, &run_dir);
-  if (!status.ok()) return status;
+  ZL_RETURN_IF_ERROR(run_dir_of(config_json, &run_dir));
   lock.unlock();
   join();  // the previous run's thread has ended (its state says so); reap it
   lock.lock();
 
-  status = make_directories(run_dir);
-  if (!status.ok()) return Status(status.code(), "run folder " + run_dir + ": " + status.message());
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(make_directories(run_dir), "run folder " + run_dir + ": ");
   const std::string exit_path = run_dir + "/" + kRunnerExitFile;
   if (::unlink(exit_path.c_str()) != 0 && errno != ENOENT) {
     return Status(StatusCode::kIoError, "cannot remove the old " + exit_path + ": " + std::strerror(errno));
   }
   out_ = std::fopen((run_dir + "/" + kRunnerOutFile).c_str(), "a");
   err_ = std::fopen((run_dir + "/" + kRunnerErrFile).c_str(), "a");
-  status = write_text(run_dir + "/" + kRunnerPidFile, std::to_string(::getpid()) + "\n");
+  Status status = write_text(run_dir + "/" + kRunnerPidFile, std::to_string(::getpid()) + "\n");
   if (out_ == nullptr || err_ == nullptr || !status.ok()) {
     const std::string why = status.ok() ? std::strerror(errno) : status.message();
     if (out_ != nullptr) std::fclose(out_);

@@ -56,8 +56,7 @@ Status wait_fd(int fd, short events, SteadyClock::time_point deadline) {
 Status recv_exact(int fd, uint8_t* out, size_t size, SteadyClock::time_point deadline) {
   size_t got = 0;
   while (got < size) {
-    Status s = wait_fd(fd, POLLIN, deadline);
-    if (!s.ok()) return s;
+    ZL_RETURN_IF_ERROR(wait_fd(fd, POLLIN, deadline));
     const ssize_t n = ::recv(fd, out + got, size - got, MSG_DONTWAIT);
     if (n == 0) return Status(StatusCode::kClosed, "connection closed by peer");
     if (n < 0) {
@@ -94,8 +93,7 @@ void Socket::shutdown() {
 Status listen_tcp(const std::string& host, uint16_t port, Socket* out, uint16_t* bound_port) {
   sockaddr_storage addr{};
   socklen_t len = 0;
-  Status s = resolve(host, port, &addr, &len);
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(resolve(host, port, &addr, &len));
   Socket sock(::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!sock.valid()) return errno_status("socket");
   const int one = 1;
@@ -118,8 +116,7 @@ Status connect_tcp(const std::string& host, uint16_t port, std::chrono::millisec
                    Socket* out) {
   sockaddr_storage addr{};
   socklen_t len = 0;
-  Status s = resolve(host, port, &addr, &len);
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(resolve(host, port, &addr, &len));
   Socket sock(::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!sock.valid()) return errno_status("socket");
   const int flags = ::fcntl(sock.fd(), F_GETFL, 0);
@@ -127,8 +124,7 @@ Status connect_tcp(const std::string& host, uint16_t port, std::chrono::millisec
   const std::string where = host + ":" + std::to_string(port);
   if (::connect(sock.fd(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
     if (errno != EINPROGRESS) return errno_status("connect " + where);
-    s = wait_fd(sock.fd(), POLLOUT, SteadyClock::now() + timeout);
-    if (!s.ok()) return Status(s.code(), "connect " + where + ": " + s.message());
+    ZL_RETURN_IF_ERROR_WITH_PREFIX(wait_fd(sock.fd(), POLLOUT, SteadyClock::now() + timeout), "connect " + where + ": ");
     int err = 0;
     socklen_t err_len = sizeof(err);
     ::getsockopt(sock.fd(), SOL_SOCKET, SO_ERROR, &err, &err_len);
@@ -169,8 +165,7 @@ Status send_all(int fd, const uint8_t* data, size_t size) {
 
 Status write_frame(int fd, const Frame& frame, const FrameKey& key) {
   std::vector<uint8_t> bytes;
-  Status s = encode_frame(frame, key, &bytes);
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(encode_frame(frame, key, &bytes));
   return send_all(fd, bytes.data(), bytes.size());
 }
 
@@ -179,8 +174,7 @@ Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
                   std::vector<uint8_t>* raw) {
   const auto deadline = SteadyClock::now() + timeout;
   std::vector<uint8_t> bytes(kFrameHeaderSize);
-  Status s = recv_exact(fd, bytes.data(), kFrameHeaderSize, deadline);
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(recv_exact(fd, bytes.data(), kFrameHeaderSize, deadline));
   size_t total = 0;
   std::string reason;
   const FrameError e =
@@ -191,8 +185,7 @@ Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
     return Status();
   }
   bytes.resize(total);
-  s = recv_exact(fd, bytes.data() + kFrameHeaderSize, total - kFrameHeaderSize, deadline);
-  if (!s.ok()) return s;
+  ZL_RETURN_IF_ERROR(recv_exact(fd, bytes.data() + kFrameHeaderSize, total - kFrameHeaderSize, deadline));
   *out = decode_frame(bytes.data(), bytes.size(), key, expect);
   if (raw) *raw = std::move(bytes);
   return Status();

@@ -29,6 +29,7 @@
 #include "zl/durable_file.h"
 #include "zl/runner_config.h"
 #include "zl/safetensors.h"
+#include "zl/window_plan.h"
 
 namespace {
 
@@ -79,7 +80,8 @@ int main(int argc, char** argv) {
   const int64_t n = json_int(config, "num_micro_batches", 0);
   const int64_t m = json_int(config, "window_size", 0);
   if (n < 1 || m < 1) return fail("config needs integers num_micro_batches >= 1 and window_size >= 1");
-  const int64_t steps = (n + m - 1) / m;
+  const zl::WindowPlan plan(n, m);
+  const int64_t steps = plan.num_windows();
   // As in the stage config, a warmup_cosine total_steps of 0 (or none) means
   // "the number of windows"; fill it in before validation checks T >= W.
   nlohmann::json optimizer_json = config.value("optimizer", nlohmann::json::object());
@@ -137,8 +139,7 @@ int main(int argc, char** argv) {
     }
     status = optimizer->accumulate(grads);
     if (!status.ok()) return fail(status.message());
-    const bool window_end = (k + 1) % m == 0 || k + 1 == n;
-    if (!window_end) continue;
+    if (!plan.is_last_of_window(k)) continue;
     double lr = 0;
     status = optimizer->step(&lr);
     if (!status.ok()) return fail(status.message());
@@ -149,7 +150,7 @@ int main(int argc, char** argv) {
     if (store) {
       zl::CheckpointProgress progress;
       progress.run_id = "zl_adamw_check";
-      progress.window = k / m;
+      progress.window = plan.window_of(k);
       progress.last_micro_batch = k;
       progress.micro_batches_done = k + 1;
       progress.optimizer_step = optimizer->step_count();

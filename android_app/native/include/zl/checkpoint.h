@@ -1,7 +1,7 @@
 // Atomic per-window checkpoints of one stage: LoRA parameters, AdamW state
 // and progress.
 //
-// Layout (one directory per committed window):
+// Layout (one directory per committed window; names in checkpoint_layout.h):
 //
 //   <dir>/window_000012/adapter.safetensors    LoRA params under their PEFT names, F32
 //   <dir>/window_000012/optimizer.safetensors  "<name>.exp_avg", "<name>.exp_avg_sq", F32
@@ -37,15 +37,11 @@
 #include <nlohmann/json.hpp>
 
 #include "zl/adamw.h"
+#include "zl/checkpoint_layout.h"
 #include "zl/safetensors.h"
 #include "zl/status.h"
 
 namespace zl {
-
-/// File names inside a window directory.
-inline constexpr const char* kAdapterFile = "adapter.safetensors";
-inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
-inline constexpr const char* kProgressFile = "progress.json";
 
 /// Where training stands when a checkpoint is taken (progress.json).
 struct CheckpointProgress {
@@ -73,9 +69,6 @@ struct CheckpointOptions {
   int64_t interval = 1;   ///< save after every `interval`-th window (and the last one)
   int64_t keep_last = 2;  ///< complete checkpoints kept on disk (>= 1)
 };
-
-/// "window_000012" for window 12.
-std::string checkpoint_dir_name(int64_t window);
 
 /// Reads `window_dir` and validates it against `expected` (names and shapes;
 /// `data` is ignored): every file present and well-formed, dtype F32, exactly

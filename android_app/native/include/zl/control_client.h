@@ -35,27 +35,25 @@
 //
 // A coordinator that is not up yet, restarts, or sends bad frames never stops
 // training: the client reconnects with exponential back-off in its own
-// thread, and rejects bad frames with a logged reason (frame_error_name).
+// thread (a ReconnectingLink, as the data plane's Sender), and rejects bad frames with a logged reason (frame_error_name).
 //
-// How runner.cpp uses it (StageRunner gets a member
+// How the runner uses it (StageRunner, src/stage_runner.h, has a member
 // `std::unique_ptr<ControlClient> control_;`):
 //
 //   // setup(), at the end (after the Receiver listens, so "listen" has the real port):
 //   if (!c.coordinator.empty()) {
 //     ControlClientOptions o;
-//     status = control_options_from_config(c, key_, &o);
-//     if (!status.ok()) return status;
+//     ZL_RETURN_IF_ERROR(control_options_from_config(c, key_, &o));
 //     if (receiver_) o.listen = c.listen.substr(0, c.listen.rfind(':') + 1) + std::to_string(receiver_->port());
 //     o.resume = restored_window_.has_value();
 //     o.micro_batches_done = start_mb_;
 //     o.chain_stop = stop_;                  // the caller's flag (JNI stopNative, signals) keeps working
 //     control_.reset(new ControlClient(o));
-//     status = control_->start();            // returns at once; connects in the background
-//     if (!status.ok()) return status;
+//     ZL_RETURN_IF_ERROR(control_->start()); // returns at once; connects in the background
 //     stop_ = control_->stop_flag();         // true on STOP or when the chained flag is set
 //     if (c.wait_for_start) {                // (a config field runner_config does not have yet)
-//       status = control_->wait_for_start(std::chrono::seconds(c.input_timeout_s > 0 ? c.input_timeout_s : 86400));
-//       if (!status.ok()) return status;
+//       ZL_RETURN_IF_ERROR(control_->wait_for_start(
+//           std::chrono::seconds(c.input_timeout_s > 0 ? c.input_timeout_s : 86400)));
 //     }
 //     control_->set_phase(ControlPhase::kRunning);
 //   }
@@ -92,6 +90,7 @@
 #include <thread>
 
 #include "zl/frame.h"
+#include "zl/reconnecting_link.h"
 #include "zl/runner_config.h"
 #include "zl/status.h"
 #include "zl/tcp_socket.h"
@@ -243,7 +242,6 @@ class ControlClient {
   Frame register_locked() const;
   Frame control_frame_locked(FrameType type, uint64_t window, std::string json) const;
   void mirror_chain_stop();
-  void wake();
 
   ControlClientOptions options_;
   std::string host_;
@@ -269,9 +267,7 @@ class ControlClient {
   std::atomic<bool> stop_{false};
   std::mutex shutdown_mutex_;  // serializes concurrent shutdown() calls
   std::thread thread_;
-  Socket conn_;  // mutated under mutex_ by the I/O thread; shutdown() may shut it down
-  FrameReader reader_;
-  int wake_pipe_[2] = {-1, -1};
+  ReconnectingLink link_;  // the connection to the coordinator; driven by the I/O thread
 };
 
 }  // namespace zl

@@ -35,7 +35,7 @@ Status list_directory(const std::string& path, std::vector<std::string>* names);
 Status remove_tree(const std::string& path);
 
 /// True if `path` exists and is a directory.
-bool is_directory(const std::string& path);
+[[nodiscard]] bool is_directory(const std::string& path);
 
 /// mkdir -p; existing directories are fine.
 Status make_directories(const std::string& path);

@@ -48,7 +48,7 @@ enum class FrameType : uint16_t {
 /// Returns "DATA", "ACK", ... or nullptr for a value outside the enum.
 const char* frame_type_name(uint16_t type);
 /// Parses "DATA"/"data" etc.; false if unknown.
-bool parse_frame_type(const std::string& name, FrameType* out);
+[[nodiscard]] bool parse_frame_type(const std::string& name, FrameType* out);
 
 /// Tensor element types (u8 on the wire).
 enum class DType : uint8_t {
@@ -64,7 +64,7 @@ enum class DType : uint8_t {
 size_t dtype_size(uint8_t dtype);
 /// "float32", "int64", ... or nullptr.
 const char* dtype_name(uint8_t dtype);
-bool parse_dtype(const std::string& name, DType* out);
+[[nodiscard]] bool parse_dtype(const std::string& name, DType* out);
 
 using RunId = std::array<uint8_t, kRunIdSize>;
 using FrameKey = std::array<uint8_t, kFrameKeySize>;
@@ -131,7 +131,7 @@ struct FrameExpectation {
 
 /// Outcome of decode_frame: `error == kNone` and a filled `frame`, or the
 /// error with a reason that names the offending value.
-struct DecodeResult {
+struct [[nodiscard]] DecodeResult {
   FrameError error = FrameError::kNone;
   std::string reason;
   Frame frame;
@@ -169,8 +169,8 @@ Frame make_control_frame(FrameType type, const RunId& run_id, uint32_t stage, ui
 std::array<uint8_t, kFrameMacSize> frame_mac(const uint8_t* data, size_t size, const FrameKey& key);
 
 /// Parses 32 bytes of hex (64 chars) into a key; 16 bytes into a run id.
-bool parse_hex_key(const std::string& hex, FrameKey* out);
-bool parse_hex_run_id(const std::string& hex, RunId* out);
+[[nodiscard]] bool parse_hex_key(const std::string& hex, FrameKey* out);
+[[nodiscard]] bool parse_hex_run_id(const std::string& hex, RunId* out);
 std::string to_hex(const uint8_t* data, size_t size);
 
 }  // namespace zl

@@ -45,6 +45,6 @@ struct LrSchedule {
 /// "constant" / "warmup_cosine".
 const char* lr_schedule_kind_name(LrScheduleKind kind);
 /// Parses "constant" / "warmup_cosine"; false for anything else.
-bool parse_lr_schedule_kind(const std::string& text, LrScheduleKind* out);
+[[nodiscard]] bool parse_lr_schedule_kind(const std::string& text, LrScheduleKind* out);
 
 }  // namespace zl

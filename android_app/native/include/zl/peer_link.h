@@ -5,8 +5,8 @@
 //                                          receiver's durable InputLog)
 //
 // Sender: at most D entries un-acknowledged (send() blocks beyond that),
-// reconnects with exponential back-off and re-sends every un-acknowledged
-// entry, shapes the link by a LinkProfile.
+// reconnects with exponential back-off (a ReconnectingLink) and re-sends
+// every un-acknowledged entry, shapes the link by a LinkProfile.
 // Receiver: validates every frame (MAC, run, stage, shapes), logs before it
 // acknowledges, drops duplicates by micro-batch id (acknowledging them
 // again), and keeps listening after a bad frame or a broken connection.
@@ -26,6 +26,7 @@
 #include "zl/frame.h"
 #include "zl/input_log.h"
 #include "zl/link_profile.h"
+#include "zl/reconnecting_link.h"
 #include "zl/status.h"
 #include "zl/tcp_socket.h"
 
@@ -97,8 +98,7 @@ class Sender {
   bool connect_once();
   void drop_connection(const std::string& why);
   void handle_incoming();
-  void wake();
-  void sleep_interruptibly(std::chrono::milliseconds d);
+  void handle_frame(const DecodeResult& r);
 
   SenderOptions options_;
   mutable std::mutex mutex_;
@@ -109,10 +109,8 @@ class Sender {
   bool connected_ = false;
   bool peer_changed_ = false;
   std::thread thread_;
-  Socket conn_;  // touched only by the I/O thread (and shutdown() by stop())
-  FrameReader reader_;
+  ReconnectingLink link_;  // the connection downstream; driven by the I/O thread
   LinkShaper shaper_;
-  int wake_pipe_[2] = {-1, -1};
 };
 
 struct ReceiverOptions {

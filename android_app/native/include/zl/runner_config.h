@@ -21,6 +21,7 @@
 #include "zl/adamw.h"
 #include "zl/frame.h"
 #include "zl/status.h"
+#include "zl/window_plan.h"
 
 namespace zl {
 
@@ -55,8 +56,10 @@ struct RunnerConfig {
   int64_t seed = 0;               ///< for anything random in the runner (data order)
   int64_t hold_at_micro_batch = -1;  ///< failure injection: park after sending this micro-batch; -1 = never
 
+  /// How num_micro_batches fall into windows of window_size.
+  WindowPlan window_plan() const { return WindowPlan(num_micro_batches, window_size); }
   /// Number of update windows: ceil(num_micro_batches / window_size).
-  int64_t num_windows() const;
+  int64_t num_windows() const { return window_plan().num_windows(); }
   bool is_first_stage() const { return stage_index == 0; }
   bool is_last_stage() const { return stage_index == num_stages - 1; }
 };

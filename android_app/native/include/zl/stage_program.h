@@ -135,6 +135,7 @@ class StageProgram {
   // tensor (an executorch::aten::Tensor, kept out of this header).
   void on_marker(const void* hidden_tensor);
   friend struct StageProgramHook;
+  friend struct StageProgramLoader;  // load()'s steps (stage_program.cpp)
 
   std::unique_ptr<Impl> impl_;  // ExecuTorch objects (kept out of this header)
   std::string path_;

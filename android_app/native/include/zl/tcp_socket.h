@@ -63,7 +63,7 @@ Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
 /// A self-pipe lets other threads wake an I/O thread blocked in poll():
 /// `fds[0]` goes into the poll set, `fds[1]` is written by write_wake(). Both
 /// ends are non-blocking and close-on-exec. False (errno set) if pipe() fails.
-bool make_wake_pipe(int fds[2]);
+[[nodiscard]] bool make_wake_pipe(int fds[2]);
 /// Closes both ends (if open) and sets them to -1.
 void close_wake_pipe(int fds[2]);
 /// Writes one byte to the write end; a full pipe already means "wake up".
@@ -83,7 +83,20 @@ class FrameReader {
   Status fill(int fd);
   /// Pops the next complete frame's bytes into `*frame`. kBroken means the
   /// stream cannot be re-synchronized (`*error`, `*reason` say why).
-  Next next(std::vector<uint8_t>* frame, FrameError* error, std::string* reason);
+  [[nodiscard]] Next next(std::vector<uint8_t>* frame, FrameError* error, std::string* reason);
+
+  /// next() as one value, for read loops.
+  struct Popped {
+    Next next = Next::kNeedMore;
+    std::vector<uint8_t> frame;
+    FrameError error = FrameError::kNone;
+    std::string reason;
+  };
+  [[nodiscard]] Popped pop() {
+    Popped p;
+    p.next = next(&p.frame, &p.error, &p.reason);
+    return p;
+  }
   void clear() { buffer_.clear(); }
 
  private:

@@ -1,0 +1,110 @@
+// The client end of a framed TCP link that outlives its peer. Sender (the
+// data plane, peer_link.h) and ControlClient (the control channel,
+// control_client.h) each own one and drive it from their I/O thread; what
+// they send, when, and what a frame means stays with them. This holds what
+// both need:
+//   - a wake pipe, so other threads can cut the I/O thread's wait short;
+//   - the connection: dialled with a timeout and SO_KEEPALIVE, replaced on
+//     every reconnect;
+//   - exponential back-off between failed connects (Backoff);
+//   - the read loop: bytes from the socket split into frames, each decoded
+//     against the link's key and expectation and handed to the owner.
+//
+// Threading: everything is for the owner's I/O thread, except wake() and
+// shutdown(), which any thread may call (stop/shutdown paths).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+
+#include "zl/frame.h"
+#include "zl/status.h"
+#include "zl/tcp_socket.h"
+
+namespace zl {
+
+/// Delays between connect attempts: `initial`, doubled after each failure up
+/// to `max`, back to `initial` after a success.
+class Backoff {
+ public:
+  Backoff(std::chrono::milliseconds initial, std::chrono::milliseconds max)
+      : initial_(initial), max_(max), next_(initial) {}
+  /// The delay before the next attempt (and doubles the one after).
+  std::chrono::milliseconds next();
+  void reset() { next_ = initial_; }
+
+ private:
+  std::chrono::milliseconds initial_, max_, next_;
+};
+
+/// What read_frames() met besides frames.
+struct LinkReadResult {
+  /// The stream cannot be re-synchronized (bad magic, oversize, ...): only a
+  /// new connection helps. `error` and `reason` say why.
+  bool broken = false;
+  FrameError error = FrameError::kNone;
+  std::string reason;
+  /// Reading the socket: kClosed on EOF, kIoError on a failure. Frames that
+  /// arrived before it were handed over already.
+  Status filled;
+};
+
+class ReconnectingLink {
+ public:
+  /// Incoming frames are decoded with `key` against `expect`, whose
+  /// max_frame_bytes also bounds the read buffer.
+  ReconnectingLink(const FrameKey& key, const FrameExpectation& expect);
+  /// Closes the wake pipe: the owner has joined its I/O thread by then.
+  ~ReconnectingLink();
+  ReconnectingLink(const ReconnectingLink&) = delete;
+  ReconnectingLink& operator=(const ReconnectingLink&) = delete;
+
+  /// Creates the wake pipe; call before the I/O thread starts. kIoError.
+  Status open();
+  /// Any thread: ends the I/O thread's current wait_for_input() or sleep().
+  void wake();
+
+  /// Connects to host:port within `timeout` (blocking socket, TCP_NODELAY,
+  /// SO_KEEPALIVE so a peer that vanished is noticed on an idle link).
+  static Status dial(const std::string& host, uint16_t port, std::chrono::milliseconds timeout, Socket* out);
+  /// Makes `sock` the connection; bytes buffered from an earlier one are dropped.
+  void adopt(Socket sock);
+  /// Closes the connection (if any) and drops buffered bytes.
+  void close();
+  /// Any thread: shuts the connection down, which ends a send() blocked on a
+  /// peer that stopped reading; the I/O thread then sees the error.
+  void shutdown();
+  bool connected() const { return conn_.valid(); }
+
+  /// Writes all bytes (blocking) on the connection.
+  Status send(const uint8_t* data, size_t size);
+
+  /// Waits until `until` (at most 1 s, so the owner re-checks its state), a
+  /// wake(), or input (or a hang-up) on the connection; `*readable` says the
+  /// latter. kIoError "poll: ..." if the wait itself fails.
+  Status wait_for_input(std::chrono::steady_clock::time_point until, bool* readable);
+  /// Sleeps for `duration` unless woken.
+  void sleep(std::chrono::milliseconds duration);
+
+  /// Reads what the socket has without blocking and hands every complete
+  /// frame to `on_frame`, decoded, also those that fail validation
+  /// (DecodeResult::ok() false): their length was sound, so the stream stays
+  /// in sync. Stops at a broken stream (see LinkReadResult).
+  LinkReadResult read_frames(const std::function<void(const DecodeResult&)>& on_frame);
+
+ private:
+  const FrameKey key_;
+  const FrameExpectation expect_;
+  // Guards conn_ between the I/O thread's adopt()/close() and shutdown() from
+  // other threads; the I/O thread, its only writer, reads it without.
+  std::mutex conn_mutex_;
+  Socket conn_;
+  FrameReader reader_;
+  int wake_pipe_[2] = {-1, -1};
+};
+
+}  // namespace zl

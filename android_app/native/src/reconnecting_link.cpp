@@ -1,0 +1,110 @@
+#include "zl/reconnecting_link.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace zl {
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+/// poll() timeout until `until`, rounded up so the deadline has passed when
+/// it returns, and capped at 1 s so the owner's loop re-checks its state.
+int poll_timeout_ms(SteadyClock::time_point until) {
+  const int64_t left = std::chrono::duration_cast<std::chrono::milliseconds>(until - SteadyClock::now()).count();
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left + 1, 1000)));
+}
+
+}  // namespace
+
+std::chrono::milliseconds Backoff::next() {
+  const std::chrono::milliseconds delay = next_;
+  next_ = std::min(next_ * 2, max_);
+  return delay;
+}
+
+ReconnectingLink::ReconnectingLink(const FrameKey& key, const FrameExpectation& expect)
+    : key_(key), expect_(expect), reader_(expect.max_frame_bytes) {}
+
+ReconnectingLink::~ReconnectingLink() { close_wake_pipe(wake_pipe_); }
+
+Status ReconnectingLink::open() {
+  if (!make_wake_pipe(wake_pipe_)) {
+    return Status(StatusCode::kIoError, std::string("pipe: ") + std::strerror(errno));
+  }
+  return Status();
+}
+
+void ReconnectingLink::wake() { write_wake(wake_pipe_[1]); }
+
+Status ReconnectingLink::dial(const std::string& host, uint16_t port, std::chrono::milliseconds timeout,
+                              Socket* out) {
+  Socket sock;
+  ZL_RETURN_IF_ERROR(connect_tcp(host, port, timeout, &sock));
+  const int one = 1;
+  ::setsockopt(sock.fd(), SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  *out = std::move(sock);
+  return Status();
+}
+
+void ReconnectingLink::adopt(Socket sock) {
+  std::lock_guard<std::mutex> lock(conn_mutex_);
+  conn_ = std::move(sock);
+  reader_.clear();
+}
+
+void ReconnectingLink::close() {
+  std::lock_guard<std::mutex> lock(conn_mutex_);
+  conn_.close();
+  reader_.clear();
+}
+
+void ReconnectingLink::shutdown() {
+  std::lock_guard<std::mutex> lock(conn_mutex_);
+  conn_.shutdown();
+}
+
+Status ReconnectingLink::send(const uint8_t* data, size_t size) { return send_all(conn_.fd(), data, size); }
+
+Status ReconnectingLink::wait_for_input(SteadyClock::time_point until, bool* readable) {
+  *readable = false;
+  pollfd fds[2] = {{wake_pipe_[0], POLLIN, 0}, {conn_.valid() ? conn_.fd() : -1, POLLIN, 0}};
+  const int rc = ::poll(fds, 2, poll_timeout_ms(until));
+  if (rc < 0) {
+    if (errno == EINTR) return Status();
+    return Status(StatusCode::kIoError, std::string("poll: ") + std::strerror(errno));
+  }
+  if (rc > 0 && fds[0].revents) drain_wake(wake_pipe_[0]);
+  *readable = rc > 0 && fds[1].fd >= 0 && (fds[1].revents & (POLLIN | POLLHUP | POLLERR)) != 0;
+  return Status();
+}
+
+void ReconnectingLink::sleep(std::chrono::milliseconds duration) {
+  pollfd p{wake_pipe_[0], POLLIN, 0};
+  ::poll(&p, 1, static_cast<int>(duration.count()));
+  drain_wake(wake_pipe_[0]);
+}
+
+LinkReadResult ReconnectingLink::read_frames(const std::function<void(const DecodeResult&)>& on_frame) {
+  LinkReadResult result;
+  result.filled = reader_.fill(conn_.fd());
+  for (;;) {
+    const FrameReader::Popped popped = reader_.pop();
+    if (popped.next == FrameReader::Next::kNeedMore) break;
+    if (popped.next == FrameReader::Next::kBroken) {
+      result.broken = true;
+      result.error = popped.error;
+      result.reason = popped.reason;
+      return result;
+    }
+    on_frame(decode_frame(popped.frame.data(), popped.frame.size(), key_, expect_));
+  }
+  return result;
+}
+
+}  // namespace zl

@@ -1,0 +1,112 @@
+// The stage runner's state and steps (runner.h describes what a run does):
+// private to runner.cpp (the loop: micro-batches and window ends) and
+// stage_runner_setup.cpp (everything before the first micro-batch).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "zl/adamw.h"
+#include "zl/checkpoint.h"
+#include "zl/control_client.h"
+#include "zl/data_shard.h"
+#include "zl/frame.h"
+#include "zl/peer_link.h"
+#include "zl/runner.h"
+#include "zl/stage_program.h"
+#include "zl/status.h"
+#include "zl/telemetry.h"
+#include "zl/window_plan.h"
+
+namespace zl::internal {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+/// Waits are sliced so a stop request is seen within this time.
+inline constexpr milliseconds kPollSlice{200};
+
+inline double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+inline bool stopping(const std::atomic<bool>* stop) { return stop != nullptr && stop->load(); }
+
+inline Status stop_status(const std::string& where) {
+  return Status(StatusCode::kClosed, "stop requested (" + where + ")");
+}
+
+/// Running sums for one window's telemetry line.
+struct WindowSums {
+  int64_t count = 0;
+  double loss = 0, task = 0, consistency = 0;
+  void add(const StageStepResult& r) {
+    ++count;
+    loss += r.loss;
+    task += r.task_loss;
+    consistency += r.consistency_loss;
+  }
+};
+
+/// Everything one stage process holds while it runs.
+class StageRunner {
+ public:
+  StageRunner(const RunnerConfig& config, const std::atomic<bool>* stop, ProgressBoard* progress)
+      : config_(config), plan_(config.window_plan()), stop_(stop), progress_(progress) {}
+
+  /// Loads, restores and connects (setup), runs the remaining micro-batches
+  /// (loop), then reports the outcome to the coordinator and stops the links.
+  Status run();
+
+ private:
+  // setup(): everything before the first micro-batch, in this order.
+  Status setup();
+  Status load_program();
+  Status restore();
+  Status start_receiver();
+  Status start_sender();
+  void write_start_line();
+  Status start_control();
+
+  // loop(): per micro-batch, then per window; finish_run() after the last.
+  Status loop();
+  Status run_micro_batch(int64_t mb, MicroBatchRecord* record, StageStepResult* result);
+  Status take_input(int64_t mb, InputEntry* entry, StageInputs* inputs, double* queue_ms);
+  Status begin_micro_batch(int64_t mb, const StageInputs& inputs, MicroBatchRecord* record);
+  Status send_hidden(int64_t mb, const StageInputs& inputs, const std::vector<float>& hidden);
+  Status hold(int64_t mb);
+  void abandon_step();
+  void write_micro_batch(MicroBatchRecord* record);
+  Status end_window(int64_t window, int64_t last_mb, const WindowSums& sums);
+  void finish_run(int64_t micro_batches, double wall_s);
+  void shutdown();
+  template <typename Update>
+  void report(Update update) {
+    if (progress_ != nullptr) progress_->update(update);
+  }
+
+  const RunnerConfig& config_;
+  const WindowPlan plan_;
+  const std::atomic<bool>* stop_;
+  ProgressBoard* progress_;
+  FrameKey key_{};
+  RunId run_id_{};
+  std::unique_ptr<TelemetryWriter> telemetry_;
+  std::unique_ptr<StageProgram> program_;
+  std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<CheckpointStore> store_;
+  std::unique_ptr<Receiver> receiver_;
+  std::unique_ptr<Sender> sender_;
+  std::unique_ptr<ControlClient> control_;
+  DataShard shard_;
+  std::vector<float> hidden_;  // the current micro-batch's hidden state (B*S*D), reused
+  int64_t start_mb_ = 0;
+  std::optional<int64_t> restored_window_;
+};
+
+}  // namespace zl::internal

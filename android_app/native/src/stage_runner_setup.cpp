@@ -1,0 +1,186 @@
+// StageRunner's setup: key, telemetry, program, optimizer, checkpoint
+// restore, input (shard or Receiver), Sender, coordinator; in this order,
+// each a step that names what failed.
+#include <unistd.h>
+
+#include <cinttypes>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "stage_runner.h"
+#include "zl/durable_file.h"
+#include "zl/host_port.h"
+#include "zl/link_profile.h"
+#include "zl/log.h"
+
+namespace zl::internal {
+
+using nlohmann::json;
+
+Status StageRunner::setup() {
+  const RunnerConfig& c = config_;
+  ZL_RETURN_IF_ERROR(load_run_key(c.run_key_file, &key_));
+  if (!parse_hex_run_id(c.run_id, &run_id_)) {
+    return Status(StatusCode::kInvalidArgument, "run_id \"" + c.run_id + "\" is not 32 hex characters");
+  }
+  if (!c.log_path.empty()) {
+    ZL_RETURN_IF_ERROR(make_directories(dir_of(c.log_path)));
+    ZL_RETURN_IF_ERROR(TelemetryWriter::open(c.log_path, &telemetry_));
+  }
+  ZL_RETURN_IF_ERROR(load_program());
+  ZL_RETURN_IF_ERROR(AdamW::create(c.optimizer, program_->parameters(), &optimizer_));
+  CheckpointOptions checkpoint_options;
+  checkpoint_options.dir = c.checkpoint_dir;
+  checkpoint_options.interval = c.checkpoint_interval;
+  checkpoint_options.keep_last = c.keep_last;
+  store_.reset(new CheckpointStore(checkpoint_options));
+  ZL_RETURN_IF_ERROR(store_->validate());
+  ZL_RETURN_IF_ERROR(restore());
+
+  if (c.is_first_stage()) {
+    ZL_RETURN_IF_ERROR(DataShard::load(c.data_shard, program_->batch(), program_->seq_len(), &shard_));
+  } else {
+    ZL_RETURN_IF_ERROR(start_receiver());
+  }
+  if (!c.is_last_stage()) ZL_RETURN_IF_ERROR(start_sender());
+  write_start_line();
+  ZL_RETURN_IF_ERROR(start_control());
+  log(LogLevel::kInfo, "stage %lld/%lld: micro-batches %lld..%lld, window %lld, early forwarding %s",
+      static_cast<long long>(c.stage_index), static_cast<long long>(c.num_stages),
+      static_cast<long long>(start_mb_), static_cast<long long>(c.num_micro_batches - 1),
+      static_cast<long long>(c.window_size), c.early_forwarding ? "on" : "off");
+  return Status();
+}
+
+Status StageRunner::load_program() {
+  const RunnerConfig& c = config_;
+  StageProgramOptions program_options;
+  program_options.program_path = c.program;
+  program_options.manifest_path = c.manifest;
+  program_options.threads = c.threads;
+  ZL_RETURN_IF_ERROR(StageProgram::load(program_options, &program_));
+  if (program_->stage_index() != c.stage_index || program_->is_last() != c.is_last_stage()) {
+    return Status(StatusCode::kInvalidArgument,
+                  "program " + c.program + " is stage " + std::to_string(program_->stage_index()) +
+                      (program_->is_last() ? " (a last stage)" : " (not a last stage)") + ", the config says stage " +
+                      std::to_string(c.stage_index) + " of " + std::to_string(c.num_stages));
+  }
+  return Status();
+}
+
+Status StageRunner::start_receiver() {
+  const RunnerConfig& c = config_;
+  ReceiverOptions options;
+  ZL_ASSIGN_OR_RETURN(const HostPort listen, parse_host_port(c.listen, PortZero::kAllowed));
+  options.host = listen.host;
+  options.port = listen.port;
+  options.key = key_;
+  options.expect.run_id = run_id_;
+  options.expect.stage = static_cast<uint32_t>(c.stage_index - 1);
+  options.expect.batch = program_->batch();
+  options.expect.seq_len = program_->seq_len();
+  options.expect.hidden_size = program_->hidden_size();
+  options.stage = static_cast<uint32_t>(c.stage_index);
+  options.log_dir = c.input_log_dir;
+  options.max_pending = static_cast<size_t>(c.in_flight_depth);
+  options.first_micro_batch = static_cast<uint64_t>(start_mb_);
+  if (restored_window_) options.committed_window = static_cast<uint64_t>(*restored_window_);
+  receiver_.reset(new Receiver(options));
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(receiver_->start(), "listen " + c.listen + ": ");
+  for (const CorruptLogFile& bad : receiver_->input_log().corrupt()) {
+    log(LogLevel::kWarn, "input log: set aside %s (%s)", bad.path.c_str(), bad.reason.c_str());
+  }
+  // Tests and orchestrators that asked for port 0 read the real one here.
+  emit_event("{\"event\": \"listening\", \"stage\": %" PRId64 ", \"port\": %u}", c.stage_index,
+             static_cast<unsigned>(receiver_->port()));
+  return Status();
+}
+
+Status StageRunner::start_sender() {
+  const RunnerConfig& c = config_;
+  SenderOptions options;
+  ZL_ASSIGN_OR_RETURN(const HostPort downstream, parse_host_port(c.downstream));
+  options.host = downstream.host;
+  options.port = downstream.port;
+  options.key = key_;
+  options.run_id = run_id_;
+  options.max_in_flight = static_cast<size_t>(c.in_flight_depth);
+  ZL_RETURN_IF_ERROR(link_profile_from_name(c.link_profile, &options.profile));
+  sender_.reset(new Sender(options));
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(sender_->start(), "downstream " + c.downstream + ": ");
+  return Status();
+}
+
+void StageRunner::write_start_line() {
+  if (!telemetry_) return;
+  const RunnerConfig& c = config_;
+  json start = {{"type", "start"},
+                {"stage", c.stage_index},
+                {"num_stages", c.num_stages},
+                {"pid", static_cast<int64_t>(::getpid())},
+                {"first_micro_batch", start_mb_},
+                {"resumed_from_window", restored_window_ ? json(*restored_window_) : json(nullptr)},
+                {"listen_port", receiver_ ? json(receiver_->port()) : json(nullptr)},
+                {"config", runner_config_to_json(c)}};
+  (void)telemetry_->write_json(start);
+}
+
+Status StageRunner::start_control() {
+  const RunnerConfig& c = config_;
+  if (c.coordinator.empty()) return Status();
+  ControlClientOptions o;
+  ZL_RETURN_IF_ERROR(control_options_from_config(c, key_, &o));
+  if (receiver_) o.listen = c.listen.substr(0, c.listen.rfind(':') + 1) + std::to_string(receiver_->port());
+  o.resume = restored_window_.has_value();
+  o.micro_batches_done = start_mb_;
+  o.chain_stop = stop_;  // the caller's flag (JNI stopNative, signals) keeps working
+  control_.reset(new ControlClient(o));
+  // start() returns at once; the client connects in the background.
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(control_->start(), "coordinator " + c.coordinator + ": ");
+  stop_ = control_->stop_flag();  // true on STOP or when the chained flag is set
+  control_->set_phase(ControlPhase::kRunning);
+  return Status();
+}
+
+Status StageRunner::restore() {
+  const RunnerConfig& c = config_;
+  std::vector<int64_t> windows;
+  Status status = store_->list_windows(&windows);
+  if (!status.ok() && status.code() != StatusCode::kNotFound) return status;
+  if (!c.resume) {
+    if (!windows.empty()) {
+      return Status(StatusCode::kInvalidArgument,
+                    "checkpoint_dir " + c.checkpoint_dir + " already holds window " + std::to_string(windows.back()) +
+                        "; resume (--resume / \"resume\": true) or use an empty checkpoint_dir");
+    }
+    return Status();
+  }
+  CheckpointProgress progress;
+  bool found = false;
+  ZL_RETURN_IF_ERROR(store_->load_latest(optimizer_.get(), &progress, &found));
+  if (!found) return Status();
+  if (progress.run_id != c.run_id || progress.stage != c.stage_index) {
+    return Status(StatusCode::kInvalidArgument,
+                  "checkpoint in " + c.checkpoint_dir + " is of run " + progress.run_id + " stage " +
+                      std::to_string(progress.stage) + ", this is run " + c.run_id + " stage " +
+                      std::to_string(c.stage_index) + "; use another checkpoint_dir");
+  }
+  const int64_t expected_done = plan_.end_micro_batch(progress.window);
+  if (progress.micro_batches_done != expected_done) {
+    return Status(StatusCode::kInvalidArgument,
+                  "checkpoint window " + std::to_string(progress.window) + " says " +
+                      std::to_string(progress.micro_batches_done) + " micro-batches done, window_size " +
+                      std::to_string(c.window_size) + " implies " + std::to_string(expected_done) +
+                      "; was window_size changed? Resume with the original settings");
+  }
+  start_mb_ = progress.micro_batches_done;
+  restored_window_ = progress.window;
+  log(LogLevel::kInfo, "resumed from checkpoint window %lld (optimizer step %lld); replaying from micro-batch %lld",
+      static_cast<long long>(progress.window), static_cast<long long>(progress.optimizer_step),
+      static_cast<long long>(start_mb_));
+  return Status();
+}
+
+}  // namespace zl::internal

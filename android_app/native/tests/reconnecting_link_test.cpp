@@ -1,0 +1,145 @@
+// ReconnectingLink over loopback: back-off delays, dial + adopt, frames
+// (valid and rejected) handed over in order, a broken stream and EOF
+// reported, and wake() / shutdown() from another thread.
+#include "zl/reconnecting_link.h"
+
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "net_test_support.h"
+
+namespace zl {
+namespace {
+
+using namespace std::chrono_literals;
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+using testing::test_key;
+using testing::test_run;
+
+TEST(BackoffTest, DoublesUpToTheMaximumAndResets) {
+  Backoff backoff(10ms, 45ms);
+  EXPECT_EQ(backoff.next(), 10ms);
+  EXPECT_EQ(backoff.next(), 20ms);
+  EXPECT_EQ(backoff.next(), 40ms);
+  EXPECT_EQ(backoff.next(), 45ms);
+  EXPECT_EQ(backoff.next(), 45ms);
+  backoff.reset();
+  EXPECT_EQ(backoff.next(), 10ms);
+}
+
+FrameExpectation expect_run() {
+  FrameExpectation expect;
+  expect.run_id = test_run();
+  return expect;
+}
+
+// A listening peer and a link connected to it; `peer` is the accepted end.
+struct Connected {
+  Socket listener, peer;
+  uint16_t port = 0;
+  ReconnectingLink link{test_key(), expect_run()};
+
+  Connected() {
+    EXPECT_TRUE(listen_tcp("127.0.0.1", 0, &listener, &port).ok());
+    EXPECT_TRUE(link.open().ok());
+    Socket sock;
+    const Status dialled = ReconnectingLink::dial("127.0.0.1", port, 2000ms, &sock);
+    EXPECT_TRUE(dialled.ok()) << dialled.message();
+    link.adopt(std::move(sock));
+    EXPECT_TRUE(accept_tcp(listener, &peer).ok());
+  }
+
+  // Waits for input and reads what came, collecting every decoded frame.
+  LinkReadResult read(std::vector<DecodeResult>* frames) {
+    bool readable = false;
+    for (int i = 0; i < 50 && !readable; ++i) {
+      EXPECT_TRUE(link.wait_for_input(Clock::now() + 100ms, &readable).ok());
+    }
+    EXPECT_TRUE(readable);
+    return link.read_frames([&](const DecodeResult& r) { frames->push_back(r); });
+  }
+};
+
+TEST(ReconnectingLinkTest, DialFailsFastOnAClosedPort) {
+  Socket listener;
+  uint16_t port = 0;
+  ASSERT_TRUE(listen_tcp("127.0.0.1", 0, &listener, &port).ok());
+  listener.close();  // nothing listens there now
+  Socket sock;
+  EXPECT_FALSE(ReconnectingLink::dial("127.0.0.1", port, 500ms, &sock).ok());
+  EXPECT_FALSE(sock.valid());
+}
+
+TEST(ReconnectingLinkTest, HandsOverValidAndRejectedFramesInOrder) {
+  Connected c;
+  ASSERT_TRUE(c.link.connected());
+  const Frame ack = make_control_frame(FrameType::kAck, test_run(), 1, 0, 5);
+  const Frame foreign = make_control_frame(FrameType::kAck, test_run(9), 1, 0, 6);  // another run
+  ASSERT_TRUE(write_frame(c.peer.fd(), ack, test_key()).ok());
+  ASSERT_TRUE(write_frame(c.peer.fd(), foreign, test_key()).ok());
+  ASSERT_TRUE(write_frame(c.peer.fd(), ack, test_key()).ok());
+  std::vector<DecodeResult> frames;
+  for (int i = 0; i < 10 && frames.size() < 3; ++i) {
+    const LinkReadResult r = c.read(&frames);
+    EXPECT_FALSE(r.broken);
+    EXPECT_TRUE(r.filled.ok()) << r.filled.message();
+  }
+  ASSERT_EQ(frames.size(), 3u);
+  EXPECT_TRUE(frames[0].ok());
+  EXPECT_EQ(frames[0].frame.micro_batch, 5u);
+  EXPECT_FALSE(frames[1].ok());  // decoded and rejected, the stream stays usable
+  EXPECT_TRUE(frames[2].ok());
+}
+
+TEST(ReconnectingLinkTest, ReportsABrokenStreamAndEndOfStream) {
+  Connected c;
+  const std::vector<uint8_t> junk(64, 0xAB);  // no frame magic
+  ASSERT_TRUE(send_all(c.peer.fd(), junk.data(), junk.size()).ok());
+  std::vector<DecodeResult> frames;
+  const LinkReadResult broken = c.read(&frames);
+  EXPECT_TRUE(broken.broken);
+  EXPECT_NE(broken.error, FrameError::kNone);
+  EXPECT_TRUE(frames.empty());
+
+  Connected d;
+  d.peer.close();
+  const LinkReadResult eof = d.read(&frames);
+  EXPECT_FALSE(eof.broken);
+  EXPECT_EQ(eof.filled.code(), StatusCode::kClosed);
+}
+
+TEST(ReconnectingLinkTest, WakeEndsAWaitEarly) {
+  Connected c;
+  std::thread waker([&] {
+    std::this_thread::sleep_for(50ms);
+    c.link.wake();
+  });
+  const auto start = Clock::now();
+  bool readable = true;
+  // Capped at 1 s per call; a wake must end it well before.
+  ASSERT_TRUE(c.link.wait_for_input(start + 10s, &readable).ok());
+  waker.join();
+  EXPECT_FALSE(readable);
+  EXPECT_LT(Clock::now() - start, 900ms);
+}
+
+TEST(ReconnectingLinkTest, ShutdownFromAnotherThreadEndsTheConnection) {
+  Connected c;
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(20ms);
+    c.link.shutdown();
+  });
+  std::vector<DecodeResult> frames;
+  const LinkReadResult r = c.read(&frames);  // the shutdown reads as end of stream
+  stopper.join();
+  EXPECT_FALSE(r.filled.ok());
+  c.link.close();
+  EXPECT_FALSE(c.link.connected());
+}
+
+}  // namespace
+}  // namespace zl

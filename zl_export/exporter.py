@@ -1,4 +1,4 @@
-"""Export each pipeline stage as an ExecuTorch training program (DESIGN.md §3).
+"""Export each pipeline stage as an ExecuTorch training program (docs/design.md §3).
 
     torch.export (ATen)  ->  _export_forward_backward (joint fwd+bwd, loss = `loss`)
     ->  rewrite empty_permuted  ->  to_edge  ->  to_executorch  ->  stage_<k>.pte

@@ -1,4 +1,4 @@
-"""`manifest.json`: what an export directory holds (DESIGN.md §3).
+"""`manifest.json`: what an export directory holds (docs/design.md §3).
 
 Written by `zl export`, read by the runner's host side, `zl merge` and the
 tests. Parameters are listed per stage in gradient order, under their PEFT

@@ -11,7 +11,7 @@
 - `tiny-random`: a tiny Llama with seeded random weights, for fast tests.
 
 Every model is loaded in float32 with eager attention: SDPA's backward brings
-operators the ExecuTorch training export cannot lower (NOTES-executorch.md).
+operators the ExecuTorch training export cannot lower (docs/design.md §3.1).
 """
 
 import hashlib

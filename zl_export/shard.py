@@ -1,7 +1,7 @@
 """Shards: the tokenized samples stage 0 and `zl eval` read, and their JSON sidecar.
 
 `NAME.safetensors` holds `input_ids`, `attention_mask`, `labels`, int64
-[N, S] (DESIGN.md §3 conventions, see zl_export.data); `NAME.json` next to it
+[N, S] (docs/design.md §3 conventions, see zl_export.data); `NAME.json` next to it
 says how they were made (see `write_shard`).
 """
 

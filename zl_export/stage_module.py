@@ -3,7 +3,7 @@
 The module owns layers `first..last` of a (PEFT-wrapped) Llama model, the
 rotary embedding, and — frozen — the final norm and LM head for the readout;
 stage 0 also owns the token embedding. Its forward follows the program
-contract of DESIGN.md §3:
+contract of docs/design.md §3:
 
     inputs : input_ids (B,S) int64 | hidden (B,S,D) f32, attention_mask (B,S) int64, labels (B,S) int64
     outputs: hidden (B,S,D) f32 [not on the last stage], loss, task_loss, consistency_loss

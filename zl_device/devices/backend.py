@@ -1,4 +1,4 @@
-"""The `Device` interface every backend implements (DESIGN.md §5).
+"""The `Device` interface every backend implements (docs/design.md §5).
 
 A device is a working directory plus at most one runner in it: a folder and
 a `zl_runner` child process on this host (`local`), a folder under
@@ -10,7 +10,7 @@ SSH board, say) is one more subclass.
 
 Paths on the device are POSIX strings; a relative one is relative to the
 device's `workdir`. Exit codes follow Python's `subprocess` convention:
-0..255 is the runner's status (DESIGN.md: 0 done, 1 failed, 2 bad config,
+0..255 is the runner's status (docs/design.md §4.1: 0 done, 1 failed, 2 bad config,
 3 stopped), -N means killed by signal N.
 """
 

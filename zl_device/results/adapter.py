@@ -1,4 +1,4 @@
-"""Merge per-stage LoRA checkpoints into one PEFT adapter (`zl merge`, DESIGN.md §3, §6).
+"""Merge per-stage LoRA checkpoints into one PEFT adapter (`zl merge`, docs/design.md §3, §6).
 
 Each stage runner checkpoints only its own LoRA parameters, under their PEFT
 names (android_app/native/include/zl/checkpoint.h):

@@ -1,4 +1,4 @@
-"""The run report (DESIGN.md §6): `report.json`, `report.md` and `plots/` from a run's telemetry.
+"""The run report (docs/design.md §6): `report.json`, `report.md` and `plots/` from a run's telemetry.
 
 `build_report(run_dir)` returns the report as a dict; `write_report(run_dir)`
 writes `report.json`, `report.md`, `plots/latency.png` and `plots/loss.png`

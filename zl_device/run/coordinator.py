@@ -1,4 +1,4 @@
-"""The coordinator: runs a deployed pipeline to the end and recovers failed stages (DESIGN.md §5).
+"""The coordinator: runs a deployed pipeline to the end and recovers failed stages (docs/design.md §5).
 
 Membership: every stage's runner registers and sends heartbeats on the
 control channel (zl_device/run/control.py); on local devices the coordinator

@@ -1,6 +1,6 @@
 """A run's telemetry: the JSON lines of `metrics.jsonl`, where they live and what each kind holds.
 
-Where the lines are (both layouts are read, DESIGN.md §6):
+Where the lines are (both layouts are read, docs/design.md §6):
 
 - `RUN_DIR/metrics.jsonl` — the merged log: every runner's lines plus the
   coordinator's events, as the orchestrator writes it at the end of a run;

@@ -2,7 +2,7 @@
 
 `run_training` calls one function per step; the steps live in their own
 modules (export_cache, train_data, launch, collect). A run directory ends up
-holding (DESIGN.md §6):
+holding (docs/design.md §6):
 
     RUN_DIR/manifest.json            the export's manifest (programs stay in the export cache)
     RUN_DIR/data/train.safetensors   the shard stage 0 trains on (+ dev.safetensors when there is one)

@@ -4,7 +4,7 @@
 // (B, S, D) float32 into its `out` tensor before any readout, loss or
 // backward instruction runs. Right after the copy it calls the hook installed
 // on the executing thread, so the stage runner can send the hidden state
-// downstream while the method goes on ("early forwarding", DESIGN.md §3-4).
+// downstream while the method goes on ("early forwarding", docs/design.md §3-4).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// The stage's end of the control channel (DESIGN.md §5): one TCP connection
+// The stage's end of the control channel (docs/design.md §5): one TCP connection
 // from a runner to the coordinator, same frames and run key as the data
 // plane (frame.h). The coordinator's frames carry stage kCoordinatorStage.
 //

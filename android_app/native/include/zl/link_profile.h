@@ -1,5 +1,5 @@
 // Link profiles: sender-side emulation of a network between two stages
-// (DESIGN.md §5). A profile adds a one-way latency and serializes frames at a
+// (docs/design.md §5). A profile adds a one-way latency and serializes frames at a
 // bandwidth, so a run on loopback or USB behaves like Wi-Fi or mobile.
 #pragma once
 

@@ -1,4 +1,4 @@
-// The stage runner's main loop (DESIGN.md §4): one call runs this stage of
+// The stage runner's main loop (docs/design.md §4): one call runs this stage of
 // the pipeline from its latest checkpoint (or the start) to the end of the
 // run. Used by the `zl_runner` executable and by the Android JNI bridge.
 //

@@ -1,4 +1,4 @@
-// One stage's ExecuTorch training program, run in two phases (DESIGN.md §3-4).
+// One stage's ExecuTorch training program, run in two phases (docs/design.md §3-4).
 //
 //   begin(inputs)  runs `forward` on the program's worker thread until the
 //                  `zerolock::pipeline_marker` kernel fires; the marker hook

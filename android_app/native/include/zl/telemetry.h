@@ -1,5 +1,5 @@
 // Runner telemetry: JSON lines, one record per micro-batch and one per update
-// window (DESIGN.md §4), plus the probes for memory (PSS) and temperature.
+// window (docs/design.md §4), plus the probes for memory (PSS) and temperature.
 //
 // Micro-batch line (times in milliseconds, memory in MiB, temperature in °C):
 //   {"type": "micro_batch", "t_unix_ms": ..., "stage": 1, "window": 3, "micro_batch": 14,

@@ -87,6 +87,8 @@ def test_a_finished_arm_is_not_trained_again_but_a_changed_setting_is(study, dem
     old = next(r for r in first["results"] if (r["arm"], r["samples"]) == ("zl-paper", 8))
     assert by[("zl-paper", 8)]["fingerprint"] != old["fingerprint"]
     assert by[("zl-paper", 8)]["window_losses"] != old["window_losses"]
+    report = study_tool.run(_args(demo_data, out, "--arms", "base,zl-ce,zl-paper", "--report-only"))
+    assert {(r["arm"], r["samples"]) for r in report["results"]} == {("base", 4), ("base", 8)}, "nothing trained"
 
 
 @pytest.mark.parametrize("extra, problem", [

@@ -252,7 +252,8 @@ def run_arm(arm: Arm, samples: int, s: StudySettings, base_model, split, train, 
 # --- the study -----------------------------------------------------------------------------------------
 
 
-def run_study(s: StudySettings, arms: list[Arm], out: Path, err) -> dict:
+def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bool = False) -> dict:
+    """Train and score every (budget, arm) not cached in OUT/arms; with `report_only`, only tabulate the cached ones."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from zl_device.results.evaluate import limit_rows
@@ -288,6 +289,9 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err) -> dict:
                     result = json.loads(cached.read_text())
                 elif arm.kind == "base" and any(r["arm"] == arm.name for r in results):
                     result = next(r for r in results if r["arm"] == arm.name)
+                elif report_only:
+                    err.print(f"{arm.name} @ {samples}: not in {cached.parent} with these settings; left out")
+                    continue
                 else:
                     start = time.perf_counter()
                     result = run_arm(arm, samples, s, loaded.model, split, train, dev, progress)
@@ -395,6 +399,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--eval-limit", type=int, help="score only the first N dev rows (default: all)")
     ap.add_argument("--out", type=Path, default=Path("runs/study"), help="results and cache (default runs/study)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="train nothing: tabulate the arms already cached in OUT/arms (e.g. from runs split across machines)")
     return ap.parse_args(argv)
 
 
@@ -431,7 +437,7 @@ def run(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     s, arms = build(args)
     err = Console(stderr=True)
-    study = run_study(s, arms, args.out, err)
+    study = run_study(s, arms, args.out, err, args.report_only)
     Console().print(markdown(study))
     err.print(f"written: {args.out / 'study.json'}, {args.out / 'study.md'}, {args.out / 'accuracy.png'}")
     return study

@@ -26,13 +26,16 @@ SPEC = "0-1,2-2,3-3"
 # The loss variants of issue 9, all at once: α per stage, no consistency target for stage 0, a gated KL and a
 # readout translator on stages 0 and 1.
 VARIANTS = {"alpha": (0.3, 0.6, 0.8), "first_target": "none", "gate": "target_prob", "translator_rank": 3}
+# Target slots of the Ω-readout programs: fewer than a row of example_inputs has targets, so the test inputs
+# fill one row's slots exactly and leave some of the other's empty.
+OMEGA_SLOTS = 5
 
 
-def _export(tmp_path, consistency: str, alpha: float = 0.3, **variants):
+def _export(tmp_path, consistency: str, alpha: float = 0.3, max_targets: int = 0, **variants):
     loaded = load_model("tiny-random", seed=3)
     opts = ExportOptions(
         seq_len=24, micro_batch=2, lora=LoraSettings(4, 8.0, ("q_proj", "v_proj", "down_proj")),
-        loss=LossConfig(**{"alpha": alpha, "consistency": consistency, **variants}), seed=5,
+        loss=LossConfig(**{"alpha": alpha, "consistency": consistency, **variants}), seed=5, max_targets=max_targets,
     )
     stages = parse_spec(SPEC, loaded.config.num_hidden_layers)
     peft_model, modules = build_stage_modules(loaded.model, stages, opts)
@@ -51,11 +54,24 @@ def _export(tmp_path, consistency: str, alpha: float = 0.3, **variants):
     return loaded, peft_model, modules, opts, manifest
 
 
-@pytest.fixture(scope="module", params=["kl_rev", "kl_fwd", "kl_rev+variants", "kl_fwd+variants"])
+# "full": the program reads out every position (--max-targets 0); "omega": only OMEGA_SLOTS target slots per sample.
+@pytest.fixture(scope="module", params=["kl_rev+full", "kl_fwd+variants+full", "kl_rev+omega", "kl_fwd+omega",
+                                        "kl_rev+variants+omega", "kl_fwd+variants+omega"])
 def exported(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"export_{request.param}")
-    consistency, _, variants = request.param.partition("+")
-    return (out, *_export(out, consistency, **(VARIANTS if variants else {})))
+    consistency, *rest = request.param.split("+")
+    slots = OMEGA_SLOTS if "omega" in rest else 0
+    return (out, *_export(out, consistency, max_targets=slots, **(VARIANTS if "variants" in rest else {})))
+
+
+def _test_batch(modules, opts, vocab_size):
+    """Padding and ignored labels; for Ω programs also a full row of slots, empty slots and a gap in Ω."""
+    input_ids, mask, labels = example_inputs(modules[0], opts, vocab_size, seed=7)
+    if opts.max_targets:
+        assert ((labels[:, 1:] != -100).sum(1) == opts.max_targets).all()
+        last = int((labels[1] != -100).nonzero().max())
+        labels[1, last - 2] = -100  # row 1: a gap in Ω, one slot left empty; row 0 fills its slots
+    return input_ids, mask, labels
 
 
 def _reference(peft_model, first, last, input_ids, mask, labels, cfg: LossConfig, hidden_in=None, stage=0,
@@ -127,7 +143,7 @@ def _reference(peft_model, first, last, input_ids, mask, labels, cfg: LossConfig
 def test_programs_match_eager_reference(exported):
     native_library_or_skip()
     out, loaded, peft_model, modules, opts, manifest = exported
-    input_ids, mask, labels = example_inputs(modules[0], opts, loaded.config.vocab_size, seed=7)
+    input_ids, mask, labels = _test_batch(modules, opts, loaded.config.vocab_size)
     assert (mask == 0).any() and (labels == -100).any(), "the batch must exercise padding and ignored labels"
     hidden = None
     for entry in manifest["stages"]:
@@ -190,6 +206,7 @@ def test_manifest_contents(exported):
     again = load_manifest(out, verify=True)
     assert again == json.loads((out / "manifest.json").read_text())
     assert manifest["model"]["num_layers"] == 4 and manifest["seq_len"] == 24 and manifest["micro_batch"] == 2
+    assert manifest["max_targets"] == opts.max_targets
     assert manifest["loss"] == opts.loss.to_manifest()
     assert LossConfig.from_manifest(manifest["loss"]) == opts.loss
     assert manifest["lora"]["targets"] == ["q_proj", "v_proj", "down_proj"]
@@ -226,3 +243,16 @@ def test_corrupt_program_is_a_clear_error(exported, tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ZLError, match="sha256"):
         load_manifest(tmp_path, verify=True)
+
+
+def test_target_selection_maps_the_targets_onto_slots_in_order():
+    from zl_export.local_loss import shift_targets
+    from zl_export.stage_module import target_selection
+
+    labels = torch.tensor([[-100, 5, -100, 7, 8, -100], [-100] * 6])
+    _, valid = shift_targets(labels)  # row 0: positions 0, 2, 3 predict 5, 7, 8; row 1: no target
+    sel = target_selection(valid, 4)  # (B, T, S)
+    assert sel.shape == (2, 4, 6) and sel.dtype == torch.float32
+    assert sel[0].nonzero().tolist() == [[0, 0], [1, 2], [2, 3]]  # slot 3 stays empty
+    assert sel[1].sum() == 0
+    assert target_selection(valid, 2)[0].nonzero().tolist() == [[0, 0], [1, 2]]  # too few slots: the first targets

@@ -78,7 +78,7 @@ def test_bad_values_are_one_line_errors_naming_the_flag():
 def test_export_and_train_keep_their_flags_and_defaults():
     assert [leaf.flag for leaf in leaves(ExportOptions)] == [
         "--seq-len", "--micro-batch", "--lora-rank", "--lora-alpha", "--lora-targets", "--alpha", "--consistency",
-        "--first-target", "--gate", "--translator-rank", "--loss", "--seed"]
+        "--first-target", "--gate", "--translator-rank", "--loss", "--seed", "--max-targets"]
     assert ExportOptions() == ExportOptions(128, 1, LoraSettings(8, 16.0, ("q_proj", "v_proj")), LossConfig(0.5, "kl_rev"), 0)
     flags = [leaf.flag for leaf in leaves(TrainSettings)]
     assert flags.count("--seq-len") == flags.count("--seed") == 1  # the run's own, not the export's
@@ -89,6 +89,14 @@ def test_export_and_train_keep_their_flags_and_defaults():
     assert (s.split.model, s.window, s.samples, s.seq_len, s.export.loss.alpha, s.timeout_s) == (
         "smollm2-135m", 4, 256, None, (0.5,), 3600.0)
     assert s.export_options(64) == ExportOptions(seq_len=64)
+    assert s.export_options(64, 32) == ExportOptions(seq_len=64, max_targets=32)
+
+
+def test_target_slots_default_and_full_readout():
+    assert ExportOptions().target_slots == 16 and ExportOptions(max_targets=3).target_slots == 3
+    assert ExportOptions(max_targets=0).target_slots == 0
+    # a sample of seq_len S has at most S - 1 targets: that many slots or more is the full readout
+    assert ExportOptions(seq_len=16).target_slots == 0 and ExportOptions(seq_len=18).target_slots == 16
 
 
 @pytest.mark.parametrize("opts, problem", [
@@ -101,6 +109,7 @@ def test_export_and_train_keep_their_flags_and_defaults():
     (ExportOptions(loss=LossConfig(preset="mine")), r"^--loss 'mine': expected one of paper"),
     (ExportOptions(lora=LoraSettings(rank=0)), r"^--lora-rank 0: "),
     (ExportOptions(seq_len=1), r"^--seq-len 1: "),
+    (ExportOptions(max_targets=-1), r"^--max-targets -1: "),
 ])
 def test_each_dataclass_validates_its_own_fields(opts, problem):
     with pytest.raises(ZLError, match=problem):

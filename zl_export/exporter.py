@@ -47,12 +47,19 @@ def build_stage_modules(
     """
     opts.loss.validate(len(stages))
     peft_model = attach_lora(base_model, opts.lora, seed=opts.seed)
-    modules = [StageModule(peft_model, s, len(stages), opts.loss, seed=opts.seed).eval() for s in stages]
+    modules = [StageModule(peft_model, s, len(stages), opts.loss, seed=opts.seed, max_targets=opts.target_slots).eval()
+               for s in stages]
     return peft_model, modules
 
 
-def example_inputs(module: StageModule, opts: ExportOptions, vocab_size: int, seed: int = 0) -> tuple:
+def example_inputs(module: StageModule, opts: ExportOptions, vocab_size: int, seed: int = 0,
+                   targets: int | None = None) -> tuple:
     """Deterministic inputs of the program's shapes: the first row right-padded, some labels ignored.
+
+    Args:
+        targets: label only the last `targets` real tokens of each row (a completion after a prompt, e.g. 2
+            for AG News: label word + EOS). Default: everything after a short "prompt", capped at the
+            program's target slots, so that no target is dropped.
 
     Returns:
         (input_ids (B,S) int64 | hidden (B,S,D) f32, attention_mask (B,S) int64, labels (B,S) int64)
@@ -64,6 +71,11 @@ def example_inputs(module: StageModule, opts: ExportOptions, vocab_size: int, se
     mask[0, seq - max(1, seq // 4) :] = 0  # right padding on the first row
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, : max(1, seq // 8)] = -100  # an ignored "prompt"
+    if targets is None and module.max_targets > 0:
+        targets = module.max_targets
+    if targets is not None:  # keep the last `targets` labels of each row (a target is a label after position 0)
+        kept = (labels != -100).long().flip(1).cumsum(1).flip(1)  # (B, S): labels from here to the row's end
+        labels = labels.masked_fill(kept > targets, -100)
     if module.is_first:
         x = ids
     else:

@@ -37,6 +37,7 @@ def build_manifest(loaded, opts, stage_entries: list[dict]) -> dict:
         "tokenizer": loaded.tokenizer.name,
         "seq_len": opts.seq_len,
         "micro_batch": opts.micro_batch,
+        "max_targets": opts.target_slots,
         "seed": opts.seed,
         "loss": opts.loss.to_manifest(),
         "lora": {**asdict(opts.lora), "targets": list(opts.lora.targets), "dropout": 0.0},

@@ -19,6 +19,10 @@ CONSISTENCY_KINDS = ("kl_rev", "kl_fwd")
 FIRST_TARGETS = ("embedding", "none")
 GATES = ("none", "target_prob")
 # `--loss paper`: the local loss exactly as the ZeroLock paper writes it (Eq. 5), whatever the defaults are.
+# Target slots per sample when --max-targets is not given: classification completions (label words + EOS, the demo
+# task and AG News: 1-3 tokens) fit with room to spare; `zl train` raises it to fit its training data.
+DEFAULT_MAX_TARGETS = 16
+TARGET_SLOT_STEP = 16  # `zl train` rounds a derived slot count up to a multiple of this (stable export cache keys)
 PAPER_LOSS = {"alpha": (0.5,), "consistency": "kl_rev", "first_target": "embedding", "gate": "none",
               "translator_rank": 0}
 
@@ -141,6 +145,19 @@ class ExportOptions:
     lora: LoraSettings = nested(LoraSettings)
     loss: LossConfig = nested(LossConfig)
     seed: int = setting(0, "Seeds the LoRA initialisation (and random-weight models).")
+    max_targets: int | None = setting(None, f"Target tokens per sample the programs read out (the LM head runs on "
+                                            f"these slots only); 0 reads out every position. Default: "
+                                            f"{DEFAULT_MAX_TARGETS}; `zl train` raises it to fit its training data.")
+
+    @property
+    def target_slots(self) -> int:
+        """T, the target slots per sample the programs have: --max-targets, else the default.
+
+        0 means the full readout; so does any T >= seq_len - 1 (a sample has at most seq_len - 1 targets, and
+        reading out that many slots costs as much as reading out every position).
+        """
+        slots = DEFAULT_MAX_TARGETS if self.max_targets is None else self.max_targets
+        return 0 if slots >= self.seq_len - 1 else slots
 
     def validate(self, max_positions: int | None = None) -> None:
         if self.seq_len < 2:
@@ -151,5 +168,8 @@ class ExportOptions:
             )
         if self.micro_batch < 1:
             raise ZLError(f"--micro-batch {self.micro_batch}: must be at least 1.")
+        if self.max_targets is not None and self.max_targets < 0:
+            raise ZLError(f"--max-targets {self.max_targets}: must be 0 (read out every position) or a number of "
+                          f"target slots per sample, e.g. {DEFAULT_MAX_TARGETS}.")
         self.loss.validate()
         self.lora.validate()

@@ -12,10 +12,19 @@ contract of docs/design.md §3:
 chunk output, called before the readout so that it precedes every readout,
 loss and backward instruction of the exported program.
 
-The exported program reads out every position and masks the loss to Ω (its
-shapes are static). In eager use (`gather_targets=True`: the accuracy study,
-references) the readouts run on the target positions only, which gives the
-same loss at a fraction of the cost: a readout is a (D × V) matmul per position.
+A readout is a (D × V) matmul per position, so where it runs sets the cost:
+
+- `max_targets = T > 0` (the exported default, DESIGN.md §1.4): the program
+  picks the first T target positions of each sample with a one-hot selection
+  computed from `labels` inside the program (static shapes: (B, T, S) @
+  (B, S, D)) and reads out only those, with a validity mask for empty slots.
+  The host checks that no sample has more than T targets
+  (`zl_export.shard.check_target_slots`, in `zl data` and `zl train`).
+- `max_targets = 0`: every position is read out and the loss masked to Ω.
+- `gather_targets = True` (eager only: the accuracy study, references): the
+  readouts run on exactly the Ω positions (`nonzero`, a data-dependent shape).
+
+All three give the same loss and gradients when no sample overflows its slots.
 """
 
 import torch
@@ -40,10 +49,28 @@ def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> tor
     return torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device).masked_fill(~allowed, neg)
 
 
+def target_selection(valid: torch.Tensor, slots: int) -> torch.Tensor:
+    """One-hot map of the first `slots` target positions of each sample onto slots 0..slots-1.
+
+    Args:
+        valid: (B, S) float32, 1.0 on Ω (from `shift_targets`).
+        slots: T, target slots per sample.
+
+    Returns:
+        sel (B, T, S) float32: sel[b, t, s] = 1 when s is sample b's t-th target position (0-based), so
+        `sel @ x` gathers the targets in order and an unused slot is a zero row. Targets beyond the T-th of
+        a sample are dropped: the host checks that none exist (`zl_export.shard.check_target_slots`).
+    """
+    rank = valid.long().cumsum(1) - 1  # (B, S): index of each target among its sample's targets
+    slot = torch.arange(slots, device=valid.device)  # (T,)
+    return (rank[:, None, :] == slot[None, :, None]).float() * valid[:, None, :]  # (B, T, S)
+
+
 class StageModule(nn.Module):
     """Layers `stage.first..stage.last` of `model` with the stage's local loss."""
 
-    def __init__(self, model: nn.Module, stage: StageRange, num_stages: int, loss: LossConfig, seed: int = 0):
+    def __init__(self, model: nn.Module, stage: StageRange, num_stages: int, loss: LossConfig, seed: int = 0,
+                 max_targets: int = 0):
         """
         Args:
             model: a `LlamaForCausalLM`, possibly wrapped by PEFT (LoRA modules
@@ -52,6 +79,7 @@ class StageModule(nn.Module):
             num_stages: stages in the pipeline; the last one has no hidden output.
             loss: the local loss's settings (α of this stage, KL direction, translator, ...).
             seed: seeds the readout translator (with the stage index folded in).
+            max_targets: target slots per sample read out (0: every position, the full readout).
         """
         super().__init__()
         llama = _llama_backbone(model)
@@ -62,6 +90,7 @@ class StageModule(nn.Module):
         self.alpha = loss.alpha_of(stage.index)
         # Stage 0's consistency target is the embedding readout, unless turned off.
         self.has_prev_target = not (self.is_first and loss.first_target == "none")
+        self.max_targets = max_targets
         self.gather_targets = False
         self.embed_tokens = llama.model.embed_tokens if self.is_first else None
         self.layers = nn.ModuleList(llama.model.layers[stage.first : stage.last + 1])
@@ -100,6 +129,11 @@ class StageModule(nn.Module):
         if self.gather_targets:  # eager only: a data-dependent shape
             rows, cols = valid.bool().nonzero(as_tuple=True)  # K target positions
             h_in, h, targets, valid = h_in[rows, cols], h[rows, cols], targets[rows, cols], valid[rows, cols]
+        elif self.max_targets > 0:  # static: T slots per sample
+            sel = target_selection(valid, self.max_targets)  # (B, T, S)
+            h_in, h = sel @ h_in, sel @ h  # (B, T, D): bmm, an exact gather whose backward is exact too
+            targets = (sel.long() * targets[:, None, :]).sum(-1)  # (B, T)
+            valid = sel.sum(-1)  # (B, T): 1.0 on a filled slot
         # sg(p_{k-1}): frozen weights, detached input. (…, V)
         prev_logits = self.readout(h_in.detach()) if self.has_prev_target else None
         logits = self.stage_readout(h)  # (…, V)

@@ -395,6 +395,31 @@ def test_cli_file_with_split_limit_and_errors(tmp_path):
     assert isinstance(result.exception, ZLError) and "both given" in str(result.exception)
 
 
+def test_max_targets_names_the_line_the_count_and_the_fix(tmp_path):
+    """Programs read out --max-targets target slots per sample; a row with more must fail, naming itself."""
+    from zl_export import shard_jobs
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Q: 2+2?", "completion": " 4"},
+                                              {"prompt": "Hello", "completion": " world!"}])
+    job = shard_jobs.file_job(src, "auto", "train")
+    path, meta = shard_jobs.write_shard(job, BYTES, "tiny-random", 32, tmp_path / "ok", max_targets=8)
+    assert meta["max_target_tokens"] == 8  # " world!" is 7 bytes, + end-of-sequence
+    with pytest.raises(ZLError, match=r"in\.jsonl line 2: 8 target tokens, more than the programs' 7 target slots; "
+                                      r"pass --max-targets 8 or more \(0 reads out every position\)\.$"):
+        shard_jobs.write_shard(job, BYTES, "tiny-random", 32, tmp_path / "bad", max_targets=7)
+    shard = load_shard(path)
+    with pytest.raises(ZLError, match=r"ok/train\.safetensors row 0: 3 target tokens, .* 2 target slots \(1 more rows too\); "
+                                      r"pass --max-targets 8 or more"):
+        shard.check_target_slots(2)
+    shard.check_target_slots(8)
+    shard.check_target_slots(0)  # full readout: no limit
+    args = ["data", "-i", str(src), "--model", "tiny-random", "--seq-len", "32", "-o", str(tmp_path / "cli")]
+    result = CliRunner().invoke(_app(), args + ["--max-targets", "4"])
+    assert isinstance(result.exception, ZLError) and "line 2: 8 target tokens" in str(result.exception)
+    result = CliRunner().invoke(_app(), args + ["--max-targets", "8"])
+    assert result.exit_code == 0 and "at most 8 per row" in result.stdout
+
+
 def test_cli_help_has_an_example():
     result = CliRunner().invoke(_app(), ["data", "--help"])
     assert result.exit_code == 0 and "zl data --demo" in result.output

@@ -219,3 +219,37 @@ def test_bad_inputs_are_clear_errors(export_cache, tmp_path):
         train(busy, export_cache)
     with pytest.raises(ZLError, match="gives 2 device"):
         train(tmp_path / "few", export_cache, devices="local:2")
+
+
+def test_too_few_target_slots_fail_before_the_export(export_cache, data_file, tmp_path):
+    """A training row with more targets than --max-targets fails in seconds, naming the row, not after the export."""
+    from zl.errors import ZLError
+    from zl_export.options import ExportOptions
+
+    with pytest.raises(ZLError, match=r"rows\.jsonl line 1: 6 target tokens, more than the programs' 2 target slots "
+                                      r"\(39 more rows too\); pass --max-targets 6 or more"):
+        train(tmp_path / "run", export_cache, data=str(data_file), export=ExportOptions(max_targets=2))
+    assert not any(export_cache.iterdir()), "nothing was exported"
+
+
+def test_target_slots_follow_the_training_data(tmp_path):
+    """Without --max-targets `zl train` takes 16 slots, or enough for its longest completion (rounded up to 16)."""
+    from zl_device.run.train_data import run_max_targets
+    from zl_device.run.train_settings import TrainSettings
+    from zl_export import data as zdata
+    from zl_export.options import ExportOptions
+    from zl_export.tokenizer import ByteTokenizer
+
+    def shard(completion: str) -> Path:
+        src = tmp_path / f"{len(completion)}.jsonl"
+        src.write_text(json.dumps({"prompt": "p", "completion": completion}) + "\n")
+        tokenized, task = zdata.tokenize(zdata.load_task(src, "auto"), ByteTokenizer(), 64)
+        path = tmp_path / f"{len(completion)}.safetensors"
+        zdata.save(path, tokenized, task, ByteTokenizer(), "tiny-random", {"path": str(src)})
+        return path
+
+    said = []
+    assert run_max_targets(TrainSettings(), shard(" ok"), said.append) == 16 and not said
+    assert run_max_targets(TrainSettings(), shard(" " + "x" * 19), said.append) == 32  # 20 bytes + EOS = 21 targets
+    assert said == ["data: up to 21 target tokens per sample -> 32 target slots (--max-targets)"]
+    assert run_max_targets(TrainSettings(export=ExportOptions(max_targets=0)), shard(" " + "x" * 19), said.append) == 0

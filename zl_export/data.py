@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from zl.errors import ZLError
-from zl_export.shard import Shard, file_sha256, load_shard, sidecar_path, write_shard  # noqa: F401 (re-exported)
+from zl_export.shard import Shard, file_sha256, load_shard, sidecar_path, target_counts, write_shard  # noqa: F401 (re-exported)
 from zl_export.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -379,6 +379,7 @@ def tokenize(
         "rows": n,
         "tokens": int(attention_mask.sum()),
         "label_tokens": int((labels != IGNORE_INDEX).sum()),
+        "max_target_tokens": int(target_counts(labels).max()) if n else 0,  # per row; what --max-targets must cover
         "max_length": max_len,
         "truncated_rows": truncated,
     }

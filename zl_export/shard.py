@@ -8,7 +8,7 @@ says how they were made (see `write_shard`).
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +95,10 @@ class Shard:
             end = start + batch_size
             yield {n: getattr(self, n)[start:end] for n in TENSOR_NAMES}
 
+    def check_target_slots(self, slots: int) -> None:
+        """Raise ZLError naming the first row with more than `slots` target tokens (0: no limit)."""
+        check_target_slots(self.labels, slots, lambda i: f"shard {self.path} row {i}")
+
     def check_matches(self, seq_len: int | None = None, tokenizer_name: str | None = None) -> None:
         """Raise ZLError when the shard was built for another seq_len or tokenizer than a program expects."""
         if seq_len is not None and seq_len != self.seq_len:
@@ -108,6 +112,33 @@ class Shard:
                 f"shard {self.path} was tokenized for {built!r}, the model uses {tokenizer_name!r}. "
                 f"Rebuild the data with `zl data ... --model {tokenizer_name}`."
             )
+
+
+def target_counts(labels: torch.Tensor) -> torch.Tensor:
+    """(N,) int64: target tokens per row (labels other than -100 after the first position: Ω of DESIGN.md §1.1)."""
+    return (labels[:, 1:] != -100).sum(dim=1)
+
+
+def check_target_slots(labels: torch.Tensor, slots: int, where: Callable[[int], str]) -> None:
+    """Raise ZLError when a row has more target tokens than the programs' `slots` (0: no limit).
+
+    A stage program reads out only the first `slots` targets of each sample (DESIGN.md §1.4) and cannot tell
+    that a sample had more, so this host-side check is what keeps targets from being dropped silently.
+
+    Args:
+        labels: (N, S) int64.
+        slots: T, the programs' target slots per sample (`--max-targets`); 0 reads out every position.
+        where: names row i for the message, e.g. "shard train.safetensors row 12" or "data.csv line 13".
+    """
+    if slots <= 0:
+        return
+    counts = target_counts(labels)
+    over = (counts > slots).nonzero().flatten()
+    if len(over):
+        i, worst = int(over[0]), int(counts.max())
+        more = f" ({len(over) - 1} more rows too)" if len(over) > 1 else ""
+        raise ZLError(f"{where(i)}: {int(counts[i])} target tokens, more than the programs' {slots} target slots"
+                      f"{more}; pass --max-targets {worst} or more (0 reads out every position).")
 
 
 def load_shard(path: Path | str) -> Shard:

@@ -57,13 +57,25 @@ def default_seq_len(tokenizer: Tokenizer, demo: bool) -> int:
 
 
 def write_shard(job: ShardJob, tokenizer: Tokenizer, model: str, seq_len: int, out_dir: Path, truncate: bool = False,
-                extra: dict | None = None, on_rows: Callable[[int], None] | None = None) -> tuple[Path, dict]:
+                extra: dict | None = None, on_rows: Callable[[int], None] | None = None,
+                max_targets: int | None = None) -> tuple[Path, dict]:
     """Tokenize `job` and write OUT_DIR/<name>.safetensors with its sidecar.
+
+    Args:
+        max_targets: when given, every row must have at most this many target tokens (the programs' target
+            slots, `--max-targets`; 0: no limit).
 
     Returns:
         (the shard's path, its metadata).
+
+    Raises:
+        ZLError: as `zl_export.data.tokenize`, or a row with more target tokens than `max_targets`.
     """
+    from zl_export.shard import check_target_slots
+
     tokenized, task = zdata.tokenize(job.task, tokenizer, seq_len, truncate, job.source["path"], on_rows)
+    if max_targets is not None:
+        check_target_slots(tokenized.labels, max_targets, lambda i: f"{job.source['path']} line {task.examples[i].line}")
     path = Path(out_dir) / f"{job.name}.safetensors"
     meta = zdata.save(path, tokenized, task, tokenizer, model, job.source, extra={"split": job.name, **(extra or {})})
     return path, meta

@@ -46,6 +46,12 @@ def data_command(
     ] = False,
     shuffle: Annotated[bool, typer.Option("--shuffle/--no-shuffle", help="Shuffle the rows (seeded) before --limit.")] = True,
     seed: Annotated[int, typer.Option("--seed", help="Seed for shuffling and for generating the demo task.")] = 0,
+    max_targets: Annotated[
+        int | None,
+        typer.Option("--max-targets", help="Fail on a row with more target tokens (completion + end-of-sequence) than "
+                     "this: the --max-targets of the programs that will train on the shard (0: no limit).",
+                     show_default=False),
+    ] = None,
     labels: Annotated[
         str | None,
         typer.Option("--labels", help="text_label: comma-separated label values, in the order the prompt lists them "
@@ -63,6 +69,8 @@ def data_command(
       zl data --input ../shared/data/agnews/dev.csv --format agnews --split dev --out runs/data
 
       zl data --demo --out runs/demo-data
+
+      zl data --input qa.jsonl --max-targets 32 --out runs/qa-data
     """
     from zl_export import data as zdata
     from zl_export import shard_jobs
@@ -75,6 +83,8 @@ def data_command(
     is_demo = demo or input_ == "demo"
     if is_demo and fmt not in ("auto", "text_label"):
         raise ZLError(f"--format {fmt} does not apply to the demo task; drop --format.")
+    if max_targets is not None and max_targets < 0:
+        raise ZLError(f"--max-targets {max_targets}: expected 0 (no limit) or the programs' target slots, e.g. 16.")
     if split is not None and not split.replace("-", "").replace("_", "").isalnum():
         raise ZLError(f"--split {split!r}: expected a plain name like train or dev (it names the output file).")
     tokenizer = load_tokenizer(model)
@@ -92,9 +102,11 @@ def data_command(
             target, meta = shard_jobs.write_shard(
                 job, tokenizer, model, seq_len, out, truncate,
                 extra={"shuffle": shuffle, "seed": seed, "limit": limit, "truncate": truncate}, on_rows=on_rows,
+                max_targets=max_targets,
             )
         typer.echo(
             f"{job.name}: {meta['rows']} rows x {meta['seq_len']} tokens, {meta['label_tokens']} label tokens, "
+            f"at most {meta['max_target_tokens']} per row, "
             f"longest {meta['max_length']}, {meta['truncated_rows']} truncated -> {target}"
         )
 

@@ -15,14 +15,15 @@ from pathlib import Path
 
 from zl.errors import ZLError
 from zl_device.run.train_settings import TrainSettings
+from zl_export.options import ExportOptions
 
 log = logging.getLogger(__name__)
 
-EXPORT_CACHE_VERSION = 2  # bump when the exporter's output changes for the same options
+EXPORT_CACHE_VERSION = 3  # bump when the exporter's output changes for the same options
 
 
-def export_key(s: TrainSettings, seq_len: int) -> str:
-    """A hash of what determines the stage programs: model identity, split and export options."""
+def export_key(s: TrainSettings, opts: ExportOptions) -> str:
+    """A hash of what determines the stage programs: model identity, split and export options `opts`."""
     from zl_export.model_source import resolve
 
     kind, path = resolve(s.split.model)
@@ -31,15 +32,15 @@ def export_key(s: TrainSettings, seq_len: int) -> str:
         probe = path / "config.json" if path.is_dir() else path
         st = probe.stat()
         identity.update(path=str(path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns)
-    opts = s.export_options(seq_len)
     blob = {"v": EXPORT_CACHE_VERSION, "model": identity, "stages": s.split.key,
             "opts": {"seq_len": opts.seq_len, "micro_batch": opts.micro_batch, "seed": opts.seed,
-                     "lora": asdict(opts.lora), "loss": asdict(opts.loss)}}
+                     "max_targets": opts.target_slots, "lora": asdict(opts.lora), "loss": asdict(opts.loss)}}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def export_cached(s: TrainSettings, seq_len: int, load, say, progress=None) -> tuple[Path, dict]:
-    """The export directory for `s`: reused from the cache when complete, else exported into it.
+def export_cached(s: TrainSettings, opts: ExportOptions, load, say, progress=None) -> tuple[Path, dict]:
+    """The export directory for `s` with the run's resolved options `opts`: reused from the cache when
+    complete, else exported into it.
 
     Args:
         load: returns the run's `LoadedModel` (called only when there is something to export).
@@ -50,7 +51,7 @@ def export_cached(s: TrainSettings, seq_len: int, load, say, progress=None) -> t
     from zl_export.pipeline import export_pipeline
 
     root = s.export_cache or cache_dir() / "exports"
-    target = root / export_key(s, seq_len)
+    target = root / export_key(s, opts)
     if (target / "manifest.json").is_file():
         try:
             manifest = load_manifest(target)
@@ -62,7 +63,6 @@ def export_cached(s: TrainSettings, seq_len: int, load, say, progress=None) -> t
             log.warning("export cache %s is unusable (%s); exporting again", target, e)
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    opts = s.export_options(seq_len)
     opts.validate()  # before minutes of loading
     manifest = export_pipeline(s.split, tmp, opts, progress=progress, loaded=load(), shown_dir=target).manifest
     shutil.rmtree(target, ignore_errors=True)

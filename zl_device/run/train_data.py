@@ -19,6 +19,31 @@ def run_seq_len(s: TrainSettings, tokenizer: Tokenizer) -> int:
     return s.seq_len if s.seq_len is not None else default_seq_len(tokenizer, demo=s.data == DEMO)
 
 
+def run_max_targets(s: TrainSettings, shard: Path, say) -> int:
+    """The programs' target slots per sample for training on `shard` (checked before the export).
+
+    --max-targets when given (every row must fit it); else the default (16), raised to the shard's largest
+    target count rounded up to 16, so that long completions train without a flag and classification data
+    shares one cached export.
+
+    Raises:
+        ZLError: a row has more target tokens than an explicit --max-targets.
+    """
+    from zl_export.options import DEFAULT_MAX_TARGETS, TARGET_SLOT_STEP
+    from zl_export.shard import load_shard, target_counts
+
+    data = load_shard(shard)
+    if s.export.max_targets is not None:
+        data.check_target_slots(s.export.max_targets)
+        return s.export.max_targets
+    need = int(target_counts(data.labels).max()) if data.rows else 0
+    if need <= DEFAULT_MAX_TARGETS:
+        return DEFAULT_MAX_TARGETS
+    slots = -(-need // TARGET_SLOT_STEP) * TARGET_SLOT_STEP
+    say(f"data: up to {need} target tokens per sample -> {slots} target slots (--max-targets)")
+    return slots
+
+
 def prepare_data(s: TrainSettings, tokenizer: Tokenizer, seq_len: int, data_dir: Path, say) -> tuple[Path, Path | None]:
     """Tokenize the training data (and dev data) with the model's tokenizer into `data_dir`.
 
@@ -32,7 +57,10 @@ def prepare_data(s: TrainSettings, tokenizer: Tokenizer, seq_len: int, data_dir:
     data_dir.mkdir(parents=True, exist_ok=True)
 
     def write(job: ShardJob) -> Path:
-        path, meta = write_shard(job, tokenizer, s.split.model, seq_len, data_dir, s.truncate, extra={"seed": s.seed})
+        # The training rows must fit an explicit --max-targets (named by their source line); dev rows are scored in eager.
+        slots = s.export.max_targets if job.name == "train" else None
+        path, meta = write_shard(job, tokenizer, s.split.model, seq_len, data_dir, s.truncate, extra={"seed": s.seed},
+                                 max_targets=slots)
         say(f"data: {job.name} {meta['rows']} rows x {seq_len} tokens -> {path}")
         return path
 

@@ -1,4 +1,4 @@
-"""`zl train` from top to bottom: export -> data -> deploy -> run -> pull -> merge -> eval -> report.
+"""`zl train` from top to bottom: data -> export -> deploy -> run -> pull -> merge -> eval -> report.
 
 `run_training` calls one function per step; the steps live in their own
 modules (export_cache, train_data, launch, collect). A run directory ends up
@@ -70,17 +70,19 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     from zl_device.run.coordinator import Injection
     from zl_device.run.export_cache import export_cached
     from zl_device.run.launch import launch
-    from zl_device.run.train_data import prepare_data, run_seq_len
+    from zl_device.run.train_data import prepare_data, run_max_targets, run_seq_len
 
     start = time.time()
     run_dir, spec = open_run(s)
     model = RunModel(s.split.model, s.seed)
     seq_len = run_seq_len(s, model.tokenizer)
-    export_dir, manifest = export_cached(s, seq_len, model.loaded, say, export_progress)
+    # The data first (seconds): the programs' target slots must fit it, and a misfit must fail before the export.
+    shard, dev = prepare_data(s, model.tokenizer, seq_len, run_dir / "data", say)
+    opts = s.export_options(seq_len, run_max_targets(s, shard, say))
+    export_dir, manifest = export_cached(s, opts, model.loaded, say, export_progress)
     shutil.copyfile(export_dir / "manifest.json", run_dir / "manifest.json")
     num_stages = len(manifest["stages"])
     check_device_count(s, spec, num_stages)
-    shard, dev = prepare_data(s, model.tokenizer, seq_len, run_dir / "data", say)
     windows = s.windows()
     injection = Injection.parse(s.inject_failure, num_stages, windows.num_windows) if s.inject_failure else None
 

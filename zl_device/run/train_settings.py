@@ -78,6 +78,7 @@ class TrainSettings:
         """The run's micro-batches (--samples in micro-batches of --micro-batch) in windows of --window."""
         return WindowPlan.for_samples(self.samples, self.export.micro_batch, self.window)
 
-    def export_options(self, seq_len: int) -> ExportOptions:
-        """The export's options with the run's sequence length (resolved by the job) and seed."""
-        return replace(self.export, seq_len=seq_len, seed=self.seed)
+    def export_options(self, seq_len: int, max_targets: int | None = None) -> ExportOptions:
+        """The export's options with the run's sequence length and target slots (resolved by the job) and seed."""
+        return replace(self.export, seq_len=seq_len, seed=self.seed,
+                       max_targets=self.export.max_targets if max_targets is None else max_targets)

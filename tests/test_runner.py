@@ -304,7 +304,7 @@ def eager_reference(export_dir: Path, shard_path: Path, num_micro_batches: int, 
     lora = manifest["lora"]
     opts = ExportOptions(seq_len=manifest["seq_len"], micro_batch=manifest["micro_batch"],
                          lora=LoraSettings(lora["rank"], lora["alpha"], tuple(lora["targets"])),
-                         loss=LossConfig(**manifest["loss"]), seed=manifest["seed"])
+                         loss=LossConfig(**manifest["loss"]), seed=manifest["seed"], max_targets=manifest["max_targets"])
     loaded = load_model(manifest["model"]["name"], seed=manifest["seed"])
     stages = [StageRange(s["index"], *s["layers"]) for s in manifest["stages"]]
     _, modules = build_stage_modules(loaded.model, stages, opts)

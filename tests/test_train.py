@@ -124,7 +124,8 @@ def eager_zerolock(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, to
     lora, batch = manifest["lora"], manifest["micro_batch"]
     opts = ExportOptions(seq_len=manifest["seq_len"], micro_batch=batch,
                          lora=LoraSettings(lora["rank"], lora["alpha"], tuple(lora["targets"])),
-                         loss=LossConfig.from_manifest(manifest["loss"]), seed=manifest["seed"])
+                         loss=LossConfig.from_manifest(manifest["loss"]), seed=manifest["seed"],
+                         max_targets=manifest["max_targets"])
     loaded = load_model(manifest["model"]["name"], seed=manifest["seed"])
     peft_model, modules = build_stage_modules(
         loaded.model, [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]], opts)

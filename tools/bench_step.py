@@ -1,16 +1,22 @@
-"""One training step of one stage: ExecuTorch runtime next to PyTorch eager, side by side in one run.
+"""One training step of one stage: ExecuTorch runtime next to PyTorch eager, full and Ω readout, side by side in one run.
 
 Exports one stage (by default SmolLM2-135M layers 10-19, a middle stage of
-three, seq 128, micro-batch 1, LoRA r=8 on q/v), then times the same step
-(forward, readout, local loss, backward of the LoRA parameters) alternately
-in the ExecuTorch runtime and in PyTorch eager, with the same thread count,
-and prints the medians and their ratio. With --profile it also runs the
+three, micro-batch 1, LoRA r=8 on q/v) twice per sequence length: with the
+full readout (`--max-targets 0`: the LM head on every position, the programs
+before issue 10) and with the Ω readout (the LM head on `--max-targets` target
+slots per sample). Then it times the same step (forward, readout, local loss,
+backward of the LoRA parameters) of both programs alternately in the
+ExecuTorch runtime and in PyTorch eager, at each thread count, on
+AG News-shaped input (a prompt, `--targets` label tokens, right padding), and
+prints one table: medians, ExecuTorch / eager, an estimated GFLOP count per
+step (`step_gflop`) and the GFLOP/s achieved, and every step against the
+eager step of the full-readout program. With --profile it also runs each
 program once with an ETDump and eager once under torch.profiler, and prints
 where the time goes, grouped by operator, side by side.
 
-    .venv/bin/python tools/bench_step.py                       # SmolLM2, stage 10-19, 2 threads
-    .venv/bin/python tools/bench_step.py --threads 1 --repeats 7
-    .venv/bin/python tools/bench_step.py --model tiny-random --stages 0-1,2-3 --stage 1   # smoke run
+    nice -n 10 .venv/bin/python tools/bench_step.py --threads 1 --seq-len 128 --repeats 3   # SmolLM2, stage 10-19
+    .venv/bin/python tools/bench_step.py                       # the full grid: seq 32 and 128, 1 and 2 threads
+    .venv/bin/python tools/bench_step.py --model tiny-random --stages 0-1,2-3 --stage 1 --seq-len 32   # smoke run
 """
 
 import argparse
@@ -22,6 +28,7 @@ import tempfile
 import time
 import warnings
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -39,71 +46,153 @@ from zl_export.stages import parse_spec  # noqa: E402
 from zl_export.step_check import eager_step  # noqa: E402
 from zl_export.training_program import TrainingProgram  # noqa: E402
 
+FULL = "full"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--stages", default="0-9,10-19,20-29", help="the split the stage comes from")
     ap.add_argument("--stage", type=int, default=1, help="which stage of --stages to time")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2, help="threads for both runtimes")
-    ap.add_argument("--repeats", type=int, default=5, help="timed steps per runtime (after one warm-up each)")
-    ap.add_argument("--no-profile", action="store_true", help="skip the per-operator breakdown")
+    ap.add_argument("--seq-len", type=_ints, default=[32, 128], help="sequence lengths, comma-separated (one export "
+                                                                       "of each program per length)")
+    ap.add_argument("--threads", type=_ints, default=[1, 2], help="thread counts for both runtimes, comma-separated")
+    ap.add_argument("--max-targets", type=int, default=16, help="target slots per sample of the Ω-readout program")
+    ap.add_argument("--targets", type=int, default=2, help="target tokens per sample in the timed input "
+                                                           "(AG News: label word + end-of-sequence = 2)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per runtime and program (after one warm-up)")
+    ap.add_argument("--profile", action="store_true", help="per-operator breakdown of each program (first thread count)")
     ap.add_argument("--compare-linear", action="store_true",
-                    help="also export the stage without the matmul->linear rewrite and time it alongside")
-    ap.add_argument("--out", type=Path, default=None, help="keep the .pte here (default: a temporary directory)")
+                    help="also export the full-readout program without the matmul->linear rewrite and time it alongside")
+    ap.add_argument("--out", type=Path, default=None, help="keep the .pte files here (default: a temporary directory)")
     args = ap.parse_args()
+    if not 0 < args.targets <= args.max_targets:
+        ap.error(f"--targets {args.targets}: must be 1..--max-targets ({args.max_targets}), or targets would be dropped")
 
-    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count, _unsafe_reset_threadpool
-
-    torch.set_num_threads(args.threads)
-    _unsafe_reset_threadpool(args.threads)
     loaded = load_model(args.model)
-    split = parse_spec(args.stages, loaded.config.num_hidden_layers)
-    opts = ExportOptions(seq_len=args.seq_len, micro_batch=1, lora=LoraSettings(8, 16.0, ("q_proj", "v_proj")),
-                         loss=LossConfig(0.5, "kl_rev"), seed=0)
+    cfg = loaded.config
+    split = parse_spec(args.stages, cfg.num_hidden_layers)
+    opts = ExportOptions(seq_len=max(args.seq_len), micro_batch=1, lora=LoraSettings(8, 16.0, ("q_proj", "v_proj")),
+                         loss=LossConfig(0.5, "kl_rev"), seed=0, max_targets=args.max_targets)
     peft_model, modules = build_stage_modules(loaded.model, split, opts)
     module = modules[args.stage]
     _nonzero_lora_b(module)  # B = 0 at init would make every lora_A gradient 0
     out = args.out or Path(tempfile.mkdtemp(prefix="zl-bench-"))
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"{args.model} stage {args.stage} (layers {split[args.stage]}), seq {args.seq_len}, micro-batch 1, "
-          f"threads: torch {torch.get_num_threads()}, ExecuTorch {_threadpool_get_thread_count()}", flush=True)
-    program_entry = write_program(export_stage(module, peft_model, opts, loaded.config.vocab_size), out)
-    print(f"exported {program_entry['file']}: {program_entry['size_bytes'] / 2**20:.1f} MiB in {program_entry['export_s']:.1f} s",
-          flush=True)
-    names = [o["name"] for o in program_entry["outputs"]]
-    program = TrainingProgram(out / program_entry["file"], names)
-    inputs = example_inputs(module, opts, loaded.config.vocab_size, seed=1)
-    runs = {"ExecuTorch": program.step, "eager": lambda *x: eager_step(module, *x)}
-    if args.compare_linear:
-        import zl_export.exporter as exporter
+    omega = f"Ω {args.max_targets}"
+    readouts = {FULL: 0, omega: args.max_targets}  # readout name -> the program's max_targets
+    print(f"{args.model} stage {args.stage} (layers {split[args.stage]}), micro-batch 1, {args.targets} target tokens "
+          f"per sample, readouts: {', '.join(readouts)}; median of {args.repeats} steps", flush=True)
+    rows = []
+    for seq in args.seq_len:
+        seq_opts = replace(opts, seq_len=seq)
+        programs = {}
+        for name, slots in readouts.items():
+            module.max_targets = slots
+            programs[name] = _export(module, peft_model, replace(seq_opts, max_targets=slots), cfg, out / f"s{seq}-{slots}")
+        if args.compare_linear:
+            module.max_targets = 0
+            programs["full, mm + permute_copy"] = _export(module, peft_model, replace(seq_opts, max_targets=0), cfg,
+                                                          out / f"s{seq}-0-mm", rewrite=False)
+        inputs = example_inputs(module, seq_opts, cfg.vocab_size, seed=1, targets=args.targets)
+        gflop = {name: step_gflop(cfg, module, seq, 1, readouts.get(name, 0), opts.lora) for name in programs}
+        for i, threads in enumerate(args.threads):
+            ms = _time(module, programs, readouts, inputs, threads, args.repeats)
+            base = ms[(FULL, "eager")]
+            for name in programs:
+                et, eager = ms[(name, "ExecuTorch")], ms[(name, "eager")]
+                rows.append((seq, threads, name, gflop[name], et, eager, et / eager, gflop[name] / et * 1e3,
+                             gflop[name] / eager * 1e3, base / et, base / eager))
+            if args.profile and i == 0:
+                for name, (pte, _) in programs.items():
+                    module.max_targets = readouts.get(name, 0)
+                    print(f"\n--- {name} readout, seq {seq}, {threads} thread(s)")
+                    _breakdown(pte, module, inputs, out)
+    print(f"\n{'seq':>4} {'thr':>3}  {'readout':<24}{'GFLOP':>7}{'ET ms':>9}{'eager ms':>10}{'ET/eager':>9}"
+          f"{'ET GF/s':>9}{'eag GF/s':>9}  {'eager-full/ET':>13}{'eager-full/eager':>17}")
+    for seq, thr, name, gf, et, eager, ratio, et_gfs, eager_gfs, x_et, x_eager in rows:
+        print(f"{seq:>4} {thr:>3}  {name:<24}{gf:>7.2f}{et:>9.0f}{eager:>10.0f}{ratio:>9.2f}{et_gfs:>9.1f}"
+              f"{eager_gfs:>9.1f}  {x_et:>12.2f}x{x_eager:>16.2f}x")
+    print("eager-full/X: the eager step of the full-readout program divided by X's step (> 1: X is faster).")
 
-        rewrite, exporter._matmuls_to_linear = exporter._matmuls_to_linear, lambda ep: 0
-        try:
-            plain_dir = out / "without_linear_rewrite"
-            plain_dir.mkdir(exist_ok=True)
-            plain = write_program(export_stage(module, peft_model, opts, loaded.config.vocab_size), plain_dir)
-        finally:
-            exporter._matmuls_to_linear = rewrite
-        print(f"exported without the matmul->linear rewrite: {plain['size_bytes'] / 2**20:.1f} MiB", flush=True)
-        runs["ExecuTorch, mm + permute_copy"] = TrainingProgram(plain_dir / plain["file"], names).step
 
-    first = {name: run(*inputs) for name, run in runs.items()}  # warm-up (and a correctness check)
-    ms: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.repeats):  # alternate, so drift (heat, other load) hits all alike
-        for name, run in runs.items():
+def _export(module, peft_model, opts: ExportOptions, cfg, folder: Path, rewrite: bool = True):
+    """Export `module` with `opts` into `folder`; returns (the .pte path, the loaded TrainingProgram)."""
+    import zl_export.exporter as exporter
+
+    folder.mkdir(parents=True, exist_ok=True)
+    saved = exporter._matmuls_to_linear
+    if not rewrite:
+        exporter._matmuls_to_linear = lambda ep: 0
+    try:
+        entry = write_program(export_stage(module, peft_model, opts, cfg.vocab_size), folder)
+    finally:
+        exporter._matmuls_to_linear = saved
+    print(f"exported seq {opts.seq_len}, max_targets {opts.max_targets}{'' if rewrite else ', no linear rewrite'}: "
+          f"{entry['size_bytes'] / 2**20:.1f} MiB in {entry['export_s']:.1f} s", flush=True)
+    pte = folder / entry["file"]
+    return pte, TrainingProgram(pte, [o["name"] for o in entry["outputs"]])
+
+
+def _time(module, programs: dict, readouts: dict, inputs: tuple, threads: int, repeats: int) -> dict:
+    """Median step ms by (program name, runtime); checks that every program and runtime gives the same loss."""
+    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+    torch.set_num_threads(threads)
+    _unsafe_reset_threadpool(threads)
+
+    def eager(slots: int):
+        def run(*x):
+            module.max_targets = slots
+            return eager_step(module, *x)
+        return run
+
+    runs = {}
+    for name, (_, program) in programs.items():
+        runs[(name, "ExecuTorch")] = program.step
+        runs[(name, "eager")] = eager(readouts.get(name, 0))
+    losses = {key: float(run(*inputs).outputs["loss"]) for key, run in runs.items()}  # warm-up and correctness
+    ref = losses[(FULL, "eager")]
+    worst = max(abs(v - ref) / max(abs(ref), 1e-12) for v in losses.values())
+    print(f"{threads} thread(s): loss {ref:.6f} (eager, full readout); largest relative difference across programs "
+          f"and runtimes {worst:.1e}", flush=True)
+    if worst > 1e-4:
+        raise SystemExit(f"the programs disagree: {losses}")
+    ms: dict = {key: [] for key in runs}
+    for _ in range(repeats):  # alternate, so drift (heat, other load) hits all alike
+        for key, run in runs.items():
             t0 = time.perf_counter()
             run(*inputs)
-            ms[name].append((time.perf_counter() - t0) * 1e3)
-    print("loss: " + ", ".join(f"{name} {float(r.outputs['loss']):.6f}" for name, r in first.items()))
-    eager_med = statistics.median(ms["eager"])
-    print(f"step ms (median of {args.repeats}, [min-max]):")
-    for name, values in ms.items():
-        med = statistics.median(values)
-        print(f"  {name:<32}{med:>8.0f}  [{min(values):.0f}-{max(values):.0f}]   / eager = {med / eager_med:.2f}")
-    if not args.no_profile:
-        _breakdown(out / program_entry["file"], module, inputs, out)
+            ms[key].append((time.perf_counter() - t0) * 1e3)
+    return {key: statistics.median(v) for key, v in ms.items()}
+
+
+def step_gflop(cfg, module, seq: int, batch: int, slots: int, lora: LoraSettings) -> float:
+    """Estimated GFLOP (2 per multiply-add) of one training step of `module`: matmuls only.
+
+    Layers: the forward, and in the backward the input gradients through every frozen linear (as much as the
+    forward) and attention (twice its forward), plus the LoRA adapters (forward, input and weight gradients).
+    Readout (D x V per position, on S positions, or on `slots` per sample): this stage's forward and input
+    gradient, and the previous readout's forward when the stage has one; the Ω selection (B,T,S)@(B,S,D).
+    """
+    d, v, inter = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or d // heads
+    shapes = {"q_proj": (d, heads * hd), "k_proj": (d, kv_heads * hd), "v_proj": (d, kv_heads * hd),
+              "o_proj": (heads * hd, d), "gate_proj": (d, inter), "up_proj": (d, inter), "down_proj": (inter, d)}
+    tokens = batch * seq
+    linear = sum(i * o for i, o in shapes.values())  # multiply-adds per token and layer
+    attention = 2 * heads * seq * hd  # QKᵀ and AV, per token and layer (full S x S, as the eager mask computes it)
+    adapters = sum(lora.rank * (i + o) for name, (i, o) in shapes.items() if name in lora.targets)
+    per_layer = tokens * (2 * linear + 3 * attention + 3 * adapters)
+    positions = batch * (slots if slots else seq)
+    readouts = 2 + (1 if module.has_prev_target else 0)  # forward + input gradient, + the previous readout
+    select = (3 * batch * slots * seq * d) if slots else 0  # h_in, h forward, h backward
+    macs = len(module.layers) * per_layer + readouts * positions * d * v + select
+    return 2 * macs / 1e9
 
 
 def _nonzero_lora_b(module: torch.nn.Module) -> None:

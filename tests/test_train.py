@@ -227,14 +227,15 @@ def test_too_few_target_slots_fail_before_the_export(export_cache, data_file, tm
     from zl.errors import ZLError
     from zl_export.options import ExportOptions
 
+    cached = set(export_cache.iterdir())
     with pytest.raises(ZLError, match=r"rows\.jsonl line 1: 6 target tokens, more than the programs' 2 target slots "
                                       r"\(39 more rows too\); pass --max-targets 6 or more"):
         train(tmp_path / "run", export_cache, data=str(data_file), export=ExportOptions(max_targets=2))
-    assert not any(export_cache.iterdir()), "nothing was exported"
+    assert set(export_cache.iterdir()) == cached, "nothing was exported"
 
 
 def test_target_slots_follow_the_training_data(tmp_path):
-    """Without --max-targets `zl train` takes 16 slots, or enough for its longest completion (rounded up to 16)."""
+    """Without --max-targets `zl train` fits the slots to its data: the largest target count rounded up to 4."""
     from zl_device.run.train_data import run_max_targets
     from zl_device.run.train_settings import TrainSettings
     from zl_export import data as zdata
@@ -250,7 +251,8 @@ def test_target_slots_follow_the_training_data(tmp_path):
         return path
 
     said = []
-    assert run_max_targets(TrainSettings(), shard(" ok"), said.append) == 16 and not said
-    assert run_max_targets(TrainSettings(), shard(" " + "x" * 19), said.append) == 32  # 20 bytes + EOS = 21 targets
-    assert said == ["data: up to 21 target tokens per sample -> 32 target slots (--max-targets)"]
+    assert run_max_targets(TrainSettings(), shard(" ok"), said.append) == 4  # 3 bytes + EOS
+    assert run_max_targets(TrainSettings(), shard(" " + "x" * 19), said.append) == 24  # 20 bytes + EOS = 21 targets
+    assert said[-1] == "data: up to 21 target tokens per sample -> 24 target slots (--max-targets)"
     assert run_max_targets(TrainSettings(export=ExportOptions(max_targets=0)), shard(" " + "x" * 19), said.append) == 0
+    assert run_max_targets(TrainSettings(export=ExportOptions(max_targets=30)), shard(" " + "x" * 19), said.append) == 30

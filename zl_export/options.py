@@ -19,10 +19,12 @@ CONSISTENCY_KINDS = ("kl_rev", "kl_fwd")
 FIRST_TARGETS = ("embedding", "none")
 GATES = ("none", "target_prob")
 # `--loss paper`: the local loss exactly as the ZeroLock paper writes it (Eq. 5), whatever the defaults are.
-# Target slots per sample when --max-targets is not given: classification completions (label words + EOS, the demo
-# task and AG News: 1-3 tokens) fit with room to spare; `zl train` raises it to fit its training data.
+# Target slots per sample when --max-targets is not given and no data is at hand (`zl export`): classification
+# completions (label word + EOS, the demo task and AG News: 1-3 tokens) fit with room to spare.
 DEFAULT_MAX_TARGETS = 16
-TARGET_SLOT_STEP = 16  # `zl train` rounds a derived slot count up to a multiple of this (stable export cache keys)
+# `zl train` fits the slots to its training data: its largest target count rounded up to a multiple of this, so
+# similar data shares one cached export while the readout stays within a few positions of what the loss needs.
+TARGET_SLOT_STEP = 4
 PAPER_LOSS = {"alpha": (0.5,), "consistency": "kl_rev", "first_target": "embedding", "gate": "none",
               "translator_rank": 0}
 
@@ -147,7 +149,8 @@ class ExportOptions:
     seed: int = setting(0, "Seeds the LoRA initialisation (and random-weight models).")
     max_targets: int | None = setting(None, f"Target tokens per sample the programs read out (the LM head runs on "
                                             f"these slots only); 0 reads out every position. Default: "
-                                            f"{DEFAULT_MAX_TARGETS}; `zl train` raises it to fit its training data.")
+                                            f"{DEFAULT_MAX_TARGETS}; `zl train`: its training data's largest target "
+                                            f"count, rounded up to {TARGET_SLOT_STEP}.")
 
     @property
     def target_slots(self) -> int:

@@ -75,6 +75,7 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     start = time.time()
     run_dir, spec = open_run(s)
     model = RunModel(s.split.model, s.seed)
+    check_device_count(s, spec, s.split.count)
     seq_len = run_seq_len(s, model.tokenizer)
     # The data first (seconds): the programs' target slots must fit it, and a misfit must fail before the export.
     shard, dev = prepare_data(s, model.tokenizer, seq_len, run_dir / "data", say)
@@ -82,7 +83,6 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     export_dir, manifest = export_cached(s, opts, model.loaded, say, export_progress)
     shutil.copyfile(export_dir / "manifest.json", run_dir / "manifest.json")
     num_stages = len(manifest["stages"])
-    check_device_count(s, spec, num_stages)
     windows = s.windows()
     injection = Injection.parse(s.inject_failure, num_stages, windows.num_windows) if s.inject_failure else None
 

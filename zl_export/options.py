@@ -18,13 +18,13 @@ LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 CONSISTENCY_KINDS = ("kl_rev", "kl_fwd")
 FIRST_TARGETS = ("embedding", "none")
 GATES = ("none", "target_prob")
-# `--loss paper`: the local loss exactly as the ZeroLock paper writes it (Eq. 5), whatever the defaults are.
 # Target slots per sample when --max-targets is not given and no data is at hand (`zl export`): classification
 # completions (label word + EOS, the demo task and AG News: 1-3 tokens) fit with room to spare.
 DEFAULT_MAX_TARGETS = 16
 # `zl train` fits the slots to its training data: its largest target count rounded up to a multiple of this, so
 # similar data shares one cached export while the readout stays within a few positions of what the loss needs.
 TARGET_SLOT_STEP = 4
+# `--loss paper`: the local loss exactly as the ZeroLock paper writes it (Eq. 5), whatever the defaults are.
 PAPER_LOSS = {"alpha": (0.5,), "consistency": "kl_rev", "first_target": "embedding", "gate": "none",
               "translator_rank": 0}
 

@@ -115,14 +115,14 @@ class Shard:
 
 
 def target_counts(labels: torch.Tensor) -> torch.Tensor:
-    """(N,) int64: target tokens per row (labels other than -100 after the first position: Ω of DESIGN.md §1.1)."""
+    """(N,) int64: target tokens per row (labels other than -100 after the first position: Ω of docs/design.md §1.1)."""
     return (labels[:, 1:] != -100).sum(dim=1)
 
 
 def check_target_slots(labels: torch.Tensor, slots: int, where: Callable[[int], str]) -> None:
     """Raise ZLError when a row has more target tokens than the programs' `slots` (0: no limit).
 
-    A stage program reads out only the first `slots` targets of each sample (DESIGN.md §1.4) and cannot tell
+    A stage program reads out only the first `slots` targets of each sample (docs/design.md §1.4) and cannot tell
     that a sample had more, so this host-side check is what keeps targets from being dropped silently.
 
     Args:

@@ -14,7 +14,7 @@ loss and backward instruction of the exported program.
 
 A readout is a (D × V) matmul per position, so where it runs sets the cost:
 
-- `max_targets = T > 0` (the exported default, DESIGN.md §1.4): the program
+- `max_targets = T > 0` (the exported default, docs/design.md §1.4): the program
   picks the first T target positions of each sample with a one-hot selection
   computed from `labels` inside the program (static shapes: (B, T, S) @
   (B, S, D)) and reads out only those, with a validity mask for empty slots.

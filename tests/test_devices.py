@@ -294,6 +294,23 @@ def test_deploy_errors(tmp_path, monkeypatch):
         zdeploy.deploy_stage(devs[0], export, 0, {"stage_index": 1}, runner=runner)
     with pytest.raises(ZLError, match="data_shard=missing.bin: no such file"):
         zdeploy.deploy_stage(devs[0], export, 0, {"stage_index": 0, "data_shard": "missing.bin"}, runner=runner)
+    from zl_export import data as zdata
+    from zl_export.tokenizer import ByteTokenizer
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "p", "completion": " abc"}) + "\n")  # 4 bytes + EOS: 5 targets
+    tokenized, task = zdata.tokenize(zdata.load_task(rows, "auto"), ByteTokenizer(), 16)
+    zdata.save(tmp_path / "five.safetensors", tokenized, task, ByteTokenizer(), "tiny-random", {"path": str(rows)})
+    manifest = json.loads((export / "manifest.json").read_text())
+    (export / "manifest.json").write_text(json.dumps({**manifest, "max_targets": 4}))
+    shard_cfg = {"stage_index": 0, "data_shard": str(tmp_path / "five.safetensors")}
+    other = open_devices("local:1", tmp_path / "other")[0]
+    with pytest.raises(ZLError, match=r"five\.safetensors row 0: 5 target tokens, more than the programs' 4 target "
+                                      r"slots; pass --max-targets 5 or more"):
+        zdeploy.deploy_stage(other, export, 0, shard_cfg, runner=runner)
+    (export / "manifest.json").write_text(json.dumps({**manifest, "max_targets": 8}))
+    assert "five.safetensors" in zdeploy.deploy_stage(other, export, 0, shard_cfg, runner=runner).pushed  # fits
+    (export / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ZLError, match="no stage config"):
         zdeploy.deploy(devs + open_devices("local:3", tmp_path / "run")[2:], export, tmp_path / "none", runner=runner)
     monkeypatch.setattr(LocalDevice, "free_bytes", lambda self: 10 << 20)

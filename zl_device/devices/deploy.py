@@ -179,6 +179,8 @@ def deploy_stage(
                     continue
                 host = (base / value) if not os.path.isabs(value) else Path(value)
                 if host.is_file():
+                    if key == "data_shard":
+                        _check_shard_fits(host, manifest)
                     name = os.path.basename(value)
                     if name in files and files[name][0].resolve() != host.resolve():
                         raise ZLError(f"config field {key}={value}: another file named {name} is deployed too; "
@@ -223,6 +225,19 @@ def deploy_stage(
         result.pushed.append(result.config)
     log.info("%s: stage %s, pushed %s, unchanged %s", device.name, stage, result.pushed, result.unchanged)
     return result
+
+
+def _check_shard_fits(shard: Path, manifest: dict) -> None:
+    """Raise ZLError for a shard row with more targets than the programs' slots (docs/design.md §1.4).
+
+    The programs cannot tell that a sample had more targets than they read out, so this is checked before
+    the shard reaches a device (exports without `max_targets` read out every position: nothing to check).
+    """
+    slots = manifest.get("max_targets", 0)
+    if slots:
+        from zl_export.shard import load_shard
+
+        load_shard(shard).check_target_slots(slots)
 
 
 def deploy(

@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--compare-linear", action="store_true",
                     help="also export the full-readout program without the matmul->linear rewrite and time it alongside")
     ap.add_argument("--out", type=Path, default=None, help="keep the .pte files here (default: a temporary directory)")
+    ap.add_argument("--reuse", action="store_true", help="time the programs an earlier run left in --out instead of "
+                                                          "exporting them again (same model, stage and options)")
     args = ap.parse_args()
     if not 0 < args.targets <= min(args.max_targets):
         ap.error(f"--targets {args.targets}: must be 1..{min(args.max_targets)} (the fewest slots), or targets would "
@@ -94,7 +96,8 @@ def main() -> None:
         programs = {}
         for name, slots in readouts.items():
             module.max_targets = slots
-            programs[name] = _export(module, peft_model, replace(seq_opts, max_targets=slots), cfg, out / f"s{seq}-{slots}")
+            programs[name] = _export(module, peft_model, replace(seq_opts, max_targets=slots), cfg, out / f"s{seq}-{slots}",
+                                     reuse=args.reuse)
         if args.compare_linear:
             module.max_targets = 0
             programs["full, mm + permute_copy"] = _export(module, peft_model, replace(seq_opts, max_targets=0), cfg,
@@ -121,10 +124,16 @@ def main() -> None:
     print("eager-full/X: the eager step of the full-readout program divided by X's step (> 1: X is faster).")
 
 
-def _export(module, peft_model, opts: ExportOptions, cfg, folder: Path, rewrite: bool = True):
-    """Export `module` with `opts` into `folder`; returns (the .pte path, the loaded TrainingProgram)."""
+def _export(module, peft_model, opts: ExportOptions, cfg, folder: Path, rewrite: bool = True, reuse: bool = False):
+    """Export `module` with `opts` into `folder` (or with `reuse`, take the program there); returns (the .pte
+    path, the loaded TrainingProgram)."""
     import zl_export.exporter as exporter
 
+    names = ([] if module.is_last else ["hidden"]) + ["loss", "task_loss", "consistency_loss"]
+    pte = folder / f"stage_{module.stage.index}.pte"
+    if reuse and pte.is_file():
+        print(f"reusing {pte}", flush=True)
+        return pte, TrainingProgram(pte, names)
     folder.mkdir(parents=True, exist_ok=True)
     saved = exporter._matmuls_to_linear
     if not rewrite:

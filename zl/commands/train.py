@@ -68,5 +68,5 @@ def _table(status, total: int) -> Table:
 
 train_command = settings_command(
     TrainSettings, run_train,
-    "Fine-tune with LoRA on a pipeline of devices: export, data, deploy, run, pull, merge, eval, report." + EXAMPLE)
+    "Fine-tune with LoRA on a pipeline of devices: data, export, deploy, run, pull, merge, eval, report." + EXAMPLE)
 COMMANDS = {"train": train_command}

@@ -408,7 +408,7 @@ def test_max_targets_names_the_line_the_count_and_the_fix(tmp_path):
                                       r"pass --max-targets 8 or more \(0 reads out every position\)\.$"):
         shard_jobs.write_shard(job, BYTES, "tiny-random", 32, tmp_path / "bad", max_targets=7)
     shard = load_shard(path)
-    with pytest.raises(ZLError, match=r"ok/train\.safetensors row 0: 3 target tokens, .* 2 target slots \(1 more rows too\); "
+    with pytest.raises(ZLError, match=r"ok/train\.safetensors row 0: 3 target tokens, .* 2 target slots \(1 more row too\); "
                                       r"pass --max-targets 8 or more"):
         shard.check_target_slots(2)
     shard.check_target_slots(8)

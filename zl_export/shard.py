@@ -136,7 +136,8 @@ def check_target_slots(labels: torch.Tensor, slots: int, where: Callable[[int], 
     over = (counts > slots).nonzero().flatten()
     if len(over):
         i, worst = int(over[0]), int(counts.max())
-        more = f" ({len(over) - 1} more rows too)" if len(over) > 1 else ""
+        others = len(over) - 1
+        more = f" ({others} more {'row' if others == 1 else 'rows'} too)" if others else ""
         raise ZLError(f"{where(i)}: {int(counts[i])} target tokens, more than the programs' {slots} target slots"
                       f"{more}; pass --max-targets {worst} or more (0 reads out every position).")
 

@@ -118,6 +118,7 @@ def eager_zerolock(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, to
     from zl_export.options import ExportOptions, LoraSettings, LossConfig
     from zl_export.shard import load_shard
     from zl_export.stages import StageRange
+    from zl_export.translator import calibration_batches
 
     manifest = json.loads((run_dir / "manifest.json").read_text())
     configs = [json.loads((run_dir / f"stage_{st['index']}.json").read_text()) for st in manifest["stages"]]
@@ -127,10 +128,12 @@ def eager_zerolock(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, to
                          loss=LossConfig.from_manifest(manifest["loss"]), seed=manifest["seed"],
                          max_targets=manifest["max_targets"])
     loaded = load_model(manifest["model"]["name"], seed=manifest["seed"])
+    shard = load_shard(run_dir / "data" / "train.safetensors")
     peft_model, modules = build_stage_modules(
-        loaded.model, [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]], opts)
+        loaded.model, [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]], opts,
+        calibration_batches(shard))  # lens translators are fitted on the training shard, as zl train does
     optimizer = configs[0]["optimizer"]
-    train_zerolock(modules, load_shard(run_dir / "data" / "train.safetensors"),
+    train_zerolock(modules, shard,
                    Budget(configs[0]["num_micro_batches"] * batch, configs[0]["window_size"], batch),
                    OptimizerSettings(lr=optimizer["lr"], weight_decay=optimizer["weight_decay"],
                                      schedule=optimizer["schedule"]),
@@ -156,18 +159,21 @@ def test_eager_zerolock_gives_the_adapter_of_the_run(clean_run):
 
 
 def test_loss_variants_train_through_the_runner_as_in_eager(export_cache, data_file, tmp_path):
-    """Per-stage α, a gated KL, no target for stage 0, translators and per-stage lr through the real runners.
+    """Per-stage α, a gated KL, no target for stage 0, lens translators and per-stage lr through the real runners.
 
     The translators train in the runners (checkpoints), stay out of the PEFT adapter and land in
     adapter/early_exit/; everything equals the eager path's result.
     """
     from zl_export.options import ExportOptions, LossConfig
 
-    loss = LossConfig(alpha=(0.5, 0.7, 1.0), first_target="none", gate="target_prob", translator_rank=2)
+    loss = LossConfig(alpha=(0.5, 0.7, 1.0), first_target="none", gate="target_prob", translator_rank=2,
+                      translator_init="lens")
     result = train(tmp_path / "run", export_cache, data=str(data_file), export=ExportOptions(loss=loss),
                    stage_lr=(1.0, 1.0, 2.0))
     run_dir = result.run_dir
-    assert json.loads((run_dir / "manifest.json").read_text())["loss"] == loss.to_manifest()
+    recorded = json.loads((run_dir / "manifest.json").read_text())["loss"]
+    assert recorded.pop("calibration")["path"] == str(run_dir / "data" / "train.safetensors")
+    assert recorded == loss.to_manifest()
     lrs = [json.loads((run_dir / f"stage_{k}.json").read_text())["optimizer"]["lr"] for k in range(3)]
     assert lrs[2] == 2 * lrs[0] == 2 * lrs[1]
     assert not any("translator" in n for n in adapter_tensors(run_dir)), "translators are not part of the model"

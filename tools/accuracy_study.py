@@ -83,6 +83,8 @@ ARMS = {a.name: a for a in (
     Arm("zl-translator-gated", "zerolock", {"alpha": (0.5,), "gate": "target_prob", "first_target": "none",
                                             "translator_rank": 32},
         note="gated KL and rank-32 translators"),
+    Arm("zl-lens", "zerolock", {"alpha": (1.0,), "translator_rank": 576, "translator_init": "lens"},
+        note="α 1, full-rank readout translators started as tuned lenses (least squares on 64 training rows)"),
     Arm("zl-last-heavy", "zerolock", {"alpha": (1.0,), "translator_rank": 32}, stage_lr=(0.5, 0.5, 2.0),
         note="translators; lr ×0.5 on early stages, ×2 on the last"),
 )}
@@ -202,6 +204,7 @@ def run_arm(arm: Arm, samples: int, s: StudySettings, base_model, split, train, 
     from zl_device.results.early_exit import EarlyExitModel
     from zl_device.results.evaluate import evaluate
     from zl_export.exporter import build_stage_modules
+    from zl_export.translator import calibration_batches
     from zl_export.lora import attach_lora
 
     budget = Budget(samples, s.window, s.micro_batch)
@@ -221,7 +224,7 @@ def run_arm(arm: Arm, samples: int, s: StudySettings, base_model, split, train, 
     if arm.kind == "zerolock":
         opts = ExportOptions(seq_len=s.seq_len, micro_batch=s.micro_batch, lora=s.lora, loss=arm.loss_config(),
                              seed=s.seed)
-        peft_model, modules = build_stage_modules(model, split, opts)
+        peft_model, modules = build_stage_modules(model, split, opts, calibration_batches(train))
         result["trainable"] = sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
         log = train_zerolock(modules, train, budget, s.optimizer(budget), arm.stage_lr, on_window)
         trained = peft_model

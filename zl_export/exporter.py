@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
+from zl.errors import ZLError
 from zl_export.lora import attach_lora, peft_names
 from zl_export.options import ExportOptions
 from zl_export.stage_module import StageModule
 from zl_export.stages import StageRange
-from zl_export.translator import translator_name
+from zl_export.translator import fit_lenses, translator_name
 
 MARKER_OP = "zerolock::pipeline_marker.out"
 
@@ -38,17 +39,34 @@ class StageProgram:
 
 
 def build_stage_modules(
-    base_model: torch.nn.Module, stages: list[StageRange], opts: ExportOptions
+    base_model: torch.nn.Module, stages: list[StageRange], opts: ExportOptions,
+    calibration: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.nn.Module, list[StageModule]]:
     """Attach LoRA to `base_model` and cut it into one `StageModule` per stage.
 
+    Args:
+        calibration: (input_ids, attention_mask) rows to fit the readout lenses on
+            (`translator_init="lens"`; zl_export.translator.fit_lenses).
+
     Returns:
         (peft_model, stage modules); the modules share the peft model's weights.
+
+    Raises:
+        ZLError: lens translators without calibration rows.
     """
     opts.loss.validate(len(stages))
     peft_model = attach_lora(base_model, opts.lora, seed=opts.seed)
     modules = [StageModule(peft_model, s, len(stages), opts.loss, seed=opts.seed, max_targets=opts.target_slots).eval()
                for s in stages]
+    hidden = base_model.config.hidden_size
+    if opts.loss.translator_rank > hidden:
+        raise ZLError(f"--translator-rank {opts.loss.translator_rank}: more than the model's hidden size {hidden}; "
+                      f"use {hidden} (a full-rank map) or less.")
+    if opts.loss.translator_rank and opts.loss.translator_init == "lens":
+        if not calibration:
+            raise ZLError("--translator-init lens needs calibration rows (the training shard); none were given.")
+        for k, lens in fit_lenses(modules, calibration).items():
+            modules[k].translator.start_from(lens)
     return peft_model, modules
 
 

@@ -18,6 +18,7 @@ LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 CONSISTENCY_KINDS = ("kl_rev", "kl_fwd")
 FIRST_TARGETS = ("embedding", "none")
 GATES = ("none", "target_prob")
+TRANSLATOR_INITS = ("identity", "lens")
 # Target slots per sample when --max-targets is not given and no data is at hand (`zl export`): classification
 # completions (label word + EOS, the demo task and AG News: 1-3 tokens) fit with room to spare.
 DEFAULT_MAX_TARGETS = 16
@@ -26,7 +27,7 @@ DEFAULT_MAX_TARGETS = 16
 TARGET_SLOT_STEP = 4
 # `--loss paper`: the local loss exactly as the ZeroLock paper writes it (Eq. 5), whatever the defaults are.
 PAPER_LOSS = {"alpha": (0.5,), "consistency": "kl_rev", "first_target": "embedding", "gate": "none",
-              "translator_rank": 0}
+              "translator_rank": 0, "translator_init": "identity"}
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,10 @@ class LossConfig:
                         choices=GATES)
     translator_rank: int = setting(0, "Rank of a trainable readout translator (diagonal + low-rank map in front of "
                                       "the frozen LM head) on every stage but the last; 0 = the paper's plain readout.")
+    translator_init: str = setting("identity", "How a readout translator starts: identity, or lens (a tuned lens: "
+                                               "the least-squares map from the stage's hidden state to the last "
+                                               "layer's, fitted at export on calibration rows).",
+                                   choices=TRANSLATOR_INITS)
     preset: str | None = setting(None, "paper: the paper's loss (α 0.5, KL(p_k‖p_k-1), stage 0 towards the "
                                        "embedding readout, no gate, no translator); overrides the loss options above.",
                                  flag="--loss", choices=("paper",))
@@ -130,7 +135,8 @@ class LossConfig:
 
     def to_manifest(self) -> dict:
         return {"alpha": list(self.alpha), "consistency": self.consistency, "first_target": self.first_target,
-                "gate": self.gate, "translator_rank": self.translator_rank, "preset": self.preset}
+                "gate": self.gate, "translator_rank": self.translator_rank, "translator_init": self.translator_init,
+                "preset": self.preset}
 
     @classmethod
     def from_manifest(cls, loss: dict) -> "LossConfig":

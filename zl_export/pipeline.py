@@ -54,12 +54,38 @@ class ExportResult:
     checks: list[StageCheck] | None  # with check=True: one step per stage, ExecuTorch next to eager
 
 
+def calibration_rows(opts: ExportOptions, loaded: LoadedModel, shard_path: Path | None):
+    """(rows to fit the readout lenses on, what they were) — (None, None) unless the translators start as lenses."""
+    from zl_export.translator import CALIBRATION_ROWS, calibration_batches
+
+    if not (opts.loss.translator_rank and opts.loss.translator_init == "lens"):
+        return None, None
+    if shard_path is not None:
+        from zl_export.shard import file_sha256, load_shard
+
+        shard = load_shard(shard_path)
+        shard.check_matches(tokenizer_name=loaded.tokenizer.name)
+        source = {"path": str(Path(shard_path).resolve()), "sha256": file_sha256(Path(shard_path))}
+    else:
+        from zl_export import data as zdata
+        from zl_export.demo_task import demo_rows
+        from zl_export.shard import Shard
+
+        tokenized, _ = zdata.tokenize(zdata.demo_task(demo_rows(opts.seed)["train"]), loaded.tokenizer, 512,
+                                      truncate=True)
+        shard = Shard(Path("demo"), tokenized.input_ids, tokenized.attention_mask, tokenized.labels, {})
+        source = {"path": "demo", "seed": opts.seed}
+    return calibration_batches(shard), {**source, "rows": min(CALIBRATION_ROWS, shard.rows)}
+
+
 def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bool = False,
                     progress: ExportProgress | None = None, loaded: LoadedModel | None = None,
-                    shown_dir: Path | None = None) -> ExportResult:
+                    shown_dir: Path | None = None, calibration: Path | None = None) -> ExportResult:
     """Export every stage of `split` into `out` (stage_<k>.pte, manifest.json).
 
     Args:
+        calibration: a shard whose first rows fit the readout lenses (`translator_init="lens"`); default: the
+            built-in demo task's rows under the model's tokenizer.
         loaded: the model, when the caller has loaded it already (with seed `opts.seed`); its LoRA layers are
             removed again at the end, so the caller keeps the base model.
         shown_dir: the directory to name in progress (`zl train` exports into a temporary `out`).
@@ -85,7 +111,8 @@ def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bo
     opts.validate(cfg.max_position_embeddings)
     stages = split.ranges(cfg.num_hidden_layers)
     progress.loaded(split.model, loaded, stages, load_s)
-    peft_model, modules = build_stage_modules(loaded.model, stages, opts)
+    lens_rows, lens_source = calibration_rows(opts, loaded, calibration)
+    peft_model, modules = build_stage_modules(loaded.model, stages, opts, lens_rows)
     try:
         out.mkdir(parents=True, exist_ok=True)
         entries = []
@@ -97,6 +124,8 @@ def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bo
             progress.stage_done(k, len(program.buffer), program.export_s)
             del program
         manifest = build_manifest(loaded, opts, entries)
+        if lens_source is not None:
+            manifest["loss"]["calibration"] = lens_source
         write_manifest(manifest, out)
         progress.exported(manifest, shown_dir or out)
         checks = None

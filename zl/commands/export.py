@@ -35,13 +35,15 @@ class ExportArgs:
     out: Path = setting(Path("runs/export"), "Output directory for stage_<k>.pte and manifest.json.")
     options: ExportOptions = nested(ExportOptions)
     check: bool = setting(True, "Run one training step of every stage through ExecuTorch and compare with PyTorch eager.")
+    calibration: Path | None = setting(None, "A shard (from `zl data`) whose first 64 rows fit the readout lenses of "
+                                             "--translator-init lens; default: the built-in demo task's rows.")
 
 
 def run_export(args: ExportArgs) -> None:
     from zl_export.pipeline import export_pipeline
 
     with RichExportProgress() as progress:
-        export_pipeline(args.split, args.out, args.options, args.check, progress)
+        export_pipeline(args.split, args.out, args.options, args.check, progress, calibration=args.calibration)
 
 
 class RichExportProgress(ExportProgress):

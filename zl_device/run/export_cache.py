@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 EXPORT_CACHE_VERSION = 3  # bump when the exporter's output changes for the same options
 
 
-def export_key(s: TrainSettings, opts: ExportOptions) -> str:
-    """A hash of what determines the stage programs: model identity, split and export options `opts`."""
+def export_key(s: TrainSettings, opts: ExportOptions, calibration: Path | None = None) -> str:
+    """A hash of what determines the stage programs: model identity, split, export options `opts` and, for lens
+    translators, the calibration shard's content."""
     from zl_export.model_source import resolve
 
     kind, path = resolve(s.split.model)
@@ -35,23 +36,29 @@ def export_key(s: TrainSettings, opts: ExportOptions) -> str:
     blob = {"v": EXPORT_CACHE_VERSION, "model": identity, "stages": s.split.key,
             "opts": {"seq_len": opts.seq_len, "micro_batch": opts.micro_batch, "seed": opts.seed,
                      "max_targets": opts.target_slots, "lora": asdict(opts.lora), "loss": asdict(opts.loss)}}
+    if opts.loss.translator_rank and opts.loss.translator_init == "lens" and calibration is not None:
+        from zl_export.shard import file_sha256
+
+        blob["calibration"] = file_sha256(Path(calibration))
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def export_cached(s: TrainSettings, opts: ExportOptions, load, say, progress=None) -> tuple[Path, dict]:
+def export_cached(s: TrainSettings, opts: ExportOptions, load, say, progress=None,
+                  calibration: Path | None = None) -> tuple[Path, dict]:
     """The export directory for `s` with the run's resolved options `opts`: reused from the cache when
     complete, else exported into it.
 
     Args:
         load: returns the run's `LoadedModel` (called only when there is something to export).
         progress: a zl_export.pipeline.ExportProgress that sees the export, if there is one.
+        calibration: the training shard, to fit lens translators on.
     """
     from zl_export.manifest import load_manifest
     from zl_export.model_source import cache_dir
     from zl_export.pipeline import export_pipeline
 
     root = s.export_cache or cache_dir() / "exports"
-    target = root / export_key(s, opts)
+    target = root / export_key(s, opts, calibration)
     if (target / "manifest.json").is_file():
         try:
             manifest = load_manifest(target)
@@ -64,7 +71,8 @@ def export_cached(s: TrainSettings, opts: ExportOptions, load, say, progress=Non
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     opts.validate()  # before minutes of loading
-    manifest = export_pipeline(s.split, tmp, opts, progress=progress, loaded=load(), shown_dir=target).manifest
+    manifest = export_pipeline(s.split, tmp, opts, progress=progress, loaded=load(), shown_dir=target,
+                               calibration=calibration).manifest
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target, manifest

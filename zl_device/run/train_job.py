@@ -80,7 +80,7 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     # The data first (seconds): the programs' target slots must fit it, and a misfit must fail before the export.
     shard, dev = prepare_data(s, model.tokenizer, seq_len, run_dir / "data", say)
     opts = s.export_options(seq_len, run_max_targets(s, shard, say))
-    export_dir, manifest = export_cached(s, opts, model.loaded, say, export_progress)
+    export_dir, manifest = export_cached(s, opts, model.loaded, say, export_progress, calibration=shard)
     shutil.copyfile(export_dir / "manifest.json", run_dir / "manifest.json")
     num_stages = len(manifest["stages"])
     windows = s.windows()

@@ -35,7 +35,7 @@ def _export(tmp_path, consistency: str, alpha: float = 0.3, max_targets: int = 0
     loaded = load_model("tiny-random", seed=3)
     opts = ExportOptions(
         seq_len=24, micro_batch=2, lora=LoraSettings(4, 8.0, ("q_proj", "v_proj", "down_proj")),
-        loss=LossConfig(**{"alpha": alpha, "consistency": consistency, **variants}), seed=5, max_targets=max_targets,
+        loss=LossConfig(**{"alpha": alpha, "consistency": consistency, "translator_rank": 0, **variants}), seed=5, max_targets=max_targets,
     )
     stages = parse_spec(SPEC, loaded.config.num_hidden_layers)
     peft_model, modules = build_stage_modules(loaded.model, stages, opts)

@@ -78,8 +78,8 @@ def test_bad_values_are_one_line_errors_naming_the_flag():
 def test_export_and_train_keep_their_flags_and_defaults():
     assert [leaf.flag for leaf in leaves(ExportOptions)] == [
         "--seq-len", "--micro-batch", "--lora-rank", "--lora-alpha", "--lora-targets", "--alpha", "--consistency",
-        "--first-target", "--gate", "--translator-rank", "--loss", "--seed", "--max-targets"]
-    assert ExportOptions() == ExportOptions(128, 1, LoraSettings(8, 16.0, ("q_proj", "v_proj")), LossConfig(0.5, "kl_rev"), 0)
+        "--first-target", "--gate", "--translator-rank", "--translator-init", "--loss", "--seed", "--max-targets"]
+    assert ExportOptions() == ExportOptions(128, 1, LoraSettings(8, 16.0, ("q_proj", "v_proj")), LossConfig((1.0,), "kl_rev", translator_rank=32), 0)
     flags = [leaf.flag for leaf in leaves(TrainSettings)]
     assert flags.count("--seq-len") == flags.count("--seed") == 1  # the run's own, not the export's
     assert {"--model", "--stages", "--num-stages", "--alpha", "--consistency", "--lora-rank", "--timeout", "--format",
@@ -87,7 +87,7 @@ def test_export_and_train_keep_their_flags_and_defaults():
     assert flag(LoraSettings, "rank") == "--lora-rank" and flag(ModelSplit, "num_stages") == "--num-stages"
     s = TrainSettings()
     assert (s.split.model, s.window, s.samples, s.seq_len, s.export.loss.alpha, s.timeout_s) == (
-        "smollm2-135m", 4, 256, None, (0.5,), 3600.0)
+        "smollm2-135m", 4, 256, None, (1.0,), 3600.0)
     assert s.export_options(64) == ExportOptions(seq_len=64)
     assert s.export_options(64, 32) == ExportOptions(seq_len=64, max_targets=32)
 

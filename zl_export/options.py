@@ -83,10 +83,15 @@ class LoraSettings:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The local loss of every stage (zl_export/local_loss.py), recorded in `manifest.json` under "loss"."""
+    """The local loss of every stage (zl_export/local_loss.py), recorded in `manifest.json` under "loss".
 
-    alpha: tuple[float, ...] = setting((0.5,), "CE weight α of the local loss against its KL term, in (0, 1]: one "
-                                               "value for every stage, or one per stage (e.g. 0.3,0.7,1.0).")
+    The defaults (α 1 with rank-32 readout translators) are the best variant of the accuracy study
+    (tools/accuracy_study.py, README "Accuracy"); `--loss paper` gives the paper's form.
+    """
+
+    alpha: tuple[float, ...] = setting((1.0,), "CE weight α of the local loss against its KL term, in (0, 1]: one "
+                                               "value for every stage, or one per stage (e.g. 0.3,0.7,1.0); at 1 "
+                                               "there is no KL term (the paper: 0.5).")
     consistency: str = setting("kl_rev", "KL direction: kl_rev = KL(p_k‖p_k-1) (the paper's Eq. 5) or kl_fwd.",
                                choices=CONSISTENCY_KINDS)
     first_target: str = setting("embedding", "What stage 0's KL term points at: the readout of the token "
@@ -95,8 +100,9 @@ class LossConfig:
     gate: str = setting("none", "Weight of the KL term per position: none (the paper's) or target_prob (the "
                                 "previous readout's probability of the target: follow it only where it is right).",
                         choices=GATES)
-    translator_rank: int = setting(0, "Rank of a trainable readout translator (diagonal + low-rank map in front of "
-                                      "the frozen LM head) on every stage but the last; 0 = the paper's plain readout.")
+    translator_rank: int = setting(32, "Rank of a trainable readout translator (diagonal + low-rank map in front of "
+                                       "the frozen LM head) on every stage but the last; 0 = the paper's plain "
+                                       "readout.")
     translator_init: str = setting("identity", "How a readout translator starts: identity, or lens (a tuned lens: "
                                                "the least-squares map from the stage's hidden state to the last "
                                                "layer's, fitted at export on calibration rows).",

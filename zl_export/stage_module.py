@@ -89,7 +89,9 @@ class StageModule(nn.Module):
         self.loss_cfg = loss
         self.alpha = loss.alpha_of(stage.index)
         # Stage 0's consistency target is the embedding readout, unless turned off.
-        self.has_prev_target = not (self.is_first and loss.first_target == "none")
+        # The previous readout is needed only for a weighted KL term: none for stage 0 with first_target none, and
+        # none at α = 1 (its weight would be 0; the stage then reports consistency_loss 0 and saves a readout).
+        self.has_prev_target = not (self.is_first and loss.first_target == "none") and self.alpha < 1.0
         self.max_targets = max_targets
         self.gather_targets = False
         self.embed_tokens = llama.model.embed_tokens if self.is_first else None

@@ -1,0 +1,156 @@
+// zl_step_check: one training step through every stage of an export, in
+// pipeline order, with the runner's StageProgram (two phases: begin() until
+// the marker, finish() for readout, loss and backward), and every number it
+// produced written to one safetensors file. tools/check_arm64.sh runs it built
+// for x86 and, under qemu, built for aarch64, and compares the two files.
+//
+//   zl_step_check --export-dir DIR --out step.safetensors
+//
+// Inputs are deterministic and need no data shard: tokens (i*37 + 11) % 250,
+// the last 3 positions padded, labels ignored on the first 2 positions and on
+// padding; lora_B set to 0.01*cos(0.7 i) (with PEFT's B = 0 every lora_A
+// gradient is exactly 0 and would compare equal whatever the arithmetic).
+// Stage k > 0 gets stage k-1's hidden state, as in the pipeline. One ExecuTorch
+// thread, so the kernels' work split does not depend on the machine.
+//
+// Output tensors, for each stage k:
+//   "stage<k>.loss", "stage<k>.task_loss", "stage<k>.consistency_loss"  F64 []
+//   "stage<k>.hidden"        F32 (B, S, D), absent on the last stage
+//   "stage<k>.grad.<name>"   F32, the gradient of LoRA parameter <name> (PEFT)
+// The losses also go to stdout, one line per stage.
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "zl/safetensors.h"
+#include "zl/stage_program.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: zl_step_check --export-dir DIR --out STEP.safetensors\n"
+    "Runs one step of every stage_<k>.pte in DIR in pipeline order on fixed inputs\n"
+    "and writes losses, hidden states and LoRA gradients. See zl_step_check.cpp.\n";
+
+int fail(const std::string& message) {
+  std::fprintf(stderr, "zl_step_check: %s\n", message.c_str());
+  return 1;
+}
+
+/// What one stage produced, owned (the program's gradient buffers are reused
+/// by its next execution).
+struct StageNumbers {
+  double loss = 0, task_loss = 0, consistency_loss = 0;
+  std::vector<float> hidden;  // (B, S, D), empty on the last stage
+  std::vector<int64_t> hidden_shape;
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<std::vector<float>> grads;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::map<std::string, std::string> args;
+  for (int i = 1; i < argc; ++i) {
+    std::string key = argv[i];
+    if (key == "-h" || key == "--help") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (key.rfind("--", 0) != 0 || i + 1 >= argc) {
+      std::fputs(kUsage, stderr);
+      return 2;
+    }
+    args[key.substr(2)] = argv[++i];
+  }
+  for (const char* required : {"export-dir", "out"}) {
+    if (args.count(required) == 0) {
+      std::fprintf(stderr, "zl_step_check: missing --%s\n%s", required, kUsage);
+      return 2;
+    }
+  }
+
+  std::vector<StageNumbers> stages;
+  std::vector<float> upstream_hidden;
+  for (int k = 0;; ++k) {
+    const std::string path = args["export-dir"] + "/stage_" + std::to_string(k) + ".pte";
+    if (std::FILE* f = std::fopen(path.c_str(), "rb")) {
+      std::fclose(f);
+    } else {
+      if (k == 0) return fail("no stage_0.pte in '" + args["export-dir"] + "'; run `zl export` first");
+      break;
+    }
+    zl::StageProgramOptions options;
+    options.program_path = path;
+    options.threads = 1;
+    std::unique_ptr<zl::StageProgram> program;
+    zl::Status status = zl::StageProgram::load(options, &program);
+    if (!status.ok()) return fail(status.message());
+    if (program->stage_index() != k) return fail(path + ": manifest says stage " + std::to_string(program->stage_index()));
+
+    const int64_t bs = program->batch() * program->seq_len();  // B*S
+    std::vector<int64_t> ids, mask, labels;
+    for (int64_t i = 0; i < bs; ++i) {
+      const int64_t pos = i % program->seq_len();
+      ids.push_back((i * 37 + 11) % 250);
+      mask.push_back(pos < program->seq_len() - 3 ? 1 : 0);
+      labels.push_back(pos < 2 || mask.back() == 0 ? -100 : ids.back());
+    }
+    if (k > 0 && upstream_hidden.size() != static_cast<size_t>(bs * program->hidden_size())) {
+      return fail(path + ": stage " + std::to_string(k - 1) + " sent " + std::to_string(upstream_hidden.size()) +
+                  " hidden values, this stage takes " + std::to_string(bs * program->hidden_size()));
+    }
+    for (const zl::TrainableParam& param : program->parameters()) {
+      if (param.name.find("lora_B") == std::string::npos) continue;
+      for (size_t i = 0; i < param.numel(); ++i) param.data[i] = 0.01f * std::cos(0.7f * i);
+    }
+
+    zl::StageInputs inputs;
+    inputs.input_ids = ids.data();
+    inputs.hidden = k > 0 ? upstream_hidden.data() : nullptr;
+    inputs.attention_mask = mask.data();
+    inputs.labels = labels.data();
+    StageNumbers numbers;
+    status = program->begin(inputs, &numbers.hidden);
+    if (!status.ok()) return fail(status.message());
+    zl::StageStepResult result;
+    status = program->finish(&result);
+    if (!status.ok()) return fail(status.message());
+    numbers.hidden_shape = {program->batch(), program->seq_len(), program->hidden_size()};
+    numbers.loss = result.loss;
+    numbers.task_loss = result.task_loss;
+    numbers.consistency_loss = result.consistency_loss;
+    for (size_t i = 0; i < program->parameters().size(); ++i) {
+      const zl::TrainableParam& param = program->parameters()[i];
+      numbers.names.push_back(param.name);
+      numbers.shapes.push_back(param.shape);
+      numbers.grads.emplace_back(result.gradients[i], result.gradients[i] + param.numel());
+    }
+    std::printf("stage %d: loss %.9g task_loss %.9g consistency_loss %.9g (%zu gradients)\n", k, numbers.loss,
+                numbers.task_loss, numbers.consistency_loss, numbers.grads.size());
+    upstream_hidden = numbers.hidden;
+    stages.push_back(std::move(numbers));
+  }
+
+  std::vector<zl::SafetensorsTensorRef> tensors;
+  for (size_t k = 0; k < stages.size(); ++k) {
+    const StageNumbers& s = stages[k];
+    const std::string prefix = "stage" + std::to_string(k) + ".";
+    tensors.push_back({prefix + "loss", zl::SafetensorsDtype::kF64, {}, &s.loss});
+    tensors.push_back({prefix + "task_loss", zl::SafetensorsDtype::kF64, {}, &s.task_loss});
+    tensors.push_back({prefix + "consistency_loss", zl::SafetensorsDtype::kF64, {}, &s.consistency_loss});
+    if (!s.hidden.empty()) {
+      tensors.push_back({prefix + "hidden", zl::SafetensorsDtype::kF32, s.hidden_shape, s.hidden.data()});
+    }
+    for (size_t i = 0; i < s.names.size(); ++i) {
+      tensors.push_back({prefix + "grad." + s.names[i], zl::SafetensorsDtype::kF32, s.shapes[i], s.grads[i].data()});
+    }
+  }
+  zl::Status status = zl::write_safetensors(args["out"], tensors);
+  if (!status.ok()) return fail(status.message());
+  return 0;
+}

@@ -105,6 +105,13 @@ TEST_F(StageProgramTest, ExposesLoraParametersUnderPeftNames) {
     EXPECT_FALSE(p->is_last());
     ASSERT_FALSE(p->parameters().empty());
     for (const zl::TrainableParam& param : p->parameters()) {
+      // A readout translator (docs/design.md §1.3) is trained too, under its own names, not PEFT's.
+      const std::string translator = "zl.translator.stage_" + std::to_string(stage) + ".";
+      if (param.name.rfind(translator, 0) == 0) {
+        EXPECT_NE(param.data, nullptr);
+        EXPECT_EQ(param.shape.size(), param.name == translator + "scale" ? 1u : 2u) << param.name;
+        continue;
+      }
       // Global layer numbers (first_layer + local index), PEFT spelling.
       EXPECT_EQ(param.name.rfind("base_model.model.model.layers.", 0), 0u) << param.name;
       EXPECT_EQ(param.name.find(".default."), std::string::npos) << param.name;

@@ -28,6 +28,7 @@
 #include "zl/checkpoint.h"
 #include "zl/durable_file.h"
 #include "zl/runner_config.h"
+#include "tool_args.h"
 #include "zl/safetensors.h"
 #include "zl/window_plan.h"
 
@@ -53,23 +54,8 @@ int64_t json_int(const nlohmann::json& j, const char* key, int64_t fallback) {
 
 int main(int argc, char** argv) {
   std::map<std::string, std::string> args;
-  for (int i = 1; i < argc; ++i) {
-    std::string key = argv[i];
-    if (key == "-h" || key == "--help") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-    if (key.rfind("--", 0) != 0 || i + 1 >= argc) {
-      std::fputs(kUsage, stderr);
-      return 2;
-    }
-    args[key.substr(2)] = argv[++i];
-  }
-  for (const char* required : {"params", "grads", "config", "out"}) {
-    if (args.count(required) == 0) {
-      std::fprintf(stderr, "zl_adamw_check: missing --%s\n%s", required, kUsage);
-      return 2;
-    }
+  if (const int exit_code = zl::parse_tool_args(argc, argv, "zl_adamw_check", kUsage, {"params", "grads", "config", "out"}, &args); exit_code >= 0) {
+    return exit_code;
   }
 
   std::string config_text;

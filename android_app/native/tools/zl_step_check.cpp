@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "tool_args.h"
 #include "zl/safetensors.h"
 #include "zl/stage_program.h"
 
@@ -55,23 +56,8 @@ struct StageNumbers {
 
 int main(int argc, char** argv) {
   std::map<std::string, std::string> args;
-  for (int i = 1; i < argc; ++i) {
-    std::string key = argv[i];
-    if (key == "-h" || key == "--help") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-    if (key.rfind("--", 0) != 0 || i + 1 >= argc) {
-      std::fputs(kUsage, stderr);
-      return 2;
-    }
-    args[key.substr(2)] = argv[++i];
-  }
-  for (const char* required : {"export-dir", "out"}) {
-    if (args.count(required) == 0) {
-      std::fprintf(stderr, "zl_step_check: missing --%s\n%s", required, kUsage);
-      return 2;
-    }
+  if (const int exit_code = zl::parse_tool_args(argc, argv, "zl_step_check", kUsage, {"export-dir", "out"}, &args); exit_code >= 0) {
+    return exit_code;
   }
 
   std::vector<StageNumbers> stages;

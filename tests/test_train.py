@@ -90,12 +90,19 @@ def test_adapter_loads_with_peft_and_equals_final_checkpoints(clean_run):
     run_dir = clean_run.run_dir
     merged = adapter_tensors(run_dir)
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    expected = {}
+    expected, heads = {}, {}
     for st in manifest["stages"]:
         windows = sorted((run_dir / "checkpoints" / f"stage_{st['index']}").glob("window_*"))
         assert windows[-1].name == f"window_{SAMPLES // WINDOW - 1:06d}"
-        expected.update(load_file(str(windows[-1] / "adapter.safetensors")))
-    assert merged.keys() == expected.keys() and len(merged) == sum(len(s["parameters"]) for s in manifest["stages"])
+        for name, t in load_file(str(windows[-1] / "adapter.safetensors")).items():
+            (heads if name.startswith("zl.translator.") else expected)[name] = t
+    lora = [p for s in manifest["stages"] for p in s["parameters"] if p.get("role") != "translator"]
+    assert merged.keys() == expected.keys() and len(merged) == len(lora)
+    # The default readout translators (stages 0 and 1) are checkpointed and merged aside as early-exit heads.
+    assert {n.split(".")[2] for n in heads} == {"stage_0", "stage_1"}
+    for k in (0, 1):
+        saved = load_file(str(run_dir / "adapter" / "early_exit" / f"stage_{k}.safetensors"))
+        assert all(torch.equal(saved[n], heads[n]) for n in saved) and len(saved) == 3
     for name, t in expected.items():
         assert torch.equal(merged[name], t), name
     model = PeftModel.from_pretrained(load_model("tiny-random").model, str(run_dir / "adapter"))

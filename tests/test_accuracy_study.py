@@ -101,3 +101,21 @@ def test_a_finished_arm_is_not_trained_again_but_a_changed_setting_is(study, dem
 def test_bad_options_are_clear_errors(demo_data, tmp_path, extra, problem):
     with pytest.raises(ZLError, match=problem.replace("(", r"\(").replace(")", r"\)")):
         study_tool.run(_args(demo_data, tmp_path, *extra))
+
+
+def test_a_data_file_is_tokenized_once_like_zl_train(tmp_path):
+    """A .jsonl (not a shard) becomes OUT/data/<split>.safetensors, shuffled with the seed, reused on the next run."""
+    rows = [{"text": f"item {i} is here", "label": "odd" if i % 2 else "even"} for i in range(24)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "study"
+    args = ["--model", "tiny-random", "--train", str(data), "--dev", str(data), "--samples", "4", "--seq-len", "48",
+            "--num-stages", "2", "--threads", "1", "--arms", "base", "--out", str(out)]
+    first = study_tool.run(args)
+    shard = out / "data" / "train.safetensors"
+    stamp = shard.stat().st_mtime_ns
+    from zl_export.shard import load_shard
+
+    loaded = load_shard(shard)
+    assert loaded.rows == 24 and loaded.seq_len == 48 and loaded.meta["label_words"]
+    assert study_tool.run(args)["results"] == first["results"] and shard.stat().st_mtime_ns == stamp

@@ -176,26 +176,25 @@ def parse_arm(spec: str) -> Arm:
 
 
 def prepare_shard(s: StudySettings, path: Path, split: str, tokenizer, out: Path):
-    """`path` as a shard: loaded when it is one (.safetensors from `zl data`), else tokenized into OUT/data/."""
+    """`path` as a shard: loaded when it is one (.safetensors from `zl data`), else tokenized into OUT/data/ the way
+    `zl train` does (zl_export.shard_jobs, rows shuffled with the seed) and reused while the file is unchanged."""
     from zl_export import data as zdata
     from zl_export.shard import load_shard
+    from zl_export.shard_jobs import file_job, write_shard
 
     if path.suffix == ".safetensors":
         shard = load_shard(path)
         shard.check_matches(tokenizer_name=tokenizer.name)
         return shard
     target = out / "data" / f"{split}.safetensors"
-    source = {"path": str(path.resolve()), "sha256": zdata.file_sha256(path)}
     if target.is_file():
         shard = load_shard(target)
-        if shard.meta.get("source", {}).get("sha256") == source["sha256"] and shard.seq_len == s.seq_len:
+        if shard.meta.get("source", {}).get("sha256") == zdata.file_sha256(path) and shard.seq_len == s.seq_len:
             return shard
-    task = zdata.select(zdata.load_task(path, s.data_format), None, True, s.seed)
-    tokenized, task = zdata.tokenize(task, tokenizer, s.seq_len, truncate=s.truncate, source=str(path))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    zdata.save(target, tokenized, task, tokenizer, s.model, {**source, "rows_in_source": len(task.examples)},
-               extra={"split": split, "seed": s.seed})
-    return load_shard(target)
+    job = file_job(path, s.data_format, split)
+    job.task = zdata.select(job.task, None, True, s.seed)
+    written, _ = write_shard(job, tokenizer, s.model, s.seq_len, out / "data", s.truncate, extra={"seed": s.seed})
+    return load_shard(written)
 
 
 # --- one arm -------------------------------------------------------------------------------------------

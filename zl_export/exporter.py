@@ -70,6 +70,15 @@ def build_stage_modules(
     return peft_model, modules
 
 
+def manifest_names(module: StageModule, peft_model: torch.nn.Module) -> dict[int, str]:
+    """`id(parameter)` -> manifest name of every trainable parameter of `module`: PEFT names for LoRA (merge into
+    one adapter), `zl.translator.stage_<k>.*` for its readout translator."""
+    names = peft_names(peft_model)
+    if module.translator is not None:
+        names.update({id(p): translator_name(module.stage.index, n) for n, p in module.translator.named_parameters()})
+    return names
+
+
 def example_inputs(module: StageModule, opts: ExportOptions, vocab_size: int, seed: int = 0,
                    targets: int | None = None) -> tuple:
     """Deterministic inputs of the program's shapes: the first row right-padded, some labels ignored.
@@ -155,9 +164,7 @@ def export_stage(
     on_phase("to_executorch")
     program = edge.to_executorch()
     buffer = program.buffer
-    names = peft_names(peft_model)
-    if module.translator is not None:
-        names.update({id(p): translator_name(module.stage.index, n) for n, p in module.translator.named_parameters()})
+    names = manifest_names(module, peft_model)
     params = dict(module.named_parameters())
     hidden = module.norm.weight.shape[0]
     parameters = [

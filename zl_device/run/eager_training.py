@@ -181,16 +181,12 @@ def train_zerolock(
 
 def stage_parameters(modules: Sequence[torch.nn.Module], peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every stage's trainable tensors under their manifest names (PEFT names; translator names for translators)."""
-    from zl_export.lora import peft_names
-    from zl_export.translator import translator_name
+    from zl_export.exporter import manifest_names
 
-    names = peft_names(peft_model)
     out = {}
     for module in modules:
-        if module.translator is not None:
-            out.update({translator_name(module.stage.index, n): p.detach().clone()
-                        for n, p in module.translator.named_parameters()})
-        out.update({names[id(p)]: p.detach().clone() for p in module.parameters() if id(p) in names})
+        names = manifest_names(module, peft_model)
+        out.update({names[id(p)]: p.detach().clone() for p in module.parameters() if p.requires_grad})
     return out
 
 

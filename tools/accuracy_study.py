@@ -135,10 +135,10 @@ class StudySettings:
 
 
 def parse_list(text: str, kind, flag: str) -> tuple:
-    try:
-        values = tuple(kind(v) for v in text.replace("/", ",").split(",") if v.strip())
-    except ValueError as e:
-        raise ZLError(f"{flag} {text!r}: expected comma-separated {kind.__name__} values ({e}).") from e
+    """"1,2" (or "1/2" inside --arm) -> (1, 2), parsed as the settings tree parses list options; at least one value."""
+    from zl.settings import parse_list as parse_setting_list
+
+    values = parse_setting_list(text.replace("/", ","), kind, flag)
     if not values:
         raise ZLError(f"{flag} {text!r}: give at least one value.")
     return values

@@ -1,10 +1,15 @@
-"""Load the native `zerolock::pipeline_marker.out` kernel into this process.
+"""Load the native `zerolock::pipeline_marker.out` kernel (and zl's fast kernels) into this process.
 
 ExecuTorch's Python runtime resolves a program's operators by name when it
 loads a method, so a stage program fails with "Missing operator" until
 `libzl_custom_ops.so` has registered the marker kernel. The library registers
 from a static initializer; loading it with RTLD_GLOBAL after the ExecuTorch
 pybindings puts the kernel into the same registry the pybindings use.
+
+The same library holds float32 `linear`/`mm`/`bmm` kernels on a GEMM
+compiled for this CPU (docs/design.md §4.6); `load_library` registers them
+too, as the runner does, unless `ZL_KERNELS=executorch` asks for
+ExecuTorch's own kernels (for comparisons).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from zl.errors import ZLError
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "ZL_CUSTOM_OPS_LIB"
+KERNELS_ENV = "ZL_KERNELS"
+KERNEL_CHOICES = ("zl", "executorch")
 LIBRARY_NAME = "libzl_custom_ops.so"
 _REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_PATH = _REPO_ROOT / "build" / "custom_ops" / LIBRARY_NAME
@@ -93,9 +100,61 @@ def load_library(path: str | os.PathLike[str] | None = None) -> pathlib.Path:
             ) from err
         _handle.zl_pipeline_marker_call_count.restype = ctypes.c_uint64
         _handle.zl_pipeline_marker_call_count.argtypes = []
+        _handle.zl_fast_kernel_call_count.restype = ctypes.c_uint64
+        _handle.zl_fast_kernel_call_count.argtypes = []
         _loaded = lib_path
+        if kernels_choice() == "zl":
+            _register_fast_kernels()
         logger.debug("loaded custom ops from %s", lib_path)
         return lib_path
+
+
+def register_fast_kernels() -> None:
+    """Register zl's kernels now, whatever `$ZL_KERNELS` says (loading the library first).
+
+    Programs whose methods load afterwards run on them; those loaded before keep the kernels they bound. Idempotent.
+
+    Raises:
+        ZLError: the library cannot be loaded or ExecuTorch refused the kernels.
+    """
+    load_library()
+    with _lock:
+        _register_fast_kernels()
+
+
+def _register_fast_kernels() -> None:
+    assert _handle is not None and _loaded is not None
+    if _handle.zl_register_fast_kernels() < 0:
+        raise ZLError(
+            f"{_loaded} could not register its kernels (see the ExecuTorch log above); "
+            f"set {KERNELS_ENV}=executorch to run on ExecuTorch's own kernels."
+        )
+
+
+def kernels_choice() -> str:
+    """Which float32 kernels programs run on: "zl" (default) or "executorch".
+
+    Raises:
+        ZLError: `$ZL_KERNELS` is set to something else.
+    """
+    choice = os.environ.get(KERNELS_ENV, "zl") or "zl"
+    if choice not in KERNEL_CHOICES:
+        raise ZLError(
+            f"{KERNELS_ENV}={choice!r} is not one of {', '.join(KERNEL_CHOICES)}; "
+            f"unset it to use zl's kernels."
+        )
+    return choice
+
+
+def fast_kernel_call_count() -> int:
+    """Number of calls of zl's kernels in this process so far (for tests and benchmarks).
+
+    Raises:
+        ZLError: the library is not loaded yet (call `load_library` first).
+    """
+    if _handle is None:
+        raise ZLError("the zl kernel library is not loaded; call custom_ops.load_library() first.")
+    return int(_handle.zl_fast_kernel_call_count())
 
 
 def marker_call_count() -> int:

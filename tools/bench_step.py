@@ -46,12 +46,19 @@ from zl_export.model_source import load_model  # noqa: E402
 from zl_export.stages import parse_spec  # noqa: E402
 from zl_export.step_check import eager_step  # noqa: E402
 from zl_export.training_program import TrainingProgram  # noqa: E402
+from custom_ops.runtime import KERNELS_ENV  # noqa: E402
 
 FULL = "full"
+MM = "full, mm + permute_copy"
+KERNELS = ("zl", "executorch")
 
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
 
 
 def main() -> None:
@@ -70,6 +77,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="per-operator breakdown of each program (first thread count)")
     ap.add_argument("--compare-linear", action="store_true",
                     help="also export the full-readout program without the matmul->linear rewrite and time it alongside")
+    ap.add_argument("--kernels", type=_names, default=list(KERNELS),
+                    help="kernels of the ExecuTorch step, comma-separated: zl (zl's, the runner's default), "
+                         "executorch (ExecuTorch's own); both are timed side by side")
     ap.add_argument("--out", type=Path, default=None, help="keep the .pte files here (default: a temporary directory)")
     ap.add_argument("--reuse", action="store_true", help="time the programs an earlier run left in --out instead of "
                                                           "exporting them again (same model, stage and options)")
@@ -77,6 +87,12 @@ def main() -> None:
     if not 0 < args.targets <= min(args.max_targets):
         ap.error(f"--targets {args.targets}: must be 1..{min(args.max_targets)} (the fewest slots), or targets would "
                  "be dropped")
+
+    if not set(args.kernels) <= set(KERNELS):
+        ap.error(f"--kernels {','.join(args.kernels)}: choose from {', '.join(KERNELS)}")
+    # Nothing registers zl's kernels until this tool does (below), so that programs loaded before that
+    # run on ExecuTorch's own: each program binds its kernels when its method first loads.
+    os.environ[KERNELS_ENV] = "executorch"
 
     loaded = load_model(args.model)
     cfg = loaded.config
@@ -89,51 +105,90 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="zl-bench-"))
     readouts = {FULL: 0, **{f"Ω {t}": t for t in args.max_targets}}  # readout name -> the program's max_targets
     print(f"{args.model} stage {args.stage} (layers {split[args.stage]}), micro-batch 1, {args.targets} target tokens "
-          f"per sample, readouts: {', '.join(readouts)}; median of {args.repeats} steps", flush=True)
-    rows = []
+          f"per sample, readouts: {', '.join(readouts)}; ExecuTorch on kernels: {', '.join(args.kernels)}; "
+          f"median of {args.repeats} steps", flush=True)
+    files, inputs = {}, {}
     for seq in args.seq_len:
         seq_opts = replace(opts, seq_len=seq)
-        programs = {}
         for name, slots in readouts.items():
             module.max_targets = slots
-            programs[name] = _export(module, peft_model, replace(seq_opts, max_targets=slots), cfg, out / f"s{seq}-{slots}",
-                                     reuse=args.reuse)
+            files[seq, name] = _export(module, peft_model, replace(seq_opts, max_targets=slots), cfg,
+                                       out / f"s{seq}-{slots}", reuse=args.reuse)
         if args.compare_linear:
             module.max_targets = 0
-            programs["full, mm + permute_copy"] = _export(module, peft_model, replace(seq_opts, max_targets=0), cfg,
-                                                          out / f"s{seq}-0-mm", rewrite=False)
-        inputs = example_inputs(module, seq_opts, cfg.vocab_size, seed=1, targets=args.targets)
-        gflop = {name: step_gflop(cfg, module, seq, 1, readouts.get(name, 0), opts.lora) for name in programs}
+            files[seq, MM] = _export(module, peft_model, replace(seq_opts, max_targets=0), cfg, out / f"s{seq}-0-mm",
+                                     rewrite=False)
+        inputs[seq] = example_inputs(module, seq_opts, cfg.vocab_size, seed=1, targets=args.targets)
+    programs = _load_programs(files, inputs, sorted(args.kernels, key=lambda k: k != "executorch"))
+
+    rows = []
+    for seq in args.seq_len:
+        names = [name for (s, name) in files if s == seq]
+        gflop = {name: step_gflop(cfg, module, seq, 1, readouts.get(name, 0), opts.lora) for name in names}
+        seq_programs = {(name, k): p for (s, name, k), p in programs.items() if s == seq}
         for i, threads in enumerate(args.threads):
-            ms = _time(module, programs, readouts, inputs, threads, args.repeats)
+            ms = _time(module, seq_programs, readouts, inputs[seq], threads, args.repeats)
             base = ms[(FULL, "eager")]
-            for name in programs:
-                et, eager = ms[(name, "ExecuTorch")], ms[(name, "eager")]
-                rows.append((seq, threads, name, gflop[name], et, eager, et / eager, gflop[name] / et * 1e3,
-                             gflop[name] / eager * 1e3, base / et, base / eager))
+            for name in names:
+                eager = ms[(name, "eager")]
+                et = {k: ms[(name, k)] for k in args.kernels}
+                rows.append((seq, threads, name, gflop[name], et, eager, base))
             if args.profile and i == 0:
-                for name, (pte, _) in programs.items():
+                for name in names:
                     module.max_targets = readouts.get(name, 0)
                     print(f"\n--- {name} readout, seq {seq}, {threads} thread(s)")
-                    _breakdown(pte, module, inputs, out)
-    print(f"\n{'seq':>4} {'thr':>3}  {'readout':<24}{'GFLOP':>7}{'ET ms':>9}{'eager ms':>10}{'ET/eager':>9}"
-          f"{'ET GF/s':>9}{'eag GF/s':>9}  {'eager-full/ET':>13}{'eager-full/eager':>17}")
-    for seq, thr, name, gf, et, eager, ratio, et_gfs, eager_gfs, x_et, x_eager in rows:
-        print(f"{seq:>4} {thr:>3}  {name:<24}{gf:>7.2f}{et:>9.0f}{eager:>10.0f}{ratio:>9.2f}{et_gfs:>9.1f}"
-              f"{eager_gfs:>9.1f}  {x_et:>12.2f}x{x_eager:>16.2f}x")
-    print("eager-full/X: the eager step of the full-readout program divided by X's step (> 1: X is faster).")
+                    _breakdown(files[seq, name][0], module, inputs[seq], out)
+    _print_table(rows, args.kernels)
+
+
+def _print_table(rows: list, kernels: list[str]) -> None:
+    label = {"zl": "ET", "executorch": "ET(et)"}  # ExecuTorch on zl's kernels / on ExecuTorch's own
+    head = "".join(f"{label[k] + ' ms':>10}" for k in kernels) + f"{'eager ms':>10}"
+    head += "".join(f"{label[k] + '/eag':>11}" for k in kernels)
+    head += "".join(f"{label[k] + ' GF/s':>12}" for k in kernels) + f"{'eag GF/s':>10}"
+    head += "".join(f"{'eag-full/' + label[k]:>17}" for k in kernels) + f"{'eag-full/eag':>14}"
+    print(f"\n{'seq':>4} {'thr':>3}  {'readout':<24}{'GFLOP':>7}{head}")
+    for seq, thr, name, gf, et, eager, base in rows:
+        line = "".join(f"{et[k]:>10.0f}" for k in kernels) + f"{eager:>10.0f}"
+        line += "".join(f"{et[k] / eager:>11.2f}" for k in kernels)
+        line += "".join(f"{gf / et[k] * 1e3:>12.1f}" for k in kernels) + f"{gf / eager * 1e3:>10.1f}"
+        line += "".join(f"{base / et[k]:>16.2f}x" for k in kernels) + f"{base / eager:>13.2f}x"
+        print(f"{seq:>4} {thr:>3}  {name:<24}{gf:>7.2f}{line}")
+    print("ET: the ExecuTorch step on zl's kernels (the runner's default); ET(et): on ExecuTorch's own "
+          "(ZL_KERNELS=executorch).\neag-full/X: the eager step of the full-readout program divided by X's step "
+          "(> 1: X is faster).")
+
+
+def _load_programs(files: dict, inputs: dict, kernels: list[str]) -> dict:
+    """Load every program once per kernel choice, ExecuTorch's kernels first; one step each binds the kernels and
+    checks that the zl-kernel programs, and only those, call zl's kernels."""
+    from custom_ops.runtime import fast_kernel_call_count, register_fast_kernels
+
+    programs = {}
+    for kernel in kernels:
+        if kernel == "zl":
+            register_fast_kernels()
+        for (seq, name), (pte, names) in files.items():
+            program = TrainingProgram(pte, names)
+            before = fast_kernel_call_count()
+            program.step(*inputs[seq])
+            if (fast_kernel_call_count() > before) != (kernel == "zl"):
+                raise SystemExit(f"{pte} ({kernel} kernels): zl's kernels were "
+                                 f"{'not ' if kernel == 'zl' else ''}called")
+            programs[seq, name, kernel] = program
+    return programs
 
 
 def _export(module, peft_model, opts: ExportOptions, cfg, folder: Path, rewrite: bool = True, reuse: bool = False):
     """Export `module` with `opts` into `folder` (or with `reuse`, take the program there); returns (the .pte
-    path, the loaded TrainingProgram)."""
+    path, the program's output names)."""
     import zl_export.exporter as exporter
 
     names = ([] if module.is_last else ["hidden"]) + ["loss", "task_loss", "consistency_loss"]
     pte = folder / f"stage_{module.stage.index}.pte"
     if reuse and pte.is_file():
         print(f"reusing {pte}", flush=True)
-        return pte, TrainingProgram(pte, names)
+        return pte, names
     folder.mkdir(parents=True, exist_ok=True)
     saved = exporter._matmuls_to_linear
     if not rewrite:
@@ -145,11 +200,12 @@ def _export(module, peft_model, opts: ExportOptions, cfg, folder: Path, rewrite:
     print(f"exported seq {opts.seq_len}, max_targets {opts.max_targets}{'' if rewrite else ', no linear rewrite'}: "
           f"{entry['size_bytes'] / 2**20:.1f} MiB in {entry['export_s']:.1f} s", flush=True)
     pte = folder / entry["file"]
-    return pte, TrainingProgram(pte, [o["name"] for o in entry["outputs"]])
+    return pte, [o["name"] for o in entry["outputs"]]
 
 
 def _time(module, programs: dict, readouts: dict, inputs: tuple, threads: int, repeats: int) -> dict:
-    """Median step ms by (program name, runtime); checks that every program and runtime gives the same loss."""
+    """Median step ms by (program name, "eager" or the ExecuTorch program's kernels); checks that every program and
+    runtime gives the same loss."""
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
     torch.set_num_threads(threads)
@@ -162,8 +218,8 @@ def _time(module, programs: dict, readouts: dict, inputs: tuple, threads: int, r
         return run
 
     runs = {}
-    for name, (_, program) in programs.items():
-        runs[(name, "ExecuTorch")] = program.step
+    for (name, kernel), program in programs.items():
+        runs[(name, kernel)] = program.step
         runs[(name, "eager")] = eager(readouts.get(name, 0))
     losses = {key: float(run(*inputs).outputs["loss"]) for key, run in runs.items()}  # warm-up and correctness
     ref = losses[(FULL, "eager")]
@@ -273,7 +329,7 @@ def _profiler_op_ms(module, inputs) -> dict[str, float]:
 
 def _short(name: str) -> str:
     """`native_call_mm.out` / `aten::mm` -> `mm`."""
-    name = name.removeprefix("native_call_").removeprefix("aten::")
+    name = name.removeprefix("native_call_").removeprefix("aten::").removeprefix("zl::")
     return name.split(".")[0]
 
 

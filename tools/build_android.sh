@@ -232,6 +232,12 @@ if [[ -z "$JSON_MAJOR" && -f "$JSON_INCLUDE/nlohmann/detail/abi_macros.hpp" ]]; 
 fi
 [[ "$JSON_MAJOR" == 3 ]] || die "nlohmann/json.hpp under $JSON_INCLUDE is version '${JSON_MAJOR:-unknown}'.x; need 3.x"
 
+# --- Eigen (header-only; the GEMM of zl's fast kernels) -------------------------
+EIGEN_INCLUDE="${ZL_EIGEN_INCLUDE_DIR:-/usr/include/eigen3}"
+[[ -f "$EIGEN_INCLUDE/Eigen/Core" ]] || die "no Eigen/Core under $EIGEN_INCLUDE" \
+  "Install it (Debian/Ubuntu: apt-get install libeigen3-dev) or set ZL_EIGEN_INCLUDE_DIR" \
+  "to a folder holding Eigen/Core (Eigen 3.3 or 3.4)."
+
 # --- platform ------------------------------------------------------------------
 PLATFORM="${ZL_ANDROID_PLATFORM:-android-26}"
 [[ "$PLATFORM" =~ ^android-([0-9]+)$ ]] || die "ZL_ANDROID_PLATFORM=$PLATFORM; expected android-<API level>, e.g. android-26"
@@ -373,7 +379,8 @@ if (( NATIVE )); then
     -Dexecutorch_DIR="$ET_CONFIG_DIR" \
     -DCMAKE_FIND_ROOT_PATH="$ET_PREFIX" \
     -DZL_SODIUM_PREFIX="$SODIUM_PREFIX" \
-    -DZL_NLOHMANN_JSON_INCLUDE_DIR="$JSON_COPY"
+    -DZL_NLOHMANN_JSON_INCLUDE_DIR="$JSON_COPY" \
+    -DZL_EIGEN_INCLUDE_DIR="$EIGEN_INCLUDE"
 
   # Both targets are defined only once their sources exist (the stage loop in
   # android_app/native/app and include/zl/runner.h); say so instead of make's

@@ -66,6 +66,12 @@ val zlNlohmannJson = zlFolder(
     listOf("nlohmann/json.hpp"),
     default = "/usr/include",
 )
+val zlEigen = zlFolder(
+    "zl.eigenInclude", "ZL_EIGEN_INCLUDE_DIR",
+    "a folder holding Eigen/Core (Eigen 3.3 or 3.4; Debian: libeigen3-dev)",
+    listOf("Eigen/Core"),
+    default = "/usr/include/eigen3",
+)
 val zlNativeBuildType = zlSetting("zl.nativeBuildType", "ZL_BUILD_TYPE") ?: "Release"
 
 // Only the nlohmann headers may go on the Android include path: a host folder
@@ -117,6 +123,7 @@ android {
                     "-DCMAKE_FIND_ROOT_PATH=$zlExecutorchPrefix",
                     "-DZL_SODIUM_PREFIX=$zlSodiumPrefix",
                     "-DZL_NLOHMANN_JSON_INCLUDE_DIR=$zlNlohmannJsonInclude",
+                    "-DZL_EIGEN_INCLUDE_DIR=$zlEigen",
                     // Optimized C++ in the debug APK too: that APK is the one `zl deploy --mode app`
                     // installs, and the runner's optimizer loop runs every step. (Given after the
                     // plugin's own -DCMAKE_BUILD_TYPE, so it wins.)

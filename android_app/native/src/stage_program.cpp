@@ -1,5 +1,6 @@
 #include "zl/stage_program.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -7,6 +8,7 @@
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/core/evalue.h>
+#include <zl/fast_kernels.h>
 #include <zl/pipeline_marker.h>
 
 #include "zl/durable_file.h"
@@ -66,6 +68,32 @@ void apply_thread_count(int64_t threads) {
     log(LogLevel::kWarn, "could not resize the ExecuTorch thread pool to %lld threads",
         static_cast<long long>(threads));
   }
+}
+
+// Registers zl's float32 kernels (docs/design.md §4.6) unless
+// ZL_KERNELS=executorch asks for ExecuTorch's own. Before the program
+// loads: the runtime binds each instruction to a kernel at method load.
+Status use_fast_kernels() {
+  const char* env = std::getenv("ZL_KERNELS");
+  const std::string choice = env != nullptr && *env != '\0' ? env : "zl";
+  if (choice == "executorch") {
+    if (fast_kernels_registered()) {
+      log(LogLevel::kWarn, "ZL_KERNELS=executorch, but zl's kernels were registered "
+                           "earlier in this process and stay in use");
+    }
+    return Status();
+  }
+  if (choice != "zl") {
+    return Status(StatusCode::kInvalidArgument,
+                  "ZL_KERNELS=" + choice + " is not one of zl, executorch; unset it to use zl's kernels");
+  }
+  const FastKernelsRegistration result = register_fast_kernels();
+  if (!result.ok) {
+    return Status(StatusCode::kInternal,
+                  result.error + "; set ZL_KERNELS=executorch to run on ExecuTorch's own kernels");
+  }
+  if (result.kernels > 0) log(LogLevel::kDebug, "registered %d fast kernels", result.kernels);
+  return Status();
 }
 
 }  // namespace
@@ -277,6 +305,7 @@ Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<St
   ManifestStage stage;
   ZL_RETURN_IF_ERROR(read_manifest_stage(manifest_path, base_of(path), &stage));
 
+  ZL_RETURN_IF_ERROR(use_fast_kernels());
   StageProgramLoader loader{*program, *program->impl_, path, manifest_path, stage, {}};
   ZL_RETURN_IF_ERROR(loader.load_module());
   ZL_RETURN_IF_ERROR(loader.read_training_indices());

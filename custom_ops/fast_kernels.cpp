@@ -1,0 +1,269 @@
+// zl's float32 linear/mm/bmm kernels on Eigen's GEMM, and the
+// registration of all of zl's fast kernels (docs/design.md §4.6).
+#include <zl/fast_kernels.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <mutex>
+
+#include <Eigen/Core>
+
+#include <executorch/runtime/core/event_tracer_hooks.h>
+#include <executorch/runtime/kernel/thread_parallel_interface.h>
+
+#include "kernel_support.h"
+
+namespace zl {
+namespace {
+
+using executorch::runtime::Kernel;
+using executorch::runtime::KernelKey;
+using namespace zl::kernels;
+
+using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using ConstMatrix = Eigen::Map<const RowMajor>;
+using Matrix = Eigen::Map<RowMajor>;
+
+std::atomic<uint64_t> call_count{0};
+std::atomic<bool> registered{false};
+
+// Output columns (or rows) per task: whole micro-panels of Eigen's kernel
+// (at most 16 wide with AVX-512), so that a split product computes each
+// element exactly as the whole product does (same K blocking, same panel).
+constexpr int64_t kPanel = 64;
+// Below this many multiply-adds a product stays on the calling thread.
+constexpr int64_t kMinParallelWork = int64_t{1} << 18;
+
+// One GEMM on one thread: out[m, n] = a[m, k] @ (b or b^T).
+void gemm_serial(const float* a, const float* b, float* out, int64_t m, int64_t k, int64_t n,
+                 int64_t ldb, int64_t ldout, bool b_transposed) {
+  using Stride = Eigen::OuterStride<>;
+  ConstMatrix lhs(a, m, k);
+  Eigen::Map<RowMajor, Eigen::Unaligned, Stride> res(out, m, n, Stride(ldout));
+  if (b_transposed) {
+    Eigen::Map<const RowMajor, Eigen::Unaligned, Stride> rhs(b, n, k, Stride(ldb));
+    res.noalias() = lhs * rhs.transpose();
+  } else {
+    Eigen::Map<const RowMajor, Eigen::Unaligned, Stride> rhs(b, k, n, Stride(ldb));
+    res.noalias() = lhs * rhs;
+  }
+}
+
+}  // namespace
+
+void gemm_f32(const float* a, const float* b, float* out, int64_t m, int64_t k, int64_t n,
+              bool b_transposed) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    std::fill(out, out + m * n, 0.0f);
+    return;
+  }
+  const int64_t threads = executorch::extension::get_thread_count();
+  if (threads <= 1 || m * k * n < kMinParallelWork) {
+    gemm_serial(a, b, out, m, k, n, b_transposed ? k : n, n, b_transposed);
+    return;
+  }
+  if (n >= m) {
+    // Split the output's columns: each task multiplies all of `a` by a
+    // column block of b.
+    const int64_t blocks = (n + kPanel - 1) / kPanel;
+    executorch::extension::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      const int64_t c0 = begin * kPanel;
+      const int64_t cols = std::min(end * kPanel, n) - c0;
+      const float* b0 = b_transposed ? b + c0 * k : b + c0;
+      gemm_serial(a, b0, out + c0, m, k, cols, b_transposed ? k : n, n, b_transposed);
+    });
+  } else {
+    // Split the output's rows: each task multiplies a row block of `a`.
+    const int64_t blocks = (m + kPanel - 1) / kPanel;
+    executorch::extension::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      const int64_t r0 = begin * kPanel;
+      const int64_t rows = std::min(end * kPanel, m) - r0;
+      gemm_serial(a + r0 * k, b, out + r0 * n, rows, k, n, b_transposed ? k : n, n,
+                  b_transposed);
+    });
+  }
+}
+
+namespace {
+
+// The operators' own kernels, for calls these decline (set at registration).
+OpFunction linear_fallback = nullptr;
+OpFunction mm_fallback = nullptr;
+OpFunction bmm_fallback = nullptr;
+
+// aten::linear.out(Tensor input, Tensor weight, Tensor? bias=None, *, Tensor(a!) out)
+void linear_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  constexpr const char* kOp = "zl::linear.out";
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(),
+                                                                 kOp);
+  const Tensor& input = stack[0]->toTensor();
+  const Tensor& weight = stack[1]->toTensor();
+  const bool has_bias = !stack[2]->isNone();
+  Tensor& out = stack[3]->toTensor();
+  const int64_t k = input.dim() >= 1 ? input.size(input.dim() - 1) : 0;
+  const bool plain = input.dim() >= 1 && weight.dim() == 2 && weight.size(1) == k &&
+                     is_contiguous_f32(input) && is_contiguous_f32(weight) &&
+                     is_contiguous_f32(out) &&
+                     (!has_bias || (stack[2]->toTensor().dim() == 1 &&
+                                    stack[2]->toTensor().size(0) == weight.size(0) &&
+                                    is_contiguous_f32(stack[2]->toTensor())));
+  if (!plain) return run_fallback(linear_fallback, kOp, ctx, stack);
+  count_call();
+
+  const int64_t n = weight.size(0);
+  std::array<SizesType, executorch::runtime::kTensorDimensionLimit> sizes{};
+  for (ssize_t d = 0; d + 1 < input.dim(); ++d) sizes[d] = input.size(d);
+  sizes[input.dim() - 1] = static_cast<SizesType>(n);
+  if (!resize(ctx, out, sizes.data(), static_cast<size_t>(input.dim()), kOp)) return;
+  const int64_t m = k == 0 ? 0 : input.numel() / k;
+  float* result = out.mutable_data_ptr<float>();
+  gemm_f32(input.const_data_ptr<float>(), weight.const_data_ptr<float>(), result, m, k, n,
+           /*b_transposed=*/true);
+  if (has_bias) {
+    Eigen::Map<const Eigen::RowVectorXf> bias(stack[2]->toTensor().const_data_ptr<float>(), n);
+    Matrix(result, m, n).rowwise() += bias;
+  }
+}
+
+// aten::mm.out(Tensor self, Tensor mat2, *, Tensor(a!) out)
+void mm_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  constexpr const char* kOp = "zl::mm.out";
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(),
+                                                                 kOp);
+  const Tensor& a = stack[0]->toTensor();
+  const Tensor& b = stack[1]->toTensor();
+  Tensor& out = stack[2]->toTensor();
+  const bool plain = a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) &&
+                     is_contiguous_f32(a) && is_contiguous_f32(b) && is_contiguous_f32(out);
+  if (!plain) return run_fallback(mm_fallback, kOp, ctx, stack);
+  count_call();
+  const std::array<SizesType, 2> sizes{static_cast<SizesType>(a.size(0)),
+                                       static_cast<SizesType>(b.size(1))};
+  if (!resize(ctx, out, sizes.data(), 2, kOp)) return;
+  gemm_f32(a.const_data_ptr<float>(), b.const_data_ptr<float>(), out.mutable_data_ptr<float>(),
+           a.size(0), a.size(1), b.size(1), /*b_transposed=*/false);
+}
+
+// aten::bmm.out(Tensor self, Tensor mat2, *, Tensor(a!) out)
+void bmm_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  constexpr const char* kOp = "zl::bmm.out";
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(),
+                                                                 kOp);
+  const Tensor& a = stack[0]->toTensor();
+  const Tensor& b = stack[1]->toTensor();
+  Tensor& out = stack[2]->toTensor();
+  const bool plain = a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) &&
+                     a.size(2) == b.size(1) && is_contiguous_f32(a) && is_contiguous_f32(b) &&
+                     is_contiguous_f32(out);
+  if (!plain) return run_fallback(bmm_fallback, kOp, ctx, stack);
+  count_call();
+  const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
+  const std::array<SizesType, 3> sizes{static_cast<SizesType>(batch), static_cast<SizesType>(m),
+                                       static_cast<SizesType>(n)};
+  if (!resize(ctx, out, sizes.data(), 3, kOp)) return;
+  const float* pa = a.const_data_ptr<float>();
+  const float* pb = b.const_data_ptr<float>();
+  float* po = out.mutable_data_ptr<float>();
+  if (m == 0 || n == 0 || batch == 0) return;
+  const int64_t threads = executorch::extension::get_thread_count();
+  if (threads > 1 && batch >= threads) {
+    // Attention's many small products: one whole product per task.
+    executorch::extension::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        if (k == 0) {
+          std::fill(po + i * m * n, po + (i + 1) * m * n, 0.0f);
+        } else {
+          gemm_serial(pa + i * m * k, pb + i * k * n, po + i * m * n, m, k, n, n, n, false);
+        }
+      }
+    });
+    return;
+  }
+  for (int64_t i = 0; i < batch; ++i) {
+    gemm_f32(pa + i * m * k, pb + i * k * n, po + i * m * n, m, k, n, /*b_transposed=*/false);
+  }
+}
+
+OpFunction find_fallback(const char* name) {
+  auto found = executorch::runtime::get_op_function_from_registry(name, {});
+  return found.ok() ? found.get() : nullptr;
+}
+
+}  // namespace
+
+namespace kernels {
+
+std::string float_key(std::initializer_list<int> ranks) {
+  std::string key = "v1/";
+  for (int rank : ranks) {
+    if (key.size() > 3) key += '|';
+    key += "6;";
+    for (int d = 0; d < rank; ++d) key += (d ? "," : "") + std::to_string(d);
+  }
+  return key;
+}
+
+void count_call() { call_count.fetch_add(1, std::memory_order_relaxed); }
+
+std::vector<KernelSpec> matrix_kernel_specs() {
+  std::vector<std::string> linear_keys;
+  for (int rank = 2; rank <= 4; ++rank) {
+    linear_keys.push_back(float_key({rank, 2, rank, rank}));     // no bias
+    linear_keys.push_back(float_key({rank, 2, 1, rank, rank}));  // with bias
+  }
+  return {
+      {"aten::linear.out", linear_keys, linear_out, &linear_fallback},
+      {"aten::mm.out", {float_key({2, 2, 2, 2})}, mm_out, &mm_fallback},
+      {"aten::bmm.out", {float_key({3, 3, 3, 3})}, bmm_out, &bmm_fallback},
+  };
+}
+
+}  // namespace kernels
+
+FastKernelsRegistration register_fast_kernels() {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (registered.load()) return {true, 0, ""};
+  // Eigen's lazily initialised cache-size statics, before any pool thread.
+  Eigen::initParallel();
+
+  // The registry keeps the Kernel entries' name and key pointers: both live
+  // as long as the process (the specs are never freed).
+  auto* specs = new std::vector<KernelSpec>(matrix_kernel_specs());
+  for (auto& spec : layout_kernel_specs()) specs->push_back(std::move(spec));
+  std::vector<Kernel> list;
+  for (const KernelSpec& spec : *specs) {
+    *spec.fallback = find_fallback(spec.op);
+    for (const std::string& key : spec.keys) {
+      list.emplace_back(spec.op, KernelKey(key.c_str()), spec.fn);
+    }
+  }
+  const Error error = executorch::runtime::register_kernels({list.data(), list.size()});
+  if (error != Error::Ok) {
+    return {false, 0,
+            "ExecuTorch refused zl's kernels (error " + std::to_string(static_cast<int>(error)) +
+                "): a kernel library in this process already registered float32 kernels "
+                "under the same keys"};
+  }
+  registered.store(true);
+  return {true, static_cast<int>(list.size()), ""};
+}
+
+bool fast_kernels_registered() { return registered.load(); }
+
+uint64_t fast_kernel_call_count() { return call_count.load(std::memory_order_relaxed); }
+
+}  // namespace zl
+
+extern "C" int zl_register_fast_kernels() {
+  const auto result = zl::register_fast_kernels();
+  if (!result.ok) {
+    ET_LOG(Error, "%s", result.error.c_str());
+    return -1;
+  }
+  return result.kernels;
+}
+
+extern "C" uint64_t zl_fast_kernel_call_count() { return zl::fast_kernel_call_count(); }

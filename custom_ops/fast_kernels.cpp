@@ -1,5 +1,5 @@
 // zl's float32 linear/mm/bmm kernels on Eigen's GEMM, and the
-// registration of all of zl's fast kernels (docs/design.md §4.6).
+// registration of all of zl's fast kernels (docs/design.md §4.9).
 #include <zl/fast_kernels.h>
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-"""zl's fast kernels (custom_ops/fast_kernels.cpp, layout_kernels.cpp; docs/design.md §4.6) inside real
+"""zl's fast kernels (custom_ops/fast_kernels.cpp, layout_kernels.cpp; docs/design.md §4.9) inside real
 ExecuTorch programs: each operator they serve, at the shapes and argument forms the stage programs use and a few
 they do not, against PyTorch eager, and the choice between them and ExecuTorch's own kernels (`ZL_KERNELS`)."""
 

@@ -70,7 +70,7 @@ void apply_thread_count(int64_t threads) {
   }
 }
 
-// Registers zl's float32 kernels (docs/design.md §4.6) unless
+// Registers zl's float32 kernels (docs/design.md §4.9) unless
 // ZL_KERNELS=executorch asks for ExecuTorch's own. Before the program
 // loads: the runtime binds each instruction to a kernel at method load.
 Status use_fast_kernels() {

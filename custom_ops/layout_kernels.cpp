@@ -1,15 +1,20 @@
 // zl's float32 layout and elementwise kernels (docs/design.md §4.9):
 // `permute_copy` and `expand_copy` as one strided copy that moves whole
 // rows (memcpy), fills broadcast rows, or transposes in cache-sized tiles,
-// where the portable kernels compute every element's coordinates; and
+// where the portable kernels compute every element's coordinates;
 // `pow.Tensor_Scalar` with the exponents RMSNorm and its backward use
-// computed exactly as multiplications and square roots, not with std::pow.
+// computed exactly as multiplications and square roots, not with std::pow;
+// and `_softmax` (last dimension) and `sigmoid` on Eigen's vectorized exp,
+// split over the thread pool.
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
 
+#include <Eigen/Core>
+
 #include <executorch/runtime/core/event_tracer_hooks.h>
+#include <executorch/runtime/kernel/thread_parallel_interface.h>
 
 #include "kernel_support.h"
 
@@ -21,6 +26,11 @@ using executorch::runtime::kTensorDimensionLimit;
 OpFunction permute_fallback = nullptr;
 OpFunction expand_fallback = nullptr;
 OpFunction pow_fallback = nullptr;
+OpFunction softmax_fallback = nullptr;
+OpFunction sigmoid_fallback = nullptr;
+
+// Elements per thread-pool task of an elementwise kernel.
+constexpr int64_t kGrain = 1 << 14;
 
 // Side of the square tiles a transposing copy moves at a time (floats): two
 // 32x32 tiles stay within a 32 KiB L1 cache.
@@ -245,21 +255,77 @@ void pow_tensor_scalar_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   }
 }
 
+bool resize_like(KernelRuntimeContext& ctx, Tensor& out, const Tensor& in, const char* op) {
+  std::array<SizesType, kTensorDimensionLimit> sizes{};
+  for (ssize_t d = 0; d < in.dim(); ++d) sizes[d] = in.size(d);
+  return resize(ctx, out, sizes.data(), in.dim(), op);
+}
+
+// aten::_softmax.out(Tensor self, int dim, bool half_to_float, *, Tensor(a!) out)
+void softmax_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  constexpr const char* kOp = "zl::_softmax.out";
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(), kOp);
+  const Tensor& in = stack[0]->toTensor();
+  const int64_t dim = stack[1]->toInt();
+  const bool half_to_float = stack[2]->toBool();
+  Tensor& out = stack[3]->toTensor();
+  const bool last = in.dim() >= 1 && (dim == in.dim() - 1 || dim == -1);
+  if (!last || half_to_float || !is_contiguous_f32(in) || !is_contiguous_f32(out)) {
+    return run_fallback(softmax_fallback, kOp, ctx, stack);
+  }
+  count_call();
+  if (!resize_like(ctx, out, in, kOp)) return;
+  const int64_t cols = in.size(in.dim() - 1);
+  if (cols == 0 || in.numel() == 0) return;
+  const int64_t rows = in.numel() / cols;
+  const float* x = in.const_data_ptr<float>();
+  float* y = out.mutable_data_ptr<float>();
+  executorch::extension::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      Eigen::Map<const Eigen::ArrayXf> row(x + r * cols, cols);
+      Eigen::Map<Eigen::ArrayXf> res(y + r * cols, cols);
+      res = (row - row.maxCoeff()).exp();
+      res /= res.sum();
+    }
+  });
+}
+
+// aten::sigmoid.out(Tensor self, *, Tensor(a!) out)
+void sigmoid_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  constexpr const char* kOp = "zl::sigmoid.out";
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(), kOp);
+  const Tensor& in = stack[0]->toTensor();
+  Tensor& out = stack[1]->toTensor();
+  if (!is_contiguous_f32(in) || !is_contiguous_f32(out)) {
+    return run_fallback(sigmoid_fallback, kOp, ctx, stack);
+  }
+  count_call();
+  if (!resize_like(ctx, out, in, kOp)) return;
+  const float* x = in.const_data_ptr<float>();
+  float* y = out.mutable_data_ptr<float>();
+  executorch::extension::parallel_for(0, in.numel(), kGrain, [&](int64_t i0, int64_t i1) {
+    Eigen::Map<const Eigen::ArrayXf> a(x + i0, i1 - i0);
+    Eigen::Map<Eigen::ArrayXf> b(y + i0, i1 - i0);
+    b = (1.0f + (-a).exp()).inverse();
+  });
+}
+
 }  // namespace
 
 std::vector<KernelSpec> layout_kernel_specs() {
-  std::vector<std::string> permute_keys, expand_keys, pow_keys;
+  std::vector<std::string> expand_keys, same_rank_keys;
   for (int rank = 1; rank <= 6; ++rank) {
-    permute_keys.push_back(float_key({rank, rank, rank}));
-    pow_keys.push_back(float_key({rank, rank, rank}));
+    same_rank_keys.push_back(float_key({rank, rank, rank}));  // input, out, result
     for (int in_rank = 0; in_rank <= rank; ++in_rank) {
       expand_keys.push_back(float_key({in_rank, rank, rank}));
     }
   }
   return {
-      {"aten::permute_copy.out", permute_keys, permute_copy_out, &permute_fallback},
+      {"aten::permute_copy.out", same_rank_keys, permute_copy_out, &permute_fallback},
       {"aten::expand_copy.out", expand_keys, expand_copy_out, &expand_fallback},
-      {"aten::pow.Tensor_Scalar_out", pow_keys, pow_tensor_scalar_out, &pow_fallback},
+      {"aten::pow.Tensor_Scalar_out", same_rank_keys, pow_tensor_scalar_out, &pow_fallback},
+      {"aten::_softmax.out", same_rank_keys, softmax_out, &softmax_fallback},
+      {"aten::sigmoid.out", same_rank_keys, sigmoid_out, &sigmoid_fallback},
   };
 }
 

@@ -15,7 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVED = ("aten::linear.out", "aten::mm.out", "aten::bmm.out", "aten::permute_copy.out", "aten::expand_copy.out",
-          "aten::pow.Tensor_Scalar_out")
+          "aten::pow.Tensor_Scalar_out", "aten::_softmax.out", "aten::sigmoid.out")
 
 
 class _Ops(torch.nn.Module):
@@ -37,6 +37,8 @@ class _Ops(torch.nn.Module):
             v[:, :1].expand(v.shape[0], 7) * 1.0,                 # broadcast of the last dimension
             a.pow(2), a.abs().pow(0.5), (a.abs() + 1).pow(-0.5), a.pow(3), a.pow(1), (a.abs() + 1).pow(-1),
             a.abs().pow(2.5),                                     # an exponent the kernel leaves to ExecuTorch's
+            torch.softmax(x4 * 3.0, dim=-1),                      # attention's softmax (last dimension)
+            torch.sigmoid(x4 * 2.0),                              # SiLU's sigmoid
         )
 
 

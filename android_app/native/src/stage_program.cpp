@@ -77,6 +77,7 @@ Status use_fast_kernels() {
   const char* env = std::getenv("ZL_KERNELS");
   const std::string choice = env != nullptr && *env != '\0' ? env : "zl";
   if (choice == "executorch") {
+    log(LogLevel::kInfo, "kernels: ExecuTorch's own (ZL_KERNELS=executorch)");
     if (fast_kernels_registered()) {
       log(LogLevel::kWarn, "ZL_KERNELS=executorch, but zl's kernels were registered "
                            "earlier in this process and stay in use");
@@ -92,7 +93,7 @@ Status use_fast_kernels() {
     return Status(StatusCode::kInternal,
                   result.error + "; set ZL_KERNELS=executorch to run on ExecuTorch's own kernels");
   }
-  if (result.kernels > 0) log(LogLevel::kDebug, "registered %d fast kernels", result.kernels);
+  if (result.kernels > 0) log(LogLevel::kInfo, "kernels: zl's fast kernels (%d registered; docs/design.md §4.9)", result.kernels);
   return Status();
 }
 

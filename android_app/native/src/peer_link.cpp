@@ -375,7 +375,8 @@ void Receiver::reject(const std::string& reason, bool send_error) {
     // Best effort: tells an honest but misconfigured upstream why.
     const Frame err = make_control_frame(FrameType::kError, options_.expect.run_id.value_or(RunId{}),
                                          options_.stage, 0, 0,
-                                         nlohmann::json{{"reason", reason}}.dump());
+                                         nlohmann::json{{"reason", reason}}.dump(
+                                             -1, ' ', false, nlohmann::json::error_handler_t::replace));
     (void)write_frame(conn_.fd(), err, options_.key);
   }
   conn_.close();
@@ -391,6 +392,8 @@ void Receiver::handle_frame(const std::vector<uint8_t>& bytes) {
   if (r.frame.type != FrameType::kData) {
     log(LogLevel::kWarn, "receiver: ignoring %s frame on the data link",
         frame_type_name(static_cast<uint16_t>(r.frame.type)));
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.ignored;
     return;
   }
   const uint64_t mb = r.frame.micro_batch;

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 
 #include <atomic>
+#include <cstring>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -179,6 +180,35 @@ TEST(PeerLinkTest, BadFramesAreRejectedAndTheReceiverKeepsServing) {
   ASSERT_TRUE(receiver.next(1000ms, &e).ok());
   EXPECT_EQ(e.micro_batch, 0u);
   EXPECT_EQ(receiver.stats().accepted, 1u);
+}
+
+// Issue 12 item 8: a frame with a valid MAC and a tensor name that is not
+// UTF-8 used to abort the receiver (its reason went into a JSON dump).
+TEST(PeerLinkTest, SignedFrameWithAnInvalidUtf8NameIsRejectedWithoutACrash) {
+  TempDir dir;
+  Receiver receiver(receiver_options(dir.path()));
+  ASSERT_TRUE(receiver.start().ok());
+  for (const std::string name : {std::string("\xff\xfe"), std::string("hidden\xc3")}) {
+    // encode_frame refuses such a name: encode a placeholder of its length,
+    // overwrite it and re-sign, as a key holder could.
+    Frame f = data_frame(0, 0);
+    f.tensors[0].name = std::string(name.size(), 'h');
+    std::vector<uint8_t> bytes;
+    ASSERT_TRUE(encode_frame(f, test_key(), &bytes).ok());
+    std::memcpy(bytes.data() + kFrameHeaderSize + kTensorRecordHeaderSize, name.data(), name.size());
+    testing::re_mac(&bytes, test_key());
+    RawUpstream bad(receiver.port());
+    bad.send_bytes(bytes);
+    Status s;
+    const DecodeResult r = bad.reply(&s);
+    if (s.ok() && r.ok()) EXPECT_EQ(r.frame.type, FrameType::kError);
+  }
+  EXPECT_EQ(receiver.stats().rejected, 2u);
+  for (unsigned char c : receiver.stats().last_reject_reason) EXPECT_TRUE(c >= 0x20 && c < 0x7f);
+  RawUpstream good(receiver.port());
+  good.send(data_frame(0, 0));
+  Status s;
+  EXPECT_EQ(good.reply(&s).frame.type, FrameType::kAck);
 }
 
 // A downstream that reads frames and never acknowledges them.

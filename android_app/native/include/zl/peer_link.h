@@ -135,6 +135,7 @@ struct ReceiverStats {
   uint64_t accepted = 0;     ///< new entries logged and acknowledged
   uint64_t duplicates = 0;   ///< dropped by micro-batch id, acknowledged again
   uint64_t rejected = 0;     ///< frames that failed validation
+  uint64_t ignored = 0;      ///< valid frames of another type than DATA
   uint64_t connections = 0;  ///< accepted upstream connections
   std::string last_reject_reason;
 };

@@ -26,6 +26,46 @@ from zl_device.run.frames import Frame, FrameRejected, FrameType
 log = logging.getLogger(__name__)
 
 
+_NUMBER = (int, float)
+# The fields the coordinator reads from each control payload (PROTOCOL.md §4), with the JSON types allowed; a
+# field may be missing, others are ignored. A signed payload that breaks this is logged and dropped.
+_PAYLOAD_FIELDS: dict[FrameType, dict[str, tuple]] = {
+    FrameType.REGISTER: {"stage": (int,), "pid": (int,), "device": (str,), "listen": (str, type(None)),
+                         "resume": (bool,), "micro_batches_done": (int,), "reconnects": (int,)},
+    FrameType.HEARTBEAT: {"micro_batches_done": (int,), "window": (int, type(None)), "phase": (str,),
+                          "pss_mib": (*_NUMBER, type(None)), "temperature_c": (*_NUMBER, type(None)),
+                          "t_unix_ms": (int,)},
+    FrameType.WINDOW_COMMITTED: {"mean_loss": (*_NUMBER, type(None)), "mean_task_loss": (*_NUMBER, type(None)),
+                                 "mean_consistency_loss": (*_NUMBER, type(None)), "micro_batches_done": (int,),
+                                 "checkpoint_ms": (*_NUMBER, type(None)), "checkpointed": (bool,)},
+    FrameType.ERROR: {"reason": (str,)},
+}
+
+
+def payload_problem(type_: FrameType, payload: dict | None) -> str | None:
+    """Why a control frame's payload is unusable (None when it is fine): a field of the wrong JSON type (a bool
+    is not a number), or a negative micro_batches_done."""
+    if payload is None:
+        return None
+    if not isinstance(payload, dict):
+        return f"payload is a {type(payload).__name__}, not a JSON object"
+    for name, allowed in _PAYLOAD_FIELDS.get(type_, {}).items():
+        if name not in payload:
+            continue
+        value = payload[name]
+        is_bool = isinstance(value, bool)
+        if not isinstance(value, allowed) or (is_bool and bool not in allowed):
+            return f"field {name!r} of {type_.name} is {json_type(value)}"
+        if name == "micro_batches_done" and value < 0:
+            return f"field 'micro_batches_done' of {type_.name} is negative"
+    return None
+
+
+def json_type(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
 @dataclass
 class ControlEvent:
     """One frame from a stage, as the coordinator sees it."""
@@ -116,6 +156,12 @@ class ControlServer:
                 if rest is None:
                     return
                 frame = frames.decode(header + rest, self.key, run_id=self.run_id)
+                problem = payload_problem(frame.type, frame.payload)
+                if problem is not None:
+                    # Signed but unusable: drop this frame, keep the (still framed) connection.
+                    self.rejected.append("bad_payload")
+                    log.warning("control frame from %s:%s rejected (bad_payload: %s)", peer[0], peer[1], problem)
+                    continue
                 if frame.type == FrameType.REGISTER or stage is None:
                     stage = frame.stage
                     with self._lock:

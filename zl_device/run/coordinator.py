@@ -205,16 +205,23 @@ class Coordinator:
                 return
             if not 0 <= e.stage < len(self.status):
                 continue
-            s = self.status[e.stage]
-            s.last_sign_of_life = e.t
-            if e.type == FrameType.HEARTBEAT:
-                s.heartbeat_seen = True
-                s.micro_batches_done = max(s.micro_batches_done, int(e.payload.get("micro_batches_done", 0)))
-                s.pss_mib = e.payload.get("pss_mib") or s.pss_mib  # a missing reading keeps the last one
-            elif e.type == FrameType.WINDOW_COMMITTED:
-                self._committed(s, e.window, e.payload.get("mean_loss"), e.t)
-            elif e.type == FrameType.ERROR:
-                log.warning("stage %d reports: %s", e.stage, e.payload.get("reason"))
+            try:
+                self._control_event(e)
+            except (TypeError, ValueError, AttributeError) as err:  # a payload the server let through
+                log.warning("stage %d: unusable %s payload dropped (%s)", e.stage, e.type.name, err)
+
+    def _control_event(self, e) -> None:
+        payload = e.payload if isinstance(e.payload, dict) else {}
+        s = self.status[e.stage]
+        s.last_sign_of_life = e.t
+        if e.type == FrameType.HEARTBEAT:
+            s.heartbeat_seen = True
+            s.micro_batches_done = max(s.micro_batches_done, int(payload.get("micro_batches_done", 0)))
+            s.pss_mib = payload.get("pss_mib") or s.pss_mib  # a missing reading keeps the last one
+        elif e.type == FrameType.WINDOW_COMMITTED:
+            self._committed(s, e.window, payload.get("mean_loss"), e.t)
+        elif e.type == FrameType.ERROR:
+            log.warning("stage %d reports: %s", e.stage, payload.get("reason"))
 
     def _read_telemetry(self, k: int, remote: bool = False) -> None:
         """New lines of a stage's telemetry file: tailed where its files are on this host (local devices); on

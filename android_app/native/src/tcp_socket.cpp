@@ -101,7 +101,7 @@ Status listen_tcp(const std::string& host, uint16_t port, Socket* out, uint16_t*
   if (::bind(sock.fd(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
     return errno_status("bind " + host + ":" + std::to_string(port));
   }
-  if (::listen(sock.fd(), 8) != 0) return errno_status("listen");
+  if (::listen(sock.fd(), 64) != 0) return errno_status("listen");
   sockaddr_storage bound{};
   socklen_t bound_len = sizeof(bound);
   ::getsockname(sock.fd(), reinterpret_cast<sockaddr*>(&bound), &bound_len);

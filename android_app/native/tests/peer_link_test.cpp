@@ -3,9 +3,12 @@
 // a stalled downstream, reconnect/re-send, and link shaping (lower bounds only).
 #include "zl/peer_link.h"
 
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 
 #include <atomic>
+#include <memory>
 #include <cstring>
 #include <thread>
 
@@ -209,6 +212,71 @@ TEST(PeerLinkTest, SignedFrameWithAnInvalidUtf8NameIsRejectedWithoutACrash) {
   good.send(data_frame(0, 0));
   Status s;
   EXPECT_EQ(good.reply(&s).frame.type, FrameType::kAck);
+}
+
+// Issue 12 item 11: every accepted connection used to replace the upstream,
+// so anyone who could connect broke the link. Now a newcomer replaces it only
+// after its first frame decodes.
+TEST(PeerLinkTest, UnauthenticatedConnectionsDoNotReplaceTheUpstream) {
+  TempDir dir;
+  ReceiverOptions ro = receiver_options(dir.path());
+  ro.max_pending = 64;
+  Receiver receiver(ro);
+  ASSERT_TRUE(receiver.start().ok());
+  RawUpstream upstream(receiver.port());
+  upstream.send(data_frame(0, 0));
+  Status s;
+  ASSERT_EQ(upstream.reply(&s).frame.type, FrameType::kAck) << s.message();
+  // A flood of connections: silent, garbage, and signed under another key.
+  std::vector<std::unique_ptr<RawUpstream>> flood;
+  for (int i = 0; i < 30; ++i) {
+    flood.push_back(std::make_unique<RawUpstream>(receiver.port()));
+    std::vector<uint8_t> bytes(80, 'x');
+    if (i % 3 == 2) ASSERT_TRUE(encode_frame(data_frame(0, 50), test_key(9), &bytes).ok());
+    // The receiver may already have closed it (the oldest waiting are dropped).
+    if (i % 3 != 0) (void)send_all(flood.back()->sock.fd(), bytes.data(), bytes.size());
+  }
+  std::this_thread::sleep_for(100ms);
+  // The upstream's connection still works, frame after frame.
+  for (uint64_t mb = 1; mb < 5; ++mb) {
+    upstream.send(data_frame(0, mb));
+    const DecodeResult r = upstream.reply(&s);
+    ASSERT_TRUE(s.ok()) << s.message();
+    EXPECT_EQ(r.frame.type, FrameType::kAck);
+    EXPECT_EQ(r.frame.micro_batch, mb);
+  }
+  EXPECT_EQ(receiver.stats().accepted, 5u);
+  EXPECT_GE(receiver.stats().rejected + receiver.stats().candidates_dropped, 20u);
+  // A newcomer with the key does take over (a reconnecting upstream).
+  RawUpstream again(receiver.port());
+  again.send(data_frame(0, 5));
+  EXPECT_EQ(again.reply(&s).frame.type, FrameType::kAck);
+  EXPECT_EQ(receiver.stats().accepted, 6u);
+}
+
+TEST(PeerLinkTest, NewcomersThatNeverAuthenticateAreClosed) {
+  TempDir dir;
+  ReceiverOptions ro = receiver_options(dir.path());
+  ro.auth_timeout = 200ms;
+  ro.max_candidates = 2;
+  Receiver receiver(ro);
+  ASSERT_TRUE(receiver.start().ok());
+  RawUpstream silent(receiver.port());
+  // Half a frame header: it never completes.
+  silent.send_bytes(std::vector<uint8_t>(kFrameMagic.begin(), kFrameMagic.end()));
+  pollfd p{silent.sock.fd(), POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 3000), 1) << "the receiver did not close a silent connection";
+  uint8_t b = 0;
+  EXPECT_EQ(::recv(silent.sock.fd(), &b, 1, 0), 0);
+  // Over the cap the oldest waiting connection goes first.
+  RawUpstream a(receiver.port()), b2(receiver.port()), c(receiver.port());
+  pollfd pa{a.sock.fd(), POLLIN, 0};
+  ASSERT_EQ(::poll(&pa, 1, 2000), 1) << "the oldest waiting connection was not dropped";
+  EXPECT_EQ(::recv(a.sock.fd(), &b, 1, 0), 0);
+  EXPECT_GE(receiver.stats().candidates_dropped, 2u);
+  c.send(data_frame(0, 0));
+  Status s;
+  EXPECT_EQ(c.reply(&s).frame.type, FrameType::kAck);
 }
 
 // A downstream that reads frames and never acknowledges them.

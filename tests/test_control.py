@@ -135,3 +135,59 @@ def test_coordinator_survives_events_with_unusable_payloads():
     control.events.put(ControlEvent(0, FrameType.HEARTBEAT, 1, 0, {"micro_batches_done": 6}, 1.0))
     c._drain_control()
     assert c.status[0].micro_batches_done == 6
+
+
+# --- issue 12 item 11: connections that never authenticate ---------------------------------------------------------
+
+def _closed_within(s: socket.socket, seconds: float) -> bool:
+    s.settimeout(seconds)
+    try:
+        return s.recv(16) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_huge_announced_frame_is_refused_before_it_is_buffered():
+    import struct
+    with ControlServer(KEY, RUN) as server:
+        s = _connect(server)
+        # A header announcing 60 MiB: the old server buffered all of it before checking the MAC.
+        s.sendall(struct.pack("<4sHHII16sIIQQII", b"ZLFR", 1, 16, 60 << 20, 0, RUN, 0, 0, 0, 0, 0, 0))
+        assert _closed_within(s, 3)
+        assert server.rejected == ["oversize"]
+
+
+def test_a_connection_that_never_authenticates_is_closed():
+    with ControlServer(KEY, RUN, auth_timeout_s=0.3) as server:
+        silent = _connect(server)
+        partial = _connect(server)
+        partial.sendall(b"ZLFR\x01\x00")  # the start of a header, then nothing
+        assert _closed_within(silent, 3) and _closed_within(partial, 3)
+        good = _connect(server)
+        _send(good, FrameType.REGISTER, 0)
+        assert _next(server).type is FrameType.REGISTER
+
+
+def test_connections_are_capped():
+    with ControlServer(KEY, RUN, max_connections=2) as server:
+        a, b = _connect(server), _connect(server)
+        _send(a, FrameType.REGISTER, 0)
+        assert _next(server).stage == 0
+        c = _connect(server)
+        assert _closed_within(c, 3), "a third connection over the cap of 2 was served"
+        _send(b, FrameType.REGISTER, 1)
+        assert _next(server).stage == 1
+
+
+def test_control_server_binds_loopback_for_usb_phones_and_local_devices():
+    from types import SimpleNamespace
+
+    from zl_device.run.launch import control_bind_host
+
+    usb = [SimpleNamespace(name=f"P{i}", kind="adb", address=lambda: None) for i in range(2)]
+    wifi = [SimpleNamespace(name=f"W{i}", kind="adb", address=lambda i=i: f"192.168.1.{10 + i}") for i in range(2)]
+    assert control_bind_host([], local=True) == "127.0.0.1"
+    assert control_bind_host(usb, local=False) == "127.0.0.1"
+    assert control_bind_host(wifi, local=False) == "0.0.0.0"

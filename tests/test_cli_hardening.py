@@ -127,3 +127,17 @@ def test_zl_train_without_a_terminal_prints_progress(monkeypatch, capsys, tmp_pa
     out = capsys.readouterr().out
     assert "stage 0 (local-0): running, micro-batch 1/" in out
     assert "stage 0 (local-0): done, micro-batch 16/" in out
+
+
+def test_zl_data_on_a_binary_file_is_one_error_line_not_a_traceback(tmp_path):
+    """The whole command line (one process: importing torch takes seconds); the other bad files above go through
+    the same read_records."""
+    import subprocess
+    import sys
+
+    name = "bin.csv"
+    (tmp_path / name).write_bytes(b"prompt,completion\n" + bytes(range(128, 256)) + b"\n")
+    out = subprocess.run([sys.executable, "-m", "zl.cli", "data", "--input", str(tmp_path / name), "--model",
+                          "tiny-random", "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr, out.stderr[-2000:]

@@ -295,6 +295,8 @@ TEST(FrameTest, NamesAndHelpers) {
 
 // --- The payload and tensor rule (PROTOCOL.md §5), issue 12 items 8 and 9 ---
 
+constexpr size_t kMinFrameSizeForTests = kFrameHeaderSize + kFrameMacSize;
+
 // A signed frame from raw parts (the encoder refuses what the rule forbids).
 std::vector<uint8_t> raw_frame(FrameType type, const std::string& json,
                                const std::vector<std::vector<uint8_t>>& records = {}) {
@@ -411,6 +413,65 @@ TEST(FrameRuleTest, ShapesThatOverflowAreRejected) {
   // A zero dim makes numel 0 whatever the others are, within 2^63-1 bytes.
   EXPECT_EQ(decode_error(raw_frame(FrameType::kData, "", {raw_record(6, "x", {0, uint64_t{1} << 40}, 0)})),
             FrameError::kNone);
+}
+
+// 12,000 mutated frames (bit flips signed or not, truncations, extensions,
+// lying length fields, spliced payloads): no crash (run it under
+// -DZL_SANITIZE=ON), and every frame that decodes is exactly what the encoder
+// writes for what was decoded, so nothing outside the rule gets through.
+TEST(FrameRuleTest, FuzzedFramesDecodeOnlyWhenCanonical) {
+  std::mt19937_64 rng(20261130);
+  const std::vector<std::string> payloads = {"", "{}", "{\"a\":[1,2,{\"b\":null}],\"c\":\"\\u00e9\"}",
+                                             "{\"micro_batches_done\":7,\"pss_mib\":12.5}"};
+  std::vector<std::vector<uint8_t>> seeds;
+  seeds.push_back(encode(data_frame(1, 2, 1, 3, 4)));
+  for (const auto& p : payloads) seeds.push_back(encode(make_control_frame(FrameType::kHeartbeat, test_run(), 0, 1, 2, p)));
+  size_t accepted = 0;
+  for (int i = 0; i < 12000; ++i) {
+    std::vector<uint8_t> bytes = seeds[rng() % seeds.size()];
+    const size_t body = bytes.size() - kFrameMacSize;
+    bool sign = true;
+    switch (rng() % 6) {
+      case 0:  // bit flips, not re-signed
+        sign = false;
+        [[fallthrough]];
+      case 1:
+        for (int k = 0, n = 1 + static_cast<int>(rng() % 4); k < n; ++k) bytes[rng() % body] ^= 1u << (rng() % 8);
+        break;
+      case 2:  // a length-like field set to something large or random
+        for (size_t off : {size_t{8}, size_t{36}, size_t{56}}) {
+          if (rng() % 2) continue;
+          const uint32_t v = rng() % 2 ? 0xFFFFFFFFu : static_cast<uint32_t>(rng());
+          for (int b = 0; b < 4; ++b) bytes[off + b] = static_cast<uint8_t>(v >> (8 * b));
+        }
+        break;
+      case 3:  // truncated
+        bytes.resize(rng() % bytes.size());
+        sign = false;
+        break;
+      case 4:  // extended
+        bytes.resize(bytes.size() + 1 + rng() % 64, static_cast<uint8_t>(rng()));
+        sign = false;
+        break;
+      default:  // the payload bytes replaced by random printable-ish bytes
+        for (size_t k = kFrameHeaderSize; k < body && k < kFrameHeaderSize + 40; ++k) {
+          if (rng() % 4 == 0) bytes[k] = static_cast<uint8_t>("{}[]\",:0123456789.eE-+tfnul\\u\xff\x80"[rng() % 32]);
+        }
+        break;
+    }
+    if (sign && bytes.size() >= kMinFrameSizeForTests) re_mac(&bytes, test_key());
+    const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
+    if (!r.ok()) {
+      ASSERT_FALSE(r.reason.empty());
+      for (unsigned char c : r.reason) ASSERT_TRUE(c >= 0x20 && c < 0x7f) << escape_bytes(r.reason);
+      continue;
+    }
+    ++accepted;
+    std::vector<uint8_t> again;
+    ASSERT_TRUE(encode_frame(r.frame, test_key(), &again).ok()) << i;
+    ASSERT_EQ(again, bytes) << "frame " << i << " decoded but is not what the encoder writes";
+  }
+  EXPECT_GT(accepted, 100u);
 }
 
 TEST(FrameRuleTest, EncoderRefusesWhatTheDecoderRejects) {

@@ -191,3 +191,20 @@ def test_control_server_binds_loopback_for_usb_phones_and_local_devices():
     assert control_bind_host([], local=True) == "127.0.0.1"
     assert control_bind_host(usb, local=False) == "127.0.0.1"
     assert control_bind_host(wifi, local=False) == "0.0.0.0"
+
+
+def test_coordinator_logs_a_stage_error_without_raw_control_characters(caplog):
+    from types import SimpleNamespace
+
+    from zl_device.run.control import ControlEvent
+    from zl_device.run.coordinator import Coordinator, StagePlan
+    from zl_device.run.windows import WindowPlan
+
+    control = SimpleNamespace(events=queue.Queue())
+    plan = StagePlan(0, SimpleNamespace(name="fake"), "stage_0.json", "metrics.jsonl", "ckpt", 0)
+    c = Coordinator([plan], WindowPlan(8, 4), control=control)
+    control.events.put(ControlEvent(0, FrameType.ERROR, 0, 0, {"reason": "bad \x1b[2J\x07 thing"}, 0.0))
+    with caplog.at_level("WARNING"):
+        c._drain_control()
+    text = caplog.text
+    assert "\x1b" not in text and "\\x1b[2J\\x07 thing" in text

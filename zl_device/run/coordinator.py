@@ -45,6 +45,7 @@ from zl.errors import ZLError
 from zl_device.devices.backend import Device
 from zl_device.run.control import ControlServer
 from zl_device.run.checkpoints import DEFAULT_LAYOUT
+from zl_device.run import frames
 from zl_device.run.frames import FrameType
 from zl_device.run.windows import WindowPlan
 
@@ -221,7 +222,9 @@ class Coordinator:
         elif e.type == FrameType.WINDOW_COMMITTED:
             self._committed(s, e.window, payload.get("mean_loss"), e.t)
         elif e.type == FrameType.ERROR:
-            log.warning("stage %d reports: %s", e.stage, payload.get("reason"))
+            reason = str(payload.get("reason"))  # decoded JSON: control characters are real ones now
+            log.warning("stage %d reports: %s", e.stage,
+                        reason if reason.isprintable() else frames.escape_bytes(reason.encode("utf-8", "replace"), 2000))
 
     def _read_telemetry(self, k: int, remote: bool = False) -> None:
         """New lines of a stage's telemetry file: tailed where its files are on this host (local devices); on

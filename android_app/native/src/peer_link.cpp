@@ -522,9 +522,11 @@ void Receiver::run() {
       if (candidates_[i].deadline <= now) {
         log(LogLevel::kWarn, "receiver: a new connection sent no valid frame within %lld ms; closing it",
             static_cast<long long>(options_.auth_timeout.count()));
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          ++stats_.candidates_dropped;  // counted before the peer can see the close
+        }
         candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(i));
-        std::lock_guard<std::mutex> lock(mutex_);
-        ++stats_.candidates_dropped;
         continue;
       }
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(candidates_[i].deadline - now);
@@ -570,9 +572,11 @@ void Receiver::run() {
         if (candidates_.size() >= std::max<size_t>(1, options_.max_candidates)) {
           log(LogLevel::kWarn, "receiver: %zu connections waiting to authenticate; dropping the oldest",
               candidates_.size());
+          {
+            std::lock_guard<std::mutex> lock(mutex_);
+            ++stats_.candidates_dropped;  // counted before the peer can see the close
+          }
           candidates_.erase(candidates_.begin());
-          std::lock_guard<std::mutex> lock(mutex_);
-          ++stats_.candidates_dropped;
         }
         candidates_.push_back(
             Candidate{std::move(incoming), FrameReader(options_.expect.max_frame_bytes),

@@ -199,6 +199,9 @@ TEST(PeerLinkTest, SignedFrameWithAnInvalidUtf8NameIsRejectedWithoutACrash) {
     std::vector<uint8_t> bytes;
     ASSERT_TRUE(encode_frame(f, test_key(), &bytes).ok());
     std::memcpy(bytes.data() + kFrameHeaderSize + kTensorRecordHeaderSize, name.data(), name.size());
+    // And a first dim of 2 that its bytes do not fill: the old reason ("tensor
+    // '<raw name>' has shape [2,3,4] ...") went into a JSON dump and threw.
+    bytes[kFrameHeaderSize + kTensorRecordHeaderSize + name.size()] = 2;
     testing::re_mac(&bytes, test_key());
     RawUpstream bad(receiver.port());
     bad.send_bytes(bytes);

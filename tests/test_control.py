@@ -70,3 +70,141 @@ def test_reconnect_replaces_the_stage_connection():
         assert frames.decode(second.recv(1 << 16), KEY).type is FrameType.STOP
         first.close()
         second.close()
+
+
+# --- issue 12 item 10: signed but malformed control payloads ------------------------------------------------------
+
+def _signed_raw(type_: FrameType, stage: int, json_bytes: bytes) -> bytes:
+    """A control frame whose payload bytes are exactly `json_bytes`, signed with the run key."""
+    import struct
+    total = frames.HEADER_SIZE + len(json_bytes) + frames.MAC_SIZE
+    header = struct.pack("<4sHHII16sIIQQII", b"ZLFR", 1, int(type_), total, 0, RUN, stage, 0, 0, 0,
+                         len(json_bytes), 0)
+    body = header + json_bytes
+    return body + frames.frame_mac(body, KEY)
+
+
+@pytest.mark.parametrize("payload", [b"[1]", b"null", b'"x"', b'{"micro_batches_done":NaN}'])
+def test_signed_payload_that_is_not_an_object_is_rejected_and_the_server_keeps_serving(payload):
+    with ControlServer(KEY, RUN) as server:
+        bad = _connect(server)
+        bad.sendall(_signed_raw(FrameType.HEARTBEAT, 0, payload))
+        assert bad.recv(16) == b""
+        assert server.rejected == ["bad_payload"]
+        good = _connect(server)
+        _send(good, FrameType.HEARTBEAT, 0, payload={"micro_batches_done": 3})
+        assert _next(server).payload == {"micro_batches_done": 3}
+        good.close()
+
+
+@pytest.mark.parametrize("type_, payload", [
+    (FrameType.HEARTBEAT, {"micro_batches_done": "x"}),
+    (FrameType.HEARTBEAT, {"micro_batches_done": -1}),
+    (FrameType.HEARTBEAT, {"micro_batches_done": True}),
+    (FrameType.HEARTBEAT, {"pss_mib": "lots"}),
+    (FrameType.WINDOW_COMMITTED, {"mean_loss": [1]}),
+    (FrameType.ERROR, {"reason": {"nested": 1}}),
+    (FrameType.REGISTER, {"pid": "42"}),
+])
+def test_signed_payload_of_the_wrong_shape_is_dropped_and_the_link_stays(type_, payload):
+    with ControlServer(KEY, RUN) as server:
+        s = _connect(server)
+        _send(s, FrameType.REGISTER, 0, payload={"pid": 1})
+        assert _next(server).type is FrameType.REGISTER
+        _send(s, type_, 0, payload=payload)
+        _send(s, FrameType.HEARTBEAT, 0, payload={"micro_batches_done": 4, "pss_mib": None})
+        e = _next(server)
+        assert (e.type, e.payload["micro_batches_done"]) == (FrameType.HEARTBEAT, 4)
+        assert server.rejected == ["bad_payload"]
+        s.close()
+
+
+def test_coordinator_survives_events_with_unusable_payloads():
+    from types import SimpleNamespace
+
+    from zl_device.run.control import ControlEvent
+    from zl_device.run.coordinator import Coordinator, StagePlan
+    from zl_device.run.windows import WindowPlan
+
+    control = SimpleNamespace(events=queue.Queue())
+    plan = StagePlan(0, SimpleNamespace(name="fake"), "stage_0.json", "metrics.jsonl", "ckpt", 0)
+    c = Coordinator([plan], WindowPlan(8, 4), control=control)
+    for payload in ([1], None, {"micro_batches_done": "x"}, {"mean_loss": "nan?"}):
+        for type_ in (FrameType.HEARTBEAT, FrameType.WINDOW_COMMITTED, FrameType.ERROR):
+            control.events.put(ControlEvent(0, type_, 1, 0, payload, 0.0))
+    control.events.put(ControlEvent(0, FrameType.HEARTBEAT, 1, 0, {"micro_batches_done": 6}, 1.0))
+    c._drain_control()
+    assert c.status[0].micro_batches_done == 6
+
+
+# --- issue 12 item 11: connections that never authenticate ---------------------------------------------------------
+
+def _closed_within(s: socket.socket, seconds: float) -> bool:
+    s.settimeout(seconds)
+    try:
+        return s.recv(16) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_huge_announced_frame_is_refused_before_it_is_buffered():
+    import struct
+    with ControlServer(KEY, RUN) as server:
+        s = _connect(server)
+        # A header announcing 60 MiB: the old server buffered all of it before checking the MAC.
+        s.sendall(struct.pack("<4sHHII16sIIQQII", b"ZLFR", 1, 16, 60 << 20, 0, RUN, 0, 0, 0, 0, 0, 0))
+        assert _closed_within(s, 3)
+        assert server.rejected == ["oversize"]
+
+
+def test_a_connection_that_never_authenticates_is_closed():
+    with ControlServer(KEY, RUN, auth_timeout_s=0.3) as server:
+        silent = _connect(server)
+        partial = _connect(server)
+        partial.sendall(b"ZLFR\x01\x00")  # the start of a header, then nothing
+        assert _closed_within(silent, 3) and _closed_within(partial, 3)
+        good = _connect(server)
+        _send(good, FrameType.REGISTER, 0)
+        assert _next(server).type is FrameType.REGISTER
+
+
+def test_connections_are_capped():
+    with ControlServer(KEY, RUN, max_connections=2) as server:
+        a, b = _connect(server), _connect(server)
+        _send(a, FrameType.REGISTER, 0)
+        assert _next(server).stage == 0
+        c = _connect(server)
+        assert _closed_within(c, 3), "a third connection over the cap of 2 was served"
+        _send(b, FrameType.REGISTER, 1)
+        assert _next(server).stage == 1
+
+
+def test_control_server_binds_loopback_for_usb_phones_and_local_devices():
+    from types import SimpleNamespace
+
+    from zl_device.run.launch import control_bind_host
+
+    usb = [SimpleNamespace(name=f"P{i}", kind="adb", address=lambda: None) for i in range(2)]
+    wifi = [SimpleNamespace(name=f"W{i}", kind="adb", address=lambda i=i: f"192.168.1.{10 + i}") for i in range(2)]
+    assert control_bind_host([], local=True) == "127.0.0.1"
+    assert control_bind_host(usb, local=False) == "127.0.0.1"
+    assert control_bind_host(wifi, local=False) == "0.0.0.0"
+
+
+def test_coordinator_logs_a_stage_error_without_raw_control_characters(caplog):
+    from types import SimpleNamespace
+
+    from zl_device.run.control import ControlEvent
+    from zl_device.run.coordinator import Coordinator, StagePlan
+    from zl_device.run.windows import WindowPlan
+
+    control = SimpleNamespace(events=queue.Queue())
+    plan = StagePlan(0, SimpleNamespace(name="fake"), "stage_0.json", "metrics.jsonl", "ckpt", 0)
+    c = Coordinator([plan], WindowPlan(8, 4), control=control)
+    control.events.put(ControlEvent(0, FrameType.ERROR, 0, 0, {"reason": "bad \x1b[2J\x07 thing"}, 0.0))
+    with caplog.at_level("WARNING"):
+        c._drain_control()
+    text = caplog.text
+    assert "\x1b" not in text and "\\x1b[2J\\x07 thing" in text

@@ -117,3 +117,47 @@ def test_cpp_decodes_python_frames_and_python_decodes_cpp_frames(tmp_path):
     (tmp_path / "bad.bin").write_bytes(encode(f, bytes(32)))
     bad = _tool("decode", "--key", KEY.hex(), "--in", str(tmp_path / "bad.bin"))
     assert bad.returncode == 2 and json.loads(bad.stdout)["error"] == "bad_mac"
+
+
+# --- issue 12 item 9: one precise payload and tensor rule (PROTOCOL.md §5) ----------------------------------------
+
+def _raw(json_bytes: bytes = b"", records: bytes = b"", count: int = 0, type_: int = 17) -> bytes:
+    import struct
+    total = frames.HEADER_SIZE + len(json_bytes) + len(records) + frames.MAC_SIZE
+    body = struct.pack("<4sHHII16sIIQQII", b"ZLFR", 1, type_, total, 0, RUN, 0, count, 0, 0, len(json_bytes), 0)
+    body += json_bytes + records
+    return body + frames.frame_mac(body, KEY)
+
+
+def _rec(code: int, name: bytes, dims, payload: bytes) -> bytes:
+    import struct
+    return (struct.pack("<BBHIQ", code, len(dims), len(name), 0, len(payload)) + name
+            + b"".join(struct.pack("<Q", d) for d in dims) + payload)
+
+
+@pytest.mark.parametrize("payload", [b"[1]", b"null", b"1", b'{"a":NaN}', b'{"a":Infinity}', b'{"a":1e999}',
+                                     b'{"a":"\\ud800"}', b'{"a":"\xed\xa0\x80"}', b'{"a":1}\x00', b'{"a":1,"a":2}',
+                                     b'{"a":' * 40 + b"1" + b"}" * 40, b"[" * 5000 + b"]" * 5000,
+                                     b'{"a":18446744073709551616}', b"\xef\xbb\xbf{}"])
+def test_payloads_outside_the_rule_are_bad_payload(payload):
+    _reject(_raw(payload), "bad_payload")
+
+
+def test_payloads_inside_the_rule_decode():
+    assert decode(_raw(b' {"a":-0,"b":"\\ud83d\\ude00","c":[1.5e-400,null]} '), KEY).payload == {
+        "a": 0, "b": "\U0001F600", "c": [0.0, None]}
+    assert decode(_raw(b'{"a":' * 32 + b"1" + b"}" * 32), KEY).payload is not None
+
+
+def test_tensor_rule():
+    # np.prod used to wrap: [2^62, 2^62, 0] has numel 0 but cannot be held.
+    _reject(_raw(records=_rec(6, b"x", (1 << 62, 1 << 62, 0), b""), count=1, type_=1), "bad_tensor")
+    _reject(_raw(records=_rec(1, b"x", (1 << 62,), b""), count=1, type_=1), "bad_tensor")
+    _reject(_raw(records=_rec(6, b"x", (1,), b"a") * 2, count=2, type_=1), "bad_tensor")  # one name, two tensors
+    _reject(_raw(records=_rec(6, b"\xff", (1,), b"a"), count=1, type_=1), "bad_tensor")
+    _reject(_raw(records=_rec(6, b"", (1,), b"a"), count=1, type_=1), "bad_tensor")
+    f = decode(_raw(records=_rec(5, b"b", (2,), b"abcd") + _rec(6, b"z", (0, 1 << 40), b""), count=2, type_=20), KEY)
+    assert f.tensors["b"].dtype == frames.BFLOAT16 and f.tensors["z"].shape == (0, 1 << 40)
+    with pytest.raises(FrameRejected) as e:
+        decode(_raw(records=_rec(6, b"bad\xc3", (2,), b"a"), count=1, type_=1), KEY)
+    assert "\\xc3" in str(e.value) and all(32 <= ord(c) < 127 for c in str(e.value))

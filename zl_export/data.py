@@ -95,27 +95,43 @@ def read_records(path: Path) -> tuple[list[str], list[tuple[int, dict[str, str]]
     if not path.is_file():
         raise ZLError(f"--input {path}: no such file. Pass a .csv or .jsonl file, or `demo` for the built-in task.")
     suffix = path.suffix.lower()
-    if suffix == ".csv":
-        columns, records = _read_csv(path)
-    elif suffix in (".jsonl", ".ndjson"):
-        columns, records = _read_jsonl(path)
-    else:
+    if suffix not in (".csv", ".jsonl", ".ndjson"):
         raise ZLError(f"--input {path}: unknown file type {suffix or '(none)'!r}; expected .csv or .jsonl.")
+    try:
+        columns, records = _read_csv(path) if suffix == ".csv" else _read_jsonl(path)
+    except UnicodeDecodeError as e:
+        raise ZLError(f"--input {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start} of a "
+                      "block); save it as UTF-8 CSV/JSONL.") from None
+    except csv.Error as e:
+        raise ZLError(f"--input {path}: not a readable CSV ({e}); fields are at most {_CSV_FIELD_LIMIT // 1024} KiB.") from None
     if not records:
         raise ZLError(f"--input {path}: the file has no data rows; expected a header and at least one row.")
     return columns, records
 
 
+_CSV_FIELD_LIMIT = 128 * 1024  # the csv module's default field_size_limit, stated
+_JSONL_MAX_DEPTH = 32
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
+
+def _check_cells(path: Path, line: int, cells: list[str]) -> None:
+    if any("\0" in c for c in cells):
+        raise ZLError(f"{path} line {line}: a NUL byte; the file looks binary. Save it as UTF-8 text.")
+
+
 def _read_csv(path: Path) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
+    csv.field_size_limit(_CSV_FIELD_LIMIT)
     with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None:
             return [], []
+        _check_cells(path, 1, header)
         columns = [c.strip().lower() for c in header]
         records = []
         start = reader.line_num + 1
         for cells in reader:
+            _check_cells(path, start, cells)
             if cells:  # blank lines
                 if len(cells) != len(columns):
                     raise ZLError(
@@ -134,17 +150,38 @@ def _read_jsonl(path: Path) -> tuple[list[str], list[tuple[int, dict[str, str]]]
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            if _json_depth(line) > _JSONL_MAX_DEPTH:
+                raise ZLError(f"{path} line {line_no}: JSON nested deeper than {_JSONL_MAX_DEPTH} levels; expected "
+                              'one flat object per line like {"prompt": ..., "completion": ...}.')
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ZLError(f"{path} line {line_no}: not valid JSON ({e.msg}); expected one JSON object per line.") from e
+            except (ValueError, RecursionError) as e:  # e.g. an integer of more than 4300 digits
+                raise ZLError(f"{path} line {line_no}: not usable JSON ({e}); expected one JSON object per line.") from None
             if not isinstance(obj, dict):
                 raise ZLError(f"{path} line {line_no}: a JSON {type(obj).__name__}, expected an object like "
                               '{"prompt": ..., "completion": ...}.')
             row = {str(k).strip().lower(): "" if v is None else str(v) for k, v in obj.items()}
+            _check_cells(path, line_no, list(row) + list(row.values()))
             columns.update(dict.fromkeys(row))
             records.append((line_no, row))
     return list(columns), records
+
+
+def _json_depth(line: str) -> int:
+    """How deep the arrays/objects of a JSON line nest (brackets inside strings ignored); an upper bound for
+    malformed lines, which json.loads rejects anyway."""
+    if line.count("[") + line.count("{") <= _JSONL_MAX_DEPTH:
+        return 0
+    depth = deepest = 0
+    for c in _JSON_STRING.sub("", line):
+        if c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
 
 
 def detect_format(columns: list[str], path: Path | str) -> str:

@@ -87,7 +87,7 @@ def data_command(
         raise ZLError(f"--max-targets {max_targets}: expected 0 (no limit) or the programs' target slots, e.g. 16.")
     if split is not None and not split.replace("-", "").replace("_", "").isalnum():
         raise ZLError(f"--split {split!r}: expected a plain name like train or dev (it names the output file).")
-    tokenizer = load_tokenizer(model)
+    # The input file is read and checked before the tokenizer loads (which may download it).
     if is_demo:
         jobs = shard_jobs.demo_jobs(seed)
         if split is not None and split not in [job.name for job in jobs]:
@@ -95,6 +95,7 @@ def data_command(
         jobs = [job for job in jobs if split in (None, job.name)]
     else:
         jobs = [shard_jobs.file_job(Path(input_), fmt, split or "train", labels.split(",") if labels else None)]
+    tokenizer = load_tokenizer(model)
     seq_len = seq_len or shard_jobs.default_seq_len(tokenizer, is_demo)
     for job in jobs:
         job.task = zdata.select(job.task, limit, shuffle, seed)

@@ -1,5 +1,6 @@
 """`zl train`: export, deploy and run a pipeline end to end, then merge, evaluate and report."""
 
+import time
 
 from rich.console import Console
 from rich.live import Live
@@ -25,6 +26,32 @@ Examples:
 """
 
 console = Console()
+# Without a terminal (a log file, CI, nohup) the live table draws nothing until the end: plain lines instead, one
+# per stage at most every PLAIN_PROGRESS_S seconds, and whenever a stage changes state.
+PLAIN_PROGRESS_S = 10.0
+
+
+class PlainProgress:
+    """`on_update` for a stdout that is not a terminal: one plain, flushed line per stage at a steady pace."""
+
+    def __init__(self, total: int, print_line=None, interval_s: float | None = None, clock=time.monotonic):
+        self.total = total
+        self.print_line = print_line or (lambda line: print(line, flush=True))
+        self.interval_s = PLAIN_PROGRESS_S if interval_s is None else interval_s
+        self.clock = clock
+        self._last_t: float | None = None
+        self._last_states: list[str] = []
+
+    def __call__(self, status) -> None:
+        now, states = self.clock(), [s.state for s in status]
+        if self._last_t is not None and now - self._last_t < self.interval_s and states == self._last_states:
+            return
+        self._last_t, self._last_states = now, states
+        for s in status:
+            loss = f"{s.last_loss:.4f}" if s.last_loss is not None else "-"
+            pss = f"{s.pss_mib:.0f} MiB" if s.pss_mib is not None else "-"
+            self.print_line(f"stage {s.index} ({s.device}): {s.state}, micro-batch {s.micro_batches_done}/{self.total}, "
+                            f"{s.last_committed_window + 1} windows, loss {loss}, PSS {pss}, restarts {s.restarts}")
 
 
 def run_train(settings: TrainSettings) -> None:
@@ -34,9 +61,13 @@ def run_train(settings: TrainSettings) -> None:
     total = settings.windows().num_micro_batches
     live = Live(_table([], total), console=console, refresh_per_second=4, transient=False)
     started = False
+    plain = None if console.is_terminal else PlainProgress(total, lambda line: console.print(line, soft_wrap=True))
 
     def on_update(status) -> None:
         nonlocal started
+        if plain is not None:
+            plain(status)
+            return
         if not started:
             live.start()
             started = True

@@ -26,6 +26,46 @@ from zl_device.run.frames import Frame, FrameRejected, FrameType
 log = logging.getLogger(__name__)
 
 
+_NUMBER = (int, float)
+# The fields the coordinator reads from each control payload (PROTOCOL.md §4), with the JSON types allowed; a
+# field may be missing, others are ignored. A signed payload that breaks this is logged and dropped.
+_PAYLOAD_FIELDS: dict[FrameType, dict[str, tuple]] = {
+    FrameType.REGISTER: {"stage": (int,), "pid": (int,), "device": (str,), "listen": (str, type(None)),
+                         "resume": (bool,), "micro_batches_done": (int,), "reconnects": (int,)},
+    FrameType.HEARTBEAT: {"micro_batches_done": (int,), "window": (int, type(None)), "phase": (str,),
+                          "pss_mib": (*_NUMBER, type(None)), "temperature_c": (*_NUMBER, type(None)),
+                          "t_unix_ms": (int,)},
+    FrameType.WINDOW_COMMITTED: {"mean_loss": (*_NUMBER, type(None)), "mean_task_loss": (*_NUMBER, type(None)),
+                                 "mean_consistency_loss": (*_NUMBER, type(None)), "micro_batches_done": (int,),
+                                 "checkpoint_ms": (*_NUMBER, type(None)), "checkpointed": (bool,)},
+    FrameType.ERROR: {"reason": (str,)},
+}
+
+
+def payload_problem(type_: FrameType, payload: dict | None) -> str | None:
+    """Why a control frame's payload is unusable (None when it is fine): a field of the wrong JSON type (a bool
+    is not a number), or a negative micro_batches_done."""
+    if payload is None:
+        return None
+    if not isinstance(payload, dict):
+        return f"payload is a {type(payload).__name__}, not a JSON object"
+    for name, allowed in _PAYLOAD_FIELDS.get(type_, {}).items():
+        if name not in payload:
+            continue
+        value = payload[name]
+        is_bool = isinstance(value, bool)
+        if not isinstance(value, allowed) or (is_bool and bool not in allowed):
+            return f"field {name!r} of {type_.name} is {json_type(value)}"
+        if name == "micro_batches_done" and value < 0:
+            return f"field 'micro_batches_done' of {type_.name} is negative"
+    return None
+
+
+def json_type(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
 @dataclass
 class ControlEvent:
     """One frame from a stage, as the coordinator sees it."""
@@ -38,11 +78,26 @@ class ControlEvent:
     t: float  # time.monotonic() at receipt
 
 
-class ControlServer:
-    """Accepts runner connections; `events` is the queue of ControlEvent."""
+# Limits against connections that never authenticate (issue 12 item 11): control frames carry no tensors, so a
+# frame is at most the header, 1 MiB of JSON and the MAC; before a connection's first frame verifies, much less.
+MAX_CONTROL_FRAME_BYTES = frames.HEADER_SIZE + frames.MAX_JSON_BYTES + frames.MAC_SIZE
+PRE_AUTH_MAX_FRAME_BYTES = 64 << 10  # a REGISTER is a few hundred bytes
 
-    def __init__(self, key: bytes, run_id: bytes, host: str = "127.0.0.1", port: int = 0):
+
+class ControlServer:
+    """Accepts runner connections; `events` is the queue of ControlEvent.
+
+    At most `max_connections` are served at once (more are closed at once); a connection whose first frame does not
+    verify within `auth_timeout_s`, or that then sends no frame for `idle_timeout_s` (runners send a heartbeat every
+    second), is closed; before its first frame verifies, a connection may announce at most
+    PRE_AUTH_MAX_FRAME_BYTES, and MAX_CONTROL_FRAME_BYTES after.
+    """
+
+    def __init__(self, key: bytes, run_id: bytes, host: str = "127.0.0.1", port: int = 0,
+                 max_connections: int = 32, auth_timeout_s: float = 10.0, idle_timeout_s: float = 60.0):
         self.key, self.run_id = key, run_id
+        self.max_connections = max_connections
+        self.auth_timeout_s, self.idle_timeout_s = auth_timeout_s, idle_timeout_s
         self.events: queue.Queue[ControlEvent] = queue.Queue()
         self.rejected: list[str] = []  # reasons of rejected frames, for the report and tests
         self._sock = socket.create_server((host, port))
@@ -99,23 +154,39 @@ class ControlServer:
                 continue
             except OSError:
                 return
-            conn.settimeout(0.5)
+            self._threads = [t for t in self._threads if t.is_alive()]
+            if len(self._threads) >= self.max_connections:
+                log.warning("control: %d connections already; refusing one from %s:%s", len(self._threads), peer[0],
+                            peer[1])
+                _close_quietly(conn)
+                continue
+            conn.settimeout(0.2)
             t = threading.Thread(target=self._serve, args=(conn, peer), name=f"zl-control-{peer[1]}", daemon=True)
             self._threads.append(t)
             t.start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
         stage = None
+        authenticated = False
         try:
             while not self._closed.is_set():
-                header = _read_exact(conn, frames.HEADER_SIZE, self._closed)
+                deadline = time.monotonic() + (self.idle_timeout_s if authenticated else self.auth_timeout_s)
+                header = _read_exact(conn, frames.HEADER_SIZE, self._closed, deadline)
                 if header is None:
                     return
-                total = frames.peek_length(header)
-                rest = _read_exact(conn, total - frames.HEADER_SIZE, self._closed)
+                total = frames.peek_length(header, MAX_CONTROL_FRAME_BYTES if authenticated
+                                           else PRE_AUTH_MAX_FRAME_BYTES)
+                rest = _read_exact(conn, total - frames.HEADER_SIZE, self._closed, deadline)
                 if rest is None:
                     return
                 frame = frames.decode(header + rest, self.key, run_id=self.run_id)
+                authenticated = True
+                problem = payload_problem(frame.type, frame.payload)
+                if problem is not None:
+                    # Signed but unusable: drop this frame, keep the (still framed) connection.
+                    self.rejected.append("bad_payload")
+                    log.warning("control frame from %s:%s rejected (bad_payload: %s)", peer[0], peer[1], problem)
+                    continue
                 if frame.type == FrameType.REGISTER or stage is None:
                     stage = frame.stage
                     with self._lock:
@@ -137,11 +208,14 @@ class ControlServer:
             _close_quietly(conn)
 
 
-def _read_exact(conn: socket.socket, n: int, closed: threading.Event) -> bytes | None:
-    """n bytes, or None when the peer closed or the server is shutting down."""
+def _read_exact(conn: socket.socket, n: int, closed: threading.Event, deadline: float | None = None) -> bytes | None:
+    """n bytes, or None when the peer closed, `deadline` (time.monotonic()) passed or the server is shutting down."""
     buf = bytearray()
     while len(buf) < n:
         if closed.is_set():
+            return None
+        if deadline is not None and time.monotonic() > deadline:
+            log.warning("control: a connection sent no complete frame in time; closing it")
             return None
         try:
             chunk = conn.recv(n - len(buf))

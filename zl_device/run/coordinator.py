@@ -45,6 +45,7 @@ from zl.errors import ZLError
 from zl_device.devices.backend import Device
 from zl_device.run.control import ControlServer
 from zl_device.run.checkpoints import DEFAULT_LAYOUT
+from zl_device.run import frames
 from zl_device.run.frames import FrameType
 from zl_device.run.windows import WindowPlan
 
@@ -205,16 +206,25 @@ class Coordinator:
                 return
             if not 0 <= e.stage < len(self.status):
                 continue
-            s = self.status[e.stage]
-            s.last_sign_of_life = e.t
-            if e.type == FrameType.HEARTBEAT:
-                s.heartbeat_seen = True
-                s.micro_batches_done = max(s.micro_batches_done, int(e.payload.get("micro_batches_done", 0)))
-                s.pss_mib = e.payload.get("pss_mib") or s.pss_mib  # a missing reading keeps the last one
-            elif e.type == FrameType.WINDOW_COMMITTED:
-                self._committed(s, e.window, e.payload.get("mean_loss"), e.t)
-            elif e.type == FrameType.ERROR:
-                log.warning("stage %d reports: %s", e.stage, e.payload.get("reason"))
+            try:
+                self._control_event(e)
+            except (TypeError, ValueError, AttributeError) as err:  # a payload the server let through
+                log.warning("stage %d: unusable %s payload dropped (%s)", e.stage, e.type.name, err)
+
+    def _control_event(self, e) -> None:
+        payload = e.payload if isinstance(e.payload, dict) else {}
+        s = self.status[e.stage]
+        s.last_sign_of_life = e.t
+        if e.type == FrameType.HEARTBEAT:
+            s.heartbeat_seen = True
+            s.micro_batches_done = max(s.micro_batches_done, int(payload.get("micro_batches_done", 0)))
+            s.pss_mib = payload.get("pss_mib") or s.pss_mib  # a missing reading keeps the last one
+        elif e.type == FrameType.WINDOW_COMMITTED:
+            self._committed(s, e.window, payload.get("mean_loss"), e.t)
+        elif e.type == FrameType.ERROR:
+            reason = str(payload.get("reason"))  # decoded JSON: control characters are real ones now
+            log.warning("stage %d reports: %s", e.stage,
+                        reason if reason.isprintable() else frames.escape_bytes(reason.encode("utf-8", "replace"), 2000))
 
     def _read_telemetry(self, k: int, remote: bool = False) -> None:
         """New lines of a stage's telemetry file: tailed where its files are on this host (local devices); on

@@ -17,12 +17,17 @@ A tensor record: u8 dtype | u8 rank | u16 name_length | u32 reserved (0) |
 u64 payload_length | name | rank x u64 dims | payload.
 
 Rejections raise FrameRejected with the same reason names as the C++
-decoder (`frame_error_name`), so logs from both sides read alike.
+decoder (`frame_error_name`), so logs from both sides read alike; both apply
+the one payload and tensor rule of android_app/native/PROTOCOL.md §5, in the
+same order, so they accept and reject exactly the same frames
+(tests/test_frames.py checks that on a generated corpus).
 """
 
 import hashlib
 import hmac
 import json
+import math
+import re
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -37,6 +42,8 @@ KEY_SIZE = 32
 RUN_ID_SIZE = 16
 MAX_RANK = 8
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
+MAX_JSON_BYTES = 1 << 20  # the payload rule: at most 1 MiB of JSON ...
+MAX_JSON_DEPTH = 32  # ... nested at most 32 arrays/objects deep (the top-level object is 1)
 COORDINATOR_STAGE = 0xFFFFFFFF  # the `stage` field of frames the coordinator sends
 
 _HEADER = struct.Struct("<4sHHII16sIIQQII")
@@ -55,8 +62,13 @@ class FrameType(IntEnum):
     ERROR = 21
 
 
-_DTYPES = {1: np.float32, 2: np.int64, 3: np.int32, 4: np.float16, 6: np.uint8}  # 5 (bfloat16) has no numpy type
-_DTYPE_CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
+# numpy has no bfloat16: its tensors are read as this structured dtype (the raw 16-bit patterns), which
+# encode() maps back to dtype code 5.
+BFLOAT16 = np.dtype([("bfloat16", "<u2")])
+_DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<i8"), 3: np.dtype("<i4"), 4: np.dtype("<f2"), 5: BFLOAT16,
+           6: np.dtype("u1")}
+_DTYPE_NAMES = {1: "float32", 2: "int64", 3: "int32", 4: "float16", 5: "bfloat16", 6: "uint8"}
+_DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
 
 
 class FrameRejected(ValueError):
@@ -83,26 +95,171 @@ def frame_mac(data: bytes, key: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=MAC_SIZE, key=key).digest()
 
 
+def escape_bytes(raw: bytes, max_bytes: int = 64) -> str:
+    """Untrusted bytes made safe for reasons and logs (the C++ escape_bytes): printable ASCII is kept,
+    every other byte (and backslash and quotes) becomes \\xNN; at most `max_bytes` are shown, then "..."."""
+    text = "".join(chr(b) if 0x20 <= b < 0x7F and b not in b"\\'\"" else f"\\x{b:02x}" for b in raw[:max_bytes])
+    return text + ("..." if len(raw) > max_bytes else "")
+
+
+class _BadJson(ValueError):
+    pass
+
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _too_deep(text: str) -> bool:
+    """Whether valid JSON `text` nests deeper than MAX_JSON_DEPTH (checked before json.loads recurses)."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return False
+    depth = 0
+    for m in _BRACKET.finditer(_STRING.sub("", text)):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            return True
+    return False
+
+
+def _parse_int(text: str) -> int:
+    digits = text.lstrip("-")
+    if len(digits) > 20:
+        raise _BadJson("integer out of range")
+    value = int(text)
+    if not -(1 << 63) <= value <= (1 << 64) - 1:
+        raise _BadJson("integer out of range")
+    return value
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _BadJson("number out of range")
+    return value
+
+
+def _parse_constant(text: str):
+    raise _BadJson(f"invalid literal {text}")
+
+
+def _object(pairs: list) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _BadJson(f"duplicate object key '{escape_bytes(k.encode('utf-8', 'backslashreplace'))}'")
+        out[k] = v
+    return out
+
+
+def _no_lone_surrogates(value) -> None:
+    """Raises _BadJson for a string (key or value) holding a lone surrogate from a \\u escape."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _BadJson("lone surrogate \\u escape") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _no_lone_surrogates(k)
+            _no_lone_surrogates(v)
+    elif isinstance(value, list):
+        for v in value:
+            _no_lone_surrogates(v)
+
+
+def check_payload(raw: bytes) -> dict | None:
+    """The payload rule (PROTOCOL.md §5, the C++ check_frame_json): empty (None), or at most MAX_JSON_BYTES of
+    strict UTF-8 holding exactly one RFC 8259 JSON object (whitespace around it allowed) with no NaN/Infinity,
+    integers in [-2^63, 2^64-1], other numbers finite as doubles, no lone surrogate escapes, no duplicate keys
+    and at most MAX_JSON_DEPTH levels of nesting.
+
+    Raises:
+        FrameRejected: "bad_payload", naming the broken rule.
+    """
+    if not raw:
+        return None
+    where = f"JSON payload of {len(raw)} bytes"
+    if len(raw) > MAX_JSON_BYTES:
+        raise FrameRejected("bad_payload", f"{where} exceeds the maximum of {MAX_JSON_BYTES}")
+    try:
+        text = bytes(raw).decode("utf-8")  # strict: no overlong forms, no encoded surrogates
+    except UnicodeDecodeError:
+        raise FrameRejected("bad_payload", f"{where}: invalid UTF-8") from None
+    if not text.lstrip(" \t\n\r").startswith("{"):
+        raise FrameRejected("bad_payload", f"{where}: the payload is not a JSON object")
+    if _too_deep(text):
+        raise FrameRejected("bad_payload", f"{where}: nesting deeper than {MAX_JSON_DEPTH}")
+    try:
+        value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant,
+                           object_pairs_hook=_object)
+        _no_lone_surrogates(value)
+    except _BadJson as e:
+        raise FrameRejected("bad_payload", f"{where}: {e}") from None
+    except (ValueError, RecursionError):
+        raise FrameRejected("bad_payload", f"{where} does not parse") from None
+    return value
+
+
+def check_tensor_name(raw: bytes) -> str:
+    """The tensor name rule (the C++ check_tensor_name): non-empty strict UTF-8 without C0 controls or DEL.
+
+    Raises:
+        ValueError: naming the broken rule (untrusted bytes escaped).
+    """
+    if not raw:
+        raise ValueError("empty tensor name")
+    try:
+        name = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"tensor name '{escape_bytes(raw)}' is not valid UTF-8") from None
+    if any(ord(c) < 0x20 or c == "\x7f" for c in name):
+        raise ValueError(f"tensor name '{escape_bytes(raw)}' has a control character")
+    return name
+
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def _numel(shape, itemsize: int) -> int:
+    """The product of `shape`, or -1 when the item size times the non-zero dims exceeds 2^63-1 (which numpy,
+    like the C++ decoder, cannot hold)."""
+    n, nonzero = 1, itemsize
+    for d in shape:
+        n *= d
+        nonzero *= d or 1
+    return -1 if nonzero > _INT64_MAX else n
+
+
 def encode(frame: Frame, key: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
     """Serialize `frame` and append its MAC.
 
     Raises:
-        ValueError: a bad key or run id length, an unsupported dtype, rank > 8, or an oversize frame.
+        ValueError: a bad key or run id length, a payload or tensor name the decoder would reject, an
+            unsupported dtype, rank > 8, or an oversize frame.
     """
     if len(key) != KEY_SIZE:
         raise ValueError(f"run key has {len(key)} bytes, expected {KEY_SIZE}")
     if len(frame.run_id) != RUN_ID_SIZE:
         raise ValueError(f"run id has {len(frame.run_id)} bytes, expected {RUN_ID_SIZE}")
-    body = json.dumps(frame.payload, separators=(",", ":")).encode() if frame.payload is not None else b""
+    if frame.payload is not None and not isinstance(frame.payload, dict):
+        raise ValueError(f"payload must be a dict or None, not {type(frame.payload).__name__}")
+    body = json.dumps(frame.payload, separators=(",", ":"), allow_nan=False).encode() if frame.payload is not None else b""
+    try:
+        check_payload(body)
+    except FrameRejected as e:
+        raise ValueError(str(e)) from None
     records = []
     for name, array in frame.tensors.items():
         array = np.ascontiguousarray(array)
-        code = _DTYPE_CODES.get(array.dtype)
+        code = _DTYPE_CODES.get(array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype)
         if code is None:
             raise ValueError(f"tensor {name!r}: dtype {array.dtype} cannot go on the wire")
         if array.ndim > MAX_RANK:
             raise ValueError(f"tensor {name!r}: rank {array.ndim}, the maximum is {MAX_RANK}")
-        raw, encoded_name = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes(), name.encode()
+        encoded_name = name.encode("utf-8", "surrogatepass")
+        check_tensor_name(encoded_name)
+        raw = array.astype(_DTYPES[code], copy=False).tobytes()
         records.append(_RECORD.pack(code, array.ndim, len(encoded_name), 0, len(raw)) + encoded_name
                        + b"".join(struct.pack("<Q", d) for d in array.shape) + raw)
     total = HEADER_SIZE + len(body) + sum(map(len, records)) + MAC_SIZE
@@ -131,12 +288,17 @@ def peek_length(header: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -
 
 
 def decode(data: bytes, key: bytes, run_id: bytes | None = None,
-           max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
-    """Validate and decode exactly one frame.
+           max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stage: int | None = None,
+           expect_shape: tuple[int, int, int] | None = None) -> Frame:
+    """Validate and decode exactly one frame, with the checks and their order of the C++ decode_frame.
+
+    `run_id`, `stage` (the sender's) and `expect_shape` (B, S, D of a DATA frame: it must carry exactly
+    hidden float32 [B,S,D], attention_mask int64 [B,S], labels int64 [B,S]) are checked when given.
 
     Raises:
-        FrameRejected: with the reason name of the C++ decoder.
+        FrameRejected: with the reason name of the C++ decoder; never another exception.
     """
+    data = bytes(data)
     total = peek_length(data, max_frame_bytes)
     if len(data) != total:
         error = "truncated" if len(data) < total else "length_mismatch"
@@ -144,54 +306,76 @@ def decode(data: bytes, key: bytes, run_id: bytes | None = None,
     body_end = total - MAC_SIZE
     if not hmac.compare_digest(frame_mac(data[:body_end], key), data[body_end:]):
         raise FrameRejected("bad_mac", "MAC does not verify (frame corrupted in transit or sent under another run key)")
-    (_, _, type_, _, flags, rid, stage, count, window, micro_batch, json_len, reserved) = _HEADER.unpack_from(data)
+    (_, _, type_, _, flags, rid, sender, count, window, micro_batch, json_len, reserved) = _HEADER.unpack_from(data)
     try:
         ftype = FrameType(type_)
     except ValueError:
         raise FrameRejected("unknown_type", f"type {type_} is not a known frame type") from None
     if flags or reserved:
         raise FrameRejected("bad_header", "flags/reserved header fields must be 0")
-    if run_id is not None and rid != run_id:
-        raise FrameRejected("wrong_run", f"run id {rid.hex()}, expected {run_id.hex()}")
     pos = HEADER_SIZE
     if json_len > body_end - pos:
         raise FrameRejected("length_mismatch", f"json_length {json_len} runs past the end of the frame")
-    payload = None
-    if json_len:
-        try:
-            payload = json.loads(data[pos:pos + json_len])
-        except ValueError:
-            raise FrameRejected("bad_payload", f"JSON payload of {json_len} bytes does not parse") from None
+    payload = check_payload(data[pos:pos + json_len])
     pos += json_len
+    if count > (body_end - pos) // _RECORD.size:
+        raise FrameRejected("length_mismatch", f"tensor_count {count} does not fit in the frame")
     tensors = {}
     for i in range(count):
+        where = f"tensor record {i}"
         if body_end - pos < _RECORD.size:
-            raise FrameRejected("length_mismatch", f"tensor record {i} header runs past the end of the frame")
+            raise FrameRejected("length_mismatch", f"{where} header runs past the end of the frame")
         code, rank, name_len, rec_reserved, nbytes = _RECORD.unpack_from(data, pos)
         pos += _RECORD.size
-        if code not in _DTYPES and code != 5:
-            raise FrameRejected("bad_tensor", f"tensor record {i} has unknown dtype {code}")
+        if code not in _DTYPES:
+            raise FrameRejected("bad_tensor", f"{where} has unknown dtype {code}")
         if rank > MAX_RANK:
-            raise FrameRejected("bad_tensor", f"tensor record {i} has rank {rank} > 8")
+            raise FrameRejected("bad_tensor", f"{where} has rank {rank} > 8")
         if rec_reserved:
-            raise FrameRejected("bad_header", f"tensor record {i} reserved field must be 0")
-        if name_len + 8 * rank + nbytes > body_end - pos:
-            raise FrameRejected("length_mismatch", f"tensor record {i} runs past the end of the frame")
-        name = data[pos:pos + name_len].decode(errors="replace")
+            raise FrameRejected("bad_header", f"{where} reserved field must be 0")
+        if name_len + 8 * rank > body_end - pos or nbytes > body_end - pos - name_len - 8 * rank:
+            raise FrameRejected("length_mismatch", f"{where} runs past the end of the frame")
+        raw_name = data[pos:pos + name_len]
+        try:
+            name = check_tensor_name(raw_name)
+        except ValueError as e:
+            raise FrameRejected("bad_tensor", f"{where}: {e}") from None
+        if name in tensors:
+            raise FrameRejected("bad_tensor", f"{where}: a second tensor named '{escape_bytes(raw_name)}'")
         pos += name_len
         shape = struct.unpack_from(f"<{rank}Q", data, pos)
         pos += 8 * rank
-        if code == 5:
-            raise FrameRejected("bad_tensor", f"tensor {name!r} is bfloat16, which the coordinator does not read")
-        dtype = np.dtype(_DTYPES[code]).newbyteorder("<")
-        if int(np.prod(shape, dtype=np.uint64)) * dtype.itemsize != nbytes:
-            raise FrameRejected("bad_tensor", f"tensor {name!r} has shape {list(shape)} and dtype {dtype.name} "
-                                              f"but {nbytes} payload bytes")
-        tensors[name] = np.frombuffer(data, dtype=dtype, count=nbytes // dtype.itemsize, offset=pos).reshape(shape)
+        dtype = _DTYPES[code]
+        n = _numel(shape, dtype.itemsize)
+        if n < 0 or n * dtype.itemsize != nbytes:
+            raise FrameRejected("bad_tensor", f"tensor '{escape_bytes(raw_name)}' has shape [{','.join(map(str, shape))}] "
+                                              f"and dtype {_DTYPE_NAMES[code]} but {nbytes} payload bytes")
+        tensors[name] = np.frombuffer(data, dtype=dtype, count=n, offset=pos).reshape(shape)
         pos += nbytes
     if pos != body_end:
         raise FrameRejected("length_mismatch", f"{body_end - pos} unaccounted bytes before the MAC")
-    return Frame(ftype, rid, stage, window, micro_batch, payload, tensors)
+    if run_id is not None and rid != run_id:
+        raise FrameRejected("wrong_run", f"run id {rid.hex()}, expected {run_id.hex()}")
+    if stage is not None and sender != stage:
+        raise FrameRejected("wrong_stage", f"stage {sender}, expected {stage}")
+    if ftype == FrameType.DATA and expect_shape is not None and all(v > 0 for v in expect_shape):
+        b, s, d = expect_shape
+        bad = ""
+        for tname, tdtype, tshape in (("hidden", 1, (b, s, d)), ("attention_mask", 2, (b, s)), ("labels", 2, (b, s))):
+            t = tensors.get(tname)
+            if t is None:
+                bad = f"DATA frame has no tensor '{tname}'"
+            elif t.dtype != _DTYPES[tdtype]:
+                bad = f"tensor '{tname}' has dtype {_DTYPE_NAMES[_DTYPE_CODES[t.dtype]]}, expected {_DTYPE_NAMES[tdtype]}"
+            elif t.shape != tshape:
+                bad = f"tensor '{tname}' has shape {list(t.shape)}, expected {list(tshape)}"
+            if bad:
+                break
+        if not bad and len(tensors) != 3:
+            bad = f"DATA frame has {len(tensors)} tensors, expected 3"
+        if bad:
+            raise FrameRejected("unexpected_tensor", bad)
+    return Frame(ftype, rid, sender, window, micro_batch, payload, tensors)
 
 
 def parse_key(text: str) -> bytes:

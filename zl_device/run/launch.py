@@ -52,7 +52,8 @@ def launch(s: TrainSettings, devices: Sequence[Device], local: bool, run_dir: Pa
     stage_devices, spares = list(devices[:num_stages]), list(devices[num_stages:num_stages + s.spares])
     key_file, run_id = write_run_key(run_dir)
     with ControlServer(bytes.fromhex(key_file.read_text().strip()), bytes.fromhex(run_id),
-                       host="127.0.0.1" if local else "0.0.0.0") as control:
+                       host=control_bind_host(stage_devices, local),
+                       max_connections=4 * (len(stage_devices) + len(spares)) + 4) as control:
         plan = address_plan(stage_devices, control.address[1], local)
         try:
             yield _deploy_and_coordinate(s, stage_devices, spares, run_dir, export_dir, manifest, shard, plan, key_file,
@@ -61,6 +62,16 @@ def launch(s: TrainSettings, devices: Sequence[Device], local: bool, run_dir: Pa
             if plan.tunnels:
                 for device in devices:
                     device.remove_tunnels()
+
+
+def control_bind_host(stage_devices: Sequence[Device], local: bool) -> str:
+    """Where the control server listens: 127.0.0.1 for local devices and for phones on USB (`adb reverse` brings
+    their connections to this host's loopback); every interface only for phones on Wi-Fi."""
+    if local:
+        return "127.0.0.1"
+    from zl_device.devices.network import plan_addresses
+
+    return "127.0.0.1" if plan_addresses(stage_devices, coordinator_port=None).mode == "usb" else "0.0.0.0"
 
 
 def write_run_key(run_dir: Path) -> tuple[Path, str]:

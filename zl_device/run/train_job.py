@@ -73,7 +73,7 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     from zl_device.run.train_data import prepare_data, run_max_targets, run_seq_len
 
     start = time.time()
-    run_dir, spec = open_run(s)
+    run_dir, spec = open_run(s, say)
     model = RunModel(s.split.model, s.seed)
     check_device_count(s, spec, s.split.count)
     seq_len = run_seq_len(s, model.tokenizer)
@@ -96,26 +96,48 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     if dev is not None:
         result.eval = evaluate_run(s, model, run_dir, dev, say)
     result.report = write_report(run_dir)
+    (run_dir / INCOMPLETE_MARKER).unlink(missing_ok=True)
     say(f"report: {run_dir / 'report.md'}")
     return result
 
 
-def open_run(s: TrainSettings):
-    """Check the settings and the devices spec (before the export, which takes minutes); create RUN_DIR.
+# In RUN_DIR from its creation until the report is written: a run that failed or was interrupted leaves it, and a
+# rerun with the same --out replaces such a directory instead of refusing it.
+INCOMPLETE_MARKER = ".zl-incomplete"
+
+
+def open_run(s: TrainSettings, say=print):
+    """Check every setting that needs no model or device -- the settings, the devices spec, --inject-failure,
+    the data files -- before anything slow (the data and export steps take minutes); then create RUN_DIR.
 
     Returns:
         (run_dir, the parsed --devices spec).
     """
     from zl_device.devices.registry import check_mode, parse_devices
+    from zl_device.run.coordinator import Injection
+    from zl_device.run.train_settings import DEMO
 
     run_dir = Path(s.out).expanduser().resolve()
-    if run_dir.exists() and any(run_dir.iterdir()):
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ZLError(f"--out {run_dir}: a file, not a directory; pick a new run directory.")
+    leftovers = run_dir.exists() and any(run_dir.iterdir())
+    if leftovers and not (run_dir / INCOMPLETE_MARKER).is_file():
         raise ZLError(f"--out {run_dir}: the directory exists and is not empty; pick a new run directory "
                       "(a run never overwrites another run's results).")
     s.validate()
     spec = parse_devices(s.devices)
     check_mode(spec, s.mode)
+    if s.inject_failure:
+        Injection.parse(s.inject_failure, s.split.count, s.windows().num_windows)
+    for flag, value in (("--data", s.data), ("--eval-data", s.eval_data)):
+        if value is not None and value != DEMO and not Path(value).expanduser().is_file():
+            raise ZLError(f"{flag} {value}: no such file; pass `demo`, a .csv/.jsonl file or a .safetensors shard.")
+    if leftovers:
+        say(f"--out {run_dir}: replacing what an unfinished run left there")
+        shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / INCOMPLETE_MARKER).write_text("zl train has not finished this run; "
+                                             "a rerun with the same --out replaces this directory\n")
     return run_dir, spec
 
 

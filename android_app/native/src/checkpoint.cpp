@@ -1,6 +1,8 @@
 #include "zl/checkpoint.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,6 +15,18 @@
 
 namespace zl {
 namespace {
+
+// Swaps two paths atomically (renameat2 with RENAME_EXCHANGE); false, with
+// errno set, where the kernel or the filesystem cannot.
+bool exchange_paths(const std::string& a, const std::string& b) {
+#if defined(__linux__) && defined(SYS_renameat2)
+  constexpr unsigned kRenameExchange = 2;  // RENAME_EXCHANGE of <linux/fs.h>
+  return ::syscall(SYS_renameat2, AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), kRenameExchange) == 0;
+#else
+  errno = ENOSYS;
+  return false;
+#endif
+}
 
 using nlohmann::json;
 
@@ -224,20 +238,30 @@ Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& p
   ZL_RETURN_IF_ERROR(write_file_synced(tmp + "/" + kProgressFile, progress_text.data(), progress_text.size()));
   ZL_RETURN_IF_ERROR(fsync_directory(tmp));
 
-  // rename() cannot replace a non-empty directory: move an existing one of the
-  // same window aside first (under .tmp-, so a crash here leaves it ignored).
   const std::string final_path = layout.window_dir(progress.window);
   const std::string old_path = layout.replaced_dir(progress.window, pid);
   const bool replacing = is_directory(final_path);
-  if (replacing && ::rename(final_path.c_str(), old_path.c_str()) != 0) {
-    return Status(StatusCode::kIoError, "cannot move aside '" + final_path + "': " + std::strerror(errno));
+  if (replacing && exchange_paths(tmp, final_path)) {
+    // One atomic step: window_N is the old checkpoint, then the new one, never
+    // missing; the old one is left under the staging name (.tmp-, ignored).
+    ZL_RETURN_IF_ERROR(fsync_directory(root));
+    if (options_.on_replace) options_.on_replace(final_path);
+    ZL_RETURN_IF_ERROR(remove_tree(tmp));
+  } else {
+    // Without RENAME_EXCHANGE (not Linux, or a filesystem without it):
+    // rename() cannot replace a non-empty directory, so an existing one is
+    // moved aside first (under .tmp-, so a crash here leaves it ignored).
+    if (replacing && ::rename(final_path.c_str(), old_path.c_str()) != 0) {
+      return Status(StatusCode::kIoError, "cannot move aside '" + final_path + "': " + std::strerror(errno));
+    }
+    if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
+      return Status(StatusCode::kIoError,
+                    "cannot rename '" + tmp + "' to '" + final_path + "': " + std::strerror(errno));
+    }
+    ZL_RETURN_IF_ERROR(fsync_directory(root));
+    if (replacing && options_.on_replace) options_.on_replace(final_path);
+    if (replacing) ZL_RETURN_IF_ERROR(remove_tree(old_path));
   }
-  if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
-    return Status(StatusCode::kIoError,
-                  "cannot rename '" + tmp + "' to '" + final_path + "': " + std::strerror(errno));
-  }
-  ZL_RETURN_IF_ERROR(fsync_directory(root));
-  if (replacing) ZL_RETURN_IF_ERROR(remove_tree(old_path));
 
   std::vector<int64_t> windows;
   ZL_RETURN_IF_ERROR(list_windows(&windows));

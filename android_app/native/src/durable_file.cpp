@@ -1,5 +1,7 @@
 #include "zl/durable_file.h"
 
+#include <atomic>
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -49,6 +51,11 @@ Status write_file_synced(const std::string& path,
   if (status.ok() && ::fsync(fd) != 0) status = io_error("cannot fsync", path, errno);
   if (::close(fd) != 0 && status.ok()) status = io_error("cannot close", path, errno);
   return status;
+}
+
+std::atomic<uint64_t>& directories_synced_after_create() {
+  static std::atomic<uint64_t> count{0};
+  return count;
 }
 
 Status fsync_directory(const std::string& path) {
@@ -122,9 +129,13 @@ Status make_directories(const std::string& path) {
     pos = path.find('/', pos + 1);
     std::string prefix = path.substr(0, pos);
     if (prefix.empty()) continue;
-    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+    if (::mkdir(prefix.c_str(), 0755) != 0) {
+      if (errno == EEXIST) continue;
       return io_error("cannot create directory", prefix, errno);
     }
+    // A new directory survives a crash only once its parent's entry is on disk.
+    ZL_RETURN_IF_ERROR(fsync_directory(dir_of(prefix)));
+    directories_synced_after_create().fetch_add(1);
   }
   if (!is_directory(path)) {
     return Status(StatusCode::kIoError, "'" + path + "' exists but is not a directory");

@@ -7,7 +7,6 @@
 #include <limits>
 #include <mutex>
 
-#include <nlohmann/json.hpp>
 
 // Tensor payloads are copied as host memory; every target (x86-64, arm64) is
 // little-endian, which is what the wire format says.
@@ -65,15 +64,37 @@ void ensure_sodium() {
   });
 }
 
-// numel of `shape`, or -1 on a negative dim or overflow past `limit`.
-int64_t checked_numel(const std::vector<int64_t>& shape, uint64_t limit) {
+// numel of `shape`, or -1 on a negative dim or when a partial product (left
+// to right, PROTOCOL.md §5) exceeds 2^63-1.
+int64_t checked_numel(const std::vector<int64_t>& shape) {
   uint64_t n = 1;
+  const uint64_t limit = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
   for (int64_t d : shape) {
     if (d < 0) return -1;
     if (d != 0 && n > limit / static_cast<uint64_t>(d)) return -1;
     n *= static_cast<uint64_t>(d);
   }
   return static_cast<int64_t>(n);
+}
+
+// PROTOCOL.md §5: the bytes of a tensor of `shape` (numel times `elem`), or
+// -1 when a dim is negative or `elem` times the non-zero dims exceeds 2^63-1.
+int64_t wire_bytes(const std::vector<int64_t>& shape, size_t elem) {
+  const uint64_t limit = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+  uint64_t bytes = elem;
+  bool any_zero = false;
+  for (int64_t d : shape) {
+    if (d < 0) return -1;
+    const uint64_t u = static_cast<uint64_t>(d);
+    if (u == 0) {
+      any_zero = true;
+    } else if (bytes > limit / u) {
+      return -1;
+    } else {
+      bytes *= u;
+    }
+  }
+  return any_zero ? 0 : static_cast<int64_t>(bytes);
 }
 
 std::string shape_str(const std::vector<int64_t>& shape) {
@@ -192,7 +213,7 @@ const char* frame_error_name(FrameError error) {
 }
 
 int64_t TensorRecord::numel() const {
-  return checked_numel(shape, std::numeric_limits<int64_t>::max());
+  return checked_numel(shape);
 }
 
 const TensorRecord* Frame::find(const std::string& name) const {
@@ -216,24 +237,36 @@ Status encode_frame(const Frame& frame, const FrameKey& key, std::vector<uint8_t
     return Status(StatusCode::kInvalidArgument,
                   "frame type " + std::to_string(static_cast<int>(frame.type)) + " is unknown");
   }
+  if (const std::string bad = check_frame_json(frame.json.data(), frame.json.size()); !bad.empty()) {
+    return Status(StatusCode::kInvalidArgument, bad);
+  }
   uint64_t total = kFrameHeaderSize + frame.json.size() + kFrameMacSize;
-  for (const auto& t : frame.tensors) {
+  for (size_t i = 0; i < frame.tensors.size(); ++i) {
+    const TensorRecord& t = frame.tensors[i];
+    if (const std::string bad = check_tensor_name(t.name); !bad.empty()) {
+      return Status(StatusCode::kInvalidArgument, bad);
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (frame.tensors[j].name == t.name) {
+        return Status(StatusCode::kInvalidArgument, "two tensors named '" + escape_bytes(t.name) + "'");
+      }
+    }
     const size_t elem = dtype_size(static_cast<uint8_t>(t.dtype));
     if (elem == 0) {
-      return Status(StatusCode::kInvalidArgument, "tensor '" + t.name + "' has an unknown dtype");
+      return Status(StatusCode::kInvalidArgument, "tensor '" + escape_bytes(t.name) + "' has an unknown dtype");
     }
     if (t.shape.size() > kMaxTensorRank) {
       return Status(StatusCode::kInvalidArgument,
-                    "tensor '" + t.name + "' has rank " + std::to_string(t.shape.size()) +
+                    "tensor '" + escape_bytes(t.name) + "' has rank " + std::to_string(t.shape.size()) +
                         ", the maximum is 8");
     }
     if (t.name.size() > 0xFFFF) {
       return Status(StatusCode::kInvalidArgument, "tensor name longer than 65535 bytes");
     }
-    const int64_t n = t.numel();
-    if (n < 0 || static_cast<uint64_t>(n) * elem != t.data.size()) {
+    const int64_t n = wire_bytes(t.shape, elem);
+    if (n < 0 || static_cast<uint64_t>(n) != t.data.size()) {
       return Status(StatusCode::kInvalidArgument,
-                    "tensor '" + t.name + "' has shape " + shape_str(t.shape) + " but " +
+                    "tensor '" + escape_bytes(t.name) + "' has shape " + shape_str(t.shape) + " but " +
                         std::to_string(t.data.size()) + " data bytes");
     }
     total += kTensorRecordHeaderSize + t.name.size() + 8 * t.shape.size() + t.data.size();
@@ -364,9 +397,8 @@ DecodeResult decode_frame(const uint8_t* data, size_t size, const FrameKey& key,
   }
   f.json.assign(reinterpret_cast<const char*>(data + pos), json_length);
   pos += json_length;
-  if (!f.json.empty() && !nlohmann::json::accept(f.json)) {
-    return fail(FrameError::kBadPayload, "JSON payload of " + std::to_string(json_length) +
-                                             " bytes does not parse");
+  if (const std::string bad = check_frame_json(f.json.data(), f.json.size()); !bad.empty()) {
+    return fail(FrameError::kBadPayload, bad);
   }
   // Each record needs at least its 16-byte header, which bounds tensor_count
   // before anything is allocated for it.
@@ -400,15 +432,26 @@ DecodeResult decode_frame(const uint8_t* data, size_t size, const FrameKey& key,
     t.dtype = static_cast<DType>(dtype);
     t.name.assign(reinterpret_cast<const char*>(data + pos), name_length);
     pos += name_length;
+    if (const std::string bad = check_tensor_name(t.name); !bad.empty()) {
+      return fail(FrameError::kBadTensor, where + ": " + bad);
+    }
+    if (f.find(t.name) != nullptr) {
+      return fail(FrameError::kBadTensor, where + ": a second tensor named '" + escape_bytes(t.name) + "'");
+    }
     t.shape.resize(rank);
+    std::string dims;  // as on the wire (u64), for the reason
+    bool dim_too_big = false;
     for (uint8_t d = 0; d < rank; ++d) {
-      t.shape[d] = static_cast<int64_t>(get_u64(data + pos));
+      const uint64_t v = get_u64(data + pos);
+      dims += (d ? "," : "") + std::to_string(v);
+      dim_too_big |= v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+      t.shape[d] = static_cast<int64_t>(v);
       pos += 8;
     }
-    const int64_t n = checked_numel(t.shape, payload_length);
-    if (n < 0 || static_cast<uint64_t>(n) * elem != payload_length) {
-      return fail(FrameError::kBadTensor, "tensor '" + t.name + "' has shape " + shape_str(t.shape) +
-                                              " and dtype " + dtype_name(dtype) + " but " +
+    const int64_t bytes = dim_too_big ? -1 : wire_bytes(t.shape, elem);
+    if (bytes < 0 || static_cast<uint64_t>(bytes) != payload_length) {
+      return fail(FrameError::kBadTensor, "tensor '" + escape_bytes(t.name) + "' has shape [" + dims +
+                                              "] and dtype " + dtype_name(dtype) + " but " +
                                               std::to_string(payload_length) + " payload bytes");
     }
     t.data.assign(data + pos, data + pos + payload_length);

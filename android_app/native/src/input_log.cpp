@@ -1,5 +1,7 @@
 #include "zl/input_log.h"
 
+#include "zl/durable_file.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -8,6 +10,7 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 
 #include "zl/log.h"
@@ -19,19 +22,7 @@ Status errno_status(const std::string& what) {
   return Status(StatusCode::kIoError, what + ": " + std::strerror(errno));
 }
 
-Status make_dirs(const std::string& dir) {
-  std::string partial;
-  size_t pos = 0;
-  while (pos != std::string::npos) {
-    pos = dir.find('/', pos + 1);
-    partial = dir.substr(0, pos);
-    if (partial.empty()) continue;
-    if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-      return errno_status("mkdir " + partial);
-    }
-  }
-  return Status();
-}
+Status make_dirs(const std::string& dir) { return make_directories(dir); }
 
 Status fsync_path(const std::string& path, int flags) {
   const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
@@ -183,6 +174,19 @@ Status InputLog::open() {
     }
     entries_[mb] = InputLogEntry{mb, window, path, bytes.size()};
   }
+  // Files moved aside are kept for a post-mortem, but not forever: the newest
+  // kMaxCorruptFilesKept stay (names order by micro-batch).
+  std::vector<std::string> aside;
+  if (DIR* d2 = ::opendir(dir_.c_str())) {
+    while (dirent* e = ::readdir(d2)) {
+      if (ends_with(e->d_name, ".corrupt")) aside.emplace_back(e->d_name);
+    }
+    ::closedir(d2);
+  }
+  std::sort(aside.begin(), aside.end());
+  for (size_t i = 0; i + kMaxCorruptFilesKept < aside.size(); ++i) {
+    ::unlink((dir_ + "/" + aside[i]).c_str());
+  }
   return sync_dir();
 }
 
@@ -235,6 +239,20 @@ std::vector<CorruptLogFile> InputLog::corrupt() const {
 }
 
 Status InputLog::delete_through(uint64_t window) {
+  // Entries moved aside as corrupt go with their window.
+  if (DIR* d = ::opendir(dir_.c_str())) {
+    std::vector<std::string> done;
+    while (dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      uint64_t mb = 0, w = 0;
+      if (ends_with(name, ".corrupt") && parse_entry_name(name.substr(0, name.size() - 8), &mb, &w) &&
+          w <= window) {
+        done.push_back(dir_ + "/" + name);
+      }
+    }
+    ::closedir(d);
+    for (const auto& path : done) ::unlink(path.c_str());
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto it = entries_.begin(); it != entries_.end();) {

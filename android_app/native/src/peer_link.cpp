@@ -300,6 +300,7 @@ Status Receiver::start() {
     ZL_RETURN_IF_ERROR(log_.delete_through(*options_.committed_window));
   }
   ZL_RETURN_IF_ERROR(listen_tcp(options_.host, options_.port, &listener_, &port_));
+  ::fcntl(listener_.fd(), F_SETFL, ::fcntl(listener_.fd(), F_GETFL, 0) | O_NONBLOCK);
   if (!make_wake_pipe(wake_pipe_)) {
     return Status(StatusCode::kIoError, std::string("pipe: ") + std::strerror(errno));
   }
@@ -365,25 +366,44 @@ void Receiver::stop() {
 }
 
 void Receiver::reject(const std::string& reason, bool send_error) {
+  if (send_error) {
+    reject_on(&conn_, &reader_, reason);
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     ++stats_.rejected;
     stats_.last_reject_reason = reason;
   }
   log(LogLevel::kWarn, "receiver: stage %u rejected a frame: %s", options_.stage, reason.c_str());
-  if (send_error && conn_.valid()) {
-    // Best effort: tells an honest but misconfigured upstream why.
-    const Frame err = make_control_frame(FrameType::kError, options_.expect.run_id.value_or(RunId{}),
-                                         options_.stage, 0, 0,
-                                         nlohmann::json{{"reason", reason}}.dump());
-    (void)write_frame(conn_.fd(), err, options_.key);
-  }
   conn_.close();
   reader_.clear();
 }
 
+void Receiver::reject_on(Socket* sock, FrameReader* reader, const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.rejected;
+    stats_.last_reject_reason = reason;
+  }
+  log(LogLevel::kWarn, "receiver: stage %u rejected a frame: %s", options_.stage, reason.c_str());
+  if (sock->valid()) {
+    // Best effort: tells an honest but misconfigured upstream why.
+    const Frame err = make_control_frame(FrameType::kError, options_.expect.run_id.value_or(RunId{}),
+                                         options_.stage, 0, 0,
+                                         nlohmann::json{{"reason", reason}}.dump(
+                                             -1, ' ', false, nlohmann::json::error_handler_t::replace));
+    (void)write_frame(sock->fd(), err, options_.key);
+  }
+  sock->close();
+  reader->clear();
+}
+
 void Receiver::handle_frame(const std::vector<uint8_t>& bytes) {
-  DecodeResult r = decode_frame(bytes.data(), bytes.size(), options_.key, options_.expect);
+  handle_decoded(bytes, decode_frame(bytes.data(), bytes.size(), options_.key, options_.expect));
+}
+
+void Receiver::handle_decoded(const std::vector<uint8_t>& bytes, const DecodeResult& r) {
   if (!r.ok()) {
     reject(r.reason, true);
     return;
@@ -391,6 +411,8 @@ void Receiver::handle_frame(const std::vector<uint8_t>& bytes) {
   if (r.frame.type != FrameType::kData) {
     log(LogLevel::kWarn, "receiver: ignoring %s frame on the data link",
         frame_type_name(static_cast<uint16_t>(r.frame.type)));
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.ignored;
     return;
   }
   const uint64_t mb = r.frame.micro_batch;
@@ -445,7 +467,45 @@ void Receiver::serve_connection() {
   }
 }
 
+void Receiver::serve_candidate(size_t index) {
+  Candidate& c = candidates_[index];
+  const Status filled = c.reader.fill(c.sock.fd());
+  const FrameReader::Popped popped = c.reader.pop();
+  if (popped.next == FrameReader::Next::kBroken) {
+    reject_on(&c.sock, &c.reader, std::string(frame_error_name(popped.error)) + ": " + popped.reason);
+    candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
+    return;
+  }
+  if (popped.next == FrameReader::Next::kNeedMore) {
+    if (!filled.ok()) {  // closed (or failed) before a whole first frame
+      candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
+    }
+    return;
+  }
+  const DecodeResult r = decode_frame(popped.frame.data(), popped.frame.size(), options_.key, options_.expect);
+  if (!r.ok()) {
+    // An unauthenticated (or misconfigured) newcomer: the current upstream stays.
+    reject_on(&c.sock, &c.reader, r.reason);
+    candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
+    return;
+  }
+  // The newcomer holds the run key: it becomes the upstream.
+  if (conn_.valid()) {
+    log(LogLevel::kInfo, "receiver: upstream reconnected; dropping its old connection");
+  }
+  conn_ = std::move(c.sock);
+  reader_ = std::move(c.reader);
+  candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
+  handle_decoded(popped.frame, r);
+  serve_connection();  // frames buffered behind the first one
+  if (!filled.ok() && conn_.valid()) {
+    conn_.close();
+    reader_.clear();
+  }
+}
+
 void Receiver::run() {
+  std::vector<pollfd> fds;
   for (;;) {
     bool room = false;
     {
@@ -455,31 +515,36 @@ void Receiver::run() {
     }
     if (room && conn_.valid()) serve_connection();
 
-    pollfd fds[3] = {{wake_pipe_[0], POLLIN, 0},
-                     {listener_.fd(), POLLIN, 0},
-                     {room && conn_.valid() ? conn_.fd() : -1, POLLIN, 0}};
-    const int rc = ::poll(fds, 3, 1000);
+    // Newcomers that did not authenticate in time are closed.
+    const auto now = SteadyClock::now();
+    int timeout_ms = 1000;
+    for (size_t i = candidates_.size(); i-- > 0;) {
+      if (candidates_[i].deadline <= now) {
+        log(LogLevel::kWarn, "receiver: a new connection sent no valid frame within %lld ms; closing it",
+            static_cast<long long>(options_.auth_timeout.count()));
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          ++stats_.candidates_dropped;  // counted before the peer can see the close
+        }
+        candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(i));
+        continue;
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(candidates_[i].deadline - now);
+      timeout_ms = std::min<int>(timeout_ms, static_cast<int>(left.count()) + 1);
+    }
+
+    fds.assign({{wake_pipe_[0], POLLIN, 0},
+                {listener_.fd(), POLLIN, 0},
+                {room && conn_.valid() ? conn_.fd() : -1, POLLIN, 0}});
+    for (const auto& c : candidates_) fds.push_back({room ? c.sock.fd() : -1, POLLIN, 0});
+    const size_t num_candidates = candidates_.size();
+    const int rc = ::poll(fds.data(), static_cast<nfds_t>(fds.size()), timeout_ms);
     if (rc < 0) {
       if (errno == EINTR) continue;
       log(LogLevel::kError, "receiver: poll: %s", std::strerror(errno));
       break;
     }
     if (fds[0].revents) drain_wake(wake_pipe_[0]);
-    if (fds[1].revents & POLLIN) {
-      Socket incoming;
-      const Status s = accept_tcp(listener_, &incoming);
-      if (s.ok()) {
-        if (conn_.valid()) {
-          log(LogLevel::kInfo, "receiver: upstream reconnected; dropping its old connection");
-        }
-        conn_ = std::move(incoming);
-        reader_.clear();
-        std::lock_guard<std::mutex> lock(mutex_);
-        ++stats_.connections;
-      } else {
-        log(LogLevel::kWarn, "receiver: %s", s.message().c_str());
-      }
-    }
     if (fds[2].fd >= 0 && (fds[2].revents & (POLLIN | POLLHUP | POLLERR))) {
       const Status filled = reader_.fill(conn_.fd());
       serve_connection();
@@ -492,7 +557,39 @@ void Receiver::run() {
         reader_.clear();
       }
     }
+    // Candidates, newest first so that erasing keeps the lower indices valid.
+    for (size_t i = num_candidates; i-- > 0;) {
+      const pollfd& p = fds[3 + i];
+      if (p.fd >= 0 && (p.revents & (POLLIN | POLLHUP | POLLERR))) serve_candidate(i);
+    }
+    // Every pending connection (the listener is non-blocking), so a burst of
+    // connections cannot fill the accept queue between two polls.
+    for (int accepted = 0; (fds[1].revents & POLLIN) && accepted < 64; ++accepted) {
+      Socket incoming;
+      const Status s = accept_tcp(listener_, &incoming);
+      if (!s.ok() && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      if (s.ok()) {
+        if (candidates_.size() >= std::max<size_t>(1, options_.max_candidates)) {
+          log(LogLevel::kWarn, "receiver: %zu connections waiting to authenticate; dropping the oldest",
+              candidates_.size());
+          {
+            std::lock_guard<std::mutex> lock(mutex_);
+            ++stats_.candidates_dropped;  // counted before the peer can see the close
+          }
+          candidates_.erase(candidates_.begin());
+        }
+        candidates_.push_back(
+            Candidate{std::move(incoming), FrameReader(options_.expect.max_frame_bytes),
+                      SteadyClock::now() + options_.auth_timeout});
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++stats_.connections;
+      } else {
+        log(LogLevel::kWarn, "receiver: %s", s.message().c_str());
+        break;
+      }
+    }
   }
+  candidates_.clear();
 }
 
 }  // namespace zl

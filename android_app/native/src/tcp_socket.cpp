@@ -101,7 +101,7 @@ Status listen_tcp(const std::string& host, uint16_t port, Socket* out, uint16_t*
   if (::bind(sock.fd(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
     return errno_status("bind " + host + ":" + std::to_string(port));
   }
-  if (::listen(sock.fd(), 8) != 0) return errno_status("listen");
+  if (::listen(sock.fd(), 64) != 0) return errno_status("listen");
   sockaddr_storage bound{};
   socklen_t bound_len = sizeof(bound);
   ::getsockname(sock.fd(), reinterpret_cast<sockaddr*>(&bound), &bound_len);
@@ -229,30 +229,36 @@ Status FrameReader::fill(int fd) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) return Status();
       return errno_status("recv");
     }
+    if (start_ > 0 && start_ >= buffer_.size() / 2) {
+      buffer_.erase(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(start_));
+      start_ = 0;
+    }
     buffer_.insert(buffer_.end(), chunk, chunk + n);
     // Do not buffer more than one maximal frame ahead of the consumer.
-    if (buffer_.size() > max_frame_bytes_ + kFrameHeaderSize) return Status();
+    if (buffered() > max_frame_bytes_ + kFrameHeaderSize) return Status();
   }
 }
 
 FrameReader::Next FrameReader::next(std::vector<uint8_t>* frame, FrameError* error,
                                     std::string* reason) {
-  if (buffer_.size() < kFrameHeaderSize) {
+  const uint8_t* head = buffer_.data() + start_;
+  const size_t have = buffered();
+  if (have < kFrameHeaderSize) {
     // The magic can be checked early, so garbage is rejected without waiting.
-    if (buffer_.size() >= 4 &&
-        std::memcmp(buffer_.data(), kFrameMagic.data(), kFrameMagic.size()) != 0) {
+    if (have >= 4 && std::memcmp(head, kFrameMagic.data(), kFrameMagic.size()) != 0) {
       size_t unused = 0;
-      *error = peek_frame_length(buffer_.data(), buffer_.size(), max_frame_bytes_, &unused, reason);
+      *error = peek_frame_length(head, have, max_frame_bytes_, &unused, reason);
       return Next::kBroken;
     }
     return Next::kNeedMore;
   }
   size_t total = 0;
-  *error = peek_frame_length(buffer_.data(), buffer_.size(), max_frame_bytes_, &total, reason);
+  *error = peek_frame_length(head, have, max_frame_bytes_, &total, reason);
   if (*error != FrameError::kNone) return Next::kBroken;
-  if (buffer_.size() < total) return Next::kNeedMore;
-  frame->assign(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(total));
-  buffer_.erase(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(total));
+  if (have < total) return Next::kNeedMore;
+  frame->assign(head, head + total);
+  start_ += total;
+  if (start_ == buffer_.size()) clear();
   return Next::kFrame;
 }
 

@@ -3,10 +3,12 @@
 #include "zl/checkpoint.h"
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -148,6 +150,54 @@ TEST(Checkpoint, SavingTheSameWindowAgainReplacesIt) {
   ASSERT_TRUE(store.load(0, restored.opt.get(), &loaded).ok());
   EXPECT_EQ(restored.a, stage.a);
   EXPECT_EQ(loaded.optimizer_step, 2);
+}
+
+// Issue 12 item 13: replacing window_N used to rename it aside and then put
+// the new one in place, with a moment in between where no window_N existed
+// (a crash or a reader there saw no checkpoint of that window).
+TEST(Checkpoint, ReplacingAWindowNeverLeavesItMissing) {
+  zl_test::TempDir dir;
+  const std::string window_dir = dir.file("window_000000");
+  std::atomic<bool> stop{false}, missing{false};
+  CheckpointOptions options{dir.path(), 1, 2};
+  int hook_calls = 0;
+  options.on_replace = [&](const std::string& path) {
+    ++hook_calls;
+    EXPECT_EQ(path, window_dir);
+    // The new checkpoint is complete in place while the old one still exists.
+    std::string text;
+    ASSERT_TRUE(zl::read_file(path + "/progress.json", &text).ok());
+    EXPECT_NE(text.find("\"optimizer_step\": " + std::to_string(hook_calls + 1)), std::string::npos) << text;
+  };
+  CheckpointStore store(options);
+  Stage stage;
+  stage.train_step(1.0f);
+  ASSERT_TRUE(store.save(*stage.opt, progress_for(stage, 0)).ok());
+  std::thread watcher([&] {
+    while (!stop) {
+      struct stat st {};
+      if (::stat(window_dir.c_str(), &st) != 0) missing = true;
+    }
+  });
+  for (int i = 0; i < 100 && !missing; ++i) {
+    stage.train_step(2.0f + static_cast<float>(i));
+    ASSERT_TRUE(store.save(*stage.opt, progress_for(stage, 0)).ok());
+  }
+  stop = true;
+  watcher.join();
+  EXPECT_FALSE(missing) << "window_000000 was missing while it was replaced";
+  EXPECT_GT(hook_calls, 0);
+}
+
+TEST(Checkpoint, CreatingTheRootMakesItDurable) {
+  zl_test::TempDir dir;
+  const uint64_t before = zl::directories_synced_after_create().load();
+  CheckpointStore store({dir.file("a/b/checkpoints"), 1, 2});
+  Stage stage;
+  stage.train_step(1.0f);
+  ASSERT_TRUE(store.save(*stage.opt, progress_for(stage, 0)).ok());
+  // a, a/b and a/b/checkpoints were created: each parent was fsynced.
+  EXPECT_GE(zl::directories_synced_after_create().load() - before, 3u);
 }
 
 // Saves window 0 and returns the store; the tests then damage it.

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <random>
 
 #include "net_test_support.h"
@@ -223,8 +224,13 @@ TEST(FrameTest, LyingInnerLengthsAreRejectedWithoutOverreading) {
 }
 
 TEST(FrameTest, InvalidJsonPayloadIsRejected) {
+  // The encoder refuses it; a key holder could still sign it.
+  std::vector<uint8_t> bytes;
   const Frame f = make_control_frame(FrameType::kError, test_run(), 0, 0, 0, "{not json");
-  const auto bytes = encode(f);
+  EXPECT_EQ(encode_frame(f, test_key(), &bytes).code(), StatusCode::kInvalidArgument);
+  bytes = encode(make_control_frame(FrameType::kError, test_run(), 0, 0, 0, "{\"a\":\"xx\"}"));
+  std::memcpy(bytes.data() + kFrameHeaderSize, "{not json", 9);
+  re_mac(&bytes, test_key());
   EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error, FrameError::kBadPayload);
 }
 
@@ -284,6 +290,197 @@ TEST(FrameTest, NamesAndHelpers) {
   EXPECT_EQ(k[0], 0xaa);
   EXPECT_FALSE(parse_hex_key("abc", &k));
   EXPECT_EQ(to_hex(k.data(), 2), "aaaa");
+}
+
+
+// --- The payload and tensor rule (PROTOCOL.md §5), issue 12 items 8 and 9 ---
+
+constexpr size_t kMinFrameSizeForTests = kFrameHeaderSize + kFrameMacSize;
+
+// A signed frame from raw parts (the encoder refuses what the rule forbids).
+std::vector<uint8_t> raw_frame(FrameType type, const std::string& json,
+                               const std::vector<std::vector<uint8_t>>& records = {}) {
+  Frame f = make_control_frame(type, test_run(), 0, 0, 0);
+  std::vector<uint8_t> bytes;
+  EXPECT_TRUE(encode_frame(f, test_key(), &bytes).ok());
+  bytes.resize(kFrameHeaderSize);
+  bytes.insert(bytes.end(), json.begin(), json.end());
+  for (const auto& r : records) bytes.insert(bytes.end(), r.begin(), r.end());
+  bytes.resize(bytes.size() + kFrameMacSize);
+  const auto put32 = [&](size_t off, uint32_t v) {
+    for (int i = 0; i < 4; ++i) bytes[off + i] = static_cast<uint8_t>(v >> (8 * i));
+  };
+  put32(8, static_cast<uint32_t>(bytes.size()));
+  put32(36, static_cast<uint32_t>(records.size()));
+  put32(56, static_cast<uint32_t>(json.size()));
+  re_mac(&bytes, test_key());
+  return bytes;
+}
+
+std::vector<uint8_t> raw_record(uint8_t dtype, const std::string& name, const std::vector<uint64_t>& dims,
+                                size_t payload) {
+  std::vector<uint8_t> r(16, 0);
+  r[0] = dtype;
+  r[1] = static_cast<uint8_t>(dims.size());
+  r[2] = static_cast<uint8_t>(name.size());
+  r[3] = static_cast<uint8_t>(name.size() >> 8);
+  for (int i = 0; i < 8; ++i) r[8 + i] = static_cast<uint8_t>(uint64_t{payload} >> (8 * i));
+  r.insert(r.end(), name.begin(), name.end());
+  for (uint64_t d : dims) {
+    for (int i = 0; i < 8; ++i) r.push_back(static_cast<uint8_t>(d >> (8 * i)));
+  }
+  r.resize(r.size() + payload, 0x5a);
+  return r;
+}
+
+FrameError decode_error(const std::vector<uint8_t>& bytes, std::string* reason = nullptr) {
+  const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
+  if (reason) *reason = r.reason;
+  return r.error;
+}
+
+TEST(FrameRuleTest, PayloadMustBeOneStrictJsonObject) {
+  const std::vector<std::string> bad = {
+      "[1]", "null", "1", "\"x\"", "{\"a\":NaN}", "{\"a\":Infinity}", "{\"a\":-Infinity}", "{\"a\":1e999}",
+      "{\"a\":\"\\ud800\"}", "{\"a\":\"\\udc00\"}", "{\"a\":\"\\ud800\\u0041\"}", "{\"a\":\"\xed\xa0\x80\"}",
+      "{\"a\":\"\xc0\x80\"}", "{\"a\":\"\xff\"}", std::string("{\"a\":1}\0", 8), "{\"a\":1} x",
+      "\xef\xbb\xbf{}", "{\"a\":1,\"a\":2}", "{\"a\":1,\"\\u0061\":2}", "{\"a\":18446744073709551616}",
+      "{\"a\":-9223372036854775809}", "{\"a\":\"x\x01\"}", "{\"a\":01}", "{\"a\":1.}", "{a:1}", "{\"a\":1,}"};
+  for (const auto& json : bad) {
+    std::string reason;
+    EXPECT_EQ(decode_error(raw_frame(FrameType::kHeartbeat, json), &reason), FrameError::kBadPayload)
+        << escape_bytes(json);
+    EXPECT_EQ(check_frame_json(json.data(), json.size()).empty(), false) << escape_bytes(json);
+    // Reasons never carry raw invalid bytes.
+    for (unsigned char c : reason) EXPECT_TRUE(c >= 0x20 && c < 0x7f) << escape_bytes(reason);
+  }
+  const std::vector<std::string> good = {
+      "", "{}", " {} ", "{\"a\":-0}", "{\"a\":1.5e-400}", "{\"a\":18446744073709551615}",
+      "{\"a\":-9223372036854775808}", "{\"a\":\"\\ud83d\\ude00\"}", "{\"a\":\"\xf0\x9f\x98\x80\"}",
+      "{\"a\":\"\\u0000\"}", "{\"a\":[1,2.5,\"x\",true,false,null,{}]}", "{\"A\":1,\"a\":2}"};
+  for (const auto& json : good) {
+    EXPECT_EQ(decode_error(raw_frame(FrameType::kHeartbeat, json)), FrameError::kNone) << json;
+  }
+}
+
+TEST(FrameRuleTest, NestingIsLimited) {
+  std::string ok, deep;
+  for (int i = 0; i < kMaxFrameJsonDepth; ++i) ok += "{\"a\":";
+  ok += "1" + std::string(kMaxFrameJsonDepth, '}');
+  deep = "{\"a\":" + ok + "}";
+  EXPECT_EQ(decode_error(raw_frame(FrameType::kHeartbeat, ok)), FrameError::kNone);
+  EXPECT_EQ(decode_error(raw_frame(FrameType::kHeartbeat, deep)), FrameError::kBadPayload);
+  // Far deeper than any stack: rejected, not a crash.
+  const std::string very_deep = "{\"a\":" + std::string(200000, '[') + std::string(200000, ']') + "}";
+  EXPECT_EQ(decode_error(raw_frame(FrameType::kHeartbeat, very_deep)), FrameError::kBadPayload);
+  const std::string huge = "{\"a\":\"" + std::string(kMaxFrameJsonBytes, 'x') + "\"}";
+  EXPECT_EQ(decode_error(raw_frame(FrameType::kHeartbeat, huge)), FrameError::kBadPayload);
+}
+
+TEST(FrameRuleTest, MalformedTensorNamesAreRejectedAndEscaped) {
+  for (const std::string name : {std::string(""), std::string("\xff\xfe"), std::string("a\0b", 3),
+                                 std::string("\x1b[31m"), std::string("\xed\xa0\x80")}) {
+    std::string reason;
+    EXPECT_EQ(decode_error(raw_frame(FrameType::kData, "", {raw_record(6, name, {1}, 1)}), &reason),
+              FrameError::kBadTensor);
+    for (unsigned char c : reason) EXPECT_TRUE(c >= 0x20 && c < 0x7f) << escape_bytes(reason);
+  }
+  // The name of a tensor with a bad shape used to go into the reason raw.
+  std::string reason;
+  EXPECT_EQ(decode_error(raw_frame(FrameType::kData, "", {raw_record(6, "ok\xc3", {2}, 1)}), &reason),
+            FrameError::kBadTensor);
+  EXPECT_NE(reason.find("ok\\xc3"), std::string::npos) << reason;
+  EXPECT_EQ(escape_bytes(std::string("a\xff'\\\"", 5)), "a\\xff\\x27\\x5c\\x22");
+  EXPECT_EQ(escape_bytes(std::string(100, 'x'), 4), "xxxx...");
+}
+
+TEST(FrameRuleTest, TwoTensorsWithOneNameAreRejected) {
+  EXPECT_EQ(decode_error(raw_frame(FrameType::kData, "", {raw_record(6, "x", {1}, 1), raw_record(6, "x", {1}, 1)})),
+            FrameError::kBadTensor);
+  Frame f = data_frame(0, 1);
+  f.tensors.push_back(f.tensors[0]);
+  std::vector<uint8_t> out;
+  EXPECT_EQ(encode_frame(f, test_key(), &out).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(FrameRuleTest, ShapesThatOverflowAreRejected) {
+  const uint64_t big = uint64_t{1} << 62;
+  EXPECT_EQ(decode_error(raw_frame(FrameType::kData, "", {raw_record(6, "x", {big, big, 0}, 0)})),
+            FrameError::kBadTensor);
+  EXPECT_EQ(decode_error(raw_frame(FrameType::kData, "", {raw_record(1, "x", {big}, 0)})), FrameError::kBadTensor);
+  EXPECT_EQ(decode_error(raw_frame(FrameType::kData, "", {raw_record(6, "x", {uint64_t{1} << 63, 0}, 0)})),
+            FrameError::kBadTensor);
+  // A zero dim makes numel 0 whatever the others are, within 2^63-1 bytes.
+  EXPECT_EQ(decode_error(raw_frame(FrameType::kData, "", {raw_record(6, "x", {0, uint64_t{1} << 40}, 0)})),
+            FrameError::kNone);
+}
+
+// 12,000 mutated frames (bit flips signed or not, truncations, extensions,
+// lying length fields, spliced payloads): no crash (run it under
+// -DZL_SANITIZE=ON), and every frame that decodes is exactly what the encoder
+// writes for what was decoded, so nothing outside the rule gets through.
+TEST(FrameRuleTest, FuzzedFramesDecodeOnlyWhenCanonical) {
+  std::mt19937_64 rng(20261130);
+  const std::vector<std::string> payloads = {"", "{}", "{\"a\":[1,2,{\"b\":null}],\"c\":\"\\u00e9\"}",
+                                             "{\"micro_batches_done\":7,\"pss_mib\":12.5}"};
+  std::vector<std::vector<uint8_t>> seeds;
+  seeds.push_back(encode(data_frame(1, 2, 1, 3, 4)));
+  for (const auto& p : payloads) seeds.push_back(encode(make_control_frame(FrameType::kHeartbeat, test_run(), 0, 1, 2, p)));
+  size_t accepted = 0;
+  for (int i = 0; i < 12000; ++i) {
+    std::vector<uint8_t> bytes = seeds[rng() % seeds.size()];
+    const size_t body = bytes.size() - kFrameMacSize;
+    bool sign = true;
+    switch (rng() % 6) {
+      case 0:  // bit flips, not re-signed
+        sign = false;
+        [[fallthrough]];
+      case 1:
+        for (int k = 0, n = 1 + static_cast<int>(rng() % 4); k < n; ++k) bytes[rng() % body] ^= 1u << (rng() % 8);
+        break;
+      case 2:  // a length-like field set to something large or random
+        for (size_t off : {size_t{8}, size_t{36}, size_t{56}}) {
+          if (rng() % 2) continue;
+          const uint32_t v = rng() % 2 ? 0xFFFFFFFFu : static_cast<uint32_t>(rng());
+          for (int b = 0; b < 4; ++b) bytes[off + b] = static_cast<uint8_t>(v >> (8 * b));
+        }
+        break;
+      case 3:  // truncated
+        bytes.resize(rng() % bytes.size());
+        sign = false;
+        break;
+      case 4:  // extended
+        bytes.resize(bytes.size() + 1 + rng() % 64, static_cast<uint8_t>(rng()));
+        sign = false;
+        break;
+      default:  // the payload bytes replaced by random printable-ish bytes
+        for (size_t k = kFrameHeaderSize; k < body && k < kFrameHeaderSize + 40; ++k) {
+          if (rng() % 4 == 0) bytes[k] = static_cast<uint8_t>("{}[]\",:0123456789.eE-+tfnul\\u\xff\x80"[rng() % 32]);
+        }
+        break;
+    }
+    if (sign && bytes.size() >= kMinFrameSizeForTests) re_mac(&bytes, test_key());
+    const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
+    if (!r.ok()) {
+      ASSERT_FALSE(r.reason.empty());
+      for (unsigned char c : r.reason) ASSERT_TRUE(c >= 0x20 && c < 0x7f) << escape_bytes(r.reason);
+      continue;
+    }
+    ++accepted;
+    std::vector<uint8_t> again;
+    ASSERT_TRUE(encode_frame(r.frame, test_key(), &again).ok()) << i;
+    ASSERT_EQ(again, bytes) << "frame " << i << " decoded but is not what the encoder writes";
+  }
+  EXPECT_GT(accepted, 100u);
+}
+
+TEST(FrameRuleTest, EncoderRefusesWhatTheDecoderRejects) {
+  std::vector<uint8_t> out;
+  EXPECT_EQ(encode_frame(make_control_frame(FrameType::kError, test_run(), 0, 0, 0, "[1]"), test_key(), &out).code(),
+            StatusCode::kInvalidArgument);
+  Frame f = data_frame(0, 1);
+  f.tensors[0].name = "\xff";
+  EXPECT_EQ(encode_frame(f, test_key(), &out).code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

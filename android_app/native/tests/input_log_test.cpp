@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "net_test_support.h"
+#include "zl/durable_file.h"
 
 namespace zl {
 namespace {
@@ -105,6 +106,39 @@ TEST(InputLogTest, CorruptAndTruncatedFilesAreReportedAndSetAside) {
   InputLog again(dir.path(), test_key());
   ASSERT_TRUE(again.open().ok());
   EXPECT_TRUE(again.corrupt().empty());
+}
+
+// Issue 12 item 13: files set aside as .corrupt used to accumulate forever.
+TEST(InputLogTest, CorruptFilesDoNotAccumulate) {
+  TempDir dir;
+  // 20 corrupt entries in windows 0..19 (one micro-batch each).
+  for (uint64_t mb = 0; mb < 20; ++mb) {
+    InputLog log(dir.path(), test_key());
+    ASSERT_TRUE(log.open().ok());
+    ASSERT_TRUE(log.append(mb, mb, encoded(mb, mb)).ok());
+    ASSERT_EQ(::truncate(log.path_for(mb, mb).c_str(), 50), 0);
+  }
+  InputLog log(dir.path(), test_key());
+  ASSERT_TRUE(log.open().ok());
+  auto count_corrupt = [&] {
+    size_t n = 0;
+    for (uint64_t mb = 0; mb < 20; ++mb) n += exists(log.path_for(mb, mb) + ".corrupt");
+    return n;
+  };
+  EXPECT_EQ(count_corrupt(), kMaxCorruptFilesKept);
+  EXPECT_TRUE(exists(log.path_for(19, 19) + ".corrupt"));  // the newest stay
+  EXPECT_FALSE(exists(log.path_for(0, 0) + ".corrupt"));
+  // Committing a window removes what was set aside of it.
+  ASSERT_TRUE(log.delete_through(15).ok());
+  EXPECT_EQ(count_corrupt(), 4u);
+}
+
+TEST(InputLogTest, CreatingTheFolderMakesItDurable) {
+  TempDir dir;
+  const uint64_t before = directories_synced_after_create().load();
+  InputLog log(dir.path() + "/inputs/stage_1", test_key());
+  ASSERT_TRUE(log.open().ok());
+  EXPECT_GE(directories_synced_after_create().load() - before, 2u);
 }
 
 TEST(InputLogTest, FileWhoseIdsDisagreeWithItsNameIsCorrupt) {

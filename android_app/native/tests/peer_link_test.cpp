@@ -3,9 +3,13 @@
 // a stalled downstream, reconnect/re-send, and link shaping (lower bounds only).
 #include "zl/peer_link.h"
 
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 
 #include <atomic>
+#include <memory>
+#include <cstring>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -179,6 +183,103 @@ TEST(PeerLinkTest, BadFramesAreRejectedAndTheReceiverKeepsServing) {
   ASSERT_TRUE(receiver.next(1000ms, &e).ok());
   EXPECT_EQ(e.micro_batch, 0u);
   EXPECT_EQ(receiver.stats().accepted, 1u);
+}
+
+// Issue 12 item 8: a frame with a valid MAC and a tensor name that is not
+// UTF-8 used to abort the receiver (its reason went into a JSON dump).
+TEST(PeerLinkTest, SignedFrameWithAnInvalidUtf8NameIsRejectedWithoutACrash) {
+  TempDir dir;
+  Receiver receiver(receiver_options(dir.path()));
+  ASSERT_TRUE(receiver.start().ok());
+  for (const std::string name : {std::string("\xff\xfe"), std::string("hidden\xc3")}) {
+    // encode_frame refuses such a name: encode a placeholder of its length,
+    // overwrite it and re-sign, as a key holder could.
+    Frame f = data_frame(0, 0);
+    f.tensors[0].name = std::string(name.size(), 'h');
+    std::vector<uint8_t> bytes;
+    ASSERT_TRUE(encode_frame(f, test_key(), &bytes).ok());
+    std::memcpy(bytes.data() + kFrameHeaderSize + kTensorRecordHeaderSize, name.data(), name.size());
+    // And a first dim of 2 that its bytes do not fill: the old reason ("tensor
+    // '<raw name>' has shape [2,3,4] ...") went into a JSON dump and threw.
+    bytes[kFrameHeaderSize + kTensorRecordHeaderSize + name.size()] = 2;
+    testing::re_mac(&bytes, test_key());
+    RawUpstream bad(receiver.port());
+    bad.send_bytes(bytes);
+    Status s;
+    const DecodeResult r = bad.reply(&s);
+    if (s.ok() && r.ok()) EXPECT_EQ(r.frame.type, FrameType::kError);
+  }
+  EXPECT_EQ(receiver.stats().rejected, 2u);
+  for (unsigned char c : receiver.stats().last_reject_reason) EXPECT_TRUE(c >= 0x20 && c < 0x7f);
+  RawUpstream good(receiver.port());
+  good.send(data_frame(0, 0));
+  Status s;
+  EXPECT_EQ(good.reply(&s).frame.type, FrameType::kAck);
+}
+
+// Issue 12 item 11: every accepted connection used to replace the upstream,
+// so anyone who could connect broke the link. Now a newcomer replaces it only
+// after its first frame decodes.
+TEST(PeerLinkTest, UnauthenticatedConnectionsDoNotReplaceTheUpstream) {
+  TempDir dir;
+  ReceiverOptions ro = receiver_options(dir.path());
+  ro.max_pending = 64;
+  Receiver receiver(ro);
+  ASSERT_TRUE(receiver.start().ok());
+  RawUpstream upstream(receiver.port());
+  upstream.send(data_frame(0, 0));
+  Status s;
+  ASSERT_EQ(upstream.reply(&s).frame.type, FrameType::kAck) << s.message();
+  // A flood of connections: silent, garbage, and signed under another key.
+  std::vector<std::unique_ptr<RawUpstream>> flood;
+  for (int i = 0; i < 30; ++i) {
+    flood.push_back(std::make_unique<RawUpstream>(receiver.port()));
+    std::vector<uint8_t> bytes(80, 'x');
+    if (i % 3 == 2) ASSERT_TRUE(encode_frame(data_frame(0, 50), test_key(9), &bytes).ok());
+    // The receiver may already have closed it (the oldest waiting are dropped).
+    if (i % 3 != 0) (void)send_all(flood.back()->sock.fd(), bytes.data(), bytes.size());
+  }
+  std::this_thread::sleep_for(100ms);
+  // The upstream's connection still works, frame after frame.
+  for (uint64_t mb = 1; mb < 5; ++mb) {
+    upstream.send(data_frame(0, mb));
+    const DecodeResult r = upstream.reply(&s);
+    ASSERT_TRUE(s.ok()) << s.message();
+    EXPECT_EQ(r.frame.type, FrameType::kAck);
+    EXPECT_EQ(r.frame.micro_batch, mb);
+  }
+  EXPECT_EQ(receiver.stats().accepted, 5u);
+  EXPECT_GE(receiver.stats().rejected + receiver.stats().candidates_dropped, 20u);
+  // A newcomer with the key does take over (a reconnecting upstream).
+  RawUpstream again(receiver.port());
+  again.send(data_frame(0, 5));
+  EXPECT_EQ(again.reply(&s).frame.type, FrameType::kAck);
+  EXPECT_EQ(receiver.stats().accepted, 6u);
+}
+
+TEST(PeerLinkTest, NewcomersThatNeverAuthenticateAreClosed) {
+  TempDir dir;
+  ReceiverOptions ro = receiver_options(dir.path());
+  ro.auth_timeout = 200ms;
+  ro.max_candidates = 2;
+  Receiver receiver(ro);
+  ASSERT_TRUE(receiver.start().ok());
+  RawUpstream silent(receiver.port());
+  // Half a frame header: it never completes.
+  silent.send_bytes(std::vector<uint8_t>(kFrameMagic.begin(), kFrameMagic.end()));
+  pollfd p{silent.sock.fd(), POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 3000), 1) << "the receiver did not close a silent connection";
+  uint8_t b = 0;
+  EXPECT_EQ(::recv(silent.sock.fd(), &b, 1, 0), 0);
+  // Over the cap the oldest waiting connection goes first.
+  RawUpstream a(receiver.port()), b2(receiver.port()), c(receiver.port());
+  pollfd pa{a.sock.fd(), POLLIN, 0};
+  ASSERT_EQ(::poll(&pa, 1, 2000), 1) << "the oldest waiting connection was not dropped";
+  EXPECT_EQ(::recv(a.sock.fd(), &b, 1, 0), 0);
+  EXPECT_GE(receiver.stats().candidates_dropped, 2u);
+  c.send(data_frame(0, 0));
+  Status s;
+  EXPECT_EQ(c.reply(&s).frame.type, FrameType::kAck);
 }
 
 // A downstream that reads frames and never acknowledges them.

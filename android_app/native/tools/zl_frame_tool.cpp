@@ -4,14 +4,32 @@
 //   zl_frame_tool encode --key HEX64 --in spec.json --out frame.bin
 //   zl_frame_tool decode --key HEX64 --in frame.bin [--expect-shape B,S,D]
 //                        [--expect-run HEX32] [--expect-stage N] [--max-bytes N]
+//   zl_frame_tool decode-batch --key HEX64 --in corpus.bin [the expectations of decode]
+//   zl_frame_tool receive-batch --key HEX64 --in corpus.bin [the expectations of decode]
 //
 // spec.json: {"type": "DATA", "run_id": HEX32, "stage": 0, "window": 0,
 //   "micro_batch": 0, "json": "", "tensors": [{"name": "hidden",
 //   "dtype": "float32", "shape": [1, 3, 4], "data_hex": "..."}]}
 // decode prints the same spec to stdout; a rejected frame prints
 // {"error": "<reason code>", "reason": "..."} and exits with status 2.
+//
+// A corpus is a sequence of [u32 little-endian length][that many bytes].
+// decode-batch prints one line per corpus entry: the decode result as above,
+// with each tensor's data as "nbytes" and "digest" (frame_mac under the
+// all-zero key) instead of "data_hex". receive-batch starts a live Receiver
+// on 127.0.0.1 and sends every entry over its own connection (then half-closes
+// it and reads until the receiver closes it), printing one line per entry:
+// {"acked": N, "rejected": N, "ignored": N, "hang": false} -- what the
+// receiver's statistics counted for that connection; "hang" is true when the
+// receiver did not close the connection within 10 s.
+#include <poll.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+
+#include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -22,6 +40,9 @@
 
 #include "zl/frame.h"
 #include "zl/input_log.h"
+#include "zl/log.h"
+#include "zl/peer_link.h"
+#include "zl/tcp_socket.h"
 
 namespace {
 
@@ -32,7 +53,8 @@ int usage(const char* why) {
                "zl_frame_tool: %s\n"
                "usage: zl_frame_tool encode --key HEX64 --in spec.json --out frame.bin\n"
                "       zl_frame_tool decode --key HEX64 --in frame.bin [--expect-shape B,S,D]\n"
-               "                            [--expect-run HEX32] [--expect-stage N] [--max-bytes N]\n",
+               "                            [--expect-run HEX32] [--expect-stage N] [--max-bytes N]\n"
+               "       zl_frame_tool decode-batch|receive-batch --key HEX64 --in corpus.bin [expectations]\n",
                why);
   return 64;
 }
@@ -79,6 +101,45 @@ int encode(const std::map<std::string, std::string>& args, const zl::FrameKey& k
   return out.good() ? 0 : 1;
 }
 
+std::string safe_dump(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+// --expect-* and --max-bytes; false (after usage()) on a malformed value.
+bool parse_expectation(const std::map<std::string, std::string>& args, zl::FrameExpectation* expect) {
+  if (args.count("--expect-shape")) {
+    long long b = 0, s = 0, d = 0;
+    if (std::sscanf(args.at("--expect-shape").c_str(), "%lld,%lld,%lld", &b, &s, &d) != 3) {
+      usage("--expect-shape wants B,S,D");
+      return false;
+    }
+    expect->batch = b;
+    expect->seq_len = s;
+    expect->hidden_size = d;
+  }
+  if (args.count("--expect-run")) {
+    zl::RunId run{};
+    if (!zl::parse_hex_run_id(args.at("--expect-run"), &run)) {
+      usage("--expect-run wants 32 hex digits");
+      return false;
+    }
+    expect->run_id = run;
+  }
+  if (args.count("--expect-stage")) expect->stage = static_cast<uint32_t>(std::stoul(args.at("--expect-stage")));
+  if (args.count("--max-bytes")) expect->max_frame_bytes = std::stoull(args.at("--max-bytes"));
+  return true;
+}
+
+json header_spec(const zl::Frame& f) {
+  return {{"type", zl::frame_type_name(static_cast<uint16_t>(f.type))},
+          {"run_id", zl::to_hex(f.run_id.data(), f.run_id.size())},
+          {"stage", f.stage},
+          {"window", f.window},
+          {"micro_batch", f.micro_batch},
+          {"json", f.json},
+          {"tensors", json::array()}};
+}
+
 int decode(const std::map<std::string, std::string>& args, const zl::FrameKey& key) {
   if (!args.count("--in")) return usage("decode needs --in");
   std::vector<uint8_t> bytes;
@@ -88,43 +149,141 @@ int decode(const std::map<std::string, std::string>& args, const zl::FrameKey& k
     return 1;
   }
   zl::FrameExpectation expect;
-  if (args.count("--expect-shape")) {
-    long long b = 0, s = 0, d = 0;
-    if (std::sscanf(args.at("--expect-shape").c_str(), "%lld,%lld,%lld", &b, &s, &d) != 3) {
-      return usage("--expect-shape wants B,S,D");
-    }
-    expect.batch = b;
-    expect.seq_len = s;
-    expect.hidden_size = d;
-  }
-  if (args.count("--expect-run")) {
-    zl::RunId run{};
-    if (!zl::parse_hex_run_id(args.at("--expect-run"), &run)) return usage("--expect-run wants 32 hex digits");
-    expect.run_id = run;
-  }
-  if (args.count("--expect-stage")) expect.stage = static_cast<uint32_t>(std::stoul(args.at("--expect-stage")));
-  if (args.count("--max-bytes")) expect.max_frame_bytes = std::stoull(args.at("--max-bytes"));
+  if (!parse_expectation(args, &expect)) return 64;
   const zl::DecodeResult r = zl::decode_frame(bytes.data(), bytes.size(), key, expect);
   if (!r.ok()) {
-    std::cout << json{{"error", zl::frame_error_name(r.error)}, {"reason", r.reason}}.dump() << "\n";
+    std::cout << safe_dump(json{{"error", zl::frame_error_name(r.error)}, {"reason", r.reason}}) << "\n";
     return 2;
   }
   const zl::Frame& f = r.frame;
-  json spec = {{"type", zl::frame_type_name(static_cast<uint16_t>(f.type))},
-               {"run_id", zl::to_hex(f.run_id.data(), f.run_id.size())},
-               {"stage", f.stage},
-               {"window", f.window},
-               {"micro_batch", f.micro_batch},
-               {"json", f.json},
-               {"tensors", json::array()}};
+  json spec = header_spec(f);
   for (const auto& t : f.tensors) {
     spec["tensors"].push_back({{"name", t.name},
                                {"dtype", zl::dtype_name(static_cast<uint8_t>(t.dtype))},
                                {"shape", t.shape},
                                {"data_hex", zl::to_hex(t.data.data(), t.data.size())}});
   }
-  std::cout << spec.dump() << "\n";
+  std::cout << safe_dump(spec) << "\n";
   return 0;
+}
+
+// The entries of a corpus file; false on a malformed corpus.
+bool read_corpus(const std::string& path, std::vector<std::vector<uint8_t>>* out) {
+  std::vector<uint8_t> bytes;
+  const zl::Status read = zl::read_file_bytes(path, &bytes);
+  if (!read.ok()) {
+    std::fprintf(stderr, "zl_frame_tool: %s\n", read.message().c_str());
+    return false;
+  }
+  size_t pos = 0;
+  while (pos < bytes.size()) {
+    if (bytes.size() - pos < 4) return false;
+    const uint32_t n = static_cast<uint32_t>(bytes[pos]) | (static_cast<uint32_t>(bytes[pos + 1]) << 8) |
+                       (static_cast<uint32_t>(bytes[pos + 2]) << 16) |
+                       (static_cast<uint32_t>(bytes[pos + 3]) << 24);
+    pos += 4;
+    if (bytes.size() - pos < n) return false;
+    out->emplace_back(bytes.begin() + static_cast<std::ptrdiff_t>(pos),
+                      bytes.begin() + static_cast<std::ptrdiff_t>(pos + n));
+    pos += n;
+  }
+  return true;
+}
+
+int decode_batch(const std::map<std::string, std::string>& args, const zl::FrameKey& key) {
+  if (!args.count("--in")) return usage("decode-batch needs --in");
+  zl::FrameExpectation expect;
+  if (!parse_expectation(args, &expect)) return 64;
+  std::vector<std::vector<uint8_t>> corpus;
+  if (!read_corpus(args.at("--in"), &corpus)) return usage("--in is not a corpus file");
+  std::string out;
+  for (const auto& bytes : corpus) {
+    const zl::DecodeResult r = zl::decode_frame(bytes.data(), bytes.size(), key, expect);
+    if (!r.ok()) {
+      out += safe_dump(json{{"error", zl::frame_error_name(r.error)}, {"reason", r.reason}});
+    } else {
+      json spec = header_spec(r.frame);
+      for (const auto& t : r.frame.tensors) {
+        const auto digest = zl::frame_mac(t.data.data(), t.data.size(), zl::FrameKey{});
+        spec["tensors"].push_back({{"name", t.name},
+                                   {"dtype", zl::dtype_name(static_cast<uint8_t>(t.dtype))},
+                                   {"shape", t.shape},
+                                   {"nbytes", t.data.size()},
+                                   {"digest", zl::to_hex(digest.data(), digest.size())}});
+      }
+      out += safe_dump(spec);
+    }
+    out += "\n";
+  }
+  std::cout << out;
+  return 0;
+}
+
+// Sends one corpus entry over a fresh connection, half-closes it and reads
+// until the receiver closes it; false when that takes longer than `timeout`.
+bool send_and_drain(uint16_t port, const std::vector<uint8_t>& bytes, std::chrono::milliseconds timeout) {
+  zl::Socket sock;
+  if (!zl::connect_tcp("127.0.0.1", port, std::chrono::milliseconds(2000), &sock).ok()) return false;
+  (void)zl::send_all(sock.fd(), bytes.data(), bytes.size());  // the receiver may close early
+  ::shutdown(sock.fd(), SHUT_WR);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  uint8_t buf[4096];
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return false;
+    pollfd p{sock.fd(), POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
+    const ssize_t n = ::recv(sock.fd(), buf, sizeof(buf), 0);
+    if (n <= 0) return true;  // EOF (or reset): the receiver closed the connection
+  }
+}
+
+int receive_batch(const std::map<std::string, std::string>& args, const zl::FrameKey& key) {
+  if (!args.count("--in")) return usage("receive-batch needs --in");
+  zl::FrameExpectation expect;
+  if (!parse_expectation(args, &expect)) return 64;
+  std::vector<std::vector<uint8_t>> corpus;
+  if (!read_corpus(args.at("--in"), &corpus)) return usage("--in is not a corpus file");
+  zl::set_log_level(zl::LogLevel::kError);
+  const char* base = std::getenv("TMPDIR");
+  std::string tmpl = std::string(base ? base : "/tmp") + "/zl-frame-tool-XXXXXX";
+  if (::mkdtemp(tmpl.data()) == nullptr) {
+    std::perror("zl_frame_tool: mkdtemp");
+    return 1;
+  }
+  int rc = 0;
+  {
+    zl::ReceiverOptions options;
+    options.key = key;
+    options.expect = expect;
+    options.log_dir = tmpl;
+    options.max_pending = size_t{1} << 30;  // nobody consumes: never apply back-pressure
+    zl::Receiver receiver(options);
+    const zl::Status started = receiver.start();
+    if (!started.ok()) {
+      std::fprintf(stderr, "zl_frame_tool: %s\n", started.message().c_str());
+      rc = 1;
+    } else {
+      std::string out;
+      zl::ReceiverStats before = receiver.stats();
+      for (const auto& bytes : corpus) {
+        const bool closed = send_and_drain(receiver.port(), bytes, std::chrono::milliseconds(10000));
+        const zl::ReceiverStats after = receiver.stats();
+        out += safe_dump(json{{"acked", (after.accepted + after.duplicates) - (before.accepted + before.duplicates)},
+                              {"rejected", after.rejected - before.rejected},
+                              {"ignored", after.ignored - before.ignored},
+                              {"hang", !closed}});
+        out += "\n";
+        before = after;
+      }
+      receiver.stop();
+      std::cout << out;
+    }
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(tmpl, ignored);
+  return rc;
 }
 
 }  // namespace
@@ -141,5 +300,7 @@ int main(int argc, char** argv) {
   }
   if (command == "encode") return encode(args, key);
   if (command == "decode") return decode(args, key);
-  return usage("command must be encode or decode");
+  if (command == "decode-batch") return decode_batch(args, key);
+  if (command == "receive-batch") return receive_batch(args, key);
+  return usage("command must be encode, decode, decode-batch or receive-batch");
 }

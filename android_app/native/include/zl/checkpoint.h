@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -68,6 +69,9 @@ struct CheckpointOptions {
   std::string dir;        ///< checkpoint root; created on the first save
   int64_t interval = 1;   ///< save after every `interval`-th window (and the last one)
   int64_t keep_last = 2;  ///< complete checkpoints kept on disk (>= 1)
+  /// Tests: called while save() replaces an existing window_N, after the new
+  /// checkpoint is in place and before the old one is removed.
+  std::function<void(const std::string& window_dir)> on_replace;
 };
 
 /// Reads `window_dir` and validates it against `expected` (names and shapes;

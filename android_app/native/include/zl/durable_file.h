@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstddef>
+#include <atomic>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -39,6 +41,10 @@ Status remove_tree(const std::string& path);
 
 /// mkdir -p; existing directories are fine.
 Status make_directories(const std::string& path);
+
+/// How many directories make_directories created and made durable (their
+/// parent fsynced), process-wide; for tests.
+std::atomic<uint64_t>& directories_synced_after_create();
 
 /// "a/b/c.pte" -> "a/b"; "c.pte" -> "."; "/c" -> "/".
 std::string dir_of(const std::string& path);

@@ -32,6 +32,10 @@ constexpr size_t kMaxTensorRank = 8;
 /// Default upper bound on one frame, MAC included. A TinyLlama hidden state
 /// for B=1, S=128, D=2048 is 1 MiB; 64 MiB leaves room for B=8, S=1024.
 constexpr size_t kDefaultMaxFrameBytes = size_t{64} << 20;
+/// The payload rule (PROTOCOL.md §5): at most 1 MiB of JSON ...
+constexpr size_t kMaxFrameJsonBytes = size_t{1} << 20;
+/// ... nested at most 32 arrays/objects deep (the top-level object is 1).
+constexpr int kMaxFrameJsonDepth = 32;
 
 /// Data-plane and control types share one numbering (u16 on the wire).
 enum class FrameType : uint16_t {
@@ -88,7 +92,7 @@ struct Frame {
   uint32_t stage = 0;
   uint64_t window = 0;
   uint64_t micro_batch = 0;
-  std::string json;  ///< UTF-8 JSON object or empty
+  std::string json;  ///< empty, or a JSON object that passes check_frame_json
   std::vector<TensorRecord> tensors;
 
   /// The tensor named `name`, or nullptr.
@@ -107,8 +111,8 @@ enum class FrameError : int {
   kBadMac,           ///< MAC does not verify under the key (corrupt or wrong key)
   kUnknownType,      ///< type field outside FrameType
   kBadHeader,        ///< reserved field not zero
-  kBadPayload,       ///< JSON payload is not valid JSON
-  kBadTensor,        ///< unknown dtype, rank > 8, negative dim, payload size != numel * size
+  kBadPayload,       ///< JSON payload breaks the payload rule (check_frame_json)
+  kBadTensor,        ///< unknown dtype, rank > 8, bad or duplicate name, dims overflow, payload size != numel * size
   kUnexpectedTensor, ///< DATA tensors differ from the expected names/dtypes/shapes
   kWrongRun,         ///< run id differs from the expected one
   kWrongStage,       ///< stage index differs from the expected one
@@ -141,7 +145,8 @@ struct [[nodiscard]] DecodeResult {
 
 /// Serializes `frame` and appends the MAC under `key`.
 /// Fails with kInvalidArgument for a tensor whose data size does not match
-/// its shape, a rank > 8, or a result larger than `max_frame_bytes`.
+/// its shape, a rank > 8, a JSON payload or tensor names the decoder would
+/// reject, or a result larger than `max_frame_bytes`.
 Status encode_frame(const Frame& frame, const FrameKey& key, std::vector<uint8_t>* out,
                     size_t max_frame_bytes = kDefaultMaxFrameBytes);
 
@@ -164,6 +169,24 @@ Frame make_data_frame(const RunId& run_id, uint32_t stage, uint64_t window, uint
 /// A header-only frame (ACK, STOP, ...) with an optional JSON payload.
 Frame make_control_frame(FrameType type, const RunId& run_id, uint32_t stage, uint64_t window,
                          uint64_t micro_batch, std::string json = {});
+
+/// The payload rule of PROTOCOL.md §5, shared with zl_device/run/frames.py:
+/// empty, or at most kMaxFrameJsonBytes of strict UTF-8 holding exactly one
+/// RFC 8259 JSON object (whitespace around it allowed) with no NaN/Infinity,
+/// integers in [-2^63, 2^64-1], other numbers finite as doubles, no lone
+/// surrogate escapes, no duplicate keys in an object and at most
+/// kMaxFrameJsonDepth levels of nesting. Returns "" when `data` obeys it,
+/// else why not (untrusted bytes escaped).
+std::string check_frame_json(const char* data, size_t size);
+
+/// "" for a valid tensor name (non-empty strict UTF-8 without C0 controls or
+/// DEL), else why not.
+std::string check_tensor_name(const std::string& name);
+
+/// Untrusted bytes made safe for reasons, logs and JSON: printable ASCII is
+/// kept, every other byte (and \\, ', ") becomes \xNN; at most `max_bytes`
+/// are shown, then "...".
+std::string escape_bytes(const std::string& raw, size_t max_bytes = 64);
 
 /// Keyed BLAKE2b-256 of `data` (what the frame MAC is).
 std::array<uint8_t, kFrameMacSize> frame_mac(const uint8_t* data, size_t size, const FrameKey& key);

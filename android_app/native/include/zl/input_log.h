@@ -30,6 +30,10 @@ struct InputLogEntry {
 
 /// A file found on open() that failed validation; it is renamed to
 /// `<name>.corrupt` so it is neither replayed nor re-reported.
+/// At most this many `.corrupt` files stay in a log folder (the newest); the
+/// ones of committed windows go with them.
+constexpr size_t kMaxCorruptFilesKept = 8;
+
 struct CorruptLogFile {
   std::string path;
   std::string reason;

@@ -129,13 +129,21 @@ struct ReceiverOptions {
   uint64_t first_micro_batch = 0;
   /// Last committed window, if any: log entries through it are deleted on start.
   std::optional<uint64_t> committed_window;
+  /// A new connection replaces the current upstream only once its first frame
+  /// decodes (MAC, run, stage, shapes). Until then it is a candidate: at most
+  /// `max_candidates` at a time (the oldest is dropped for a newer one), each
+  /// closed if its first frame is not complete within `auth_timeout`.
+  size_t max_candidates = 4;
+  std::chrono::milliseconds auth_timeout{30000};
 };
 
 struct ReceiverStats {
   uint64_t accepted = 0;     ///< new entries logged and acknowledged
   uint64_t duplicates = 0;   ///< dropped by micro-batch id, acknowledged again
   uint64_t rejected = 0;     ///< frames that failed validation
+  uint64_t ignored = 0;      ///< valid frames of another type than DATA
   uint64_t connections = 0;  ///< accepted upstream connections
+  uint64_t candidates_dropped = 0;  ///< connections closed before their first valid frame (timeout, cap)
   std::string last_reject_reason;
 };
 
@@ -175,18 +183,29 @@ class Receiver {
   void stop();
 
  private:
+  // A connection that has not yet sent a valid frame.
+  struct Candidate {
+    Socket sock;
+    FrameReader reader;
+    SteadyClock::time_point deadline;
+  };
+
   void run();
   void serve_connection();
+  void serve_candidate(size_t index);
   void handle_frame(const std::vector<uint8_t>& bytes);
+  void handle_decoded(const std::vector<uint8_t>& bytes, const DecodeResult& r);
   void reject(const std::string& reason, bool send_error);
+  void reject_on(Socket* sock, FrameReader* reader, const std::string& reason);
   size_t pending_locked() const;
   void wake();
 
   ReceiverOptions options_;
   InputLog log_;
   Socket listener_;
-  Socket conn_;  // current upstream, I/O thread only
+  Socket conn_;  // current (authenticated) upstream, I/O thread only
   FrameReader reader_;
+  std::vector<Candidate> candidates_;  // I/O thread only, oldest first
   uint16_t port_ = 0;
   mutable std::mutex mutex_;
   std::condition_variable arrived_;

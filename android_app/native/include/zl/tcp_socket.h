@@ -97,11 +97,20 @@ class FrameReader {
     p.next = next(&p.frame, &p.error, &p.reason);
     return p;
   }
-  void clear() { buffer_.clear(); }
+  void clear() {
+    buffer_.clear();
+    start_ = 0;
+  }
+  /// Bytes received and not yet popped.
+  size_t buffered() const { return buffer_.size() - start_; }
 
  private:
   size_t max_frame_bytes_;
+  // Unconsumed bytes are buffer_[start_, size()): popping a frame advances
+  // start_ (O(frame)); the consumed prefix is dropped once it is at least half
+  // the buffer, so each byte is moved O(1) times (issue 12 item 12).
   std::vector<uint8_t> buffer_;
+  size_t start_ = 0;
 };
 
 }  // namespace zl

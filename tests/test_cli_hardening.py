@@ -78,8 +78,14 @@ def test_a_failed_run_never_blocks_its_rerun(tmp_path):
     (run_dir / "data" / "train.safetensors").write_text("half-made")  # then the run failed
     said = []
     run_dir, _ = open_run(_settings(out), say=said.append)
-    assert said and "replacing" in said[0]
+    assert said and "moved it to" in said[0]
     assert sorted(p.name for p in run_dir.iterdir()) == [INCOMPLETE_MARKER]
+    # What the failed run left is kept, beside the new run.
+    aside = tmp_path / "run.unfinished-1"
+    assert (aside / "data" / "train.safetensors").read_text() == "half-made"
+    (run_dir / "data").mkdir()  # the rerun fails too: the next one moves it to -2
+    open_run(_settings(out))
+    assert (tmp_path / "run.unfinished-2" / "data").is_dir() and aside.is_dir()
     # A finished run (no marker) is never overwritten.
     (run_dir / INCOMPLETE_MARKER).unlink()
     (run_dir / "report.md").write_text("results")

@@ -102,7 +102,7 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
 
 
 # In RUN_DIR from its creation until the report is written: a run that failed or was interrupted leaves it, and a
-# rerun with the same --out replaces such a directory instead of refusing it.
+# rerun with the same --out moves such a directory aside (to RUN_DIR.unfinished-N, logs and all) instead of refusing.
 INCOMPLETE_MARKER = ".zl-incomplete"
 
 
@@ -133,12 +133,21 @@ def open_run(s: TrainSettings, say=print):
         if value is not None and value != DEMO and not Path(value).expanduser().is_file():
             raise ZLError(f"{flag} {value}: no such file; pass `demo`, a .csv/.jsonl file or a .safetensors shard.")
     if leftovers:
-        say(f"--out {run_dir}: replacing what an unfinished run left there")
-        shutil.rmtree(run_dir)
+        aside = _free_name(run_dir, "unfinished")
+        run_dir.rename(aside)
+        say(f"--out {run_dir}: an unfinished run was there; moved it to {aside} (its logs and checkpoints are kept)")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / INCOMPLETE_MARKER).write_text("zl train has not finished this run; "
-                                             "a rerun with the same --out replaces this directory\n")
+                                             "a rerun with the same --out moves this directory aside\n")
     return run_dir, spec
+
+
+def _free_name(path: Path, tag: str) -> Path:
+    """`path` with `.<tag>-N` appended, for the smallest N >= 1 that names nothing yet."""
+    n = 1
+    while (candidate := path.with_name(f"{path.name}.{tag}-{n}")).exists():
+        n += 1
+    return candidate
 
 
 def check_device_count(s: TrainSettings, spec, num_stages: int) -> None:

@@ -11,6 +11,8 @@ the torchrun entry point without starting ranks.
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ import typer
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from conftest import REPO
 from zl.errors import ZLError
 
 SAMPLES, WINDOW, BATCH = 12, 2, 2  # 6 micro-batches of 2 rows in 3 windows
@@ -177,6 +180,26 @@ def test_a_killed_rank_fails_the_run_with_a_clear_error(data_file, tmp_path):
             os.kill(record["pid"], 0)
 
 
+@pytest.mark.slow
+def test_torchrun_runs_the_prepared_job_to_the_same_adapter(torch_run, data_file, tmp_path):
+    """`--launcher torchrun` prepares the run; torchrun's ranks train what the spawned ranks trained, bit for bit."""
+    from zl_device.results.adapter import merge_checkpoints
+    from zl_device.run.train_job import run_training
+
+    said: list[str] = []
+    run_dir = run_training(settings(tmp_path / "run", data_file, launcher="torchrun"), say=said.append).run_dir
+    command = next(line.strip() for line in said if line.strip().startswith("torchrun "))
+    assert command.endswith(f"-m zl_device.run.torch_stage {run_dir / 'torch_job.json'}")
+    assert not (run_dir / "checkpoints").exists(), "nothing ran yet"
+    args = command.split()[1:]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    merge_checkpoints(run_dir / "checkpoints", run_dir / "manifest.json", run_dir / "adapter")
+    got, want = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (run_dir, torch_run.run_dir))
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
 # --- fast: no ranks -----------------------------------------------------------------------------------
 
 
@@ -222,11 +245,13 @@ def test_options_the_torch_runtime_lacks_are_clear_errors(tmp_path, change, prob
     check_torch_settings(TrainSettings(runtime="torch"))  # the defaults are fine
 
 
-def test_link_timeout_must_be_positive():
+def test_link_timeout_and_launcher_are_checked():
     from zl_device.run.train_settings import TrainSettings
 
     with pytest.raises(ZLError, match="--link-timeout 0: must be a positive number"):
         TrainSettings(runtime="torch", link_timeout_s=0).validate()
+    with pytest.raises(ZLError, match="--launcher torchrun: launchers start torch.distributed ranks; add --runtime torch"):
+        TrainSettings(launcher="torchrun").validate()
 
 
 def test_torchrun_entry_point_needs_torchrun_and_a_job(tmp_path, monkeypatch, capsys):

@@ -58,6 +58,10 @@ def run_torch_training(s: TrainSettings, say=print):
     job = torch_job(s, run_dir, shard, num_stages)
     job_path = run_dir / JOB_FILE
     job.save(job_path)
+    if s.launcher == "torchrun":  # the user starts the ranks: the run ends here, prepared
+        for line in torchrun_instructions(run_dir, job_path, num_stages):
+            say(line)
+        return TrainResult(run_dir, time.time() - start, 0)
     say(f"run: {num_stages} stages as torch.distributed ranks on this host, {s.samples} samples, "
         f"{windows.num_micro_batches} micro-batches in {windows.num_windows} windows of {windows.window_size}")
     launched, _ = launch_ranks(job_path, num_stages, s.timeout_s)
@@ -77,6 +81,18 @@ def run_torch_training(s: TrainSettings, say=print):
     result.report = write_report(run_dir)
     say(f"report: {run_dir / 'report.md'}")
     return result
+
+
+def torchrun_instructions(run_dir: Path, job_path: Path, num_stages: int) -> list[str]:
+    """What to run after `--launcher torchrun`: the ranks under torchrun, then merge and report."""
+    return [f"prepared {run_dir}; start its {num_stages} ranks (one per stage) with torchrun:",
+            f"  torchrun --standalone --nproc-per-node {num_stages} -m zl_device.run.torch_stage {job_path}",
+            "  (on several nodes: --nnodes N --nproc-per-node <stages per node> --rdzv-backend c10d "
+            f"--rdzv-endpoint HOST:PORT on each, with {run_dir} on a filesystem all nodes share)",
+            "then:",
+            f"  zl merge --checkpoints {run_dir / 'checkpoints'} --manifest {run_dir / 'manifest.json'} "
+            f"--out {run_dir / 'adapter'}",
+            f"  zl report {run_dir}"]
 
 
 def write_manifest(s: TrainSettings, opts, loaded, shard: Path, run_dir: Path) -> dict:

@@ -18,6 +18,7 @@ from zl_export.options import ExportOptions, ModelSplit
 DEMO = "demo"
 RECOVERY_MODES = ("local", "global")
 RUNTIMES = ("executorch", "torch")
+LAUNCHERS = ("spawn", "torchrun")
 
 
 @dataclass
@@ -37,6 +38,9 @@ class TrainSettings:
     runtime: str = setting("executorch", "executorch: the stage programs on the devices (zl_runner); torch: one "
                                          "torch.distributed rank per stage on this host, in PyTorch eager, no export "
                                          "(docs/design.md §13).", choices=RUNTIMES)
+    launcher: str = setting("spawn", "--runtime torch: spawn runs one process per stage on this host; torchrun only "
+                                     "prepares --out and prints the torchrun command that starts the ranks (multi-GPU, "
+                                     "multi-node), then `zl merge` and `zl report`.", choices=LAUNCHERS)
     out: Path = setting(Path("runs/train"), "Run directory (must be new or empty).")
     recovery: str = setting("local", "local: restart only the failed stage; global: roll every stage back.",
                             choices=RECOVERY_MODES)
@@ -66,6 +70,8 @@ class TrainSettings:
         if self.samples < 1 or self.window < 1:
             raise ZLError(f"--samples {self.samples} --window {self.window}: both must be at least 1.")
         check_choices(self)
+        if self.launcher != "spawn" and self.runtime != "torch":
+            raise ZLError(f"--launcher {self.launcher}: launchers start torch.distributed ranks; add --runtime torch.")
         if self.link_timeout_s <= 0:
             raise ZLError(f"--link-timeout {self.link_timeout_s:g}: must be a positive number of seconds, e.g. 600.")
         self.export.validate()

@@ -23,6 +23,8 @@ shard: ids and mask go in at stage 0, labels are the last stage's loss target.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -116,3 +118,46 @@ class PipelinedStage:
         self.optimizer.step()
         self.scheduler.step()
         return lr
+
+
+def train_pipelined(job, rank: int, world: int, device: torch.device, backend: str) -> None:
+    """Rank `rank` of a GPipe / 1F1B run of a torch job (`job.pipeline`): the job's stages, data, plan and optimizer;
+    telemetry `start`, `window` (last stage: mean loss) and `done` lines; no checkpoints (a baseline)."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from zl_device.run.torch_stage import Telemetry, build_stage, busy, pss_mib
+    from zl_device.run.windows import WindowPlan
+    from zl_export.manifest import read_manifest_file
+    from zl_export.shard import load_shard
+
+    manifest = read_manifest_file(Path(job.manifest))
+    module, _ = build_stage(job, manifest, rank)
+    module.to(device)
+    batch = manifest["micro_batch"]
+    shard = load_shard(job.shard) if rank in (0, world - 1) else None
+    plan = WindowPlan(job.num_micro_batches, job.window_size)
+    pipe = PipelinedStage(module, rank, world, device, job.pipeline, job.lr[rank],
+                          OptimizerSettings(lr=job.lr[rank], weight_decay=job.weight_decay, schedule=job.schedule),
+                          plan.num_windows)
+    log = Telemetry(Path(job.metrics_dir) / f"stage_{rank}" / "metrics.jsonl")
+    dist.barrier()
+    log.write({"type": "start", "t_unix_ms": int(time.time() * 1000), "stage": rank, "num_stages": world,
+               "pid": os.getpid(), "runtime": "torch", "pipeline": job.pipeline, "backend": backend})
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for w in range(plan.num_windows):
+        window = plan.micro_batches(w)
+        t0 = time.perf_counter()
+        if shard is not None:
+            ids, mask, labels = (t.to(device) for t in window_rows(shard, window, batch))
+        else:
+            ids = mask = labels = None
+        loss = pipe.backward_window(ids, mask, labels, len(window))
+        lr = pipe.step()
+        log.write({"type": "window", "t_unix_ms": int(time.time() * 1000), "stage": rank, "window": w,
+                   "micro_batches": len(window), "mean_loss": loss, "lr": lr, "window_ms": (time.perf_counter() - t0) * 1e3,
+                   "pss_mib": pss_mib(), "temperature_c": None})
+    log.write({"type": "done", "t_unix_ms": int(time.time() * 1000), "stage": rank,
+               "micro_batches": plan.num_micro_batches, **busy(cpu0, wall0)})

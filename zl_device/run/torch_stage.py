@@ -57,6 +57,7 @@ class TorchJob:
     in_flight: int = 4  # un-received entries per link
     link_timeout_s: float = 600.0
     backend: str = "auto"  # auto: nccl when CUDA is there, else gloo
+    pipeline: str = "zerolock"  # or a backprop baseline: gpipe, 1f1b (torch_pipeline.py; tools/bench_pipelines.py)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -86,6 +87,10 @@ def backend_and_device(backend: str, local_rank: int) -> tuple[str, torch.device
 
 def run_rank(job: TorchJob, rank: int, world: int, local_rank: int, init_method: str) -> None:
     """Join the process group, train stage `rank` to the end of the run, wait for every rank, leave."""
+    from zl_device.run.torch_pipeline import SCHEDULES
+
+    if job.pipeline not in ("zerolock", *SCHEDULES):
+        raise ZLError(f"torch job pipeline {job.pipeline!r}: expected zerolock or one of {', '.join(SCHEDULES)}.")
     torch.set_num_threads(job.threads)
     backend, device = backend_and_device(job.backend, local_rank)
     if device.type == "cuda":
@@ -93,7 +98,12 @@ def run_rank(job: TorchJob, rank: int, world: int, local_rank: int, init_method:
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=job.link_timeout_s))
     try:
-        train_stage(job, rank, world, device, backend)
+        if job.pipeline == "zerolock":
+            train_stage(job, rank, world, device, backend)
+        else:
+            from zl_device.run.torch_pipeline import train_pipelined
+
+            train_pipelined(job, rank, world, device, backend)
         dist.barrier()  # nobody leaves (and closes its connections) while a neighbour still reads
     finally:
         dist.destroy_process_group()
@@ -164,6 +174,7 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
                "resumed_from_window": None, "listen_port": None, "runtime": "torch", "backend": backend,
                "device": str(device), "setup_s": round(setup_s, 3), "config": asdict(job)})
     stage_root = Path(job.checkpoint_dir) / f"stage_{rank}"
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     for w in range(plan.num_windows):
         step.start_window()
         for mb in plan.micro_batches(w):
@@ -182,7 +193,8 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
             log.write({"type": "micro_batch", "t_unix_ms": int(time.time() * 1000), "stage": rank, "window": w,
                        "micro_batch": mb, "phase1_ms": (t2 - t1) * 1e3, "phase2_ms": (t4 - t3) * 1e3,
                        "queue_ms": (t1 - t0) * 1e3, "send_ms": send_ms, "total_ms": (t4 - t0) * 1e3,
-                       "loss": loss, "task_loss": task, "consistency_loss": consistency, "pss_mib": pss_mib(),
+                       # PSS only on window lines: reading smaps_rollup costs ~10 ms, a tiny stage's whole step.
+                       "loss": loss, "task_loss": task, "consistency_loss": consistency, "pss_mib": None,
                        "temperature_c": None, "early_forwarding": True})
         lr, means = step.end_window()
         flush_ms = link.flush()  # as the runner: commit only what downstream holds
@@ -200,8 +212,19 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
                    "checkpoint_ms": (time.perf_counter() - c0) * 1e3, "flush_ms": flush_ms, "pss_mib": pss_mib(),
                    "temperature_c": None})
     link.flush()
-    log.write({"type": "done", "t_unix_ms": int(time.time() * 1000), "stage": rank, "micro_batches": plan.num_micro_batches,
-               "wall_s": round(time.time() - start, 3), "optimizer_step": step.optimizer_step, "link": link.stats()})
+    log.write({"type": "done", "t_unix_ms": int(time.time() * 1000), "stage": rank,
+               "micro_batches": plan.num_micro_batches, "wall_s": round(time.time() - start, 3),
+               "optimizer_step": step.optimizer_step, "link": link.stats(), **busy(cpu0, wall0)})
+
+
+def busy(cpu0: float, wall0: float) -> dict:
+    """Since (process CPU time, wall time) = (cpu0, wall0): train_s, cpu_s, busy share (CPU / wall: with one
+    thread per rank the rest is waiting for neighbours, or for a CPU on an oversubscribed host) and peak RSS."""
+    import resource
+
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    return {"train_s": round(wall, 4), "cpu_s": round(cpu, 4), "busy_share": round(cpu / wall, 4) if wall > 0 else None,
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
 class Telemetry:

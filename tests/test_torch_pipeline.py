@@ -135,3 +135,23 @@ def test_gpipe_and_1f1b_train_the_same_weights(pipelined):
     for name, t in gpipe.items():
         torch.testing.assert_close(one_f[name], t, rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
     assert any(float(t.abs().max()) > 1e-3 for n, t in gpipe.items() if "lora_B" in n), "training moved LoRA B"
+
+
+@pytest.mark.slow
+def test_bench_pipelines_measures_every_pipeline(tmp_path, capsys):
+    """tools/bench_pipelines.py on tiny-random: one row per pipeline, figures from the ranks' telemetry."""
+    from conftest import load_tool
+
+    bench = load_tool("bench_pipelines")
+    results = bench.main(["--samples", "8", "--window", "4", "--seq-len", "64", "--out", str(tmp_path / "bench"),
+                          "--json", str(tmp_path / "bench.json")])
+    assert [r["pipeline"] for r in results] == ["zerolock", "gpipe", "1f1b"]
+    for r in results:
+        assert r["samples"] == 8 and r["records_per_s"] == pytest.approx(8 / r["wall_s"])
+        assert len(r["peak_rss_mib"]) == 3 and all(m > 50 for m in r["peak_rss_mib"])
+        assert all(0 < b < 2 for b in r["busy_share"]), r["busy_share"]  # gloo's I/O threads count as CPU too
+    # Same data, same first window: the last stage's first loss is the same plain CE in all three.
+    assert results[1]["last_stage_first_loss"] == pytest.approx(results[2]["last_stage_first_loss"], rel=1e-5)
+    printed = capsys.readouterr().out
+    assert sum(line.startswith("| ") for line in printed.splitlines()) == 5  # header, rule, three pipelines
+    assert json.loads((tmp_path / "bench.json").read_text())["results"] == results

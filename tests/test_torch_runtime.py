@@ -220,7 +220,8 @@ def test_torch_checkpoints_merge_like_the_runners(tmp_path):
         for w in range(3):
             t = torch.full((2, 4), float(10 * k + w))
             last[names[k]] = t
-            save_checkpoint(root / f"stage_{k}", w, {names[k]: t}, {f"{names[k]}.exp_avg": t + 1, f"{names[k]}.exp_avg_sq": t + 2},
+            moments = {f"{names[k]}.exp_avg": t + 1, f"{names[k]}.exp_avg_sq": t + 2}
+            save_checkpoint(root / f"stage_{k}", w, {names[k]: t}, moments,
                             {"run_id": "ab" * 16, "stage": k, "window": w, "last_micro_batch": 2 * w + 1,
                              "micro_batches_done": 2 * w + 2, "optimizer_step": w + 1, "lr": 0.1,
                              "extra": {"runtime": "torch", "num_micro_batches": 6, "window_size": 2}}, keep_last=2)
@@ -264,3 +265,16 @@ def test_torchrun_entry_point_needs_torchrun_and_a_job(tmp_path, monkeypatch, ca
     (tmp_path / "torch_job.json").write_text("{}")
     with pytest.raises(ZLError, match="not a readable torch_job.json"):
         TorchJob.load(tmp_path / "torch_job.json")
+
+
+def test_backend_is_nccl_only_with_a_gpu_per_rank(monkeypatch):
+    from zl_device.run import torch_stage
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert torch_stage.backend_and_device("auto", 1, 2) == ("nccl", torch.device("cuda", 1))
+    assert torch_stage.backend_and_device("auto", 1, 3) == ("gloo", torch.device("cpu"))
+    with pytest.raises(ZLError, match="3 ranks on this host but 2 GPU"):
+        torch_stage.backend_and_device("nccl", 0, 3)
+    with pytest.raises(ZLError, match="backend 'mpi'"):
+        torch_stage.backend_and_device("mpi", 0, 1)

@@ -157,7 +157,8 @@ def train_pipelined(job, rank: int, world: int, device: torch.device, backend: s
         loss = pipe.backward_window(ids, mask, labels, len(window))
         lr = pipe.step()
         log.write({"type": "window", "t_unix_ms": int(time.time() * 1000), "stage": rank, "window": w,
-                   "micro_batches": len(window), "mean_loss": loss, "lr": lr, "window_ms": (time.perf_counter() - t0) * 1e3,
+                   "micro_batches": len(window), "mean_loss": loss, "lr": lr,
+                   "window_ms": (time.perf_counter() - t0) * 1e3,
                    "pss_mib": pss_mib(), "temperature_c": None})
     log.write({"type": "done", "t_unix_ms": int(time.time() * 1000), "stage": rank,
                "micro_batches": plan.num_micro_batches, **busy(cpu0, wall0)})

@@ -72,27 +72,33 @@ class TorchJob:
                           "its run directory.") from e
 
 
-def backend_and_device(backend: str, local_rank: int) -> tuple[str, torch.device]:
-    """(process-group backend, this rank's device): NCCL on cuda:LOCAL_RANK when CUDA is there, gloo on CPU."""
+def backend_and_device(backend: str, local_rank: int, local_world: int) -> tuple[str, torch.device]:
+    """(process-group backend, this rank's device).
+
+    auto: NCCL on cuda:LOCAL_RANK when this host has a GPU per local rank (NCCL refuses two ranks on one GPU),
+    else gloo on CPU. nccl without enough GPUs is an error.
+    """
     if backend not in BACKENDS:
         raise ZLError(f"torch job backend {backend!r}: expected one of {', '.join(BACKENDS)}.")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if gpus >= local_world else "gloo"
     if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise ZLError("torch job backend nccl: CUDA is not available here; use gloo (or auto).")
-        return backend, torch.device("cuda", local_rank % torch.cuda.device_count())
+        if gpus < local_world:
+            raise ZLError(f"torch job backend nccl: {local_world} ranks on this host but {gpus} GPU(s); NCCL needs "
+                          "one GPU per rank. Use backend gloo (or auto).")
+        return backend, torch.device("cuda", local_rank)
     return backend, torch.device("cpu")
 
 
-def run_rank(job: TorchJob, rank: int, world: int, local_rank: int, init_method: str) -> None:
+def run_rank(job: TorchJob, rank: int, world: int, local_rank: int, local_world: int, init_method: str) -> None:
     """Join the process group, train stage `rank` to the end of the run, wait for every rank, leave."""
     from zl_device.run.torch_pipeline import SCHEDULES
 
     if job.pipeline not in ("zerolock", *SCHEDULES):
         raise ZLError(f"torch job pipeline {job.pipeline!r}: expected zerolock or one of {', '.join(SCHEDULES)}.")
     torch.set_num_threads(job.threads)
-    backend, device = backend_and_device(job.backend, local_rank)
+    backend, device = backend_and_device(job.backend, local_rank, local_world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
@@ -252,7 +258,7 @@ def pss_mib() -> float | None:
 
 def spawned(index: int, job_path: str, world: int, init_method: str) -> None:
     """torch.multiprocessing's entry point: rank `index` of `world` on this host."""
-    run_rank(TorchJob.load(job_path), index, world, index, init_method)
+    run_rank(TorchJob.load(job_path), index, world, index, world, init_method)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        run_rank(TorchJob.load(argv[0]), rank, world, int(os.environ.get("LOCAL_RANK", rank)), "env://")
+        run_rank(TorchJob.load(argv[0]), rank, world, int(os.environ.get("LOCAL_RANK", rank)),
+                 int(os.environ.get("LOCAL_WORLD_SIZE", world)), "env://")
     except ZLError as e:
         if os.environ.get("ZL_DEBUG"):
             raise

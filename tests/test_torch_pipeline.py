@@ -153,5 +153,5 @@ def test_bench_pipelines_measures_every_pipeline(tmp_path, capsys):
     # Same data, same first window: the last stage's first loss is the same plain CE in all three.
     assert results[1]["last_stage_first_loss"] == pytest.approx(results[2]["last_stage_first_loss"], rel=1e-5)
     printed = capsys.readouterr().out
-    assert sum(line.startswith("| ") for line in printed.splitlines()) == 5  # header, rule, three pipelines
+    assert sum(line.startswith("|") for line in printed.splitlines()) == 5  # header, rule, three pipelines
     assert json.loads((tmp_path / "bench.json").read_text())["results"] == results

@@ -171,10 +171,10 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
                      OptimizerSettings(lr=job.lr[rank], weight_decay=job.weight_decay, schedule=job.schedule),
                      plan.num_windows)
     link = StageLink(rank, world, batch, hidden, device, job.in_flight, job.link_timeout_s)
-    if not first:
-        link.post_receive()
     setup_s = time.time() - start
-    dist.barrier()  # the run starts when every stage is built: process start and model load are not its time
+    # The run starts when every stage is built: process start and model load are not its time. No receive is
+    # posted before the barrier: on NCCL a p2p op queued ahead of a collective can deadlock it.
+    dist.barrier()
     log.write({"type": "start", "t_unix_ms": int(time.time() * 1000), "stage": rank, "num_stages": world,
                "pid": os.getpid(), "first_micro_batch": 0,
                "resumed_from_window": None, "listen_port": None, "runtime": "torch", "backend": backend,

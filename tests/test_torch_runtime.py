@@ -278,3 +278,21 @@ def test_backend_is_nccl_only_with_a_gpu_per_rank(monkeypatch):
         torch_stage.backend_and_device("nccl", 0, 3)
     with pytest.raises(ZLError, match="backend 'mpi'"):
         torch_stage.backend_and_device("mpi", 0, 1)
+
+
+def test_rank_watch_reads_progress_from_complete_lines(tmp_path):
+    from zl_device.run.torch_runtime import RankWatch
+
+    path = tmp_path / "stage_0" / "metrics.jsonl"
+    path.parent.mkdir()
+    watch = RankWatch(tmp_path, 2)
+    assert [st.state for st in watch.poll()] == ["starting", "starting"]
+    lines = [{"type": "start", "stage": 0}, {"type": "micro_batch", "stage": 0, "micro_batch": 0, "loss": 5.5},
+             {"type": "micro_batch", "stage": 0, "micro_batch": 1, "loss": 5.25}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"type": "window", "sta')  # one line half-written
+    st = watch.poll()[0]
+    assert (st.state, st.micro_batches_done, st.last_loss, st.last_committed_window) == ("running", 2, 5.25, -1)
+    with open(path, "a") as f:
+        f.write('ge": 0, "window": 0, "pss_mib": 300.5}\n{"type": "done", "stage": 0}\n')
+    st = watch.poll()[0]
+    assert (st.state, st.last_committed_window, st.pss_mib, st.micro_batches_done) == ("done", 0, 300.5, 2)

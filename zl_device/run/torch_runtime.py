@@ -37,8 +37,9 @@ def check_torch_settings(s: TrainSettings) -> None:
                       "torchrun, docs/design.md §13), not on phones; drop --devices or use --runtime executorch.")
 
 
-def run_torch_training(s: TrainSettings, say=print):
-    """The whole `zl train --runtime torch` job; returns a train_job.TrainResult."""
+def run_torch_training(s: TrainSettings, say=print, on_update=None):
+    """The whole `zl train --runtime torch` job; returns a train_job.TrainResult. `on_update` gets the stages'
+    states (coordinator.StageStatus, from the ranks' telemetry) about once a second."""
     from zl_device.results.adapter import merge_checkpoints
     from zl_device.results.report import write_report
     from zl_device.run.torch_stage import JOB_FILE
@@ -64,7 +65,9 @@ def run_torch_training(s: TrainSettings, say=print):
         return TrainResult(run_dir, time.time() - start, 0)
     say(f"run: {num_stages} stages as torch.distributed ranks on this host, {s.samples} samples, "
         f"{windows.num_micro_batches} micro-batches in {windows.num_windows} windows of {windows.window_size}")
-    launched, _ = launch_ranks(job_path, num_stages, s.timeout_s)
+    watch = RankWatch(run_dir / "stages", num_stages)
+    launched, _ = launch_ranks(job_path, num_stages, s.timeout_s,
+                               on_poll=(lambda: on_update(watch.poll())) if on_update else None)
     begin_ms, end_ms = training_span(run_dir, num_stages)  # process start-up and model load are not training
     event = {"type": "run", "start_unix_ms": begin_ms, "end_unix_ms": end_ms,
              "launch_s": round(begin_ms / 1000 - launched, 3),
@@ -143,7 +146,7 @@ def torch_job(s: TrainSettings, run_dir: Path, shard: Path, num_stages: int):
                     threads=s.threads, in_flight=s.in_flight, link_timeout_s=s.link_timeout_s)
 
 
-def launch_ranks(job_path: Path, world: int, timeout_s: float) -> tuple[float, float]:
+def launch_ranks(job_path: Path, world: int, timeout_s: float, on_poll=None) -> tuple[float, float]:
     """One process per stage on this host (torch.multiprocessing spawn, rendezvous on a free 127.0.0.1 port);
     returns the (start, end) Unix times of the run.
 
@@ -164,6 +167,8 @@ def launch_ranks(job_path: Path, world: int, timeout_s: float) -> tuple[float, f
                              start_method="spawn")
     try:
         while not ctx.join(timeout=1.0):
+            if on_poll is not None:
+                on_poll()
             if time.time() - start > timeout_s:
                 raise ZLError(f"the run took longer than --timeout {timeout_s:g} s and was stopped; raise --timeout.")
     except ProcessRaisedException as e:
@@ -181,6 +186,40 @@ def launch_ranks(job_path: Path, world: int, timeout_s: float) -> tuple[float, f
                     p.kill()
                     p.join()
     return start, time.time()
+
+
+class RankWatch:
+    """The ranks' progress for the live display, read from the new lines of their metrics.jsonl files."""
+
+    def __init__(self, stages_dir: Path, num_stages: int):
+        from zl_device.run.coordinator import StageStatus
+
+        self.paths = [stages_dir / f"stage_{k}" / "metrics.jsonl" for k in range(num_stages)]
+        self.offsets = [0] * num_stages
+        self.status = [StageStatus(k, f"rank-{k}") for k in range(num_stages)]
+
+    def poll(self) -> list:
+        for k, path in enumerate(self.paths):
+            if not path.is_file():
+                continue
+            with open(path, encoding="utf-8") as f:
+                f.seek(self.offsets[k])
+                text = f.read()
+            complete = text[:text.rfind("\n") + 1]  # a line being written waits for the next poll
+            self.offsets[k] += len(complete.encode("utf-8"))
+            st = self.status[k]
+            for line in complete.splitlines():
+                record = json.loads(line)
+                kind = record["type"]
+                if kind == "start":
+                    st.state = "running"
+                elif kind == "micro_batch":
+                    st.micro_batches_done, st.last_loss = record["micro_batch"] + 1, record["loss"]
+                elif kind == "window":
+                    st.last_committed_window, st.pss_mib = record["window"], record["pss_mib"]
+                elif kind == "done":
+                    st.state = "done"
+        return self.status
 
 
 def _last_line(message: str) -> str:

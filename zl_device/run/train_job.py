@@ -75,7 +75,7 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     if s.runtime == "torch":  # the stages as torch.distributed ranks: zl_device/run/torch_runtime.py
         from zl_device.run.torch_runtime import run_torch_training
 
-        return run_torch_training(s, say)
+        return run_torch_training(s, say, on_update)
     start = time.time()
     run_dir, spec = open_run(s)
     model = RunModel(s.split.model, s.seed)

@@ -181,6 +181,28 @@ def test_a_killed_rank_fails_the_run_with_a_clear_error(data_file, tmp_path):
 
 
 @pytest.mark.slow
+def test_resume_after_an_injected_failure_ends_identical(torch_run, data_file, tmp_path):
+    """Stage 1 SIGKILLs itself in window 2 (--inject-failure 1@2); `--resume` rolls every stage back to the latest
+    window all committed and replays: the adapter is the clean run's, bit for bit."""
+    from zl_device.run.train_job import run_training
+
+    out = tmp_path / "run"
+    with pytest.raises(ZLError, match="stage 1"):
+        run_training(settings(out, data_file, inject_failure="1@2"), say=lambda line: None)
+    said: list[str] = []
+    result = run_training(settings(out, data_file, resume=True), say=said.append)
+    assert said[0] == f"resume: {out.resolve()} from the latest window every stage checkpointed"
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    starts = {k: [r for r in lines if r["type"] == "start" and r["stage"] == k] for k in range(3)}
+    assert all(len(s) == 2 and s[0]["resumed_from_window"] is None for s in starts.values())
+    resumed = {s[1]["resumed_from_window"] for s in starts.values()}
+    assert len(resumed) == 1 and resumed.pop() in (0, 1)  # one common window, before the failure's
+    clean, got = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (torch_run.run_dir, out))
+    assert got.keys() == clean.keys() and all(torch.equal(got[n], clean[n]) for n in clean)
+    assert result.report["run"]["samples"] == SAMPLES
+
+
+@pytest.mark.slow
 def test_torchrun_runs_the_prepared_job_to_the_same_adapter(torch_run, data_file, tmp_path):
     """`--launcher torchrun` prepares the run; torchrun's ranks train what the spawned ranks trained, bit for bit."""
     from zl_device.results.adapter import merge_checkpoints
@@ -233,7 +255,6 @@ def test_torch_checkpoints_merge_like_the_runners(tmp_path):
 
 
 @pytest.mark.parametrize("change, problem", [
-    ({"inject_failure": "1@2"}, "--inject-failure is not supported with --runtime torch"),
     ({"spares": 1}, "--spares is not supported with --runtime torch"),
     ({"devices": "R58M123,R58M456,R58M789"}, "runs its stages as processes on this host"),
 ])
@@ -253,6 +274,8 @@ def test_link_timeout_and_launcher_are_checked():
         TrainSettings(runtime="torch", link_timeout_s=0).validate()
     with pytest.raises(ZLError, match="--launcher torchrun: launchers start torch.distributed ranks; add --runtime torch"):
         TrainSettings(launcher="torchrun").validate()
+    with pytest.raises(ZLError, match="--resume: continues a --runtime torch run"):
+        TrainSettings(resume=True).validate()
 
 
 def test_torchrun_entry_point_needs_torchrun_and_a_job(tmp_path, monkeypatch, capsys):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from zl.errors import ZLError
 from zl_device.run.train_settings import TrainSettings
+from zl_device.run.windows import WindowPlan
 
 RUNTIME = "torch"
 
@@ -27,11 +28,11 @@ def check_torch_settings(s: TrainSettings) -> None:
     """Options of the ExecuTorch runtime that `--runtime torch` does not have fail here, before anything runs."""
     from zl_device.devices.registry import parse_devices
 
-    unsupported = [(s.inject_failure, "--inject-failure"), (s.spares, "--spares"), (s.mode != "binary", "--mode")]
+    unsupported = [(s.spares, "--spares"), (s.mode != "binary", "--mode")]
     for value, name in unsupported:
         if value:
-            raise ZLError(f"{name} is not supported with --runtime torch (no failure recovery there yet); drop it "
-                          "or use --runtime executorch.")
+            raise ZLError(f"{name} is not supported with --runtime torch (a failed stage is not replaced; rerun with "
+                          "--resume); drop it or use --runtime executorch.")
     if parse_devices(s.devices).kind != "local":
         raise ZLError(f"--devices {s.devices}: --runtime torch runs its stages as processes on this host (or under "
                       "torchrun, docs/design.md §13), not on phones; drop --devices or use --runtime executorch.")
@@ -48,22 +49,28 @@ def run_torch_training(s: TrainSettings, say=print, on_update=None):
 
     check_torch_settings(s)
     start = time.time()
-    run_dir, _ = open_run(s)
-    model = RunModel(s.split.model, s.seed)
-    seq_len = run_seq_len(s, model.tokenizer)
-    shard, dev = prepare_data(s, model.tokenizer, seq_len, run_dir / "data", say)
-    opts = s.export_options(seq_len, run_max_targets(s, shard, say))
-    manifest = write_manifest(s, opts, model.loaded(), shard, run_dir)
-    num_stages = len(manifest["stages"])
-    windows = s.windows()
-    job = torch_job(s, run_dir, shard, num_stages)
+    if s.resume:
+        s.validate()
+        run_dir, job, dev = resumed_run(s, say)
+        model = RunModel(job.model, json.loads((run_dir / "manifest.json").read_text())["seed"])
+    else:
+        run_dir, _ = open_run(s)
+        model = RunModel(s.split.model, s.seed)
+        seq_len = run_seq_len(s, model.tokenizer)
+        shard, dev = prepare_data(s, model.tokenizer, seq_len, run_dir / "data", say)
+        opts = s.export_options(seq_len, run_max_targets(s, shard, say))
+        write_manifest(s, opts, model.loaded(), shard, run_dir)
+        job = torch_job(s, run_dir, shard)
+    num_stages = len(job.lr)
+    windows = WindowPlan(job.num_micro_batches, job.window_size)
+    samples = job.num_micro_batches * job.micro_batch
     job_path = run_dir / JOB_FILE
     job.save(job_path)
     if s.launcher == "torchrun":  # the user starts the ranks: the run ends here, prepared
         for line in torchrun_instructions(run_dir, job_path, num_stages):
             say(line)
         return TrainResult(run_dir, time.time() - start, 0)
-    say(f"run: {num_stages} stages as torch.distributed ranks on this host, {s.samples} samples, "
+    say(f"run: {num_stages} stages as torch.distributed ranks on this host, {samples} samples, "
         f"{windows.num_micro_batches} micro-batches in {windows.num_windows} windows of {windows.window_size}")
     watch = RankWatch(run_dir / "stages", num_stages)
     launched, _ = launch_ranks(job_path, num_stages, s.timeout_s,
@@ -71,14 +78,15 @@ def run_torch_training(s: TrainSettings, say=print, on_update=None):
     begin_ms, end_ms = training_span(run_dir, num_stages)  # process start-up and model load are not training
     event = {"type": "run", "start_unix_ms": begin_ms, "end_unix_ms": end_ms,
              "launch_s": round(begin_ms / 1000 - launched, 3),
-             "samples": windows.num_micro_batches * s.export.micro_batch, "run_id": job.run_id,
+             "samples": samples, "run_id": job.run_id,
              "num_stages": num_stages, "window_size": windows.window_size,
-             "num_micro_batches": windows.num_micro_batches, "runtime": RUNTIME, "recovery": None,
+             "num_micro_batches": windows.num_micro_batches, "runtime": RUNTIME,
+             "recovery": "resume" if s.resume else None,
              "devices": [f"rank-{k}" for k in range(num_stages)]}
     merge_metrics(run_dir, num_stages, [event])
     merged = merge_checkpoints(run_dir / "checkpoints", run_dir / "manifest.json", run_dir / "adapter")
     say(f"merge: {merged.numel:,} LoRA parameters of window {merged.window} -> {run_dir / 'adapter'}")
-    result = TrainResult(run_dir, time.time() - start, windows.num_micro_batches * s.export.micro_batch)
+    result = TrainResult(run_dir, time.time() - start, samples)
     if dev is not None:
         result.eval = evaluate_run(s, model, run_dir, dev, say)
     result.report = write_report(run_dir)
@@ -131,11 +139,36 @@ def write_manifest(s: TrainSettings, opts, loaded, shard: Path, run_dir: Path) -
     return manifest
 
 
-def torch_job(s: TrainSettings, run_dir: Path, shard: Path, num_stages: int):
+def resumed_run(s: TrainSettings, say):
+    """(run_dir, its job set to resume, its dev shard or None) for `--resume --out RUN_DIR`.
+
+    Raises:
+        ZLError: RUN_DIR holds no torch job.
+    """
+    from zl_device.run.torch_stage import JOB_FILE, TorchJob
+
+    run_dir = Path(s.out).expanduser().resolve()
+    if not (run_dir / JOB_FILE).is_file():
+        raise ZLError(f"--resume --out {run_dir}: no {JOB_FILE} there; pass the directory of a `zl train --runtime "
+                      "torch` run (one that failed or was stopped).")
+    job = TorchJob.load(run_dir / JOB_FILE)
+    job.resume, job.fail_at = True, None  # an injected failure happens once
+    dev = run_dir / "data" / "dev.safetensors"
+    say(f"resume: {run_dir} from the latest window every stage checkpointed")
+    return run_dir, job, (dev if dev.is_file() else None)
+
+
+def torch_job(s: TrainSettings, run_dir: Path, shard: Path):
     """The ranks' job: the runner configs' optimizer, plan and schedule (launch.stage_configs), for torch."""
+    from zl_device.run.coordinator import Injection
     from zl_device.run.torch_stage import TorchJob
 
+    num_stages = len(json.loads((run_dir / "manifest.json").read_text())["stages"])
     windows = s.windows()
+    fail_at = None
+    if s.inject_failure:
+        injection = Injection.parse(s.inject_failure, num_stages, windows.num_windows)
+        fail_at = [injection.stage, injection.hold_micro_batch(windows)]
     schedule = {"kind": "warmup_cosine", "warmup_steps": min(s.warmup_windows, max(0, windows.num_windows - 1)),
                 "min_lr_ratio": 0.1}
     return TorchJob(model=s.split.model, manifest=str(run_dir / "manifest.json"), shard=str(Path(shard).resolve()),
@@ -143,7 +176,10 @@ def torch_job(s: TrainSettings, run_dir: Path, shard: Path, num_stages: int):
                     num_micro_batches=windows.num_micro_batches,
                     lr=[s.stage_lr_of(k) for k in range(num_stages)], weight_decay=0.0, schedule=schedule,
                     checkpoint_dir=str(run_dir / "checkpoints"), metrics_dir=str(run_dir / "stages"),
-                    threads=s.threads, in_flight=s.in_flight, link_timeout_s=s.link_timeout_s)
+                    threads=s.threads, in_flight=s.in_flight, link_timeout_s=s.link_timeout_s,
+                    micro_batch=s.export.micro_batch, fail_at=fail_at,
+                    # Neighbours commit at most a window apart, so K+1 windows hold one every stage has (resume).
+                    keep_last=num_stages + 1)
 
 
 def launch_ranks(job_path: Path, world: int, timeout_s: float, on_poll=None) -> tuple[float, float]:
@@ -234,9 +270,12 @@ def training_span(run_dir: Path, num_stages: int) -> tuple[int, int]:
     to the last stage's end."""
     from zl_device.run.metrics_log import METRICS, STAGES_DIR, read_lines
 
-    lines = [r for k in range(num_stages) for r in read_lines(run_dir / STAGES_DIR / f"stage_{k}" / METRICS)]
-    return (min(r["t_unix_ms"] for r in lines if r["type"] == "start"),
-            max(r["t_unix_ms"] for r in lines if r["type"] == "done"))
+    begin, end = [], []
+    for k in range(num_stages):  # each rank's last attempt (a resumed run has several)
+        lines = read_lines(run_dir / STAGES_DIR / f"stage_{k}" / METRICS)
+        begin.append([r["t_unix_ms"] for r in lines if r["type"] == "start"][-1])
+        end.append([r["t_unix_ms"] for r in lines if r["type"] == "done"][-1])
+    return min(begin), max(end)
 
 
 def merge_metrics(run_dir: Path, num_stages: int, events: list[dict]) -> Path:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -47,6 +48,7 @@ class TorchJob:
     run_id: str
     window_size: int
     num_micro_batches: int
+    micro_batch: int  # B, rows per micro-batch (the manifest's)
     lr: list[float]  # per stage: --lr x --stage-lr
     weight_decay: float
     schedule: dict  # the runner's lr schedule (zl_device/run/lr_schedule.py)
@@ -58,6 +60,8 @@ class TorchJob:
     link_timeout_s: float = 600.0
     backend: str = "auto"  # auto: nccl when CUDA is there, else gloo
     pipeline: str = "zerolock"  # or a backprop baseline: gpipe, 1f1b (torch_pipeline.py; tools/bench_pipelines.py)
+    resume: bool = False  # start after the latest window every stage has checkpointed (docs/design.md §13)
+    fail_at: list[int] | None = None  # [stage, micro-batch]: that stage SIGKILLs itself there (--inject-failure)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -175,15 +179,19 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
     # The run starts when every stage is built: process start and model load are not its time. No receive is
     # posted before the barrier: on NCCL a p2p op queued ahead of a collective can deadlock it.
     dist.barrier()
-    log.write({"type": "start", "t_unix_ms": int(time.time() * 1000), "stage": rank, "num_stages": world,
-               "pid": os.getpid(), "first_micro_batch": 0,
-               "resumed_from_window": None, "listen_port": None, "runtime": "torch", "backend": backend,
-               "device": str(device), "setup_s": round(setup_s, 3), "config": asdict(job)})
     stage_root = Path(job.checkpoint_dir) / f"stage_{rank}"
+    resumed = resume_window(job, rank, stage_root, step, names, device) if job.resume else None
+    first_window = 0 if resumed is None else resumed + 1
+    log.write({"type": "start", "t_unix_ms": int(time.time() * 1000), "stage": rank, "num_stages": world,
+               "pid": os.getpid(), "first_micro_batch": plan.start(first_window),
+               "resumed_from_window": resumed, "listen_port": None, "runtime": "torch", "backend": backend,
+               "device": str(device), "setup_s": round(setup_s, 3), "config": asdict(job)})
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    for w in range(plan.num_windows):
+    for w in range(first_window, plan.num_windows):
         step.start_window()
         for mb in plan.micro_batches(w):
+            if job.fail_at == [rank, mb]:
+                os.kill(os.getpid(), signal.SIGKILL)  # --inject-failure: die as a crashed process does
             t0 = time.perf_counter()
             if first:
                 x, mask, labels = (t.to(device) for t in micro_batch(shard, mb, batch))
@@ -221,6 +229,54 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
     log.write({"type": "done", "t_unix_ms": int(time.time() * 1000), "stage": rank,
                "micro_batches": plan.num_micro_batches, "wall_s": round(time.time() - start, 3),
                "optimizer_step": step.optimizer_step, "link": link.stats(), **busy(cpu0, wall0)})
+
+
+def resume_window(job: TorchJob, rank: int, stage_root: Path, step, names: dict[int, str],
+                  device: torch.device) -> int | None:
+    """Restore the latest window every stage has checkpointed (the ranks agree on it with an all-reduce MIN):
+    parameters, AdamW moments, step and lr; this stage's later windows are removed (the replay recomputes them,
+    bit for bit). Returns that window, or None when some stage has none (the run starts over).
+
+    Raises:
+        ZLError: this stage lacks the common window, or the checkpoint is of another run or stage.
+    """
+    import shutil
+    import warnings
+
+    from safetensors.torch import load_file
+
+    from zl_device.run.checkpoints import DEFAULT_LAYOUT as layout
+
+    mine = layout.windows(stage_root) if stage_root.is_dir() else []
+    latest = torch.tensor([mine[-1] if mine else -1], dtype=torch.int64, device=device)
+    dist.all_reduce(latest, op=dist.ReduceOp.MIN)
+    window = int(latest.item())
+    for later in [w for w in mine if w > window]:
+        shutil.rmtree(stage_root / layout.window_name(later))
+    if window < 0:
+        return None
+    if window not in mine:
+        raise ZLError(f"stage {rank}: no checkpoint of window {window} in {stage_root} (it has {mine}), the latest "
+                      "window every stage committed, so the run cannot resume; start a new run.")
+    where = stage_root / layout.window_name(window)
+    progress = json.loads((where / layout.progress_file).read_text())
+    if progress.get("run_id") != job.run_id or progress.get("stage") != rank:
+        raise ZLError(f"{where}: a checkpoint of run {progress.get('run_id')} stage {progress.get('stage')}, not of "
+                      f"this run ({job.run_id}) stage {rank}; resume only the run directory that wrote it.")
+    params, moments = load_file(str(where / layout.adapter_file)), load_file(str(where / "optimizer.safetensors"))
+    done = progress["optimizer_step"]
+    for p in step.params:
+        name = names[id(p)]
+        with torch.no_grad():
+            p.copy_(params[name])
+        step.optimizer.state[p] = {"step": torch.tensor(float(done)),
+                                   "exp_avg": moments[f"{name}.exp_avg"].to(device),
+                                   "exp_avg_sq": moments[f"{name}.exp_avg_sq"].to(device)}
+    with warnings.catch_warnings():  # the schedule catches up without optimizer steps, on purpose
+        warnings.simplefilter("ignore")
+        for _ in range(done):
+            step.scheduler.step()
+    return window
 
 
 def busy(cpu0: float, wall0: float) -> dict:

@@ -23,6 +23,8 @@ Examples:
   zl train --model tinyllama-random --stages 0-6,7-13,14-21 --seq-len 128 --samples 16 --window 4 --data demo
 
   zl train --devices R58M123,R58M456,R58M789 --mode app --out runs/phones
+
+  zl train --runtime torch --model tiny-random --samples 64 --out runs/torch     # stages as torch.distributed ranks
 """
 
 console = Console()
@@ -80,6 +82,8 @@ def run_train(settings: TrainSettings) -> None:
     finally:
         if started:
             live.stop()
+    if settings.runtime == "torch" and settings.launcher == "torchrun":
+        return  # prepared: the user starts the ranks with the torchrun command printed above
     if not result.report:
         raise ZLError("the run produced no report")
     console.print(f"[bold]done[/] in {result.wall_s:.0f} s: {result.samples} samples; results in {result.run_dir}")

@@ -123,6 +123,70 @@ class TrainLog:
 # --- ZeroLock ------------------------------------------------------------------------------------------
 
 
+class StageStep:
+    """One ZeroLock stage's training, as every runtime runs it (in one process here, one rank per stage in
+    zl_device/run/torch_stage.py).
+
+    Per micro-batch: `begin` (phase 1: the stage's layers; returns the hidden state to hand downstream),
+    then `finish` (phase 2: the local loss and its backward; gradients add up in `.grad`). Per window:
+    `start_window`, the micro-batches, `end_window` (one AdamW step on the mean gradient, the runner's lr
+    schedule). The readouts run on the target positions only (`gather_targets`).
+    """
+
+    def __init__(self, module: torch.nn.Module, lr: float, opt: OptimizerSettings, num_windows: int):
+        module.gather_targets = True
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = runner_optimizer([{"params": self.params, "lr": lr}], opt, num_windows)
+        self._sums = torch.zeros(3, dtype=torch.float64)  # loss, task, consistency summed over the window
+        self._count = 0
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def start_window(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sums.zero_()
+        self._count = 0
+
+    def begin(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Phase 1 on input ids (stage 0) or the upstream hidden state (B, L, D); returns the output hidden state
+        (B, L, D), detached: what the marker hands downstream."""
+        h_in, h = self.module.chunk(x, mask)
+        self._pending = (h_in, h)
+        return h.detach()
+
+    def finish(self, labels: torch.Tensor) -> tuple[float, float, float]:
+        """Phase 2 of the micro-batch `begin` started: local loss, backward; returns (loss, task, consistency)."""
+        if self._pending is None:
+            raise RuntimeError("StageStep.finish without begin")
+        h_in, h = self._pending
+        self._pending = None
+        loss, task, consistency = self.module.loss_terms(h_in, h, labels)
+        loss.backward()
+        values = torch.tensor([loss.item(), task.item(), consistency.item()], dtype=torch.float64)
+        self._sums += values
+        self._count += 1
+        return tuple(values.tolist())
+
+    def end_window(self) -> tuple[float, list[float]]:
+        """The window's AdamW step; returns (lr used, [mean loss, mean task loss, mean consistency loss])."""
+        means = (self._sums / self._count).tolist()
+        return _step(self.optimizer, self.scheduler, self.params, self._count), means
+
+    def moments(self, names: dict[int, str]) -> dict[str, torch.Tensor]:
+        """AdamW's first and second moments as the runner checkpoints them: `<name>.exp_avg`, `<name>.exp_avg_sq`."""
+        out = {}
+        for p in self.params:
+            state = self.optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{names[id(p)]}.{key}"] = state[key].detach() if key in state else torch.zeros_like(p.detach())
+        return out
+
+    @property
+    def optimizer_step(self) -> int:
+        """AdamW steps taken (= committed windows)."""
+        return self.scheduler.last_epoch
+
+
 def train_zerolock(
     modules: Sequence[torch.nn.Module],
     shard: Shard,
@@ -145,33 +209,24 @@ def train_zerolock(
         raise ZLError(f"--stage-lr: {len(stage_lr)} values for {len(modules)} stages; give one or {len(modules)}.")
     if shard.rows < budget.micro_batch:
         raise ZLError(f"shard {shard.path} has {shard.rows} rows, fewer than one micro-batch of {budget.micro_batch}.")
-    stages = []
-    for k, module in enumerate(modules):
-        module.gather_targets = True
-        params = [p for p in module.parameters() if p.requires_grad]
-        mult = stage_lr[0] if len(stage_lr) == 1 else stage_lr[k]
-        stages.append((module, params, *runner_optimizer([{"params": params, "lr": opt.lr * mult}], opt,
-                                                         budget.num_windows)))
+    steps = [StageStep(module, opt.lr * (stage_lr[0] if len(stage_lr) == 1 else stage_lr[k]), opt, budget.num_windows)
+             for k, module in enumerate(modules)]
     log = TrainLog()
     start = time.perf_counter()
     for w, window in enumerate(budget.windows()):
-        for _, _, optimizer, _ in stages:
-            optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(3, len(modules), dtype=torch.float64)  # loss, task, consistency per stage
+        for step in steps:
+            step.start_window()
         for mb in window:
             x, mask, labels = micro_batch(shard, mb, budget.micro_batch)
-            for k, (module, *_rest) in enumerate(stages):
-                h_in, h = module.chunk(x, mask)
-                loss, task, consistency = module.loss_terms(h_in, h, labels)
-                loss.backward()
-                sums[:, k] += torch.tensor([loss.item(), task.item(), consistency.item()], dtype=torch.float64)
-                x = h.detach()  # what the marker hands downstream
-        lr = [_step(optimizer, scheduler, params, len(window)) for _, params, optimizer, scheduler in stages][0]
-        means = (sums / len(window)).tolist()
+            for step in steps:
+                x = step.begin(x, mask)
+                step.finish(labels)
+        ends = [step.end_window() for step in steps]
+        means = [[m[i] for _, m in ends] for i in range(3)]  # [term][stage]
         log.losses.append(means[0])
         log.task_losses.append(means[1])
         log.consistency_losses.append(means[2])
-        log.lrs.append(lr)
+        log.lrs.append(ends[0][0])
         on_window(w, log)
     log.seconds = time.perf_counter() - start
     for module in modules:

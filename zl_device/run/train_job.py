@@ -72,6 +72,10 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     from zl_device.run.launch import launch
     from zl_device.run.train_data import prepare_data, run_max_targets, run_seq_len
 
+    if s.runtime == "torch":  # the stages as torch.distributed ranks: zl_device/run/torch_runtime.py
+        from zl_device.run.torch_runtime import run_torch_training
+
+        return run_torch_training(s, say, on_update)
     start = time.time()
     run_dir, spec = open_run(s, say)
     model = RunModel(s.split.model, s.seed)

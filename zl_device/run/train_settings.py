@@ -17,6 +17,8 @@ from zl_export.options import ExportOptions, ModelSplit
 
 DEMO = "demo"
 RECOVERY_MODES = ("local", "global")
+RUNTIMES = ("executorch", "torch")
+LAUNCHERS = ("spawn", "torchrun")
 
 
 @dataclass
@@ -33,6 +35,12 @@ class TrainSettings:
     window: int = setting(4, "Update window m: micro-batches per AdamW step.")
     devices: str = setting("local:3", "local:N, or phone serials SERIAL1,SERIAL2,... (see `zl devices`).")
     mode: str = setting("binary", MODE_HELP, choices=MODES)
+    runtime: str = setting("executorch", "executorch: the stage programs on the devices (zl_runner); torch: one "
+                                         "torch.distributed rank per stage on this host, in PyTorch eager, no export "
+                                         "(docs/design.md §13).", choices=RUNTIMES)
+    launcher: str = setting("spawn", "--runtime torch: spawn runs one process per stage on this host; torchrun only "
+                                     "prepares --out and prints the torchrun command that starts the ranks (multi-GPU, "
+                                     "multi-node), then `zl merge` and `zl report`.", choices=LAUNCHERS)
     out: Path = setting(Path("runs/train"), "Run directory (must be new or empty).")
     recovery: str = setting("local", "local: restart only the failed stage; global: roll every stage back.",
                             choices=RECOVERY_MODES)
@@ -48,6 +56,10 @@ class TrainSettings:
     threads: int = setting(1, "ExecuTorch threads per runner.")
     eval_limit: int | None = setting(None, "Evaluate on the first N dev rows only.")
     timeout_s: float = setting(3600.0, "Give up when the run takes longer (seconds).", flag="--timeout")
+    resume: bool = setting(False, "--runtime torch: continue the run in --out (after a failure) from the latest "
+                                  "window every stage checkpointed; the run's own settings are kept.")
+    link_timeout_s: float = setting(600.0, "--runtime torch: a stage that waits this long (seconds) for a neighbour's "
+                                           "hidden state fails the run.", flag="--link-timeout")
     # Not on the command line: tests and experiments set them.
     warmup_windows: int = setting(2, "Windows of linear LR warm-up (capped at the run's windows - 1).", cli=False)
     in_flight: int = setting(4, "Un-acknowledged entries per link (the runner's in_flight_depth).", cli=False)
@@ -60,6 +72,13 @@ class TrainSettings:
         if self.samples < 1 or self.window < 1:
             raise ZLError(f"--samples {self.samples} --window {self.window}: both must be at least 1.")
         check_choices(self)
+        if self.launcher != "spawn" and self.runtime != "torch":
+            raise ZLError(f"--launcher {self.launcher}: launchers start torch.distributed ranks; add --runtime torch.")
+        if self.resume and self.runtime != "torch":
+            raise ZLError("--resume: continues a --runtime torch run; the ExecuTorch runtime resumes failed stages "
+                          "itself (--recovery). Add --runtime torch.")
+        if self.link_timeout_s <= 0:
+            raise ZLError(f"--link-timeout {self.link_timeout_s:g}: must be a positive number of seconds, e.g. 600.")
         self.export.validate()
         stages = self.split.count
         self.export.loss.validate(stages)

@@ -1,0 +1,157 @@
+"""The backprop baselines (zl_device/run/torch_pipeline.py): GPipe and 1F1B on three gloo ranks, tiny-random.
+
+Each schedule's mean gradient over a window must equal single-process backprop
+of the same micro-batches (`causal_lm_loss`, the full PEFT model); a short last
+window gets its own schedule; both schedules train to the same LoRA weights.
+Slow: the ranks are spawned processes (~40 s on a loaded 2-core host).
+"""
+
+import datetime
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from zl_export.shard import write_shard
+
+BATCH, WINDOW, MICRO_BATCHES, SEQ = 2, 4, 6, 24  # windows: micro-batches 0-3, then a short 4-5
+STAGES = [(0, 0), (1, 2), (3, 3)]
+
+
+def make_shard(path: Path) -> Path:
+    """10 rows of byte tokens: a random prompt of varying length, then a 2-token completion + EOS; right-padded."""
+    gen = torch.Generator().manual_seed(3)
+    rows = 10
+    ids = torch.full((rows, SEQ), 257, dtype=torch.int64)  # ByteTokenizer: 256 EOS, 257 padding
+    labels = torch.full((rows, SEQ), -100, dtype=torch.int64)
+    for i in range(rows):
+        prompt = 6 + i % 9
+        ids[i, :prompt] = torch.randint(97, 123, (prompt,), generator=gen)
+        ids[i, prompt:prompt + 3] = torch.tensor([ord("o"), ord("k") if i % 2 else ord("n"), 256])
+        labels[i, prompt:prompt + 3] = ids[i, prompt:prompt + 3]
+    mask = (ids != 257).to(torch.int64)
+    write_shard(path, {"input_ids": ids, "attention_mask": mask, "labels": labels},
+                {"tokenizer": {"name": "bytes", "model": "tiny-random", "eos_token_id": 256, "pad_token_id": 257},
+                 "format": "prompt_completion"})
+    return path
+
+
+def build(seed: int = 0):
+    from zl_export.exporter import build_stage_modules, manifest_names
+    from zl_export.model_source import load_model
+    from zl_export.options import ExportOptions, LossConfig
+    from zl_export.stages import StageRange
+
+    opts = ExportOptions(seq_len=SEQ, micro_batch=BATCH, loss=LossConfig(translator_rank=0), seed=seed)
+    peft_model, modules = build_stage_modules(load_model("tiny-random", seed=seed).model,
+                                              [StageRange(k, a, b) for k, (a, b) in enumerate(STAGES)], opts)
+    names = manifest_names(modules[0], peft_model)
+    return peft_model, modules, names
+
+
+def rank_main(rank: int, port: int, shard_path: str, out: str) -> None:
+    """Spawned: each schedule on fresh modules: window 0's gradients, then both windows trained."""
+    import torch.distributed as dist
+
+    from zl_device.run.eager_training import OptimizerSettings
+    from zl_device.run.torch_pipeline import PipelinedStage, window_rows
+    from zl_device.run.windows import WindowPlan
+    from zl_export.shard import load_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(STAGES),
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        shard = load_shard(shard_path)
+        plan = WindowPlan(MICRO_BATCHES, WINDOW)
+        for kind in ("gpipe", "1f1b"):
+            _, modules, names = build()
+            pipe = PipelinedStage(modules[rank], rank, len(STAGES), torch.device("cpu"), kind, 5e-3,
+                                  OptimizerSettings(), plan.num_windows)
+            losses = []
+            for w in range(plan.num_windows):
+                window = plan.micro_batches(w)
+                losses.append(pipe.backward_window(*window_rows(shard, window, BATCH), len(window)))
+                if w == 0:
+                    save_file({names[id(p)]: p.grad.clone() for p in pipe.params}, f"{out}/{kind}_grad_{rank}.safetensors")
+                pipe.step()
+            save_file({names[id(p)]: p.detach().clone() for p in pipe.params}, f"{out}/{kind}_params_{rank}.safetensors")
+            Path(f"{out}/{kind}_losses_{rank}.json").write_text(json.dumps(losses))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    from zl_device.run.launch import free_port_base
+
+    out = tmp_path_factory.mktemp("pipelined")
+    shard = make_shard(out / "train.safetensors")
+    mp.start_processes(rank_main, args=(free_port_base(1), str(shard), str(out)), nprocs=len(STAGES), join=True,
+                       start_method="spawn")
+    return out, shard
+
+
+def load_all(out: Path, kind: str, what: str) -> dict[str, torch.Tensor]:
+    merged = {}
+    for k in range(len(STAGES)):
+        merged.update(load_file(str(out / f"{kind}_{what}_{k}.safetensors")))
+    return merged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_pipelined_gradient_equals_single_process_backprop(pipelined, kind, one_torch_thread):
+    from zl_device.run.eager_training import causal_lm_loss, micro_batch
+    from zl_export.shard import load_shard
+
+    out, shard_path = pipelined
+    shard = load_shard(shard_path)
+    peft_model, _, names = build()
+    peft_model.train()
+    for mb in range(WINDOW):  # window 0
+        causal_lm_loss(peft_model, *micro_batch(shard, mb, BATCH)).backward()
+    want = {names[id(p)]: p.grad / WINDOW for p in peft_model.parameters() if p.requires_grad}
+    got = load_all(out, kind, "grad")
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-8, msg=lambda m: f"{name}: {m}")
+    assert sum(float(g.abs().sum()) for g in want.values()) > 0
+    losses = json.loads((out / f"{kind}_losses_{len(STAGES) - 1}.json").read_text())
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)
+
+
+@pytest.mark.slow
+def test_gpipe_and_1f1b_train_the_same_weights(pipelined):
+    """Same micro-batches, same mean gradients, same AdamW: the schedules differ in order and memory, not result."""
+    out, _ = pipelined
+    gpipe, one_f = load_all(out, "gpipe", "params"), load_all(out, "1f1b", "params")
+    assert gpipe.keys() == one_f.keys()
+    for name, t in gpipe.items():
+        torch.testing.assert_close(one_f[name], t, rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
+    assert any(float(t.abs().max()) > 1e-3 for n, t in gpipe.items() if "lora_B" in n), "training moved LoRA B"
+
+
+@pytest.mark.slow
+def test_bench_pipelines_measures_every_pipeline(tmp_path, capsys):
+    """tools/bench_pipelines.py on tiny-random: one row per pipeline, figures from the ranks' telemetry."""
+    from conftest import load_tool
+
+    bench = load_tool("bench_pipelines")
+    results = bench.main(["--samples", "8", "--window", "4", "--seq-len", "64", "--out", str(tmp_path / "bench"),
+                          "--json", str(tmp_path / "bench.json")])
+    assert [r["pipeline"] for r in results] == ["zerolock", "gpipe", "1f1b"]
+    for r in results:
+        assert r["samples"] == 8 and r["records_per_s"] == pytest.approx(8 / r["wall_s"])
+        assert len(r["peak_rss_mib"]) == 3 and all(m > 50 for m in r["peak_rss_mib"])
+        assert all(0 < b < 2 for b in r["busy_share"]), r["busy_share"]  # gloo's I/O threads count as CPU too
+    # Same data, same first window: the last stage's first loss is the same plain CE in all three.
+    assert results[1]["last_stage_first_loss"] == pytest.approx(results[2]["last_stage_first_loss"], rel=1e-5)
+    printed = capsys.readouterr().out
+    assert sum(line.startswith("|") for line in printed.splitlines()) == 5  # header, rule, three pipelines
+    assert json.loads((tmp_path / "bench.json").read_text())["results"] == results

@@ -1,0 +1,321 @@
+"""`zl train --runtime torch` on tiny-random: the stages as torch.distributed ranks (gloo on CPU).
+
+The end-to-end tests are `slow`: three spawned ranks each import torch, PEFT and
+transformers and build their stage (~40 s on a loaded 2-core host). The fast
+tests cover the checkpoint format against `zl merge`, the settings checks and
+the torchrun entry point without starting ranks.
+
+    .venv/bin/python -m pytest tests/test_torch_runtime.py -m 'slow or not slow'
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from conftest import REPO
+from zl.errors import ZLError
+
+SAMPLES, WINDOW, BATCH = 12, 2, 2  # 6 micro-batches of 2 rows in 3 windows
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    rows = [{"prompt": f"item {i} is", "completion": " odd" if i % 2 else " even"} for i in range(40)]
+    path = tmp_path_factory.mktemp("data") / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def settings(out: Path, data_file: Path, **kw):
+    from zl_device.run.train_settings import TrainSettings
+    from zl_export.options import ExportOptions, LossConfig, ModelSplit
+
+    # Per-stage α, a gated KL, lens translators and a per-stage lr: everything a stage's step depends on.
+    loss = LossConfig(alpha=(0.5, 0.7, 1.0), first_target="none", gate="target_prob", translator_rank=2,
+                      translator_init="lens")
+    base = dict(split=ModelSplit("tiny-random"), samples=SAMPLES, window=WINDOW, out=out, seq_len=32,
+                data=str(data_file), eval_data=str(data_file), eval_limit=8, timeout_s=600, runtime="torch",
+                link_timeout_s=120, stage_lr=(1.0, 1.0, 2.0), export=ExportOptions(micro_batch=BATCH, loss=loss))
+    return TrainSettings(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def torch_run(data_file, tmp_path_factory):
+    from zl_device.run.train_job import run_training
+
+    return run_training(settings(tmp_path_factory.mktemp("torch") / "run", data_file), say=lambda line: None)
+
+
+def eager_reference(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The run retrained in one process by `train_zerolock` from its manifest, job and shard."""
+    from zl_device.run.eager_training import Budget, OptimizerSettings, stage_parameters, train_zerolock
+    from zl_export.exporter import build_stage_modules
+    from zl_export.model_source import load_model
+    from zl_export.options import ExportOptions, LoraSettings, LossConfig
+    from zl_export.shard import load_shard
+    from zl_export.stages import StageRange
+    from zl_export.translator import calibration_batches
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    job = json.loads((run_dir / "torch_job.json").read_text())
+    lora, batch = manifest["lora"], manifest["micro_batch"]
+    opts = ExportOptions(seq_len=manifest["seq_len"], micro_batch=batch,
+                         lora=LoraSettings(lora["rank"], lora["alpha"], tuple(lora["targets"])),
+                         loss=LossConfig.from_manifest(manifest["loss"]), seed=manifest["seed"],
+                         max_targets=manifest["max_targets"])
+    shard = load_shard(run_dir / "data" / "train.safetensors")
+    peft_model, modules = build_stage_modules(
+        load_model(manifest["model"]["name"], seed=manifest["seed"]).model,
+        [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]], opts, calibration_batches(shard))
+    lr = job["lr"]
+    train_zerolock(modules, shard, Budget(job["num_micro_batches"] * batch, job["window_size"], batch),
+                   OptimizerSettings(lr=lr[0], weight_decay=job["weight_decay"], schedule=job["schedule"]),
+                   stage_lr=[x / lr[0] for x in lr])
+    return stage_parameters(modules, peft_model)
+
+
+@pytest.mark.slow
+def test_torch_runtime_adapter_equals_the_eager_reference(torch_run, one_torch_thread):
+    run_dir = torch_run.run_dir
+    merged = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    for head in sorted((run_dir / "adapter" / "early_exit").glob("stage_*.safetensors")):
+        merged.update(load_file(str(head)))
+    want = eager_reference(run_dir)
+    assert set(merged) == set(want)
+    for name, t in want.items():
+        torch.testing.assert_close(merged[name], t, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    moved = [n for n, t in merged.items() if "lora_B" in n and t.abs().max() > 1e-3]
+    assert len(moved) == sum("lora_B" in n for n in merged), "every stage trained its LoRA B off zero"
+    assert merged["zl.translator.stage_0.up"].abs().max() > 0, "the translators trained too"
+
+
+@pytest.mark.slow
+def test_run_directory_serves_merge_eval_and_report(torch_run, tmp_path):
+    from zl.commands.merge import merge_command
+    from zl_device.results.report import build_report
+
+    run_dir = torch_run.run_dir
+    for name in ("manifest.json", "torch_job.json", "metrics.jsonl", "eval.json", "report.md", "report.json",
+                 "plots/loss.png", "adapter/adapter_config.json", "adapter/zl_merge.json"):
+        assert (run_dir / name).is_file(), name
+    windows = SAMPLES // BATCH // WINDOW
+    for k in range(3):
+        latest = run_dir / "checkpoints" / f"stage_{k}" / f"window_{windows - 1:06d}"
+        progress = json.loads((latest / "progress.json").read_text())
+        assert (progress["stage"], progress["window"], progress["optimizer_step"]) == (k, windows - 1, windows)
+        assert progress["micro_batches_done"] == progress["extra"]["num_micro_batches"] == SAMPLES // BATCH
+        moments = load_file(str(latest / "optimizer.safetensors"))
+        assert set(moments) == {f"{n}.{m}" for n in load_file(str(latest / "adapter.safetensors"))
+                                for m in ("exp_avg", "exp_avg_sq")}
+    # `zl merge` on the run's checkpoints gives the adapter the run wrote.
+    app = typer.Typer(add_completion=False)
+    app.command("merge")(merge_command)
+    out = tmp_path / "adapter"
+    result = CliRunner().invoke(app, ["--checkpoints", str(run_dir / "checkpoints"), "--manifest",
+                                      str(run_dir / "manifest.json"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    again, run = (load_file(str(d / "adapter_model.safetensors")) for d in (out, run_dir / "adapter"))
+    assert again.keys() == run.keys() and all(torch.equal(again[n], run[n]) for n in run)
+    # The report: every stage saw every micro-batch once; losses per window; the run event's span.
+    report = build_report(run_dir)
+    assert [s["micro_batches"] for s in report["stages"]] == [SAMPLES // BATCH] * 3
+    assert report["run"]["samples"] == SAMPLES and report["run"]["records_per_s"] > 0
+    lines = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for k in range(3):
+        window_lines = [r for r in lines if r["type"] == "window" and r["stage"] == k]
+        assert [r["window"] for r in window_lines] == list(range(windows))
+        assert all(r["mean_loss"] > 0 and r["lr"] > 0 for r in window_lines)
+        assert all(r["phase1_ms"] > 0 for r in lines if r["type"] == "micro_batch" and r["stage"] == k)
+    assert json.loads((run_dir / "eval.json").read_text())["adapter"]["nll"] > 0
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_run_with_a_clear_error(data_file, tmp_path):
+    """SIGKILL stage 1 in the middle of the run: the run ends in bounded time naming the stage, no rank left."""
+    from zl_device.run.train_job import run_training
+
+    out = tmp_path / "run"
+    errors: list[BaseException] = []
+
+    def train():
+        try:
+            run_training(settings(out, data_file, samples=400, link_timeout_s=60), say=lambda line: None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            errors.append(e)
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    metrics = out / "stages" / "stage_1" / "metrics.jsonl"
+    deadline = time.time() + 300
+    pid = None
+    while time.time() < deadline and pid is None:
+        lines = [json.loads(ln) for ln in metrics.read_text().splitlines()] if metrics.is_file() else []
+        if any(r["type"] == "micro_batch" for r in lines):
+            pid = next(r["pid"] for r in lines if r["type"] == "start")
+        time.sleep(0.2)
+    assert pid is not None, "stage 1 never trained"
+    os.kill(pid, signal.SIGKILL)
+    killed = time.time()
+    worker.join(120)
+    assert not worker.is_alive(), "the run hung after a rank died"
+    assert time.time() - killed < 60
+    assert len(errors) == 1 and isinstance(errors[0], ZLError), errors
+    # Whoever the launcher sees fail first: stage 1 killed, or a neighbour that lost its connection to stage 1.
+    assert "stage 1" in str(errors[0]), errors[0]
+    starts = [json.loads(ln) for k in (0, 2) for ln in (out / "stages" / f"stage_{k}" / "metrics.jsonl").read_text()
+              .splitlines() if json.loads(ln)["type"] == "start"]
+    for record in starts:
+        with pytest.raises(ProcessLookupError):
+            os.kill(record["pid"], 0)
+
+
+@pytest.mark.slow
+def test_resume_after_an_injected_failure_ends_identical(torch_run, data_file, tmp_path):
+    """Stage 1 SIGKILLs itself in window 2 (--inject-failure 1@2); `--resume` rolls every stage back to the latest
+    window all committed and replays: the adapter is the clean run's, bit for bit."""
+    from zl_device.run.train_job import run_training
+
+    out = tmp_path / "run"
+    with pytest.raises(ZLError, match="stage 1"):
+        run_training(settings(out, data_file, inject_failure="1@2"), say=lambda line: None)
+    said: list[str] = []
+    result = run_training(settings(out, data_file, resume=True), say=said.append)
+    assert said[0] == f"resume: {out.resolve()} from the latest window every stage checkpointed"
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    starts = {k: [r for r in lines if r["type"] == "start" and r["stage"] == k] for k in range(3)}
+    assert all(len(s) == 2 and s[0]["resumed_from_window"] is None for s in starts.values())
+    resumed = {s[1]["resumed_from_window"] for s in starts.values()}
+    assert len(resumed) == 1 and resumed.pop() in (0, 1)  # one common window, before the failure's
+    clean, got = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (torch_run.run_dir, out))
+    assert got.keys() == clean.keys() and all(torch.equal(got[n], clean[n]) for n in clean)
+    assert result.report["run"]["samples"] == SAMPLES
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_prepared_job_to_the_same_adapter(torch_run, data_file, tmp_path):
+    """`--launcher torchrun` prepares the run; torchrun's ranks train what the spawned ranks trained, bit for bit."""
+    from zl_device.results.adapter import merge_checkpoints
+    from zl_device.run.train_job import run_training
+
+    said: list[str] = []
+    run_dir = run_training(settings(tmp_path / "run", data_file, launcher="torchrun"), say=said.append).run_dir
+    command = next(line.strip() for line in said if line.strip().startswith("torchrun "))
+    assert command.endswith(f"-m zl_device.run.torch_stage {run_dir / 'torch_job.json'}")
+    assert not (run_dir / "checkpoints").exists(), "nothing ran yet"
+    args = command.split()[1:]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    merge_checkpoints(run_dir / "checkpoints", run_dir / "manifest.json", run_dir / "adapter")
+    got, want = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (run_dir, torch_run.run_dir))
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+# --- fast: no ranks -----------------------------------------------------------------------------------
+
+
+def test_torch_checkpoints_merge_like_the_runners(tmp_path):
+    """save_checkpoint writes what `zl merge` reads; keep_last prunes the oldest windows."""
+    from zl_device.results.adapter import merge_checkpoints
+    from zl_device.run.torch_checkpoint import save_checkpoint
+
+    names = {0: "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+             1: "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"}
+    manifest = {"format_version": 1, "model": {"name": "tiny-random", "source": "random"}, "lora":
+                {"rank": 2, "alpha": 4.0, "targets": ["q_proj"]}, "stages": [
+                    {"index": k, "layers": [k, k], "parameters": [{"name": names[k], "shape": [2, 4]}]} for k in (0, 1)]}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    root = tmp_path / "checkpoints"
+    last = {}
+    for k in (0, 1):
+        for w in range(3):
+            t = torch.full((2, 4), float(10 * k + w))
+            last[names[k]] = t
+            moments = {f"{names[k]}.exp_avg": t + 1, f"{names[k]}.exp_avg_sq": t + 2}
+            save_checkpoint(root / f"stage_{k}", w, {names[k]: t}, moments,
+                            {"run_id": "ab" * 16, "stage": k, "window": w, "last_micro_batch": 2 * w + 1,
+                             "micro_batches_done": 2 * w + 2, "optimizer_step": w + 1, "lr": 0.1,
+                             "extra": {"runtime": "torch", "num_micro_batches": 6, "window_size": 2}}, keep_last=2)
+        assert sorted(p.name for p in (root / f"stage_{k}").iterdir()) == ["window_000001", "window_000002"]
+    merged = merge_checkpoints(root, tmp_path / "manifest.json", tmp_path / "adapter")
+    assert merged.window == 2 and merged.finished and merged.run_id == "ab" * 16
+    got = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.equal(got[n], t) for n, t in last.items()) and got.keys() == last.keys()
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"spares": 1}, "--spares is not supported with --runtime torch"),
+    ({"devices": "R58M123,R58M456,R58M789"}, "runs its stages as processes on this host"),
+])
+def test_options_the_torch_runtime_lacks_are_clear_errors(tmp_path, change, problem):
+    from zl_device.run.torch_runtime import check_torch_settings
+    from zl_device.run.train_settings import TrainSettings
+
+    with pytest.raises(ZLError, match=problem):
+        check_torch_settings(TrainSettings(runtime="torch", **change))
+    check_torch_settings(TrainSettings(runtime="torch"))  # the defaults are fine
+
+
+def test_link_timeout_and_launcher_are_checked():
+    from zl_device.run.train_settings import TrainSettings
+
+    with pytest.raises(ZLError, match="--link-timeout 0: must be a positive number"):
+        TrainSettings(runtime="torch", link_timeout_s=0).validate()
+    with pytest.raises(ZLError, match="--launcher torchrun: launchers start torch.distributed ranks; add --runtime torch"):
+        TrainSettings(launcher="torchrun").validate()
+    with pytest.raises(ZLError, match="--resume: continues a --runtime torch run"):
+        TrainSettings(resume=True).validate()
+
+
+def test_torchrun_entry_point_needs_torchrun_and_a_job(tmp_path, monkeypatch, capsys):
+    from zl_device.run.torch_stage import TorchJob, main
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert main([str(tmp_path / "torch_job.json")]) == 2
+    assert "start the ranks with torchrun" in capsys.readouterr().err
+    (tmp_path / "torch_job.json").write_text("{}")
+    with pytest.raises(ZLError, match="not a readable torch_job.json"):
+        TorchJob.load(tmp_path / "torch_job.json")
+
+
+def test_backend_is_nccl_only_with_a_gpu_per_rank(monkeypatch):
+    from zl_device.run import torch_stage
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert torch_stage.backend_and_device("auto", 1, 2) == ("nccl", torch.device("cuda", 1))
+    assert torch_stage.backend_and_device("auto", 1, 3) == ("gloo", torch.device("cpu"))
+    with pytest.raises(ZLError, match="3 ranks on this host but 2 GPU"):
+        torch_stage.backend_and_device("nccl", 0, 3)
+    with pytest.raises(ZLError, match="backend 'mpi'"):
+        torch_stage.backend_and_device("mpi", 0, 1)
+
+
+def test_rank_watch_reads_progress_from_complete_lines(tmp_path):
+    from zl_device.run.torch_runtime import RankWatch
+
+    path = tmp_path / "stage_0" / "metrics.jsonl"
+    path.parent.mkdir()
+    watch = RankWatch(tmp_path, 2)
+    assert [st.state for st in watch.poll()] == ["starting", "starting"]
+    lines = [{"type": "start", "stage": 0}, {"type": "micro_batch", "stage": 0, "micro_batch": 0, "loss": 5.5},
+             {"type": "micro_batch", "stage": 0, "micro_batch": 1, "loss": 5.25}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"type": "window", "sta')  # one line half-written
+    st = watch.poll()[0]
+    assert (st.state, st.micro_batches_done, st.last_loss, st.last_committed_window) == ("running", 2, 5.25, -1)
+    with open(path, "a") as f:
+        f.write('ge": 0, "window": 0, "pss_mib": 300.5}\n{"type": "done", "stage": 0}\n')
+    st = watch.poll()[0]
+    assert (st.state, st.last_committed_window, st.pss_mib, st.micro_batches_done) == ("done", 0, 300.5, 2)

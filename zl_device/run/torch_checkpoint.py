@@ -1,0 +1,73 @@
+"""A `--runtime torch` stage's checkpoints, in the runner's format (docs/design.md §4.5), so `zl merge` reads them.
+
+    <root>/stage_<k>/window_000012/adapter.safetensors    the stage's trainable tensors, manifest names, F32
+                                  /optimizer.safetensors  "<name>.exp_avg", "<name>.exp_avg_sq", F32
+                                  /progress.json          format "zl-checkpoint", version 1, run_id, stage, window, ...
+
+As the runner does: written into `.tmp-window_000012-<pid>/`, each file and the
+directory fsynced, renamed into place (the rename is the commit), the oldest
+windows beyond `keep_last` removed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from zl_device.run.checkpoints import DEFAULT_LAYOUT
+
+FORMAT_VERSION = 1
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def save_checkpoint(stage_root: Path, window: int, tensors: dict[str, torch.Tensor], moments: dict[str, torch.Tensor],
+                    progress: dict, keep_last: int = 2) -> Path:
+    """Write one window's checkpoint of a stage and return its directory.
+
+    Args:
+        stage_root: RUN_DIR/checkpoints/stage_<k>.
+        tensors: the stage's trainable tensors by manifest name.
+        moments: AdamW moments, `<name>.exp_avg` / `<name>.exp_avg_sq`.
+        progress: run_id, stage, window, last_micro_batch, micro_batches_done, optimizer_step, lr, extra.
+    """
+    from safetensors.torch import save_file
+
+    layout = DEFAULT_LAYOUT
+    stage_root.mkdir(parents=True, exist_ok=True)
+    final = stage_root / layout.window_name(window)
+    tmp = stage_root / f".tmp-{layout.window_name(window)}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    metadata = {"format": "pt", "run_id": str(progress["run_id"]), "window": str(window)}
+    cpu = {n: t.detach().to("cpu", torch.float32).contiguous() for n, t in tensors.items()}
+    save_file(cpu, str(tmp / layout.adapter_file), metadata=metadata)
+    save_file({n: t.detach().to("cpu", torch.float32).contiguous() for n, t in moments.items()},
+              str(tmp / OPTIMIZER_FILE), metadata=metadata)
+    record = {"format": "zl-checkpoint", "version": FORMAT_VERSION, **progress,
+              "created_unix_ms": int(time.time() * 1000),
+              "params": [{"name": n, "shape": list(t.shape)} for n, t in cpu.items()]}
+    (tmp / layout.progress_file).write_text(json.dumps(record, indent=2) + "\n")
+    for name in (layout.adapter_file, OPTIMIZER_FILE, layout.progress_file):
+        _fsync(tmp / name)
+    _fsync(tmp)
+    if final.exists():  # a rerun of the same window replaces it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(stage_root)
+    for old in layout.windows(stage_root)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(stage_root / layout.window_name(old), ignore_errors=True)
+    return final
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

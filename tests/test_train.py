@@ -217,6 +217,53 @@ def test_global_recovery_replays_more_than_local(clean_run, export_cache, data_f
     assert replayed["global"] > replayed["local"] > 0, replayed
 
 
+@pytest.mark.parametrize("recovery", ["local", "global"])
+def test_resume_after_the_host_is_killed_ends_identical(clean_run, export_cache, data_file, tmp_path, recovery):
+    """SIGKILL `zl train` once the last stage has committed a window; its runners run on without a host.
+    `zl train --resume` stops them, continues from the stages' checkpoints and ends with the clean run's adapter."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from zl_device.run.train_job import run_training
+    from zl_device.run.train_settings import TrainSettings
+
+    out = tmp_path / "run"
+    host = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from pathlib import Path; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+        "from test_train import train\n"
+        "train(Path(sys.argv[3]), Path(sys.argv[4]), data=sys.argv[5], link_profile='constrained', recovery=sys.argv[6])"),
+        str(REPO), str(Path(__file__).parent), str(out), str(export_cache), str(data_file), recovery],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    committed = out / "devices" / "local-2" / "checkpoints" / "window_000001"
+    deadline = time.monotonic() + 240
+    while not committed.is_dir():
+        assert host.poll() is None, host.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "the run never committed window 1"
+        time.sleep(0.02)
+    host.send_signal(signal.SIGKILL)
+    host.wait()
+    pids = [int((out / "devices" / f"local-{k}" / "runner.pid").read_text()) for k in range(3)]
+
+    def alive(pid: int) -> bool:
+        return Path(f"/proc/{pid}").exists() and " Z " not in Path(f"/proc/{pid}/stat").read_text()
+
+    assert any(alive(pid) for pid in pids), "the runners outlive their host (the case --resume must handle)"
+    result = run_training(TrainSettings(out=out, resume=True), say=lambda line: None)
+    events = [json.loads(ln) for ln in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    resume = [e for e in events if e["type"] == "resume"]
+    assert len(resume) == 1 and resume[0]["scope"] == recovery, resume
+    clean, resumed = adapter_tensors(clean_run.run_dir), adapter_tensors(result.run_dir)
+    for name, t in clean.items():
+        assert torch.equal(resumed[name], t), name
+    assert not any(alive(pid) for pid in pids), "the previous host's runners were stopped, not left running"
+    from zl.errors import ZLError
+
+    with pytest.raises(ZLError, match="that run finished"):
+        run_training(TrainSettings(out=out, resume=True), say=lambda line: None)
+
+
 def test_bad_inputs_are_clear_errors(export_cache, tmp_path):
     from zl.errors import ZLError
 

@@ -145,6 +145,48 @@ def build(cls: type, values: dict[str, Any], path: tuple[str, ...] = (), skip: t
     return cls(**kwargs)
 
 
+def to_json(obj: Any) -> dict[str, Any]:
+    """Every field of a settings tree, as JSON values (nested trees as objects, paths as strings, tuples as lists)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            value = to_json(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif value is not None and not isinstance(value, (bool, int, float, str)):
+            value = str(value)
+        out[f.name] = value
+    return out
+
+
+def from_json(cls: type, data: dict[str, Any], where: str = "settings") -> Any:
+    """The tree `cls` from `to_json`'s output. Fields the data lacks keep their defaults.
+
+    Raises:
+        ZLError: the data has a field `cls` does not (it was written by another version of zl).
+    """
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ZLError(f"{where}: unknown field(s) {', '.join(unknown)} for {cls.__name__}; it was written by another "
+                      "version of zl.")
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = from_json(tp, value, where)
+            continue
+        base, _, is_tuple = _shape(tp)
+        if value is not None and is_tuple:
+            value = tuple(value)
+        elif value is not None and base is not str and isinstance(value, str):
+            value = base(value)  # a Path
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
 def parse_list(text: str, item: type, name: str) -> tuple:
     """"0.3,0.7,1.0" -> (0.3, 0.7, 1.0); empty items are dropped. Raises ZLError naming `name` (the flag)."""
     parts = [t.strip() for t in text.split(",") if t.strip()]

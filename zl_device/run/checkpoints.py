@@ -34,6 +34,7 @@ class CheckpointLayout:
     window_dir: str = "window_{window:06d}"
     adapter_file: str = "adapter.safetensors"
     progress_file: str = "progress.json"
+    input_log_dir: str = "input_log"  # the runner's input_log_dir default, under checkpoint_dir
 
     def stage_root(self, root: Path, k: int) -> Path:
         return Path(root) / self.stage_dir.format(k=k)
@@ -63,6 +64,10 @@ class CheckpointLayout:
     def device_progress(self, checkpoint_dir: str, window: int) -> str:
         """A window's progress.json on a device."""
         return posixpath.join(self.device_window(checkpoint_dir, window), self.progress_file)
+
+    def device_input_log(self, checkpoint_dir: str) -> str:
+        """The stage's durable input log on a device (`zl train` leaves the runner's input_log_dir at its default)."""
+        return posixpath.join(checkpoint_dir, self.input_log_dir)
 
 
 DEFAULT_LAYOUT = CheckpointLayout()

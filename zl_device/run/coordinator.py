@@ -130,6 +130,7 @@ class Coordinator:
         heartbeat_timeout_s: float = 30.0,
         timeout_s: float | None = None,
         redeploy: Callable[[Device, int], None] | None = None,
+        resume: bool = False,
     ):
         if recovery not in RECOVERY_MODES:
             raise ZLError(f"--recovery {recovery!r}: expected one of {', '.join(RECOVERY_MODES)}.")
@@ -143,6 +144,7 @@ class Coordinator:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.timeout_s = timeout_s
         self.redeploy = redeploy  # puts stage k's program and config on a spare before it takes over
+        self.resume = resume  # `zl train --resume`: the stages continue from their checkpoints
         self.status = [StageStatus(p.index, p.device.name) for p in self.plans]
         self.events: list[dict] = []  # coordinator events for metrics.jsonl
         self._offsets = [0] * len(self.plans)  # bytes of each local telemetry file already read
@@ -165,8 +167,11 @@ class Coordinator:
                 that keeps failing, or the run timing out.
         """
         start = time.monotonic()
-        for plan in reversed(self.plans):
-            plan.device.start_runner(plan.config, resume=False)
+        if self.resume:
+            self._resume_all()
+        else:
+            for plan in reversed(self.plans):
+                plan.device.start_runner(plan.config, resume=False)
         while True:
             self._drain_control()
             for k in range(len(self.plans)):
@@ -362,21 +367,9 @@ class Coordinator:
             plan.device.kill_runner()
         for k in range(len(self.plans)):
             self._read_telemetry(k, remote=True)
-        common = min(self._latest_checkpoint_window(p) for p in self.plans)
-        replayed_total, bytes_total = 0, 0
-        for plan, s in zip(self.plans, self.status):
-            self._clear_hold(plan)
-            self._remove_checkpoints_after(plan, common)
-            replay_from = self.windows.done_after(common)
-            replayed = max(0, s.micro_batches_done - replay_from)
-            replayed_total += replayed
-            bytes_total += replayed * plan.input_bytes
-            s.micro_batches_done = replay_from
-            s.last_committed_window = common
-            s.commit_times = {w: t for w, t in s.commit_times.items() if w <= common}
-            if s.state != "done":
-                s.state = "restarting"
-            s.restarts += plan.index == failed
+        common, replayed_total, bytes_total = self._roll_back()
+        for plan in self.plans:
+            self.status[plan.index].restarts += plan.index == failed
         t, t_unix_ms = time.monotonic(), _unix_ms()  # when the restart is issued (see _restart)
         for plan in reversed(self.plans):
             self.status[plan.index].state = "restarting"
@@ -386,6 +379,54 @@ class Coordinator:
                             "device": self.plans[failed].device.name, "rolled_back_to_window": common,
                             "scope": "global"})
         self._failures.append(_Failure(failed, in_flight, t))
+
+    def _roll_back(self) -> tuple[int, int, int]:
+        """Every stage back to the last window all of them committed: newer checkpoints and the input-log entries
+        past it removed (docs/design.md §7). Returns (that window, micro-batches to replay, their bytes)."""
+        common = min(self._latest_checkpoint_window(p) for p in self.plans)
+        replayed_total, bytes_total = 0, 0
+        for plan, s in zip(self.plans, self.status):
+            self._clear_hold(plan)
+            self._remove_checkpoints_after(plan, common)
+            self._remove_input_log_after(plan, common)
+            replay_from = self.windows.done_after(common)
+            replayed = max(0, s.micro_batches_done - replay_from)
+            replayed_total += replayed
+            bytes_total += replayed * plan.input_bytes
+            s.micro_batches_done = replay_from
+            s.last_committed_window = common
+            s.commit_times = {w: t for w, t in s.commit_times.items() if w <= common}
+            if s.state != "done":
+                s.state = "restarting"
+        return common, replayed_total, bytes_total
+
+    def _resume_all(self) -> None:
+        """`zl train --resume`: stop the runners a previous `zl train` left running, then start every stage from
+        its checkpoints: each from its own latest with --recovery local (the inputs it needs are in its input log
+        or come again from upstream, as after a local restart), from the last window all committed with global."""
+        for plan in self.plans:
+            if plan.device.is_running():
+                log.warning("stage %d on %s: a runner of the previous zl train is still running; stopping it",
+                            plan.index, plan.device.name)
+                plan.device.stop_runner(timeout_s=10)
+        for k in range(len(self.plans)):
+            self._read_telemetry(k, remote=True)
+        if self.recovery == "global":
+            common, replayed, replay_bytes = self._roll_back()
+        else:
+            common = None
+            replayed = sum(max(0, s.micro_batches_done - self._latest_checkpoint_mb(p))
+                           for p, s in zip(self.plans, self.status))
+            replay_bytes = sum(max(0, s.micro_batches_done - self._latest_checkpoint_mb(p)) * p.input_bytes
+                               for p, s in zip(self.plans, self.status))
+            for plan, s in zip(self.plans, self.status):
+                s.micro_batches_done = self._latest_checkpoint_mb(plan)
+        self.events.append({"type": "resume", "t_unix_ms": _unix_ms(), "scope": self.recovery,
+                            "rolled_back_to_window": common, "replayed_micro_batches": replayed,
+                            "replay_bytes": replay_bytes})
+        for plan in reversed(self.plans):
+            self.status[plan.index].state = "restarting"
+            plan.device.start_runner(plan.config, resume=True)
 
     def _check_recovered(self) -> None:
         for f in list(self._failures):
@@ -423,6 +464,22 @@ class Coordinator:
         for w in self._checkpoint_windows(plan):
             if w > window:
                 plan.device.remove(self.layout.device_window(plan.checkpoint_dir, w))
+
+    def _remove_input_log_after(self, plan: StagePlan, window: int) -> None:
+        """Input-log entries of windows after `window`: after a rollback upstream sends them again, and stale
+        ones left in the log would count against the link's in-flight depth (the receiver stops reading)."""
+        folder = self.layout.device_input_log(plan.checkpoint_dir)
+        for name in plan.device.listdir(folder):
+            entry_window = input_log_entry_window(name)
+            if entry_window is not None and entry_window > window:
+                plan.device.remove(f"{folder}/{name}")
+
+
+def input_log_entry_window(name: str) -> int | None:
+    """The window of an input-log file `entry-<micro_batch>-w<window>.zlf` (android_app/native/include/zl/input_log.h);
+    None for any other name."""
+    match = re.fullmatch(r"entry-\d+-w(\d+)\.zlf", name)
+    return int(match.group(1)) if match else None
 
 
 def _telemetry_type(line: str) -> str | None:

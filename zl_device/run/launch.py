@@ -50,7 +50,7 @@ def launch(s: TrainSettings, devices: Sequence[Device], local: bool, run_dir: Pa
 
     num_stages = len(manifest["stages"])
     stage_devices, spares = list(devices[:num_stages]), list(devices[num_stages:num_stages + s.spares])
-    key_file, run_id = write_run_key(run_dir)
+    key_file, run_id = saved_run_key(run_dir) if s.resume else write_run_key(run_dir)
     with ControlServer(bytes.fromhex(key_file.read_text().strip()), bytes.fromhex(run_id),
                        host=control_bind_host(stage_devices, local),
                        max_connections=4 * (len(stage_devices) + len(spares)) + 4) as control:
@@ -80,6 +80,20 @@ def write_run_key(run_dir: Path) -> tuple[Path, str]:
     key_file.write_text(secrets.token_hex(32) + "\n")
     key_file.chmod(0o600)
     return key_file, secrets.token_hex(16)
+
+
+def saved_run_key(run_dir: Path) -> tuple[Path, str]:
+    """The key and run id of the run in RUN_DIR (`zl train --resume`): its runners' checkpoints and input logs are
+    bound to both.
+
+    Raises:
+        ZLError: RUN_DIR lacks run.key or stage_0.json (the run never got to its launch).
+    """
+    key_file, config = run_dir / "run.key", run_dir / "stage_0.json"
+    if not key_file.is_file() or not config.is_file():
+        raise ZLError(f"--resume --out {run_dir}: no run.key or stage_0.json there, so the run never started its "
+                      "stages; start it again without --resume.")
+    return key_file, json.loads(config.read_text())["run_id"]
 
 
 def address_plan(stage_devices: Sequence[Device], coordinator_port: int, local: bool):
@@ -117,7 +131,7 @@ def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Pat
         deploy_stage(device, export_dir, k, configs[k], manifest=manifest)
 
     coordinator = Coordinator(plans, windows, control, s.recovery, injection, spares, s.heartbeat_timeout_s,
-                              s.timeout_s, redeploy)
+                              s.timeout_s, redeploy, resume=s.resume)
     say(f"run: {s.samples} samples, {windows.num_micro_batches} micro-batches in {windows.num_windows} windows of "
         f"{windows.window_size}, "
         f"recovery {s.recovery}" + (f", failure injected at stage {injection.stage} window {injection.window}"

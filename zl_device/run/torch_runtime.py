@@ -45,7 +45,7 @@ def run_torch_training(s: TrainSettings, say=print, on_update=None):
     from zl_device.results.report import write_report
     from zl_device.run.torch_stage import JOB_FILE
     from zl_device.run.train_data import prepare_data, run_max_targets, run_seq_len
-    from zl_device.run.train_job import RunModel, TrainResult, evaluate_run, open_run
+    from zl_device.run.train_job import INCOMPLETE_MARKER, RunModel, TrainResult, evaluate_run, open_run
 
     check_torch_settings(s)
     start = time.time()
@@ -90,6 +90,7 @@ def run_torch_training(s: TrainSettings, say=print, on_update=None):
     if dev is not None:
         result.eval = evaluate_run(s, model, run_dir, dev, say)
     result.report = write_report(run_dir)
+    (run_dir / INCOMPLETE_MARKER).unlink(missing_ok=True)
     say(f"report: {run_dir / 'report.md'}")
     return result
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from zl.errors import ZLError
+from zl.settings import to_json
 from zl_device.run.train_settings import TrainSettings
 
 
@@ -72,12 +73,14 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     from zl_device.run.launch import launch
     from zl_device.run.train_data import prepare_data, run_max_targets, run_seq_len
 
+    if s.resume:
+        s = resumed_settings(s, say)
     if s.runtime == "torch":  # the stages as torch.distributed ranks: zl_device/run/torch_runtime.py
         from zl_device.run.torch_runtime import run_torch_training
 
         return run_torch_training(s, say, on_update)
     start = time.time()
-    run_dir, spec = open_run(s, say)
+    run_dir, spec = reopen_run(s) if s.resume else open_run(s, say)
     model = RunModel(s.split.model, s.seed)
     check_device_count(s, spec, s.split.count)
     seq_len = run_seq_len(s, model.tokenizer)
@@ -104,6 +107,9 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     say(f"report: {run_dir / 'report.md'}")
     return result
 
+
+# The run's settings, as open_run found them: `zl train --resume` continues with these.
+SETTINGS_FILE = "train_settings.json"
 
 # In RUN_DIR from its creation until the report is written: a run that failed or was interrupted leaves it, and a
 # rerun with the same --out moves such a directory aside (to RUN_DIR.unfinished-N, logs and all) instead of refusing.
@@ -141,9 +147,41 @@ def open_run(s: TrainSettings, say=print):
         run_dir.rename(aside)
         say(f"--out {run_dir}: an unfinished run was there; moved it to {aside} (its logs and checkpoints are kept)")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / INCOMPLETE_MARKER).write_text("zl train has not finished this run; "
-                                             "a rerun with the same --out moves this directory aside\n")
+    (run_dir / INCOMPLETE_MARKER).write_text("zl train has not finished this run; `zl train --resume --out` continues "
+                                             "it, a rerun with the same --out moves this directory aside\n")
+    (run_dir / SETTINGS_FILE).write_text(json.dumps(to_json(s), indent=2) + "\n")
     return run_dir, spec
+
+
+def resumed_settings(s: TrainSettings, say) -> TrainSettings:
+    """`zl train --resume --out RUN_DIR`: the settings RUN_DIR's run started with, marked to resume (an injected
+    failure happens once, so it is dropped). Other options given with --resume are not used.
+
+    Raises:
+        ZLError: RUN_DIR holds no unfinished run.
+    """
+    from zl.settings import from_json
+
+    run_dir = Path(s.out).expanduser().resolve()
+    saved = run_dir / SETTINGS_FILE
+    if not saved.is_file():
+        raise ZLError(f"--resume --out {run_dir}: no {SETTINGS_FILE} there, so it is not a `zl train` run directory; "
+                      "pass the --out of the run to continue.")
+    if not (run_dir / INCOMPLETE_MARKER).is_file():
+        raise ZLError(f"--resume --out {run_dir}: that run finished (its report is written); nothing to resume.")
+    settings = from_json(TrainSettings, json.loads(saved.read_text()), str(saved))
+    say(f"resume: {run_dir} (its own settings, from {SETTINGS_FILE})")
+    return replace(settings, out=run_dir, resume=True, inject_failure=None)
+
+
+def reopen_run(s: TrainSettings):
+    """open_run for `--resume`: the same checks, on the existing RUN_DIR. Returns (run_dir, the devices spec)."""
+    from zl_device.devices.registry import check_mode, parse_devices
+
+    s.validate()
+    spec = parse_devices(s.devices)
+    check_mode(spec, s.mode)
+    return Path(s.out), spec
 
 
 def _free_name(path: Path, tag: str) -> Path:

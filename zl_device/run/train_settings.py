@@ -56,8 +56,8 @@ class TrainSettings:
     threads: int = setting(1, "ExecuTorch threads per runner.")
     eval_limit: int | None = setting(None, "Evaluate on the first N dev rows only.")
     timeout_s: float = setting(3600.0, "Give up when the run takes longer (seconds).", flag="--timeout")
-    resume: bool = setting(False, "--runtime torch: continue the run in --out (after a failure) from the latest "
-                                  "window every stage checkpointed; the run's own settings are kept.")
+    resume: bool = setting(False, "Continue the unfinished run in --out (after the host died, a failure or Ctrl-C) "
+                                  "from its stages' checkpoints; the run's own settings are kept.")
     link_timeout_s: float = setting(600.0, "--runtime torch: a stage that waits this long (seconds) for a neighbour's "
                                            "hidden state fails the run.", flag="--link-timeout")
     # Not on the command line: tests and experiments set them.
@@ -74,9 +74,6 @@ class TrainSettings:
         check_choices(self)
         if self.launcher != "spawn" and self.runtime != "torch":
             raise ZLError(f"--launcher {self.launcher}: launchers start torch.distributed ranks; add --runtime torch.")
-        if self.resume and self.runtime != "torch":
-            raise ZLError("--resume: continues a --runtime torch run; the ExecuTorch runtime resumes failed stages "
-                          "itself (--recovery). Add --runtime torch.")
         if self.link_timeout_s <= 0:
             raise ZLError(f"--link-timeout {self.link_timeout_s:g}: must be a positive number of seconds, e.g. 600.")
         self.export.validate()

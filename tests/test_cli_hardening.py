@@ -79,7 +79,7 @@ def test_a_failed_run_never_blocks_its_rerun(tmp_path):
     said = []
     run_dir, _ = open_run(_settings(out), say=said.append)
     assert said and "moved it to" in said[0]
-    assert sorted(p.name for p in run_dir.iterdir()) == [INCOMPLETE_MARKER]
+    assert sorted(p.name for p in run_dir.iterdir()) == [INCOMPLETE_MARKER, "train_settings.json"]
     # What the failed run left is kept, beside the new run.
     aside = tmp_path / "run.unfinished-1"
     assert (aside / "data" / "train.safetensors").read_text() == "half-made"

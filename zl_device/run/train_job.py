@@ -74,13 +74,13 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     from zl_device.run.train_data import prepare_data, run_max_targets, run_seq_len
 
     if s.resume:
-        s = resumed_settings(s, say)
+        s = resumed_settings(s)
     if s.runtime == "torch":  # the stages as torch.distributed ranks: zl_device/run/torch_runtime.py
         from zl_device.run.torch_runtime import run_torch_training
 
         return run_torch_training(s, say, on_update)
     start = time.time()
-    run_dir, spec = reopen_run(s) if s.resume else open_run(s, say)
+    run_dir, spec = reopen_run(s, say) if s.resume else open_run(s, say)
     model = RunModel(s.split.model, s.seed)
     check_device_count(s, spec, s.split.count)
     seq_len = run_seq_len(s, model.tokenizer)
@@ -153,7 +153,7 @@ def open_run(s: TrainSettings, say=print):
     return run_dir, spec
 
 
-def resumed_settings(s: TrainSettings, say) -> TrainSettings:
+def resumed_settings(s: TrainSettings) -> TrainSettings:
     """`zl train --resume --out RUN_DIR`: the settings RUN_DIR's run started with, marked to resume (an injected
     failure happens once, so it is dropped). Other options given with --resume are not used.
 
@@ -170,14 +170,14 @@ def resumed_settings(s: TrainSettings, say) -> TrainSettings:
     if not (run_dir / INCOMPLETE_MARKER).is_file():
         raise ZLError(f"--resume --out {run_dir}: that run finished (its report is written); nothing to resume.")
     settings = from_json(TrainSettings, json.loads(saved.read_text()), str(saved))
-    say(f"resume: {run_dir} (its own settings, from {SETTINGS_FILE})")
     return replace(settings, out=run_dir, resume=True, inject_failure=None)
 
 
-def reopen_run(s: TrainSettings):
+def reopen_run(s: TrainSettings, say):
     """open_run for `--resume`: the same checks, on the existing RUN_DIR. Returns (run_dir, the devices spec)."""
     from zl_device.devices.registry import check_mode, parse_devices
 
+    say(f"resume: {s.out} with its own settings ({SETTINGS_FILE}), every stage from its checkpoints")
     s.validate()
     spec = parse_devices(s.devices)
     check_mode(spec, s.mode)

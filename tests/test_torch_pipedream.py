@@ -117,8 +117,8 @@ def simulate(shard, num_micro_batches: int, window: int, stash: bool):
     order = []
     for k in range(K):
         warm = K - 1 - k
-        order.append([("F", i) for i in range(warm)] + [op for i in range(warm, N) for op in (("F", i), ("B", i - warm))]
-                     + [("B", i) for i in range(N - warm, N)])
+        steady = [op for i in range(warm, N) for op in (("F", i), ("B", i - warm))]
+        order.append([("F", i) for i in range(warm)] + steady + [("B", i) for i in range(N - warm, N)])
 
     def forward(k, x, mask, labels, weights):
         with torch.no_grad():
@@ -129,7 +129,8 @@ def simulate(shard, num_micro_batches: int, window: int, stash: bool):
             return h
         targets, valid = shift_targets(labels)
         rows, cols = valid.bool().nonzero(as_tuple=True)
-        return torch.nn.functional.cross_entropy(modules[k].lm_head(modules[k].norm(h)[rows, cols]), targets[rows, cols])
+        logits = modules[k].lm_head(modules[k].norm(h)[rows, cols])  # (targets, V)
+        return torch.nn.functional.cross_entropy(logits, targets[rows, cols])
 
     acts, grads, seen, losses, done = {}, {}, {}, [[] for _ in range(windows)], [0] * K
     while any(done[k] < len(order[k]) for k in range(K)):

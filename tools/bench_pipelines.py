@@ -1,4 +1,4 @@
-"""ZeroLock (`--runtime torch`) against GPipe, 1F1B and PipeDream on the same local ranks: throughput, memory, busy share.
+"""ZeroLock (`--runtime torch`) vs GPipe, 1F1B and PipeDream on the same local ranks: throughput, memory, busy share.
 
 Prepares one run as `zl train --runtime torch --launcher torchrun` does (data,
 manifest, RUN_DIR/torch_job.json), then runs its ranks once per pipeline —

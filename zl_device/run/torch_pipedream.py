@@ -129,7 +129,7 @@ class PipeDreamStage:
                     out = self.loss_fn(out, batches(mb)[2].to(self.device))  # () mean CE of the micro-batch
                     losses.append(float(out.detach()))
                 else:
-                    h = out[0].detach()  # (B, S, D)
+                    h = out[0].detach().contiguous()  # (B, S, D)
                     sends += [(dist.isend(h, self.rank + 1, tag=TAG_HIDDEN), h, "hidden state", mb),
                               (dist.isend(mask, self.rank + 1, tag=TAG_MASK), mask, "mask", mb)]
                     out = out[0]

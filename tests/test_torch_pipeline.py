@@ -1,4 +1,5 @@
-"""The backprop baselines (zl_device/run/torch_pipeline.py): GPipe and 1F1B on three gloo ranks, tiny-random.
+"""The backprop baselines (zl_device/run/torch_pipeline.py): GPipe and 1F1B on three gloo ranks, tiny-random
+(PipeDream: test_torch_pipedream.py; the bench test runs all four pipelines).
 
 Each schedule's mean gradient over a window must equal single-process backprop
 of the same micro-batches (`causal_lm_loss`, the full PEFT model); a short last
@@ -145,13 +146,19 @@ def test_bench_pipelines_measures_every_pipeline(tmp_path, capsys):
     bench = load_tool("bench_pipelines")
     results = bench.main(["--samples", "8", "--window", "4", "--seq-len", "64", "--out", str(tmp_path / "bench"),
                           "--json", str(tmp_path / "bench.json")])
-    assert [r["pipeline"] for r in results] == ["zerolock", "gpipe", "1f1b"]
+    assert [r["pipeline"] for r in results] == ["zerolock", "gpipe", "1f1b", "pipedream"]
     for r in results:
         assert r["samples"] == 8 and r["records_per_s"] == pytest.approx(8 / r["wall_s"])
         assert len(r["peak_rss_mib"]) == 3 and all(m > 50 for m in r["peak_rss_mib"])
         assert all(0 < b < 2 for b in r["busy_share"]), r["busy_share"]  # gloo's I/O threads count as CPU too
-    # Same data, same first window: the last stage's first loss is the same plain CE in all three.
-    assert results[1]["last_stage_first_loss"] == pytest.approx(results[2]["last_stage_first_loss"], rel=1e-5)
+    # Same data, same first window: the last stage's first loss is the same plain CE in the backprop baselines
+    # (PipeDream's first window: every forward before any step).
+    for r in results[2:]:
+        assert r["last_stage_first_loss"] == pytest.approx(results[1]["last_stage_first_loss"], rel=1e-5)
+    # PipeDream's memory: K-k micro-batches in flight on stage k; 2 windows of 4 -> two weight versions on 0 and 1.
+    assert results[3]["in_flight_max"] == [3, 2, 1] and results[3]["stash_versions_max"] == [2, 2, 1]
+    assert results[0]["in_flight_max"] == [None] * 3
     printed = capsys.readouterr().out
-    assert sum(line.startswith("|") for line in printed.splitlines()) == 5  # header, rule, three pipelines
+    assert sum(line.startswith("|") for line in printed.splitlines()) == 6  # header, rule, four pipelines
+    assert "| 3/2 / 2/2 / 1/1 |" in printed
     assert json.loads((tmp_path / "bench.json").read_text())["results"] == results

@@ -1,16 +1,19 @@
-"""ZeroLock (`--runtime torch`) against GPipe and 1F1B on the same local ranks: throughput, memory, busy share.
+"""ZeroLock (`--runtime torch`) vs GPipe, 1F1B and PipeDream on the same local ranks: throughput, memory, busy share.
 
 Prepares one run as `zl train --runtime torch --launcher torchrun` does (data,
 manifest, RUN_DIR/torch_job.json), then runs its ranks once per pipeline —
-`zerolock` (local losses, no backward across stages), `gpipe` and `1f1b`
-(end-to-end backprop, zl_device/run/torch_pipeline.py) — with the same split,
+`zerolock` (local losses, no backward across stages), `gpipe`, `1f1b` and
+`pipedream` (end-to-end backprop, zl_device/run/torch_pipeline.py and
+torch_pipedream.py) — with the same split,
 LoRA, data order, micro-batches, windows and optimizer, one process per stage
 (torch.multiprocessing spawn, gloo). From each rank's `done` telemetry line:
 
 - records/s: samples / (first rank's start after the set-up barrier -> last rank's done);
 - peak RSS per rank (MiB, `ru_maxrss`): model, activations kept for backward, buffers;
 - busy share per rank: process CPU time / wall time over training (one thread per rank, so the rest is waiting
-  for a neighbour, or for a CPU when ranks outnumber cores: read it on a host with a core per rank).
+  for a neighbour, or for a CPU when ranks outnumber cores: read it on a host with a core per rank);
+- PipeDream only: most micro-batches in flight per rank (activations held for their backward) and most weight
+  versions stashed at once per rank.
 
     nice -n 10 .venv/bin/python tools/bench_pipelines.py --model tiny-random --samples 64 --window 8 --seq-len 64
     .venv/bin/python tools/bench_pipelines.py --model smollm2-135m --samples 32 --window 8 --json bench.json
@@ -27,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-PIPELINES = ("zerolock", "gpipe", "1f1b")
+PIPELINES = ("zerolock", "gpipe", "1f1b", "pipedream")
 
 
 def prepare(args, out: Path) -> Path:
@@ -66,17 +69,20 @@ def run_one(prepared: Path, pipeline: str, out: Path, timeout_s: float) -> dict:
     samples = job.num_micro_batches * micro_batch
     return {"pipeline": pipeline, "samples": samples, "wall_s": wall_s, "records_per_s": samples / wall_s,
             "peak_rss_mib": [d["peak_rss_mib"] for d in done], "busy_share": [d["busy_share"] for d in done],
-            "last_stage_first_loss": windows[0]["mean_loss"], "last_stage_last_loss": windows[-1]["mean_loss"]}
+            "last_stage_first_loss": windows[0]["mean_loss"], "last_stage_last_loss": windows[-1]["mean_loss"],
+            "in_flight_max": [d.get("in_flight_max") for d in done],
+            "stash_versions_max": [d.get("stash_versions_max") for d in done]}
 
 
 def table(results: list[dict]) -> str:
     rows = ["| pipeline | records/s | wall (s) | peak RSS per rank (MiB) | busy share per rank | last stage loss, "
-            "first -> last window |", "|---|---|---|---|---|---|"]
+            "first -> last window | in flight / stashed versions per rank |", "|---|---|---|---|---|---|---|"]
     for r in results:
+        stash = " / ".join(f"{a}/{b}" for a, b in zip(r["in_flight_max"], r["stash_versions_max"]) if a is not None)
         rows.append(f"| {r['pipeline']} | {r['records_per_s']:.2f} | {r['wall_s']:.1f} | "
                     f"{' / '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} | "
                     f"{' / '.join(f'{b:.0%}' for b in r['busy_share'])} | "
-                    f"{r['last_stage_first_loss']:.3f} -> {r['last_stage_last_loss']:.3f} |")
+                    f"{r['last_stage_first_loss']:.3f} -> {r['last_stage_last_loss']:.3f} | {stash or '-'} |")
     return "\n".join(rows)
 
 

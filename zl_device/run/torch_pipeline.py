@@ -32,7 +32,8 @@ from zl_device.run.eager_training import OptimizerSettings, micro_batch_rows, ru
 from zl_export.local_loss import shift_targets
 from zl_export.shard import Shard
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b")  # torch.distributed.pipelining's, one flush per window
+BASELINES = (*SCHEDULES, "pipedream")  # + asynchronous 1F1B with weight stashing (torch_pipedream.py)
 
 
 class PipeStage(nn.Module):
@@ -121,8 +122,8 @@ class PipelinedStage:
 
 
 def train_pipelined(job, rank: int, world: int, device: torch.device, backend: str) -> None:
-    """Rank `rank` of a GPipe / 1F1B run of a torch job (`job.pipeline`): the job's stages, data, plan and optimizer;
-    telemetry `start`, `window` (last stage: mean loss) and `done` lines; no checkpoints (a baseline)."""
+    """Rank `rank` of a GPipe / 1F1B / PipeDream run of a torch job (`job.pipeline`): the job's stages, data, plan and
+    optimizer; telemetry `start`, `window` (last stage: mean loss) and `done` lines; no checkpoints (a baseline)."""
     import os
     import time
 
@@ -139,26 +140,41 @@ def train_pipelined(job, rank: int, world: int, device: torch.device, backend: s
     batch = manifest["micro_batch"]
     shard = load_shard(job.shard) if rank in (0, world - 1) else None
     plan = WindowPlan(job.num_micro_batches, job.window_size)
-    pipe = PipelinedStage(module, rank, world, device, job.pipeline, job.lr[rank],
-                          OptimizerSettings(lr=job.lr[rank], weight_decay=job.weight_decay, schedule=job.schedule),
-                          plan.num_windows)
+    opt = OptimizerSettings(lr=job.lr[rank], weight_decay=job.weight_decay, schedule=job.schedule)
     log = Telemetry(Path(job.metrics_dir) / f"stage_{rank}" / "metrics.jsonl")
+    if job.pipeline == "pipedream":
+        from zl_device.run.torch_pipedream import PipeDreamStage
+
+        pipe = PipeDreamStage(module, rank, world, device, job.lr[rank], opt, plan, timeout_s=job.link_timeout_s)
+    else:
+        pipe = PipelinedStage(module, rank, world, device, job.pipeline, job.lr[rank], opt, plan.num_windows)
     dist.barrier()
     log.write({"type": "start", "t_unix_ms": int(time.time() * 1000), "stage": rank, "num_stages": world,
                "pid": os.getpid(), "runtime": "torch", "pipeline": job.pipeline, "backend": backend})
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    for w in range(plan.num_windows):
-        window = plan.micro_batches(w)
-        t0 = time.perf_counter()
-        if shard is not None:
-            ids, mask, labels = (t.to(device) for t in window_rows(shard, window, batch))
-        else:
-            ids = mask = labels = None
-        loss = pipe.backward_window(ids, mask, labels, len(window))
-        lr = pipe.step()
+    t0 = time.perf_counter()
+
+    def window_line(w: int, loss: float | None, lr: float) -> None:
+        nonlocal t0
         log.write({"type": "window", "t_unix_ms": int(time.time() * 1000), "stage": rank, "window": w,
-                   "micro_batches": len(window), "mean_loss": loss, "lr": lr,
-                   "window_ms": (time.perf_counter() - t0) * 1e3,
-                   "pss_mib": pss_mib(), "temperature_c": None})
+                   "micro_batches": len(plan.micro_batches(w)), "mean_loss": loss, "lr": lr,
+                   "window_ms": (time.perf_counter() - t0) * 1e3, "pss_mib": pss_mib(), "temperature_c": None})
+        t0 = time.perf_counter()
+
+    extra: dict = {}
+    if job.pipeline == "pipedream":
+        hidden_shape = (batch, manifest["seq_len"], module.norm.weight.shape[-1])  # (B, S, D)
+        pipe.run(None if shard is None else lambda mb: window_rows(shard, range(mb, mb + 1), batch), hidden_shape,
+                 window_line)
+        extra = {"in_flight_max": pipe.in_flight_max, "stash_versions_max": pipe.stash_versions_max}
+    else:
+        for w in range(plan.num_windows):
+            window = plan.micro_batches(w)
+            if shard is not None:
+                ids, mask, labels = (t.to(device) for t in window_rows(shard, window, batch))
+            else:
+                ids = mask = labels = None
+            loss = pipe.backward_window(ids, mask, labels, len(window))
+            window_line(w, loss, pipe.step())
     log.write({"type": "done", "t_unix_ms": int(time.time() * 1000), "stage": rank,
-               "micro_batches": plan.num_micro_batches, **busy(cpu0, wall0)})
+               "micro_batches": plan.num_micro_batches, **busy(cpu0, wall0), **extra})

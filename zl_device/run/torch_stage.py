@@ -59,7 +59,7 @@ class TorchJob:
     in_flight: int = 4  # un-received entries per link
     link_timeout_s: float = 600.0
     backend: str = "auto"  # auto: nccl when CUDA is there, else gloo
-    pipeline: str = "zerolock"  # or a backprop baseline: gpipe, 1f1b (torch_pipeline.py; tools/bench_pipelines.py)
+    pipeline: str = "zerolock"  # or a backprop baseline: gpipe, 1f1b, pipedream (torch_pipeline.py; tools/bench_pipelines.py)
     resume: bool = False  # start after the latest window every stage has checkpointed (docs/design.md §13)
     fail_at: list[int] | None = None  # [stage, micro-batch]: that stage SIGKILLs itself there (--inject-failure)
 
@@ -97,10 +97,10 @@ def backend_and_device(backend: str, local_rank: int, local_world: int) -> tuple
 
 def run_rank(job: TorchJob, rank: int, world: int, local_rank: int, local_world: int, init_method: str) -> None:
     """Join the process group, train stage `rank` to the end of the run, wait for every rank, leave."""
-    from zl_device.run.torch_pipeline import SCHEDULES
+    from zl_device.run.torch_pipeline import BASELINES
 
-    if job.pipeline not in ("zerolock", *SCHEDULES):
-        raise ZLError(f"torch job pipeline {job.pipeline!r}: expected zerolock or one of {', '.join(SCHEDULES)}.")
+    if job.pipeline not in ("zerolock", *BASELINES):
+        raise ZLError(f"torch job pipeline {job.pipeline!r}: expected zerolock or one of {', '.join(BASELINES)}.")
     torch.set_num_threads(job.threads)
     backend, device = backend_and_device(job.backend, local_rank, local_world)
     if device.type == "cuda":

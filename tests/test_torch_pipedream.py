@@ -1,0 +1,231 @@
+"""PipeDream (zl_device/run/torch_pipedream.py): asynchronous 1F1B with weight stashing on three gloo ranks.
+
+- one window: no stage steps before every backward is done, so the gradient is
+  single-process backprop's (rtol 1e-5);
+- three windows of 2 micro-batches: stages step at different times; the
+  trained weights and losses equal a single-process simulation of the same
+  schedule written here (each stage's F/B order, stashed weights at the
+  backward by recomputing the forward on them) — and differ from the same
+  simulation with the current weights at the backward (no stashing).
+Slow: the ranks are spawned processes.
+"""
+
+import datetime
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from test_torch_pipeline import BATCH, SEQ, STAGES, build, make_shard
+
+ONE_WINDOW = (4, 4)  # (micro-batches, window): 4 micro-batches, no step before the last backward
+ASYNC = (6, 2)  # 3 windows of 2: with K = 3, stage 0 runs forwards of window w+1 before window w's step
+
+
+def test_pipedream_ops_are_1f1b_without_flush():
+    """Fast: each stage's op order, in-flight bound K-k, every micro-batch once forward then once backward."""
+    from zl_device.run.torch_pipedream import pipedream_ops
+
+    assert list(pipedream_ops(2, 3, 3)) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert list(pipedream_ops(0, 3, 4)) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2),
+                                            ("B", 3)]
+    for k in range(4):
+        ops = list(pipedream_ops(k, 4, 9))
+        assert sorted(ops) == sorted([("F", i) for i in range(9)] + [("B", i) for i in range(9)])
+        live, peak = set(), 0
+        for op, mb in ops:
+            if op == "F":
+                live.add(mb)
+                peak = max(peak, len(live))
+            else:
+                assert mb in live and mb == min(live), (k, ops)  # backwards in forward order
+                live.remove(mb)
+        assert peak == 4 - k
+
+
+def rank_main(rank: int, port: int, shard_path: str, out: str) -> None:
+    """Spawned: PipeDream on fresh modules for each plan; gradients, trained weights, losses, memory counters."""
+    import torch.distributed as dist
+
+    from zl_device.run.eager_training import OptimizerSettings
+    from zl_device.run.torch_pipedream import PipeDreamStage
+    from zl_device.run.torch_pipeline import window_rows
+    from zl_device.run.windows import WindowPlan
+    from zl_export.shard import load_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(STAGES),
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        shard = load_shard(shard_path)
+        for name, (n, m) in (("one", ONE_WINDOW), ("async", ASYNC)):
+            _, modules, names = build()
+            plan = WindowPlan(n, m)
+            pipe = PipeDreamStage(modules[rank], rank, len(STAGES), torch.device("cpu"), 5e-3, OptimizerSettings(),
+                                  plan, timeout_s=120)
+            windows = []
+            pipe.run(lambda mb: window_rows(shard, range(mb, mb + 1), BATCH),
+                     (BATCH, SEQ, modules[rank].norm.weight.shape[-1]),
+                     lambda w, loss, lr: windows.append([w, loss, lr]))
+            save_file({names[id(p)]: p.grad.clone() for p in pipe.params}, f"{out}/{name}_grad_{rank}.safetensors")
+            save_file({names[id(p)]: p.detach().clone() for p in pipe.params},
+                      f"{out}/{name}_params_{rank}.safetensors")
+            Path(f"{out}/{name}_run_{rank}.json").write_text(json.dumps(
+                {"windows": windows, "in_flight_max": pipe.in_flight_max,
+                 "stash_versions_max": pipe.stash_versions_max}))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def pipedream(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    from zl_device.run.launch import free_port_base
+
+    out = tmp_path_factory.mktemp("pipedream")
+    shard = make_shard(out / "train.safetensors")
+    mp.start_processes(rank_main, args=(free_port_base(1), str(shard), str(out)), nprocs=len(STAGES), join=True,
+                       start_method="spawn")
+    return out, shard
+
+
+def load_all(out: Path, name: str, what: str) -> dict[str, torch.Tensor]:
+    merged = {}
+    for k in range(len(STAGES)):
+        merged.update(load_file(str(out / f"{name}_{what}_{k}.safetensors")))
+    return merged
+
+
+def simulate(shard, num_micro_batches: int, window: int, stash: bool):
+    """Single process, the same schedule: stage k runs K-1-k forwards, then one forward / one backward, and takes
+    its AdamW step after the backward of its window's last micro-batch. A forward runs on the stage's weights of
+    that moment, which it records; the backward recomputes the forward on the recorded weights (`stash`) or on
+    the current ones. Returns (trained LoRA weights by manifest name, last stage's mean loss per window)."""
+    from zl_device.run.eager_training import OptimizerSettings, runner_optimizer
+    from zl_device.run.torch_pipeline import window_rows
+    from zl_export.local_loss import shift_targets
+
+    _, modules, names = build()
+    K, N = len(STAGES), num_micro_batches
+    windows = -(-N // window)
+    lora = [[p for n, p in m.named_parameters() if p.requires_grad and "lora_" in n] for m in modules]
+    opts = [runner_optimizer([{"params": ps, "lr": 5e-3}], OptimizerSettings(), windows)[0:2] for ps in lora]
+    order = []
+    for k in range(K):
+        warm = K - 1 - k
+        steady = [op for i in range(warm, N) for op in (("F", i), ("B", i - warm))]
+        order.append([("F", i) for i in range(warm)] + steady + [("B", i) for i in range(N - warm, N)])
+
+    def forward(k, x, mask, labels, weights):
+        with torch.no_grad():
+            for p, w in zip(lora[k], weights):
+                p.copy_(w)
+        h = modules[k].chunk(x, mask)[1]  # (B, S, D)
+        if k < K - 1:
+            return h
+        targets, valid = shift_targets(labels)
+        rows, cols = valid.bool().nonzero(as_tuple=True)
+        logits = modules[k].lm_head(modules[k].norm(h)[rows, cols])  # (targets, V)
+        return torch.nn.functional.cross_entropy(logits, targets[rows, cols])
+
+    acts, grads, seen, losses, done = {}, {}, {}, [[] for _ in range(windows)], [0] * K
+    while any(done[k] < len(order[k]) for k in range(K)):
+        for k in range(K):
+            if done[k] == len(order[k]):
+                continue
+            op, mb = order[k][done[k]]
+            ids, mask, labels = window_rows(shard, range(mb, mb + 1), BATCH)
+            if op == "F" and (k == 0 or (k - 1, mb) in acts):
+                x = ids if k == 0 else acts[(k - 1, mb)]
+                seen[(k, mb)] = (x, [p.detach().clone() for p in lora[k]])
+                with torch.no_grad():
+                    out = forward(k, x, mask, labels, seen[(k, mb)][1])
+                if k == K - 1:
+                    losses[mb // window].append(float(out))
+                else:
+                    acts[(k, mb)] = out
+            elif op == "B" and (k == K - 1 or (k + 1, mb) in grads):
+                x, weights = seen.pop((k, mb))
+                current = [p.detach().clone() for p in lora[k]]
+                x = x.clone().requires_grad_(k > 0)
+                out = forward(k, x, mask, labels, weights if stash else current)
+                out.backward(None if k == K - 1 else grads.pop((k + 1, mb)))
+                with torch.no_grad():
+                    for p, c in zip(lora[k], current):
+                        p.copy_(c)  # back to the stage's current weights
+                if k > 0:
+                    grads[(k, mb)] = x.grad
+                if mb == min(N, (mb // window + 1) * window) - 1:
+                    for p in lora[k]:
+                        p.grad /= mb % window + 1
+                    opts[k][0].step()
+                    opts[k][1].step()
+                    for p in lora[k]:
+                        p.grad = None
+            else:
+                continue  # waiting for a neighbour
+            done[k] += 1
+    trained = {names[id(p)]: p.detach().clone() for ps in lora for p in ps}
+    return trained, [sum(w) / len(w) for w in losses]
+
+
+@pytest.mark.slow
+def test_pipedream_one_window_gradient_equals_single_process_backprop(pipedream, one_torch_thread):
+    from zl_device.run.eager_training import causal_lm_loss, micro_batch
+    from zl_export.shard import load_shard
+
+    out, shard_path = pipedream
+    shard = load_shard(shard_path)
+    peft_model, _, names = build()
+    peft_model.train()
+    n, _ = ONE_WINDOW
+    for mb in range(n):
+        causal_lm_loss(peft_model, *micro_batch(shard, mb, BATCH)).backward()
+    want = {names[id(p)]: p.grad / n for p in peft_model.parameters() if p.requires_grad}
+    got = load_all(out, "one", "grad")
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-8, msg=lambda m: f"{name}: {m}")
+    assert sum(float(g.abs().sum()) for g in want.values()) > 0
+    one = [json.loads((out / f"one_run_{k}.json").read_text()) for k in range(len(STAGES))]
+    assert [r["stash_versions_max"] for r in one] == [1, 1, 1]  # nobody steps while a micro-batch is in flight
+
+
+@pytest.mark.slow
+def test_pipedream_equals_simulated_asynchronous_schedule_with_stashing(pipedream, one_torch_thread):
+    from zl_export.shard import load_shard
+
+    out, shard_path = pipedream
+    shard = load_shard(shard_path)
+    stashed, stashed_losses = simulate(shard, *ASYNC, stash=True)
+    got = load_all(out, "async", "params")
+    assert got.keys() == stashed.keys()
+    for name, t in stashed.items():
+        torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    assert any(float(t.abs().max()) > 1e-3 for n, t in got.items() if "lora_B" in n), "training moved LoRA B"
+    run = [json.loads((out / f"async_run_{k}.json").read_text()) for k in range(len(STAGES))]
+    last = run[-1]["windows"]
+    assert [w for w, _, _ in last] == [0, 1, 2]
+    assert [loss for _, loss, _ in last] == pytest.approx(stashed_losses, rel=1e-5)
+    # Memory: stage k holds up to K-k micro-batches; across a step, two weight versions.
+    assert [r["in_flight_max"] for r in run] == [3, 2, 1]
+    assert [r["stash_versions_max"] for r in run] == [2, 2, 1]
+
+
+@pytest.mark.slow
+def test_pipedream_backward_uses_the_stashed_weights(pipedream, one_torch_thread):
+    """The same schedule with the backward on the stage's current weights (no stashing) trains weights far outside
+    the simulation's tolerance on stages 0 and 1, which step while their micro-batches are in flight (the last
+    stage's forward and backward are adjacent; it differs only through its inputs)."""
+    from zl_export.shard import load_shard
+
+    out, shard_path = pipedream
+    current, _ = simulate(load_shard(shard_path), *ASYNC, stash=False)
+    for k in range(len(STAGES) - 1):
+        got = load_file(str(out / f"async_params_{k}.safetensors"))
+        diff = max(float((t - current[n]).abs().max() / current[n].abs().max()) for n, t in got.items())
+        assert diff > 1e-3, f"stage {k}: trained as with the current weights at the backward (rel diff {diff})"

@@ -1,0 +1,163 @@
+"""PipeDream on the same ranks: asynchronous 1F1B across windows with weight stashing (docs/design.md §13.1).
+
+The third backprop baseline (torch_pipeline.py has GPipe and 1F1B), as the
+PipeDream paper (Narayanan et al., SOSP 2019) runs it: stage k of K starts
+with K-1-k forwards, then alternates one forward and one backward over the
+whole run, with no flush at window ends; the last stage's loss is the final
+output's cross-entropy, as for the other baselines. A stage takes its own
+AdamW step (the window's mean gradient, the runner's schedule) as soon as the
+backwards of its m micro-batches of the window are done, so stages step at
+different times and a micro-batch's forward on stage k may see an older
+weight version than its neighbours'.
+
+Weight stashing: a forward runs on a copy of the stage's current LoRA weights
+(the base is frozen, so LoRA is all that changes); the autograd graph keeps
+that copy, so the micro-batch's backward on this stage uses the weights its
+forward used, even after the stage has stepped since. One copy per weight
+version, shared by the micro-batches that ran forward on it. A stage holds at
+most K-k micro-batches' activations and as many stashed versions
+(`in_flight_max`, `stash_versions_max` on the `done` line).
+
+Link: plain `isend`/`irecv` of fixed shapes — forward hidden (B, S, D) and
+mask (B, S) int64 to k+1, the gradient of the hidden state (B, S, D) back to
+k-1. Sends never block the schedule (kept until complete); every receive
+waits at most `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from zl_device.run.eager_training import OptimizerSettings, runner_optimizer
+from zl_device.run.torch_pipeline import PipeStage, target_loss
+from zl_device.run.windows import WindowPlan
+from zl.errors import ZLError
+
+TAG_HIDDEN, TAG_MASK, TAG_GRAD = 0, 1, 2
+
+# (ids, mask, labels) of one global micro-batch, each (B, S) int64; stage 0 and the last stage read them.
+Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def pipedream_ops(stage: int, num_stages: int, num_micro_batches: int) -> Iterator[tuple[str, int]]:
+    """Stage `stage`'s operations in order: ("F" | "B", global micro-batch), K-1-k forwards, then 1F1B, no flush."""
+    warm = min(num_stages - 1 - stage, num_micro_batches)
+    for mb in range(warm):
+        yield "F", mb
+    for mb in range(warm, num_micro_batches):
+        yield "F", mb
+        yield "B", mb - warm
+    for mb in range(num_micro_batches - warm, num_micro_batches):
+        yield "B", mb
+
+
+class PipeDreamStage:
+    """One rank of a PipeDream pipeline over stage `module`'s layers, for a whole run of `plan`'s windows."""
+
+    def __init__(self, module: nn.Module, rank: int, world: int, device: torch.device, lr: float,
+                 opt: OptimizerSettings, plan: WindowPlan, timeout_s: float = 600.0):
+        module.train()  # LoRA dropout is 0; train mode only so nothing skips autograd
+        self.module, self.rank, self.world, self.device, self.plan = module, rank, world, device, plan
+        self.pipe = PipeStage(module)
+        # LoRA only, as GPipe/1F1B: a readout translator is ZeroLock's and gets no gradient here.
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and "lora_" in n]
+        self.names = [f"stage.{n}" for n, _ in named]  # PipeStage's names, for functional_call
+        self.params = [p for _, p in named]
+        self.loss_fn = target_loss(module.lm_head)
+        self.optimizer, self.scheduler = runner_optimizer([{"params": self.params, "lr": lr}], opt, plan.num_windows)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.version = 0  # optimizer steps taken by this stage
+        self._stash: tuple[int, list[torch.Tensor]] | None = None
+        self.in_flight_max = 0
+        self.stash_versions_max = 0
+
+    def _stashed(self) -> tuple[int, list[torch.Tensor]]:
+        """The current weight version's copy of the LoRA weights (made at its first forward)."""
+        if self._stash is None or self._stash[0] != self.version:
+            self._stash = (self.version, [p.detach().clone().requires_grad_() for p in self.params])
+        return self._stash
+
+    def _wait(self, work, what: str, mb: int) -> None:
+        try:
+            work.wait(timeout=self.timeout)
+        except RuntimeError as e:
+            raise ZLError(f"pipedream stage {self.rank}: {what} of micro-batch {mb} did not complete within "
+                          f"{self.timeout.total_seconds():.0f} s ({e}); a neighbouring stage hung or died.") from e
+
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int, what: str, mb: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        self._wait(dist.irecv(buf, src=src, tag=tag), what, mb)
+        return buf
+
+    def run(self, batches: Batches | None, hidden_shape: tuple[int, int, int],
+            on_window: Callable[[int, float | None, float], None] | None = None) -> None:
+        """Train the whole plan. `batches` (stage 0 and the last stage) gives a micro-batch's full-length rows;
+        `hidden_shape` is (B, S, D); `on_window(window, mean loss on the last stage else None, lr)` follows each of
+        this stage's AdamW steps. After the run `.grad` holds the last window's mean gradient."""
+        import torch.distributed as dist
+
+        first, last = self.rank == 0, self.rank == self.world - 1
+        if (first or last) and batches is None:
+            raise ZLError(f"pipedream stage {self.rank}: the first and last stages need the micro-batches.")
+        plan, (b, s, d) = self.plan, hidden_shape
+        dtype = self.module.norm.weight.dtype
+        in_flight: dict[int, tuple] = {}  # mb -> (input, output or loss, stashed version, stashed weights)
+        sends: list[tuple] = []  # (work, tensor, what, mb): a tensor lives until its send completes
+        grad_sum = [torch.zeros_like(p) for p in self.params]
+        losses: list[float] = []
+        for op, mb in pipedream_ops(self.rank, self.world, plan.num_micro_batches):
+            sends = [x for x in sends if not x[0].is_completed()]
+            if op == "F":
+                if first:
+                    x, mask, _ = (t.to(self.device) for t in batches(mb))  # (B, S) ids
+                    if tuple(x.shape) != (b, s):
+                        raise ZLError(f"pipedream stage 0: micro-batch {mb} has shape {tuple(x.shape)}, expected "
+                                      f"(B, S) = {(b, s)} (the manifest's micro_batch and seq_len); the shard and "
+                                      "manifest disagree: prepare the run again.")
+                else:
+                    x = self._recv((b, s, d), dtype, self.rank - 1, TAG_HIDDEN, "hidden state", mb).requires_grad_()
+                    mask = self._recv((b, s), torch.int64, self.rank - 1, TAG_MASK, "mask", mb)
+                version, weights = self._stashed()
+                out = torch.func.functional_call(self.pipe, dict(zip(self.names, weights)), (x, mask))
+                if last:
+                    out = self.loss_fn(out, batches(mb)[2].to(self.device))  # () mean CE of the micro-batch
+                    losses.append(float(out.detach()))
+                else:
+                    h = out[0].detach().contiguous()  # (B, S, D)
+                    sends += [(dist.isend(h, self.rank + 1, tag=TAG_HIDDEN), h, "hidden state", mb),
+                              (dist.isend(mask, self.rank + 1, tag=TAG_MASK), mask, "mask", mb)]
+                    out = out[0]
+                in_flight[mb] = (x, out, version, weights)
+                self.in_flight_max = max(self.in_flight_max, len(in_flight))
+                self.stash_versions_max = max(self.stash_versions_max, len({v[2] for v in in_flight.values()}))
+                continue
+            x, out, _, weights = in_flight.pop(mb)
+            upstream = None if last else self._recv((b, s, d), dtype, self.rank + 1, TAG_GRAD, "gradient", mb)
+            inputs = weights if first else [*weights, x]
+            grads = torch.autograd.grad(out, inputs, grad_outputs=upstream)  # on the stashed weights
+            for acc, g in zip(grad_sum, grads):
+                acc += g
+            if not first:
+                gx = grads[-1].contiguous()  # (B, S, D)
+                sends.append((dist.isend(gx, self.rank - 1, tag=TAG_GRAD), gx, "gradient", mb))
+            window = plan.window_of(mb)
+            if mb == plan.micro_batches(window)[-1]:
+                count = len(plan.micro_batches(window))
+                for p, acc in zip(self.params, grad_sum):
+                    p.grad = acc / count  # the window's mean gradient
+                    acc.zero_()
+                lr = self.optimizer.param_groups[0]["lr"]
+                self.optimizer.step()
+                self.scheduler.step()
+                self.version += 1
+                if on_window is not None:
+                    on_window(window, sum(losses) / len(losses) if last else None, lr)
+                losses = []
+        for work, _, what, mb in sends:
+            self._wait(work, f"sending the {what}", mb)

@@ -305,7 +305,8 @@ class Coordinator:
             if code == 2:
                 s.state = "error"
                 self.stop_all()
-                raise ZLError(f"stage {k} on {plan.device.name} rejected its configuration (exit status 2): "
+                raise ZLError(f"stage {k} on {plan.device.name} stopped with exit status 2 (a bad configuration, or a "
+                              f"failure a restart cannot fix, so it is not retried): "
                               f"{_stderr_tail(plan.device)}")
             timed_out = s.heartbeat_seen and now - s.last_sign_of_life > self.heartbeat_timeout_s
             if code is not None or timed_out:

@@ -9,6 +9,7 @@ ends, and a replayed window recomputes exactly what the lost one did.
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +81,19 @@ def test_report_files_consistent_with_metrics(clean_run):
     run = next(r for r in lines if r["type"] == "run")
     assert run["control_heartbeats"] == [True, True, True]  # every runner reached the coordinator
     assert report["run"]["wall_s"] == pytest.approx((run["end_unix_ms"] - run["start_unix_ms"]) / 1e3, rel=1e-3)
+
+
+def test_run_key_shard_and_input_logs_leave_the_devices_when_the_run_ends(clean_run):
+    """The run key stays only in RUN_DIR (0600); the devices keep programs, checkpoints and telemetry."""
+    run_dir = clean_run.run_dir
+    assert stat.S_IMODE((run_dir / "run.key").stat().st_mode) == 0o600
+    workdirs = sorted((run_dir / "devices").glob("local-*"))
+    assert workdirs
+    for workdir in workdirs:
+        left = {p.relative_to(workdir).as_posix() for p in workdir.rglob("*")}
+        assert not {n for n in left if n.endswith("run.key") or n.endswith(".safetensors") and "window_" not in n
+                    or "input_log" in n}, left
+        assert any(n.startswith("checkpoints/window_") or "/window_" in n for n in left), left
 
 
 def test_adapter_loads_with_peft_and_equals_final_checkpoints(clean_run):

@@ -10,6 +10,7 @@ stay up while the caller runs the coordinator; both go when it leaves.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import socket
 from collections.abc import Iterator, Sequence
@@ -77,9 +78,22 @@ def control_bind_host(stage_devices: Sequence[Device], local: bool) -> str:
 def write_run_key(run_dir: Path) -> tuple[Path, str]:
     """RUN_DIR/run.key (the per-run MAC key, owner-only) and a fresh run id."""
     key_file = run_dir / "run.key"
-    key_file.write_text(secrets.token_hex(32) + "\n")
-    key_file.chmod(0o600)
+    write_secret(key_file, secrets.token_hex(32) + "\n")
     return key_file, secrets.token_hex(16)
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Create `path` owner-only (0600) from its first byte: no moment in which it is readable by others.
+
+    Raises:
+        ZLError: `path` exists already (a key is never overwritten in place).
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ZLError(f"{path} exists already; a run key is created once per run. Use a new --out folder.") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def address_plan(stage_devices: Sequence[Device], coordinator_port: int, local: bool):

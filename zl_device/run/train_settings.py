@@ -38,6 +38,8 @@ class TrainSettings:
                             choices=RECOVERY_MODES)
     inject_failure: str | None = setting(None, "STAGE@WINDOW: SIGKILL that stage in the middle of that window.")
     spares: int = setting(0, "Devices after the stages' that take over a failed stage.")
+    keep_device_files: bool = setting(False, "Leave the run key, data shard and input logs on the devices when the "
+                                             "run ends (by default they are deleted once the results are pulled).")
     seed: int = setting(0, "Seeds LoRA init, data order and the demo task.")
     seq_len: int | None = setting(None, "Tokens per sample (default: 128; the demo task: its longest sample, "
                                         "rounded up to 16).")

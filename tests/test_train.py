@@ -36,8 +36,9 @@ def train(out: Path, cache: Path, **kw):
     from zl_device.run.train_settings import TrainSettings
     from zl_export.options import ModelSplit
 
+    kw.setdefault("timeout_s", 300)
     settings = TrainSettings(split=ModelSplit("tiny-random"), samples=SAMPLES, window=WINDOW, out=out, export_cache=cache,
-                             seq_len=32, eval_limit=16, timeout_s=300, **kw)
+                             seq_len=32, eval_limit=16, **kw)
     # The demo task needs 64 tokens for the byte tokenizer; with seq_len 32 use a small prompt/completion file.
     return run_training(settings, say=lambda line: None)
 
@@ -217,6 +218,31 @@ def test_injected_failure_with_local_recovery_ends_identical(clean_run, export_c
         assert torch.equal(recovered[name], t), name
     report = json.loads((result.run_dir / "report.json").read_text())
     assert report["recovery"] and report["recovery"][0]["stage"] == stage
+
+
+def test_a_stalled_living_stage_is_restarted_not_its_neighbours(clean_run, export_cache, data_file, tmp_path,
+                                                                monkeypatch):
+    """Stage 1 parks in window 2 and stays alive (heartbeats go on from its timer thread): the coordinator must
+    find it by its lack of progress, blame it -- not stage 0 held back by it, nor stage 2 starved by it --
+    restart it alone, and end with the clean run's adapter. Without stall detection the run times out."""
+    from zl_device.run.coordinator import Coordinator
+
+    # The hold of --inject-failure without the kill that normally follows it: a stage that stopped computing.
+    monkeypatch.setattr(Coordinator, "_maybe_inject", lambda self: None)
+    result = train(tmp_path / "run", export_cache, data=str(data_file), inject_failure="1@2", stall_timeout_s=8.0,
+                   timeout_s=150)
+    events = [json.loads(ln) for ln in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    failures = [e for e in events if e["type"] == "failure"]
+    assert [(f["stage"], f["window"]) for f in failures] == [(1, 2)], failures
+    assert failures[0]["reason"].startswith("stalled: no progress for "), failures[0]
+    assert failures[0]["detected_after_ms"] >= 8000
+    assert [e["stage"] for e in events if e["type"] == "restart"] == [1]
+    assert [e["stage"] for e in events if e["type"] == "recovered"] == [1]
+    clean, recovered = adapter_tensors(clean_run.run_dir), adapter_tensors(result.run_dir)
+    for name, t in clean.items():
+        assert torch.equal(recovered[name], t), name
+    report = (result.run_dir / "report.md").read_text()
+    assert "| 1 | stalled: no progress for " in report
 
 
 def test_global_recovery_replays_more_than_local(clean_run, export_cache, data_file, tmp_path):

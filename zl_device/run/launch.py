@@ -131,7 +131,7 @@ def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Pat
         deploy_stage(device, export_dir, k, configs[k], manifest=manifest)
 
     coordinator = Coordinator(plans, windows, control, s.recovery, injection, spares, s.heartbeat_timeout_s,
-                              s.timeout_s, redeploy)
+                              s.timeout_s, redeploy, stall_timeout_s=s.stall_timeout_s)
     say(f"run: {s.samples} samples, {windows.num_micro_batches} micro-batches in {windows.num_windows} windows of "
         f"{windows.window_size}, "
         f"recovery {s.recovery}" + (f", failure injected at stage {injection.stage} window {injection.window}"

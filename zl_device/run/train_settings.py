@@ -17,6 +17,11 @@ from zl_export.options import ExportOptions, ModelSplit
 
 DEMO = "demo"
 RECOVERY_MODES = ("local", "global")
+#: The runner's default `input_timeout_s` (runner_config.cpp), which zl train leaves: a stage waiting this long
+#: for input or acknowledgements fails.
+RUNNER_INPUT_TIMEOUT_S = 600.0
+#: Default --stall-timeout: well above a phone's slowest micro-batch or checkpoint, well below the input timeout.
+STALL_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -55,10 +60,17 @@ class TrainSettings:
     in_flight: int = setting(4, "Un-acknowledged entries per link (the runner's in_flight_depth).", cli=False)
     link_profile: str | None = setting(None, "Shape local links like local, wifi, mobile or constrained.", cli=False)
     heartbeat_timeout_s: float = setting(30.0, "A stage without a heartbeat for this long has failed.", cli=False)
+    stall_timeout_s: float = setting(STALL_TIMEOUT_S, "A stage whose progress stopped this long while its input was "
+                                     "there is restarted (seconds, below the runners' 600 s input timeout; 0: off).",
+                                     flag="--stall-timeout")
     export_cache: Path | None = setting(None, "Export cache folder (default: $ZL_CACHE_DIR/exports).", cli=False)
 
     def validate(self) -> None:
         """The checks that need no model or device; run before anything slow."""
+        if not 0 <= self.stall_timeout_s < RUNNER_INPUT_TIMEOUT_S:
+            raise ZLError(f"--stall-timeout {self.stall_timeout_s:g}: expected 0 (off) or a time below the runners' "
+                          f"input timeout of {RUNNER_INPUT_TIMEOUT_S:g} s (after it the stages waiting on a stalled "
+                          f"one give up first and are blamed), e.g. --stall-timeout {STALL_TIMEOUT_S:g}.")
         if self.samples < 1 or self.window < 1:
             raise ZLError(f"--samples {self.samples} --window {self.window}: both must be at least 1.")
         check_choices(self)

@@ -230,8 +230,8 @@ Status StageRunner::fall_back(const std::vector<int64_t>& windows, const Status&
                     "newest checkpoint " + corrupt_dir + " is unusable: " + why.message() + ". Stage " +
                         std::to_string(c.stage_index) + " cannot go back to " + target +
                         " exactly: its input log " + c.input_log_dir + " no longer holds micro-batch " +
-                        std::to_string(mb) + " (deleted when window " + std::to_string(corrupt_window) +
-                        " was committed) and upstream does not keep what this stage acknowledged. " +
+                        std::to_string(mb) + " (deleted once its window was committed) and upstream does not "
+                        "keep what this stage acknowledged. " +
                         "The directory is left as it is; put an intact copy of it back and restart the stage, " +
                         "or start the run again");
     }

@@ -75,23 +75,28 @@ kill_app() {  # SIGKILL, then wait until it is gone (as force-stop returns once 
   echo "emulated phone: pid $pid did not die" >&2
 }
 
-start_app() {  # the service's START: the app's native run on the config ($1, resume $2), in its own session
+start_app() {  # the service's START: the app's native run on the config ($1, resume $2, run key $3), own session
   resume_flag=
   [ "$2" = true ] && resume_flag=--resume
+  key_flag=
+  if [ -n "$3" ]; then  # as RunnerService: the key goes to the app's private storage, not the files folder
+    mkdir -p "$ZLEMU_STATE/private" && (umask 077 && printf '%s\n' "$3" >"$ZLEMU_STATE/private/run.key")
+    key_flag="--run-key-file $ZLEMU_STATE/private/run.key"
+  fi
   setsid "$ZLEMU_JAVA" -XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Dzl.jni.library="$ZLEMU_JNI_LIBRARY" \
-    -cp "$ZLEMU_JNI_CLASSES" com.zerolock.zl.AppStageDriver --config "$1" $resume_flag \
+    -cp "$ZLEMU_JNI_CLASSES" com.zerolock.zl.AppStageDriver --config "$1" $resume_flag $key_flag \
     >>"$ZLEMU_STATE/logcat" 2>&1 </dev/null &
   echo $! >"$PIDFILE"
   echo "$! $2 $1" >>"$ZLEMU_STATE/starts"
 }
 
 am_service() {
-  component= action= config= resume=false
+  component= action= config= resume=false run_key=
   while [ $# -gt 0 ]; do
     case "$1" in
       -n) component=$2; shift ;;
       -a) action=$2; shift ;;
-      --es) [ "$2" = config ] && config=$3; shift 2 ;;
+      --es) [ "$2" = config ] && config=$3; [ "$2" = run_key ] && run_key=$3; shift 2 ;;
       --ez) [ "$2" = resume ] && resume=$3; shift 2 ;;
     esac
     shift
@@ -105,7 +110,7 @@ am_service() {
     "$PKG.action.PREPARE")
       mkdir -p "$FILES" && printf '{"package": "%s", "version_name": "0.1.0", "version_code": 1, "files_dir": "%s"}\n' \
         "$PKG" "/storage/emulated/0/Android/data/$PKG/files" >"$FILES/.app.json" && mv "$FILES/.app.json" "$FILES/app.json" ;;
-    "$PKG.action.START") start_app "$config" "$resume" ;;
+    "$PKG.action.START") start_app "$config" "$resume" "$run_key" ;;
     "$PKG.action.STOP") pid=$(app_pid) && kill -TERM "$pid" ;;
     *) echo "Error: unknown action $action" ;;
   esac

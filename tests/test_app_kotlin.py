@@ -64,4 +64,4 @@ def test_app_kotlin_unit_tests_on_the_host_jvm(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert re.search(r"OK \((\d+) tests\)", run.stdout), run.stdout[-2000:]
     count = int(re.search(r"OK \((\d+) tests\)", run.stdout).group(1))
-    assert count == 8, run.stdout[-2000:]  # every test ran: none skipped by an assumption
+    assert count == 9, run.stdout[-2000:]  # every test ran: none skipped by an assumption

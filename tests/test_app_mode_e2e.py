@@ -82,6 +82,12 @@ def assert_ran_in_the_app(phone: EmulatedPhone, stage: int, starts: int) -> None
     assert not any("zl_runner" in c for c in phone.commands), [c for c in phone.commands if "zl_runner" in c]
     assert sum(c.startswith("pm install") for c in phone.commands) == 1
     assert not [p for p in phone.pushed if p.startswith("/data/local/tmp/zerolock")]
+    # The run key went with START into the app's private storage, never into the shared files folder, and
+    # left with the run (as did the data shard and input logs).
+    assert any(" --es run_key " in c for c in phone.commands if "action.START" in c)
+    assert not [p for p in phone.pushed if p.endswith("run.key")]
+    assert not (files / "run.key").exists() and not (phone.state / "private" / "run.key").exists()
+    assert not (files / "train.safetensors").exists() and not list(files.rglob("input_log"))
 
 
 def test_app_mode_on_emulated_phones_trains_like_local_devices(clean_run, export_cache, data_file, phones, tmp_path):

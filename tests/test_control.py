@@ -208,3 +208,20 @@ def test_coordinator_logs_a_stage_error_without_raw_control_characters(caplog):
         c._drain_control()
     text = caplog.text
     assert "\x1b" not in text and "\\x1b[2J\\x07 thing" in text
+
+
+# --- issue 12 item 4: a stalled but living stage ------------------------------------------------------------------
+
+@pytest.mark.parametrize("done, live, seen_at, blamed", [
+    ([14, 9, 10], [True] * 3, 2, 1),  # stage 1 parked after sending 9: 2 starved, 0 held back
+    ([14, 9, 10], [True] * 3, 0, 1),
+    ([14, 9, 9], [True] * 3, 2, 1),  # parked before sending 9
+    ([16, 15, 9], [True] * 3, 0, 2),  # the last stage stopped: everyone upstream is held back
+    ([5, 6, 6], [True] * 3, 2, 0),  # stage 0 stopped: the others starve
+    ([12, 12, 12, 12], [True] * 4, 3, 0),
+    ([32, 20, 19], [False, True, True], 2, 2),  # stage 0 is done: stage 1 has input; 2 has input from 1
+])
+def test_a_stall_is_blamed_on_the_stage_that_stopped_not_its_neighbours(done, live, seen_at, blamed):
+    from zl_device.run.coordinator import stalled_stage
+
+    assert stalled_stage(done, live, seen_at) == blamed

@@ -283,6 +283,40 @@ def test_deploy_and_pull_local_devices(tmp_path, dummy):
     assert "input_log" in os.listdir(zdeploy.pull(devs[:1], tmp_path / "run", input_logs=True)[0].checkpoint_dirs[0])
 
 
+def test_run_key_is_owner_only_from_creation_and_run_files_leave_the_devices(tmp_path, dummy, monkeypatch):
+    """Keys are created 0600 (not chmod-ed after, so umask 0 and a chmod that never happens change nothing);
+    remove_run_files deletes key, shard and input log but leaves checkpoints, telemetry and programs."""
+    from zl_device.devices import local as zlocal
+    from zl_device.run.launch import write_run_key
+
+    old_umask = os.umask(0)
+    try:
+        monkeypatch.setattr(Path, "chmod", lambda self, mode: None)
+        monkeypatch.setattr(zlocal.os, "chmod", lambda path, mode: None)
+        key_file, _ = write_run_key(tmp_path)
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        with pytest.raises(ZLError, match="exists already"):
+            write_run_key(tmp_path)
+        export, configs = make_export(tmp_path), make_configs(tmp_path)
+        devs = open_devices("local:2", tmp_path / "run", runner=dummy)
+        runner = tmp_path / "fake_runner"
+        runner.write_bytes(b"#!/bin/sh\n")
+        zdeploy.deploy(devs, export, configs, runner=runner)
+    finally:
+        os.umask(old_umask)
+    d0 = Path(devs[0].workdir)
+    assert stat.S_IMODE((d0 / "run.key").stat().st_mode) == 0o600
+    assert stat.S_IMODE((d0 / "train.safetensors").stat().st_mode) == 0o644
+    (d0 / "ckpt" / "input_log").mkdir(parents=True)
+    (d0 / "ckpt" / "input_log" / "entry-1.zlf").write_bytes(b"x")
+    (d0 / "ckpt" / "window_000000").mkdir()
+    removed = zdeploy.remove_run_files(devs)
+    assert sorted(removed) == ["local-0:ckpt/input_log", "local-0:run.key", "local-0:train.safetensors",
+                               "local-1:run.key"]
+    assert sorted(os.listdir(d0)) == ["ckpt", "manifest.json", "stage_0.json", "stage_0.pte", "zl_runner"]
+    assert os.listdir(d0 / "ckpt") == ["window_000000"]
+
+
 def test_deploy_errors(tmp_path, monkeypatch):
     export = make_export(tmp_path, stages=3)
     runner = tmp_path / "fake_runner"

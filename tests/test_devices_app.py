@@ -390,7 +390,10 @@ def test_deploy_installs_the_app_once_and_pushes_no_runner(tmp_path, monkeypatch
     results = zdeploy.deploy(devs, export, configs, on_file=lambda *a: files.append(a))
 
     assert results[0].runtime == zdeploy.RuntimeInstall("app com.zerolock.zl 0.1.0", True, apk.stat().st_size)
-    assert sorted(results[0].pushed) == ["manifest.json", "run.key", "stage_0.json", "stage_0.pte", "train.safetensors"]
+    # The run key stays off the shared files folder: START carries it into the app's private storage.
+    assert sorted(results[0].pushed) == ["manifest.json", "stage_0.json", "stage_0.pte", "train.safetensors"]
+    assert not any(p.endswith("run.key") for p in phone.files) and devs[0]._run_key == "5a" * 32
+    assert json.loads(phone.text("stage_0.json"))["run_key_file"] == "run.key"
     assert phone.files[BASE_APK][0] == apk.read_bytes()  # installed, and the staged copy removed
     assert phone.shell_commands("pm install") == ["pm install -r -t -g /data/local/tmp/com.zerolock.zl.apk 2>&1"]
     assert not any("com.zerolock.zl.apk" in p for p in phone.files)
@@ -499,7 +502,7 @@ def test_cli_mode_option(tmp_path, monkeypatch, fast):
     result = CliRunner().invoke(app, ["deploy", "--devices", "P1", "--mode", "app", "--export", str(export),
                                       "--configs", str(configs)])
     assert result.exit_code == 0, result.output
-    assert "P1: stage 0: pushed 5 files" in result.stdout and "app com.zerolock.zl 0.1.0 installed" in result.stdout
+    assert "P1: stage 0: pushed 4 files" in result.stdout and "app com.zerolock.zl 0.1.0 installed" in result.stdout
     phone.write("ckpt/window_1/adapter.safetensors", "w1")
     phone.write("metrics.jsonl", '{"stage": 0}\n')
     result = CliRunner().invoke(app, ["pull", "--devices", "P1", "--mode", "app", "--out", str(tmp_path / "out")])

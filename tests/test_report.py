@@ -71,7 +71,8 @@ def make_run(seed: int = 0, failure: bool = True) -> dict[int, list[dict]]:
 
 
 EVENTS = [
-    {"type": "failure", "stage": 1, "t_unix_ms": T0 + 1000, "detected_after_ms": 1500, "window": 2, "micro_batch": 5},
+    {"type": "failure", "stage": 1, "t_unix_ms": T0 + 1000, "detected_after_ms": 1500, "window": 2, "micro_batch": 5,
+     "reason": "exited with status -9"},
     {"type": "restart", "stage": 1, "t_unix_ms": T0 + 1200, "replayed_micro_batches": 2, "replay_bytes": 4096},
     {"type": "recovered", "stage": 1, "t_unix_ms": T0 + 3500, "recovery_ms": 2300.0, "downstream_stage": 1,
      "window": 2},
@@ -209,7 +210,7 @@ def test_markdown_has_the_numbers(tmp_path):
     assert row.endswith(f"| {s1['peak_pss_mib']:.1f} | n/a |")  # stage 1 has no temperature sensor
     assert "| 16.0 | 12 | 0.7500 |" in md
     assert "## Recovery" in md
-    assert "| 1 | 2 / 5 | 1500 | 2 / 1 | 4096 | 2300.0 |" in md
+    assert "| 1 | exited with status -9 | 2 / 5 | 1500 | 2 / 1 | 4096 | 2300.0 |" in md
 
 
 def test_no_recovery_section_without_failures(tmp_path):

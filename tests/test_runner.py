@@ -559,6 +559,60 @@ def test_sigterm_stops_without_commit_and_resume_completes(runner, export3, shar
             assert torch.equal(a[name], b[name]), name
 
 
+def kill_parked_and_corrupt_newest_checkpoint(pipe: Pipeline, victim: int, held: int) -> Path:
+    """Park `victim` inside window 2, SIGKILL it and truncate its newest checkpoint (window 1); returns that dir."""
+    pipe.park(victim, held)
+    pipe.procs[victim].send_signal(signal.SIGKILL)
+    pipe.procs[victim].wait()
+    newest = pipe.run_dir / f"ckpt{victim}" / "window_000001"
+    adapter = newest / "adapter.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:100])
+    pipe.edit_config(victim, hold_at_micro_batch=None)
+    return newest
+
+
+def test_corrupt_newest_checkpoint_of_stage_0_falls_back_exactly(runner, export3, shard, tmp_path, clean_adapters):
+    """Stage 0 can replay anything from its shard: it resumes from window 0 and ends bit-identical to a clean run."""
+    held = 2 * KILL_M + 1
+    pipe = make_pipeline(runner, export3, shard, tmp_path, "corrupt0", num_micro_batches=KILL_N, window_size=KILL_M,
+                         overrides={0: {"hold_at_micro_batch": held}})
+    pipe.start_all()
+    try:
+        newest = kill_parked_and_corrupt_newest_checkpoint(pipe, 0, held)
+        corrupt_bytes = (newest / "adapter.safetensors").read_bytes()
+        pipe.start(0, resume=True)
+        pipe.wait_all()
+    finally:
+        pipe.kill_all()
+    starts = pipe.events(0, "start")
+    assert starts[-1]["resumed_from_window"] == 0, starts
+    assert "window_000001 is unusable" in pipe.stderr(0), pipe.stderr(0)
+    aside = list((pipe.run_dir / "ckpt0").glob("corrupt-window_000001-*"))
+    assert len(aside) == 1 and (aside[0] / "adapter.safetensors").read_bytes() == corrupt_bytes, aside
+    for a, b in zip(clean_adapters, [pipe.final_adapter(k) for k in range(pipe.num_stages)]):
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+
+
+def test_corrupt_newest_checkpoint_without_exact_fallback_stops_with_exit_2(runner, export3, shard, tmp_path):
+    """Stage 1's input log lost window 1 when it was committed: no exact fallback, so exit 2 (not retried), dir kept."""
+    held = 2 * KILL_M + 1
+    pipe = make_pipeline(runner, export3, shard, tmp_path, "corrupt1", num_micro_batches=KILL_N, window_size=KILL_M,
+                         overrides={1: {"hold_at_micro_batch": held}})
+    pipe.start_all()
+    try:
+        newest = kill_parked_and_corrupt_newest_checkpoint(pipe, 1, held)
+        before = {p.name: p.read_bytes() for p in newest.iterdir()}
+        pipe.start(1, resume=True)
+        assert pipe.procs[1].wait(timeout=60) == 2, pipe.stderr(1)
+    finally:
+        pipe.kill_all()
+    err = pipe.stderr(1)
+    assert f"{pipe.run_dir / 'ckpt1' / 'window_000001'}" in err or "ckpt1/window_000001 is unusable" in err, err
+    assert "no longer holds micro-batch 4" in err and "intact copy" in err, err
+    assert {p.name: p.read_bytes() for p in newest.iterdir()} == before  # left exactly as it was
+
+
 def run_single(runner: Path, run_dir: Path, cfg: dict, *extra: str) -> subprocess.CompletedProcess:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "run.key").write_text(RUN_KEY + "\n")

@@ -9,6 +9,7 @@ ends, and a replayed window recomputes exactly what the lost one did.
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +36,9 @@ def train(out: Path, cache: Path, **kw):
     from zl_device.run.train_settings import TrainSettings
     from zl_export.options import ModelSplit
 
+    kw.setdefault("timeout_s", 300)
     settings = TrainSettings(split=ModelSplit("tiny-random"), samples=SAMPLES, window=WINDOW, out=out, export_cache=cache,
-                             seq_len=32, eval_limit=16, timeout_s=300, **kw)
+                             seq_len=32, eval_limit=16, **kw)
     # The demo task needs 64 tokens for the byte tokenizer; with seq_len 32 use a small prompt/completion file.
     return run_training(settings, say=lambda line: None)
 
@@ -80,6 +82,19 @@ def test_report_files_consistent_with_metrics(clean_run):
     run = next(r for r in lines if r["type"] == "run")
     assert run["control_heartbeats"] == [True, True, True]  # every runner reached the coordinator
     assert report["run"]["wall_s"] == pytest.approx((run["end_unix_ms"] - run["start_unix_ms"]) / 1e3, rel=1e-3)
+
+
+def test_run_key_shard_and_input_logs_leave_the_devices_when_the_run_ends(clean_run):
+    """The run key stays only in RUN_DIR (0600); the devices keep programs, checkpoints and telemetry."""
+    run_dir = clean_run.run_dir
+    assert stat.S_IMODE((run_dir / "run.key").stat().st_mode) == 0o600
+    workdirs = sorted((run_dir / "devices").glob("local-*"))
+    assert workdirs
+    for workdir in workdirs:
+        left = {p.relative_to(workdir).as_posix() for p in workdir.rglob("*")}
+        assert not {n for n in left if n.endswith("run.key") or n.endswith(".safetensors") and "window_" not in n
+                    or "input_log" in n}, left
+        assert any(n.startswith("checkpoints/window_") or "/window_" in n for n in left), left
 
 
 def test_adapter_loads_with_peft_and_equals_final_checkpoints(clean_run):
@@ -203,6 +218,31 @@ def test_injected_failure_with_local_recovery_ends_identical(clean_run, export_c
         assert torch.equal(recovered[name], t), name
     report = json.loads((result.run_dir / "report.json").read_text())
     assert report["recovery"] and report["recovery"][0]["stage"] == stage
+
+
+def test_a_stalled_living_stage_is_restarted_not_its_neighbours(clean_run, export_cache, data_file, tmp_path,
+                                                                monkeypatch):
+    """Stage 1 parks in window 2 and stays alive (heartbeats go on from its timer thread): the coordinator must
+    find it by its lack of progress, blame it -- not stage 0 held back by it, nor stage 2 starved by it --
+    restart it alone, and end with the clean run's adapter. Without stall detection the run times out."""
+    from zl_device.run.coordinator import Coordinator
+
+    # The hold of --inject-failure without the kill that normally follows it: a stage that stopped computing.
+    monkeypatch.setattr(Coordinator, "_maybe_inject", lambda self: None)
+    result = train(tmp_path / "run", export_cache, data=str(data_file), inject_failure="1@2", stall_timeout_s=8.0,
+                   timeout_s=150)
+    events = [json.loads(ln) for ln in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    failures = [e for e in events if e["type"] == "failure"]
+    assert [(f["stage"], f["window"]) for f in failures] == [(1, 2)], failures
+    assert failures[0]["reason"].startswith("stalled: no progress for "), failures[0]
+    assert failures[0]["detected_after_ms"] >= 8000
+    assert [e["stage"] for e in events if e["type"] == "restart"] == [1]
+    assert [e["stage"] for e in events if e["type"] == "recovered"] == [1]
+    clean, recovered = adapter_tensors(clean_run.run_dir), adapter_tensors(result.run_dir)
+    for name, t in clean.items():
+        assert torch.equal(recovered[name], t), name
+    report = (result.run_dir / "report.md").read_text()
+    assert "| 1 | stalled: no progress for " in report
 
 
 def test_global_recovery_replays_more_than_local(clean_run, export_cache, data_file, tmp_path):

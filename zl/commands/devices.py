@@ -113,7 +113,8 @@ def deploy_command(
     Unchanged files are skipped by sha256.
 
     With --mode app, phones get the app com.zerolock.zl instead of zl_runner (reinstalled only when the APK changed).
-    Their files go to the app's folder /sdcard/Android/data/com.zerolock.zl/files/.
+    Their files go to the app's folder /sdcard/Android/data/com.zerolock.zl/files/, except the run key: that folder
+    is shared storage, so the key goes with the START intent (`--es run_key`) into the app's private storage.
 
     Examples:
 
@@ -141,6 +142,9 @@ def deploy_command(
         app = (f", {r.runtime.name} {'installed' if r.runtime.installed else 'unchanged'}" if r.runtime else "")
         typer.echo(f"{r.device}: {what}: pushed {len(r.pushed)} files ({r.bytes_pushed / 2**20:.1f} MiB){unchanged}"
                    + (f", config {r.config}" if r.config else "") + app)
+    if configs is not None and any(not d.workdir_is_private for d in opened):
+        typer.echo("run key: not pushed (the app's folder is shared storage); START a stage with "
+                   "`--es run_key <the key file's 64 hex characters>` (android_app/README.md).")
 
 
 def pull_command(

@@ -279,9 +279,11 @@ class AdbDevice(Device):
         self._info: DeviceInfo | None = None
         self._out_offset = 0
 
-    def shell(self, command: str, action: str = "run a shell command", timeout: float = _SHELL_TIMEOUT_S) -> str:
-        """Run `command` with /system/bin/sh on the phone; its output, right-stripped."""
-        log.debug("%s$ %s", self.serial, command)
+    def shell(self, command: str, action: str = "run a shell command", timeout: float = _SHELL_TIMEOUT_S,
+              shown: str | None = None) -> str:
+        """Run `command` with /system/bin/sh on the phone; its output, right-stripped. `shown` is what the debug
+        log says instead of `command` (a command that carries the run key)."""
+        log.debug("%s$ %s", self.serial, command if shown is None else shown)
         with _adb_errors(self.serial, action):
             return self._dev.shell(command, timeout=timeout)
 

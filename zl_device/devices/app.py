@@ -132,6 +132,8 @@ class AppDevice(AdbDevice):
     """
 
     runs_runner_binary = False  # the APK carries the runtime (libzl_jni.so); install_runtime installs it
+    workdir_is_private = False  # shared storage: the run key goes with START into the app's private storage
+    _run_key: str | None = None
 
     def __init__(self, serial: str, client, workdir: str = APP_WORKDIR, link_profile: str = "local"):
         super().__init__(serial, client, workdir=workdir, link_profile=link_profile)
@@ -139,14 +141,31 @@ class AppDevice(AdbDevice):
     def _logcat_hint(self) -> str:
         return f"see `adb -s {self.serial} logcat -s zl zl.RunnerService`"
 
-    def am(self, action: str, extras: str = "") -> str:
-        """Send one intent to the app's service; `am`'s output.
+    def hold_run_key(self, key_file: Path) -> None:
+        """Keep the run key in memory: START carries it (`--es run_key`) and the app writes it to its private
+        storage, so it never sits in the shared files folder.
+
+        Raises:
+            ZLError: the file is not a run key (64 hex characters).
+        """
+        from zl_device.run.frames import parse_key
+
+        try:
+            text = Path(key_file).read_text()
+            parse_key(text)
+        except (OSError, ValueError) as e:
+            raise ZLError(f"run key {key_file}: {e}; use the RUN_DIR/run.key zl train wrote.") from None
+        self._run_key = text.strip()
+
+    def am(self, action: str, extras: str = "", secret: str = "") -> str:
+        """Send one intent to the app's service; `am`'s output. `secret` extras are sent, never shown in errors.
 
         Raises:
             ZLError: `am` reports an error (it exits 0 anyway), e.g. the app is not installed.
         """
         command = f"am start-foreground-service -n {APP_SERVICE} -a {action}" + (f" {extras}" if extras else "")
-        out = self.shell(f"{command} 2>&1", f"send {action} to the app")
+        out = self.shell(f"{command}{f' {secret}' if secret else ''} 2>&1", f"send {action} to the app",
+                         shown=f"{command}{' <secret extras>' if secret else ''} 2>&1")
         bad = [line.strip() for line in out.splitlines()
                if line.strip().startswith("Error") or "Exception" in line]
         if bad:
@@ -287,7 +306,8 @@ class AppDevice(AdbDevice):
         size = self.shell(f"stat -c %s {self._q(RUNNER_STDOUT)} 2>/dev/null", "stat runner.out").strip()
         self._out_offset = int(size) if size.isdigit() else 0
         self.am(ACTION_START, f"--es config {shlex.quote(self.path(config))} --ez resume "
-                              f"{'true' if resume else 'false'}")
+                              f"{'true' if resume else 'false'}",
+                secret=f"--es run_key {self._run_key}" if self._run_key else "")
         deadline = time.monotonic() + _START_TIMEOUT_S
         while self._pid() is None:
             if time.monotonic() > deadline:

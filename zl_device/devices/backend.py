@@ -73,6 +73,10 @@ class Device(ABC):
     #: Whether the workdir's files are on this host, cheap enough to poll: the coordinator tails such a
     #: device's telemetry as it grows, and reads a phone's (over adb) only when it must.
     files_on_host: bool = False
+    #: Whether a file pushed with mode 0600 is readable by this device's owner only. False for the app's
+    #: files folder on shared storage (other apps may read it on Android 8-10): deploy hands the run key to
+    #: `hold_run_key` instead, and the device passes it on at each start.
+    workdir_is_private: bool = True
 
     def __init__(self, name: str, workdir: str, link_profile: str):
         self.name = name
@@ -128,6 +132,10 @@ class Device(ABC):
     @abstractmethod
     def write_text(self, remote: str, text: str) -> None:
         """Write a small text file (parents created)."""
+
+    def hold_run_key(self, key_file: Path) -> None:
+        """Keep the run key for the next starts, off the workdir (only devices whose workdir is not private)."""
+        raise NotImplementedError(f"{self.name}: its workdir is private; deploy pushes the run key there")
 
     @abstractmethod
     def remove(self, remote: str) -> None:

@@ -181,11 +181,16 @@ def deploy_stage(
                 if host.is_file():
                     if key == "data_shard":
                         _check_shard_fits(host, manifest)
+                    if key == "run_key_file" and not device.workdir_is_private:
+                        device.hold_run_key(host)  # passed with each START, into the app's private storage
+                        cfg[key] = os.path.basename(value)
+                        continue
                     name = os.path.basename(value)
                     if name in files and files[name][0].resolve() != host.resolve():
                         raise ZLError(f"config field {key}={value}: another file named {name} is deployed too; "
                                       "rename one of them.")
-                    files[name] = (host, 0o644)
+                    # The run key is owner-only on the device too (created so by push, not chmod-ed after).
+                    files[name] = (host, 0o600 if key == "run_key_file" else 0o644)
                     cfg[key] = name
                 elif not os.path.isabs(value) and value not in files:
                     raise ZLError(f"config field {key}={value}: no such file under {base}; fix the stage config.")
@@ -325,3 +330,34 @@ def pull(devices: Sequence[Device], out_dir: Path, checkpoints: bool = True, inp
                 result.checkpoint_dirs[stage] = target
         results.append(result)
     return results
+
+
+def remove_run_files(devices: Sequence[Device]) -> list[str]:
+    """Delete what a run leaves on devices that others should not keep: the run key, the data shard, input logs.
+
+    Only the files each device's stage configs (stage_<k>.json) name by a relative path, i.e. the ones deploy
+    pushed into the workdir or the runner made there; checkpoints, telemetry and the programs stay (they are
+    pulled, or cached for the next run). In app mode the app deletes its private copy of the key itself.
+
+    Returns:
+        "<device>:<path>" of everything removed.
+    """
+    removed = []
+    for device in devices:
+        for name in device.listdir("."):
+            if not re.fullmatch(r"stage_(\d+)\.json", name):
+                continue
+            try:
+                cfg = json.loads(device.read_text(name) or "{}")
+            except json.JSONDecodeError:
+                log.warning("%s: %s is not valid JSON; its files are left on the device", device.name, name)
+                continue
+            ckpt = cfg.get("checkpoint_dir")
+            paths = [cfg.get("run_key_file"), cfg.get("data_shard"),
+                     cfg.get("input_log_dir") or (posixpath.join(ckpt, "input_log") if ckpt else None)]
+            for path in paths:
+                if path and not posixpath.isabs(path) and ".." not in path.split("/") and device.exists(path):
+                    device.remove(path)
+                    removed.append(f"{device.name}:{path}")
+    log.info("removed from the devices: %s", removed)
+    return removed

@@ -107,13 +107,16 @@ class LocalDevice(Device):
         # Copy to a temp name and rename: a runner never sees half a program.
         tmp = dst.with_name(f".{dst.name}.tmp")
         copied = 0
-        with open(src, "rb") as fin, open(tmp, "wb") as fout:
+        mode = mode if mode is not None else (src.stat().st_mode & 0o777)
+        tmp.unlink(missing_ok=True)  # a leftover could carry wider permissions than `mode`
+        # Created with `mode` (a key: 0600), not chmod-ed after: never readable by others on the way.
+        with open(src, "rb") as fin, os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as fout:
             while chunk := fin.read(_CHUNK):
                 fout.write(chunk)
                 copied += len(chunk)
                 if on_bytes:
                     on_bytes(len(chunk))
-        os.chmod(tmp, mode if mode is not None else (src.stat().st_mode & 0o777))
+        os.chmod(tmp, mode)  # the umask may have narrowed it (0755 for the runner must stay executable)
         tmp.replace(dst)
         return copied
 

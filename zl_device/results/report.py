@@ -243,7 +243,7 @@ def _recovery(events: list[dict], replays_by_run: dict[int, list[int]]) -> list[
             entries.append(entry)
             open_entry[stage] = entry
             entry.update(failure_t_unix_ms=event.get("t_unix_ms"), detected_after_ms=event.get("detected_after_ms"),
-                         window=event.get("window"), micro_batch=event.get("micro_batch"))
+                         window=event.get("window"), micro_batch=event.get("micro_batch"), reason=event.get("reason"))
         elif kind == "restart":
             entry = entry_for(stage, "restart_t_unix_ms")
             restarts[stage] = restarts.get(stage, 0) + 1
@@ -266,7 +266,7 @@ def _recovery(events: list[dict], replays_by_run: dict[int, list[int]]) -> list[
 def _new_entry(stage: int) -> dict:
     keys = ("window", "micro_batch", "failure_t_unix_ms", "detected_after_ms", "restart_t_unix_ms",
             "replayed_micro_batches", "replayed_in_telemetry", "replay_bytes", "recovered_t_unix_ms",
-            "downstream_stage", "recovery_ms")
+            "downstream_stage", "recovery_ms", "reason")
     return {"stage": stage, **dict.fromkeys(keys)}
 
 
@@ -327,11 +327,12 @@ def _recovery_markdown(entries: list[dict], replayed: list[dict]) -> list[str]:
     if entries:
         out += ["Recovery time: from the restart until the downstream stage commits the window that was in "
                 "flight at the failure.", "",
-                "| stage | window / micro-batch in flight | detected after (ms) | replayed micro-batches "
+                "| stage | cause | window / micro-batch in flight | detected after (ms) | replayed micro-batches "
                 "(coordinator / telemetry) | replay bytes | recovery (ms) |",
-                "|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|"]
         for e in entries:
-            out.append(f"| {e['stage']} | {_num(e['window'])} / {_num(e['micro_batch'])} | "
+            cause = (e["reason"] or "n/a").replace("|", "/")
+            out.append(f"| {e['stage']} | {cause} | {_num(e['window'])} / {_num(e['micro_batch'])} | "
                        f"{_num(e['detected_after_ms'])} | {_num(e['replayed_micro_batches'])} / "
                        f"{_num(e['replayed_in_telemetry'])} | {_num(e['replay_bytes'])} | {_num(e['recovery_ms'])} |")
         out.append("")

@@ -93,6 +93,7 @@ class StageStatus:
     pss_mib: float | None = None  # latest reading (peaks and temperatures are the report's, from telemetry)
     restarts: int = 0
     last_sign_of_life: float = field(default_factory=time.monotonic)
+    last_progress: float = field(default_factory=time.monotonic)  # a micro-batch done, a window committed, a start
     heartbeat_seen: bool = False
     commit_times: dict[int, float] = field(default_factory=dict)  # window -> time.monotonic() of its commit
 
@@ -131,6 +132,7 @@ class Coordinator:
         timeout_s: float | None = None,
         redeploy: Callable[[Device, int], None] | None = None,
         resume: bool = False,
+        stall_timeout_s: float = 0.0,
     ):
         if recovery not in RECOVERY_MODES:
             raise ZLError(f"--recovery {recovery!r}: expected one of {', '.join(RECOVERY_MODES)}.")
@@ -143,6 +145,7 @@ class Coordinator:
         self.spares = list(spares)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.timeout_s = timeout_s
+        self.stall_timeout_s = stall_timeout_s  # 0: no stall detection
         self.redeploy = redeploy  # puts stage k's program and config on a spare before it takes over
         self.resume = resume  # `zl train --resume`: the stages continue from their checkpoints
         self.status = [StageStatus(p.index, p.device.name) for p in self.plans]
@@ -172,6 +175,8 @@ class Coordinator:
         else:
             for plan in reversed(self.plans):
                 plan.device.start_runner(plan.config, resume=False)
+        for s in self.status:
+            s.last_progress = time.monotonic()
         while True:
             self._drain_control()
             for k in range(len(self.plans)):
@@ -222,7 +227,7 @@ class Coordinator:
         s.last_sign_of_life = e.t
         if e.type == FrameType.HEARTBEAT:
             s.heartbeat_seen = True
-            s.micro_batches_done = max(s.micro_batches_done, int(payload.get("micro_batches_done", 0)))
+            self._progress(s, int(payload.get("micro_batches_done", 0)), e.t)
             s.pss_mib = payload.get("pss_mib") or s.pss_mib  # a missing reading keeps the last one
         elif e.type == FrameType.WINDOW_COMMITTED:
             self._committed(s, e.window, payload.get("mean_loss"), e.t)
@@ -251,7 +256,7 @@ class Coordinator:
             kind = r.get("type")
             if kind == "micro_batch":
                 s.last_sign_of_life = now
-                s.micro_batches_done = max(s.micro_batches_done, int(r["micro_batch"]) + 1)
+                self._progress(s, int(r["micro_batch"]) + 1, now)
                 s.last_loss = r.get("loss")
                 s.pss_mib = r.get("pss_mib") or s.pss_mib
                 if s.state in ("starting", "restarting"):
@@ -261,7 +266,15 @@ class Coordinator:
             elif kind == "hold":
                 self._held = True
 
+    @staticmethod
+    def _progress(s: StageStatus, micro_batches_done: int, t: float) -> None:
+        if micro_batches_done > s.micro_batches_done:
+            s.micro_batches_done = micro_batches_done
+            s.last_progress = max(s.last_progress, t)
+
     def _committed(self, s: StageStatus, window: int, loss, t: float) -> None:
+        if window > s.last_committed_window:
+            s.last_progress = max(s.last_progress, t)
         s.last_committed_window = max(s.last_committed_window, window)
         s.commit_times.setdefault(window, t)
         if loss is not None:
@@ -310,17 +323,48 @@ class Coordinator:
             if code == 2:
                 s.state = "error"
                 self.stop_all()
-                raise ZLError(f"stage {k} on {plan.device.name} rejected its configuration (exit status 2): "
+                raise ZLError(f"stage {k} on {plan.device.name} stopped with exit status 2 (a bad configuration, or a "
+                              f"failure a restart cannot fix, so it is not retried): "
                               f"{_stderr_tail(plan.device)}")
             timed_out = s.heartbeat_seen and now - s.last_sign_of_life > self.heartbeat_timeout_s
             if code is not None or timed_out:
                 if timed_out and code is None:
                     plan.device.kill_runner()
                 self._failed(k, now, "exited with status %s" % code if code is not None else "heartbeat timeout")
+        self._check_stalls(now)
 
-    def _failed(self, k: int, now: float, why: str) -> None:
+    def _check_stalls(self, now: float) -> None:
+        """A stage alive (heartbeats come from a timer thread) but without progress for `stall_timeout_s`.
+
+        Its neighbours stop progressing too: the ones downstream starve, the ones upstream are held back by the
+        in-flight limit. So the stage blamed is not the first one found without progress but the one its stall
+        leads to (`stalled_stage`), and only when that one itself has made no progress for as long: a slow
+        stage that still moves is left alone (docs/design.md §5.2).
+        """
+        if not self.stall_timeout_s:
+            return
+        live = [s.state not in ("done", "error", "failed") for s in self.status]
+        for k, s in enumerate(self.status):
+            if not live[k] or now - s.last_progress < self.stall_timeout_s:
+                continue
+            done = [st.micro_batches_done if live[i] else self.windows.num_micro_batches
+                    for i, st in enumerate(self.status)]
+            blamed = stalled_stage(done, live, k)
+            b = self.status[blamed]
+            if not live[blamed] or now - b.last_progress < self.stall_timeout_s:
+                continue
+            still = now - b.last_progress
+            log.warning("stage %d made no progress for %.0f s at micro-batch %d with its input there: restarting it",
+                        blamed, still, b.micro_batches_done)
+            self.plans[blamed].device.kill_runner()
+            self._failed(blamed, now, f"stalled: no progress for {still:.0f} s at micro-batch "
+                                      f"{b.micro_batches_done} (alive; input available)", stalled_s=still)
+            return
+
+    def _failed(self, k: int, now: float, why: str, stalled_s: float | None = None) -> None:
         s = self.status[k]
-        last_sign_of_life = s.last_sign_of_life  # before the lines read now, which are not news of life
+        # before the lines read now, which are not news of life; a stalled stage was alive, but not progressing
+        last_sign_of_life = s.last_sign_of_life if stalled_s is None else now - stalled_s
         self._read_telemetry(k, remote=True)
         in_flight = self.windows.window_of(s.micro_batches_done)
         log.warning("stage %d on %s failed (%s) in window %d", k, s.device, why, in_flight)
@@ -353,6 +397,7 @@ class Coordinator:
         replayed = max(0, s.micro_batches_done - committed)
         s.micro_batches_done = committed
         s.state, s.restarts = "restarting", s.restarts + 1
+        s.last_progress = time.monotonic()  # the restart's own clock: loading and replay take time
         # The clock starts when the restart is issued: a start that waits for the runner's pid (adb, the app)
         # returns when the stage may have replayed whole windows already.
         t, t_unix_ms = time.monotonic(), _unix_ms()
@@ -396,6 +441,7 @@ class Coordinator:
             s.micro_batches_done = replay_from
             s.last_committed_window = common
             s.commit_times = {w: t for w, t in s.commit_times.items() if w <= common}
+            s.last_progress = time.monotonic()
             if s.state != "done":
                 s.state = "restarting"
         return common, replayed_total, bytes_total
@@ -480,6 +526,27 @@ def input_log_entry_window(name: str) -> int | None:
     None for any other name."""
     match = re.fullmatch(r"entry-\d+-w(\d+)\.zlf", name)
     return int(match.group(1)) if match else None
+
+
+def stalled_stage(done: Sequence[int], live: Sequence[bool], k: int) -> int:
+    """The stage a stall seen at stage `k` comes from, by each stage's micro-batches done.
+
+    A stage is starved when its upstream has done no more than it has (nothing new to consume): the stall is
+    upstream. It is held back when it has done more than its live downstream (its output waits there): the
+    stall is downstream. The walk ends at a stage that is neither -- input there, output taken -- which is
+    the one that stopped. It never turns back (starved means done[k-1] <= done[k], held back the opposite),
+    so it ends within len(done) steps.
+
+    Example: stage 1 parked after sending micro-batch 9: done = [14, 9, 10]; stage 2 is starved (9 <= 10),
+    stage 0 held back (14 > 9), stage 1 neither: it is the one.
+    """
+    while True:
+        if k > 0 and live[k - 1] and done[k - 1] <= done[k]:
+            k -= 1
+        elif k < len(done) - 1 and live[k + 1] and done[k] > done[k + 1]:
+            k += 1
+        else:
+            return k
 
 
 def _telemetry_type(line: str) -> str | None:

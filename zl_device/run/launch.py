@@ -10,6 +10,7 @@ stay up while the caller runs the coordinator; both go when it leaves.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import socket
 from collections.abc import Iterator, Sequence
@@ -77,8 +78,7 @@ def control_bind_host(stage_devices: Sequence[Device], local: bool) -> str:
 def write_run_key(run_dir: Path) -> tuple[Path, str]:
     """RUN_DIR/run.key (the per-run MAC key, owner-only) and a fresh run id."""
     key_file = run_dir / "run.key"
-    key_file.write_text(secrets.token_hex(32) + "\n")
-    key_file.chmod(0o600)
+    write_secret(key_file, secrets.token_hex(32) + "\n")
     return key_file, secrets.token_hex(16)
 
 
@@ -94,6 +94,20 @@ def saved_run_key(run_dir: Path) -> tuple[Path, str]:
         raise ZLError(f"--resume --out {run_dir}: no run.key or stage_0.json there, so the run never started its "
                       "stages; start it again without --resume.")
     return key_file, json.loads(config.read_text())["run_id"]
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Create `path` owner-only (0600) from its first byte: no moment in which it is readable by others.
+
+    Raises:
+        ZLError: `path` exists already (a key is never overwritten in place).
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ZLError(f"{path} exists already; a run key is created once per run. Use a new --out folder.") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def address_plan(stage_devices: Sequence[Device], coordinator_port: int, local: bool):
@@ -131,7 +145,7 @@ def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Pat
         deploy_stage(device, export_dir, k, configs[k], manifest=manifest)
 
     coordinator = Coordinator(plans, windows, control, s.recovery, injection, spares, s.heartbeat_timeout_s,
-                              s.timeout_s, redeploy, resume=s.resume)
+                              s.timeout_s, redeploy, resume=s.resume, stall_timeout_s=s.stall_timeout_s)
     say(f"run: {s.samples} samples, {windows.num_micro_batches} micro-batches in {windows.num_windows} windows of "
         f"{windows.window_size}, "
         f"recovery {s.recovery}" + (f", failure injected at stage {injection.stage} window {injection.window}"

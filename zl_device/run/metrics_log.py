@@ -35,7 +35,9 @@ Coordinator events (written by the coordinator into the merged file;
     {"type": "run", "start_unix_ms", "end_unix_ms", "samples", ...}
         one per run, written at its end; `samples` = records trained through
         every stage. Extra keys (run_id, num_stages, window_size, ...) are kept.
-    {"type": "failure", "stage", "t_unix_ms", "detected_after_ms", "window", "micro_batch"}
+    {"type": "failure", "stage", "t_unix_ms", "detected_after_ms", "window", "micro_batch", "reason"}
+        reason: "exited with status N", "heartbeat timeout", or "stalled: no progress for S s at micro-batch
+        I (alive; input available)" (docs/design.md §5.2)
         the stage was declared failed at t_unix_ms, detected_after_ms after its
         last sign of life (heartbeat or exit); window / micro_batch: the
         micro-batch the stage had in flight and its window.

@@ -94,11 +94,18 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     injection = Injection.parse(s.inject_failure, num_stages, windows.num_windows) if s.inject_failure else None
 
     devices = open_devices(spec, run_dir, link_profile=s.link_profile, mode=s.mode)
-    with launch(s, devices, spec.kind == "local", run_dir, export_dir, manifest, shard, windows, injection,
-                say) as launched:
-        events, run_times = supervise(launched, run_dir, on_update)
+    try:
+        with launch(s, devices, spec.kind == "local", run_dir, export_dir, manifest, shard, windows, injection,
+                    say) as launched:
+            events, run_times = supervise(launched, run_dir, on_update)
+    except BaseException:
+        # The devices keep what `zl train --resume` needs (key, shard, input logs); a finished resume removes them.
+        say(f"devices: the run key, data shard and input logs stay on the devices for `zl train --resume --out "
+            f"{run_dir}`")
+        raise
     events.append(run_event(s, launched, num_stages, run_times))
     collect(run_dir, launched.devices, num_stages, events, say)
+    forget_device_files(s, devices, say)  # every device: a failed stage's first one and spares too
     result = TrainResult(run_dir, time.time() - start, windows.num_micro_batches * s.export.micro_batch)
     if dev is not None:
         result.eval = evaluate_run(s, model, run_dir, dev, say)
@@ -213,6 +220,23 @@ def supervise(launched, run_dir: Path, on_update) -> tuple[list[dict], tuple[flo
         pull(launched.devices, run_dir)
         raise
     return events, (run_start, time.time())
+
+
+def forget_device_files(s: TrainSettings, devices, say) -> None:
+    """The run key, shard and input logs leave the devices once a finished run is pulled, unless
+    --keep-device-files (a run that fails keeps them for --resume)."""
+    from zl_device.devices.deploy import remove_run_files
+
+    if s.keep_device_files:
+        say("devices: run key, data shard and input logs kept (--keep-device-files)")
+        return
+    try:
+        removed = remove_run_files(devices)
+    except ZLError as e:  # a phone gone by now: say so, the run's result stands
+        say(f"devices: could not remove the run key, data shard and input logs: {e}")
+        return
+    if removed:
+        say(f"devices: removed the run key, data shard and input logs ({len(removed)} paths)")
 
 
 def run_event(s: TrainSettings, launched, num_stages: int, times: tuple[float, float]) -> dict:

@@ -19,6 +19,11 @@ DEMO = "demo"
 RECOVERY_MODES = ("local", "global")
 RUNTIMES = ("executorch", "torch")
 LAUNCHERS = ("spawn", "torchrun")
+#: The runner's default `input_timeout_s` (runner_config.cpp), which zl train leaves: a stage waiting this long
+#: for input or acknowledgements fails.
+RUNNER_INPUT_TIMEOUT_S = 600.0
+#: Default --stall-timeout: well above a phone's slowest micro-batch or checkpoint, well below the input timeout.
+STALL_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -46,6 +51,9 @@ class TrainSettings:
                             choices=RECOVERY_MODES)
     inject_failure: str | None = setting(None, "STAGE@WINDOW: SIGKILL that stage in the middle of that window.")
     spares: int = setting(0, "Devices after the stages' that take over a failed stage.")
+    keep_device_files: bool = setting(False, "Leave the run key, data shard and input logs on the devices when the "
+                                             "run ends (by default they are deleted once a finished run's results "
+                                             "are pulled; a failed run keeps them for --resume).")
     seed: int = setting(0, "Seeds LoRA init, data order and the demo task.")
     seq_len: int | None = setting(None, "Tokens per sample (default: 128; the demo task: its longest sample, "
                                         "rounded up to 16).")
@@ -65,10 +73,17 @@ class TrainSettings:
     in_flight: int = setting(4, "Un-acknowledged entries per link (the runner's in_flight_depth).", cli=False)
     link_profile: str | None = setting(None, "Shape local links like local, wifi, mobile or constrained.", cli=False)
     heartbeat_timeout_s: float = setting(30.0, "A stage without a heartbeat for this long has failed.", cli=False)
+    stall_timeout_s: float = setting(STALL_TIMEOUT_S, "A stage whose progress stopped this long while its input was "
+                                     "there is restarted (seconds, below the runners' 600 s input timeout; 0: off).",
+                                     flag="--stall-timeout")
     export_cache: Path | None = setting(None, "Export cache folder (default: $ZL_CACHE_DIR/exports).", cli=False)
 
     def validate(self) -> None:
         """The checks that need no model or device; run before anything slow."""
+        if not 0 <= self.stall_timeout_s < RUNNER_INPUT_TIMEOUT_S:
+            raise ZLError(f"--stall-timeout {self.stall_timeout_s:g}: expected 0 (off) or a time below the runners' "
+                          f"input timeout of {RUNNER_INPUT_TIMEOUT_S:g} s (after it the stages waiting on a stalled "
+                          f"one give up first and are blamed), e.g. --stall-timeout {STALL_TIMEOUT_S:g}.")
         if self.samples < 1 or self.window < 1:
             raise ZLError(f"--samples {self.samples} --window {self.window}: both must be at least 1.")
         check_choices(self)

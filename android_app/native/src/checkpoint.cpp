@@ -300,7 +300,7 @@ Status CheckpointStore::load_latest(AdamW* optimizer, CheckpointProgress* progre
   if (windows.empty()) return Status();
   const Status status = load(windows.back(), optimizer, progress);
   if (!status.ok()) {
-    return status.with_context("", " (newest checkpoint; remove its directory to resume from the one before)");
+    return status.with_context("", " (newest checkpoint)");
   }
   *found = true;
   return Status();

@@ -14,6 +14,10 @@ namespace zl {
 namespace {
 
 Status io_error(const std::string& what, const std::string& path, int err) {
+  if (err == ENOSPC || err == EDQUOT) {
+    return Status(StatusCode::kIoError, what + " '" + path + "': the disk is full (" + std::strerror(err) +
+                                            "); free space on this device");
+  }
   return Status(err == ENOENT ? StatusCode::kNotFound : StatusCode::kIoError,
                 what + " '" + path + "': " + std::strerror(err));
 }

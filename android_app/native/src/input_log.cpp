@@ -19,6 +19,10 @@ namespace zl {
 namespace {
 
 Status errno_status(const std::string& what) {
+  if (errno == ENOSPC || errno == EDQUOT) {
+    return Status(StatusCode::kIoError, what + ": the disk is full (" + std::strerror(errno) +
+                                            "); free space on this device for the input log");
+  }
   return Status(StatusCode::kIoError, what + ": " + std::strerror(errno));
 }
 

@@ -277,7 +277,8 @@ Receiver::Receiver(ReceiverOptions options)
     : options_(std::move(options)),
       log_(options_.log_dir, options_.key, options_.expect),
       reader_(options_.expect.max_frame_bytes),
-      next_micro_batch_(options_.first_micro_batch) {}
+      next_micro_batch_(options_.first_micro_batch),
+      local_backoff_(options_.local_error_backoff_initial, options_.local_error_backoff_max) {}
 
 Receiver::~Receiver() {
   stop();
@@ -429,12 +430,21 @@ void Receiver::handle_decoded(const std::vector<uint8_t>& bytes, const DecodeRes
     // Durable before acknowledged: the ACK releases the sender's copy.
     const Status s = log_.append(window, mb, bytes);
     if (!s.ok()) {
-      log(LogLevel::kError, "receiver: cannot log micro-batch %llu: %s",
-          static_cast<unsigned long long>(mb), s.message().c_str());
+      // A local error: retrying at once would only loop (reconnect, re-send, fail again), so pause.
+      const std::chrono::milliseconds pause = local_backoff_.next();
+      paused_until_ = SteadyClock::now() + pause;
+      log(LogLevel::kError, "receiver: cannot log micro-batch %llu: %s; not reading from upstream for %lld ms",
+          static_cast<unsigned long long>(mb), s.message().c_str(), static_cast<long long>(pause.count()));
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++stats_.local_errors;
+        stats_.last_local_error = s.message();
+      }
       conn_.close();  // no ACK: the sender re-sends after reconnecting
       reader_.clear();
       return;
     }
+    local_backoff_.reset();
     std::lock_guard<std::mutex> lock(mutex_);
     ++stats_.accepted;
     arrived_.notify_all();
@@ -513,11 +523,16 @@ void Receiver::run() {
       if (stopping_) break;
       room = pending_locked() < options_.max_pending;
     }
+    const auto now = SteadyClock::now();
+    int timeout_ms = 1000;
+    if (now < paused_until_) {  // after a local error (handle_decoded): read nothing until then
+      room = false;
+      timeout_ms = static_cast<int>(
+                       std::chrono::duration_cast<std::chrono::milliseconds>(paused_until_ - now).count()) + 1;
+    }
     if (room && conn_.valid()) serve_connection();
 
     // Newcomers that did not authenticate in time are closed.
-    const auto now = SteadyClock::now();
-    int timeout_ms = 1000;
     for (size_t i = candidates_.size(); i-- > 0;) {
       if (candidates_[i].deadline <= now) {
         log(LogLevel::kWarn, "receiver: a new connection sent no valid frame within %lld ms; closing it",

@@ -68,6 +68,8 @@ class StageRunner {
   Status setup();
   Status load_program();
   Status restore();
+  Status fall_back(const std::vector<int64_t>& windows, const Status& why, CheckpointProgress* progress,
+                   bool* found);
   Status start_receiver();
   Status start_sender();
   void write_start_line();

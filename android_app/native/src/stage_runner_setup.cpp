@@ -3,14 +3,19 @@
 // each a step that names what failed.
 #include <unistd.h>
 
+#include <chrono>
 #include <cinttypes>
+#include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "stage_runner.h"
+#include "zl/checkpoint_layout.h"
 #include "zl/durable_file.h"
+#include "zl/input_log.h"
 #include "zl/host_port.h"
 #include "zl/link_profile.h"
 #include "zl/log.h"
@@ -157,9 +162,11 @@ Status StageRunner::restore() {
     }
     return Status();
   }
+  if (windows.empty()) return Status();
   CheckpointProgress progress;
-  bool found = false;
-  ZL_RETURN_IF_ERROR(store_->load_latest(optimizer_.get(), &progress, &found));
+  bool found = true;
+  const Status newest = store_->load(windows.back(), optimizer_.get(), &progress);
+  if (!newest.ok()) ZL_RETURN_IF_ERROR(fall_back(windows, newest, &progress, &found));
   if (!found) return Status();
   if (progress.run_id != c.run_id || progress.stage != c.stage_index) {
     return Status(StatusCode::kInvalidArgument,
@@ -180,6 +187,70 @@ Status StageRunner::restore() {
   log(LogLevel::kInfo, "resumed from checkpoint window %lld (optimizer step %lld); replaying from micro-batch %lld",
       static_cast<long long>(progress.window), static_cast<long long>(progress.optimizer_step),
       static_cast<long long>(start_mb_));
+  return Status();
+}
+
+// The newest checkpoint does not load (docs/design.md §7, "A corrupt newest
+// checkpoint"). Resuming from an older one is exact only if every input after
+// it can still be replayed locally: stage 0 re-reads its shard, a stage k>0
+// needs its input log to hold every micro-batch from the older checkpoint to
+// the end of the corrupt window, because upstream keeps only what this stage
+// has not acknowledged and committing the corrupt window deleted its entries.
+// Exact: the corrupt directory is set aside (renamed corrupt-window_N-<ms>,
+// never deleted) and the stage resumes from the older one (or from the start).
+// Not exact: kUnrecoverable (exit 2, not retried), the directory left as it is.
+Status StageRunner::fall_back(const std::vector<int64_t>& windows, const Status& why, CheckpointProgress* progress,
+                              bool* found) {
+  const RunnerConfig& c = config_;
+  const CheckpointLayout layout(c.checkpoint_dir);
+  const int64_t corrupt_window = windows.back();
+  const std::string corrupt_dir = layout.window_dir(corrupt_window);
+  *found = false;
+  int64_t older = -1;  // the newest older checkpoint that loads; -1: none, start over
+  for (auto it = windows.rbegin() + 1; it != windows.rend() && !*found; ++it) {
+    const Status status = store_->load(*it, optimizer_.get(), progress);
+    if (status.ok()) {
+      *found = true;
+      older = *it;
+    } else {
+      log(LogLevel::kWarn, "checkpoint %s does not load either: %s", layout.window_dir(*it).c_str(),
+          status.message().c_str());
+    }
+  }
+  const int64_t replay_from = *found ? progress->micro_batches_done : 0;
+  const int64_t replay_end = plan_.end_micro_batch(corrupt_window);
+  const std::string target = *found ? "window " + std::to_string(older) : "the start of the run";
+  if (!c.is_first_stage()) {
+    const InputLog input_log(c.input_log_dir, key_);
+    for (int64_t mb = replay_from; mb < replay_end; ++mb) {
+      const std::string entry = input_log.path_for(static_cast<uint64_t>(plan_.window_of(mb)),
+                                                   static_cast<uint64_t>(mb));
+      if (::access(entry.c_str(), F_OK) == 0) continue;
+      return Status(StatusCode::kUnrecoverable,
+                    "newest checkpoint " + corrupt_dir + " is unusable: " + why.message() + ". Stage " +
+                        std::to_string(c.stage_index) + " cannot go back to " + target +
+                        " exactly: its input log " + c.input_log_dir + " no longer holds micro-batch " +
+                        std::to_string(mb) + " (deleted once its window was committed) and upstream does not "
+                        "keep what this stage acknowledged. " +
+                        "The directory is left as it is; put an intact copy of it back and restart the stage, " +
+                        "or start the run again");
+    }
+  }
+  const int64_t now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::system_clock::now().time_since_epoch())
+                             .count();
+  const std::string aside =
+      layout.entry("corrupt-" + checkpoint_dir_name(corrupt_window) + "-" + std::to_string(now_ms));
+  if (std::rename(corrupt_dir.c_str(), aside.c_str()) != 0) {
+    return Status(StatusCode::kIoError, "newest checkpoint " + corrupt_dir + " is unusable (" + why.message() +
+                                            ") and cannot be set aside as " + aside + ": " + std::strerror(errno));
+  }
+  ZL_RETURN_IF_ERROR(fsync_directory(layout.root()));
+  log(LogLevel::kWarn,
+      "newest checkpoint %s is unusable (%s); set aside as %s. Resuming exactly from %s: replaying "
+      "micro-batches %lld..%lld from %s",
+      corrupt_dir.c_str(), why.message().c_str(), aside.c_str(), target.c_str(), static_cast<long long>(replay_from),
+      static_cast<long long>(replay_end - 1), c.is_first_stage() ? "the shard" : "the input log");
   return Status();
 }
 

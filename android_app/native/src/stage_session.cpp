@@ -67,6 +67,7 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::kTimeout: return "timeout";
     case StatusCode::kClosed: return "closed";
     case StatusCode::kInternal: return "internal";
+    case StatusCode::kUnrecoverable: return "unrecoverable";
   }
   return "unknown";
 }

@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "net_test_support.h"
+#include "zl/durable_file.h"
 
 namespace zl {
 namespace {
@@ -314,6 +315,42 @@ class SilentDownstream {
   std::atomic<int> frames_{0};
   std::thread thread_;
 };
+
+TEST(PeerLinkTest, ALocalErrorPausesTheReceiverInsteadOfAReconnectLoop) {
+  // The input log cannot be written (its folder became a file; a full disk behaves alike): every entry
+  // fails to log, the link closes unacknowledged and the sender reconnects and re-sends. Without a pause
+  // that cycle ran as fast as the network allowed (1,912 times in 3 s on a full disk).
+  TempDir dir;
+  const std::string log_dir = dir.path() + "/log";
+  Receiver receiver(receiver_options(log_dir));
+  ASSERT_TRUE(receiver.start().ok());
+  ASSERT_TRUE(remove_tree(log_dir).ok());
+  ASSERT_TRUE(write_file_synced(log_dir, "x", 1).ok());
+  Sender sender(sender_options(receiver.port(), 2));
+  ASSERT_TRUE(sender.start().ok());
+  ASSERT_TRUE(sender.send(data_frame(0, 0), 2000ms).ok());
+  std::this_thread::sleep_for(1500ms);
+  const ReceiverStats stats = receiver.stats();
+  EXPECT_EQ(stats.accepted, 0u);
+  EXPECT_GE(stats.local_errors, 2u);
+  // 20 + 40 + 80 + 160 + 320 + 640 ms of pauses: at most 7 failures in 1.5 s.
+  EXPECT_LE(stats.local_errors, 8u) << "connections: " << stats.connections;
+  EXPECT_NE(stats.last_local_error.find(log_dir), std::string::npos) << stats.last_local_error;
+  // The folder is back: the next try after the pause logs the entry.
+  ASSERT_TRUE(remove_tree(log_dir).ok());
+  ASSERT_TRUE(make_directories(log_dir).ok());
+  InputEntry e;
+  const Status got = receiver.next(5000ms, &e);
+  ASSERT_TRUE(got.ok()) << got.message();
+  EXPECT_EQ(e.micro_batch, 0u);
+}
+
+TEST(PeerLinkTest, AFullDiskIsReportedAsOne) {
+  const Status s = write_file_synced("/dev/full", "x", 1);  // every write fails with ENOSPC
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("the disk is full"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("free space on this device"), std::string::npos) << s.message();
+}
 
 TEST(PeerLinkTest, InFlightBoundHoldsWhenDownstreamDoesNotAck) {
   SilentDownstream downstream;

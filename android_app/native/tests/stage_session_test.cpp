@@ -13,6 +13,7 @@
 
 #include "temp_dir_support.h"
 #include "zl/durable_file.h"
+#include "zl/runner.h"
 #include "zl/telemetry.h"
 
 namespace {
@@ -107,6 +108,13 @@ TEST(StageSession, RunFailureIsReportedAsExit1AndTheSessionCanStartAgain) {
   const std::string err2 = read_or_empty(run + "/runner.err");
   EXPECT_GT(err2.size(), err.size());
   EXPECT_EQ(err2.compare(0, err.size(), err), 0);
+}
+
+TEST(StageExitCode, UnrecoverableIsExit2SoTheCoordinatorDoesNotRetry) {
+  EXPECT_EQ(zl::stage_exit_code(zl::Status(zl::StatusCode::kUnrecoverable, "corrupt checkpoint"), false), 2);
+  EXPECT_EQ(zl::stage_exit_code(zl::Status(zl::StatusCode::kCorrupt, "bad frame"), false), 1);
+  EXPECT_EQ(zl::stage_exit_code(zl::Status(zl::StatusCode::kClosed, "stop requested"), true), 3);
+  EXPECT_EQ(zl::stage_exit_code(zl::Status(), false), 0);
 }
 
 TEST(StageSession, UnwritableRunFolderIsAnIoError) {

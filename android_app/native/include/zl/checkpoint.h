@@ -103,8 +103,9 @@ class CheckpointStore {
   /// Restores the newest checkpoint into `optimizer` (parameters in place,
   /// moments, step count). `*found` is false, and nothing changes, when there
   /// is none. A newest checkpoint that fails validation is an error (its
-  /// message says which file); older ones are not tried silently, because
-  /// other stages and the input log have moved past them.
+  /// message says which file); older ones are not tried here, because
+  /// whether one is an exact fallback depends on the stage's inputs
+  /// (StageRunner::fall_back, docs/design.md §7).
   Status load_latest(AdamW* optimizer, CheckpointProgress* progress, bool* found) const;
 
   /// Restores checkpoint `window` into `optimizer`.

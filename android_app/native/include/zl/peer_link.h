@@ -135,6 +135,13 @@ struct ReceiverOptions {
   /// closed if its first frame is not complete within `auth_timeout`.
   size_t max_candidates = 4;
   std::chrono::milliseconds auth_timeout{30000};
+  /// After an entry cannot be logged here (a full disk, an I/O error), the
+  /// receiver closes the link unacknowledged and reads nothing from upstream
+  /// for this long, doubling per consecutive failure up to the max (reset by
+  /// the next entry logged), so a local error does not turn into a
+  /// reconnect-and-resend loop as fast as the network allows.
+  std::chrono::milliseconds local_error_backoff_initial{20};
+  std::chrono::milliseconds local_error_backoff_max{2000};
 };
 
 struct ReceiverStats {
@@ -144,7 +151,9 @@ struct ReceiverStats {
   uint64_t ignored = 0;      ///< valid frames of another type than DATA
   uint64_t connections = 0;  ///< accepted upstream connections
   uint64_t candidates_dropped = 0;  ///< connections closed before their first valid frame (timeout, cap)
+  uint64_t local_errors = 0;  ///< entries that could not be logged here (then a pause, see local_error_backoff_*)
   std::string last_reject_reason;
+  std::string last_local_error;
 };
 
 /// One entry handed to the consumer.
@@ -214,6 +223,8 @@ class Receiver {
   bool stopping_ = false;
   std::thread thread_;
   int wake_pipe_[2] = {-1, -1};
+  Backoff local_backoff_;                  // I/O thread only
+  SteadyClock::time_point paused_until_{};  // I/O thread only: no reading before (a local error)
 };
 
 }  // namespace zl

@@ -76,11 +76,14 @@ class ProgressBoard {
 };
 
 /// Exit status of a stage process (zl_runner) or app run for the result of
-/// run_stage: 0 done, 3 stopped on request (resume later), 1 failed. (2, a
-/// bad command line or config, is decided before run_stage.)
+/// run_stage: 0 done, 3 stopped on request (resume later), 2 a failure a
+/// restart cannot fix (kUnrecoverable, e.g. a corrupt newest checkpoint with
+/// no exact fallback; the coordinator does not retry it), 1 failed. (2 is
+/// also a bad command line or config, decided before run_stage.)
 inline int stage_exit_code(const Status& status, bool stop_requested) {
   if (status.ok()) return 0;
   if (status.code() == StatusCode::kClosed && stop_requested) return 3;
+  if (status.code() == StatusCode::kUnrecoverable) return 2;
   return 1;
 }
 

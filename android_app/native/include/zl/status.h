@@ -23,6 +23,7 @@ enum class StatusCode : int {
   kTimeout,          ///< a blocking call hit its deadline
   kClosed,           ///< the object was shut down
   kInternal,
+  kUnrecoverable,    ///< a restart cannot fix it (the stage exits 2; the coordinator does not retry)
 };
 
 /// Success, or a code plus a human-readable reason naming the bad value.

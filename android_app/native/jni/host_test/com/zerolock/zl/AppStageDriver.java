@@ -13,7 +13,8 @@ import java.nio.file.Paths;
  * in place of zl_runner for one stage (tests/test_runner.py).
  *
  * <p>Usage: java -Dzl.jni.library=libzl_jni.so -cp classes
- * com.zerolock.zl.AppStageDriver --config FILE [--resume]. SIGTERM asks the
+ * com.zerolock.zl.AppStageDriver --config FILE [--resume] [--run-key-file
+ * PRIVATE_KEY] (the key a START intent carried, deleted at the end). SIGTERM asks the
  * run to stop (stopNative, as the app's STOP intent does); the exit status is
  * the run's: 0 done, 1 failed, 2 bad config, 3 stopped.
  */
@@ -24,12 +25,15 @@ public final class AppStageDriver {
 
   public static void main(String[] args) throws Exception {
     String configPath = null;
+    String runKeyFile = null;  // the START intent's run key, as RunnerService writes it to private storage
     boolean resume = false;
     for (int i = 0; i < args.length; i++) {
       if ("--config".equals(args[i]) && i + 1 < args.length) {
         configPath = args[++i];
       } else if ("--resume".equals(args[i])) {
         resume = true;
+      } else if ("--run-key-file".equals(args[i]) && i + 1 < args.length) {
+        runKeyFile = args[++i];
       } else {
         System.err.println("AppStageDriver: unknown argument " + args[i]);
         System.exit(2);
@@ -49,6 +53,14 @@ public final class AppStageDriver {
     }
     final String extra = "\"base_dir\": \"" + config.getParent() + "\", " + (resume ? "\"resume\": true, " : "");
     text = "{" + extra + text.substring(1);
+    if (runKeyFile != null) {
+      // RunnerService: JSONObject.put("run_key_file", <private copy>).
+      text = text.replaceFirst("\"run_key_file\"\\s*:\\s*\"[^\"]*\"",
+          java.util.regex.Matcher.quoteReplacement("\"run_key_file\": \"" + runKeyFile + "\""));
+      final Path key = Paths.get(runKeyFile);
+      // RunnerService deletes its private copy when the run ends.
+      Runtime.getRuntime().addShutdownHook(new Thread(() -> key.toFile().delete()));
+    }
 
     try {
       NativeRunner.startNative(text);

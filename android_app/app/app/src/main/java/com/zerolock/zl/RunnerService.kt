@@ -37,7 +37,7 @@ import org.json.JSONObject
  *
  *     D=/sdcard/Android/data/com.zerolock.zl/files
  *     adb shell am start-foreground-service -n com.zerolock.zl/.RunnerService \
- *       -a com.zerolock.zl.action.START --es config $D/stage_1.json [--ez resume true]
+ *       -a com.zerolock.zl.action.START --es config $D/stage_1.json [--ez resume true] [--es run_key HEX]
  *     adb shell am start-foreground-service -n com.zerolock.zl/.RunnerService -a com.zerolock.zl.action.STOP
  *     adb shell am start-foreground-service -n com.zerolock.zl/.RunnerService -a com.zerolock.zl.action.PREPARE
  *
@@ -58,6 +58,10 @@ class RunnerService : Service() {
         const val ACTION_PREPARE = "com.zerolock.zl.action.PREPARE"
         const val EXTRA_CONFIG = "config"
         const val EXTRA_RESUME = "resume"
+        /** The run key (64 hex characters); kept in private storage, never in the shared files folder. */
+        const val EXTRA_RUN_KEY = "run_key"
+        /** Where a START's run key lives while its stage runs (under filesDir, private to the app). */
+        const val PRIVATE_RUN_KEY = "run.key"
         const val APP_INFO_FILE = "app.json"
 
         private const val TAG = "zl.RunnerService"
@@ -101,11 +105,13 @@ class RunnerService : Service() {
                 // Started with startForegroundService: enter the foreground
                 // promptly whatever happens next, so this comes first.
                 enterForeground(StatusBoard.current)
-                startStage(intent.getStringExtra(EXTRA_CONFIG), intent.getBooleanExtra(EXTRA_RESUME, false))
+                startStage(intent.getStringExtra(EXTRA_CONFIG), intent.getBooleanExtra(EXTRA_RESUME, false),
+                    intent.getStringExtra(EXTRA_RUN_KEY))
             }
             ACTION_STOP -> requestStop()
             ACTION_PREPARE -> {
                 enterForegroundIfAllowed()
+                if (!polling) forgetRunKey()
                 writeAppInfo()
                 finishIfIdle()
             }
@@ -128,7 +134,15 @@ class RunnerService : Service() {
         super.onDestroy()
     }
 
-    private fun startStage(configPath: String?, resume: Boolean) {
+    private fun privateRunKey(): File = File(filesDir, PRIVATE_RUN_KEY)
+
+    /** The run key leaves the phone with the run (ended, refused, or a PREPARE of the next one). */
+    private fun forgetRunKey() {
+        val key = privateRunKey()
+        if (key.exists() && !key.delete()) Log.w(TAG, "cannot delete ${key.path}")
+    }
+
+    private fun startStage(configPath: String?, resume: Boolean, runKey: String?) {
         if (polling) {
             val running = StatusBoard.current.configPath
             Log.w(TAG, "a stage is already running ($running); ignoring start of $configPath")
@@ -141,11 +155,21 @@ class RunnerService : Service() {
             refuse(configPath, e.message ?: "invalid stage config", exitCode = 2)
             return
         }
+        val keyFile = try {
+            runKey?.let { StageConfig.writeRunKey(it, privateRunKey()) }
+        } catch (e: IllegalArgumentException) {
+            refuse(configPath, e.message ?: "invalid run key", exitCode = 2)
+            return
+        } catch (e: IOException) {
+            refuse(configPath, "cannot write the run key to ${privateRunKey().path}: ${e.message}", exitCode = 1)
+            return
+        }
         try {
-            NativeRunner.startNative(loaded.toNativeJson(resume))
+            NativeRunner.startNative(loaded.toNativeJson(resume, keyFile))
         } catch (e: NativeRunnerException) {
             // Native code has written runner.exit where it could (a bad field: 2).
             Log.e(TAG, "start refused (${e.code}): ${e.message}")
+            forgetRunKey()
             StatusBoard.update { RunnerStatus(RunState.FAILED, loaded.label, loaded.path, e.message) }
             finishIfIdle()
             return
@@ -173,6 +197,7 @@ class RunnerService : Service() {
      */
     private fun refuse(configPath: String?, message: String, exitCode: Int?) {
         Log.e(TAG, message)
+        if (!polling) forgetRunKey()
         StatusBoard.update { RunnerStatus(RunState.FAILED, null, configPath, message) }
         val folder = configPath?.let { File(it.trim()).absoluteFile.parentFile }
         if (exitCode != null && folder != null && folder.isDirectory) {
@@ -219,6 +244,7 @@ class RunnerService : Service() {
     private fun onStageEnded(native: NativeStatus) {
         polling = false
         mainHandler.removeCallbacks(poll)
+        forgetRunKey()
         val failure = native.failure()
         val state = when (native.state) {
             "finished" -> RunState.FINISHED

@@ -30,9 +30,12 @@ data class StageConfig(
      * What [NativeRunner.startNative] takes: the file's JSON with `base_dir`
      * made absolute (the file's folder, or its own `base_dir` resolved
      * against it) and, with [resume], `"resume": true` (as `zl_runner --resume`).
+     * With [runKeyFile] (the key the START intent carried, written to the
+     * app's private storage), `run_key_file` names that file instead.
      */
-    fun toNativeJson(resume: Boolean): String {
+    fun toNativeJson(resume: Boolean, runKeyFile: File? = null): String {
         val json = JSONObject(text)
+        if (runKeyFile != null) json.put("run_key_file", runKeyFile.absolutePath)
         val own = json.optString("base_dir", "")
         val base = when {
             own.isEmpty() -> folder
@@ -47,6 +50,31 @@ data class StageConfig(
     companion object {
         /** A stage config is a few hundred bytes; anything this big is the wrong file. */
         private const val MAX_BYTES = 1L shl 20
+
+        /**
+         * Writes the run key of a START intent to [file] (in the app's private
+         * storage, never in the shared files folder other apps may read) and
+         * returns it.
+         *
+         * @throws IllegalArgumentException when [hex] is not 64 hex characters;
+         *   the message never contains the key.
+         */
+        fun writeRunKey(hex: String, file: File): File {
+            val key = hex.trim()
+            require(key.length == 64 && key.all { it in '0'..'9' || it in 'a'..'f' || it in 'A'..'F' }) {
+                "the START intent's run_key is ${key.length} characters, not 64 hex characters; " +
+                    "send the run's key file content (zl train does)"
+            }
+            file.parentFile?.mkdirs()
+            file.delete()
+            file.writeText(key + "\n")
+            // Private storage is the app's alone already; owner-only in case the folder is not.
+            file.setReadable(false, false)
+            file.setReadable(true, true)
+            file.setWritable(false, false)
+            file.setWritable(true, true)
+            return file
+        }
 
         /**
          * Reads and checks the config at [path].

@@ -67,4 +67,23 @@ class StageConfigTest {
         val absolute = StageConfig.load(write("b.json", "{\"stage_index\": 0, \"num_stages\": 2, \"base_dir\": \"/data/x\"}").path)
         assertEquals("/data/x", JSONObject(absolute.toNativeJson(false)).getString("base_dir"))
     }
+
+    @Test
+    fun runKeyOfTheIntentGoesToPrivateStorageOwnerOnlyAndTheConfigNamesIt() {
+        val config = StageConfig.load(write("c.json", "{\"stage_index\": 0, \"num_stages\": 2, \"run_key_file\": \"run.key\"}").path)
+        val private = File(dir, "private/run.key")
+        val key = "ab".repeat(32)
+        val written = StageConfig.writeRunKey(key, private)
+        assertEquals(key + "\n", written.readText())
+        val mode = Files.getPosixFilePermissions(written.toPath()).map { it.toString() }.sorted()
+        assertEquals(listOf("OWNER_READ", "OWNER_WRITE"), mode)
+        assertEquals(private.absolutePath, JSONObject(config.toNativeJson(false, written)).getString("run_key_file"))
+        assertEquals("run.key", JSONObject(config.toNativeJson(false)).getString("run_key_file"))
+        try {
+            StageConfig.writeRunKey("zz" + key.substring(2), private)
+            fail("a key with non-hex characters was accepted")
+        } catch (e: IllegalArgumentException) {
+            assertTrue(e.message, e.message!!.contains("not 64 hex characters") && !e.message!!.contains(key.substring(2)))
+        }
+    }
 }

@@ -17,6 +17,7 @@ from zl_export.options import ExportOptions, ModelSplit
 
 DEMO = "demo"
 RECOVERY_MODES = ("local", "global")
+LOAD_MODES = ("mmap", "file")
 
 
 @dataclass
@@ -46,6 +47,9 @@ class TrainSettings:
     stage_lr: tuple[float, ...] = setting((1.0,), "Learning-rate multiplier per stage (one value for every stage, "
                                                   "or one per stage, e.g. 1,1,2).")
     threads: int = setting(1, "ExecuTorch threads per runner.")
+    load_mode: str = setting("mmap", "How runners hold the frozen weights: mmap (mapped from the program file: "
+                                     "file-backed pages the OS can reclaim) or file (read into heap memory).",
+                             choices=LOAD_MODES)
     eval_limit: int | None = setting(None, "Evaluate on the first N dev rows only.")
     timeout_s: float = setting(3600.0, "Give up when the run takes longer (seconds).", flag="--timeout")
     # Not on the command line: tests and experiments set them.

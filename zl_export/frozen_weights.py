@@ -22,6 +22,8 @@ gives each use its own short-lived widening instead.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -133,6 +135,22 @@ def restore_frozen_weights(model: nn.Module) -> int:
                 setattr(parent, name, child._original[0])
                 count += 1
     return count
+
+
+@contextlib.contextmanager
+def full_precision(model: nn.Module):
+    """Within the block, `model` computes with its original float32 frozen weights (the loss gap of the check)."""
+    swapped = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (CompactLinear, CompactEmbedding)):
+                setattr(parent, name, child._original[0])
+                swapped.append((parent, name, child))
+    try:
+        yield bool(swapped)
+    finally:
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
 
 
 def widen_per_use(ep: torch.export.ExportedProgram) -> int:

@@ -4,8 +4,9 @@ Exports one stage (by default stage 0 of `tinyllama-random --stages 0-6,7-13,14-
 q/v) once per `--frozen-dtype` and sequence length, then trains each program alone for `--steps` steps with the
 runner's StageProgram (build/android_app/native/zl_stage_bench, one ExecuTorch thread) in each load mode, reading
 /proc/<pid>/smaps_rollup every few milliseconds. It prints one table: peak PSS, its anonymous (heap, planned
-memory) and file-backed (mapped program) parts at the peak, the median step time (the first step is a warm-up)
-and the program size. Step times of the same run are comparable with each other, not with another machine's.
+memory) and file-backed (mapped program) parts at the peak, the fastest step after the first (a warm-up; the
+fastest, because on a shared machine other processes only ever add time) and the program size. Step times of the
+same run are comparable with each other, not with another machine's.
 
     nice -n 10 .venv/bin/python tools/bench_memory.py                                  # seq 128: fp32/bf16/int8 x mmap/file
     nice -n 10 .venv/bin/python tools/bench_memory.py --seq-len 128,256,512 --dtypes int8 --load-modes mmap
@@ -20,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -149,7 +149,7 @@ def main() -> None:
                     row = {"seq": seq, "dtype": dtype, "load_mode": mode,
                            "peak_pss_mib": peak.get("Pss", 0) / MIB, "anon_mib": peak.get("Pss_Anon", 0) / MIB,
                            "file_mib": peak.get("Pss_File", 0) / MIB,
-                           "step_ms": statistics.median(steps[1:] or steps),
+                           "step_ms": min(steps[1:] or steps),
                            "pte_mib": entry["size_bytes"] / MIB / MIB,
                            "loss": [ln["loss"] for ln in lines if ln.get("event") == "step"][0]}
                     rows.append(row)

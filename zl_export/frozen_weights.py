@@ -1,4 +1,4 @@
-"""Frozen weights in fewer bytes: bf16, or int8 with a scale per output channel (docs/design.md §3.4).
+"""Frozen weights in fewer bytes: bf16, or int8 with a scale per output channel (docs/design.md §3.6).
 
 Only LoRA (and translator) parameters train; every other linear weight, the
 LM head and the token embedding are constants of the stage program, and they
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from custom_ops import widen
 from zl_export.options import FROZEN_DTYPES
 # A widened weight of more elements than this is widened in row chunks (the LM head: 32,000 × 2,048 would be a
 # 262 MB float32 temporary; 4 chunks of 8,000 rows are 66 MB each).
@@ -75,7 +76,7 @@ class CompactLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (…, I) -> (…, O)
         outs = []
         for i in range(self.chunks):
-            y = F.linear(x, getattr(self, f"weight_{i}").to(torch.float32))  # (…, rows)
+            y = F.linear(x, widen(getattr(self, f"weight_{i}")))  # (…, rows)
             outs.append(y * getattr(self, f"scale_{i}") if self.dtype == "int8" else y)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
@@ -96,7 +97,7 @@ class CompactEmbedding(nn.Module):
             self.register_buffer("weight_q", weight.to(torch.bfloat16).contiguous())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
-        rows = F.embedding(ids, self.weight_q).to(torch.float32)
+        rows = widen(F.embedding(ids, self.weight_q))
         return rows * self.scale[ids].unsqueeze(-1) if self.dtype == "int8" else rows
 
 
@@ -154,16 +155,16 @@ def full_precision(model: nn.Module):
 
 
 def widen_per_use(ep: torch.export.ExportedProgram) -> int:
-    """Give every use of a widened constant its own `_to_copy` right before it; returns the copies added.
+    """Give every use of a widened constant its own `zerolock::widen` right before it; returns the copies added.
 
-    A widening (`_to_copy` of a bf16/int8 constant to float32) used by the forward matmul and again by the
+    A widening (`zerolock::widen` of a bf16/int8 constant) used by the forward matmul and again by the
     backward's input gradient would otherwise stay alive in planned memory between the two.
     """
     graph, added = ep.graph, 0
     constants = {n for n in graph.nodes if n.op == "placeholder"
                  and n.target in {**ep.graph_signature.inputs_to_buffers, **ep.graph_signature.inputs_to_parameters}}
     for node in list(graph.nodes):
-        if not (node.op == "call_function" and node.target == torch.ops.aten._to_copy.default
+        if not (node.op == "call_function" and node.target == torch.ops.zerolock.widen.default
                 and node.args and node.args[0] in constants and len(node.users) > 1):
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}

@@ -10,6 +10,7 @@
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/core/evalue.h>
 #include <zl/pipeline_marker.h>
+#include <zl/widen.h>
 
 #include "zl/durable_file.h"
 #include "zl/log.h"
@@ -305,6 +306,9 @@ Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<St
   if (options.threads < 0) {
     return Status(StatusCode::kInvalidArgument, "threads must be >= 0, got " + std::to_string(options.threads));
   }
+  // Programs with compact frozen weights (--frozen-dtype bf16/int8) call
+  // zerolock::widen; this reference keeps its kernel in static builds.
+  if (!widen_kernel_linked()) return Status(StatusCode::kInternal, "the zerolock::widen kernel is not linked");
   std::unique_ptr<StageProgram> program(new StageProgram);
   program->path_ = path;
   program->threads_ = options.threads;

@@ -329,8 +329,8 @@ Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<St
 
   apply_thread_count(options.threads);
   program->worker_ = std::thread(&StageProgram::worker_main, program.get());
-  log(LogLevel::kInfo, "stage program %s: stage %lld, layers %lld-%lld, B=%lld S=%lld D=%lld, %zu LoRA tensors%s",
-      path.c_str(), static_cast<long long>(program->stage_index_), static_cast<long long>(program->first_layer_),
+  log(LogLevel::kInfo, "stage program %s (%s): stage %lld, layers %lld-%lld, B=%lld S=%lld D=%lld, %zu LoRA tensors%s",
+      path.c_str(), options.map_file ? "mapped" : "read into heap", static_cast<long long>(program->stage_index_), static_cast<long long>(program->first_layer_),
       static_cast<long long>(program->last_layer_), static_cast<long long>(program->batch_),
       static_cast<long long>(program->seq_len_), static_cast<long long>(program->hidden_size_),
       program->params_.size(), program->is_last_ ? " (last stage: no marker)" : "");

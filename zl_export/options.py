@@ -19,7 +19,7 @@ CONSISTENCY_KINDS = ("kl_rev", "kl_fwd")
 FIRST_TARGETS = ("embedding", "none")
 GATES = ("none", "target_prob")
 TRANSLATOR_INITS = ("identity", "lens")
-# How the frozen weights are stored in a program (zl_export/frozen_weights.py, docs/design.md §3.4).
+# How the frozen weights are stored in a program (zl_export/frozen_weights.py, docs/design.md §3.6).
 FROZEN_DTYPES = ("fp32", "bf16", "int8")
 # Target slots per sample when --max-targets is not given and no data is at hand (`zl export`): classification
 # completions (label word + EOS, the demo task and AG News: 1-3 tokens) fit with room to spare.

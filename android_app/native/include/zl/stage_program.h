@@ -51,7 +51,7 @@ struct StageProgramOptions {
   /// true: map the program file (ExecuTorch's Mmap mode), so the frozen
   /// weights are file-backed pages the kernel can drop and read again; false:
   /// read every segment into heap memory (LoadMode::File). The LoRA weights
-  /// are in the method's planned memory either way (docs/design.md §3.4).
+  /// are in the method's planned memory either way (docs/design.md §3.6).
   bool map_file = true;
 };
 

@@ -138,3 +138,15 @@ def test_restore_gives_back_the_float32_model():
 def test_unknown_frozen_dtype_is_refused():
     with pytest.raises(ZLError, match="--frozen-dtype 'fp8'.*fp32, bf16, int8"):
         _opts("fp8").validate()
+
+
+def test_the_frozen_dtype_changes_the_export_cache_key():
+    from dataclasses import replace
+
+    from zl_device.run.export_cache import export_key
+    from zl_device.run.train_settings import TrainSettings
+    from zl_export.options import ModelSplit
+
+    s = TrainSettings(split=ModelSplit(model="tiny-random"))
+    keys = {export_key(s, replace(_opts("fp32"), frozen_dtype=d)) for d in ("fp32", "bf16", "int8")}
+    assert len(keys) == 3

@@ -38,7 +38,7 @@ def _args(demo: Path, out: Path, *extra: str) -> list[str]:
 
 
 ARMS = ["--arms", "base,backprop,backprop-last,zl-paper",
-        "--arm", "zl-t:alpha=0.5/1;translator_rank=2;gate=target_prob;stage_lr=1/2"]
+        "--arm", "zl-t:alpha=0.5/1;translator_rank=2;gate=target_prob;stage_lr=1/2;frozen_dtype=int8"]
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +95,7 @@ def test_a_finished_arm_is_not_trained_again_but_a_changed_setting_is(study, dem
     (["--arms", "zl-nope"], "--arms: unknown arm 'zl-nope'"),
     (["--arm", "zl-x:alpha=1.5"], "--alpha 1.5: α weighs CE against KL"),
     (["--arm", "zl-x:colour=red"], "unknown key 'colour'"),
+    (["--arm", "zl-x:frozen_dtype=fp8"], "frozen_dtype 'fp8'; expected one of fp32, bf16, int8"),
     (["--arm", "zl-x:alpha=0.5/0.5/0.5"], "--alpha 0.5,0.5,0.5: 3 values for 2 stages"),
     (["--samples", "0"], "--samples 0: must be at least 1"),
 ])

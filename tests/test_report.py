@@ -213,6 +213,19 @@ def test_markdown_has_the_numbers(tmp_path):
     assert "| 1 | exited with status -9 | 2 / 5 | 1500 | 2 / 1 | 4096 | 2300.0 |" in md
 
 
+def test_markdown_names_the_frozen_dtype_and_program_sizes(tmp_path):
+    run = merged_run(tmp_path)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["frozen_dtype"] = "int8"
+    for st, size in zip(manifest["stages"], (3 * 2**20, 1536 * 2**20)):
+        st["size_bytes"] = size
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    assert "Frozen weights int8; stage programs 3 / 1,536 MiB" in render_markdown(build_report(run))
+    del manifest["frozen_dtype"]  # an export from before --frozen-dtype: float32
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    assert "Frozen weights fp32;" in render_markdown(build_report(run))
+
+
 def test_no_recovery_section_without_failures(tmp_path):
     md = render_markdown(build_report(merged_run(tmp_path, failure=False)))
     assert "## Recovery" not in md

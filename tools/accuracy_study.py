@@ -10,6 +10,9 @@ scores on the dev rows:
     zl-*            ZeroLock, each stage on its local loss, in PyTorch eager with exactly the runner's
                     semantics (zl_device.run.eager_training): the paper's loss and the variants below
 
+An arm with `frozen_dtype` bf16 or int8 (zl-translator-bf16, zl-translator-int8, or `frozen_dtype=` in
+--arm) trains and is scored with the frozen weights stored that way (`zl export --frozen-dtype`).
+
 Every arm sees the same micro-batches in the same order, the same LoRA
 initialisation, AdamW settings and learning-rate schedule as `zl train`.
 Per arm it records dev accuracy (label word with the highest likelihood),
@@ -50,7 +53,7 @@ import torch  # noqa: E402
 
 from zl.errors import ZLError  # noqa: E402
 from zl_device.run.eager_training import Budget, OptimizerSettings  # noqa: E402
-from zl_export.options import ExportOptions, LoraSettings, LossConfig  # noqa: E402
+from zl_export.options import FROZEN_DTYPES, ExportOptions, LoraSettings, LossConfig  # noqa: E402
 
 STUDY_VERSION = 1
 
@@ -64,6 +67,7 @@ class Arm:
     loss: dict = field(default_factory=dict)  # LossConfig fields (zerolock)
     stage_lr: tuple[float, ...] = (1.0,)  # learning-rate multiplier per stage (zerolock)
     note: str = ""
+    frozen_dtype: str = "fp32"  # how the frozen weights are stored (zerolock; `--frozen-dtype`, docs/design.md §3.6)
 
     def loss_config(self) -> LossConfig:
         return LossConfig(**self.loss)
@@ -90,6 +94,10 @@ ARMS = {a.name: a for a in (
         note="α 1, full-rank readout translators started as tuned lenses (least squares on 64 training rows)"),
     Arm("zl-last-heavy", "zerolock", {"alpha": (1.0,), "translator_rank": 32}, stage_lr=(0.5, 0.5, 2.0),
         note="translators; lr ×0.5 on early stages, ×2 on the last"),
+    Arm("zl-translator-bf16", "zerolock", {"alpha": (1.0,), "translator_rank": 32}, frozen_dtype="bf16",
+        note="zl-translator with bf16 frozen weights"),
+    Arm("zl-translator-int8", "zerolock", {"alpha": (1.0,), "translator_rank": 32}, frozen_dtype="int8",
+        note="zl-translator with int8 frozen weights (a float32 scale per output channel)"),
 )}
 DEFAULT_ARMS = ("base", "backprop", "backprop-last", "zl-paper", "zl-ce", "zl-gated", "zl-translator")
 
@@ -130,7 +138,10 @@ class StudySettings:
         fields = {k: str(v) for k, v in asdict(self).items() if k not in ("samples", "threads", "eval_batch_size")}
         if arm.kind == "base":  # scoring only: the training settings do not matter
             fields = {k: fields[k] for k in ("model", "dev", "data_format", "truncate", "seq_len", "seed", "eval_limit")}
-        blob = {"v": STUDY_VERSION, "arm": asdict(arm), "samples": samples if arm.kind != "base" else 0, **fields}
+        arm_fields = asdict(arm)
+        if arm.frozen_dtype == "fp32":  # arms cached before frozen_dtype existed keep their fingerprint
+            del arm_fields["frozen_dtype"]
+        blob = {"v": STUDY_VERSION, "arm": arm_fields, "samples": samples if arm.kind != "base" else 0, **fields}
         return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -150,7 +161,7 @@ def parse_arm(spec: str) -> Arm:
     name = name.strip()
     if not name or name in ARMS:
         raise ZLError(f"--arm {spec!r}: give a new name before ':' (built-in arms: {', '.join(ARMS)}).")
-    loss, stage_lr = {}, (1.0,)
+    loss, stage_lr, frozen_dtype = {}, (1.0,), "fp32"
     fields = LossConfig.__dataclass_fields__
     for item in filter(None, (p.strip() for p in body.split(";"))):
         key, eq, value = item.partition("=")
@@ -159,6 +170,8 @@ def parse_arm(spec: str) -> Arm:
             raise ZLError(f"--arm {spec!r}: {item!r} is not key=value.")
         if key == "stage_lr":
             stage_lr = parse_list(value, float, f"--arm {name} stage_lr")
+        elif key == "frozen_dtype":
+            frozen_dtype = value.strip()
         elif key == "alpha":
             loss["alpha"] = parse_list(value, float, f"--arm {name} alpha")
         elif key == "translator_rank":
@@ -166,9 +179,12 @@ def parse_arm(spec: str) -> Arm:
         elif key in fields:
             loss[key] = value.strip()
         else:
-            raise ZLError(f"--arm {spec!r}: unknown key {key!r}; use stage_lr or one of {', '.join(fields)}.")
-    arm = Arm(name, "zerolock", loss, stage_lr, note=body)
+            raise ZLError(f"--arm {spec!r}: unknown key {key!r}; use stage_lr, frozen_dtype or one of "
+                          f"{', '.join(fields)}.")
+    arm = Arm(name, "zerolock", loss, stage_lr, note=body, frozen_dtype=frozen_dtype)
     arm.loss_config().validate()
+    if frozen_dtype not in FROZEN_DTYPES:
+        raise ZLError(f"--arm {spec!r}: frozen_dtype {frozen_dtype!r}; expected one of {', '.join(FROZEN_DTYPES)}.")
     return arm
 
 
@@ -225,7 +241,7 @@ def run_arm(arm: Arm, samples: int, s: StudySettings, base_model, split, train, 
 
     if arm.kind == "zerolock":
         opts = ExportOptions(seq_len=s.seq_len, micro_batch=s.micro_batch, lora=s.lora, loss=arm.loss_config(),
-                             seed=s.seed)
+                             seed=s.seed, frozen_dtype=arm.frozen_dtype)  # scored on the same compact weights
         peft_model, modules = build_stage_modules(model, split, opts, calibration_batches(train))
         result["trainable"] = sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
         log = train_zerolock(modules, train, budget, s.optimizer(budget), arm.stage_lr, on_window)

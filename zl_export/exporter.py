@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from zl.errors import ZLError
+from zl_export.frozen_weights import compact_frozen_weights, widen_per_use
 from zl_export.lora import attach_lora, peft_names
 from zl_export.options import ExportOptions
 from zl_export.stage_module import StageModule
@@ -56,6 +57,7 @@ def build_stage_modules(
     """
     opts.loss.validate(len(stages))
     peft_model = attach_lora(base_model, opts.lora, seed=opts.seed)
+    compact_frozen_weights(peft_model, opts.frozen_dtype)  # in place: bf16/int8 frozen weights (fp32: unchanged)
     modules = [StageModule(peft_model, s, len(stages), opts.loss, seed=opts.seed, max_targets=opts.target_slots).eval()
                for s in stages]
     hidden = base_model.config.hidden_size
@@ -153,6 +155,7 @@ def export_stage(
     _rewrite_empty_permuted(joint)
     _matmuls_to_linear(joint)
     _schedule_marker_first(joint)
+    widen_per_use(joint)
     grad_fqns = [
         spec.target for spec in joint.graph_signature.output_specs if spec.kind.name == "GRADIENT_TO_PARAMETER"
     ]

@@ -34,6 +34,7 @@ def build_manifest(loaded, opts, stage_entries: list[dict]) -> dict:
             "vocab_size": cfg.vocab_size,
             "dtype": "float32",
         },
+        "frozen_dtype": opts.frozen_dtype,
         "tokenizer": loaded.tokenizer.name,
         "seq_len": opts.seq_len,
         "micro_batch": opts.micro_batch,

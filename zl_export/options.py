@@ -19,6 +19,8 @@ CONSISTENCY_KINDS = ("kl_rev", "kl_fwd")
 FIRST_TARGETS = ("embedding", "none")
 GATES = ("none", "target_prob")
 TRANSLATOR_INITS = ("identity", "lens")
+# How the frozen weights are stored in a program (zl_export/frozen_weights.py, docs/design.md §3.6).
+FROZEN_DTYPES = ("fp32", "bf16", "int8")
 # Target slots per sample when --max-targets is not given and no data is at hand (`zl export`): classification
 # completions (label word + EOS, the demo task and AG News: 1-3 tokens) fit with room to spare.
 DEFAULT_MAX_TARGETS = 16
@@ -159,6 +161,10 @@ class ExportOptions:
     lora: LoraSettings = nested(LoraSettings)
     loss: LossConfig = nested(LossConfig)
     seed: int = setting(0, "Seeds the LoRA initialisation (and random-weight models).")
+    frozen_dtype: str = setting("fp32", "How the frozen weights (projections, LM head, embedding) are stored: fp32, "
+                                        "bf16, or int8 with a float32 scale per output channel; widened to float32 "
+                                        "per use. LoRA weights, gradients and AdamW state stay float32.",
+                                choices=FROZEN_DTYPES)
     max_targets: int | None = setting(None, f"Target tokens per sample the programs read out (the LM head runs on "
                                             f"these slots only); 0 reads out every position. Default: "
                                             f"{DEFAULT_MAX_TARGETS}; `zl train`: its training data's largest target "
@@ -186,5 +192,6 @@ class ExportOptions:
         if self.max_targets is not None and self.max_targets < 0:
             raise ZLError(f"--max-targets {self.max_targets}: must be 0 (read out every position) or a number of "
                           f"target slots per sample, e.g. {DEFAULT_MAX_TARGETS}.")
+        check_choices(self)
         self.loss.validate()
         self.lora.validate()

@@ -94,6 +94,7 @@ def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bo
         ZLError: bad options, model source or stage spec, or ExecuTorch disagreeing with eager in the check.
     """
     from zl_export.exporter import build_stage_modules, export_stage, write_program
+    from zl_export.frozen_weights import restore_frozen_weights
     from zl_export.manifest import build_manifest, write_manifest
     from zl_export.model_source import load_model
     from zl_export.step_check import check_agreement, check_pipeline, demo_inputs
@@ -136,4 +137,5 @@ def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bo
             check_agreement(checks)
         return ExportResult(manifest, checks)
     finally:
+        restore_frozen_weights(peft_model)  # float32 frozen weights again (--frozen-dtype bf16/int8)
         peft_model.unload()  # the caller's model without LoRA layers again

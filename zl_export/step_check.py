@@ -23,6 +23,7 @@ class StageCheck:
     eager: StepResult
     et_ms: float
     eager_ms: float
+    fp32_loss: float | None = None  # eager loss with the float32 frozen weights (--frozen-dtype bf16/int8 only)
 
     def loss_diff(self) -> float:
         return max(abs(float(self.et.outputs[k]) - float(self.eager.outputs[k])) for k in ("loss", "task_loss", "consistency_loss"))
@@ -53,8 +54,10 @@ def check_pipeline(
         modules: the eager stage modules with the exported weights.
         first_inputs: (input_ids, attention_mask, labels) for stage 0.
     """
+    from zl_export.frozen_weights import full_precision
+
     results = []
-    x_et = x_eager = first_inputs[0]
+    x_et = x_eager = x_fp32 = first_inputs[0]
     mask, labels = first_inputs[1], first_inputs[2]
     for entry, module in zip(manifest["stages"], modules):
         program = TrainingProgram(Path(export_dir) / entry["file"], [o["name"] for o in entry["outputs"]])
@@ -63,9 +66,15 @@ def check_pipeline(
         t1 = time.perf_counter()
         eager = eager_step(module, x_eager, mask, labels)
         t2 = time.perf_counter()
-        results.append(StageCheck(entry["index"], et, eager, (t1 - t0) * 1e3, (t2 - t1) * 1e3))
+        fp32 = None
+        with full_precision(module) as compact:
+            if compact:  # the same step on the float32 weights, on the float32 chain of hidden states
+                fp32 = eager_step(module, x_fp32, mask, labels)
+        results.append(StageCheck(entry["index"], et, eager, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
+                                  None if fp32 is None else float(fp32.outputs["loss"])))
         if "hidden" in et.outputs:
             x_et, x_eager = et.outputs["hidden"], eager.outputs["hidden"]
+            x_fp32 = fp32.outputs["hidden"] if fp32 is not None else x_eager
     return results
 
 

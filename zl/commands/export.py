@@ -109,13 +109,21 @@ class RichExportProgress(ExportProgress):
 
     def checked(self, checks) -> None:
         table = Table(title="one training step on a demo-task sample: ExecuTorch runtime vs PyTorch eager")
-        for col in ("stage", "loss ET", "loss eager", "CE", "KL", "|Δ|loss", "|Δ|grad", "ET ms"):
+        # With --frozen-dtype bf16/int8, eager computes with the same compact weights; "loss fp32" is eager with
+        # the float32 weights, the price of the compact ones.
+        quantized = any(r.fp32_loss is not None for r in checks)
+        cols = ("stage", "loss ET", "loss eager", "CE", "KL", "|Δ|loss", "|Δ|grad", "ET ms")
+        for col in cols + (("loss fp32", "Δ vs fp32") if quantized else ()):
             table.add_column(col, justify="right", no_wrap=True, min_width=len(col))
         for r in checks:
             o = r.et.outputs
+            extra = ()
+            if quantized and r.fp32_loss is not None:
+                extra = (f"{r.fp32_loss:.5f}", f"{float(r.eager.outputs['loss']) - r.fp32_loss:+.1e}")
             table.add_row(
                 str(r.index), f"{float(o['loss']):.5f}", f"{float(r.eager.outputs['loss']):.5f}", f"{float(o['task_loss']):.3f}",
                 f"{float(o['consistency_loss']):.3f}", f"{r.loss_diff():.1e}", f"{r.grad_diff():.1e}", f"{r.et_ms:.0f}",
+                *extra,
             )
         console.print(table)
 

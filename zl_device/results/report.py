@@ -191,7 +191,11 @@ def _model(manifest: dict | None) -> dict | None:
         return None
     model = manifest.get("model", {})
     return {"name": model.get("name"), "num_layers": model.get("num_layers"), "seq_len": manifest.get("seq_len"),
-            "micro_batch": manifest.get("micro_batch"), "num_stages": len(manifest["stages"])}
+            "micro_batch": manifest.get("micro_batch"), "num_stages": len(manifest["stages"]),
+            # Exports before --frozen-dtype stored float32 weights.
+            "frozen_dtype": manifest.get("frozen_dtype", "fp32"),
+            "program_mib": ([st["size_bytes"] / 2**20 for st in manifest["stages"]]
+                            if all("size_bytes" in st for st in manifest["stages"]) else None)}
 
 
 def _run(metrics: MetricsLog, manifest: dict | None, stages: list[dict]) -> dict:
@@ -291,6 +295,9 @@ def render_markdown(report: dict, with_plots: bool = True) -> str:
     if model:
         out += [f"Model {model['name']} ({model['num_layers']} layers) in {model['num_stages']} stages; "
                 f"seq_len {model['seq_len']}, micro-batch {model['micro_batch']}.", ""]
+        if model.get("program_mib"):
+            sizes = " / ".join(f"{m:,.0f}" for m in model["program_mib"])
+            out += [f"Frozen weights {model['frozen_dtype']}; stage programs {sizes} MiB (docs/design.md §3.6).", ""]
     out += ["## Run", "", "| wall time (s) | samples | records/s |", "|---|---|---|",
             f"| {_num(run['wall_s'])} | {_num(run['samples'])} | {_num(run['records_per_s'], 4)} |", ""]
     if run["wall_s_source"] == "telemetry":

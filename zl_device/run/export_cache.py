@@ -35,7 +35,7 @@ def export_key(s: TrainSettings, opts: ExportOptions, calibration: Path | None =
         identity.update(path=str(path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns)
     blob = {"v": EXPORT_CACHE_VERSION, "model": identity, "stages": s.split.key,
             "opts": {"seq_len": opts.seq_len, "micro_batch": opts.micro_batch, "seed": opts.seed,
-                     "max_targets": opts.target_slots, "lora": asdict(opts.lora), "loss": asdict(opts.loss)}}
+                     "max_targets": opts.target_slots, "frozen_dtype": opts.frozen_dtype, "lora": asdict(opts.lora), "loss": asdict(opts.loss)}}
     if opts.loss.translator_rank and opts.loss.translator_init == "lens" and calibration is not None:
         from zl_export.shard import file_sha256
 

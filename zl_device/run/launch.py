@@ -197,6 +197,7 @@ def stage_configs(s: TrainSettings, manifest: dict, export_dir: Path, shard: Pat
             "keep_last": windows.num_windows + 1 if s.recovery == "global" else 2,
             "log_path": "metrics.jsonl",
             "threads": s.threads,
+            "load_mode": s.load_mode,
             "optimizer": {"lr": s.stage_lr_of(k), "weight_decay": 0.0, "schedule": schedule},
             **addresses.config_fields(),
         }

@@ -24,6 +24,7 @@ LAUNCHERS = ("spawn", "torchrun")
 RUNNER_INPUT_TIMEOUT_S = 600.0
 #: Default --stall-timeout: well above a phone's slowest micro-batch or checkpoint, well below the input timeout.
 STALL_TIMEOUT_S = 300.0
+LOAD_MODES = ("mmap", "file")
 
 
 @dataclass
@@ -62,6 +63,9 @@ class TrainSettings:
     stage_lr: tuple[float, ...] = setting((1.0,), "Learning-rate multiplier per stage (one value for every stage, "
                                                   "or one per stage, e.g. 1,1,2).")
     threads: int = setting(1, "ExecuTorch threads per runner.")
+    load_mode: str = setting("mmap", "How runners hold the frozen weights: mmap (mapped from the program file: "
+                                     "file-backed pages the OS can reclaim) or file (read into heap memory).",
+                             choices=LOAD_MODES)
     eval_limit: int | None = setting(None, "Evaluate on the first N dev rows only.")
     timeout_s: float = setting(3600.0, "Give up when the run takes longer (seconds).", flag="--timeout")
     resume: bool = setting(False, "Continue the unfinished run in --out (after the host died, a failure or Ctrl-C) "

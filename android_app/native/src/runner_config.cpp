@@ -125,6 +125,9 @@ const Field kFields[] = {
      "Sender-side link emulation: local, wifi (2 ms, 1000 Mbps), mobile (10 ms, 200 Mbps), constrained (30 ms, 50 Mbps).",
      ZL_REF(link_profile)},
     {"threads", FieldType::kInteger, false, false, "ExecuTorch CPU threads; 0 = runtime default.", ZL_REF(threads)},
+    {"load_mode", FieldType::kString, false, false,
+     "How the program's frozen weights are held: mmap (mapped from the file, reclaimable) or file (read into heap).",
+     ZL_REF(load_mode)},
     {"log_path", FieldType::kString, false, true, "Telemetry JSON-lines file (appended).", ZL_REF(log_path)},
     {"early_forwarding", FieldType::kBoolean, false, false,
      "Send the hidden state at the marker, before readout/loss/backward finish.", ZL_REF(early_forwarding)},
@@ -286,6 +289,10 @@ Status validate(const RunnerConfig& c) {
     return invalid("field 'run_id' is \"" + c.run_id + "\"; expected 32 hex characters (16 bytes)");
   }
   LinkProfile profile;
+  if (c.load_mode != "mmap" && c.load_mode != "file") {
+    return invalid("field 'load_mode' is '" + c.load_mode + "'; expected mmap (map the program) or file (read it "
+                   "into heap memory)");
+  }
   Status s = link_profile_from_name(c.link_profile, &profile);
   if (!s.ok()) return invalid("field 'link_profile': " + s.message());
   s = c.optimizer.validate();

@@ -1,7 +1,9 @@
 #include "zl/stage_program.h"
 
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <optional>
 #include <utility>
 
@@ -10,6 +12,7 @@
 #include <executorch/runtime/core/evalue.h>
 #include <zl/fast_kernels.h>
 #include <zl/pipeline_marker.h>
+#include <zl/widen.h>
 
 #include "zl/durable_file.h"
 #include "zl/log.h"
@@ -97,6 +100,36 @@ Status use_fast_kernels() {
   return Status();
 }
 
+/// Checks that the file is as long as its `.pte` extended header says (an
+/// interrupted copy or `adb push` leaves a prefix). The container: a
+/// flatbuffer with identifier "ET12" at bytes 4..8, then at byte 8 "eh00",
+/// u32 header length, u64 program size, u64 segment base, u64 segment size
+/// (little-endian; zl_export/training_program.py checks the same on the host).
+Status check_program_size(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) return Status(StatusCode::kNotFound, "program " + path + ": cannot open it; run `zl export` first");
+  const uint64_t size = static_cast<uint64_t>(in.tellg());
+  unsigned char head[40] = {};
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(head), sizeof(head));
+  if (in.gcount() < static_cast<std::streamsize>(sizeof(head)) || std::memcmp(head + 8, "eh00", 4) != 0) {
+    return Status();  // too short or no extended header: ExecuTorch's own checks name the problem
+  }
+  auto u64 = [&](size_t at) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; --i) v = (v << 8) | head[at + i];
+    return v;
+  };
+  const uint64_t program_size = u64(16), segment_base = u64(24), segment_size = u64(32);
+  const uint64_t need = std::max(program_size, segment_size != 0 ? segment_base + segment_size : 0);
+  if (size < need) {
+    return Status(StatusCode::kInvalidArgument, "program " + path + " is truncated: " + std::to_string(size) +
+                                                    " bytes, its header says " + std::to_string(need) +
+                                                    "; export or copy it again");
+  }
+  return Status();
+}
+
 }  // namespace
 
 /// ExecuTorch state, out of the public header.
@@ -132,6 +165,7 @@ struct StageProgramLoader {
   const std::string& path;
   const std::string& manifest_path;
   const ManifestStage& stage;
+  const StageProgramOptions& options;
   std::vector<EValue> fqns;  // program names of the parameters, gradient order
 
   Status load_module();
@@ -143,9 +177,12 @@ struct StageProgramLoader {
 };
 
 Status StageProgramLoader::load_module() {
-  // File, not Mmap: the parameters are constants of the program, and AdamW
-  // writes them in place, which needs heap memory rather than a read-only map.
-  impl.module.reset(new Module(path, Module::LoadMode::File));
+  // The LoRA weights have gradients, so the exporter plans them into the
+  // method's memory (initialised from the program's mutable segment at load;
+  // `weight_has_gradient` in exir/memory_planning.py): AdamW writes there, and
+  // the frozen constants can stay a read-only map of the file.
+  ZL_RETURN_IF_ERROR(check_program_size(path));
+  impl.module.reset(new Module(path, options.map_file ? Module::LoadMode::Mmap : Module::LoadMode::File));
   const Error error = impl.module->load();
   if (error != Error::Ok) {
     return Status(StatusCode::kInvalidArgument,
@@ -298,6 +335,9 @@ Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<St
   if (options.threads < 0) {
     return Status(StatusCode::kInvalidArgument, "threads must be >= 0, got " + std::to_string(options.threads));
   }
+  // Programs with compact frozen weights (--frozen-dtype bf16/int8) call
+  // zerolock::widen; this reference keeps its kernel in static builds.
+  if (!widen_kernel_linked()) return Status(StatusCode::kInternal, "the zerolock::widen kernel is not linked");
   std::unique_ptr<StageProgram> program(new StageProgram);
   program->path_ = path;
   program->threads_ = options.threads;
@@ -307,7 +347,7 @@ Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<St
   ZL_RETURN_IF_ERROR(read_manifest_stage(manifest_path, base_of(path), &stage));
 
   ZL_RETURN_IF_ERROR(use_fast_kernels());
-  StageProgramLoader loader{*program, *program->impl_, path, manifest_path, stage, {}};
+  StageProgramLoader loader{*program, *program->impl_, path, manifest_path, stage, options, {}};
   ZL_RETURN_IF_ERROR(loader.load_module());
   ZL_RETURN_IF_ERROR(loader.read_training_indices());
   auto meta = program->impl_->module->method_meta(kMethod);
@@ -319,8 +359,8 @@ Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<St
 
   apply_thread_count(options.threads);
   program->worker_ = std::thread(&StageProgram::worker_main, program.get());
-  log(LogLevel::kInfo, "stage program %s: stage %lld, layers %lld-%lld, B=%lld S=%lld D=%lld, %zu LoRA tensors%s",
-      path.c_str(), static_cast<long long>(program->stage_index_), static_cast<long long>(program->first_layer_),
+  log(LogLevel::kInfo, "stage program %s (%s): stage %lld, layers %lld-%lld, B=%lld S=%lld D=%lld, %zu LoRA tensors%s",
+      path.c_str(), options.map_file ? "mapped" : "read into heap", static_cast<long long>(program->stage_index_), static_cast<long long>(program->first_layer_),
       static_cast<long long>(program->last_layer_), static_cast<long long>(program->batch_),
       static_cast<long long>(program->seq_len_), static_cast<long long>(program->hidden_size_),
       program->params_.size(), program->is_last_ ? " (last stage: no marker)" : "");

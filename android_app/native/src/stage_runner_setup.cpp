@@ -65,6 +65,7 @@ Status StageRunner::load_program() {
   program_options.program_path = c.program;
   program_options.manifest_path = c.manifest;
   program_options.threads = c.threads;
+  program_options.map_file = c.load_mode != "file";
   ZL_RETURN_IF_ERROR(StageProgram::load(program_options, &program_));
   if (program_->stage_index() != c.stage_index || program_->is_last() != c.is_last_stage()) {
     return Status(StatusCode::kInvalidArgument,

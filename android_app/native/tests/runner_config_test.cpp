@@ -53,6 +53,7 @@ TEST(RunnerConfig, ParsesAMiddleStageWithDefaults) {
   EXPECT_EQ(c.keep_last, 2);
   EXPECT_TRUE(c.early_forwarding);
   EXPECT_EQ(c.link_profile, "local");
+  EXPECT_EQ(c.load_mode, "mmap");
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-4);
   EXPECT_EQ(c.optimizer.schedule.kind, zl::LrScheduleKind::kConstant);
 }
@@ -141,6 +142,9 @@ TEST(RunnerConfig, BadValuesAreNamed) {
   j = middle_stage();
   j["link_profile"] = "5g";
   expect_error(j, {"'link_profile'", "5g"});
+  j = middle_stage();
+  j["load_mode"] = "heap";
+  expect_error(j, {"'load_mode'", "heap", "mmap"});
   j = middle_stage();
   j["optimizer"] = {{"schedule", {{"kind", "linear"}}}};
   expect_error(j, {"optimizer.schedule.kind", "warmup_cosine"});

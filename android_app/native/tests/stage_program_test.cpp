@@ -13,6 +13,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -299,6 +301,72 @@ TEST_F(StageProgramTest, RejectsAManifestOfAnotherExport) {
   status = StageProgram::load(options, &program);
   ASSERT_FALSE(status.ok());
   EXPECT_NE(status.message().find("missing.json"), std::string::npos) << status.message();
+}
+
+/// Loads stage `stage` mapped (map_file) or read into heap memory.
+std::unique_ptr<StageProgram> load_mode(int stage, bool map_file) {
+  StageProgramOptions options;
+  options.program_path = export_dir() + "/stage_" + std::to_string(stage) + ".pte";
+  options.map_file = map_file;
+  std::unique_ptr<StageProgram> program;
+  zl::Status status = StageProgram::load(options, &program);
+  EXPECT_TRUE(status.ok()) << status.message();
+  return program;
+}
+
+TEST_F(StageProgramTest, MappedProgramTrainsBitIdenticallyToAHeapLoadedOne) {
+  for (int stage : {0, 2}) {
+    auto mapped = load_mode(stage, true);
+    auto heap = load_mode(stage, false);
+    ASSERT_TRUE(mapped && heap);
+    perturb_lora_b(mapped.get());
+    perturb_lora_b(heap.get());
+    double first_loss = 0;
+    for (int step = 0; step < 3; ++step) {
+      Batch batch(*mapped, step);
+      StageStepResult a, b;
+      ASSERT_TRUE(mapped->run(batch.inputs(), nullptr, &a).ok());
+      ASSERT_TRUE(heap->run(batch.inputs(), nullptr, &b).ok());
+      EXPECT_EQ(a.loss, b.loss) << "stage " << stage << " step " << step;
+      const auto ga = copy_grads(*mapped, a), gb = copy_grads(*heap, b);
+      ASSERT_EQ(ga.size(), gb.size());
+      for (size_t i = 0; i < ga.size(); ++i) EXPECT_EQ(ga[i], gb[i]) << mapped->parameters()[i].name;
+      // An SGD step written through the parameters, as AdamW writes them: the
+      // mapped program's LoRA weights must be writable and read back.
+      for (size_t i = 0; i < ga.size(); ++i) {
+        float* pa = mapped->parameters()[i].data;
+        float* pb = heap->parameters()[i].data;
+        for (size_t j = 0; j < ga[i].size(); ++j) {
+          pa[j] -= 0.5f * ga[i][j];
+          pb[j] -= 0.5f * gb[i][j];
+        }
+      }
+      if (step == 0) first_loss = a.loss;
+    }
+    Batch batch(*mapped, 0);
+    StageStepResult again;
+    ASSERT_TRUE(mapped->run(batch.inputs(), nullptr, &again).ok());
+    EXPECT_NE(again.loss, first_loss) << "the updates did not reach the mapped program";
+  }
+}
+
+TEST_F(StageProgramTest, RefusesATruncatedProgramInEitherLoadMode) {
+  zl_test::TempDir tmp;
+  std::ifstream in(export_dir() + "/stage_0.pte", std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(bytes.size(), 1000u);
+  zl_test::write_text(tmp.file("stage_0.pte"), bytes.substr(0, bytes.size() - 512));
+  for (bool map_file : {true, false}) {
+    StageProgramOptions options;
+    options.program_path = tmp.file("stage_0.pte");
+    options.manifest_path = export_dir() + "/manifest.json";
+    options.map_file = map_file;
+    std::unique_ptr<StageProgram> program;
+    zl::Status status = StageProgram::load(options, &program);
+    ASSERT_FALSE(status.ok()) << "map_file " << map_file;
+    EXPECT_NE(status.message().find("truncated"), std::string::npos) << status.message();
+    EXPECT_NE(status.message().find(options.program_path), std::string::npos) << status.message();
+  }
 }
 
 }  // namespace

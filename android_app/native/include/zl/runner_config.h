@@ -51,6 +51,7 @@ struct RunnerConfig {
   AdamWConfig optimizer;          ///< lr, betas, eps, weight_decay, schedule
   std::string link_profile = "local";  ///< local | wifi | mobile | constrained
   int64_t threads = 0;            ///< ExecuTorch CPU threads; 0 = runtime default
+  std::string load_mode = "mmap";  ///< mmap: frozen weights mapped from the program file; file: read into heap
   std::string log_path = "metrics.jsonl";  ///< telemetry JSON lines (appended)
   bool early_forwarding = true;   ///< send hidden at the marker, before phase 2
   int64_t seed = 0;               ///< for anything random in the runner (data order)

@@ -48,6 +48,11 @@ struct StageProgramOptions {
   /// ExecuTorch CPU threads: 0 = runtime default, n >= 1 = resize the
   /// process-wide pool to n (one pool per process).
   int64_t threads = 0;
+  /// true: map the program file (ExecuTorch's Mmap mode), so the frozen
+  /// weights are file-backed pages the kernel can drop and read again; false:
+  /// read every segment into heap memory (LoadMode::File). The LoRA weights
+  /// are in the method's planned memory either way (docs/design.md §3.6).
+  bool map_file = true;
 };
 
 /// Inputs of one micro-batch. Stage 0 sets `input_ids`, later stages
@@ -73,8 +78,8 @@ struct StageStepResult {
 /// A loaded stage program (see the file comment).
 class StageProgram {
  public:
-  /// Loads the program (whole file into heap memory, so the parameters are
-  /// writable), checks it against the manifest (stage entry by file name,
+  /// Loads the program (mapped or read, see StageProgramOptions::map_file),
+  /// checks it against the manifest (stage entry by file name,
   /// parameter names, order and shapes, input shapes) and starts the worker.
   /// Errors name the file and the mismatch.
   static Status load(const StageProgramOptions& options, std::unique_ptr<StageProgram>* out);

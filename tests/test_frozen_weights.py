@@ -1,0 +1,152 @@
+"""`--frozen-dtype bf16|int8`: programs with compact frozen weights against an eager float32 model holding the
+same (dequantized) weights, through test_export's independent Hugging Face reference."""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import native_library_or_skip
+from test_export import _reference, _test_batch
+from zl.errors import ZLError
+from zl_export import exporter, frozen_weights
+from zl_export.exporter import build_stage_modules, export_stage, write_program
+from zl_export.frozen_weights import CompactEmbedding, CompactLinear, dequantized, quantize_rows
+from zl_export.lora import attach_lora
+from zl_export.manifest import build_manifest
+from zl_export.model_source import load_model
+from zl_export.options import ExportOptions, LoraSettings, LossConfig
+from zl_export.stages import parse_spec
+from zl_export.training_program import TrainingProgram
+
+SPEC = "0-1,2-3"
+
+
+def _opts(dtype: str, **kw) -> ExportOptions:
+    return ExportOptions(seq_len=16, micro_batch=2, lora=LoraSettings(4, 8.0, ("q_proj", "v_proj")),
+                         loss=LossConfig(alpha=(0.5,), translator_rank=0), seed=5, frozen_dtype=dtype, **kw)
+
+
+def _perturb_lora_b(model: nn.Module) -> None:
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # B = 0 at init would make every lora_A gradient 0
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def _fp32_twin(opts: ExportOptions, peft_q: nn.Module) -> nn.Module:
+    """A float32 PEFT model whose frozen weights are the dequantized ones and whose LoRA weights are `peft_q`'s."""
+    twin = attach_lora(load_model("tiny-random", seed=3).model, opts.lora, seed=opts.seed)
+    lora = dict(peft_q.named_parameters())
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            p.copy_(lora[name] if "lora_" in name else p)
+        for module in twin.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)) and not module.weight.requires_grad:
+                module.weight.copy_(dequantized(module.weight, opts.frozen_dtype))
+    return twin
+
+
+def test_quantize_rows_bounds_the_error_by_half_a_step():
+    w = torch.randn(7, 33) * torch.linspace(0.01, 3.0, 7)[:, None]
+    w[3] = 0.0  # an all-zero row must not divide by zero
+    q, s = quantize_rows(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    err = (q.float() * s[:, None] - w).abs()
+    assert (err <= s[:, None] / 2 + 1e-7).all()
+    assert (dequantized(w, "int8")[3] == 0).all()
+
+
+@pytest.mark.parametrize("dtype,chunk", [("bf16", None), ("int8", None), ("int8", 64 * 100)],
+                         ids=["bf16", "int8", "int8-chunked"])
+def test_compact_programs_match_eager_of_the_same_weights(tmp_path, monkeypatch, dtype, chunk):
+    native_library_or_skip()
+    if chunk:  # the LM head (320 x 64) in 4 row chunks of <= 100 rows, as TinyLlama's is
+        monkeypatch.setattr(frozen_weights, "CHUNK_ELEMENTS", chunk)
+    loaded = load_model("tiny-random", seed=3)
+    opts = _opts(dtype)
+    peft_q, modules = build_stage_modules(loaded.model, parse_spec(SPEC, 4), opts)
+    assert isinstance(modules[0].embed_tokens, CompactEmbedding)
+    assert isinstance(modules[0].lm_head, CompactLinear) and modules[0].lm_head.chunks == (4 if chunk else 1)
+    _perturb_lora_b(peft_q)
+    entries = [write_program(export_stage(m, peft_q, opts, loaded.config.vocab_size), tmp_path) for m in modules]
+    manifest = build_manifest(loaded, opts, entries)
+    assert manifest["frozen_dtype"] == dtype
+    twin = _fp32_twin(opts, peft_q)
+    input_ids, mask, labels = _test_batch(modules, opts, loaded.config.vocab_size)
+    hidden, fp32_gap = None, 0.0
+    for entry in manifest["stages"]:
+        program = TrainingProgram(tmp_path / entry["file"], [o["name"] for o in entry["outputs"]])
+        result = program.step(input_ids if hidden is None else hidden, mask, labels)
+        first, last = entry["layers"]
+        ref_h, ref_loss, ref_ce, ref_kl, ref_grads = _reference(twin, first, last, input_ids, mask, labels,
+                                                                 opts.loss, hidden_in=hidden, stage=entry["index"])
+        torch.testing.assert_close(result.outputs["loss"], ref_loss, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(result.outputs["consistency_loss"], ref_kl, rtol=1e-4, atol=1e-7)
+        names = {p["program_name"]: p["name"] for p in entry["parameters"]}
+        for k, g in result.gradients.items():
+            torch.testing.assert_close(g, ref_grads[names[k]], rtol=1e-4, atol=1e-6, msg=names[k])
+        if "hidden" in result.outputs:
+            torch.testing.assert_close(result.outputs["hidden"], ref_h, rtol=1e-4, atol=1e-5)
+            hidden = result.outputs["hidden"].clone()
+        # The float32 model gives another loss: the quantization is really in the program.
+        fp32 = _reference(_fp32_twin(_opts("fp32"), peft_q), first, last, input_ids, mask, labels, opts.loss,
+                          hidden_in=hidden if entry["index"] else None, stage=entry["index"])[1]
+        fp32_gap = max(fp32_gap, abs(float(fp32) - float(ref_loss)))
+    assert fp32_gap > 1e-6, "the compact program computes the float32 model's loss: nothing was quantized"
+
+
+def test_compact_programs_are_smaller_and_plan_no_extra_memory(tmp_path, monkeypatch):
+    """int8 frozen weights shrink the program; widen_per_use keeps the widened weights out of planned memory."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    def export(dtype):
+        loaded = load_model("tiny-random", seed=3)
+        opts = _opts(dtype)
+        peft, modules = build_stage_modules(loaded.model, parse_spec(SPEC, 4), opts)
+        buffer = export_stage(modules[0], peft, opts, loaded.config.vocab_size).buffer
+        pte = deserialize_pte_binary(buffer)
+        plan = (pte.program if hasattr(pte, "program") else pte).execution_plan[0]
+        return len(buffer), sum(plan.non_const_buffer_sizes)
+
+    cfg = load_model("tiny-random").config
+    largest = cfg.vocab_size * cfg.hidden_size * 4  # the LM head widened to float32, bytes
+    layer = (2 * cfg.hidden_size ** 2 + 2 * cfg.hidden_size * cfg.num_key_value_heads * cfg.head_dim
+             + 3 * cfg.hidden_size * cfg.intermediate_size) * 4  # one layer's frozen projections as float32
+    fp32_size, fp32_planned = export("fp32")
+    int8_size, int8_planned = export("int8")
+    assert int8_size < 0.6 * fp32_size
+    # At most one widened weight (the LM head) lives next to the activations.
+    assert int8_planned <= fp32_planned + largest
+    monkeypatch.setattr(exporter, "widen_per_use", lambda ep: 0)
+    _, unsplit_planned = export("int8")
+    # Stage 0 has two layers: without widen_per_use their widened weights stay alive from forward to backward.
+    assert unsplit_planned > fp32_planned + 1.5 * layer, "widen_per_use should have made a difference"
+
+
+def test_restore_gives_back_the_float32_model():
+    loaded = load_model("tiny-random", seed=3)
+    before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+    peft, _ = build_stage_modules(loaded.model, parse_spec(SPEC, 4), _opts("int8"))
+    assert frozen_weights.restore_frozen_weights(peft) > 0
+    peft.unload()
+    after = loaded.model.state_dict()
+    assert set(after) == set(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_unknown_frozen_dtype_is_refused():
+    with pytest.raises(ZLError, match="--frozen-dtype 'fp8'.*fp32, bf16, int8"):
+        _opts("fp8").validate()
+
+
+def test_the_frozen_dtype_changes_the_export_cache_key():
+    from dataclasses import replace
+
+    from zl_device.run.export_cache import export_key
+    from zl_device.run.train_settings import TrainSettings
+    from zl_export.options import ModelSplit
+
+    s = TrainSettings(split=ModelSplit(model="tiny-random"))
+    keys = {export_key(s, replace(_opts("fp32"), frozen_dtype=d)) for d in ("fp32", "bf16", "int8")}
+    assert len(keys) == 3

@@ -1,0 +1,188 @@
+"""Peak memory of one stage as a phone would see it: PSS per frozen-weight dtype and load mode, side by side.
+
+Exports one stage (by default stage 0 of `tinyllama-random --stages 0-6,7-13,14-21`, micro-batch 1, LoRA r=8 on
+q/v) once per `--frozen-dtype` and sequence length, then trains each program alone for `--steps` steps with the
+runner's StageProgram (build/android_app/native/zl_stage_bench, one ExecuTorch thread) in each load mode, reading
+/proc/<pid>/smaps_rollup every few milliseconds. It prints one table: peak PSS, its anonymous (heap, planned
+memory) and file-backed (mapped program) parts at the peak, the fastest step after the first (a warm-up; the
+fastest, because on a shared machine other processes only ever add time) and the program size. Step times of the
+same run are comparable with each other, not with another machine's.
+
+    nice -n 10 .venv/bin/python tools/bench_memory.py                                  # seq 128: fp32/bf16/int8 x mmap/file
+    nice -n 10 .venv/bin/python tools/bench_memory.py --seq-len 128,256,512 --dtypes int8 --load-modes mmap
+    .venv/bin/python tools/bench_memory.py --model tiny-random --stages 0-1,2-3 --steps 3   # smoke run
+
+Exports are written to --work (default: a temporary folder, removed at the end unless --keep; TinyLlama programs
+are 0.4-1.7 GB each, 3 GB for the three dtypes at one sequence length). Every program and mode runs --rounds
+times, interleaved, so that a busy spell of a shared machine hits them alike; the table keeps each one's highest
+peak PSS and fastest step.
+"""
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+warnings.filterwarnings("ignore")
+for _name in ("torchao", "torch.utils._pytree", "executorch"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 1024.0
+
+
+def smaps_rollup_kib(pid: int) -> dict[str, int]:
+    """The kB fields of /proc/<pid>/smaps_rollup ("Pss", "Pss_Anon", "Pss_File", "Rss", ...); {} once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return {}
+    fields = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB":
+            fields[key.strip()] = int(parts[0])
+    return fields
+
+
+def run_measured(cmd: list[str], interval_s: float = 0.005) -> tuple[list[dict], dict[str, int]]:
+    """Run `cmd`, sampling its smaps_rollup; returns (its stdout JSON lines, the sample with the highest Pss)."""
+    env = {**os.environ, "ZL_LOG_LEVEL": os.environ.get("ZL_LOG_LEVEL", "warn")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    peak: dict[str, int] = {}
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            fields = smaps_rollup_kib(proc.pid)
+            if fields.get("Pss", 0) > peak.get("Pss", 0):
+                peak.clear()
+                peak.update(fields)
+            time.sleep(interval_s)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = proc.communicate()
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-2000:]}")
+    return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")], peak
+
+
+def export_one(loaded, split: str, stage: int, dtype: str, seq: int, args, out: Path) -> dict:
+    """Export stage `stage` of `split` with frozen weights as `dtype`; returns its manifest entry."""
+    from zl_export.exporter import build_stage_modules, export_stage, write_program
+    from zl_export.frozen_weights import restore_frozen_weights
+    from zl_export.manifest import build_manifest, write_manifest
+    from zl_export.options import ExportOptions, LoraSettings, LossConfig
+    from zl_export.stages import parse_spec
+
+    opts = ExportOptions(seq_len=seq, micro_batch=1, lora=LoraSettings(args.lora_rank, 2.0 * args.lora_rank),
+                         loss=LossConfig(), max_targets=args.max_targets, frozen_dtype=dtype)
+    stages = parse_spec(split, loaded.config.num_hidden_layers)
+    peft_model, modules = build_stage_modules(loaded.model, stages, opts)
+    try:
+        entry = write_program(export_stage(modules[stage], peft_model, opts, loaded.config.vocab_size), out)
+        write_manifest(build_manifest(loaded, opts, [entry]), out)
+    finally:
+        restore_frozen_weights(peft_model)
+        peft_model.unload()
+    return entry
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tinyllama-random")
+    ap.add_argument("--stages", default="0-6,7-13,14-21", help="the split the stage comes from")
+    ap.add_argument("--stage", type=int, default=0, help="which stage of the split to measure")
+    ap.add_argument("--seq-len", default="128", help="comma-separated sequence lengths")
+    ap.add_argument("--dtypes", default="fp32,bf16,int8", help="comma-separated --frozen-dtype values")
+    ap.add_argument("--load-modes", default="mmap,file", help="comma-separated runner load modes")
+    ap.add_argument("--steps", type=int, default=4, help="training steps per run (the first is a warm-up)")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of every program and mode, interleaved")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--max-targets", type=int, default=16)
+    ap.add_argument("--work", type=Path, default=None, help="export folder (default: a temporary one)")
+    ap.add_argument("--keep", action="store_true", help="keep the exported programs in --work")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    args = ap.parse_args()
+
+    bench = Path(os.environ.get("ZL_STAGE_BENCH_BIN", ROOT / "build/android_app/native/zl_stage_bench"))
+    if not bench.is_file():
+        raise SystemExit(f"{bench}: no such binary; build it (cmake --build build --target zl_stage_bench) or set "
+                         "ZL_STAGE_BENCH_BIN.")
+    from custom_ops import load_library
+    from zl_export.model_source import load_model
+
+    load_library()
+    seqs = [int(v) for v in args.seq_len.split(",")]
+    dtypes = [v for v in args.dtypes.split(",") if v]
+    modes = [v for v in args.load_modes.split(",") if v]
+    work = args.work or Path(tempfile.mkdtemp(prefix="zl_bench_memory_"))
+    print(f"loading {args.model} ...", file=sys.stderr)
+    loaded = load_model(args.model, seed=0)
+    programs = {}  # (seq, dtype) -> (path, .pte MiB)
+    rows: dict[tuple, dict] = {}
+    try:
+        for seq in seqs:
+            for dtype in dtypes:
+                out = work / f"{dtype}_s{seq}"
+                out.mkdir(parents=True, exist_ok=True)
+                t0 = time.perf_counter()
+                entry = export_one(loaded, args.stages, args.stage, dtype, seq, args, out)
+                programs[(seq, dtype)] = (out / entry["file"], entry["size_bytes"] / MIB / MIB)
+                print(f"export {dtype} seq {seq}: {entry['size_bytes'] / MIB / MIB:,.0f} MiB in "
+                      f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        del loaded
+        # Rounds over every (program, mode), so that a busy spell of the machine hits all of them alike; the
+        # table keeps each one's highest PSS and fastest step.
+        for r in range(args.rounds):
+            for (seq, dtype), (path, pte_mib) in programs.items():
+                for mode in modes:
+                    lines, peak = run_measured([str(bench), "--program", str(path), "--load-mode", mode,
+                                                "--steps", str(args.steps), "--threads", str(args.threads)])
+                    steps = [ln["ms"] for ln in lines if ln.get("event") == "step"]
+                    row = rows.setdefault((seq, dtype, mode), {
+                        "seq": seq, "dtype": dtype, "load_mode": mode, "peak_pss_mib": 0.0, "step_ms": float("inf"),
+                        "pte_mib": pte_mib,
+                        "first_loss": next(ln["loss"] for ln in lines if ln.get("event") == "step")})
+                    if peak.get("Pss", 0) / MIB > row["peak_pss_mib"]:
+                        row.update(peak_pss_mib=peak.get("Pss", 0) / MIB, anon_mib=peak.get("Pss_Anon", 0) / MIB,
+                                   file_mib=peak.get("Pss_File", 0) / MIB)
+                    row["step_ms"] = min(row["step_ms"], min(steps[1:] or steps))
+                    print(f"round {r + 1}: {dtype} seq {seq} {mode}: peak PSS {peak.get('Pss', 0) / MIB:,.0f} MiB, "
+                          f"fastest step {min(steps[1:] or steps):,.0f} ms", file=sys.stderr)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    rows = list(rows.values())
+
+    base = {(r["seq"], r["load_mode"]): r["step_ms"] for r in rows if r["dtype"] == "fp32"}
+    print(f"\n{args.model} stage {args.stage} of {args.stages}, micro-batch 1, r={args.lora_rank}, "
+          f"{args.threads} thread(s), {args.steps} steps x {args.rounds} rounds\n")
+    print("| seq | frozen dtype | load mode | peak PSS (MiB) | anonymous | file-backed | step (ms) | vs fp32 | .pte (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ref = base.get((r["seq"], r["load_mode"]))
+        ratio = f"{r['step_ms'] / ref:.2f}x" if ref else "-"
+        print(f"| {r['seq']} | {r['dtype']} | {r['load_mode']} | {r['peak_pss_mib']:,.0f} | {r['anon_mib']:,.0f} | "
+              f"{r['file_mib']:,.0f} | {r['step_ms']:,.0f} | {ratio} | {r['pte_mib']:,.0f} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Frozen weights in fewer bytes: bf16, or int8 with a scale per output channel (docs/design.md §3.6).
+
+Only LoRA (and translator) parameters train; every other linear weight, the
+LM head and the token embedding are constants of the stage program, and they
+are most of its bytes (TinyLlama stage 0-6: 1.7 GB as float32). With
+`--frozen-dtype bf16|int8` they are stored compact and widened to float32 per
+use inside the program:
+
+    bf16: y = x @ W.float().T
+    int8: y = (x @ Q.float().T) * s     W ≈ Q * s[:, None], Q = round(W / s), s = max|W_row| / 127
+
+The scale is per output channel, so it applies to the matmul's output (V
+multiplies, not V × D). LoRA weights, gradients, activations and AdamW state
+stay float32. The eager model and the program compute the same quantized
+model: `zl export --check` and the tests compare them.
+
+In the joint graph a widened weight would live from the forward to the
+backward (the input gradient needs it again) and memory planning would keep
+every one of them: a float32 copy of all frozen weights. `widen_per_use`
+gives each use its own short-lived widening instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from custom_ops import widen
+from zl_export.options import FROZEN_DTYPES
+# A widened weight of more elements than this is widened in row chunks (the LM head: 32,000 × 2,048 would be a
+# 262 MB float32 temporary; 4 chunks of 8,000 rows are 66 MB each).
+CHUNK_ELEMENTS = 1 << 24
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: (Q (O, I) int8, s (O,) float32) with W ≈ Q * s[:, None]; all-zero rows get s = 1."""
+    amax = weight.detach().float().abs().amax(dim=1)  # (O,)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(weight.detach().float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantized(weight: torch.Tensor, dtype: str) -> torch.Tensor:
+    """The float32 weight the program computes with when `weight` is stored as `dtype` (the eager reference)."""
+    if dtype == "fp32":
+        return weight.detach().float().clone()
+    if dtype == "bf16":
+        return weight.detach().to(torch.bfloat16).float()
+    q, s = quantize_rows(weight)
+    return q.float() * s[:, None]
+
+
+class CompactLinear(nn.Module):
+    """A frozen bias-free `nn.Linear` stored as bf16 or int8 + per-row scale, in row chunks of ≤ CHUNK_ELEMENTS."""
+
+    def __init__(self, linear: nn.Linear, dtype: str):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("CompactLinear: Llama projections have no bias")
+        weight = linear.weight.detach()
+        self._original = (linear,)  # a tuple: not a submodule, so not part of the program (restore_frozen_weights)
+        self.dtype, self.in_features, self.out_features = dtype, linear.in_features, linear.out_features
+        rows = max(1, CHUNK_ELEMENTS // max(1, self.in_features))
+        self.chunks = (self.out_features + rows - 1) // rows
+        for i, part in enumerate(weight.split(rows, dim=0)):
+            if dtype == "int8":
+                q, s = quantize_rows(part)
+                self.register_buffer(f"weight_{i}", q)
+                self.register_buffer(f"scale_{i}", s)
+            else:
+                self.register_buffer(f"weight_{i}", part.to(torch.bfloat16).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (…, I) -> (…, O)
+        outs = []
+        for i in range(self.chunks):
+            y = F.linear(x, widen(getattr(self, f"weight_{i}")))  # (…, rows)
+            outs.append(y * getattr(self, f"scale_{i}") if self.dtype == "int8" else y)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+class CompactEmbedding(nn.Module):
+    """A frozen `nn.Embedding` stored as bf16 or int8 + per-row scale; only the looked-up rows are widened."""
+
+    def __init__(self, embedding: nn.Embedding, dtype: str):
+        super().__init__()
+        self.dtype = dtype
+        self._original = (embedding,)  # see CompactLinear
+        weight = embedding.weight.detach()
+        if dtype == "int8":
+            q, s = quantize_rows(weight)
+            self.register_buffer("weight_q", q)
+            self.register_buffer("scale", s)
+        else:
+            self.register_buffer("weight_q", weight.to(torch.bfloat16).contiguous())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
+        rows = widen(F.embedding(ids, self.weight_q))
+        return rows * self.scale[ids].unsqueeze(-1) if self.dtype == "int8" else rows
+
+
+def compact_frozen_weights(model: nn.Module, dtype: str) -> int:
+    """Replace every frozen `nn.Linear` and `nn.Embedding` of `model` (in place) by its compact form.
+
+    Call after LoRA is attached (PEFT wraps the original `nn.Linear`s; their `base_layer`s are replaced here).
+    Trainable linears (LoRA, translators) are left alone.
+
+    Returns:
+        how many modules were replaced (0 for "fp32").
+    """
+    if dtype not in FROZEN_DTYPES:
+        raise ValueError(f"frozen dtype {dtype!r}: expected one of {', '.join(FROZEN_DTYPES)}")
+    if dtype == "fp32":
+        return 0
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and not child.weight.requires_grad:
+                setattr(parent, name, CompactLinear(child, dtype))
+            elif isinstance(child, nn.Embedding) and not child.weight.requires_grad:
+                setattr(parent, name, CompactEmbedding(child, dtype))
+            else:
+                continue
+            count += 1
+    return count
+
+
+def restore_frozen_weights(model: nn.Module) -> int:
+    """Undo `compact_frozen_weights`: put the original float32 modules back (in place); returns how many."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (CompactLinear, CompactEmbedding)):
+                setattr(parent, name, child._original[0])
+                count += 1
+    return count
+
+
+@contextlib.contextmanager
+def full_precision(model: nn.Module):
+    """Within the block, `model` computes with its original float32 frozen weights (the loss gap of the check)."""
+    swapped = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (CompactLinear, CompactEmbedding)):
+                setattr(parent, name, child._original[0])
+                swapped.append((parent, name, child))
+    try:
+        yield bool(swapped)
+    finally:
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
+
+
+def widen_per_use(ep: torch.export.ExportedProgram) -> int:
+    """Give every use of a widened constant its own `zerolock::widen` right before it; returns the copies added.
+
+    A widening (`zerolock::widen` of a bf16/int8 constant) used by the forward matmul and again by the
+    backward's input gradient would otherwise stay alive in planned memory between the two.
+    """
+    graph, added = ep.graph, 0
+    constants = {n for n in graph.nodes if n.op == "placeholder"
+                 and n.target in {**ep.graph_signature.inputs_to_buffers, **ep.graph_signature.inputs_to_parameters}}
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target == torch.ops.zerolock.widen.default
+                and node.args and node.args[0] in constants and len(node.users) > 1):
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for user in sorted(node.users, key=order.get)[1:]:
+            with graph.inserting_before(user):
+                copy = graph.call_function(node.target, node.args, dict(node.kwargs))
+            copy.meta = dict(node.meta)
+            user.replace_input_with(node, copy)
+            added += 1
+    graph.lint()
+    ep.graph_module.recompile()
+    return added

@@ -35,7 +35,10 @@ constexpr int64_t kPanel = 64;
 // Below this many multiply-adds a product stays on the calling thread.
 constexpr int64_t kMinParallelWork = int64_t{1} << 18;
 
-// One GEMM on one thread: out[m, n] = a[m, k] @ (b or b^T).
+// One GEMM on one thread: out[m, n] = a[m, k] @ (b or b^T), m and n >= 2.
+// Eigen's GEMM packs both operands, so its result does not depend on where
+// they sit in memory; its matrix-vector path (which it takes for a
+// one-row or one-column result) peels to an alignment and does.
 void gemm_serial(const float* a, const float* b, float* out, int64_t m, int64_t k, int64_t n,
                  int64_t ldb, int64_t ldout, bool b_transposed) {
   using Stride = Eigen::OuterStride<>;
@@ -50,6 +53,41 @@ void gemm_serial(const float* a, const float* b, float* out, int64_t m, int64_t 
   }
 }
 
+// x . y over k elements, summed in a fixed order (16 lanes, then the lanes
+// in turn, then the tail) whatever the pointers' alignment.
+float dot(const float* x, const float* y, int64_t k) {
+  constexpr int kLanes = 16;
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= k; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] += x[i + l] * y[i + l];
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  for (; i < k; ++i) sum += x[i] * y[i];
+  return sum;
+}
+
+// A product with a one-row or one-column result, as dot products and
+// row updates whose order of summation is fixed (see gemm_serial).
+void vector_product(const float* a, const float* b, float* out, int64_t m, int64_t k, int64_t n,
+                    bool b_transposed) {
+  if (b_transposed) {  // b is [n, k]: every output is a row of a against a row of b
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) out[i * n + j] = dot(a + i * k, b + j * k, k);
+    }
+  } else if (n == 1) {  // b is [k, 1]: contiguous
+    for (int64_t i = 0; i < m; ++i) out[i] = dot(a + i * k, b, k);
+  } else {  // m == 1, b is [k, n]: out += a[p] * b[p, :] for p in order
+    std::fill(out, out + n, 0.0f);
+    for (int64_t p = 0; p < k; ++p) {
+      const float w = a[p];
+      const float* row = b + p * n;
+      for (int64_t j = 0; j < n; ++j) out[j] += w * row[j];
+    }
+  }
+}
+
 }  // namespace
 
 void gemm_f32(const float* a, const float* b, float* out, int64_t m, int64_t k, int64_t n,
@@ -59,29 +97,32 @@ void gemm_f32(const float* a, const float* b, float* out, int64_t m, int64_t k, 
     std::fill(out, out + m * n, 0.0f);
     return;
   }
+  if (m == 1 || n == 1) return vector_product(a, b, out, m, k, n, b_transposed);
   const int64_t threads = executorch::extension::get_thread_count();
-  if (threads <= 1 || m * k * n < kMinParallelWork) {
+  // A split leaving a one-wide last panel would run it as a matrix-vector
+  // product (other bits than the whole product's, and address-dependent):
+  // such a product stays whole.
+  const int64_t split = n >= m ? n : m;
+  if (threads <= 1 || m * k * n < kMinParallelWork || split % kPanel == 1) {
     gemm_serial(a, b, out, m, k, n, b_transposed ? k : n, n, b_transposed);
     return;
   }
+  const int64_t panels = (split + kPanel - 1) / kPanel;
   if (n >= m) {
     // Split the output's columns: each task multiplies all of `a` by a
     // column block of b.
-    const int64_t blocks = (n + kPanel - 1) / kPanel;
-    executorch::extension::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      const int64_t c0 = begin * kPanel;
-      const int64_t cols = std::min(end * kPanel, n) - c0;
+    executorch::extension::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+      const int64_t c0 = first * kPanel;
+      const int64_t cols = std::min(last * kPanel, n) - c0;
       const float* b0 = b_transposed ? b + c0 * k : b + c0;
       gemm_serial(a, b0, out + c0, m, k, cols, b_transposed ? k : n, n, b_transposed);
     });
   } else {
     // Split the output's rows: each task multiplies a row block of `a`.
-    const int64_t blocks = (m + kPanel - 1) / kPanel;
-    executorch::extension::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      const int64_t r0 = begin * kPanel;
-      const int64_t rows = std::min(end * kPanel, m) - r0;
-      gemm_serial(a + r0 * k, b, out + r0 * n, rows, k, n, b_transposed ? k : n, n,
-                  b_transposed);
+    executorch::extension::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+      const int64_t r0 = first * kPanel;
+      const int64_t rows = std::min(last * kPanel, m) - r0;
+      gemm_serial(a + r0 * k, b, out + r0 * n, rows, k, n, b_transposed ? k : n, n, b_transposed);
     });
   }
 }
@@ -175,7 +216,11 @@ void bmm_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
         if (k == 0) {
           std::fill(po + i * m * n, po + (i + 1) * m * n, 0.0f);
         } else {
-          gemm_serial(pa + i * m * k, pb + i * k * n, po + i * m * n, m, k, n, n, n, false);
+          if (m == 1 || n == 1) {
+            vector_product(pa + i * m * k, pb + i * k * n, po + i * m * n, m, k, n, false);
+          } else {
+            gemm_serial(pa + i * m * k, pb + i * k * n, po + i * m * n, m, k, n, n, n, false);
+          }
         }
       }
     });

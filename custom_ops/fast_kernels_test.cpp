@@ -92,7 +92,8 @@ TEST(FastKernels, GemmMatchesReference) {
 TEST(FastKernels, ThreadSplitIsBitIdenticalToOneThread) {
   if (!set_threads(1)) GTEST_SKIP() << "no ExecuTorch thread pool in this build";
   ASSERT_EQ(executorch::extension::get_thread_count(), 1);
-  const Shape shapes[] = {{128, 576, 1536}, {576, 128, 300}, {130, 200, 70}};
+  // Panels of 64; a product whose last panel would be one wide (129 = 2 x 64 + 1) stays whole.
+  const Shape shapes[] = {{128, 576, 1536}, {576, 128, 300}, {130, 200, 70}, {70, 96, 129}, {129, 96, 70}};
   for (bool transposed : {false, true}) {
     for (const Shape& s : shapes) {
       auto a = random_values(s.m * s.k, 3);
@@ -108,6 +109,32 @@ TEST(FastKernels, ThreadSplitIsBitIdenticalToOneThread) {
     }
   }
   set_threads(1);
+}
+
+// The same product from copies of the inputs at every float offset within a
+// 64-byte line: results must not depend on where data sits (a program's
+// tensors sit elsewhere when it is mapped rather than read, or reloaded).
+TEST(FastKernels, ResultsDoNotDependOnAlignment) {
+  const Shape shapes[] = {{1, 300, 77}, {77, 300, 1}, {1, 5, 1}, {9, 300, 77}};
+  for (bool transposed : {false, true}) {
+    for (const Shape& s : shapes) {
+      const auto a = random_values(s.m * s.k, 8), b = random_values(s.k * s.n, 9);
+      std::vector<float> first;
+      for (int offset = 0; offset < 16; ++offset) {
+        std::vector<float> ab(offset + a.size()), bb(offset + b.size()), out(offset + s.m * s.n);
+        std::copy(a.begin(), a.end(), ab.begin() + offset);
+        std::copy(b.begin(), b.end(), bb.begin() + offset);
+        zl::gemm_f32(ab.data() + offset, bb.data() + offset, out.data() + offset, s.m, s.k, s.n, transposed);
+        std::vector<float> got(out.begin() + offset, out.end());
+        if (offset == 0) {
+          first = got;
+        } else {
+          ASSERT_EQ(got, first) << "m=" << s.m << " k=" << s.k << " n=" << s.n << " transposed=" << transposed
+                                << " offset " << offset;
+        }
+      }
+    }
+  }
 }
 
 // Metadata of `count` float32 (or `dtype`) tensors of rank `dim`, default dim order.
@@ -175,6 +202,50 @@ TEST(FastKernels, RegisteredKernelsComputeThroughTheRegistry) {
   EXPECT_EQ(zl::fast_kernel_call_count(), calls + 1);
   auto want = reference(a, w, m, k, n, /*b_transposed=*/true);
   for (int64_t i = 0; i < m * n; ++i) EXPECT_NEAR(out[i], want[i] + bias[i % n], 1e-5) << i;
+}
+
+// softmax and sigmoid through the registry on rows at every float offset:
+// bit-identical results (Eigen's exp on an unaligned map computes its first
+// elements with the scalar std::exp).
+TEST(FastKernels, SoftmaxAndSigmoidDoNotDependOnAlignment) {
+  ASSERT_TRUE(zl::register_fast_kernels().ok);
+  const int rows = 3, cols = 37;
+  const auto x = random_values(rows * cols, 10);
+  const OpFunction softmax = lookup("aten::_softmax.out", Metas({2, 2, 2}));
+  const OpFunction sigmoid = lookup("aten::sigmoid.out", Metas({2, 2, 2}));
+  ASSERT_NE(softmax, nullptr);
+  ASSERT_NE(sigmoid, nullptr);
+  std::vector<float> first_softmax, first_sigmoid;
+  for (int offset = 0; offset < 16; ++offset) {
+    std::vector<float> in(offset + x.size()), out(offset + x.size()), out2(offset + x.size());
+    std::copy(x.begin(), x.end(), in.begin() + offset);
+    auto tin = from_blob(in.data() + offset, {rows, cols});
+    auto tout = from_blob(out.data() + offset, {rows, cols});
+    auto tout2 = from_blob(out2.data() + offset, {rows, cols});
+    EValue ein(*tin), dim(int64_t{1}), half(false), eout(*tout), ret(*tout);
+    EValue* softmax_stack[] = {&ein, &dim, &half, &eout, &ret};
+    KernelRuntimeContext ctx;
+    softmax(ctx, Span<EValue*>(softmax_stack, 5));
+    EValue eout2(*tout2), ret2(*tout2);
+    EValue* sigmoid_stack[] = {&ein, &eout2, &ret2};
+    sigmoid(ctx, Span<EValue*>(sigmoid_stack, 3));
+    ASSERT_EQ(ctx.failure_state(), executorch::runtime::Error::Ok);
+    std::vector<float> sm(out.begin() + offset, out.end()), sg(out2.begin() + offset, out2.end());
+    if (offset == 0) {
+      first_softmax = sm, first_sigmoid = sg;
+      for (int r = 0; r < rows; ++r) {
+        double sum = 0, max = -1e30;
+        for (int c = 0; c < cols; ++c) sum += sm[r * cols + c], max = std::max<double>(max, x[r * cols + c]);
+        EXPECT_NEAR(sum, 1.0, 1e-6);
+        for (int c = 0; c < cols; ++c) {
+          EXPECT_NEAR(sg[r * cols + c], 1.0 / (1.0 + std::exp(-double(x[r * cols + c]))), 1e-6);
+        }
+      }
+    } else {
+      ASSERT_EQ(sm, first_softmax) << "softmax, offset " << offset;
+      ASSERT_EQ(sg, first_sigmoid) << "sigmoid, offset " << offset;
+    }
+  }
 }
 
 }  // namespace

@@ -261,6 +261,41 @@ bool resize_like(KernelRuntimeContext& ctx, Tensor& out, const Tensor& in, const
   return resize(ctx, out, sizes.data(), in.dim(), op);
 }
 
+// y[i] = f(x[i]) on Eigen's packets only: each chunk goes through a 64-byte
+// aligned buffer padded to whole packets, so every element takes the same
+// path (Eigen's vectorized exp) wherever x and y sit. On an unaligned map
+// Eigen would compute the first elements with the scalar std::exp, which
+// differs in the last bit: results would depend on addresses.
+template <typename F>
+void map_packets(const float* x, float* y, int64_t n, F f) {
+  constexpr int64_t kChunk = 256, kPacketFloats = 16;  // AVX-512; a multiple of AVX's 8 and NEON's 4
+  alignas(64) float buf[kChunk];
+  for (int64_t i = 0; i < n; i += kChunk) {
+    const int64_t len = std::min(kChunk, n - i);
+    const int64_t padded = (len + kPacketFloats - 1) / kPacketFloats * kPacketFloats;
+    std::memcpy(buf, x + i, len * sizeof(float));
+    std::fill(buf + len, buf + padded, 0.0f);
+    Eigen::Map<Eigen::ArrayXf, Eigen::Aligned64> a(buf, padded);
+    a = f(a);
+    std::memcpy(y + i, buf, len * sizeof(float));
+  }
+}
+
+// Sum in a fixed order (16 lanes, the lanes in turn, the tail), whatever
+// the pointer's alignment.
+float fixed_order_sum(const float* x, int64_t n) {
+  constexpr int kLanes = 16;
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] += x[i + l];
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  for (; i < n; ++i) sum += x[i];
+  return sum;
+}
+
 // aten::_softmax.out(Tensor self, int dim, bool half_to_float, *, Tensor(a!) out)
 void softmax_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   constexpr const char* kOp = "zl::_softmax.out";
@@ -282,10 +317,12 @@ void softmax_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   float* y = out.mutable_data_ptr<float>();
   executorch::extension::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      Eigen::Map<const Eigen::ArrayXf> row(x + r * cols, cols);
-      Eigen::Map<Eigen::ArrayXf> res(y + r * cols, cols);
-      res = (row - row.maxCoeff()).exp();
-      res /= res.sum();
+      const float* row = x + r * cols;
+      float* res = y + r * cols;
+      const float shift = *std::max_element(row, row + cols);
+      map_packets(row, res, cols, [shift](auto& a) { return (a - shift).exp(); });
+      const float total = fixed_order_sum(res, cols);
+      for (int64_t c = 0; c < cols; ++c) res[c] /= total;
     }
   });
 }
@@ -304,9 +341,7 @@ void sigmoid_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   const float* x = in.const_data_ptr<float>();
   float* y = out.mutable_data_ptr<float>();
   executorch::extension::parallel_for(0, in.numel(), kGrain, [&](int64_t i0, int64_t i1) {
-    Eigen::Map<const Eigen::ArrayXf> a(x + i0, i1 - i0);
-    Eigen::Map<Eigen::ArrayXf> b(y + i0, i1 - i0);
-    b = (1.0f + (-a).exp()).inverse();
+    map_packets(x + i0, y + i0, i1 - i0, [](auto& a) { return (1.0f + (-a).exp()).inverse(); });
   });
 }
 

@@ -3,6 +3,7 @@
 // product, and the registration (keys resolve to these kernels for float32
 // calls and to the fallback kernels otherwise).
 #include <zl/fast_kernels.h>
+#include <zl/thread_pool.h>
 
 #include <cmath>
 #include <cstdint>
@@ -17,14 +18,6 @@
 #include <executorch/runtime/kernel/operator_registry.h>
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
 
-// ExecuTorch's thread pool (no header in the wheel; see stage_program.cpp).
-namespace executorch::extension::threadpool {
-class ThreadPool {
- public:
-  __attribute__((weak)) bool _unsafe_reset_threadpool(uint32_t num_threads);
-};
-__attribute__((weak)) ThreadPool* get_threadpool();
-}  // namespace executorch::extension::threadpool
 
 namespace {
 
@@ -59,11 +52,7 @@ std::vector<double> reference(const std::vector<float>& a, const std::vector<flo
   return out;
 }
 
-bool set_threads(uint32_t threads) {
-  namespace tp = executorch::extension::threadpool;
-  if (&tp::get_threadpool == nullptr || tp::get_threadpool() == nullptr) return false;
-  return tp::get_threadpool()->_unsafe_reset_threadpool(threads);
-}
+bool set_threads(uint32_t threads) { return zl::reset_thread_pool(threads); }
 
 struct Shape {
   int64_t m, k, n;

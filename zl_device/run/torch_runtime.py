@@ -42,10 +42,9 @@ def run_torch_training(s: TrainSettings, say=print, on_update=None):
     """The whole `zl train --runtime torch` job; returns a train_job.TrainResult. `on_update` gets the stages'
     states (coordinator.StageStatus, from the ranks' telemetry) about once a second."""
     from zl_device.results.adapter import merge_checkpoints
-    from zl_device.results.report import write_report
     from zl_device.run.torch_stage import JOB_FILE
     from zl_device.run.train_data import prepare_data, run_max_targets, run_seq_len
-    from zl_device.run.train_job import INCOMPLETE_MARKER, RunModel, TrainResult, evaluate_run, open_run
+    from zl_device.run.train_job import RunModel, TrainResult, finish_run, open_run
 
     check_torch_settings(s)
     start = time.time()
@@ -86,13 +85,7 @@ def run_torch_training(s: TrainSettings, say=print, on_update=None):
     merge_metrics(run_dir, num_stages, [event])
     merged = merge_checkpoints(run_dir / "checkpoints", run_dir / "manifest.json", run_dir / "adapter")
     say(f"merge: {merged.numel:,} LoRA parameters of window {merged.window} -> {run_dir / 'adapter'}")
-    result = TrainResult(run_dir, time.time() - start, samples)
-    if dev is not None:
-        result.eval = evaluate_run(s, model, run_dir, dev, say)
-    result.report = write_report(run_dir)
-    (run_dir / INCOMPLETE_MARKER).unlink(missing_ok=True)
-    say(f"report: {run_dir / 'report.md'}")
-    return result
+    return finish_run(s, model, TrainResult(run_dir, time.time() - start, samples), dev, say)
 
 
 def torchrun_instructions(run_dir: Path, job_path: Path, num_stages: int) -> list[str]:

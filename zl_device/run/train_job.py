@@ -66,7 +66,6 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     """The whole `zl train` job; `say` prints a step's line, `on_update` gets the coordinator's stage states,
     `export_progress` (a zl_export.pipeline.ExportProgress) sees the export when the cache has none."""
     from zl_device.devices.registry import open_devices
-    from zl_device.results.report import write_report
     from zl_device.run.collect import collect
     from zl_device.run.coordinator import Injection
     from zl_device.run.export_cache import export_cached
@@ -107,11 +106,18 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     collect(run_dir, launched.devices, num_stages, events, say)
     forget_device_files(s, devices, say)  # every device: a failed stage's first one and spares too
     result = TrainResult(run_dir, time.time() - start, windows.num_micro_batches * s.export.micro_batch)
+    return finish_run(s, model, result, dev, say)
+
+
+def finish_run(s: TrainSettings, model: RunModel, result: TrainResult, dev: Path | None, say) -> TrainResult:
+    """A run's last steps, both runtimes: eval (when there is dev data), report, and the run marked finished."""
+    from zl_device.results.report import write_report
+
     if dev is not None:
-        result.eval = evaluate_run(s, model, run_dir, dev, say)
-    result.report = write_report(run_dir)
-    (run_dir / INCOMPLETE_MARKER).unlink(missing_ok=True)
-    say(f"report: {run_dir / 'report.md'}")
+        result.eval = evaluate_run(s, model, result.run_dir, dev, say)
+    result.report = write_report(result.run_dir)
+    (result.run_dir / INCOMPLETE_MARKER).unlink(missing_ok=True)
+    say(f"report: {result.run_dir / 'report.md'}")
     return result
 
 

@@ -12,24 +12,13 @@
 #include <executorch/runtime/core/evalue.h>
 #include <zl/fast_kernels.h>
 #include <zl/pipeline_marker.h>
+#include <zl/thread_pool.h>
 #include <zl/widen.h>
 
 #include "zl/durable_file.h"
 #include "zl/log.h"
 #include "zl/stage_manifest.h"
 
-// ExecuTorch's CPU thread pool. The wheel ships libexecutorch_threadpool.so
-// without its header, and an Android build may leave the pool out, so these
-// declarations (matching the library's exported symbols, non-virtual
-// members) are weak: without the library get_threadpool's address is null and
-// the 'threads' setting is reported as ignored.
-namespace executorch::extension::threadpool {
-class ThreadPool {
- public:
-  __attribute__((weak)) bool _unsafe_reset_threadpool(uint32_t num_threads);
-};
-__attribute__((weak)) ThreadPool* get_threadpool();
-}  // namespace executorch::extension::threadpool
 
 namespace zl {
 
@@ -60,14 +49,12 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 
 void apply_thread_count(int64_t threads) {
   if (threads == 0) return;  // the runtime's default (one thread per core)
-  namespace tp = executorch::extension::threadpool;
-  auto* pool = &tp::get_threadpool != nullptr ? tp::get_threadpool() : nullptr;
-  if (pool == nullptr) {
+  if (!has_thread_pool()) {
     log(LogLevel::kWarn, "ExecuTorch thread pool unavailable; 'threads' = %lld ignored",
         static_cast<long long>(threads));
     return;
   }
-  if (!pool->_unsafe_reset_threadpool(static_cast<uint32_t>(threads))) {
+  if (!reset_thread_pool(static_cast<uint32_t>(threads))) {
     log(LogLevel::kWarn, "could not resize the ExecuTorch thread pool to %lld threads",
         static_cast<long long>(threads));
   }

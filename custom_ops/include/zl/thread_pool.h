@@ -1,0 +1,34 @@
+// ExecuTorch's CPU thread pool, which parallel_for (and zl's fast kernels,
+// docs/design.md §4.9) run on. The wheel ships libexecutorch_threadpool.so
+// without its header, and an Android build may leave the pool out, so these
+// declarations (matching the library's exported symbols, non-virtual
+// members) are weak: without the library get_threadpool's address is null.
+#pragma once
+
+#include <cstdint>
+
+namespace executorch::extension::threadpool {
+class ThreadPool {
+ public:
+  __attribute__((weak)) bool _unsafe_reset_threadpool(uint32_t num_threads);
+};
+__attribute__((weak)) ThreadPool* get_threadpool();
+}  // namespace executorch::extension::threadpool
+
+namespace zl {
+
+/// Resizes ExecuTorch's thread pool to `threads`; false when this build has
+/// no pool or the pool refused.
+inline bool reset_thread_pool(uint32_t threads) {
+  namespace tp = executorch::extension::threadpool;
+  auto* pool = &tp::get_threadpool != nullptr ? tp::get_threadpool() : nullptr;
+  return pool != nullptr && pool->_unsafe_reset_threadpool(threads);
+}
+
+/// True when this build has ExecuTorch's thread pool.
+inline bool has_thread_pool() {
+  namespace tp = executorch::extension::threadpool;
+  return &tp::get_threadpool != nullptr && tp::get_threadpool() != nullptr;
+}
+
+}  // namespace zl

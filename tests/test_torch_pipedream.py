@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from test_torch_pipeline import BATCH, SEQ, STAGES, build, make_shard
+from test_torch_pipeline import BATCH, SEQ, STAGES, build, load_all, spawn_stages
 
 ONE_WINDOW = (4, 4)  # (micro-batches, window): 4 micro-batches, no step before the last backward
 ASYNC = (6, 2)  # 3 windows of 2: with K = 3, stage 0 runs forwards of window w+1 before window w's step
@@ -82,22 +82,7 @@ def rank_main(rank: int, port: int, shard_path: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def pipedream(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    from zl_device.run.launch import free_port_base
-
-    out = tmp_path_factory.mktemp("pipedream")
-    shard = make_shard(out / "train.safetensors")
-    mp.start_processes(rank_main, args=(free_port_base(1), str(shard), str(out)), nprocs=len(STAGES), join=True,
-                       start_method="spawn")
-    return out, shard
-
-
-def load_all(out: Path, name: str, what: str) -> dict[str, torch.Tensor]:
-    merged = {}
-    for k in range(len(STAGES)):
-        merged.update(load_file(str(out / f"{name}_{what}_{k}.safetensors")))
-    return merged
+    return spawn_stages(rank_main, tmp_path_factory.mktemp("pipedream"))
 
 
 def simulate(shard, num_micro_batches: int, window: int, stash: bool):

@@ -85,17 +85,21 @@ def rank_main(rank: int, port: int, shard_path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def pipelined(tmp_path_factory):
+def spawn_stages(rank_main, out: Path) -> tuple[Path, Path]:
+    """Run `rank_main(rank, port, shard, out)` as one process per stage on a fresh shard in `out`; (out, shard)."""
     import torch.multiprocessing as mp
 
     from zl_device.run.launch import free_port_base
 
-    out = tmp_path_factory.mktemp("pipelined")
     shard = make_shard(out / "train.safetensors")
     mp.start_processes(rank_main, args=(free_port_base(1), str(shard), str(out)), nprocs=len(STAGES), join=True,
                        start_method="spawn")
     return out, shard
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    return spawn_stages(rank_main, tmp_path_factory.mktemp("pipelined"))
 
 
 def load_all(out: Path, kind: str, what: str) -> dict[str, torch.Tensor]:

@@ -5,7 +5,9 @@
 #include <cstdio>
 #include <initializer_list>
 #include <map>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace zl {
 
@@ -33,6 +35,24 @@ inline int parse_tool_args(int argc, char** argv, const char* tool, const char* 
     }
   }
   return -1;
+}
+
+/// The fixed token inputs the step tools feed a stage (B*S positions of
+/// sequences of `seq_len`): deterministic ids, the last 3 positions padding,
+/// labels ignored (-100) on the first 2 positions and on padding.
+struct FixedTokens {
+  std::vector<int64_t> ids, mask, labels;
+};
+
+inline FixedTokens fixed_tokens(int64_t positions, int64_t seq_len) {
+  FixedTokens t;
+  for (int64_t i = 0; i < positions; ++i) {
+    const int64_t pos = i % seq_len;
+    t.ids.push_back((i * 37 + 11) % 250);
+    t.mask.push_back(pos < seq_len - 3 ? 1 : 0);
+    t.labels.push_back(pos < 2 || t.mask.back() == 0 ? -100 : t.ids.back());
+  }
+  return t;
 }
 
 }  // namespace zl

@@ -57,13 +57,7 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   const int64_t bs = program->batch() * program->seq_len();  // B*S
-  std::vector<int64_t> ids, mask, labels;
-  for (int64_t i = 0; i < bs; ++i) {
-    const int64_t pos = i % program->seq_len();
-    ids.push_back((i * 37 + 11) % 250);
-    mask.push_back(pos < program->seq_len() - 3 ? 1 : 0);
-    labels.push_back(pos < 2 || mask.back() == 0 ? -100 : ids.back());
-  }
+auto [ids, mask, labels] = zl::fixed_tokens(bs, program->seq_len());
   std::vector<float> hidden(static_cast<size_t>(bs * program->hidden_size()));
   for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = 0.5f * std::sin(0.37f * static_cast<float>(i));
   zl::StageInputs inputs;

@@ -79,13 +79,7 @@ int main(int argc, char** argv) {
     if (program->stage_index() != k) return fail(path + ": manifest says stage " + std::to_string(program->stage_index()));
 
     const int64_t bs = program->batch() * program->seq_len();  // B*S
-    std::vector<int64_t> ids, mask, labels;
-    for (int64_t i = 0; i < bs; ++i) {
-      const int64_t pos = i % program->seq_len();
-      ids.push_back((i * 37 + 11) % 250);
-      mask.push_back(pos < program->seq_len() - 3 ? 1 : 0);
-      labels.push_back(pos < 2 || mask.back() == 0 ? -100 : ids.back());
-    }
+  auto [ids, mask, labels] = zl::fixed_tokens(bs, program->seq_len());
     if (k > 0 && upstream_hidden.size() != static_cast<size_t>(bs * program->hidden_size())) {
       return fail(path + ": stage " + std::to_string(k - 1) + " sent " + std::to_string(upstream_hidden.size()) +
                   " hidden values, this stage takes " + std::to_string(bs * program->hidden_size()));

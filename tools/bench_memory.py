@@ -15,7 +15,8 @@ same run are comparable with each other, not with another machine's.
 Exports are written to --work (default: a temporary folder, removed at the end unless --keep; TinyLlama programs
 are 0.4-1.7 GB each, 3 GB for the three dtypes at one sequence length). Every program and mode runs --rounds
 times, interleaved, so that a busy spell of a shared machine hits them alike; the table keeps each one's highest
-peak PSS and fastest step.
+peak PSS and fastest step. `--work DIR --keep` once, then `--work DIR --reuse`, times the same programs again
+without exporting them (never deleting DIR).
 """
 
 import argparse
@@ -102,6 +103,20 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, args, out: 
     return entry
 
 
+def reusable(out: Path, args, dtype: str, seq: int) -> dict | None:
+    """The manifest entry of the program an earlier run left in `out`, if it was exported with these options."""
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    same = (manifest.get("model", {}).get("name") == args.model and manifest.get("frozen_dtype") == dtype and manifest.get("seq_len") == seq
+            and manifest.get("max_targets") == args.max_targets and manifest.get("lora", {}).get("rank") == args.lora_rank
+            and len(manifest.get("stages", [])) == 1 and (out / manifest["stages"][0]["file"]).is_file()
+            and manifest["stages"][0].get("index") == args.stage
+            and "-".join(map(str, manifest["stages"][0].get("layers", []))) == args.stages.split(",")[args.stage])
+    return manifest["stages"][0] if same else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tinyllama-random")
@@ -117,8 +132,13 @@ def main() -> None:
     ap.add_argument("--max-targets", type=int, default=16)
     ap.add_argument("--work", type=Path, default=None, help="export folder (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the exported programs in --work")
+    ap.add_argument("--reuse", action="store_true",
+                    help="time the programs an earlier --keep run left in --work instead of exporting them again "
+                         "(a program whose manifest does not match these options is exported again)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
+    if args.reuse and args.work is None:
+        raise SystemExit("--reuse needs --work: the folder an earlier `--work DIR --keep` run exported into.")
 
     bench = Path(os.environ.get("ZL_STAGE_BENCH_BIN", ROOT / "build/android_app/native/zl_stage_bench"))
     if not bench.is_file():
@@ -132,8 +152,7 @@ def main() -> None:
     dtypes = [v for v in args.dtypes.split(",") if v]
     modes = [v for v in args.load_modes.split(",") if v]
     work = args.work or Path(tempfile.mkdtemp(prefix="zl_bench_memory_"))
-    print(f"loading {args.model} ...", file=sys.stderr)
-    loaded = load_model(args.model, seed=0)
+    loaded = None
     programs = {}  # (seq, dtype) -> (path, .pte MiB)
     rows: dict[tuple, dict] = {}
     try:
@@ -141,6 +160,14 @@ def main() -> None:
             for dtype in dtypes:
                 out = work / f"{dtype}_s{seq}"
                 out.mkdir(parents=True, exist_ok=True)
+                entry = reusable(out, args, dtype, seq) if args.reuse else None
+                if entry is not None:
+                    programs[(seq, dtype)] = (out / entry["file"], entry["size_bytes"] / MIB / MIB)
+                    print(f"reusing {out / entry['file']}", file=sys.stderr)
+                    continue
+                if loaded is None:
+                    print(f"loading {args.model} ...", file=sys.stderr)
+                    loaded = load_model(args.model, seed=0)
                 t0 = time.perf_counter()
                 entry = export_one(loaded, args.stages, args.stage, dtype, seq, args, out)
                 programs[(seq, dtype)] = (out / entry["file"], entry["size_bytes"] / MIB / MIB)
@@ -166,7 +193,7 @@ def main() -> None:
                     print(f"round {r + 1}: {dtype} seq {seq} {mode}: peak PSS {peak.get('Pss', 0) / MIB:,.0f} MiB, "
                           f"fastest step {min(steps[1:] or steps):,.0f} ms", file=sys.stderr)
     finally:
-        if not args.keep:
+        if not (args.keep or args.reuse):  # --reuse: the folder holds programs of earlier runs
             shutil.rmtree(work, ignore_errors=True)
     rows = list(rows.values())
 

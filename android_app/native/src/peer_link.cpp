@@ -556,6 +556,12 @@ void Receiver::serve_candidate(size_t index) {
       }
       c.session = SessionState{};
       c.session->id = id;
+      {
+        // The handshake needs no room; what follows it does (back-pressure).
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (pending_locked() >= options_.max_pending) return;
+      }
+      if (SteadyClock::now() < paused_until_) return;
       continue;
     }
     const DecodeResult r = decode_frame(popped.frame.data(), popped.frame.size(), keys_.receive,
@@ -622,7 +628,9 @@ void Receiver::run() {
     fds.assign({{wake_pipe_[0], POLLIN, 0},
                 {listener_.fd(), POLLIN, 0},
                 {room && conn_.valid() ? conn_.fd() : -1, POLLIN, 0}});
-    for (const auto& c : candidates_) fds.push_back({room ? c.sock.fd() : -1, POLLIN, 0});
+    // A candidate's HELLO is answered even while there is no room, so a
+    // reconnecting sender's handshake does not wait for the consumer.
+    for (const auto& c : candidates_) fds.push_back({room || !c.session ? c.sock.fd() : -1, POLLIN, 0});
     const size_t num_candidates = candidates_.size();
     const int rc = ::poll(fds.data(), static_cast<nfds_t>(fds.size()), timeout_ms);
     if (rc < 0) {

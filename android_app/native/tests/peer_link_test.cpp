@@ -441,6 +441,28 @@ TEST(PeerLinkTest, StalledConsumerBackPressuresTheSender) {
   EXPECT_TRUE(sender.flush(2000ms).ok());
 }
 
+TEST(PeerLinkTest, TheHandshakeIsAnsweredWhileTheConsumerIsBehind) {
+  TempDir dir;
+  ReceiverOptions ro = receiver_options(dir.path());
+  ro.max_pending = 1;
+  Receiver receiver(ro);
+  ASSERT_TRUE(receiver.start().ok());
+  RawUpstream first(receiver.port());
+  first.send(data_frame(0, 0));
+  Status s;
+  ASSERT_EQ(first.reply(&s).frame.type, FrameType::kAck);  // now 1 entry pending: no room
+  const auto t0 = SteadyClock::now();
+  RawUpstream second(receiver.port());  // a reconnecting upstream: its HELLO is answered at once
+  EXPECT_LT(SteadyClock::now() - t0, 1000ms);
+  second.send(data_frame(0, 1));  // but its DATA waits for room
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(receiver.stats().accepted, 1u);
+  InputEntry e;
+  ASSERT_TRUE(receiver.next(1000ms, &e).ok());
+  EXPECT_EQ(second.reply(&s).frame.type, FrameType::kAck) << s.message();
+  EXPECT_EQ(receiver.stats().accepted, 2u);
+}
+
 TEST(PeerLinkTest, ReconnectsAfterTheReceiverRestartsAndResendsUnacked) {
   TempDir dir;
   uint16_t port = 0;

@@ -1,25 +1,81 @@
 """The coordinator's control server: events from runner frames, commands back, bad frames rejected."""
 
+import os
 import queue
 import socket
+import struct
 
 import pytest
 
 from zl_device.run import frames
 from zl_device.run.control import ControlServer
-from zl_device.run.frames import Frame, FrameType
+from zl_device.run.frames import Frame, FrameRejected, FrameType, KeyPurpose
 
 KEY = bytes(range(32))
 RUN = bytes(range(16))
 
 
+def _up(stage: int, run_key: bytes = KEY) -> bytes:
+    return frames.derive_key(run_key, KeyPurpose.CONTROL_UP, stage)
+
+
+def _down(stage: int) -> bytes:
+    return frames.derive_key(KEY, KeyPurpose.CONTROL_DOWN, stage)
+
+
+class Runner:
+    """A runner's end of the control channel, as the C++ ControlClient speaks it: the handshake, then frames in the
+    session with increasing sequence numbers. `sent` keeps every byte written, for replay tests."""
+
+    def __init__(self, server: ControlServer, stage: int, run_key: bytes = KEY, handshake: bool = True):
+        self.sock = socket.create_connection(server.address, timeout=5)
+        self.stage, self.run_key, self.seq, self.last_in = stage, run_key, 0, 0
+        self.sent = b""
+        self.session = None
+        if handshake:
+            hello = Frame(FrameType.HELLO, RUN, stage=stage, session=os.urandom(16) + bytes(16))
+            self.write(frames.encode(hello, _up(stage, run_key)))
+            reply = frames.decode(self.read_frame(), _down(stage), run_id=RUN, stage=frames.COORDINATOR_STAGE)
+            assert reply.type is FrameType.HELLO and reply.session[:16] == hello.session[:16]
+            self.session = reply.session
+
+    def write(self, wire: bytes) -> None:
+        self.sent += wire
+        self.sock.sendall(wire)
+
+    def send(self, type_: FrameType, **kw) -> None:
+        self.seq += 1
+        self.write(frames.encode(Frame(type_, RUN, stage=self.stage, session=self.session, seq=self.seq, **kw),
+                                 _up(self.stage, self.run_key)))
+
+    def read_frame(self) -> bytes:
+        header = _recv_exact(self.sock, frames.HEADER_SIZE)
+        return header + _recv_exact(self.sock, frames.peek_length(header) - frames.HEADER_SIZE)
+
+    def recv(self) -> Frame:
+        f = frames.decode(self.read_frame(), _down(self.stage), run_id=RUN, session=self.session,
+                          min_seq=self.last_in + 1)
+        self.last_in = f.seq
+        return f
+
+    def recv_raw(self, n: int) -> bytes:
+        return self.sock.recv(n)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        assert chunk, "connection closed"
+        buf += chunk
+    return buf
+
+
 def _connect(server: ControlServer) -> socket.socket:
-    s = socket.create_connection(server.address, timeout=5)
-    return s
-
-
-def _send(s: socket.socket, type_: FrameType, stage: int, key: bytes = KEY, **kw) -> None:
-    s.sendall(frames.encode(Frame(type_, RUN, stage=stage, **kw), key))
+    return socket.create_connection(server.address, timeout=5)
 
 
 def _next(server: ControlServer):
@@ -28,18 +84,18 @@ def _next(server: ControlServer):
 
 def test_register_heartbeat_commit_and_stop():
     with ControlServer(KEY, RUN) as server:
-        s = _connect(server)
-        _send(s, FrameType.REGISTER, 2, payload={"pid": 42})
-        _send(s, FrameType.HEARTBEAT, 2, payload={"micro_batches_done": 5, "pss_mib": 100.5})
-        _send(s, FrameType.WINDOW_COMMITTED, 2, window=1, payload={"mean_loss": 2.5})
+        s = Runner(server, 2)
+        s.send(FrameType.REGISTER, payload={"pid": 42})
+        s.send(FrameType.HEARTBEAT, payload={"micro_batches_done": 5, "pss_mib": 100.5})
+        s.send(FrameType.WINDOW_COMMITTED, window=1, payload={"mean_loss": 2.5})
         events = [_next(server) for _ in range(3)]
         assert [(e.stage, e.type) for e in events] == [(2, FrameType.REGISTER), (2, FrameType.HEARTBEAT),
                                                        (2, FrameType.WINDOW_COMMITTED)]
         assert events[1].payload["micro_batches_done"] == 5 and events[2].window == 1
-        assert server.send(2, FrameType.STOP)
-        data = s.recv(1 << 16)
-        stop = frames.decode(data, KEY, run_id=RUN)
-        assert stop.type is FrameType.STOP and stop.stage == frames.COORDINATOR_STAGE
+        assert server.send(2, FrameType.STOP) and server.send(2, FrameType.START, {"go": 1})
+        stop, start = s.recv(), s.recv()  # in the session, sequence numbers 1 and 2
+        assert stop.type is FrameType.STOP and stop.stage == frames.COORDINATOR_STAGE and stop.seq == 1
+        assert start.type is FrameType.START and start.seq == 2
         assert not server.send(7, FrameType.STOP)  # no such stage connected
         s.close()
 
@@ -47,52 +103,122 @@ def test_register_heartbeat_commit_and_stop():
 def test_bad_frame_is_rejected_and_the_server_keeps_serving():
     with ControlServer(KEY, RUN) as server:
         bad = _connect(server)
-        _send(bad, FrameType.REGISTER, 0, key=bytes(32))  # another run's key
+        bad.sendall(frames.encode(Frame(FrameType.HELLO, RUN, stage=0), _up(0, bytes(32))))  # another run's key
         assert bad.recv(16) == b""  # the server closed that connection
         with pytest.raises(queue.Empty):
             server.events.get(timeout=0.3)
         assert server.rejected == ["bad_mac"]
-        good = _connect(server)
-        _send(good, FrameType.REGISTER, 1)
+        good = Runner(server, 1)
+        good.send(FrameType.REGISTER)
         assert _next(server).stage == 1
         good.close()
 
 
 def test_reconnect_replaces_the_stage_connection():
     with ControlServer(KEY, RUN) as server:
-        first = _connect(server)
-        _send(first, FrameType.REGISTER, 0)
+        first = Runner(server, 0)
+        first.send(FrameType.REGISTER)
         _next(server)
-        second = _connect(server)
-        _send(second, FrameType.REGISTER, 0, payload={"resume": True})
+        second = Runner(server, 0)
+        second.send(FrameType.REGISTER, payload={"resume": True})
         assert _next(server).payload == {"resume": True}
         assert server.send(0, FrameType.STOP)
-        assert frames.decode(second.recv(1 << 16), KEY).type is FrameType.STOP
+        assert second.recv().type is FrameType.STOP
         first.close()
         second.close()
 
 
+# --- issue 12 item 3: control frames cannot be replayed ------------------------------------------------------------
+
+def test_a_recorded_connection_replayed_on_a_new_socket_takes_nothing_over():
+    # Everything a runner sent (HELLO, REGISTER, HEARTBEATs), replayed byte for byte on a new connection: the server
+    # answers the HELLO with a fresh session, so the REGISTER is of another session and rejected. On main (no
+    # session) the replayed REGISTER took the stage's mapping over and the HEARTBEATs kept a frozen stage alive.
+    with ControlServer(KEY, RUN) as server:
+        real = Runner(server, 0)
+        real.send(FrameType.REGISTER, payload={"pid": 1})
+        real.send(FrameType.HEARTBEAT, payload={"micro_batches_done": 3})
+        assert [_next(server).type for _ in range(2)] == [FrameType.REGISTER, FrameType.HEARTBEAT]
+        replay = _connect(server)
+        replay.sendall(real.sent)
+        assert _recv_exact(replay, frames.HEADER_SIZE)  # the server's HELLO: a new session
+        replay.settimeout(3)
+        try:
+            while replay.recv(1 << 16):
+                pass
+        except ConnectionResetError:
+            pass
+        with pytest.raises(queue.Empty):
+            server.events.get(timeout=0.3)
+        assert server.rejected == ["wrong_session"]
+        assert server.send(0, FrameType.STOP)  # still the real runner's connection
+        assert real.recv().type is FrameType.STOP
+
+
+def test_heartbeats_replayed_inside_the_connection_are_rejected():
+    with ControlServer(KEY, RUN) as server:
+        s = Runner(server, 0)
+        s.send(FrameType.REGISTER)
+        s.send(FrameType.HEARTBEAT, payload={"micro_batches_done": 3})
+        assert [_next(server).type for _ in range(2)] == [FrameType.REGISTER, FrameType.HEARTBEAT]
+        heartbeat = s.sent[-(len(s.sent) - s.sent.rfind(b"ZLFR")):]
+        s.sock.sendall(heartbeat)  # the same frame again: its sequence number was used
+        assert s.recv_raw(16) == b""
+        with pytest.raises(queue.Empty):
+            server.events.get(timeout=0.3)
+        assert server.rejected == ["replay"]
+
+
+def test_the_first_frame_must_be_a_hello():
+    with ControlServer(KEY, RUN) as server:
+        s = Runner(server, 0, handshake=False)
+        s.write(frames.encode(Frame(FrameType.REGISTER, RUN, stage=0), _up(0)))
+        assert s.recv_raw(16) == b""
+        assert server.rejected == ["bad_handshake"]
+
+
+def test_frames_of_one_stage_or_direction_do_not_open_as_another():
+    with ControlServer(KEY, RUN) as server:
+        # A HELLO sealed with stage 1's key but naming stage 0 in its header.
+        s = _connect(server)
+        s.sendall(frames.encode(Frame(FrameType.HELLO, RUN, stage=0), _up(1)))
+        assert _closed_within(s, 3)
+        # And the coordinator's own direction's key.
+        s = _connect(server)
+        s.sendall(frames.encode(Frame(FrameType.HELLO, RUN, stage=0), _down(0)))
+        assert _closed_within(s, 3)
+        assert server.rejected == ["bad_mac", "bad_mac"]
+
+
+def test_old_version_frames_are_refused_with_a_clear_reason():
+    with ControlServer(KEY, RUN) as server:
+        s = _connect(server)
+        s.sendall(struct.pack("<4sHHII16sIIQQII", b"ZLFR", 1, 16, 96, 0, RUN, 0, 0, 0, 0, 0, 0) + bytes(96))
+        assert _closed_within(s, 3)
+        assert server.rejected == ["bad_version"]
+        with pytest.raises(FrameRejected, match="only MACed, not encrypted"):
+            frames.peek_length(struct.pack("<4sHHII16sIIQQII", b"ZLFR", 1, 16, 96, 0, RUN, 0, 0, 0, 0, 0, 0) + bytes(64))
+
+
 # --- issue 12 item 10: signed but malformed control payloads ------------------------------------------------------
 
-def _signed_raw(type_: FrameType, stage: int, json_bytes: bytes) -> bytes:
-    """A control frame whose payload bytes are exactly `json_bytes`, signed with the run key."""
-    import struct
-    total = frames.HEADER_SIZE + len(json_bytes) + frames.MAC_SIZE
-    header = struct.pack("<4sHHII16sIIQQII", b"ZLFR", 1, int(type_), total, 0, RUN, stage, 0, 0, 0,
-                         len(json_bytes), 0)
-    body = header + json_bytes
-    return body + frames.frame_mac(body, KEY)
+def _signed_raw(type_: FrameType, stage: int, json_bytes: bytes, session: bytes, seq: int) -> bytes:
+    """A control frame whose payload bytes are exactly `json_bytes`, sealed with the stage's key."""
+    total = frames.HEADER_SIZE + len(json_bytes) + frames.TAG_SIZE
+    header = struct.pack("<4sHHII16sIIQQII32sQ24s", b"ZLFR", 2, int(type_), total, 0, RUN, stage, 0, 0, 0,
+                         len(json_bytes), 0, session, seq, os.urandom(24))
+    return frames.seal(header + json_bytes + bytes(frames.TAG_SIZE), _up(stage))
 
 
 @pytest.mark.parametrize("payload", [b"[1]", b"null", b'"x"', b'{"micro_batches_done":NaN}'])
 def test_signed_payload_that_is_not_an_object_is_rejected_and_the_server_keeps_serving(payload):
     with ControlServer(KEY, RUN) as server:
-        bad = _connect(server)
-        bad.sendall(_signed_raw(FrameType.HEARTBEAT, 0, payload))
-        assert bad.recv(16) == b""
+        bad = Runner(server, 0)
+        bad.write(_signed_raw(FrameType.HEARTBEAT, 0, payload, bad.session, 1))
+        assert bad.recv_raw(16) == b""
         assert server.rejected == ["bad_payload"]
-        good = _connect(server)
-        _send(good, FrameType.HEARTBEAT, 0, payload={"micro_batches_done": 3})
+        good = Runner(server, 0)
+        good.send(FrameType.HEARTBEAT, payload={"micro_batches_done": 3})
         assert _next(server).payload == {"micro_batches_done": 3}
         good.close()
 
@@ -108,11 +234,11 @@ def test_signed_payload_that_is_not_an_object_is_rejected_and_the_server_keeps_s
 ])
 def test_signed_payload_of_the_wrong_shape_is_dropped_and_the_link_stays(type_, payload):
     with ControlServer(KEY, RUN) as server:
-        s = _connect(server)
-        _send(s, FrameType.REGISTER, 0, payload={"pid": 1})
+        s = Runner(server, 0)
+        s.send(FrameType.REGISTER, payload={"pid": 1})
         assert _next(server).type is FrameType.REGISTER
-        _send(s, type_, 0, payload=payload)
-        _send(s, FrameType.HEARTBEAT, 0, payload={"micro_batches_done": 4, "pss_mib": None})
+        s.send(type_, payload=payload)
+        s.send(FrameType.HEARTBEAT, payload={"micro_batches_done": 4, "pss_mib": None})
         e = _next(server)
         assert (e.type, e.payload["micro_batches_done"]) == (FrameType.HEARTBEAT, 4)
         assert server.rejected == ["bad_payload"]
@@ -150,11 +276,11 @@ def _closed_within(s: socket.socket, seconds: float) -> bool:
 
 
 def test_a_huge_announced_frame_is_refused_before_it_is_buffered():
-    import struct
     with ControlServer(KEY, RUN) as server:
         s = _connect(server)
         # A header announcing 60 MiB: the old server buffered all of it before checking the MAC.
-        s.sendall(struct.pack("<4sHHII16sIIQQII", b"ZLFR", 1, 16, 60 << 20, 0, RUN, 0, 0, 0, 0, 0, 0))
+        s.sendall(struct.pack("<4sHHII16sIIQQII32sQ24s", b"ZLFR", 2, 16, 60 << 20, 0, RUN, 0, 0, 0, 0, 0, 0,
+                              bytes(32), 0, bytes(24)))
         assert _closed_within(s, 3)
         assert server.rejected == ["oversize"]
 
@@ -163,21 +289,22 @@ def test_a_connection_that_never_authenticates_is_closed():
     with ControlServer(KEY, RUN, auth_timeout_s=0.3) as server:
         silent = _connect(server)
         partial = _connect(server)
-        partial.sendall(b"ZLFR\x01\x00")  # the start of a header, then nothing
-        assert _closed_within(silent, 3) and _closed_within(partial, 3)
-        good = _connect(server)
-        _send(good, FrameType.REGISTER, 0)
+        partial.sendall(b"ZLFR\x02\x00")  # the start of a header, then nothing
+        shaken = Runner(server, 0)  # a handshake, then nothing: no frame in the session
+        assert _closed_within(silent, 3) and _closed_within(partial, 3) and _closed_within(shaken.sock, 3)
+        good = Runner(server, 0)
+        good.send(FrameType.REGISTER)
         assert _next(server).type is FrameType.REGISTER
 
 
 def test_connections_are_capped():
     with ControlServer(KEY, RUN, max_connections=2) as server:
-        a, b = _connect(server), _connect(server)
-        _send(a, FrameType.REGISTER, 0)
+        a, b = Runner(server, 0), Runner(server, 1)
+        a.send(FrameType.REGISTER)
         assert _next(server).stage == 0
         c = _connect(server)
         assert _closed_within(c, 3), "a third connection over the cap of 2 was served"
-        _send(b, FrameType.REGISTER, 1)
+        b.send(FrameType.REGISTER)
         assert _next(server).stage == 1
 
 

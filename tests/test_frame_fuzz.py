@@ -1,6 +1,9 @@
-"""Frame fuzzing (issue 12): one deterministic corpus of >= 10,000 frames -- valid frames, bit flips, truncations,
-huge lengths, wrong keys, replays, garbage and malformed frames re-signed with the right key -- through the Python
-decoder, the C++ decoder (zl_frame_tool decode-batch) and a live C++ Receiver (zl_frame_tool receive-batch).
+"""Frame fuzzing (issue 12): one deterministic corpus of >= 10,000 encrypted frames -- valid frames, bit flips,
+truncations, huge lengths, wrong keys (another run, direction, channel or link), replays (of another connection's
+frames, of a sequence number already used on the connection), old-version frames, garbage and malformed frames
+sealed with the right key -- through the Python decoder, the C++ decoder (zl_frame_tool decode-batch) and a live
+C++ Receiver (zl_frame_tool receive-batch, which does the session handshake first on every connection). Entry i
+is the first frame(s) after the handshake of connection i, whose session is session_for(i).
 
 Checked: no crash and no hang anywhere, the Python decoder raises nothing but FrameRejected, C++ and Python agree
 on every frame (the same reason code, the same decoded fields), every frame built to be invalid is rejected by all
@@ -8,6 +11,7 @@ three, every accepted frame is exactly what a key holder's encoder writes, and t
 the DATA frames the decoders accept.
 """
 
+import hashlib
 import json
 import os
 import random
@@ -21,9 +25,17 @@ import pytest
 from zl_device.run import frames
 from zl_device.run.frames import FrameRejected, FrameType
 
-KEY = bytes(range(32))
-OTHER_KEY = bytes(range(1, 33))
+RUN_KEY = bytes(range(32))
+KEY = frames.derive_key(RUN_KEY, frames.KeyPurpose.DATA_DOWN, 0)  # DATA frames of the link 0 -> 1
+# Keys a frame may be sealed under by mistake or by an attacker: another run's, the other direction's, another
+# channel's, another link's.
+OTHER_KEYS = [frames.derive_key(bytes(range(1, 33)), frames.KeyPurpose.DATA_DOWN, 0),
+              frames.derive_key(RUN_KEY, frames.KeyPurpose.DATA_UP, 0),
+              frames.derive_key(RUN_KEY, frames.KeyPurpose.CONTROL_UP, 0),
+              frames.derive_key(RUN_KEY, frames.KeyPurpose.DATA_DOWN, 1),
+              frames.derive_key(RUN_KEY, frames.KeyPurpose.INPUT_LOG, 1)]
 RUN = bytes.fromhex("00112233445566778899aabbccddeeff")
+CLIENT_HALF = bytes.fromhex("c1a7e5a1f00dfeed0123456789abcdef")
 B, S, D = 1, 2, 4
 STAGE = 0
 REPO = Path(__file__).resolve().parent.parent
@@ -31,8 +43,15 @@ FRAME_TOOL = Path(os.environ.get("ZL_FRAME_TOOL", REPO / "build" / "android_app"
 EXPECT_ARGS = ["--expect-run", RUN.hex(), "--expect-stage", str(STAGE), "--expect-shape", f"{B},{S},{D}"]
 N_FRAMES = 10_240
 
-_HEADER = struct.Struct("<4sHHII16sIIQQII")
+_HEADER = struct.Struct("<4sHHII16sIIQQII32sQ24s")
 _RECORD = struct.Struct("<BBHIQ")
+H = frames.HEADER_SIZE
+TAG = frames.TAG_SIZE
+
+
+def session_for(i: int) -> bytes:
+    """Entry i goes over its own connection, whose session is this (zl_frame_tool's --expect-sessions scheme)."""
+    return CLIENT_HALF + i.to_bytes(8, "little") + bytes(8)
 
 
 def record(code: int, name: bytes, dims, payload: bytes, rank: int | None = None, nbytes: int | None = None,
@@ -43,23 +62,21 @@ def record(code: int, name: bytes, dims, payload: bytes, rank: int | None = None
             + name + b"".join(struct.pack("<Q", d) for d in dims) + payload)
 
 
-def build(ftype: int = 1, json_bytes: bytes = b"", records: list[bytes] | None = None, *, run: bytes = RUN,
-          stage: int = STAGE, window: int = 0, mb: int = 0, flags: int = 0, reserved: int = 0, version: int = 1,
-          count: int | None = None, json_len: int | None = None, total: int | None = None, key: bytes = KEY,
-          magic: bytes = b"ZLFR") -> bytes:
-    """A frame from raw parts, signed with `key`: any field may lie."""
+def plain(ftype: int = 1, json_bytes: bytes = b"", records: list[bytes] | None = None, *, session: bytes,
+          seq: int = 1, nonce: bytes = bytes(24), run: bytes = RUN, stage: int = STAGE, window: int = 0, mb: int = 0,
+          flags: int = 0, reserved: int = 0, version: int = 2, count: int | None = None, json_len: int | None = None,
+          total: int | None = None, magic: bytes = b"ZLFR") -> bytes:
+    """A frame's plaintext form (header, clear body, tag space) from raw parts: any field may lie."""
     records = records or []
-    body_len = frames.HEADER_SIZE + len(json_bytes) + sum(map(len, records))
-    header = _HEADER.pack(magic, version, ftype, body_len + frames.MAC_SIZE if total is None else total, flags, run,
-                          stage, len(records) if count is None else count, window, mb,
-                          len(json_bytes) if json_len is None else json_len, reserved)
-    body = header + json_bytes + b"".join(records)
-    return body + frames.frame_mac(body, key)
+    body = json_bytes + b"".join(records)
+    header = _HEADER.pack(magic, version, ftype, H + len(body) + TAG if total is None else total, flags, run, stage,
+                          len(records) if count is None else count, window, mb,
+                          len(json_bytes) if json_len is None else json_len, reserved, session, seq, nonce)
+    return header + body + bytes(TAG)
 
 
-def resign(wire: bytes, key: bytes = KEY) -> bytes:
-    body = wire[:-frames.MAC_SIZE]
-    return body + frames.frame_mac(body, key)
+def seal(plain_form: bytes, key: bytes = KEY) -> bytes:
+    return frames.seal(plain_form, key)
 
 
 def data_records(rng: random.Random, b: int = B, s: int = S, d: int = D) -> list[bytes]:
@@ -99,10 +116,26 @@ BAD_NAMES = [b"", b"\xff", b"hid\xc3", b"\xed\xa0\x80", b"a\x00b", b"\x1b[31m", 
 
 
 def corpus() -> list[tuple[bytes, str]]:
-    """(frame, label): label "bad" for a frame built to be invalid, "any" when it may be valid."""
+    """(frame, label): label "bad" for a frame built to be invalid, "any" when it may be valid. Entry i is meant for
+    the connection whose session is session_for(i)."""
     rng = random.Random(20261130)
     out: list[tuple[bytes, str]] = []
     mb = 0
+    seq = 0
+
+    def nonce() -> bytes:
+        return bytes(rng.randrange(256) for _ in range(24))
+
+    def build(*args, **kw) -> bytes:
+        """The plaintext form of a frame for the next entry's session, with a fresh sequence number."""
+        nonlocal seq
+        seq += 1
+        kw.setdefault("session", session_for(len(out)))
+        kw.setdefault("seq", seq)
+        return plain(*args, nonce=nonce(), **kw)
+
+    def signed(*args, **kw) -> bytes:
+        return seal(build(*args, **kw))
 
     def valid_data() -> bytes:
         nonlocal mb
@@ -110,18 +143,18 @@ def corpus() -> list[tuple[bytes, str]]:
         return build(1, b"", data_records(rng), window=mb // 8, mb=mb)
 
     def valid_control() -> bytes:
-        ftype = rng.choice([2, 16, 17, 18, 19, 20, 21])
+        ftype = rng.choice([2, 3, 16, 17, 18, 19, 20, 21])
         payload = rng.choice(GOOD_JSON)
         return build(ftype, payload, window=rng.randrange(10), mb=rng.randrange(100))
 
     for payload in BAD_JSON:
         for ftype in (17, 1, 21):
-            out.append((build(ftype, payload, data_records(rng) if ftype == 1 else None), "bad"))
+            out.append((signed(ftype, payload, data_records(rng) if ftype == 1 else None), "bad"))
     for payload in GOOD_JSON:
-        out.append((build(17, payload), "any"))
+        out.append((signed(17, payload), "any"))
     for name in BAD_NAMES:
-        out.append((build(1, b"", [record(1, name, (1,), b"\0" * 4)]), "bad"))
-        out.append((build(20, b"{}", [record(6, name, (2,), b"ab"), record(6, b"ok", (0,), b"")]), "bad"))
+        out.append((signed(1, b"", [record(1, name, (1,), b"\0" * 4)]), "bad"))
+        out.append((signed(20, b"{}", [record(6, name, (2,), b"ab"), record(6, b"ok", (0,), b"")]), "bad"))
     bad_tensors = [
         [record(6, b"x", (1,), b"a"), record(6, b"x", (1,), b"b")],  # two tensors, one name
         [record(1, b"hidden", (1, 2, 4), b"\0" * 32), record(1, b"hidden", (1, 2, 4), b"\1" * 32)],
@@ -140,75 +173,108 @@ def corpus() -> list[tuple[bytes, str]]:
         [record(6, b"x", (1,), b"a", rank=200)],
     ]
     for recs in bad_tensors:
-        out.append((build(1, b"", recs), "bad"))
-        out.append((build(17, b"{}", recs), "bad"))
-    out.append((build(1, b"", [record(5, b"x", (2,), b"abcd")]), "any"))  # bfloat16: valid, not a DATA shape
-    out.append((build(20, b"{}", [record(5, b"x", (2, 1), b"abcd"), record(4, b"y", (), b"ab")]), "any"))
-    out.append((build(20, b"{}", [record(6, b"x", (0, 1 << 40), b"")]), "any"))
-    out.append((build(20, b"{}", [record(3, "é€😀".encode(), (1,), b"abcd")]), "any"))
-    out.append((build(20, b"{}", [record(6, b"\"'\\", (1,), b"a")]), "any"))
-    # Header lies, re-signed.
-    for kw in [dict(flags=1), dict(reserved=1), dict(version=2), dict(ftype=3), dict(ftype=0xFFFF), dict(count=1),
-               dict(count=0xFFFFFFFF), dict(json_len=0xFFFFFFFF), dict(json_len=1), dict(total=0),
-               dict(total=0xFFFFFFFF), dict(total=95), dict(total=(64 << 20) + 1), dict(magic=b"ZLFS")]:
-        out.append((build(**{"ftype": 17, "json_bytes": b'{"a":1}', **kw}), "bad"))
+        out.append((signed(1, b"", recs), "bad"))
+        out.append((signed(17, b"{}", recs), "bad"))
+    out.append((signed(1, b"", [record(5, b"x", (2,), b"abcd")]), "any"))  # bfloat16: valid, not a DATA shape
+    out.append((signed(20, b"{}", [record(5, b"x", (2, 1), b"abcd"), record(4, b"y", (), b"ab")]), "any"))
+    out.append((signed(20, b"{}", [record(6, b"x", (0, 1 << 40), b"")]), "any"))
+    out.append((signed(20, b"{}", [record(3, "é€😀".encode(), (1,), b"abcd")]), "any"))
+    out.append((signed(20, b"{}", [record(6, b"\"'\\", (1,), b"a")]), "any"))
+    # Header lies, sealed with the right key.
+    for kw in [dict(flags=1), dict(reserved=1), dict(version=1), dict(version=3), dict(ftype=4), dict(ftype=0xFFFF),
+               dict(count=1), dict(count=0xFFFFFFFF), dict(json_len=0xFFFFFFFF), dict(json_len=1), dict(total=0),
+               dict(total=0xFFFFFFFF), dict(total=H + TAG - 1), dict(total=(64 << 20) + 1), dict(magic=b"ZLFS")]:
+        out.append((signed(**{"ftype": 17, "json_bytes": b'{"a":1}', **kw}), "bad"))
     # Stage/run/shape expectations.
-    out.append((build(1, b"", data_records(rng), run=bytes(16)), "bad"))
-    out.append((build(1, b"", data_records(rng), stage=1), "bad"))
-    out.append((build(1, b"", data_records(rng, s=3)), "bad"))
-    out.append((build(1, b"", data_records(rng)[:2]), "bad"))
-    out.append((build(1, b"", data_records(rng) + [record(6, b"extra", (1,), b"a")]), "bad"))
+    out.append((signed(1, b"", data_records(rng), run=bytes(16)), "bad"))
+    out.append((signed(1, b"", data_records(rng), stage=1), "bad"))
+    out.append((signed(1, b"", data_records(rng, s=3)), "bad"))
+    out.append((signed(1, b"", data_records(rng)[:2]), "bad"))
+    out.append((signed(1, b"", data_records(rng) + [record(6, b"extra", (1,), b"a")]), "bad"))
+    # Session and sequence: another connection's session, none, and a sequence number already used (0: the HELLO's).
+    out.append((signed(1, b"", data_records(rng), session=session_for(len(out) + 1)), "bad"))
+    out.append((signed(1, b"", data_records(rng), session=frames.NO_SESSION), "bad"))
+    out.append((signed(1, b"", data_records(rng), seq=0), "bad"))
+    out.append((signed(17, b"{}", seq=0), "bad"))
 
     while len(out) < N_FRAMES:
-        kind = rng.randrange(12)
-        base = valid_data() if rng.random() < 0.6 else valid_control()
+        kind = rng.randrange(17) % 16  # valid frames twice as often as each kind of damage
+        base_plain = valid_data() if rng.random() < 0.6 else valid_control()
+        base = seal(base_plain)
         if kind == 0:
             out.append((base, "any"))
-        elif kind == 1:  # bit flips, not re-signed
+        elif kind == 1:  # bit flips, not re-sealed
             wire = bytearray(base)
             for _ in range(rng.randint(1, 4)):
                 wire[rng.randrange(len(wire))] ^= 1 << rng.randrange(8)
             out.append((bytes(wire), "bad" if bytes(wire) != base else "any"))
-        elif kind == 2:  # bit flips after the header, re-signed: the parser sees them
-            wire = bytearray(base)
+        elif kind == 2:  # bit flips in the plaintext, re-sealed: the parser sees them
+            wire = bytearray(base_plain)
             for _ in range(rng.randint(1, 4)):
-                wire[rng.randrange(len(wire) - frames.MAC_SIZE)] ^= 1 << rng.randrange(8)
-            out.append((resign(bytes(wire)), "any"))
+                wire[rng.randrange(len(wire) - TAG)] ^= 1 << rng.randrange(8)
+            out.append((seal(bytes(wire)), "any"))
         elif kind == 3:  # truncations
             out.append((base[:rng.randrange(len(base))], "bad"))
         elif kind == 4:  # trailing bytes
             out.append((base + bytes(rng.randrange(256) for _ in range(rng.randint(1, 80))), "bad"))
-        elif kind == 5:  # huge or random lengths, re-signed half the time
-            wire = bytearray(base)
-            off = rng.choice([8, 36, 56] + ([64 + 8, 64 + 2] if len(wire) > 200 else []))
-            width = 8 if off == 72 else (2 if off == 66 else 4)
+        elif kind == 5:  # huge or random lengths (header or first tensor record), re-sealed half the time
+            wire = bytearray(base_plain)
+            off = rng.choice([8, 36, 56] + ([H + 8, H + 2] if len(wire) > H + 200 else []))
+            width = 8 if off == H + 8 else (2 if off == H + 2 else 4)
             wire[off:off + width] = rng.choice([(1 << (8 * width)) - 1, 1 << (8 * width - 1),
                                                 rng.randrange(1 << (8 * width))]).to_bytes(width, "little")
-            out.append((resign(bytes(wire)) if rng.random() < 0.5 else bytes(wire), "any"))
-        elif kind == 6:  # wrong key
-            out.append((resign(base, OTHER_KEY), "bad"))
-        elif kind == 7:  # replay of an earlier frame
-            out.append(rng.choice(out))
-        elif kind == 8:  # malformed payloads, signed
-            out.append((build(rng.choice([1, 17, 20, 21]), rng.choice(BAD_JSON)), "bad"))
+            if rng.random() < 0.5:
+                out.append((seal(bytes(wire)), "any"))
+            else:  # the header is authenticated, the records encrypted: changing either breaks the tag
+                sealed = bytearray(base)
+                if off < H:
+                    sealed[off:off + width] = wire[off:off + width]
+                else:
+                    sealed[off] ^= 0x80
+                out.append((bytes(sealed), "bad" if bytes(sealed) != base else "any"))
+        elif kind == 6:  # sealed under a wrong key: another run, direction, channel or link
+            out.append((seal(base_plain, rng.choice(OTHER_KEYS)), "bad"))
+        elif kind == 7:  # replay of an earlier entry on this (a later) connection
+            out.append((rng.choice(out)[0], "bad"))
+        elif kind == 8:  # malformed payloads, sealed
+            out.append((signed(rng.choice([1, 17, 20, 21]), rng.choice(BAD_JSON)), "bad"))
         elif kind == 9:  # random garbage, with a real magic half the time
             junk = bytes(rng.randrange(256) for _ in range(rng.randint(0, 200)))
             out.append(((b"ZLFR" + junk) if rng.random() < 0.5 else junk, "bad"))
-        elif kind == 10:  # random tensor records, signed
+        elif kind == 10:  # random tensor records, sealed
             recs = [record(rng.randrange(8), rng.choice(BAD_NAMES + [b"hidden", b"labels", b"x"]),
                            [rng.choice([0, 1, 2, 3, 1 << 31, 1 << 62, (1 << 64) - 1]) for _ in range(rng.randint(0, 3))],
                            bytes(rng.randrange(9))) for _ in range(rng.randint(1, 3))]
-            out.append((build(rng.choice([1, 20]), b"", recs), "any"))
-        else:  # spliced: a frame's header with another's body, re-signed
+            out.append((signed(rng.choice([1, 20]), b"", recs), "any"))
+        elif kind == 11:  # spliced: a frame's header with another's body, re-sealed
             other = valid_data() if rng.random() < 0.5 else valid_control()
-            cut = rng.randrange(64, min(len(base), len(other)) - 31)
-            out.append((resign(base[:cut] + other[cut:]), "any"))
+            cut = rng.randrange(H, min(len(base_plain), len(other)) - TAG + 1)
+            out.append((seal(base_plain[:cut] + other[cut:]), "any"))
+        elif kind == 12:  # a replay inside the connection: the same frame again, or an older one after a newer one
+            again = base if rng.random() < 0.5 else seal(base_plain[:96] + struct.pack("<Q", 1) + base_plain[104:])
+            out.append((base + again, "bad"))
+        elif kind == 13:  # a stale sequence number, or another connection's session, sealed with the right key
+            wire = bytearray(base_plain)
+            if rng.random() < 0.5:
+                wire[96:104] = bytes(8)
+            else:
+                wire[64:96] = session_for(rng.randrange(len(out) + 1, len(out) + 1000)) if rng.random() < 0.5 \
+                    else bytes(rng.randrange(256) for _ in range(32))
+            out.append((seal(bytes(wire)), "bad"))
+        elif kind == 14:  # several valid frames in a row on one connection (in the decoders: one entry, too long)
+            more = [seal(valid_data()) for _ in range(rng.randint(1, 3))]
+            out.append((base + b"".join(more), "bad"))
+        else:  # a version 1 frame (MAC only, before encryption) under the right key
+            wire = bytearray(base_plain)
+            wire[4:6] = (1).to_bytes(2, "little")
+            out.append((seal(bytes(wire)), "bad"))
     return out
 
 
-def py_decode(wire: bytes):
+def py_decode(wire: bytes, i: int):
+    """Entry i decoded as the first frame after its connection's handshake."""
     try:
-        f = frames.decode(wire, KEY, run_id=RUN, stage=STAGE, expect_shape=(B, S, D))
+        f = frames.decode(wire, KEY, run_id=RUN, stage=STAGE, expect_shape=(B, S, D), session=session_for(i), min_seq=1)
     except FrameRejected as e:
         return {"error": e.error}
     return f
@@ -216,29 +282,32 @@ def py_decode(wire: bytes):
 
 def summary(f: frames.Frame) -> dict:
     return {"type": f.type.name, "run_id": f.run_id.hex(), "stage": f.stage, "window": f.window,
-            "micro_batch": f.micro_batch, "payload": f.payload,
+            "micro_batch": f.micro_batch, "payload": f.payload, "session": f.session.hex(), "seq": f.seq,
             "tensors": [{"name": n, "dtype": frames._DTYPE_NAMES[frames._DTYPE_CODES[t.dtype]], "shape": list(t.shape),
-                         "nbytes": t.nbytes, "digest": frames.frame_mac(t.tobytes(), bytes(32)).hex()}
+                         "nbytes": t.nbytes, "digest": hashlib.blake2b(t.tobytes(), digest_size=32, key=bytes(32)).hexdigest()}
                         for n, t in f.tensors.items()]}
 
 
 def cpp_summary(spec: dict) -> dict:
-    out = {k: spec[k] for k in ("type", "run_id", "stage", "window", "micro_batch", "tensors")}
+    out = {k: spec[k] for k in ("type", "run_id", "stage", "window", "micro_batch", "session", "seq", "tensors")}
     out["payload"] = json.loads(spec["json"]) if spec["json"] else None
     return out
 
 
 def reencode(f: frames.Frame, wire: bytes) -> bytes:
-    """What a key holder's encoder writes for `f` with the original JSON bytes."""
+    """What a key holder's encoder writes for `f` with the original JSON bytes and nonce."""
     json_len = struct.unpack_from("<I", wire, 56)[0]
+    body = frames.unseal(wire, KEY)
     recs = [record(frames._DTYPE_CODES[t.dtype], n.encode(), t.shape, t.tobytes()) for n, t in f.tensors.items()]
-    return build(int(f.type), wire[64:64 + json_len], recs, run=f.run_id, stage=f.stage, window=f.window,
-                 mb=f.micro_batch)
+    return seal(plain(int(f.type), body[H:H + json_len], recs, run=f.run_id, stage=f.stage, window=f.window,
+                      mb=f.micro_batch, session=f.session, seq=f.seq, nonce=wire[H - 24:H]))
 
 
-def stream_expectation(wire: bytes) -> dict:
-    """What a live receiver counts for `wire` sent on its own connection: frames split as a stream reader does."""
+def stream_expectation(wire: bytes, i: int) -> dict:
+    """What a live receiver counts for `wire` sent on connection i after the handshake: frames split as a stream
+    reader does, each checked against the session and the sequence numbers accepted before it."""
     acked = rejected = ignored = 0
+    last = 0
     rest = wire
     while len(rest) >= 4:
         try:
@@ -249,10 +318,13 @@ def stream_expectation(wire: bytes) -> dict:
             break
         if len(rest) < total:
             break
-        r = py_decode(rest[:total])
-        if isinstance(r, dict):
+        try:
+            r = frames.decode(rest[:total], KEY, run_id=RUN, stage=STAGE, expect_shape=(B, S, D), session=session_for(i),
+                              min_seq=last + 1)
+        except FrameRejected:
             rejected += 1
             break
+        last = r.seq
         if r.type == FrameType.DATA:
             acked += 1
         else:
@@ -268,18 +340,24 @@ def fuzz_corpus():
 
 def test_corpus_is_big_and_varied(fuzz_corpus):
     assert len(fuzz_corpus) >= 10_000
-    results = [py_decode(w) for w, _ in fuzz_corpus]
+    results = [py_decode(w, i) for i, (w, _) in enumerate(fuzz_corpus)]
     errors = {r["error"] for r in results if isinstance(r, dict)}
     assert errors >= {"truncated", "bad_magic", "bad_version", "oversize", "length_mismatch", "bad_mac",
                       "unknown_type", "bad_header", "bad_payload", "bad_tensor", "unexpected_tensor", "wrong_run",
-                      "wrong_stage"}
+                      "wrong_stage", "wrong_session", "replay"}
+    # Replays of earlier entries (their sessions) are there, and rejected.
+    seen, replays = set(), 0
+    for w, _ in fuzz_corpus:
+        replays += w in seen
+        seen.add(w)
+    assert replays > 300
     assert sum(not isinstance(r, dict) for r in results) > 1000  # plenty of accepted frames too
 
 
 def test_python_decoder_never_raises_anything_else_and_accepts_only_valid_frames(fuzz_corpus):
     for i, (wire, label) in enumerate(fuzz_corpus):
         try:
-            r = py_decode(wire)
+            r = py_decode(wire, i)
         except Exception as e:  # noqa: BLE001 - the point of the test
             pytest.fail(f"frame {i}: {type(e).__name__}: {e}")
         if not isinstance(r, dict):
@@ -295,14 +373,14 @@ def _write_corpus(path: Path, fuzz_corpus) -> None:
 def test_cpp_and_python_decoders_agree_on_every_frame(fuzz_corpus, tmp_path):
     _write_corpus(tmp_path / "corpus.bin", fuzz_corpus)
     out = subprocess.run([str(FRAME_TOOL), "decode-batch", "--key", KEY.hex(), "--in", str(tmp_path / "corpus.bin"),
-                          *EXPECT_ARGS], capture_output=True, timeout=60)
+                          "--expect-sessions", CLIENT_HALF.hex(), *EXPECT_ARGS], capture_output=True, timeout=60)
     assert out.returncode == 0, out.stderr.decode(errors="replace")[-2000:]
     lines = out.stdout.decode().splitlines()
     assert len(lines) == len(fuzz_corpus)
     disagreements = []
     for i, ((wire, label), line) in enumerate(zip(fuzz_corpus, lines)):
         cpp = json.loads(line)
-        py = py_decode(wire)
+        py = py_decode(wire, i)
         if "error" in cpp or isinstance(py, dict):
             if cpp.get("error") != (py.get("error") if isinstance(py, dict) else None):
                 disagreements.append((i, cpp.get("error"), py.get("error") if isinstance(py, dict) else "ok",
@@ -323,14 +401,15 @@ def _log_tmp(tmp_path: Path) -> str:
 @pytest.mark.skipif(not FRAME_TOOL.is_file(), reason=f"{FRAME_TOOL} not built (bash setup.sh)")
 def test_live_receiver_acknowledges_exactly_the_valid_data_frames(fuzz_corpus, tmp_path):
     _write_corpus(tmp_path / "corpus.bin", fuzz_corpus)
-    out = subprocess.run([str(FRAME_TOOL), "receive-batch", "--key", KEY.hex(), "--in", str(tmp_path / "corpus.bin"),
-                          *EXPECT_ARGS], capture_output=True, timeout=120, env={**os.environ, "TMPDIR": _log_tmp(tmp_path)})
+    out = subprocess.run([str(FRAME_TOOL), "receive-batch", "--run-key", RUN_KEY.hex(), "--in", str(tmp_path / "corpus.bin"),
+                          "--client-half", CLIENT_HALF.hex(), *EXPECT_ARGS], capture_output=True, timeout=120,
+                         env={**os.environ, "TMPDIR": _log_tmp(tmp_path)})
     assert out.returncode == 0, out.stderr.decode(errors="replace")[-2000:]
     lines = out.stdout.decode().splitlines()
     assert len(lines) == len(fuzz_corpus)
     bad = []
     for i, ((wire, _), line) in enumerate(zip(fuzz_corpus, lines)):
-        got, want = json.loads(line), stream_expectation(wire)
+        got, want = json.loads(line), stream_expectation(wire, i)
         if got != want:
             bad.append((i, got, want, wire[:100]))
     assert not bad, f"{len(bad)} frames where the receiver differs, first: {bad[:5]}"

@@ -11,7 +11,8 @@ import pytest
 from zl_device.run import frames
 from zl_device.run.frames import Frame, FrameRejected, FrameType, decode, encode
 
-KEY = bytes(range(32))
+RUN_KEY = bytes(range(32))
+KEY = frames.derive_key(RUN_KEY, frames.KeyPurpose.DATA_DOWN, 1)  # a frame key: DATA from stage 1
 RUN = bytes.fromhex("00112233445566778899aabbccddeeff")
 REPO = Path(__file__).resolve().parent.parent
 FRAME_TOOL = Path(os.environ.get("ZL_FRAME_TOOL", REPO / "build" / "android_app" / "native" / "zl_frame_tool"))
@@ -36,7 +37,7 @@ def test_round_trip_keeps_every_field():
 
 def test_control_frame_without_payload_or_tensors():
     wire = encode(Frame(FrameType.STOP, RUN, stage=frames.COORDINATOR_STAGE), KEY)
-    assert len(wire) == frames.HEADER_SIZE + frames.MAC_SIZE
+    assert len(wire) == frames.HEADER_SIZE + frames.TAG_SIZE
     g = decode(wire, KEY)
     assert g.type is FrameType.STOP and g.payload is None and g.tensors == {} and g.stage == 0xFFFFFFFF
 
@@ -53,35 +54,87 @@ def test_rejections_name_the_reason():
     _reject(wire[:40], "truncated")
     _reject(wire + b"\0", "length_mismatch")
     _reject(b"XXXX" + wire[4:], "bad_magic")
-    _reject(wire[:4] + (2).to_bytes(2, "little") + wire[6:], "bad_version")
-    flipped = bytearray(wire)
-    flipped[100] ^= 1
-    _reject(bytes(flipped), "bad_mac")
+    _reject(wire[:4] + (1).to_bytes(2, "little") + wire[6:], "bad_version")
+    _reject(wire[:4] + (3).to_bytes(2, "little") + wire[6:], "bad_version")
+    for offset in (20, 70, 100, 200, len(wire) - 1):  # header (associated data), nonce, ciphertext, tag
+        flipped = bytearray(wire)
+        flipped[offset] ^= 1
+        _reject(bytes(flipped), "bad_mac")
     _reject(wire, "bad_mac", key=bytes(32))
     _reject(wire, "wrong_run", run_id=bytes(16))
     _reject(wire, "oversize", max_frame_bytes=len(wire) - 1)
 
 
-def _resigned(body: bytes) -> bytes:
-    """A frame whose body was altered by a holder of the key: the MAC verifies, the content is bad."""
-    return body + frames.frame_mac(body, KEY)
+def _resigned(plain: bytes) -> bytes:
+    """A frame whose plaintext was altered by a holder of the key: the tag verifies, the content is bad."""
+    return frames.seal(plain, KEY)
 
 
 def test_authenticated_but_malformed_frames():
     wire = encode(Frame(FrameType.HEARTBEAT, RUN, payload={"a": 1}), KEY)
-    body = bytearray(wire[:-32])
+    body = bytearray(frames.unseal(wire, KEY))
     body[6:8] = (99).to_bytes(2, "little")
     _reject(_resigned(bytes(body)), "unknown_type")
-    body = bytearray(wire[:-32])
-    body[64:71] = b"{not js"
+    body = bytearray(frames.unseal(wire, KEY))
+    body[128:135] = b"{not js"
     _reject(_resigned(bytes(body)), "bad_payload")
-    body = bytearray(wire[:-32])
+    body = bytearray(frames.unseal(wire, KEY))
     body[60:64] = (1).to_bytes(4, "little")
     _reject(_resigned(bytes(body)), "bad_header")
 
 
+# --- issue 12 item 1: frames are encrypted, under one key per channel, link and direction ---------------------------
+
+def test_payload_and_tensors_are_not_on_the_wire_in_clear():
+    # Fails on a MAC-only format: the labels (the completion's token ids), the hidden state and the JSON payload
+    # would be readable bytes of the frame.
+    f = data_frame()
+    f.payload = {"secret": "the prompt"}
+    labels = np.array([[31337, 27182, 16180, 14142]], np.int64)
+    f.tensors["labels"] = labels
+    wire = encode(f, KEY)
+    for clear in (labels.tobytes(), labels[0, :2].tobytes(), f.tensors["hidden"].tobytes()[:16], b"the prompt",
+                  b"hidden", b"labels"):
+        assert clear not in wire
+    assert np.array_equal(decode(wire, KEY).tensors["labels"], labels)
+    # A fresh random nonce per frame: the same frame never encrypts the same way twice.
+    again = encode(f, KEY)
+    assert again[:frames.HEADER_SIZE - frames.NONCE_SIZE] == wire[:frames.HEADER_SIZE - frames.NONCE_SIZE]
+    assert again[frames.HEADER_SIZE - frames.NONCE_SIZE:frames.HEADER_SIZE] != wire[frames.HEADER_SIZE - frames.NONCE_SIZE:frames.HEADER_SIZE]
+    assert again[frames.HEADER_SIZE:frames.HEADER_SIZE + 32] != wire[frames.HEADER_SIZE:frames.HEADER_SIZE + 32]
+
+
+def test_every_channel_link_and_direction_has_its_own_key():
+    keys = {(p, link): frames.derive_key(RUN_KEY, p, link) for p in frames.KeyPurpose for link in (0, 1, 2)}
+    assert len(set(keys.values())) == len(keys)
+    wire = encode(data_frame(), keys[(frames.KeyPurpose.DATA_DOWN, 1)])
+    for (p, link), key in keys.items():
+        if (p, link) != (frames.KeyPurpose.DATA_DOWN, 1):
+            _reject(wire, "bad_mac", key=key)
+    _reject(wire, "bad_mac", key=frames.derive_key(bytes(32), frames.KeyPurpose.DATA_DOWN, 1))  # another run
+
+
+def test_key_derivation_is_libsodium_crypto_kdf():
+    # Vector from libsodium 1.0.18's crypto_kdf_derive_from_key(32, 3 << 32 | 7, "zl-frame", bytes(range(32)));
+    # frame_test.cpp checks the same value in C++.
+    assert frames.derive_key(RUN_KEY, frames.KeyPurpose.CONTROL_UP, 7).hex() == (
+        "5376c0db9442a4e9d170008194efb27793ca068d71379deced2c16d1dcf6667d")
+
+
+def test_session_and_sequence_are_checked():
+    session = bytes(range(32))
+    wire = encode(Frame(FrameType.HEARTBEAT, RUN, payload={"a": 1}, session=session, seq=5), KEY)
+    assert decode(wire, KEY, session=session, min_seq=5).seq == 5
+    _reject(wire, "wrong_session", session=bytes(32))
+    _reject(wire, "replay", session=session, min_seq=6)
+    # Both are authenticated: rewriting them in the header breaks the tag.
+    forged = bytearray(wire)
+    forged[96:104] = (6).to_bytes(8, "little")
+    _reject(bytes(forged), "bad_mac")
+
+
 def test_encode_refuses_what_the_wire_cannot_carry():
-    with pytest.raises(ValueError, match="run key has 3 bytes"):
+    with pytest.raises(ValueError, match="frame key has 3 bytes"):
         encode(data_frame(), b"abc")
     with pytest.raises(ValueError, match="dtype float64"):
         encode(Frame(FrameType.DATA, RUN, tensors={"x": np.zeros(2)}), KEY)
@@ -107,12 +160,20 @@ def test_cpp_decodes_python_frames_and_python_decodes_cpp_frames(tmp_path):
     assert (spec["type"], spec["run_id"], spec["stage"], spec["window"], spec["micro_batch"]) == ("DATA", RUN.hex(), 1, 3, 14)
     by_name = {t["name"]: t for t in spec["tensors"]}
     assert bytes.fromhex(by_name["hidden"]["data_hex"]) == f.tensors["hidden"].tobytes()
-    # And back: the C++ encoder's bytes are what Python writes for the same spec.
+    # And back: the C++ encoder's bytes are what Python writes for the same spec (and nonce).
+    spec["nonce"] = (tmp_path / "py.bin").read_bytes()[frames.HEADER_SIZE - frames.NONCE_SIZE:frames.HEADER_SIZE].hex()
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     back = _tool("encode", "--key", KEY.hex(), "--in", str(tmp_path / "spec.json"), "--out", str(tmp_path / "cpp.bin"))
     assert back.returncode == 0, back.stderr.decode()
+    assert (tmp_path / "cpp.bin").read_bytes() == (tmp_path / "py.bin").read_bytes()
+    del spec["nonce"]
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    back = _tool("encode", "--key", KEY.hex(), "--in", str(tmp_path / "spec.json"), "--out", str(tmp_path / "cpp.bin"))
     g = decode((tmp_path / "cpp.bin").read_bytes(), KEY, run_id=RUN)
     assert g.payload == f.payload and np.array_equal(g.tensors["hidden"], f.tensors["hidden"])
+    # The key derivation agrees too.
+    derived = _tool("derive-key", "--run-key", RUN_KEY.hex(), "--purpose", "1", "--link", "1")
+    assert derived.stdout.decode().strip() == KEY.hex()
     # A frame under another key is rejected by C++ with the same reason name.
     (tmp_path / "bad.bin").write_bytes(encode(f, bytes(32)))
     bad = _tool("decode", "--key", KEY.hex(), "--in", str(tmp_path / "bad.bin"))
@@ -123,10 +184,10 @@ def test_cpp_decodes_python_frames_and_python_decodes_cpp_frames(tmp_path):
 
 def _raw(json_bytes: bytes = b"", records: bytes = b"", count: int = 0, type_: int = 17) -> bytes:
     import struct
-    total = frames.HEADER_SIZE + len(json_bytes) + len(records) + frames.MAC_SIZE
-    body = struct.pack("<4sHHII16sIIQQII", b"ZLFR", 1, type_, total, 0, RUN, 0, count, 0, 0, len(json_bytes), 0)
-    body += json_bytes + records
-    return body + frames.frame_mac(body, KEY)
+    total = frames.HEADER_SIZE + len(json_bytes) + len(records) + frames.TAG_SIZE
+    header = struct.pack("<4sHHII16sIIQQII32sQ24s", b"ZLFR", 2, type_, total, 0, RUN, 0, count, 0, 0, len(json_bytes),
+                         0, bytes(32), 0, os.urandom(24))
+    return frames.seal(header + json_bytes + records + bytes(frames.TAG_SIZE), KEY)
 
 
 def _rec(code: int, name: bytes, dims, payload: bytes) -> bytes:

@@ -1,12 +1,17 @@
 """The coordinator's end of the control channel: a TCP server for runner frames.
 
 Each stage runner connects to the coordinator's address (its config's
-`coordinator` field) and sends REGISTER after every (re)connect, HEARTBEAT
-periodically, WINDOW_COMMITTED after each checkpointed window and ERROR on
-failure; the coordinator can send START and STOP. Frames are those of the
-data plane (zl_device/run/frames.py) under the same per-run key; a frame that
-fails validation is logged with its reason and the connection is dropped,
-the server keeps serving.
+`coordinator` field) and, on every (re)connect, first does the session
+handshake (its HELLO, answered with the coordinator's HELLO carrying a fresh
+random half of the session id), then sends REGISTER, HEARTBEAT periodically,
+WINDOW_COMMITTED after each checkpointed window and ERROR on failure; the
+coordinator can send START and STOP. Frames are those of the data plane
+(zl_device/run/frames.py), encrypted under the stage's control keys (derived
+from the run key, one per direction) and bound to the connection's session
+with increasing sequence numbers, so a recorded REGISTER or HEARTBEAT cannot
+be replayed (android_app/native/PROTOCOL.md §6). A frame that fails
+validation is logged with its reason and the connection is dropped, the
+server keeps serving.
 
 Received frames become ControlEvent objects on a queue that the coordinator's
 loop drains; the server never calls back into coordinator state from its
@@ -14,11 +19,13 @@ threads.
 """
 
 import logging
+import os
 import queue
 import socket
+import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zl_device.run import frames
 from zl_device.run.frames import Frame, FrameRejected, FrameType
@@ -79,9 +86,20 @@ class ControlEvent:
 
 
 # Limits against connections that never authenticate (issue 12 item 11): control frames carry no tensors, so a
-# frame is at most the header, 1 MiB of JSON and the MAC; before a connection's first frame verifies, much less.
-MAX_CONTROL_FRAME_BYTES = frames.HEADER_SIZE + frames.MAX_JSON_BYTES + frames.MAC_SIZE
+# frame is at most the header, 1 MiB of JSON and the tag; before a connection's first frame verifies, much less.
+MAX_CONTROL_FRAME_BYTES = frames.HEADER_SIZE + frames.MAX_JSON_BYTES + frames.TAG_SIZE
 PRE_AUTH_MAX_FRAME_BYTES = 64 << 10  # a REGISTER is a few hundred bytes
+
+
+@dataclass
+class _Session:
+    """One runner connection after the handshake: where and how the coordinator's frames to it go."""
+
+    conn: socket.socket
+    session: bytes
+    send_key: bytes
+    sent: int = 0  # the last sequence number stamped on a frame to it (HELLO: 0)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class ControlServer:
@@ -102,7 +120,7 @@ class ControlServer:
         self.rejected: list[str] = []  # reasons of rejected frames, for the report and tests
         self._sock = socket.create_server((host, port))
         self._sock.settimeout(0.2)
-        self._conns: dict[int, socket.socket] = {}  # stage -> its latest connection
+        self._conns: dict[int, _Session] = {}  # stage -> its latest connection
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -117,24 +135,28 @@ class ControlServer:
         return self
 
     def send(self, stage: int, type_: FrameType, payload: dict | None = None) -> bool:
-        """Send a command to a stage's current connection; False when it has none."""
-        wire = frames.encode(Frame(type_, self.run_id, stage=frames.COORDINATOR_STAGE, payload=payload), self.key)
+        """Send a command to a stage's current connection (in its session, with the next sequence number); False
+        when it has none."""
         with self._lock:
-            conn = self._conns.get(stage)
-        if conn is None:
+            target = self._conns.get(stage)
+        if target is None:
             return False
-        try:
-            conn.sendall(wire)
-            return True
-        except OSError:
-            return False
+        with target.lock:
+            target.sent += 1
+            wire = frames.encode(Frame(type_, self.run_id, stage=frames.COORDINATOR_STAGE, payload=payload,
+                                       session=target.session, seq=target.sent), target.send_key)
+            try:
+                target.conn.sendall(wire)
+                return True
+            except OSError:
+                return False
 
     def close(self) -> None:
         self._closed.set()
         self._sock.close()
         with self._lock:
-            for conn in self._conns.values():
-                _close_quietly(conn)
+            for target in self._conns.values():
+                _close_quietly(target.conn)
             self._conns.clear()
         for t in [self._accept, *self._threads]:
             if t.is_alive() and t is not threading.current_thread():
@@ -165,35 +187,73 @@ class ControlServer:
             self._threads.append(t)
             t.start()
 
+    def _read_frame(self, conn: socket.socket, authenticated: bool) -> bytes | None:
+        """One frame's bytes (None: closed, timed out or shutting down); the size limit and the time allowed depend
+        on whether a frame of this connection verified already."""
+        deadline = time.monotonic() + (self.idle_timeout_s if authenticated else self.auth_timeout_s)
+        header = _read_exact(conn, frames.HEADER_SIZE, self._closed, deadline)
+        if header is None:
+            return None
+        total = frames.peek_length(header, MAX_CONTROL_FRAME_BYTES if authenticated else PRE_AUTH_MAX_FRAME_BYTES)
+        rest = _read_exact(conn, total - frames.HEADER_SIZE, self._closed, deadline)
+        return None if rest is None else header + rest
+
+    def _handshake(self, conn: socket.socket) -> tuple[int, bytes, _Session] | None:
+        """The server side of the session handshake (PROTOCOL.md §6): the runner's HELLO, sealed with the control
+        key of the stage its header names, answered with a HELLO whose session is the runner's random half and a
+        fresh random half of ours. Returns (stage, its receive key, the session), or None when the peer went away.
+
+        Raises:
+            FrameRejected: the HELLO does not verify, or the first frame is not a HELLO ("bad_handshake").
+        """
+        wire = self._read_frame(conn, authenticated=False)
+        if wire is None:
+            return None
+        claimed = struct.unpack_from("<I", wire, 32)[0]  # authenticated below: the key depends on it
+        receive_key = frames.derive_key(self.key, frames.KeyPurpose.CONTROL_UP, claimed)
+        hello = frames.decode(wire, receive_key, run_id=self.run_id, max_frame_bytes=PRE_AUTH_MAX_FRAME_BYTES,
+                              stage=claimed)
+        if hello.type != FrameType.HELLO or hello.seq != 0:
+            raise FrameRejected("bad_handshake", f"the first frame of a connection must be HELLO with sequence number "
+                                                 f"0, not {hello.type.name} with {hello.seq}")
+        target = _Session(conn, hello.session[:frames.SESSION_HALF] + os.urandom(frames.SESSION_HALF),
+                          frames.derive_key(self.key, frames.KeyPurpose.CONTROL_DOWN, claimed))
+        conn.sendall(frames.encode(Frame(FrameType.HELLO, self.run_id, stage=frames.COORDINATOR_STAGE,
+                                         session=target.session), target.send_key))
+        return claimed, receive_key, target
+
     def _serve(self, conn: socket.socket, peer) -> None:
-        stage = None
-        authenticated = False
+        stage = None  # set once a frame after the handshake verified: the connection then serves that stage
         try:
+            shaken = self._handshake(conn)
+            if shaken is None:
+                return
+            claimed, receive_key, target = shaken
+            last_seq = 0
             while not self._closed.is_set():
-                deadline = time.monotonic() + (self.idle_timeout_s if authenticated else self.auth_timeout_s)
-                header = _read_exact(conn, frames.HEADER_SIZE, self._closed, deadline)
-                if header is None:
+                wire = self._read_frame(conn, authenticated=stage is not None)
+                if wire is None:
                     return
-                total = frames.peek_length(header, MAX_CONTROL_FRAME_BYTES if authenticated
-                                           else PRE_AUTH_MAX_FRAME_BYTES)
-                rest = _read_exact(conn, total - frames.HEADER_SIZE, self._closed, deadline)
-                if rest is None:
-                    return
-                frame = frames.decode(header + rest, self.key, run_id=self.run_id)
-                authenticated = True
+                # Only this connection's session, and each sequence number once: a recorded frame (REGISTER,
+                # HEARTBEAT, ...) replayed here or on a new connection is rejected.
+                frame = frames.decode(wire, receive_key, run_id=self.run_id, stage=claimed, session=target.session,
+                                      min_seq=last_seq + 1,
+                                      max_frame_bytes=MAX_CONTROL_FRAME_BYTES if stage is not None
+                                      else PRE_AUTH_MAX_FRAME_BYTES)
+                last_seq = frame.seq
+                if stage is None:
+                    stage = claimed
+                    with self._lock:
+                        old = self._conns.get(stage)
+                        self._conns[stage] = target
+                    if old is not None and old.conn is not conn:
+                        _close_quietly(old.conn)
                 problem = payload_problem(frame.type, frame.payload)
                 if problem is not None:
                     # Signed but unusable: drop this frame, keep the (still framed) connection.
                     self.rejected.append("bad_payload")
                     log.warning("control frame from %s:%s rejected (bad_payload: %s)", peer[0], peer[1], problem)
                     continue
-                if frame.type == FrameType.REGISTER or stage is None:
-                    stage = frame.stage
-                    with self._lock:
-                        old = self._conns.get(stage)
-                        self._conns[stage] = conn
-                    if old is not None and old is not conn:
-                        _close_quietly(old)
                 self.events.put(ControlEvent(frame.stage, frame.type, frame.window, frame.micro_batch,
                                              frame.payload or {}, time.monotonic()))
         except FrameRejected as e:
@@ -203,7 +263,7 @@ class ControlServer:
             pass
         finally:
             with self._lock:
-                if stage is not None and self._conns.get(stage) is conn:
+                if stage is not None and self._conns.get(stage) is not None and self._conns[stage].conn is conn:
                     del self._conns[stage]
             _close_quietly(conn)
 

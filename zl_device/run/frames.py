@@ -1,17 +1,19 @@
 """The frame codec in Python: the twin of android_app/native/include/zl/frame.h.
 
 The coordinator speaks the runners' wire format on the control channel
-(REGISTER, HEARTBEAT, START, STOP, WINDOW_COMMITTED, ERROR). A frame is
+(HELLO, REGISTER, HEARTBEAT, START, STOP, WINDOW_COMMITTED, ERROR). A frame is
 
-    [64-byte header][JSON payload][tensor records][32-byte MAC]
+    [128-byte header][JSON payload][tensor records][16-byte tag]
 
-little-endian, with the MAC a keyed BLAKE2b-256 (what libsodium's
-crypto_generichash computes; here hashlib.blake2b with `key=`) under the
-per-run 32-byte key over every byte before it. Header offsets:
+little-endian. Everything after the header is encrypted with XChaCha20-Poly1305 (libsodium's
+crypto_aead_xchacha20poly1305_ietf, here through PyNaCl) under a frame key derived from the run key
+(derive_key: one per channel, link and direction), with the whole header as associated data and the
+random 24-byte nonce in the header. Header offsets:
 
-    0 magic "ZLFR" | 4 u16 version | 6 u16 type | 8 u32 total_length (MAC included)
+    0 magic "ZLFR" | 4 u16 version (2) | 6 u16 type | 8 u32 total_length (tag included)
     12 u32 flags (0) | 16 run id (16 bytes) | 32 u32 stage | 36 u32 tensor_count
     40 u64 window | 48 u64 micro_batch | 56 u32 json_length | 60 u32 reserved (0)
+    64 session (32 bytes) | 96 u64 seq | 104 nonce (24 bytes)
 
 A tensor record: u8 dtype | u8 rank | u16 name_length | u32 reserved (0) |
 u64 payload_length | name | rank x u64 dims | payload.
@@ -24,36 +26,45 @@ same order, so they accept and reject exactly the same frames
 """
 
 import hashlib
-import hmac
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
+from nacl import bindings as _sodium
+from nacl.exceptions import CryptoError
 
 MAGIC = b"ZLFR"
-VERSION = 1
-HEADER_SIZE = 64
-MAC_SIZE = 32
+VERSION = 2  # 1: MAC only, before frames were encrypted (rejected as bad_version)
+HEADER_SIZE = 128
+TAG_SIZE = 16  # Poly1305
+NONCE_SIZE = 24  # XChaCha20, random per frame
 KEY_SIZE = 32
 RUN_ID_SIZE = 16
+SESSION_SIZE = 32  # the client's 16 random bytes, then the server's (PROTOCOL.md §6)
+SESSION_HALF = 16
+NO_SESSION = bytes(SESSION_SIZE)  # input log entries
 MAX_RANK = 8
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
 MAX_JSON_BYTES = 1 << 20  # the payload rule: at most 1 MiB of JSON ...
 MAX_JSON_DEPTH = 32  # ... nested at most 32 arrays/objects deep (the top-level object is 1)
 COORDINATOR_STAGE = 0xFFFFFFFF  # the `stage` field of frames the coordinator sends
 
-_HEADER = struct.Struct("<4sHHII16sIIQQII")
+_HEADER = struct.Struct("<4sHHII16sIIQQII32sQ24s")
 _RECORD = struct.Struct("<BBHIQ")
 assert _HEADER.size == HEADER_SIZE and _RECORD.size == 16
+assert TAG_SIZE == _sodium.crypto_aead_xchacha20poly1305_ietf_ABYTES
+assert NONCE_SIZE == _sodium.crypto_aead_xchacha20poly1305_ietf_NPUBBYTES
 
 
 class FrameType(IntEnum):
     DATA = 1
     ACK = 2
+    HELLO = 3
     REGISTER = 16
     HEARTBEAT = 17
     START = 18
@@ -89,10 +100,52 @@ class Frame:
     micro_batch: int = 0
     payload: dict | None = None  # the JSON object, or None for an empty payload
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    session: bytes = NO_SESSION  # the connection's session id (PROTOCOL.md §6)
+    seq: int = 0  # the sender's sequence number on it (HELLO: 0)
 
 
-def frame_mac(data: bytes, key: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=MAC_SIZE, key=key).digest()
+class KeyPurpose(IntEnum):
+    """What a frame key is for (the C++ KeyPurpose); `link` is the data link's upstream stage k, the stage of a
+    control connection, or the stage whose input log it is."""
+
+    DATA_DOWN = 1  # data link k -> k+1: DATA (and HELLO) from stage k
+    DATA_UP = 2  # data link k -> k+1: ACK, ERROR, HELLO from stage k+1
+    CONTROL_UP = 3  # control channel of stage k: stage -> coordinator
+    CONTROL_DOWN = 4  # control channel of stage k: coordinator -> stage
+    INPUT_LOG = 5  # stage k's input log entries at rest
+
+
+KDF_CONTEXT = b"zl-frame"
+
+
+def derive_key(run_key: bytes, purpose: KeyPurpose, link: int) -> bytes:
+    """libsodium's crypto_kdf_derive_from_key(32, purpose << 32 | link, "zl-frame", run_key) (the C++
+    derive_frame_key): BLAKE2b-256 keyed with the run key, salt = the subkey id as 8 little-endian bytes + 8 zero
+    bytes, personalization = the context + 8 zero bytes, empty message."""
+    if len(run_key) != KEY_SIZE:
+        raise ValueError(f"run key has {len(run_key)} bytes, expected {KEY_SIZE}")
+    subkey_id = (int(purpose) << 32) | (link & 0xFFFFFFFF)
+    return hashlib.blake2b(b"", digest_size=KEY_SIZE, key=run_key, salt=subkey_id.to_bytes(8, "little") + bytes(8),
+                           person=KDF_CONTEXT + bytes(8)).digest()
+
+
+def seal(plain: bytes, key: bytes) -> bytes:
+    """[header with its nonce][plaintext body][tag space] -> the wire frame (the C++ seal_frame): the body
+    encrypted under `key`, the header as associated data. For tests that alter a frame's plaintext."""
+    header, body = bytes(plain[:HEADER_SIZE]), bytes(plain[HEADER_SIZE:len(plain) - TAG_SIZE])
+    nonce = header[HEADER_SIZE - NONCE_SIZE:]
+    return header + _sodium.crypto_aead_xchacha20poly1305_ietf_encrypt(body, header, nonce, key)
+
+
+def unseal(wire: bytes, key: bytes) -> bytes | None:
+    """The inverse of seal (the C++ open_frame): the plaintext form, or None when the tag does not verify."""
+    header = bytes(wire[:HEADER_SIZE])
+    try:
+        body = _sodium.crypto_aead_xchacha20poly1305_ietf_decrypt(bytes(wire[HEADER_SIZE:]), header,
+                                                                  header[HEADER_SIZE - NONCE_SIZE:], key)
+    except CryptoError:
+        return None
+    return header + body + bytes(TAG_SIZE)
 
 
 def escape_bytes(raw: bytes, max_bytes: int = 64) -> str:
@@ -231,17 +284,23 @@ def _numel(shape, itemsize: int) -> int:
     return -1 if nonzero > _INT64_MAX else n
 
 
-def encode(frame: Frame, key: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
-    """Serialize `frame` and append its MAC.
+def encode(frame: Frame, key: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, nonce: bytes | None = None) -> bytes:
+    """Serialize `frame` and seal it under the frame key `key` with `nonce` (default: 24 fresh random bytes;
+    pass one only to reproduce a frame).
 
     Raises:
-        ValueError: a bad key or run id length, a payload or tensor name the decoder would reject, an
-            unsupported dtype, rank > 8, or an oversize frame.
+        ValueError: a bad key, run id, session or nonce length, a payload or tensor name the decoder would
+            reject, an unsupported dtype, rank > 8, or an oversize frame.
     """
     if len(key) != KEY_SIZE:
-        raise ValueError(f"run key has {len(key)} bytes, expected {KEY_SIZE}")
+        raise ValueError(f"frame key has {len(key)} bytes, expected {KEY_SIZE}")
     if len(frame.run_id) != RUN_ID_SIZE:
         raise ValueError(f"run id has {len(frame.run_id)} bytes, expected {RUN_ID_SIZE}")
+    if len(frame.session) != SESSION_SIZE:
+        raise ValueError(f"session has {len(frame.session)} bytes, expected {SESSION_SIZE}")
+    nonce = os.urandom(NONCE_SIZE) if nonce is None else nonce
+    if len(nonce) != NONCE_SIZE:
+        raise ValueError(f"nonce has {len(nonce)} bytes, expected {NONCE_SIZE}")
     if frame.payload is not None and not isinstance(frame.payload, dict):
         raise ValueError(f"payload must be a dict or None, not {type(frame.payload).__name__}")
     body = json.dumps(frame.payload, separators=(",", ":"), allow_nan=False).encode() if frame.payload is not None else b""
@@ -262,13 +321,12 @@ def encode(frame: Frame, key: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BY
         raw = array.astype(_DTYPES[code], copy=False).tobytes()
         records.append(_RECORD.pack(code, array.ndim, len(encoded_name), 0, len(raw)) + encoded_name
                        + b"".join(struct.pack("<Q", d) for d in array.shape) + raw)
-    total = HEADER_SIZE + len(body) + sum(map(len, records)) + MAC_SIZE
+    total = HEADER_SIZE + len(body) + sum(map(len, records)) + TAG_SIZE
     if total > max_frame_bytes:
         raise ValueError(f"frame of {total} bytes exceeds the maximum of {max_frame_bytes}")
     header = _HEADER.pack(MAGIC, VERSION, int(frame.type), total, 0, frame.run_id, frame.stage, len(records),
-                          frame.window, frame.micro_batch, len(body), 0)
-    data = header + body + b"".join(records)
-    return data + frame_mac(data, key)
+                          frame.window, frame.micro_batch, len(body), 0, frame.session, frame.seq, nonce)
+    return header + _sodium.crypto_aead_xchacha20poly1305_ietf_encrypt(body + b"".join(records), header, nonce, key)
 
 
 def peek_length(header: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> int:
@@ -276,24 +334,28 @@ def peek_length(header: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -
     if len(header) >= 4 and header[:4] != MAGIC:
         raise FrameRejected("bad_magic", f"first bytes are {header[:4].hex()}, expected 5a4c4652 (\"ZLFR\")")
     if len(header) < HEADER_SIZE:
-        raise FrameRejected("truncated", f"only {len(header)} bytes, a frame header has 64")
+        raise FrameRejected("truncated", f"only {len(header)} bytes, a frame header has {HEADER_SIZE}")
     version, total = struct.unpack_from("<H", header, 4)[0], struct.unpack_from("<I", header, 8)[0]
     if version != VERSION:
-        raise FrameRejected("bad_version", f"version {version}, this build speaks version {VERSION}")
+        old = " (version 1 frames are only MACed, not encrypted; update the sender)" if version == 1 else ""
+        raise FrameRejected("bad_version", f"version {version}, this build speaks version {VERSION}{old}")
     if total > max_frame_bytes:
         raise FrameRejected("oversize", f"total_length {total} exceeds the maximum of {max_frame_bytes} bytes")
-    if total < HEADER_SIZE + MAC_SIZE:
-        raise FrameRejected("length_mismatch", f"total_length {total} is below the minimum of {HEADER_SIZE + MAC_SIZE}")
+    if total < HEADER_SIZE + TAG_SIZE:
+        raise FrameRejected("length_mismatch", f"total_length {total} is below the minimum of {HEADER_SIZE + TAG_SIZE}")
     return total
 
 
 def decode(data: bytes, key: bytes, run_id: bytes | None = None,
            max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stage: int | None = None,
-           expect_shape: tuple[int, int, int] | None = None) -> Frame:
-    """Validate and decode exactly one frame, with the checks and their order of the C++ decode_frame.
+           expect_shape: tuple[int, int, int] | None = None, session: bytes | None = None,
+           min_seq: int = 0) -> Frame:
+    """Validate, open (under the frame key `key`) and decode exactly one frame, with the checks and their order
+    of the C++ decode_frame.
 
-    `run_id`, `stage` (the sender's) and `expect_shape` (B, S, D of a DATA frame: it must carry exactly
-    hidden float32 [B,S,D], attention_mask int64 [B,S], labels int64 [B,S]) are checked when given.
+    `run_id`, `stage` (the sender's), `session` (the connection's), `min_seq` (the lowest sequence number still
+    new on it) and `expect_shape` (B, S, D of a DATA frame: it must carry exactly hidden float32 [B,S,D],
+    attention_mask int64 [B,S], labels int64 [B,S]) are checked when given.
 
     Raises:
         FrameRejected: with the reason name of the C++ decoder; never another exception.
@@ -303,10 +365,14 @@ def decode(data: bytes, key: bytes, run_id: bytes | None = None,
     if len(data) != total:
         error = "truncated" if len(data) < total else "length_mismatch"
         raise FrameRejected(error, f"have {len(data)} bytes, total_length is {total}")
-    body_end = total - MAC_SIZE
-    if not hmac.compare_digest(frame_mac(data[:body_end], key), data[body_end:]):
-        raise FrameRejected("bad_mac", "MAC does not verify (frame corrupted in transit or sent under another run key)")
-    (_, _, type_, _, flags, rid, sender, count, window, micro_batch, json_len, reserved) = _HEADER.unpack_from(data)
+    plain = unseal(data, key)
+    if plain is None:
+        raise FrameRejected("bad_mac", "authentication tag does not verify (frame corrupted in transit, sent under "
+                                       "another run key, or for another link or direction)")
+    data = plain
+    body_end = total - TAG_SIZE
+    (_, _, type_, _, flags, rid, sender, count, window, micro_batch, json_len, reserved, sid, seq,
+     _) = _HEADER.unpack_from(data)
     try:
         ftype = FrameType(type_)
     except ValueError:
@@ -353,11 +419,16 @@ def decode(data: bytes, key: bytes, run_id: bytes | None = None,
         tensors[name] = np.frombuffer(data, dtype=dtype, count=n, offset=pos).reshape(shape)
         pos += nbytes
     if pos != body_end:
-        raise FrameRejected("length_mismatch", f"{body_end - pos} unaccounted bytes before the MAC")
+        raise FrameRejected("length_mismatch", f"{body_end - pos} unaccounted bytes before the tag")
     if run_id is not None and rid != run_id:
         raise FrameRejected("wrong_run", f"run id {rid.hex()}, expected {run_id.hex()}")
     if stage is not None and sender != stage:
         raise FrameRejected("wrong_stage", f"stage {sender}, expected {stage}")
+    if session is not None and sid != session:
+        raise FrameRejected("wrong_session", f"session {sid.hex()}, expected this connection's {session.hex()}")
+    if seq < min_seq:
+        raise FrameRejected("replay", f"sequence number {seq} was used already on this connection (the next new one "
+                                      f"is at least {min_seq})")
     if ftype == FrameType.DATA and expect_shape is not None and all(v > 0 for v in expect_shape):
         b, s, d = expect_shape
         bad = ""
@@ -375,7 +446,7 @@ def decode(data: bytes, key: bytes, run_id: bytes | None = None,
             bad = f"DATA frame has {len(tensors)} tensors, expected 3"
         if bad:
             raise FrameRejected("unexpected_tensor", bad)
-    return Frame(ftype, rid, sender, window, micro_batch, payload, tensors)
+    return Frame(ftype, rid, sender, window, micro_batch, payload, tensors, sid, seq)
 
 
 def parse_key(text: str) -> bytes:

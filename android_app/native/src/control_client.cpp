@@ -49,7 +49,8 @@ FrameExpectation control_expectation(const ControlClientOptions& options) {
 ControlClient::ControlClient(ControlClientOptions options)
     : options_(std::move(options)),
       micro_batches_done_(options_.micro_batches_done),
-      link_(options_.key, control_expectation(options_)) {}
+      link_(link_keys(options_.key, Channel::kControl, options_.stage, LinkEnd::kClient), control_expectation(options_),
+            options_.run_id, options_.stage) {}
 
 ControlClient::~ControlClient() { shutdown(); }
 
@@ -260,10 +261,8 @@ void ControlClient::mirror_chain_stop() {
 }
 
 Status ControlClient::send_frame(const Frame& frame) {
-  std::vector<uint8_t> bytes;
   // kInvalidArgument: the frame itself is bad
-  ZL_RETURN_IF_ERROR(encode_frame(frame, options_.key, &bytes, options_.max_frame_bytes));
-  return link_.send(bytes.data(), bytes.size());
+  return link_.send_frame(frame, options_.max_frame_bytes);
 }
 
 bool ControlClient::connect_once(milliseconds timeout) {
@@ -278,10 +277,18 @@ bool ControlClient::connect_once(milliseconds timeout) {
     unreachable_logged_ = true;
     return false;
   }
+  // The handshake gives the connection a fresh session: the REGISTER below is
+  // bound to the coordinator's challenge, so a recorded one cannot be replayed.
+  SessionId session{};
+  s = link_.handshake(sock, timeout, &session);
+  if (!s.ok()) {
+    log(LogLevel::kWarn, "control: coordinator %s: %s", options_.coordinator.c_str(), s.message().c_str());
+    return false;
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   if (force_exit_) return false;
   const Frame reg = register_locked();
-  link_.adopt(std::move(sock));
+  link_.adopt(std::move(sock), session);
   lock.unlock();
   // REGISTER goes first on every connection: a restarted coordinator learns
   // who this is and how far it got before any queued event arrives.

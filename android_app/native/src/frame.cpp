@@ -3,6 +3,8 @@
 
 #include <sodium.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -29,7 +31,16 @@ constexpr size_t kOffWindow = 40;
 constexpr size_t kOffMicroBatch = 48;
 constexpr size_t kOffJsonLength = 56;
 constexpr size_t kOffReserved = 60;
-constexpr size_t kMinFrameSize = kFrameHeaderSize + kFrameMacSize;
+constexpr size_t kOffSession = 64;
+constexpr size_t kOffSeq = 96;
+constexpr size_t kOffNonce = 104;
+static_assert(kOffNonce + kFrameNonceSize == kFrameHeaderSize, "header layout");
+static_assert(kFrameTagSize == crypto_aead_xchacha20poly1305_ietf_ABYTES, "tag size");
+static_assert(kFrameNonceSize == crypto_aead_xchacha20poly1305_ietf_NPUBBYTES, "nonce size");
+static_assert(kFrameKeySize == crypto_aead_xchacha20poly1305_ietf_KEYBYTES, "key size");
+constexpr size_t kMinFrameSize = kFrameHeaderSize + kFrameTagSize;
+/// crypto_kdf context of every frame key (exactly crypto_kdf_CONTEXTBYTES).
+constexpr char kKdfContext[crypto_kdf_CONTEXTBYTES + 1] = "zl-frame";
 
 void put_u16(uint8_t* p, uint16_t v) {
   p[0] = static_cast<uint8_t>(v);
@@ -56,10 +67,11 @@ uint64_t get_u64(const uint8_t* p) {
 void ensure_sodium() {
   static std::once_flag once;
   std::call_once(once, [] {
-    // sodium_init only picks the fastest implementation; it cannot fail in a
-    // way that makes crypto_generichash unsafe, but -1 means it did not run.
+    // Nonces come from randombytes_buf: without a working entropy source no
+    // frame may be sealed, so this is fatal rather than a silent weak nonce.
     if (sodium_init() < 0) {
-      // Only possible without a usable entropy source; BLAKE2b does not need one.
+      std::fprintf(stderr, "zl: sodium_init failed (no entropy source?); cannot seal frames\n");
+      std::abort();
     }
   });
 }
@@ -136,6 +148,7 @@ const char* frame_type_name(uint16_t type) {
   switch (static_cast<FrameType>(type)) {
     case FrameType::kData: return "DATA";
     case FrameType::kAck: return "ACK";
+    case FrameType::kHello: return "HELLO";
     case FrameType::kRegister: return "REGISTER";
     case FrameType::kHeartbeat: return "HEARTBEAT";
     case FrameType::kStart: return "START";
@@ -149,7 +162,7 @@ const char* frame_type_name(uint16_t type) {
 bool parse_frame_type(const std::string& name, FrameType* out) {
   std::string upper;
   for (char c : name) upper += static_cast<char>(c >= 'a' && c <= 'z' ? c - 32 : c);
-  for (uint16_t v : {1, 2, 16, 17, 18, 19, 20, 21}) {
+  for (uint16_t v : {1, 2, 3, 16, 17, 18, 19, 20, 21}) {
     if (upper == frame_type_name(v)) {
       *out = static_cast<FrameType>(v);
       return true;
@@ -208,6 +221,8 @@ const char* frame_error_name(FrameError error) {
     case FrameError::kUnexpectedTensor: return "unexpected_tensor";
     case FrameError::kWrongRun: return "wrong_run";
     case FrameError::kWrongStage: return "wrong_stage";
+    case FrameError::kWrongSession: return "wrong_session";
+    case FrameError::kReplay: return "replay";
   }
   return "unknown";
 }
@@ -223,16 +238,53 @@ const TensorRecord* Frame::find(const std::string& name) const {
   return nullptr;
 }
 
-std::array<uint8_t, kFrameMacSize> frame_mac(const uint8_t* data, size_t size,
-                                             const FrameKey& key) {
+std::array<uint8_t, 32> keyed_digest(const uint8_t* data, size_t size, const FrameKey& key) {
   ensure_sodium();
-  std::array<uint8_t, kFrameMacSize> mac{};
-  crypto_generichash(mac.data(), mac.size(), data, size, key.data(), key.size());
-  return mac;
+  std::array<uint8_t, 32> digest{};
+  crypto_generichash(digest.data(), digest.size(), data, size, key.data(), key.size());
+  return digest;
 }
 
-Status encode_frame(const Frame& frame, const FrameKey& key, std::vector<uint8_t>* out,
-                    size_t max_frame_bytes) {
+FrameKey derive_frame_key(const FrameKey& run_key, KeyPurpose purpose, uint32_t link) {
+  ensure_sodium();
+  FrameKey out{};
+  const uint64_t id = (static_cast<uint64_t>(purpose) << 32) | link;
+  crypto_kdf_derive_from_key(out.data(), out.size(), id, kKdfContext, run_key.data());
+  return out;
+}
+
+void random_bytes(uint8_t* out, size_t size) {
+  ensure_sodium();
+  randombytes_buf(out, size);
+}
+
+LinkKeys link_keys(const FrameKey& run_key, Channel channel, uint32_t link, LinkEnd end) {
+  const bool data = channel == Channel::kData;
+  const FrameKey up = derive_frame_key(run_key, data ? KeyPurpose::kDataDown : KeyPurpose::kControlUp, link);
+  const FrameKey down = derive_frame_key(run_key, data ? KeyPurpose::kDataUp : KeyPurpose::kControlDown, link);
+  LinkKeys keys;
+  keys.send = end == LinkEnd::kClient ? up : down;
+  keys.receive = end == LinkEnd::kClient ? down : up;
+  return keys;
+}
+
+void seal_frame(uint8_t* frame, size_t size, const FrameKey& key) {
+  ensure_sodium();
+  const size_t body = size - kFrameHeaderSize - kFrameTagSize;
+  crypto_aead_xchacha20poly1305_ietf_encrypt_detached(
+      frame + kFrameHeaderSize, frame + size - kFrameTagSize, nullptr, frame + kFrameHeaderSize, body, frame,
+      kFrameHeaderSize, nullptr, frame + kOffNonce, key.data());
+}
+
+bool open_frame(uint8_t* frame, size_t size, const FrameKey& key) {
+  ensure_sodium();
+  const size_t body = size - kFrameHeaderSize - kFrameTagSize;
+  return crypto_aead_xchacha20poly1305_ietf_decrypt_detached(
+             frame + kFrameHeaderSize, nullptr, frame + kFrameHeaderSize, body, frame + size - kFrameTagSize,
+             frame, kFrameHeaderSize, frame + kOffNonce, key.data()) == 0;
+}
+
+Status encoded_frame_size(const Frame& frame, size_t max_frame_bytes, size_t* size) {
   if (frame_type_name(static_cast<uint16_t>(frame.type)) == nullptr) {
     return Status(StatusCode::kInvalidArgument,
                   "frame type " + std::to_string(static_cast<int>(frame.type)) + " is unknown");
@@ -240,7 +292,7 @@ Status encode_frame(const Frame& frame, const FrameKey& key, std::vector<uint8_t
   if (const std::string bad = check_frame_json(frame.json.data(), frame.json.size()); !bad.empty()) {
     return Status(StatusCode::kInvalidArgument, bad);
   }
-  uint64_t total = kFrameHeaderSize + frame.json.size() + kFrameMacSize;
+  uint64_t total = kFrameHeaderSize + frame.json.size() + kFrameTagSize;
   for (size_t i = 0; i < frame.tensors.size(); ++i) {
     const TensorRecord& t = frame.tensors[i];
     if (const std::string bad = check_tensor_name(t.name); !bad.empty()) {
@@ -276,8 +328,15 @@ Status encode_frame(const Frame& frame, const FrameKey& key, std::vector<uint8_t
                   "frame of " + std::to_string(total) + " bytes exceeds the maximum of " +
                       std::to_string(max_frame_bytes));
   }
+  *size = static_cast<size_t>(total);
+  return Status();
+}
 
-  out->assign(static_cast<size_t>(total), 0);
+Status encode_frame(const Frame& frame, const FrameKey& key, std::vector<uint8_t>* out,
+                    size_t max_frame_bytes) {
+  size_t total = 0;
+  ZL_RETURN_IF_ERROR(encoded_frame_size(frame, max_frame_bytes, &total));
+  out->assign(total, 0);
   uint8_t* p = out->data();
   std::memcpy(p, kFrameMagic.data(), 4);
   put_u16(p + kOffVersion, kFrameVersion);
@@ -291,6 +350,10 @@ Status encode_frame(const Frame& frame, const FrameKey& key, std::vector<uint8_t
   put_u64(p + kOffMicroBatch, frame.micro_batch);
   put_u32(p + kOffJsonLength, static_cast<uint32_t>(frame.json.size()));
   put_u32(p + kOffReserved, 0);
+  std::memcpy(p + kOffSession, frame.session.data(), kSessionSize);
+  put_u64(p + kOffSeq, frame.seq);
+  ensure_sodium();
+  randombytes_buf(p + kOffNonce, kFrameNonceSize);  // 192 random bits: never reused, restarts included
   size_t pos = kFrameHeaderSize;
   std::memcpy(p + pos, frame.json.data(), frame.json.size());
   pos += frame.json.size();
@@ -310,15 +373,14 @@ Status encode_frame(const Frame& frame, const FrameKey& key, std::vector<uint8_t
     if (!t.data.empty()) std::memcpy(p + pos, t.data.data(), t.data.size());
     pos += t.data.size();
   }
-  const auto mac = frame_mac(p, pos, key);
-  std::memcpy(p + pos, mac.data(), kFrameMacSize);
+  seal_frame(p, total, key);
   return Status();
 }
 
 FrameError peek_frame_length(const uint8_t* header, size_t size, size_t max_frame_bytes,
                              size_t* total_length, std::string* reason) {
   if (size < 4) {
-    *reason = "only " + std::to_string(size) + " bytes, a frame header has 64";
+    *reason = "only " + std::to_string(size) + " bytes, a frame header has 128";
     return FrameError::kTruncated;
   }
   if (std::memcmp(header, kFrameMagic.data(), 4) != 0) {
@@ -326,13 +388,14 @@ FrameError peek_frame_length(const uint8_t* header, size_t size, size_t max_fram
     return FrameError::kBadMagic;
   }
   if (size < kFrameHeaderSize) {
-    *reason = "only " + std::to_string(size) + " bytes, a frame header has 64";
+    *reason = "only " + std::to_string(size) + " bytes, a frame header has 128";
     return FrameError::kTruncated;
   }
   const uint16_t version = get_u16(header + kOffVersion);
   if (version != kFrameVersion) {
     *reason = "version " + std::to_string(version) + ", this build speaks version " +
-              std::to_string(kFrameVersion);
+              std::to_string(kFrameVersion) +
+              (version == 1 ? " (version 1 frames are only MACed, not encrypted; update the sender)" : "");
     return FrameError::kBadVersion;
   }
   const uint32_t total = get_u32(header + kOffTotalLength);
@@ -364,14 +427,20 @@ DecodeResult decode_frame(const uint8_t* data, size_t size, const FrameKey& key,
     return fail(FrameError::kLengthMismatch, "have " + std::to_string(size) +
                                                  " bytes, total_length is " + std::to_string(total));
   }
-  // Authenticate before interpreting anything else: past this point every
-  // byte was written by a holder of the run key.
-  const size_t body = total - kFrameMacSize;
-  const auto mac = frame_mac(data, body, key);
-  if (sodium_memcmp(mac.data(), data + body, kFrameMacSize) != 0) {
+  // Authenticate (and decrypt) before interpreting anything else: past this
+  // point every byte was written by a holder of this frame key.
+  std::vector<uint8_t> plain(data, data + kFrameHeaderSize);
+  plain.resize(total);
+  const size_t body = total - kFrameTagSize;
+  ensure_sodium();
+  if (crypto_aead_xchacha20poly1305_ietf_decrypt_detached(
+          plain.data() + kFrameHeaderSize, nullptr, data + kFrameHeaderSize, body - kFrameHeaderSize, data + body,
+          data, kFrameHeaderSize, data + kOffNonce, key.data()) != 0) {
     return fail(FrameError::kBadMac,
-                "MAC does not verify (frame corrupted in transit or sent under another run key)");
+                "authentication tag does not verify (frame corrupted in transit, sent under another run key, "
+                "or for another link or direction)");
   }
+  data = plain.data();
 
   DecodeResult r;
   Frame& f = r.frame;
@@ -387,6 +456,8 @@ DecodeResult decode_frame(const uint8_t* data, size_t size, const FrameKey& key,
   f.stage = get_u32(data + kOffStage);
   f.window = get_u64(data + kOffWindow);
   f.micro_batch = get_u64(data + kOffMicroBatch);
+  std::memcpy(f.session.data(), data + kOffSession, kSessionSize);
+  f.seq = get_u64(data + kOffSeq);
   const uint32_t tensor_count = get_u32(data + kOffTensorCount);
   const uint32_t json_length = get_u32(data + kOffJsonLength);
 
@@ -460,7 +531,7 @@ DecodeResult decode_frame(const uint8_t* data, size_t size, const FrameKey& key,
   }
   if (pos != body) {
     return fail(FrameError::kLengthMismatch, std::to_string(body - pos) +
-                                                 " unaccounted bytes before the MAC");
+                                                 " unaccounted bytes before the tag");
   }
 
   if (expect.run_id && *expect.run_id != f.run_id) {
@@ -470,6 +541,16 @@ DecodeResult decode_frame(const uint8_t* data, size_t size, const FrameKey& key,
   if (expect.stage && *expect.stage != f.stage) {
     return fail(FrameError::kWrongStage, "stage " + std::to_string(f.stage) + ", expected " +
                                              std::to_string(*expect.stage));
+  }
+  if (expect.session && *expect.session != f.session) {
+    return fail(FrameError::kWrongSession, "session " + to_hex(f.session.data(), kSessionSize) +
+                                               ", expected this connection's " +
+                                               to_hex(expect.session->data(), kSessionSize));
+  }
+  if (f.seq < expect.min_seq) {
+    return fail(FrameError::kReplay, "sequence number " + std::to_string(f.seq) + " was used already on this "
+                                         "connection (the next new one is at least " +
+                                         std::to_string(expect.min_seq) + ")");
   }
   if (f.type == FrameType::kData && expect.batch > 0 && expect.seq_len > 0 &&
       expect.hidden_size > 0) {

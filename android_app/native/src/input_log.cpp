@@ -205,6 +205,15 @@ Status InputLog::append(uint64_t window, uint64_t micro_batch,
   return Status();
 }
 
+Status InputLog::append_frame(const Frame& frame) {
+  Frame entry = frame;
+  entry.session = SessionId{};
+  entry.seq = 0;
+  std::vector<uint8_t> bytes;
+  ZL_RETURN_IF_ERROR(encode_frame(entry, key_, &bytes, expect_.max_frame_bytes));
+  return append(frame.window, frame.micro_batch, bytes);
+}
+
 bool InputLog::contains(uint64_t micro_batch) const {
   std::lock_guard<std::mutex> lock(mutex_);
   return entries_.count(micro_batch) != 0;

@@ -30,7 +30,8 @@ FrameExpectation sender_expectation(const SenderOptions& options) {
 
 Sender::Sender(SenderOptions options)
     : options_(std::move(options)),
-      link_(options_.key, sender_expectation(options_)),
+      link_(link_keys(options_.key, Channel::kData, options_.stage, LinkEnd::kClient), sender_expectation(options_),
+            options_.run_id.value_or(RunId{}), options_.stage),
       shaper_(options_.profile) {}
 
 Sender::~Sender() { stop(); }
@@ -46,8 +47,8 @@ Status Sender::start() {
 }
 
 Status Sender::send(const Frame& frame, std::chrono::milliseconds timeout) {
-  auto bytes = std::make_shared<std::vector<uint8_t>>();
-  ZL_RETURN_IF_ERROR(encode_frame(frame, options_.key, bytes.get(), options_.max_frame_bytes));
+  size_t wire_bytes = 0;
+  ZL_RETURN_IF_ERROR(encoded_frame_size(frame, options_.max_frame_bytes, &wire_bytes));
   std::unique_lock<std::mutex> lock(mutex_);
   const bool room = changed_.wait_for(lock, timeout, [this] {
     return stopping_ || queue_.size() < options_.max_in_flight;
@@ -62,7 +63,8 @@ Status Sender::send(const Frame& frame, std::chrono::milliseconds timeout) {
   Entry e;
   e.window = frame.window;
   e.micro_batch = frame.micro_batch;
-  e.bytes = std::move(bytes);
+  e.frame = std::make_shared<const Frame>(frame);
+  e.wire_bytes = wire_bytes;
   e.queued_at = SteadyClock::now();
   queue_.push_back(std::move(e));
   stats_.max_in_flight_seen = std::max(stats_.max_in_flight_seen, queue_.size());
@@ -129,14 +131,20 @@ bool Sender::connect_once() {
     peer_changed_ = false;
   }
   Socket sock;
-  const Status s = ReconnectingLink::dial(host, port, options_.connect_timeout, &sock);
+  Status s = ReconnectingLink::dial(host, port, options_.connect_timeout, &sock);
   if (!s.ok()) {
     log(LogLevel::kDebug, "sender: %s", s.message().c_str());
     return false;
   }
+  SessionId session{};
+  s = link_.handshake(sock, options_.connect_timeout, &session);
+  if (!s.ok()) {
+    log(LogLevel::kWarn, "sender: %s:%u: %s", host.c_str(), static_cast<unsigned>(port), s.message().c_str());
+    return false;
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   if (stopping_) return false;
-  link_.adopt(std::move(sock));
+  link_.adopt(std::move(sock), session);
   connected_ = true;
   ++stats_.connects;
   shaper_.reset();
@@ -216,7 +224,7 @@ void Sender::run() {
     }
 
     // The next frame to put on the wire and when the emulated link delivers it.
-    std::shared_ptr<const std::vector<uint8_t>> bytes;
+    std::shared_ptr<const Frame> frame;
     SteadyClock::time_point deliver_at = SteadyClock::now() + std::chrono::seconds(1);
     bool resend = false;
     {
@@ -230,9 +238,9 @@ void Sender::run() {
         if (e.sent) continue;
         if (!e.deliver_at) {
           const auto handed_over = e.sent_before ? SteadyClock::now() : e.queued_at;
-          e.deliver_at = shaper_.schedule(e.bytes->size(), handed_over);
+          e.deliver_at = shaper_.schedule(e.wire_bytes, handed_over);
         }
-        bytes = e.bytes;
+        frame = e.frame;
         deliver_at = *e.deliver_at;
         resend = e.sent_before;
         break;
@@ -249,16 +257,16 @@ void Sender::run() {
       handle_incoming();
       if (!link_.connected()) continue;
     }
-    if (!bytes || SteadyClock::now() < deliver_at) continue;
+    if (!frame || SteadyClock::now() < deliver_at) continue;
 
-    const Status s = link_.send(bytes->data(), bytes->size());
+    const Status s = link_.send_frame(*frame, options_.max_frame_bytes);
     if (!s.ok()) {
       drop_connection(s.message());
       continue;
     }
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& e : queue_) {
-      if (e.bytes == bytes) {
+      if (e.frame == frame) {
         e.sent = true;
         break;
       }
@@ -273,9 +281,22 @@ void Sender::run() {
 
 // ---------------------------------------------------------------- Receiver
 
+namespace {
+
+/// Input log entries are sealed under the stage's own log key, outside any session.
+FrameExpectation input_log_expectation(FrameExpectation expect) {
+  expect.session = SessionId{};
+  expect.min_seq = 0;
+  return expect;
+}
+
+}  // namespace
+
 Receiver::Receiver(ReceiverOptions options)
     : options_(std::move(options)),
-      log_(options_.log_dir, options_.key, options_.expect),
+      keys_(link_keys(options_.key, Channel::kData, options_.expect.stage.value_or(0), LinkEnd::kServer)),
+      log_(options_.log_dir, derive_frame_key(options_.key, KeyPurpose::kInputLog, options_.stage),
+           input_log_expectation(options_.expect)),
       reader_(options_.expect.max_frame_bytes),
       next_micro_batch_(options_.first_micro_batch),
       local_backoff_(options_.local_error_backoff_initial, options_.local_error_backoff_max) {}
@@ -291,6 +312,11 @@ Status Receiver::start() {
   }
   if (options_.max_pending == 0) {
     return Status(StatusCode::kInvalidArgument, "max_pending is 0; it must be at least 1");
+  }
+  if (!options_.expect.stage) {
+    return Status(StatusCode::kInvalidArgument,
+                  "receiver needs expect.stage, the upstream stage k of the link k -> k+1: the link's keys "
+                  "derive from it");
   }
   ZL_RETURN_IF_ERROR(log_.open());
   for (const auto& c : log_.corrupt()) {
@@ -368,7 +394,7 @@ void Receiver::stop() {
 
 void Receiver::reject(const std::string& reason, bool send_error) {
   if (send_error) {
-    reject_on(&conn_, &reader_, reason);
+    reject_on(&conn_, &reader_, reason, &session_);
     return;
   }
   {
@@ -381,7 +407,7 @@ void Receiver::reject(const std::string& reason, bool send_error) {
   reader_.clear();
 }
 
-void Receiver::reject_on(Socket* sock, FrameReader* reader, const std::string& reason) {
+void Receiver::reject_on(Socket* sock, FrameReader* reader, const std::string& reason, SessionState* session) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     ++stats_.rejected;
@@ -389,22 +415,27 @@ void Receiver::reject_on(Socket* sock, FrameReader* reader, const std::string& r
   }
   log(LogLevel::kWarn, "receiver: stage %u rejected a frame: %s", options_.stage, reason.c_str());
   if (sock->valid()) {
-    // Best effort: tells an honest but misconfigured upstream why.
-    const Frame err = make_control_frame(FrameType::kError, options_.expect.run_id.value_or(RunId{}),
-                                         options_.stage, 0, 0,
-                                         nlohmann::json{{"reason", reason}}.dump(
-                                             -1, ' ', false, nlohmann::json::error_handler_t::replace));
-    (void)write_frame(sock->fd(), err, options_.key);
+    // Best effort: tells an honest but misconfigured upstream why (in its
+    // session once there is one; before the handshake it goes out with none).
+    Frame err = make_control_frame(FrameType::kError, options_.expect.run_id.value_or(RunId{}),
+                                   options_.stage, 0, 0,
+                                   nlohmann::json{{"reason", reason}}.dump(
+                                       -1, ' ', false, nlohmann::json::error_handler_t::replace));
+    if (session != nullptr) err = session->stamp(std::move(err));
+    (void)write_frame(sock->fd(), err, keys_.send);
   }
   sock->close();
   reader->clear();
 }
 
 void Receiver::handle_frame(const std::vector<uint8_t>& bytes) {
-  handle_decoded(bytes, decode_frame(bytes.data(), bytes.size(), options_.key, options_.expect));
+  const DecodeResult r =
+      decode_frame(bytes.data(), bytes.size(), keys_.receive, session_.expect(options_.expect));
+  if (r.ok()) session_.accepted = r.frame.seq;
+  handle_decoded(r);
 }
 
-void Receiver::handle_decoded(const std::vector<uint8_t>& bytes, const DecodeResult& r) {
+void Receiver::handle_decoded(const DecodeResult& r) {
   if (!r.ok()) {
     reject(r.reason, true);
     return;
@@ -427,8 +458,10 @@ void Receiver::handle_decoded(const std::vector<uint8_t>& bytes, const DecodeRes
     std::lock_guard<std::mutex> lock(mutex_);
     ++stats_.duplicates;
   } else {
-    // Durable before acknowledged: the ACK releases the sender's copy.
-    const Status s = log_.append(window, mb, bytes);
+    // Durable before acknowledged: the ACK releases the sender's copy. The
+    // entry is sealed again under the log key, outside the session, so a
+    // restarted stage can still open it.
+    const Status s = log_.append_frame(r.frame);
     if (!s.ok()) {
       // A local error: retrying at once would only loop (reconnect, re-send, fail again), so pause.
       const std::chrono::milliseconds pause = local_backoff_.next();
@@ -449,8 +482,8 @@ void Receiver::handle_decoded(const std::vector<uint8_t>& bytes, const DecodeRes
     ++stats_.accepted;
     arrived_.notify_all();
   }
-  const Frame ack = make_control_frame(FrameType::kAck, r.frame.run_id, options_.stage, window, mb);
-  const Status s = write_frame(conn_.fd(), ack, options_.key);
+  const Frame ack = session_.stamp(make_control_frame(FrameType::kAck, r.frame.run_id, options_.stage, window, mb));
+  const Status s = write_frame(conn_.fd(), ack, keys_.send);
   if (!s.ok()) {
     log(LogLevel::kWarn, "receiver: cannot send ACK: %s", s.message().c_str());
     conn_.close();
@@ -480,37 +513,81 @@ void Receiver::serve_connection() {
 void Receiver::serve_candidate(size_t index) {
   Candidate& c = candidates_[index];
   const Status filled = c.reader.fill(c.sock.fd());
-  const FrameReader::Popped popped = c.reader.pop();
-  if (popped.next == FrameReader::Next::kBroken) {
-    reject_on(&c.sock, &c.reader, std::string(frame_error_name(popped.error)) + ": " + popped.reason);
-    candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
-    return;
-  }
-  if (popped.next == FrameReader::Next::kNeedMore) {
-    if (!filled.ok()) {  // closed (or failed) before a whole first frame
+  for (;;) {
+    const FrameReader::Popped popped = c.reader.pop();
+    if (popped.next == FrameReader::Next::kBroken) {
+      reject_on(&c.sock, &c.reader, std::string(frame_error_name(popped.error)) + ": " + popped.reason,
+                c.session ? &*c.session : nullptr);
       candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
+      return;
+    }
+    if (popped.next == FrameReader::Next::kNeedMore) {
+      if (!filled.ok()) {  // closed (or failed) before a whole first frame
+        candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
+      }
+      return;
+    }
+    if (!c.session) {
+      // The handshake (PROTOCOL.md §6): the client's HELLO, answered with a
+      // fresh server half, so nothing recorded from another connection can
+      // pass for this one.
+      const DecodeResult hello = decode_frame(popped.frame.data(), popped.frame.size(), keys_.receive, options_.expect);
+      std::string bad = hello.ok() ? std::string() : hello.reason;
+      Frame reply;
+      SessionId id{};
+      if (bad.empty()) {
+        std::array<uint8_t, kSessionHalfSize> half{};
+        if (options_.session_random) {
+          options_.session_random(half.data(), half.size());
+        } else {
+          random_bytes(half.data(), half.size());
+        }
+        bad = server_handshake(hello.frame, options_.expect.run_id.value_or(RunId{}), options_.stage, half, &reply,
+                               &id);
+      }
+      if (!bad.empty()) {
+        reject_on(&c.sock, &c.reader, bad, nullptr);
+        candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
+        return;
+      }
+      if (!write_frame(c.sock.fd(), reply, keys_.send).ok()) {
+        candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
+        return;
+      }
+      c.session = SessionState{};
+      c.session->id = id;
+      {
+        // The handshake needs no room; what follows it does (back-pressure).
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (pending_locked() >= options_.max_pending) return;
+      }
+      if (SteadyClock::now() < paused_until_) return;
+      continue;
+    }
+    const DecodeResult r = decode_frame(popped.frame.data(), popped.frame.size(), keys_.receive,
+                                        c.session->expect(options_.expect));
+    if (!r.ok()) {
+      // An unauthenticated, replayed (or misconfigured) newcomer: the current upstream stays.
+      reject_on(&c.sock, &c.reader, r.reason, &*c.session);
+      candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
+      return;
+    }
+    // The newcomer holds the link's key and answered this session: it becomes the upstream.
+    if (conn_.valid()) {
+      log(LogLevel::kInfo, "receiver: upstream reconnected; dropping its old connection");
+    }
+    conn_ = std::move(c.sock);
+    reader_ = std::move(c.reader);
+    session_ = *c.session;
+    session_.accepted = r.frame.seq;
+    candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
+    handle_decoded(r);
+    serve_connection();  // frames buffered behind the first one
+    if (!filled.ok() && conn_.valid()) {
+      conn_.close();
+      reader_.clear();
     }
     return;
-  }
-  const DecodeResult r = decode_frame(popped.frame.data(), popped.frame.size(), options_.key, options_.expect);
-  if (!r.ok()) {
-    // An unauthenticated (or misconfigured) newcomer: the current upstream stays.
-    reject_on(&c.sock, &c.reader, r.reason);
-    candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
-    return;
-  }
-  // The newcomer holds the run key: it becomes the upstream.
-  if (conn_.valid()) {
-    log(LogLevel::kInfo, "receiver: upstream reconnected; dropping its old connection");
-  }
-  conn_ = std::move(c.sock);
-  reader_ = std::move(c.reader);
-  candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
-  handle_decoded(popped.frame, r);
-  serve_connection();  // frames buffered behind the first one
-  if (!filled.ok() && conn_.valid()) {
-    conn_.close();
-    reader_.clear();
   }
 }
 
@@ -551,7 +628,9 @@ void Receiver::run() {
     fds.assign({{wake_pipe_[0], POLLIN, 0},
                 {listener_.fd(), POLLIN, 0},
                 {room && conn_.valid() ? conn_.fd() : -1, POLLIN, 0}});
-    for (const auto& c : candidates_) fds.push_back({room ? c.sock.fd() : -1, POLLIN, 0});
+    // A candidate's HELLO is answered even while there is no room, so a
+    // reconnecting sender's handshake does not wait for the consumer.
+    for (const auto& c : candidates_) fds.push_back({room || !c.session ? c.sock.fd() : -1, POLLIN, 0});
     const size_t num_candidates = candidates_.size();
     const int rc = ::poll(fds.data(), static_cast<nfds_t>(fds.size()), timeout_ms);
     if (rc < 0) {

@@ -28,8 +28,9 @@ std::chrono::milliseconds Backoff::next() {
   return delay;
 }
 
-ReconnectingLink::ReconnectingLink(const FrameKey& key, const FrameExpectation& expect)
-    : key_(key), expect_(expect), reader_(expect.max_frame_bytes) {}
+ReconnectingLink::ReconnectingLink(const LinkKeys& keys, const FrameExpectation& expect, const RunId& run_id,
+                                   uint32_t stage)
+    : keys_(keys), expect_(expect), run_id_(run_id), stage_(stage), reader_(expect.max_frame_bytes) {}
 
 ReconnectingLink::~ReconnectingLink() { close_wake_pipe(wake_pipe_); }
 
@@ -52,10 +53,16 @@ Status ReconnectingLink::dial(const std::string& host, uint16_t port, std::chron
   return Status();
 }
 
-void ReconnectingLink::adopt(Socket sock) {
+Status ReconnectingLink::handshake(const Socket& sock, std::chrono::milliseconds timeout, SessionId* session) const {
+  return client_handshake(sock.fd(), keys_, run_id_, stage_, expect_, timeout, session);
+}
+
+void ReconnectingLink::adopt(Socket sock, const SessionId& session) {
   std::lock_guard<std::mutex> lock(conn_mutex_);
   conn_ = std::move(sock);
   reader_.clear();
+  session_ = SessionState{};
+  session_.id = session;
 }
 
 void ReconnectingLink::close() {
@@ -69,7 +76,13 @@ void ReconnectingLink::shutdown() {
   conn_.shutdown();
 }
 
-Status ReconnectingLink::send(const uint8_t* data, size_t size) { return send_all(conn_.fd(), data, size); }
+Status ReconnectingLink::send_frame(const Frame& frame, size_t max_frame_bytes) {
+  std::vector<uint8_t> bytes;
+  SessionState next = session_;
+  ZL_RETURN_IF_ERROR(encode_frame(next.stamp(frame), keys_.send, &bytes, max_frame_bytes));
+  session_ = next;  // a frame that cannot be encoded uses no sequence number
+  return send_all(conn_.fd(), bytes.data(), bytes.size());
+}
 
 Status ReconnectingLink::wait_for_input(SteadyClock::time_point until, bool* readable) {
   *readable = false;
@@ -102,7 +115,10 @@ LinkReadResult ReconnectingLink::read_frames(const std::function<void(const Deco
       result.reason = popped.reason;
       return result;
     }
-    on_frame(decode_frame(popped.frame.data(), popped.frame.size(), key_, expect_));
+    const DecodeResult r =
+        decode_frame(popped.frame.data(), popped.frame.size(), keys_.receive, session_.expect(expect_));
+    if (r.ok()) session_.accepted = r.frame.seq;
+    on_frame(r);
   }
   return result;
 }

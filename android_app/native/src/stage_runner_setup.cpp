@@ -111,6 +111,7 @@ Status StageRunner::start_sender() {
   options.host = downstream.host;
   options.port = downstream.port;
   options.key = key_;
+  options.stage = static_cast<uint32_t>(c.stage_index);
   options.run_id = run_id_;
   options.max_in_flight = static_cast<size_t>(c.in_flight_depth);
   ZL_RETURN_IF_ERROR(link_profile_from_name(c.link_profile, &options.profile));
@@ -222,7 +223,8 @@ Status StageRunner::fall_back(const std::vector<int64_t>& windows, const Status&
   const int64_t replay_end = plan_.end_micro_batch(corrupt_window);
   const std::string target = *found ? "window " + std::to_string(older) : "the start of the run";
   if (!c.is_first_stage()) {
-    const InputLog input_log(c.input_log_dir, key_);
+    const InputLog input_log(c.input_log_dir,
+                             derive_frame_key(key_, KeyPurpose::kInputLog, static_cast<uint32_t>(c.stage_index)));
     for (int64_t mb = replay_from; mb < replay_end; ++mb) {
       const std::string entry = input_log.path_for(static_cast<uint64_t>(plan_.window_of(mb)),
                                                    static_cast<uint64_t>(mb));

@@ -191,6 +191,49 @@ Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
   return Status();
 }
 
+Status client_handshake(int fd, const LinkKeys& keys, const RunId& run_id, uint32_t stage,
+                        const FrameExpectation& expect, std::chrono::milliseconds timeout, SessionId* session) {
+  Frame hello = make_control_frame(FrameType::kHello, run_id, stage, 0, 0);
+  random_bytes(hello.session.data(), kSessionHalfSize);
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(write_frame(fd, hello, keys.send), "handshake: ");
+  DecodeResult r;
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_frame(fd, keys.receive, expect, timeout, &r), "handshake: ");
+  if (!r.ok()) return Status(StatusCode::kCorrupt, "handshake: the server's reply was rejected: " + r.reason);
+  const Frame& f = r.frame;
+  if (f.type == FrameType::kError) {
+    return Status(StatusCode::kCorrupt, "handshake: the server refused the connection: " + escape_bytes(f.json, 2000));
+  }
+  if (f.type != FrameType::kHello || f.seq != 0 ||
+      std::memcmp(f.session.data(), hello.session.data(), kSessionHalfSize) != 0) {
+    const char* type = frame_type_name(static_cast<uint16_t>(f.type));
+    return Status(StatusCode::kCorrupt,
+                  std::string("handshake: bad_handshake: expected the server's HELLO for this connection, got ") +
+                      (type ? type : "?") + " (sequence " + std::to_string(f.seq) + ", session " +
+                      to_hex(f.session.data(), kSessionSize) + ")");
+  }
+  *session = f.session;
+  return Status();
+}
+
+std::string server_handshake(const Frame& hello, const RunId& run_id, uint32_t stage,
+                             const std::array<uint8_t, kSessionHalfSize>& server_half, Frame* reply,
+                             SessionId* session) {
+  if (hello.type != FrameType::kHello) {
+    const char* type = frame_type_name(static_cast<uint16_t>(hello.type));
+    return std::string("bad_handshake: the first frame of a connection must be HELLO, not ") + (type ? type : "?");
+  }
+  if (hello.seq != 0) {
+    return "bad_handshake: HELLO with sequence number " + std::to_string(hello.seq) + ", expected 0";
+  }
+  SessionId id{};
+  std::memcpy(id.data(), hello.session.data(), kSessionHalfSize);
+  std::memcpy(id.data() + kSessionHalfSize, server_half.data(), kSessionHalfSize);
+  *reply = make_control_frame(FrameType::kHello, run_id, stage, 0, 0);
+  reply->session = id;
+  *session = id;
+  return {};
+}
+
 bool make_wake_pipe(int fds[2]) {
   if (::pipe(fds) != 0) return false;
   for (int i = 0; i < 2; ++i) {

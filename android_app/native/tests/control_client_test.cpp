@@ -1,12 +1,14 @@
 // ControlClient against a fake coordinator on loopback (a TcpListener plus
-// the frame codec): REGISTER then heartbeats with their fields and keyed
-// MACs, events queued while the coordinator is down, the queue bound, START /
-// STOP, bad frames, reconnects, and a prompt shutdown.
+// the frame codec): the session handshake, REGISTER then heartbeats with
+// their fields, sealed under the stage's control key, events queued while the
+// coordinator is down, the queue bound, START / STOP, bad and replayed
+// frames, reconnects, and a prompt shutdown.
 #include "zl/control_client.h"
 
 #include <poll.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <thread>
 
@@ -28,8 +30,12 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kStage = 2;
 
+/// The coordinator's keys for stage kStage's control channel.
+LinkKeys coordinator_keys() { return link_keys(test_key(), Channel::kControl, kStage, LinkEnd::kServer); }
+
 /// Plays the coordinator by hand: listens, accepts one connection at a time,
-/// checks every frame the stage sends (MAC under the run key, run id, stage).
+/// answers its HELLO, checks every frame the stage sends (tag under the
+/// stage's key, run id, stage, session, sequence).
 class FakeCoordinator {
  public:
   explicit FakeCoordinator(uint16_t port = 0) {
@@ -38,11 +44,24 @@ class FakeCoordinator {
   uint16_t port() const { return port_; }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
 
-  /// Waits for the stage to (re)connect; replaces any earlier connection.
+  /// Waits for the stage to (re)connect and answers its HELLO; replaces any earlier connection.
   bool accept(milliseconds timeout = 2000ms) {
     pollfd p{listener_.fd(), POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return false;
-    return accept_tcp(listener_, &conn_).ok();
+    if (!accept_tcp(listener_, &conn_).ok()) return false;
+    DecodeResult hello;
+    FrameExpectation expect;
+    expect.run_id = test_run();
+    expect.stage = kStage;
+    if (!read_frame(conn_.fd(), keys_.receive, expect, timeout, &hello).ok() || !hello.ok()) return false;
+    std::array<uint8_t, kSessionHalfSize> half{};
+    random_bytes(half.data(), half.size());
+    Frame reply;
+    session_ = SessionState{};
+    if (!server_handshake(hello.frame, test_run(), kCoordinatorStage, half, &reply, &session_.id).empty()) {
+      return false;
+    }
+    return write_frame(conn_.fd(), reply, keys_.send).ok();
   }
 
   /// The next frame from the stage.
@@ -52,12 +71,15 @@ class FakeCoordinator {
     expect.stage = kStage;
     DecodeResult r;
     std::vector<uint8_t> raw;
-    const Status s = read_frame(conn_.fd(), test_key(), expect, timeout, &r, &raw);
+    const Status s = read_frame(conn_.fd(), keys_.receive, session_.expect(expect), timeout, &r, &raw);
     if (!s.ok()) return ::testing::AssertionFailure() << "read: " << s.message();
     if (!r.ok()) return ::testing::AssertionFailure() << "decode: " << r.reason;
-    // The MAC is keyed: the same bytes do not verify under another key.
-    if (decode_frame(raw.data(), raw.size(), test_key(99)).error != FrameError::kBadMac) {
-      return ::testing::AssertionFailure() << "frame verifies under a wrong key";
+    session_.accepted = r.frame.seq;
+    // Sealed under this stage's key: the same bytes do not open under another.
+    for (const FrameKey& other : {test_key(), keys_.send, test_key(99)}) {
+      if (decode_frame(raw.data(), raw.size(), other).error != FrameError::kBadMac) {
+        return ::testing::AssertionFailure() << "frame opens under a wrong key";
+      }
     }
     *out = std::move(r.frame);
     return ::testing::AssertionSuccess();
@@ -82,7 +104,17 @@ class FakeCoordinator {
     return ::testing::AssertionFailure() << "timed out";
   }
 
-  void send(const Frame& f, const FrameKey& key = test_key()) { ASSERT_TRUE(write_frame(conn_.fd(), f, key).ok()); }
+  /// `f` in the session, with the next sequence number, sealed under `key` (default: the coordinator's).
+  void send(const Frame& f, const FrameKey* key = nullptr) {
+    ASSERT_TRUE(write_frame(conn_.fd(), session_.stamp(f), key ? *key : keys_.send).ok());
+  }
+  /// `f` as send() would seal it, for replays.
+  std::vector<uint8_t> sealed(const Frame& f) {
+    std::vector<uint8_t> bytes;
+    EXPECT_TRUE(encode_frame(session_.stamp(f), keys_.send, &bytes).ok());
+    return bytes;
+  }
+  SessionState& session() { return session_; }
   void send_bytes(const std::string& bytes) {
     ASSERT_TRUE(send_all(conn_.fd(), reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()).ok());
   }
@@ -96,6 +128,8 @@ class FakeCoordinator {
   Socket conn_;
   Socket listener_;
   uint16_t port_ = 0;
+  LinkKeys keys_ = coordinator_keys();
+  SessionState session_;
 };
 
 Frame from_coordinator(FrameType type, const std::string& payload = "{}") {
@@ -325,8 +359,9 @@ TEST(ControlClientTest, BadFramesAreRejectedAndTheClientKeepsRunning) {
   Frame f;
   ASSERT_TRUE(coordinator.next_of(FrameType::kRegister, &f));
 
-  // Under another key: bad MAC, skipped; the stream stays in sync.
-  coordinator.send(from_coordinator(FrameType::kStop), test_key(99));
+  // Under another key: bad tag, skipped; the stream stays in sync.
+  const FrameKey wrong = test_key(99);
+  coordinator.send(from_coordinator(FrameType::kStop), &wrong);
   ASSERT_TRUE(eventually([&] { return client.stats().rejected == 1; }));
   EXPECT_EQ(client.stats().last_reject_reason.rfind("bad_mac", 0), 0u) << client.stats().last_reject_reason;
   // From a stage rather than the coordinator, and from another run.
@@ -342,16 +377,55 @@ TEST(ControlClientTest, BadFramesAreRejectedAndTheClientKeepsRunning) {
   EXPECT_FALSE(client.stop_flag()->load());
   ASSERT_TRUE(coordinator.next_of(FrameType::kHeartbeat, &f));  // same connection still serves
   EXPECT_EQ(client.stats().connects, 1u);
+  // Another session's STOP, and a sequence number used already (issue 12 item 3).
+  SessionState saved = coordinator.session();
+  coordinator.session().id[0] ^= 1;
+  coordinator.send(from_coordinator(FrameType::kStop));
+  ASSERT_TRUE(eventually([&] { return client.stats().rejected == 4; }));
+  EXPECT_EQ(client.stats().last_reject_reason.rfind("wrong_session", 0), 0u) << client.stats().last_reject_reason;
+  coordinator.session() = saved;
+  coordinator.session().sent = 1;
+  coordinator.send(from_coordinator(FrameType::kStop));
+  ASSERT_TRUE(eventually([&] { return client.stats().rejected == 5; }));
+  EXPECT_EQ(client.stats().last_reject_reason.rfind("replay", 0), 0u) << client.stats().last_reject_reason;
+  coordinator.session() = saved;
+  EXPECT_FALSE(client.stop_flag()->load());
 
   // Garbage: frame boundaries are lost, so the client reconnects and registers again.
   coordinator.send_bytes(std::string(80, 'x'));
-  ASSERT_TRUE(eventually([&] { return client.stats().rejected == 4; }));
+  ASSERT_TRUE(eventually([&] { return client.stats().rejected == 6; }));
   EXPECT_EQ(client.stats().last_reject_reason.rfind("bad_magic", 0), 0u) << client.stats().last_reject_reason;
   ASSERT_TRUE(coordinator.accept());
   ASSERT_TRUE(coordinator.next(&f));
   EXPECT_EQ(f.type, FrameType::kRegister);
   EXPECT_EQ(payload(f)["reconnects"], 1);
   coordinator.send(from_coordinator(FrameType::kStop));
+  EXPECT_TRUE(eventually([&] { return client.stop_flag()->load(); }));
+}
+
+// Issue 12 item 3: a STOP recorded on one connection, replayed on the next
+// (a new session), does not stop the stage.
+TEST(ControlClientTest, ACommandRecordedOnAnEarlierConnectionIsRejected) {
+  const uint16_t port = free_port();
+  ControlClient client(client_options(port));
+  ASSERT_TRUE(client.start().ok());
+  std::vector<uint8_t> recorded;
+  {
+    FakeCoordinator first(port);
+    ASSERT_TRUE(first.accept());
+    Frame f;
+    ASSERT_TRUE(first.next_of(FrameType::kRegister, &f));
+    recorded = first.sealed(from_coordinator(FrameType::kStop));  // what a STOP on that connection looked like
+  }
+  FakeCoordinator second(port);
+  ASSERT_TRUE(second.accept());
+  Frame f;
+  ASSERT_TRUE(second.next_of(FrameType::kRegister, &f));
+  second.send_bytes(std::string(recorded.begin(), recorded.end()));
+  ASSERT_TRUE(eventually([&] { return client.stats().rejected == 1; }));
+  EXPECT_EQ(client.stats().last_reject_reason.rfind("wrong_session", 0), 0u) << client.stats().last_reject_reason;
+  EXPECT_FALSE(client.stop_flag()->load());
+  second.send(from_coordinator(FrameType::kStop));
   EXPECT_TRUE(eventually([&] { return client.stop_flag()->load(); }));
 }
 

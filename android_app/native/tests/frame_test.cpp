@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 
@@ -13,7 +14,8 @@ namespace zl {
 namespace {
 
 using testing::data_frame;
-using testing::re_mac;
+using testing::plain_frame;
+using testing::reseal;
 using testing::test_key;
 using testing::test_run;
 
@@ -54,8 +56,8 @@ TEST(FrameTest, DataRoundTripKeepsIdsAndTensors) {
   ASSERT_NE(labels, nullptr);
   EXPECT_EQ(labels->dtype, DType::kInt64);
   EXPECT_EQ(reinterpret_cast<const int64_t*>(labels->data.data())[0], -1);
-  // Header 64 + MAC 32 + 3 records (16 + name + 8 * rank + payload).
-  const size_t expected = 64 + 32 + (16 + 6 + 24 + 2 * 5 * 8 * 4) + (16 + 14 + 16 + 80) +
+  // Header 128 + tag 16 + 3 records (16 + name + 8 * rank + payload).
+  const size_t expected = 128 + 16 + (16 + 6 + 24 + 2 * 5 * 8 * 4) + (16 + 14 + 16 + 80) +
                           (16 + 6 + 16 + 80);
   EXPECT_EQ(bytes.size(), expected);
 }
@@ -69,13 +71,16 @@ TEST(FrameTest, ControlFrameCarriesJson) {
   EXPECT_EQ(r.frame.type, FrameType::kHeartbeat);
   EXPECT_EQ(r.frame.json, f.json);
   EXPECT_TRUE(r.frame.tensors.empty());
-  EXPECT_EQ(bytes.size(), kFrameHeaderSize + f.json.size() + kFrameMacSize);
+  EXPECT_EQ(bytes.size(), kFrameHeaderSize + f.json.size() + kFrameTagSize);
 }
 
 TEST(FrameTest, HeaderLayoutMatchesProtocolDoc) {
-  const auto bytes = encode(data_frame(0x0102, 0x0a0b, 1, 1, 1, 0x33));
+  Frame f = data_frame(0x0102, 0x0a0b, 1, 1, 1, 0x33);
+  for (size_t i = 0; i < kSessionSize; ++i) f.session[i] = static_cast<uint8_t>(0xc0 + i);
+  f.seq = 0x0605;
+  const auto bytes = plain_frame(f);
   EXPECT_EQ(std::string(bytes.begin(), bytes.begin() + 4), "ZLFR");
-  EXPECT_EQ(bytes[4], 1);     // version
+  EXPECT_EQ(bytes[4], 2);     // version
   EXPECT_EQ(bytes[6], 1);     // type DATA
   EXPECT_EQ(bytes[8] | (bytes[9] << 8), static_cast<int>(bytes.size()));  // total_length
   EXPECT_EQ(bytes[32], 0x33);  // stage
@@ -83,19 +88,99 @@ TEST(FrameTest, HeaderLayoutMatchesProtocolDoc) {
   EXPECT_EQ(bytes[40], 0x02);  // window, little-endian
   EXPECT_EQ(bytes[41], 0x01);
   EXPECT_EQ(bytes[48], 0x0b);  // micro_batch
-  EXPECT_EQ(bytes[64], static_cast<uint8_t>(DType::kFloat32));  // first record's dtype
-  EXPECT_EQ(bytes[65], 3);                                       // rank
+  EXPECT_EQ(bytes[64], 0xc0);  // session
+  EXPECT_EQ(bytes[95], 0xc0 + 31);
+  EXPECT_EQ(bytes[96], 0x05);  // seq
+  EXPECT_EQ(bytes[97], 0x06);
+  EXPECT_EQ(bytes[128], static_cast<uint8_t>(DType::kFloat32));  // first record's dtype (in the plaintext)
+  EXPECT_EQ(bytes[129], 3);                                       // rank
 }
 
-TEST(FrameTest, CorruptByteFailsMac) {
-  auto bytes = encode(data_frame(0, 1));
-  bytes[kFrameHeaderSize + 40] ^= 0x01;  // inside the first tensor record
-  const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
-  EXPECT_EQ(r.error, FrameError::kBadMac);
-  EXPECT_NE(r.reason.find("MAC does not verify"), std::string::npos) << r.reason;
+TEST(FrameTest, CorruptByteFailsTheTag) {
+  const auto good = encode(data_frame(0, 1));
+  // The header (associated data), the nonce, the ciphertext, the tag.
+  for (size_t pos : {size_t{20}, size_t{70}, size_t{100}, size_t{110}, kFrameHeaderSize + 40, good.size() - 1}) {
+    auto bytes = good;
+    bytes[pos] ^= 0x01;
+    const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
+    EXPECT_EQ(r.error, FrameError::kBadMac) << pos;
+    EXPECT_NE(r.reason.find("authentication tag does not verify"), std::string::npos) << r.reason;
+  }
 }
 
-TEST(FrameTest, CorruptMacFails) {
+// Issue 12 item 1: hidden states, labels and payloads are not on the wire in
+// clear (a MAC-only frame carried them verbatim).
+TEST(FrameTest, PayloadAndTensorsAreEncrypted) {
+  Frame f = data_frame(0, 1, 1, 3, 4);
+  f.json = R"({"secret":"the prompt"})";
+  const std::vector<uint8_t> labels = f.find("labels")->data;
+  const std::vector<uint8_t> hidden(f.find("hidden")->data.begin(), f.find("hidden")->data.begin() + 16);
+  const auto bytes = encode(f);
+  const auto contains = [&](const std::vector<uint8_t>& needle) {
+    return std::search(bytes.begin(), bytes.end(), needle.begin(), needle.end()) != bytes.end();
+  };
+  EXPECT_FALSE(contains(labels));
+  EXPECT_FALSE(contains(hidden));
+  EXPECT_FALSE(contains(std::vector<uint8_t>{'p', 'r', 'o', 'm', 'p', 't'}));
+  EXPECT_FALSE(contains(std::vector<uint8_t>{'l', 'a', 'b', 'e', 'l', 's'}));
+  // A fresh nonce per frame: the same frame never encrypts the same way twice.
+  const auto again = encode(f);
+  EXPECT_NE(std::vector<uint8_t>(again.begin() + 104, again.end()), std::vector<uint8_t>(bytes.begin() + 104, bytes.end()));
+  const DecodeResult r = decode_frame(again.data(), again.size(), test_key());
+  ASSERT_TRUE(r.ok()) << r.reason;
+  EXPECT_EQ(r.frame.find("labels")->data, labels);
+  EXPECT_EQ(r.frame.json, f.json);
+}
+
+TEST(FrameTest, KeysDifferPerChannelLinkAndDirection) {
+  // libsodium crypto_kdf_derive_from_key(32, 3 << 32 | 7, "zl-frame", 00 01 .. 1f): the vector
+  // tests/test_frames.py checks the Python twin against.
+  FrameKey run{};
+  for (size_t i = 0; i < run.size(); ++i) run[i] = static_cast<uint8_t>(i);
+  const FrameKey k = derive_frame_key(run, KeyPurpose::kControlUp, 7);
+  EXPECT_EQ(to_hex(k.data(), k.size()), "5376c0db9442a4e9d170008194efb27793ca068d71379deced2c16d1dcf6667d");
+  const LinkKeys client = link_keys(run, Channel::kData, 2, LinkEnd::kClient);
+  const LinkKeys server = link_keys(run, Channel::kData, 2, LinkEnd::kServer);
+  EXPECT_EQ(client.send, server.receive);
+  EXPECT_EQ(client.receive, server.send);
+  EXPECT_NE(client.send, client.receive);
+  EXPECT_EQ(client.send, derive_frame_key(run, KeyPurpose::kDataDown, 2));
+  const auto bytes = encode(data_frame(0, 1), client.send);
+  EXPECT_TRUE(decode_frame(bytes.data(), bytes.size(), server.receive).ok());
+  for (const FrameKey& other : {client.receive, link_keys(run, Channel::kData, 1, LinkEnd::kServer).receive,
+                                link_keys(run, Channel::kControl, 2, LinkEnd::kServer).receive,
+                                derive_frame_key(run, KeyPurpose::kInputLog, 3), run}) {
+    EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), other).error, FrameError::kBadMac);
+  }
+}
+
+// Issue 12 item 3: a frame of another connection (session) or with a
+// sequence number already used is rejected, and neither can be rewritten.
+TEST(FrameTest, SessionAndSequenceAreChecked) {
+  Frame f = make_control_frame(FrameType::kHeartbeat, test_run(), 0, 0, 0, "{}");
+  f.session.fill(0x11);
+  f.seq = 5;
+  auto bytes = encode(f);
+  FrameExpectation e;
+  e.session = f.session;
+  e.min_seq = 5;
+  DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key(), e);
+  ASSERT_TRUE(r.ok()) << r.reason;
+  EXPECT_EQ(r.frame.session, f.session);
+  EXPECT_EQ(r.frame.seq, 5u);
+  e.min_seq = 6;
+  r = decode_frame(bytes.data(), bytes.size(), test_key(), e);
+  EXPECT_EQ(r.error, FrameError::kReplay);
+  EXPECT_NE(r.reason.find("sequence number 5 was used already"), std::string::npos) << r.reason;
+  e.min_seq = 0;
+  e.session->fill(0x22);
+  r = decode_frame(bytes.data(), bytes.size(), test_key(), e);
+  EXPECT_EQ(r.error, FrameError::kWrongSession);
+  bytes[96] = 9;  // the sequence number is authenticated
+  EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error, FrameError::kBadMac);
+}
+
+TEST(FrameTest, CorruptTagFails) {
   auto bytes = encode(data_frame(0, 1));
   bytes.back() ^= 0x80;
   EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error, FrameError::kBadMac);
@@ -110,7 +195,7 @@ TEST(FrameTest, WrongKeyFailsMac) {
 
 TEST(FrameTest, TruncatedFramesAreRejected) {
   const auto bytes = encode(data_frame(0, 1));
-  for (size_t n : {size_t{0}, size_t{3}, size_t{10}, size_t{63}, bytes.size() - 1}) {
+  for (size_t n : {size_t{0}, size_t{3}, size_t{10}, size_t{127}, bytes.size() - 1}) {
     const DecodeResult r = decode_frame(bytes.data(), n, test_key());
     EXPECT_EQ(r.error, FrameError::kTruncated) << "size " << n << ": " << r.reason;
   }
@@ -134,19 +219,23 @@ TEST(FrameTest, BadMagicIsRejected) {
   EXPECT_NE(r.reason.find("ZLFR"), std::string::npos) << r.reason;
 }
 
-TEST(FrameTest, WrongVersionIsRejectedEvenWithAValidMac) {
-  auto bytes = encode(data_frame(0, 1));
-  bytes[4] = 2;
-  re_mac(&bytes, test_key());
-  const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
+TEST(FrameTest, WrongVersionIsRejectedEvenWithAValidTag) {
+  auto bytes = plain_frame(data_frame(0, 1));
+  bytes[4] = 3;
+  reseal(&bytes, test_key());
+  DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
   EXPECT_EQ(r.error, FrameError::kBadVersion);
-  EXPECT_NE(r.reason.find("version 2"), std::string::npos) << r.reason;
+  EXPECT_NE(r.reason.find("version 3, this build speaks version 2"), std::string::npos) << r.reason;
+  bytes[4] = 1;  // the MAC-only format before issue 12
+  r = decode_frame(bytes.data(), bytes.size(), test_key());
+  EXPECT_EQ(r.error, FrameError::kBadVersion);
+  EXPECT_NE(r.reason.find("only MACed, not encrypted"), std::string::npos) << r.reason;
 }
 
 TEST(FrameTest, UnknownTypeIsRejected) {
-  auto bytes = encode(data_frame(0, 1));
+  auto bytes = plain_frame(data_frame(0, 1));
   bytes[6] = 99;
-  re_mac(&bytes, test_key());
+  reseal(&bytes, test_key());
   const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
   EXPECT_EQ(r.error, FrameError::kUnknownType);
   EXPECT_NE(r.reason.find("99"), std::string::npos) << r.reason;
@@ -193,32 +282,32 @@ TEST(FrameTest, UnexpectedDtypeOrMissingTensorIsRejected) {
 }
 
 TEST(FrameTest, PayloadSizeThatContradictsTheShapeIsABadTensor) {
-  auto bytes = encode(data_frame(0, 1, 1, 3, 4));
-  // First record: shape dim 2 at 64 + 16 + 6 ("hidden") + 16; make it 5.
+  auto bytes = plain_frame(data_frame(0, 1, 1, 3, 4));
+  // First record: shape dim 2 at 128 + 16 + 6 ("hidden") + 16; make it 5.
   bytes[kFrameHeaderSize + 16 + 6 + 16] = 5;
-  re_mac(&bytes, test_key());
+  reseal(&bytes, test_key());
   const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
   EXPECT_EQ(r.error, FrameError::kBadTensor);
   EXPECT_NE(r.reason.find("[1,3,5]"), std::string::npos) << r.reason;
 }
 
 TEST(FrameTest, LyingInnerLengthsAreRejectedWithoutOverreading) {
-  auto bytes = encode(data_frame(0, 1));
+  auto bytes = plain_frame(data_frame(0, 1));
   bytes[56] = 0xff;  // json_length = 0xff... past the end
   bytes[57] = 0xff;
-  re_mac(&bytes, test_key());
+  reseal(&bytes, test_key());
   EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error,
             FrameError::kLengthMismatch);
 
-  bytes = encode(data_frame(0, 1));
+  bytes = plain_frame(data_frame(0, 1));
   bytes[36] = 200;  // tensor_count
-  re_mac(&bytes, test_key());
+  reseal(&bytes, test_key());
   EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error,
             FrameError::kLengthMismatch);
 
-  bytes = encode(data_frame(0, 1));
+  bytes = plain_frame(data_frame(0, 1));
   bytes[kFrameHeaderSize + 15] = 0x7f;  // payload_length of record 0: huge
-  re_mac(&bytes, test_key());
+  reseal(&bytes, test_key());
   EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error,
             FrameError::kLengthMismatch);
 }
@@ -228,9 +317,9 @@ TEST(FrameTest, InvalidJsonPayloadIsRejected) {
   std::vector<uint8_t> bytes;
   const Frame f = make_control_frame(FrameType::kError, test_run(), 0, 0, 0, "{not json");
   EXPECT_EQ(encode_frame(f, test_key(), &bytes).code(), StatusCode::kInvalidArgument);
-  bytes = encode(make_control_frame(FrameType::kError, test_run(), 0, 0, 0, "{\"a\":\"xx\"}"));
+  bytes = plain_frame(make_control_frame(FrameType::kError, test_run(), 0, 0, 0, "{\"a\":\"xx\"}"));
   std::memcpy(bytes.data() + kFrameHeaderSize, "{not json", 9);
-  re_mac(&bytes, test_key());
+  reseal(&bytes, test_key());
   EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error, FrameError::kBadPayload);
 }
 
@@ -260,31 +349,36 @@ TEST(FrameTest, EncodeRejectsDataThatDoesNotMatchTheShape) {
 // altered frame and never read out of bounds (run under ASan to see it).
 TEST(FrameTest, RandomCorruptionNeverCrashesAndIsAlwaysRejected) {
   const auto good = encode(data_frame(1, 2, 1, 4, 4));
+  const auto good_plain = plain_frame(data_frame(1, 2, 1, 4, 4));
   std::mt19937 rng(1234);
   for (int i = 0; i < 3000; ++i) {
-    auto bytes = good;
-    const size_t pos = rng() % bytes.size();
+    // Every third edit is made to the plaintext and sealed again, to also exercise the parser.
+    auto bytes = i % 3 == 0 ? good_plain : good;
+    const size_t pos = rng() % (bytes.size() - (i % 3 == 0 ? kFrameTagSize : 0));
     const uint8_t flip = static_cast<uint8_t>(1 + rng() % 255);
     bytes[pos] ^= flip;
-    if (i % 3 == 0) re_mac(&bytes, test_key());  // also exercise post-MAC parsing
+    if (i % 3 == 0) reseal(&bytes, test_key());
     const size_t size = (i % 5 == 0) ? rng() % bytes.size() : bytes.size();
     const DecodeResult r = decode_frame(bytes.data(), size, test_key());
     if (!r.ok()) {
       EXPECT_FALSE(r.reason.empty());
       continue;
     }
-    // Only a re-MACed edit of a field without constraints may still decode.
+    // Only a re-sealed edit of a field without constraints may still decode.
     EXPECT_EQ(i % 3, 0) << "unsigned edit at " << pos << " was accepted";
   }
 }
 
 TEST(FrameTest, NamesAndHelpers) {
   EXPECT_STREQ(frame_type_name(20), "WINDOW_COMMITTED");
-  EXPECT_EQ(frame_type_name(3), nullptr);
+  EXPECT_STREQ(frame_type_name(3), "HELLO");
+  EXPECT_EQ(frame_type_name(4), nullptr);
   FrameType t{};
   EXPECT_TRUE(parse_frame_type("heartbeat", &t));
   EXPECT_EQ(t, FrameType::kHeartbeat);
   EXPECT_STREQ(frame_error_name(FrameError::kUnexpectedTensor), "unexpected_tensor");
+  EXPECT_STREQ(frame_error_name(FrameError::kWrongSession), "wrong_session");
+  EXPECT_STREQ(frame_error_name(FrameError::kReplay), "replay");
   FrameKey k{};
   EXPECT_TRUE(parse_hex_key(std::string(64, 'a'), &k));
   EXPECT_EQ(k[0], 0xaa);
@@ -295,9 +389,9 @@ TEST(FrameTest, NamesAndHelpers) {
 
 // --- The payload and tensor rule (PROTOCOL.md §5), issue 12 items 8 and 9 ---
 
-constexpr size_t kMinFrameSizeForTests = kFrameHeaderSize + kFrameMacSize;
+constexpr size_t kMinFrameSizeForTests = kFrameHeaderSize + kFrameTagSize;
 
-// A signed frame from raw parts (the encoder refuses what the rule forbids).
+// A sealed frame from raw parts (the encoder refuses what the rule forbids).
 std::vector<uint8_t> raw_frame(FrameType type, const std::string& json,
                                const std::vector<std::vector<uint8_t>>& records = {}) {
   Frame f = make_control_frame(type, test_run(), 0, 0, 0);
@@ -306,14 +400,14 @@ std::vector<uint8_t> raw_frame(FrameType type, const std::string& json,
   bytes.resize(kFrameHeaderSize);
   bytes.insert(bytes.end(), json.begin(), json.end());
   for (const auto& r : records) bytes.insert(bytes.end(), r.begin(), r.end());
-  bytes.resize(bytes.size() + kFrameMacSize);
+  bytes.resize(bytes.size() + kFrameTagSize);
   const auto put32 = [&](size_t off, uint32_t v) {
     for (int i = 0; i < 4; ++i) bytes[off + i] = static_cast<uint8_t>(v >> (8 * i));
   };
   put32(8, static_cast<uint32_t>(bytes.size()));
   put32(36, static_cast<uint32_t>(records.size()));
   put32(56, static_cast<uint32_t>(json.size()));
-  re_mac(&bytes, test_key());
+  reseal(&bytes, test_key());
   return bytes;
 }
 
@@ -423,16 +517,17 @@ TEST(FrameRuleTest, FuzzedFramesDecodeOnlyWhenCanonical) {
   std::mt19937_64 rng(20261130);
   const std::vector<std::string> payloads = {"", "{}", "{\"a\":[1,2,{\"b\":null}],\"c\":\"\\u00e9\"}",
                                              "{\"micro_batches_done\":7,\"pss_mib\":12.5}"};
-  std::vector<std::vector<uint8_t>> seeds;
-  seeds.push_back(encode(data_frame(1, 2, 1, 3, 4)));
-  for (const auto& p : payloads) seeds.push_back(encode(make_control_frame(FrameType::kHeartbeat, test_run(), 0, 1, 2, p)));
+  std::vector<std::vector<uint8_t>> seeds;  // plaintext forms
+  seeds.push_back(plain_frame(data_frame(1, 2, 1, 3, 4)));
+  for (const auto& p : payloads) seeds.push_back(plain_frame(make_control_frame(FrameType::kHeartbeat, test_run(), 0, 1, 2, p)));
   size_t accepted = 0;
   for (int i = 0; i < 12000; ++i) {
     std::vector<uint8_t> bytes = seeds[rng() % seeds.size()];
-    const size_t body = bytes.size() - kFrameMacSize;
+    const size_t body = bytes.size() - kFrameTagSize;
     bool sign = true;
     switch (rng() % 6) {
-      case 0:  // bit flips, not re-signed
+      case 0:  // bit flips of the sealed frame
+        reseal(&bytes, test_key());
         sign = false;
         [[fallthrough]];
       case 1:
@@ -446,10 +541,12 @@ TEST(FrameRuleTest, FuzzedFramesDecodeOnlyWhenCanonical) {
         }
         break;
       case 3:  // truncated
+        reseal(&bytes, test_key());
         bytes.resize(rng() % bytes.size());
         sign = false;
         break;
       case 4:  // extended
+        reseal(&bytes, test_key());
         bytes.resize(bytes.size() + 1 + rng() % 64, static_cast<uint8_t>(rng()));
         sign = false;
         break;
@@ -459,7 +556,7 @@ TEST(FrameRuleTest, FuzzedFramesDecodeOnlyWhenCanonical) {
         }
         break;
     }
-    if (sign && bytes.size() >= kMinFrameSizeForTests) re_mac(&bytes, test_key());
+    if (sign && bytes.size() >= kMinFrameSizeForTests) reseal(&bytes, test_key());
     const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key());
     if (!r.ok()) {
       ASSERT_FALSE(r.reason.empty());
@@ -469,6 +566,11 @@ TEST(FrameRuleTest, FuzzedFramesDecodeOnlyWhenCanonical) {
     ++accepted;
     std::vector<uint8_t> again;
     ASSERT_TRUE(encode_frame(r.frame, test_key(), &again).ok()) << i;
+    // The same plaintext sealed with the frame's nonce: byte for byte the frame.
+    ASSERT_TRUE(open_frame(again.data(), again.size(), test_key()));
+    std::copy(bytes.begin() + (kFrameHeaderSize - kFrameNonceSize), bytes.begin() + kFrameHeaderSize,
+              again.begin() + (kFrameHeaderSize - kFrameNonceSize));
+    reseal(&again, test_key());
     ASSERT_EQ(again, bytes) << "frame " << i << " decoded but is not what the encoder writes";
   }
   EXPECT_GT(accepted, 100u);

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "zl/frame.h"
 
 namespace zl::testing {
@@ -41,11 +43,18 @@ inline Frame data_frame(uint64_t window, uint64_t mb, int64_t b = 1, int64_t s =
   return make_data_frame(run, stage, window, mb, b, s, d, hidden.data(), mask.data(), labels.data());
 }
 
-/// Recomputes the MAC after a test edited the frame body on purpose.
-inline void re_mac(std::vector<uint8_t>* bytes, const FrameKey& key) {
-  const size_t body = bytes->size() - kFrameMacSize;
-  const auto mac = frame_mac(bytes->data(), body, key);
-  std::memcpy(bytes->data() + body, mac.data(), mac.size());
+/// A frame's plaintext form (encoded, then opened): a test edits it, then
+/// reseal()s it -- a frame altered by a holder of the key.
+inline std::vector<uint8_t> plain_frame(const Frame& f, const FrameKey& key = test_key()) {
+  std::vector<uint8_t> bytes;
+  EXPECT_TRUE(encode_frame(f, key, &bytes).ok());
+  EXPECT_TRUE(open_frame(bytes.data(), bytes.size(), key));
+  return bytes;
+}
+
+/// Seals a plaintext form again after a test edited it on purpose.
+inline void reseal(std::vector<uint8_t>* bytes, const FrameKey& key) {
+  seal_frame(bytes->data(), bytes->size(), key);
 }
 
 /// A fresh directory under $TMPDIR (or /tmp), removed by the destructor.

@@ -7,6 +7,8 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <memory>
 #include <cstring>
@@ -59,22 +61,53 @@ bool file_exists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-// Plays an upstream by hand: one raw connection to the receiver.
+// The keys of the link 0 -> 1 at its upstream (client) and downstream (server) end.
+LinkKeys upstream_keys() { return link_keys(test_key(), Channel::kData, 0, LinkEnd::kClient); }
+LinkKeys downstream_keys() { return link_keys(test_key(), Channel::kData, 0, LinkEnd::kServer); }
+
+// Plays an upstream by hand: one raw connection to the receiver, after the
+// handshake (unless `handshake` is false) frames stamped with its session.
 struct RawUpstream {
   Socket sock;
-  explicit RawUpstream(uint16_t port) {
+  SessionState session;
+  LinkKeys keys = upstream_keys();
+  std::vector<uint8_t> sent;  // every byte written, for replay tests
+  explicit RawUpstream(uint16_t port, bool handshake = true) {
     EXPECT_TRUE(connect_tcp("127.0.0.1", port, 1000ms, &sock).ok());
+    if (handshake) {
+      const Status s = client_handshake(sock.fd(), keys, test_run(), 0, {}, 2000ms, &session.id);
+      EXPECT_TRUE(s.ok()) << s.message();
+    }
   }
-  void send_bytes(const std::vector<uint8_t>& b) { ASSERT_TRUE(send_all(sock.fd(), b.data(), b.size()).ok()); }
-  void send(const Frame& f, const FrameKey& key = test_key()) {
-    ASSERT_TRUE(write_frame(sock.fd(), f, key).ok());
+  void send_bytes(const std::vector<uint8_t>& b) {
+    sent.insert(sent.end(), b.begin(), b.end());
+    ASSERT_TRUE(send_all(sock.fd(), b.data(), b.size()).ok());
   }
+  /// `f` stamped with the session and the next sequence number, sealed under `key`.
+  std::vector<uint8_t> sealed(const Frame& f, const FrameKey* key = nullptr) {
+    std::vector<uint8_t> bytes;
+    EXPECT_TRUE(encode_frame(session.stamp(f), key ? *key : keys.send, &bytes).ok());
+    return bytes;
+  }
+  void send(const Frame& f) { send_bytes(sealed(f)); }
   DecodeResult reply(Status* status) {
     DecodeResult r;
-    *status = read_frame(sock.fd(), test_key(), {}, 2000ms, &r);
+    *status = read_frame(sock.fd(), keys.receive, {}, 2000ms, &r);
     return r;
   }
 };
+
+// Plays a downstream by hand on an accepted connection: the server's
+// handshake; then `session` stamps its frames.
+bool accept_handshake(const Socket& conn, SessionState* session, uint8_t server_half = 0x5e) {
+  DecodeResult hello;
+  if (!read_frame(conn.fd(), downstream_keys().receive, {}, 2000ms, &hello).ok() || !hello.ok()) return false;
+  std::array<uint8_t, kSessionHalfSize> half{};
+  half.fill(server_half);
+  Frame reply;
+  if (!server_handshake(hello.frame, test_run(), 1, half, &reply, &session->id).empty()) return false;
+  return write_frame(conn.fd(), reply, downstream_keys().send).ok();
+}
 
 TEST(PeerLinkTest, DeliversEntriesInMicroBatchOrder) {
   TempDir dir;
@@ -153,16 +186,29 @@ TEST(PeerLinkTest, BadFramesAreRejectedAndTheReceiverKeepsServing) {
     std::string reason;
   };
   std::vector<Case> cases;
-  std::vector<uint8_t> b;
-  ASSERT_TRUE(encode_frame(data_frame(0, 0), test_key(9), &b).ok());
-  cases.push_back({"wrong key", b, "bad_mac"});
-  ASSERT_TRUE(encode_frame(data_frame(0, 0, 1, 3, 8), test_key(), &b).ok());
-  cases.push_back({"wrong shape", b, "unexpected_tensor"});
-  ASSERT_TRUE(encode_frame(data_frame(0, 0, kB, kS, kD, 0, test_run(2)), test_key(), &b).ok());
-  cases.push_back({"wrong run", b, "wrong_run"});
+  const FrameKey wrong_key = test_key(9);
+  const FrameKey other_direction = upstream_keys().receive;
+  cases.push_back({"wrong key", {}, "bad_mac"});
+  cases.push_back({"key of the other direction", {}, "bad_mac"});
+  cases.push_back({"wrong shape", {}, "unexpected_tensor"});
+  cases.push_back({"wrong run", {}, "wrong_run"});
   cases.push_back({"garbage", std::vector<uint8_t>(100, 'x'), "bad_magic"});
+  cases.push_back({"another session", {}, "wrong_session"});
+  cases.push_back({"a used sequence number", {}, "replay"});
   for (size_t i = 0; i < cases.size(); ++i) {
     RawUpstream bad(receiver.port());
+    if (i == 0) cases[i].bytes = bad.sealed(data_frame(0, 0), &wrong_key);
+    if (i == 1) cases[i].bytes = bad.sealed(data_frame(0, 0), &other_direction);
+    if (i == 2) cases[i].bytes = bad.sealed(data_frame(0, 0, 1, 3, 8));
+    if (i == 3) cases[i].bytes = bad.sealed(data_frame(0, 0, kB, kS, kD, 0, test_run(2)));
+    if (i == 5) {
+      bad.session.id[20] ^= 1;
+      cases[i].bytes = bad.sealed(data_frame(0, 0));
+    }
+    if (i == 6) {
+      bad.session.sent = -1;  // the next one stamped is 0, the HELLO's
+      cases[i].bytes = bad.sealed(data_frame(0, 0));
+    }
     bad.send_bytes(cases[i].bytes);
     Status s;
     const DecodeResult r = bad.reply(&s);
@@ -197,14 +243,14 @@ TEST(PeerLinkTest, SignedFrameWithAnInvalidUtf8NameIsRejectedWithoutACrash) {
     // overwrite it and re-sign, as a key holder could.
     Frame f = data_frame(0, 0);
     f.tensors[0].name = std::string(name.size(), 'h');
-    std::vector<uint8_t> bytes;
-    ASSERT_TRUE(encode_frame(f, test_key(), &bytes).ok());
+    RawUpstream bad(receiver.port());
+    std::vector<uint8_t> bytes = bad.sealed(f);
+    ASSERT_TRUE(open_frame(bytes.data(), bytes.size(), bad.keys.send));
     std::memcpy(bytes.data() + kFrameHeaderSize + kTensorRecordHeaderSize, name.data(), name.size());
     // And a first dim of 2 that its bytes do not fill: the old reason ("tensor
     // '<raw name>' has shape [2,3,4] ...") went into a JSON dump and threw.
     bytes[kFrameHeaderSize + kTensorRecordHeaderSize + name.size()] = 2;
-    testing::re_mac(&bytes, test_key());
-    RawUpstream bad(receiver.port());
+    testing::reseal(&bytes, bad.keys.send);
     bad.send_bytes(bytes);
     Status s;
     const DecodeResult r = bad.reply(&s);
@@ -234,7 +280,7 @@ TEST(PeerLinkTest, UnauthenticatedConnectionsDoNotReplaceTheUpstream) {
   // A flood of connections: silent, garbage, and signed under another key.
   std::vector<std::unique_ptr<RawUpstream>> flood;
   for (int i = 0; i < 30; ++i) {
-    flood.push_back(std::make_unique<RawUpstream>(receiver.port()));
+    flood.push_back(std::make_unique<RawUpstream>(receiver.port(), /*handshake=*/false));
     std::vector<uint8_t> bytes(80, 'x');
     if (i % 3 == 2) ASSERT_TRUE(encode_frame(data_frame(0, 50), test_key(9), &bytes).ok());
     // The receiver may already have closed it (the oldest waiting are dropped).
@@ -265,7 +311,7 @@ TEST(PeerLinkTest, NewcomersThatNeverAuthenticateAreClosed) {
   ro.max_candidates = 2;
   Receiver receiver(ro);
   ASSERT_TRUE(receiver.start().ok());
-  RawUpstream silent(receiver.port());
+  RawUpstream silent(receiver.port(), /*handshake=*/false);
   // Half a frame header: it never completes.
   silent.send_bytes(std::vector<uint8_t>(kFrameMagic.begin(), kFrameMagic.end()));
   pollfd p{silent.sock.fd(), POLLIN, 0};
@@ -273,7 +319,7 @@ TEST(PeerLinkTest, NewcomersThatNeverAuthenticateAreClosed) {
   uint8_t b = 0;
   EXPECT_EQ(::recv(silent.sock.fd(), &b, 1, 0), 0);
   // Over the cap the oldest waiting connection goes first.
-  RawUpstream a(receiver.port()), b2(receiver.port()), c(receiver.port());
+  RawUpstream a(receiver.port(), false), b2(receiver.port(), false), c(receiver.port());
   pollfd pa{a.sock.fd(), POLLIN, 0};
   ASSERT_EQ(::poll(&pa, 1, 2000), 1) << "the oldest waiting connection was not dropped";
   EXPECT_EQ(::recv(a.sock.fd(), &b, 1, 0), 0);
@@ -291,9 +337,11 @@ class SilentDownstream {
     thread_ = std::thread([this] {
       Socket conn;
       if (!accept_tcp(listener_, &conn).ok()) return;
+      SessionState session;
+      if (!accept_handshake(conn, &session)) return;
       while (!stop_) {
         DecodeResult r;
-        const Status s = read_frame(conn.fd(), test_key(), {}, 50ms, &r);
+        const Status s = read_frame(conn.fd(), downstream_keys().receive, {}, 50ms, &r);
         if (s.code() == StatusCode::kTimeout) continue;
         if (!s.ok()) return;
         if (r.ok()) ++frames_;
@@ -393,6 +441,28 @@ TEST(PeerLinkTest, StalledConsumerBackPressuresTheSender) {
   EXPECT_TRUE(sender.flush(2000ms).ok());
 }
 
+TEST(PeerLinkTest, TheHandshakeIsAnsweredWhileTheConsumerIsBehind) {
+  TempDir dir;
+  ReceiverOptions ro = receiver_options(dir.path());
+  ro.max_pending = 1;
+  Receiver receiver(ro);
+  ASSERT_TRUE(receiver.start().ok());
+  RawUpstream first(receiver.port());
+  first.send(data_frame(0, 0));
+  Status s;
+  ASSERT_EQ(first.reply(&s).frame.type, FrameType::kAck);  // now 1 entry pending: no room
+  const auto t0 = SteadyClock::now();
+  RawUpstream second(receiver.port());  // a reconnecting upstream: its HELLO is answered at once
+  EXPECT_LT(SteadyClock::now() - t0, 1000ms);
+  second.send(data_frame(0, 1));  // but its DATA waits for room
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(receiver.stats().accepted, 1u);
+  InputEntry e;
+  ASSERT_TRUE(receiver.next(1000ms, &e).ok());
+  EXPECT_EQ(second.reply(&s).frame.type, FrameType::kAck) << s.message();
+  EXPECT_EQ(receiver.stats().accepted, 2u);
+}
+
 TEST(PeerLinkTest, ReconnectsAfterTheReceiverRestartsAndResendsUnacked) {
   TempDir dir;
   uint16_t port = 0;
@@ -435,10 +505,12 @@ TEST(PeerLinkTest, UnackedEntriesAreResentAfterTheConnectionDrops) {
     // First downstream reads two frames, never acknowledges, and dies.
     Socket conn;
     ASSERT_TRUE(accept_tcp(listener, &conn).ok());
+    SessionState session;
+    ASSERT_TRUE(accept_handshake(conn, &session));
     for (uint64_t mb = 0; mb < 2; ++mb) ASSERT_TRUE(sender.send(data_frame(0, mb), 1000ms).ok());
     for (int i = 0; i < 2; ++i) {
       DecodeResult r;
-      ASSERT_TRUE(read_frame(conn.fd(), test_key(), {}, 1000ms, &r).ok());
+      ASSERT_TRUE(read_frame(conn.fd(), downstream_keys().receive, {}, 1000ms, &r).ok());
       ASSERT_TRUE(r.ok());
     }
     listener.close();
@@ -455,13 +527,10 @@ TEST(PeerLinkTest, UnackedEntriesAreResentAfterTheConnectionDrops) {
 TEST(PeerLinkTest, RestartReplaysFromTheLogAfterTheCheckpoint) {
   TempDir dir;
   {
-    InputLog log(dir.path(), test_key());
+    // Stage 1's log, as its Receiver wrote it before a restart.
+    InputLog log(dir.path(), derive_frame_key(test_key(), KeyPurpose::kInputLog, 1));
     ASSERT_TRUE(log.open().ok());
-    for (uint64_t mb = 0; mb < 6; ++mb) {
-      std::vector<uint8_t> b;
-      ASSERT_TRUE(encode_frame(data_frame(mb / 2, mb), test_key(), &b).ok());
-      ASSERT_TRUE(log.append(mb / 2, mb, b).ok());
-    }
+    for (uint64_t mb = 0; mb < 6; ++mb) ASSERT_TRUE(log.append_frame(data_frame(mb / 2, mb)).ok());
   }
   // Checkpoint of window 0 is in place (micro-batches 0, 1): replay from 2.
   ReceiverOptions ro = receiver_options(dir.path());
@@ -480,6 +549,131 @@ TEST(PeerLinkTest, RestartReplaysFromTheLogAfterTheCheckpoint) {
   EXPECT_FALSE(file_exists(receiver.input_log().path_for(1, 3)));
   EXPECT_TRUE(file_exists(receiver.input_log().path_for(2, 4)));
   EXPECT_EQ(receiver.input_log().size(), 2u);
+}
+
+// Issue 12 item 1: what the receiver logs is encrypted at rest too, under its
+// own key, and a restarted receiver (new sessions) still replays it.
+TEST(PeerLinkTest, TheInputLogIsEncryptedAndSurvivesARestart) {
+  TempDir dir;
+  const Frame f = data_frame(0, 0);
+  {
+    Receiver receiver(receiver_options(dir.path()));
+    ASSERT_TRUE(receiver.start().ok());
+    RawUpstream up(receiver.port());
+    up.send(f);
+    Status s;
+    ASSERT_EQ(up.reply(&s).frame.type, FrameType::kAck) << s.message();
+  }
+  std::vector<uint8_t> stored;
+  ASSERT_TRUE(read_file_bytes(dir.path() + "/" + "entry-00000000000000000000-w00000000000000000000.zlf", &stored).ok());
+  const std::vector<uint8_t>& labels = f.find("labels")->data;
+  EXPECT_EQ(std::search(stored.begin(), stored.end(), labels.begin(), labels.end()), stored.end());
+  EXPECT_EQ(decode_frame(stored.data(), stored.size(), upstream_keys().send).error, FrameError::kBadMac);
+  Receiver again(receiver_options(dir.path()));
+  ASSERT_TRUE(again.start().ok());
+  InputEntry e;
+  ASSERT_TRUE(again.next(1000ms, &e).ok());
+  EXPECT_EQ(e.frame.find("labels")->data, labels);
+  EXPECT_EQ(e.frame.find("hidden")->data, f.find("hidden")->data);
+}
+
+// Issue 12 item 3: what an upstream sent, recorded and replayed on a new
+// connection, is of another session: rejected, and the real upstream keeps
+// the link. (Before, the replayed DATA frame authenticated the newcomer,
+// which then replaced the upstream's connection.)
+TEST(PeerLinkTest, ARecordedUpstreamReplayedOnANewConnectionTakesNothingOver) {
+  TempDir dir;
+  ReceiverOptions ro = receiver_options(dir.path());
+  ro.max_pending = 64;
+  Receiver receiver(ro);
+  ASSERT_TRUE(receiver.start().ok());
+  RawUpstream real(receiver.port());
+  real.send(data_frame(0, 0));
+  Status s;
+  ASSERT_EQ(real.reply(&s).frame.type, FrameType::kAck) << s.message();
+  // The recording starts after the HELLO: replay the HELLO too, then the DATA frame.
+  Socket replay;
+  ASSERT_TRUE(connect_tcp("127.0.0.1", receiver.port(), 1000ms, &replay).ok());
+  std::vector<uint8_t> hello;
+  {
+    Frame h = make_control_frame(FrameType::kHello, test_run(), 0, 0, 0);
+    std::copy(real.session.id.begin(), real.session.id.begin() + kSessionHalfSize, h.session.begin());
+    ASSERT_TRUE(encode_frame(h, real.keys.send, &hello).ok());
+  }
+  ASSERT_TRUE(send_all(replay.fd(), hello.data(), hello.size()).ok());
+  DecodeResult answer;
+  ASSERT_TRUE(read_frame(replay.fd(), real.keys.receive, {}, 2000ms, &answer).ok());
+  ASSERT_TRUE(answer.ok()) << answer.reason;
+  EXPECT_NE(answer.frame.session, real.session.id);  // a fresh server half
+  ASSERT_TRUE(send_all(replay.fd(), real.sent.data(), real.sent.size()).ok());
+  for (int i = 0; i < 200 && receiver.stats().rejected == 0; ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(receiver.stats().rejected, 1u);
+  EXPECT_NE(receiver.stats().last_reject_reason.find("wrong_session"), std::string::npos)
+      << receiver.stats().last_reject_reason;
+  EXPECT_EQ(receiver.stats().duplicates, 0u);
+  // The real upstream's connection is still the link.
+  const std::vector<uint8_t> second = real.sealed(data_frame(0, 1));
+  real.send_bytes(second);
+  const DecodeResult ack = real.reply(&s);
+  ASSERT_TRUE(s.ok()) << s.message();
+  EXPECT_EQ(ack.frame.type, FrameType::kAck);
+  EXPECT_EQ(ack.frame.micro_batch, 1u);
+  // And inside its own connection the same frame again is a replay.
+  real.send_bytes(second);
+  for (int i = 0; i < 200 && receiver.stats().rejected < 2; ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_NE(receiver.stats().last_reject_reason.find("replay"), std::string::npos)
+      << receiver.stats().last_reject_reason;
+}
+
+// Issue 12 item 3: the sender's ACK check looked only at the run id, so an ACK
+// recorded earlier released an entry the receiver never logged. ACKs are now
+// bound to the connection's session and sequence numbers.
+TEST(PeerLinkTest, AReplayedAckDoesNotReleaseAnEntry) {
+  uint16_t port = 0;
+  Socket listener;
+  ASSERT_TRUE(listen_tcp("127.0.0.1", 0, &listener, &port).ok());
+  Sender sender(sender_options(port, 3));
+  ASSERT_TRUE(sender.start().ok());
+  std::vector<uint8_t> recorded_ack;
+  {
+    Socket conn;
+    ASSERT_TRUE(accept_tcp(listener, &conn).ok());
+    SessionState session;
+    ASSERT_TRUE(accept_handshake(conn, &session));
+    ASSERT_TRUE(sender.send(data_frame(0, 0), 1000ms).ok());
+    DecodeResult r;
+    ASSERT_TRUE(read_frame(conn.fd(), downstream_keys().receive, {}, 1000ms, &r).ok());
+    ASSERT_TRUE(r.ok()) << r.reason;
+    ASSERT_TRUE(encode_frame(session.stamp(make_control_frame(FrameType::kAck, test_run(), 1, 0, 0)),
+                             downstream_keys().send, &recorded_ack).ok());
+    ASSERT_TRUE(send_all(conn.fd(), recorded_ack.data(), recorded_ack.size()).ok());
+    ASSERT_TRUE(sender.flush(2000ms).ok());
+    // Micro-batch 0 goes out again (the stage restarted from an earlier
+    // checkpoint): the recorded ACK, replayed in the same session, is refused.
+    ASSERT_TRUE(sender.send(data_frame(0, 0), 1000ms).ok());
+    ASSERT_TRUE(read_frame(conn.fd(), downstream_keys().receive, {}, 1000ms, &r).ok());
+    ASSERT_TRUE(send_all(conn.fd(), recorded_ack.data(), recorded_ack.size()).ok());
+    std::this_thread::sleep_for(100ms);
+    EXPECT_EQ(sender.in_flight(), 1u) << "a replayed ACK released the entry";
+  }
+  // A new connection (new session): the recorded ACK again.
+  Socket conn;
+  ASSERT_TRUE(accept_tcp(listener, &conn).ok());
+  SessionState session;
+  ASSERT_TRUE(accept_handshake(conn, &session, 0x77));
+  DecodeResult r;
+  ASSERT_TRUE(read_frame(conn.fd(), downstream_keys().receive, {}, 2000ms, &r).ok());  // the re-send
+  ASSERT_TRUE(r.ok()) << r.reason;
+  EXPECT_EQ(r.frame.session, session.id);
+  ASSERT_TRUE(send_all(conn.fd(), recorded_ack.data(), recorded_ack.size()).ok());
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(sender.in_flight(), 1u) << "an ACK of an earlier connection released the entry";
+  // The real ACK of this session does.
+  std::vector<uint8_t> ack;
+  ASSERT_TRUE(encode_frame(session.stamp(make_control_frame(FrameType::kAck, test_run(), 1, 0, 0)),
+                           downstream_keys().send, &ack).ok());
+  ASSERT_TRUE(send_all(conn.fd(), ack.data(), ack.size()).ok());
+  EXPECT_TRUE(sender.flush(2000ms).ok());
 }
 
 TEST(PeerLinkTest, LinkShapingAddsLatencyAndSerializationDelay) {

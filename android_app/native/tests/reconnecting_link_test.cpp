@@ -3,6 +3,7 @@
 // reported, and wake() / shutdown() from another thread.
 #include "zl/reconnecting_link.h"
 
+#include <array>
 #include <chrono>
 #include <thread>
 #include <vector>
@@ -37,11 +38,16 @@ FrameExpectation expect_run() {
   return expect;
 }
 
-// A listening peer and a link connected to it; `peer` is the accepted end.
+LinkKeys client_keys() { return link_keys(test_key(), Channel::kData, 0, LinkEnd::kClient); }
+LinkKeys server_keys() { return link_keys(test_key(), Channel::kData, 0, LinkEnd::kServer); }
+
+// A listening peer and a link connected to it after the handshake; `peer` is
+// the accepted end, `session` its end of the session.
 struct Connected {
   Socket listener, peer;
   uint16_t port = 0;
-  ReconnectingLink link{test_key(), expect_run()};
+  ReconnectingLink link{client_keys(), expect_run(), test_run(), 0};
+  SessionState session;
 
   Connected() {
     EXPECT_TRUE(listen_tcp("127.0.0.1", 0, &listener, &port).ok());
@@ -49,9 +55,26 @@ struct Connected {
     Socket sock;
     const Status dialled = ReconnectingLink::dial("127.0.0.1", port, 2000ms, &sock);
     EXPECT_TRUE(dialled.ok()) << dialled.message();
-    link.adopt(std::move(sock));
     EXPECT_TRUE(accept_tcp(listener, &peer).ok());
+    std::thread server([&] {
+      DecodeResult hello;
+      ASSERT_TRUE(read_frame(peer.fd(), server_keys().receive, {}, 2000ms, &hello).ok());
+      ASSERT_TRUE(hello.ok()) << hello.reason;
+      Frame reply;
+      std::array<uint8_t, kSessionHalfSize> half{};
+      half.fill(0x42);
+      ASSERT_EQ(server_handshake(hello.frame, test_run(), 1, half, &reply, &session.id), "");
+      ASSERT_TRUE(write_frame(peer.fd(), reply, server_keys().send).ok());
+    });
+    SessionId id{};
+    const Status shaken = link.handshake(sock, 2000ms, &id);
+    server.join();
+    EXPECT_TRUE(shaken.ok()) << shaken.message();
+    EXPECT_EQ(id, session.id);
+    link.adopt(std::move(sock), id);
   }
+
+  void send(const Frame& f) { ASSERT_TRUE(write_frame(peer.fd(), session.stamp(f), server_keys().send).ok()); }
 
   // Waits for input and reads what came, collecting every decoded frame.
   LinkReadResult read(std::vector<DecodeResult>* frames) {
@@ -79,20 +102,66 @@ TEST(ReconnectingLinkTest, HandsOverValidAndRejectedFramesInOrder) {
   ASSERT_TRUE(c.link.connected());
   const Frame ack = make_control_frame(FrameType::kAck, test_run(), 1, 0, 5);
   const Frame foreign = make_control_frame(FrameType::kAck, test_run(9), 1, 0, 6);  // another run
-  ASSERT_TRUE(write_frame(c.peer.fd(), ack, test_key()).ok());
-  ASSERT_TRUE(write_frame(c.peer.fd(), foreign, test_key()).ok());
-  ASSERT_TRUE(write_frame(c.peer.fd(), ack, test_key()).ok());
+  c.send(ack);
+  c.send(foreign);
+  std::vector<uint8_t> recorded;
+  ASSERT_TRUE(encode_frame(c.session.stamp(ack), server_keys().send, &recorded).ok());
+  ASSERT_TRUE(send_all(c.peer.fd(), recorded.data(), recorded.size()).ok());
+  ASSERT_TRUE(send_all(c.peer.fd(), recorded.data(), recorded.size()).ok());  // replayed
+  SessionState other = c.session;
+  other.id[31] ^= 1;
+  ASSERT_TRUE(write_frame(c.peer.fd(), other.stamp(ack), server_keys().send).ok());  // another session
+  c.send(ack);
   std::vector<DecodeResult> frames;
-  for (int i = 0; i < 10 && frames.size() < 3; ++i) {
+  for (int i = 0; i < 10 && frames.size() < 6; ++i) {
     const LinkReadResult r = c.read(&frames);
     EXPECT_FALSE(r.broken);
     EXPECT_TRUE(r.filled.ok()) << r.filled.message();
   }
-  ASSERT_EQ(frames.size(), 3u);
+  ASSERT_EQ(frames.size(), 6u);
   EXPECT_TRUE(frames[0].ok());
   EXPECT_EQ(frames[0].frame.micro_batch, 5u);
-  EXPECT_FALSE(frames[1].ok());  // decoded and rejected, the stream stays usable
+  EXPECT_EQ(frames[1].error, FrameError::kWrongRun);  // decoded and rejected, the stream stays usable
   EXPECT_TRUE(frames[2].ok());
+  EXPECT_EQ(frames[3].error, FrameError::kReplay);
+  EXPECT_EQ(frames[4].error, FrameError::kWrongSession);
+  EXPECT_TRUE(frames[5].ok()) << frames[5].reason;
+}
+
+TEST(ReconnectingLinkTest, OutgoingFramesAreStampedWithTheSessionAndIncreasingSequenceNumbers) {
+  Connected c;
+  for (uint64_t mb = 0; mb < 3; ++mb) {
+    ASSERT_TRUE(c.link.send_frame(make_control_frame(FrameType::kData, test_run(), 0, 0, mb), 1 << 20).ok());
+  }
+  for (uint64_t seq = 1; seq <= 3; ++seq) {
+    DecodeResult r;
+    ASSERT_TRUE(read_frame(c.peer.fd(), server_keys().receive, c.session.expect({}), 2000ms, &r).ok());
+    ASSERT_TRUE(r.ok()) << r.reason;
+    c.session.accepted = r.frame.seq;
+    EXPECT_EQ(r.frame.seq, seq);
+  }
+}
+
+TEST(ReconnectingLinkTest, TheHandshakeRejectsAServerHelloOfAnotherConnection) {
+  Socket listener, peer;
+  uint16_t port = 0;
+  ASSERT_TRUE(listen_tcp("127.0.0.1", 0, &listener, &port).ok());
+  ReconnectingLink link{client_keys(), expect_run(), test_run(), 0};
+  Socket sock;
+  ASSERT_TRUE(ReconnectingLink::dial("127.0.0.1", port, 2000ms, &sock).ok());
+  ASSERT_TRUE(accept_tcp(listener, &peer).ok());
+  std::thread server([&] {
+    DecodeResult hello;
+    ASSERT_TRUE(read_frame(peer.fd(), server_keys().receive, {}, 2000ms, &hello).ok());
+    Frame reply = make_control_frame(FrameType::kHello, test_run(), 1, 0, 0);
+    reply.session.fill(0x33);  // a recorded HELLO: not this client's half
+    ASSERT_TRUE(write_frame(peer.fd(), reply, server_keys().send).ok());
+  });
+  SessionId id{};
+  const Status s = link.handshake(sock, 2000ms, &id);
+  server.join();
+  EXPECT_EQ(s.code(), StatusCode::kCorrupt);
+  EXPECT_NE(s.message().find("bad_handshake"), std::string::npos) << s.message();
 }
 
 TEST(ReconnectingLinkTest, ReportsABrokenStreamAndEndOfStream) {

@@ -4,30 +4,45 @@
 //   zl_frame_tool encode --key HEX64 --in spec.json --out frame.bin
 //   zl_frame_tool decode --key HEX64 --in frame.bin [--expect-shape B,S,D]
 //                        [--expect-run HEX32] [--expect-stage N] [--max-bytes N]
+//                        [--expect-session HEX64] [--min-seq N]
 //   zl_frame_tool decode-batch --key HEX64 --in corpus.bin [the expectations of decode]
-//   zl_frame_tool receive-batch --key HEX64 --in corpus.bin [the expectations of decode]
+//                        [--expect-sessions HEX32]
+//   zl_frame_tool receive-batch --run-key HEX64 --client-half HEX32 --in corpus.bin
+//                        --expect-stage K [the other expectations of decode]
+//   zl_frame_tool derive-key --run-key HEX64 --purpose N --link N
 //
+// --key is a frame key (a subkey of the run key: derive-key prints one, e.g.
+// purpose 1 link 0 for the DATA frames of the link 0 -> 1).
 // spec.json: {"type": "DATA", "run_id": HEX32, "stage": 0, "window": 0,
-//   "micro_batch": 0, "json": "", "tensors": [{"name": "hidden",
+//   "micro_batch": 0, "json": "", "session": HEX64, "seq": 0,
+//   "nonce": HEX48 (optional: random), "tensors": [{"name": "hidden",
 //   "dtype": "float32", "shape": [1, 3, 4], "data_hex": "..."}]}
 // decode prints the same spec to stdout; a rejected frame prints
 // {"error": "<reason code>", "reason": "..."} and exits with status 2.
 //
 // A corpus is a sequence of [u32 little-endian length][that many bytes].
 // decode-batch prints one line per corpus entry: the decode result as above,
-// with each tensor's data as "nbytes" and "digest" (frame_mac under the
-// all-zero key) instead of "data_hex". receive-batch starts a live Receiver
-// on 127.0.0.1 and sends every entry over its own connection (then half-closes
-// it and reads until the receiver closes it), printing one line per entry:
-// {"acked": N, "rejected": N, "ignored": N, "hang": false} -- what the
-// receiver's statistics counted for that connection; "hang" is true when the
-// receiver did not close the connection within 10 s.
+// with each tensor's data as "nbytes" and "digest" (keyed BLAKE2b-256 under
+// the all-zero key) instead of "data_hex". With --expect-sessions C, entry i
+// is decoded as the first frame after the handshake of its own connection:
+// session C || i (u64 little-endian) || 8 zero bytes, sequence numbers from 1.
+// receive-batch starts a live Receiver (stage K+1, link K -> K+1) on
+// 127.0.0.1 whose server half of connection i's session is i (u64 LE) || 8
+// zero bytes, and sends every entry over its own connection after the
+// handshake (client half --client-half, so that session is the one of
+// --expect-sessions), then half-closes it and reads until the receiver closes
+// it, printing one line per entry: {"acked": N, "rejected": N, "ignored": N,
+// "hang": false} -- what the receiver's statistics counted for that
+// connection; "hang" is true when the receiver did not close the connection
+// within 10 s.
 #include <poll.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -54,7 +69,11 @@ int usage(const char* why) {
                "usage: zl_frame_tool encode --key HEX64 --in spec.json --out frame.bin\n"
                "       zl_frame_tool decode --key HEX64 --in frame.bin [--expect-shape B,S,D]\n"
                "                            [--expect-run HEX32] [--expect-stage N] [--max-bytes N]\n"
-               "       zl_frame_tool decode-batch|receive-batch --key HEX64 --in corpus.bin [expectations]\n",
+               "                            [--expect-session HEX64] [--min-seq N]\n"
+               "       zl_frame_tool decode-batch --key HEX64 --in corpus.bin [expectations] [--expect-sessions HEX32]\n"
+               "       zl_frame_tool receive-batch --run-key HEX64 --client-half HEX32 --in corpus.bin\n"
+               "                            --expect-stage K [expectations]\n"
+               "       zl_frame_tool derive-key --run-key HEX64 --purpose N --link N\n",
                why);
   return 64;
 }
@@ -82,6 +101,18 @@ int encode(const std::map<std::string, std::string>& args, const zl::FrameKey& k
   f.window = spec.value("window", uint64_t{0});
   f.micro_batch = spec.value("micro_batch", uint64_t{0});
   f.json = spec.value("json", "");
+  std::vector<uint8_t> raw;
+  if (!hex_to_bytes(spec.value("session", std::string(2 * zl::kSessionSize, '0')), &raw) ||
+      raw.size() != zl::kSessionSize) {
+    return usage("spec: session must be 64 hex digits");
+  }
+  std::copy(raw.begin(), raw.end(), f.session.begin());
+  f.seq = spec.value("seq", uint64_t{0});
+  std::vector<uint8_t> nonce;
+  if (spec.contains("nonce") &&
+      (!hex_to_bytes(spec.value("nonce", ""), &nonce) || nonce.size() != zl::kFrameNonceSize)) {
+    return usage("spec: nonce must be 48 hex digits");
+  }
   for (const auto& t : spec.value("tensors", json::array())) {
     zl::TensorRecord r;
     r.name = t.value("name", "");
@@ -95,6 +126,11 @@ int encode(const std::map<std::string, std::string>& args, const zl::FrameKey& k
   if (!s.ok()) {
     std::fprintf(stderr, "zl_frame_tool: %s\n", s.message().c_str());
     return 1;
+  }
+  if (!nonce.empty()) {  // reproduce a given frame: the same plaintext sealed with that nonce
+    if (!zl::open_frame(bytes.data(), bytes.size(), key)) return 1;
+    std::copy(nonce.begin(), nonce.end(), bytes.begin() + (zl::kFrameHeaderSize - zl::kFrameNonceSize));
+    zl::seal_frame(bytes.data(), bytes.size(), key);
   }
   std::ofstream out(args.at("--out"), std::ios::binary);
   out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
@@ -126,6 +162,17 @@ bool parse_expectation(const std::map<std::string, std::string>& args, zl::Frame
     expect->run_id = run;
   }
   if (args.count("--expect-stage")) expect->stage = static_cast<uint32_t>(std::stoul(args.at("--expect-stage")));
+  if (args.count("--expect-session")) {
+    std::vector<uint8_t> raw;
+    if (!hex_to_bytes(args.at("--expect-session"), &raw) || raw.size() != zl::kSessionSize) {
+      usage("--expect-session wants 64 hex digits");
+      return false;
+    }
+    zl::SessionId id{};
+    std::copy(raw.begin(), raw.end(), id.begin());
+    expect->session = id;
+  }
+  if (args.count("--min-seq")) expect->min_seq = std::stoull(args.at("--min-seq"));
   if (args.count("--max-bytes")) expect->max_frame_bytes = std::stoull(args.at("--max-bytes"));
   return true;
 }
@@ -137,6 +184,8 @@ json header_spec(const zl::Frame& f) {
           {"window", f.window},
           {"micro_batch", f.micro_batch},
           {"json", f.json},
+          {"session", zl::to_hex(f.session.data(), f.session.size())},
+          {"seq", f.seq},
           {"tensors", json::array()}};
 }
 
@@ -168,6 +217,14 @@ int decode(const std::map<std::string, std::string>& args, const zl::FrameKey& k
 }
 
 // The entries of a corpus file; false on a malformed corpus.
+// Entry i's session in a corpus: the client half, then i (u64 LE) and 8 zero bytes.
+zl::SessionId entry_session(const std::vector<uint8_t>& client_half, uint64_t i) {
+  zl::SessionId id{};
+  std::copy(client_half.begin(), client_half.end(), id.begin());
+  for (size_t b = 0; b < 8; ++b) id[zl::kSessionHalfSize + b] = static_cast<uint8_t>(i >> (8 * b));
+  return id;
+}
+
 bool read_corpus(const std::string& path, std::vector<std::vector<uint8_t>>* out) {
   std::vector<uint8_t> bytes;
   const zl::Status read = zl::read_file_bytes(path, &bytes);
@@ -194,17 +251,28 @@ int decode_batch(const std::map<std::string, std::string>& args, const zl::Frame
   if (!args.count("--in")) return usage("decode-batch needs --in");
   zl::FrameExpectation expect;
   if (!parse_expectation(args, &expect)) return 64;
+  std::vector<uint8_t> client_half;
+  if (args.count("--expect-sessions") &&
+      (!hex_to_bytes(args.at("--expect-sessions"), &client_half) || client_half.size() != zl::kSessionHalfSize)) {
+    return usage("--expect-sessions wants 32 hex digits");
+  }
   std::vector<std::vector<uint8_t>> corpus;
   if (!read_corpus(args.at("--in"), &corpus)) return usage("--in is not a corpus file");
   std::string out;
+  uint64_t index = 0;
   for (const auto& bytes : corpus) {
+    if (!client_half.empty()) {
+      expect.session = entry_session(client_half, index);
+      expect.min_seq = 1;
+    }
+    ++index;
     const zl::DecodeResult r = zl::decode_frame(bytes.data(), bytes.size(), key, expect);
     if (!r.ok()) {
       out += safe_dump(json{{"error", zl::frame_error_name(r.error)}, {"reason", r.reason}});
     } else {
       json spec = header_spec(r.frame);
       for (const auto& t : r.frame.tensors) {
-        const auto digest = zl::frame_mac(t.data.data(), t.data.size(), zl::FrameKey{});
+        const auto digest = zl::keyed_digest(t.data.data(), t.data.size(), zl::FrameKey{});
         spec["tensors"].push_back({{"name", t.name},
                                    {"dtype", zl::dtype_name(static_cast<uint8_t>(t.dtype))},
                                    {"shape", t.shape},
@@ -219,11 +287,21 @@ int decode_batch(const std::map<std::string, std::string>& args, const zl::Frame
   return 0;
 }
 
-// Sends one corpus entry over a fresh connection, half-closes it and reads
-// until the receiver closes it; false when that takes longer than `timeout`.
-bool send_and_drain(uint16_t port, const std::vector<uint8_t>& bytes, std::chrono::milliseconds timeout) {
+// Sends one corpus entry over a fresh connection after the handshake,
+// half-closes it and reads until the receiver closes it; false when that
+// takes longer than `timeout`, kInternal when the handshake fails.
+zl::Status send_and_drain(uint16_t port, const zl::LinkKeys& keys, const zl::Frame& hello,
+                          const zl::SessionId& session, const std::vector<uint8_t>& bytes,
+                          std::chrono::milliseconds timeout, bool* closed) {
+  *closed = false;
   zl::Socket sock;
-  if (!zl::connect_tcp("127.0.0.1", port, std::chrono::milliseconds(2000), &sock).ok()) return false;
+  ZL_RETURN_IF_ERROR(zl::connect_tcp("127.0.0.1", port, std::chrono::milliseconds(2000), &sock));
+  ZL_RETURN_IF_ERROR(zl::write_frame(sock.fd(), hello, keys.send));
+  zl::DecodeResult reply;
+  ZL_RETURN_IF_ERROR(zl::read_frame(sock.fd(), keys.receive, {}, timeout, &reply));
+  if (!reply.ok() || reply.frame.type != zl::FrameType::kHello || reply.frame.session != session) {
+    return zl::Status(zl::StatusCode::kInternal, "the receiver's HELLO is not the expected one: " + reply.reason);
+  }
   (void)zl::send_all(sock.fd(), bytes.data(), bytes.size());  // the receiver may close early
   ::shutdown(sock.fd(), SHUT_WR);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -231,18 +309,27 @@ bool send_and_drain(uint16_t port, const std::vector<uint8_t>& bytes, std::chron
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) return false;
+    if (left.count() <= 0) return zl::Status();
     pollfd p{sock.fd(), POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
     const ssize_t n = ::recv(sock.fd(), buf, sizeof(buf), 0);
-    if (n <= 0) return true;  // EOF (or reset): the receiver closed the connection
+    if (n <= 0) {  // EOF (or reset): the receiver closed the connection
+      *closed = true;
+      return zl::Status();
+    }
   }
 }
 
-int receive_batch(const std::map<std::string, std::string>& args, const zl::FrameKey& key) {
+int receive_batch(const std::map<std::string, std::string>& args, const zl::FrameKey& run_key) {
   if (!args.count("--in")) return usage("receive-batch needs --in");
   zl::FrameExpectation expect;
   if (!parse_expectation(args, &expect)) return 64;
+  if (!expect.stage) return usage("receive-batch needs --expect-stage (the upstream stage of the link)");
+  std::vector<uint8_t> client_half;
+  if (!args.count("--client-half") || !hex_to_bytes(args.at("--client-half"), &client_half) ||
+      client_half.size() != zl::kSessionHalfSize) {
+    return usage("receive-batch needs --client-half (32 hex digits)");
+  }
   std::vector<std::vector<uint8_t>> corpus;
   if (!read_corpus(args.at("--in"), &corpus)) return usage("--in is not a corpus file");
   zl::set_log_level(zl::LogLevel::kError);
@@ -254,11 +341,21 @@ int receive_batch(const std::map<std::string, std::string>& args, const zl::Fram
   }
   int rc = 0;
   {
+    auto connection = std::make_shared<std::atomic<uint64_t>>(0);
     zl::ReceiverOptions options;
-    options.key = key;
+    options.key = run_key;
     options.expect = expect;
+    options.stage = *expect.stage + 1;
     options.log_dir = tmpl;
     options.max_pending = size_t{1} << 30;  // nobody consumes: never apply back-pressure
+    options.session_random = [connection](uint8_t* out, size_t size) {
+      const zl::SessionId id = entry_session(std::vector<uint8_t>(zl::kSessionHalfSize), connection->load());
+      std::memcpy(out, id.data() + zl::kSessionHalfSize, size);
+    };
+    const zl::LinkKeys keys = zl::link_keys(run_key, zl::Channel::kData, *expect.stage, zl::LinkEnd::kClient);
+    zl::Frame hello = zl::make_control_frame(zl::FrameType::kHello, expect.run_id.value_or(zl::RunId{}),
+                                             *expect.stage, 0, 0);
+    std::copy(client_half.begin(), client_half.end(), hello.session.begin());
     zl::Receiver receiver(options);
     const zl::Status started = receiver.start();
     if (!started.ok()) {
@@ -267,8 +364,17 @@ int receive_batch(const std::map<std::string, std::string>& args, const zl::Fram
     } else {
       std::string out;
       zl::ReceiverStats before = receiver.stats();
-      for (const auto& bytes : corpus) {
-        const bool closed = send_and_drain(receiver.port(), bytes, std::chrono::milliseconds(10000));
+      for (uint64_t i = 0; i < corpus.size() && rc == 0; ++i) {
+        connection->store(i);
+        bool closed = false;
+        const zl::Status sent = send_and_drain(receiver.port(), keys, hello, entry_session(client_half, i), corpus[i],
+                                               std::chrono::milliseconds(10000), &closed);
+        if (!sent.ok()) {
+          std::fprintf(stderr, "zl_frame_tool: entry %llu: %s\n", static_cast<unsigned long long>(i),
+                       sent.message().c_str());
+          rc = 1;
+          break;
+        }
         const zl::ReceiverStats after = receiver.stats();
         out += safe_dump(json{{"acked", (after.accepted + after.duplicates) - (before.accepted + before.duplicates)},
                               {"rejected", after.rejected - before.rejected},
@@ -295,12 +401,22 @@ int main(int argc, char** argv) {
   for (int i = 2; i + 1 < argc; i += 2) args[argv[i]] = argv[i + 1];
   if ((argc - 2) % 2 != 0) return usage("options come in --name value pairs");
   zl::FrameKey key{};
-  if (!args.count("--key") || !zl::parse_hex_key(args.at("--key"), &key)) {
-    return usage("--key wants the 32-byte run key as 64 hex digits");
+  const bool takes_run_key = command == "receive-batch" || command == "derive-key";
+  const char* key_flag = takes_run_key ? "--run-key" : "--key";
+  if (!args.count(key_flag) || !zl::parse_hex_key(args.at(key_flag), &key)) {
+    return usage(takes_run_key ? "--run-key wants the 32-byte run key as 64 hex digits"
+                               : "--key wants a 32-byte frame key as 64 hex digits (derive-key prints one)");
   }
   if (command == "encode") return encode(args, key);
   if (command == "decode") return decode(args, key);
   if (command == "decode-batch") return decode_batch(args, key);
   if (command == "receive-batch") return receive_batch(args, key);
-  return usage("command must be encode, decode, decode-batch or receive-batch");
+  if (command == "derive-key") {
+    if (!args.count("--purpose") || !args.count("--link")) return usage("derive-key needs --purpose and --link");
+    const zl::FrameKey sub = zl::derive_frame_key(
+        key, static_cast<zl::KeyPurpose>(std::stoul(args.at("--purpose"))), static_cast<uint32_t>(std::stoul(args.at("--link"))));
+    std::cout << zl::to_hex(sub.data(), sub.size()) << "\n";
+    return 0;
+  }
+  return usage("command must be encode, decode, decode-batch, receive-batch or derive-key");
 }

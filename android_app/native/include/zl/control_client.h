@@ -1,8 +1,11 @@
 // The stage's end of the control channel (docs/design.md §5): one TCP connection
-// from a runner to the coordinator, same frames and run key as the data
-// plane (frame.h). The coordinator's frames carry stage kCoordinatorStage.
+// from a runner to the coordinator, the frames of the data plane (frame.h)
+// sealed with this stage's control keys (derived from the run key; one per
+// direction). The coordinator's frames carry stage kCoordinatorStage.
 //
-//   stage --REGISTER-->          after every (re)connect, before anything else
+//   stage --HELLO-->  <--HELLO-- after every (re)connect: a fresh session
+//                                (PROTOCOL.md §6) every later frame is bound to
+//         --REGISTER-->          first frame of the session, before anything else
 //         --HEARTBEAT-->         every heartbeat_ms, also while disconnected (queued)
 //         --WINDOW_COMMITTED-->  one per window end, queued, never dropped
 //         --ERROR-->             queued
@@ -117,7 +120,7 @@ const char* control_phase_name(ControlPhase phase);
 struct ControlClientOptions {
   std::string coordinator;  ///< "host:port" of the coordinator (port 1..65535)
   RunId run_id{};
-  FrameKey key{};
+  FrameKey key{};           ///< the run key (the channel's keys are derived from it)
   uint32_t stage = 0;       ///< this stage's index, written into every frame
   int64_t pid = 0;          ///< 0: getpid()
   std::string device;       ///< empty: describe_device()

@@ -1,12 +1,17 @@
-// Versioned, authenticated binary frames: the one wire format of the data
-// plane (stage -> stage) and of the control channel (stage <-> coordinator).
+// Versioned, encrypted binary frames: the one wire format of the data plane
+// (stage -> stage), the control channel (stage <-> coordinator) and the
+// input log on disk.
 //
 // Layout (little-endian, byte offsets) is specified in PROTOCOL.md; the
 // Python twin is zl_device/run/frames.py. A frame is
-//   [64-byte header][JSON payload][tensor records][32-byte MAC]
-// where the MAC is keyed BLAKE2b-256 (libsodium crypto_generichash, the
-// per-run 32-byte key) over every byte before it. Decoding never trusts a
-// length field before bounds-checking it and never reads past `size`.
+//   [128-byte header][JSON payload][tensor records][16-byte tag]
+// where everything after the header is encrypted with XChaCha20-Poly1305
+// (libsodium crypto_aead_xchacha20poly1305_ietf, the 24-byte nonce in the
+// header) under a frame key derived from the run key (derive_frame_key: one
+// per channel, link and direction), the header being the associated data.
+// The header carries the session and sequence number that bind a frame to
+// one connection (PROTOCOL.md §6). Decoding never trusts a length field
+// before bounds-checking it and never reads past `size`.
 #pragma once
 
 #include <array>
@@ -22,14 +27,20 @@ namespace zl {
 
 /// "ZLFR" as the first four bytes on the wire.
 constexpr std::array<uint8_t, 4> kFrameMagic = {'Z', 'L', 'F', 'R'};
-constexpr uint16_t kFrameVersion = 1;
-constexpr size_t kFrameHeaderSize = 64;
+/// Version 2: encrypted frames with a session and sequence number (version 1
+/// frames, MAC only, are rejected as bad_version).
+constexpr uint16_t kFrameVersion = 2;
+constexpr size_t kFrameHeaderSize = 128;
 constexpr size_t kTensorRecordHeaderSize = 16;
-constexpr size_t kFrameMacSize = 32;
+constexpr size_t kFrameTagSize = 16;    ///< Poly1305 tag
+constexpr size_t kFrameNonceSize = 24;  ///< XChaCha20 nonce, random per frame
 constexpr size_t kFrameKeySize = 32;
 constexpr size_t kRunIdSize = 16;
+/// A session id: the client's 16 random bytes, then the server's (PROTOCOL.md §6).
+constexpr size_t kSessionSize = 32;
+constexpr size_t kSessionHalfSize = 16;
 constexpr size_t kMaxTensorRank = 8;
-/// Default upper bound on one frame, MAC included. A TinyLlama hidden state
+/// Default upper bound on one frame, tag included. A TinyLlama hidden state
 /// for B=1, S=128, D=2048 is 1 MiB; 64 MiB leaves room for B=8, S=1024.
 constexpr size_t kDefaultMaxFrameBytes = size_t{64} << 20;
 /// The payload rule (PROTOCOL.md §5): at most 1 MiB of JSON ...
@@ -41,6 +52,7 @@ constexpr int kMaxFrameJsonDepth = 32;
 enum class FrameType : uint16_t {
   kData = 1,             ///< upstream -> downstream: hidden, attention_mask, labels
   kAck = 2,              ///< downstream -> upstream: entry (window, micro_batch) is durable
+  kHello = 3,            ///< first frame each way on every connection: the session handshake
   kRegister = 16,        ///< stage -> coordinator: JSON {device, pid, listen port, ...}
   kHeartbeat = 17,       ///< stage -> coordinator: JSON {micro_batches_done, window, phase, pss_mib, temperature_c, t_unix_ms}
   kStart = 18,           ///< coordinator -> stage: JSON run settings
@@ -72,6 +84,40 @@ const char* dtype_name(uint8_t dtype);
 
 using RunId = std::array<uint8_t, kRunIdSize>;
 using FrameKey = std::array<uint8_t, kFrameKeySize>;
+using SessionId = std::array<uint8_t, kSessionSize>;
+
+/// What a frame key is for (PROTOCOL.md §1). With `link` = the upstream
+/// stage k of a data link, the stage k of a control connection, or the stage
+/// whose input log it is, each (purpose, link) has its own key, so a frame
+/// sealed for one channel, link or direction never opens on another.
+enum class KeyPurpose : uint32_t {
+  kDataDown = 1,     ///< data link k -> k+1: DATA (and HELLO) from stage k
+  kDataUp = 2,       ///< data link k -> k+1: ACK, ERROR, HELLO from stage k+1
+  kControlUp = 3,    ///< control channel of stage k: stage -> coordinator
+  kControlDown = 4,  ///< control channel of stage k: coordinator -> stage
+  kInputLog = 5,     ///< stage k's input log entries at rest
+};
+
+/// crypto_kdf_derive_from_key(32 bytes, subkey id = purpose << 32 | link,
+/// context "zl-frame", run key): BLAKE2b-256 keyed with the run key, salt =
+/// the id as 8 little-endian bytes + 8 zero bytes, personalization =
+/// "zl-frame" + 8 zero bytes (the Python twin computes it with hashlib).
+FrameKey derive_frame_key(const FrameKey& run_key, KeyPurpose purpose, uint32_t link);
+
+/// The keys one end of a connection seals and opens frames with.
+struct LinkKeys {
+  FrameKey send{};
+  FrameKey receive{};
+};
+
+/// A data link k -> k+1 (link = k) or stage k's control channel (link = k).
+enum class Channel { kData, kControl };
+/// The client dials and says HELLO first (a data link's upstream Sender, a
+/// stage's ControlClient); the server listens (the Receiver, the coordinator).
+enum class LinkEnd { kClient, kServer };
+/// Client: send = kDataDown / kControlUp, receive = kDataUp / kControlDown;
+/// the server the other way round.
+LinkKeys link_keys(const FrameKey& run_key, Channel channel, uint32_t link, LinkEnd end);
 
 /// One named tensor; `data` holds numel * dtype_size bytes, little-endian,
 /// row-major.
@@ -94,6 +140,10 @@ struct Frame {
   uint64_t micro_batch = 0;
   std::string json;  ///< empty, or a JSON object that passes check_frame_json
   std::vector<TensorRecord> tensors;
+  /// The connection's session and this frame's sequence number in it (the
+  /// sender's count; HELLO is 0). Input log entries: all zero.
+  SessionId session{};
+  uint64_t seq = 0;
 
   /// The tensor named `name`, or nullptr.
   const TensorRecord* find(const std::string& name) const;
@@ -108,7 +158,7 @@ enum class FrameError : int {
   kBadVersion,       ///< version field != kFrameVersion
   kOversize,         ///< total_length > the receiver's maximum
   kLengthMismatch,   ///< buffer longer than total_length, or sections do not add up
-  kBadMac,           ///< MAC does not verify under the key (corrupt or wrong key)
+  kBadMac,           ///< authentication tag does not verify (corrupt, or sealed under another key)
   kUnknownType,      ///< type field outside FrameType
   kBadHeader,        ///< reserved field not zero
   kBadPayload,       ///< JSON payload breaks the payload rule (check_frame_json)
@@ -116,6 +166,8 @@ enum class FrameError : int {
   kUnexpectedTensor, ///< DATA tensors differ from the expected names/dtypes/shapes
   kWrongRun,         ///< run id differs from the expected one
   kWrongStage,       ///< stage index differs from the expected one
+  kWrongSession,     ///< session differs from the connection's (a frame of another connection)
+  kReplay,           ///< sequence number not above the last one accepted on the connection
 };
 
 /// "truncated", "bad_magic", ... (same strings as zl_device/run/frames.py).
@@ -125,6 +177,10 @@ const char* frame_error_name(FrameError error);
 struct FrameExpectation {
   std::optional<RunId> run_id;
   std::optional<uint32_t> stage;
+  /// The connection's session (wrong_session otherwise) ...
+  std::optional<SessionId> session;
+  /// ... and the lowest sequence number still new on it (replay below).
+  uint64_t min_seq = 0;
   /// When all three are > 0, a DATA frame must carry exactly
   /// hidden float32 [B,S,D], attention_mask int64 [B,S], labels int64 [B,S].
   int64_t batch = 0;
@@ -143,19 +199,30 @@ struct [[nodiscard]] DecodeResult {
   bool ok() const { return error == FrameError::kNone; }
 };
 
-/// Serializes `frame` and appends the MAC under `key`.
+/// Serializes `frame` and seals it under `key` with a fresh random nonce.
 /// Fails with kInvalidArgument for a tensor whose data size does not match
 /// its shape, a rank > 8, a JSON payload or tensor names the decoder would
 /// reject, or a result larger than `max_frame_bytes`.
 Status encode_frame(const Frame& frame, const FrameKey& key, std::vector<uint8_t>* out,
                     size_t max_frame_bytes = kDefaultMaxFrameBytes);
 
+/// The size encode_frame would produce, after the same checks (no encryption).
+Status encoded_frame_size(const Frame& frame, size_t max_frame_bytes, size_t* size);
+
+/// Seals `size` bytes in place: [header, its nonce set][plaintext body][tag
+/// space] -> [header][ciphertext][tag]. Tests and the fuzz tool use it to
+/// "re-sign" a frame whose plaintext they altered. `size` >= header + tag.
+void seal_frame(uint8_t* frame, size_t size, const FrameKey& key);
+/// The inverse of seal_frame: decrypts the body in place; false (bytes left
+/// as they were) when the tag does not verify under `key`.
+[[nodiscard]] bool open_frame(uint8_t* frame, size_t size, const FrameKey& key);
+
 /// Validates and decodes `size` bytes that should hold exactly one frame.
 DecodeResult decode_frame(const uint8_t* data, size_t size, const FrameKey& key,
                           const FrameExpectation& expect = {});
 
 /// For stream readers: inspects the first kFrameHeaderSize bytes and yields
-/// the total frame length (MAC included) so the caller knows how much more to
+/// the total frame length (tag included) so the caller knows how much more to
 /// read. Checks magic, version, minimum length and `max_frame_bytes` only.
 FrameError peek_frame_length(const uint8_t* header, size_t size, size_t max_frame_bytes,
                              size_t* total_length, std::string* reason);
@@ -188,8 +255,11 @@ std::string check_tensor_name(const std::string& name);
 /// are shown, then "...".
 std::string escape_bytes(const std::string& raw, size_t max_bytes = 64);
 
-/// Keyed BLAKE2b-256 of `data` (what the frame MAC is).
-std::array<uint8_t, kFrameMacSize> frame_mac(const uint8_t* data, size_t size, const FrameKey& key);
+/// Keyed BLAKE2b-256 of `data` (a digest for tools and tests; frames are sealed, not MACed).
+std::array<uint8_t, 32> keyed_digest(const uint8_t* data, size_t size, const FrameKey& key);
+
+/// `size` random bytes (libsodium randombytes_buf): session halves, nonces.
+void random_bytes(uint8_t* out, size_t size);
 
 /// Parses 32 bytes of hex (64 chars) into a key; 16 bytes into a run id.
 [[nodiscard]] bool parse_hex_key(const std::string& hex, FrameKey* out);

@@ -4,8 +4,10 @@
 // checkpoint and replays the entries after it from this log.
 //
 // One file per entry, `entry-<micro_batch>-w<window>.zlf` (decimal, zero
-// padded to 20 digits), holding the frame exactly as received, so its MAC
-// also detects corruption on disk. Writes go to `.tmp`, are fsynced, renamed
+// padded to 20 digits), holding the frame as received, sealed again under the
+// stage's input log key (KeyPurpose::kInputLog) outside any session: it is
+// encrypted at rest, its tag detects corruption on disk, and a restarted
+// stage (a new session) can still open it. Writes go to `.tmp`, are fsynced, renamed
 // into place, then the directory is fsynced.
 #pragma once
 
@@ -42,6 +44,7 @@ struct CorruptLogFile {
 /// Thread-safe; all methods may be called from the receiver and the consumer.
 class InputLog {
  public:
+  /// `key` is the log key (derive_frame_key(run key, kInputLog, stage));
   /// `expect` is applied to every stored frame on open() and read().
   InputLog(std::string dir, FrameKey key, FrameExpectation expect = {});
 
@@ -52,6 +55,10 @@ class InputLog {
   /// Stores one encoded frame durably; returns once it is fsynced and renamed.
   /// An existing entry for `micro_batch` is overwritten.
   Status append(uint64_t window, uint64_t micro_batch, const std::vector<uint8_t>& frame_bytes);
+
+  /// Seals `frame` under this log's key (no session, sequence 0) and stores
+  /// it as append() does.
+  Status append_frame(const Frame& frame);
 
   bool contains(uint64_t micro_batch) const;
 

@@ -7,15 +7,22 @@
 // Sender: at most D entries un-acknowledged (send() blocks beyond that),
 // reconnects with exponential back-off (a ReconnectingLink) and re-sends
 // every un-acknowledged entry, shapes the link by a LinkProfile.
-// Receiver: validates every frame (MAC, run, stage, shapes), logs before it
-// acknowledges, drops duplicates by micro-batch id (acknowledging them
-// again), and keeps listening after a bad frame or a broken connection.
+// Receiver: validates every frame (tag, run, stage, session, sequence,
+// shapes), logs before it acknowledges, drops duplicates by micro-batch id
+// (acknowledging them again), and keeps listening after a bad frame or a
+// broken connection.
+//
+// Every connection starts with the session handshake (PROTOCOL.md §6); the
+// link's frames are sealed with keys derived from the run key for this link
+// (the upstream stage k) and direction, so they are encrypted on the wire and
+// cannot be replayed into another connection, link or direction.
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -35,7 +42,8 @@ namespace zl {
 struct SenderOptions {
   std::string host = "127.0.0.1";  ///< downstream's listen address
   uint16_t port = 0;
-  FrameKey key{};
+  FrameKey key{};                  ///< the run key (the link's keys are derived from it)
+  uint32_t stage = 0;              ///< this (upstream) stage's index k: the link k -> k+1
   std::optional<RunId> run_id;     ///< if set, ACKs from another run are rejected
   size_t max_in_flight = 2;        ///< D: un-acknowledged entries allowed on the link
   LinkProfile profile;             ///< sender-side shaping (default: none)
@@ -87,7 +95,10 @@ class Sender {
   struct Entry {
     uint64_t window = 0;
     uint64_t micro_batch = 0;
-    std::shared_ptr<const std::vector<uint8_t>> bytes;
+    // Sealed at each transmission: a re-send after a reconnect goes out in
+    // the new session with a new sequence number and nonce.
+    std::shared_ptr<const Frame> frame;
+    size_t wire_bytes = 0;
     SteadyClock::time_point queued_at;
     std::optional<SteadyClock::time_point> deliver_at;  // set once scheduled on the wire
     bool sent = false;
@@ -116,8 +127,9 @@ class Sender {
 struct ReceiverOptions {
   std::string host = "127.0.0.1";  ///< listen address ("0.0.0.0" on a phone on Wi-Fi)
   uint16_t port = 0;               ///< 0: ephemeral, see Receiver::port()
-  FrameKey key{};
-  /// Checked on every frame: run id, upstream stage index, B/S/D of DATA.
+  FrameKey key{};                  ///< the run key (the link's and the input log's keys are derived from it)
+  /// Checked on every frame: run id, upstream stage index (required: the
+  /// link's keys derive from it), B/S/D of DATA.
   FrameExpectation expect;
   uint32_t stage = 0;              ///< this stage's index, written into ACKs
   std::string log_dir;             ///< InputLog directory
@@ -129,10 +141,11 @@ struct ReceiverOptions {
   uint64_t first_micro_batch = 0;
   /// Last committed window, if any: log entries through it are deleted on start.
   std::optional<uint64_t> committed_window;
-  /// A new connection replaces the current upstream only once its first frame
-  /// decodes (MAC, run, stage, shapes). Until then it is a candidate: at most
-  /// `max_candidates` at a time (the oldest is dropped for a newer one), each
-  /// closed if its first frame is not complete within `auth_timeout`.
+  /// A new connection replaces the current upstream only once it completed
+  /// the handshake and its first frame after it decodes (tag, run, stage,
+  /// session, shapes). Until then it is a candidate: at most `max_candidates`
+  /// at a time (the oldest is dropped for a newer one), each closed if that
+  /// frame is not complete within `auth_timeout`.
   size_t max_candidates = 4;
   std::chrono::milliseconds auth_timeout{30000};
   /// After an entry cannot be logged here (a full disk, an I/O error), the
@@ -142,6 +155,9 @@ struct ReceiverOptions {
   /// reconnect-and-resend loop as fast as the network allows.
   std::chrono::milliseconds local_error_backoff_initial{20};
   std::chrono::milliseconds local_error_backoff_max{2000};
+  /// The server's half of each new session (16 bytes). Default: random
+  /// (randombytes_buf); zl_frame_tool's fuzz mode injects known values.
+  std::function<void(uint8_t* out, size_t size)> session_random;
 };
 
 struct ReceiverStats {
@@ -192,28 +208,31 @@ class Receiver {
   void stop();
 
  private:
-  // A connection that has not yet sent a valid frame.
+  // A connection that has not yet sent a valid frame after its handshake.
   struct Candidate {
     Socket sock;
     FrameReader reader;
     SteadyClock::time_point deadline;
+    std::optional<SessionState> session;  // set once its HELLO was answered
   };
 
   void run();
   void serve_connection();
   void serve_candidate(size_t index);
   void handle_frame(const std::vector<uint8_t>& bytes);
-  void handle_decoded(const std::vector<uint8_t>& bytes, const DecodeResult& r);
+  void handle_decoded(const DecodeResult& r);
   void reject(const std::string& reason, bool send_error);
-  void reject_on(Socket* sock, FrameReader* reader, const std::string& reason);
+  void reject_on(Socket* sock, FrameReader* reader, const std::string& reason, SessionState* session);
   size_t pending_locked() const;
   void wake();
 
   ReceiverOptions options_;
+  LinkKeys keys_;
   InputLog log_;
   Socket listener_;
   Socket conn_;  // current (authenticated) upstream, I/O thread only
   FrameReader reader_;
+  SessionState session_;  // conn_'s, I/O thread only
   std::vector<Candidate> candidates_;  // I/O thread only, oldest first
   uint16_t port_ = 0;
   mutable std::mutex mutex_;

@@ -4,8 +4,13 @@
 // they send, when, and what a frame means stays with them. This holds what
 // both need:
 //   - a wake pipe, so other threads can cut the I/O thread's wait short;
-//   - the connection: dialled with a timeout and SO_KEEPALIVE, replaced on
+//   - the connection: dialled with a timeout and SO_KEEPALIVE, opened with
+//     the client's handshake (a fresh session, PROTOCOL.md §6), replaced on
 //     every reconnect;
+//   - the session: every outgoing frame stamped with it and the next
+//     sequence number and sealed with the link's send key; every incoming one
+//     opened with its receive key and rejected unless it belongs to this
+//     session and has a sequence number not seen yet (no replays);
 //   - exponential back-off between failed connects (Backoff);
 //   - the read loop: bytes from the socket split into frames, each decoded
 //     against the link's key and expectation and handed to the owner.
@@ -55,9 +60,11 @@ struct LinkReadResult {
 
 class ReconnectingLink {
  public:
-  /// Incoming frames are decoded with `key` against `expect`, whose
-  /// max_frame_bytes also bounds the read buffer.
-  ReconnectingLink(const FrameKey& key, const FrameExpectation& expect);
+  /// Outgoing frames are sealed with `keys.send`; incoming ones are opened
+  /// with `keys.receive` and checked against `expect` (plus the session),
+  /// whose max_frame_bytes also bounds the read buffer. `run_id` and `stage`
+  /// go into this end's HELLO.
+  ReconnectingLink(const LinkKeys& keys, const FrameExpectation& expect, const RunId& run_id, uint32_t stage);
   /// Closes the wake pipe: the owner has joined its I/O thread by then.
   ~ReconnectingLink();
   ReconnectingLink(const ReconnectingLink&) = delete;
@@ -71,8 +78,12 @@ class ReconnectingLink {
   /// Connects to host:port within `timeout` (blocking socket, TCP_NODELAY,
   /// SO_KEEPALIVE so a peer that vanished is noticed on an idle link).
   static Status dial(const std::string& host, uint16_t port, std::chrono::milliseconds timeout, Socket* out);
-  /// Makes `sock` the connection; bytes buffered from an earlier one are dropped.
-  void adopt(Socket sock);
+  /// The client handshake on a freshly dialled `sock` (client_handshake,
+  /// within `timeout`); `*session` gets the new session.
+  Status handshake(const Socket& sock, std::chrono::milliseconds timeout, SessionId* session) const;
+  /// Makes `sock` (handshake done) the connection with `session`; bytes
+  /// buffered from an earlier one are dropped, sequence numbers start over.
+  void adopt(Socket sock, const SessionId& session);
   /// Closes the connection (if any) and drops buffered bytes.
   void close();
   /// Any thread: shuts the connection down, which ends a send() blocked on a
@@ -80,8 +91,10 @@ class ReconnectingLink {
   void shutdown();
   bool connected() const { return conn_.valid(); }
 
-  /// Writes all bytes (blocking) on the connection.
-  Status send(const uint8_t* data, size_t size);
+  /// Stamps `frame` with the session and the next sequence number, seals it
+  /// and writes it (blocking). kInvalidArgument if it cannot be encoded
+  /// (then nothing was written), else what the socket says.
+  Status send_frame(const Frame& frame, size_t max_frame_bytes);
 
   /// Waits until `until` (at most 1 s, so the owner re-checks its state), a
   /// wake(), or input (or a hang-up) on the connection; `*readable` says the
@@ -97,8 +110,11 @@ class ReconnectingLink {
   LinkReadResult read_frames(const std::function<void(const DecodeResult&)>& on_frame);
 
  private:
-  const FrameKey key_;
+  const LinkKeys keys_;
   const FrameExpectation expect_;
+  const RunId run_id_;
+  const uint32_t stage_;
+  SessionState session_;  // the I/O thread's
   // Guards conn_ between the I/O thread's adopt()/close() and shutdown() from
   // other threads; the I/O thread, its only writer, reads it without.
   std::mutex conn_mutex_;

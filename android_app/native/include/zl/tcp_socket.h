@@ -60,6 +60,46 @@ Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
                   std::chrono::milliseconds timeout, DecodeResult* out,
                   std::vector<uint8_t>* raw = nullptr);
 
+/// The client side of a connection's handshake (PROTOCOL.md §6), on a
+/// connected blocking socket: sends HELLO (stage `stage`, session = 16 fresh
+/// random bytes + 16 zero bytes, sequence 0) sealed with `keys.send`, then
+/// waits up to `timeout` for the server's HELLO, opened with `keys.receive`
+/// and checked against `expect`, which must echo the client's half.
+/// `*session` gets the session both ends then stamp on every frame. kTimeout,
+/// kClosed, kIoError from the socket; kCorrupt when the server's reply is not
+/// a valid HELLO of this connection (or is its ERROR), naming why.
+Status client_handshake(int fd, const LinkKeys& keys, const RunId& run_id, uint32_t stage,
+                        const FrameExpectation& expect, std::chrono::milliseconds timeout, SessionId* session);
+
+/// The server side: `hello` decoded and authenticated, the first frame of a
+/// new connection. Fills `*reply` with the server's HELLO (stage `stage`,
+/// session = the client's half + `server_half`, sequence 0) and `*session`
+/// with that session; "" then, else (not a HELLO, or not sequence 0) why
+/// the connection must be refused (reason name bad_handshake).
+std::string server_handshake(const Frame& hello, const RunId& run_id, uint32_t stage,
+                             const std::array<uint8_t, kSessionHalfSize>& server_half, Frame* reply,
+                             SessionId* session);
+
+/// Stamps the next frames of one end of a session: its id and its sequence
+/// numbers (1, 2, ...; HELLO was 0); checks incoming ones against both.
+struct SessionState {
+  SessionId id{};
+  uint64_t sent = 0;      ///< last sequence number stamped on an outgoing frame
+  uint64_t accepted = 0;  ///< last sequence number accepted from the peer
+  /// `frame` with the session and the next sequence number.
+  Frame stamp(Frame frame) {
+    frame.session = id;
+    frame.seq = ++sent;
+    return frame;
+  }
+  /// `base` plus this session and the lowest sequence number still new.
+  FrameExpectation expect(FrameExpectation base) const {
+    base.session = id;
+    base.min_seq = accepted + 1;
+    return base;
+  }
+};
+
 /// A self-pipe lets other threads wake an I/O thread blocked in poll():
 /// `fds[0]` goes into the poll set, `fds[1]` is written by write_wake(). Both
 /// ends are non-blocking and close-on-exec. False (errno set) if pipe() fails.

@@ -38,7 +38,7 @@ mkdir -p "$OUT"
 
 # 1. Debian packages: the cross compiler, qemu, and the arm64 builds of what
 #    the runner links (libsodium, GoogleTest) through multiarch.
-APT_PKGS=(gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user libsodium-dev:arm64 libgtest-dev:arm64 nlohmann-json3-dev)
+APT_PKGS=(gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user libsodium-dev:arm64 libgtest-dev:arm64 libopenblas-dev:arm64 nlohmann-json3-dev)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

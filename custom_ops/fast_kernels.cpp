@@ -294,6 +294,7 @@ FastKernelsRegistration register_fast_kernels() {
   // as long as the process (the specs are never freed).
   auto* specs = new std::vector<KernelSpec>(matrix_kernel_specs());
   for (auto& spec : layout_kernel_specs()) specs->push_back(std::move(spec));
+  for (auto& spec : elementwise_kernel_specs()) specs->push_back(std::move(spec));
   std::vector<Kernel> list;
   for (const KernelSpec& spec : *specs) {
     *spec.fallback = find_fallback(spec.op);

@@ -87,6 +87,15 @@ void binary_range(const float* a, Reads ra, int64_t pa, const float* b, Reads rb
   // value (per row) or a contiguous slice (periodic), so the inner loops vectorize.
   const Reads rbc = ra == Reads::kSame ? rb : ra;
   const int64_t run = ra == Reads::kSame ? pb : pa;
+  if (rbc == Reads::kPeriodic && run == 1) {  // a single value (a 0-dim tensor): one run
+    const float v = ra == Reads::kSame ? b[0] : a[0];
+    if (ra == Reads::kSame) {
+      for (int64_t i = i0; i < i1; ++i) y[i] = apply(kOp, a[i], v);
+    } else {
+      for (int64_t i = i0; i < i1; ++i) y[i] = apply(kOp, v, b[i]);
+    }
+    return;
+  }
   for (int64_t i = i0; i < i1;) {
     const int64_t end = std::min(i1, (i / run + 1) * run);
     if (rbc == Reads::kPerRow) {

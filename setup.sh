@@ -16,8 +16,9 @@ BUILD=$ROOT/build
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
 # 1. System packages: compiler, CMake, libsodium (frame MACs), nlohmann-json
-#    (runner config, safetensors headers), GoogleTest, adb (phones).
-APT_PKGS=(build-essential cmake pkg-config libsodium-dev nlohmann-json3-dev libgtest-dev libeigen3-dev adb python3-venv)
+#    (runner config, safetensors headers), GoogleTest, OpenBLAS and Eigen (the
+#    GEMM of zl's kernels; Eigen where OpenBLAS is missing), adb (phones).
+APT_PKGS=(build-essential cmake pkg-config libsodium-dev nlohmann-json3-dev libgtest-dev libopenblas-dev libeigen3-dev adb python3-venv)
 # ZL_APP_TESTS=1 (CI sets it): also what the app's tests need on the host: a JDK
 # (the JNI library driven from a JVM) and Kotlin, JUnit 4 and Android's org.json
 # (the app's Kotlin unit tests, tests/test_app_kotlin.py); about 400 MB, so opt-in.

@@ -1,5 +1,6 @@
-// zl's float32 linear/mm/bmm kernels on Eigen's GEMM, and the
-// registration of all of zl's fast kernels (docs/design.md §4.9).
+// zl's float32 linear/mm/bmm kernels on OpenBLAS's GEMM (or Eigen's, in a
+// build without OpenBLAS), and the registration of all of zl's fast kernels
+// (docs/design.md §4.9).
 #include <zl/fast_kernels.h>
 
 #include <algorithm>
@@ -8,6 +9,9 @@
 #include <mutex>
 
 #include <Eigen/Core>
+#if ZL_GEMM_OPENBLAS
+#include <cblas.h>
+#endif
 
 #include <executorch/runtime/core/event_tracer_hooks.h>
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
@@ -28,19 +32,29 @@ using Matrix = Eigen::Map<RowMajor>;
 std::atomic<uint64_t> call_count{0};
 std::atomic<bool> registered{false};
 
-// Output columns (or rows) per task: whole micro-panels of Eigen's kernel
-// (at most 16 wide with AVX-512), so that a split product computes each
-// element exactly as the whole product does (same K blocking, same panel).
+// Products are cut into panels of this many output columns (or rows) by
+// their shape alone, whatever the thread count: every panel is one GEMM call,
+// so each element is computed by the same call on one thread as on eight.
+// (A GEMM library picks kernels and blocking by the shape of the call, e.g.
+// OpenBLAS's small-matrix kernels below ~100^3 multiply-adds, which sum in
+// another order than its blocked ones.) 64 is a whole number of micro-panels
+// of both libraries' kernels (at most 16 wide with AVX-512).
 constexpr int64_t kPanel = 64;
-// Below this many multiply-adds a product stays on the calling thread.
+// Below this many multiply-adds a product is one call, on the calling thread.
 constexpr int64_t kMinParallelWork = int64_t{1} << 18;
 
 // One GEMM on one thread: out[m, n] = a[m, k] @ (b or b^T), m and n >= 2.
-// Eigen's GEMM packs both operands, so its result does not depend on where
-// they sit in memory; its matrix-vector path (which it takes for a
-// one-row or one-column result) peels to an alignment and does.
+// Both libraries pack both operands, so the result does not depend on where
+// they sit in memory (Eigen's matrix-vector path, which it takes for a
+// one-row or one-column result, peels to an alignment and does: such
+// products never come here).
 void gemm_serial(const float* a, const float* b, float* out, int64_t m, int64_t k, int64_t n,
                  int64_t ldb, int64_t ldout, bool b_transposed) {
+#if ZL_GEMM_OPENBLAS
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, b_transposed ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
+              static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, a, static_cast<blasint>(k), b,
+              static_cast<blasint>(ldb), 0.0f, out, static_cast<blasint>(ldout));
+#else
   using Stride = Eigen::OuterStride<>;
   ConstMatrix lhs(a, m, k);
   Eigen::Map<RowMajor, Eigen::Unaligned, Stride> res(out, m, n, Stride(ldout));
@@ -51,6 +65,7 @@ void gemm_serial(const float* a, const float* b, float* out, int64_t m, int64_t 
     Eigen::Map<const RowMajor, Eigen::Unaligned, Stride> rhs(b, k, n, Stride(ldb));
     res.noalias() = lhs * rhs;
   }
+#endif
 }
 
 // x . y over k elements, summed in a fixed order (16 lanes, then the lanes
@@ -98,33 +113,30 @@ void gemm_f32(const float* a, const float* b, float* out, int64_t m, int64_t k, 
     return;
   }
   if (m == 1 || n == 1) return vector_product(a, b, out, m, k, n, b_transposed);
-  const int64_t threads = executorch::extension::get_thread_count();
-  // A split leaving a one-wide last panel would run it as a matrix-vector
-  // product (other bits than the whole product's, and address-dependent):
-  // such a product stays whole.
+  // The panels depend on the shape only (see kPanel). A cut leaving a
+  // one-wide last panel would run it as a matrix-vector product: such a
+  // product stays whole.
   const int64_t split = n >= m ? n : m;
-  if (threads <= 1 || m * k * n < kMinParallelWork || split % kPanel == 1) {
+  if (m * k * n < kMinParallelWork || split <= kPanel || split % kPanel == 1) {
     gemm_serial(a, b, out, m, k, n, b_transposed ? k : n, n, b_transposed);
     return;
   }
   const int64_t panels = (split + kPanel - 1) / kPanel;
-  if (n >= m) {
-    // Split the output's columns: each task multiplies all of `a` by a
-    // column block of b.
-    executorch::extension::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
-      const int64_t c0 = first * kPanel;
-      const int64_t cols = std::min(last * kPanel, n) - c0;
-      const float* b0 = b_transposed ? b + c0 * k : b + c0;
-      gemm_serial(a, b0, out + c0, m, k, cols, b_transposed ? k : n, n, b_transposed);
-    });
-  } else {
-    // Split the output's rows: each task multiplies a row block of `a`.
-    executorch::extension::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
-      const int64_t r0 = first * kPanel;
-      const int64_t rows = std::min(last * kPanel, m) - r0;
-      gemm_serial(a + r0 * k, b, out + r0 * n, rows, k, n, b_transposed ? k : n, n, b_transposed);
-    });
-  }
+  // parallel_for hands each thread a range of whole panels (inline with one
+  // thread); each panel is its own call, so the ranges do not matter.
+  const int64_t ldb = b_transposed ? k : n;
+  executorch::extension::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t lo = p * kPanel;
+      const int64_t width = std::min(lo + kPanel, split) - lo;
+      if (n >= m) {  // a column panel: all of `a` times columns lo.. of the product
+        const float* b0 = b_transposed ? b + lo * k : b + lo;
+        gemm_serial(a, b0, out + lo, m, k, width, ldb, n, b_transposed);
+      } else {  // a row panel: rows lo.. of `a` times all of b
+        gemm_serial(a + lo * k, b, out + lo * n, width, k, n, ldb, n, b_transposed);
+      }
+    }
+  });
 }
 
 namespace {
@@ -273,11 +285,16 @@ FastKernelsRegistration register_fast_kernels() {
   if (registered.load()) return {true, 0, ""};
   // Eigen's lazily initialised cache-size statics, before any pool thread.
   Eigen::initParallel();
+#if ZL_GEMM_OPENBLAS
+  // One OpenBLAS thread per call: the panels already run on ExecuTorch's pool.
+  openblas_set_num_threads(1);
+#endif
 
   // The registry keeps the Kernel entries' name and key pointers: both live
   // as long as the process (the specs are never freed).
   auto* specs = new std::vector<KernelSpec>(matrix_kernel_specs());
   for (auto& spec : layout_kernel_specs()) specs->push_back(std::move(spec));
+  for (auto& spec : elementwise_kernel_specs()) specs->push_back(std::move(spec));
   std::vector<Kernel> list;
   for (const KernelSpec& spec : *specs) {
     *spec.fallback = find_fallback(spec.op);
@@ -298,6 +315,15 @@ FastKernelsRegistration register_fast_kernels() {
 
 bool fast_kernels_registered() { return registered.load(); }
 
+std::string gemm_backend() {
+#if ZL_GEMM_OPENBLAS
+  return std::string("OpenBLAS (") + openblas_get_config() + ")";
+#else
+  return "Eigen " + std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
+         std::to_string(EIGEN_MINOR_VERSION);
+#endif
+}
+
 uint64_t fast_kernel_call_count() { return call_count.load(std::memory_order_relaxed); }
 
 }  // namespace zl
@@ -312,3 +338,8 @@ extern "C" int zl_register_fast_kernels() {
 }
 
 extern "C" uint64_t zl_fast_kernel_call_count() { return zl::fast_kernel_call_count(); }
+
+extern "C" const char* zl_gemm_backend() {
+  static const std::string name = zl::gemm_backend();
+  return name.c_str();
+}

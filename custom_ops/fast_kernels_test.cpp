@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -78,11 +79,19 @@ TEST(FastKernels, GemmMatchesReference) {
   }
 }
 
+TEST(FastKernels, GemmIsTheOneThisBuildChose) {
+  const std::string backend = zl::gemm_backend();
+  EXPECT_EQ(backend.rfind(ZL_EXPECT_GEMM, 0), 0u) << backend;
+}
+
 TEST(FastKernels, ThreadSplitIsBitIdenticalToOneThread) {
   if (!set_threads(1)) GTEST_SKIP() << "no ExecuTorch thread pool in this build";
   ASSERT_EQ(executorch::extension::get_thread_count(), 1);
   // Panels of 64; a product whose last panel would be one wide (129 = 2 x 64 + 1) stays whole.
-  const Shape shapes[] = {{128, 576, 1536}, {576, 128, 300}, {130, 200, 70}, {70, 96, 129}, {129, 96, 70}};
+  // Attention-sized products (128 x 64 x 128, ~1M multiply-adds) straddle OpenBLAS's
+  // small-matrix limit: whole, they would take one kernel, cut in panels another.
+  const Shape shapes[] = {{128, 576, 1536}, {576, 128, 300}, {130, 200, 70}, {70, 96, 129},
+                          {129, 96, 70},    {128, 64, 128},  {128, 128, 64}, {96, 100, 160}};
   for (bool transposed : {false, true}) {
     for (const Shape& s : shapes) {
       auto a = random_values(s.m * s.k, 3);
@@ -104,7 +113,7 @@ TEST(FastKernels, ThreadSplitIsBitIdenticalToOneThread) {
 // 64-byte line: results must not depend on where data sits (a program's
 // tensors sit elsewhere when it is mapped rather than read, or reloaded).
 TEST(FastKernels, ResultsDoNotDependOnAlignment) {
-  const Shape shapes[] = {{1, 300, 77}, {77, 300, 1}, {1, 5, 1}, {9, 300, 77}};
+  const Shape shapes[] = {{1, 300, 77}, {77, 300, 1}, {1, 5, 1}, {9, 300, 77}, {128, 64, 128}, {64, 576, 200}};
   for (bool transposed : {false, true}) {
     for (const Shape& s : shapes) {
       const auto a = random_values(s.m * s.k, 8), b = random_values(s.k * s.n, 9);

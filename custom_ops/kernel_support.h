@@ -45,6 +45,24 @@ std::string float_key(std::initializer_list<int> ranks);
 /// zl::fast_kernel_call_count).
 void count_call();
 
+/// Elements per thread-pool task of an elementwise kernel.
+constexpr int64_t kGrain = 1 << 14;
+
+/// Sum in a fixed order (16 lanes, the lanes in turn, the tail), whatever
+/// the pointer's alignment.
+inline float fixed_order_sum(const float* x, int64_t n) {
+  constexpr int kLanes = 16;
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] += x[i + l];
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  for (; i < n; ++i) sum += x[i];
+  return sum;
+}
+
 inline bool is_contiguous_f32(const Tensor& t) {
   return t.scalar_type() == ScalarType::Float &&
          executorch::runtime::tensor_is_default_dim_order(t) &&
@@ -74,5 +92,6 @@ inline void run_fallback(OpFunction fn, const char* op, KernelRuntimeContext& ct
 
 std::vector<KernelSpec> matrix_kernel_specs();
 std::vector<KernelSpec> layout_kernel_specs();
+std::vector<KernelSpec> elementwise_kernel_specs();
 
 }  // namespace zl::kernels

@@ -29,9 +29,6 @@ OpFunction pow_fallback = nullptr;
 OpFunction softmax_fallback = nullptr;
 OpFunction sigmoid_fallback = nullptr;
 
-// Elements per thread-pool task of an elementwise kernel.
-constexpr int64_t kGrain = 1 << 14;
-
 // Side of the square tiles a transposing copy moves at a time (floats): two
 // 32x32 tiles stay within a 32 KiB L1 cache.
 constexpr int64_t kTile = 32;
@@ -279,21 +276,6 @@ void map_packets(const float* x, float* y, int64_t n, F f) {
     a = f(a);
     std::memcpy(y + i, buf, len * sizeof(float));
   }
-}
-
-// Sum in a fixed order (16 lanes, the lanes in turn, the tail), whatever
-// the pointer's alignment.
-float fixed_order_sum(const float* x, int64_t n) {
-  constexpr int kLanes = 16;
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lanes[l] += x[i + l];
-  }
-  float sum = 0.0f;
-  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-  for (; i < n; ++i) sum += x[i];
-  return sum;
 }
 
 // aten::_softmax.out(Tensor self, int dim, bool half_to_float, *, Tensor(a!) out)

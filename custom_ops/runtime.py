@@ -102,6 +102,8 @@ def load_library(path: str | os.PathLike[str] | None = None) -> pathlib.Path:
         _handle.zl_pipeline_marker_call_count.argtypes = []
         _handle.zl_fast_kernel_call_count.restype = ctypes.c_uint64
         _handle.zl_fast_kernel_call_count.argtypes = []
+        _handle.zl_gemm_backend.restype = ctypes.c_char_p
+        _handle.zl_gemm_backend.argtypes = []
         _loaded = lib_path
         if kernels_choice() == "zl":
             _register_fast_kernels()
@@ -155,6 +157,17 @@ def fast_kernel_call_count() -> int:
     if _handle is None:
         raise ZLError("the zl kernel library is not loaded; call custom_ops.load_library() first.")
     return int(_handle.zl_fast_kernel_call_count())
+
+
+def gemm_backend() -> str:
+    """The GEMM under zl's linear/mm/bmm kernels in the loaded library: "OpenBLAS (...)" or "Eigen x.y.z".
+
+    Raises:
+        ZLError: the library is not loaded yet (call `load_library` first).
+    """
+    if _handle is None:
+        raise ZLError("the zl kernel library is not loaded; call custom_ops.load_library() first.")
+    return _handle.zl_gemm_backend().decode()
 
 
 def marker_call_count() -> int:

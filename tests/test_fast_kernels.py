@@ -1,4 +1,4 @@
-"""zl's fast kernels (custom_ops/fast_kernels.cpp, layout_kernels.cpp; docs/design.md §4.9) inside real
+"""zl's fast kernels (custom_ops/fast_kernels.cpp, layout_kernels.cpp, elementwise_kernels.cpp; docs/design.md §4.9) inside real
 ExecuTorch programs: each operator they serve, at the shapes and argument forms the stage programs use and a few
 they do not, against PyTorch eager, and the choice between them and ExecuTorch's own kernels (`ZL_KERNELS`)."""
 
@@ -15,7 +15,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVED = ("aten::linear.out", "aten::mm.out", "aten::bmm.out", "aten::permute_copy.out", "aten::expand_copy.out",
-          "aten::pow.Tensor_Scalar_out", "aten::_softmax.out", "aten::sigmoid.out")
+          "aten::pow.Tensor_Scalar_out", "aten::_softmax.out", "aten::sigmoid.out", "aten::mul.out", "aten::add.out",
+          "aten::sub.out", "aten::sum.IntList_out", "aten::mean.out")
+# Instructions of served operators in _Ops whose arguments the kernels hand to ExecuTorch's own.
+DECLINED = 4
 
 
 class _Ops(torch.nn.Module):
@@ -39,6 +42,17 @@ class _Ops(torch.nn.Module):
             a.abs().pow(2.5),                                     # an exponent the kernel leaves to ExecuTorch's
             torch.softmax(x4 * 3.0, dim=-1),                      # attention's softmax (last dimension)
             torch.sigmoid(x4 * 2.0),                              # SiLU's sigmoid
+            x4 * x4,                                              # same shape
+            x4 * w[0, :40],                                       # RMSNorm's weight: repeats over rows
+            x4 * x4[..., :1],                                     # 1/rms: one value per row
+            x4 + x4[:1],                                          # RoPE's cos/sin: repeats over heads
+            x4[:1] - x4,                                          # the broadcast operand first
+            x4 - x4.sum(-1, keepdim=True),                        # per row; a last-dimension sum
+            x4.sum(dim=1),                                        # a middle dimension, dropped
+            x4.mean(-1, keepdim=True),                            # RMSNorm's mean of squares
+            torch.add(x4, x4, alpha=2.0),                         # alpha != 1: ExecuTorch's
+            a[:, None, :] * a[None, :, :],                        # both operands broadcast: ExecuTorch's
+            x4.sum(dim=(1, 2)),                                   # two dimensions: ExecuTorch's
         )
 
 
@@ -93,9 +107,9 @@ def test_programs_run_on_zl_kernels_and_match_eager(ops_program: Path) -> None:
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["shapes_ok"]
     assert max(report["errors"]) < 1e-5, report["errors"]
-    # Every instruction of a served operator ran on zl's kernel, except the one pow whose exponent (2.5) they
-    # hand back to ExecuTorch's.
-    assert report["calls"] == report["served"] - 1, report
+    # Every instruction of a served operator ran on zl's kernel, except those _Ops gives arguments they hand back
+    # to ExecuTorch's (an exponent of 2.5, alpha 2, two broadcast operands, a two-dimension sum).
+    assert report["calls"] == report["served"] - DECLINED, report
 
 
 def test_executorch_choice_leaves_zl_kernels_out(ops_program: Path) -> None:

@@ -162,12 +162,13 @@ def _print_table(rows: list, kernels: list[str]) -> None:
 def _load_programs(files: dict, inputs: dict, kernels: list[str]) -> dict:
     """Load every program once per kernel choice, ExecuTorch's kernels first; one step each binds the kernels and
     checks that the zl-kernel programs, and only those, call zl's kernels."""
-    from custom_ops.runtime import fast_kernel_call_count, register_fast_kernels
+    from custom_ops.runtime import fast_kernel_call_count, gemm_backend, register_fast_kernels
 
     programs = {}
     for kernel in kernels:
         if kernel == "zl":
             register_fast_kernels()
+            print(f"zl's kernels: GEMM on {gemm_backend()}", flush=True)
         for (seq, name), (pte, names) in files.items():
             program = TrainingProgram(pte, names)
             before = fast_kernel_call_count()

@@ -25,7 +25,8 @@
 #
 # The APK needs a JDK 17 (JAVA_HOME, else java on PATH) and Gradle:
 # android_app/app/gradlew if it exists, else gradle (8.11.1) on PATH.
-# Optional: NLOHMANN_JSON_INCLUDE_DIR (folder with nlohmann/json.hpp, default
+# Optional: ZL_OPENBLAS_ANDROID_PREFIX (OpenBLAS built for arm64-v8a, the GEMM
+# of zl's kernels; without it Eigen's), NLOHMANN_JSON_INCLUDE_DIR (folder with nlohmann/json.hpp, default
 # /usr/include), ZL_ANDROID_PLATFORM (zl_runner's API level, default
 # android-26), ZL_BUILD_TYPE (default Release), ZL_JOBS (default 2),
 # ZL_ANDROID_BUILD_DIR (default <repo>/build-android),
@@ -238,6 +239,24 @@ EIGEN_INCLUDE="${ZL_EIGEN_INCLUDE_DIR:-/usr/include/eigen3}"
   "Install it (Debian/Ubuntu: apt-get install libeigen3-dev) or set ZL_EIGEN_INCLUDE_DIR" \
   "to a folder holding Eigen/Core (Eigen 3.3 or 3.4)."
 
+# --- OpenBLAS built for Android (optional; the GEMM of zl's kernels) -------------
+OPENBLAS_ARGS=()
+OPENBLAS_GRADLE=()
+if [[ -n "${ZL_OPENBLAS_ANDROID_PREFIX:-}" ]]; then
+  OPENBLAS_PREFIX="$ZL_OPENBLAS_ANDROID_PREFIX"
+  [[ -f "$OPENBLAS_PREFIX/lib/libopenblas.a" ]] || die "ZL_OPENBLAS_ANDROID_PREFIX=$OPENBLAS_PREFIX has no lib/libopenblas.a" \
+    "Build OpenBLAS for arm64-v8a as android_app/README.md (\"OpenBLAS for Android\") says, or unset it to use Eigen's GEMM."
+  [[ -f "$OPENBLAS_PREFIX/include/cblas.h" || -f "$OPENBLAS_PREFIX/include/openblas/cblas.h" ]] \
+    || die "ZL_OPENBLAS_ANDROID_PREFIX=$OPENBLAS_PREFIX has no include/cblas.h"
+  OPENBLAS_PREFIX="$(cd "$OPENBLAS_PREFIX" && pwd)"
+  require_aarch64 "$OPENBLAS_PREFIX/lib/libopenblas.a" "OpenBLAS"
+  OPENBLAS_ARGS=(-DZL_OPENBLAS_PREFIX="$OPENBLAS_PREFIX")
+  OPENBLAS_GRADLE=(-Pzl.openblasPrefix="$OPENBLAS_PREFIX")
+  note "OpenBLAS at $OPENBLAS_PREFIX (the GEMM of zl's kernels)"
+else
+  note "ZL_OPENBLAS_ANDROID_PREFIX is not set: zl's kernels use Eigen's GEMM (slower; android_app/README.md, \"OpenBLAS for Android\")"
+fi
+
 # --- platform ------------------------------------------------------------------
 PLATFORM="${ZL_ANDROID_PLATFORM:-android-26}"
 [[ "$PLATFORM" =~ ^android-([0-9]+)$ ]] || die "ZL_ANDROID_PLATFORM=$PLATFORM; expected android-<API level>, e.g. android-26"
@@ -380,7 +399,8 @@ if (( NATIVE )); then
     -DCMAKE_FIND_ROOT_PATH="$ET_PREFIX" \
     -DZL_SODIUM_PREFIX="$SODIUM_PREFIX" \
     -DZL_NLOHMANN_JSON_INCLUDE_DIR="$JSON_COPY" \
-    -DZL_EIGEN_INCLUDE_DIR="$EIGEN_INCLUDE"
+    -DZL_EIGEN_INCLUDE_DIR="$EIGEN_INCLUDE" \
+    ${OPENBLAS_ARGS[@]+"${OPENBLAS_ARGS[@]}"}
 
   # Both targets are defined only once their sources exist (the stage loop in
   # android_app/native/app and include/zl/runner.h); say so instead of make's
@@ -406,6 +426,7 @@ if (( APK )); then
       -Pzl.executorchPrefix="$ET_PREFIX" \
       -Pzl.sodiumPrefix="$SODIUM_PREFIX" \
       -Pzl.nlohmannJsonInclude="$JSON_COPY" \
+      ${OPENBLAS_GRADLE[@]+"${OPENBLAS_GRADLE[@]}"} \
       -Pzl.nativeBuildType="$BUILD_TYPE"
   )
   APK_DIR="$APP_DIR/app/build/outputs/apk/$VARIANT"

@@ -37,8 +37,8 @@ mkdir -p "$OUT"
 [ -x "$VENV_PY" ] || die "no $VENV_PY; run setup.sh first (the export and the comparison use it)"
 
 # 1. Debian packages: the cross compiler, qemu, and the arm64 builds of what
-#    the runner links (libsodium, GoogleTest) through multiarch.
-APT_PKGS=(gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user libsodium-dev:arm64 libgtest-dev:arm64 nlohmann-json3-dev)
+#    the runner links (libsodium, GoogleTest, OpenBLAS) through multiarch.
+APT_PKGS=(gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user libsodium-dev:arm64 libgtest-dev:arm64 libopenblas-dev:arm64 nlohmann-json3-dev)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -70,7 +70,7 @@ fi
 #    kernel, both test suites; the JNI library without its JVM check).
 say "building for aarch64 in $OUT/cmake (log: $OUT/cmake.log)"
 { nice -n 10 cmake -S "$ROOT" -B "$OUT/cmake" --toolchain "$ROOT/tools/aarch64-linux.cmake" \
-    -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$ET_PKG/share/cmake" &&
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$ET_PKG/share/cmake" -DZL_GEMM=openblas &&
   nice -n 10 cmake --build "$OUT/cmake" -j"$JOBS"; } >"$OUT/cmake.log" 2>&1 ||
   { tail -30 "$OUT/cmake.log"; die "aarch64 build (log: $OUT/cmake.log)"; }
 for bin in android_app/native/zl_runner android_app/native/zl_step_check android_app/native/zl_runner_tests \
@@ -159,6 +159,7 @@ EOF
 
 say "summary"
 echo "  aarch64 build: zl_runner, zl_step_check, libzl_custom_ops.so and the test suites are AArch64 ELF"
+echo "  $(grep -o "zl fast kernels: GEMM on [A-Za-z]*" "$OUT/cmake.log" | head -1) (the Eigen path: custom_ops.eigen.* tests)"
 echo "  C++ suites under qemu-aarch64: $ctest_summary, none skipped"
 echo "$compare" | sed 's/^/  /'
 say "OK"

@@ -8,6 +8,7 @@
 //   zl.executorchPrefix    / EXECUTORCH_ANDROID_PREFIX   ExecuTorch 1.5.1 installed for arm64-v8a (required)
 //   zl.sodiumPrefix        / ZL_SODIUM_ANDROID_PREFIX    libsodium built for arm64-v8a (required)
 //   zl.nlohmannJsonInclude / NLOHMANN_JSON_INCLUDE_DIR   folder holding nlohmann/json.hpp (default /usr/include)
+//   zl.openblasPrefix      / ZL_OPENBLAS_ANDROID_PREFIX  OpenBLAS built for arm64-v8a (optional: else Eigen's GEMM)
 //   zl.nativeBuildType     / ZL_BUILD_TYPE               CMake build type of the C++ (default Release)
 //
 // e.g. ./gradlew assembleDebug -Pzl.executorchPrefix=$HOME/et-android-arm64-v8a -Pzl.sodiumPrefix=...
@@ -72,6 +73,11 @@ val zlEigen = zlFolder(
     listOf("Eigen/Core"),
     default = "/usr/include/eigen3",
 )
+// Optional: OpenBLAS for the GEMM of zl's kernels (docs/design.md §4.9); without it, Eigen's.
+val zlOpenblasPrefix: File? = zlSetting("zl.openblasPrefix", "ZL_OPENBLAS_ANDROID_PREFIX")?.let {
+    zlFolder("zl.openblasPrefix", "ZL_OPENBLAS_ANDROID_PREFIX", "the install prefix of OpenBLAS built for arm64-v8a",
+        listOf("lib/libopenblas.a"))
+}
 val zlNativeBuildType = zlSetting("zl.nativeBuildType", "ZL_BUILD_TYPE") ?: "Release"
 
 // Only the nlohmann headers may go on the Android include path: a host folder
@@ -129,6 +135,7 @@ android {
                     // plugin's own -DCMAKE_BUILD_TYPE, so it wins.)
                     "-DCMAKE_BUILD_TYPE=$zlNativeBuildType",
                 )
+                if (zlOpenblasPrefix != null) arguments("-DZL_OPENBLAS_PREFIX=$zlOpenblasPrefix")
                 // The JNI library only; zl_runner (the adb binary) is tools/build_android.sh's.
                 targets("zl_jni")
             }

@@ -83,7 +83,10 @@ Status use_fast_kernels() {
     return Status(StatusCode::kInternal,
                   result.error + "; set ZL_KERNELS=executorch to run on ExecuTorch's own kernels");
   }
-  if (result.kernels > 0) log(LogLevel::kInfo, "kernels: zl's fast kernels (%d registered; docs/design.md §4.9)", result.kernels);
+  if (result.kernels > 0) {
+    log(LogLevel::kInfo, "kernels: zl's fast kernels (%d registered, GEMM on %s; docs/design.md §4.9)",
+        result.kernels, gemm_backend().c_str());
+  }
   return Status();
 }
 

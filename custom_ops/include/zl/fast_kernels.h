@@ -3,9 +3,10 @@
 // A stage step spends most of its time in `aten::linear.out`, `aten::mm.out`
 // and `aten::bmm.out`. ExecuTorch's optimized kernels run them on a GEMM
 // built for the baseline ISA of the wheel (SSE2 on x86) on one core; these
-// run them on Eigen's GEMM compiled for the build machine's vector unit
-// (AVX2/AVX-512 on a host build, NEON on arm64), split over ExecuTorch's
-// thread pool, so the runner's `threads` setting applies to them.
+// run them on OpenBLAS's GEMM (its kernels for the CPU it runs on), or
+// Eigen's compiled for the build machine's vector unit (AVX2/AVX-512 on a
+// host build, NEON on arm64) where OpenBLAS is not built in, split over
+// ExecuTorch's thread pool, so the runner's `threads` setting applies.
 //
 // They register under ExecuTorch kernel keys for float32 tensors in the
 // default dim order. The runtime prefers a kernel whose key matches the
@@ -34,6 +35,10 @@ FastKernelsRegistration register_fast_kernels();
 /// True once register_fast_kernels succeeded in this process.
 bool fast_kernels_registered();
 
+/// The GEMM under linear/mm/bmm in this build: "OpenBLAS (<its config>)" or
+/// "Eigen <version>" (CMake option ZL_GEMM).
+std::string gemm_backend();
+
 /// Calls of the registered kernels since process start (a statistic, to check
 /// that a program actually ran on them).
 uint64_t fast_kernel_call_count();
@@ -52,4 +57,6 @@ extern "C" {
 int zl_register_fast_kernels();
 /// For Python (ctypes): fast_kernel_call_count().
 uint64_t zl_fast_kernel_call_count();
+/// For Python (ctypes): gemm_backend(), valid for the life of the process.
+const char* zl_gemm_backend();
 }

@@ -41,7 +41,7 @@ def prepare(args, out: Path) -> Path:
 
     settings = TrainSettings(split=ModelSplit(args.model, args.stages, args.num_stages), data=args.data,
                              samples=args.samples, window=args.window, seq_len=args.seq_len, out=out / "prepared",
-                             export=ExportOptions(micro_batch=args.micro_batch), runtime="torch",
+                             export=ExportOptions(micro_batch=args.micro_batch, frozen_dtype=args.frozen_dtype), runtime="torch",
                              launcher="torchrun", threads=args.threads, seed=args.seed)
     return run_training(settings, say=lambda line: None).run_dir
 
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--num-stages", type=int, default=3, help="Balanced split (without --stages); ranks = stages.")
     parser.add_argument("--data", default="demo", help="demo, a .csv/.jsonl file or a shard, as zl train --data.")
     parser.add_argument("--samples", type=int, default=64, help="Training samples.")
+    parser.add_argument("--frozen-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
+                        help="Frozen weights of every pipeline (zl train --frozen-dtype; default fp32, the same "
+                             "weights as the backprop baselines' usual setting).")
     parser.add_argument("--window", type=int, default=8, help="Micro-batches per AdamW step (the pipelines' m).")
     parser.add_argument("--micro-batch", type=int, default=1, help="Rows per micro-batch.")
     parser.add_argument("--seq-len", type=int, default=64, help="Tokens per sample.")

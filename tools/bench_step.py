@@ -77,6 +77,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="per-operator breakdown of each program (first thread count)")
     ap.add_argument("--compare-linear", action="store_true",
                     help="also export the full-readout program without the matmul->linear rewrite and time it alongside")
+    ap.add_argument("--frozen-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
+                    help="frozen weights of the programs (zl export --frozen-dtype; default fp32: the matrix products "
+                         "alone, as the speed issue timed them; bf16/int8 add the widening)")
     ap.add_argument("--kernels", type=_names, default=list(KERNELS),
                     help="kernels of the ExecuTorch step, comma-separated: zl (zl's, the runner's default), "
                          "executorch (ExecuTorch's own); both are timed side by side")
@@ -98,6 +101,7 @@ def main() -> None:
     cfg = loaded.config
     split = parse_spec(args.stages, cfg.num_hidden_layers)
     opts = ExportOptions(seq_len=max(args.seq_len), micro_batch=1, lora=LoraSettings(8, 16.0, ("q_proj", "v_proj")),
+                         frozen_dtype=args.frozen_dtype,
                          loss=LossConfig(0.5, "kl_rev"), seed=0)
     peft_model, modules = build_stage_modules(loaded.model, split, opts)
     module = modules[args.stage]
@@ -113,10 +117,10 @@ def main() -> None:
         for name, slots in readouts.items():
             module.max_targets = slots
             files[seq, name] = _export(module, peft_model, replace(seq_opts, max_targets=slots), cfg,
-                                       out / f"s{seq}-{slots}", reuse=args.reuse)
+                                       out / f"s{seq}-{slots}{_dtype_suffix(args.frozen_dtype)}", reuse=args.reuse)
         if args.compare_linear:
             module.max_targets = 0
-            files[seq, MM] = _export(module, peft_model, replace(seq_opts, max_targets=0), cfg, out / f"s{seq}-0-mm",
+            files[seq, MM] = _export(module, peft_model, replace(seq_opts, max_targets=0), cfg, out / f"s{seq}-0-mm{_dtype_suffix(args.frozen_dtype)}",
                                      rewrite=False)
         inputs[seq] = example_inputs(module, seq_opts, cfg.vocab_size, seed=1, targets=args.targets)
     programs = _load_programs(files, inputs, sorted(args.kernels, key=lambda k: k != "executorch"))
@@ -178,6 +182,11 @@ def _load_programs(files: dict, inputs: dict, kernels: list[str]) -> dict:
                                  f"{'not ' if kernel == 'zl' else ''}called")
             programs[seq, name, kernel] = program
     return programs
+
+
+def _dtype_suffix(dtype: str) -> str:
+    """Folder suffix of programs with compact frozen weights (none for fp32, so earlier --out folders still reuse)."""
+    return "" if dtype == "fp32" else f"-{dtype}"
 
 
 def _export(module, peft_model, opts: ExportOptions, cfg, folder: Path, rewrite: bool = True, reuse: bool = False):

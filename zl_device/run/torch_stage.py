@@ -132,7 +132,7 @@ def build_stage(job: TorchJob, manifest: dict, rank: int):
     opts = ExportOptions(seq_len=manifest["seq_len"], micro_batch=manifest["micro_batch"],
                          lora=LoraSettings(lora["rank"], lora["alpha"], tuple(lora["targets"])),
                          loss=LossConfig.from_manifest(manifest["loss"]), seed=manifest["seed"],
-                         max_targets=manifest["max_targets"])
+                         max_targets=manifest["max_targets"], frozen_dtype=manifest.get("frozen_dtype", "fp32"))
     loaded = load_model(job.model, seed=manifest["seed"])
     lens = opts.loss.translator_rank and opts.loss.translator_init == "lens"
     calibration = calibration_batches(load_shard(job.shard)) if lens else None  # as the export fits them

@@ -26,7 +26,12 @@ if [ "${ZL_APP_TESTS:-0}" = 1 ]; then
   APT_PKGS+=(default-jdk-headless kotlin junit4 libandroid-json-org-java)
 fi
 missing=()
-for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+# (With another architecture's copy installed too, e.g. libsodium-dev:arm64 from
+# tools/check_arm64.sh, a bare name is ambiguous to dpkg: ask for this one's.)
+ARCH=$(dpkg --print-architecture)
+for p in "${APT_PKGS[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || dpkg -s "$p:$ARCH" >/dev/null 2>&1 || missing+=("$p")
+done
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "${ZL_SKIP_APT:-0}" = 1 ]; then
     say "missing system packages: ${missing[*]} (ZL_SKIP_APT=1, not installing)"; exit 1

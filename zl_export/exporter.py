@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from zl.errors import ZLError
-from zl_export.frozen_weights import compact_frozen_weights, widen_per_use
+from zl_export.frozen_weights import compact_frozen_weights, restore_frozen_weights, widen_per_use
 from zl_export.lora import attach_lora, peft_names
 from zl_export.options import ExportOptions
 from zl_export.stage_module import StageModule
@@ -56,6 +56,8 @@ def build_stage_modules(
         ZLError: lens translators without calibration rows.
     """
     opts.loss.validate(len(stages))
+    # A model that went through here before (its LoRA unloaded) still holds compact frozen weights: float32 first.
+    restore_frozen_weights(base_model)
     peft_model = attach_lora(base_model, opts.lora, seed=opts.seed)
     compact_frozen_weights(peft_model, opts.frozen_dtype)  # in place: bf16/int8 frozen weights (fp32: unchanged)
     modules = [StageModule(peft_model, s, len(stages), opts.loss, seed=opts.seed, max_targets=opts.target_slots).eval()

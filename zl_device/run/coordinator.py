@@ -380,6 +380,11 @@ class Coordinator:
             self._restart(k, in_flight)
         else:
             self._restart_all(k, in_flight)
+        # The others now wait for the recovering stage (and may still show progress counts from before it
+        # rolled back): none of them is stalled until it has had a full stall timeout since.
+        restarted = time.monotonic()
+        for st in self.status:
+            st.last_progress = max(st.last_progress, restarted)
 
     def _restart(self, k: int, in_flight: int) -> None:
         plan, s = self.plans[k], self.status[k]

@@ -258,6 +258,46 @@ def test_global_recovery_replays_more_than_local(clean_run, export_cache, data_f
 
 
 @pytest.mark.parametrize("recovery", ["local", "global"])
+def test_a_hot_standby_takes_over_with_its_program_loaded_before_the_failure(clean_run, export_cache, data_file,
+                                                                            tmp_path, recovery):
+    """--standby: the replacement of the killed stage (every stage, under global recovery) is the standby that
+    mapped its program and loaded its method before the failure; it only restores, replays and connects. The
+    adapter is the clean run's, a new standby follows the recovery, and none is left when the run ends."""
+    result = train(tmp_path / "run", export_cache, data=str(data_file), inject_failure="1@2", recovery=recovery,
+                   standby=True)
+    events = [json.loads(ln) for ln in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    failure = next(e for e in events if e["type"] == "failure")
+    restart = next(e for e in events if e["type"] == "restart")
+    recovered = next(e for e in events if e["type"] == "recovered")
+    assert restart["standby"] is True, restart
+    assert recovered["since_failure_ms"] >= recovered["recovery_ms"] >= 0, recovered
+    restarted = [1] if recovery == "local" else [0, 1, 2]
+    for k in range(3):
+        starts = [e for e in events if e["type"] == "start" and e["stage"] == k]
+        if k not in restarted:
+            assert len(starts) == 1, (k, starts)
+            continue
+        assert len(starts) == 2, (k, starts)
+        first, replacement = starts
+        assert not first["standby"] and replacement["standby"], (k, starts)
+        # Loaded while the stage it replaced still ran; told to take over only after the kill.
+        assert replacement["program_loaded_unix_ms"] < failure["t_unix_ms"] <= replacement["took_over_unix_ms"] + 1, \
+            (k, replacement, failure)
+        assert replacement["resumed_from_window"] is not None
+    for k in range(3):
+        workdir = result.run_dir / "devices" / f"local-{k}"
+        assert not (workdir / "standby.pid").exists(), f"stage {k}'s standby outlived the run"
+        out = (workdir / "runner.out").read_text()
+        # One standby from the start, and a second one after the recovery for each stage whose standby took over.
+        assert out.count('"event": "standby"') == 1 + (k in restarted), (k, out)
+    clean, recovered_adapter = adapter_tensors(clean_run.run_dir), adapter_tensors(result.run_dir)
+    for name, t in clean.items():
+        assert torch.equal(recovered_adapter[name], t), name
+    report = (result.run_dir / "report.md").read_text()
+    assert "| standby | recovery (ms) | since the failure (ms) |" in report
+
+
+@pytest.mark.parametrize("recovery", ["local", "global"])
 def test_resume_after_the_host_is_killed_ends_identical(clean_run, export_cache, data_file, tmp_path, recovery):
     """SIGKILL `zl train` once the last stage has committed a window; its runners run on without a host.
     `zl train --resume` stops them, continues from the stages' checkpoints and ends with the clean run's adapter."""

@@ -305,8 +305,9 @@ void StageRunner::shutdown() {
 
 }  // namespace internal
 
-Status run_stage(const RunnerConfig& config, const std::atomic<bool>* stop_requested, ProgressBoard* progress) {
-  internal::StageRunner runner(config, stop_requested, progress);
+Status run_stage(const RunnerConfig& config, const std::atomic<bool>* stop_requested, ProgressBoard* progress,
+                 const Standby* standby) {
+  internal::StageRunner runner(config, stop_requested, progress, standby);
   return runner.run();
 }
 

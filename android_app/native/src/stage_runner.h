@@ -35,6 +35,11 @@ inline double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
 
+inline int64_t unix_ms_now() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 inline bool stopping(const std::atomic<bool>* stop) { return stop != nullptr && stop->load(); }
 
 inline Status stop_status(const std::string& where) {
@@ -56,8 +61,9 @@ struct WindowSums {
 /// Everything one stage process holds while it runs.
 class StageRunner {
  public:
-  StageRunner(const RunnerConfig& config, const std::atomic<bool>* stop, ProgressBoard* progress)
-      : config_(config), plan_(config.window_plan()), stop_(stop), progress_(progress) {}
+  StageRunner(const RunnerConfig& config, const std::atomic<bool>* stop, ProgressBoard* progress,
+              const Standby* standby)
+      : config_(config), plan_(config.window_plan()), stop_(stop), progress_(progress), standby_(standby) {}
 
   /// Loads, restores and connects (setup), runs the remaining micro-batches
   /// (loop), then reports the outcome to the coordinator and stops the links.
@@ -67,6 +73,7 @@ class StageRunner {
   // setup(): everything before the first micro-batch, in this order.
   Status setup();
   Status load_program();
+  Status stand_by();
   Status restore();
   Status fall_back(const std::vector<int64_t>& windows, const Status& why, CheckpointProgress* progress,
                    bool* found);
@@ -96,6 +103,12 @@ class StageRunner {
   const WindowPlan plan_;
   const std::atomic<bool>* stop_;
   ProgressBoard* progress_;
+  const Standby* standby_;  // null unless a hot standby (runner.h)
+  // Setup times for the start line (docs/design.md §4.7), on the system clock.
+  int64_t setup_start_unix_ms_ = 0;
+  int64_t program_loaded_unix_ms_ = 0;
+  double program_load_ms_ = 0;
+  std::optional<int64_t> took_over_unix_ms_;  // a standby: when it was told to take over
   FrameKey key_{};
   RunId run_id_{};
   std::unique_ptr<TelemetryWriter> telemetry_;

@@ -26,6 +26,7 @@ using nlohmann::json;
 
 Status StageRunner::setup() {
   const RunnerConfig& c = config_;
+  setup_start_unix_ms_ = unix_ms_now();
   ZL_RETURN_IF_ERROR(load_run_key(c.run_key_file, &key_));
   if (!parse_hex_run_id(c.run_id, &run_id_)) {
     return Status(StatusCode::kInvalidArgument, "run_id \"" + c.run_id + "\" is not 32 hex characters");
@@ -34,7 +35,10 @@ Status StageRunner::setup() {
     ZL_RETURN_IF_ERROR(make_directories(dir_of(c.log_path)));
     ZL_RETURN_IF_ERROR(TelemetryWriter::open(c.log_path, &telemetry_));
   }
+  const Clock::time_point load_start = Clock::now();
   ZL_RETURN_IF_ERROR(load_program());
+  program_load_ms_ = ms_since(load_start);
+  program_loaded_unix_ms_ = unix_ms_now();
   ZL_RETURN_IF_ERROR(AdamW::create(c.optimizer, program_->parameters(), &optimizer_));
   CheckpointOptions checkpoint_options;
   checkpoint_options.dir = c.checkpoint_dir;
@@ -42,13 +46,15 @@ Status StageRunner::setup() {
   checkpoint_options.keep_last = c.keep_last;
   store_.reset(new CheckpointStore(checkpoint_options));
   ZL_RETURN_IF_ERROR(store_->validate());
-  ZL_RETURN_IF_ERROR(restore());
-
   if (c.is_first_stage()) {
     ZL_RETURN_IF_ERROR(DataShard::load(c.data_shard, program_->batch(), program_->seq_len(), &shard_));
-  } else {
-    ZL_RETURN_IF_ERROR(start_receiver());
   }
+  // A hot standby stops here until it takes over: what follows needs the
+  // checkpoint, the input log and the listening port of the stage it replaces.
+  if (standby_ != nullptr) ZL_RETURN_IF_ERROR(stand_by());
+  ZL_RETURN_IF_ERROR(restore());
+
+  if (!c.is_first_stage()) ZL_RETURN_IF_ERROR(start_receiver());
   if (!c.is_last_stage()) ZL_RETURN_IF_ERROR(start_sender());
   write_start_line();
   ZL_RETURN_IF_ERROR(start_control());
@@ -73,6 +79,20 @@ Status StageRunner::load_program() {
                       (program_->is_last() ? " (a last stage)" : " (not a last stage)") + ", the config says stage " +
                       std::to_string(c.stage_index) + " of " + std::to_string(c.num_stages));
   }
+  return Status();
+}
+
+Status StageRunner::stand_by() {
+  const RunnerConfig& c = config_;
+  report([](StageProgress* p) { p->phase = "standby"; });
+  log(LogLevel::kInfo, "stage %lld: standing by (program loaded in %.0f ms); waiting to take over",
+      static_cast<long long>(c.stage_index), program_load_ms_);
+  emit_event("{\"event\": \"standby\", \"stage\": %" PRId64 ", \"pid\": %lld, \"program_load_ms\": %.1f}",
+             c.stage_index, static_cast<long long>(::getpid()), program_load_ms_);
+  ZL_RETURN_IF_ERROR(standby_->wait_for_takeover(stop_));
+  took_over_unix_ms_ = unix_ms_now();
+  log(LogLevel::kInfo, "stage %lld: taking over", static_cast<long long>(c.stage_index));
+  report([](StageProgress* p) { p->phase = "loading"; });
   return Status();
 }
 
@@ -129,6 +149,12 @@ void StageRunner::write_start_line() {
                 {"first_micro_batch", start_mb_},
                 {"resumed_from_window", restored_window_ ? json(*restored_window_) : json(nullptr)},
                 {"listen_port", receiver_ ? json(receiver_->port()) : json(nullptr)},
+                {"setup_start_unix_ms", setup_start_unix_ms_},
+                {"program_load_ms", program_load_ms_},
+                {"program_loaded_unix_ms", program_loaded_unix_ms_},
+                {"standby", standby_ != nullptr},
+                {"took_over_unix_ms", took_over_unix_ms_ ? json(*took_over_unix_ms_) : json(nullptr)},
+                {"ready_unix_ms", unix_ms_now()},
                 {"config", runner_config_to_json(c)}};
   (void)telemetry_->write_json(start);
 }

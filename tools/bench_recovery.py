@@ -9,6 +9,11 @@ W5: every arm, ...), so a host busy with other jobs slows all arms alike:
     global+standby  --recovery global --standby   (every stage's standby takes over after the rollback)
     local           --recovery local              (a new process maps its program and loads its method)
     global          --recovery global
+    local-no-snapshots  --recovery local --no-accumulator-snapshots  (the window replayed from the checkpoint)
+
+Local recovery continues the failed stage's window from its accumulator
+snapshot (docs/design.md §7); global recovery removes the snapshots and
+replays every stage from the common checkpoint.
 
 plus one failure-free run, the reference for the adapters (bit for bit) and the
 wall time. Per run it reads RUN_DIR/metrics.jsonl:
@@ -25,9 +30,14 @@ wall time. Per run it reads RUN_DIR/metrics.jsonl:
   the start line; replay: until the failed stage's last replayed micro-batch
   (the one it was killed in) is done again; rest of the window at the failed
   stage up to its commit of W; downstream: from that commit to stage 2's;
+- failure-free: the same span in the failure-free run (from the failed
+  stage's send of the micro-batch it is killed after, i.e. its line's time
+  minus its phase 2, to stage 2's window line), the work the window still
+  needed anyway; lost = latency (to stage 2's window line) - failure-free,
+  what the failure cost;
 - micro-batches and bytes replayed (the coordinator's `restart` event), the
-  wall time lost against the failure-free run, and whether the adapter equals
-  the failure-free one.
+  run's wall time lost against the failure-free run (noisy: the whole run),
+  and whether the adapter equals the failure-free one.
 
     .venv/bin/python tools/bench_recovery.py --data /work/shared/data/agnews/train.csv --format agnews \\
         --seq-len 32 --out /tmp/e2 --json /tmp/e2/e2.json
@@ -52,6 +62,7 @@ ARMS = {
     "global+standby": ["--recovery", "global", "--standby"],
     "local": ["--recovery", "local"],
     "global": ["--recovery", "global"],
+    "local-no-snapshots": ["--recovery", "local", "--no-accumulator-snapshots"],
 }
 PHASES = ("to_restart_ms", "process_ms", "program_load_ms", "restore_links_ms", "replay_ms", "rest_of_window_ms",
           "downstream_ms")
@@ -109,6 +120,10 @@ def breakdown(events: list[dict], failed: int, window: int, downstream: int) -> 
     commit = next(e["t_unix_ms"] for e in events if e["type"] == "window" and e["stage"] == failed
                   and e["window"] == window and e["t_unix_ms"] >= start["ready_unix_ms"])
     downstream_commit = restart_ms + recovered["recovery_ms"]
+    kill_ms = restart_ms - to_restart
+    # The downstream commit by its own window line, as failure_free_ms measures it in the clean run.
+    downstream_line = next(e["t_unix_ms"] for e in events if e["type"] == "window" and e["stage"] == downstream
+                           and e["window"] == window and e["t_unix_ms"] >= kill_ms)
     phases = {
         "to_restart_ms": to_restart,
         "process_ms": setup_at - restart_ms,
@@ -120,6 +135,7 @@ def breakdown(events: list[dict], failed: int, window: int, downstream: int) -> 
     }
     return {
         "since_failure_ms": since_failure,
+        "to_downstream_line_ms": downstream_line - kill_ms,
         "recovery_ms": recovered["recovery_ms"],
         "phases": phases,
         "standby": restart.get("standby"),
@@ -129,6 +145,15 @@ def breakdown(events: list[dict], failed: int, window: int, downstream: int) -> 
         "micro_batch_total_ms": statistics.median(e["total_ms"] for e in events if e["type"] == "micro_batch"
                                                   and e["stage"] == failed),
     }
+
+
+def failure_free_ms(clean: list[dict], failed: int, window: int, held: int, downstream: int) -> float:
+    """In the failure-free run: from the moment the failed stage would have been killed (micro-batch `held`
+    sent downstream, before its phase 2: its line's time minus its phase 2) to the downstream stage's commit of
+    `window` (its window line). What a recovery latency would be if recovery cost nothing."""
+    line = next(e for e in clean if e["type"] == "micro_batch" and e["stage"] == failed and e["micro_batch"] == held)
+    commit = next(e for e in clean if e["type"] == "window" and e["stage"] == downstream and e["window"] == window)
+    return commit["t_unix_ms"] - (line["t_unix_ms"] - line["phase2_ms"])
 
 
 def adapters_equal(a: Path, b: Path) -> bool:
@@ -152,7 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--stage", type=int, default=1, help="the stage that fails")
     p.add_argument("--fail-windows", default="4,5,6,7")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--arms", default="local+standby,global+standby,local,global",
+                   help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--out", type=Path, required=True, help="a new folder for the runs")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
@@ -169,7 +195,8 @@ def main(argv=None) -> int:
     print(f"load average before: {os.getloadavg()}", flush=True)
     clean_dir = args.out / "clean"
     zl_train(args, clean_dir, [])
-    clean_wall = run_wall_s(read_events(clean_dir))
+    clean_events = read_events(clean_dir)
+    clean_wall = run_wall_s(clean_events)
     print(f"failure-free run: {clean_wall:.2f} s", flush=True)
     results = []
     for w in windows:
@@ -181,8 +208,12 @@ def main(argv=None) -> int:
             r.update(arm=arm, window=w, wall_s=run_wall_s(events), identical=adapters_equal(clean_dir, run_dir),
                      load_average=os.getloadavg()[0])
             r["lost_s"] = r["wall_s"] - clean_wall
+            held = w * args.window + max(0, args.window // 2 - 1)  # Injection.hold_micro_batch
+            r["failure_free_ms"] = failure_free_ms(clean_events, args.stage, w, held, downstream)
+            r["lost_ms"] = r["to_downstream_line_ms"] - r["failure_free_ms"]
             results.append(r)
-            print(f"  W{w} {arm:15s} {r['since_failure_ms']:8.0f} ms  replayed {r['replayed_micro_batches']:3d} "
+            print(f"  W{w} {arm:15s} {r['since_failure_ms']:8.0f} ms (failure-free {r['failure_free_ms']:.0f}, "
+                  f"lost {r['lost_ms']:.0f})  replayed {r['replayed_micro_batches']:3d} "
                   f"({r['replay_bytes']:,} B)  identical {r['identical']}  "
                   + " ".join(f"{k[:-3]}={v:.0f}" for k, v in r["phases"].items()), flush=True)
 
@@ -191,26 +222,30 @@ def main(argv=None) -> int:
                           args.samples, args.micro_batch, args.window, args.model, args.stages, args.seq_len or "default"))
     print("medians over the failure windows; ms; latency = SIGKILL -> stage %d commits the window in flight\n"
           % downstream)
-    header = ["arm", "latency", "restart", "process", "load", "restore+links", "replay", "rest of W", "downstream",
-              "replayed mb", "replay bytes", "lost s", "identical"]
+    header = ["arm", "latency", "failure-free", "lost", "restart", "process", "load", "restore+links", "replay",
+              "rest of W", "downstream", "replayed mb", "replay bytes", "run wall lost s", "identical"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     summary = {}
     for arm in arms:
         rs = [r for r in results if r["arm"] == arm]
         med = {k: statistics.median(r["phases"][k] for r in rs) for k in PHASES}
-        summary[arm] = {"latency_ms": statistics.median(r["since_failure_ms"] for r in rs), **med,
+        summary[arm] = {"latency_ms": statistics.median(r["since_failure_ms"] for r in rs),
+                        "failure_free_ms": statistics.median(r["failure_free_ms"] for r in rs),
+                        "lost_ms": statistics.median(r["lost_ms"] for r in rs), **med,
                         "replayed_micro_batches": statistics.median(r["replayed_micro_batches"] for r in rs),
                         "replay_bytes": statistics.median(r["replay_bytes"] for r in rs),
                         "lost_s": statistics.median(r["lost_s"] for r in rs),
                         "identical": all(r["identical"] for r in rs)}
         s = summary[arm]
-        print(f"| {arm} | {s['latency_ms']:.0f} | " + " | ".join(f"{med[k]:.0f}" for k in PHASES)
+        print(f"| {arm} | {s['latency_ms']:.0f} | {s['failure_free_ms']:.0f} | {s['lost_ms']:.0f} | " + " | ".join(f"{med[k]:.0f}" for k in PHASES)
               + f" | {s['replayed_micro_batches']:.0f} | {s['replay_bytes']:,.0f} | {s['lost_s']:.2f} | "
               + ("yes" if s["identical"] else "NO") + " |")
-    for a, b in (("local+standby", "global+standby"), ("local", "global"), ("local+standby", "global")):
+    for a, b in (("local+standby", "global+standby"), ("local", "global"), ("local+standby", "global"),
+                 ("local-no-snapshots", "global")):
         if a in summary and b in summary:
-            print(f"\n{a} / {b}: {summary[a]['latency_ms'] / summary[b]['latency_ms']:.2f}x", end="")
+            print(f"\n{a} / {b}: latency {summary[a]['latency_ms'] / summary[b]['latency_ms']:.2f}x, "
+                  f"lost {summary[a]['lost_ms'] / summary[b]['lost_ms']:.2f}x", end="")
     print(f"\n\nload average after: {os.getloadavg()}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

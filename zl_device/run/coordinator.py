@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from zl.errors import ZLError
 from zl_device.devices.backend import Device
 from zl_device.run.control import ControlServer
-from zl_device.run.checkpoints import DEFAULT_LAYOUT
+from zl_device.run.checkpoints import DEFAULT_LAYOUT, snapshot_metadata
 from zl_device.run import frames
 from zl_device.run.frames import FrameType
 from zl_device.run.windows import WindowPlan
@@ -448,7 +448,7 @@ class Coordinator:
             s.device = spare.name
             self._offsets[k], self._partial[k] = 0, ""
         self._clear_hold(plan)
-        committed = self._latest_checkpoint_mb(plan)
+        committed = self._resume_point_mb(plan)
         replayed = max(0, s.micro_batches_done - committed)
         s.micro_batches_done = committed
         s.state, s.restarts = "restarting", s.restarts + 1
@@ -491,6 +491,8 @@ class Coordinator:
             self._clear_hold(plan)
             self._remove_checkpoints_after(plan, common)
             self._remove_input_log_after(plan, common)
+            # The baseline replays from the common checkpoint: no stage continues a window from its snapshot.
+            plan.device.remove(self.layout.device_accumulator(plan.checkpoint_dir))
             replay_from = self.windows.done_after(common)
             replayed = max(0, s.micro_batches_done - replay_from)
             replayed_total += replayed
@@ -519,12 +521,12 @@ class Coordinator:
             common, replayed, replay_bytes = self._roll_back()
         else:
             common = None
-            replayed = sum(max(0, s.micro_batches_done - self._latest_checkpoint_mb(p))
-                           for p, s in zip(self.plans, self.status))
-            replay_bytes = sum(max(0, s.micro_batches_done - self._latest_checkpoint_mb(p)) * p.input_bytes
-                               for p, s in zip(self.plans, self.status))
-            for plan, s in zip(self.plans, self.status):
-                s.micro_batches_done = self._latest_checkpoint_mb(plan)
+            points = [self._resume_point_mb(p) for p in self.plans]
+            replayed = sum(max(0, s.micro_batches_done - at) for s, at in zip(self.status, points))
+            replay_bytes = sum(max(0, s.micro_batches_done - at) * p.input_bytes
+                               for p, s, at in zip(self.plans, self.status, points))
+            for s, at in zip(self.status, points):
+                s.micro_batches_done = at
         self.events.append({"type": "resume", "t_unix_ms": _unix_ms(), "scope": self.recovery,
                             "rolled_back_to_window": common, "replayed_micro_batches": replayed,
                             "replay_bytes": replay_bytes})
@@ -566,6 +568,23 @@ class Coordinator:
             return int(json.loads(text or "{}").get("micro_batches_done", self.windows.done_after(w)))
         except ValueError:
             return self.windows.done_after(w)
+
+    def _resume_point_mb(self, plan: StagePlan) -> int:
+        """Where a restart of the stage continues: its accumulator snapshot's micro_batches_done when that continues
+        the window after its latest checkpoint (the runner's check, accumulator_snapshot.h), else the
+        checkpoint's."""
+        window = self._latest_checkpoint_window(plan)
+        committed = self._latest_checkpoint_mb(plan)
+        path = self.layout.device_accumulator(plan.checkpoint_dir)
+        meta = snapshot_metadata(plan.device.read_from(path, 0)) if plan.device.exists(path) else None
+        try:
+            done, accumulated = int(meta["micro_batches_done"]), int(meta["accumulated"])
+            usable = (int(meta["window"]) == window + 1 and int(meta["stage"]) == plan.index
+                      and 0 < accumulated and done == committed + accumulated
+                      and done < min(self.windows.done_after(window + 1), self.windows.num_micro_batches))
+        except (TypeError, KeyError, ValueError):
+            usable = False
+        return done if usable else committed
 
     def _remove_checkpoints_after(self, plan: StagePlan, window: int) -> None:
         for w in self._checkpoint_windows(plan):

@@ -199,6 +199,7 @@ def stage_configs(s: TrainSettings, manifest: dict, export_dir: Path, shard: Pat
             "log_path": "metrics.jsonl",
             "threads": s.threads,
             "load_mode": s.load_mode,
+            "accumulator_snapshots": s.accumulator_snapshots,
             "optimizer": {"lr": s.stage_lr_of(k), "weight_decay": 0.0, "schedule": schedule},
             **addresses.config_fields(),
         }

@@ -59,6 +59,9 @@ class TrainSettings:
     keep_device_files: bool = setting(False, "Leave the run key, data shard and input logs on the devices when the "
                                              "run ends (by default they are deleted once a finished run's results "
                                              "are pulled; a failed run keeps them for --resume).")
+    accumulator_snapshots: bool = setting(True, "Runners save the window's gradient sum after every micro-batch "
+                                                "(in the background), so a restarted stage continues its window "
+                                                "instead of recomputing it (docs/design.md §7).")
     seed: int = setting(0, "Seeds LoRA init, data order and the demo task.")
     seq_len: int | None = setting(None, "Tokens per sample (default: 128; the demo task: its longest sample, "
                                         "rounded up to 16).")

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "zl/accumulator_snapshot.h"
 #include "zl/adamw.h"
 #include "zl/checkpoint.h"
 #include "zl/control_client.h"
@@ -75,6 +76,8 @@ class StageRunner {
   Status load_program();
   Status stand_by();
   Status restore();
+  void resume_accumulator(int64_t window);
+  void snapshot_accumulator(int64_t mb, const WindowSums& sums);
   Status fall_back(const std::vector<int64_t>& windows, const Status& why, CheckpointProgress* progress,
                    bool* found);
   Status start_receiver();
@@ -122,6 +125,9 @@ class StageRunner {
   std::vector<float> hidden_;  // the current micro-batch's hidden state (B*S*D), reused
   int64_t start_mb_ = 0;
   std::optional<int64_t> restored_window_;
+  std::unique_ptr<AccumulatorSnapshotWriter> snapshots_;
+  WindowSums resumed_sums_;                    // the window so far, from an accumulator snapshot
+  int64_t resumed_accumulated_ = 0;            // micro-batches that snapshot held (0: none used)
 };
 
 }  // namespace zl::internal

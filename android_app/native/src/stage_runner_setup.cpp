@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "stage_runner.h"
+#include "zl/accumulator_snapshot.h"
 #include "zl/checkpoint_layout.h"
 #include "zl/durable_file.h"
 #include "zl/input_log.h"
@@ -56,6 +57,10 @@ Status StageRunner::setup() {
 
   if (!c.is_first_stage()) ZL_RETURN_IF_ERROR(start_receiver());
   if (!c.is_last_stage()) ZL_RETURN_IF_ERROR(start_sender());
+  if (c.accumulator_snapshots) {
+    ZL_RETURN_IF_ERROR(make_directories(c.checkpoint_dir));
+    snapshots_.reset(new AccumulatorSnapshotWriter(accumulator_snapshot_path(c.checkpoint_dir)));
+  }
   write_start_line();
   ZL_RETURN_IF_ERROR(start_control());
   log(LogLevel::kInfo, "stage %lld/%lld: micro-batches %lld..%lld, window %lld, early forwarding %s",
@@ -155,6 +160,7 @@ void StageRunner::write_start_line() {
                 {"standby", standby_ != nullptr},
                 {"took_over_unix_ms", took_over_unix_ms_ ? json(*took_over_unix_ms_) : json(nullptr)},
                 {"ready_unix_ms", unix_ms_now()},
+                {"resumed_from_snapshot", resumed_accumulated_},
                 {"config", runner_config_to_json(c)}};
   (void)telemetry_->write_json(start);
 }
@@ -189,7 +195,10 @@ Status StageRunner::restore() {
     }
     return Status();
   }
-  if (windows.empty()) return Status();
+  if (windows.empty()) {
+    resume_accumulator(0);
+    return Status();
+  }
   CheckpointProgress progress;
   bool found = true;
   const Status newest = store_->load(windows.back(), optimizer_.get(), &progress);
@@ -214,7 +223,47 @@ Status StageRunner::restore() {
   log(LogLevel::kInfo, "resumed from checkpoint window %lld (optimizer step %lld); replaying from micro-batch %lld",
       static_cast<long long>(progress.window), static_cast<long long>(progress.optimizer_step),
       static_cast<long long>(start_mb_));
+  if (newest.ok()) resume_accumulator(progress.window + 1);
   return Status();
+}
+
+// An accumulator snapshot of the window after the restored checkpoint
+// continues it where the stage stopped (docs/design.md §7): the gradient sum
+// of its first micro-batches, bit for bit what accumulate() had made of them.
+// Anything else (none, torn, another window) leaves the replay from the
+// checkpoint, which is exact too.
+void StageRunner::resume_accumulator(int64_t window) {
+  const RunnerConfig& c = config_;
+  if (!c.accumulator_snapshots || window >= plan_.num_windows()) return;
+  const std::string path = accumulator_snapshot_path(c.checkpoint_dir);
+  AccumulatorSnapshot snapshot;
+  Status status = read_accumulator_snapshot(path, &snapshot);
+  if (status.code() == StatusCode::kNotFound) return;
+  if (status.ok()) {
+    status = check_accumulator_snapshot(snapshot, c.run_id, c.stage_index, window, plan_.first_micro_batch(window),
+                                        plan_.end_micro_batch(window), *optimizer_);
+  }
+  if (status.ok()) {
+    std::vector<const float*> sums(optimizer_->num_params(), nullptr);
+    for (size_t i = 0; i < snapshot.names.size(); ++i) {
+      sums[static_cast<size_t>(optimizer_->find(snapshot.names[i]))] = snapshot.sums[i].data();
+    }
+    status = optimizer_->restore_accumulator(snapshot.accumulated, sums);
+  }
+  if (!status.ok()) {
+    log(LogLevel::kInfo, "accumulator snapshot %s not used (%s); replaying from micro-batch %lld", path.c_str(),
+        status.message().c_str(), static_cast<long long>(start_mb_));
+    return;
+  }
+  start_mb_ = snapshot.micro_batches_done;
+  resumed_accumulated_ = snapshot.accumulated;
+  resumed_sums_.count = snapshot.accumulated;
+  resumed_sums_.loss = snapshot.loss_sum;
+  resumed_sums_.task = snapshot.task_loss_sum;
+  resumed_sums_.consistency = snapshot.consistency_loss_sum;
+  log(LogLevel::kInfo, "accumulator snapshot: window %lld continues at micro-batch %lld (%lld micro-batches not "
+      "replayed)", static_cast<long long>(window), static_cast<long long>(start_mb_),
+      static_cast<long long>(snapshot.accumulated));
 }
 
 // The newest checkpoint does not load (docs/design.md §7, "A corrupt newest

@@ -15,8 +15,9 @@ Local recovery continues the failed stage's window from its accumulator
 snapshot (docs/design.md §7); global recovery removes the snapshots and
 replays every stage from the common checkpoint.
 
-plus one failure-free run, the reference for the adapters (bit for bit) and the
-wall time. Per run it reads RUN_DIR/metrics.jsonl:
+plus, first in every round, one failure-free run: the reference of that
+round's arms for the adapters (bit for bit), the wall time and the
+failure-free span below. Per run it reads RUN_DIR/metrics.jsonl:
 
 - latency: the coordinator's `recovered.since_failure_ms`, from the SIGKILL to the
   commit of the window that was in flight (W) by the stage downstream of the
@@ -35,6 +36,9 @@ wall time. Per run it reads RUN_DIR/metrics.jsonl:
   minus its phase 2, to stage 2's window line), the work the window still
   needed anyway; lost = latency (to stage 2's window line) - failure-free,
   what the failure cost;
+- caught up: the first five phases, from the SIGKILL until the failed stage
+  has redone the micro-batch it was killed in, i.e. is back where it was:
+  what recovery itself costs, without the window's work still to come;
 - micro-batches and bytes replayed (the coordinator's `restart` event), the
   run's wall time lost against the failure-free run (noisy: the whole run),
   and whether the adapter equals the failure-free one.
@@ -135,6 +139,8 @@ def breakdown(events: list[dict], failed: int, window: int, downstream: int) -> 
     }
     return {
         "since_failure_ms": since_failure,
+        # Back where it was: the failed stage has redone the micro-batch it was killed in.
+        "caught_up_ms": sum(phases[k] for k in PHASES[:5]),
         "to_downstream_line_ms": downstream_line - kill_ms,
         "recovery_ms": recovered["recovery_ms"],
         "phases": phases,
@@ -164,11 +170,56 @@ def adapters_equal(a: Path, b: Path) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
+def summarize(settings: dict, results: list[dict]) -> dict:
+    """Prints the E2 table (medians per arm) of `results`; returns it by arm."""
+    from types import SimpleNamespace
+
+    a = SimpleNamespace(**{k.replace("-", "_"): v for k, v in settings.items()})
+    arms = list(dict.fromkeys(r["arm"] for r in results))
+    for r in results:  # results of a version of this script without the column
+        r.setdefault("caught_up_ms", sum(r["phases"][k] for k in PHASES[:5]))
+    downstream = min(a.stage + 1, len(a.stages.split(",")) - 1)
+    print("\nE2: fail stage %d in windows %s of %d (%d samples, micro-batch %d, window %d), %s stages %s, "
+          "seq_len %s" % (a.stage, a.fail_windows, -(-a.samples // (a.micro_batch * a.window)),
+                          a.samples, a.micro_batch, a.window, a.model, a.stages, a.seq_len or "default"))
+    print("medians over the failure windows; ms; latency = SIGKILL -> stage %d commits the window in flight\n"
+          % downstream)
+    header = ["arm", "latency", "failure-free", "lost", "caught up", "restart", "process", "load", "restore+links", "replay",
+              "rest of W", "downstream", "replayed mb", "replay bytes", "run wall lost s", "identical"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    summary = {}
+    for arm in arms:
+        rs = [r for r in results if r["arm"] == arm]
+        med = {k: statistics.median(r["phases"][k] for r in rs) for k in PHASES}
+        summary[arm] = {"latency_ms": statistics.median(r["since_failure_ms"] for r in rs),
+                        "failure_free_ms": statistics.median(r["failure_free_ms"] for r in rs),
+                        "lost_ms": statistics.median(r["lost_ms"] for r in rs),
+                        "caught_up_ms": statistics.median(r["caught_up_ms"] for r in rs), **med,
+                        "replayed_micro_batches": statistics.median(r["replayed_micro_batches"] for r in rs),
+                        "replay_bytes": statistics.median(r["replay_bytes"] for r in rs),
+                        "lost_s": statistics.median(r["lost_s"] for r in rs),
+                        "identical": all(r["identical"] for r in rs)}
+        s = summary[arm]
+        print(f"| {arm} | {s['latency_ms']:.0f} | {s['failure_free_ms']:.0f} | {s['lost_ms']:.0f} | "
+              f"{s['caught_up_ms']:.0f} | " + " | ".join(f"{med[k]:.0f}" for k in PHASES)
+              + f" | {s['replayed_micro_batches']:.0f} | {s['replay_bytes']:,.0f} | {s['lost_s']:.2f} | "
+              + ("yes" if s["identical"] else "NO") + " |")
+    for x, y in (("local+standby", "global+standby"), ("local", "global"), ("local+standby", "global"),
+                 ("local-no-snapshots", "global")):
+        if x in summary and y in summary:
+            print(f"\n{x} / {y}: latency {summary[x]['latency_ms'] / summary[y]['latency_ms']:.2f}x, "
+                  f"lost {summary[x]['lost_ms'] / summary[y]['lost_ms']:.2f}x, "
+                  f"caught up {summary[x]['caught_up_ms'] / summary[y]['caught_up_ms']:.2f}x", end="")
+    print()
+    return summary
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--stages", default="0-9,10-19,20-29")
-    p.add_argument("--data", required=True, help="training data (.csv/.jsonl or a shard), e.g. AG News train.csv")
+    p.add_argument("--data", help="training data (.csv/.jsonl or a shard), e.g. AG News train.csv")
     p.add_argument("--format", default=None, help="its format for zl train, e.g. agnews")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (prompts cut from the left)")
     p.add_argument("--samples", type=int, default=96)
@@ -179,9 +230,17 @@ def main(argv=None) -> int:
     p.add_argument("--fail-windows", default="4,5,6,7")
     p.add_argument("--arms", default="local+standby,global+standby,local,global",
                    help=f"comma-separated, of {', '.join(ARMS)}")
-    p.add_argument("--out", type=Path, required=True, help="a new folder for the runs")
+    p.add_argument("--repeats", type=int, default=1, help="rounds over the failure windows")
+    p.add_argument("--out", type=Path, help="a new folder for the runs")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--summarize", type=Path, default=None, help="only print the table of an earlier --json")
     args = p.parse_args(argv)
+    if args.summarize:
+        saved = json.loads(args.summarize.read_text())
+        summarize(saved["settings"], saved["runs"])
+        return 0
+    if args.out is None or args.data is None:
+        p.error("--data (training data, e.g. AG News train.csv) and --out (a new folder for the runs) are required")
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
@@ -193,15 +252,17 @@ def main(argv=None) -> int:
     downstream = min(downstream, num_stages - 1)
 
     print(f"load average before: {os.getloadavg()}", flush=True)
-    clean_dir = args.out / "clean"
-    zl_train(args, clean_dir, [])
-    clean_events = read_events(clean_dir)
-    clean_wall = run_wall_s(clean_events)
-    print(f"failure-free run: {clean_wall:.2f} s", flush=True)
-    results = []
-    for w in windows:
+    results, clean_walls = [], []
+    for n, w in enumerate(w for _ in range(args.repeats) for w in windows):
+        # A failure-free run in every round: the reference of that round's arms (a shared host's load drifts).
+        clean_dir = args.out / f"clean-{n}"
+        zl_train(args, clean_dir, [])
+        clean_events = read_events(clean_dir)
+        clean_wall = run_wall_s(clean_events)
+        clean_walls.append(clean_wall)
+        print(f"  W{w} failure-free run: {clean_wall:.2f} s", flush=True)
         for arm in arms:
-            run_dir = args.out / f"{arm.replace('+', '-')}-w{w}"
+            run_dir = args.out / f"{arm.replace('+', '-')}-w{w}-{n}"
             zl_train(args, run_dir, ARMS[arm] + ["--inject-failure", f"{args.stage}@{w}"])
             events = read_events(run_dir)
             r = breakdown(events, args.stage, w, downstream)
@@ -217,40 +278,13 @@ def main(argv=None) -> int:
                   f"({r['replay_bytes']:,} B)  identical {r['identical']}  "
                   + " ".join(f"{k[:-3]}={v:.0f}" for k, v in r["phases"].items()), flush=True)
 
-    print("\nE2: fail stage %d in windows %s of %d (%d samples, micro-batch %d, window %d), %s stages %s, "
-          "seq_len %s" % (args.stage, args.fail_windows, -(-args.samples // (args.micro_batch * args.window)),
-                          args.samples, args.micro_batch, args.window, args.model, args.stages, args.seq_len or "default"))
-    print("medians over the failure windows; ms; latency = SIGKILL -> stage %d commits the window in flight\n"
-          % downstream)
-    header = ["arm", "latency", "failure-free", "lost", "restart", "process", "load", "restore+links", "replay",
-              "rest of W", "downstream", "replayed mb", "replay bytes", "run wall lost s", "identical"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    summary = {}
-    for arm in arms:
-        rs = [r for r in results if r["arm"] == arm]
-        med = {k: statistics.median(r["phases"][k] for r in rs) for k in PHASES}
-        summary[arm] = {"latency_ms": statistics.median(r["since_failure_ms"] for r in rs),
-                        "failure_free_ms": statistics.median(r["failure_free_ms"] for r in rs),
-                        "lost_ms": statistics.median(r["lost_ms"] for r in rs), **med,
-                        "replayed_micro_batches": statistics.median(r["replayed_micro_batches"] for r in rs),
-                        "replay_bytes": statistics.median(r["replay_bytes"] for r in rs),
-                        "lost_s": statistics.median(r["lost_s"] for r in rs),
-                        "identical": all(r["identical"] for r in rs)}
-        s = summary[arm]
-        print(f"| {arm} | {s['latency_ms']:.0f} | {s['failure_free_ms']:.0f} | {s['lost_ms']:.0f} | " + " | ".join(f"{med[k]:.0f}" for k in PHASES)
-              + f" | {s['replayed_micro_batches']:.0f} | {s['replay_bytes']:,.0f} | {s['lost_s']:.2f} | "
-              + ("yes" if s["identical"] else "NO") + " |")
-    for a, b in (("local+standby", "global+standby"), ("local", "global"), ("local+standby", "global"),
-                 ("local-no-snapshots", "global")):
-        if a in summary and b in summary:
-            print(f"\n{a} / {b}: latency {summary[a]['latency_ms'] / summary[b]['latency_ms']:.2f}x, "
-                  f"lost {summary[a]['lost_ms'] / summary[b]['lost_ms']:.2f}x", end="")
+    settings = vars(args) | {"out": str(args.out), "json": str(args.json) if args.json else None}
+    summary = summarize(settings, results)
     print(f"\n\nload average after: {os.getloadavg()}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out), "json": str(args.json)},
-                                         "clean_wall_s": clean_wall, "runs": results, "summary": summary},
+        args.json.write_text(json.dumps({"settings": settings, "clean_wall_s": clean_walls, "runs": results,
+                                         "summary": summary},
                                         indent=2) + "\n")
     return 0
 

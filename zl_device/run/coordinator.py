@@ -576,7 +576,7 @@ class Coordinator:
         window = self._latest_checkpoint_window(plan)
         committed = self._latest_checkpoint_mb(plan)
         path = self.layout.device_accumulator(plan.checkpoint_dir)
-        meta = snapshot_metadata(plan.device.read_from(path, 0)) if plan.device.exists(path) else None
+        meta = snapshot_metadata(_read_bytes(plan.device, path)) if plan.device.exists(path) else None
         try:
             done, accumulated = int(meta["micro_batches_done"]), int(meta["accumulated"])
             usable = (int(meta["window"]) == window + 1 and int(meta["stage"]) == plan.index
@@ -636,6 +636,20 @@ def _telemetry_type(line: str) -> str | None:
     except ValueError:
         return None
     return record.get("type") if isinstance(record, dict) else None
+
+
+def _read_bytes(device: Device, path: str) -> bytes:
+    """A binary file of a device: read in place where its files are on this host, else pulled (read_from is
+    text-only over adb)."""
+    if device.files_on_host:
+        return device.read_from(path, 0)
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(tmp) / "file"
+        device.pull(path, local)
+        return local.read_bytes()
 
 
 def _unix_ms() -> int:

@@ -35,7 +35,9 @@ failure-free span below. Per run it reads RUN_DIR/metrics.jsonl:
   stage's send of the micro-batch it is killed after, i.e. its line's time
   minus its phase 2, to stage 2's window line), the work the window still
   needed anyway; lost = latency (to stage 2's window line) - failure-free,
-  what the failure cost;
+  what the failure cost (on a host where the stages share cores it can be
+  negative: with the failed stage down its neighbours stop and leave it the
+  CPU);
 - caught up: the first five phases, from the SIGKILL until the failed stage
   has redone the micro-batch it was killed in, i.e. is back where it was:
   what recovery itself costs, without the window's work still to come;

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import stat
 import subprocess
@@ -37,6 +38,11 @@ import json, os, signal, sys, time
 args = sys.argv[1:]
 config = json.load(open(args[args.index("--config") + 1]))
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
+if "--standby" in args:  # as zl_runner --standby: SIGUSR1 blocked, then the standby line, then wait for it
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    print(json.dumps({"event": "standby", "stage": config.get("stage_index", 0), "pid": os.getpid()}), flush=True)
+    signal.sigwait({signal.SIGUSR1})
+    print(json.dumps({"event": "took_over"}), flush=True)
 print(json.dumps({"event": "listening", "stage": config.get("stage_index", 0), "port": 7101,
                   "resume": "--resume" in args}), flush=True)
 print("dummy runner diagnostics", file=sys.stderr, flush=True)
@@ -117,6 +123,38 @@ def test_local_runner_stop_kill_and_exit_codes(tmp_path, dummy):
     assert dev.runner_output().count('"listening"') == 1
     assert "dummy runner diagnostics" in (tmp_path / "d0" / "runner.err").read_text()
     assert dev.stop_runner() == 1  # nothing running: stop is a no-op that reports the last status
+
+
+def test_local_standby_takes_over_only_once_the_runner_is_gone(tmp_path, dummy):
+    dev = LocalDevice("local-0", tmp_path / "d0", runner=dummy)
+    dev.write_text("stage_0.json", json.dumps({"stage_index": 0}))
+    assert not dev.has_standby() and not dev.take_over()  # none: the caller starts a runner instead
+    started(dev, {"stage_index": 0})
+    dev.start_standby("stage_0.json")
+    standby_pid = int((tmp_path / "d0" / "standby.pid").read_text())
+    with pytest.raises(ZLError, match="already waiting"):
+        dev.start_standby("stage_0.json")
+    with pytest.raises(ZLError, match="still running"):
+        dev.take_over()
+    assert dev.kill_runner(timeout_s=WAIT_S) == -9
+    assert dev.take_over(timeout_s=WAIT_S)
+    assert dev.is_running() and not dev.has_standby() and not (tmp_path / "d0" / "standby.pid").exists()
+    assert int((tmp_path / "d0" / "runner.pid").read_text()) == standby_pid
+    deadline = time.monotonic() + WAIT_S
+    while '"listening"' not in dev.runner_output():
+        assert time.monotonic() < deadline, "the standby never took over"
+        time.sleep(0.02)
+    assert '"took_over"' in dev.runner_output()
+    assert dev.stop_runner(timeout_s=WAIT_S) == 3  # it is the device's runner now
+
+    dev.start_standby("stage_0.json")  # one that died is no standby
+    os.kill(int((tmp_path / "d0" / "standby.pid").read_text()), signal.SIGKILL)
+    assert not dev.take_over(timeout_s=WAIT_S) and not (tmp_path / "d0" / "standby.pid").exists()
+
+    dev.start_standby("stage_0.json")  # one a previous zl train left: found by its pid file
+    pid = int((tmp_path / "d0" / "standby.pid").read_text())
+    LocalDevice("local-0", tmp_path / "d0", runner=dummy).stop_standby()
+    assert dev._standby.wait(timeout=WAIT_S) == -9 and not (tmp_path / "d0" / "standby.pid").exists(), pid
 
 
 def test_local_runner_seen_from_another_process_object(tmp_path, dummy):

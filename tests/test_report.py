@@ -210,7 +210,7 @@ def test_markdown_has_the_numbers(tmp_path):
     assert row.endswith(f"| {s1['peak_pss_mib']:.1f} | n/a |")  # stage 1 has no temperature sensor
     assert "| 16.0 | 12 | 0.7500 |" in md
     assert "## Recovery" in md
-    assert "| 1 | exited with status -9 | 2 / 5 | 1500 | 2 / 1 | 4096 | 2300.0 |" in md
+    assert "| 1 | exited with status -9 | 2 / 5 | 1500 | 2 / 1 | 4096 | n/a | 2300.0 | n/a |" in md  # older events
 
 
 def test_markdown_names_the_frozen_dtype_and_program_sizes(tmp_path):

@@ -497,20 +497,23 @@ def clean_adapters(runner, export3, shard, tmp_path_factory) -> list[dict[str, t
                          num_micro_batches=KILL_N, window_size=KILL_M, overrides=heap).run()
 
 
+@pytest.mark.parametrize("snapshots", [True, False], ids=["snapshot", "replay"])
 @pytest.mark.parametrize("victim", [1, 0, 2])
-def test_sigkill_and_resume_ends_identical(runner, export3, shard, tmp_path, clean_adapters, victim):
+def test_sigkill_and_resume_ends_identical(runner, export3, shard, tmp_path, clean_adapters, victim, snapshots):
     """SIGKILL one stage inside window 2, restart it with --resume: every adapter equals the clean run's, bit for bit.
 
     The victim parks (hold_at_micro_batch) right after micro-batch 9 went
     downstream and before its phase 2, the worst moment; the kill lands there.
-    Stage 1 (the middle) then replays 8-9 from its input log and re-sends them
-    to stage 2, which drops the duplicates; stage 0 re-reads its shard; stage 2
-    replays from its log.
+    With its accumulator snapshot (micro-batch 8 accumulated) it continues at 9;
+    without, it replays 8-9: stage 1 (the middle) from its input log,
+    re-sending them to stage 2, which drops the duplicates; stage 0 re-reads
+    its shard; stage 2 replays from its log.
     """
     n, m = KILL_N, KILL_M
     held = 2 * m + 1  # micro-batch 9, inside window 2 (8..11)
+    resume_at = held if snapshots else 2 * m
     pipe = make_pipeline(runner, export3, shard, tmp_path, "kill", num_micro_batches=n, window_size=m,
-                         overrides={victim: {"hold_at_micro_batch": held}})
+                         overrides={victim: {"hold_at_micro_batch": held, "accumulator_snapshots": snapshots}})
     pipe.start_all()
     try:
         pipe.park(victim, held)
@@ -525,14 +528,16 @@ def test_sigkill_and_resume_ends_identical(runner, export3, shard, tmp_path, cle
 
     starts = pipe.events(victim, "start")
     assert len(starts) == 2 and starts[1]["resumed_from_window"] == 1, starts
+    assert starts[1]["first_micro_batch"] == resume_at and starts[1]["resumed_from_snapshot"] == resume_at - 2 * m
     replayed = micro_batches_logged(pipe.run_dir / f"metrics{victim}.jsonl")
-    assert replayed == list(range(held)) + list(range(2 * m, n)), replayed
+    assert replayed == list(range(held)) + list(range(resume_at, n)), replayed
     finals = {k: pipe.events(k, "done")[-1] for k in range(pipe.num_stages)}
+    resent = held + 1 - resume_at  # 9 (and 8 without a snapshot)
     if victim < pipe.num_stages - 1:
-        assert finals[victim + 1]["receiver"]["duplicates"] >= 2, "downstream saw none of the re-sent hidden states"
+        assert finals[victim + 1]["receiver"]["duplicates"] >= resent, "downstream saw none of the re-sent hidden states"
     if victim > 0:
         # Micro-batches 8 and 9 were in the victim's input log: replayed from disk, not received again.
-        assert finals[victim]["receiver"]["accepted"] <= finals[victim]["micro_batches"] - 2, finals[victim]
+        assert finals[victim]["receiver"]["accepted"] <= finals[victim]["micro_batches"] - resent, finals[victim]
     for a, b in zip(clean_adapters, resumed):
         assert a.keys() == b.keys()
         for name in a:

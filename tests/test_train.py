@@ -213,6 +213,12 @@ def test_injected_failure_with_local_recovery_ends_identical(clean_run, export_c
     assert kinds == ["failure", "restart", "recovered"], kinds
     failure = next(e for e in events if e["type"] == "failure")
     assert failure["stage"] == stage and failure["window"] == 2
+    # Killed after sending micro-batch 9 (window 2 = 8..11): the accumulator snapshot of micro-batch 8 lets the
+    # restart continue at 9; nothing done is replayed.
+    restart = next(e for e in events if e["type"] == "restart")
+    assert restart["replayed_micro_batches"] == 0, restart
+    starts = [e for e in events if e["type"] == "start" and e["stage"] == stage]
+    assert starts[-1]["first_micro_batch"] == 9 and starts[-1]["resumed_from_snapshot"] == 1, starts[-1]
     clean, recovered = adapter_tensors(clean_run.run_dir), adapter_tensors(result.run_dir)
     for name, t in clean.items():
         assert torch.equal(recovered[name], t), name
@@ -246,15 +252,57 @@ def test_a_stalled_living_stage_is_restarted_not_its_neighbours(clean_run, expor
 
 
 def test_global_recovery_replays_more_than_local(clean_run, export_cache, data_file, tmp_path):
-    runs = {mode: train(tmp_path / mode, export_cache, data=str(data_file), inject_failure="1@3", recovery=mode)
-            for mode in ("local", "global")}
+    """Global rolls every stage back to the common checkpoint; local continues the failed stage's window from
+    its accumulator snapshot (nothing replayed), or without snapshots replays the window from its checkpoint."""
+    arms = {"local": {}, "global": {"recovery": "global"}, "local-no-snapshots": {"accumulator_snapshots": False}}
     replayed = {}
-    for mode, result in runs.items():
+    for arm, kw in arms.items():
+        result = train(tmp_path / arm, export_cache, data=str(data_file), inject_failure="1@3", **kw)
         events = [json.loads(ln) for ln in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-        replayed[mode] = sum(e["replayed_micro_batches"] for e in events if e["type"] == "restart")
+        replayed[arm] = sum(e["replayed_micro_batches"] for e in events if e["type"] == "restart")
         clean, got = adapter_tensors(clean_run.run_dir), adapter_tensors(result.run_dir)
-        assert all(torch.equal(got[n], t) for n, t in clean.items()), mode
-    assert replayed["global"] > replayed["local"] > 0, replayed
+        assert all(torch.equal(got[n], t) for n, t in clean.items()), arm
+    assert replayed["global"] > replayed["local-no-snapshots"] > replayed["local"] == 0, replayed
+
+
+@pytest.mark.parametrize("recovery", ["local", "global"])
+def test_a_hot_standby_takes_over_with_its_program_loaded_before_the_failure(clean_run, export_cache, data_file,
+                                                                            tmp_path, recovery):
+    """--standby: the replacement of the killed stage (every stage, under global recovery) is the standby that
+    mapped its program and loaded its method before the failure; it only restores, replays and connects. The
+    adapter is the clean run's, a new standby follows the recovery, and none is left when the run ends."""
+    result = train(tmp_path / "run", export_cache, data=str(data_file), inject_failure="1@2", recovery=recovery,
+                   standby=True)
+    events = [json.loads(ln) for ln in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    failure = next(e for e in events if e["type"] == "failure")
+    restart = next(e for e in events if e["type"] == "restart")
+    recovered = next(e for e in events if e["type"] == "recovered")
+    assert restart["standby"] is True, restart
+    assert recovered["since_failure_ms"] >= recovered["recovery_ms"] >= 0, recovered
+    restarted = [1] if recovery == "local" else [0, 1, 2]
+    for k in range(3):
+        starts = [e for e in events if e["type"] == "start" and e["stage"] == k]
+        if k not in restarted:
+            assert len(starts) == 1, (k, starts)
+            continue
+        assert len(starts) == 2, (k, starts)
+        first, replacement = starts
+        assert not first["standby"] and replacement["standby"], (k, starts)
+        # Loaded while the stage it replaced still ran; told to take over only after the kill.
+        assert replacement["program_loaded_unix_ms"] < failure["t_unix_ms"] <= replacement["took_over_unix_ms"] + 1, \
+            (k, replacement, failure)
+        assert replacement["resumed_from_window"] is not None
+    for k in range(3):
+        workdir = result.run_dir / "devices" / f"local-{k}"
+        assert not (workdir / "standby.pid").exists(), f"stage {k}'s standby outlived the run"
+        out = (workdir / "runner.out").read_text()
+        # One standby from the start, and a second one after the recovery for each stage whose standby took over.
+        assert out.count('"event": "standby"') == 1 + (k in restarted), (k, out)
+    clean, recovered_adapter = adapter_tensors(clean_run.run_dir), adapter_tensors(result.run_dir)
+    for name, t in clean.items():
+        assert torch.equal(recovered_adapter[name], t), name
+    report = (result.run_dir / "report.md").read_text()
+    assert "| standby | recovery (ms) | since the failure (ms) |" in report
 
 
 @pytest.mark.parametrize("recovery", ["local", "global"])

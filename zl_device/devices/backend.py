@@ -33,6 +33,8 @@ RUNNER_STDERR = "runner.err"
 RUNNER_PID = "runner.pid"
 #: The runner's exit status once it ended (adb backend; written by the wrapper shell).
 RUNNER_EXIT = "runner.exit"
+#: Process id of the hot standby waiting to take over this device's stage (docs/design.md §5.5).
+STANDBY_PID = "standby.pid"
 
 #: Called with the number of bytes just copied, for progress bars.
 ByteCallback = Callable[[int], None]
@@ -208,6 +210,39 @@ class Device(ABC):
         if self.signal_runner(signal.SIGKILL):
             self.wait(timeout_s)
         return self.exit_code()
+
+    # --- hot standby (docs/design.md §5.5) -------------------------------------------------------------
+
+    #: Whether this backend can keep a hot standby runner (`zl_runner --standby`) beside the running one.
+    supports_standby = False
+
+    def start_standby(self, config: str) -> None:
+        """Start `zl_runner --config CONFIG --standby` beside the running runner: it maps its program, loads
+        the method and optimizer, then waits for `take_over`. At most one standby per device.
+
+        Raises:
+            ZLError: the backend has no standby, one is there already, or the binary or config is missing.
+        """
+        from zl.errors import ZLError
+
+        raise ZLError(f"{self.name}: {self.kind} devices keep no hot standby; run without --standby.")
+
+    def has_standby(self) -> bool:
+        """A standby is alive here (loading or waiting)."""
+        return False
+
+    def take_over(self, timeout_s: float = 60.0) -> bool:
+        """Tell the standby to take over: it restores the latest checkpoint, replays and connects, and is from
+        now on this device's runner (exit_code, signal_runner, stop_runner act on it). Waits at most `timeout_s`
+        for a standby still loading. False when there is none (or it died): start a runner instead.
+
+        Raises:
+            ZLError: the runner it would replace is still running.
+        """
+        return False
+
+    def stop_standby(self) -> None:
+        """End the standby, if any (also one a previous `zl train` left, by its pid file)."""
 
     def remove_tunnels(self) -> None:
         """Drop the port tunnels a run set up to this device (phones on USB only); nothing to do elsewhere."""

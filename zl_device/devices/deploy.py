@@ -325,7 +325,8 @@ def pull(devices: Sequence[Device], out_dir: Path, checkpoints: bool = True, inp
             ckpt = cfg.get("checkpoint_dir")
             if checkpoints and ckpt and device.exists(ckpt):
                 target = out_dir / "checkpoints" / f"stage_{stage}"
-                exclude = (".tmp-*",) + (() if input_logs else ("input_log",))
+                # The accumulator snapshot (a window in progress, docs/design.md §7) goes with the input logs.
+                exclude = (".tmp-*",) + (() if input_logs else ("input_log", "accumulator.safetensors*"))
                 result.bytes_pulled += device.pull(ckpt, target, exclude=exclude)
                 result.checkpoint_dirs[stage] = target
         results.append(result)
@@ -333,7 +334,8 @@ def pull(devices: Sequence[Device], out_dir: Path, checkpoints: bool = True, inp
 
 
 def remove_run_files(devices: Sequence[Device]) -> list[str]:
-    """Delete what a run leaves on devices that others should not keep: the run key, the data shard, input logs.
+    """Delete what a run leaves on devices that others should not keep: the run key, the data shard, input logs
+    and the accumulator snapshot (gradients of training data, like the input logs' hidden states).
 
     Only the files each device's stage configs (stage_<k>.json) name by a relative path, i.e. the ones deploy
     pushed into the workdir or the runner made there; checkpoints, telemetry and the programs stay (they are
@@ -354,7 +356,8 @@ def remove_run_files(devices: Sequence[Device]) -> list[str]:
                 continue
             ckpt = cfg.get("checkpoint_dir")
             paths = [cfg.get("run_key_file"), cfg.get("data_shard"),
-                     cfg.get("input_log_dir") or (posixpath.join(ckpt, "input_log") if ckpt else None)]
+                     cfg.get("input_log_dir") or (posixpath.join(ckpt, "input_log") if ckpt else None),
+                     posixpath.join(ckpt, "accumulator.safetensors") if ckpt else None]
             for path in paths:
                 if path and not posixpath.isabs(path) and ".." not in path.split("/") and device.exists(path):
                     device.remove(path)

@@ -12,7 +12,9 @@ import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from zl_device.devices.backend import (
     RUNNER_PID,
     RUNNER_STDERR,
     RUNNER_STDOUT,
+    STANDBY_PID,
     ByteCallback,
     Device,
     DeviceInfo,
@@ -81,6 +84,8 @@ class LocalDevice(Device):
         self.cpus = tuple(cpus) if cpus else None
         self._proc: subprocess.Popen | None = None
         self._out_offset = 0
+        self._standby: subprocess.Popen | None = None
+        self._standby_out_offset = 0  # runner.out's size when the standby started (its "standby" line follows)
 
     def _local(self, remote: str) -> Path:
         return Path(self.path(remote))
@@ -196,31 +201,98 @@ class LocalDevice(Device):
     def start_runner(self, config: str, resume: bool = False) -> None:
         if self.is_running():
             raise ZLError(f"{self.name}: a runner is already running (pid {self._pid()}); stop it first.")
-        if not self._local(config).is_file():
-            raise ZLError(f"{self.name}: config {self._local(config)} does not exist; deploy it first.")
-        cmd = self._command() + ["--config", config] + (["--resume"] if resume else [])
-        taskset = shutil.which("taskset") if self.cpus else None
-        if taskset:
-            cmd = [taskset, "-c", ",".join(map(str, self.cpus))] + cmd
         out_path = self._local(RUNNER_STDOUT)
         self._out_offset = out_path.stat().st_size if out_path.exists() else 0
         self._local(RUNNER_EXIT).unlink(missing_ok=True)
-        with open(out_path, "ab") as out, open(self._local(RUNNER_STDERR), "ab") as err:
+        self._proc = self._spawn(config, ["--resume"] if resume else [])
+        self._local(RUNNER_PID).write_text(f"{self._proc.pid}\n")
+
+    def _spawn(self, config: str, flags: list[str]) -> subprocess.Popen:
+        """`zl_runner --config CONFIG FLAGS` in the workdir, output appended to runner.out / runner.err."""
+        if not self._local(config).is_file():
+            raise ZLError(f"{self.name}: config {self._local(config)} does not exist; deploy it first.")
+        cmd = self._command() + ["--config", config] + flags
+        taskset = shutil.which("taskset") if self.cpus else None
+        if taskset:
+            cmd = [taskset, "-c", ",".join(map(str, self.cpus))] + cmd
+        with open(self._local(RUNNER_STDOUT), "ab") as out, open(self._local(RUNNER_STDERR), "ab") as err:
             try:
                 # A session of its own: Ctrl-C in the orchestrator's terminal must not reach the stages.
-                self._proc = subprocess.Popen(cmd, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=out,
-                                              stderr=err, start_new_session=True)
+                proc = subprocess.Popen(cmd, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=err, start_new_session=True)
             except OSError as e:
                 raise ZLError(f"{self.name}: cannot start {cmd[0]}: {e}.") from e
         if self.cpus and not taskset:
             # Threads the runner creates later inherit this mask; only a thread started in the first
             # microseconds could escape it.
             try:
-                os.sched_setaffinity(self._proc.pid, self.cpus)
+                os.sched_setaffinity(proc.pid, self.cpus)
             except OSError as e:
+                proc.kill()
                 raise ZLError(f"{self.name}: cannot pin to CPUs {self.cpus}: {e}; available: "
                               f"{sorted(os.sched_getaffinity(0))}.") from e
-        self._local(RUNNER_PID).write_text(f"{self._proc.pid}\n")
+        return proc
+
+    # --- hot standby (docs/design.md §5.5) -------------------------------------------------------------
+
+    supports_standby = True
+
+    def start_standby(self, config: str) -> None:
+        if self.has_standby():
+            raise ZLError(f"{self.name}: a standby is already waiting (pid {self._standby.pid}); stop it first.")
+        out_path = self._local(RUNNER_STDOUT)
+        self._standby_out_offset = out_path.stat().st_size if out_path.exists() else 0
+        self._standby = self._spawn(config, ["--standby"])
+        self._local(STANDBY_PID).write_text(f"{self._standby.pid}\n")
+
+    def has_standby(self) -> bool:
+        return self._standby is not None and self._standby.poll() is None
+
+    def _standby_ready(self) -> bool:
+        """The standby printed its {"event": "standby"} line: loaded, SIGUSR1 blocked, waiting."""
+        text = self.read_from(RUNNER_STDOUT, self._standby_out_offset).decode(errors="replace")
+        return any(f'"pid": {self._standby.pid}' in line for line in text.splitlines()
+                   if '"event": "standby"' in line)
+
+    def take_over(self, timeout_s: float = 60.0) -> bool:
+        if self.is_running():
+            raise ZLError(f"{self.name}: the runner (pid {self._pid()}) is still running; stop it before its "
+                          f"standby takes over.")
+        deadline = time.monotonic() + timeout_s
+        # Until its "standby" line the process may not have blocked SIGUSR1 yet (the signal would kill it).
+        while self.has_standby() and not self._standby_ready():
+            if time.monotonic() >= deadline:
+                self.stop_standby()
+                return False
+            time.sleep(0.005)
+        if not self.has_standby():
+            self._standby = None
+            self._local(STANDBY_PID).unlink(missing_ok=True)
+            return False
+        proc, self._standby = self._standby, None
+        out_path = self._local(RUNNER_STDOUT)
+        self._out_offset = out_path.stat().st_size if out_path.exists() else 0
+        self._local(RUNNER_EXIT).unlink(missing_ok=True)
+        os.kill(proc.pid, signal.SIGUSR1)
+        self._proc = proc
+        self._local(RUNNER_PID).write_text(f"{proc.pid}\n")
+        self._local(STANDBY_PID).unlink(missing_ok=True)
+        return True
+
+    def stop_standby(self) -> None:
+        proc, self._standby = self._standby, None
+        if proc is not None:
+            proc.kill()  # it holds nothing yet: no checkpoint, port or input log
+            proc.wait()
+        else:
+            text = self.read_text(STANDBY_PID)
+            pid = int(text) if text and text.strip().isdigit() else None
+            if pid is not None and self._alive_elsewhere(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self._local(STANDBY_PID).unlink(missing_ok=True)
 
     def _pid(self) -> int | None:
         if self._proc is not None:

@@ -29,7 +29,8 @@ What the numbers mean:
 - `recovery`: one entry per failure (a `failure` line, then the `restart`
   and `recovered` lines of the same stage that follow it). `recovery_ms` is
   the `recovered` line's, or its `t_unix_ms` minus the restart's (both on
-  the coordinator's clock). `replayed_in_telemetry` counts, for the n-th
+  the coordinator's clock); `since_failure_ms` and `standby` are the
+  `recovered` and `restart` lines' (null in runs before they existed). `replayed_in_telemetry` counts, for the n-th
   restart of a stage, the micro-batches in the runner's (n+1)-th run (after
   its n-th `start` line) that an earlier run had already done.
 
@@ -253,6 +254,7 @@ def _recovery(events: list[dict], replays_by_run: dict[int, list[int]]) -> list[
             restarts[stage] = restarts.get(stage, 0) + 1
             runs = replays_by_run.get(stage, [])
             entry.update(restart_t_unix_ms=event.get("t_unix_ms"), replay_bytes=event.get("replay_bytes"),
+                         standby=event.get("standby"),
                          replayed_micro_batches=event.get("replayed_micro_batches"),
                          replayed_in_telemetry=runs[restarts[stage]] if restarts[stage] < len(runs) else None)
         elif kind == "recovered":
@@ -261,6 +263,7 @@ def _recovery(events: list[dict], replays_by_run: dict[int, list[int]]) -> list[
             if recovery_ms is None and event.get("t_unix_ms") is not None and entry["restart_t_unix_ms"] is not None:
                 recovery_ms = float(event["t_unix_ms"] - entry["restart_t_unix_ms"])
             entry.update(recovered_t_unix_ms=event.get("t_unix_ms"), recovery_ms=recovery_ms,
+                         since_failure_ms=event.get("since_failure_ms"),
                          downstream_stage=event.get("downstream_stage"))
             if entry["window"] is None:
                 entry["window"] = event.get("window")
@@ -270,7 +273,7 @@ def _recovery(events: list[dict], replays_by_run: dict[int, list[int]]) -> list[
 def _new_entry(stage: int) -> dict:
     keys = ("window", "micro_batch", "failure_t_unix_ms", "detected_after_ms", "restart_t_unix_ms",
             "replayed_micro_batches", "replayed_in_telemetry", "replay_bytes", "recovered_t_unix_ms",
-            "downstream_stage", "recovery_ms", "reason")
+            "downstream_stage", "recovery_ms", "since_failure_ms", "standby", "reason")
     return {"stage": stage, **dict.fromkeys(keys)}
 
 
@@ -332,16 +335,19 @@ def render_markdown(report: dict, with_plots: bool = True) -> str:
 def _recovery_markdown(entries: list[dict], replayed: list[dict]) -> list[str]:
     out = ["## Recovery", ""]
     if entries:
-        out += ["Recovery time: from the restart until the downstream stage commits the window that was in "
-                "flight at the failure.", "",
+        out += ["Recovery time: from the restart (since the failure: from the failure, i.e. an injected "
+                "failure's SIGKILL or else its detection) until the downstream stage commits the window that was "
+                "in flight at the failure. Standby: a hot standby took over instead of a new process.", "",
                 "| stage | cause | window / micro-batch in flight | detected after (ms) | replayed micro-batches "
-                "(coordinator / telemetry) | replay bytes | recovery (ms) |",
-                "|---|---|---|---|---|---|---|"]
+                "(coordinator / telemetry) | replay bytes | standby | recovery (ms) | since the failure (ms) |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for e in entries:
             cause = (e["reason"] or "n/a").replace("|", "/")
+            standby = "n/a" if e["standby"] is None else ("yes" if e["standby"] else "no")
             out.append(f"| {e['stage']} | {cause} | {_num(e['window'])} / {_num(e['micro_batch'])} | "
                        f"{_num(e['detected_after_ms'])} | {_num(e['replayed_micro_batches'])} / "
-                       f"{_num(e['replayed_in_telemetry'])} | {_num(e['replay_bytes'])} | {_num(e['recovery_ms'])} |")
+                       f"{_num(e['replayed_in_telemetry'])} | {_num(e['replay_bytes'])} | {standby} | "
+                       f"{_num(e['recovery_ms'])} | {_num(e['since_failure_ms'])} |")
         out.append("")
     for s in replayed:
         out.append(f"- stage {s['index']}: {s['restarts']} restart(s), {s['replayed_micro_batches']} micro-batch(es) "

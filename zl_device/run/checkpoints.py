@@ -2,6 +2,7 @@
 
     <checkpoint root>/stage_<k>/window_000012/adapter.safetensors   F32, PEFT names
     <checkpoint root>/stage_<k>/window_000012/progress.json         stage, window, run_id, micro_batches_done, ...
+    <checkpoint root>/stage_<k>/accumulator.safetensors             the window in progress's gradient sum so far
 
 On a device a stage's runner writes the window directories into its own
 `checkpoint_dir`; pulled to the host they sit under RUN_DIR/checkpoints/stage_<k>/.
@@ -35,6 +36,7 @@ class CheckpointLayout:
     adapter_file: str = "adapter.safetensors"
     progress_file: str = "progress.json"
     input_log_dir: str = "input_log"  # the runner's input_log_dir default, under checkpoint_dir
+    accumulator_file: str = "accumulator.safetensors"  # the runner's accumulator snapshot (docs/design.md §7)
 
     def stage_root(self, root: Path, k: int) -> Path:
         return Path(root) / self.stage_dir.format(k=k)
@@ -68,6 +70,31 @@ class CheckpointLayout:
     def device_input_log(self, checkpoint_dir: str) -> str:
         """The stage's durable input log on a device (`zl train` leaves the runner's input_log_dir at its default)."""
         return posixpath.join(checkpoint_dir, self.input_log_dir)
+
+
+    def device_accumulator(self, checkpoint_dir: str) -> str:
+        """The stage's accumulator snapshot on a device (the window in progress, android_app/native
+        accumulator_snapshot.h)."""
+        return posixpath.join(checkpoint_dir, self.accumulator_file)
+
+
+def snapshot_metadata(data: bytes) -> dict | None:
+    """The string metadata of an accumulator snapshot's safetensors header (`data`: the file's bytes, or at
+    least its header); None for anything that is not a complete zl-accumulator version 1 header."""
+    import json
+
+    if len(data) < 8:
+        return None
+    size = int.from_bytes(data[:8], "little")
+    if size > len(data) - 8:
+        return None
+    try:
+        meta = json.loads(data[8:8 + size]).get("__metadata__") or {}
+    except (ValueError, AttributeError):
+        return None
+    if meta.get("format") != "zl-accumulator" or meta.get("version") != "1":
+        return None
+    return meta
 
 
 DEFAULT_LAYOUT = CheckpointLayout()

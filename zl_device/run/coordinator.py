@@ -18,6 +18,13 @@ Recovery:
   window all stages committed (newer checkpoints are deleted) and restarted
   with --resume, so every stage replays from that window.
 
+Hot standbys (`standby`, `zl train --standby`; docs/design.md §5.5): next to
+each stage's runner a second `zl_runner --standby` has its program mapped,
+its method loaded and its optimizer built, and waits. A restart (either
+mode) tells it to take over instead of starting a process that loads its
+program after the failure; a new standby is started once the failure is
+recovered (not before: it would compete with the replay for the CPU).
+
 Failure injection (`Injection`): SIGKILL a stage half-way through a given
 window, as a crash would; for experiments and tests. To make the point
 reproducible however fast the stages run, the stage's config asks it to
@@ -44,7 +51,7 @@ from dataclasses import dataclass, field
 from zl.errors import ZLError
 from zl_device.devices.backend import Device
 from zl_device.run.control import ControlServer
-from zl_device.run.checkpoints import DEFAULT_LAYOUT
+from zl_device.run.checkpoints import DEFAULT_LAYOUT, snapshot_metadata
 from zl_device.run import frames
 from zl_device.run.frames import FrameType
 from zl_device.run.windows import WindowPlan
@@ -115,6 +122,7 @@ class _Failure:
     stage: int
     window: int  # the window in flight at the failure
     restart_t: float | None = None
+    failure_t: float | None = None  # the injected kill, else when the failure was detected (time.monotonic())
 
 
 class Coordinator:
@@ -133,6 +141,7 @@ class Coordinator:
         redeploy: Callable[[Device, int], None] | None = None,
         resume: bool = False,
         stall_timeout_s: float = 0.0,
+        standby: bool = False,
     ):
         if recovery not in RECOVERY_MODES:
             raise ZLError(f"--recovery {recovery!r}: expected one of {', '.join(RECOVERY_MODES)}.")
@@ -148,6 +157,12 @@ class Coordinator:
         self.stall_timeout_s = stall_timeout_s  # 0: no stall detection
         self.redeploy = redeploy  # puts stage k's program and config on a spare before it takes over
         self.resume = resume  # `zl train --resume`: the stages continue from their checkpoints
+        self.standby = standby  # keep a hot standby per stage (see the module docstring)
+        if standby:
+            lacking = [p.device.name for p in self.plans if not p.device.supports_standby]
+            if lacking:
+                raise ZLError(f"--standby: {', '.join(lacking)} cannot keep a hot standby (local devices can); "
+                              f"run without --standby.")
         self.status = [StageStatus(p.index, p.device.name) for p in self.plans]
         self.events: list[dict] = []  # coordinator events for metrics.jsonl
         self._offsets = [0] * len(self.plans)  # bytes of each local telemetry file already read
@@ -156,6 +171,8 @@ class Coordinator:
         self._held = False
         self._last_remote_poll = 0.0
         self._failures: list[_Failure] = []
+        self._kill_t: float | None = None  # when the injected failure's SIGKILL was sent
+        self._standby_wanted: set[int] = set()  # stages whose standby took over (or died): start one when calm
 
     # --- the loop ------------------------------------------------------------------------------------
 
@@ -175,6 +192,9 @@ class Coordinator:
         else:
             for plan in reversed(self.plans):
                 plan.device.start_runner(plan.config, resume=False)
+        if self.standby:
+            self._standby_wanted = set(range(len(self.plans)))
+            self._start_standbys()
         for s in self.status:
             s.last_progress = time.monotonic()
         while True:
@@ -191,6 +211,7 @@ class Coordinator:
                 # still: a phone's exit is seen over adb, not on the control channel.
                 self._drain_control()
                 self._check_recovered()
+                self._stop_standbys()
                 return self.events
             if self.timeout_s and time.monotonic() - start > self.timeout_s:
                 self.stop_all()
@@ -201,8 +222,38 @@ class Coordinator:
             time.sleep(POLL_S)
 
     def stop_all(self) -> None:
+        self._stop_standbys()
         for plan in self.plans:
             plan.device.stop_runner(timeout_s=5)
+
+    # --- hot standbys --------------------------------------------------------------------------------
+
+    def _start_standbys(self) -> None:
+        """A standby for every stage that wants one, while no recovery is in progress (a standby loading its
+        program competes with the replay for the CPU)."""
+        if not self.standby or self._failures:
+            return
+        for k in sorted(self._standby_wanted):
+            plan = self.plans[k]
+            if self.status[k].state not in ("done", "error") and not plan.device.has_standby():
+                plan.device.start_standby(plan.config)
+        self._standby_wanted.clear()
+
+    def _stop_standbys(self) -> None:
+        if self.standby:
+            for plan in self.plans:
+                plan.device.stop_standby()
+
+    def _replace(self, plan: StagePlan) -> bool:
+        """Start the stage's runner with --resume: its standby takes over where there is one (True), else a new
+        process starts (False)."""
+        if self.standby:
+            self._standby_wanted.add(plan.index)
+            if plan.device.take_over():
+                return True
+            log.warning("stage %d on %s: no standby to take over; starting a runner", plan.index, plan.device.name)
+        plan.device.start_runner(plan.config, resume=True)
+        return False
 
     # --- progress ------------------------------------------------------------------------------------
 
@@ -299,6 +350,7 @@ class Coordinator:
             self._injected = True
             log.info("injecting a failure: SIGKILL stage %d parked at micro-batch %d (window %d)", inj.stage,
                      inj.hold_micro_batch(self.windows), inj.window)
+            self._kill_t = time.monotonic()
             plan.device.kill_runner()
 
     def _clear_hold(self, plan: StagePlan) -> None:
@@ -376,19 +428,22 @@ class Coordinator:
             self.stop_all()
             raise ZLError(f"stage {k} failed {s.restarts + 1} times ({why}); giving up. "
                           f"Last error output: {_stderr_tail(self.plans[k].device)}")
+        injected = self.injection is not None and k == self.injection.stage and self._kill_t is not None
+        failure_t = self._kill_t if injected else now
+        self._kill_t = None if injected else self._kill_t
         if self.recovery == "local":
-            self._restart(k, in_flight)
+            self._restart(k, in_flight, failure_t)
         else:
-            self._restart_all(k, in_flight)
+            self._restart_all(k, in_flight, failure_t)
         # The others now wait for the recovering stage (and may still show progress counts from before it
         # rolled back): none of them is stalled until it has had a full stall timeout since.
         restarted = time.monotonic()
         for st in self.status:
             st.last_progress = max(st.last_progress, restarted)
 
-    def _restart(self, k: int, in_flight: int) -> None:
+    def _restart(self, k: int, in_flight: int, failure_t: float) -> None:
         plan, s = self.plans[k], self.status[k]
-        if self.spares:
+        if self.spares and not plan.device.has_standby():
             spare = self.spares.pop(0)
             log.warning("moving stage %d from %s to spare %s", k, plan.device.name, spare.name)
             if self.redeploy is None:
@@ -398,7 +453,7 @@ class Coordinator:
             s.device = spare.name
             self._offsets[k], self._partial[k] = 0, ""
         self._clear_hold(plan)
-        committed = self._latest_checkpoint_mb(plan)
+        committed = self._resume_point_mb(plan)
         replayed = max(0, s.micro_batches_done - committed)
         s.micro_batches_done = committed
         s.state, s.restarts = "restarting", s.restarts + 1
@@ -406,12 +461,13 @@ class Coordinator:
         # The clock starts when the restart is issued: a start that waits for the runner's pid (adb, the app)
         # returns when the stage may have replayed whole windows already.
         t, t_unix_ms = time.monotonic(), _unix_ms()
-        plan.device.start_runner(plan.config, resume=True)
+        took_over = self._replace(plan)
         self.events.append({"type": "restart", "stage": k, "t_unix_ms": t_unix_ms, "replayed_micro_batches": replayed,
-                            "replay_bytes": replayed * plan.input_bytes, "device": plan.device.name})
-        self._failures.append(_Failure(k, in_flight, t))
+                            "replay_bytes": replayed * plan.input_bytes, "device": plan.device.name,
+                            "standby": took_over})
+        self._failures.append(_Failure(k, in_flight, t, failure_t))
 
-    def _restart_all(self, failed: int, in_flight: int) -> None:
+    def _restart_all(self, failed: int, in_flight: int, failure_t: float) -> None:
         """Global recovery: stop everyone, roll back to the last window all stages committed, restart all."""
         for plan in self.plans:
             plan.device.kill_runner()
@@ -421,14 +477,15 @@ class Coordinator:
         for plan in self.plans:
             self.status[plan.index].restarts += plan.index == failed
         t, t_unix_ms = time.monotonic(), _unix_ms()  # when the restart is issued (see _restart)
+        took_over = []
         for plan in reversed(self.plans):
             self.status[plan.index].state = "restarting"
-            plan.device.start_runner(plan.config, resume=True)
+            took_over.append(self._replace(plan))
         self.events.append({"type": "restart", "stage": failed, "t_unix_ms": t_unix_ms,
                             "replayed_micro_batches": replayed_total, "replay_bytes": bytes_total,
                             "device": self.plans[failed].device.name, "rolled_back_to_window": common,
-                            "scope": "global"})
-        self._failures.append(_Failure(failed, in_flight, t))
+                            "scope": "global", "standby": all(took_over) if self.standby else False})
+        self._failures.append(_Failure(failed, in_flight, t, failure_t))
 
     def _roll_back(self) -> tuple[int, int, int]:
         """Every stage back to the last window all of them committed: newer checkpoints and the input-log entries
@@ -439,6 +496,8 @@ class Coordinator:
             self._clear_hold(plan)
             self._remove_checkpoints_after(plan, common)
             self._remove_input_log_after(plan, common)
+            # The baseline replays from the common checkpoint: no stage continues a window from its snapshot.
+            plan.device.remove(self.layout.device_accumulator(plan.checkpoint_dir))
             replay_from = self.windows.done_after(common)
             replayed = max(0, s.micro_batches_done - replay_from)
             replayed_total += replayed
@@ -456,6 +515,7 @@ class Coordinator:
         its checkpoints: each from its own latest with --recovery local (the inputs it needs are in its input log
         or come again from upstream, as after a local restart), from the last window all committed with global."""
         for plan in self.plans:
+            plan.device.stop_standby()  # a standby the previous zl train left
             if plan.device.is_running():
                 log.warning("stage %d on %s: a runner of the previous zl train is still running; stopping it",
                             plan.index, plan.device.name)
@@ -466,12 +526,12 @@ class Coordinator:
             common, replayed, replay_bytes = self._roll_back()
         else:
             common = None
-            replayed = sum(max(0, s.micro_batches_done - self._latest_checkpoint_mb(p))
-                           for p, s in zip(self.plans, self.status))
-            replay_bytes = sum(max(0, s.micro_batches_done - self._latest_checkpoint_mb(p)) * p.input_bytes
-                               for p, s in zip(self.plans, self.status))
-            for plan, s in zip(self.plans, self.status):
-                s.micro_batches_done = self._latest_checkpoint_mb(plan)
+            points = [self._resume_point_mb(p) for p in self.plans]
+            replayed = sum(max(0, s.micro_batches_done - at) for s, at in zip(self.status, points))
+            replay_bytes = sum(max(0, s.micro_batches_done - at) * p.input_bytes
+                               for p, s, at in zip(self.plans, self.status, points))
+            for s, at in zip(self.status, points):
+                s.micro_batches_done = at
         self.events.append({"type": "resume", "t_unix_ms": _unix_ms(), "scope": self.recovery,
                             "rolled_back_to_window": common, "replayed_micro_batches": replayed,
                             "replay_bytes": replay_bytes})
@@ -486,10 +546,13 @@ class Coordinator:
             if t is not None and t >= f.restart_t:
                 self.events.append({"type": "recovered", "stage": f.stage, "t_unix_ms": _unix_ms(),
                                     "recovery_ms": round((t - f.restart_t) * 1e3, 1),
+                                    "since_failure_ms": round((t - f.failure_t) * 1e3, 1),
                                     "downstream_stage": downstream, "window": f.window})
                 self._failures.remove(f)
             elif self.status[downstream].state == "done" and not self.windows.exists(f.window):
                 self._failures.remove(f)  # the failure hit after the last window: nothing left to recover
+        if self._standby_wanted and not self._failures:
+            self._start_standbys()
 
     # --- checkpoints on the device -------------------------------------------------------------------
 
@@ -510,6 +573,23 @@ class Coordinator:
             return int(json.loads(text or "{}").get("micro_batches_done", self.windows.done_after(w)))
         except ValueError:
             return self.windows.done_after(w)
+
+    def _resume_point_mb(self, plan: StagePlan) -> int:
+        """Where a restart of the stage continues: its accumulator snapshot's micro_batches_done when that continues
+        the window after its latest checkpoint (the runner's check, accumulator_snapshot.h), else the
+        checkpoint's."""
+        window = self._latest_checkpoint_window(plan)
+        committed = self._latest_checkpoint_mb(plan)
+        path = self.layout.device_accumulator(plan.checkpoint_dir)
+        meta = snapshot_metadata(_read_bytes(plan.device, path)) if plan.device.exists(path) else None
+        try:
+            done, accumulated = int(meta["micro_batches_done"]), int(meta["accumulated"])
+            usable = (int(meta["window"]) == window + 1 and int(meta["stage"]) == plan.index
+                      and 0 < accumulated and done == committed + accumulated
+                      and done < min(self.windows.done_after(window + 1), self.windows.num_micro_batches))
+        except (TypeError, KeyError, ValueError):
+            usable = False
+        return done if usable else committed
 
     def _remove_checkpoints_after(self, plan: StagePlan, window: int) -> None:
         for w in self._checkpoint_windows(plan):
@@ -561,6 +641,20 @@ def _telemetry_type(line: str) -> str | None:
     except ValueError:
         return None
     return record.get("type") if isinstance(record, dict) else None
+
+
+def _read_bytes(device: Device, path: str) -> bytes:
+    """A binary file of a device: read in place where its files are on this host, else pulled (read_from is
+    text-only over adb)."""
+    if device.files_on_host:
+        return device.read_from(path, 0)
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(tmp) / "file"
+        device.pull(path, local)
+        return local.read_bytes()
 
 
 def _unix_ms() -> int:

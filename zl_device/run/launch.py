@@ -145,10 +145,11 @@ def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Pat
         deploy_stage(device, export_dir, k, configs[k], manifest=manifest)
 
     coordinator = Coordinator(plans, windows, control, s.recovery, injection, spares, s.heartbeat_timeout_s,
-                              s.timeout_s, redeploy, resume=s.resume, stall_timeout_s=s.stall_timeout_s)
+                              s.timeout_s, redeploy, resume=s.resume, stall_timeout_s=s.stall_timeout_s,
+                              standby=s.standby)
     say(f"run: {s.samples} samples, {windows.num_micro_batches} micro-batches in {windows.num_windows} windows of "
         f"{windows.window_size}, "
-        f"recovery {s.recovery}" + (f", failure injected at stage {injection.stage} window {injection.window}"
+        f"recovery {s.recovery}" + (", hot standbys" if s.standby else "") + (f", failure injected at stage {injection.stage} window {injection.window}"
                                    if injection else ""))
     return Launched(coordinator, run_id, windows)
 
@@ -198,6 +199,7 @@ def stage_configs(s: TrainSettings, manifest: dict, export_dir: Path, shard: Pat
             "log_path": "metrics.jsonl",
             "threads": s.threads,
             "load_mode": s.load_mode,
+            "accumulator_snapshots": s.accumulator_snapshots,
             "optimizer": {"lr": s.stage_lr_of(k), "weight_decay": 0.0, "schedule": schedule},
             **addresses.config_fields(),
         }

@@ -41,14 +41,16 @@ Coordinator events (written by the coordinator into the merged file;
         the stage was declared failed at t_unix_ms, detected_after_ms after its
         last sign of life (heartbeat or exit); window / micro_batch: the
         micro-batch the stage had in flight and its window.
-    {"type": "restart", "stage", "t_unix_ms", "replayed_micro_batches", "replay_bytes", "device"}
+    {"type": "restart", "stage", "t_unix_ms", "replayed_micro_batches", "replay_bytes", "device", "standby"}
         the replacement runner was started; it replays replayed_micro_batches
         micro-batches (replay_bytes bytes of input log or shard) after its
-        latest checkpoint.
-    {"type": "recovered", "stage", "t_unix_ms", "recovery_ms", "downstream_stage", "window"}
+        latest checkpoint. standby: a hot standby took over (docs/design.md
+        §5.5) instead of a new process (global: every stage's did).
+    {"type": "recovered", "stage", "t_unix_ms", "recovery_ms", "since_failure_ms", "downstream_stage", "window"}
         the downstream stage (the stage itself when it is the last) committed
         `window`, the window in flight at the failure; recovery_ms = from the
-        restart event to that commit.
+        restart event to that commit; since_failure_ms = from the failure (an
+        injected failure's SIGKILL, else its detection) to that commit.
 
 Every other `type` (e.g. a future "error" or "heartbeat" line) is read and
 ignored by the report.
@@ -88,7 +90,7 @@ _NUMBER_KEYS = {
     "run": ("start_unix_ms", "end_unix_ms", "samples"),
     "failure": ("t_unix_ms", "detected_after_ms", "window", "micro_batch"),
     "restart": ("t_unix_ms", "replayed_micro_batches", "replay_bytes"),
-    "recovered": ("t_unix_ms", "recovery_ms", "downstream_stage", "window"),
+    "recovered": ("t_unix_ms", "recovery_ms", "since_failure_ms", "downstream_stage", "window"),
     "start": ("first_micro_batch", "resumed_from_window"),
 }
 

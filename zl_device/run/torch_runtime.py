@@ -28,7 +28,7 @@ def check_torch_settings(s: TrainSettings) -> None:
     """Options of the ExecuTorch runtime that `--runtime torch` does not have fail here, before anything runs."""
     from zl_device.devices.registry import parse_devices
 
-    unsupported = [(s.spares, "--spares"), (s.mode != "binary", "--mode")]
+    unsupported = [(s.spares, "--spares"), (s.standby, "--standby"), (s.mode != "binary", "--mode")]
     for value, name in unsupported:
         if value:
             raise ZLError(f"{name} is not supported with --runtime torch (a failed stage is not replaced; rerun with "

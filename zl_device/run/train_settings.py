@@ -52,9 +52,16 @@ class TrainSettings:
                             choices=RECOVERY_MODES)
     inject_failure: str | None = setting(None, "STAGE@WINDOW: SIGKILL that stage in the middle of that window.")
     spares: int = setting(0, "Devices after the stages' that take over a failed stage.")
+    standby: bool = setting(False, "Keep a hot standby runner per stage (local devices): its program mapped and "
+                                   "its method loaded, it takes over a failed stage from its checkpoint without "
+                                   "a cold start; costs a second process (method memory) per stage.",
+                            flag="--standby")
     keep_device_files: bool = setting(False, "Leave the run key, data shard and input logs on the devices when the "
                                              "run ends (by default they are deleted once a finished run's results "
                                              "are pulled; a failed run keeps them for --resume).")
+    accumulator_snapshots: bool = setting(True, "Runners save the window's gradient sum after every micro-batch "
+                                                "(in the background), so a restarted stage continues its window "
+                                                "instead of recomputing it (docs/design.md §7).")
     seed: int = setting(0, "Seeds LoRA init, data order and the demo task.")
     seq_len: int | None = setting(None, "Tokens per sample (default: 128; the demo task: its longest sample, "
                                         "rounded up to 16).")

@@ -2,12 +2,16 @@
 //
 //   zl_runner --config stage1.json            run (resuming if the config says so, the default)
 //   zl_runner --config stage1.json --resume   restore the latest checkpoint even if "resume": false
+//   zl_runner --config stage1.json --standby  a hot standby: load, then wait for SIGUSR1 to take over
 //   zl_runner --help                          usage and every config field
 //
 // Stdout gets JSON event lines ({"event": "listening", "port": ...},
 // {"event": "done", ...}); diagnostics go to stderr; telemetry to the
 // config's log_path. Exit status: 0 done, 1 failed, 2 bad usage or config,
 // 3 stopped by SIGINT/SIGTERM (resume later with --resume).
+#include <pthread.h>
+
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -24,7 +28,7 @@ std::atomic<bool> g_stop{false};
 extern "C" void on_signal(int) { g_stop.store(true); }
 
 constexpr const char* kUsage =
-    "usage: zl_runner --config FILE [--resume] [--verbose]\n"
+    "usage: zl_runner --config FILE [--resume] [--standby] [--verbose]\n"
     "       zl_runner --help\n"
     "\n"
     "Runs one stage of a zl pipeline: reads its input (stage 0: the data shard; later\n"
@@ -34,6 +38,10 @@ constexpr const char* kUsage =
     "  --config FILE  the stage's JSON config (fields below)\n"
     "  --resume       restore the latest checkpoint in checkpoint_dir and replay after it\n"
     "                 (also the default unless the config sets \"resume\": false)\n"
+    "  --standby      a hot standby for this stage: map the program, load the method and\n"
+    "                 the optimizer, print {\"event\": \"standby\"}, then wait for SIGUSR1 and\n"
+    "                 only then take over as with --resume (checkpoint, input log, port);\n"
+    "                 SIGINT/SIGTERM end it (exit 3). It never parks (hold_at_micro_batch)\n"
     "  --verbose      debug logging\n"
     "\n"
     "Example:\n"
@@ -45,6 +53,7 @@ constexpr const char* kUsage =
 int main(int argc, char** argv) {
   std::string config_path;
   bool resume = false;
+  bool standby = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -57,6 +66,8 @@ int main(int argc, char** argv) {
       config_path = arg.substr(std::strlen("--config="));
     } else if (arg == "--resume") {
       resume = true;
+    } else if (arg == "--standby") {
+      standby = true;
     } else if (arg == "--verbose") {
       zl::set_log_level(zl::LogLevel::kDebug);
     } else {
@@ -74,7 +85,28 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "zl_runner: %s\n", status.message().c_str());
     return 2;
   }
-  if (resume) config.resume = true;
+  if (resume || standby) config.resume = true;
+  // A standby replaces a stage that failed: failure injection parks a stage
+  // once (the coordinator also drops the field before a restart).
+  if (standby) config.hold_at_micro_batch = -1;
+
+  // The takeover signal stays pending until the standby waits for it: blocked
+  // here, before any thread exists, so every thread inherits the mask.
+  sigset_t takeover_signal;
+  sigemptyset(&takeover_signal);
+  sigaddset(&takeover_signal, SIGUSR1);
+  if (standby) pthread_sigmask(SIG_BLOCK, &takeover_signal, nullptr);
+  zl::Standby standby_hook;
+  standby_hook.wait_for_takeover = [&takeover_signal](const std::atomic<bool>* stop) {
+    const timespec slice{0, 200 * 1000 * 1000};  // the stop flag is polled this often
+    while (stop == nullptr || !stop->load()) {
+      if (sigtimedwait(&takeover_signal, nullptr, &slice) == SIGUSR1) return zl::Status();
+      if (errno != EAGAIN && errno != EINTR) {
+        return zl::Status(zl::StatusCode::kIoError, std::string("sigtimedwait: ") + std::strerror(errno));
+      }
+    }
+    return zl::Status(zl::StatusCode::kClosed, "stop requested (standing by)");
+  };
 
   struct sigaction action;
   std::memset(&action, 0, sizeof(action));
@@ -83,7 +115,7 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &action, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
 
-  status = zl::run_stage(config, &g_stop);
+  status = zl::run_stage(config, &g_stop, nullptr, standby ? &standby_hook : nullptr);
   const int code = zl::stage_exit_code(status, g_stop.load());
   if (code == 3) {
     zl::log(zl::LogLevel::kWarn, "stage %lld stopped: %s", static_cast<long long>(config.stage_index),

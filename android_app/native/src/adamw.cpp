@@ -74,6 +74,24 @@ Status AdamW::accumulate(const std::vector<const float*>& grads) {
   return Status();
 }
 
+Status AdamW::restore_accumulator(int64_t accumulated, const std::vector<const float*>& grad_sums) {
+  if (accumulated < 0 || grad_sums.size() != params_.size()) {
+    return Status(StatusCode::kInvalidArgument, "AdamW::restore_accumulator: " + std::to_string(grad_sums.size()) +
+                                                    " sums for " + std::to_string(params_.size()) +
+                                                    " parameters, " + std::to_string(accumulated) + " micro-batches");
+  }
+  for (size_t i = 0; i < grad_sums.size(); ++i) {
+    if (grad_sums[i] == nullptr && !grad_sum_[i].empty()) {
+      return Status(StatusCode::kInvalidArgument, "AdamW::restore_accumulator: no sum for '" + params_[i].name + "'");
+    }
+  }
+  for (size_t i = 0; i < grad_sums.size(); ++i) {
+    std::copy(grad_sums[i], grad_sums[i] + grad_sum_[i].size(), grad_sum_[i].begin());
+  }
+  accumulated_ = accumulated;
+  return Status();
+}
+
 void AdamW::clear_accumulator() {
   for (auto& sum : grad_sum_) std::fill(sum.begin(), sum.end(), 0.0f);
   accumulated_ = 0;

@@ -64,6 +64,9 @@ Status StageRunner::hold(int64_t mb) {
   // is downstream, its gradient is not accumulated: the worst moment to die.
   log(LogLevel::kWarn, "holding after sending micro-batch %lld (hold_at_micro_batch) until killed or stopped",
       static_cast<long long>(mb));
+  // The previous micro-batch's accumulator snapshot is on disk before the
+  // "hold" line: where a restart continues does not depend on timing.
+  if (snapshots_) snapshots_->drain();
   if (telemetry_) {
     const int64_t now_ms = std::chrono::duration_cast<milliseconds>(
                                std::chrono::system_clock::now().time_since_epoch()).count();
@@ -166,7 +169,7 @@ Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums
 
 Status StageRunner::loop() {
   const RunnerConfig& c = config_;
-  WindowSums sums;
+  WindowSums sums = resumed_sums_;  // empty unless an accumulator snapshot continued the window
   int64_t done = start_mb_;
   const Clock::time_point run_start = Clock::now();
   report([&](StageProgress* p) {
@@ -187,6 +190,8 @@ Status StageRunner::loop() {
     if (window_end) {
       ZL_RETURN_IF_ERROR(end_window(window, mb, sums));
       sums = WindowSums();
+    } else {
+      snapshot_accumulator(mb, sums);
     }
     done = mb + 1;
     report([&](StageProgress* p) {
@@ -298,15 +303,36 @@ void StageRunner::finish_run(int64_t micro_batches, double wall_s) {
   report([](StageProgress* p) { p->phase = "done"; });
 }
 
+void StageRunner::snapshot_accumulator(int64_t mb, const WindowSums& sums) {
+  if (!snapshots_) return;
+  if (snapshots_->failures() > 0) {
+    // Not fatal: without snapshots a restart replays from the checkpoint, which is exact.
+    log(LogLevel::kWarn, "accumulator snapshots off: %s", snapshots_->last_error().c_str());
+    snapshots_.reset();
+    return;
+  }
+  AccumulatorSnapshot snapshot = AccumulatorSnapshot::of(*optimizer_);
+  snapshot.run_id = config_.run_id;
+  snapshot.stage = config_.stage_index;
+  snapshot.window = plan_.window_of(mb);
+  snapshot.micro_batches_done = mb + 1;
+  snapshot.loss_sum = sums.loss;
+  snapshot.task_loss_sum = sums.task;
+  snapshot.consistency_loss_sum = sums.consistency;
+  snapshots_->submit(std::move(snapshot));
+}
+
 void StageRunner::shutdown() {
+  if (snapshots_) snapshots_->stop();
   if (sender_) sender_->stop();
   if (receiver_) receiver_->stop();
 }
 
 }  // namespace internal
 
-Status run_stage(const RunnerConfig& config, const std::atomic<bool>* stop_requested, ProgressBoard* progress) {
-  internal::StageRunner runner(config, stop_requested, progress);
+Status run_stage(const RunnerConfig& config, const std::atomic<bool>* stop_requested, ProgressBoard* progress,
+                 const Standby* standby) {
+  internal::StageRunner runner(config, stop_requested, progress, standby);
   return runner.run();
 }
 

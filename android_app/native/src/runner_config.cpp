@@ -131,6 +131,11 @@ const Field kFields[] = {
     {"log_path", FieldType::kString, false, true, "Telemetry JSON-lines file (appended).", ZL_REF(log_path)},
     {"early_forwarding", FieldType::kBoolean, false, false,
      "Send the hidden state at the marker, before readout/loss/backward finish.", ZL_REF(early_forwarding)},
+    {"accumulator_snapshots", FieldType::kBoolean, false, false,
+     "After every micro-batch but a window's last, save the window's gradient sum (in the background) to "
+     "<checkpoint_dir>/accumulator.safetensors; a restart resumes from it instead of replaying the window's "
+     "micro-batches since the checkpoint.",
+     ZL_REF(accumulator_snapshots)},
     {"seed", FieldType::kInteger, false, false, "Seed for anything random in the runner.", ZL_REF(seed)},
     {"hold_at_micro_batch", FieldType::kInteger, false, false,
      "Failure injection: after micro-batch N's hidden state is sent (before its phase 2), write a \"hold\" "

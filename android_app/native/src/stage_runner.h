@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "zl/accumulator_snapshot.h"
 #include "zl/adamw.h"
 #include "zl/checkpoint.h"
 #include "zl/control_client.h"
@@ -35,6 +36,11 @@ inline double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
 
+inline int64_t unix_ms_now() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 inline bool stopping(const std::atomic<bool>* stop) { return stop != nullptr && stop->load(); }
 
 inline Status stop_status(const std::string& where) {
@@ -56,8 +62,9 @@ struct WindowSums {
 /// Everything one stage process holds while it runs.
 class StageRunner {
  public:
-  StageRunner(const RunnerConfig& config, const std::atomic<bool>* stop, ProgressBoard* progress)
-      : config_(config), plan_(config.window_plan()), stop_(stop), progress_(progress) {}
+  StageRunner(const RunnerConfig& config, const std::atomic<bool>* stop, ProgressBoard* progress,
+              const Standby* standby)
+      : config_(config), plan_(config.window_plan()), stop_(stop), progress_(progress), standby_(standby) {}
 
   /// Loads, restores and connects (setup), runs the remaining micro-batches
   /// (loop), then reports the outcome to the coordinator and stops the links.
@@ -67,7 +74,10 @@ class StageRunner {
   // setup(): everything before the first micro-batch, in this order.
   Status setup();
   Status load_program();
+  Status stand_by();
   Status restore();
+  void resume_accumulator(int64_t window);
+  void snapshot_accumulator(int64_t mb, const WindowSums& sums);
   Status fall_back(const std::vector<int64_t>& windows, const Status& why, CheckpointProgress* progress,
                    bool* found);
   Status start_receiver();
@@ -96,6 +106,12 @@ class StageRunner {
   const WindowPlan plan_;
   const std::atomic<bool>* stop_;
   ProgressBoard* progress_;
+  const Standby* standby_;  // null unless a hot standby (runner.h)
+  // Setup times for the start line (docs/design.md §4.7), on the system clock.
+  int64_t setup_start_unix_ms_ = 0;
+  int64_t program_loaded_unix_ms_ = 0;
+  double program_load_ms_ = 0;
+  std::optional<int64_t> took_over_unix_ms_;  // a standby: when it was told to take over
   FrameKey key_{};
   RunId run_id_{};
   std::unique_ptr<TelemetryWriter> telemetry_;
@@ -109,6 +125,9 @@ class StageRunner {
   std::vector<float> hidden_;  // the current micro-batch's hidden state (B*S*D), reused
   int64_t start_mb_ = 0;
   std::optional<int64_t> restored_window_;
+  std::unique_ptr<AccumulatorSnapshotWriter> snapshots_;
+  WindowSums resumed_sums_;                    // the window so far, from an accumulator snapshot
+  int64_t resumed_accumulated_ = 0;            // micro-batches that snapshot held (0: none used)
 };
 
 }  // namespace zl::internal

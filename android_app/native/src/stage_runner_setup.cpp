@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "stage_runner.h"
+#include "zl/accumulator_snapshot.h"
 #include "zl/checkpoint_layout.h"
 #include "zl/durable_file.h"
 #include "zl/input_log.h"
@@ -26,6 +27,7 @@ using nlohmann::json;
 
 Status StageRunner::setup() {
   const RunnerConfig& c = config_;
+  setup_start_unix_ms_ = unix_ms_now();
   ZL_RETURN_IF_ERROR(load_run_key(c.run_key_file, &key_));
   if (!parse_hex_run_id(c.run_id, &run_id_)) {
     return Status(StatusCode::kInvalidArgument, "run_id \"" + c.run_id + "\" is not 32 hex characters");
@@ -34,7 +36,10 @@ Status StageRunner::setup() {
     ZL_RETURN_IF_ERROR(make_directories(dir_of(c.log_path)));
     ZL_RETURN_IF_ERROR(TelemetryWriter::open(c.log_path, &telemetry_));
   }
+  const Clock::time_point load_start = Clock::now();
   ZL_RETURN_IF_ERROR(load_program());
+  program_load_ms_ = ms_since(load_start);
+  program_loaded_unix_ms_ = unix_ms_now();
   ZL_RETURN_IF_ERROR(AdamW::create(c.optimizer, program_->parameters(), &optimizer_));
   CheckpointOptions checkpoint_options;
   checkpoint_options.dir = c.checkpoint_dir;
@@ -42,14 +47,20 @@ Status StageRunner::setup() {
   checkpoint_options.keep_last = c.keep_last;
   store_.reset(new CheckpointStore(checkpoint_options));
   ZL_RETURN_IF_ERROR(store_->validate());
-  ZL_RETURN_IF_ERROR(restore());
-
   if (c.is_first_stage()) {
     ZL_RETURN_IF_ERROR(DataShard::load(c.data_shard, program_->batch(), program_->seq_len(), &shard_));
-  } else {
-    ZL_RETURN_IF_ERROR(start_receiver());
   }
+  // A hot standby stops here until it takes over: what follows needs the
+  // checkpoint, the input log and the listening port of the stage it replaces.
+  if (standby_ != nullptr) ZL_RETURN_IF_ERROR(stand_by());
+  ZL_RETURN_IF_ERROR(restore());
+
+  if (!c.is_first_stage()) ZL_RETURN_IF_ERROR(start_receiver());
   if (!c.is_last_stage()) ZL_RETURN_IF_ERROR(start_sender());
+  if (c.accumulator_snapshots) {
+    ZL_RETURN_IF_ERROR(make_directories(c.checkpoint_dir));
+    snapshots_.reset(new AccumulatorSnapshotWriter(accumulator_snapshot_path(c.checkpoint_dir)));
+  }
   write_start_line();
   ZL_RETURN_IF_ERROR(start_control());
   log(LogLevel::kInfo, "stage %lld/%lld: micro-batches %lld..%lld, window %lld, early forwarding %s",
@@ -73,6 +84,20 @@ Status StageRunner::load_program() {
                       (program_->is_last() ? " (a last stage)" : " (not a last stage)") + ", the config says stage " +
                       std::to_string(c.stage_index) + " of " + std::to_string(c.num_stages));
   }
+  return Status();
+}
+
+Status StageRunner::stand_by() {
+  const RunnerConfig& c = config_;
+  report([](StageProgress* p) { p->phase = "standby"; });
+  log(LogLevel::kInfo, "stage %lld: standing by (program loaded in %.0f ms); waiting to take over",
+      static_cast<long long>(c.stage_index), program_load_ms_);
+  emit_event("{\"event\": \"standby\", \"stage\": %" PRId64 ", \"pid\": %lld, \"program_load_ms\": %.1f}",
+             c.stage_index, static_cast<long long>(::getpid()), program_load_ms_);
+  ZL_RETURN_IF_ERROR(standby_->wait_for_takeover(stop_));
+  took_over_unix_ms_ = unix_ms_now();
+  log(LogLevel::kInfo, "stage %lld: taking over", static_cast<long long>(c.stage_index));
+  report([](StageProgress* p) { p->phase = "loading"; });
   return Status();
 }
 
@@ -130,6 +155,13 @@ void StageRunner::write_start_line() {
                 {"first_micro_batch", start_mb_},
                 {"resumed_from_window", restored_window_ ? json(*restored_window_) : json(nullptr)},
                 {"listen_port", receiver_ ? json(receiver_->port()) : json(nullptr)},
+                {"setup_start_unix_ms", setup_start_unix_ms_},
+                {"program_load_ms", program_load_ms_},
+                {"program_loaded_unix_ms", program_loaded_unix_ms_},
+                {"standby", standby_ != nullptr},
+                {"took_over_unix_ms", took_over_unix_ms_ ? json(*took_over_unix_ms_) : json(nullptr)},
+                {"ready_unix_ms", unix_ms_now()},
+                {"resumed_from_snapshot", resumed_accumulated_},
                 {"config", runner_config_to_json(c)}};
   (void)telemetry_->write_json(start);
 }
@@ -164,7 +196,10 @@ Status StageRunner::restore() {
     }
     return Status();
   }
-  if (windows.empty()) return Status();
+  if (windows.empty()) {
+    resume_accumulator(0);
+    return Status();
+  }
   CheckpointProgress progress;
   bool found = true;
   const Status newest = store_->load(windows.back(), optimizer_.get(), &progress);
@@ -189,7 +224,47 @@ Status StageRunner::restore() {
   log(LogLevel::kInfo, "resumed from checkpoint window %lld (optimizer step %lld); replaying from micro-batch %lld",
       static_cast<long long>(progress.window), static_cast<long long>(progress.optimizer_step),
       static_cast<long long>(start_mb_));
+  if (newest.ok()) resume_accumulator(progress.window + 1);
   return Status();
+}
+
+// An accumulator snapshot of the window after the restored checkpoint
+// continues it where the stage stopped (docs/design.md §7): the gradient sum
+// of its first micro-batches, bit for bit what accumulate() had made of them.
+// Anything else (none, torn, another window) leaves the replay from the
+// checkpoint, which is exact too.
+void StageRunner::resume_accumulator(int64_t window) {
+  const RunnerConfig& c = config_;
+  if (!c.accumulator_snapshots || window >= plan_.num_windows()) return;
+  const std::string path = accumulator_snapshot_path(c.checkpoint_dir);
+  AccumulatorSnapshot snapshot;
+  Status status = read_accumulator_snapshot(path, &snapshot);
+  if (status.code() == StatusCode::kNotFound) return;
+  if (status.ok()) {
+    status = check_accumulator_snapshot(snapshot, c.run_id, c.stage_index, window, plan_.first_micro_batch(window),
+                                        plan_.end_micro_batch(window), *optimizer_);
+  }
+  if (status.ok()) {
+    std::vector<const float*> sums(optimizer_->num_params(), nullptr);
+    for (size_t i = 0; i < snapshot.names.size(); ++i) {
+      sums[static_cast<size_t>(optimizer_->find(snapshot.names[i]))] = snapshot.sums[i].data();
+    }
+    status = optimizer_->restore_accumulator(snapshot.accumulated, sums);
+  }
+  if (!status.ok()) {
+    log(LogLevel::kInfo, "accumulator snapshot %s not used (%s); replaying from micro-batch %lld", path.c_str(),
+        status.message().c_str(), static_cast<long long>(start_mb_));
+    return;
+  }
+  start_mb_ = snapshot.micro_batches_done;
+  resumed_accumulated_ = snapshot.accumulated;
+  resumed_sums_.count = snapshot.accumulated;
+  resumed_sums_.loss = snapshot.loss_sum;
+  resumed_sums_.task = snapshot.task_loss_sum;
+  resumed_sums_.consistency = snapshot.consistency_loss_sum;
+  log(LogLevel::kInfo, "accumulator snapshot: window %lld continues at micro-batch %lld (%lld micro-batches not "
+      "replayed)", static_cast<long long>(window), static_cast<long long>(start_mb_),
+      static_cast<long long>(snapshot.accumulated));
 }
 
 // The newest checkpoint does not load (docs/design.md §7, "A corrupt newest

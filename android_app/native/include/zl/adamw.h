@@ -82,6 +82,14 @@ class AdamW {
   /// Drops the accumulated gradients without stepping (e.g. before a replay).
   void clear_accumulator();
 
+  /// The window's gradient sum of parameter `i` so far (numel floats), for
+  /// accumulator snapshots (docs/design.md §7).
+  const std::vector<float>& grad_sum(size_t i) const { return grad_sum_[i]; }
+  /// Sets the accumulator to a snapshot: `accumulated` micro-batches whose
+  /// gradients sum to `grad_sums[i]` (numel(param(i)) floats each), exactly
+  /// as accumulate() left it, so the window goes on bit for bit.
+  Status restore_accumulator(int64_t accumulated, const std::vector<const float*>& grad_sums);
+
   /// Scheduled learning rate of optimizer step `t` (0-based).
   double lr_at(int64_t t) const { return config_.lr * config_.schedule.factor(t); }
 

@@ -30,6 +30,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -87,6 +88,20 @@ inline int stage_exit_code(const Status& status, bool stop_requested) {
   return 1;
 }
 
+/// A hot standby (docs/design.md §5.5, `zl_runner --standby`): a replacement
+/// that has its program mapped and its method loaded (memory planned, kernels
+/// bound), its optimizer built and (stage 0) its shard read before the stage
+/// it replaces fails, so a recovery pays none of that. With `standby` set,
+/// run_stage does all of that, writes the `{"event": "standby"}` line on
+/// stdout, then calls `wait_for_takeover` and only afterwards restores the
+/// latest checkpoint, listens, connects and registers -- the stage it
+/// replaces held the port, the checkpoint and the input log until it died.
+/// `wait_for_takeover` returns ok to take over, or an error (kClosed when
+/// stopped) that ends the run with it.
+struct Standby {
+  std::function<Status(const std::atomic<bool>* stop)> wait_for_takeover;
+};
+
 /// Runs this stage to the end of the run described by `config`.
 ///
 /// `stop_requested` (may be null) is polled between micro-batches and while
@@ -100,7 +115,8 @@ inline int stage_exit_code(const Status& status, bool stop_requested) {
 /// downstream. Errors carry a message naming the file, peer or value.
 ///
 /// `progress` (may be null) receives the stage's progress as it runs.
+/// `standby` (may be null): start as a hot standby (above).
 Status run_stage(const RunnerConfig& config, const std::atomic<bool>* stop_requested,
-                 ProgressBoard* progress = nullptr);
+                 ProgressBoard* progress = nullptr, const Standby* standby = nullptr);
 
 }  // namespace zl

@@ -54,6 +54,7 @@ struct RunnerConfig {
   std::string load_mode = "mmap";  ///< mmap: frozen weights mapped from the program file; file: read into heap
   std::string log_path = "metrics.jsonl";  ///< telemetry JSON lines (appended)
   bool early_forwarding = true;   ///< send hidden at the marker, before phase 2
+  bool accumulator_snapshots = true;  ///< save the window's gradient sum per micro-batch (docs/design.md §7)
   int64_t seed = 0;               ///< for anything random in the runner (data order)
   int64_t hold_at_micro_batch = -1;  ///< failure injection: park after sending this micro-batch; -1 = never
 

@@ -4,8 +4,8 @@
 // where the portable kernels compute every element's coordinates;
 // `pow.Tensor_Scalar` with the exponents RMSNorm and its backward use
 // computed exactly as multiplications and square roots, not with std::pow;
-// and `_softmax` (last dimension) and `sigmoid` on Eigen's vectorized exp,
-// split over the thread pool.
+// and `_softmax` / `_log_softmax` (last dimension), `sigmoid` and `exp` on
+// Eigen's vectorized exp, split over the thread pool.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -28,6 +28,8 @@ OpFunction expand_fallback = nullptr;
 OpFunction pow_fallback = nullptr;
 OpFunction softmax_fallback = nullptr;
 OpFunction sigmoid_fallback = nullptr;
+OpFunction log_softmax_fallback = nullptr;
+OpFunction exp_fallback = nullptr;
 
 // Side of the square tiles a transposing copy moves at a time (floats): two
 // 32x32 tiles stay within a 32 KiB L1 cache.
@@ -327,6 +329,55 @@ void sigmoid_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   });
 }
 
+// aten::_log_softmax.out(Tensor self, int dim, bool half_to_float, *, Tensor(a!) out)
+// over the last dimension: x - max - log(sum(exp(x - max))), per row.
+void log_softmax_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  constexpr const char* kOp = "zl::_log_softmax.out";
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(), kOp);
+  const Tensor& in = stack[0]->toTensor();
+  const int64_t dim = stack[1]->toInt();
+  const bool half_to_float = stack[2]->toBool();
+  Tensor& out = stack[3]->toTensor();
+  const bool last = in.dim() >= 1 && (dim == in.dim() - 1 || dim == -1);
+  if (!last || half_to_float || !is_contiguous_f32(in) || !is_contiguous_f32(out) ||
+      in.const_data_ptr() == out.const_data_ptr()) {  // the row is read again after res is written
+    return run_fallback(log_softmax_fallback, kOp, ctx, stack);
+  }
+  count_call();
+  if (!resize_like(ctx, out, in, kOp)) return;
+  const int64_t cols = in.size(in.dim() - 1);
+  if (cols == 0 || in.numel() == 0) return;
+  const int64_t rows = in.numel() / cols;
+  const float* x = in.const_data_ptr<float>();
+  float* y = out.mutable_data_ptr<float>();
+  executorch::extension::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = x + r * cols;
+      float* res = y + r * cols;
+      const float shift = *std::max_element(row, row + cols);
+      map_packets(row, res, cols, [shift](auto& a) { return (a - shift).exp(); });  // res as scratch
+      const float lse = shift + std::log(fixed_order_sum(res, cols));
+      for (int64_t c = 0; c < cols; ++c) res[c] = row[c] - lse;
+    }
+  });
+}
+
+// aten::exp.out(Tensor self, *, Tensor(a!) out)
+void exp_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  constexpr const char* kOp = "zl::exp.out";
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(), kOp);
+  const Tensor& in = stack[0]->toTensor();
+  Tensor& out = stack[1]->toTensor();
+  if (!is_contiguous_f32(in) || !is_contiguous_f32(out)) return run_fallback(exp_fallback, kOp, ctx, stack);
+  count_call();
+  if (!resize_like(ctx, out, in, kOp)) return;
+  const float* x = in.const_data_ptr<float>();
+  float* y = out.mutable_data_ptr<float>();
+  executorch::extension::parallel_for(0, in.numel(), kGrain, [&](int64_t i0, int64_t i1) {
+    map_packets(x + i0, y + i0, i1 - i0, [](auto& a) { return a.exp(); });
+  });
+}
+
 }  // namespace
 
 std::vector<KernelSpec> layout_kernel_specs() {
@@ -343,6 +394,8 @@ std::vector<KernelSpec> layout_kernel_specs() {
       {"aten::pow.Tensor_Scalar_out", same_rank_keys, pow_tensor_scalar_out, &pow_fallback},
       {"aten::_softmax.out", same_rank_keys, softmax_out, &softmax_fallback},
       {"aten::sigmoid.out", same_rank_keys, sigmoid_out, &sigmoid_fallback},
+      {"aten::_log_softmax.out", same_rank_keys, log_softmax_out, &log_softmax_fallback},
+      {"aten::exp.out", same_rank_keys, exp_out, &exp_fallback},
   };
 }
 

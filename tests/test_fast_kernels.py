@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 SERVED = ("aten::linear.out", "aten::mm.out", "aten::bmm.out", "aten::permute_copy.out", "aten::expand_copy.out",
           "aten::pow.Tensor_Scalar_out", "aten::_softmax.out", "aten::sigmoid.out", "aten::mul.out", "aten::add.out",
-          "aten::sub.out", "aten::sum.IntList_out", "aten::mean.out")
+          "aten::sub.out", "aten::sum.IntList_out", "aten::mean.out", "aten::_log_softmax.out", "aten::exp.out")
 # Instructions of served operators in _Ops whose arguments the kernels hand to ExecuTorch's own.
 DECLINED = 4
 
@@ -42,6 +42,8 @@ class _Ops(torch.nn.Module):
             a.abs().pow(2.5),                                     # an exponent the kernel leaves to ExecuTorch's
             torch.softmax(x4 * 3.0, dim=-1),                      # attention's softmax (last dimension)
             torch.sigmoid(x4 * 2.0),                              # SiLU's sigmoid
+            torch.log_softmax(x4 * 3.0, dim=-1),                  # the readout's log-probabilities
+            torch.exp(x4.clamp(max=5.0)),                         # the KL term's probabilities
             x4 * x4,                                              # same shape
             x4 * w[0, :40],                                       # RMSNorm's weight: repeats over rows
             x4 * x4[..., :1],                                     # 1/rms: one value per row

@@ -291,8 +291,10 @@ FastKernelsRegistration register_fast_kernels() {
 #endif
 
   // The registry keeps the Kernel entries' name and key pointers: both live
-  // as long as the process (the specs are never freed).
-  auto* specs = new std::vector<KernelSpec>(matrix_kernel_specs());
+  // as long as the process (the specs are never freed; held by a static, so
+  // LeakSanitizer sees them reachable).
+  static std::vector<KernelSpec>* specs = nullptr;
+  specs = new std::vector<KernelSpec>(matrix_kernel_specs());
   for (auto& spec : layout_kernel_specs()) specs->push_back(std::move(spec));
   for (auto& spec : elementwise_kernel_specs()) specs->push_back(std::move(spec));
   std::vector<Kernel> list;

@@ -280,20 +280,24 @@ void map_packets(const float* x, float* y, int64_t n, F f) {
   }
 }
 
-// aten::_softmax.out(Tensor self, int dim, bool half_to_float, *, Tensor(a!) out)
-void softmax_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
-  constexpr const char* kOp = "zl::_softmax.out";
-  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(), kOp);
+// `_softmax.out` / `_log_softmax.out`(Tensor self, int dim, bool half_to_float, *, Tensor(a!) out) over the
+// last dimension: `row_fn(row, res, cols, shift)` fills each output row, `shift` being the row's maximum.
+// Log-softmax reads the row again after writing res, so an out that is the input goes to the fallback.
+template <typename RowFn>
+void last_dim_rows(KernelRuntimeContext& ctx, Span<EValue*> stack, const char* op, OpFunction fallback,
+                   RowFn row_fn) {
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(), op);
   const Tensor& in = stack[0]->toTensor();
   const int64_t dim = stack[1]->toInt();
   const bool half_to_float = stack[2]->toBool();
   Tensor& out = stack[3]->toTensor();
   const bool last = in.dim() >= 1 && (dim == in.dim() - 1 || dim == -1);
-  if (!last || half_to_float || !is_contiguous_f32(in) || !is_contiguous_f32(out)) {
-    return run_fallback(softmax_fallback, kOp, ctx, stack);
+  if (!last || half_to_float || !is_contiguous_f32(in) || !is_contiguous_f32(out) ||
+      in.const_data_ptr() == out.const_data_ptr()) {
+    return run_fallback(fallback, op, ctx, stack);
   }
   count_call();
-  if (!resize_like(ctx, out, in, kOp)) return;
+  if (!resize_like(ctx, out, in, op)) return;
   const int64_t cols = in.size(in.dim() - 1);
   if (cols == 0 || in.numel() == 0) return;
   const int64_t rows = in.numel() / cols;
@@ -302,13 +306,29 @@ void softmax_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   executorch::extension::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = x + r * cols;
-      float* res = y + r * cols;
-      const float shift = *std::max_element(row, row + cols);
-      map_packets(row, res, cols, [shift](auto& a) { return (a - shift).exp(); });
-      const float total = fixed_order_sum(res, cols);
-      for (int64_t c = 0; c < cols; ++c) res[c] /= total;
+      row_fn(row, y + r * cols, cols, *std::max_element(row, row + cols));
     }
   });
+}
+
+// softmax: exp(x - max) / sum.
+void softmax_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  last_dim_rows(ctx, stack, "zl::_softmax.out", softmax_fallback,
+                [](const float* row, float* res, int64_t cols, float shift) {
+                  map_packets(row, res, cols, [shift](auto& a) { return (a - shift).exp(); });
+                  const float total = fixed_order_sum(res, cols);
+                  for (int64_t c = 0; c < cols; ++c) res[c] /= total;
+                });
+}
+
+// log-softmax: x - max - log(sum(exp(x - max))).
+void log_softmax_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  last_dim_rows(ctx, stack, "zl::_log_softmax.out", log_softmax_fallback,
+                [](const float* row, float* res, int64_t cols, float shift) {
+                  map_packets(row, res, cols, [shift](auto& a) { return (a - shift).exp(); });  // res as scratch
+                  const float lse = shift + std::log(fixed_order_sum(res, cols));
+                  for (int64_t c = 0; c < cols; ++c) res[c] = row[c] - lse;
+                });
 }
 
 // aten::sigmoid.out(Tensor self, *, Tensor(a!) out)
@@ -326,39 +346,6 @@ void sigmoid_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   float* y = out.mutable_data_ptr<float>();
   executorch::extension::parallel_for(0, in.numel(), kGrain, [&](int64_t i0, int64_t i1) {
     map_packets(x + i0, y + i0, i1 - i0, [](auto& a) { return (1.0f + (-a).exp()).inverse(); });
-  });
-}
-
-// aten::_log_softmax.out(Tensor self, int dim, bool half_to_float, *, Tensor(a!) out)
-// over the last dimension: x - max - log(sum(exp(x - max))), per row.
-void log_softmax_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
-  constexpr const char* kOp = "zl::_log_softmax.out";
-  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(), kOp);
-  const Tensor& in = stack[0]->toTensor();
-  const int64_t dim = stack[1]->toInt();
-  const bool half_to_float = stack[2]->toBool();
-  Tensor& out = stack[3]->toTensor();
-  const bool last = in.dim() >= 1 && (dim == in.dim() - 1 || dim == -1);
-  if (!last || half_to_float || !is_contiguous_f32(in) || !is_contiguous_f32(out) ||
-      in.const_data_ptr() == out.const_data_ptr()) {  // the row is read again after res is written
-    return run_fallback(log_softmax_fallback, kOp, ctx, stack);
-  }
-  count_call();
-  if (!resize_like(ctx, out, in, kOp)) return;
-  const int64_t cols = in.size(in.dim() - 1);
-  if (cols == 0 || in.numel() == 0) return;
-  const int64_t rows = in.numel() / cols;
-  const float* x = in.const_data_ptr<float>();
-  float* y = out.mutable_data_ptr<float>();
-  executorch::extension::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* row = x + r * cols;
-      float* res = y + r * cols;
-      const float shift = *std::max_element(row, row + cols);
-      map_packets(row, res, cols, [shift](auto& a) { return (a - shift).exp(); });  // res as scratch
-      const float lse = shift + std::log(fixed_order_sum(res, cols));
-      for (int64_t c = 0; c < cols; ++c) res[c] = row[c] - lse;
-    }
   });
 }
 

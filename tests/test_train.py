@@ -296,8 +296,10 @@ def test_a_hot_standby_takes_over_with_its_program_loaded_before_the_failure(cle
         workdir = result.run_dir / "devices" / f"local-{k}"
         assert not (workdir / "standby.pid").exists(), f"stage {k}'s standby outlived the run"
         out = (workdir / "runner.out").read_text()
-        # One standby from the start, and a second one after the recovery for each stage whose standby took over.
-        assert out.count('"event": "standby"') == 1 + (k in restarted), (k, out)
+        # One standby from the start; a second one after the recovery for a stage whose standby took over, if
+        # that stage was still running when the recovery ended (on this tiny model it may already be done, and
+        # a finished stage gets none).
+        assert 1 <= out.count('"event": "standby"') <= 1 + (k in restarted), (k, out)
     clean, recovered_adapter = adapter_tensors(clean_run.run_dir), adapter_tensors(result.run_dir)
     for name, t in clean.items():
         assert torch.equal(recovered_adapter[name], t), name

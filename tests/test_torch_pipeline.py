@@ -144,25 +144,36 @@ def test_gpipe_and_1f1b_train_the_same_weights(pipelined):
 
 @pytest.mark.slow
 def test_bench_pipelines_measures_every_pipeline(tmp_path, capsys):
-    """tools/bench_pipelines.py on tiny-random: one row per pipeline, figures from the ranks' telemetry."""
+    """tools/bench_pipelines.py on tiny-random: one row per pipeline (ZeroLock on torch and on the runner, the three
+    backprop baselines), figures from the stages' telemetry, every adapter scored on the same dev rows, a plot."""
     from conftest import load_tool
 
     bench = load_tool("bench_pipelines")
-    results = bench.main(["--samples", "8", "--window", "4", "--seq-len", "64", "--out", str(tmp_path / "bench"),
-                          "--json", str(tmp_path / "bench.json")])
-    assert [r["pipeline"] for r in results] == ["zerolock", "gpipe", "1f1b", "pipedream"]
+    results = bench.main(["--samples", "8", "--window", "4", "--seq-len", "64", "--eval-limit", "16",
+                          "--out", str(tmp_path / "bench"), "--json", str(tmp_path / "bench.json")])
+    assert [r["pipeline"] for r in results] == ["zerolock", "zerolock-et", "gpipe", "1f1b", "pipedream"]
     for r in results:
         assert r["samples"] == 8 and r["records_per_s"] == pytest.approx(8 / r["wall_s"])
-        assert len(r["peak_rss_mib"]) == 3 and all(m > 50 for m in r["peak_rss_mib"])
+        for key in ("peak_rss_mib", "train_peak_rss_mib"):
+            assert len(r[key]) == 3 and all(m > 50 for m in r[key]), (r["pipeline"], key, r[key])
+        assert all(t <= p for t, p in zip(r["train_peak_rss_mib"], r["peak_rss_mib"])), r
         assert all(0 < b < 2 for b in r["busy_share"]), r["busy_share"]  # gloo's I/O threads count as CPU too
+        assert 0 <= r["accuracy"] <= 1 and r["nll"] > 0, r
+        assert (Path(r["adapter"]) / "adapter_model.safetensors").is_file(), r["adapter"]
+    # The same local-loss job on torch and on the runner: the same losses (float32 both, rounding apart).
+    assert results[1]["last_stage_last_loss"] == pytest.approx(results[0]["last_stage_last_loss"], rel=1e-4)
     # Same data, same first window: the last stage's first loss is the same plain CE in the backprop baselines
     # (PipeDream's first window: every forward before any step).
-    for r in results[2:]:
-        assert r["last_stage_first_loss"] == pytest.approx(results[1]["last_stage_first_loss"], rel=1e-5)
+    for r in results[3:]:
+        assert r["last_stage_first_loss"] == pytest.approx(results[2]["last_stage_first_loss"], rel=1e-5)
+    # GPipe and 1F1B train the same weights, so their adapters score alike.
+    assert results[3]["nll"] == pytest.approx(results[2]["nll"], rel=1e-4)
     # PipeDream's memory: K-k micro-batches in flight on stage k; 2 windows of 4 -> two weight versions on 0 and 1.
-    assert results[3]["in_flight_max"] == [3, 2, 1] and results[3]["stash_versions_max"] == [2, 2, 1]
+    assert results[4]["in_flight_max"] == [3, 2, 1] and results[4]["stash_versions_max"] == [2, 2, 1]
     assert results[0]["in_flight_max"] == [None] * 3
     printed = capsys.readouterr().out
-    assert sum(line.startswith("|") for line in printed.splitlines()) == 6  # header, rule, four pipelines
-    assert "| 3/2 / 2/2 / 1/1 |" in printed
-    assert json.loads((tmp_path / "bench.json").read_text())["results"] == results
+    assert sum(line.startswith("|") for line in printed.splitlines()) == 8  # header, rule, 5 pipelines, base
+    assert "| 3/2 / 2/2 / 1/1 |" in printed and "zerolock vs pipedream: records/s" in printed
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["results"] == results and saved["base"]["rows"] == 16
+    assert (tmp_path / "bench" / "pipelines.png").stat().st_size > 10_000

@@ -321,3 +321,24 @@ def test_rank_watch_reads_progress_from_complete_lines(tmp_path):
         f.write('ge": 0, "window": 0, "pss_mib": 300.5}\n{"type": "done", "stage": 0}\n')
     st = watch.poll()[0]
     assert (st.state, st.last_committed_window, st.pss_mib, st.micro_batches_done) == ("done", 0, 300.5, 2)
+
+
+def test_training_peak_rss_leaves_out_what_set_up_held_and_freed():
+    """train_peak_rss_mib counts from reset_peak_rss: 400 MB touched and freed before it are not in it, 200 MB
+    touched after it are (the done lines' peak per rank in tools/bench_pipelines.py)."""
+    import numpy as np
+
+    from zl_device.run.torch_stage import reset_peak_rss, train_peak_rss_mib
+
+    before = train_peak_rss_mib()
+    if before is None:
+        pytest.skip("no /proc/self/status VmHWM here")
+    setup = np.ones(400 * 2**20 // 8)  # touched: resident
+    del setup
+    reset_peak_rss()
+    after_reset = train_peak_rss_mib()
+    training = np.ones(200 * 2**20 // 8)
+    peak = train_peak_rss_mib()
+    del training
+    assert after_reset < before + 300, (before, after_reset)  # the 400 MB peak is forgotten
+    assert peak >= after_reset + 190, (before, after_reset, peak)

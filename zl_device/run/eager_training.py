@@ -88,6 +88,18 @@ def micro_batch(shard: Shard, mb: int, batch: int) -> tuple[torch.Tensor, torch.
     return shard.input_ids[rows, :length], mask[:, :length], shard.labels[rows, :length]
 
 
+def adamw_moments(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                  names: dict[int, str]) -> dict[str, torch.Tensor]:
+    """`optimizer`'s first and second moments of `params` by manifest name (`names`: id -> name), as the runner
+    checkpoints them: `<name>.exp_avg`, `<name>.exp_avg_sq`; zeros for a parameter it has not stepped."""
+    out = {}
+    for p in params:
+        state = optimizer.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{names[id(p)]}.{key}"] = state[key].detach() if key in state else torch.zeros_like(p.detach())
+    return out
+
+
 def runner_optimizer(groups: list[dict], opt: OptimizerSettings, num_windows: int):
     """torch AdamW over `groups` (each {"params", "lr"}) with the runner's schedule as a LambdaLR stepped per window."""
     optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
@@ -174,12 +186,7 @@ class StageStep:
 
     def moments(self, names: dict[int, str]) -> dict[str, torch.Tensor]:
         """AdamW's first and second moments as the runner checkpoints them: `<name>.exp_avg`, `<name>.exp_avg_sq`."""
-        out = {}
-        for p in self.params:
-            state = self.optimizer.state.get(p, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                out[f"{names[id(p)]}.{key}"] = state[key].detach() if key in state else torch.zeros_like(p.detach())
-        return out
+        return adamw_moments(self.optimizer, self.params, names)
 
     @property
     def optimizer_step(self) -> int:

@@ -123,19 +123,22 @@ class PipelinedStage:
 
 def train_pipelined(job, rank: int, world: int, device: torch.device, backend: str) -> None:
     """Rank `rank` of a GPipe / 1F1B / PipeDream run of a torch job (`job.pipeline`): the job's stages, data, plan and
-    optimizer; telemetry `start`, `window` (last stage: mean loss) and `done` lines; no checkpoints (a baseline)."""
+    optimizer; telemetry `start`, `window` (last stage: mean loss) and `done` lines, and a checkpoint per window in
+    the runner's format as ZeroLock's ranks write (so the baselines pay the same, and `zl merge` / `zl eval` read
+    their adapter). The translator a ZeroLock loss may add gets no gradient here and is saved as initialised."""
     import os
     import time
 
     import torch.distributed as dist
 
-    from zl_device.run.torch_stage import Telemetry, build_stage, busy, pss_mib
+    from zl_device.run.eager_training import adamw_moments
+    from zl_device.run.torch_stage import Telemetry, build_stage, busy, pss_mib, reset_peak_rss, save_window
     from zl_device.run.windows import WindowPlan
     from zl_export.manifest import read_manifest_file
     from zl_export.shard import load_shard
 
     manifest = read_manifest_file(Path(job.manifest))
-    module, _ = build_stage(job, manifest, rank)
+    module, names = build_stage(job, manifest, rank)
     module.to(device)
     batch = manifest["micro_batch"]
     shard = load_shard(job.shard) if rank in (0, world - 1) else None
@@ -148,6 +151,8 @@ def train_pipelined(job, rank: int, world: int, device: torch.device, backend: s
         pipe = PipeDreamStage(module, rank, world, device, job.lr[rank], opt, plan, timeout_s=job.link_timeout_s)
     else:
         pipe = PipelinedStage(module, rank, world, device, job.pipeline, job.lr[rank], opt, plan.num_windows)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    reset_peak_rss()  # the done line's train_peak_rss_mib: training's peak, not the model load's
     dist.barrier()
     log.write({"type": "start", "t_unix_ms": int(time.time() * 1000), "stage": rank, "num_stages": world,
                "pid": os.getpid(), "runtime": "torch", "pipeline": job.pipeline, "backend": backend})
@@ -156,9 +161,13 @@ def train_pipelined(job, rank: int, world: int, device: torch.device, backend: s
 
     def window_line(w: int, loss: float | None, lr: float) -> None:
         nonlocal t0
+        c0 = time.perf_counter()
+        save_window(job, rank, w, plan, {names[id(p)]: p for p in trainable},
+                    adamw_moments(pipe.optimizer, trainable, names), pipe.scheduler.last_epoch, lr)
         log.write({"type": "window", "t_unix_ms": int(time.time() * 1000), "stage": rank, "window": w,
                    "micro_batches": len(plan.micro_batches(w)), "mean_loss": loss, "lr": lr,
-                   "window_ms": (time.perf_counter() - t0) * 1e3, "pss_mib": pss_mib(), "temperature_c": None})
+                   "window_ms": (time.perf_counter() - t0) * 1e3, "checkpoint_ms": (time.perf_counter() - c0) * 1e3,
+                   "pss_mib": pss_mib(), "temperature_c": None})
         t0 = time.perf_counter()
 
     extra: dict = {}

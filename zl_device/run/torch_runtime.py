@@ -104,6 +104,7 @@ def write_manifest(s: TrainSettings, opts, loaded, shard: Path, run_dir: Path) -
     """RUN_DIR/manifest.json as an export writes it, less the programs: stages, their parameters (manifest names,
     shapes), LoRA, loss, shapes, seed; `"runtime": "torch"`. The base model keeps no LoRA layers afterwards."""
     from zl_export.exporter import build_stage_modules, input_specs, manifest_names, output_specs
+    from zl_export.frozen_weights import restore_frozen_weights
     from zl_export.manifest import build_manifest, write_manifest as write
     from zl_export.pipeline import calibration_rows
     from zl_export.translator import is_translator_name
@@ -124,6 +125,7 @@ def write_manifest(s: TrainSettings, opts, loaded, shard: Path, run_dir: Path) -
                             "inputs": input_specs(module, opts, hidden), "outputs": output_specs(module, opts, hidden),
                             "parameters": params})
     finally:
+        restore_frozen_weights(peft_model)  # float32 frozen weights again (--frozen-dtype bf16/int8), for the eval
         peft_model.unload()  # eval loads the adapter onto the base model
     manifest = build_manifest(loaded, opts, entries)
     manifest["runtime"] = RUNTIME

@@ -153,7 +153,6 @@ def build_stage(job: TorchJob, manifest: dict, rank: int):
 
 def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, backend: str) -> None:
     from zl_device.run.eager_training import OptimizerSettings, StageStep, micro_batch
-    from zl_device.run.torch_checkpoint import save_checkpoint
     from zl_device.run.torch_link import StageLink
     from zl_device.run.windows import WindowPlan
     from zl_export.manifest import read_manifest_file
@@ -176,6 +175,7 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
                      plan.num_windows)
     link = StageLink(rank, world, batch, hidden, device, job.in_flight, job.link_timeout_s)
     setup_s = time.time() - start
+    reset_peak_rss()  # the done line's train_peak_rss_mib: training's peak, not the model load's
     # The run starts when every stage is built: process start and model load are not its time. No receive is
     # posted before the barrier: on NCCL a p2p op queued ahead of a collective can deadlock it.
     dist.barrier()
@@ -213,13 +213,8 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
         lr, means = step.end_window()
         flush_ms = link.flush()  # as the runner: commit only what downstream holds
         c0 = time.perf_counter()
-        done = plan.micro_batches(w).stop
-        save_checkpoint(stage_root, w, {names[id(p)]: p for p in step.params}, step.moments(names),
-                        {"run_id": job.run_id, "stage": rank, "window": w, "last_micro_batch": done - 1,
-                         "micro_batches_done": done, "optimizer_step": step.optimizer_step, "lr": lr,
-                         "extra": {"runtime": "torch", "window_size": job.window_size,
-                                   "num_micro_batches": job.num_micro_batches}},
-                        job.keep_last)
+        save_window(job, rank, w, plan, {names[id(p)]: p for p in step.params}, step.moments(names),
+                    step.optimizer_step, lr)
         log.write({"type": "window", "t_unix_ms": int(time.time() * 1000), "stage": rank, "window": w,
                    "micro_batches": len(plan.micro_batches(w)), "mean_loss": means[0], "mean_task_loss": means[1],
                    "mean_consistency_loss": means[2], "lr": lr, "step": step.optimizer_step,
@@ -229,6 +224,21 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
     log.write({"type": "done", "t_unix_ms": int(time.time() * 1000), "stage": rank,
                "micro_batches": plan.num_micro_batches, "wall_s": round(time.time() - start, 3),
                "optimizer_step": step.optimizer_step, "link": link.stats(), **busy(cpu0, wall0)})
+
+
+def save_window(job: TorchJob, rank: int, window: int, plan, tensors: dict[str, torch.Tensor],
+                moments: dict[str, torch.Tensor], optimizer_step: int, lr: float) -> Path:
+    """Stage `rank`'s checkpoint of `window` in the runner's format (torch_checkpoint.py), under the job's
+    checkpoint_dir; `tensors` and `moments` by manifest name."""
+    from zl_device.run.torch_checkpoint import save_checkpoint
+
+    done = plan.micro_batches(window).stop
+    return save_checkpoint(Path(job.checkpoint_dir) / f"stage_{rank}", window, tensors, moments,
+                           {"run_id": job.run_id, "stage": rank, "window": window, "last_micro_batch": done - 1,
+                            "micro_batches_done": done, "optimizer_step": optimizer_step, "lr": lr,
+                            "extra": {"runtime": "torch", "pipeline": job.pipeline, "window_size": job.window_size,
+                                      "num_micro_batches": job.num_micro_batches}},
+                           job.keep_last)
 
 
 def resume_window(job: TorchJob, rank: int, stage_root: Path, step, names: dict[int, str],
@@ -281,12 +291,36 @@ def resume_window(job: TorchJob, rank: int, stage_root: Path, step, names: dict[
 
 def busy(cpu0: float, wall0: float) -> dict:
     """Since (process CPU time, wall time) = (cpu0, wall0): train_s, cpu_s, busy share (CPU / wall: with one
-    thread per rank the rest is waiting for neighbours, or for a CPU on an oversubscribed host) and peak RSS."""
+    thread per rank the rest is waiting for neighbours, or for a CPU on an oversubscribed host), the process's
+    peak RSS (peak_rss_mib: model load included) and the peak since `reset_peak_rss` (train_peak_rss_mib)."""
     import resource
 
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     return {"train_s": round(wall, 4), "cpu_s": round(cpu, 4), "busy_share": round(cpu / wall, 4) if wall > 0 else None,
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "train_peak_rss_mib": train_peak_rss_mib()}
+
+
+def reset_peak_rss() -> None:
+    """Restart the kernel's peak-RSS count (VmHWM) at the current RSS: writing 5 to /proc/self/clear_refs
+    (Linux >= 4.0). After set-up, so that train_peak_rss_mib is what training needs: the whole model, loaded
+    before the other stages' layers are freed, is not. Where that file is not writable nothing happens."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def train_peak_rss_mib() -> float | None:
+    """Peak RSS (MiB) since the last `reset_peak_rss` (VmHWM of /proc/self/status); None where there is none.
+    Resident pages of this process, anonymous and file-backed (a mapped file counts as far as it was read)."""
+    import re
+
+    try:
+        found = re.search(r"^VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return round(int(found.group(1)) / 1024, 1) if found else None
 
 
 class Telemetry:

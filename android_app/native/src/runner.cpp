@@ -3,6 +3,9 @@
 // checkpoint and commit. Setup is in stage_runner_setup.cpp.
 #include "zl/runner.h"
 
+#include <sys/resource.h>
+
+#include <chrono>
 #include <cinttypes>
 #include <optional>
 #include <string>
@@ -35,6 +38,21 @@ Status wait_sliced(Attempt attempt, const std::atomic<bool>* stop, int64_t timeo
                                               " s (input_timeout_s); is the neighbouring stage running?");
     }
   }
+}
+
+/// This process's CPU time (user + system), in seconds.
+double process_cpu_s() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec / 1e6; };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
+/// This process's peak resident set since it started (MiB; Linux and Android report ru_maxrss in KiB).
+double peak_rss_mib() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;
 }
 
 }  // namespace
@@ -172,6 +190,7 @@ Status StageRunner::loop() {
   WindowSums sums = resumed_sums_;  // empty unless an accumulator snapshot continued the window
   int64_t done = start_mb_;
   const Clock::time_point run_start = Clock::now();
+  const double cpu_start = process_cpu_s();
   report([&](StageProgress* p) {
     p->phase = "running";
     p->micro_batches_done = start_mb_;
@@ -204,7 +223,7 @@ Status StageRunner::loop() {
     });
     if (control_) control_->update_progress(done, window);
   }
-  finish_run(done - start_mb_, ms_since(run_start) / 1000.0);
+  finish_run(done - start_mb_, ms_since(run_start) / 1000.0, process_cpu_s() - cpu_start);
   return Status();
 }
 
@@ -278,13 +297,20 @@ void StageRunner::write_micro_batch(MicroBatchRecord* record) {
   }
 }
 
-void StageRunner::finish_run(int64_t micro_batches, double wall_s) {
+void StageRunner::finish_run(int64_t micro_batches, double wall_s, double cpu_s) {
   const RunnerConfig& c = config_;
   if (telemetry_) {
+    const int64_t now_ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
     json line = {{"type", "done"},
+                 {"t_unix_ms", now_ms},
                  {"stage", c.stage_index},
                  {"micro_batches", micro_batches},
                  {"wall_s", wall_s},
+                 {"cpu_s", cpu_s},
+                 {"busy_share", wall_s > 0 ? cpu_s / wall_s : 0.0},
+                 {"peak_rss_mib", peak_rss_mib()},
                  {"optimizer_step", optimizer_->step_count()}};
     if (sender_) {
       const SenderStats s = sender_->stats();

@@ -95,7 +95,7 @@ class StageRunner {
   void abandon_step();
   void write_micro_batch(MicroBatchRecord* record);
   Status end_window(int64_t window, int64_t last_mb, const WindowSums& sums);
-  void finish_run(int64_t micro_batches, double wall_s);
+  void finish_run(int64_t micro_batches, double wall_s, double cpu_s);
   void shutdown();
   template <typename Update>
   void report(Update update) {

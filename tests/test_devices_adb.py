@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import stat
@@ -273,24 +274,23 @@ def wait_for_file(path: Path, timeout_s: float = WAIT_S) -> str:
     return path.read_text().strip()
 
 
-@pytest.mark.parametrize("shell", ["sh", "mksh"])  # mksh is Android's /system/bin/sh
+@pytest.mark.parametrize("shell", ["sh", "dash", "bash", "mksh", "busybox"])  # mksh: Android's /system/bin/sh
 def test_adb_start_command_runs_under_a_posix_shell(tmp_path, shell):
     """The exact line sent over `adb shell`, run by this host's shell in a stand-in workdir (quoting, pid, status)."""
-    if shutil.which(shell) is None:
-        pytest.skip(f"{shell} not installed (apt install {shell})")
+    host = ShellPhone("P1", shell, tmp_path / "bin")  # skips when the shell is not installed
     dev = zadb.AdbDevice("P1", FakeClient({"P1": FakePhone("P1")}), workdir=str(tmp_path))
     runner = tmp_path / "zl_runner"
     runner.write_text('#!/bin/sh\necho "args: $*"\necho oops >&2\n[ "$2" = sleep.json ] && exec sleep 60\nexit 3\n')
     runner.chmod(0o755)
     line = dev.start_command("stage 1.json", resume=True)
     assert line.startswith(f"cd {tmp_path} && rm -f runner.pid runner.exit && (nohup sh -c ")
-    subprocess.run([shell, "-c", line], check=True, timeout=10)
+    assert host.shell(line) == ""  # no error from the shell
     assert wait_for_file(tmp_path / "runner.exit") == "3"
     assert (tmp_path / "runner.out").read_text() == "args: --config stage 1.json --resume\n"
     assert (tmp_path / "runner.err").read_text() == "oops\n"
     assert "--resume" not in dev.start_command("stage_1.json")
 
-    subprocess.run([shell, "-c", dev.start_command("sleep.json")], check=True, timeout=10)
+    assert host.shell(dev.start_command("sleep.json")) == ""
     pid = int(wait_for_file(tmp_path / "runner.pid"))
     try:
         assert not (tmp_path / "runner.exit").exists()  # the previous status was cleared before the start
@@ -383,11 +383,11 @@ class ShellPhone(FakePhone):
 
 
 def gone(pid: int) -> bool:
+    """The process ended (a zombie its wrapper has not reaped yet counts as ended)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
         return True
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def wait_until(check, what: str, timeout_s: float = WAIT_S) -> None:
@@ -405,14 +405,15 @@ def standby_phone(request, tmp_path, dummy):
     dev = zadb.AdbDevice("P1", FakeClient({"P1": phone}), workdir=str(tmp_path / "zerolock"))
     runner = tmp_path / "zl_runner"
     # With slow.json it loads for 0.5 s before it blocks SIGUSR1 (a signal then would kill it).
-    runner.write_text(f"#!/bin/sh\ncase \"$*\" in *slow.json*) sleep 0.5 ;; esac\nexec {dummy[0]} {dummy[1]} \"$@\"\n")
+    runner.write_text(f"#!/bin/sh\ncase \"$*\" in *slow.json*) sleep 0.5 ;; esac\nexec {shlex.join(dummy)} \"$@\"\n")
     dev.push(runner, "zl_runner", mode=0o755)
     for name in ("stage_0.json", "slow.json"):
         dev.write_text(name, json.dumps({"stage_index": 0}))
     yield dev, tmp_path / "zerolock"
-    for line in (tmp_path / "zerolock" / "pids").read_text().split() if (tmp_path / "zerolock" / "pids").exists() else []:
-        if not gone(int(line)):
-            os.kill(int(line), 9)
+    pids = tmp_path / "zerolock" / "pids"  # every runner and standby the test started (see `remember`)
+    for pid in map(int, pids.read_text().split() if pids.exists() else []):
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def listening(dev) -> bool:

@@ -22,8 +22,10 @@ APT_PKGS=(build-essential cmake pkg-config libsodium-dev nlohmann-json3-dev libg
 # ZL_APP_TESTS=1 (CI sets it): also what the app's tests need on the host: a JDK
 # (the JNI library driven from a JVM) and Kotlin, JUnit 4 and Android's org.json
 # (the app's Kotlin unit tests, tests/test_app_kotlin.py); about 400 MB, so opt-in.
+# And the shells the adb shell lines are tested under (tests/test_devices_adb.py):
+# mksh (Android's /system/bin/sh) and busybox.
 if [ "${ZL_APP_TESTS:-0}" = 1 ]; then
-  APT_PKGS+=(default-jdk-headless kotlin junit4 libandroid-json-org-java)
+  APT_PKGS+=(default-jdk-headless kotlin junit4 libandroid-json-org-java mksh busybox)
 fi
 missing=()
 # (With another architecture's copy installed too, e.g. libsodium-dev:arm64 from

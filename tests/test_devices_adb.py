@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import time
@@ -23,7 +25,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from test_devices import WAIT_S, cli_app, free_port, make_configs, make_export
+from test_devices import WAIT_S, cli_app, dummy, free_port, make_configs, make_export  # noqa: F401 (dummy: fixture)
 from zl.errors import ZLError
 from zl_device.devices import adb as zadb
 from zl_device.devices import deploy as zdeploy
@@ -272,24 +274,23 @@ def wait_for_file(path: Path, timeout_s: float = WAIT_S) -> str:
     return path.read_text().strip()
 
 
-@pytest.mark.parametrize("shell", ["sh", "mksh"])  # mksh is Android's /system/bin/sh
+@pytest.mark.parametrize("shell", ["sh", "dash", "bash", "mksh", "busybox"])  # mksh: Android's /system/bin/sh
 def test_adb_start_command_runs_under_a_posix_shell(tmp_path, shell):
     """The exact line sent over `adb shell`, run by this host's shell in a stand-in workdir (quoting, pid, status)."""
-    if shutil.which(shell) is None:
-        pytest.skip(f"{shell} not installed (apt install {shell})")
+    host = ShellPhone("P1", shell, tmp_path / "bin")  # skips when the shell is not installed
     dev = zadb.AdbDevice("P1", FakeClient({"P1": FakePhone("P1")}), workdir=str(tmp_path))
     runner = tmp_path / "zl_runner"
     runner.write_text('#!/bin/sh\necho "args: $*"\necho oops >&2\n[ "$2" = sleep.json ] && exec sleep 60\nexit 3\n')
     runner.chmod(0o755)
     line = dev.start_command("stage 1.json", resume=True)
     assert line.startswith(f"cd {tmp_path} && rm -f runner.pid runner.exit && (nohup sh -c ")
-    subprocess.run([shell, "-c", line], check=True, timeout=10)
+    assert host.shell(line) == ""  # no error from the shell
     assert wait_for_file(tmp_path / "runner.exit") == "3"
     assert (tmp_path / "runner.out").read_text() == "args: --config stage 1.json --resume\n"
     assert (tmp_path / "runner.err").read_text() == "oops\n"
     assert "--resume" not in dev.start_command("stage_1.json")
 
-    subprocess.run([shell, "-c", dev.start_command("sleep.json")], check=True, timeout=10)
+    assert host.shell(dev.start_command("sleep.json")) == ""
     pid = int(wait_for_file(tmp_path / "runner.pid"))
     try:
         assert not (tmp_path / "runner.exit").exists()  # the previous status was cleared before the start
@@ -326,6 +327,226 @@ def test_adb_runner_lifecycle_commands():
     missing = zadb.AdbDevice("P2", FakeClient({"P2": FakePhone("P2")}))
     with pytest.raises(ZLError, match=r"zerolock/zl_runner does not exist; run `zl deploy` first"):
         missing.start_runner("stage_0.json")
+
+
+# --- hot standby in binary mode (docs/design.md §5.5) ------------------------------------------------------
+
+
+class HostSync:
+    """adbutils' `Sync` on this host's files: a phone whose device paths are host paths."""
+
+    def stat(self, path):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return FileInfo(0, 0, None, path)
+        return FileInfo(st.st_mode, st.st_size, None, path)
+
+    def push(self, src, dst, mode=0o755, check=False):
+        data = bytes(src) if isinstance(src, (bytes, bytearray)) else b"".join(iter(lambda: src.read(1 << 16), b""))
+        Path(dst).parent.mkdir(parents=True, exist_ok=True)
+        Path(dst).write_bytes(data)
+        os.chmod(dst, mode)
+        return len(data)
+
+    def read_text(self, path):
+        return Path(path).read_text()
+
+
+# POSIX shells to run the adb shell lines under: Android's /system/bin/sh is mksh; busybox also stands in for
+# toybox's cat, stat, tail, grep, kill (GNU's are used otherwise; Debian's busybox has no nohup).
+SHELLS = ("dash", "bash", "mksh", "busybox")
+_BUSYBOX_APPLETS = ("sh", "cat", "stat", "tail", "grep", "mv", "rm", "mkdir", "kill", "sleep")
+
+
+class ShellPhone(FakePhone):
+    """A phone whose `adb shell` runs each command in a real POSIX shell on this host, `sh` on its PATH being that
+    shell too (the runner's wrapper is `nohup sh -c ...`), and whose files are this host's."""
+
+    def __init__(self, serial, shell: str, bin_dir: Path):
+        super().__init__(serial)
+        self.sync = HostSync()
+        found = shutil.which(shell)
+        if found is None:
+            pytest.skip(f"{shell} not installed (apt install {shell})")
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        for name in _BUSYBOX_APPLETS if shell == "busybox" else ("sh",):
+            (bin_dir / name).symlink_to(found)
+        self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+        self.sh = str(bin_dir / "sh")
+
+    def shell(self, command, timeout=None):
+        self.calls.append(("shell", command))
+        done = subprocess.run([self.sh, "-c", command], env=self.env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout or WAIT_S)
+        return done.stdout.decode(errors="replace").rstrip()
+
+
+def gone(pid: int) -> bool:
+    """The process ended (a zombie its wrapper has not reaped yet counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def wait_until(check, what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.fixture(params=SHELLS)
+def standby_phone(request, tmp_path, dummy):
+    """An AdbDevice on a ShellPhone (one per shell) with the dummy runner (tests/test_devices.py) deployed as
+    zl_runner and a stage config; every runner and standby it started is killed at the end."""
+    phone = ShellPhone("P1", request.param, tmp_path / "bin")
+    dev = zadb.AdbDevice("P1", FakeClient({"P1": phone}), workdir=str(tmp_path / "zerolock"))
+    runner = tmp_path / "zl_runner"
+    # With slow.json it loads for 0.5 s before it blocks SIGUSR1 (a signal then would kill it).
+    runner.write_text(f"#!/bin/sh\ncase \"$*\" in *slow.json*) sleep 0.5 ;; esac\nexec {shlex.join(dummy)} \"$@\"\n")
+    dev.push(runner, "zl_runner", mode=0o755)
+    for name in ("stage_0.json", "slow.json"):
+        dev.write_text(name, json.dumps({"stage_index": 0}))
+    yield dev, tmp_path / "zerolock"
+    pids = tmp_path / "zerolock" / "pids"  # every runner and standby the test started (see `remember`)
+    for pid in map(int, pids.read_text().split() if pids.exists() else []):
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def listening(dev) -> bool:
+    return '"listening"' in dev.runner_output()
+
+
+def started_runner(dev, wd: Path) -> int:
+    dev.start_runner("stage_0.json")
+    wait_until(lambda: listening(dev), "the runner never printed its listening event")
+    return remember(wd, "runner.pid")
+
+
+def remember(wd: Path, pid_file: str) -> int:
+    """The pid in the pid file, noted for the fixture's cleanup."""
+    pid = int(wait_for_file(wd / pid_file))
+    with open(wd / "pids", "a") as f:
+        f.write(f"{pid}\n")
+    return pid
+
+
+def test_adb_standby_takes_over_only_once_the_runner_is_gone(standby_phone):
+    """As test_local_standby_takes_over_only_once_the_runner_is_gone, on a phone in binary mode: real processes
+    started by the exact adb shell lines, under each POSIX shell."""
+    dev, wd = standby_phone
+    assert dev.supports_standby
+    assert not dev.has_standby() and not dev.take_over()  # none: the caller starts a runner instead
+    started_runner(dev, wd)
+    dev.start_standby("stage_0.json")
+    standby_pid = remember(wd, "standby.pid")
+    assert dev.has_standby()
+    with pytest.raises(ZLError, match=rf"phone P1: a standby is already waiting \(pid {standby_pid}\); stop it"):
+        dev.start_standby("stage_0.json")
+    with pytest.raises(ZLError, match="still running; stop it before its standby takes over"):
+        dev.take_over()
+    assert dev.kill_runner(timeout_s=WAIT_S) == -9
+    assert dev.take_over(timeout_s=WAIT_S)  # waits for its "standby" line if it is still loading
+    assert int((wd / "runner.pid").read_text()) == standby_pid and not (wd / "standby.pid").exists()
+    assert dev.is_running() and dev.exit_code() is None and not dev.has_standby()
+    wait_until(lambda: listening(dev), "the standby never took over")
+    # runner_output() shows the new runner's lines only: it got SIGUSR1 and went on as --resume would.
+    assert [json.loads(line)["event"] for line in dev.runner_output().splitlines()] == ["took_over", "listening"]
+    assert dev.stop_runner(timeout_s=WAIT_S) == 3  # it is the phone's runner now: its status, not the stale -9
+    assert (wd / "runner.exit").read_text() == "3\n" and not (wd / "standby.exit").exists()
+
+    dev.start_standby("stage_0.json")  # one that died is no standby
+    dead = remember(wd, "standby.pid")
+    wait_until(dev._standby_ready, "the standby never got ready")
+    os.kill(dead, signal.SIGKILL)
+    assert signal_exit_code(int(wait_for_file(wd / "standby.exit"))) == -9  # its own status file, not runner.exit
+    assert (wd / "runner.exit").read_text() == "3\n" and not dev.has_standby()
+    assert not dev.take_over(timeout_s=WAIT_S) and not (wd / "standby.pid").exists()
+    assert dev.exit_code() == 3
+
+    dev.start_standby("stage_0.json")  # one a previous zl train left: found by its pid file
+    left = remember(wd, "standby.pid")
+    zadb.AdbDevice("P1", dev.client, workdir=dev.workdir).stop_standby()
+    wait_until(lambda: gone(left), "stop_standby did not kill the standby a previous AdbDevice started")
+    assert not (wd / "standby.pid").exists() and not dev.has_standby()
+    time.sleep(0.2)  # its wrapper is gone too: no status, no pid file names it any more
+    assert not (wd / "standby.exit").exists() and (wd / "runner.exit").read_text() == "3\n"
+
+    dev.start_standby("slow.json")  # still loading: take_over waits for it, up to its timeout
+    slow = remember(wd, "standby.pid")
+    assert dev.has_standby() and not dev._standby_ready()
+    assert not dev.take_over(timeout_s=0.1)
+    wait_until(lambda: gone(slow), "a standby that was not ready in time was not stopped")
+    assert not (wd / "standby.pid").exists() and dev.exit_code() == 3
+    dev.start_standby("slow.json")
+    remember(wd, "standby.pid")
+    assert not dev._standby_ready() and dev.take_over(timeout_s=WAIT_S)
+    wait_until(lambda: listening(dev), "the standby that was still loading never took over")
+    assert dev.stop_runner(timeout_s=WAIT_S) == 3
+
+
+def test_adb_standby_killed_before_taking_over_leaves_the_runner_running(standby_phone):
+    dev, wd = standby_phone
+    runner = started_runner(dev, wd)
+    for end in ("crash", "stop_standby"):
+        dev.start_standby("stage_0.json")
+        pid = remember(wd, "standby.pid")
+        wait_until(dev._standby_ready, "the standby never got ready")
+        if end == "crash":
+            os.kill(pid, signal.SIGKILL)
+            assert wait_for_file(wd / "standby.exit") == "137"
+        else:
+            dev.stop_standby()
+            wait_until(lambda: gone(pid), "stop_standby did not kill the standby")
+            time.sleep(0.2)  # time for its wrapper to write a status, were it to
+            assert not (wd / "standby.pid").exists()
+        assert not (wd / "runner.exit").exists() and int((wd / "runner.pid").read_text()) == runner
+        assert dev.is_running() and dev.exit_code() is None and not dev.has_standby()
+    with pytest.raises(ZLError, match="still running"):
+        dev.take_over()
+    assert dev.stop_runner(timeout_s=WAIT_S) == 3
+
+
+def test_adb_take_over_is_three_round_trips_and_app_mode_has_no_standby():
+    """On the recovery's critical path: is the runner gone, is the standby alive and ready, hand over."""
+    phone = FakePhone("P1")
+    dev = zadb.AdbDevice("P1", FakeClient({"P1": phone}))
+    phone.responses = {
+        r"\[ -e runner\.exit \]": "",  # the runner is gone
+        r"kill -0 \"\$p\"": "alive 4343\nready",
+        r"kill -USR1": "out 1234\ntook over 4343",
+    }
+    assert dev.take_over(timeout_s=1)
+    shells = [c[1] for c in phone.calls if c[0] == "shell"]
+    assert len(shells) == 3 and shells[-1] == dev.take_over_command() and dev._out_offset == 1234
+    assert "rm -f runner.exit && mv -f standby.pid runner.pid" in shells[-1]
+    phone.responses[r"kill -USR1"] = "out 1234"  # the standby died since the check: the caller starts a runner
+    assert not dev.take_over(timeout_s=1)
+
+    from zl_device.devices.app import AppDevice
+
+    app_phone = FakePhone("P2")
+    app = AppDevice("P2", FakeClient({"P2": app_phone}))
+    assert not app.supports_standby and not app.has_standby() and not app.take_over()
+    app.stop_standby()
+    assert app_phone.calls == []  # the app's service runs one runner: nothing to ask the phone
+    with pytest.raises(ZLError, match="phone P2: --mode app keeps no hot standby .* run without --standby, or with "
+                                      "--mode binary"):
+        app.start_standby("stage_0.json")
+
+    from zl_device.run.coordinator import Coordinator, StagePlan
+
+    def coordinator(device):
+        return Coordinator([StagePlan(0, device, "stage_0.json", "metrics.jsonl", "ckpt", 1)], None, standby=True)
+
+    assert coordinator(dev).standby  # binary mode: accepted
+    with pytest.raises(ZLError, match=r"--standby: P2 cannot keep a hot standby \(local devices and phones in "
+                                      r"--mode binary can; the app runs one runner\); run without --standby, or "
+                                      r"with --mode binary"):
+        coordinator(app)
 
 
 def test_adb_push_pull_and_tunnels(tmp_path):

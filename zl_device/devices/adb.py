@@ -4,7 +4,9 @@ Files live under /data/local/tmp/zerolock (writable by adb's shell user, no
 root needed). The runner runs there as a background process of `adb shell`:
 `nohup` keeps it alive when the shell session ends, a wrapper shell writes
 its pid to runner.pid and its exit status to runner.exit, and its output
-goes to runner.out / runner.err.
+goes to runner.out / runner.err. A hot standby (`zl train --standby`,
+docs/design.md §5.5) runs the same way with its pid in standby.pid; taking
+over moves that pid into runner.pid (see `AdbDevice._wrapped`).
 
 Every adb failure becomes a `ZLError` that names the phone and the fix.
 """
@@ -34,6 +36,8 @@ from zl_device.devices.backend import (
     RUNNER_PID,
     RUNNER_STDERR,
     RUNNER_STDOUT,
+    STANDBY_EXIT,
+    STANDBY_PID,
     ByteCallback,
     Device,
     DeviceInfo,
@@ -48,7 +52,8 @@ REMOTE_ROOT = "/data/local/tmp/zerolock"
 REQUIRED_ABI = "arm64-v8a"
 DEFAULT_PORT = 5037
 _SHELL_TIMEOUT_S = 30.0
-_START_TIMEOUT_S = 10.0  # until the wrapper wrote runner.pid
+_START_TIMEOUT_S = 10.0  # until the wrapper wrote runner.pid (standby.pid)
+_TAKE_OVER_POLL_S = 0.02  # between readiness checks of a standby still loading (one shell round trip each)
 
 _STATE_FIXES = {
     "unauthorized": "unlock the phone and accept the 'Allow USB debugging?' prompt (tick 'Always allow'), "
@@ -278,6 +283,7 @@ class AdbDevice(Device):
         self._dev = client.device(serial)
         self._info: DeviceInfo | None = None
         self._out_offset = 0
+        self._standby_out_offset = 0  # runner.out's size when this object started the standby
 
     def shell(self, command: str, action: str = "run a shell command", timeout: float = _SHELL_TIMEOUT_S,
               shown: str | None = None) -> str:
@@ -388,33 +394,66 @@ class AdbDevice(Device):
 
     # --- the runner ----------------------------------------------------------------------------------
 
+    @staticmethod
+    def _wrapped(args: list[str], pid_file: str) -> str:
+        """The wrapper shell that runs `args` in the background, writes its pid to `pid_file` and waits for it.
+
+        When the process ends, the wrapper writes its status ($?, 128+N after signal N) to runner.exit if
+        runner.pid still names the process, to standby.exit if standby.pid does, else nowhere. So a status
+        lands only where the process still is the one its pid file names: a standby that takes over (its pid
+        moved from standby.pid to runner.pid, `take_over`) reports to runner.exit as a runner started so would;
+        a standby killed before taking over (`stop_standby` removes standby.pid) writes nothing, and never makes
+        the running runner look ended; nor does an old runner whose wrapper outlives a new `start_runner`.
+        """
+        line = " ".join(shlex.quote(a) for a in args)
+        # `read` is a builtin: no fork between the process's end and its status (is_running, which sees the
+        # process gone before the status is there, says "not running" with no exit code in that gap).
+        report = " ".join(f'read q <{pid} && [ "$q" = "$p" ] && echo $s >{status};'
+                          for pid, status in ((RUNNER_PID, RUNNER_EXIT), (STANDBY_PID, STANDBY_EXIT)))
+        return (f"{line} >>{RUNNER_STDOUT} 2>>{RUNNER_STDERR} </dev/null & p=$!; echo $p >{pid_file}; "
+                f"wait $p; s=$?; {report}")
+
+    def _detached(self, inner: str, stale: tuple[str, ...]) -> str:
+        # `a && b && c &` would background the rm as well; the subshell backgrounds only the wrapper (and
+        # detaches it from the adb shell session).
+        return (f"cd {shlex.quote(self.workdir)} && rm -f {' '.join(stale)} && "
+                f"(nohup sh -c {shlex.quote(inner)} >/dev/null 2>&1 </dev/null &)")
+
     def start_command(self, config: str, resume: bool = False) -> str:
         """The `adb shell` line that starts the runner in the background (shown by --verbose, tested)."""
-        args = " ".join(shlex.quote(a) for a in [f"./{RUNNER_NAME}", "--config", config] + (["--resume"] if resume else []))
-        # The inner shell records the runner's pid and, once it ends, its status ($? is 128+N after signal N).
-        inner = (f"{args} >>{RUNNER_STDOUT} 2>>{RUNNER_STDERR} </dev/null & echo $! >{RUNNER_PID}; "
-                 f"wait $!; echo $? >{RUNNER_EXIT}")
-        # `a && b && c &` would background the rm as well; the subshell backgrounds only the runner (and
-        # detaches it from the adb shell session).
-        return (f"cd {shlex.quote(self.workdir)} && rm -f {RUNNER_PID} {RUNNER_EXIT} && "
-                f"(nohup sh -c {shlex.quote(inner)} >/dev/null 2>&1 </dev/null &)")
+        args = [f"./{RUNNER_NAME}", "--config", config] + (["--resume"] if resume else [])
+        return self._detached(self._wrapped(args, RUNNER_PID), (RUNNER_PID, RUNNER_EXIT))
+
+    def standby_command(self, config: str) -> str:
+        """The `adb shell` line that starts a hot standby (`zl_runner --standby`) in the background."""
+        args = [f"./{RUNNER_NAME}", "--config", config, "--standby"]
+        return self._detached(self._wrapped(args, STANDBY_PID), (STANDBY_PID, STANDBY_EXIT))
+
+    def _out_size(self) -> int:
+        size = self.shell(f"stat -c %s {self._q(RUNNER_STDOUT)} 2>/dev/null", "stat runner.out").strip()
+        return int(size) if size.isdigit() else 0
+
+    def _check_deployed(self, config: str) -> None:
+        for needed in (RUNNER_NAME, config):
+            if not self.exists(needed):
+                raise ZLError(f"phone {self.serial}: {self.path(needed)} does not exist; run `zl deploy` first.")
+
+    def _wait_for_pid(self, pid_file: str, what: str) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not self.shell(f"cat {self._q(pid_file)} 2>/dev/null", f"read {pid_file}").strip().isdigit():
+            if time.monotonic() > deadline:
+                err = self.read_text(RUNNER_STDERR) or ""
+                raise ZLError(f"phone {self.serial}: {what} did not start within {_START_TIMEOUT_S:.0f} s; "
+                              f"{RUNNER_STDERR}: {err.strip()[-300:]!r}.")
+            time.sleep(0.1)
 
     def start_runner(self, config: str, resume: bool = False) -> None:
         if self.is_running():
             raise ZLError(f"phone {self.serial}: a runner is already running (pid {self._pid()}); stop it first.")
-        for needed in (RUNNER_NAME, config):
-            if not self.exists(needed):
-                raise ZLError(f"phone {self.serial}: {self.path(needed)} does not exist; run `zl deploy` first.")
-        size = self.shell(f"stat -c %s {self._q(RUNNER_STDOUT)} 2>/dev/null", "stat runner.out").strip()
-        self._out_offset = int(size) if size.isdigit() else 0
+        self._check_deployed(config)
+        self._out_offset = self._out_size()
         self.shell(self.start_command(config, resume), "start zl_runner")
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while self._pid() is None:
-            if time.monotonic() > deadline:
-                err = self.read_text(RUNNER_STDERR) or ""
-                raise ZLError(f"phone {self.serial}: zl_runner did not start within {_START_TIMEOUT_S:.0f} s; "
-                              f"{RUNNER_STDERR}: {err.strip()[-300:]!r}.")
-            time.sleep(0.1)
+        self._wait_for_pid(RUNNER_PID, "zl_runner")
 
     def _pid(self) -> int | None:
         text = self.shell(f"cat {self._q(RUNNER_PID)} 2>/dev/null", "read runner.pid").strip()
@@ -441,6 +480,82 @@ class AdbDevice(Device):
 
     def wait(self, timeout_s: float, poll_s: float = 0.2) -> bool:
         return super().wait(timeout_s, poll_s)
+
+    # --- hot standby (docs/design.md §5.5) -------------------------------------------------------------
+
+    supports_standby = True
+
+    def start_standby(self, config: str) -> None:
+        alive, _, pid = self._standby_state()
+        if alive:
+            raise ZLError(f"phone {self.serial}: a standby is already waiting (pid {pid}); stop it first.")
+        self._check_deployed(config)
+        self._standby_out_offset = self._out_size()
+        self.shell(self.standby_command(config), "start the zl_runner standby")
+        self._wait_for_pid(STANDBY_PID, "the zl_runner standby")
+
+    def standby_state_command(self) -> str:
+        """The `adb shell` line behind `_standby_state`: prints "alive PID" and then "ready" when it is."""
+        return (f"cd {shlex.quote(self.workdir)} 2>/dev/null || exit 0; [ -e {STANDBY_EXIT} ] && exit 0; "
+                f"p=$(cat {STANDBY_PID} 2>/dev/null) || exit 0; kill -0 \"$p\" 2>/dev/null || exit 0; "
+                f"echo \"alive $p\"; tail -c +{self._standby_out_offset + 1} {RUNNER_STDOUT} 2>/dev/null "
+                f"| grep -F '\"event\": \"standby\"' | grep -qE '\"pid\": '\"$p\"'[,}}]' && echo ready")
+
+    def _standby_state(self) -> tuple[bool, bool, int | None]:
+        """(alive, ready, pid) of the standby in one shell round trip. Alive: standby.pid names a live process
+        that has not ended on its own (no standby.exit). Ready: it printed its {"event": "standby"} line (loaded,
+        SIGUSR1 blocked, waiting) in runner.out since this object started it."""
+        words = self.shell(self.standby_state_command(), "check the standby").split()
+        if len(words) < 2 or words[0] != "alive" or not words[1].isdigit():
+            return False, False, None
+        return True, "ready" in words[2:], int(words[1])
+
+    def has_standby(self) -> bool:
+        return self._standby_state()[0]
+
+    def _standby_ready(self) -> bool:
+        """The standby printed its {"event": "standby"} line: loaded, SIGUSR1 blocked, waiting."""
+        return self._standby_state()[1]
+
+    def take_over_command(self) -> str:
+        """The one `adb shell` line that hands the stage to the standby: the old status goes, the standby's pid
+        becomes runner.pid (so its wrapper reports to runner.exit, see `_wrapped`), then SIGUSR1. Prints
+        runner.out's size before the signal (where the new runner's lines start) and whether the signal got there."""
+        return (f"cd {shlex.quote(self.workdir)} || exit 1; p=$(cat {STANDBY_PID} 2>/dev/null) || exit 1; "
+                f"rm -f {RUNNER_EXIT} && mv -f {STANDBY_PID} {RUNNER_PID} || exit 1; "
+                f"echo \"out $(stat -c %s {RUNNER_STDOUT} 2>/dev/null || echo 0)\"; "
+                f"kill -USR1 \"$p\" && echo \"took over $p\"")
+
+    def take_over(self, timeout_s: float = 60.0) -> bool:
+        if self.is_running():
+            raise ZLError(f"phone {self.serial}: the runner (pid {self._pid()}) is still running; stop it before "
+                          f"its standby takes over.")
+        deadline = time.monotonic() + timeout_s
+        # Until its "standby" line the process may not have blocked SIGUSR1 yet (the signal would kill it).
+        alive, ready, _ = self._standby_state()
+        while alive and not ready:
+            if time.monotonic() >= deadline:
+                self.stop_standby()
+                return False
+            time.sleep(_TAKE_OVER_POLL_S)
+            alive, ready, _ = self._standby_state()
+        if not alive:
+            self.stop_standby()  # its pid file, if any
+            return False
+        out = self.shell(self.take_over_command(), "hand the stage to the standby")
+        size = re.search(r"^out (\d+)$", out, re.MULTILINE)
+        self._out_offset = int(size.group(1)) if size else 0
+        # No "took over": the standby died since the check; runner.pid names a dead process (not running, no
+        # status), and the caller starts a runner.
+        return re.search(r"^took over \d+$", out, re.MULTILINE) is not None
+
+    def stop_standby(self) -> None:
+        # It holds nothing yet (no checkpoint, port or input log): SIGKILL. standby.pid goes first, so its
+        # wrapper writes no status (no pid file names the process any more, see `_wrapped`). No kill once
+        # standby.exit says it ended: its pid may be another process's by now.
+        self.shell(f"cd {shlex.quote(self.workdir)} 2>/dev/null || exit 0; p=$(cat {STANDBY_PID} 2>/dev/null); "
+                   f"rm -f {STANDBY_PID}; [ -n \"$p\" ] && [ ! -e {STANDBY_EXIT} ] && kill -9 \"$p\" 2>/dev/null; "
+                   "exit 0", "stop the standby")
 
     def runner_output(self) -> str:
         """What the runner printed on stdout since the last start by this object (JSON event lines)."""

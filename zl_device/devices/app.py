@@ -36,6 +36,7 @@ from zl_device.devices.backend import (
     RUNNER_STDERR,
     RUNNER_STDOUT,
     ByteCallback,
+    Device,
     FileCallback,
     RuntimeInstall,
     signal_exit_code,
@@ -137,6 +138,17 @@ class AppDevice(AdbDevice):
 
     def __init__(self, serial: str, client, workdir: str = APP_WORKDIR, link_profile: str = "local"):
         super().__init__(serial, client, workdir=workdir, link_profile=link_profile)
+
+    # --- no hot standby: the app's service runs one runner (docs/design.md §5.5) ------------------------
+
+    supports_standby = False
+    has_standby = Device.has_standby
+    take_over = Device.take_over
+    stop_standby = Device.stop_standby
+
+    def start_standby(self, config: str) -> None:
+        raise ZLError(f"phone {self.serial}: --mode app keeps no hot standby (the app's service runs one runner); "
+                      "run without --standby, or with --mode binary.")
 
     def _logcat_hint(self) -> str:
         return f"see `adb -s {self.serial} logcat -s zl zl.RunnerService`"

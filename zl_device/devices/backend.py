@@ -35,6 +35,8 @@ RUNNER_PID = "runner.pid"
 RUNNER_EXIT = "runner.exit"
 #: Process id of the hot standby waiting to take over this device's stage (docs/design.md §5.5).
 STANDBY_PID = "standby.pid"
+#: The standby's exit status when it ended before taking over (adb backend; written by the wrapper shell).
+STANDBY_EXIT = "standby.exit"
 
 #: Called with the number of bytes just copied, for progress bars.
 ByteCallback = Callable[[int], None]

@@ -161,8 +161,9 @@ class Coordinator:
         if standby:
             lacking = [p.device.name for p in self.plans if not p.device.supports_standby]
             if lacking:
-                raise ZLError(f"--standby: {', '.join(lacking)} cannot keep a hot standby (local devices can); "
-                              f"run without --standby.")
+                raise ZLError(f"--standby: {', '.join(lacking)} cannot keep a hot standby (local devices and phones "
+                              f"in --mode binary can; the app runs one runner); run without --standby, or with "
+                              f"--mode binary.")
         self.status = [StageStatus(p.index, p.device.name) for p in self.plans]
         self.events: list[dict] = []  # coordinator events for metrics.jsonl
         self._offsets = [0] * len(self.plans)  # bytes of each local telemetry file already read

@@ -52,9 +52,9 @@ class TrainSettings:
                             choices=RECOVERY_MODES)
     inject_failure: str | None = setting(None, "STAGE@WINDOW: SIGKILL that stage in the middle of that window.")
     spares: int = setting(0, "Devices after the stages' that take over a failed stage.")
-    standby: bool = setting(False, "Keep a hot standby runner per stage (local devices): its program mapped and "
-                                   "its method loaded, it takes over a failed stage from its checkpoint without "
-                                   "a cold start; costs a second process (method memory) per stage.",
+    standby: bool = setting(False, "Keep a hot standby runner per stage (local devices, phones in --mode binary): "
+                                   "its program mapped and its method loaded, it takes over a failed stage from its "
+                                   "checkpoint without a cold start; costs a second process (method memory) per stage.",
                             flag="--standby")
     keep_device_files: bool = setting(False, "Leave the run key, data shard and input logs on the devices when the "
                                              "run ends (by default they are deleted once a finished run's results "

@@ -324,21 +324,23 @@ def test_rank_watch_reads_progress_from_complete_lines(tmp_path):
 
 
 def test_training_peak_rss_leaves_out_what_set_up_held_and_freed():
-    """train_peak_rss_mib counts from reset_peak_rss: 400 MB touched and freed before it are not in it, 200 MB
-    touched after it are (the done lines' peak per rank in tools/bench_pipelines.py)."""
+    """peak_rss_mib counts from reset_peak_rss: 400 MiB touched and freed before it are not in it, 200 MiB touched
+    after it are (the done lines' train_peak_rss_mib, per rank in tools/bench_pipelines.py)."""
     import numpy as np
 
-    from zl_device.run.torch_stage import reset_peak_rss, train_peak_rss_mib
+    from zl_device.run.torch_stage import peak_rss_mib, reset_peak_rss
 
-    before = train_peak_rss_mib()
-    if before is None:
+    if peak_rss_mib() is None:
         pytest.skip("no /proc/self/status VmHWM here")
+    reset_peak_rss()  # this test process's earlier peaks out of the way
+    start = peak_rss_mib()
     setup = np.ones(400 * 2**20 // 8)  # touched: resident
     del setup
-    reset_peak_rss()
-    after_reset = train_peak_rss_mib()
+    forgotten = reset_peak_rss()
+    after_reset = peak_rss_mib()
     training = np.ones(200 * 2**20 // 8)
-    peak = train_peak_rss_mib()
+    peak = peak_rss_mib()
     del training
-    assert after_reset < before + 300, (before, after_reset)  # the 400 MB peak is forgotten
-    assert peak >= after_reset + 190, (before, after_reset, peak)
+    assert forgotten >= start + 390, (start, forgotten)  # the set-up peak, returned
+    assert after_reset < forgotten - 300, (forgotten, after_reset)  # and no longer counted
+    assert peak >= after_reset + 190, (after_reset, peak)

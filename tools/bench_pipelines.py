@@ -4,9 +4,9 @@ Prepares one run as `zl train --runtime torch --launcher torchrun` does (data,
 manifest, RUN_DIR/torch_job.json), then runs its ranks once per pipeline —
 `zerolock` (local losses, no backward across stages), `gpipe`, `1f1b` and
 `pipedream` (end-to-end backprop, zl_device/run/torch_pipeline.py and
-torch_pipedream.py) — with the same split, LoRA, data order, micro-batches,
-windows and optimizer, one process per stage (torch.multiprocessing spawn,
-gloo); and `zerolock-et`, the same job as `zl train` runs it by default: the
+torch_pipedream.py) — with the same split, LoRA, data order, micro-batches
+of the full --seq-len, windows and optimizer, one process per stage
+(torch.multiprocessing spawn, gloo); and `zerolock-et`, the same job as `zl train` runs it by default: the
 exported stage programs on `zl_runner`s, one per stage on this host. Every
 pipeline writes a checkpoint per window; from each stage's telemetry and the
 merged adapter:
@@ -14,7 +14,7 @@ merged adapter:
 - records/s: samples / (first stage ready after set-up -> last stage done);
 - peak RSS per rank during training (MiB): torch ranks reset the kernel's peak count (VmHWM) once their stage is
   built, so the whole model they load first (and free) is not in it; a runner loads only its program, so its
-  process peak (`ru_maxrss`) is its training peak. Also the torch ranks' process peak, model load included;
+  process peak (VmHWM) is its training peak. Also the torch ranks' process peak, model load included;
 - busy share per rank: process CPU time / wall time over training (one thread per rank, so the rest is waiting
   for a neighbour, or for a CPU when ranks outnumber cores: read it on a host with a core per rank);
 - dev accuracy and NLL of each pipeline's merged adapter on the same dev rows (and of the base model);
@@ -40,9 +40,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-TORCH_PIPELINES = ("zerolock", "gpipe", "1f1b", "pipedream")
 RUNNER = "zerolock-et"  # the ExecuTorch runner: `zl train`'s default runtime
-PIPELINES = ("zerolock", RUNNER, "gpipe", "1f1b", "pipedream")
+TRIMMED = "zerolock-trimmed"  # `zl train --runtime torch` as it runs by default: micro-batches cut to their longest row
+PIPELINES = ("zerolock", RUNNER, "gpipe", "1f1b", "pipedream")  # the default set
+CHOICES = (*PIPELINES, TRIMMED)
 
 
 def settings(args, out: Path, runtime: str):
@@ -51,7 +52,8 @@ def settings(args, out: Path, runtime: str):
     from zl_export.options import ExportOptions, ModelSplit
 
     return TrainSettings(split=ModelSplit(args.model, args.stages, args.num_stages), data=args.data,
-                         eval_data=args.eval_data, data_format=args.format, samples=args.samples,
+                         eval_data=args.eval_data, data_format=args.format, truncate=args.truncate,
+                         samples=args.samples,
                          window=args.window, seq_len=args.seq_len, out=out,
                          export=ExportOptions(micro_batch=args.micro_batch, frozen_dtype=args.frozen_dtype),
                          runtime=runtime, launcher="torchrun" if runtime == "torch" else "spawn", threads=args.threads, seed=args.seed,
@@ -99,7 +101,10 @@ def run_torch(prepared: Path, pipeline: str, out: Path, timeout_s: float) -> dic
     from zl_device.run.torch_stage import JOB_FILE, TorchJob
 
     job = TorchJob.load(prepared / JOB_FILE)
-    job.pipeline = pipeline
+    job.pipeline = "zerolock" if pipeline == TRIMMED else pipeline
+    # Every pipeline computes the full seq_len, as the runner's programs and the baselines' fixed-shape stages do;
+    # only zerolock-trimmed cuts its micro-batches to their longest row (--runtime torch's default).
+    job.trim_padding = pipeline == TRIMMED
     job.metrics_dir, job.checkpoint_dir = str(out / "stages"), str(out / "checkpoints")
     out.mkdir(parents=True)
     path = out / JOB_FILE
@@ -229,6 +234,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--data", default="demo", help="demo, a .csv/.jsonl file or a shard, as zl train --data.")
     parser.add_argument("--eval-data", default=None, help="Dev rows for the accuracy (the demo task brings its own).")
     parser.add_argument("--format", default="auto", help="Format of a .csv/.jsonl --data, as zl train --format.")
+    parser.add_argument("--truncate", action="store_true", help="Cut over-long prompts from the left (zl train "
+                        "--truncate), e.g. the demo task under a byte tokenizer (tinyllama-random) at --seq-len 128.")
     parser.add_argument("--samples", type=int, default=64, help="Training samples.")
     parser.add_argument("--frozen-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
                         help="Frozen weights of every pipeline (zl train --frozen-dtype; default fp32, the same "
@@ -238,7 +245,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seq-len", type=int, default=64, help="Tokens per sample.")
     parser.add_argument("--threads", type=int, default=1, help="Threads per rank (torch) or runner.")
     parser.add_argument("--seed", type=int, default=0, help="LoRA init, data order, random-weight models.")
-    parser.add_argument("--pipelines", default=",".join(PIPELINES), help="Which to run, comma-separated.")
+    parser.add_argument("--pipelines", default=",".join(PIPELINES),
+                        help=f"Which to run, comma-separated, from {','.join(CHOICES)}; {TRIMMED} is ZeroLock on "
+                             "torch with its micro-batches cut to their longest row, as `zl train --runtime torch` "
+                             "runs (the others all compute the full --seq-len).")
     parser.add_argument("--eval-limit", type=int, default=200, help="Dev rows scored per pipeline.")
     parser.add_argument("--no-eval", action="store_true", help="Skip the accuracy (memory or speed runs).")
     parser.add_argument("--out", type=Path, default=None, help="Working directory (default: a temporary one).")
@@ -247,9 +257,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--plot", type=Path, default=None, help="The plot's path (default OUT/pipelines.png).")
     args = parser.parse_args(argv)
     chosen = [p.strip() for p in args.pipelines.split(",") if p.strip()]
-    unknown = [p for p in chosen if p not in PIPELINES]
+    unknown = [p for p in chosen if p not in CHOICES]
     if unknown or not chosen:
-        parser.error(f"--pipelines {args.pipelines}: choose from {','.join(PIPELINES)}")
+        parser.error(f"--pipelines {args.pipelines}: choose from {','.join(CHOICES)}")
     args.ranks = len(args.stages.split(",")) if args.stages else args.num_stages
     out = args.out or Path(tempfile.mkdtemp(prefix="zl-bench-pipelines-"))
     prepared = prepare(args, out)

@@ -80,11 +80,13 @@ def micro_batch_rows(mb: int, rows: int, batch: int) -> slice:
     return slice(j * batch, (j + 1) * batch)
 
 
-def micro_batch(shard: Shard, mb: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, labels), each (B, L) int64, cut to the longest row of the micro-batch."""
+def micro_batch(shard: Shard, mb: int, batch: int, trim: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels), each (B, L) int64: cut to the longest row of the micro-batch (right
+    padding and causal attention leave every real position's result as it is), or, without `trim`, the shard's
+    full length S (the work a program of fixed shapes does)."""
     rows = micro_batch_rows(mb, shard.rows, batch)
     mask = shard.attention_mask[rows]
-    length = int(mask.sum(1).max())
+    length = int(mask.sum(1).max()) if trim else mask.shape[1]
     return shard.input_ids[rows, :length], mask[:, :length], shard.labels[rows, :length]
 
 

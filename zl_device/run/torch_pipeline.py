@@ -152,7 +152,7 @@ def train_pipelined(job, rank: int, world: int, device: torch.device, backend: s
     else:
         pipe = PipelinedStage(module, rank, world, device, job.pipeline, job.lr[rank], opt, plan.num_windows)
     trainable = [p for p in module.parameters() if p.requires_grad]
-    reset_peak_rss()  # the done line's train_peak_rss_mib: training's peak, not the model load's
+    setup_peak = reset_peak_rss()  # the done line's train_peak_rss_mib: training's peak, not the model load's
     dist.barrier()
     log.write({"type": "start", "t_unix_ms": int(time.time() * 1000), "stage": rank, "num_stages": world,
                "pid": os.getpid(), "runtime": "torch", "pipeline": job.pipeline, "backend": backend})
@@ -186,4 +186,4 @@ def train_pipelined(job, rank: int, world: int, device: torch.device, backend: s
             loss = pipe.backward_window(ids, mask, labels, len(window))
             window_line(w, loss, pipe.step())
     log.write({"type": "done", "t_unix_ms": int(time.time() * 1000), "stage": rank,
-               "micro_batches": plan.num_micro_batches, **busy(cpu0, wall0), **extra})
+               "micro_batches": plan.num_micro_batches, **busy(cpu0, wall0, setup_peak), **extra})

@@ -62,6 +62,9 @@ class TorchJob:
     pipeline: str = "zerolock"  # or a backprop baseline: gpipe, 1f1b, pipedream (torch_pipeline.py; tools/bench_pipelines.py)
     resume: bool = False  # start after the latest window every stage has checkpointed (docs/design.md §13)
     fail_at: list[int] | None = None  # [stage, micro-batch]: that stage SIGKILLs itself there (--inject-failure)
+    # ZeroLock's micro-batches cut to their longest row (eager takes any length); False: the full seq_len, the
+    # work the runner's programs and the backprop baselines' fixed-shape stages do (tools/bench_pipelines.py).
+    trim_padding: bool = True
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -175,7 +178,7 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
                      plan.num_windows)
     link = StageLink(rank, world, batch, hidden, device, job.in_flight, job.link_timeout_s)
     setup_s = time.time() - start
-    reset_peak_rss()  # the done line's train_peak_rss_mib: training's peak, not the model load's
+    setup_peak = reset_peak_rss()  # the done line's train_peak_rss_mib: training's peak, not the model load's
     # The run starts when every stage is built: process start and model load are not its time. No receive is
     # posted before the barrier: on NCCL a p2p op queued ahead of a collective can deadlock it.
     dist.barrier()
@@ -194,7 +197,7 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
                 os.kill(os.getpid(), signal.SIGKILL)  # --inject-failure: die as a crashed process does
             t0 = time.perf_counter()
             if first:
-                x, mask, labels = (t.to(device) for t in micro_batch(shard, mb, batch))
+                x, mask, labels = (t.to(device) for t in micro_batch(shard, mb, batch, job.trim_padding))
             else:
                 x, mask, labels = link.receive(mb, more=mb + 1 < plan.num_micro_batches)
             t1 = time.perf_counter()
@@ -223,7 +226,7 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
     link.flush()
     log.write({"type": "done", "t_unix_ms": int(time.time() * 1000), "stage": rank,
                "micro_batches": plan.num_micro_batches, "wall_s": round(time.time() - start, 3),
-               "optimizer_step": step.optimizer_step, "link": link.stats(), **busy(cpu0, wall0)})
+               "optimizer_step": step.optimizer_step, "link": link.stats(), **busy(cpu0, wall0, setup_peak)})
 
 
 def save_window(job: TorchJob, rank: int, window: int, plan, tensors: dict[str, torch.Tensor],
@@ -289,31 +292,36 @@ def resume_window(job: TorchJob, rank: int, stage_root: Path, step, names: dict[
     return window
 
 
-def busy(cpu0: float, wall0: float) -> dict:
+def busy(cpu0: float, wall0: float, setup_peak_mib: float | None) -> dict:
     """Since (process CPU time, wall time) = (cpu0, wall0): train_s, cpu_s, busy share (CPU / wall: with one
-    thread per rank the rest is waiting for neighbours, or for a CPU on an oversubscribed host), the process's
-    peak RSS (peak_rss_mib: model load included) and the peak since `reset_peak_rss` (train_peak_rss_mib)."""
-    import resource
-
+    thread per rank the rest is waiting for neighbours, or for a CPU on an oversubscribed host); the peak RSS
+    since `reset_peak_rss` (train_peak_rss_mib) and the process's, set-up included (peak_rss_mib: the larger of it
+    and `setup_peak_mib`, what reset_peak_rss returned)."""
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    train_peak = peak_rss_mib()
+    peaks = [m for m in (setup_peak_mib, train_peak) if m is not None]
     return {"train_s": round(wall, 4), "cpu_s": round(cpu, 4), "busy_share": round(cpu / wall, 4) if wall > 0 else None,
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            "train_peak_rss_mib": train_peak_rss_mib()}
+            "peak_rss_mib": max(peaks) if peaks else None, "train_peak_rss_mib": train_peak}
 
 
-def reset_peak_rss() -> None:
+def reset_peak_rss() -> float | None:
     """Restart the kernel's peak-RSS count (VmHWM) at the current RSS: writing 5 to /proc/self/clear_refs
-    (Linux >= 4.0). After set-up, so that train_peak_rss_mib is what training needs: the whole model, loaded
-    before the other stages' layers are freed, is not. Where that file is not writable nothing happens."""
+    (Linux >= 4.0). After set-up, so that the peak afterwards is what training needs: the whole model, loaded
+    before the other stages' layers are freed, is not in it. Returns the peak before (MiB; None where the kernel
+    has none). Where clear_refs is not writable the count goes on from the process start."""
+    before = peak_rss_mib()
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+    return before
 
 
-def train_peak_rss_mib() -> float | None:
-    """Peak RSS (MiB) since the last `reset_peak_rss` (VmHWM of /proc/self/status); None where there is none.
-    Resident pages of this process, anonymous and file-backed (a mapped file counts as far as it was read)."""
+def peak_rss_mib() -> float | None:
+    """This process's peak RSS (MiB) since it started or since the last `reset_peak_rss`: VmHWM of
+    /proc/self/status, anonymous and file-backed pages (a mapped file counts as far as it was read); None where
+    there is none. Not getrusage's ru_maxrss: that survives exec, so a child started by a big parent would report
+    the parent's peak."""
     import re
 
     try:

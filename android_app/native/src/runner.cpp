@@ -48,13 +48,6 @@ double process_cpu_s() {
   return seconds(usage.ru_utime) + seconds(usage.ru_stime);
 }
 
-/// This process's peak resident set since it started (MiB; Linux and Android report ru_maxrss in KiB).
-double peak_rss_mib() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<double>(usage.ru_maxrss) / 1024.0;
-}
-
 }  // namespace
 
 Status StageRunner::run() {
@@ -310,7 +303,7 @@ void StageRunner::finish_run(int64_t micro_batches, double wall_s, double cpu_s)
                  {"wall_s", wall_s},
                  {"cpu_s", cpu_s},
                  {"busy_share", wall_s > 0 ? cpu_s / wall_s : 0.0},
-                 {"peak_rss_mib", peak_rss_mib()},
+                 {"peak_rss_mib", number_or_null(read_peak_rss_mib())},
                  {"optimizer_step", optimizer_->step_count()}};
     if (sender_) {
       const SenderStats s = sender_->stats();

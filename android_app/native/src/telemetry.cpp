@@ -54,15 +54,16 @@ bool plausible_celsius(double c) { return c > -40.0 && c < 150.0; }
 
 // Sum of "Pss:" lines (kB); smaps_rollup has one, smaps one per mapping.
 // "Pss_Anon:" etc. do not match because the key must end at the colon.
-std::optional<double> sum_pss_kib(const std::string& text) {
+/// The sum of the values (kB) of the lines that start with `field` (e.g. "Pss:"); empty if none, or one is garbled.
+std::optional<double> sum_field_kib(const std::string& text, const std::string& field) {
   std::istringstream lines(text);
   std::string line;
   bool found = false;
   double total_kib = 0;
   while (std::getline(lines, line)) {
-    if (line.compare(0, 4, "Pss:") != 0) continue;
+    if (line.compare(0, field.size(), field) != 0) continue;
     long long kib = 0;
-    std::string rest = trim(line.substr(4));
+    std::string rest = trim(line.substr(field.size()));
     const size_t space = rest.find(' ');
     if (space != std::string::npos) rest = rest.substr(0, space);
     if (!parse_integer(rest, &kib)) return std::nullopt;
@@ -154,10 +155,18 @@ std::optional<double> read_pss_mib(const std::string& root) {
   std::string text;
   std::optional<double> kib;
   if (read_file(join(root, "proc/self/smaps_rollup"), &text).ok()) {
-    kib = sum_pss_kib(text);
+    kib = sum_field_kib(text, "Pss:");
   } else if (read_file(join(root, "proc/self/smaps"), &text).ok()) {
-    kib = sum_pss_kib(text);
+    kib = sum_field_kib(text, "Pss:");
   }
+  if (!kib) return std::nullopt;
+  return *kib / 1024.0;
+}
+
+std::optional<double> read_peak_rss_mib(const std::string& root) {
+  std::string text;
+  if (!read_file(join(root, "proc/self/status"), &text).ok()) return std::nullopt;
+  const std::optional<double> kib = sum_field_kib(text, "VmHWM:");
   if (!kib) return std::nullopt;
   return *kib / 1024.0;
 }

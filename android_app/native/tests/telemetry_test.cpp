@@ -54,6 +54,30 @@ TEST(Pss, AbsentOrGarbledIsEmpty) {
   EXPECT_FALSE(zl::read_pss_mib(root.path()).has_value());
 }
 
+TEST(PeakRss, ReadsVmHwmOfStatus) {
+  zl_test::TempDir root;
+  EXPECT_FALSE(zl::read_peak_rss_mib(root.path()).has_value());
+  write_text(root.file("proc/self/status"),
+             "Name:\tzl_runner\n"
+             "VmPeak:\t 2000000 kB\n"
+             "VmHWM:\t  307200 kB\n"
+             "VmRSS:\t  102400 kB\n");
+  auto peak = zl::read_peak_rss_mib(root.path());
+  ASSERT_TRUE(peak.has_value());
+  EXPECT_DOUBLE_EQ(*peak, 300.0);
+  write_text(root.file("proc/self/status"), "VmRSS:\t 10 kB\n");
+  EXPECT_FALSE(zl::read_peak_rss_mib(root.path()).has_value());
+}
+
+TEST(PeakRss, CountsWhatThisProcessTouches) {
+  auto before = zl::read_peak_rss_mib();
+  if (!before) GTEST_SKIP() << "no /proc/self/status VmHWM here";
+  std::vector<char> touched(64u << 20, 1);  // 64 MiB, resident
+  auto after = zl::read_peak_rss_mib();
+  ASSERT_TRUE(after.has_value());
+  EXPECT_GE(*after, *before + 60.0 * (touched[touched.size() / 2] == 1));
+}
+
 TEST(Pss, ReadsThisProcess) {
   // The real /proc of the test process (Linux CI): some positive value.
   auto pss = zl::read_pss_mib();

@@ -95,6 +95,12 @@ class TelemetryWriter {
 /// readable. `root` is "/" in production; tests point it at a fake tree.
 std::optional<double> read_pss_mib(const std::string& root = "/");
 
+/// Peak resident set of this process in MiB since it started (exec): the
+/// `VmHWM:` line (kB) of `<root>/proc/self/status`. Empty if unreadable. Not
+/// getrusage's ru_maxrss, which survives exec (a runner started by a big
+/// parent, or forked from Android's zygote, would report the parent's peak).
+std::optional<double> read_peak_rss_mib(const std::string& root = "/");
+
 /// Battery temperature in °C from `<root>/sys/class/power_supply/battery/temp`
 /// (tenths of a degree, the Android convention). Empty if absent or implausible.
 std::optional<double> read_battery_temperature_c(const std::string& root = "/");

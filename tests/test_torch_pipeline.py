@@ -154,8 +154,9 @@ def test_bench_pipelines_measures_every_pipeline(tmp_path, capsys):
     assert [r["pipeline"] for r in results] == ["zerolock", "zerolock-et", "gpipe", "1f1b", "pipedream"]
     for r in results:
         assert r["samples"] == 8 and r["records_per_s"] == pytest.approx(8 / r["wall_s"])
+        least = 5 if r["pipeline"] == "zerolock-et" else 100  # a tiny program in a runner; libtorch in a rank
         for key in ("peak_rss_mib", "train_peak_rss_mib"):
-            assert len(r[key]) == 3 and all(m > 50 for m in r[key]), (r["pipeline"], key, r[key])
+            assert len(r[key]) == 3 and all(m > least for m in r[key]), (r["pipeline"], key, r[key])
         assert all(t <= p for t, p in zip(r["train_peak_rss_mib"], r["peak_rss_mib"])), r
         assert all(0 < b < 2 for b in r["busy_share"]), r["busy_share"]  # gloo's I/O threads count as CPU too
         assert 0 <= r["accuracy"] <= 1 and r["nll"] > 0, r

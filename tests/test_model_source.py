@@ -97,3 +97,57 @@ def test_smollm2_gguf_is_converted_once_and_cached(tmp_path, monkeypatch):
     assert torch.equal(first.model.lm_head.weight, again.model.lm_head.weight)
     cached = list((tmp_path / "models").iterdir())
     assert len(cached) == 1 and json.loads((cached[0] / "zl_source.json").read_text())["size"] > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_stage_loads_only_its_layers_and_computes_as_on_the_whole_model(tmp_path, tied):
+    """load_stage_model (a torch runtime rank): layers first..last, the final norm and the LM head (+ the embedding
+    for stage 0, or when the LM head is the embedding) hold the whole model's values; the other layers stay on the
+    meta device; each stage's forward and trainable parameters equal those built on the whole model."""
+    from zl_export.exporter import build_stage_modules
+    from zl_export.model_source import load_stage_model
+    from zl_export.options import ExportOptions
+    from zl_export.stages import StageRange
+
+    saved = _save_tiny_llama_dir(tmp_path)
+    if tied:  # a model whose LM head is its embedding (SmolLM2): rewrite the directory that way
+        saved.model.config.tie_word_embeddings = True
+        saved.model.tie_weights()
+        saved.model.save_pretrained(tmp_path)
+    layers = saved.config.num_hidden_layers
+    ranges = [StageRange(0, 0, 0), StageRange(1, 1, layers - 2), StageRange(2, layers - 1, layers - 1)]
+    opts = ExportOptions(seq_len=8)
+    _, whole = build_stage_modules(load_model(str(tmp_path)).model, ranges, opts)
+    torch.manual_seed(0)
+    ids, mask = torch.randint(3, 8, (1, 8)), torch.ones(1, 8, dtype=torch.long)
+    for k, r in enumerate(ranges):
+        part = load_stage_model(str(tmp_path), r.first, r.last, embedding=k == 0).model
+        held = {n.split(".")[2] for n, p in part.named_parameters() if not p.is_meta and n.startswith("model.layers.")}
+        assert held == {str(i) for i in range(r.first, r.last + 1)}, (k, held)
+        assert part.model.embed_tokens.weight.is_meta == (k > 0 and not tied), k
+        assert not part.lm_head.weight.is_meta and not part.model.norm.weight.is_meta
+        if tied:
+            assert part.lm_head.weight is part.model.embed_tokens.weight
+        _, modules = build_stage_modules(part, ranges, opts)
+        x = ids if k == 0 else torch.randn(1, 8, saved.config.hidden_size)
+        with torch.no_grad():
+            assert torch.equal(modules[k].chunk(x, mask)[1], whole[k].chunk(x, mask)[1]), k
+        mine = [p for p in modules[k].parameters() if p.requires_grad]
+        theirs = [p for p in whole[k].parameters() if p.requires_grad]
+        assert len(mine) == len(theirs) > 0 and all(torch.equal(a, b) for a, b in zip(mine, theirs)), k
+
+
+def test_a_stage_of_incomplete_files_is_refused_and_other_sources_load_whole(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from zl_export.model_source import load_stage_model
+
+    _save_tiny_llama_dir(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(str(weights))
+    save_file({k: v for k, v in tensors.items() if not k.startswith("model.layers.1.")}, str(weights))
+    with pytest.raises(ZLError, match=r"has no tensor model\.layers\.1\..* incomplete"):
+        load_stage_model(str(tmp_path), 1, 1, embedding=False)
+    assert load_stage_model(str(tmp_path), 0, 0, embedding=True).model.model.layers[1].mlp.up_proj.weight.is_meta
+    random = load_stage_model("tiny-random", 1, 1, embedding=False)  # seeded over every layer: built whole
+    assert not any(p.is_meta for p in random.model.parameters())

@@ -101,6 +101,35 @@ def test_torch_runtime_adapter_equals_the_eager_reference(torch_run, one_torch_t
 
 
 @pytest.mark.slow
+def test_ranks_of_a_model_directory_load_only_their_layers_and_train_as_eager(data_file, tmp_path,
+                                                                               one_torch_thread):
+    """A model directory (safetensors): each rank reads only its stage's weights (its `start` line says which
+    layers), and the adapter still equals the single-process eager reference built on the whole model."""
+    from test_model_source import _save_tiny_llama_dir
+    from zl_device.run.metrics_log import read_lines
+    from zl_device.run.train_job import run_training
+    from zl_export.options import ExportOptions, LossConfig, ModelSplit
+
+    model_dir = tmp_path / "model"
+    _save_tiny_llama_dir(model_dir)
+    loss = LossConfig(alpha=(0.5, 0.7, 1.0), translator_rank=2)  # identity translators: no lens fitting
+    run_dir = run_training(settings(tmp_path / "run", data_file, split=ModelSplit(str(model_dir)),
+                                    export=ExportOptions(micro_batch=BATCH, loss=loss)), say=lambda line: None).run_dir
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    for st in manifest["stages"]:
+        start = next(r for r in read_lines(run_dir / "stages" / f"stage_{st['index']}" / "metrics.jsonl")
+                     if r["type"] == "start")
+        assert start["weights"] == f"dir:{model_dir} (layers {st['layers'][0]}-{st['layers'][1]})", start["weights"]
+    merged = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    for head in sorted((run_dir / "adapter" / "early_exit").glob("stage_*.safetensors")):
+        merged.update(load_file(str(head)))
+    want = eager_reference(run_dir)
+    assert set(merged) == set(want)
+    for name, t in want.items():
+        torch.testing.assert_close(merged[name], t, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
 def test_run_directory_serves_merge_eval_and_report(torch_run, tmp_path):
     from zl.commands.merge import merge_command
     from zl_device.results.report import build_report

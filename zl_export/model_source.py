@@ -158,6 +158,54 @@ def load_model(spec: str = DEFAULT_MODEL, seed: int = 0) -> LoadedModel:
     return LoadedModel(_from_pretrained(target, spec), _hf_tokenizer(target, spec), spec, f"{kind}:{target}")
 
 
+def load_stage_model(spec: str, first: int, last: int, embedding: bool, seed: int = 0) -> LoadedModel:
+    """`load_model` for one pipeline stage: only decoder layers `first..last`, the final norm, the LM head and,
+    with `embedding` (stage 0, or a model whose LM head is its embedding), the token embedding hold weights; the
+    other layers stay on the meta device, shaped but without memory. The values are the ones `load_model` gives
+    (read from the same float32 safetensors), so a stage built on it computes what it computes on the whole model.
+
+    For a GGUF file (its cached conversion) or a local model directory with `.safetensors` weights. Other sources
+    load whole (`load_model`): a hub id (no files here to read from), `.bin` weights, and the random models, whose
+    seeded initialisation runs over every layer.
+
+    Raises:
+        ZLError: as `load_model`; a weight of the stage missing from the model's files.
+    """
+    kind, path = resolve(spec)
+    local = _gguf_cache(path) if kind == "gguf" else path
+    files = sorted(Path(local).glob("*.safetensors")) if kind in ("gguf", "dir") else []
+    if not files:
+        return load_model(spec, seed)
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(local)
+    _check_llama(config, spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    wanted = [f"model.layers.{i}." for i in range(first, last + 1)] + ["model.norm.", "lm_head."]
+    if embedding or tied:
+        wanted.append("model.embed_tokens.")
+    tensors = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(tuple(wanted)):
+                    tensors[key] = f.get_tensor(key).to(torch.float32)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if tied:
+        model.tie_weights()  # lm_head.weight is embed_tokens.weight again
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # buffers computed, not stored in the files
+    missing = [n for n, t in model.named_parameters() if t.is_meta and n.startswith(tuple(wanted))]
+    if missing:
+        raise ZLError(f"--model {spec}: {local} has no tensor {missing[0]} ({len(missing)} weights of layers "
+                      f"{first}-{last} missing); the model files are incomplete, download or convert them again.")
+    return LoadedModel(model.eval(), _hf_tokenizer(local, spec), spec, f"{kind}:{path} (layers {first}-{last})")
+
+
 def load_tokenizer(spec: str = DEFAULT_MODEL) -> Tokenizer:
     """The tokenizer of `spec` without loading its weights (the GGUF conversion is cached on first use)."""
     kind, path = resolve(spec)

@@ -138,7 +138,7 @@ def train_pipelined(job, rank: int, world: int, device: torch.device, backend: s
     from zl_export.shard import load_shard
 
     manifest = read_manifest_file(Path(job.manifest))
-    module, names = build_stage(job, manifest, rank)
+    module, names, weights = build_stage(job, manifest, rank)
     module.to(device)
     batch = manifest["micro_batch"]
     shard = load_shard(job.shard) if rank in (0, world - 1) else None
@@ -155,7 +155,8 @@ def train_pipelined(job, rank: int, world: int, device: torch.device, backend: s
     setup_peak = reset_peak_rss()  # the done line's train_peak_rss_mib: training's peak, not the model load's
     dist.barrier()
     log.write({"type": "start", "t_unix_ms": int(time.time() * 1000), "stage": rank, "num_stages": world,
-               "pid": os.getpid(), "runtime": "torch", "pipeline": job.pipeline, "backend": backend})
+               "pid": os.getpid(), "runtime": "torch", "pipeline": job.pipeline, "backend": backend,
+               "weights": weights})
     cpu0, wall0 = time.process_time(), time.perf_counter()
     t0 = time.perf_counter()
 

@@ -123,9 +123,13 @@ def run_rank(job: TorchJob, rank: int, world: int, local_rank: int, local_world:
 
 
 def build_stage(job: TorchJob, manifest: dict, rank: int):
-    """Stage `rank`'s StageModule (other layers freed) and its trainable parameters' manifest names by id."""
+    """(stage `rank`'s StageModule, its trainable parameters' manifest names by id, where its weights came from).
+
+    The rank loads only its stage's weights where the model's files allow (`load_stage_model`: a GGUF file or a
+    model directory with safetensors); otherwise, and for lens translators (fitted through every stage), it loads
+    the whole model and frees the other stages' layers."""
     from zl_export.exporter import build_stage_modules, manifest_names
-    from zl_export.model_source import load_model
+    from zl_export.model_source import load_model, load_stage_model
     from zl_export.options import ExportOptions, LoraSettings, LossConfig
     from zl_export.shard import load_shard
     from zl_export.stages import StageRange
@@ -136,8 +140,12 @@ def build_stage(job: TorchJob, manifest: dict, rank: int):
                          lora=LoraSettings(lora["rank"], lora["alpha"], tuple(lora["targets"])),
                          loss=LossConfig.from_manifest(manifest["loss"]), seed=manifest["seed"],
                          max_targets=manifest["max_targets"], frozen_dtype=manifest.get("frozen_dtype", "fp32"))
-    loaded = load_model(job.model, seed=manifest["seed"])
     lens = opts.loss.translator_rank and opts.loss.translator_init == "lens"
+    if lens:  # fitting the lenses runs the calibration rows through every stage: the whole model
+        loaded = load_model(job.model, seed=manifest["seed"])
+    else:  # this stage's weights only, where the model's files allow (load_stage_model)
+        first, last = manifest["stages"][rank]["layers"]
+        loaded = load_stage_model(job.model, first, last, embedding=rank == 0, seed=manifest["seed"])
     calibration = calibration_batches(load_shard(job.shard)) if lens else None  # as the export fits them
     peft_model, modules = build_stage_modules(
         loaded.model, [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]], opts, calibration)
@@ -149,10 +157,11 @@ def build_stage(job: TorchJob, manifest: dict, rank: int):
         raise ZLError(f"stage {rank}: its trainable parameters differ from {job.manifest}'s stage {rank} "
                       f"({len(names)} vs {len(expected)}); the manifest is from another model or settings, start "
                       "the run again with `zl train --runtime torch`.")
+    source = loaded.source
     del loaded, peft_model, modules  # the other stages' layers go with them
     gc.collect()
     release_free_memory()
-    return module, names
+    return module, names, source
 
 
 def release_free_memory() -> None:
@@ -182,7 +191,7 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
     batch, hidden = manifest["micro_batch"], manifest["model"]["hidden_size"]
     log = Telemetry(Path(job.metrics_dir) / f"stage_{rank}" / "metrics.jsonl")
     start = time.time()
-    module, names = build_stage(job, manifest, rank)
+    module, names, weights = build_stage(job, manifest, rank)
     module.to(device)
     shard = load_shard(job.shard) if first else None
     plan = WindowPlan(job.num_micro_batches, job.window_size)
@@ -201,7 +210,7 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
     log.write({"type": "start", "t_unix_ms": int(time.time() * 1000), "stage": rank, "num_stages": world,
                "pid": os.getpid(), "first_micro_batch": plan.start(first_window),
                "resumed_from_window": resumed, "listen_port": None, "runtime": "torch", "backend": backend,
-               "device": str(device), "setup_s": round(setup_s, 3), "config": asdict(job)})
+               "device": str(device), "setup_s": round(setup_s, 3), "weights": weights, "config": asdict(job)})
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for w in range(first_window, plan.num_windows):
         step.start_window()

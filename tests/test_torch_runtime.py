@@ -85,9 +85,9 @@ def eager_reference(run_dir: Path) -> dict[str, torch.Tensor]:
     return stage_parameters(modules, peft_model)
 
 
-@pytest.mark.slow
-def test_torch_runtime_adapter_equals_the_eager_reference(torch_run, one_torch_thread):
-    run_dir = torch_run.run_dir
+def assert_adapter_equals_eager(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The run's merged adapter (LoRA and readout translators) equals `eager_reference`'s within rtol 1e-5;
+    returns the adapter's tensors by name."""
     merged = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
     for head in sorted((run_dir / "adapter" / "early_exit").glob("stage_*.safetensors")):
         merged.update(load_file(str(head)))
@@ -95,6 +95,13 @@ def test_torch_runtime_adapter_equals_the_eager_reference(torch_run, one_torch_t
     assert set(merged) == set(want)
     for name, t in want.items():
         torch.testing.assert_close(merged[name], t, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    return merged
+
+
+@pytest.mark.slow
+def test_torch_runtime_adapter_equals_the_eager_reference(torch_run, one_torch_thread):
+    run_dir = torch_run.run_dir
+    merged = assert_adapter_equals_eager(run_dir)
     moved = [n for n, t in merged.items() if "lora_B" in n and t.abs().max() > 1e-3]
     assert len(moved) == sum("lora_B" in n for n in merged), "every stage trained its LoRA B off zero"
     assert merged["zl.translator.stage_0.up"].abs().max() > 0, "the translators trained too"
@@ -120,13 +127,7 @@ def test_ranks_of_a_model_directory_load_only_their_layers_and_train_as_eager(da
         start = next(r for r in read_lines(run_dir / "stages" / f"stage_{st['index']}" / "metrics.jsonl")
                      if r["type"] == "start")
         assert start["weights"] == f"dir:{model_dir} (layers {st['layers'][0]}-{st['layers'][1]})", start["weights"]
-    merged = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
-    for head in sorted((run_dir / "adapter" / "early_exit").glob("stage_*.safetensors")):
-        merged.update(load_file(str(head)))
-    want = eager_reference(run_dir)
-    assert set(merged) == set(want)
-    for name, t in want.items():
-        torch.testing.assert_close(merged[name], t, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    assert_adapter_equals_eager(run_dir)
 
 
 @pytest.mark.slow

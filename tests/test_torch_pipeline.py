@@ -178,3 +178,20 @@ def test_bench_pipelines_measures_every_pipeline(tmp_path, capsys):
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["results"] == results and saved["base"]["rows"] == 16
     assert (tmp_path / "bench" / "pipelines.png").stat().st_size > 10_000
+
+
+def test_bench_pipelines_prints_unmeasured_peaks_as_dashes(tmp_path):
+    """A host without /proc VmHWM reports no peak (None): the table, the ratios and the plot still come out."""
+    from conftest import load_tool
+
+    bench = load_tool("bench_pipelines")
+
+    def result(name, peaks):
+        return {"pipeline": name, "records_per_s": 2.0, "wall_s": 4.0, "train_peak_rss_mib": peaks,
+                "peak_rss_mib": peaks, "busy_share": [0.5, 0.5], "last_stage_first_loss": 1.0,
+                "last_stage_last_loss": 0.5, "in_flight_max": [None, None], "stash_versions_max": [None, None]}
+
+    results = [result("zerolock", [None, 10.0]), result("pipedream", [20.0, None])]
+    assert "| - / 10 | - / 10 |" in bench.table(results, None)
+    assert bench.ratios(results) == ["zerolock vs pipedream: records/s 1.00x, peak RSS in training per rank - / -x"]
+    assert bench.plot(results, tmp_path / "p.png").stat().st_size > 0

@@ -162,8 +162,8 @@ def score(args, prepared: Path, results: list[dict]) -> dict | None:
 
 
 def table(results: list[dict], base: dict | None) -> str:
-    def per_rank(values, fmt):
-        return " / ".join(fmt(v) for v in values)
+    def per_rank(values, fmt):  # None: not measured (no /proc VmHWM on this host)
+        return " / ".join("-" if v is None else fmt(v) for v in values)
 
     rows = ["| pipeline | records/s | wall (s) | peak RSS in training per rank (MiB) | process peak RSS per rank "
             "(MiB) | busy share per rank | dev accuracy | dev NLL | last stage loss, first -> last window | "
@@ -192,7 +192,8 @@ def ratios(results: list[dict]) -> list[str]:
         if zl is None or other not in by:
             continue
         o = by[other]
-        mem = " / ".join(f"{a / b:.2f}" for a, b in zip(zl["train_peak_rss_mib"], o["train_peak_rss_mib"]))
+        mem = " / ".join(f"{a / b:.2f}" if a and b else "-"
+                         for a, b in zip(zl["train_peak_rss_mib"], o["train_peak_rss_mib"]))
         lines.append(f"zerolock vs {other}: records/s {zl['records_per_s'] / o['records_per_s']:.2f}x, "
                      f"peak RSS in training per rank {mem}x")
     return lines
@@ -214,7 +215,7 @@ def plot(results: list[dict], path: Path) -> Path:
     width = 0.8 / ranks
     for k in range(ranks):
         memory.bar([i + (k - (ranks - 1) / 2) * width for i in range(len(results))],
-                   [r["train_peak_rss_mib"][k] for r in results], width, label=f"stage {k}")
+                   [r["train_peak_rss_mib"][k] or 0 for r in results], width, label=f"stage {k}")  # 0: unmeasured
     memory.set_xticks(range(len(results)), names)
     memory.set_ylabel("MiB")
     memory.set_title("peak RSS in training, per stage")

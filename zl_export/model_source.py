@@ -177,10 +177,9 @@ def load_stage_model(spec: str, first: int, last: int, embedding: bool, seed: in
     if not files:
         return load_model(spec, seed)
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(local)
-    _check_llama(config, spec)
+    config = _llama_config(local, spec)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -234,8 +233,13 @@ def _check_llama(config, spec: str) -> None:
         )
 
 
-def _from_pretrained(target: str | Path, spec: str) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _llama_config(target: str | Path, spec: str):
+    """The model's config, checked to be a Llama.
+
+    Raises:
+        ZLError: no readable config (offline hub id), or another architecture.
+    """
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(target)
@@ -245,6 +249,13 @@ def _from_pretrained(target: str | Path, spec: str) -> torch.nn.Module:
             "offline, download the model once and pass its local directory."
         ) from e
     _check_llama(config, spec)
+    return config
+
+
+def _from_pretrained(target: str | Path, spec: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    _llama_config(target, spec)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 

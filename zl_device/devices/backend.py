@@ -274,10 +274,15 @@ def sum_pss_kib(smaps: str) -> int | None:
 
     "Pss_Anon:" and friends do not count: the key must end at the colon.
     """
+    return sum_field_kib(smaps, "Pss")
+
+
+def sum_field_kib(text: str, field: str) -> int | None:
+    """Sum of the values (kB) of the `field:` lines of a /proc file (smaps, status); None when there are none."""
     total, found = 0, False
-    for line in smaps.splitlines():
+    for line in text.splitlines():
         key, _, rest = line.partition(":")
-        if key.strip() == "Pss" and rest.split():
+        if key.strip() == field and rest.split():
             total += int(rest.split()[0])
             found = True
     return total if found else None

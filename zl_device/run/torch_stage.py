@@ -344,13 +344,13 @@ def peak_rss_mib() -> float | None:
     /proc/self/status, anonymous and file-backed pages (a mapped file counts as far as it was read); None where
     there is none. Not getrusage's ru_maxrss: that survives exec, so a child started by a big parent would report
     the parent's peak."""
-    import re
+    from zl_device.devices.backend import sum_field_kib
 
     try:
-        found = re.search(r"^VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+        kib = sum_field_kib(Path("/proc/self/status").read_text(), "VmHWM")
     except OSError:
         return None
-    return round(int(found.group(1)) / 1024, 1) if found else None
+    return round(kib / 1024, 1) if kib is not None else None
 
 
 class Telemetry:

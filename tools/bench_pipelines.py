@@ -20,11 +20,18 @@ merged adapter:
 - dev accuracy and NLL of each pipeline's merged adapter on the same dev rows (and of the base model);
 - PipeDream only: most micro-batches in flight per rank and most weight versions stashed at once per rank.
 
+Ranks on one host are not devices: a rank waiting in a bubble gives its core to the others, and loopback is
+not a phone's Wi-Fi. `--cpus-per-rank C` caps every rank at C CPUs in a control group of its own (busy share is
+then of that quota), and `--link-mbit B` makes all traffic between the ranks share one B Mbit/s link
+(tools/emulated_devices.py; both need root and change the host only while a pipeline runs).
+
 It prints a table, writes the figures (--json) and a plot of throughput and memory per pipeline
 (OUT/pipelines.png, or --plot).
 
     nice -n 10 .venv/bin/python tools/bench_pipelines.py --model tiny-random --samples 64 --window 8 --seq-len 64
     .venv/bin/python tools/bench_pipelines.py --model smollm2-135m --samples 32 --window 8 --seq-len 128 --json e1.json
+    sudo .venv/bin/python tools/bench_pipelines.py --model smollm2-135m --samples 64 --window 4 --seq-len 128 \\
+        --cpus-per-rank 0.66 --link-mbit 50 --no-eval   # 3 devices of 2/3 of a core on one 50 Mbit/s link
     .venv/bin/python tools/bench_pipelines.py --model tinyllama-random --stages 0-6,7-13,14-21 --samples 8 \\
         --window 4 --seq-len 128 --pipelines zerolock,pipedream --no-eval   # memory
 """
@@ -32,13 +39,16 @@ It prints a table, writes the figures (--json) and a plot of throughput and memo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
 
 RUNNER = "zerolock-et"  # the ExecuTorch runner: `zl train`'s default runtime
 TRIMMED = "zerolock-trimmed"  # `zl train --runtime torch` as it runs by default: micro-batches cut to their longest row
@@ -92,6 +102,22 @@ def figures(pipeline: str, lines: list[list[dict]], samples: int, begin_key: str
             "last_stage_first_loss": windows[0]["mean_loss"], "last_stage_last_loss": windows[-1]["mean_loss"],
             "in_flight_max": [d.get("in_flight_max") for d in done],
             "stash_versions_max": [d.get("stash_versions_max") for d in done]}
+
+
+@contextlib.contextmanager
+def emulated(args, pipeline: str):
+    """The devices a pipeline runs on: a CPU quota per rank and the shared link, where asked for (a no-op
+    otherwise); checks on exit that every rank had its quota."""
+    from emulated_devices import CpuQuota, ShapedLoopback
+
+    with contextlib.ExitStack() as stack:
+        if args.link_mbit:
+            stack.enter_context(ShapedLoopback(args.link_mbit))
+        quota = stack.enter_context(CpuQuota(args.cpus_per_rank)) if args.cpus_per_rank else None
+        yield
+        if quota is not None and quota.placed < args.ranks:
+            raise SystemExit(f"{pipeline}: only {quota.placed} of {args.ranks} ranks were put under "
+                             f"--cpus-per-rank; its figures are not those of separate devices.")
 
 
 def run_torch(prepared: Path, pipeline: str, out: Path, timeout_s: float) -> dict:
@@ -250,6 +276,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help=f"Which to run, comma-separated, from {','.join(CHOICES)}; {TRIMMED} is ZeroLock on "
                              "torch with its micro-batches cut to their longest row, as `zl train --runtime torch` "
                              "runs (the others all compute the full --seq-len).")
+    parser.add_argument("--cpus-per-rank", type=float, default=None,
+                        help="Cap each rank at this many CPUs (a cgroup each; root), so a rank's idle time is not "
+                             "another's, as on separate devices; e.g. 0.66 for 3 ranks on 2 cores.")
+    parser.add_argument("--link-mbit", type=float, default=None,
+                        help="All traffic between the ranks shares one link of this many Mbit/s (tc tbf on "
+                             "loopback while a pipeline runs; root), like phones on one Wi-Fi access point.")
     parser.add_argument("--eval-limit", type=int, default=200, help="Dev rows scored per pipeline.")
     parser.add_argument("--no-eval", action="store_true", help="Skip the accuracy (memory or speed runs).")
     parser.add_argument("--out", type=Path, default=None, help="Working directory (default: a temporary one).")
@@ -261,16 +293,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = [p for p in chosen if p not in CHOICES]
     if unknown or not chosen:
         parser.error(f"--pipelines {args.pipelines}: choose from {','.join(CHOICES)}")
+    for flag, value in (("--cpus-per-rank", args.cpus_per_rank), ("--link-mbit", args.link_mbit)):
+        if value is not None and not value > 0:
+            parser.error(f"{flag} {value:g}: give a positive number (or leave it out: no emulation)")
     args.ranks = len(args.stages.split(",")) if args.stages else args.num_stages
+    if args.link_mbit:  # a kill (SIGTERM) unwinds too, so the loopback's shaping is removed
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     out = args.out or Path(tempfile.mkdtemp(prefix="zl-bench-pipelines-"))
     prepared = prepare(args, out)
     results = []
     for pipeline in chosen:
         print(f"{pipeline}: {args.ranks} ranks ...", file=sys.stderr, flush=True)
-        if pipeline == RUNNER:
-            results.append(run_runner(args, out / pipeline))
-        else:
-            results.append(run_torch(prepared, pipeline, out / pipeline, args.timeout))
+        with emulated(args, pipeline):
+            if pipeline == RUNNER:
+                results.append(run_runner(args, out / pipeline))
+            else:
+                results.append(run_torch(prepared, pipeline, out / pipeline, args.timeout))
+        if args.cpus_per_rank:  # CPU time over wall time, as a share of what the rank may use
+            results[-1]["busy_share"] = [b / args.cpus_per_rank for b in results[-1]["busy_share"]]
     base = None if args.no_eval else score(args, prepared, results)
     print(table(results, base))
     for line in ratios(results):

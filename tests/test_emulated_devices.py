@@ -202,3 +202,11 @@ def test_the_shaped_loopback_carries_about_its_rate():
         assert link.sent_bytes() >= 5_000_000
     assert 25 < shaped < 48
     assert loopback_mbit(5_000_000) > 200  # and back to loopback's speed
+
+
+def test_the_bench_refuses_a_quota_or_link_that_is_not_positive_before_any_work(capsys):
+    bench = load_tool("bench_pipelines")
+    for flag in ("--cpus-per-rank", "--link-mbit"):
+        with pytest.raises(SystemExit):
+            bench.main([flag, "0", "--out", "/nonexistent/never-made"])
+        assert f"{flag} 0: give a positive number" in capsys.readouterr().err

@@ -374,3 +374,45 @@ def test_training_peak_rss_leaves_out_what_set_up_held_and_freed():
     assert forgotten >= start + 390, (start, forgotten)  # the set-up peak, returned
     assert after_reset < forgotten - 300, (forgotten, after_reset)  # and no longer counted
     assert peak >= after_reset + 190, (after_reset, peak)
+
+
+def _link_rank(rank: int, init: str, receive_ahead: bool, out: str) -> None:
+    """Stage 0 sends three entries and flushes; stage 1 is 'busy' for 1.5 s before it asks for them."""
+    import torch.distributed as dist
+
+    from zl_device.run.torch_link import StageLink
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    link = StageLink(rank, 2, 1, 8, torch.device("cpu"), depth=4, timeout_s=30, receive_ahead=receive_ahead)
+    times = {}
+    if rank == 0:
+        for mb in range(3):
+            link.send(mb, torch.full((1, 5, 8), float(mb)), torch.ones(1, 5, dtype=torch.int64),
+                      torch.full((1, 5), mb, dtype=torch.int64))
+        link.flush()
+        times["flushed"] = time.time()
+    else:
+        link.start_receiving(0, 3)
+        time.sleep(1.5)  # phase 2 of an earlier micro-batch
+        times["asked"] = time.time()
+        for mb in range(3):
+            hidden, mask, labels = link.receive(mb, more=mb < 2)
+            assert hidden.shape == (1, 5, 8) and float(hidden[0, 0, 0]) == mb and int(labels[0, 0]) == mb
+    Path(out, f"{rank}.json").write_text(json.dumps(times))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("receive_ahead", [True, False])
+def test_on_gloo_entries_land_while_the_receiver_computes(tmp_path, receive_ahead):
+    """With the receiving thread the sender's flush (before its commit) returns while stage 1 is still busy, as
+    with the runner's peer link; without it gloo moves nothing until stage 1 asks, and the sender waits."""
+    import torch.multiprocessing as mp
+
+    from zl_device.run.launch import free_port_base
+
+    mp.start_processes(_link_rank, args=(f"tcp://127.0.0.1:{free_port_base(1)}", receive_ahead, str(tmp_path)),
+                       nprocs=2, start_method="spawn")
+    flushed = json.loads((tmp_path / "0.json").read_text())["flushed"]
+    asked = json.loads((tmp_path / "1.json").read_text())["asked"]
+    assert (flushed < asked - 0.5) == receive_ahead, (flushed, asked)

@@ -324,4 +324,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    from zl.errors import ZLError
+
+    try:
+        main()
+    except ZLError as e:  # bad input or a failed run: the message names it and the fix
+        sys.exit(f"bench_pipelines: {e}")

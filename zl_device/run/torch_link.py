@@ -9,9 +9,15 @@ DATA frame, docs/design.md §4.6, without MAC or input log):
 
 `send` posts the three with `isend` and returns at once, so the sender's phase 2
 (local loss, backward) overlaps the transfer, as the runner's early forwarding
-does; at most `depth` entries are un-received (gloo completes a send only once
-the receiver has posted its receive), beyond that `send` waits: back-pressure.
-The receiver posts the next header's `irecv` as soon as it has taken an entry.
+does; at most `depth` entries are un-received, beyond that `send` waits:
+back-pressure. Gloo moves a message only once the receiver has posted its
+receive, so on gloo (`receive_ahead`) a thread of the receiver takes the
+entries as they come, up to `depth` ahead of the stage, as the runner's peer
+link does: the transfer of micro-batch i+1 overlaps the receiver's compute
+of micro-batch i, and the sender's flush before a commit returns once the
+entries have landed, not once the receiver gets round to them. On NCCL (p2p
+ops from two threads can deadlock there) the stage posts each entry's receives
+itself when it needs the entry; only the next header's `irecv` is posted ahead.
 
 Every wait is bounded by `timeout_s`: a neighbour that died or hangs makes this
 rank fail with a `ZLError` that names the stage, the micro-batch and the fix,
@@ -21,6 +27,8 @@ connection).
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections import deque
 from datetime import timedelta
@@ -37,8 +45,10 @@ class StageLink:
     """Stage `rank`'s ends of the links to `rank - 1` (receive) and `rank + 1` (send)."""
 
     def __init__(self, rank: int, world: int, batch: int, hidden: int, device: torch.device, depth: int,
-                 timeout_s: float):
+                 timeout_s: float, receive_ahead: bool = False):
         self.rank, self.world = rank, world
+        self.receive_ahead = receive_ahead
+        self._arrived: queue.Queue | None = None  # entries (or the error) the receiving thread took
         self.batch, self.hidden, self.device = batch, hidden, device
         self.depth = max(1, depth)
         self.timeout = timedelta(seconds=timeout_s)
@@ -93,6 +103,22 @@ class StageLink:
             header = torch.empty(2, dtype=torch.int64, device=self.device)
             self._header = (header, dist.irecv(header, self.rank - 1, tag=HEADER_TAG))
 
+    def start_receiving(self, first: int, end: int) -> None:
+        """With `receive_ahead`: a thread takes micro-batches first .. end-1's entries as they come, at most
+        `depth` ahead of `receive` (no-op otherwise). Call it once, after the set-up barrier."""
+        if not self.receive_ahead or first >= end:
+            return
+        self._arrived = queue.Queue(maxsize=self.depth)
+
+        def take_all() -> None:
+            try:
+                for mb in range(first, end):
+                    self._arrived.put(self._receive_now(mb, more=mb + 1 < end))
+            except BaseException as e:  # the stage raises it at its next receive
+                self._arrived.put(e)
+
+        threading.Thread(target=take_all, name=f"stage-{self.rank}-receive", daemon=True).start()
+
     def receive(self, mb: int, more: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Micro-batch `mb`'s entry from stage rank-1: (hidden (B, L, D) f32, mask (B, L), labels (B, L)).
 
@@ -102,6 +128,19 @@ class StageLink:
         Raises:
             ZLError: the wait timed out or the neighbour went away, or an entry of another micro-batch came.
         """
+        if self._arrived is None:
+            return self._receive_now(mb, more)
+        try:
+            got = self._arrived.get(timeout=self.timeout.total_seconds() + 5)  # the thread's own waits time out first
+        except queue.Empty:
+            raise ZLError(f"stage {self.rank}: no entry from stage {self.rank - 1} for micro-batch {mb} within "
+                          f"{self.timeout.total_seconds():g} s; did that stage fail? If it is only slow, raise "
+                          "--link-timeout.") from None
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def _receive_now(self, mb: int, more: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.post_receive()
         header, work = self._header
         what = f"micro-batch {mb} from stage {self.rank - 1}"

@@ -21,7 +21,12 @@ most K-k micro-batches' activations and as many stashed versions
 Link: plain `isend`/`irecv` of fixed shapes — forward hidden (B, S, D) and
 mask (B, S) int64 to k+1, the gradient of the hidden state (B, S, D) back to
 k-1. Sends never block the schedule (kept until complete); every receive
-waits at most `timeout_s`.
+waits at most `timeout_s`. On gloo, which moves a message only once its
+receive is posted, the next forward's and the next backward's receives are
+posted as soon as the previous one of the kind has been taken (`Ahead`), so
+transfers overlap compute as the ZeroLock link's receiving thread lets them
+(torch_link.py); on NCCL a receive waiting in a neighbour pair's stream would
+hold up the sends queued behind it, so there each is posted when needed.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ class PipeDreamStage:
         self._stash: tuple[int, list[torch.Tensor]] | None = None
         self.in_flight_max = 0
         self.stash_versions_max = 0
+        self._posted: dict[str, tuple[int, torch.Tensor, object]] = {}  # kind -> (mb, buffer, its irecv)
 
     def _stashed(self) -> tuple[int, list[torch.Tensor]]:
         """The current weight version's copy of the LoRA weights (made at its first forward)."""
@@ -88,11 +94,23 @@ class PipeDreamStage:
             raise ZLError(f"pipedream stage {self.rank}: {what} of micro-batch {mb} did not complete within "
                           f"{self.timeout.total_seconds():.0f} s ({e}); a neighbouring stage hung or died.") from e
 
-    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int, what: str, mb: int) -> torch.Tensor:
+    def _recv(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int, what: str, mb: int,
+              ahead: bool) -> torch.Tensor:
+        """Micro-batch `mb`'s tensor of kind `key` from `src`; with `ahead`, the same kind's receive for mb+1 is
+        posted before this returns (if the plan has one). Receives of one kind come in micro-batch order."""
         import torch.distributed as dist
 
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        self._wait(dist.irecv(buf, src=src, tag=tag), what, mb)
+        def post(m: int) -> None:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            self._posted[key] = (m, buf, dist.irecv(buf, src=src, tag=tag))
+
+        if key not in self._posted:
+            post(mb)
+        posted_mb, buf, work = self._posted.pop(key)
+        assert posted_mb == mb, (key, posted_mb, mb)  # pipedream_ops takes each kind in micro-batch order
+        if ahead and mb + 1 < self.plan.num_micro_batches:
+            post(mb + 1)
+        self._wait(work, what, mb)
         return buf
 
     def run(self, batches: Batches | None, hidden_shape: tuple[int, int, int],
@@ -109,6 +127,7 @@ class PipeDreamStage:
         dtype = self.module.norm.weight.dtype
         in_flight: dict[int, tuple] = {}  # mb -> (input, output or loss, stashed version, stashed weights)
         sends: list[tuple] = []  # (work, tensor, what, mb): a tensor lives until its send completes
+        ahead = self.device.type == "cpu"  # gloo: post the next receive of a kind early (module docstring)
         grad_sum = [torch.zeros_like(p) for p in self.params]
         losses: list[float] = []
         for op, mb in pipedream_ops(self.rank, self.world, plan.num_micro_batches):
@@ -121,8 +140,9 @@ class PipeDreamStage:
                                       f"(B, S) = {(b, s)} (the manifest's micro_batch and seq_len); the shard and "
                                       "manifest disagree: prepare the run again.")
                 else:
-                    x = self._recv((b, s, d), dtype, self.rank - 1, TAG_HIDDEN, "hidden state", mb).requires_grad_()
-                    mask = self._recv((b, s), torch.int64, self.rank - 1, TAG_MASK, "mask", mb)
+                    x = self._recv("hidden", (b, s, d), dtype, self.rank - 1, TAG_HIDDEN, "hidden state", mb,
+                                   ahead).requires_grad_()
+                    mask = self._recv("mask", (b, s), torch.int64, self.rank - 1, TAG_MASK, "mask", mb, ahead)
                 version, weights = self._stashed()
                 out = torch.func.functional_call(self.pipe, dict(zip(self.names, weights)), (x, mask))
                 if last:
@@ -138,7 +158,8 @@ class PipeDreamStage:
                 self.stash_versions_max = max(self.stash_versions_max, len({v[2] for v in in_flight.values()}))
                 continue
             x, out, _, weights = in_flight.pop(mb)
-            upstream = None if last else self._recv((b, s, d), dtype, self.rank + 1, TAG_GRAD, "gradient", mb)
+            upstream = None if last else self._recv("gradient", (b, s, d), dtype, self.rank + 1, TAG_GRAD,
+                                                    "gradient", mb, ahead)
             inputs = weights if first else [*weights, x]
             grads = torch.autograd.grad(out, inputs, grad_outputs=upstream)  # on the stashed weights
             for acc, g in zip(grad_sum, grads):

@@ -198,7 +198,8 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
     step = StageStep(module, job.lr[rank],
                      OptimizerSettings(lr=job.lr[rank], weight_decay=job.weight_decay, schedule=job.schedule),
                      plan.num_windows)
-    link = StageLink(rank, world, batch, hidden, device, job.in_flight, job.link_timeout_s)
+    link = StageLink(rank, world, batch, hidden, device, job.in_flight, job.link_timeout_s,
+                     receive_ahead=backend == "gloo")
     setup_s = time.time() - start
     setup_peak = reset_peak_rss()  # the done line's train_peak_rss_mib: training's peak, not the model load's
     # The run starts when every stage is built: process start and model load are not its time. No receive is
@@ -207,6 +208,8 @@ def train_stage(job: TorchJob, rank: int, world: int, device: torch.device, back
     stage_root = Path(job.checkpoint_dir) / f"stage_{rank}"
     resumed = resume_window(job, rank, stage_root, step, names, device) if job.resume else None
     first_window = 0 if resumed is None else resumed + 1
+    if not first:
+        link.start_receiving(plan.start(first_window), plan.num_micro_batches)
     log.write({"type": "start", "t_unix_ms": int(time.time() * 1000), "stage": rank, "num_stages": world,
                "pid": os.getpid(), "first_micro_batch": plan.start(first_window),
                "resumed_from_window": resumed, "listen_port": None, "runtime": "torch", "backend": backend,

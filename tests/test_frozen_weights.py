@@ -150,3 +150,45 @@ def test_the_frozen_dtype_changes_the_export_cache_key():
     s = TrainSettings(split=ModelSplit(model="tiny-random"))
     keys = {export_key(s, replace(_opts("fp32"), frozen_dtype=d)) for d in ("fp32", "bf16", "int8")}
     assert len(keys) == 3
+
+
+def saved_bytes(fn) -> tuple[torch.Tensor, int]:
+    """fn()'s result and the bytes autograd saved for its backward."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("chunk", [None, 64 * 48])  # one chunk; 3 chunks of 16 rows
+def test_widening_again_in_backward_keeps_no_float32_weight_and_computes_the_same(monkeypatch, dtype, chunk):
+    if chunk:
+        monkeypatch.setattr(frozen_weights, "CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=False)
+    x = torch.randn(2, 5, 64)
+    results = {}
+    for again in (False, True):
+        compact = CompactLinear(linear, dtype)
+        compact.widen_again = again
+        xi = x.clone().requires_grad_()
+        y, saved = saved_bytes(lambda: compact(xi))
+        (y * torch.linspace(-1, 1, 48)).sum().backward()
+        results[again] = (y.detach(), xi.grad, saved)
+    (y0, g0, saved_once), (y1, g1, saved_again) = results[False], results[True]
+    assert torch.equal(y0, y1)
+    torch.testing.assert_close(g1, g0, rtol=1e-6, atol=1e-6)
+    assert saved_once >= 48 * 64 * 4  # the float32 widening, kept until the backward
+    compact_bytes = 48 * 64 * (2 if dtype == "bf16" else 1) + (48 * 4 if dtype == "int8" else 0)
+    assert saved_again <= compact_bytes  # only the compact weight (and scale)
+    model = nn.Sequential(CompactLinear(linear, dtype), nn.ReLU(), CompactLinear(linear.__class__(48, 64, bias=False),
+                                                                                 dtype))
+    assert frozen_weights.widen_again_in_backward(model) == 2 and all(m.widen_again for m in model
+                                                                        if isinstance(m, CompactLinear))

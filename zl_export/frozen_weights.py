@@ -17,7 +17,11 @@ model: `zl export --check` and the tests compare them.
 In the joint graph a widened weight would live from the forward to the
 backward (the input gradient needs it again) and memory planning would keep
 every one of them: a float32 copy of all frozen weights. `widen_per_use`
-gives each use its own short-lived widening instead.
+gives each use its own short-lived widening instead. Eager autograd has the
+same problem (it saves the widened weight of every layer of every micro-batch
+in flight); `widen_again_in_backward` sets a module's compact linears to save
+the compact weight and widen it again for the input gradient (`WidenedLinear`),
+as the torch runtime's stages do.
 """
 
 from __future__ import annotations
@@ -53,8 +57,33 @@ def dequantized(weight: torch.Tensor, dtype: str) -> torch.Tensor:
     return q.float() * s[:, None]
 
 
+class WidenedLinear(torch.autograd.Function):
+    """y = x @ widen(W).T, times the int8 scale s per output: autograd saves the compact W (and s), not its float32
+    widening, and the backward widens W again for the input gradient dx = (dy * s) @ widen(W). W is frozen, so it
+    gets no gradient and x need not be saved."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(weight, scale)
+        y = F.linear(x, widen(weight))
+        return y if scale is None else y * scale
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight, scale = ctx.saved_tensors
+        if scale is not None:
+            grad = grad * scale
+        return grad @ widen(weight), None, None
+
+
 class CompactLinear(nn.Module):
-    """A frozen bias-free `nn.Linear` stored as bf16 or int8 + per-row scale, in row chunks of ≤ CHUNK_ELEMENTS."""
+    """A frozen bias-free `nn.Linear` stored as bf16 or int8 + per-row scale, in row chunks of ≤ CHUNK_ELEMENTS.
+
+    `widen_again = True` (eager only; `widen_again_in_backward`): the backward widens the weight again instead of
+    autograd keeping the forward's float32 copy. The export keeps it False and gets the same from `widen_per_use`.
+    """
+
+    widen_again = False
 
     def __init__(self, linear: nn.Linear, dtype: str):
         super().__init__()
@@ -76,8 +105,12 @@ class CompactLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (…, I) -> (…, O)
         outs = []
         for i in range(self.chunks):
-            y = F.linear(x, widen(getattr(self, f"weight_{i}")))  # (…, rows)
-            outs.append(y * getattr(self, f"scale_{i}") if self.dtype == "int8" else y)
+            weight, scale = getattr(self, f"weight_{i}"), getattr(self, f"scale_{i}", None)
+            if self.widen_again:
+                outs.append(WidenedLinear.apply(x, weight, scale))
+                continue
+            y = F.linear(x, widen(weight))  # (…, rows)
+            outs.append(y * scale if self.dtype == "int8" else y)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
@@ -99,6 +132,15 @@ class CompactEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
         rows = widen(F.embedding(ids, self.weight_q))
         return rows * self.scale[ids].unsqueeze(-1) if self.dtype == "int8" else rows
+
+
+def widen_again_in_backward(module: nn.Module) -> int:
+    """Set every CompactLinear of `module` to widen its weight again in the backward (eager training: autograd then
+    keeps the compact weights, not a float32 copy per layer and micro-batch); returns how many."""
+    linears = [m for m in module.modules() if isinstance(m, CompactLinear)]
+    for m in linears:
+        m.widen_again = True
+    return len(linears)
 
 
 def compact_frozen_weights(model: nn.Module, dtype: str) -> int:

@@ -190,5 +190,23 @@ def test_widening_again_in_backward_keeps_no_float32_weight_and_computes_the_sam
     assert saved_again <= compact_bytes  # only the compact weight (and scale)
     model = nn.Sequential(CompactLinear(linear, dtype), nn.ReLU(), CompactLinear(linear.__class__(48, 64, bias=False),
                                                                                  dtype))
-    assert frozen_weights.widen_again_in_backward(model) == 2 and all(m.widen_again for m in model
+    assert frozen_weights.compact_for_training(model) == 2 and all(m.widen_again for m in model
                                                                         if isinstance(m, CompactLinear))
+
+
+def test_compact_for_training_lets_the_float32_originals_go():
+    import gc
+    import weakref
+
+    linear, embedding = nn.Linear(64, 48, bias=False), nn.Embedding(100, 64)
+    model = nn.ModuleDict({"proj": linear, "embed": embedding}).requires_grad_(False)
+    assert frozen_weights.compact_frozen_weights(model, "bf16") == 2
+    originals = [weakref.ref(linear.weight), weakref.ref(embedding.weight)]
+    del linear, embedding
+    gc.collect()
+    assert all(r() is not None for r in originals)  # kept for restore_frozen_weights
+    assert frozen_weights.compact_for_training(model) == 2
+    gc.collect()
+    assert all(r() is None for r in originals)  # the stage holds its frozen weights once, compact
+    with pytest.raises(ValueError, match="let go of its float32 original"):
+        frozen_weights.restore_frozen_weights(model)

@@ -19,7 +19,7 @@ backward (the input gradient needs it again) and memory planning would keep
 every one of them: a float32 copy of all frozen weights. `widen_per_use`
 gives each use its own short-lived widening instead. Eager autograd has the
 same problem (it saves the widened weight of every layer of every micro-batch
-in flight); `widen_again_in_backward` sets a module's compact linears to save
+in flight); `compact_for_training` sets a module's compact linears to save
 the compact weight and widen it again for the input gradient (`WidenedLinear`),
 as the torch runtime's stages do.
 """
@@ -79,7 +79,7 @@ class WidenedLinear(torch.autograd.Function):
 class CompactLinear(nn.Module):
     """A frozen bias-free `nn.Linear` stored as bf16 or int8 + per-row scale, in row chunks of ≤ CHUNK_ELEMENTS.
 
-    `widen_again = True` (eager only; `widen_again_in_backward`): the backward widens the weight again instead of
+    `widen_again = True` (eager only; `compact_for_training`): the backward widens the weight again instead of
     autograd keeping the forward's float32 copy. The export keeps it False and gets the same from `widen_per_use`.
     """
 
@@ -134,13 +134,27 @@ class CompactEmbedding(nn.Module):
         return rows * self.scale[ids].unsqueeze(-1) if self.dtype == "int8" else rows
 
 
-def widen_again_in_backward(module: nn.Module) -> int:
-    """Set every CompactLinear of `module` to widen its weight again in the backward (eager training: autograd then
-    keeps the compact weights, not a float32 copy per layer and micro-batch); returns how many."""
-    linears = [m for m in module.modules() if isinstance(m, CompactLinear)]
-    for m in linears:
-        m.widen_again = True
-    return len(linears)
+def compact_for_training(module: nn.Module) -> int:
+    """Ready `module`'s compact weights for eager training only (the torch runtime's stages); returns how many.
+
+    Every CompactLinear widens its weight again in the backward (autograd then keeps the compact weights, not a
+    float32 copy per layer and micro-batch in flight), and every compact module lets go of the float32 original it
+    kept for `restore_frozen_weights` / `full_precision`, which then refuse it: otherwise the stage would hold its
+    frozen weights twice, compact and float32.
+    """
+    compact = [m for m in module.modules() if isinstance(m, (CompactLinear, CompactEmbedding))]
+    for m in compact:
+        m._original = ()
+        if isinstance(m, CompactLinear):
+            m.widen_again = True
+    return len(compact)
+
+
+def _original(child: nn.Module) -> nn.Module:
+    if not child._original:
+        raise ValueError("this compact module let go of its float32 original (compact_for_training); "
+                         "build the model again to get the float32 weights back")
+    return child._original[0]
 
 
 def compact_frozen_weights(model: nn.Module, dtype: str) -> int:
@@ -175,7 +189,7 @@ def restore_frozen_weights(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, (CompactLinear, CompactEmbedding)):
-                setattr(parent, name, child._original[0])
+                setattr(parent, name, _original(child))
                 count += 1
     return count
 
@@ -187,7 +201,7 @@ def full_precision(model: nn.Module):
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, (CompactLinear, CompactEmbedding)):
-                setattr(parent, name, child._original[0])
+                setattr(parent, name, _original(child))
                 swapped.append((parent, name, child))
     try:
         yield bool(swapped)

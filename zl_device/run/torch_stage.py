@@ -129,7 +129,7 @@ def build_stage(job: TorchJob, manifest: dict, rank: int):
     model directory with safetensors); otherwise, and for lens translators (fitted through every stage), it loads
     the whole model and frees the other stages' layers."""
     from zl_export.exporter import build_stage_modules, manifest_names
-    from zl_export.frozen_weights import widen_again_in_backward
+    from zl_export.frozen_weights import compact_for_training
     from zl_export.model_source import load_model, load_stage_model
     from zl_export.options import ExportOptions, LoraSettings, LossConfig
     from zl_export.shard import load_shard
@@ -151,7 +151,7 @@ def build_stage(job: TorchJob, manifest: dict, rank: int):
     peft_model, modules = build_stage_modules(
         loaded.model, [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]], opts, calibration)
     module = modules[rank]
-    widen_again_in_backward(module)  # bf16/int8: autograd keeps the compact weights, not float32 copies
+    compact_for_training(module)  # bf16/int8: the compact weights only, never float32 copies
     names = manifest_names(module, peft_model)
     names = {id(p): names[id(p)] for p in module.parameters() if p.requires_grad}
     expected = {p["name"] for p in manifest["stages"][rank]["parameters"]}

@@ -57,6 +57,12 @@ def dequantized(weight: torch.Tensor, dtype: str) -> torch.Tensor:
     return q.float() * s[:, None]
 
 
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x @ widen(W).T, times the int8 scale per output channel (None for bf16)."""
+    y = F.linear(x, widen(weight))
+    return y if scale is None else y * scale
+
+
 class WidenedLinear(torch.autograd.Function):
     """y = x @ widen(W).T, times the int8 scale s per output: autograd saves the compact W (and s), not its float32
     widening, and the backward widens W again for the input gradient dx = (dy * s) @ widen(W). W is frozen, so it
@@ -65,8 +71,7 @@ class WidenedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(weight, scale)
-        y = F.linear(x, widen(weight))
-        return y if scale is None else y * scale
+        return widened_linear(x, weight, scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -106,11 +111,8 @@ class CompactLinear(nn.Module):
         outs = []
         for i in range(self.chunks):
             weight, scale = getattr(self, f"weight_{i}"), getattr(self, f"scale_{i}", None)
-            if self.widen_again:
-                outs.append(WidenedLinear.apply(x, weight, scale))
-                continue
-            y = F.linear(x, widen(weight))  # (…, rows)
-            outs.append(y * scale if self.dtype == "int8" else y)
+            # (…, rows); autograd keeps the compact weight with widen_again, else the forward's widening
+            outs.append(WidenedLinear.apply(x, weight, scale) if self.widen_again else widened_linear(x, weight, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 

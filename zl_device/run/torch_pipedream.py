@@ -23,7 +23,7 @@ mask (B, S) int64 to k+1, the gradient of the hidden state (B, S, D) back to
 k-1. Sends never block the schedule (kept until complete); every receive
 waits at most `timeout_s`. On gloo, which moves a message only once its
 receive is posted, the next forward's and the next backward's receives are
-posted as soon as the previous one of the kind has been taken (`Ahead`), so
+posted as soon as the previous one of the kind has been taken (`_recv`), so
 transfers overlap compute as the ZeroLock link's receiving thread lets them
 (torch_link.py); on NCCL a receive waiting in a neighbour pair's stream would
 hold up the sends queued behind it, so there each is posted when needed.

@@ -149,5 +149,9 @@ def test_a_stage_of_incomplete_files_is_refused_and_other_sources_load_whole(tmp
     with pytest.raises(ZLError, match=r"has no tensor model\.layers\.1\..* incomplete"):
         load_stage_model(str(tmp_path), 1, 1, embedding=False)
     assert load_stage_model(str(tmp_path), 0, 0, embedding=True).model.model.layers[1].mlp.up_proj.weight.is_meta
-    random = load_stage_model("tiny-random", 1, 1, embedding=False)  # seeded over every layer: built whole
-    assert not any(p.is_meta for p in random.model.parameters())
+    # a random model is seeded over every layer, so it is built whole; then what the stage does not hold goes
+    random, whole = load_stage_model("tiny-random", 1, 1, embedding=False).model, load_model("tiny-random").model
+    held = {n for n, p in random.named_parameters() if not p.is_meta}
+    assert held == {n for n in dict(whole.named_parameters())
+                    if n.startswith(("model.layers.1.", "model.norm.", "lm_head."))}
+    assert all(torch.equal(p, whole.get_parameter(n)) for n, p in random.named_parameters() if n in held)

@@ -50,6 +50,7 @@ from custom_ops.runtime import KERNELS_ENV  # noqa: E402
 
 FULL = "full"
 MM = "full, mm + permute_copy"
+BACKPROP = ("backprop", "eager")  # timed next to the programs: a backprop pipeline's step of the same stage
 KERNELS = ("zl", "executorch")
 
 
@@ -137,6 +138,11 @@ def main() -> None:
                 eager = ms[(name, "eager")]
                 et = {k: ms[(name, k)] for k in args.kernels}
                 rows.append((seq, threads, name, gflop[name], et, eager, base))
+            if BACKPROP in ms:
+                mine = ", ".join(f"{name} {ms[(name, 'eager')] / ms[BACKPROP]:.2f}x" for name in names)
+                print(f"seq {seq}, {threads} thread(s): a backprop pipeline's step of this stage (eager: the layers' "
+                      f"forward and backward from a received gradient) {ms[BACKPROP]:.0f} ms; ZeroLock's eager step "
+                      f"/ it: {mine}", flush=True)
             if args.profile and i == 0:
                 for name in names:
                     module.max_targets = readouts.get(name, 0)
@@ -232,6 +238,9 @@ def _time(module, programs: dict, readouts: dict, inputs: tuple, threads: int, r
         runs[(name, kernel)] = program.step
         runs[(name, "eager")] = eager(readouts.get(name, 0))
     losses = {key: float(run(*inputs).outputs["loss"]) for key, run in runs.items()}  # warm-up and correctness
+    if not module.is_last:
+        runs[BACKPROP] = _backprop_step(module, inputs)
+        runs[BACKPROP]()  # warm-up
     ref = losses[(FULL, "eager")]
     worst = max(abs(v - ref) / max(abs(ref), 1e-12) for v in losses.values())
     print(f"{threads} thread(s): loss {ref:.6f} (eager, full readout); largest relative difference across programs "
@@ -242,9 +251,25 @@ def _time(module, programs: dict, readouts: dict, inputs: tuple, threads: int, r
     for _ in range(repeats):  # alternate, so drift (heat, other load) hits all alike
         for key, run in runs.items():
             t0 = time.perf_counter()
-            run(*inputs)
+            run(*inputs) if key != BACKPROP else run()
             ms[key].append((time.perf_counter() - t0) * 1e3)
     return {key: statistics.median(v) for key, v in ms.items()}
+
+
+def _backprop_step(module, inputs: tuple):
+    """A backprop pipeline's step of the same stage in eager (GPipe, 1F1B, PipeDream): the layers' forward, then
+    their backward from the gradient the next stage sends back (random here); no readout, no local loss, and the
+    input gradient that goes upstream (stage 0: none)."""
+    x, mask = inputs[0], inputs[1]
+    with torch.no_grad():
+        shape = module.chunk(x, mask)[1].shape
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+
+    def run():
+        module.zero_grad(set_to_none=True)
+        _, h = module.chunk(x if module.is_first else x.detach().requires_grad_(True), mask)
+        h.backward(grad)
+    return run
 
 
 def step_gflop(cfg, module, seq: int, batch: int, slots: int, lora: LoraSettings) -> float:

@@ -240,7 +240,7 @@ def _time(module, programs: dict, readouts: dict, inputs: tuple, threads: int, r
     losses = {key: float(run(*inputs).outputs["loss"]) for key, run in runs.items()}  # warm-up and correctness
     if not module.is_last:
         runs[BACKPROP] = _backprop_step(module, inputs)
-        runs[BACKPROP]()  # warm-up
+        runs[BACKPROP](*inputs)  # warm-up
     ref = losses[(FULL, "eager")]
     worst = max(abs(v - ref) / max(abs(ref), 1e-12) for v in losses.values())
     print(f"{threads} thread(s): loss {ref:.6f} (eager, full readout); largest relative difference across programs "
@@ -251,7 +251,7 @@ def _time(module, programs: dict, readouts: dict, inputs: tuple, threads: int, r
     for _ in range(repeats):  # alternate, so drift (heat, other load) hits all alike
         for key, run in runs.items():
             t0 = time.perf_counter()
-            run(*inputs) if key != BACKPROP else run()
+            run(*inputs)
             ms[key].append((time.perf_counter() - t0) * 1e3)
     return {key: statistics.median(v) for key, v in ms.items()}
 
@@ -260,12 +260,11 @@ def _backprop_step(module, inputs: tuple):
     """A backprop pipeline's step of the same stage in eager (GPipe, 1F1B, PipeDream): the layers' forward, then
     their backward from the gradient the next stage sends back (random here); no readout, no local loss, and the
     input gradient that goes upstream (stage 0: none)."""
-    x, mask = inputs[0], inputs[1]
     with torch.no_grad():
-        shape = module.chunk(x, mask)[1].shape
+        shape = module.chunk(inputs[0], inputs[1])[1].shape
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(2))
 
-    def run():
+    def run(x, mask, *_):  # the step's inputs, as the other runs take them; no labels (no loss)
         module.zero_grad(set_to_none=True)
         _, h = module.chunk(x if module.is_first else x.detach().requires_grad_(True), mask)
         h.backward(grad)

@@ -3,8 +3,12 @@ checkpoints and input-log entries after the last window every stage committed ar
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import pytest
+
+from zl.errors import ZLError
 from zl_device.devices.local import LocalDevice
 from zl_device.run.coordinator import Coordinator, StagePlan, input_log_entry_window
 from zl_device.run.windows import WindowPlan
@@ -45,3 +49,13 @@ def test_input_log_entry_names():
     assert input_log_entry_window("entry-7-w12.zlf") == 12
     for other in ("entry-7-w12.zlf.tmp", "entry-7-w12.zlf.corrupt", "window_000001", "entry--w1.zlf"):
         assert input_log_entry_window(other) is None
+
+
+def test_a_stage_that_fails_past_max_restarts_ends_the_run(tmp_path):
+    """--max-restarts: the failure after the last allowed restart stops the run, naming the stage and the count."""
+    plans = [_stage(tmp_path, k, [0], []) for k in range(2)]
+    coordinator = Coordinator(plans, WindowPlan(32, 4), recovery="global", max_restarts=1)
+    coordinator.status[1].restarts = 1
+    with pytest.raises(ZLError, match="stage 1 failed 2 times .exited with status -9.; giving up"):
+        coordinator._failed(1, time.monotonic(), "exited with status -9")
+    assert coordinator.events[-1]["type"] == "failure" and coordinator.events[-1]["stage"] == 1

@@ -172,7 +172,8 @@ def test_run_directory_serves_merge_eval_and_report(torch_run, tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_rank_fails_the_run_with_a_clear_error(data_file, tmp_path):
-    """SIGKILL stage 1 in the middle of the run: the run ends in bounded time naming the stage, no rank left."""
+    """SIGKILL stage 1 in the middle of a run with no restarts left: the run ends in bounded time naming the
+    stage, no rank left."""
     from zl_device.run.train_job import run_training
 
     out = tmp_path / "run"
@@ -180,7 +181,8 @@ def test_a_killed_rank_fails_the_run_with_a_clear_error(data_file, tmp_path):
 
     def train():
         try:
-            run_training(settings(out, data_file, samples=400, link_timeout_s=60), say=lambda line: None)
+            run_training(settings(out, data_file, samples=400, link_timeout_s=60, max_restarts=0),
+                         say=lambda line: None)
         except BaseException as e:  # noqa: BLE001 - handed to the test thread
             errors.append(e)
 
@@ -210,46 +212,88 @@ def test_a_killed_rank_fails_the_run_with_a_clear_error(data_file, tmp_path):
             os.kill(record["pid"], 0)
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
+
+
+def assert_same_adapter(run_dir: Path, want_dir: Path) -> None:
+    got, want = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (run_dir, want_dir))
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+@pytest.mark.slow
+def test_a_failed_rank_restarts_every_rank_to_the_same_adapter(torch_run, data_file, tmp_path):
+    """Stage 1 SIGKILLs itself in window 2 (--inject-failure 1@2): every rank starts again, resumes from the
+    latest window all committed and replays, as torch elastic restarts a group; the adapter is the clean run's,
+    bit for bit, and the report shows the recovery."""
+    from zl_device.run.train_job import run_training
+
+    out = tmp_path / "run"
+    said: list[str] = []
+    result = run_training(settings(out, data_file, inject_failure="1@2"), say=said.append)
+    assert "stage 1 died (signal 9): restarting every rank from the latest window all stages checkpointed" in said
+    assert_same_adapter(out, torch_run.run_dir)
+    lines = read_jsonl(out / "metrics.jsonl")
+    starts = {k: [r for r in lines if r["type"] == "start" and r["stage"] == k] for k in range(3)}
+    assert all(len(s) == 2 and s[0]["resumed_from_window"] is None for s in starts.values())
+    (resumed,) = {s[1]["resumed_from_window"] for s in starts.values()}
+    assert resumed in (0, 1)  # one common window, before the failure's
+    failure, restart, recovered = (next(r for r in lines if r["type"] == t) for t in ("failure", "restart", "recovered"))
+    assert failure["stage"] == 1 and failure["window"] == 2 and failure["micro_batch"] == 4  # killed before mb 4
+    assert restart["scope"] == "global" and restart["rolled_back_to_window"] == resumed
+    # Stage 1 replays its micro-batches after the common window; its neighbours as far as each had got (≤ 6).
+    first = WINDOW * (resumed + 1)
+    assert 4 - first <= restart["replayed_micro_batches"] <= 3 * (SAMPLES // BATCH - first)
+    assert recovered["downstream_stage"] == 2 and recovered["window"] == 2 and recovered["recovery_ms"] > 0
+    (entry,) = result.report["recovery"]
+    assert entry["stage"] == 1 and entry["recovery_ms"] == recovered["recovery_ms"]
+    assert result.report["run"]["samples"] == SAMPLES
+
+
 @pytest.mark.slow
 def test_resume_after_an_injected_failure_ends_identical(torch_run, data_file, tmp_path):
-    """Stage 1 SIGKILLs itself in window 2 (--inject-failure 1@2); `--resume` rolls every stage back to the latest
-    window all committed and replays: the adapter is the clean run's, bit for bit."""
+    """With no restarts left (--max-restarts 0) stage 1's failure in window 2 ends the run; `--resume` rolls every
+    stage back to the latest window all committed and replays: the adapter is the clean run's, bit for bit."""
     from zl_device.run.train_job import run_training
 
     out = tmp_path / "run"
     with pytest.raises(ZLError, match="stage 1"):
-        run_training(settings(out, data_file, inject_failure="1@2"), say=lambda line: None)
+        run_training(settings(out, data_file, inject_failure="1@2", max_restarts=0), say=lambda line: None)
     said: list[str] = []
     result = run_training(settings(out, data_file, resume=True), say=said.append)
     assert said[0] == f"resume: {out.resolve()} from the latest window every stage checkpointed"
-    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = read_jsonl(out / "metrics.jsonl")
     starts = {k: [r for r in lines if r["type"] == "start" and r["stage"] == k] for k in range(3)}
     assert all(len(s) == 2 and s[0]["resumed_from_window"] is None for s in starts.values())
     resumed = {s[1]["resumed_from_window"] for s in starts.values()}
     assert len(resumed) == 1 and resumed.pop() in (0, 1)  # one common window, before the failure's
-    clean, got = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (torch_run.run_dir, out))
-    assert got.keys() == clean.keys() and all(torch.equal(got[n], clean[n]) for n in clean)
+    assert_same_adapter(out, torch_run.run_dir)
     assert result.report["run"]["samples"] == SAMPLES
 
 
 @pytest.mark.slow
 def test_torchrun_runs_the_prepared_job_to_the_same_adapter(torch_run, data_file, tmp_path):
-    """`--launcher torchrun` prepares the run; torchrun's ranks train what the spawned ranks trained, bit for bit."""
+    """`--launcher torchrun` prepares the run; torchrun's ranks train what the spawned ranks trained, bit for bit,
+    through an elastic restart: stage 1 SIGKILLs itself in window 2, torchrun (--max-restarts) starts every rank
+    again and they resume from the latest window all committed."""
     from zl_device.results.adapter import merge_checkpoints
     from zl_device.run.train_job import run_training
 
     said: list[str] = []
-    run_dir = run_training(settings(tmp_path / "run", data_file, launcher="torchrun"), say=said.append).run_dir
+    run_dir = run_training(settings(tmp_path / "run", data_file, launcher="torchrun", inject_failure="1@2"),
+                           say=said.append).run_dir
     command = next(line.strip() for line in said if line.strip().startswith("torchrun "))
+    assert "--max-restarts 3 " in command
     assert command.endswith(f"-m zl_device.run.torch_stage {run_dir / 'torch_job.json'}")
     assert not (run_dir / "checkpoints").exists(), "nothing ran yet"
     args = command.split()[1:]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
+    starts = [r for r in read_jsonl(run_dir / "stages" / "stage_1" / "metrics.jsonl") if r["type"] == "start"]
+    assert [r["resumed_from_window"] is None for r in starts] == [True, False], "one restart, resumed"
     merge_checkpoints(run_dir / "checkpoints", run_dir / "manifest.json", run_dir / "adapter")
-    got, want = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (run_dir, torch_run.run_dir))
-    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    assert_same_adapter(run_dir, torch_run.run_dir)
 
 
 # --- fast: no ranks -----------------------------------------------------------------------------------
@@ -286,6 +330,7 @@ def test_torch_checkpoints_merge_like_the_runners(tmp_path):
 
 @pytest.mark.parametrize("change, problem", [
     ({"spares": 1}, "--spares is not supported with --runtime torch"),
+    ({"recovery": "local"}, "--recovery local is not supported with --runtime torch .a failed rank restarts every"),
     ({"devices": "R58M123,R58M456,R58M789"}, "runs its stages as processes on this host"),
 ])
 def test_options_the_torch_runtime_lacks_are_clear_errors(tmp_path, change, problem):
@@ -295,6 +340,56 @@ def test_options_the_torch_runtime_lacks_are_clear_errors(tmp_path, change, prob
     with pytest.raises(ZLError, match=problem):
         check_torch_settings(TrainSettings(runtime="torch", **change))
     check_torch_settings(TrainSettings(runtime="torch"))  # the defaults are fine
+    assert TrainSettings(runtime="torch").recovery == "global" and TrainSettings().recovery == "local"
+
+
+def test_a_restarted_attempt_resumes_without_the_injected_failure():
+    from zl_device.run.torch_stage import TorchJob, for_attempt
+
+    job = TorchJob(model="tiny-random", manifest="m.json", shard="s.safetensors", run_id="ab" * 16, window_size=2,
+                   num_micro_batches=6, micro_batch=2, lr=[0.1], weight_decay=0.0, schedule={},
+                   checkpoint_dir="c", metrics_dir="m", fail_at=[1, 4])
+    assert for_attempt(job, 0) is job
+    again = for_attempt(job, 2)
+    assert again.resume and again.fail_at is None and again.run_id == job.run_id and not job.resume
+
+
+def test_recovery_events_come_from_the_ranks_telemetry(tmp_path):
+    """A failure of stage 1 mid-window 1 (window 2, 3 stages), the ranks restarted from window 0: the failure,
+    restart and recovered events `zl report` reads, from the stages' lines."""
+    from zl_device.results.report import build_report
+    from zl_device.run.torch_runtime import RankFailure, merge_metrics, recovery_events
+    from zl_device.run.windows import WindowPlan
+
+    def start(k, t, first, resumed):
+        return {"type": "start", "stage": k, "t_unix_ms": t, "first_micro_batch": first, "resumed_from_window": resumed}
+
+    def mb(k, t, i):
+        return {"type": "micro_batch", "stage": k, "t_unix_ms": t, "window": i // 2, "micro_batch": i, "loss": 1.0}
+
+    def window(k, t, w):
+        return {"type": "window", "stage": k, "t_unix_ms": t, "window": w, "pss_mib": 1.0}
+
+    done = {0: [0, 1, 2, 3], 1: [0, 1, 2], 2: [0, 1]}  # stage 0 ran ahead; stage 1 died before its 4th
+    for k in range(3):
+        lines = [start(k, 100, 0, None)] + [mb(k, 200 + 10 * i, i) for i in done[k]]
+        lines += [window(k, 205 + 10 * 1, 0)] if len(done[k]) >= 2 else []
+        lines += [start(k, 1000, 2, 0)] + [mb(k, 1100 + 10 * i, i) for i in range(2, 6)]
+        lines += [window(k, 1135, 1), window(k, 1155, 2)]
+        path = tmp_path / "stages" / f"stage_{k}" / "metrics.jsonl"
+        path.parent.mkdir(parents=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    events = recovery_events(tmp_path, 3, WindowPlan(6, 2), [RankFailure(1, "died (signal 9)", 300, 400)])
+    failure, restart, recovered = events
+    assert failure == {"type": "failure", "stage": 1, "t_unix_ms": 300, "detected_after_ms": None, "window": 1,
+                       "micro_batch": 3, "reason": "died (signal 9)"}
+    assert restart["rolled_back_to_window"] == 0 and restart["scope"] == "global"
+    assert restart["replayed_micro_batches"] == (4 - 2) + (3 - 2) + (2 - 2)
+    assert recovered["downstream_stage"] == 2 and recovered["t_unix_ms"] == 1135 and recovered["window"] == 1
+    assert recovered["recovery_ms"] == 1135 - 400 and recovered["since_failure_ms"] == 1135 - 300
+    merge_metrics(tmp_path, 3, events)
+    (entry,) = build_report(tmp_path)["recovery"]
+    assert entry["stage"] == 1 and entry["replayed_micro_batches"] == 3 and entry["recovery_ms"] == 735
 
 
 def test_link_timeout_and_launcher_are_checked(tmp_path):
@@ -303,6 +398,8 @@ def test_link_timeout_and_launcher_are_checked(tmp_path):
 
     with pytest.raises(ZLError, match="--link-timeout 0: must be a positive number"):
         TrainSettings(runtime="torch", link_timeout_s=0).validate()
+    with pytest.raises(ZLError, match="--max-restarts -1: must be 0 .fail at the first failure. or more"):
+        TrainSettings(runtime="torch", max_restarts=-1).validate()
     with pytest.raises(ZLError, match="--launcher torchrun: launchers start torch.distributed ranks; add --runtime torch"):
         TrainSettings(launcher="torchrun").validate()
     # --resume works for both runtimes; it needs the directory of an unfinished run.
@@ -351,6 +448,10 @@ def test_rank_watch_reads_progress_from_complete_lines(tmp_path):
         f.write('ge": 0, "window": 0, "pss_mib": 300.5}\n{"type": "done", "stage": 0}\n')
     st = watch.poll()[0]
     assert (st.state, st.last_committed_window, st.pss_mib, st.micro_batches_done) == ("done", 0, 300.5, 2)
+    assert st.restarts == 0
+    with open(path, "a") as f:  # the ranks restarted
+        f.write('{"type": "start", "stage": 0}\n')
+    assert watch.poll()[0].restarts == 1
 
 
 def test_training_peak_rss_leaves_out_what_set_up_held_and_freed():

@@ -136,7 +136,7 @@ def run_torch(prepared: Path, pipeline: str, out: Path, timeout_s: float) -> dic
     path = out / JOB_FILE
     job.save(path)
     world = len(job.lr)
-    launch_ranks(path, world, timeout_s)
+    launch_ranks(path, world, timeout_s, max_restarts=0)  # a benchmark that fails fails
     merge_checkpoints(out / "checkpoints", prepared / "manifest.json", out / "adapter")
     result = figures(pipeline, stage_lines(out / "stages", world), job.num_micro_batches * job.micro_batch,
                      "t_unix_ms")

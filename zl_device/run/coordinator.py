@@ -54,11 +54,11 @@ from zl_device.run.control import ControlServer
 from zl_device.run.checkpoints import DEFAULT_LAYOUT, snapshot_metadata
 from zl_device.run import frames
 from zl_device.run.frames import FrameType
+from zl_device.run.train_settings import MAX_RESTARTS, RECOVERY_MODES
 from zl_device.run.windows import WindowPlan
 
 log = logging.getLogger(__name__)
 
-RECOVERY_MODES = ("local", "global")
 POLL_S = 0.05
 
 
@@ -142,6 +142,7 @@ class Coordinator:
         resume: bool = False,
         stall_timeout_s: float = 0.0,
         standby: bool = False,
+        max_restarts: int = MAX_RESTARTS,
     ):
         if recovery not in RECOVERY_MODES:
             raise ZLError(f"--recovery {recovery!r}: expected one of {', '.join(RECOVERY_MODES)}.")
@@ -158,6 +159,7 @@ class Coordinator:
         self.redeploy = redeploy  # puts stage k's program and config on a spare before it takes over
         self.resume = resume  # `zl train --resume`: the stages continue from their checkpoints
         self.standby = standby  # keep a hot standby per stage (see the module docstring)
+        self.max_restarts = max_restarts  # restarts of one stage before the run gives up
         if standby:
             lacking = [p.device.name for p in self.plans if not p.device.supports_standby]
             if lacking:
@@ -425,7 +427,7 @@ class Coordinator:
         self.events.append({"type": "failure", "stage": k, "t_unix_ms": _unix_ms(),
                             "detected_after_ms": round((now - last_sign_of_life) * 1e3, 1),
                             "window": in_flight, "micro_batch": s.micro_batches_done, "reason": why})
-        if s.restarts >= 3:
+        if s.restarts >= self.max_restarts:
             self.stop_all()
             raise ZLError(f"stage {k} failed {s.restarts + 1} times ({why}); giving up. "
                           f"Last error output: {_stderr_tail(self.plans[k].device)}")

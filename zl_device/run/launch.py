@@ -146,7 +146,7 @@ def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Pat
 
     coordinator = Coordinator(plans, windows, control, s.recovery, injection, spares, s.heartbeat_timeout_s,
                               s.timeout_s, redeploy, resume=s.resume, stall_timeout_s=s.stall_timeout_s,
-                              standby=s.standby)
+                              standby=s.standby, max_restarts=s.max_restarts)
     say(f"run: {s.samples} samples, {windows.num_micro_batches} micro-batches in {windows.num_windows} windows of "
         f"{windows.window_size}, "
         f"recovery {s.recovery}" + (", hot standbys" if s.standby else "") + (f", failure injected at stage {injection.stage} window {injection.window}"

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from zl.errors import ZLError
-from zl_device.run.train_settings import TrainSettings
+from zl_device.run.train_settings import MAX_RESTARTS, TrainSettings
 from zl_device.run.windows import WindowPlan
 
 RUNTIME = "torch"
@@ -28,11 +30,13 @@ def check_torch_settings(s: TrainSettings) -> None:
     """Options of the ExecuTorch runtime that `--runtime torch` does not have fail here, before anything runs."""
     from zl_device.devices.registry import parse_devices
 
-    unsupported = [(s.spares, "--spares"), (s.standby, "--standby"), (s.mode != "binary", "--mode")]
+    unsupported = [(s.spares, "--spares"), (s.standby, "--standby"), (s.mode != "binary", "--mode"),
+                   (s.recovery == "local", "--recovery local")]
     for value, name in unsupported:
         if value:
-            raise ZLError(f"{name} is not supported with --runtime torch (a failed stage is not replaced; rerun with "
-                          "--resume); drop it or use --runtime executorch.")
+            raise ZLError(f"{name} is not supported with --runtime torch (a failed rank restarts every rank from the "
+                          "latest window all stages checkpointed, as torch elastic does); drop it or use --runtime "
+                          "executorch.")
     if parse_devices(s.devices).kind != "local":
         raise ZLError(f"--devices {s.devices}: --runtime torch runs its stages as processes on this host (or under "
                       "torchrun, docs/design.md §13), not on phones; drop --devices or use --runtime executorch.")
@@ -66,32 +70,40 @@ def run_torch_training(s: TrainSettings, say=print, on_update=None):
     job_path = run_dir / JOB_FILE
     job.save(job_path)
     if s.launcher == "torchrun":  # the user starts the ranks: the run ends here, prepared
-        for line in torchrun_instructions(run_dir, job_path, num_stages):
+        for line in torchrun_instructions(run_dir, job_path, num_stages, s.max_restarts):
             say(line)
         return TrainResult(run_dir, time.time() - start, 0)
     say(f"run: {num_stages} stages as torch.distributed ranks on this host, {samples} samples, "
         f"{windows.num_micro_batches} micro-batches in {windows.num_windows} windows of {windows.window_size}")
     watch = RankWatch(run_dir / "stages", num_stages)
-    launched, _ = launch_ranks(job_path, num_stages, s.timeout_s,
-                               on_poll=(lambda: on_update(watch.poll())) if on_update else None)
-    begin_ms, end_ms = training_span(run_dir, num_stages)  # process start-up and model load are not training
+    launched, _, failures = launch_ranks(
+        job_path, num_stages, s.timeout_s, on_poll=(lambda: on_update(watch.poll())) if on_update else None,
+        max_restarts=s.max_restarts,
+        on_restart=lambda f: say(f"stage {f.stage} {f.reason}: restarting every rank from the latest window all "
+                                 "stages checkpointed"))
+    # process start-up and model load are not training
+    begin_ms, end_ms = training_span(run_dir, num_stages, since_ms=int(launched * 1000))
     event = {"type": "run", "start_unix_ms": begin_ms, "end_unix_ms": end_ms,
              "launch_s": round(begin_ms / 1000 - launched, 3),
              "samples": samples, "run_id": job.run_id,
              "num_stages": num_stages, "window_size": windows.window_size,
              "num_micro_batches": windows.num_micro_batches, "runtime": RUNTIME,
-             "recovery": "resume" if s.resume else None,
+             "recovery": "global", "resumed": s.resume,
              "devices": [f"rank-{k}" for k in range(num_stages)]}
-    merge_metrics(run_dir, num_stages, [event])
+    merge_metrics(run_dir, num_stages, [*recovery_events(run_dir, num_stages, windows, failures), event])
     merged = merge_checkpoints(run_dir / "checkpoints", run_dir / "manifest.json", run_dir / "adapter")
     say(f"merge: {merged.numel:,} LoRA parameters of window {merged.window} -> {run_dir / 'adapter'}")
     return finish_run(s, model, TrainResult(run_dir, time.time() - start, samples), dev, say)
 
 
-def torchrun_instructions(run_dir: Path, job_path: Path, num_stages: int) -> list[str]:
+def torchrun_instructions(run_dir: Path, job_path: Path, num_stages: int,
+                          max_restarts: int = MAX_RESTARTS) -> list[str]:
     """What to run after `--launcher torchrun`: the ranks under torchrun, then merge and report."""
     return [f"prepared {run_dir}; start its {num_stages} ranks (one per stage) with torchrun:",
-            f"  torchrun --standalone --nproc-per-node {num_stages} -m zl_device.run.torch_stage {job_path}",
+            f"  torchrun --standalone --nproc-per-node {num_stages} --max-restarts {max_restarts} "
+            f"-m zl_device.run.torch_stage {job_path}",
+            "  (after a failure torchrun restarts every rank; they resume from the latest window all stages "
+            "checkpointed)",
             "  (on several nodes: --nnodes N --nproc-per-node <stages per node> --rdzv-backend c10d "
             f"--rdzv-endpoint HOST:PORT on each, with {run_dir} on a filesystem all nodes share)",
             "then:",
@@ -178,15 +190,51 @@ def torch_job(s: TrainSettings, run_dir: Path, shard: Path):
                     keep_last=num_stages + 1)
 
 
-def launch_ranks(job_path: Path, world: int, timeout_s: float, on_poll=None) -> tuple[float, float]:
-    """One process per stage on this host (torch.multiprocessing spawn, rendezvous on a free 127.0.0.1 port);
-    returns the (start, end) Unix times of the run.
+@dataclass
+class RankFailure:
+    """A failure of the ranks' attempt: the stage, what happened, when it was seen and when the ranks restarted."""
 
-    A rank that fails (an error, a kill) ends the others at once; a run past `timeout_s` is stopped.
+    stage: int
+    reason: str
+    t_unix_ms: int
+    restart_unix_ms: int | None = None  # None: no restart (the run failed)
+
+
+def launch_ranks(job_path: Path, world: int, timeout_s: float, on_poll=None, max_restarts: int = MAX_RESTARTS,
+                 on_restart=None) -> tuple[float, float, list[RankFailure]]:
+    """One process per stage on this host (torch.multiprocessing spawn, rendezvous on a free 127.0.0.1 port);
+    returns the (start, end) Unix times of the run and its failures. `on_poll()` is called about once a second,
+    `on_restart(failure)` before the ranks start again after one.
+
+    Recovery is torch elastic's (docs/design.md §13): a rank that dies (a signal, an exit, an exception other than
+    a `ZLError`) ends the others at once, and all ranks start again, up to `max_restarts` times, resuming from the
+    latest window every stage checkpointed (`torch_stage.for_attempt`). A `ZLError` in a rank (a bad job, a
+    neighbour past --link-timeout) is not retried; a run past `timeout_s` is stopped.
 
     Raises:
         ZLError: naming the stage that failed and its last error line, or the timeout.
     """
+    start = time.time()
+    failures: list[RankFailure] = []
+    while True:
+        failure = _run_attempt(job_path, world, len(failures), start, timeout_s, on_poll)
+        if failure is None:
+            return start, time.time(), failures
+        stage, reason, retry = failure
+        failures.append(RankFailure(stage, reason, int(time.time() * 1000)))
+        if not retry or len(failures) > max_restarts:
+            after = f" (after {len(failures) - 1} restart(s) of every rank)" if len(failures) > 1 else ""
+            hint = " Its output is above; out of memory?" if reason.startswith("died") else ""
+            raise ZLError(f"--runtime torch: stage {stage} {reason}{after}; the other stages were stopped.{hint}")
+        if on_restart is not None:
+            on_restart(failures[-1])
+        failures[-1].restart_unix_ms = int(time.time() * 1000)
+
+
+def _run_attempt(job_path: Path, world: int, attempt: int, start: float, timeout_s: float,
+                 on_poll) -> tuple[int, str, bool] | None:
+    """The ranks' attempt `attempt` to the end: None when every rank finished, else (the failed stage, what
+    happened, whether a restart may help). The ranks still alive are stopped on the way out."""
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
@@ -194,8 +242,7 @@ def launch_ranks(job_path: Path, world: int, timeout_s: float, on_poll=None) -> 
     from zl_device.run.torch_stage import spawned
 
     init_method = f"tcp://127.0.0.1:{free_port_base(1)}"
-    start = time.time()
-    ctx = mp.start_processes(spawned, args=(str(job_path), world, init_method), nprocs=world, join=False,
+    ctx = mp.start_processes(spawned, args=(str(job_path), world, init_method, attempt), nprocs=world, join=False,
                              start_method="spawn")
     try:
         while not ctx.join(timeout=1.0):
@@ -203,12 +250,16 @@ def launch_ranks(job_path: Path, world: int, timeout_s: float, on_poll=None) -> 
                 on_poll()
             if time.time() - start > timeout_s:
                 raise ZLError(f"the run took longer than --timeout {timeout_s:g} s and was stopped; raise --timeout.")
+        return None
     except ProcessRaisedException as e:
-        raise ZLError(f"--runtime torch: stage {e.error_index} failed: {_last_line(e.msg)}") from None
+        # A neighbour of a rank that was killed can fail first (its connection reset): blame the killed one.
+        killed = _killed_rank(ctx.processes)
+        if killed is not None:
+            return killed
+        deliberate = "ZLError: " in _last_line_raw(e.msg)
+        return e.error_index, f"failed: {_last_line(e.msg)}", not deliberate
     except ProcessExitedException as e:
-        how = f"signal {-e.exit_code}" if e.exit_code is not None and e.exit_code < 0 else f"exit code {e.exit_code}"
-        raise ZLError(f"--runtime torch: stage {e.error_index} died ({how}); the other stages were stopped. "
-                      "Its output is above; out of memory?") from None
+        return e.error_index, _death(e.exit_code), True
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -217,7 +268,19 @@ def launch_ranks(job_path: Path, world: int, timeout_s: float, on_poll=None) -> 
                 if p.is_alive():
                     p.kill()
                     p.join()
-    return start, time.time()
+
+
+def _killed_rank(processes) -> tuple[int, str, bool] | None:
+    """(stage, what happened, True) for the first rank that a signal ended, if any: not SIGTERM, which
+    torch.multiprocessing's join sends the ranks still alive once one failed."""
+    for k, p in enumerate(processes):
+        if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGTERM:
+            return k, _death(p.exitcode), True
+    return None
+
+
+def _death(exit_code: int | None) -> str:
+    return f"died ({f'signal {-exit_code}' if exit_code is not None and exit_code < 0 else f'exit code {exit_code}'})"
 
 
 class RankWatch:
@@ -243,7 +306,8 @@ class RankWatch:
             for line in complete.splitlines():
                 record = json.loads(line)
                 kind = record["type"]
-                if kind == "start":
+                if kind == "start":  # a later one: the ranks restarted after a failure (or a --resume)
+                    st.restarts += st.state != "starting"
                     st.state = "running"
                 elif kind == "micro_batch":
                     st.micro_batches_done, st.last_loss = record["micro_batch"] + 1, record["loss"]
@@ -254,24 +318,78 @@ class RankWatch:
         return self.status
 
 
-def _last_line(message: str) -> str:
-    """The exception line of a child's traceback text ("zl.errors.ZLError: ..." -> "...")."""
+def _last_line_raw(message: str) -> str:
+    """The exception line of a child's traceback text."""
     lines = [ln for ln in message.strip().splitlines() if ln.strip()]
-    last = lines[-1] if lines else message
+    return lines[-1] if lines else message
+
+
+def _last_line(message: str) -> str:
+    """The exception line of a child's traceback text, its ZLError class name cut ("zl.errors.ZLError: ..." ->
+    "...")."""
+    last = _last_line_raw(message)
     return last.split("ZLError: ", 1)[1] if "ZLError: " in last else last
 
 
-def training_span(run_dir: Path, num_stages: int) -> tuple[int, int]:
-    """(earliest `start`, latest `done`) t_unix_ms of the ranks: from the barrier after every rank built its stage
-    to the last stage's end."""
-    from zl_device.run.metrics_log import METRICS, STAGES_DIR, read_lines
-
+def training_span(run_dir: Path, num_stages: int, since_ms: int = 0) -> tuple[int, int]:
+    """(earliest `start`, latest `done`) t_unix_ms of the ranks since `since_ms` (this launch: not the attempts of
+    a run that `--resume` continues): from the barrier after every rank built its stage to the last stage's end,
+    restarts after failures included."""
     begin, end = [], []
-    for k in range(num_stages):  # each rank's last attempt (a resumed run has several)
-        lines = read_lines(run_dir / STAGES_DIR / f"stage_{k}" / METRICS)
-        begin.append([r["t_unix_ms"] for r in lines if r["type"] == "start"][-1])
+    for lines in stage_lines(run_dir, num_stages):
+        begin.append(min(r["t_unix_ms"] for r in lines if r["type"] == "start" and r["t_unix_ms"] >= since_ms))
         end.append([r["t_unix_ms"] for r in lines if r["type"] == "done"][-1])
     return min(begin), max(end)
+
+
+def stage_lines(run_dir: Path, num_stages: int) -> list[list[dict]]:
+    """Every rank's telemetry lines (RUN_DIR/stages/stage_<k>/metrics.jsonl), stage by stage."""
+    from zl_device.run.metrics_log import METRICS, STAGES_DIR, read_lines
+
+    return [read_lines(run_dir / STAGES_DIR / f"stage_{k}" / METRICS) for k in range(num_stages)]
+
+
+def recovery_events(run_dir: Path, num_stages: int, windows: WindowPlan, failures: list[RankFailure]) -> list[dict]:
+    """The coordinator's `failure`, `restart` and `recovered` events (docs/design.md §4.7) of the ranks' restarts,
+    from their telemetry, so that `zl report` shows the recoveries as it does the runners'. A global recovery:
+    the restart is every rank's; recovered is when the stage downstream of the failed one (itself, if last)
+    commits the window that was in flight at the failure."""
+    lines = stage_lines(run_dir, num_stages)
+    events: list[dict] = []
+    for f in failures:
+        held = [_done_at(ls, f.t_unix_ms) for ls in lines]
+        in_flight = windows.window_of(min(held[f.stage], windows.num_micro_batches - 1))
+        events.append({"type": "failure", "stage": f.stage, "t_unix_ms": f.t_unix_ms, "detected_after_ms": None,
+                       "window": in_flight, "micro_batch": held[f.stage], "reason": f.reason})
+        if f.restart_unix_ms is None:
+            continue
+        restarted = [min((r for r in ls if r["type"] == "start" and r["t_unix_ms"] >= f.restart_unix_ms),
+                         key=lambda r: r["t_unix_ms"], default=None) for ls in lines]
+        replayed = sum(max(h - r["first_micro_batch"], 0) for h, r in zip(held, restarted) if r is not None)
+        events.append({"type": "restart", "stage": f.stage, "t_unix_ms": f.restart_unix_ms, "scope": "global",
+                       "replayed_micro_batches": replayed, "replay_bytes": None, "device": f"rank-{f.stage}",
+                       "rolled_back_to_window": next((r["resumed_from_window"] for r in restarted if r), None),
+                       "standby": False})
+        downstream = min(f.stage + 1, num_stages - 1)
+        commit = min((r["t_unix_ms"] for r in lines[downstream] if r["type"] == "window"
+                      and r["window"] == in_flight and r["t_unix_ms"] >= f.restart_unix_ms), default=None)
+        if commit is not None:
+            events.append({"type": "recovered", "stage": f.stage, "t_unix_ms": commit,
+                           "recovery_ms": float(commit - f.restart_unix_ms),
+                           "since_failure_ms": float(commit - f.t_unix_ms), "downstream_stage": downstream,
+                           "window": in_flight})
+    return events
+
+
+def _done_at(lines: list[dict], t_unix_ms: int) -> int:
+    """The micro-batches a stage had done at `t_unix_ms` in its attempt then running (from its last `start` line
+    before; 0 if it had not started), from its telemetry lines."""
+    starts = [r for r in lines if r["type"] == "start" and r["t_unix_ms"] <= t_unix_ms]
+    if not starts:
+        return 0
+    since, first = starts[-1]["t_unix_ms"], starts[-1]["first_micro_batch"]
+    return max((r["micro_batch"] + 1 for r in lines if r["type"] == "micro_batch"
+                and since <= r["t_unix_ms"] <= t_unix_ms), default=first)
 
 
 def merge_metrics(run_dir: Path, num_stages: int, events: list[dict]) -> Path:

@@ -14,7 +14,12 @@ format, a `window` telemetry line. Telemetry and checkpoints are the runner's
 per stage on this host (torch.multiprocessing spawn). The same ranks run under
 torchrun, e.g. on a multi-GPU server (NCCL when CUDA is there):
 
-    torchrun --standalone --nproc-per-node 3 -m zl_device.run.torch_stage RUN_DIR/torch_job.json
+    torchrun --standalone --nproc-per-node 3 --max-restarts 3 -m zl_device.run.torch_stage RUN_DIR/torch_job.json
+
+Recovery is torch elastic's (docs/design.md §13): when a rank fails, the
+launcher (zl's, or torchrun's agent with `--max-restarts`) stops every rank and
+starts them all again; a restarted rank (`for_attempt`) resumes from the latest
+window every stage checkpointed and replays from there.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -79,6 +84,13 @@ class TorchJob:
                           "its run directory.") from e
 
 
+def for_attempt(job: TorchJob, attempt: int) -> TorchJob:
+    """The job as the ranks' attempt `attempt` runs it (0: the first; torchrun counts in TORCHELASTIC_RESTART_COUNT,
+    zl's launcher passes it): every restart resumes from the latest window every stage checkpointed, and an
+    injected failure (`fail_at`) happens in the first attempt only."""
+    return job if attempt == 0 else replace(job, resume=True, fail_at=None)
+
+
 def backend_and_device(backend: str, local_rank: int, local_world: int) -> tuple[str, torch.device]:
     """(process-group backend, this rank's device).
 
@@ -98,8 +110,10 @@ def backend_and_device(backend: str, local_rank: int, local_world: int) -> tuple
     return backend, torch.device("cpu")
 
 
-def run_rank(job: TorchJob, rank: int, world: int, local_rank: int, local_world: int, init_method: str) -> None:
-    """Join the process group, train stage `rank` to the end of the run, wait for every rank, leave."""
+def run_rank(job: TorchJob, rank: int, world: int, local_rank: int, local_world: int, init_method: str,
+             attempt: int = 0) -> None:
+    """Join the process group, train stage `rank` to the end of the run, wait for every rank, leave. `attempt`:
+    the ranks' attempt (0: the first; see `for_attempt`)."""
     from zl_device.run.torch_pipeline import BASELINES
 
     if job.pipeline not in ("zerolock", *BASELINES):
@@ -108,8 +122,10 @@ def run_rank(job: TorchJob, rank: int, world: int, local_rank: int, local_world:
     backend, device = backend_and_device(job.backend, local_rank, local_world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=job.link_timeout_s))
+    timeout = timedelta(seconds=job.link_timeout_s)
+    store = attempt_store(world, attempt, timeout) if init_method == "env://" else None
+    dist.init_process_group(backend, init_method=None if store is not None else init_method, store=store,
+                            rank=rank, world_size=world, timeout=timeout)
     try:
         if job.pipeline == "zerolock":
             train_stage(job, rank, world, device, backend)
@@ -120,6 +136,20 @@ def run_rank(job: TorchJob, rank: int, world: int, local_rank: int, local_world:
         dist.barrier()  # nobody leaves (and closes its connections) while a neighbour still reads
     finally:
         dist.destroy_process_group()
+
+
+def attempt_store(world: int, attempt: int, timeout: timedelta):
+    """Under torchrun, where the workers share the agent's rendezvous store (TORCHELASTIC_USE_AGENT_STORE, torch's
+    default), the keys of this attempt only (a prefix per attempt), else None (init_method env:// as it is).
+
+    torchrun keeps that store across restarts, and a restarted gloo group read the failed attempt's peer addresses
+    from it and waited on them until the timeout (torch 2.13; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each
+    attempt gets a new store instead)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"zl/attempt_{attempt}", shared)
 
 
 def build_stage(job: TorchJob, manifest: dict, rank: int):
@@ -381,14 +411,15 @@ def pss_mib() -> float | None:
     return kib / 1024.0 if kib is not None else None
 
 
-def spawned(index: int, job_path: str, world: int, init_method: str) -> None:
-    """torch.multiprocessing's entry point: rank `index` of `world` on this host."""
-    run_rank(TorchJob.load(job_path), index, world, index, world, init_method)
+def spawned(index: int, job_path: str, world: int, init_method: str, attempt: int = 0) -> None:
+    """torch.multiprocessing's entry point: rank `index` of `world` on this host, in the ranks' attempt `attempt`."""
+    run_rank(for_attempt(TorchJob.load(job_path), attempt), index, world, index, world, init_method, attempt)
 
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun's entry point: `-m zl_device.run.torch_stage RUN_DIR/torch_job.json` (RANK, WORLD_SIZE, LOCAL_RANK,
-    MASTER_ADDR and MASTER_PORT from torchrun)."""
+    MASTER_ADDR and MASTER_PORT from torchrun; TORCHELASTIC_RESTART_COUNT > 0 after a failure restarted the ranks,
+    which then resume, `for_attempt`)."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: torchrun --nproc-per-node K -m zl_device.run.torch_stage RUN_DIR/torch_job.json", file=sys.stderr)
@@ -399,9 +430,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     try:
-        run_rank(TorchJob.load(argv[0]), rank, world, int(os.environ.get("LOCAL_RANK", rank)),
-                 int(os.environ.get("LOCAL_WORLD_SIZE", world)), "env://")
+        run_rank(for_attempt(TorchJob.load(argv[0]), attempt), rank, world, int(os.environ.get("LOCAL_RANK", rank)),
+                 int(os.environ.get("LOCAL_WORLD_SIZE", world)), "env://", attempt)
     except ZLError as e:
         if os.environ.get("ZL_DEBUG"):
             raise

@@ -25,6 +25,8 @@ RUNNER_INPUT_TIMEOUT_S = 600.0
 #: Default --stall-timeout: well above a phone's slowest micro-batch or checkpoint, well below the input timeout.
 STALL_TIMEOUT_S = 300.0
 LOAD_MODES = ("mmap", "file")
+#: Restarts of a failing stage (--runtime torch: of every rank) before a run gives up.
+MAX_RESTARTS = 3
 
 
 @dataclass
@@ -48,8 +50,11 @@ class TrainSettings:
                                      "prepares --out and prints the torchrun command that starts the ranks (multi-GPU, "
                                      "multi-node), then `zl merge` and `zl report`.", choices=LAUNCHERS)
     out: Path = setting(Path("runs/train"), "Run directory (must be new or empty).")
-    recovery: str = setting("local", "local: restart only the failed stage; global: roll every stage back.",
-                            choices=RECOVERY_MODES)
+    recovery: str | None = setting(None, "local: restart only the failed stage (the default); global: roll every "
+                                         "stage back and restart them all (--runtime torch: the only one, and "
+                                         "its default).", choices=RECOVERY_MODES)
+    max_restarts: int = setting(MAX_RESTARTS, "Restarts of a failing stage (--runtime torch: of every rank) before "
+                                              "the run gives up (then `--resume` continues it).")
     inject_failure: str | None = setting(None, "STAGE@WINDOW: SIGKILL that stage in the middle of that window.")
     spares: int = setting(0, "Devices after the stages' that take over a failed stage.")
     standby: bool = setting(False, "Keep a hot standby runner per stage (local devices, phones in --mode binary): "
@@ -89,12 +94,19 @@ class TrainSettings:
                                      flag="--stall-timeout")
     export_cache: Path | None = setting(None, "Export cache folder (default: $ZL_CACHE_DIR/exports).", cli=False)
 
+    def __post_init__(self) -> None:
+        if self.recovery is None:  # each runtime's own default
+            self.recovery = "global" if self.runtime == "torch" else "local"
+
     def validate(self) -> None:
         """The checks that need no model or device; run before anything slow."""
         if not 0 <= self.stall_timeout_s < RUNNER_INPUT_TIMEOUT_S:
             raise ZLError(f"--stall-timeout {self.stall_timeout_s:g}: expected 0 (off) or a time below the runners' "
                           f"input timeout of {RUNNER_INPUT_TIMEOUT_S:g} s (after it the stages waiting on a stalled "
                           f"one give up first and are blamed), e.g. --stall-timeout {STALL_TIMEOUT_S:g}.")
+        if self.max_restarts < 0:
+            raise ZLError(f"--max-restarts {self.max_restarts}: must be 0 (fail at the first failure) or more, e.g. "
+                          f"--max-restarts {MAX_RESTARTS}.")
         if self.samples < 1 or self.window < 1:
             raise ZLError(f"--samples {self.samples} --window {self.window}: both must be at least 1.")
         check_choices(self)

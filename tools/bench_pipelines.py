@@ -77,16 +77,11 @@ def prepare(args, out: Path) -> Path:
     return run_training(settings(args, out / "prepared", "torch"), say=lambda line: None).run_dir
 
 
-def stage_lines(stages_dir: Path, world: int) -> list[list[dict]]:
-    """Each stage's telemetry lines (its last attempt's: from its last `start` line)."""
-    from zl_device.run.metrics_log import read_lines
+def last_attempt_lines(run_dir: Path, world: int) -> list[list[dict]]:
+    """Each stage's telemetry lines of its last attempt (from its last `start` line)."""
+    from zl_device.run.torch_runtime import stage_lines
 
-    lines = []
-    for k in range(world):
-        rank = read_lines(stages_dir / f"stage_{k}" / "metrics.jsonl")
-        last_start = max(i for i, r in enumerate(rank) if r["type"] == "start")
-        lines.append(rank[last_start:])
-    return lines
+    return [rank[max(i for i, r in enumerate(rank) if r["type"] == "start"):] for rank in stage_lines(run_dir, world)]
 
 
 def figures(pipeline: str, lines: list[list[dict]], samples: int, begin_key: str) -> dict:
@@ -138,7 +133,7 @@ def run_torch(prepared: Path, pipeline: str, out: Path, timeout_s: float) -> dic
     world = len(job.lr)
     launch_ranks(path, world, timeout_s, max_restarts=0)  # a benchmark that fails fails
     merge_checkpoints(out / "checkpoints", prepared / "manifest.json", out / "adapter")
-    result = figures(pipeline, stage_lines(out / "stages", world), job.num_micro_batches * job.micro_batch,
+    result = figures(pipeline, last_attempt_lines(out, world), job.num_micro_batches * job.micro_batch,
                      "t_unix_ms")
     result["adapter"] = str(out / "adapter")
     return result
@@ -153,7 +148,7 @@ def run_runner(args, out: Path) -> dict:
     if args.no_eval:
         s.eval_limit = 1  # `zl train` scores the dev rows it has; one row costs least
     result = run_training(s, say=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
-    lines = stage_lines(result.run_dir / "stages", args.ranks)
+    lines = last_attempt_lines(result.run_dir, args.ranks)
     figs = figures(RUNNER, lines, result.samples, "ready_unix_ms")
     figs["adapter"] = str(result.run_dir / "adapter")
     if result.eval and not args.no_eval:

@@ -113,8 +113,10 @@ def backend_and_device(backend: str, local_rank: int, local_world: int) -> tuple
 def run_rank(job: TorchJob, rank: int, world: int, local_rank: int, local_world: int, init_method: str,
              attempt: int = 0) -> None:
     """Join the process group, train stage `rank` to the end of the run, wait for every rank, leave. `attempt`:
-    the ranks' attempt (0: the first; see `for_attempt`)."""
+    the ranks' attempt (0: the first; a later one resumes, `for_attempt`)."""
     from zl_device.run.torch_pipeline import BASELINES
+
+    job = for_attempt(job, attempt)
 
     if job.pipeline not in ("zerolock", *BASELINES):
         raise ZLError(f"torch job pipeline {job.pipeline!r}: expected zerolock or one of {', '.join(BASELINES)}.")
@@ -413,7 +415,7 @@ def pss_mib() -> float | None:
 
 def spawned(index: int, job_path: str, world: int, init_method: str, attempt: int = 0) -> None:
     """torch.multiprocessing's entry point: rank `index` of `world` on this host, in the ranks' attempt `attempt`."""
-    run_rank(for_attempt(TorchJob.load(job_path), attempt), index, world, index, world, init_method, attempt)
+    run_rank(TorchJob.load(job_path), index, world, index, world, init_method, attempt)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -432,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     try:
-        run_rank(for_attempt(TorchJob.load(argv[0]), attempt), rank, world, int(os.environ.get("LOCAL_RANK", rank)),
+        run_rank(TorchJob.load(argv[0]), rank, world, int(os.environ.get("LOCAL_RANK", rank)),
                  int(os.environ.get("LOCAL_WORLD_SIZE", world)), "env://", attempt)
     except ZLError as e:
         if os.environ.get("ZL_DEBUG"):

@@ -34,7 +34,8 @@ def demo_data(tmp_path_factory) -> Path:
 
 def _args(demo: Path, out: Path, *extra: str) -> list[str]:
     return ["--model", "tiny-random", "--train", str(demo / "train.safetensors"), "--dev", str(demo / "dev.safetensors"),
-            "--samples", "4,8", "--num-stages", "2", "--eval-limit", "8", "--threads", "1", "--out", str(out), *extra]
+            "--samples", "4,8", "--seeds", "0,1", "--num-stages", "2", "--eval-limit", "8", "--threads", "1",
+            "--out", str(out), *extra]
 
 
 ARMS = ["--arms", "base,backprop,backprop-last,zl-paper",
@@ -47,20 +48,35 @@ def study(demo_data, tmp_path_factory):
     return out, study_tool.run(_args(demo_data, out, *ARMS))
 
 
-def test_every_arm_and_budget_lands_in_the_files(study):
+TRAINED = ("backprop", "backprop-last", "zl-paper", "zl-t")
+
+
+def test_every_arm_budget_and_seed_lands_in_the_files(study):
     out, result = study
     for name in ("study.json", "study.md", "accuracy.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert json.loads((out / "study.json").read_text()) == result
-    runs = {(r["arm"], r["samples"]): r for r in result["results"]}
-    assert set(runs) == {(a, s) for a in ("base", "backprop", "backprop-last", "zl-paper", "zl-t") for s in (4, 8)}
+    everything = {(r["arm"], r["samples"], r["seed"]): r for r in result["results"]}
+    assert set(everything) == ({(a, s, seed) for a in TRAINED for s in (4, 8) for seed in (0, 1)}
+                               | {("base", 4, None), ("base", 8, None)})
     table = (out / "study.md").read_text()
-    for (arm, samples), r in runs.items():
+    for (arm, samples, seed), r in everything.items():
         assert 0.0 <= r["accuracy"] <= 1.0 and r["nll"] > 0
-        assert f"{r['accuracy']:.1%} ({r['nll']:.3f}" in table, (arm, samples)
+        shown = "—" if seed is None else seed
+        assert f"| {samples} | {arm} | {shown} | {r['accuracy']:.1%} | {r['nll']:.3f} |" in table, (arm, samples, seed)
+        # Every dev row's own result is kept, and adds up to the arm's figures.
+        rows = r["rows"]
+        assert len(rows["correct"]) == len(rows["nll_sum"]) == len(rows["tokens"]) == result["dev_rows"] == 8
+        assert sum(rows["correct"]) / 8 == r["accuracy"]
+        assert sum(rows["nll_sum"]) / sum(rows["tokens"]) == pytest.approx(r["nll"])
         if arm != "base":
             assert len(r["window_losses"]) == samples // 4  # window 4: one mean loss per AdamW step
-            assert (out / "arms" / f"{samples}-{arm}.json").is_file()
+            assert (out / "arms" / f"{samples}-{arm}-seed{seed}.json").is_file()
+    assert (out / "arms" / "0-base.json").is_file()
+    # The seed moves the LoRA initialisation: the same arm and budget trains differently at seed 0 and seed 1.
+    assert everything[("backprop", 8, 0)]["window_losses"] != everything[("backprop", 8, 1)]["window_losses"]
+    runs = {(r["arm"], r["samples"]): r for r in result["results"] if r["seed"] in (0, None)}
+    for (arm, _), r in runs.items():
         if arm.startswith("zl-"):
             assert len(r["early_exit_accuracy"]) == 2 and r["early_exit_accuracy"][-1] == r["accuracy"]
             assert len(r["window_losses"][0]) == 2  # one loss per stage
@@ -72,7 +88,34 @@ def test_every_arm_and_budget_lands_in_the_files(study):
     # The per-stage options reached the trainer: stage 1 of zl-t has α 1, so its loss is its CE.
     zl_t = runs[("zl-t", 8)]
     assert zl_t["window_losses"][-1][1] == pytest.approx(zl_t["window_task_losses"][-1][1])
-    assert "early-exit" in table.lower() and "| zl-t | 8 |" in table
+    assert "early exit" in table.lower() and "| 8 | zl-t | " in table
+
+
+def test_the_summary_pairs_every_arm_with_backprop_over_rows_and_seeds(study):
+    """Each (budget, arm) has a mean over its seeds and, but for the reference itself, its paired difference to
+    backprop; the figures in study.md are those of study.json."""
+    out, result = study
+    summary = {(r["arm"], r["samples"]): r for r in result["summary"]}
+    assert set(summary) == {(a, s) for a in ("base", *TRAINED) for s in (4, 8)}
+    table = (out / "study.md").read_text()
+    for (arm, samples), row in summary.items():
+        mine = [r for r in result["results"] if (r["arm"], r["samples"]) == (arm, samples)]
+        assert row["accuracy"] == pytest.approx(sum(r["accuracy"] for r in mine) / len(mine))
+        assert row["seeds"] == ([None] if arm == "base" else [0, 1])
+        assert f"| {samples} | {arm} | {'—' if arm == 'base' else 2} | {row['accuracy']:.1%} ± " in table
+        if arm == "backprop":
+            assert "paired" not in row
+            continue
+        pair = row["paired"]
+        ref = {r["seed"]: r for r in result["results"] if (r["arm"], r["samples"]) == ("backprop", samples)}
+        if arm == "base":  # scored once, paired with both seeds of backprop
+            expected = sum(mine[0]["accuracy"] - ref[s]["accuracy"] for s in (0, 1)) / 2
+        else:
+            expected = sum(r["accuracy"] - ref[r["seed"]]["accuracy"] for r in mine) / 2
+        assert pair["seeds"] == 2 and pair["accuracy_diff"] == pytest.approx(expected)
+        lo, hi = pair["accuracy_ci"]
+        assert lo <= pair["accuracy_diff"] <= hi
+        assert f"{100 * pair['accuracy_diff']:+.1f} pt [{100 * lo:+.1f}, {100 * hi:+.1f}]" in table
 
 
 def test_a_finished_arm_is_not_trained_again_but_a_changed_setting_is(study, demo_data):
@@ -82,11 +125,12 @@ def test_a_finished_arm_is_not_trained_again_but_a_changed_setting_is(study, dem
     assert again["results"] == first["results"]
     assert {p.name: p.stat().st_mtime_ns for p in (out / "arms").iterdir()} == stamp
     changed = study_tool.run(_args(demo_data, out, "--arms", "base,zl-paper", "--lr", "1e-2"))
-    by = {(r["arm"], r["samples"]): r for r in changed["results"]}
-    assert by[("base", 8)] == next(r for r in first["results"] if (r["arm"], r["samples"]) == ("base", 8))
-    old = next(r for r in first["results"] if (r["arm"], r["samples"]) == ("zl-paper", 8))
-    assert by[("zl-paper", 8)]["fingerprint"] != old["fingerprint"]
-    assert by[("zl-paper", 8)]["window_losses"] != old["window_losses"]
+    by = {(r["arm"], r["samples"], r["seed"]): r for r in changed["results"]}
+    before = {(r["arm"], r["samples"], r["seed"]): r for r in first["results"]}
+    assert by[("base", 8, None)] == before[("base", 8, None)]
+    for seed in (0, 1):
+        new, old = by[("zl-paper", 8, seed)], before[("zl-paper", 8, seed)]
+        assert new["fingerprint"] != old["fingerprint"] and new["window_losses"] != old["window_losses"]
     report = study_tool.run(_args(demo_data, out, "--arms", "base,zl-ce,zl-paper", "--report-only"))
     assert {(r["arm"], r["samples"]) for r in report["results"]} == {("base", 4), ("base", 8)}, "nothing trained"
 
@@ -98,6 +142,7 @@ def test_a_finished_arm_is_not_trained_again_but_a_changed_setting_is(study, dem
     (["--arm", "zl-x:frozen_dtype=fp8"], "frozen_dtype 'fp8'; expected one of fp32, bf16, int8"),
     (["--arm", "zl-x:alpha=0.5/0.5/0.5"], "--alpha 0.5,0.5,0.5: 3 values for 2 stages"),
     (["--samples", "0"], "--samples 0: must be at least 1"),
+    (["--seeds", "0,0"], "--seeds 0,0: give distinct seeds"),
 ])
 def test_bad_options_are_clear_errors(demo_data, tmp_path, extra, problem):
     with pytest.raises(ZLError, match=problem.replace("(", r"\(").replace(")", r"\)")):
@@ -113,7 +158,7 @@ def test_a_data_file_is_tokenized_once_like_zl_train(tmp_path):
     args = ["--model", "tiny-random", "--train", str(data), "--dev", str(data), "--samples", "4", "--seq-len", "48",
             "--num-stages", "2", "--threads", "1", "--arms", "base", "--out", str(out)]
     first = study_tool.run(args)
-    shard = out / "data" / "train.safetensors"
+    shard = out / "data" / "train-seed0.safetensors"
     stamp = shard.stat().st_mtime_ns
     from zl_export.shard import load_shard
 

@@ -1,35 +1,43 @@
-"""Accuracy study (issue 9): ZeroLock's local-loss variants against backprop LoRA, side by side, per budget.
+"""Accuracy study: ZeroLock's local-loss variants against backprop LoRA, side by side, per budget and seed.
 
-For a model, a classification data set and a list of budgets it trains and
-scores on the dev rows:
+For a model, a classification data set, a list of budgets and a list of seeds
+it trains and scores on the dev rows (all of them by default):
 
     base            the model without an adapter
     backprop        LoRA over the whole model, end-to-end backprop (the baseline of tools/train_backprop_baseline.py)
     backprop-last   LoRA on the last stage's layers only, the others frozen: the cheapest honest
                     competitor of any pipeline method
     zl-*            ZeroLock, each stage on its local loss, in PyTorch eager with exactly the runner's
-                    semantics (zl_device.run.eager_training): the paper's loss and the variants below
+                    semantics (zl_device.run.eager_training): the paper's loss and the variants below;
+                    zl-default is whatever `zl train` does by default (its loss and frozen dtype)
 
 An arm with `frozen_dtype` bf16 or int8 (zl-translator-bf16, zl-translator-int8, or `frozen_dtype=` in
 --arm) trains and is scored with the frozen weights stored that way (`zl export --frozen-dtype`).
 
-Every arm sees the same micro-batches in the same order, the same LoRA
-initialisation, AdamW settings and learning-rate schedule as `zl train`.
-Per arm it records dev accuracy (label word with the highest likelihood),
-NLL per label token, training and scoring time, the mean loss of each window,
-and for ZeroLock the early-exit accuracy of every stage (the stage's readout,
-translator included, used as the classifier), which shows which stage holds the
-model back.
+A seed sets the LoRA initialisation and the data order (which training rows,
+in which order); for one seed every arm sees the same micro-batches in the same
+order, the same LoRA initialisation, AdamW settings and learning-rate schedule
+as `zl train`, and every arm is scored on the same dev rows. Per arm and seed
+it records dev accuracy (label word with the highest likelihood), NLL per label
+token, each dev row's result, training and scoring time, the mean loss of each
+window, and for ZeroLock the early-exit accuracy and NLL of every stage (the
+stage's readout, translator included, used as the classifier), which shows
+which stage holds the model back. The tables give each arm's mean and standard
+error over the seeds and its paired difference to the reference arm
+(whole-model backprop) with a 95% interval over rows and seeds
+(zl_device/results/comparison.py says how).
 
     .venv/bin/python tools/accuracy_study.py --train ../shared/data/agnews/train.csv \\
-        --dev ../shared/data/agnews/dev.csv --format agnews --samples 256,1024 --out runs/study
+        --dev ../shared/data/agnews/dev.csv --format agnews --samples 1024 --seeds 0,1,2 \\
+        --arms base,backprop,backprop-last,zl-default --out runs/study
     .venv/bin/python tools/accuracy_study.py ... --arms base,backprop,zl-paper \\
         --arm "zl-mine:alpha=0.3/0.7/1;translator_rank=8;stage_lr=1/1/2"
 
-Each finished arm is cached as OUT/arms/<samples>-<arm>.json (with the
-settings it ran with), so a study stopped half-way resumes where it stopped;
-change a setting and the affected arms run again. Results: OUT/study.json,
-OUT/study.md (tables) and OUT/accuracy.png (accuracy against samples).
+Each finished arm is cached as OUT/arms/<samples>-<arm>-seed<seed>.json (the
+base model, scored once: OUT/arms/0-base.json) with the settings it ran with,
+so a study stopped half-way resumes where it stopped; change a setting and the
+affected arms run again. Results: OUT/study.json, OUT/study.md (tables) and
+OUT/accuracy.png (accuracy against samples, ± one standard error).
 Results go to stdout, progress and notes to stderr; a user mistake is one
 line on stderr (exit status 2), `ZL_DEBUG=1` shows the traceback.
 """
@@ -55,7 +63,7 @@ from zl.errors import ZLError  # noqa: E402
 from zl_device.run.eager_training import Budget, OptimizerSettings  # noqa: E402
 from zl_export.options import FROZEN_DTYPES, ExportOptions, LoraSettings, LossConfig  # noqa: E402
 
-STUDY_VERSION = 1
+STUDY_VERSION = 2  # 2: seeds, per-row results
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,20 @@ ARMS = {a.name: a for a in (
     Arm("zl-translator-int8", "zerolock", {"alpha": (1.0,), "translator_rank": 32}, frozen_dtype="int8",
         note="zl-translator with int8 frozen weights (a float32 scale per output channel)"),
 )}
-DEFAULT_ARMS = ("base", "backprop", "backprop-last", "zl-paper", "zl-ce", "zl-gated", "zl-translator")
+def _default_arm() -> Arm:
+    """`zl train`'s defaults as an arm: every LossConfig field and the frozen dtype, as they are now (so its
+    fingerprint, and its cached results, change when a default does)."""
+    defaults = ExportOptions()
+    loss = {name: getattr(defaults.loss, name) for name in LossConfig.__dataclass_fields__}
+    return Arm("zl-default", "zerolock", loss, frozen_dtype=defaults.frozen_dtype,
+               note=f"zl train's defaults: α {','.join(f'{x:g}' for x in defaults.loss.alpha)}, translator rank "
+                    f"{defaults.loss.translator_rank} ({defaults.loss.translator_init}), frozen weights "
+                    f"{defaults.frozen_dtype}")
+
+
+ARMS[_DEFAULT := "zl-default"] = _default_arm()
+DEFAULT_ARMS = ("base", "backprop", "backprop-last", _DEFAULT)
+REFERENCE_ARM = "backprop"
 
 
 # --- settings ------------------------------------------------------------------------------------------
@@ -122,7 +143,7 @@ class StudySettings:
     warmup_windows: int = 2
     min_lr_ratio: float = 0.1
     lora: LoraSettings = field(default_factory=LoraSettings)
-    seed: int = 0
+    seeds: tuple[int, ...] = (0, 1, 2)
     threads: int = 2
     eval_limit: int | None = None
     eval_batch_size: int = 16
@@ -133,11 +154,13 @@ class StudySettings:
         return OptimizerSettings(lr=self.lr, schedule={"kind": "warmup_cosine", "warmup_steps": warmup,
                                                         "min_lr_ratio": self.min_lr_ratio})
 
-    def fingerprint(self, arm: Arm, samples: int) -> str:
-        """What determines an arm's result: a cached arm with another fingerprint runs again."""
-        fields = {k: str(v) for k, v in asdict(self).items() if k not in ("samples", "threads", "eval_batch_size")}
-        if arm.kind == "base":  # scoring only: the training settings do not matter
-            fields = {k: fields[k] for k in ("model", "dev", "data_format", "truncate", "seq_len", "seed", "eval_limit")}
+    def fingerprint(self, arm: Arm, samples: int, seed: int) -> str:
+        """What determines an arm's result at `seed`: a cached arm with another fingerprint runs again."""
+        fields = {k: str(v) for k, v in asdict(self).items()
+                  if k not in ("samples", "seeds", "threads", "eval_batch_size")}
+        fields["seed"] = str(seed)
+        if arm.kind == "base":  # scoring only: the training settings and the seed do not matter
+            fields = {k: fields[k] for k in ("model", "dev", "data_format", "truncate", "seq_len", "eval_limit")}
         arm_fields = asdict(arm)
         if arm.frozen_dtype == "fp32":  # arms cached before frozen_dtype existed keep their fingerprint
             del arm_fields["frozen_dtype"]
@@ -191,9 +214,10 @@ def parse_arm(spec: str) -> Arm:
 # --- data ----------------------------------------------------------------------------------------------
 
 
-def prepare_shard(s: StudySettings, path: Path, split: str, tokenizer, out: Path):
-    """`path` as a shard: loaded when it is one (.safetensors from `zl data`), else tokenized into OUT/data/ the way
-    `zl train` does (zl_export.shard_jobs, rows shuffled with the seed) and reused while the file is unchanged."""
+def prepare_shard(s: StudySettings, path: Path, split: str, tokenizer, out: Path, seed: int = 0):
+    """`path` as a shard: loaded when it is one (.safetensors from `zl data`; then every seed reads its rows in the
+    same order), else tokenized into OUT/data/<split>.safetensors the way `zl train` does (zl_export.shard_jobs, rows
+    shuffled with `seed`) and reused while the file is unchanged."""
     from zl_export import data as zdata
     from zl_export.shard import load_shard
     from zl_export.shard_jobs import file_job, write_shard
@@ -205,19 +229,20 @@ def prepare_shard(s: StudySettings, path: Path, split: str, tokenizer, out: Path
     target = out / "data" / f"{split}.safetensors"
     if target.is_file():
         shard = load_shard(target)
-        if shard.meta.get("source", {}).get("sha256") == zdata.file_sha256(path) and shard.seq_len == s.seq_len:
+        if (shard.meta.get("source", {}).get("sha256") == zdata.file_sha256(path) and shard.seq_len == s.seq_len
+                and shard.meta.get("seed") == seed):
             return shard
     job = file_job(path, s.data_format, split)
-    job.task = zdata.select(job.task, None, True, s.seed)
-    written, _ = write_shard(job, tokenizer, s.model, s.seq_len, out / "data", s.truncate, extra={"seed": s.seed})
+    job.task = zdata.select(job.task, None, True, seed)
+    written, _ = write_shard(job, tokenizer, s.model, s.seq_len, out / "data", s.truncate, extra={"seed": seed})
     return load_shard(written)
 
 
 # --- one arm -------------------------------------------------------------------------------------------
 
 
-def run_arm(arm: Arm, samples: int, s: StudySettings, base_model, split, train, dev, progress) -> dict:
-    """Train (unless base) a fresh copy of the model as `arm` on `samples` samples and score it on `dev`."""
+def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, split, train, dev, progress) -> dict:
+    """Train (unless base) a fresh copy of the model as `arm` on `samples` samples at `seed`, score it on `dev`."""
     from zl_device.run.eager_training import (freeze_lora_below, train_backprop, train_zerolock)
     from zl_device.results.early_exit import EarlyExitModel
     from zl_device.results.evaluate import evaluate
@@ -226,10 +251,12 @@ def run_arm(arm: Arm, samples: int, s: StudySettings, base_model, split, train, 
     from zl_export.lora import attach_lora
 
     budget = Budget(samples, s.window, s.micro_batch)
-    result = {"arm": arm.name, "kind": arm.kind, "samples": samples, "note": arm.note}
+    label = f"{arm.name} @ {samples}" + (f", seed {seed}" if arm.kind != "base" else "")
+    result = {"arm": arm.name, "kind": arm.kind, "samples": samples, "seed": seed if arm.kind != "base" else None,
+              "note": arm.note}
     model = copy.deepcopy(base_model)
     modules, log = None, None
-    bar = progress.add_task(f"{arm.name} @ {samples}", total=budget.num_windows if arm.kind != "base" else 1, loss="")
+    bar = progress.add_task(label, total=budget.num_windows if arm.kind != "base" else 1, loss="")
 
     every = max(1, budget.num_windows // 10)
 
@@ -237,17 +264,17 @@ def run_arm(arm: Arm, samples: int, s: StudySettings, base_model, split, train, 
         loss = "loss " + "/".join(f"{x:.2f}" for x in train_log.losses[-1])
         progress.update(bar, advance=1, loss=loss)
         if not progress.console.is_terminal and (w + 1) % every == 0:  # a log file: a plain line now and then
-            progress.console.print(f"{arm.name} @ {samples}: window {w + 1}/{budget.num_windows}, {loss}")
+            progress.console.print(f"{label}: window {w + 1}/{budget.num_windows}, {loss}")
 
     if arm.kind == "zerolock":
         opts = ExportOptions(seq_len=s.seq_len, micro_batch=s.micro_batch, lora=s.lora, loss=arm.loss_config(),
-                             seed=s.seed, frozen_dtype=arm.frozen_dtype)  # scored on the same compact weights
+                             seed=seed, frozen_dtype=arm.frozen_dtype)  # scored on the same compact weights
         peft_model, modules = build_stage_modules(model, split, opts, calibration_batches(train))
         result["trainable"] = sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
         log = train_zerolock(modules, train, budget, s.optimizer(budget), arm.stage_lr, on_window)
         trained = peft_model
     elif arm.kind in ("backprop", "backprop-last"):
-        trained = attach_lora(model, s.lora, seed=s.seed)  # the same initial LoRA weights as the export
+        trained = attach_lora(model, s.lora, seed=seed)  # the same initial LoRA weights as the export
         if arm.kind == "backprop-last":
             freeze_lora_below(trained, split[-1].first)
         result["trainable"] = sum(p.numel() for p in trained.parameters() if p.requires_grad)
@@ -259,14 +286,16 @@ def run_arm(arm: Arm, samples: int, s: StudySettings, base_model, split, train, 
         result.update(train_s=log.seconds, window_losses=log.losses)
         if log.task_losses:
             result.update(window_task_losses=log.task_losses, window_consistency_losses=log.consistency_losses)
-    progress.update(bar, description=f"{arm.name} @ {samples}: scoring", loss="")
-    score = evaluate(trained, dev, s.eval_batch_size)
-    result.update(accuracy=score.accuracy, nll=score.nll, eval_s=score.seconds)
+    progress.update(bar, description=f"{label}: scoring", loss="")
+    score = evaluate(trained, dev, s.eval_batch_size, per_row=True)
+    result.update(accuracy=score.accuracy, nll=score.nll, eval_s=score.seconds,
+                  rows={"correct": score.per_row.correct, "nll_sum": score.per_row.nll_sum,
+                        "tokens": score.per_row.tokens})
     if modules is not None:
         exits = [evaluate(EarlyExitModel(modules, k), dev, s.eval_batch_size) for k in range(len(modules) - 1)]
         result["early_exit_accuracy"] = [e.accuracy for e in exits] + [score.accuracy]
         result["early_exit_nll"] = [e.nll for e in exits] + [score.nll]
-    progress.update(bar, description=f"{arm.name} @ {samples}: {score.accuracy:.1%}")
+    progress.update(bar, description=f"{label}: {score.accuracy:.1%}")
     return result
 
 
@@ -274,16 +303,18 @@ def run_arm(arm: Arm, samples: int, s: StudySettings, base_model, split, train, 
 
 
 def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bool = False) -> dict:
-    """Train and score every (budget, arm) not cached in OUT/arms; with `report_only`, only tabulate the cached ones."""
+    """Train and score every (budget, seed, arm) not cached in OUT/arms; with `report_only`, only tabulate the
+    cached ones."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from zl_device.results.evaluate import limit_rows
+    from zl_device.results.study_tables import markdown, plot, summary_table
     from zl_export.model_source import load_model
     from zl_export.stages import balanced_split, format_spec, parse_spec
 
     torch.set_num_threads(s.threads)
     with err.status(f"loading {s.model}"):
-        loaded = load_model(s.model, seed=s.seed)
+        loaded = load_model(s.model, seed=0)  # the model is fixed; the seeds vary LoRA and data
     cfg = loaded.config
     split = parse_spec(s.stages, cfg.num_hidden_layers) if s.stages else balanced_split(cfg.num_hidden_layers,
                                                                                        s.num_stages)
@@ -291,37 +322,41 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bo
         arm.loss_config().validate(len(split))
         if len(arm.stage_lr) not in (1, len(split)):
             raise ZLError(f"arm {arm.name}: stage_lr has {len(arm.stage_lr)} values for {len(split)} stages.")
-    train = prepare_shard(s, s.train, "train", loaded.tokenizer, out)
     dev = limit_rows(prepare_shard(s, s.dev, "dev", loaded.tokenizer, out), s.eval_limit)
     if not dev.meta.get("label_token_ids"):
         raise ZLError(f"--dev {s.dev}: not a classification data set (no label words); the study scores accuracy.")
-    err.print(f"study: {s.model}, stages {format_spec(split)}, {train.rows} train rows, {dev.rows} dev rows, "
-              f"samples {', '.join(map(str, s.samples))}, window {s.window}, lr {s.lr:g}, {s.threads} threads")
+    trains = {seed: prepare_shard(s, s.train, f"train-seed{seed}", loaded.tokenizer, out, seed) for seed in s.seeds}
+    train_rows = trains[s.seeds[0]].rows
+    err.print(f"study: {s.model}, stages {format_spec(split)}, {train_rows} train rows, {dev.rows} dev rows, "
+              f"samples {', '.join(map(str, s.samples))}, seeds {', '.join(map(str, s.seeds))}, window {s.window}, "
+              f"lr {s.lr:g}, {s.threads} threads")
     results = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[loss]}"))
     with Progress(*columns, console=err) as progress:
         for samples in s.samples:
-            for arm in arms:
-                key = f"{samples if arm.kind != 'base' else 0}-{arm.name}"
-                cached = out / "arms" / f"{key}.json"
-                fp = s.fingerprint(arm, samples)
-                if cached.is_file() and json.loads(cached.read_text()).get("fingerprint") == fp:
-                    result = json.loads(cached.read_text())
-                elif arm.kind == "base" and any(r["arm"] == arm.name for r in results):
-                    result = next(r for r in results if r["arm"] == arm.name)
-                elif report_only:
-                    err.print(f"{arm.name} @ {samples}: not in {cached.parent} with these settings; left out")
-                    continue
-                else:
-                    start = time.perf_counter()
-                    result = run_arm(arm, samples, s, loaded.model, split, train, dev, progress)
-                    result.update(fingerprint=fp, wall_s=time.perf_counter() - start)
-                    _write_json(cached, result)
-                results.append({**result, "samples": samples})
+            for seed in s.seeds:
+                for arm in arms:
+                    if arm.kind == "base" and seed != s.seeds[0]:
+                        continue  # scored once: no training, nothing seeded
+                    key = "0-base" if arm.kind == "base" else f"{samples}-{arm.name}-seed{seed}"
+                    cached = out / "arms" / f"{key}.json"
+                    fp = s.fingerprint(arm, samples, seed)
+                    if cached.is_file() and json.loads(cached.read_text()).get("fingerprint") == fp:
+                        result = json.loads(cached.read_text())
+                    elif report_only:
+                        err.print(f"{key}: not in {cached.parent} with these settings; left out")
+                        continue
+                    else:
+                        start = time.perf_counter()
+                        result = run_arm(arm, samples, seed, s, loaded.model, split, trains[seed], dev, progress)
+                        result.update(fingerprint=fp, wall_s=time.perf_counter() - start)
+                        _write_json(cached, result)
+                    results.append({**result, "samples": samples})
     study = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items()},
-             "stages": format_spec(split), "train_rows": train.rows, "dev_rows": dev.rows,
-             "arms": [asdict(a) for a in arms], "results": results}
+             "stages": format_spec(split), "train_rows": train_rows, "dev_rows": dev.rows,
+             "arms": [asdict(a) for a in arms], "reference": REFERENCE_ARM, "results": results}
+    study["summary"] = summary_table(results, REFERENCE_ARM)
     study = json.loads(json.dumps(study, default=str))  # what study.json holds (tuples as lists)
     _write_json(out / "study.json", study)
     (out / "study.md").write_text(markdown(study))
@@ -334,60 +369,6 @@ def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
-
-
-def markdown(study: dict) -> str:
-    """Accuracy / NLL per arm and budget, then the ZeroLock arms' early-exit accuracy per stage."""
-    budgets = sorted({r["samples"] for r in study["results"]})
-    arms = list(dict.fromkeys(r["arm"] for r in study["results"]))
-    by = {(r["arm"], r["samples"]): r for r in study["results"]}
-    s = study["settings"]
-    lines = [f"# Accuracy study: {s['model']}, stages {study['stages']}", "",
-             f"{study['train_rows']} train rows ({s['train']}), {study['dev_rows']} dev rows ({s['dev']}); "
-             f"seq {s['seq_len']}, window {s['window']}, micro-batch {s['micro_batch']}, lr {s['lr']}, "
-             f"LoRA r={s['lora']['rank']} on {','.join(s['lora']['targets'])}, seed {s['seed']}.", "",
-             "## Dev accuracy (NLL per label token, nats; training seconds)", "",
-             "| arm | " + " | ".join(f"{b} samples" for b in budgets) + " |",
-             "|---|" + "---|" * len(budgets)]
-    for arm in arms:
-        cells = []
-        for b in budgets:
-            r = by.get((arm, b))
-            cells.append("—" if r is None else f"{r['accuracy']:.1%} ({r['nll']:.3f}; {r.get('train_s', 0):.0f} s)")
-        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    exits = [r for r in study["results"] if r.get("early_exit_accuracy")]
-    if exits:
-        lines += ["", "## Early-exit accuracy of each stage's readout (ZeroLock arms)", "",
-                  "| arm | samples | " + " | ".join(f"stage {k}" for k in range(len(exits[0]["early_exit_accuracy"])))
-                  + " |", "|---|---|" + "---|" * len(exits[0]["early_exit_accuracy"])]
-        for r in exits:
-            lines.append(f"| {r['arm']} | {r['samples']} | " + " | ".join(f"{a:.1%}" for a in r["early_exit_accuracy"])
-                         + " |")
-    notes = {a["name"]: a["note"] for a in study["arms"]}
-    lines += ["", "## Arms", ""] + [f"- `{n}`: {notes.get(n, '')}" for n in arms]
-    return "\n".join(lines) + "\n"
-
-
-def plot(study: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arm in dict.fromkeys(r["arm"] for r in study["results"]):
-        points = sorted((r["samples"], r["accuracy"]) for r in study["results"] if r["arm"] == arm)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=arm,
-                linestyle="--" if arm.startswith(("base", "backprop")) else "-")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("training samples")
-    ax.set_ylabel("dev accuracy")
-    ax.set_title(f"{study['settings']['model']}: dev accuracy per arm")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # --- command line --------------------------------------------------------------------------------------
@@ -416,7 +397,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default 8)")
     ap.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
     ap.add_argument("--lora-targets", default="q_proj,v_proj", help="projections with adapters (default q_proj,v_proj)")
-    ap.add_argument("--seed", type=int, default=0, help="LoRA init, data order (default 0)")
+    ap.add_argument("--seeds", default="0,1,2",
+                    help="seeds of the LoRA init and data order, comma-separated; every arm runs at each (default 0,1,2)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--eval-limit", type=int, help="score only the first N dev rows (default: all)")
     ap.add_argument("--out", type=Path, default=Path("runs/study"), help="results and cache (default runs/study)")
@@ -427,6 +409,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build(args: argparse.Namespace) -> tuple[StudySettings, list[Arm]]:
     samples = parse_list(args.samples, int, "--samples")
+    seeds = parse_list(args.seeds, int, "--seeds")
+    if len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ZLError(f"--seeds {args.seeds}: give distinct seeds of at least 0, e.g. 0,1,2.")
     for flag, value in (("--samples", min(samples)), ("--window", args.window), ("--micro-batch", args.micro_batch),
                         ("--threads", args.threads), ("--num-stages", args.num_stages)):
         if value < 1:
@@ -448,7 +433,7 @@ def build(args: argparse.Namespace) -> tuple[StudySettings, list[Arm]]:
     s = StudySettings(model=args.model, train=args.train, dev=args.dev, data_format=args.data_format,
                       truncate=args.truncate, seq_len=args.seq_len, samples=samples, stages=args.stages,
                       num_stages=args.num_stages, window=args.window, micro_batch=args.micro_batch, lr=args.lr,
-                      lora=lora, seed=args.seed, threads=args.threads, eval_limit=args.eval_limit)
+                      lora=lora, seeds=seeds, threads=args.threads, eval_limit=args.eval_limit)
     return s, arms
 
 
@@ -459,7 +444,7 @@ def run(argv: list[str] | None = None) -> dict:
     s, arms = build(args)
     err = Console(stderr=True)
     study = run_study(s, arms, args.out, err, args.report_only)
-    Console().print(markdown(study))
+    Console().print((args.out / "study.md").read_text())
     err.print(f"written: {args.out / 'study.json'}, {args.out / 'study.md'}, {args.out / 'accuracy.png'}")
     return study
 

@@ -7,6 +7,8 @@ log-likelihood per label token (completion and end-of-sequence), i.e. the
 task cross-entropy training minimizes, averaged over the same positions.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from zl.errors import ZLError
@@ -37,9 +39,36 @@ def _log_probs_at(decoder, head, ids: torch.Tensor, mask: torch.Tensor, position
     return list(torch.split(logp, [len(p) for p in positions]))
 
 
-@torch.no_grad()
+@dataclass
+class RowScores:
+    """Per-row figures of a classification shard, in row order: what paired comparisons of two models need."""
+
+    correct: list[int]  # 1 where the most likely label word is the row's own
+    nll_sum: list[float]  # summed NLL of the row's label tokens (completion and end-of-sequence), nats
+    tokens: list[int]  # the row's label tokens
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.correct) / max(len(self.correct), 1)
+
+    @property
+    def nll(self) -> float:
+        """Mean NLL per label token over all rows."""
+        return sum(self.nll_sum) / max(sum(self.tokens), 1)
+
+
 def label_word_accuracy(model: torch.nn.Module, shard: Shard, batch_size: int = 16) -> tuple[float, float]:
     """Accuracy of picking the right label word, and the mean NLL per label token, over all rows of `shard`.
+
+    See label_word_scores for the arguments and errors.
+    """
+    scores = label_word_scores(model, shard, batch_size)
+    return scores.accuracy, scores.nll
+
+
+@torch.no_grad()
+def label_word_scores(model: torch.nn.Module, shard: Shard, batch_size: int = 16) -> RowScores:
+    """Whether each row's label word is the model's pick, and each row's NLL, for every row of `shard`.
 
     Args:
         model: a float32 Hugging Face causal LM (LoRA/PEFT wrappers work too);
@@ -49,7 +78,7 @@ def label_word_accuracy(model: torch.nn.Module, shard: Shard, batch_size: int = 
         batch_size: rows per forward pass.
 
     Returns:
-        (accuracy in [0, 1], NLL in nats per label token).
+        RowScores, one entry per row of `shard`.
 
     Raises:
         ZLError: the shard has no label words, or a row's completion is not one of them.
@@ -67,8 +96,8 @@ def label_word_accuracy(model: torch.nn.Module, shard: Shard, batch_size: int = 
     was_training = model.training
     model.eval()
     try:
-        correct = 0
-        nll_sum, nll_count = 0.0, 0
+        nll_sums: list[float] = []
+        nll_counts: list[int] = []
         # scores[r][c]: summed log-prob of candidate c after row r's prompt; filled in two passes.
         scores: list[list[float | None]] = []
         truth: list[int] = []
@@ -92,8 +121,8 @@ def label_word_accuracy(model: torch.nn.Module, shard: Shard, batch_size: int = 
                 row, p = tokens[b], prompt_lens[b]
                 completion = row[p:]
                 targets = torch.tensor(completion)
-                nll_sum -= float(logp.gather(1, targets[:, None]).sum())
-                nll_count += len(completion)
+                nll_sums.append(-float(logp.gather(1, targets[:, None]).sum()))
+                nll_counts.append(len(completion))
                 word = completion[:-1] if completion[-1] == eos else completion
                 if word not in candidates:
                     raise ZLError(
@@ -111,10 +140,9 @@ def label_word_accuracy(model: torch.nn.Module, shard: Shard, batch_size: int = 
                         row_scores.append(None)
                 scores.append(row_scores)
         _score_extra(decoder, head, candidates, extra, scores, pad, batch_size)
-        for r, row_scores in enumerate(scores):
-            best = max(range(len(candidates)), key=lambda c: row_scores[c])
-            correct += int(best == truth[r])
-        return correct / len(scores), nll_sum / max(nll_count, 1)
+        correct = [int(max(range(len(candidates)), key=lambda c: row_scores[c]) == truth[r])
+                   for r, row_scores in enumerate(scores)]
+        return RowScores(correct, nll_sums, nll_counts)
     finally:
         model.train(was_training)
 

@@ -15,13 +15,13 @@ does not depend on the batch size.
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from zl.errors import ZLError
-from zl_export.scoring import IGNORE_INDEX, label_word_accuracy
+from zl_export.scoring import IGNORE_INDEX, RowScores, label_word_scores
 from zl_export.shard import Shard
 
 
@@ -34,9 +34,13 @@ class EvalResult:
     accuracy: float | None  # None for shards without label words
     nll: float  # nats per label token
     seconds: float
+    per_row: RowScores | None = field(default=None, repr=False)  # with evaluate(..., per_row=True), classification
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.per_row is None:
+            del d["per_row"]
+        return d
 
 
 def limit_rows(shard: Shard, limit: int | None) -> Shard:
@@ -57,6 +61,7 @@ def evaluate(
     shard: Shard,
     batch_size: int = 16,
     on_batch: Callable[[int], None] = lambda rows: None,
+    per_row: bool = False,
 ) -> EvalResult:
     """Accuracy (classification shards) and mean NLL per label token of `model` on every row of `shard`.
 
@@ -65,6 +70,7 @@ def evaluate(
         shard: tokenized with the model's tokenizer.
         batch_size: rows per forward pass.
         on_batch: called with the number of rows after each batch (progress).
+        per_row: also keep each row's figures (`EvalResult.per_row`; classification shards), for paired comparisons.
 
     Raises:
         ZLError: batch_size < 1, or a row without a completion.
@@ -75,13 +81,18 @@ def evaluate(
     start_time = time.perf_counter()
     correct = 0
     nll_sum, tokens = 0.0, 0
+    rows = RowScores([], [], [])
     for start in range(0, shard.rows, batch_size):
         batch = _rows(shard, start, min(start + batch_size, shard.rows))
         count = _label_tokens(batch, start)
         if classify:
-            # One call per batch: label_word_accuracy scores every row it is given.
-            accuracy, nll = label_word_accuracy(model, batch, batch_size=batch_size)
-            correct += round(accuracy * batch.rows)
+            # One call per batch: label_word_scores scores every row it is given.
+            scores = label_word_scores(model, batch, batch_size=batch_size)
+            nll = scores.nll
+            correct += sum(scores.correct)
+            for mine, theirs in ((rows.correct, scores.correct), (rows.nll_sum, scores.nll_sum),
+                                 (rows.tokens, scores.tokens)):
+                mine.extend(theirs)
         else:
             nll = _completion_nll(model, batch)
         nll_sum += nll * count
@@ -93,6 +104,7 @@ def evaluate(
         accuracy=correct / shard.rows if classify else None,
         nll=nll_sum / max(tokens, 1),
         seconds=time.perf_counter() - start_time,
+        per_row=rows if per_row and classify else None,
     )
 
 

@@ -143,6 +143,7 @@ def test_a_finished_arm_is_not_trained_again_but_a_changed_setting_is(study, dem
     (["--arm", "zl-x:alpha=0.5/0.5/0.5"], "--alpha 0.5,0.5,0.5: 3 values for 2 stages"),
     (["--samples", "0"], "--samples 0: must be at least 1"),
     (["--seeds", "0,0"], "--seeds 0,0: give distinct seeds"),
+    (["--arm", "zl-x:lora_targets=q_proj/w_proj"], "w_proj is not a Llama projection"),
 ])
 def test_bad_options_are_clear_errors(demo_data, tmp_path, extra, problem):
     with pytest.raises(ZLError, match=problem.replace("(", r"\(").replace(")", r"\)")):
@@ -165,3 +166,15 @@ def test_a_data_file_is_tokenized_once_like_zl_train(tmp_path):
     loaded = load_shard(shard)
     assert loaded.rows == 24 and loaded.seq_len == 48 and loaded.meta["label_words"]
     assert study_tool.run(args)["results"] == first["results"] and shard.stat().st_mtime_ns == stamp
+
+
+def test_an_arm_with_lora_settings_of_its_own_trains_more_adapters(demo_data, tmp_path):
+    """`lora_targets=` in --arm reaches the ZeroLock trainer; the other arms keep the study's --lora-targets."""
+    args = ["--model", "tiny-random", "--train", str(demo_data / "train.safetensors"), "--dev",
+            str(demo_data / "dev.safetensors"), "--samples", "8", "--seeds", "0", "--num-stages", "2", "--eval-limit",
+            "4", "--threads", "1", "--out", str(tmp_path), "--arms", "zl-ce",
+            "--arm", "zl-wide:alpha=1;translator_rank=0;lora_targets=q_proj/k_proj/v_proj/o_proj"]
+    runs = {r["arm"]: r for r in study_tool.run(args)["results"]}
+    assert runs["zl-wide"]["trainable"] > runs["zl-ce"]["trainable"]
+    # Window 0 runs at the LoRA initialisation (B = 0: the base model either way); window 1 after a step differs.
+    assert runs["zl-wide"]["window_losses"][1] != runs["zl-ce"]["window_losses"][1]

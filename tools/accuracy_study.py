@@ -12,7 +12,9 @@ it trains and scores on the dev rows (all of them by default):
                     zl-default is whatever `zl train` does by default (its loss and frozen dtype)
 
 An arm with `frozen_dtype` bf16 or int8 (zl-translator-bf16, zl-translator-int8, or `frozen_dtype=` in
---arm) trains and is scored with the frozen weights stored that way (`zl export --frozen-dtype`).
+--arm) trains and is scored with the frozen weights stored that way (`zl export --frozen-dtype`); one with
+`lora_targets=q_proj/k_proj/...` or `lora_rank=` in --arm trains ZeroLock with LoRA settings of its own (the
+backprop arms keep the study's --lora-*).
 
 A seed sets the LoRA initialisation and the data order (which training rows,
 in which order); for one seed every arm sees the same micro-batches in the same
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -76,9 +79,13 @@ class Arm:
     stage_lr: tuple[float, ...] = (1.0,)  # learning-rate multiplier per stage (zerolock)
     note: str = ""
     frozen_dtype: str = "fp32"  # how the frozen weights are stored (zerolock; `--frozen-dtype`, docs/design.md §3.6)
+    lora: dict = field(default_factory=dict)  # LoraSettings fields that differ from the study's (zerolock)
 
     def loss_config(self) -> LossConfig:
         return LossConfig(**self.loss)
+
+    def lora_settings(self, study: LoraSettings) -> LoraSettings:
+        return dataclasses.replace(study, **self.lora)
 
 
 # The built-in arms, every loss field that differs from the paper's spelled out (the defaults of `zl train` may
@@ -164,6 +171,8 @@ class StudySettings:
         arm_fields = asdict(arm)
         if arm.frozen_dtype == "fp32":  # arms cached before frozen_dtype existed keep their fingerprint
             del arm_fields["frozen_dtype"]
+        if not arm.lora:  # and those cached before arms had LoRA settings of their own
+            del arm_fields["lora"]
         blob = {"v": STUDY_VERSION, "arm": arm_fields, "samples": samples if arm.kind != "base" else 0, **fields}
         return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -184,7 +193,7 @@ def parse_arm(spec: str) -> Arm:
     name = name.strip()
     if not name or name in ARMS:
         raise ZLError(f"--arm {spec!r}: give a new name before ':' (built-in arms: {', '.join(ARMS)}).")
-    loss, stage_lr, frozen_dtype = {}, (1.0,), "fp32"
+    loss, stage_lr, frozen_dtype, lora = {}, (1.0,), "fp32", {}
     fields = LossConfig.__dataclass_fields__
     for item in filter(None, (p.strip() for p in body.split(";"))):
         key, eq, value = item.partition("=")
@@ -195,6 +204,10 @@ def parse_arm(spec: str) -> Arm:
             stage_lr = parse_list(value, float, f"--arm {name} stage_lr")
         elif key == "frozen_dtype":
             frozen_dtype = value.strip()
+        elif key == "lora_targets":
+            lora["targets"] = tuple(v.strip() for v in value.split("/") if v.strip())
+        elif key == "lora_rank":
+            lora["rank"] = parse_list(value, int, f"--arm {name} lora_rank")[0]
         elif key == "alpha":
             loss["alpha"] = parse_list(value, float, f"--arm {name} alpha")
         elif key == "translator_rank":
@@ -202,9 +215,10 @@ def parse_arm(spec: str) -> Arm:
         elif key in fields:
             loss[key] = value.strip()
         else:
-            raise ZLError(f"--arm {spec!r}: unknown key {key!r}; use stage_lr, frozen_dtype or one of "
-                          f"{', '.join(fields)}.")
-    arm = Arm(name, "zerolock", loss, stage_lr, note=body, frozen_dtype=frozen_dtype)
+            raise ZLError(f"--arm {spec!r}: unknown key {key!r}; use stage_lr, frozen_dtype, lora_targets, "
+                          f"lora_rank or one of {', '.join(fields)}.")
+    arm = Arm(name, "zerolock", loss, stage_lr, note=body, frozen_dtype=frozen_dtype, lora=lora)
+    arm.lora_settings(LoraSettings()).validate()
     arm.loss_config().validate()
     if frozen_dtype not in FROZEN_DTYPES:
         raise ZLError(f"--arm {spec!r}: frozen_dtype {frozen_dtype!r}; expected one of {', '.join(FROZEN_DTYPES)}.")
@@ -267,7 +281,8 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
             progress.console.print(f"{label}: window {w + 1}/{budget.num_windows}, {loss}")
 
     if arm.kind == "zerolock":
-        opts = ExportOptions(seq_len=s.seq_len, micro_batch=s.micro_batch, lora=s.lora, loss=arm.loss_config(),
+        opts = ExportOptions(seq_len=s.seq_len, micro_batch=s.micro_batch, lora=arm.lora_settings(s.lora),
+                             loss=arm.loss_config(),
                              seed=seed, frozen_dtype=arm.frozen_dtype)  # scored on the same compact weights
         peft_model, modules = build_stage_modules(model, split, opts, calibration_batches(train))
         result["trainable"] = sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)

@@ -18,11 +18,16 @@ namespace zl {
 
 namespace {
 
+/// The largest frame without tensors: a header, a payload at the JSON limit, the tag.
+constexpr size_t kMaxTensorlessFrameBytes = kFrameHeaderSize + kMaxFrameJsonBytes + kFrameTagSize;
+
 /// What the Sender accepts from downstream: ACKs (and ERRORs) of its run.
+/// They carry no tensors, so nothing larger than that is read from the
+/// downstream, whatever the DATA maximum (options.max_frame_bytes) is.
 FrameExpectation sender_expectation(const SenderOptions& options) {
   FrameExpectation expect;
   expect.run_id = options.run_id;
-  expect.max_frame_bytes = options.max_frame_bytes;
+  expect.max_frame_bytes = std::min(options.max_frame_bytes, kMaxTensorlessFrameBytes);
   return expect;
 }
 
@@ -318,6 +323,15 @@ Status Receiver::start() {
                   "receiver needs expect.stage, the upstream stage k of the link k -> k+1: the link's keys "
                   "derive from it");
   }
+  if (options_.pre_auth.max_connections == 0) {
+    return Status(StatusCode::kInvalidArgument,
+                  "pre_auth.max_connections is 0; it must be at least 1 (a reconnecting upstream needs one)");
+  }
+  if (options_.pre_auth.max_frame_bytes < kHelloFrameBytes) {
+    return Status(StatusCode::kInvalidArgument,
+                  "pre_auth.max_frame_bytes is " + std::to_string(options_.pre_auth.max_frame_bytes) +
+                      "; it must be at least " + std::to_string(kHelloFrameBytes) + ", the size of a HELLO");
+  }
   ZL_RETURN_IF_ERROR(log_.open());
   for (const auto& c : log_.corrupt()) {
     log(LogLevel::kError, "receiver: input log entry %s unusable: %s", c.path.c_str(),
@@ -556,6 +570,16 @@ void Receiver::serve_candidate(size_t index) {
       }
       c.session = SessionState{};
       c.session->id = id;
+      // Its first frame in the session may be a whole DATA entry. One such
+      // newcomer at a time: an older one (a stale attempt of the upstream's, or
+      // a replayed HELLO) goes, so a recorded HELLO buys at most one frame.
+      c.reader.set_max_frame_bytes(options_.expect.max_frame_bytes);
+      for (size_t j = 0; j < candidates_.size(); ++j) {
+        if (j != index && candidates_[j].session && candidates_[j].sock.valid()) {
+          log(LogLevel::kInfo, "receiver: a newer connection completed its HELLO; closing the older one");
+          drop_candidate(&candidates_[j]);
+        }
+      }
       {
         // The handshake needs no room; what follows it does (back-pressure).
         std::lock_guard<std::mutex> lock(mutex_);
@@ -591,6 +615,15 @@ void Receiver::serve_candidate(size_t index) {
   }
 }
 
+void Receiver::drop_candidate(Candidate* c) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.candidates_dropped;  // counted before the peer can see the close
+  }
+  c->sock.close();
+  c->reader = FrameReader(options_.pre_auth.max_frame_bytes);  // frees what it buffered
+}
+
 void Receiver::run() {
   std::vector<pollfd> fds;
   for (;;) {
@@ -609,19 +642,22 @@ void Receiver::run() {
     }
     if (room && conn_.valid()) serve_connection();
 
-    // Newcomers that did not authenticate in time are closed.
+    // Newcomers that did not authenticate in time are closed (and those dropped already, erased).
     for (size_t i = candidates_.size(); i-- > 0;) {
-      if (candidates_[i].deadline <= now) {
-        log(LogLevel::kWarn, "receiver: a new connection sent no valid frame within %lld ms; closing it",
-            static_cast<long long>(options_.auth_timeout.count()));
-        {
-          std::lock_guard<std::mutex> lock(mutex_);
-          ++stats_.candidates_dropped;  // counted before the peer can see the close
-        }
+      Candidate& c = candidates_[i];
+      const SteadyClock::time_point deadline = c.deadline(options_.pre_auth);
+      if (c.sock.valid() && deadline <= now) {
+        log(LogLevel::kWarn, "receiver: a new connection sent no valid %s within %lld ms; closing it",
+            c.session ? "frame after its HELLO" : "HELLO",
+            static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - c.accepted_at)
+                                       .count()));
+        drop_candidate(&c);
+      }
+      if (!c.sock.valid()) {
         candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(i));
         continue;
       }
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(candidates_[i].deadline - now);
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
       timeout_ms = std::min<int>(timeout_ms, static_cast<int>(left.count()) + 1);
     }
 
@@ -652,9 +688,10 @@ void Receiver::run() {
       }
     }
     // Candidates, newest first so that erasing keeps the lower indices valid.
+    // One that another dropped meanwhile (a newer HELLO) is skipped and erased at the next sweep.
     for (size_t i = num_candidates; i-- > 0;) {
       const pollfd& p = fds[3 + i];
-      if (p.fd >= 0 && (p.revents & (POLLIN | POLLHUP | POLLERR))) serve_candidate(i);
+      if (p.fd >= 0 && candidates_[i].sock.valid() && (p.revents & (POLLIN | POLLHUP | POLLERR))) serve_candidate(i);
     }
     // Every pending connection (the listener is non-blocking), so a burst of
     // connections cannot fill the accept queue between two polls.
@@ -663,18 +700,21 @@ void Receiver::run() {
       const Status s = accept_tcp(listener_, &incoming);
       if (!s.ok() && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
       if (s.ok()) {
-        if (candidates_.size() >= std::max<size_t>(1, options_.max_candidates)) {
-          log(LogLevel::kWarn, "receiver: %zu connections waiting to authenticate; dropping the oldest",
-              candidates_.size());
-          {
-            std::lock_guard<std::mutex> lock(mutex_);
-            ++stats_.candidates_dropped;  // counted before the peer can see the close
+        // The budget counts connections still waiting for their HELLO; the
+        // oldest of them makes room (never a newcomer past its HELLO).
+        size_t waiting = 0;
+        for (const auto& c : candidates_) waiting += c.sock.valid() && !c.session;
+        if (waiting >= options_.pre_auth.max_connections) {
+          log(LogLevel::kWarn, "receiver: %zu connections waiting for their HELLO; closing the oldest", waiting);
+          for (auto& c : candidates_) {
+            if (c.sock.valid() && !c.session) {
+              drop_candidate(&c);
+              break;
+            }
           }
-          candidates_.erase(candidates_.begin());
         }
         candidates_.push_back(
-            Candidate{std::move(incoming), FrameReader(options_.expect.max_frame_bytes),
-                      SteadyClock::now() + options_.auth_timeout});
+            Candidate{std::move(incoming), FrameReader(options_.pre_auth.max_frame_bytes), SteadyClock::now(), {}});
         std::lock_guard<std::mutex> lock(mutex_);
         ++stats_.connections;
       } else {

@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace zl {
@@ -184,8 +185,16 @@ Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
     out->reason = std::string(frame_error_name(e)) + ": " + reason;
     return Status();
   }
-  bytes.resize(total);
-  ZL_RETURN_IF_ERROR(recv_exact(fd, bytes.data() + kFrameHeaderSize, total - kFrameHeaderSize, deadline));
+  // Grown as the bytes arrive, never to the announced length up front: a
+  // peer that announces 64 MiB and sends 200 bytes costs 64 KiB, not 64 MiB.
+  constexpr size_t kFirstStep = 64 * 1024;
+  size_t have = kFrameHeaderSize;
+  while (have < total) {
+    const size_t step = std::min(total - have, std::max(have, kFirstStep));
+    bytes.resize(have + step);
+    ZL_RETURN_IF_ERROR(recv_exact(fd, bytes.data() + have, step, deadline));
+    have += step;
+  }
   *out = decode_frame(bytes.data(), bytes.size(), key, expect);
   if (raw) *raw = std::move(bytes);
   return Status();
@@ -196,8 +205,12 @@ Status client_handshake(int fd, const LinkKeys& keys, const RunId& run_id, uint3
   Frame hello = make_control_frame(FrameType::kHello, run_id, stage, 0, 0);
   random_bytes(hello.session.data(), kSessionHalfSize);
   ZL_RETURN_IF_ERROR_WITH_PREFIX(write_frame(fd, hello, keys.send), "handshake: ");
+  // Until the reply verifies, the server is a stranger: it gets a HELLO's
+  // worth of bytes (or an ERROR's), not the link's frame maximum.
+  FrameExpectation pre_auth = expect;
+  pre_auth.max_frame_bytes = std::min(expect.max_frame_bytes, kMaxHandshakeReplyBytes);
   DecodeResult r;
-  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_frame(fd, keys.receive, expect, timeout, &r), "handshake: ");
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_frame(fd, keys.receive, pre_auth, timeout, &r), "handshake: ");
   if (!r.ok()) return Status(StatusCode::kCorrupt, "handshake: the server's reply was rejected: " + r.reason);
   const Frame& f = r.frame;
   if (f.type == FrameType::kError) {
@@ -264,8 +277,12 @@ void drain_wake(int fd) {
 
 Status FrameReader::fill(int fd) {
   uint8_t chunk[64 * 1024];
+  // One maximal frame and the next header: then next() can always pop a frame
+  // or say the stream is broken, so stopping here never stalls the reader.
+  const size_t limit = max_frame_bytes_ + kFrameHeaderSize;
   for (;;) {
-    const ssize_t n = ::recv(fd, chunk, sizeof(chunk), MSG_DONTWAIT);
+    if (buffered() >= limit) return Status();
+    const ssize_t n = ::recv(fd, chunk, std::min(sizeof(chunk), limit - buffered()), MSG_DONTWAIT);
     if (n == 0) return Status(StatusCode::kClosed, "connection closed by peer");
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -277,8 +294,6 @@ Status FrameReader::fill(int fd) {
       start_ = 0;
     }
     buffer_.insert(buffer_.end(), chunk, chunk + n);
-    // Do not buffer more than one maximal frame ahead of the consumer.
-    if (buffered() > max_frame_bytes_ + kFrameHeaderSize) return Status();
   }
 }
 

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 
 #include <gtest/gtest.h>
 
@@ -93,6 +94,41 @@ TEST(FrameReaderTest, FramesSplitAcrossFillsAndPopsInterleave) {
   ASSERT_EQ(::send(writer.fd(), "JUNKJUNK", 8, 0), 8);
   ASSERT_TRUE(reader.fill(reader_fd.fd()).ok());
   EXPECT_EQ(reader.pop().next, FrameReader::Next::kBroken);
+}
+
+// Issue 28 item 2: memory follows the bytes that arrived, bounded by the cap,
+// never the length a header announces.
+TEST(FrameReaderTest, BuffersNoMoreThanItsCapWhateverAHeaderAnnounces) {
+  std::vector<uint8_t> stream;
+  ASSERT_TRUE(encode_frame(make_control_frame(FrameType::kHello, test_run(), 0, 0, 0), test_key(), &stream).ok());
+  stream.resize(kFrameHeaderSize);
+  const uint32_t announced = 64u << 20;
+  std::memcpy(stream.data() + 8, &announced, sizeof(announced));  // total_length, little-endian
+  stream.resize(kFrameHeaderSize + 100 * 1024, 0xa5);
+  // A connection that sent that header and 100 KiB of the 64 MiB it announced.
+  auto connection = [&](Socket* writer, Socket* reader_end) {
+    int fds[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+    *writer = Socket(fds[0]);
+    *reader_end = Socket(fds[1]);
+    ASSERT_EQ(::send(writer->fd(), stream.data(), stream.size(), 0), static_cast<ssize_t>(stream.size()));
+  };
+
+  Socket w1, r1;
+  connection(&w1, &r1);
+  FrameReader small(1024);  // a pre-auth reader: a HELLO's worth, then it says why not more
+  ASSERT_TRUE(small.fill(r1.fd()).ok());
+  EXPECT_LE(small.buffered(), 1024u + kFrameHeaderSize);
+  const FrameReader::Popped refused = small.pop();
+  EXPECT_EQ(refused.next, FrameReader::Next::kBroken);
+  EXPECT_EQ(refused.error, FrameError::kOversize);
+
+  Socket w2, r2;
+  connection(&w2, &r2);
+  FrameReader full;  // 64 MiB: the announcement fits; only the bytes that came are held
+  ASSERT_TRUE(full.fill(r2.fd()).ok());
+  EXPECT_EQ(full.buffered(), stream.size());
+  EXPECT_EQ(full.pop().next, FrameReader::Next::kNeedMore);
 }
 
 }  // namespace

@@ -307,8 +307,8 @@ TEST(PeerLinkTest, UnauthenticatedConnectionsDoNotReplaceTheUpstream) {
 TEST(PeerLinkTest, NewcomersThatNeverAuthenticateAreClosed) {
   TempDir dir;
   ReceiverOptions ro = receiver_options(dir.path());
-  ro.auth_timeout = 200ms;
-  ro.max_candidates = 2;
+  ro.pre_auth.hello_timeout = 200ms;
+  ro.pre_auth.max_connections = 2;
   Receiver receiver(ro);
   ASSERT_TRUE(receiver.start().ok());
   RawUpstream silent(receiver.port(), /*handshake=*/false);

@@ -18,6 +18,7 @@
 // cannot be replayed into another connection, link or direction.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -124,6 +125,43 @@ class Sender {
   LinkShaper shaper_;
 };
 
+/// The most a connection may announce before its HELLO verified, by default:
+/// a HELLO is kHelloFrameBytes (144: a header and a tag, no payload, no
+/// tensors); 1 KiB leaves room for a HELLO payload in a later version.
+constexpr size_t kDefaultPreAuthFrameBytes = 1024;
+
+/// What connections that have not authenticated cost a Receiver's listener
+/// (issue 28 item 2; PROTOCOL.md §7). A new connection first has to send a
+/// HELLO sealed with the link's key; until that HELLO verified, it may
+/// announce at most `max_frame_bytes` (a larger header is refused as
+/// oversize and the connection closed at once), and its reader never holds
+/// more than that plus one header. So all of them together hold at most
+/// max_connections * (max_frame_bytes + 128) bytes of frame buffers: about
+/// 4.5 KiB with the defaults, whatever they send.
+///
+/// After its HELLO a connection may send one frame of up to the link's
+/// maximum (expect.max_frame_bytes: its first DATA), which makes it the
+/// upstream once it decodes in the new session. Only one such handshaken
+/// newcomer waits at a time (a newer one that completes its HELLO replaces
+/// it), and newcomers that have not sent their HELLO never push it out, so
+/// someone replaying a recorded HELLO holds at most one frame, and a flood of
+/// strangers cannot displace a reconnecting upstream.
+struct PreAuthBudget {
+  /// Connections waiting for their HELLO, at most this many at a time (the
+  /// oldest is closed for a newer one). At least 1.
+  size_t max_connections = 4;
+  /// The largest frame such a connection may announce; at least kHelloFrameBytes.
+  size_t max_frame_bytes = kDefaultPreAuthFrameBytes;
+  /// A connection whose HELLO is not complete this long after it was accepted
+  /// is closed (a client sends it first thing; its own handshake timeout is
+  /// SenderOptions::connect_timeout, 2 s by default).
+  std::chrono::milliseconds hello_timeout{5000};
+  /// A connection that is not the upstream this long after it was accepted
+  /// (its first frame after the handshake has not arrived and decoded) is
+  /// closed. Generous: that frame is a whole DATA entry on a possibly slow link.
+  std::chrono::milliseconds auth_timeout{30000};
+};
+
 struct ReceiverOptions {
   std::string host = "127.0.0.1";  ///< listen address ("0.0.0.0" on a phone on Wi-Fi)
   uint16_t port = 0;               ///< 0: ephemeral, see Receiver::port()
@@ -143,11 +181,8 @@ struct ReceiverOptions {
   std::optional<uint64_t> committed_window;
   /// A new connection replaces the current upstream only once it completed
   /// the handshake and its first frame after it decodes (tag, run, stage,
-  /// session, shapes). Until then it is a candidate: at most `max_candidates`
-  /// at a time (the oldest is dropped for a newer one), each closed if that
-  /// frame is not complete within `auth_timeout`.
-  size_t max_candidates = 4;
-  std::chrono::milliseconds auth_timeout{30000};
+  /// session, shapes). Until then it is a candidate, within this budget.
+  PreAuthBudget pre_auth;
   /// After an entry cannot be logged here (a full disk, an I/O error), the
   /// receiver closes the link unacknowledged and reads nothing from upstream
   /// for this long, doubling per consecutive failure up to the max (reset by
@@ -166,7 +201,9 @@ struct ReceiverStats {
   uint64_t rejected = 0;     ///< frames that failed validation
   uint64_t ignored = 0;      ///< valid frames of another type than DATA
   uint64_t connections = 0;  ///< accepted upstream connections
-  uint64_t candidates_dropped = 0;  ///< connections closed before their first valid frame (timeout, cap)
+  /// Connections closed before their first valid frame: a PreAuthBudget
+  /// deadline or cap, or replaced by a newer handshake.
+  uint64_t candidates_dropped = 0;
   uint64_t local_errors = 0;  ///< entries that could not be logged here (then a pause, see local_error_backoff_*)
   std::string last_reject_reason;
   std::string last_local_error;
@@ -210,15 +247,19 @@ class Receiver {
  private:
   // A connection that has not yet sent a valid frame after its handshake.
   struct Candidate {
-    Socket sock;
-    FrameReader reader;
-    SteadyClock::time_point deadline;
+    Socket sock;  // closed (invalid) once dropped; erased at the next deadline sweep
+    FrameReader reader;  // capped at pre_auth.max_frame_bytes until its HELLO verified
+    SteadyClock::time_point accepted_at;
     std::optional<SessionState> session;  // set once its HELLO was answered
+    SteadyClock::time_point deadline(const PreAuthBudget& budget) const {
+      return accepted_at + (session ? budget.auth_timeout : std::min(budget.hello_timeout, budget.auth_timeout));
+    }
   };
 
   void run();
   void serve_connection();
   void serve_candidate(size_t index);
+  void drop_candidate(Candidate* c);
   void handle_frame(const std::vector<uint8_t>& bytes);
   void handle_decoded(const DecodeResult& r);
   void reject(const std::string& reason, bool send_error);

@@ -56,15 +56,26 @@ Status write_frame(int fd, const Frame& frame, const FrameKey& key);
 /// come back as Status (kTimeout, kClosed, kIoError); a frame that arrives but
 /// fails validation comes back as ok Status with `out->error` set. A framing
 /// error (bad magic/version, oversize) leaves the stream unusable: close it.
+/// The buffer grows with the bytes that arrive (at most twice what arrived),
+/// not with the length the header announces.
 Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
                   std::chrono::milliseconds timeout, DecodeResult* out,
                   std::vector<uint8_t>* raw = nullptr);
+
+/// A HELLO on the wire: a header and a tag, no payload, no tensors (PROTOCOL.md §6).
+constexpr size_t kHelloFrameBytes = kFrameHeaderSize + kFrameTagSize;
+/// The most a client reads as the server's answer to its HELLO, before that
+/// answer verified: a HELLO (144 bytes) or the ERROR refusing the connection,
+/// whose reason is a few hundred bytes (PROTOCOL.md §7).
+constexpr size_t kMaxHandshakeReplyBytes = 4096;
 
 /// The client side of a connection's handshake (PROTOCOL.md §6), on a
 /// connected blocking socket: sends HELLO (stage `stage`, session = 16 fresh
 /// random bytes + 16 zero bytes, sequence 0) sealed with `keys.send`, then
 /// waits up to `timeout` for the server's HELLO, opened with `keys.receive`
-/// and checked against `expect`, which must echo the client's half.
+/// and checked against `expect`, which must echo the client's half. The
+/// server is not authenticated until that reply verifies, so the reply may
+/// announce at most kMaxHandshakeReplyBytes (less if `expect` says so).
 /// `*session` gets the session both ends then stamp on every frame. kTimeout,
 /// kClosed, kIoError from the socket; kCorrupt when the server's reply is not
 /// a valid HELLO of this connection (or is its ERROR), naming why.
@@ -112,6 +123,9 @@ void write_wake(int fd);
 void drain_wake(int fd);
 
 /// Accumulates bytes from a non-blocking read loop and splits them into frames.
+/// It never holds more than `max_frame_bytes` + one header of unconsumed
+/// bytes (one maximal frame and the next one's header), whatever a header
+/// announces: memory follows the bytes that arrived, bounded by the cap.
 class FrameReader {
  public:
   explicit FrameReader(size_t max_frame_bytes = kDefaultMaxFrameBytes)
@@ -119,8 +133,13 @@ class FrameReader {
 
   enum class Next { kNeedMore, kFrame, kBroken };
 
-  /// recv()s what is available without blocking. kClosed on orderly EOF.
+  /// recv()s what is available without blocking, up to the bound above (what
+  /// is left stays in the socket until the consumer pops). kClosed on orderly EOF.
   Status fill(int fd);
+  /// The largest frame next() accepts (oversize above it). A Receiver raises
+  /// it from the pre-auth cap once a connection's HELLO verified.
+  void set_max_frame_bytes(size_t max_frame_bytes) { max_frame_bytes_ = max_frame_bytes; }
+  size_t max_frame_bytes() const { return max_frame_bytes_; }
   /// Pops the next complete frame's bytes into `*frame`. kBroken means the
   /// stream cannot be re-synchronized (`*error`, `*reason` say why).
   [[nodiscard]] Next next(std::vector<uint8_t>* frame, FrameError* error, std::string* reason);

@@ -297,15 +297,19 @@ def test_a_connection_that_never_authenticates_is_closed():
         assert _next(server).type is FrameType.REGISTER
 
 
-def test_connections_are_capped():
+def test_connections_past_the_hello_are_capped_but_a_registered_stage_always_gets_back_in():
     with ControlServer(KEY, RUN, max_connections=2) as server:
         a, b = Runner(server, 0), Runner(server, 1)
         a.send(FrameType.REGISTER)
         assert _next(server).stage == 0
         c = _connect(server)
+        c.sendall(frames.encode(Frame(FrameType.HELLO, RUN, stage=2, session=os.urandom(16) + bytes(16)), _up(2)))
         assert _closed_within(c, 3), "a third connection over the cap of 2 was served"
         b.send(FrameType.REGISTER)
         assert _next(server).stage == 1
+        restarted = Runner(server, 0)  # stage 0 registered before: its new connection gets a thread over the cap
+        restarted.send(FrameType.REGISTER, payload={"resume": True})
+        assert _next(server).payload == {"resume": True}
 
 
 def test_control_server_binds_loopback_for_usb_phones_and_local_devices():

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -222,3 +223,68 @@ def test_tensor_rule():
     with pytest.raises(FrameRejected) as e:
         decode(_raw(records=_rec(6, b"bad\xc3", (2,), b"a"), count=1, type_=1), KEY)
     assert "\\xc3" in str(e.value) and all(32 <= ord(c) < 127 for c in str(e.value))
+
+
+# --- issue 28 item 1: the payload check is linear time -----------------------------------------------------------
+
+def _crafted(size: int) -> bytes:
+    """The payload that froze the coordinator: an object opened, 33 '[', then an unclosed string of escaped quotes."""
+    head = b'{"' + b"[" * 33
+    return head + b'\\"' * ((size - len(head)) // 2)
+
+
+def test_the_payload_check_is_linear_time_on_unclosed_strings_of_escaped_quotes():
+    # The regex that stripped strings before the depth count backtracked over the whole rest of the payload from
+    # every quote: 12-62 s for 64 KiB, about an hour for 1 MiB, holding the interpreter lock all along. Measured in
+    # a child process, so that the old code fails this test in a minute instead of hanging the suite.
+    code = ("import json, time; from zl_device.run import frames; from tests.test_frames import _crafted\n"
+            "out = {}\n"
+            "for size in (64 << 10, frames.MAX_JSON_BYTES):\n"
+            "    t = time.perf_counter()\n"
+            "    try:\n"
+            "        frames.check_payload(_crafted(size))\n"
+            "    except frames.FrameRejected as e:\n"
+            "        out[size] = [e.error, time.perf_counter() - t]\n"
+            "print(json.dumps(out))\n")
+    try:
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        pytest.fail("check_payload did not reject the crafted payloads of 64 KiB and 1 MiB within 60 s")
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    for size, (error, seconds) in json.loads(run.stdout).items():
+        assert error == "bad_payload"
+        assert seconds < 2.0, f"{size} bytes took {seconds:.1f} s"  # linear: ~10 ms for 1 MiB
+
+
+def _deep(levels: int, inner: bytes = b"1") -> bytes:
+    """An object whose value nests `levels` levels in all (the object is level 1) around `inner`."""
+    return b'{"a":' + b"[" * (levels - 1) + inner + b"]" * (levels - 1) + b"}"
+
+
+DEPTH_AND_STRING_PAYLOADS = [
+    _deep(32), _deep(33), _deep(31, b"{}"), _deep(32, b"{}"),  # {} is a level of its own
+    _deep(32, b'"]]]]\\"[[[[{{{{"'), _deep(32, b'"\\\\"'), _deep(33, b'"\\\\"'),  # brackets in strings do not count
+    b'{"a":"' + b"[" * 40 + b'"}', b'{"\\"' + b"[" * 40 + b'":1}', b'{"a":"' + b"{" * 40 + b'\\\\"}',
+    b'{"a":"' + b"[" * 40 + b'\\"}', b'{"a":"\\\\\\"' + b"[" * 40 + b'"}',  # the quote after \\\" is escaped
+    b'{"a":[' + b"[]," * 40 + b"1]}", b'{"a":' + b"[" * 40 + b'"' + b"]" * 40 + b"}",
+    b'{"a":"x\\' + b"[" * 40, b'{"a":"' + b"]" * 40 + b"[" * 40 + b'"}', b"{" + b"]" * 40,
+    _crafted(4096), _crafted(64 << 10),
+]
+
+
+@pytest.mark.skipif(not FRAME_TOOL.is_file(), reason=f"{FRAME_TOOL} not built (bash setup.sh)")
+def test_cpp_and_python_agree_on_nesting_around_strings(tmp_path):
+    wires = [_raw(p) for p in DEPTH_AND_STRING_PAYLOADS]
+    (tmp_path / "corpus.bin").write_bytes(b"".join(len(w).to_bytes(4, "little") + w for w in wires))
+    out = _tool("decode-batch", "--key", KEY.hex(), "--in", str(tmp_path / "corpus.bin"))
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    cpp = [json.loads(line).get("error") for line in out.stdout.decode().splitlines()]
+    py = []
+    for w in wires:
+        try:
+            decode(w, KEY)
+            py.append(None)
+        except FrameRejected as e:
+            py.append(e.error)
+    assert py == cpp
+    assert py[:4] == [None, "bad_payload", None, "bad_payload"] and py[4:7] == [None, None, "bad_payload"]

@@ -11,7 +11,9 @@ from the run key, one per direction) and bound to the connection's session
 with increasing sequence numbers, so a recorded REGISTER or HEARTBEAT cannot
 be replayed (android_app/native/PROTOCOL.md §6). A frame that fails
 validation is logged with its reason and the connection is dropped, the
-server keeps serving.
+server keeps serving; a verified frame with values out of range
+(frame_problem) is logged and dropped, the connection stays. Strangers
+cannot take the slots that stages need: see ControlServer.
 
 Received frames become ControlEvent objects on a queue that the coordinator's
 loop drains; the server never calls back into coordinator state from its
@@ -21,10 +23,12 @@ threads.
 import logging
 import os
 import queue
+import selectors
 import socket
 import struct
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from zl_device.run import frames
@@ -34,38 +38,80 @@ log = logging.getLogger(__name__)
 
 
 _NUMBER = (int, float)
-# The fields the coordinator reads from each control payload (PROTOCOL.md §4), with the JSON types allowed; a
-# field may be missing, others are ignored. A signed payload that breaks this is logged and dropped.
-_PAYLOAD_FIELDS: dict[FrameType, dict[str, tuple]] = {
-    FrameType.REGISTER: {"stage": (int,), "pid": (int,), "device": (str,), "listen": (str, type(None)),
-                         "resume": (bool,), "micro_batches_done": (int,), "reconnects": (int,)},
-    FrameType.HEARTBEAT: {"micro_batches_done": (int,), "window": (int, type(None)), "phase": (str,),
-                          "pss_mib": (*_NUMBER, type(None)), "temperature_c": (*_NUMBER, type(None)),
-                          "t_unix_ms": (int,)},
-    FrameType.WINDOW_COMMITTED: {"mean_loss": (*_NUMBER, type(None)), "mean_task_loss": (*_NUMBER, type(None)),
-                                 "mean_consistency_loss": (*_NUMBER, type(None)), "micro_batches_done": (int,),
-                                 "checkpoint_ms": (*_NUMBER, type(None)), "checkpointed": (bool,)},
-    FrameType.ERROR: {"reason": (str,)},
+MAX_COUNT = (1 << 31) - 1  # micro-batches, windows, stages, pids, reconnects: what an int32 holds
+_FLOAT32_MAX = 3.4028234663852886e38  # losses are float32 means: any finite float32 fits
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """What one payload field may hold: JSON types (a bool is never a number), then a range or a length."""
+
+    types: tuple
+    low: float | None = None
+    high: float | None = None
+    max_chars: int | None = None
+
+    def or_null(self) -> "_Rule":
+        return _Rule((*self.types, type(None)), self.low, self.high, self.max_chars)
+
+
+_COUNT = _Rule((int,), 0, MAX_COUNT)
+_UNIX_MS = _Rule((int,), 0, (1 << 53) - 1)  # milliseconds since 1970, exact as a double
+_AMOUNT = _Rule(_NUMBER, 0, 1 << 31)  # MiB, ms: non-negative, below 2^31
+_CELSIUS = _Rule(_NUMBER, -40, 150)  # the runner sends only readings in this range (plausible_celsius, telemetry.cpp)
+_LOSS = _Rule(_NUMBER, -_FLOAT32_MAX, _FLOAT32_MAX)  # a KL term may be a hair below 0 in float32: no sign rule
+_FLAG = _Rule((bool,))
+_NAME = _Rule((str,), max_chars=256)  # a device name, a "host:port", a phase
+_REASON = _Rule((str,), max_chars=8192)  # the runner cuts its ERROR reasons at 4000 bytes
+
+# The fields the coordinator reads from each control payload (PROTOCOL.md §4) and what each may hold; a field may
+# be missing, others are ignored. A signed payload that breaks this is logged and dropped (the connection stays).
+_PAYLOAD_FIELDS: dict[FrameType, dict[str, _Rule]] = {
+    FrameType.REGISTER: {"stage": _COUNT, "pid": _COUNT, "device": _NAME, "listen": _NAME.or_null(),
+                         "resume": _FLAG, "micro_batches_done": _COUNT, "reconnects": _COUNT},
+    FrameType.HEARTBEAT: {"micro_batches_done": _COUNT, "window": _COUNT.or_null(), "phase": _NAME,
+                          "pss_mib": _AMOUNT.or_null(), "temperature_c": _CELSIUS.or_null(), "t_unix_ms": _UNIX_MS},
+    FrameType.WINDOW_COMMITTED: {"mean_loss": _LOSS.or_null(), "mean_task_loss": _LOSS.or_null(),
+                                 "mean_consistency_loss": _LOSS.or_null(), "micro_batches_done": _COUNT,
+                                 "checkpoint_ms": _AMOUNT.or_null(), "checkpointed": _FLAG},
+    FrameType.ERROR: {"reason": _REASON},
 }
 
 
 def payload_problem(type_: FrameType, payload: dict | None) -> str | None:
     """Why a control frame's payload is unusable (None when it is fine): a field of the wrong JSON type (a bool
-    is not a number), or a negative micro_batches_done."""
+    is not a number), a number out of its field's range, or a string too long."""
     if payload is None:
         return None
     if not isinstance(payload, dict):
         return f"payload is a {type(payload).__name__}, not a JSON object"
-    for name, allowed in _PAYLOAD_FIELDS.get(type_, {}).items():
+    for name, rule in _PAYLOAD_FIELDS.get(type_, {}).items():
         if name not in payload:
             continue
         value = payload[name]
-        is_bool = isinstance(value, bool)
-        if not isinstance(value, allowed) or (is_bool and bool not in allowed):
-            return f"field {name!r} of {type_.name} is {json_type(value)}"
-        if name == "micro_batches_done" and value < 0:
-            return f"field 'micro_batches_done' of {type_.name} is negative"
+        where = f"field {name!r} of {type_.name}"
+        if not isinstance(value, rule.types) or (isinstance(value, bool) and bool not in rule.types):
+            return f"{where} is {json_type(value)}"
+        if isinstance(value, str) and rule.max_chars is not None and len(value) > rule.max_chars:
+            return f"{where} has {len(value)} characters, at most {rule.max_chars} are allowed"
+        if isinstance(value, _NUMBER) and not isinstance(value, bool) and rule.low is not None \
+                and not rule.low <= value <= rule.high:
+            return f"{where} is {value}, outside [{rule.low}, {rule.high}]"
     return None
+
+
+def frame_problem(frame: Frame) -> str | None:
+    """Why a verified control frame from a stage is unusable (None when it is fine): its header's window or
+    micro-batch beyond MAX_COUNT (the runner writes its current window and micro-batches done there), a REGISTER
+    that names another stage than its header, or its payload (payload_problem)."""
+    for name, value in (("window", frame.window), ("micro_batch", frame.micro_batch)):
+        if value > MAX_COUNT:
+            return f"header field {name} of {frame.type.name} is {value}, above {MAX_COUNT}"
+    problem = payload_problem(frame.type, frame.payload)
+    if problem is None and frame.type == FrameType.REGISTER and isinstance(frame.payload, dict) \
+            and frame.payload.get("stage", frame.stage) != frame.stage:
+        problem = f"REGISTER names stage {frame.payload['stage']} but comes from stage {frame.stage}"
+    return problem
 
 
 def json_type(value) -> str:
@@ -85,10 +131,13 @@ class ControlEvent:
     t: float  # time.monotonic() at receipt
 
 
-# Limits against connections that never authenticate (issue 12 item 11): control frames carry no tensors, so a
-# frame is at most the header, 1 MiB of JSON and the tag; before a connection's first frame verifies, much less.
+# Limits against strangers (issue 12 item 11, issue 28 item 3). A connection is *pending* until its HELLO verifies,
+# *unverified* until its first frame in the session verifies (its HELLO may be a recording), then *verified*.
+# Control frames carry no tensors: at most the header, 1 MiB of JSON and the tag; before that first frame, much less.
 MAX_CONTROL_FRAME_BYTES = frames.HEADER_SIZE + frames.MAX_JSON_BYTES + frames.TAG_SIZE
-PRE_AUTH_MAX_FRAME_BYTES = 64 << 10  # a REGISTER is a few hundred bytes
+HELLO_MAX_FRAME_BYTES = 4 << 10  # a HELLO has no payload: 144 bytes
+PRE_AUTH_MAX_FRAME_BYTES = 64 << 10  # the first frame after the HELLO: a REGISTER is a few hundred bytes
+UNVERIFIED_PER_STAGE = 2  # a third HELLO for a stage pushes out its oldest unverified connection
 
 
 @dataclass
@@ -102,28 +151,58 @@ class _Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+@dataclass
+class _Pending:
+    """A connection whose HELLO has not verified yet: its bytes so far, read by the accept thread."""
+
+    conn: socket.socket
+    peer: tuple
+    deadline: float  # time.monotonic() by which its HELLO must have verified
+    buf: bytearray = field(default_factory=bytearray)
+    need: int = frames.HEADER_SIZE  # the bytes to have: the header, then the whole frame
+
+
 class ControlServer:
     """Accepts runner connections; `events` is the queue of ControlEvent.
 
-    At most `max_connections` are served at once (more are closed at once); a connection whose first frame does not
-    verify within `auth_timeout_s`, or that then sends no frame for `idle_timeout_s` (runners send a heartbeat every
-    second), is closed; before its first frame verifies, a connection may announce at most
-    PRE_AUTH_MAX_FRAME_BYTES, and MAX_CONTROL_FRAME_BYTES after.
+    Pending connections cost no thread: the accept thread reads their HELLOs. A newcomer over `max_pending` pushes
+    out the oldest pending connection of the address with the most of them: a flood from an address of its own
+    (phones on Wi-Fi have theirs) pushes out its own connections; on loopback, where every peer is 127.0.0.1, the
+    oldest ones, and a runner, which sends its HELLO as it connects, is read long before its connection is the
+    oldest. A verified HELLO gets the connection a thread; UNVERIFIED_PER_STAGE of them per stage may wait for
+    their first frame in the session. Frame sizes: HELLO_MAX_FRAME_BYTES for the HELLO, PRE_AUTH_MAX_FRAME_BYTES
+    until a frame in the session verifies, MAX_CONTROL_FRAME_BYTES after (PROTOCOL.md §6).
+
+    Args:
+        max_connections: connections with a thread (past their HELLO) at once; a stage that registered before
+            always gets one over it (a restarted runner reconnects).
+        auth_timeout_s: from the HELLO to the first frame in the session that verifies.
+        idle_timeout_s: the most time between frames of a verified connection (runners send a heartbeat a second).
+        num_stages: the run's stage count, when known: a HELLO from another stage is refused ("wrong_stage").
+        max_pending: connections waiting for their HELLO at once.
+        hello_timeout_s: from accept to a HELLO that verifies (at most auth_timeout_s).
     """
 
     def __init__(self, key: bytes, run_id: bytes, host: str = "127.0.0.1", port: int = 0,
-                 max_connections: int = 32, auth_timeout_s: float = 10.0, idle_timeout_s: float = 60.0):
+                 max_connections: int = 32, auth_timeout_s: float = 10.0, idle_timeout_s: float = 60.0,
+                 num_stages: int | None = None, max_pending: int = 64, hello_timeout_s: float = 3.0):
         self.key, self.run_id = key, run_id
-        self.max_connections = max_connections
+        self.max_connections, self.num_stages, self.max_pending = max_connections, num_stages, max_pending
         self.auth_timeout_s, self.idle_timeout_s = auth_timeout_s, idle_timeout_s
+        self.hello_timeout_s = min(hello_timeout_s, auth_timeout_s)
         self.events: queue.Queue[ControlEvent] = queue.Queue()
         self.rejected: list[str] = []  # reasons of rejected frames, for the report and tests
+        self.pending_dropped: Counter[str] = Counter()  # pending connections closed by us: "budget", "deadline"
         self._sock = socket.create_server((host, port))
-        self._sock.settimeout(0.2)
-        self._conns: dict[int, _Session] = {}  # stage -> its latest connection
+        self._sock.setblocking(False)
+        self._pending: dict[socket.socket, _Pending] = {}  # oldest first; the accept thread's own
+        self._conns: dict[int, _Session] = {}  # stage -> its latest verified connection
+        self._unverified: dict[int, list[socket.socket]] = {}  # stage -> connections past the HELLO, oldest first
+        self._registered: set[int] = set()  # stages that had a verified connection
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._last_drop_log = 0.0
         self._accept = threading.Thread(target=self._accept_loop, name="zl-control-accept", daemon=True)
 
     @property
@@ -153,14 +232,19 @@ class ControlServer:
 
     def close(self) -> None:
         self._closed.set()
-        self._sock.close()
+        if not self._accept.is_alive():
+            self._sock.close()  # else the accept thread closes it, with the pending connections
         with self._lock:
             for target in self._conns.values():
-                _close_quietly(target.conn)
-            self._conns.clear()
+                _shut(target.conn)
+            for waiting in self._unverified.values():
+                for conn in waiting:
+                    _shut(conn)
         for t in [self._accept, *self._threads]:
             if t.is_alive() and t is not threading.current_thread():
                 t.join(timeout=2)
+        with self._lock:
+            self._conns.clear()
 
     def __enter__(self) -> "ControlServer":
         return self.start()
@@ -168,29 +252,152 @@ class ControlServer:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # --- pending connections: the accept thread ----------------------------------------------------------------
+
     def _accept_loop(self) -> None:
-        while not self._closed.is_set():
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._sock, selectors.EVENT_READ)
+            try:
+                while not self._closed.is_set():
+                    ready = sel.select(timeout=0.2)
+                    # HELLOs that are here first, then newcomers (which may push out the oldest pending ones).
+                    for key, _ in ready:
+                        if key.data is not None and key.data.conn in self._pending:
+                            self._read_hello(sel, key.data)
+                    if any(key.data is None for key, _ in ready):
+                        self._accept_some(sel)
+                    now = time.monotonic()
+                    for p in [p for p in self._pending.values() if now > p.deadline]:
+                        self._drop_pending(sel, p, "deadline")
+            finally:
+                for p in list(self._pending.values()):
+                    self._drop_pending(sel, p, None)
+                self._sock.close()
+
+    def _accept_some(self, sel: selectors.BaseSelector) -> None:
+        for _ in range(max(1, self.max_pending // 4)):  # a bounded batch: the HELLOs of the ones before come first
             try:
                 conn, peer = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+            except OSError as e:  # none waiting; closed; or out of descriptors (EMFILE): wait a little then
+                if not isinstance(e, (BlockingIOError, InterruptedError)) and not self._closed.is_set():
+                    time.sleep(0.05)
                 return
-            self._threads = [t for t in self._threads if t.is_alive()]
-            if len(self._threads) >= self.max_connections:
-                log.warning("control: %d connections already; refusing one from %s:%s", len(self._threads), peer[0],
-                            peer[1])
-                _close_quietly(conn)
-                continue
-            conn.settimeout(0.2)
-            t = threading.Thread(target=self._serve, args=(conn, peer), name=f"zl-control-{peer[1]}", daemon=True)
-            self._threads.append(t)
-            t.start()
+            conn.setblocking(False)
+            if len(self._pending) >= self.max_pending:
+                self._drop_pending(sel, self._eviction_victim(), "budget")
+            p = _Pending(conn, peer, time.monotonic() + self.hello_timeout_s)
+            self._pending[conn] = p
+            sel.register(conn, selectors.EVENT_READ, p)
+            self._read_hello(sel, p)  # a local runner's HELLO is usually here already
 
-    def _read_frame(self, conn: socket.socket, authenticated: bool) -> bytes | None:
+    def _eviction_victim(self) -> _Pending:
+        """The oldest pending connection of the address with the most pending connections."""
+        counts = Counter(p.peer[0] for p in self._pending.values())
+        busiest = max(counts, key=counts.get)
+        return next(p for p in self._pending.values() if p.peer[0] == busiest)
+
+    def _read_hello(self, sel: selectors.BaseSelector, p: _Pending) -> None:
+        try:
+            chunk = p.conn.recv(p.need - len(p.buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop_pending(sel, p, None)
+            return
+        p.buf += chunk
+        try:
+            if p.need == frames.HEADER_SIZE and len(p.buf) == frames.HEADER_SIZE:
+                p.need = frames.peek_length(p.buf, HELLO_MAX_FRAME_BYTES)
+            if len(p.buf) < p.need:
+                return
+            sel.unregister(p.conn)
+            del self._pending[p.conn]
+            self._start_session(p.conn, p.peer, bytes(p.buf))
+        except FrameRejected as e:
+            self._rejected(p.peer, e)
+            if p.conn in self._pending:
+                self._drop_pending(sel, p, None)
+            else:
+                _close_quietly(p.conn)
+
+    def _drop_pending(self, sel: selectors.BaseSelector, p: _Pending, why: str | None) -> None:
+        """Close a pending connection; `why` ("budget", "deadline") is counted and logged at most every 5 s (a flood
+        would log thousands of lines), None when the peer went away or was rejected (logged already)."""
+        sel.unregister(p.conn)
+        del self._pending[p.conn]
+        _close_quietly(p.conn)
+        if why is None:
+            return
+        self.pending_dropped[why] += 1
+        now = time.monotonic()
+        if now - self._last_drop_log > 5.0:
+            self._last_drop_log = now
+            log.warning("control: connections without a HELLO closed so far: %d pushed out by newer ones (at most %d "
+                        "wait), %d without a HELLO within %.1f s", self.pending_dropped["budget"], self.max_pending,
+                        self.pending_dropped["deadline"], self.hello_timeout_s)
+
+    def _start_session(self, conn: socket.socket, peer, wire: bytes) -> None:
+        """The HELLO is all here: open it and give the connection a thread of its own, within the limits.
+
+        Raises:
+            FrameRejected: the HELLO does not verify, is not a HELLO, or names a stage the run does not have.
+        """
+        claimed, receive_key, hello = self._open_hello(wire)
+        self._threads = [t for t in self._threads if t.is_alive()]
+        with self._lock:
+            if len(self._threads) >= self.max_connections and claimed not in self._registered:
+                log.warning("control: %d connections served already; refusing one from %s:%s for stage %d",
+                            len(self._threads), peer[0], peer[1], claimed)
+                _close_quietly(conn)
+                return
+            waiting = self._unverified.setdefault(claimed, [])
+            if len(waiting) >= UNVERIFIED_PER_STAGE:
+                _shut(waiting.pop(0))  # its thread sees the end and closes it
+            waiting.append(conn)
+        t = threading.Thread(target=self._serve, args=(conn, peer, claimed, receive_key, hello),
+                             name=f"zl-control-{peer[1]}", daemon=True)
+        try:
+            t.start()
+        except RuntimeError as e:  # no thread to be had: this connection goes, the server stays
+            log.warning("control: cannot serve a connection from %s:%s (%s); closing it", peer[0], peer[1], e)
+            with self._lock:
+                self._forget_unverified(claimed, conn)
+            _close_quietly(conn)
+            return
+        self._threads.append(t)
+
+    def _open_hello(self, wire: bytes) -> tuple[int, bytes, Frame]:
+        """The runner's HELLO (PROTOCOL.md §6), sealed with the control key of the stage its header names.
+
+        Raises:
+            FrameRejected: it does not verify, the first frame is not a HELLO ("bad_handshake"), or its stage is
+                not one of the run's ("wrong_stage").
+        """
+        claimed = struct.unpack_from("<I", wire, 32)[0]  # authenticated below: the key depends on it
+        receive_key = frames.derive_key(self.key, frames.KeyPurpose.CONTROL_UP, claimed)
+        hello = frames.decode(wire, receive_key, run_id=self.run_id, max_frame_bytes=HELLO_MAX_FRAME_BYTES,
+                              stage=claimed)
+        if hello.type != FrameType.HELLO or hello.seq != 0:
+            raise FrameRejected("bad_handshake", f"the first frame of a connection must be HELLO with sequence number "
+                                                 f"0, not {hello.type.name} with {hello.seq}")
+        if self.num_stages is not None and claimed >= self.num_stages:
+            raise FrameRejected("wrong_stage", f"HELLO from stage {claimed}; this run has stages 0-"
+                                               f"{self.num_stages - 1}")
+        return claimed, receive_key, hello
+
+    def _rejected(self, peer, e: FrameRejected) -> None:
+        self.rejected.append(e.error)
+        log.warning("control frame from %s:%s rejected (%s); closing that connection", peer[0], peer[1], e)
+
+    # --- connections past the HELLO: a thread each -------------------------------------------------------------
+
+    def _read_frame(self, conn: socket.socket, authenticated: bool, deadline: float | None = None) -> bytes | None:
         """One frame's bytes (None: closed, timed out or shutting down); the size limit and the time allowed depend
         on whether a frame of this connection verified already."""
-        deadline = time.monotonic() + (self.idle_timeout_s if authenticated else self.auth_timeout_s)
+        if deadline is None:
+            deadline = time.monotonic() + self.idle_timeout_s
         header = _read_exact(conn, frames.HEADER_SIZE, self._closed, deadline)
         if header is None:
             return None
@@ -198,40 +405,21 @@ class ControlServer:
         rest = _read_exact(conn, total - frames.HEADER_SIZE, self._closed, deadline)
         return None if rest is None else header + rest
 
-    def _handshake(self, conn: socket.socket) -> tuple[int, bytes, _Session] | None:
-        """The server side of the session handshake (PROTOCOL.md §6): the runner's HELLO, sealed with the control
-        key of the stage its header names, answered with a HELLO whose session is the runner's random half and a
-        fresh random half of ours. Returns (stage, its receive key, the session), or None when the peer went away.
-
-        Raises:
-            FrameRejected: the HELLO does not verify, or the first frame is not a HELLO ("bad_handshake").
-        """
-        wire = self._read_frame(conn, authenticated=False)
-        if wire is None:
-            return None
-        claimed = struct.unpack_from("<I", wire, 32)[0]  # authenticated below: the key depends on it
-        receive_key = frames.derive_key(self.key, frames.KeyPurpose.CONTROL_UP, claimed)
-        hello = frames.decode(wire, receive_key, run_id=self.run_id, max_frame_bytes=PRE_AUTH_MAX_FRAME_BYTES,
-                              stage=claimed)
-        if hello.type != FrameType.HELLO or hello.seq != 0:
-            raise FrameRejected("bad_handshake", f"the first frame of a connection must be HELLO with sequence number "
-                                                 f"0, not {hello.type.name} with {hello.seq}")
-        target = _Session(conn, hello.session[:frames.SESSION_HALF] + os.urandom(frames.SESSION_HALF),
-                          frames.derive_key(self.key, frames.KeyPurpose.CONTROL_DOWN, claimed))
-        conn.sendall(frames.encode(Frame(FrameType.HELLO, self.run_id, stage=frames.COORDINATOR_STAGE,
-                                         session=target.session), target.send_key))
-        return claimed, receive_key, target
-
-    def _serve(self, conn: socket.socket, peer) -> None:
+    def _serve(self, conn: socket.socket, peer, claimed: int, receive_key: bytes, hello: Frame) -> None:
         stage = None  # set once a frame after the handshake verified: the connection then serves that stage
         try:
-            shaken = self._handshake(conn)
-            if shaken is None:
-                return
-            claimed, receive_key, target = shaken
+            conn.setblocking(True)
+            conn.settimeout(0.2)
+            # Our HELLO: the runner's random half of the session and a fresh one of ours.
+            target = _Session(conn, hello.session[:frames.SESSION_HALF] + os.urandom(frames.SESSION_HALF),
+                              frames.derive_key(self.key, frames.KeyPurpose.CONTROL_DOWN, claimed))
+            conn.sendall(frames.encode(Frame(FrameType.HELLO, self.run_id, stage=frames.COORDINATOR_STAGE,
+                                             session=target.session), target.send_key))
+            auth_deadline = time.monotonic() + self.auth_timeout_s
             last_seq = 0
             while not self._closed.is_set():
-                wire = self._read_frame(conn, authenticated=stage is not None)
+                wire = self._read_frame(conn, authenticated=stage is not None,
+                                        deadline=None if stage is not None else auth_deadline)
                 if wire is None:
                     return
                 # Only this connection's session, and each sequence number once: a recorded frame (REGISTER,
@@ -244,11 +432,13 @@ class ControlServer:
                 if stage is None:
                     stage = claimed
                     with self._lock:
+                        self._forget_unverified(claimed, conn)
                         old = self._conns.get(stage)
                         self._conns[stage] = target
+                        self._registered.add(stage)
                     if old is not None and old.conn is not conn:
-                        _close_quietly(old.conn)
-                problem = payload_problem(frame.type, frame.payload)
+                        _shut(old.conn)
+                problem = frame_problem(frame)
                 if problem is not None:
                     # Signed but unusable: drop this frame, keep the (still framed) connection.
                     self.rejected.append("bad_payload")
@@ -257,15 +447,21 @@ class ControlServer:
                 self.events.put(ControlEvent(frame.stage, frame.type, frame.window, frame.micro_batch,
                                              frame.payload or {}, time.monotonic()))
         except FrameRejected as e:
-            self.rejected.append(e.error)
-            log.warning("control frame from %s:%s rejected (%s); closing that connection", peer[0], peer[1], e)
+            self._rejected(peer, e)
         except OSError:
             pass
         finally:
             with self._lock:
+                self._forget_unverified(claimed, conn)
                 if stage is not None and self._conns.get(stage) is not None and self._conns[stage].conn is conn:
                     del self._conns[stage]
             _close_quietly(conn)
+
+    def _forget_unverified(self, stage: int, conn: socket.socket) -> None:
+        """Under self._lock."""
+        waiting = self._unverified.get(stage, [])
+        if conn in waiting:
+            waiting.remove(conn)
 
 
 def _read_exact(conn: socket.socket, n: int, closed: threading.Event, deadline: float | None = None) -> bytes | None:
@@ -290,5 +486,14 @@ def _read_exact(conn: socket.socket, n: int, closed: threading.Event, deadline: 
 def _close_quietly(conn: socket.socket) -> None:
     try:
         conn.close()
+    except OSError:
+        pass
+
+
+def _shut(conn: socket.socket) -> None:
+    """End a connection that another thread serves: its reads see the end and that thread closes it (closing it
+    here could let the descriptor be reused under that thread)."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass

@@ -270,10 +270,25 @@ class Coordinator:
                 return
             if not 0 <= e.stage < len(self.status):
                 continue
+            problem = self._event_problem(e)
+            if problem is not None:
+                log.warning("stage %d: %s dropped (%s)", e.stage, e.type.name, problem)
+                continue
             try:
                 self._control_event(e)
             except (TypeError, ValueError, AttributeError) as err:  # a payload the server let through
                 log.warning("stage %d: unusable %s payload dropped (%s)", e.stage, e.type.name, err)
+
+    def _event_problem(self, e) -> str | None:
+        """Why an event's numbers do not fit this run (None when they do). The control server checked the types
+        and the ranges that hold for any run (control.frame_problem); these come from the run's window plan."""
+        total = self.windows.num_micro_batches
+        done = e.payload.get("micro_batches_done") if isinstance(e.payload, dict) else None
+        if isinstance(done, int) and not isinstance(done, bool) and done > total:
+            return f"micro_batches_done {done} is above the run's {total} micro-batches"
+        if e.type == FrameType.WINDOW_COMMITTED and not self.windows.exists(e.window):
+            return f"window {e.window} is not one of the run's windows 0-{self.windows.num_windows - 1}"
+        return None
 
     def _control_event(self, e) -> None:
         payload = e.payload if isinstance(e.payload, dict) else {}

@@ -147,3 +147,146 @@ def test_zl_data_on_a_binary_file_is_one_error_line_not_a_traceback(tmp_path):
                           "tiny-random", "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+# --- Issue 28 item 6: a bad command line is one error line (exit 2), before any work or any file is written. ---
+
+def _zl(*args, cwd: Path) -> "subprocess.CompletedProcess[str]":
+    """`zl ARGS` as a user runs it, in `cwd` (so a relative path it wrongly wrote would land there)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    return subprocess.run([sys.executable, "-m", "zl.cli", *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def _refused(proc, *words: str) -> str:
+    """The one error line of a refused command; it must contain `words` (the value, the limit, the fix)."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and proc.stderr.rstrip().endswith(lines[0]), proc.stderr[-3000:]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+def _demo_dev_shard(folder: Path) -> Path:
+    """The demo task's dev shard for tiny-random (its byte tokenizer), as `zl data --demo --split dev` writes it."""
+    from zl_export import shard_jobs
+    from zl_export.model_source import load_tokenizer
+
+    job = next(j for j in shard_jobs.demo_jobs(0) if j.name == "dev")
+    return shard_jobs.write_shard(job, load_tokenizer("tiny-random"), "tiny-random", 64, folder)[0]
+
+
+@pytest.mark.parametrize("case", ["data", "export"])
+def test_out_on_an_existing_file_is_refused(tmp_path, case):
+    (tmp_path / "taken").write_text("a file the user keeps")
+    args = {"data": ["data", "--demo", "--model", "tiny-random"],
+            "export": ["export", "--model", "tiny-random", "--no-check"]}[case]
+    before = _files(tmp_path)
+    line = _refused(_zl(*args, "--out", "taken", cwd=tmp_path), "--out taken: a file, not a directory",
+                    "pass a new directory, e.g. --out taken.d")
+    assert _files(tmp_path) == before and (tmp_path / "taken").read_text() == "a file the user keeps", line
+
+
+def test_eval_json_out_on_a_directory_is_refused_before_scoring(tmp_path):
+    shard = _demo_dev_shard(tmp_path / "data")
+    (tmp_path / "figures").mkdir()
+    before = _files(tmp_path)
+    _refused(_zl("eval", "--model", "tiny-random", "--data", shard, "--limit", "8", "--json-out", "figures",
+                 cwd=tmp_path), "--json-out figures: a directory, not a file", "--json-out figures/eval.json")
+    assert _files(tmp_path) == before, "no figures.tmp or anything else"
+
+
+def test_data_seq_len_above_the_cap_is_refused_before_allocating(tmp_path):
+    from zl_export.options import MAX_SEQ_LEN
+
+    _refused(_zl("data", "--demo", "--model", "tiny-random", "--seq-len", 100_000_000, "--out", "shards", cwd=tmp_path),
+             "--seq-len 100000000:", f"at most {MAX_SEQ_LEN} tokens", f"--seq-len {MAX_SEQ_LEN} or less")
+    assert _files(tmp_path) == []
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--devices", "local:100000"], ["--devices local:100000:", "at most 64 local devices", "local:N with N up to 64"]),
+    (["--samples", 10**12], ["--samples 1000000000000:", "3,906,250,000 passes over the 256 training rows",
+                            "at most 100 (25,600 samples)", "--samples 25600 or less", "give --data more rows"]),
+    (["--seq-len", 100_000], ["--seq-len 100000:", "at most 8192 tokens"]),
+    (["--stages", ""], ["--stages '': an empty stage spec", "drop --stages for a balanced split"]),
+])
+def test_zl_train_refuses_out_of_range_options_before_writing(tmp_path, args, words):
+    """Each of these used to start a run (100,000 device folders, a run of 10^12 samples, the default split)."""
+    _refused(_zl("train", "--model", "tiny-random", *args, "--out", "run", cwd=tmp_path), *words)
+    assert _files(tmp_path) == []
+
+
+def test_export_refuses_an_empty_stage_spec(tmp_path):
+    _refused(_zl("export", "--model", "tiny-random", "--stages", "", "--no-check", "--out", "ex", cwd=tmp_path),
+             "--stages '': an empty stage spec")
+    assert _files(tmp_path) == []
+
+
+@pytest.mark.parametrize("lens, words", [
+    (False, ["--calibration noise.bin: only lens translators", "Add --translator-init lens or drop --calibration"]),
+    (True, ["--calibration noise.bin: expected a shard from `zl data`", "Recreate the shard with `zl data`"]),
+])
+def test_export_calibration_is_refused_unless_lens_uses_a_real_shard(tmp_path, lens, words):
+    (tmp_path / "noise.bin").write_bytes(bytes(range(256)) * 16)
+    before = _files(tmp_path)
+    extra = ["--translator-init", "lens"] if lens else []
+    _refused(_zl("export", "--model", "tiny-random", "--calibration", "noise.bin", *extra, "--no-check", "--out", "ex",
+                 cwd=tmp_path), *words)
+    assert _files(tmp_path) == before
+
+
+def test_a_run_that_fails_before_its_stages_start_leaves_nothing(tmp_path):
+    """--stages beyond the model's layers is found once the model loads (after the data step wrote RUN_DIR/data):
+    nothing could be resumed, so nothing stays."""
+    proc = _zl("train", "--model", "tiny-random", "--stages", "0-1,2-100", "--out", "run", cwd=tmp_path)
+    _refused(proc, "--stages '0-1,2-100': stage 1 range '2-100' reaches layer 100")
+    assert "removed what the run wrote" in " ".join(proc.stdout.split()), proc.stdout  # rich wraps at 80 columns
+    assert _files(tmp_path) == []
+
+
+def test_kept_if_resumable_keeps_only_a_run_resume_can_continue(tmp_path):
+    from zl_device.run.train_job import kept_if_resumable
+
+    said = []
+    for name, needs, keep_dir in (("resumable", ("run.key",), False), ("early", ("run.key",), False),
+                                  ("users-empty-dir", ("run.key",), True)):
+        run_dir = tmp_path / name
+        (run_dir / "data").mkdir(parents=True)
+        (run_dir / "data" / "train.safetensors").write_text("half-made")
+        if name == "resumable":
+            (run_dir / "run.key").write_text("k")
+        with pytest.raises(RuntimeError), kept_if_resumable(run_dir, needs, said.append, keep_dir):
+            raise RuntimeError("the run failed")
+    assert (tmp_path / "resumable" / "data" / "train.safetensors").is_file()
+    assert f"`zl train --resume --out {tmp_path / 'resumable'}` continues the run" in said[0]
+    assert not (tmp_path / "early").exists() and "nothing to resume" in said[1]
+    assert list((tmp_path / "users-empty-dir").iterdir()) == []  # emptied, not removed: the user made it
+
+
+def test_an_unfinished_run_says_how_to_resume(tmp_path):
+    from zl_device.run.train_job import INCOMPLETE_MARKER, open_run
+
+    run_dir, _ = open_run(_settings(tmp_path / "run"))
+    marker = run_dir / INCOMPLETE_MARKER
+    assert not marker.name.startswith("."), "visible in a plain ls"
+    assert f"zl train --resume --out {run_dir}\n" in marker.read_text()
+    assert "run.key" in marker.read_text()
+    # A run directory of an older zl (hidden marker) is still an unfinished run: moved aside, not refused.
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / ".zl-incomplete").write_text("")
+    (old / "logs").mkdir()
+    open_run(_settings(old))
+    assert (tmp_path / "old.unfinished-1" / "logs").is_dir()

@@ -75,6 +75,39 @@ def test_bad_values_are_one_line_errors_naming_the_flag():
         check_choices(Outer(kind="c"))
 
 
+def _at_most_9(value: int, name: str) -> None:
+    if value > 9:
+        raise ZLError(f"{name} {value}: at most 9; pass {name} 9 or less.")
+
+
+def test_a_setting_s_check_runs_with_the_flag_in_check_fields():
+    from zl.settings import check_fields
+
+    @dataclass(frozen=True)
+    class Checked:
+        count: int = setting(3, "An int of at most 9.", check=_at_most_9, flag="--how-many")
+        inner: Inner = nested(Inner)
+
+    check_fields(Checked())
+    with pytest.raises(ZLError, match=r"^--how-many 12: at most 9; pass --how-many 9 or less\.$"):
+        check_fields(Checked(count=12))
+
+
+def test_shared_options_carry_their_checks_into_every_tree():
+    """--seq-len, --stages and --devices are checked wherever they are declared, before any model or file."""
+    from zl.commands.export import ExportArgs
+
+    for bad, problem in [(TrainSettings(seq_len=10**8), "^--seq-len 100000000: at most 8192"),
+                         (TrainSettings(split=ModelSplit(stages="")), "^--stages '': an empty stage spec"),
+                         (TrainSettings(split=ModelSplit(num_stages=1)), "^--num-stages 1: a pipeline needs at least 2"),
+                         (TrainSettings(devices="local:65"), "^--devices local:65: at most 64 local devices"),
+                         (ExportArgs(options=ExportOptions(seq_len=10**8)), "^--seq-len 100000000: at most 8192"),
+                         (ExportArgs(split=ModelSplit(stages=" ")), "^--stages ' ': an empty stage spec"),
+                         (ExportArgs(out=Path(__file__)), "--out .*: a file, not a directory")]:
+        with pytest.raises(ZLError, match=problem):
+            bad.validate()
+
+
 def test_export_and_train_keep_their_flags_and_defaults():
     assert [leaf.flag for leaf in leaves(ExportOptions)] == [
         "--seq-len", "--micro-batch", "--lora-rank", "--lora-alpha", "--lora-targets", "--alpha", "--consistency",
@@ -109,6 +142,7 @@ def test_target_slots_default_and_full_readout():
     (ExportOptions(loss=LossConfig(preset="mine")), r"^--loss 'mine': expected one of paper"),
     (ExportOptions(lora=LoraSettings(rank=0)), r"^--lora-rank 0: "),
     (ExportOptions(seq_len=1), r"^--seq-len 1: "),
+    (ExportOptions(seq_len=8193), r"^--seq-len 8193: at most 8192 tokens per sample"),
     (ExportOptions(max_targets=-1), r"^--max-targets -1: "),
 ])
 def test_each_dataclass_validates_its_own_fields(opts, problem):

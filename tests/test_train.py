@@ -85,9 +85,10 @@ def test_report_files_consistent_with_metrics(clean_run):
 
 
 def test_run_key_shard_and_input_logs_leave_the_devices_when_the_run_ends(clean_run):
-    """The run key stays only in RUN_DIR (0600); the devices keep programs, checkpoints and telemetry."""
+    """A finished run keeps no copy of its key (PROTOCOL.md §8; while it can be resumed RUN_DIR/run.key stays:
+    test_resume_after_the_host_is_killed_ends_identical); the devices keep programs, checkpoints and telemetry."""
     run_dir = clean_run.run_dir
-    assert stat.S_IMODE((run_dir / "run.key").stat().st_mode) == 0o600
+    assert not list(run_dir.rglob("run.key")), "no run key in RUN_DIR, its device folders or its logs"
     workdirs = sorted((run_dir / "devices").glob("local-*"))
     assert workdirs
     for workdir in workdirs:
@@ -344,7 +345,11 @@ def test_resume_after_the_host_is_killed_ends_identical(clean_run, export_cache,
         return Path(f"/proc/{pid}").exists() and " Z " not in Path(f"/proc/{pid}/stat").read_text()
 
     assert any(alive(pid) for pid in pids), "the runners outlive their host (the case --resume must handle)"
+    # Unfinished: the key stays (owner-only) for --resume, and the marker says how to resume.
+    assert stat.S_IMODE((out / "run.key").stat().st_mode) == 0o600
+    assert f"zl train --resume --out {out.resolve()}" in (out / "UNFINISHED.txt").read_text()
     result = run_training(TrainSettings(out=out, resume=True), say=lambda line: None)
+    assert not (out / "run.key").exists() and not (out / "UNFINISHED.txt").exists(), "finished: key and marker go"
     events = [json.loads(ln) for ln in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     resume = [e for e in events if e["type"] == "resume"]
     assert len(resume) == 1 and resume[0]["scope"] == recovery, resume

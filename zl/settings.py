@@ -26,8 +26,13 @@ Types: int, float, str, Path, bool (`--x/--no-x`), `X | None`, and
 `tuple[float, ...]` / `tuple[int, ...]` / `tuple[str, ...]`, which the
 command line takes comma-separated (`--stage-lr 1,1,2`). Keywords of
 `setting`: `flag="--name"` when the flag is not the field name with dashes,
-`choices=(...)` for a str with fixed values (checked by `check_choices(self)`
-in `validate()`), `cli=False` for a field that is no option.
+`choices=(...)` for a str with fixed values, `check=fn` for a range or shape
+the value must have (`fn(value, flag)` raises a `ZLError` naming the flag,
+the value, the limit and the fix), `cli=False` for a field that is no option.
+Each class's `validate()` calls `check_fields(self)`, which applies both, so
+every command that shares an option gets its checks:
+
+    seq_len: int = setting(128, "Tokens per sample.", check=check_seq_len)
 """
 
 from __future__ import annotations
@@ -35,20 +40,26 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from zl.errors import ZLError
 
-_HELP, _FLAG, _CHOICES, _CLI, _NESTED, _SKIP = "help", "flag", "choices", "cli", "nested", "skip"
+_HELP, _FLAG, _CHOICES, _CHECK, _CLI, _NESTED, _SKIP = "help", "flag", "choices", "check", "cli", "nested", "skip"
+
+#: `check(value, flag)` of a setting: raises ZLError when `value` is out of range.
+Check = Callable[[Any, str], None]
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None,
-            cli: bool = True) -> Any:
-    """A dataclass field that is an option: its default, help text and (unless derived from the name) flag."""
+            check: Check | None = None, cli: bool = True) -> Any:
+    """A dataclass field that is an option: its default, help text and (unless derived from the name) flag, and
+    what `check_fields` checks: `choices`, and `check(value, flag)`."""
     if choices is not None and default is not None and default not in choices:
         raise ValueError(f"default {default!r} is not one of the choices {choices}")
-    return dataclasses.field(default=default, metadata={_HELP: help, _FLAG: flag, _CHOICES: choices, _CLI: cli})
+    return dataclasses.field(default=default, metadata={_HELP: help, _FLAG: flag, _CHOICES: choices, _CHECK: check,
+                                                        _CLI: cli})
 
 
 def nested(cls: type, *, skip: tuple[str, ...] = ()) -> Any:
@@ -74,6 +85,16 @@ def check_choices(obj: Any) -> None:
         value = getattr(obj, f.name)
         if choices and value is not None and value not in choices:
             raise ZLError(f"{flag(type(obj), f.name)} {value!r}: expected one of {', '.join(choices)}.")
+
+
+def check_fields(obj: Any) -> None:
+    """Raise ZLError for a field of `obj` (not of its nested trees) that is not one of its `choices` or fails its
+    `check`; the message names the flag."""
+    check_choices(obj)
+    for f in dataclasses.fields(obj):
+        check = f.metadata.get(_CHECK)
+        if check is not None:
+            check(getattr(obj, f.name), flag(type(obj), f.name))
 
 
 @dataclass(frozen=True)

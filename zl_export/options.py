@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zl.errors import ZLError
-from zl.settings import check_choices, flag, nested, setting
+from zl.settings import check_fields, flag, nested, setting
 
 DEFAULT_MODEL = "smollm2-135m"
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -27,9 +27,39 @@ DEFAULT_MAX_TARGETS = 16
 # `zl train` fits the slots to its training data: its largest target count rounded up to a multiple of this, so
 # similar data shares one cached export while the readout stays within a few positions of what the loss needs.
 TARGET_SLOT_STEP = 4
+# The longest --seq-len any command takes, checked before anything is tokenized or allocated: the longest context
+# of the built-in models (SmolLM2-135M: 8192 positions; TinyLlama 2048, tiny-random 512), and already far beyond
+# what a phone stage trains on (its attention scores alone are heads x S^2 float32: 9 x 8192^2 x 4 B = 2.4 GB for
+# SmolLM2). A loaded model's own max_position_embeddings is checked too (`ExportOptions.validate`).
+MAX_SEQ_LEN = 8192
 # `--loss paper`: the local loss exactly as the ZeroLock paper writes it (Eq. 5), whatever the defaults are.
 PAPER_LOSS = {"alpha": (0.5,), "consistency": "kl_rev", "first_target": "embedding", "gate": "none",
               "translator_rank": 0, "translator_init": "identity"}
+
+
+def check_seq_len(seq_len: int | None, name: str = "--seq-len") -> None:
+    """Raise ZLError unless `seq_len` (None: the default) is 2 to MAX_SEQ_LEN tokens; `name` is the flag."""
+    if seq_len is None:
+        return
+    if seq_len < 2:
+        raise ZLError(f"{name} {seq_len}: needs at least 2 tokens (one input, one target), e.g. {name} 128.")
+    if seq_len > MAX_SEQ_LEN:
+        raise ZLError(f"{name} {seq_len}: at most {MAX_SEQ_LEN} tokens per sample (the longest context of the "
+                      f"built-in models); pass {name} {MAX_SEQ_LEN} or less, e.g. {name} 128.")
+
+
+def check_stage_spec(spec: str | None, name: str = "--stages") -> None:
+    """An empty --stages is a mistake (None means "not given": a balanced split); the full check needs the layer
+    count (`stages.parse_spec`)."""
+    if spec is not None and not spec.strip():
+        raise ZLError(f"{name} {spec!r}: an empty stage spec; give layer ranges like {name} 0-6,7-13,14-21, or drop "
+                      f"{name} for a balanced split into --num-stages stages.")
+
+
+def check_num_stages(count: int, name: str = "--num-stages") -> None:
+    """Raise ZLError for fewer than 2 stages (more stages than layers needs the model: `stages.balanced_split`)."""
+    if count < 2:
+        raise ZLError(f"{name} {count}: a pipeline needs at least 2 stages. Use {name} 2 or more (the default is 3).")
 
 
 @dataclass(frozen=True)
@@ -39,8 +69,13 @@ class ModelSplit:
     model: str = setting(DEFAULT_MODEL, "Built-in name (smollm2-135m, tinyllama-random, tiny-random), Hugging Face "
                                         "hub id, model directory or .gguf file.")
     stages: str | None = setting(None, "Layer ranges per stage, e.g. 0-6,7-13,14-21 (inclusive, consecutive, "
-                                       "covering every layer).")
-    num_stages: int = setting(3, "Balanced split into this many stages (used when --stages is not given).")
+                                       "covering every layer).", check=check_stage_spec)
+    num_stages: int = setting(3, "Balanced split into this many stages (used when --stages is not given).",
+                              check=check_num_stages)
+
+    def validate(self) -> None:
+        """The checks that need no model (the layer count checks the rest in `ranges`)."""
+        check_fields(self)
 
     def ranges(self, num_layers: int) -> list:
         """The stage ranges for a model of `num_layers` layers. Raises ZLError for a bad spec or count."""
@@ -136,7 +171,7 @@ class LossConfig:
         if num_stages is not None and len(self.alpha) not in (1, num_stages):
             raise ZLError(f"{name} {shown}: {len(self.alpha)} values for {num_stages} stages; give one value for "
                           f"every stage or exactly {num_stages}.")
-        check_choices(self)
+        check_fields(self)
         if self.translator_rank < 0:
             raise ZLError(f"{flag(LossConfig, 'translator_rank')} {self.translator_rank}: must be 0 (no translator) "
                           "or a rank of at least 1 (e.g. 32).")
@@ -156,7 +191,8 @@ class LossConfig:
 class ExportOptions:
     """Everything besides the model and the stage split that shapes the programs."""
 
-    seq_len: int = setting(128, "Tokens per sample; programs have fixed shapes.")
+    seq_len: int = setting(128, f"Tokens per sample (2 to {MAX_SEQ_LEN}); programs have fixed shapes.",
+                           check=check_seq_len)
     micro_batch: int = setting(1, "Samples per micro-batch.")
     lora: LoraSettings = nested(LoraSettings)
     loss: LossConfig = nested(LossConfig)
@@ -182,8 +218,7 @@ class ExportOptions:
         return 0 if slots >= self.seq_len - 1 else slots
 
     def validate(self, max_positions: int | None = None) -> None:
-        if self.seq_len < 2:
-            raise ZLError(f"--seq-len {self.seq_len}: needs at least 2 tokens (one input, one target).")
+        check_fields(self)  # --seq-len's range, the choices
         if max_positions is not None and self.seq_len > max_positions:
             raise ZLError(
                 f"--seq-len {self.seq_len}: longer than the model's {max_positions} positions; use --seq-len {max_positions} or less."
@@ -193,6 +228,5 @@ class ExportOptions:
         if self.max_targets is not None and self.max_targets < 0:
             raise ZLError(f"--max-targets {self.max_targets}: must be 0 (read out every position) or a number of "
                           f"target slots per sample, e.g. {DEFAULT_MAX_TARGETS}.")
-        check_choices(self)
         self.loss.validate()
         self.lora.validate()

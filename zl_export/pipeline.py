@@ -100,6 +100,7 @@ def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bo
     from zl_export.step_check import check_agreement, check_pipeline, demo_inputs
 
     progress = progress or ExportProgress()
+    split.validate()
     opts.validate()
     opts.loss.validate(split.count)
     load_s = 0.0

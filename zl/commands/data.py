@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 
 from zl.errors import ZLError
+from zl.paths import check_out_dir
+from zl_export.options import MAX_SEQ_LEN, check_seq_len
 
 
 def data_command(
@@ -32,8 +34,8 @@ def data_command(
     ] = "smollm2-135m",
     seq_len: Annotated[
         int | None,
-        typer.Option("--seq-len", help="Tokens per sample, padded on the right (default 128; the demo task: its longest sample, rounded up to 16).",
-                     show_default=False),
+        typer.Option("--seq-len", help=f"Tokens per sample (2 to {MAX_SEQ_LEN}), padded on the right (default 128; the "
+                     "demo task: its longest sample, rounded up to 16).", show_default=False),
     ] = None,
     split: Annotated[
         str | None,
@@ -83,6 +85,8 @@ def data_command(
     is_demo = demo or input_ == "demo"
     if is_demo and fmt not in ("auto", "text_label"):
         raise ZLError(f"--format {fmt} does not apply to the demo task; drop --format.")
+    check_out_dir(out, "--out")
+    check_seq_len(seq_len, "--seq-len")  # before anything is allocated: rows x seq_len int64 tensors
     if max_targets is not None and max_targets < 0:
         raise ZLError(f"--max-targets {max_targets}: expected 0 (no limit) or the programs' target slots, e.g. 16.")
     if split is not None and not split.replace("-", "").replace("_", "").isalnum():

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zl.errors import ZLError
+from zl.paths import check_out_file
 
 console = Console()
 err_console = Console(stderr=True)
@@ -58,6 +59,7 @@ def eval_command(
 
     if batch_size < 1:
         raise ZLError(f"--batch-size {batch_size}: must be at least 1.")
+    check_out_file(json_out, "--json-out", "eval.json")  # before minutes of scoring
     if adapter is not None:
         check_adapter_dir(adapter)  # before minutes of scoring the base model
     trained_on = _adapter_model(adapter / MERGE_INFO) if adapter is not None else None

@@ -10,8 +10,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from zl.errors import ZLError
 from zl.options import settings_command
-from zl.settings import nested, setting
+from zl.paths import check_out_dir
+from zl.settings import check_fields, flag, nested, setting
 from zl_export.options import ExportOptions, ModelSplit
 from zl_export.pipeline import ExportProgress
 
@@ -32,16 +34,44 @@ class ExportArgs:
     """`zl export`'s options: the model split, the output folder, the export options and the check."""
 
     split: ModelSplit = nested(ModelSplit)
-    out: Path = setting(Path("runs/export"), "Output directory for stage_<k>.pte and manifest.json.")
+    out: Path = setting(Path("runs/export"), "Output directory for stage_<k>.pte and manifest.json.",
+                        check=check_out_dir)
     options: ExportOptions = nested(ExportOptions)
     check: bool = setting(True, "Run one training step of every stage through ExecuTorch and compare with PyTorch eager.")
     calibration: Path | None = setting(None, "A shard (from `zl data`) whose first 64 rows fit the readout lenses of "
-                                             "--translator-init lens; default: the built-in demo task's rows.")
+                                             "--translator-init lens (only then); default: the built-in demo task's "
+                                             "rows.")
+
+    def validate(self) -> None:
+        """Every check that needs no model, before it loads: the options, --out, --calibration.
+
+        Raises:
+            ZLError: naming the flag, the value and the fix.
+        """
+        check_fields(self)
+        self.split.validate()
+        self.options.validate()
+        self.options.loss.validate(self.split.count)
+        if self.calibration is None:
+            return
+        name, loss = flag(ExportArgs, "calibration"), self.options.loss
+        if not (loss.translator_rank and loss.translator_init == "lens"):
+            raise ZLError(f"{name} {self.calibration}: only lens translators (--translator-init lens, --translator-rank "
+                          f"1 or more) are fitted on calibration rows; these start as {loss.translator_init} with "
+                          f"rank {loss.translator_rank}, so the file would be ignored. Add --translator-init lens or "
+                          f"drop {name}.")
+        from zl_export.shard import load_shard
+
+        try:
+            load_shard(self.calibration)
+        except ZLError as e:
+            raise ZLError(f"{name} {self.calibration}: expected a shard from `zl data`; {e}") from None
 
 
 def run_export(args: ExportArgs) -> None:
     from zl_export.pipeline import export_pipeline
 
+    args.validate()  # before the model loads (seconds to minutes) or anything is written
     with RichExportProgress() as progress:
         export_pipeline(args.split, args.out, args.options, args.check, progress, calibration=args.calibration)
 

@@ -20,6 +20,9 @@ from zl.errors import ZLError
 from zl_device.devices.backend import Device
 
 LOCAL = "local"
+#: Most local devices `local:N` opens: each is a runner process and a working folder on this host, and a pipeline
+#: needs one per stage (at most one stage per layer; the built-in models have 4 to 30 layers) plus its spares.
+MAX_LOCAL_DEVICES = 64
 LINK_PROFILES = ("local", "wifi", "mobile", "constrained")
 #: How a phone runs its stage: the zl_runner binary over `adb shell`, or the app's foreground service.
 MODES = ("binary", "app")
@@ -51,6 +54,10 @@ def parse_devices(spec: str) -> DevicesSpec:
         count = text[len(LOCAL) + 1:] if text != LOCAL else "1"
         if not count.isdigit() or int(count) < 1:
             raise ZLError(f"--devices {spec}: expected local:N with N >= 1 local devices, e.g. local:3.")
+        if int(count) > MAX_LOCAL_DEVICES:
+            raise ZLError(f"--devices {spec}: at most {MAX_LOCAL_DEVICES} local devices (each is a runner process "
+                          "and a folder on this host; a pipeline needs one per stage plus --spares); pass local:N "
+                          f"with N up to {MAX_LOCAL_DEVICES}, e.g. local:3.")
         return DevicesSpec(LOCAL, int(count))
     serials = [s.strip() for s in text.split(",")]
     if any(not s for s in serials):
@@ -62,6 +69,11 @@ def parse_devices(spec: str) -> DevicesSpec:
     if dupes:
         raise ZLError(f"--devices {spec}: {', '.join(dupes)} listed more than once; each phone runs one stage.")
     return DevicesSpec("adb", len(serials), tuple(serials))
+
+
+def check_devices(spec: str, flag: str = "--devices") -> None:
+    """`--devices`' check (zl/settings.py): raises ZLError when `spec` does not parse (see `parse_devices`)."""
+    parse_devices(spec)
 
 
 def check_mode(spec: DevicesSpec, mode: str) -> None:

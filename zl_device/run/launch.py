@@ -1,6 +1,6 @@
 """`zl train`'s launch step: control server, address plan, stage configs, deploy, tunnels and the coordinator.
 
-    RUN_DIR/run.key, stage_<k>.json  the run key and the stage configs as generated
+    RUN_DIR/run.key, stage_<k>.json  the run key (until the run finishes) and the stage configs as generated
     RUN_DIR/devices/local-<i>/       local devices' working folders
 
 `launch` is a context manager: the control server listens and the tunnels
@@ -22,6 +22,11 @@ from zl.errors import ZLError
 from zl_device.devices.backend import Device
 from zl_device.run.windows import WindowPlan
 from zl_device.run.train_settings import TrainSettings
+
+
+#: RUN_DIR/RUN_KEY: the run's key, owner-only; kept while `zl train --resume` may need it, deleted when the run
+#: finishes (train_job.finish_run).
+RUN_KEY = "run.key"
 
 
 @dataclass
@@ -54,7 +59,8 @@ def launch(s: TrainSettings, devices: Sequence[Device], local: bool, run_dir: Pa
     key_file, run_id = saved_run_key(run_dir) if s.resume else write_run_key(run_dir)
     with ControlServer(bytes.fromhex(key_file.read_text().strip()), bytes.fromhex(run_id),
                        host=control_bind_host(stage_devices, local),
-                       max_connections=4 * (len(stage_devices) + len(spares)) + 4) as control:
+                       max_connections=4 * (len(stage_devices) + len(spares)) + 4,
+                       num_stages=num_stages) as control:
         plan = address_plan(stage_devices, control.address[1], local)
         try:
             yield _deploy_and_coordinate(s, stage_devices, spares, run_dir, export_dir, manifest, shard, plan, key_file,
@@ -77,7 +83,7 @@ def control_bind_host(stage_devices: Sequence[Device], local: bool) -> str:
 
 def write_run_key(run_dir: Path) -> tuple[Path, str]:
     """RUN_DIR/run.key (the per-run MAC key, owner-only) and a fresh run id."""
-    key_file = run_dir / "run.key"
+    key_file = run_dir / RUN_KEY
     write_secret(key_file, secrets.token_hex(32) + "\n")
     return key_file, secrets.token_hex(16)
 
@@ -89,7 +95,7 @@ def saved_run_key(run_dir: Path) -> tuple[Path, str]:
     Raises:
         ZLError: RUN_DIR lacks run.key or stage_0.json (the run never got to its launch).
     """
-    key_file, config = run_dir / "run.key", run_dir / "stage_0.json"
+    key_file, config = run_dir / RUN_KEY, run_dir / "stage_0.json"
     if not key_file.is_file() or not config.is_file():
         raise ZLError(f"--resume --out {run_dir}: no run.key or stage_0.json there, so the run never started its "
                       "stages; start it again without --resume.")

@@ -45,19 +45,33 @@ def check_torch_settings(s: TrainSettings) -> None:
 def run_torch_training(s: TrainSettings, say=print, on_update=None):
     """The whole `zl train --runtime torch` job; returns a train_job.TrainResult. `on_update` gets the stages'
     states (coordinator.StageStatus, from the ranks' telemetry) about once a second."""
-    from zl_device.results.adapter import merge_checkpoints
     from zl_device.run.torch_stage import JOB_FILE
-    from zl_device.run.train_data import prepare_data, run_max_targets, run_seq_len
-    from zl_device.run.train_job import RunModel, TrainResult, finish_run, open_run
+    from zl_device.run.train_job import is_empty_dir, kept_if_resumable, open_run
 
     check_torch_settings(s)
     start = time.time()
+    job = dev = None
+    keep_dir = is_empty_dir(s.out)
     if s.resume:
         s.validate()
         run_dir, job, dev = resumed_run(s, say)
+    else:
+        run_dir, _ = open_run(s, say)
+    # --resume needs the job file: a run that fails before it is written leaves nothing behind.
+    with kept_if_resumable(run_dir, () if s.resume else (JOB_FILE,), say, keep_dir):
+        return _run(s, run_dir, job, dev, start, say, on_update)
+
+
+def _run(s: TrainSettings, run_dir: Path, job, dev: Path | None, start: float, say, on_update):
+    """run_torch_training's steps in RUN_DIR, once it is open (`job` and `dev`: those of the run to resume)."""
+    from zl_device.results.adapter import merge_checkpoints
+    from zl_device.run.torch_stage import JOB_FILE
+    from zl_device.run.train_data import prepare_data, run_max_targets, run_seq_len
+    from zl_device.run.train_job import RunModel, TrainResult, finish_run
+
+    if s.resume:
         model = RunModel(job.model, json.loads((run_dir / "manifest.json").read_text())["seed"])
     else:
-        run_dir, _ = open_run(s)
         model = RunModel(s.split.model, s.seed)
         seq_len = run_seq_len(s, model.tokenizer)
         shard, dev = prepare_data(s, model.tokenizer, seq_len, run_dir / "data", say)

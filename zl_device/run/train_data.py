@@ -8,8 +8,40 @@ from __future__ import annotations
 from pathlib import Path
 
 from zl.errors import ZLError
-from zl_device.run.train_settings import DEMO, TrainSettings
+from zl_device.run.train_settings import DEMO, MAX_EPOCHS, TrainSettings
 from zl_export.tokenizer import Tokenizer
+
+
+def training_rows(s: TrainSettings) -> int:
+    """The rows of the training data, read but not tokenized: the demo task's train split, a .csv/.jsonl file's
+    rows, or a shard's. Raises ZLError for a file that cannot be read (as the data step would, later)."""
+    if s.data == DEMO:
+        from zl_export.demo_task import DEMO_TRAIN_ROWS
+
+        return DEMO_TRAIN_ROWS
+    path = Path(s.data).expanduser()
+    if path.suffix == ".safetensors":
+        from zl_export.shard import load_shard
+
+        return load_shard(path).rows
+    from zl_export import data as zdata
+
+    return len(zdata.load_task(path, s.data_format).examples)
+
+
+def check_samples(s: TrainSettings) -> None:
+    """--samples goes over the training rows at most MAX_EPOCHS times (before the run starts: a run of 10**12
+    samples would train until killed).
+
+    Raises:
+        ZLError: more samples than that, or a training file that cannot be read.
+    """
+    rows = training_rows(s)
+    if rows and s.samples > MAX_EPOCHS * rows:  # no rows at all: the data step says so
+        raise ZLError(f"--samples {s.samples}: {-(-s.samples // rows):,} passes over the {rows} training rows of "
+                      f"--data {s.data}; a run makes at most {MAX_EPOCHS} ({MAX_EPOCHS * rows:,} samples), more only "
+                      f"fits the same rows again. Pass --samples {MAX_EPOCHS * rows} or less; to train longer, give "
+                      "--data more rows.")
 
 
 def run_seq_len(s: TrainSettings, tokenizer: Tokenizer) -> int:

@@ -6,7 +6,8 @@ holding (docs/design.md §6):
 
     RUN_DIR/manifest.json            the export's manifest (programs stay in the export cache)
     RUN_DIR/data/train.safetensors   the shard stage 0 trains on (+ dev.safetensors when there is one)
-    RUN_DIR/run.key, stage_<k>.json  the run key and the stage configs as generated
+    RUN_DIR/run.key, stage_<k>.json  the run key (deleted when the run finishes) and the stage configs
+    RUN_DIR/UNFINISHED.txt           until the run finishes: how to continue it (`zl train --resume`)
     RUN_DIR/devices/local-<i>/       local devices' working folders
     RUN_DIR/logs/<device>/           runner output, configs, telemetry as pulled
     RUN_DIR/stages/stage_<k>/metrics.jsonl, RUN_DIR/metrics.jsonl (merged, with coordinator events)
@@ -20,11 +21,14 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from zl.errors import ZLError
 from zl.settings import to_json
+from zl_device.run.launch import RUN_KEY
 from zl_device.run.train_settings import TrainSettings
 
 
@@ -64,14 +68,10 @@ class RunModel:
 
 def run_training(s: TrainSettings, say=print, on_update=None, export_progress=None) -> TrainResult:
     """The whole `zl train` job; `say` prints a step's line, `on_update` gets the coordinator's stage states,
-    `export_progress` (a zl_export.pipeline.ExportProgress) sees the export when the cache has none."""
-    from zl_device.devices.registry import open_devices
-    from zl_device.run.collect import collect
-    from zl_device.run.coordinator import Injection
-    from zl_device.run.export_cache import export_cached
-    from zl_device.run.launch import launch
-    from zl_device.run.train_data import prepare_data, run_max_targets, run_seq_len
+    `export_progress` (a zl_export.pipeline.ExportProgress) sees the export when the cache has none.
 
+    A run that fails leaves RUN_DIR only when `--resume` can continue it, marked so (INCOMPLETE_MARKER); one that
+    fails before its stages started leaves nothing (`kept_if_resumable`)."""
     if s.resume:
         s = resumed_settings(s)
     if s.runtime == "torch":  # the stages as torch.distributed ranks: zl_device/run/torch_runtime.py
@@ -79,9 +79,22 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
 
         return run_torch_training(s, say, on_update)
     start = time.time()
+    keep_dir = is_empty_dir(s.out)
     run_dir, spec = reopen_run(s, say) if s.resume else open_run(s, say)
+    with kept_if_resumable(run_dir, () if s.resume else RESUME_NEEDS, say, keep_dir):
+        return _run(s, run_dir, spec, start, say, on_update, export_progress)
+
+
+def _run(s: TrainSettings, run_dir: Path, spec, start: float, say, on_update, export_progress) -> TrainResult:
+    """run_training's steps in RUN_DIR, once it is open."""
+    from zl_device.devices.registry import open_devices
+    from zl_device.run.collect import collect
+    from zl_device.run.coordinator import Injection
+    from zl_device.run.export_cache import export_cached
+    from zl_device.run.launch import launch
+    from zl_device.run.train_data import prepare_data, run_max_targets, run_seq_len
+
     model = RunModel(s.split.model, s.seed)
-    check_device_count(s, spec, s.split.count)
     seq_len = run_seq_len(s, model.tokenizer)
     # The data first (seconds): the programs' target slots must fit it, and a misfit must fail before the export.
     shard, dev = prepare_data(s, model.tokenizer, seq_len, run_dir / "data", say)
@@ -110,13 +123,16 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
 
 
 def finish_run(s: TrainSettings, model: RunModel, result: TrainResult, dev: Path | None, say) -> TrainResult:
-    """A run's last steps, both runtimes: eval (when there is dev data), report, and the run marked finished."""
+    """A run's last steps, both runtimes: eval (when there is dev data), report, and the run marked finished: its
+    key deleted (nothing can resume it any more, PROTOCOL.md §8), then its marker."""
     from zl_device.results.report import write_report
 
     if dev is not None:
         result.eval = evaluate_run(s, model, result.run_dir, dev, say)
     result.report = write_report(result.run_dir)
-    (result.run_dir / INCOMPLETE_MARKER).unlink(missing_ok=True)
+    (result.run_dir / RUN_KEY).unlink(missing_ok=True)
+    for marker in (INCOMPLETE_MARKER, LEGACY_INCOMPLETE_MARKER):
+        (result.run_dir / marker).unlink(missing_ok=True)
     say(f"report: {result.run_dir / 'report.md'}")
     return result
 
@@ -124,27 +140,79 @@ def finish_run(s: TrainSettings, model: RunModel, result: TrainResult, dev: Path
 # The run's settings, as open_run found them: `zl train --resume` continues with these.
 SETTINGS_FILE = "train_settings.json"
 
-# In RUN_DIR from its creation until the report is written: a run that failed or was interrupted leaves it, and a
-# rerun with the same --out moves such a directory aside (to RUN_DIR.unfinished-N, logs and all) instead of refusing.
-INCOMPLETE_MARKER = ".zl-incomplete"
+# In RUN_DIR from its creation until the report is written, saying how to continue the run: a run that failed or
+# was interrupted leaves it, and a rerun with the same --out moves such a directory aside (to RUN_DIR.unfinished-N,
+# logs and all) instead of refusing. Directories of older versions carry the hidden LEGACY_INCOMPLETE_MARKER.
+INCOMPLETE_MARKER = "UNFINISHED.txt"
+LEGACY_INCOMPLETE_MARKER = ".zl-incomplete"
+# What `zl train --resume` needs in RUN_DIR (the ExecuTorch runtime; --runtime torch: its torch_job.json): without
+# them a failed run cannot be continued, and leaves nothing behind.
+RESUME_NEEDS = (RUN_KEY, "stage_0.json")
+
+
+def is_unfinished(run_dir: Path) -> bool:
+    """Whether RUN_DIR holds a run that has not finished (its marker is there)."""
+    return any((run_dir / m).is_file() for m in (INCOMPLETE_MARKER, LEGACY_INCOMPLETE_MARKER))
+
+
+def is_empty_dir(out: Path | str) -> bool:
+    """Whether --out is a directory that exists and is empty (a failed run leaves it so, instead of removing it)."""
+    path = Path(out).expanduser()
+    return path.is_dir() and not any(path.iterdir())
+
+
+def _marker_text(run_dir: Path) -> str:
+    return (f"This run has not finished: zl train failed, was interrupted, or is still running.\n"
+            f"Continue it from its checkpoints:  zl train --resume --out {run_dir}\n"
+            f"Or start it again:                 zl train --out {run_dir} ...  (moves this directory aside to "
+            f"{run_dir.name}.unfinished-N)\n"
+            "run.key, the run's key (owner-only), stays here while the run can be resumed; zl train deletes it, "
+            "with this file, when the run finishes.\n")
+
+
+@contextmanager
+def kept_if_resumable(run_dir: Path, needs: tuple[str, ...], say, keep_dir: bool = False) -> Iterator[None]:
+    """The steps of a run in RUN_DIR. When one fails, RUN_DIR stays (marked unfinished) if `--resume` can continue
+    it, i.e. the files `needs` names are there; otherwise everything the run wrote is removed (and RUN_DIR too,
+    unless `keep_dir`: it was an empty directory before), so a run that failed before its stages started leaves
+    nothing."""
+    try:
+        yield
+    except BaseException:
+        if all((run_dir / name).exists() for name in needs):
+            say(f"unfinished: {run_dir} is kept; `zl train --resume --out {run_dir}` continues the run "
+                f"({INCOMPLETE_MARKER} there says so)")
+        else:
+            for child in run_dir.iterdir() if run_dir.is_dir() else ():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+            if not keep_dir and run_dir.is_dir():
+                run_dir.rmdir()
+            say(f"--out {run_dir}: removed what the run wrote; it failed before its stages started, so there is "
+                "nothing to resume")
+        raise
 
 
 def open_run(s: TrainSettings, say=print):
-    """Check every setting that needs no model or device -- the settings, the devices spec, --inject-failure,
-    the data files -- before anything slow (the data and export steps take minutes); then create RUN_DIR.
+    """Check every setting that needs no model or device -- the settings, the devices spec and count,
+    --inject-failure, the data files, --samples against the training rows -- before anything slow (the data and
+    export steps take minutes) or anything is written; then create RUN_DIR, marked unfinished.
 
     Returns:
         (run_dir, the parsed --devices spec).
     """
     from zl_device.devices.registry import check_mode, parse_devices
     from zl_device.run.coordinator import Injection
+    from zl_device.run.train_data import check_samples
     from zl_device.run.train_settings import DEMO
 
     run_dir = Path(s.out).expanduser().resolve()
     if run_dir.exists() and not run_dir.is_dir():
         raise ZLError(f"--out {run_dir}: a file, not a directory; pick a new run directory.")
     leftovers = run_dir.exists() and any(run_dir.iterdir())
-    if leftovers and not (run_dir / INCOMPLETE_MARKER).is_file():
+    if leftovers and not is_unfinished(run_dir):
         raise ZLError(f"--out {run_dir}: the directory exists and is not empty; pick a new run directory "
                       "(a run never overwrites another run's results).")
     s.validate()
@@ -152,16 +220,18 @@ def open_run(s: TrainSettings, say=print):
     check_mode(spec, s.mode)
     if s.inject_failure:
         Injection.parse(s.inject_failure, s.split.count, s.windows().num_windows)
+    if s.runtime != "torch":  # torch runs one rank per stage, whatever --devices says
+        check_device_count(s, spec, s.split.count)
     for flag, value in (("--data", s.data), ("--eval-data", s.eval_data)):
         if value is not None and value != DEMO and not Path(value).expanduser().is_file():
             raise ZLError(f"{flag} {value}: no such file; pass `demo`, a .csv/.jsonl file or a .safetensors shard.")
+    check_samples(s)
     if leftovers:
         aside = _free_name(run_dir, "unfinished")
         run_dir.rename(aside)
         say(f"--out {run_dir}: an unfinished run was there; moved it to {aside} (its logs and checkpoints are kept)")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / INCOMPLETE_MARKER).write_text("zl train has not finished this run; `zl train --resume --out` continues "
-                                             "it, a rerun with the same --out moves this directory aside\n")
+    (run_dir / INCOMPLETE_MARKER).write_text(_marker_text(run_dir))
     (run_dir / SETTINGS_FILE).write_text(json.dumps(to_json(s), indent=2) + "\n")
     return run_dir, spec
 
@@ -180,7 +250,7 @@ def resumed_settings(s: TrainSettings) -> TrainSettings:
     if not saved.is_file():
         raise ZLError(f"--resume --out {run_dir}: no {SETTINGS_FILE} there, so it is not a `zl train` run directory; "
                       "pass the --out of the run to continue.")
-    if not (run_dir / INCOMPLETE_MARKER).is_file():
+    if not is_unfinished(run_dir):
         raise ZLError(f"--resume --out {run_dir}: that run finished (its report is written); nothing to resume.")
     settings = from_json(TrainSettings, json.loads(saved.read_text()), str(saved))
     return replace(settings, out=run_dir, resume=True, inject_failure=None)

@@ -10,10 +10,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from zl.errors import ZLError
-from zl.settings import check_choices, nested, setting
-from zl_device.devices.registry import MODE_HELP, MODES
+from zl.settings import check_fields, nested, setting
+from zl_device.devices.registry import MAX_LOCAL_DEVICES, MODE_HELP, MODES, check_devices
 from zl_device.run.windows import WindowPlan
-from zl_export.options import ExportOptions, ModelSplit
+from zl_export.options import ExportOptions, MAX_SEQ_LEN, ModelSplit, check_seq_len
 
 DEMO = "demo"
 RECOVERY_MODES = ("local", "global")
@@ -27,6 +27,10 @@ STALL_TIMEOUT_S = 300.0
 LOAD_MODES = ("mmap", "file")
 #: Restarts of a failing stage (--runtime torch: of every rank) before a run gives up.
 MAX_RESTARTS = 3
+#: --samples may go over the training rows at most this many times (checked against the data before the run
+#: starts, zl_device/run/train_data.py): more passes only fit the same rows again, and a stray 10**12 would train
+#: until killed.
+MAX_EPOCHS = 100
 
 
 @dataclass
@@ -39,9 +43,11 @@ class TrainSettings:
     data_format: str = setting("auto", "Format of a .csv/.jsonl --data (see `zl data`).", flag="--format")
     truncate: bool = setting(False, "Cut over-long prompts from the left instead of failing (see `zl data`).",
                              flag="--truncate")
-    samples: int = setting(256, "Training samples (the shard repeats when it has fewer rows).")
+    samples: int = setting(256, f"Training samples (the shard repeats when it has fewer rows, at most "
+                                f"{MAX_EPOCHS} times).")
     window: int = setting(4, "Update window m: micro-batches per AdamW step.")
-    devices: str = setting("local:3", "local:N, or phone serials SERIAL1,SERIAL2,... (see `zl devices`).")
+    devices: str = setting("local:3", f"local:N (N up to {MAX_LOCAL_DEVICES}), or phone serials SERIAL1,SERIAL2,... "
+                                      "(see `zl devices`).", check=check_devices)
     mode: str = setting("binary", MODE_HELP, choices=MODES)
     runtime: str = setting("executorch", "executorch: the stage programs on the devices (zl_runner); torch: one "
                                          "torch.distributed rank per stage on this host, in PyTorch eager, no export "
@@ -68,8 +74,8 @@ class TrainSettings:
                                                 "(in the background), so a restarted stage continues its window "
                                                 "instead of recomputing it (docs/design.md §7).")
     seed: int = setting(0, "Seeds LoRA init, data order and the demo task.")
-    seq_len: int | None = setting(None, "Tokens per sample (default: 128; the demo task: its longest sample, "
-                                        "rounded up to 16).")
+    seq_len: int | None = setting(None, f"Tokens per sample, 2 to {MAX_SEQ_LEN} (default: 128; the demo task: its "
+                                        "longest sample, rounded up to 16).", check=check_seq_len)
     export: ExportOptions = nested(ExportOptions, skip=("seq_len", "seed"))  # those two are the run's, above
     lr: float = setting(5e-3, "AdamW learning rate (warm-up, then cosine to 10%).")
     stage_lr: tuple[float, ...] = setting((1.0,), "Learning-rate multiplier per stage (one value for every stage, "
@@ -109,11 +115,12 @@ class TrainSettings:
                           f"--max-restarts {MAX_RESTARTS}.")
         if self.samples < 1 or self.window < 1:
             raise ZLError(f"--samples {self.samples} --window {self.window}: both must be at least 1.")
-        check_choices(self)
+        check_fields(self)  # the choices, --seq-len's range, --devices
         if self.launcher != "spawn" and self.runtime != "torch":
             raise ZLError(f"--launcher {self.launcher}: launchers start torch.distributed ranks; add --runtime torch.")
         if self.link_timeout_s <= 0:
             raise ZLError(f"--link-timeout {self.link_timeout_s:g}: must be a positive number of seconds, e.g. 600.")
+        self.split.validate()
         self.export.validate()
         stages = self.split.count
         self.export.loss.validate(stages)

@@ -15,6 +15,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "zl/log.h"
@@ -48,12 +49,15 @@ constexpr const char* kUsage =
     "  zl_runner --config runs/demo/stage1.json --resume\n"
     "\n";
 
-}  // namespace
-
-int main(int argc, char** argv) {
+struct Args {
   std::string config_path;
   bool resume = false;
   bool standby = false;
+};
+
+// The command line; an exit code when the process ends here (--help: 0, a
+// bad argument: 2).
+std::optional<int> parse_args(int argc, char** argv, Args* args) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -61,13 +65,13 @@ int main(int argc, char** argv) {
       std::fputs(zl::runner_config_help().c_str(), stdout);
       return 0;
     } else if (arg == "--config" && i + 1 < argc) {
-      config_path = argv[++i];
+      args->config_path = argv[++i];
     } else if (arg.rfind("--config=", 0) == 0) {
-      config_path = arg.substr(std::strlen("--config="));
+      args->config_path = arg.substr(std::strlen("--config="));
     } else if (arg == "--resume") {
-      resume = true;
+      args->resume = true;
     } else if (arg == "--standby") {
-      standby = true;
+      args->standby = true;
     } else if (arg == "--verbose") {
       zl::set_log_level(zl::LogLevel::kDebug);
     } else {
@@ -75,47 +79,65 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (config_path.empty()) {
+  if (args->config_path.empty()) {
     std::fprintf(stderr, "zl_runner: --config FILE is required\n%s", kUsage);
     return 2;
   }
-  zl::RunnerConfig config;
-  zl::Status status = zl::load_runner_config(config_path, &config);
-  if (!status.ok()) {
-    std::fprintf(stderr, "zl_runner: %s\n", status.message().c_str());
-    return 2;
-  }
-  if (resume || standby) config.resume = true;
-  // A standby replaces a stage that failed: failure injection parks a stage
-  // once (the coordinator also drops the field before a restart).
-  if (standby) config.hold_at_micro_batch = -1;
+  return std::nullopt;
+}
 
-  // The takeover signal stays pending until the standby waits for it: blocked
-  // here, before any thread exists, so every thread inherits the mask.
-  sigset_t takeover_signal;
-  sigemptyset(&takeover_signal);
-  sigaddset(&takeover_signal, SIGUSR1);
-  if (standby) pthread_sigmask(SIG_BLOCK, &takeover_signal, nullptr);
-  zl::Standby standby_hook;
-  standby_hook.wait_for_takeover = [&takeover_signal](const std::atomic<bool>* stop) {
+// A standby's wait for SIGUSR1 (blocked in `takeover_signal`, which must
+// outlive the hook), polling the stop flag.
+zl::Standby takeover_hook(const sigset_t* takeover_signal) {
+  zl::Standby hook;
+  hook.wait_for_takeover = [takeover_signal](const std::atomic<bool>* stop) {
     const timespec slice{0, 200 * 1000 * 1000};  // the stop flag is polled this often
     while (stop == nullptr || !stop->load()) {
-      if (sigtimedwait(&takeover_signal, nullptr, &slice) == SIGUSR1) return zl::Status();
+      if (sigtimedwait(takeover_signal, nullptr, &slice) == SIGUSR1) return zl::Status();
       if (errno != EAGAIN && errno != EINTR) {
         return zl::Status(zl::StatusCode::kIoError, std::string("sigtimedwait: ") + std::strerror(errno));
       }
     }
     return zl::Status(zl::StatusCode::kClosed, "stop requested (standing by)");
   };
+  return hook;
+}
 
+void install_stop_handlers() {
   struct sigaction action;
   std::memset(&action, 0, sizeof(action));
   action.sa_handler = on_signal;
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
+}
 
-  status = zl::run_stage(config, &g_stop, nullptr, standby ? &standby_hook : nullptr);
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  if (const std::optional<int> exit_code = parse_args(argc, argv, &args)) return *exit_code;
+  zl::Result<zl::RunnerConfig> loaded = zl::load_runner_config(args.config_path);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "zl_runner: %s\n", loaded.status().message().c_str());
+    return 2;
+  }
+  zl::RunnerConfig config = std::move(loaded).value();
+  if (args.resume || args.standby) config.resume = true;
+  // A standby replaces a stage that failed: failure injection parks a stage
+  // once (the coordinator also drops the field before a restart).
+  if (args.standby) config.hold_at_micro_batch = -1;
+
+  // The takeover signal stays pending until the standby waits for it: blocked
+  // here, before any thread exists, so every thread inherits the mask.
+  sigset_t takeover_signal;
+  sigemptyset(&takeover_signal);
+  sigaddset(&takeover_signal, SIGUSR1);
+  if (args.standby) pthread_sigmask(SIG_BLOCK, &takeover_signal, nullptr);
+  const zl::Standby standby_hook = takeover_hook(&takeover_signal);
+  install_stop_handlers();
+
+  const zl::Status status = zl::run_stage(config, &g_stop, nullptr, args.standby ? &standby_hook : nullptr);
   const int code = zl::stage_exit_code(status, g_stop.load());
   if (code == 3) {
     zl::log(zl::LogLevel::kWarn, "stage %lld stopped: %s", static_cast<long long>(config.stage_index),

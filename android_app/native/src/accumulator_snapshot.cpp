@@ -85,11 +85,11 @@ Status write_accumulator_snapshot(const std::string& path, const AccumulatorSnap
   return Status();
 }
 
-Status read_accumulator_snapshot(const std::string& path, AccumulatorSnapshot* out) {
+Result<AccumulatorSnapshot> read_accumulator_snapshot(const std::string& path) {
   if (::access(path.c_str(), F_OK) != 0) return Status(StatusCode::kNotFound, path + " does not exist");
-  SafetensorsFile file;
-  Status status = read_safetensors(path, &file);
-  if (!status.ok()) return Status(StatusCode::kCorrupt, status.message());
+  Result<SafetensorsFile> read = read_safetensors(path);
+  if (!read.ok()) return Status(StatusCode::kCorrupt, read.status().message());
+  SafetensorsFile& file = *read;
   const auto& m = file.metadata;
   AccumulatorSnapshot s;
   const auto format = m.find("format");
@@ -112,8 +112,7 @@ Status read_accumulator_snapshot(const std::string& path, AccumulatorSnapshot* o
     const float* data = tensor.f32();
     s.sums.emplace_back(data, data + tensor.numel());
   }
-  *out = std::move(s);
-  return Status();
+  return s;
 }
 
 Status check_accumulator_snapshot(const AccumulatorSnapshot& s, const std::string& run_id, int64_t stage,

@@ -35,7 +35,7 @@ AdamW::AdamW(const AdamWConfig& config, std::vector<TrainableParam> params)
   }
 }
 
-Status AdamW::create(const AdamWConfig& config, std::vector<TrainableParam> params, std::unique_ptr<AdamW>* out) {
+Result<std::unique_ptr<AdamW>> AdamW::create(const AdamWConfig& config, std::vector<TrainableParam> params) {
   ZL_RETURN_IF_ERROR(config.validate());
   std::set<std::string> names;
   for (const auto& p : params) {
@@ -50,8 +50,7 @@ Status AdamW::create(const AdamWConfig& config, std::vector<TrainableParam> para
       return Status(StatusCode::kInvalidArgument, "AdamW: parameter '" + p.name + "' has no data");
     }
   }
-  out->reset(new AdamW(config, std::move(params)));
-  return Status();
+  return std::unique_ptr<AdamW>(new AdamW(config, std::move(params)));
 }
 
 Status AdamW::accumulate(const std::vector<const float*>& grads) {
@@ -97,7 +96,7 @@ void AdamW::clear_accumulator() {
   accumulated_ = 0;
 }
 
-Status AdamW::step(double* lr_used) {
+Result<double> AdamW::step() {
   if (accumulated_ == 0) {
     return Status(StatusCode::kInvalidArgument, "AdamW::step: no micro-batch gradients accumulated since the last step");
   }
@@ -134,8 +133,7 @@ Status AdamW::step(double* lr_used) {
   }
   ++step_count_;
   clear_accumulator();
-  if (lr_used != nullptr) *lr_used = lr;
-  return Status();
+  return lr;
 }
 
 int AdamW::find(const std::string& name) const {

@@ -80,7 +80,8 @@ json progress_to_json(const CheckpointProgress& p, const AdamW& optimizer) {
           {"extra", p.extra.is_object() ? p.extra : json::object()}};
 }
 
-Status progress_from_json(const std::string& file, const std::string& text, CheckpointProgress* out) {
+Result<CheckpointProgress> progress_from_json(const std::string& file, const std::string& text) {
+  CheckpointProgress out;
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "' is not a valid JSON object");
@@ -104,25 +105,25 @@ Status progress_from_json(const std::string& file, const std::string& text, Chec
     return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "' has version " + std::to_string(version) +
                                             ", this runner reads version " + std::to_string(kFormatVersion));
   }
-  for (auto field : {std::make_pair("stage", &out->stage), std::make_pair("window", &out->window),
-                     std::make_pair("last_micro_batch", &out->last_micro_batch),
-                     std::make_pair("micro_batches_done", &out->micro_batches_done),
-                     std::make_pair("optimizer_step", &out->optimizer_step),
-                     std::make_pair("created_unix_ms", &out->created_unix_ms)}) {
+  for (auto field : {std::make_pair("stage", &out.stage), std::make_pair("window", &out.window),
+                     std::make_pair("last_micro_batch", &out.last_micro_batch),
+                     std::make_pair("micro_batches_done", &out.micro_batches_done),
+                     std::make_pair("optimizer_step", &out.optimizer_step),
+                     std::make_pair("created_unix_ms", &out.created_unix_ms)}) {
     ZL_RETURN_IF_ERROR(get_int(field.first, field.second));
   }
   auto run_id = j.find("run_id");
   if (run_id == j.end() || !run_id->is_string()) return missing("run_id", "a string");
-  out->run_id = run_id->get<std::string>();
+  out.run_id = run_id->get<std::string>();
   auto lr = j.find("lr");
   if (lr == j.end() || !lr->is_number()) return missing("lr", "a number");
-  out->lr = lr->get<double>();
+  out.lr = lr->get<double>();
   auto extra = j.find("extra");
-  out->extra = (extra != j.end() && extra->is_object()) ? *extra : json::object();
-  if (out->optimizer_step < 0 || out->window < 0) {
+  out.extra = (extra != j.end() && extra->is_object()) ? *extra : json::object();
+  if (out.optimizer_step < 0 || out.window < 0) {
     return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "' has a negative window or optimizer_step");
   }
-  return Status();
+  return out;
 }
 
 int64_t now_unix_ms() {
@@ -132,31 +133,36 @@ int64_t now_unix_ms() {
 
 }  // namespace
 
-Status read_checkpoint(const std::string& window_dir, const std::vector<TrainableParam>& expected,
-                       CheckpointData* out) {
+Result<CheckpointData> read_checkpoint(const std::string& window_dir, const std::vector<TrainableParam>& expected) {
   if (!is_directory(window_dir)) {
     return Status(StatusCode::kNotFound, "checkpoint directory '" + window_dir + "' does not exist");
   }
   const std::string progress_path = window_dir + "/" + kProgressFile;
   const std::string adapter_path = window_dir + "/" + kAdapterFile;
   const std::string optimizer_path = window_dir + "/" + kOptimizerFile;
-  std::string text;
-  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_file(progress_path, &text), "checkpoint is incomplete: ");
-  ZL_RETURN_IF_ERROR(progress_from_json(progress_path, text, &out->progress));
-  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_safetensors(adapter_path, &out->adapter), "checkpoint is unreadable: ");
-  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_safetensors(optimizer_path, &out->optimizer), "checkpoint is unreadable: ");
+  const Result<std::string> text = read_file(progress_path);
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(text, "checkpoint is incomplete: ");
+  CheckpointData out;
+  ZL_ASSIGN_OR_RETURN(out.progress, progress_from_json(progress_path, *text));
+  Result<SafetensorsFile> adapter = read_safetensors(adapter_path);
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(adapter, "checkpoint is unreadable: ");
+  out.adapter = std::move(adapter).value();
+  Result<SafetensorsFile> optimizer = read_safetensors(optimizer_path);
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(optimizer, "checkpoint is unreadable: ");
+  out.optimizer = std::move(optimizer).value();
 
   std::set<std::string> param_names, moment_names;
   for (const auto& p : expected) {
     param_names.insert(p.name);
     moment_names.insert(p.name + ".exp_avg");
     moment_names.insert(p.name + ".exp_avg_sq");
-    ZL_RETURN_IF_ERROR(check_tensor(adapter_path, out->adapter, p.name, p.shape));
-    ZL_RETURN_IF_ERROR(check_tensor(optimizer_path, out->optimizer, p.name + ".exp_avg", p.shape));
-    ZL_RETURN_IF_ERROR(check_tensor(optimizer_path, out->optimizer, p.name + ".exp_avg_sq", p.shape));
+    ZL_RETURN_IF_ERROR(check_tensor(adapter_path, out.adapter, p.name, p.shape));
+    ZL_RETURN_IF_ERROR(check_tensor(optimizer_path, out.optimizer, p.name + ".exp_avg", p.shape));
+    ZL_RETURN_IF_ERROR(check_tensor(optimizer_path, out.optimizer, p.name + ".exp_avg_sq", p.shape));
   }
-  ZL_RETURN_IF_ERROR(check_no_extra(adapter_path, out->adapter, param_names));
-  return check_no_extra(optimizer_path, out->optimizer, moment_names);
+  ZL_RETURN_IF_ERROR(check_no_extra(adapter_path, out.adapter, param_names));
+  ZL_RETURN_IF_ERROR(check_no_extra(optimizer_path, out.optimizer, moment_names));
+  return out;
 }
 
 Status CheckpointStore::validate() const {
@@ -176,23 +182,24 @@ bool CheckpointStore::due(int64_t window, bool is_last_window) const {
   return is_last_window || (window + 1) % std::max<int64_t>(1, options_.interval) == 0;
 }
 
-Status CheckpointStore::list_windows(std::vector<int64_t>* windows) const {
-  windows->clear();
-  std::vector<std::string> names;
-  const Status status = list_directory(options_.dir, &names);
-  if (status.code() == StatusCode::kNotFound) return Status();
-  ZL_RETURN_IF_ERROR(status);
+Result<std::vector<int64_t>> CheckpointStore::list_windows() const {
+  std::vector<int64_t> windows;
+  const Result<std::vector<std::string>> names = list_directory(options_.dir);
+  if (names.status().code() == StatusCode::kNotFound) return windows;
+  ZL_RETURN_IF_ERROR(names);
   const CheckpointLayout layout(options_.dir);
-  for (const auto& name : names) {
+  for (const auto& name : *names) {
     int64_t window = 0;
-    if (parse_checkpoint_dir_name(name, &window) && is_directory(layout.entry(name))) windows->push_back(window);
+    if (parse_checkpoint_dir_name(name, &window) && is_directory(layout.entry(name))) windows.push_back(window);
   }
-  std::sort(windows->begin(), windows->end());
-  return Status();
+  std::sort(windows.begin(), windows.end());
+  return windows;
 }
 
-Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& progress) {
-  ZL_RETURN_IF_ERROR(validate());
+namespace {
+
+// save()'s checks before anything is written.
+Status check_save(const AdamW& optimizer, const CheckpointProgress& progress) {
   if (progress.window < 0) {
     return Status(StatusCode::kInvalidArgument, "checkpoint save: window must be >= 0, got " +
                                                     std::to_string(progress.window));
@@ -203,23 +210,15 @@ Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& p
                                                     " != optimizer step count " +
                                                     std::to_string(optimizer.step_count()));
   }
-  const CheckpointLayout layout(options_.dir);
-  const std::string& root = layout.root();
-  ZL_RETURN_IF_ERROR(make_directories(root));
+  return Status();
+}
 
-  // One writer per checkpoint root: any .tmp-* left here is from a killed save.
-  std::vector<std::string> names;
-  ZL_RETURN_IF_ERROR(list_directory(root, &names));
-  for (const auto& name : names) {
-    if (is_checkpoint_staging_name(name)) ZL_RETURN_IF_ERROR(remove_tree(layout.entry(name)));
-  }
-
-  const long pid = static_cast<long>(::getpid());
-  const std::string tmp = layout.staging_dir(progress.window, pid);
+// Creates staging directory `tmp` and writes the three files into it, each
+// fsynced, then the directory itself.
+Status write_staging(const std::string& tmp, const AdamW& optimizer, const CheckpointProgress& progress) {
   if (::mkdir(tmp.c_str(), 0755) != 0) {
     return Status(StatusCode::kIoError, "cannot create '" + tmp + "': " + std::strerror(errno));
   }
-
   std::vector<SafetensorsTensorRef> adapter, moments;
   for (size_t i = 0; i < optimizer.num_params(); ++i) {
     const TrainableParam& p = optimizer.param(i);
@@ -236,48 +235,74 @@ Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& p
   stamped.created_unix_ms = now_unix_ms();
   const std::string progress_text = progress_to_json(stamped, optimizer).dump(2) + "\n";
   ZL_RETURN_IF_ERROR(write_file_synced(tmp + "/" + kProgressFile, progress_text.data(), progress_text.size()));
-  ZL_RETURN_IF_ERROR(fsync_directory(tmp));
+  return fsync_directory(tmp);
+}
 
-  const std::string final_path = layout.window_dir(progress.window);
-  const std::string old_path = layout.replaced_dir(progress.window, pid);
+}  // namespace
+
+Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& progress) {
+  ZL_RETURN_IF_ERROR(validate());
+  ZL_RETURN_IF_ERROR(check_save(optimizer, progress));
+  const CheckpointLayout layout(options_.dir);
+  const std::string& root = layout.root();
+  ZL_RETURN_IF_ERROR(make_directories(root));
+
+  // One writer per checkpoint root: any .tmp-* left here is from a killed save.
+  ZL_ASSIGN_OR_RETURN(const std::vector<std::string> names, list_directory(root));
+  for (const auto& name : names) {
+    if (is_checkpoint_staging_name(name)) ZL_RETURN_IF_ERROR(remove_tree(layout.entry(name)));
+  }
+
+  const long pid = static_cast<long>(::getpid());
+  const std::string tmp = layout.staging_dir(progress.window, pid);
+  ZL_RETURN_IF_ERROR(write_staging(tmp, optimizer, progress));
+  ZL_RETURN_IF_ERROR(publish(layout, tmp, progress.window, pid));
+  return prune(layout);
+}
+
+Status CheckpointStore::publish(const CheckpointLayout& layout, const std::string& tmp, int64_t window,
+                                long pid) const {
+  const std::string& root = layout.root();
+  const std::string final_path = layout.window_dir(window);
+  const std::string old_path = layout.replaced_dir(window, pid);
   const bool replacing = is_directory(final_path);
   if (replacing && exchange_paths(tmp, final_path)) {
     // One atomic step: window_N is the old checkpoint, then the new one, never
     // missing; the old one is left under the staging name (.tmp-, ignored).
     ZL_RETURN_IF_ERROR(fsync_directory(root));
     if (options_.on_replace) options_.on_replace(final_path);
-    ZL_RETURN_IF_ERROR(remove_tree(tmp));
-  } else {
-    // Without RENAME_EXCHANGE (not Linux, or a filesystem without it):
-    // rename() cannot replace a non-empty directory, so an existing one is
-    // moved aside first (under .tmp-, so a crash here leaves it ignored).
-    if (replacing && ::rename(final_path.c_str(), old_path.c_str()) != 0) {
-      return Status(StatusCode::kIoError, "cannot move aside '" + final_path + "': " + std::strerror(errno));
-    }
-    if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
-      return Status(StatusCode::kIoError,
-                    "cannot rename '" + tmp + "' to '" + final_path + "': " + std::strerror(errno));
-    }
-    ZL_RETURN_IF_ERROR(fsync_directory(root));
-    if (replacing && options_.on_replace) options_.on_replace(final_path);
-    if (replacing) ZL_RETURN_IF_ERROR(remove_tree(old_path));
+    return remove_tree(tmp);
   }
+  // Without RENAME_EXCHANGE (not Linux, or a filesystem without it):
+  // rename() cannot replace a non-empty directory, so an existing one is
+  // moved aside first (under .tmp-, so a crash here leaves it ignored).
+  if (replacing && ::rename(final_path.c_str(), old_path.c_str()) != 0) {
+    return Status(StatusCode::kIoError, "cannot move aside '" + final_path + "': " + std::strerror(errno));
+  }
+  if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
+    return Status(StatusCode::kIoError,
+                  "cannot rename '" + tmp + "' to '" + final_path + "': " + std::strerror(errno));
+  }
+  ZL_RETURN_IF_ERROR(fsync_directory(root));
+  if (replacing && options_.on_replace) options_.on_replace(final_path);
+  if (replacing) ZL_RETURN_IF_ERROR(remove_tree(old_path));
+  return Status();
+}
 
-  std::vector<int64_t> windows;
-  ZL_RETURN_IF_ERROR(list_windows(&windows));
+Status CheckpointStore::prune(const CheckpointLayout& layout) const {
+  ZL_ASSIGN_OR_RETURN(const std::vector<int64_t> windows, list_windows());
   const int64_t excess = static_cast<int64_t>(windows.size()) - options_.keep_last;
   for (int64_t i = 0; i < excess; ++i) {
     ZL_RETURN_IF_ERROR(remove_tree(layout.window_dir(windows[static_cast<size_t>(i)])));
   }
-  return excess > 0 ? fsync_directory(root) : Status();
+  return excess > 0 ? fsync_directory(layout.root()) : Status();
 }
 
-Status CheckpointStore::load(int64_t window, AdamW* optimizer, CheckpointProgress* progress) const {
+Result<CheckpointProgress> CheckpointStore::load(int64_t window, AdamW* optimizer) const {
   std::vector<TrainableParam> expected;
   for (size_t i = 0; i < optimizer->num_params(); ++i) expected.push_back(optimizer->param(i));
   const std::string dir = CheckpointLayout(options_.dir).window_dir(window);
-  CheckpointData data;
-  ZL_RETURN_IF_ERROR(read_checkpoint(dir, expected, &data));
+  ZL_ASSIGN_OR_RETURN(const CheckpointData data, read_checkpoint(dir, expected));
   if (data.progress.window != window) {
     return Status(StatusCode::kCorrupt, "checkpoint '" + dir + "' says window " +
                                             std::to_string(data.progress.window) + " in " + kProgressFile);
@@ -289,21 +314,15 @@ Status CheckpointStore::load(int64_t window, AdamW* optimizer, CheckpointProgres
     exp_avg_sq.push_back(data.optimizer.tensors.at(p.name + ".exp_avg_sq").f32());
   }
   ZL_RETURN_IF_ERROR(optimizer->restore(data.progress.optimizer_step, params, exp_avg, exp_avg_sq));
-  *progress = data.progress;
-  return Status();
+  return data.progress;
 }
 
-Status CheckpointStore::load_latest(AdamW* optimizer, CheckpointProgress* progress, bool* found) const {
-  *found = false;
-  std::vector<int64_t> windows;
-  ZL_RETURN_IF_ERROR(list_windows(&windows));
-  if (windows.empty()) return Status();
-  const Status status = load(windows.back(), optimizer, progress);
-  if (!status.ok()) {
-    return status.with_context("", " (newest checkpoint)");
-  }
-  *found = true;
-  return Status();
+Result<std::optional<CheckpointProgress>> CheckpointStore::load_latest(AdamW* optimizer) const {
+  ZL_ASSIGN_OR_RETURN(const std::vector<int64_t> windows, list_windows());
+  if (windows.empty()) return std::optional<CheckpointProgress>();
+  Result<CheckpointProgress> progress = load(windows.back(), optimizer);
+  if (!progress.ok()) return progress.status().with_context("", " (newest checkpoint)");
+  return std::optional<CheckpointProgress>(std::move(progress).value());
 }
 
 }  // namespace zl

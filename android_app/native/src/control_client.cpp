@@ -266,33 +266,32 @@ Status ControlClient::send_frame(const Frame& frame) {
 }
 
 bool ControlClient::connect_once(milliseconds timeout) {
-  Socket sock;
-  Status s = ReconnectingLink::dial(host_, port_, timeout, &sock);
-  if (!s.ok()) {
+  Result<Socket> sock = ReconnectingLink::dial(host_, port_, timeout);
+  if (!sock.ok()) {
     // One line per outage at info level; every retry only at debug.
     std::lock_guard<std::mutex> lock(mutex_);
     log(unreachable_logged_ ? LogLevel::kDebug : LogLevel::kInfo,
         "control: coordinator %s not reachable (%s); retrying with back-off", options_.coordinator.c_str(),
-        s.message().c_str());
+        sock.status().message().c_str());
     unreachable_logged_ = true;
     return false;
   }
   // The handshake gives the connection a fresh session: the REGISTER below is
   // bound to the coordinator's challenge, so a recorded one cannot be replayed.
-  SessionId session{};
-  s = link_.handshake(sock, timeout, &session);
-  if (!s.ok()) {
-    log(LogLevel::kWarn, "control: coordinator %s: %s", options_.coordinator.c_str(), s.message().c_str());
+  const Result<SessionId> session = link_.handshake(*sock, timeout);
+  if (!session.ok()) {
+    log(LogLevel::kWarn, "control: coordinator %s: %s", options_.coordinator.c_str(),
+        session.status().message().c_str());
     return false;
   }
   std::unique_lock<std::mutex> lock(mutex_);
   if (force_exit_) return false;
   const Frame reg = register_locked();
-  link_.adopt(std::move(sock), session);
+  link_.adopt(std::move(sock).value(), *session);
   lock.unlock();
   // REGISTER goes first on every connection: a restarted coordinator learns
   // who this is and how far it got before any queued event arrives.
-  s = send_frame(reg);
+  const Status s = send_frame(reg);
   lock.lock();
   if (!s.ok()) {
     log(LogLevel::kWarn, "control: REGISTER to %s failed: %s", options_.coordinator.c_str(), s.message().c_str());
@@ -401,91 +400,95 @@ void ControlClient::handle_incoming() {
   if (!read.filled.ok()) drop_connection(read.filled.message());
 }
 
+bool ControlClient::queue_heartbeat(LoopState* state, bool closing) {
+  // Probes read files (smaps_rollup, sysfs): outside the lock, so the
+  // training thread's update_progress() never waits on them.
+  const bool heartbeat_due = Clock::now() >= state->next_heartbeat;
+  std::optional<double> pss, temperature;
+  if (heartbeat_due || (closing && !state->final_heartbeat_queued)) {
+    pss = read_pss_mib(options_.probe_root);
+    temperature = read_temperature_c(options_.probe_root);
+  }
+
+  const Clock::time_point now = Clock::now();
+  size_t undelivered_events = 0;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closing && !state->final_heartbeat_queued) {
+    // Queued heartbeats are stale now; one last one carries the final phase.
+    queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
+                                [](const Outgoing& o) { return o.frame.type == FrameType::kHeartbeat; }),
+                 queue_.end());
+    queue_.push_back(Outgoing{next_seq_++, heartbeat_locked(pss, temperature)});
+    state->final_heartbeat_queued = true;
+  } else if (!closing && heartbeat_due) {
+    enqueue_locked(heartbeat_locked(pss, temperature));
+    state->next_heartbeat += options_.heartbeat_ms;
+    if (state->next_heartbeat <= now) state->next_heartbeat = now + options_.heartbeat_ms;
+  }
+  for (const auto& o : queue_) undelivered_events += o.frame.type != FrameType::kHeartbeat;
+  if (!closing) return false;
+  if (force_exit_ || now >= close_deadline_) {
+    if (undelivered_events > 0) {
+      log(LogLevel::kWarn, "control: shutting down with %zu WINDOW_COMMITTED/ERROR frames not delivered to %s",
+          undelivered_events, options_.coordinator.c_str());
+    }
+    return true;
+  }
+  // All sent, or only the last heartbeat left and no connection for it.
+  return queue_.empty() || (undelivered_events == 0 && !link_.connected());
+}
+
+void ControlClient::connect_if_due(LoopState* state, Backoff* backoff, bool closing) {
+  const Clock::time_point now = Clock::now();
+  if (link_.connected() || now < state->next_connect) return;
+  milliseconds timeout = options_.connect_timeout;
+  if (closing) {
+    timeout = std::min(timeout, std::chrono::duration_cast<milliseconds>(close_deadline_ - now) + milliseconds(1));
+  }
+  if (connect_once(timeout)) {
+    backoff->reset();
+  } else {
+    state->next_connect = Clock::now() + backoff->next();
+  }
+}
+
+void ControlClient::wait_for_work(const LoopState& state, bool closing) {
+  Clock::time_point wake_at = closing ? close_deadline_ : state.next_heartbeat;
+  if (!link_.connected()) wake_at = std::min(wake_at, state.next_connect);
+  if (options_.chain_stop != nullptr) wake_at = std::min(wake_at, Clock::now() + kChainStopPoll);
+  if (closing) {
+    // Re-check the exit conditions at once when the flush has nothing left to wait for.
+    std::lock_guard<std::mutex> lock(mutex_);
+    const bool events_left = std::any_of(queue_.begin(), queue_.end(), [](const Outgoing& o) {
+      return o.frame.type != FrameType::kHeartbeat;
+    });
+    if (queue_.empty() || (!events_left && !link_.connected())) return;
+  }
+  const Result<bool> readable = link_.wait_for_input(wake_at);
+  if (!readable.ok()) {
+    log(LogLevel::kError, "control: %s", readable.status().message().c_str());
+    drop_connection(readable.status().message());
+    return;
+  }
+  if (*readable) handle_incoming();
+}
+
 void ControlClient::run() {
   Backoff backoff(options_.backoff_initial, options_.backoff_max);
-  Clock::time_point next_connect = Clock::now();
-  Clock::time_point next_heartbeat = Clock::now() + options_.heartbeat_ms;
-  bool final_heartbeat_queued = false;
+  LoopState state;
+  state.next_connect = Clock::now();
+  state.next_heartbeat = Clock::now() + options_.heartbeat_ms;
   for (;;) {
     mirror_chain_stop();
-    // Probes read files (smaps_rollup, sysfs): outside the lock, so the
-    // training thread's update_progress() never waits on them.
-    const bool heartbeat_due = Clock::now() >= next_heartbeat;
     bool closing = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       closing = closing_;
     }
-    std::optional<double> pss, temperature;
-    if (heartbeat_due || (closing && !final_heartbeat_queued)) {
-      pss = read_pss_mib(options_.probe_root);
-      temperature = read_temperature_c(options_.probe_root);
-    }
-
-    const Clock::time_point now = Clock::now();
-    size_t undelivered_events = 0;
-    bool exit_now = false;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (closing && !final_heartbeat_queued) {
-        // Queued heartbeats are stale now; one last one carries the final phase.
-        queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
-                                    [](const Outgoing& o) { return o.frame.type == FrameType::kHeartbeat; }),
-                     queue_.end());
-        queue_.push_back(Outgoing{next_seq_++, heartbeat_locked(pss, temperature)});
-        final_heartbeat_queued = true;
-      } else if (!closing && heartbeat_due) {
-        enqueue_locked(heartbeat_locked(pss, temperature));
-        next_heartbeat += options_.heartbeat_ms;
-        if (next_heartbeat <= now) next_heartbeat = now + options_.heartbeat_ms;
-      }
-      for (const auto& o : queue_) undelivered_events += o.frame.type != FrameType::kHeartbeat;
-      if (closing) {
-        if (force_exit_ || now >= close_deadline_) {
-          if (undelivered_events > 0) {
-            log(LogLevel::kWarn, "control: shutting down with %zu WINDOW_COMMITTED/ERROR frames not delivered to %s",
-                undelivered_events, options_.coordinator.c_str());
-          }
-          exit_now = true;
-        } else if (queue_.empty() || (undelivered_events == 0 && !link_.connected())) {
-          exit_now = true;  // all sent, or only the last heartbeat left and no connection for it
-        }
-      }
-    }
-    if (exit_now) break;
-
-    if (!link_.connected() && now >= next_connect) {
-      milliseconds timeout = options_.connect_timeout;
-      if (closing) {
-        timeout = std::min(timeout, std::chrono::duration_cast<milliseconds>(close_deadline_ - now) + milliseconds(1));
-      }
-      if (connect_once(timeout)) {
-        backoff.reset();
-      } else {
-        next_connect = Clock::now() + backoff.next();
-      }
-    }
+    if (queue_heartbeat(&state, closing)) break;
+    connect_if_due(&state, &backoff, closing);
     if (link_.connected()) drain_queue();
-
-    Clock::time_point wake_at = closing ? close_deadline_ : next_heartbeat;
-    if (!link_.connected()) wake_at = std::min(wake_at, next_connect);
-    if (options_.chain_stop != nullptr) wake_at = std::min(wake_at, Clock::now() + kChainStopPoll);
-    if (closing) {
-      // Re-check the exit conditions at once when the flush has nothing left to wait for.
-      std::lock_guard<std::mutex> lock(mutex_);
-      const bool events_left = std::any_of(queue_.begin(), queue_.end(), [](const Outgoing& o) {
-        return o.frame.type != FrameType::kHeartbeat;
-      });
-      if (queue_.empty() || (!events_left && !link_.connected())) continue;
-    }
-    bool readable = false;
-    const Status waited = link_.wait_for_input(wake_at, &readable);
-    if (!waited.ok()) {
-      log(LogLevel::kError, "control: %s", waited.message().c_str());
-      drop_connection(waited.message());
-      continue;
-    }
-    if (readable) handle_incoming();
+    wait_for_work(state, closing);
   }
   std::lock_guard<std::mutex> lock(mutex_);
   link_.close();

@@ -23,8 +23,7 @@ const char* control_phase_name(ControlPhase phase) {
   return "unknown";
 }
 
-Status control_options_from_config(const RunnerConfig& config, const FrameKey& key,
-                                   ControlClientOptions* out) {
+Result<ControlClientOptions> control_options_from_config(const RunnerConfig& config, const FrameKey& key) {
   if (config.coordinator.empty()) {
     return Status(StatusCode::kInvalidArgument, "the stage config names no coordinator (\"coordinator\": \"host:port\")");
   }
@@ -35,11 +34,12 @@ Status control_options_from_config(const RunnerConfig& config, const FrameKey& k
   if (config.stage_index < 0 || config.stage_index >= static_cast<int64_t>(kCoordinatorStage)) {
     return Status(StatusCode::kInvalidArgument, "stage_index " + std::to_string(config.stage_index) + " out of range");
   }
-  out->coordinator = config.coordinator;
-  out->run_id = run_id;
-  out->key = key;
-  out->stage = static_cast<uint32_t>(config.stage_index);
-  return Status();
+  ControlClientOptions out;
+  out.coordinator = config.coordinator;
+  out.run_id = run_id;
+  out.key = key;
+  out.stage = static_cast<uint32_t>(config.stage_index);
+  return out;
 }
 
 std::string describe_device() {

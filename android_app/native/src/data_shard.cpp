@@ -4,14 +4,17 @@
 
 namespace zl {
 
-Status DataShard::load(const std::string& path, int64_t batch, int64_t seq_len, DataShard* out) {
-  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_safetensors(path, &out->file_), "data shard: ");
+Result<DataShard> DataShard::load(const std::string& path, int64_t batch, int64_t seq_len) {
+  Result<SafetensorsFile> read = read_safetensors(path);
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(read, "data shard: ");
+  DataShard out;
+  out.file_ = std::move(read).value();
   const int64_t* ptrs[3] = {nullptr, nullptr, nullptr};
   const char* names[3] = {"input_ids", "attention_mask", "labels"};
   std::vector<int64_t> shape;
   for (int i = 0; i < 3; ++i) {
-    auto it = out->file_.tensors.find(names[i]);
-    if (it == out->file_.tensors.end()) {
+    auto it = out.file_.tensors.find(names[i]);
+    if (it == out.file_.tensors.end()) {
       return Status(StatusCode::kInvalidArgument, "data shard " + path + " has no tensor '" + names[i] +
                                                       "'; make it with `zl data`");
     }
@@ -32,13 +35,13 @@ Status DataShard::load(const std::string& path, int64_t batch, int64_t seq_len, 
     return Status(StatusCode::kInvalidArgument, "data shard " + path + " has " + std::to_string(shape[0]) +
                                                     " rows, fewer than one micro-batch of " + std::to_string(batch));
   }
-  out->ids_ = ptrs[0];
-  out->mask_ = ptrs[1];
-  out->labels_ = ptrs[2];
-  out->rows_ = shape[0];
-  out->seq_len_ = shape[1];
-  out->batch_ = batch;
-  return Status();
+  out.ids_ = ptrs[0];
+  out.mask_ = ptrs[1];
+  out.labels_ = ptrs[2];
+  out.rows_ = shape[0];
+  out.seq_len_ = shape[1];
+  out.batch_ = batch;
+  return out;
 }
 
 void DataShard::micro_batch(int64_t mb, StageInputs* inputs) const {

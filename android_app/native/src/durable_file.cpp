@@ -71,8 +71,8 @@ Status fsync_directory(const std::string& path) {
   return status;
 }
 
-Status read_file(const std::string& path, std::string* out) {
-  out->clear();
+Result<std::string> read_file(const std::string& path) {
+  std::string out;
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return io_error("cannot open", path, errno);
   char buffer[1 << 16];
@@ -85,22 +85,23 @@ Status read_file(const std::string& path, std::string* out) {
       break;
     }
     if (n == 0) break;
-    out->append(buffer, static_cast<size_t>(n));
+    out.append(buffer, static_cast<size_t>(n));
   }
   ::close(fd);
-  return status;
+  if (!status.ok()) return status;
+  return out;
 }
 
-Status list_directory(const std::string& path, std::vector<std::string>* names) {
-  names->clear();
+Result<std::vector<std::string>> list_directory(const std::string& path) {
+  std::vector<std::string> names;
   DIR* dir = ::opendir(path.c_str());
   if (dir == nullptr) return io_error("cannot list directory", path, errno);
   while (dirent* entry = ::readdir(dir)) {
     std::string name = entry->d_name;
-    if (name != "." && name != "..") names->push_back(std::move(name));
+    if (name != "." && name != "..") names.push_back(std::move(name));
   }
   ::closedir(dir);
-  return Status();
+  return names;
 }
 
 bool is_directory(const std::string& path) {
@@ -114,8 +115,7 @@ Status remove_tree(const std::string& path) {
     return errno == ENOENT ? Status() : io_error("cannot stat", path, errno);
   }
   if (S_ISDIR(st.st_mode)) {
-    std::vector<std::string> names;
-    ZL_RETURN_IF_ERROR(list_directory(path, &names));
+    ZL_ASSIGN_OR_RETURN(const std::vector<std::string> names, list_directory(path));
     for (const auto& name : names) {
       ZL_RETURN_IF_ERROR(remove_tree(path + "/" + name));
     }

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 
 
 // Tensor payloads are copied as host memory; every target (x86-64, arm64) is
@@ -284,7 +285,7 @@ bool open_frame(uint8_t* frame, size_t size, const FrameKey& key) {
              frame, kFrameHeaderSize, frame + kOffNonce, key.data()) == 0;
 }
 
-Status encoded_frame_size(const Frame& frame, size_t max_frame_bytes, size_t* size) {
+Result<size_t> encoded_frame_size(const Frame& frame, size_t max_frame_bytes) {
   if (frame_type_name(static_cast<uint16_t>(frame.type)) == nullptr) {
     return Status(StatusCode::kInvalidArgument,
                   "frame type " + std::to_string(static_cast<int>(frame.type)) + " is unknown");
@@ -328,16 +329,13 @@ Status encoded_frame_size(const Frame& frame, size_t max_frame_bytes, size_t* si
                   "frame of " + std::to_string(total) + " bytes exceeds the maximum of " +
                       std::to_string(max_frame_bytes));
   }
-  *size = static_cast<size_t>(total);
-  return Status();
+  return static_cast<size_t>(total);
 }
 
-Status encode_frame(const Frame& frame, const FrameKey& key, std::vector<uint8_t>* out,
-                    size_t max_frame_bytes) {
-  size_t total = 0;
-  ZL_RETURN_IF_ERROR(encoded_frame_size(frame, max_frame_bytes, &total));
-  out->assign(total, 0);
-  uint8_t* p = out->data();
+Result<std::vector<uint8_t>> encode_frame(const Frame& frame, const FrameKey& key, size_t max_frame_bytes) {
+  ZL_ASSIGN_OR_RETURN(const size_t total, encoded_frame_size(frame, max_frame_bytes));
+  std::vector<uint8_t> out(total, 0);
+  uint8_t* p = out.data();
   std::memcpy(p, kFrameMagic.data(), 4);
   put_u16(p + kOffVersion, kFrameVersion);
   put_u16(p + kOffType, static_cast<uint16_t>(frame.type));
@@ -374,7 +372,7 @@ Status encode_frame(const Frame& frame, const FrameKey& key, std::vector<uint8_t
     pos += t.data.size();
   }
   seal_frame(p, total, key);
-  return Status();
+  return out;
 }
 
 FrameError peek_frame_length(const uint8_t* header, size_t size, size_t max_frame_bytes,
@@ -413,147 +411,195 @@ FrameError peek_frame_length(const uint8_t* header, size_t size, size_t max_fram
   return FrameError::kNone;
 }
 
-DecodeResult decode_frame(const uint8_t* data, size_t size, const FrameKey& key,
-                          const FrameExpectation& expect) {
+namespace {
+
+// A failed decode step: the error and its reason; decode_frame turns it into
+// a DecodeResult. nullopt: the step passed.
+struct DecodeError {
+  FrameError error;
+  std::string reason;
+};
+using DecodeStep = std::optional<DecodeError>;
+
+// The authenticated plaintext of a frame while it is read: `body` is the
+// offset of the tag (the end of what may be read), `pos` the next unread byte.
+struct PlainReader {
+  const uint8_t* data;
+  size_t body;
+  size_t pos;
+};
+
+// Step 1, open: checks the length against the header and `size`, then
+// authenticates and decrypts into `plain` (header copied as is). Nothing else
+// is interpreted before this passes: past it every byte was written by a
+// holder of this frame key.
+DecodeStep open_sealed_frame(const uint8_t* data, size_t size, const FrameKey& key, size_t max_frame_bytes,
+                             std::vector<uint8_t>* plain) {
   size_t total = 0;
   std::string reason;
-  const FrameError peeked = peek_frame_length(data, size, expect.max_frame_bytes, &total, &reason);
-  if (peeked != FrameError::kNone) return fail(peeked, reason);
+  const FrameError peeked = peek_frame_length(data, size, max_frame_bytes, &total, &reason);
+  if (peeked != FrameError::kNone) return DecodeError{peeked, reason};
   if (size < total) {
-    return fail(FrameError::kTruncated, "have " + std::to_string(size) + " bytes, total_length is " +
-                                            std::to_string(total));
+    return DecodeError{FrameError::kTruncated,
+                       "have " + std::to_string(size) + " bytes, total_length is " + std::to_string(total)};
   }
   if (size > total) {
-    return fail(FrameError::kLengthMismatch, "have " + std::to_string(size) +
-                                                 " bytes, total_length is " + std::to_string(total));
+    return DecodeError{FrameError::kLengthMismatch,
+                       "have " + std::to_string(size) + " bytes, total_length is " + std::to_string(total)};
   }
-  // Authenticate (and decrypt) before interpreting anything else: past this
-  // point every byte was written by a holder of this frame key.
-  std::vector<uint8_t> plain(data, data + kFrameHeaderSize);
-  plain.resize(total);
+  plain->assign(data, data + kFrameHeaderSize);
+  plain->resize(total);
   const size_t body = total - kFrameTagSize;
   ensure_sodium();
   if (crypto_aead_xchacha20poly1305_ietf_decrypt_detached(
-          plain.data() + kFrameHeaderSize, nullptr, data + kFrameHeaderSize, body - kFrameHeaderSize, data + body,
+          plain->data() + kFrameHeaderSize, nullptr, data + kFrameHeaderSize, body - kFrameHeaderSize, data + body,
           data, kFrameHeaderSize, data + kOffNonce, key.data()) != 0) {
-    return fail(FrameError::kBadMac,
-                "authentication tag does not verify (frame corrupted in transit, sent under another run key, "
-                "or for another link or direction)");
+    return DecodeError{FrameError::kBadMac,
+                       "authentication tag does not verify (frame corrupted in transit, sent under another run "
+                       "key, or for another link or direction)"};
   }
-  data = plain.data();
+  return std::nullopt;
+}
 
-  DecodeResult r;
-  Frame& f = r.frame;
+// Step 2, header: the fixed header fields and the JSON payload into `f`;
+// `tensor_count` as the header claims it (bounded by the records step).
+DecodeStep decode_header(PlainReader& in, Frame* f, uint32_t* tensor_count) {
+  const uint8_t* data = in.data;
   const uint16_t type = get_u16(data + kOffType);
   if (frame_type_name(type) == nullptr) {
-    return fail(FrameError::kUnknownType, "type " + std::to_string(type) + " is not a known frame type");
+    return DecodeError{FrameError::kUnknownType, "type " + std::to_string(type) + " is not a known frame type"};
   }
-  f.type = static_cast<FrameType>(type);
+  f->type = static_cast<FrameType>(type);
   if (get_u32(data + kOffFlags) != 0 || get_u32(data + kOffReserved) != 0) {
-    return fail(FrameError::kBadHeader, "flags/reserved header fields must be 0");
+    return DecodeError{FrameError::kBadHeader, "flags/reserved header fields must be 0"};
   }
-  std::memcpy(f.run_id.data(), data + kOffRunId, kRunIdSize);
-  f.stage = get_u32(data + kOffStage);
-  f.window = get_u64(data + kOffWindow);
-  f.micro_batch = get_u64(data + kOffMicroBatch);
-  std::memcpy(f.session.data(), data + kOffSession, kSessionSize);
-  f.seq = get_u64(data + kOffSeq);
-  const uint32_t tensor_count = get_u32(data + kOffTensorCount);
+  std::memcpy(f->run_id.data(), data + kOffRunId, kRunIdSize);
+  f->stage = get_u32(data + kOffStage);
+  f->window = get_u64(data + kOffWindow);
+  f->micro_batch = get_u64(data + kOffMicroBatch);
+  std::memcpy(f->session.data(), data + kOffSession, kSessionSize);
+  f->seq = get_u64(data + kOffSeq);
+  *tensor_count = get_u32(data + kOffTensorCount);
   const uint32_t json_length = get_u32(data + kOffJsonLength);
 
-  size_t pos = kFrameHeaderSize;
-  if (json_length > body - pos) {
-    return fail(FrameError::kLengthMismatch, "json_length " + std::to_string(json_length) +
-                                                 " runs past the end of the frame");
+  in.pos = kFrameHeaderSize;
+  if (json_length > in.body - in.pos) {
+    return DecodeError{FrameError::kLengthMismatch,
+                       "json_length " + std::to_string(json_length) + " runs past the end of the frame"};
   }
-  f.json.assign(reinterpret_cast<const char*>(data + pos), json_length);
-  pos += json_length;
-  if (const std::string bad = check_frame_json(f.json.data(), f.json.size()); !bad.empty()) {
-    return fail(FrameError::kBadPayload, bad);
+  f->json.assign(reinterpret_cast<const char*>(data + in.pos), json_length);
+  in.pos += json_length;
+  if (const std::string bad = check_frame_json(f->json.data(), f->json.size()); !bad.empty()) {
+    return DecodeError{FrameError::kBadPayload, bad};
   }
+  return std::nullopt;
+}
+
+// Reads `rank` u64 dims into `t->shape`, then checks the payload length
+// against shape x dtype. `where` names the record.
+DecodeStep decode_shape(PlainReader& in, uint8_t dtype, uint8_t rank, uint64_t payload_length, TensorRecord* t) {
+  t->shape.resize(rank);
+  std::string dims;  // as on the wire (u64), for the reason
+  bool dim_too_big = false;
+  for (uint8_t d = 0; d < rank; ++d) {
+    const uint64_t v = get_u64(in.data + in.pos);
+    dims += (d ? "," : "") + std::to_string(v);
+    dim_too_big |= v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+    t->shape[d] = static_cast<int64_t>(v);
+    in.pos += 8;
+  }
+  const int64_t bytes = dim_too_big ? -1 : wire_bytes(t->shape, dtype_size(dtype));
+  if (bytes < 0 || static_cast<uint64_t>(bytes) != payload_length) {
+    return DecodeError{FrameError::kBadTensor, "tensor '" + escape_bytes(t->name) + "' has shape [" + dims +
+                                                   "] and dtype " + dtype_name(dtype) + " but " +
+                                                   std::to_string(payload_length) + " payload bytes"};
+  }
+  return std::nullopt;
+}
+
+// One tensor record (16-byte header, name, dims, payload) appended to `f`.
+DecodeStep decode_record(PlainReader& in, uint32_t index, Frame* f) {
+  const std::string where = "tensor record " + std::to_string(index);
+  const uint8_t* data = in.data;
+  if (in.body - in.pos < kTensorRecordHeaderSize) {
+    return DecodeError{FrameError::kLengthMismatch, where + " header runs past the end of the frame"};
+  }
+  const uint8_t dtype = data[in.pos];
+  const uint8_t rank = data[in.pos + 1];
+  const uint16_t name_length = get_u16(data + in.pos + 2);
+  const uint32_t reserved = get_u32(data + in.pos + 4);
+  const uint64_t payload_length = get_u64(data + in.pos + 8);
+  in.pos += kTensorRecordHeaderSize;
+  if (dtype_size(dtype) == 0) {
+    return DecodeError{FrameError::kBadTensor, where + " has unknown dtype " + std::to_string(dtype)};
+  }
+  if (rank > kMaxTensorRank) {
+    return DecodeError{FrameError::kBadTensor, where + " has rank " + std::to_string(rank) + " > 8"};
+  }
+  if (reserved != 0) return DecodeError{FrameError::kBadHeader, where + " reserved field must be 0"};
+  const uint64_t fixed = static_cast<uint64_t>(name_length) + 8ull * rank;
+  if (fixed > in.body - in.pos || payload_length > in.body - in.pos - fixed) {
+    return DecodeError{FrameError::kLengthMismatch, where + " runs past the end of the frame"};
+  }
+  TensorRecord t;
+  t.dtype = static_cast<DType>(dtype);
+  t.name.assign(reinterpret_cast<const char*>(data + in.pos), name_length);
+  in.pos += name_length;
+  if (const std::string bad = check_tensor_name(t.name); !bad.empty()) {
+    return DecodeError{FrameError::kBadTensor, where + ": " + bad};
+  }
+  if (f->find(t.name) != nullptr) {
+    return DecodeError{FrameError::kBadTensor, where + ": a second tensor named '" + escape_bytes(t.name) + "'"};
+  }
+  if (DecodeStep bad = decode_shape(in, dtype, rank, payload_length, &t)) return bad;
+  t.data.assign(data + in.pos, data + in.pos + payload_length);
+  in.pos += payload_length;
+  f->tensors.push_back(std::move(t));
+  return std::nullopt;
+}
+
+// Step 3, records: `tensor_count` records, which must end exactly at the tag.
+DecodeStep decode_records(PlainReader& in, uint32_t tensor_count, Frame* f) {
   // Each record needs at least its 16-byte header, which bounds tensor_count
   // before anything is allocated for it.
-  if (tensor_count > (body - pos) / kTensorRecordHeaderSize) {
-    return fail(FrameError::kLengthMismatch,
-                "tensor_count " + std::to_string(tensor_count) + " does not fit in the frame");
+  if (tensor_count > (in.body - in.pos) / kTensorRecordHeaderSize) {
+    return DecodeError{FrameError::kLengthMismatch,
+                       "tensor_count " + std::to_string(tensor_count) + " does not fit in the frame"};
   }
-  f.tensors.reserve(tensor_count);
+  f->tensors.reserve(tensor_count);
   for (uint32_t i = 0; i < tensor_count; ++i) {
-    const std::string where = "tensor record " + std::to_string(i);
-    if (body - pos < kTensorRecordHeaderSize) {
-      return fail(FrameError::kLengthMismatch, where + " header runs past the end of the frame");
-    }
-    const uint8_t dtype = data[pos];
-    const uint8_t rank = data[pos + 1];
-    const uint16_t name_length = get_u16(data + pos + 2);
-    const uint32_t reserved = get_u32(data + pos + 4);
-    const uint64_t payload_length = get_u64(data + pos + 8);
-    pos += kTensorRecordHeaderSize;
-    const size_t elem = dtype_size(dtype);
-    if (elem == 0) return fail(FrameError::kBadTensor, where + " has unknown dtype " + std::to_string(dtype));
-    if (rank > kMaxTensorRank) {
-      return fail(FrameError::kBadTensor, where + " has rank " + std::to_string(rank) + " > 8");
-    }
-    if (reserved != 0) return fail(FrameError::kBadHeader, where + " reserved field must be 0");
-    const uint64_t fixed = static_cast<uint64_t>(name_length) + 8ull * rank;
-    if (fixed > body - pos || payload_length > body - pos - fixed) {
-      return fail(FrameError::kLengthMismatch, where + " runs past the end of the frame");
-    }
-    TensorRecord t;
-    t.dtype = static_cast<DType>(dtype);
-    t.name.assign(reinterpret_cast<const char*>(data + pos), name_length);
-    pos += name_length;
-    if (const std::string bad = check_tensor_name(t.name); !bad.empty()) {
-      return fail(FrameError::kBadTensor, where + ": " + bad);
-    }
-    if (f.find(t.name) != nullptr) {
-      return fail(FrameError::kBadTensor, where + ": a second tensor named '" + escape_bytes(t.name) + "'");
-    }
-    t.shape.resize(rank);
-    std::string dims;  // as on the wire (u64), for the reason
-    bool dim_too_big = false;
-    for (uint8_t d = 0; d < rank; ++d) {
-      const uint64_t v = get_u64(data + pos);
-      dims += (d ? "," : "") + std::to_string(v);
-      dim_too_big |= v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
-      t.shape[d] = static_cast<int64_t>(v);
-      pos += 8;
-    }
-    const int64_t bytes = dim_too_big ? -1 : wire_bytes(t.shape, elem);
-    if (bytes < 0 || static_cast<uint64_t>(bytes) != payload_length) {
-      return fail(FrameError::kBadTensor, "tensor '" + escape_bytes(t.name) + "' has shape [" + dims +
-                                              "] and dtype " + dtype_name(dtype) + " but " +
-                                              std::to_string(payload_length) + " payload bytes");
-    }
-    t.data.assign(data + pos, data + pos + payload_length);
-    pos += payload_length;
-    f.tensors.push_back(std::move(t));
+    if (DecodeStep bad = decode_record(in, i, f)) return bad;
   }
-  if (pos != body) {
-    return fail(FrameError::kLengthMismatch, std::to_string(body - pos) +
-                                                 " unaccounted bytes before the tag");
+  if (in.pos != in.body) {
+    return DecodeError{FrameError::kLengthMismatch,
+                       std::to_string(in.body - in.pos) + " unaccounted bytes before the tag"};
   }
+  return std::nullopt;
+}
 
+// Step 4, checks: the well-formed frame against what this reader expects
+// (run, stage, session, sequence number, the DATA tensors).
+DecodeStep check_expectation(const Frame& f, const FrameExpectation& expect) {
   if (expect.run_id && *expect.run_id != f.run_id) {
-    return fail(FrameError::kWrongRun, "run id " + to_hex(f.run_id.data(), kRunIdSize) +
-                                           ", expected " + to_hex(expect.run_id->data(), kRunIdSize));
+    return DecodeError{FrameError::kWrongRun, "run id " + to_hex(f.run_id.data(), kRunIdSize) + ", expected " +
+                                                  to_hex(expect.run_id->data(), kRunIdSize)};
   }
   if (expect.stage && *expect.stage != f.stage) {
-    return fail(FrameError::kWrongStage, "stage " + std::to_string(f.stage) + ", expected " +
-                                             std::to_string(*expect.stage));
+    return DecodeError{FrameError::kWrongStage,
+                       "stage " + std::to_string(f.stage) + ", expected " + std::to_string(*expect.stage)};
   }
   if (expect.session && *expect.session != f.session) {
-    return fail(FrameError::kWrongSession, "session " + to_hex(f.session.data(), kSessionSize) +
-                                               ", expected this connection's " +
-                                               to_hex(expect.session->data(), kSessionSize));
+    return DecodeError{FrameError::kWrongSession, "session " + to_hex(f.session.data(), kSessionSize) +
+                                                      ", expected this connection's " +
+                                                      to_hex(expect.session->data(), kSessionSize)};
   }
   if (f.seq < expect.min_seq) {
-    return fail(FrameError::kReplay, "sequence number " + std::to_string(f.seq) + " was used already on this "
-                                         "connection (the next new one is at least " +
-                                         std::to_string(expect.min_seq) + ")");
+    return DecodeError{FrameError::kReplay, "sequence number " + std::to_string(f.seq) +
+                                                " was used already on this connection (the next new one is at "
+                                                "least " +
+                                                std::to_string(expect.min_seq) + ")"};
   }
-  if (f.type == FrameType::kData && expect.batch > 0 && expect.seq_len > 0 &&
-      expect.hidden_size > 0) {
+  if (f.type == FrameType::kData && expect.batch > 0 && expect.seq_len > 0 && expect.hidden_size > 0) {
     const int64_t b = expect.batch, s = expect.seq_len, d = expect.hidden_size;
     std::string bad = check_tensor(f, "hidden", DType::kFloat32, {b, s, d});
     if (bad.empty()) bad = check_tensor(f, "attention_mask", DType::kInt64, {b, s});
@@ -561,8 +607,26 @@ DecodeResult decode_frame(const uint8_t* data, size_t size, const FrameKey& key,
     if (bad.empty() && f.tensors.size() != 3) {
       bad = "DATA frame has " + std::to_string(f.tensors.size()) + " tensors, expected 3";
     }
-    if (!bad.empty()) return fail(FrameError::kUnexpectedTensor, bad);
+    if (!bad.empty()) return DecodeError{FrameError::kUnexpectedTensor, bad};
   }
+  return std::nullopt;
+}
+
+}  // namespace
+
+DecodeResult decode_frame(const uint8_t* data, size_t size, const FrameKey& key,
+                          const FrameExpectation& expect) {
+  std::vector<uint8_t> plain;
+  DecodeStep step = open_sealed_frame(data, size, key, expect.max_frame_bytes, &plain);
+  DecodeResult r;
+  if (!step) {
+    PlainReader in{plain.data(), plain.size() - kFrameTagSize, kFrameHeaderSize};
+    uint32_t tensor_count = 0;
+    step = decode_header(in, &r.frame, &tensor_count);
+    if (!step) step = decode_records(in, tensor_count, &r.frame);
+    if (!step) step = check_expectation(r.frame, expect);
+  }
+  if (step) return fail(step->error, std::move(step->reason));
   return r;
 }
 

@@ -26,4 +26,9 @@ Result<HostPort> parse_host_port(const std::string& address, PortZero port_zero)
   return HostPort{host, static_cast<uint16_t>(port)};
 }
 
+Result<std::string> with_port(const std::string& address, uint16_t port) {
+  ZL_RETURN_IF_ERROR(parse_host_port(address, PortZero::kAllowed));
+  return address.substr(0, address.rfind(':') + 1) + std::to_string(port);
+}
+
 }  // namespace zl

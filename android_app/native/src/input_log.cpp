@@ -63,13 +63,13 @@ bool parse_entry_name(const std::string& name, uint64_t* mb, uint64_t* window) {
 
 }  // namespace
 
-Status read_file_bytes(const std::string& path, std::vector<uint8_t>* out) {
+Result<std::vector<uint8_t>> read_file_bytes(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) return Status(StatusCode::kNotFound, path + " does not exist");
     return errno_status("open " + path);
   }
-  out->clear();
+  std::vector<uint8_t> out;
   uint8_t chunk[64 * 1024];
   for (;;) {
     const ssize_t n = ::read(fd, chunk, sizeof(chunk));
@@ -81,10 +81,10 @@ Status read_file_bytes(const std::string& path, std::vector<uint8_t>* out) {
       return errno_status("read " + path);
     }
     if (n == 0) break;
-    out->insert(out->end(), chunk, chunk + n);
+    out.insert(out.end(), chunk, chunk + n);
   }
   ::close(fd);
-  return Status();
+  return out;
 }
 
 Status write_file_durably(const std::string& path, const uint8_t* bytes, size_t size) {
@@ -155,13 +155,12 @@ Status InputLog::open() {
     }
     uint64_t mb = 0, window = 0;
     if (!parse_entry_name(name, &mb, &window)) continue;  // .corrupt and foreign files
-    std::vector<uint8_t> bytes;
-    const Status s = read_file_bytes(path, &bytes);
+    const Result<std::vector<uint8_t>> bytes = read_file_bytes(path);
     std::string reason;
-    if (!s.ok()) {
-      reason = s.message();
+    if (!bytes.ok()) {
+      reason = bytes.status().message();
     } else {
-      const DecodeResult r = decode_frame(bytes.data(), bytes.size(), key_, expect_);
+      const DecodeResult r = decode_frame(bytes->data(), bytes->size(), key_, expect_);
       if (!r.ok()) {
         reason = r.reason;
       } else if (r.frame.micro_batch != mb || r.frame.window != window) {
@@ -176,7 +175,7 @@ Status InputLog::open() {
       corrupt_.push_back({path, reason});
       continue;
     }
-    entries_[mb] = InputLogEntry{mb, window, path, bytes.size()};
+    entries_[mb] = InputLogEntry{mb, window, path, bytes->size()};
   }
   // Files moved aside are kept for a post-mortem, but not forever: the newest
   // kMaxCorruptFilesKept stay (names order by micro-batch).
@@ -209,8 +208,7 @@ Status InputLog::append_frame(const Frame& frame) {
   Frame entry = frame;
   entry.session = SessionId{};
   entry.seq = 0;
-  std::vector<uint8_t> bytes;
-  ZL_RETURN_IF_ERROR(encode_frame(entry, key_, &bytes, expect_.max_frame_bytes));
+  ZL_ASSIGN_OR_RETURN(const std::vector<uint8_t> bytes, encode_frame(entry, key_, expect_.max_frame_bytes));
   return append(frame.window, frame.micro_batch, bytes);
 }
 
@@ -219,7 +217,7 @@ bool InputLog::contains(uint64_t micro_batch) const {
   return entries_.count(micro_batch) != 0;
 }
 
-Status InputLog::read(uint64_t micro_batch, Frame* out) const {
+Result<Frame> InputLog::read(uint64_t micro_batch) const {
   std::string path;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -230,12 +228,10 @@ Status InputLog::read(uint64_t micro_batch, Frame* out) const {
     }
     path = it->second.path;
   }
-  std::vector<uint8_t> bytes;
-  ZL_RETURN_IF_ERROR(read_file_bytes(path, &bytes));
+  ZL_ASSIGN_OR_RETURN(const std::vector<uint8_t> bytes, read_file_bytes(path));
   DecodeResult r = decode_frame(bytes.data(), bytes.size(), key_, expect_);
   if (!r.ok()) return Status(StatusCode::kCorrupt, path + ": " + r.reason);
-  *out = std::move(r.frame);
-  return Status();
+  return std::move(r.frame);
 }
 
 std::vector<InputLogEntry> InputLog::entries() const {

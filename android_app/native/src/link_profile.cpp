@@ -4,7 +4,7 @@
 
 namespace zl {
 
-Status link_profile_from_name(const std::string& name, LinkProfile* out) {
+Result<LinkProfile> link_profile_from_name(const std::string& name) {
   using std::chrono::milliseconds;
   LinkProfile p;
   p.name = name;
@@ -23,8 +23,7 @@ Status link_profile_from_name(const std::string& name, LinkProfile* out) {
     return Status(StatusCode::kInvalidArgument,
                   "link profile '" + name + "' is unknown; use local, wifi, mobile or constrained");
   }
-  *out = p;
-  return Status();
+  return p;
 }
 
 SteadyClock::time_point LinkShaper::schedule(size_t bytes, SteadyClock::time_point now) {

@@ -52,8 +52,7 @@ Status Sender::start() {
 }
 
 Status Sender::send(const Frame& frame, std::chrono::milliseconds timeout) {
-  size_t wire_bytes = 0;
-  ZL_RETURN_IF_ERROR(encoded_frame_size(frame, options_.max_frame_bytes, &wire_bytes));
+  ZL_ASSIGN_OR_RETURN(const size_t wire_bytes, encoded_frame_size(frame, options_.max_frame_bytes));
   std::unique_lock<std::mutex> lock(mutex_);
   const bool room = changed_.wait_for(lock, timeout, [this] {
     return stopping_ || queue_.size() < options_.max_in_flight;
@@ -135,21 +134,20 @@ bool Sender::connect_once() {
     port = options_.port;
     peer_changed_ = false;
   }
-  Socket sock;
-  Status s = ReconnectingLink::dial(host, port, options_.connect_timeout, &sock);
-  if (!s.ok()) {
-    log(LogLevel::kDebug, "sender: %s", s.message().c_str());
+  Result<Socket> sock = ReconnectingLink::dial(host, port, options_.connect_timeout);
+  if (!sock.ok()) {
+    log(LogLevel::kDebug, "sender: %s", sock.status().message().c_str());
     return false;
   }
-  SessionId session{};
-  s = link_.handshake(sock, options_.connect_timeout, &session);
-  if (!s.ok()) {
-    log(LogLevel::kWarn, "sender: %s:%u: %s", host.c_str(), static_cast<unsigned>(port), s.message().c_str());
+  const Result<SessionId> session = link_.handshake(*sock, options_.connect_timeout);
+  if (!session.ok()) {
+    log(LogLevel::kWarn, "sender: %s:%u: %s", host.c_str(), static_cast<unsigned>(port),
+        session.status().message().c_str());
     return false;
   }
   std::lock_guard<std::mutex> lock(mutex_);
   if (stopping_) return false;
-  link_.adopt(std::move(sock), session);
+  link_.adopt(std::move(sock).value(), *session);
   connected_ = true;
   ++stats_.connects;
   shaper_.reset();
@@ -213,6 +211,46 @@ void Sender::handle_frame(const DecodeResult& r) {
   }
 }
 
+std::optional<Sender::NextSend> Sender::next_to_send() {
+  NextSend next;
+  next.deliver_at = SteadyClock::now() + std::chrono::seconds(1);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (peer_changed_) {
+    link_.close();
+    connected_ = false;
+    return std::nullopt;
+  }
+  for (auto& e : queue_) {
+    if (e.sent) continue;
+    if (!e.deliver_at) {
+      const auto handed_over = e.sent_before ? SteadyClock::now() : e.queued_at;
+      e.deliver_at = shaper_.schedule(e.wire_bytes, handed_over);
+    }
+    next.frame = e.frame;
+    next.deliver_at = *e.deliver_at;
+    next.resend = e.sent_before;
+    break;
+  }
+  return next;
+}
+
+void Sender::transmit(const NextSend& next) {
+  const Status s = link_.send_frame(*next.frame, options_.max_frame_bytes);
+  if (!s.ok()) {
+    drop_connection(s.message());
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& e : queue_) {
+    if (e.frame == next.frame) {
+      e.sent = true;
+      break;
+    }
+  }
+  ++stats_.transmissions;
+  if (next.resend) ++stats_.resends;
+}
+
 void Sender::run() {
   Backoff backoff(options_.backoff_initial, options_.backoff_max);
   for (;;) {
@@ -227,57 +265,20 @@ void Sender::run() {
       }
       backoff.reset();
     }
+    const std::optional<NextSend> next = next_to_send();
+    if (!next) continue;  // the peer changed: connect to the new one
 
-    // The next frame to put on the wire and when the emulated link delivers it.
-    std::shared_ptr<const Frame> frame;
-    SteadyClock::time_point deliver_at = SteadyClock::now() + std::chrono::seconds(1);
-    bool resend = false;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (peer_changed_) {
-        link_.close();
-        connected_ = false;
-        continue;
-      }
-      for (auto& e : queue_) {
-        if (e.sent) continue;
-        if (!e.deliver_at) {
-          const auto handed_over = e.sent_before ? SteadyClock::now() : e.queued_at;
-          e.deliver_at = shaper_.schedule(e.wire_bytes, handed_over);
-        }
-        frame = e.frame;
-        deliver_at = *e.deliver_at;
-        resend = e.sent_before;
-        break;
-      }
-    }
-
-    bool readable = false;
-    const Status waited = link_.wait_for_input(deliver_at, &readable);
-    if (!waited.ok()) {
-      drop_connection(waited.message());
+    const Result<bool> readable = link_.wait_for_input(next->deliver_at);
+    if (!readable.ok()) {
+      drop_connection(readable.status().message());
       continue;
     }
-    if (readable) {
+    if (*readable) {
       handle_incoming();
       if (!link_.connected()) continue;
     }
-    if (!frame || SteadyClock::now() < deliver_at) continue;
-
-    const Status s = link_.send_frame(*frame, options_.max_frame_bytes);
-    if (!s.ok()) {
-      drop_connection(s.message());
-      continue;
-    }
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& e : queue_) {
-      if (e.frame == frame) {
-        e.sent = true;
-        break;
-      }
-    }
-    ++stats_.transmissions;
-    if (resend) ++stats_.resends;
+    if (!next->frame || SteadyClock::now() < next->deliver_at) continue;
+    transmit(*next);
   }
   std::lock_guard<std::mutex> lock(mutex_);
   link_.close();
@@ -340,7 +341,9 @@ Status Receiver::start() {
   if (options_.committed_window) {
     ZL_RETURN_IF_ERROR(log_.delete_through(*options_.committed_window));
   }
-  ZL_RETURN_IF_ERROR(listen_tcp(options_.host, options_.port, &listener_, &port_));
+  ZL_ASSIGN_OR_RETURN(ListeningSocket listening, listen_tcp(options_.host, options_.port));
+  listener_ = std::move(listening.socket);
+  port_ = listening.port;
   ::fcntl(listener_.fd(), F_SETFL, ::fcntl(listener_.fd(), F_GETFL, 0) | O_NONBLOCK);
   if (!make_wake_pipe(wake_pipe_)) {
     return Status(StatusCode::kIoError, std::string("pipe: ") + std::strerror(errno));
@@ -361,7 +364,7 @@ size_t Receiver::pending_locked() const {
   return n;
 }
 
-Status Receiver::next(std::chrono::milliseconds timeout, InputEntry* out) {
+Result<InputEntry> Receiver::next(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mutex_);
   const uint64_t mb = next_micro_batch_;
   const bool ready = arrived_.wait_for(lock, timeout, [&] {
@@ -374,16 +377,16 @@ Status Receiver::next(std::chrono::milliseconds timeout, InputEntry* out) {
                                             std::to_string(timeout.count()) + " ms");
   }
   lock.unlock();
-  Frame frame;
-  ZL_RETURN_IF_ERROR(log_.read(mb, &frame));
+  ZL_ASSIGN_OR_RETURN(Frame frame, log_.read(mb));
   lock.lock();
   ++next_micro_batch_;
   lock.unlock();
   wake();  // room for one more pending entry
-  out->window = frame.window;
-  out->micro_batch = frame.micro_batch;
-  out->frame = std::move(frame);
-  return Status();
+  InputEntry entry;
+  entry.window = frame.window;
+  entry.micro_batch = frame.micro_batch;
+  entry.frame = std::move(frame);
+  return entry;
 }
 
 Status Receiver::window_committed(uint64_t window) { return log_.delete_through(window); }
@@ -542,50 +545,7 @@ void Receiver::serve_candidate(size_t index) {
       return;
     }
     if (!c.session) {
-      // The handshake (PROTOCOL.md §6): the client's HELLO, answered with a
-      // fresh server half, so nothing recorded from another connection can
-      // pass for this one.
-      const DecodeResult hello = decode_frame(popped.frame.data(), popped.frame.size(), keys_.receive, options_.expect);
-      std::string bad = hello.ok() ? std::string() : hello.reason;
-      Frame reply;
-      SessionId id{};
-      if (bad.empty()) {
-        std::array<uint8_t, kSessionHalfSize> half{};
-        if (options_.session_random) {
-          options_.session_random(half.data(), half.size());
-        } else {
-          random_bytes(half.data(), half.size());
-        }
-        bad = server_handshake(hello.frame, options_.expect.run_id.value_or(RunId{}), options_.stage, half, &reply,
-                               &id);
-      }
-      if (!bad.empty()) {
-        reject_on(&c.sock, &c.reader, bad, nullptr);
-        candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
-        return;
-      }
-      if (!write_frame(c.sock.fd(), reply, keys_.send).ok()) {
-        candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
-        return;
-      }
-      c.session = SessionState{};
-      c.session->id = id;
-      // Its first frame in the session may be a whole DATA entry. One such
-      // newcomer at a time: an older one (a stale attempt of the upstream's, or
-      // a replayed HELLO) goes, so a recorded HELLO buys at most one frame.
-      c.reader.set_max_frame_bytes(options_.expect.max_frame_bytes);
-      for (size_t j = 0; j < candidates_.size(); ++j) {
-        if (j != index && candidates_[j].session && candidates_[j].sock.valid()) {
-          log(LogLevel::kInfo, "receiver: a newer connection completed its HELLO; closing the older one");
-          drop_candidate(&candidates_[j]);
-        }
-      }
-      {
-        // The handshake needs no room; what follows it does (back-pressure).
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (pending_locked() >= options_.max_pending) return;
-      }
-      if (SteadyClock::now() < paused_until_) return;
+      if (!answer_hello(index, popped.frame)) return;
       continue;
     }
     const DecodeResult r = decode_frame(popped.frame.data(), popped.frame.size(), keys_.receive,
@@ -596,22 +556,72 @@ void Receiver::serve_candidate(size_t index) {
       candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
       return;
     }
-    // The newcomer holds the link's key and answered this session: it becomes the upstream.
-    if (conn_.valid()) {
-      log(LogLevel::kInfo, "receiver: upstream reconnected; dropping its old connection");
-    }
-    conn_ = std::move(c.sock);
-    reader_ = std::move(c.reader);
-    session_ = *c.session;
-    session_.accepted = r.frame.seq;
-    candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
-    handle_decoded(r);
-    serve_connection();  // frames buffered behind the first one
-    if (!filled.ok() && conn_.valid()) {
-      conn_.close();
-      reader_.clear();
-    }
+    promote_candidate(index, r, filled);
     return;
+  }
+}
+
+bool Receiver::answer_hello(size_t index, const std::vector<uint8_t>& frame) {
+  Candidate& c = candidates_[index];
+  // The handshake (PROTOCOL.md §6): the client's HELLO, answered with a
+  // fresh server half, so nothing recorded from another connection can
+  // pass for this one.
+  const DecodeResult hello = decode_frame(frame.data(), frame.size(), keys_.receive, options_.expect);
+  Result<Frame> reply = Status(StatusCode::kCorrupt, hello.reason);
+  if (hello.ok()) {
+    std::array<uint8_t, kSessionHalfSize> half{};
+    if (options_.session_random) {
+      options_.session_random(half.data(), half.size());
+    } else {
+      random_bytes(half.data(), half.size());
+    }
+    reply = server_handshake(hello.frame, options_.expect.run_id.value_or(RunId{}), options_.stage, half);
+  }
+  if (!reply.ok()) {
+    reject_on(&c.sock, &c.reader, reply.status().message(), nullptr);
+    candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
+    return false;
+  }
+  if (!write_frame(c.sock.fd(), *reply, keys_.send).ok()) {
+    candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
+    return false;
+  }
+  c.session = SessionState{};
+  c.session->id = reply->session;
+  // Its first frame in the session may be a whole DATA entry. One such
+  // newcomer at a time: an older one (a stale attempt of the upstream's, or
+  // a replayed HELLO) goes, so a recorded HELLO buys at most one frame.
+  c.reader.set_max_frame_bytes(options_.expect.max_frame_bytes);
+  for (size_t j = 0; j < candidates_.size(); ++j) {
+    if (j != index && candidates_[j].session && candidates_[j].sock.valid()) {
+      log(LogLevel::kInfo, "receiver: a newer connection completed its HELLO; closing the older one");
+      drop_candidate(&candidates_[j]);
+    }
+  }
+  {
+    // The handshake needs no room; what follows it does (back-pressure).
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (pending_locked() >= options_.max_pending) return false;
+  }
+  return SteadyClock::now() >= paused_until_;
+}
+
+void Receiver::promote_candidate(size_t index, const DecodeResult& first, const Status& filled) {
+  Candidate& c = candidates_[index];
+  // The newcomer holds the link's key and answered this session: it becomes the upstream.
+  if (conn_.valid()) {
+    log(LogLevel::kInfo, "receiver: upstream reconnected; dropping its old connection");
+  }
+  conn_ = std::move(c.sock);
+  reader_ = std::move(c.reader);
+  session_ = *c.session;
+  session_.accepted = first.frame.seq;
+  candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
+  handle_decoded(first);
+  serve_connection();  // frames buffered behind the first one
+  if (!filled.ok() && conn_.valid()) {
+    conn_.close();
+    reader_.clear();
   }
 }
 
@@ -622,6 +632,80 @@ void Receiver::drop_candidate(Candidate* c) {
   }
   c->sock.close();
   c->reader = FrameReader(options_.pre_auth.max_frame_bytes);  // frees what it buffered
+}
+
+int Receiver::sweep_candidates(SteadyClock::time_point now, int timeout_ms) {
+  // Newcomers that did not authenticate in time are closed (and those dropped already, erased).
+  for (size_t i = candidates_.size(); i-- > 0;) {
+    Candidate& c = candidates_[i];
+    const SteadyClock::time_point deadline = c.deadline(options_.pre_auth);
+    if (c.sock.valid() && deadline <= now) {
+      log(LogLevel::kWarn, "receiver: a new connection sent no valid %s within %lld ms; closing it",
+          c.session ? "frame after its HELLO" : "HELLO",
+          static_cast<long long>(
+              std::chrono::duration_cast<std::chrono::milliseconds>(deadline - c.accepted_at).count()));
+      drop_candidate(&c);
+    }
+    if (!c.sock.valid()) {
+      candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(i));
+      continue;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+    timeout_ms = std::min<int>(timeout_ms, static_cast<int>(left.count()) + 1);
+  }
+  return timeout_ms;
+}
+
+void Receiver::fill_poll_set(bool room, std::vector<pollfd>* fds) const {
+  fds->assign({{wake_pipe_[0], POLLIN, 0},
+               {listener_.fd(), POLLIN, 0},
+               {room && conn_.valid() ? conn_.fd() : -1, POLLIN, 0}});
+  // A candidate's HELLO is answered even while there is no room, so a
+  // reconnecting sender's handshake does not wait for the consumer.
+  for (const auto& c : candidates_) fds->push_back({room || !c.session ? c.sock.fd() : -1, POLLIN, 0});
+}
+
+void Receiver::read_upstream() {
+  const Status filled = reader_.fill(conn_.fd());
+  serve_connection();
+  if (!filled.ok() && conn_.valid()) {
+    // Frames already buffered were handled above (as far as room allowed).
+    if (filled.code() != StatusCode::kClosed) {
+      log(LogLevel::kWarn, "receiver: upstream connection: %s", filled.message().c_str());
+    }
+    conn_.close();
+    reader_.clear();
+  }
+}
+
+void Receiver::accept_newcomers() {
+  // Every pending connection (the listener is non-blocking), so a burst of
+  // connections cannot fill the accept queue between two polls.
+  for (int accepted = 0; accepted < 64; ++accepted) {
+    Result<Socket> incoming = accept_tcp(listener_);
+    if (!incoming.ok() && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    if (!incoming.ok()) {
+      log(LogLevel::kWarn, "receiver: %s", incoming.status().message().c_str());
+      break;
+    }
+    // The budget counts connections still waiting for their HELLO; the
+    // oldest of them makes room (never a newcomer past its HELLO).
+    size_t waiting = 0;
+    for (const auto& c : candidates_) waiting += c.sock.valid() && !c.session;
+    if (waiting >= options_.pre_auth.max_connections) {
+      log(LogLevel::kWarn, "receiver: %zu connections waiting for their HELLO; closing the oldest", waiting);
+      for (auto& c : candidates_) {
+        if (c.sock.valid() && !c.session) {
+          drop_candidate(&c);
+          break;
+        }
+      }
+    }
+    candidates_.push_back(Candidate{std::move(incoming).value(), FrameReader(options_.pre_auth.max_frame_bytes),
+                                    SteadyClock::now(), {}});
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.connections;
+  }
 }
 
 void Receiver::run() {
@@ -641,32 +725,9 @@ void Receiver::run() {
                        std::chrono::duration_cast<std::chrono::milliseconds>(paused_until_ - now).count()) + 1;
     }
     if (room && conn_.valid()) serve_connection();
+    timeout_ms = sweep_candidates(now, timeout_ms);
 
-    // Newcomers that did not authenticate in time are closed (and those dropped already, erased).
-    for (size_t i = candidates_.size(); i-- > 0;) {
-      Candidate& c = candidates_[i];
-      const SteadyClock::time_point deadline = c.deadline(options_.pre_auth);
-      if (c.sock.valid() && deadline <= now) {
-        log(LogLevel::kWarn, "receiver: a new connection sent no valid %s within %lld ms; closing it",
-            c.session ? "frame after its HELLO" : "HELLO",
-            static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - c.accepted_at)
-                                       .count()));
-        drop_candidate(&c);
-      }
-      if (!c.sock.valid()) {
-        candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(i));
-        continue;
-      }
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
-      timeout_ms = std::min<int>(timeout_ms, static_cast<int>(left.count()) + 1);
-    }
-
-    fds.assign({{wake_pipe_[0], POLLIN, 0},
-                {listener_.fd(), POLLIN, 0},
-                {room && conn_.valid() ? conn_.fd() : -1, POLLIN, 0}});
-    // A candidate's HELLO is answered even while there is no room, so a
-    // reconnecting sender's handshake does not wait for the consumer.
-    for (const auto& c : candidates_) fds.push_back({room || !c.session ? c.sock.fd() : -1, POLLIN, 0});
+    fill_poll_set(room, &fds);
     const size_t num_candidates = candidates_.size();
     const int rc = ::poll(fds.data(), static_cast<nfds_t>(fds.size()), timeout_ms);
     if (rc < 0) {
@@ -675,53 +736,14 @@ void Receiver::run() {
       break;
     }
     if (fds[0].revents) drain_wake(wake_pipe_[0]);
-    if (fds[2].fd >= 0 && (fds[2].revents & (POLLIN | POLLHUP | POLLERR))) {
-      const Status filled = reader_.fill(conn_.fd());
-      serve_connection();
-      if (!filled.ok() && conn_.valid()) {
-        // Frames already buffered were handled above (as far as room allowed).
-        if (filled.code() != StatusCode::kClosed) {
-          log(LogLevel::kWarn, "receiver: upstream connection: %s", filled.message().c_str());
-        }
-        conn_.close();
-        reader_.clear();
-      }
-    }
+    if (fds[2].fd >= 0 && (fds[2].revents & (POLLIN | POLLHUP | POLLERR))) read_upstream();
     // Candidates, newest first so that erasing keeps the lower indices valid.
     // One that another dropped meanwhile (a newer HELLO) is skipped and erased at the next sweep.
     for (size_t i = num_candidates; i-- > 0;) {
       const pollfd& p = fds[3 + i];
       if (p.fd >= 0 && candidates_[i].sock.valid() && (p.revents & (POLLIN | POLLHUP | POLLERR))) serve_candidate(i);
     }
-    // Every pending connection (the listener is non-blocking), so a burst of
-    // connections cannot fill the accept queue between two polls.
-    for (int accepted = 0; (fds[1].revents & POLLIN) && accepted < 64; ++accepted) {
-      Socket incoming;
-      const Status s = accept_tcp(listener_, &incoming);
-      if (!s.ok() && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-      if (s.ok()) {
-        // The budget counts connections still waiting for their HELLO; the
-        // oldest of them makes room (never a newcomer past its HELLO).
-        size_t waiting = 0;
-        for (const auto& c : candidates_) waiting += c.sock.valid() && !c.session;
-        if (waiting >= options_.pre_auth.max_connections) {
-          log(LogLevel::kWarn, "receiver: %zu connections waiting for their HELLO; closing the oldest", waiting);
-          for (auto& c : candidates_) {
-            if (c.sock.valid() && !c.session) {
-              drop_candidate(&c);
-              break;
-            }
-          }
-        }
-        candidates_.push_back(
-            Candidate{std::move(incoming), FrameReader(options_.pre_auth.max_frame_bytes), SteadyClock::now(), {}});
-        std::lock_guard<std::mutex> lock(mutex_);
-        ++stats_.connections;
-      } else {
-        log(LogLevel::kWarn, "receiver: %s", s.message().c_str());
-        break;
-      }
-    }
+    if (fds[1].revents & POLLIN) accept_newcomers();
   }
   candidates_.clear();
 }

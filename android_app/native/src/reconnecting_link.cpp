@@ -43,18 +43,15 @@ Status ReconnectingLink::open() {
 
 void ReconnectingLink::wake() { write_wake(wake_pipe_[1]); }
 
-Status ReconnectingLink::dial(const std::string& host, uint16_t port, std::chrono::milliseconds timeout,
-                              Socket* out) {
-  Socket sock;
-  ZL_RETURN_IF_ERROR(connect_tcp(host, port, timeout, &sock));
+Result<Socket> ReconnectingLink::dial(const std::string& host, uint16_t port, std::chrono::milliseconds timeout) {
+  ZL_ASSIGN_OR_RETURN(Socket sock, connect_tcp(host, port, timeout));
   const int one = 1;
   ::setsockopt(sock.fd(), SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
-  *out = std::move(sock);
-  return Status();
+  return sock;
 }
 
-Status ReconnectingLink::handshake(const Socket& sock, std::chrono::milliseconds timeout, SessionId* session) const {
-  return client_handshake(sock.fd(), keys_, run_id_, stage_, expect_, timeout, session);
+Result<SessionId> ReconnectingLink::handshake(const Socket& sock, std::chrono::milliseconds timeout) const {
+  return client_handshake(sock.fd(), keys_, run_id_, stage_, expect_, timeout);
 }
 
 void ReconnectingLink::adopt(Socket sock, const SessionId& session) {
@@ -77,24 +74,21 @@ void ReconnectingLink::shutdown() {
 }
 
 Status ReconnectingLink::send_frame(const Frame& frame, size_t max_frame_bytes) {
-  std::vector<uint8_t> bytes;
   SessionState next = session_;
-  ZL_RETURN_IF_ERROR(encode_frame(next.stamp(frame), keys_.send, &bytes, max_frame_bytes));
+  ZL_ASSIGN_OR_RETURN(const std::vector<uint8_t> bytes, encode_frame(next.stamp(frame), keys_.send, max_frame_bytes));
   session_ = next;  // a frame that cannot be encoded uses no sequence number
   return send_all(conn_.fd(), bytes.data(), bytes.size());
 }
 
-Status ReconnectingLink::wait_for_input(SteadyClock::time_point until, bool* readable) {
-  *readable = false;
+Result<bool> ReconnectingLink::wait_for_input(SteadyClock::time_point until) {
   pollfd fds[2] = {{wake_pipe_[0], POLLIN, 0}, {conn_.valid() ? conn_.fd() : -1, POLLIN, 0}};
   const int rc = ::poll(fds, 2, poll_timeout_ms(until));
   if (rc < 0) {
-    if (errno == EINTR) return Status();
+    if (errno == EINTR) return false;
     return Status(StatusCode::kIoError, std::string("poll: ") + std::strerror(errno));
   }
   if (rc > 0 && fds[0].revents) drain_wake(wake_pipe_[0]);
-  *readable = rc > 0 && fds[1].fd >= 0 && (fds[1].revents & (POLLIN | POLLHUP | POLLERR)) != 0;
-  return Status();
+  return rc > 0 && fds[1].fd >= 0 && (fds[1].revents & (POLLIN | POLLHUP | POLLERR)) != 0;
 }
 
 void ReconnectingLink::sleep(std::chrono::milliseconds duration) {

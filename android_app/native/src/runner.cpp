@@ -95,7 +95,13 @@ Status StageRunner::take_input(int64_t mb, InputEntry* entry, StageInputs* input
     *queue_ms = ms_since(start);
     return Status();
   }
-  ZL_RETURN_IF_ERROR(wait_sliced([&](milliseconds slice) { return receiver_->next(slice, entry); }, stop_,
+  auto next_entry = [&](milliseconds slice) -> Status {
+    Result<InputEntry> next = receiver_->next(slice);
+    if (!next.ok()) return next.status();
+    *entry = std::move(next).value();
+    return Status();
+  };
+  ZL_RETURN_IF_ERROR(wait_sliced(next_entry, stop_,
                                  config_.input_timeout_s,
                                  "waiting for micro-batch " + std::to_string(mb) + " from stage " +
                                      std::to_string(config_.stage_index - 1)));
@@ -130,8 +136,7 @@ Status StageRunner::send_hidden(int64_t mb, const StageInputs& inputs, const std
 
 Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums& sums) {
   const RunnerConfig& c = config_;
-  double lr = 0;
-  ZL_RETURN_IF_ERROR(optimizer_->step(&lr));
+  ZL_ASSIGN_OR_RETURN(const double lr, optimizer_->step());
   if (sender_) {
     // Commit only what downstream holds durably (see runner.h, step 6).
     ZL_RETURN_IF_ERROR(wait_sliced([&](milliseconds slice) { return sender_->flush(slice); }, stop_,
@@ -232,7 +237,7 @@ Status StageRunner::run_micro_batch(int64_t mb, MicroBatchRecord* record, StageS
   ZL_RETURN_IF_ERROR(begin_micro_batch(mb, inputs, record));
 
   Clock::time_point t = Clock::now();
-  ZL_RETURN_IF_ERROR(program_->finish(result));
+  ZL_ASSIGN_OR_RETURN(*result, program_->finish());
   record->phase2_ms = ms_since(t);
 
   if (sender_ && !config_.early_forwarding) {
@@ -274,8 +279,7 @@ Status StageRunner::begin_micro_batch(int64_t mb, const StageInputs& inputs, Mic
 
 void StageRunner::abandon_step() {
   // The method is parked at the marker; let it end before unwinding.
-  StageStepResult ignored;
-  (void)program_->finish(&ignored);
+  (void)program_->finish();
 }
 
 void StageRunner::write_micro_batch(MicroBatchRecord* record) {

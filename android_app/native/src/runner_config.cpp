@@ -293,14 +293,13 @@ Status validate(const RunnerConfig& c) {
   if (!parse_hex_run_id(c.run_id, &run_id)) {
     return invalid("field 'run_id' is \"" + c.run_id + "\"; expected 32 hex characters (16 bytes)");
   }
-  LinkProfile profile;
   if (c.load_mode != "mmap" && c.load_mode != "file") {
     return invalid("field 'load_mode' is '" + c.load_mode + "'; expected mmap (map the program) or file (read it "
                    "into heap memory)");
   }
-  Status s = link_profile_from_name(c.link_profile, &profile);
-  if (!s.ok()) return invalid("field 'link_profile': " + s.message());
-  s = c.optimizer.validate();
+  const Result<LinkProfile> profile = link_profile_from_name(c.link_profile);
+  if (!profile.ok()) return invalid("field 'link_profile': " + profile.status().message());
+  const Status s = c.optimizer.validate();
   if (!s.ok()) return invalid(s.message());
   return Status();
 }
@@ -313,7 +312,7 @@ std::string directory_of(const std::string& path) {
 
 }  // namespace
 
-Status parse_runner_config(const std::string& json_text, const std::string& base_dir, RunnerConfig* out) {
+Result<RunnerConfig> parse_runner_config(const std::string& json_text, const std::string& base_dir) {
   json root = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) return invalid("not valid JSON");
   if (!root.is_object()) return invalid("expected a JSON object, got " + std::string(json_kind(root)));
@@ -339,25 +338,24 @@ Status parse_runner_config(const std::string& json_text, const std::string& base
     schedule.total_steps = config.num_windows();
   }
   ZL_RETURN_IF_ERROR(validate(config));
-  *out = std::move(config);
-  return Status();
+  return config;
 }
 
-Status parse_optimizer_config(const json& optimizer, AdamWConfig* out) {
+Result<AdamWConfig> parse_optimizer_config(const json& optimizer) {
   if (!optimizer.is_object()) return invalid("field 'optimizer' must be object, got " + shown(optimizer));
   RunnerConfig config;
   ZL_RETURN_IF_ERROR(parse_object(optimizer, "optimizer.", &config));
   const Status status = config.optimizer.validate();
   if (!status.ok()) return invalid(status.message());
-  *out = config.optimizer;
-  return Status();
+  return config.optimizer;
 }
 
-Status load_runner_config(const std::string& path, RunnerConfig* out) {
-  std::string text;
-  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_file(path, &text), "config: ");
-  const Status status = parse_runner_config(text, directory_of(path), out);
-  return status.ok() ? status : status.with_context("", " (in " + path + ")");
+Result<RunnerConfig> load_runner_config(const std::string& path) {
+  const Result<std::string> text = read_file(path);
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(text, "config: ");
+  Result<RunnerConfig> config = parse_runner_config(*text, directory_of(path));
+  if (!config.ok()) return config.status().with_context("", " (in " + path + ")");
+  return config;
 }
 
 std::string runner_config_help() {
@@ -400,19 +398,21 @@ json runner_config_to_json(const RunnerConfig& config) {
   return root;
 }
 
-Status load_run_key(const std::string& path, FrameKey* out) {
-  std::string text;
-  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_file(path, &text), "run key: ");
+Result<FrameKey> load_run_key(const std::string& path) {
+  Result<std::string> read = read_file(path);
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(read, "run key: ");
+  std::string text = std::move(read).value();
   auto is_space = [](char ch) { return std::isspace(static_cast<unsigned char>(ch)) != 0; };
   while (!text.empty() && is_space(text.back())) text.pop_back();
   size_t start = 0;
   while (start < text.size() && is_space(text[start])) ++start;
   text = text.substr(start);
-  if (text.size() != 2 * kFrameKeySize || !parse_hex_key(text, out)) {
+  FrameKey key{};
+  if (text.size() != 2 * kFrameKeySize || !parse_hex_key(text, &key)) {
     return Status(StatusCode::kInvalidArgument, "run key file '" + path + "' must hold 64 hex characters (32 bytes); found " +
                                                     std::to_string(text.size()) + " characters that are not a hex key");
   }
-  return Status();
+  return key;
 }
 
 }  // namespace zl

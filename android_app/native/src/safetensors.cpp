@@ -137,11 +137,19 @@ Status write_safetensors(const std::string& path, const std::vector<SafetensorsT
   return write_file_synced(path, parts);
 }
 
-Status read_safetensors(const std::string& path, SafetensorsFile* out) {
-  out->tensors.clear();
-  out->metadata.clear();
-  std::string content;
-  ZL_RETURN_IF_ERROR(read_file(path, &content));
+namespace {
+
+// The parts of a safetensors file once its length field and JSON header are
+// read: `data` points into the caller's buffer.
+struct SafetensorsLayout {
+  json header;
+  const char* data = nullptr;
+  uint64_t data_size = 0;
+};
+
+// Step 1: the 8-byte header length, the JSON header after it, and where the
+// data region starts.
+Result<SafetensorsLayout> read_layout(const std::string& path, const std::string& content) {
   if (content.size() < 8) {
     return corrupt(path, "file is " + std::to_string(content.size()) +
                              " bytes, shorter than the 8-byte header length (truncated?)");
@@ -152,63 +160,70 @@ Status read_safetensors(const std::string& path, SafetensorsFile* out) {
     return corrupt(path, "header length " + std::to_string(header_len) + " exceeds the " +
                              std::to_string(content.size() - 8) + " bytes after the length field (truncated?)");
   }
-  json header = json::parse(content.begin() + 8, content.begin() + 8 + static_cast<std::ptrdiff_t>(header_len),
-                            nullptr, /*allow_exceptions=*/false);
-  if (header.is_discarded() || !header.is_object()) {
+  SafetensorsLayout layout;
+  layout.header = json::parse(content.begin() + 8, content.begin() + 8 + static_cast<std::ptrdiff_t>(header_len),
+                              nullptr, /*allow_exceptions=*/false);
+  if (layout.header.is_discarded() || !layout.header.is_object()) {
     return corrupt(path, "header is not a valid JSON object");
   }
-  const uint64_t data_size = content.size() - 8 - header_len;
-  const char* data = content.data() + 8 + header_len;
+  layout.data_size = content.size() - 8 - header_len;
+  layout.data = content.data() + 8 + header_len;
+  return layout;
+}
 
-  std::vector<std::tuple<uint64_t, uint64_t, std::string>> ranges;
-  for (auto it = header.begin(); it != header.end(); ++it) {
-    const std::string& name = it.key();
-    const json& entry = it.value();
-    if (name == "__metadata__") {
-      if (!entry.is_object()) return corrupt(path, "__metadata__ is not an object");
-      for (auto m = entry.begin(); m != entry.end(); ++m) {
-        if (!m.value().is_string()) return corrupt(path, "__metadata__ value '" + m.key() + "' is not a string");
-        out->metadata[m.key()] = m.value().get<std::string>();
-      }
-      continue;
-    }
-    if (!entry.is_object()) return corrupt(path, "entry '" + name + "' is not an object");
-    auto dtype_it = entry.find("dtype");
-    auto shape_it = entry.find("shape");
-    auto offsets_it = entry.find("data_offsets");
-    if (dtype_it == entry.end() || shape_it == entry.end() || offsets_it == entry.end()) {
-      return corrupt(path, "entry '" + name + "' lacks dtype, shape or data_offsets");
-    }
-    SafetensorsTensor tensor;
-    if (!dtype_it->is_string() || !parse_dtype(dtype_it->get<std::string>(), &tensor.dtype)) {
-      return corrupt(path, "entry '" + name + "' has unsupported dtype " + dtype_it->dump());
-    }
-    if (!shape_it->is_array()) return corrupt(path, "entry '" + name + "' shape is not an array");
-    for (const json& d : *shape_it) {
-      if (!d.is_number_unsigned()) return corrupt(path, "entry '" + name + "' shape " + shape_it->dump() + " is invalid");
-      tensor.shape.push_back(d.get<int64_t>());
-    }
-    if (!offsets_it->is_array() || offsets_it->size() != 2 || !(*offsets_it)[0].is_number_unsigned() ||
-        !(*offsets_it)[1].is_number_unsigned()) {
-      return corrupt(path, "entry '" + name + "' data_offsets " + offsets_it->dump() + " is not [begin, end]");
-    }
-    const uint64_t begin = (*offsets_it)[0].get<uint64_t>();
-    const uint64_t end = (*offsets_it)[1].get<uint64_t>();
-    uint64_t expected = 0;
-    if (!byte_size(tensor.shape, safetensors_dtype_size(tensor.dtype), &expected) || end < begin ||
-        end - begin != expected) {
-      return corrupt(path, "entry '" + name + "' data_offsets " + offsets_it->dump() + " do not match dtype " +
-                               dtype_it->get<std::string>() + " and shape " + shape_it->dump());
-    }
-    if (end > data_size) {
-      return corrupt(path, "entry '" + name + "' ends at byte " + std::to_string(end) + " but the data region has " +
-                               std::to_string(data_size) + " bytes (truncated?)");
-    }
-    tensor.bytes.assign(data + begin, data + end);
-    ranges.emplace_back(begin, end, name);
-    out->tensors.emplace(name, std::move(tensor));
+// The "__metadata__" entry: string values only.
+Status read_metadata(const std::string& path, const json& entry, std::map<std::string, std::string>* metadata) {
+  if (!entry.is_object()) return corrupt(path, "__metadata__ is not an object");
+  for (auto m = entry.begin(); m != entry.end(); ++m) {
+    if (!m.value().is_string()) return corrupt(path, "__metadata__ value '" + m.key() + "' is not a string");
+    (*metadata)[m.key()] = m.value().get<std::string>();
   }
-  // Entries must tile the data region: no gaps, no overlaps, no tail.
+  return Status();
+}
+
+// A tensor entry checked against the data region, and its bytes copied out;
+// `*begin` / `*end` get its data_offsets for the tiling check.
+Result<SafetensorsTensor> read_entry(const std::string& path, const std::string& name, const json& entry,
+                                     const SafetensorsLayout& layout, uint64_t* begin, uint64_t* end) {
+  if (!entry.is_object()) return corrupt(path, "entry '" + name + "' is not an object");
+  auto dtype_it = entry.find("dtype");
+  auto shape_it = entry.find("shape");
+  auto offsets_it = entry.find("data_offsets");
+  if (dtype_it == entry.end() || shape_it == entry.end() || offsets_it == entry.end()) {
+    return corrupt(path, "entry '" + name + "' lacks dtype, shape or data_offsets");
+  }
+  SafetensorsTensor tensor;
+  if (!dtype_it->is_string() || !parse_dtype(dtype_it->get<std::string>(), &tensor.dtype)) {
+    return corrupt(path, "entry '" + name + "' has unsupported dtype " + dtype_it->dump());
+  }
+  if (!shape_it->is_array()) return corrupt(path, "entry '" + name + "' shape is not an array");
+  for (const json& d : *shape_it) {
+    if (!d.is_number_unsigned()) return corrupt(path, "entry '" + name + "' shape " + shape_it->dump() + " is invalid");
+    tensor.shape.push_back(d.get<int64_t>());
+  }
+  if (!offsets_it->is_array() || offsets_it->size() != 2 || !(*offsets_it)[0].is_number_unsigned() ||
+      !(*offsets_it)[1].is_number_unsigned()) {
+    return corrupt(path, "entry '" + name + "' data_offsets " + offsets_it->dump() + " is not [begin, end]");
+  }
+  *begin = (*offsets_it)[0].get<uint64_t>();
+  *end = (*offsets_it)[1].get<uint64_t>();
+  uint64_t expected = 0;
+  if (!byte_size(tensor.shape, safetensors_dtype_size(tensor.dtype), &expected) || *end < *begin ||
+      *end - *begin != expected) {
+    return corrupt(path, "entry '" + name + "' data_offsets " + offsets_it->dump() + " do not match dtype " +
+                             dtype_it->get<std::string>() + " and shape " + shape_it->dump());
+  }
+  if (*end > layout.data_size) {
+    return corrupt(path, "entry '" + name + "' ends at byte " + std::to_string(*end) + " but the data region has " +
+                             std::to_string(layout.data_size) + " bytes (truncated?)");
+  }
+  tensor.bytes.assign(layout.data + *begin, layout.data + *end);
+  return tensor;
+}
+
+// Entries must tile the data region: no gaps, no overlaps, no tail.
+Status check_tiling(const std::string& path, std::vector<std::tuple<uint64_t, uint64_t, std::string>> ranges,
+                    uint64_t data_size) {
   std::sort(ranges.begin(), ranges.end());
   uint64_t cursor = 0;
   for (const auto& r : ranges) {
@@ -223,6 +238,28 @@ Status read_safetensors(const std::string& path, SafetensorsFile* out) {
                              std::to_string(cursor));
   }
   return Status();
+}
+
+}  // namespace
+
+Result<SafetensorsFile> read_safetensors(const std::string& path) {
+  ZL_ASSIGN_OR_RETURN(const std::string content, read_file(path));
+  ZL_ASSIGN_OR_RETURN(const SafetensorsLayout layout, read_layout(path, content));
+  SafetensorsFile out;
+  std::vector<std::tuple<uint64_t, uint64_t, std::string>> ranges;
+  for (auto it = layout.header.begin(); it != layout.header.end(); ++it) {
+    const std::string& name = it.key();
+    if (name == "__metadata__") {
+      ZL_RETURN_IF_ERROR(read_metadata(path, it.value(), &out.metadata));
+      continue;
+    }
+    uint64_t begin = 0, end = 0;
+    ZL_ASSIGN_OR_RETURN(SafetensorsTensor tensor, read_entry(path, name, it.value(), layout, &begin, &end));
+    ranges.emplace_back(begin, end, name);
+    out.tensors.emplace(name, std::move(tensor));
+  }
+  ZL_RETURN_IF_ERROR(check_tiling(path, std::move(ranges), layout.data_size));
+  return out;
 }
 
 }  // namespace zl

@@ -26,14 +26,13 @@ Status manifest_error(const std::string& path, const std::string& what) {
 
 }  // namespace
 
-Status read_manifest_stage(const std::string& manifest_path, const std::string& program_file, ManifestStage* out) {
-  std::string text;
-  const Status status = read_file(manifest_path, &text);
-  if (!status.ok()) {
-    return status.with_context("manifest " + manifest_path + " (needed for the PEFT parameter names): ",
+Result<ManifestStage> read_manifest_stage(const std::string& manifest_path, const std::string& program_file) {
+  const Result<std::string> text = read_file(manifest_path);
+  if (!text.ok()) {
+    return text.status().with_context("manifest " + manifest_path + " (needed for the PEFT parameter names): ",
                                "; pass the export's manifest.json as 'manifest'");
   }
-  const json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  const json root = json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded() || !root.is_object()) return manifest_error(manifest_path, "not a JSON object");
   auto stages = root.find("stages");
   if (stages == root.end() || !stages->is_array()) return manifest_error(manifest_path, "no 'stages' list");
@@ -52,14 +51,14 @@ Status read_manifest_stage(const std::string& manifest_path, const std::string& 
         !outputs->is_array() || params == stage.end() || !params->is_array()) {
       return manifest_error(manifest_path, "entry of " + program_file + " lacks index, layers, outputs or parameters");
     }
-    out->index = index->get<int64_t>();
-    out->first_layer = layer_range[0];
-    out->last_layer = layer_range[1];
-    out->has_hidden_output = false;
+    ManifestStage out;
+    out.index = index->get<int64_t>();
+    out.first_layer = layer_range[0];
+    out.last_layer = layer_range[1];
+    out.has_hidden_output = false;
     for (const json& o : *outputs) {
-      if (o.is_object() && o.value("name", "") == "hidden") out->has_hidden_output = true;
+      if (o.is_object() && o.value("name", "") == "hidden") out.has_hidden_output = true;
     }
-    out->params.clear();
     for (const json& p : *params) {
       ManifestStage::Param param;
       auto name = p.find("name");
@@ -71,9 +70,9 @@ Status read_manifest_stage(const std::string& manifest_path, const std::string& 
       }
       param.name = name->get<std::string>();
       param.program_name = program_name->get<std::string>();
-      out->params.push_back(std::move(param));
+      out.params.push_back(std::move(param));
     }
-    return Status();
+    return out;
   }
   return manifest_error(manifest_path, "no stage entry with file \"" + program_file + "\"");
 }

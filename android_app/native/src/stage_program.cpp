@@ -320,7 +320,7 @@ void StageProgramLoader::allocate_input_buffers() {
   for (const TensorPtr& t : impl.tensors) impl.inputs.emplace_back(*t);
 }
 
-Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<StageProgram>* out) {
+Result<std::unique_ptr<StageProgram>> StageProgram::load(const StageProgramOptions& options) {
   const std::string& path = options.program_path;
   if (options.threads < 0) {
     return Status(StatusCode::kInvalidArgument, "threads must be >= 0, got " + std::to_string(options.threads));
@@ -333,8 +333,7 @@ Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<St
   program->threads_ = options.threads;
   const std::string manifest_path =
       options.manifest_path.empty() ? dir_of(path) + "/manifest.json" : options.manifest_path;
-  ManifestStage stage;
-  ZL_RETURN_IF_ERROR(read_manifest_stage(manifest_path, base_of(path), &stage));
+  ZL_ASSIGN_OR_RETURN(const ManifestStage stage, read_manifest_stage(manifest_path, base_of(path)));
 
   ZL_RETURN_IF_ERROR(use_fast_kernels());
   StageProgramLoader loader{*program, *program->impl_, path, manifest_path, stage, options, {}};
@@ -354,8 +353,7 @@ Status StageProgram::load(const StageProgramOptions& options, std::unique_ptr<St
       static_cast<long long>(program->last_layer_), static_cast<long long>(program->batch_),
       static_cast<long long>(program->seq_len_), static_cast<long long>(program->hidden_size_),
       program->params_.size(), program->is_last_ ? " (last stage: no marker)" : "");
-  *out = std::move(program);
-  return Status();
+  return program;
 }
 
 StageProgram::~StageProgram() {
@@ -476,7 +474,7 @@ Status StageProgram::begin(const StageInputs& inputs, std::vector<float>* hidden
   return Status();
 }
 
-Status StageProgram::finish(StageStepResult* result) {
+Result<StageStepResult> StageProgram::finish() {
   {
     std::unique_lock<std::mutex> lock(mutex_);
     if (state_ == State::kDeferred) {
@@ -496,10 +494,10 @@ Status StageProgram::finish(StageStepResult* result) {
     }
     if (!marker_error_.empty()) return Status(StatusCode::kInternal, "program " + path_ + ": " + marker_error_);
   }
-  return collect(result, nullptr);
+  return collect(nullptr);
 }
 
-Status StageProgram::run(const StageInputs& inputs, std::vector<float>* hidden, StageStepResult* result) {
+Result<StageStepResult> StageProgram::run(const StageInputs& inputs, std::vector<float>* hidden) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (state_ != State::kIdle) {
@@ -514,10 +512,10 @@ Status StageProgram::run(const StageInputs& inputs, std::vector<float>* hidden, 
     return Status(StatusCode::kInternal, "program " + path_ + ": 'forward' failed (" + error_name(out.error()) + ")");
   }
   impl_->outputs = std::move(*out);
-  return collect(result, hidden);
+  return collect(hidden);
 }
 
-Status StageProgram::collect(StageStepResult* result, std::vector<float>* hidden_from_output) {
+Result<StageStepResult> StageProgram::collect(std::vector<float>* hidden_from_output) {
   const std::vector<EValue>& outputs = impl_->outputs;
   if (outputs.size() != param_start_ + params_.size()) {
     return Status(StatusCode::kInternal, "program " + path_ + ": 'forward' returned " +
@@ -540,11 +538,10 @@ Status StageProgram::collect(StageStepResult* result, std::vector<float>* hidden
       hidden_from_output->assign(h.const_data_ptr<float>(), h.const_data_ptr<float>() + h.numel());
     }
   }
-  if (result == nullptr) return Status();
-  result->loss = losses[0];
-  result->task_loss = losses[1];
-  result->consistency_loss = losses[2];
-  result->gradients.clear();
+  StageStepResult result;
+  result.loss = losses[0];
+  result.task_loss = losses[1];
+  result.consistency_loss = losses[2];
   for (size_t i = 0; i < params_.size(); ++i) {
     const EValue& g = outputs[grad_start_ + i];
     const EValue& p = outputs[param_start_ + i];
@@ -559,9 +556,9 @@ Status StageProgram::collect(StageStepResult* result, std::vector<float>* hidden
       return Status(StatusCode::kInternal, "program " + path_ + ": parameter '" + params_[i].name +
                                                "' moved in memory; in-place updates would be lost");
     }
-    result->gradients.push_back(g.toTensor().const_data_ptr<float>());
+    result.gradients.push_back(g.toTensor().const_data_ptr<float>());
   }
-  return Status();
+  return result;
 }
 
 }  // namespace zl

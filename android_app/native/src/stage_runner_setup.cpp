@@ -28,19 +28,19 @@ using nlohmann::json;
 Status StageRunner::setup() {
   const RunnerConfig& c = config_;
   setup_start_unix_ms_ = unix_ms_now();
-  ZL_RETURN_IF_ERROR(load_run_key(c.run_key_file, &key_));
+  ZL_ASSIGN_OR_RETURN(key_, load_run_key(c.run_key_file));
   if (!parse_hex_run_id(c.run_id, &run_id_)) {
     return Status(StatusCode::kInvalidArgument, "run_id \"" + c.run_id + "\" is not 32 hex characters");
   }
   if (!c.log_path.empty()) {
     ZL_RETURN_IF_ERROR(make_directories(dir_of(c.log_path)));
-    ZL_RETURN_IF_ERROR(TelemetryWriter::open(c.log_path, &telemetry_));
+    ZL_ASSIGN_OR_RETURN(telemetry_, TelemetryWriter::open(c.log_path));
   }
   const Clock::time_point load_start = Clock::now();
   ZL_RETURN_IF_ERROR(load_program());
   program_load_ms_ = ms_since(load_start);
   program_loaded_unix_ms_ = unix_ms_now();
-  ZL_RETURN_IF_ERROR(AdamW::create(c.optimizer, program_->parameters(), &optimizer_));
+  ZL_ASSIGN_OR_RETURN(optimizer_, AdamW::create(c.optimizer, program_->parameters()));
   CheckpointOptions checkpoint_options;
   checkpoint_options.dir = c.checkpoint_dir;
   checkpoint_options.interval = c.checkpoint_interval;
@@ -48,7 +48,7 @@ Status StageRunner::setup() {
   store_.reset(new CheckpointStore(checkpoint_options));
   ZL_RETURN_IF_ERROR(store_->validate());
   if (c.is_first_stage()) {
-    ZL_RETURN_IF_ERROR(DataShard::load(c.data_shard, program_->batch(), program_->seq_len(), &shard_));
+    ZL_ASSIGN_OR_RETURN(shard_, DataShard::load(c.data_shard, program_->batch(), program_->seq_len()));
   }
   // A hot standby stops here until it takes over: what follows needs the
   // checkpoint, the input log and the listening port of the stage it replaces.
@@ -77,7 +77,7 @@ Status StageRunner::load_program() {
   program_options.manifest_path = c.manifest;
   program_options.threads = c.threads;
   program_options.map_file = c.load_mode != "file";
-  ZL_RETURN_IF_ERROR(StageProgram::load(program_options, &program_));
+  ZL_ASSIGN_OR_RETURN(program_, StageProgram::load(program_options));
   if (program_->stage_index() != c.stage_index || program_->is_last() != c.is_last_stage()) {
     return Status(StatusCode::kInvalidArgument,
                   "program " + c.program + " is stage " + std::to_string(program_->stage_index()) +
@@ -139,7 +139,7 @@ Status StageRunner::start_sender() {
   options.stage = static_cast<uint32_t>(c.stage_index);
   options.run_id = run_id_;
   options.max_in_flight = static_cast<size_t>(c.in_flight_depth);
-  ZL_RETURN_IF_ERROR(link_profile_from_name(c.link_profile, &options.profile));
+  ZL_ASSIGN_OR_RETURN(options.profile, link_profile_from_name(c.link_profile));
   sender_.reset(new Sender(options));
   ZL_RETURN_IF_ERROR_WITH_PREFIX(sender_->start(), "downstream " + c.downstream + ": ");
   return Status();
@@ -169,9 +169,10 @@ void StageRunner::write_start_line() {
 Status StageRunner::start_control() {
   const RunnerConfig& c = config_;
   if (c.coordinator.empty()) return Status();
-  ControlClientOptions o;
-  ZL_RETURN_IF_ERROR(control_options_from_config(c, key_, &o));
-  if (receiver_) o.listen = c.listen.substr(0, c.listen.rfind(':') + 1) + std::to_string(receiver_->port());
+  ZL_ASSIGN_OR_RETURN(ControlClientOptions o, control_options_from_config(c, key_));
+  if (receiver_) {
+    ZL_ASSIGN_OR_RETURN(o.listen, with_port(c.listen, receiver_->port()));
+  }
   o.resume = restored_window_.has_value();
   o.micro_batches_done = start_mb_;
   o.chain_stop = stop_;  // the caller's flag (JNI stopNative, signals) keeps working
@@ -185,9 +186,9 @@ Status StageRunner::start_control() {
 
 Status StageRunner::restore() {
   const RunnerConfig& c = config_;
-  std::vector<int64_t> windows;
-  Status status = store_->list_windows(&windows);
-  if (!status.ok() && status.code() != StatusCode::kNotFound) return status;
+  Result<std::vector<int64_t>> listed = store_->list_windows();
+  if (!listed.ok() && listed.status().code() != StatusCode::kNotFound) return listed.status();
+  const std::vector<int64_t> windows = listed.ok() ? std::move(listed).value() : std::vector<int64_t>();
   if (!c.resume) {
     if (!windows.empty()) {
       return Status(StatusCode::kInvalidArgument,
@@ -202,8 +203,13 @@ Status StageRunner::restore() {
   }
   CheckpointProgress progress;
   bool found = true;
-  const Status newest = store_->load(windows.back(), optimizer_.get(), &progress);
-  if (!newest.ok()) ZL_RETURN_IF_ERROR(fall_back(windows, newest, &progress, &found));
+  Result<CheckpointProgress> loaded = store_->load(windows.back(), optimizer_.get());
+  const Status newest = loaded.status();
+  if (loaded.ok()) {
+    progress = std::move(loaded).value();
+  } else {
+    ZL_RETURN_IF_ERROR(fall_back(windows, newest, &progress, &found));
+  }
   if (!found) return Status();
   if (progress.run_id != c.run_id || progress.stage != c.stage_index) {
     return Status(StatusCode::kInvalidArgument,
@@ -237,9 +243,10 @@ void StageRunner::resume_accumulator(int64_t window) {
   const RunnerConfig& c = config_;
   if (!c.accumulator_snapshots || window >= plan_.num_windows()) return;
   const std::string path = accumulator_snapshot_path(c.checkpoint_dir);
-  AccumulatorSnapshot snapshot;
-  Status status = read_accumulator_snapshot(path, &snapshot);
-  if (status.code() == StatusCode::kNotFound) return;
+  Result<AccumulatorSnapshot> read = read_accumulator_snapshot(path);
+  if (read.status().code() == StatusCode::kNotFound) return;
+  Status status = read.status();
+  const AccumulatorSnapshot snapshot = read.ok() ? std::move(read).value() : AccumulatorSnapshot();
   if (status.ok()) {
     status = check_accumulator_snapshot(snapshot, c.run_id, c.stage_index, window, plan_.first_micro_batch(window),
                                         plan_.end_micro_batch(window), *optimizer_);
@@ -285,13 +292,14 @@ Status StageRunner::fall_back(const std::vector<int64_t>& windows, const Status&
   *found = false;
   int64_t older = -1;  // the newest older checkpoint that loads; -1: none, start over
   for (auto it = windows.rbegin() + 1; it != windows.rend() && !*found; ++it) {
-    const Status status = store_->load(*it, optimizer_.get(), progress);
-    if (status.ok()) {
+    Result<CheckpointProgress> loaded = store_->load(*it, optimizer_.get());
+    if (loaded.ok()) {
+      *progress = std::move(loaded).value();
       *found = true;
       older = *it;
     } else {
       log(LogLevel::kWarn, "checkpoint %s does not load either: %s", layout.window_dir(*it).c_str(),
-          status.message().c_str());
+          loaded.status().message().c_str());
     }
   }
   const int64_t replay_from = *found ? progress->micro_batches_done : 0;

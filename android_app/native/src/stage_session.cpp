@@ -21,7 +21,7 @@ json index_or_null(int64_t value) { return value >= 0 ? json(value) : json(nullp
 /// The run folder named by the config text: its `base_dir`, which must be an
 /// absolute path (the app passes config text, so there is no file to be
 /// relative to).
-Status run_dir_of(const std::string& config_json, std::string* run_dir) {
+Result<std::string> run_dir_of(const std::string& config_json) {
   const json root = json::parse(config_json, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded() || !root.is_object()) {
     return Status(StatusCode::kInvalidArgument, "config: not a JSON object");
@@ -34,9 +34,9 @@ Status run_dir_of(const std::string& config_json, std::string* run_dir) {
                   "resolve and runner.pid/.out/.err/.exit go), got " +
                       (it == root.end() ? std::string("nothing") : it->dump()));
   }
-  *run_dir = it->get<std::string>();
-  while (run_dir->size() > 1 && run_dir->back() == '/') run_dir->pop_back();
-  return Status();
+  std::string run_dir = it->get<std::string>();
+  while (run_dir.size() > 1 && run_dir.back() == '/') run_dir.pop_back();
+  return run_dir;
 }
 
 Status write_text(const std::string& path, const std::string& text) {
@@ -102,27 +102,11 @@ Status StageSession::start(const std::string& config_json) {
     return Status(StatusCode::kInternal, "a stage is already running in this process (" + status_.run_dir +
                                              "); stop it before starting another");
   }
-  std::string run_dir;
-  ZL_RETURN_IF_ERROR(run_dir_of(config_json, &run_dir));
+  ZL_ASSIGN_OR_RETURN(const std::string run_dir, run_dir_of(config_json));
   lock.unlock();
   join();  // the previous run's thread has ended (its state says so); reap it
   lock.lock();
-
-  ZL_RETURN_IF_ERROR_WITH_PREFIX(make_directories(run_dir), "run folder " + run_dir + ": ");
-  const std::string exit_path = run_dir + "/" + kRunnerExitFile;
-  if (::unlink(exit_path.c_str()) != 0 && errno != ENOENT) {
-    return Status(StatusCode::kIoError, "cannot remove the old " + exit_path + ": " + std::strerror(errno));
-  }
-  out_ = std::fopen((run_dir + "/" + kRunnerOutFile).c_str(), "a");
-  err_ = std::fopen((run_dir + "/" + kRunnerErrFile).c_str(), "a");
-  Status status = write_text(run_dir + "/" + kRunnerPidFile, std::to_string(::getpid()) + "\n");
-  if (out_ == nullptr || err_ == nullptr || !status.ok()) {
-    const std::string why = status.ok() ? std::strerror(errno) : status.message();
-    if (out_ != nullptr) std::fclose(out_);
-    if (err_ != nullptr) std::fclose(err_);
-    out_ = err_ = nullptr;
-    return Status(StatusCode::kIoError, "run folder " + run_dir + " is not writable: " + why);
-  }
+  ZL_RETURN_IF_ERROR(open_run_dir_locked(run_dir));
 
   status_ = SessionStatus();
   status_.run_dir = run_dir;
@@ -130,17 +114,41 @@ Status StageSession::start(const std::string& config_json) {
   stop_requested_.store(false);
   set_output_mirror(out_, err_);
 
-  status = parse_runner_config(config_json, "", &config_);
-  if (!status.ok()) {
+  Result<RunnerConfig> parsed = parse_runner_config(config_json, "");
+  if (!parsed.ok()) {
     // What zl_runner does with a bad config: say why, exit 2.
+    const Status status = parsed.status();
     log(LogLevel::kError, "%s", status.message().c_str());
     lock.unlock();
     finish(status, 2);
     return status;
   }
+  config_ = std::move(parsed).value();
   log(LogLevel::kInfo, "app: stage %lld of %lld in %s%s", static_cast<long long>(config_.stage_index),
       static_cast<long long>(config_.num_stages), run_dir.c_str(), config_.resume ? " (resume)" : "");
+  return start_thread_locked(lock);
+}
 
+Status StageSession::open_run_dir_locked(const std::string& run_dir) {
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(make_directories(run_dir), "run folder " + run_dir + ": ");
+  const std::string exit_path = run_dir + "/" + kRunnerExitFile;
+  if (::unlink(exit_path.c_str()) != 0 && errno != ENOENT) {
+    return Status(StatusCode::kIoError, "cannot remove the old " + exit_path + ": " + std::strerror(errno));
+  }
+  out_ = std::fopen((run_dir + "/" + kRunnerOutFile).c_str(), "a");
+  err_ = std::fopen((run_dir + "/" + kRunnerErrFile).c_str(), "a");
+  const Status status = write_text(run_dir + "/" + kRunnerPidFile, std::to_string(::getpid()) + "\n");
+  if (out_ == nullptr || err_ == nullptr || !status.ok()) {
+    const std::string why = status.ok() ? std::strerror(errno) : status.message();
+    if (out_ != nullptr) std::fclose(out_);
+    if (err_ != nullptr) std::fclose(err_);
+    out_ = err_ = nullptr;
+    return Status(StatusCode::kIoError, "run folder " + run_dir + " is not writable: " + why);
+  }
+  return Status();
+}
+
+Status StageSession::start_thread_locked(std::unique_lock<std::mutex>& lock) {
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setstacksize(&attr, stack_bytes_);
@@ -148,7 +156,7 @@ Status StageSession::start(const std::string& config_json) {
   const int rc = pthread_create(&thread_, &attr, &StageSession::thread_main, this);
   pthread_attr_destroy(&attr);
   if (rc != 0) {
-    status = Status(StatusCode::kInternal, std::string("cannot start the stage thread: ") + std::strerror(rc));
+    const Status status(StatusCode::kInternal, std::string("cannot start the stage thread: ") + std::strerror(rc));
     log(LogLevel::kError, "%s", status.message().c_str());
     lock.unlock();
     finish(status, 1);

@@ -22,7 +22,13 @@ Status errno_status(const std::string& what) {
   return Status(StatusCode::kIoError, what + ": " + std::strerror(errno));
 }
 
-Status resolve(const std::string& host, uint16_t port, sockaddr_storage* addr, socklen_t* len) {
+// A resolved socket address (the first getaddrinfo gives).
+struct Address {
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+};
+
+Result<Address> resolve(const std::string& host, uint16_t port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -33,10 +39,11 @@ Status resolve(const std::string& host, uint16_t port, sockaddr_storage* addr, s
     return Status(StatusCode::kInvalidArgument,
                   "cannot resolve host '" + host + "': " + gai_strerror(rc));
   }
-  std::memcpy(addr, res->ai_addr, res->ai_addrlen);
-  *len = res->ai_addrlen;
+  Address address;
+  std::memcpy(&address.addr, res->ai_addr, res->ai_addrlen);
+  address.len = res->ai_addrlen;
   freeaddrinfo(res);
-  return Status();
+  return address;
 }
 
 // Waits until `fd` is readable/writable or `deadline` passes.
@@ -91,10 +98,10 @@ void Socket::shutdown() {
   if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
 }
 
-Status listen_tcp(const std::string& host, uint16_t port, Socket* out, uint16_t* bound_port) {
-  sockaddr_storage addr{};
-  socklen_t len = 0;
-  ZL_RETURN_IF_ERROR(resolve(host, port, &addr, &len));
+Result<ListeningSocket> listen_tcp(const std::string& host, uint16_t port) {
+  ZL_ASSIGN_OR_RETURN(Address address, resolve(host, port));
+  sockaddr_storage& addr = address.addr;
+  const socklen_t len = address.len;
   Socket sock(::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!sock.valid()) return errno_status("socket");
   const int one = 1;
@@ -106,18 +113,15 @@ Status listen_tcp(const std::string& host, uint16_t port, Socket* out, uint16_t*
   sockaddr_storage bound{};
   socklen_t bound_len = sizeof(bound);
   ::getsockname(sock.fd(), reinterpret_cast<sockaddr*>(&bound), &bound_len);
-  *bound_port = ntohs(bound.ss_family == AF_INET6
-                          ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                          : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-  *out = std::move(sock);
-  return Status();
+  const uint16_t bound_port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                                                : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  return ListeningSocket{std::move(sock), bound_port};
 }
 
-Status connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout,
-                   Socket* out) {
-  sockaddr_storage addr{};
-  socklen_t len = 0;
-  ZL_RETURN_IF_ERROR(resolve(host, port, &addr, &len));
+Result<Socket> connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout) {
+  ZL_ASSIGN_OR_RETURN(Address address, resolve(host, port));
+  sockaddr_storage& addr = address.addr;
+  const socklen_t len = address.len;
   Socket sock(::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!sock.valid()) return errno_status("socket");
   const int flags = ::fcntl(sock.fd(), F_GETFL, 0);
@@ -137,18 +141,16 @@ Status connect_tcp(const std::string& host, uint16_t port, std::chrono::millisec
   ::fcntl(sock.fd(), F_SETFL, flags & ~O_NONBLOCK);
   const int one = 1;
   ::setsockopt(sock.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  *out = std::move(sock);
-  return Status();
+  return sock;
 }
 
-Status accept_tcp(const Socket& listener, Socket* out) {
+Result<Socket> accept_tcp(const Socket& listener) {
   const int fd = ::accept(listener.fd(), nullptr, nullptr);
   if (fd < 0) return errno_status("accept");
   ::fcntl(fd, F_SETFD, FD_CLOEXEC);
   const int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  *out = Socket(fd);
-  return Status();
+  return Socket(fd);
 }
 
 Status send_all(int fd, const uint8_t* data, size_t size) {
@@ -165,14 +167,12 @@ Status send_all(int fd, const uint8_t* data, size_t size) {
 }
 
 Status write_frame(int fd, const Frame& frame, const FrameKey& key) {
-  std::vector<uint8_t> bytes;
-  ZL_RETURN_IF_ERROR(encode_frame(frame, key, &bytes));
+  ZL_ASSIGN_OR_RETURN(const std::vector<uint8_t> bytes, encode_frame(frame, key));
   return send_all(fd, bytes.data(), bytes.size());
 }
 
-Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
-                  std::chrono::milliseconds timeout, DecodeResult* out,
-                  std::vector<uint8_t>* raw) {
+Result<DecodeResult> read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
+                                std::chrono::milliseconds timeout, std::vector<uint8_t>* raw) {
   const auto deadline = SteadyClock::now() + timeout;
   std::vector<uint8_t> bytes(kFrameHeaderSize);
   ZL_RETURN_IF_ERROR(recv_exact(fd, bytes.data(), kFrameHeaderSize, deadline));
@@ -181,9 +181,10 @@ Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
   const FrameError e =
       peek_frame_length(bytes.data(), bytes.size(), expect.max_frame_bytes, &total, &reason);
   if (e != FrameError::kNone) {
-    out->error = e;
-    out->reason = std::string(frame_error_name(e)) + ": " + reason;
-    return Status();
+    DecodeResult broken;
+    broken.error = e;
+    broken.reason = std::string(frame_error_name(e)) + ": " + reason;
+    return broken;
   }
   // Grown as the bytes arrive, never to the announced length up front: a
   // peer that announces 64 MiB and sends 200 bytes costs 64 KiB, not 64 MiB.
@@ -195,13 +196,13 @@ Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
     ZL_RETURN_IF_ERROR(recv_exact(fd, bytes.data() + have, step, deadline));
     have += step;
   }
-  *out = decode_frame(bytes.data(), bytes.size(), key, expect);
+  DecodeResult decoded = decode_frame(bytes.data(), bytes.size(), key, expect);
   if (raw) *raw = std::move(bytes);
-  return Status();
+  return decoded;
 }
 
-Status client_handshake(int fd, const LinkKeys& keys, const RunId& run_id, uint32_t stage,
-                        const FrameExpectation& expect, std::chrono::milliseconds timeout, SessionId* session) {
+Result<SessionId> client_handshake(int fd, const LinkKeys& keys, const RunId& run_id, uint32_t stage,
+                                   const FrameExpectation& expect, std::chrono::milliseconds timeout) {
   Frame hello = make_control_frame(FrameType::kHello, run_id, stage, 0, 0);
   random_bytes(hello.session.data(), kSessionHalfSize);
   ZL_RETURN_IF_ERROR_WITH_PREFIX(write_frame(fd, hello, keys.send), "handshake: ");
@@ -209,8 +210,9 @@ Status client_handshake(int fd, const LinkKeys& keys, const RunId& run_id, uint3
   // worth of bytes (or an ERROR's), not the link's frame maximum.
   FrameExpectation pre_auth = expect;
   pre_auth.max_frame_bytes = std::min(expect.max_frame_bytes, kMaxHandshakeReplyBytes);
-  DecodeResult r;
-  ZL_RETURN_IF_ERROR_WITH_PREFIX(read_frame(fd, keys.receive, pre_auth, timeout, &r), "handshake: ");
+  Result<DecodeResult> reply = read_frame(fd, keys.receive, pre_auth, timeout);
+  ZL_RETURN_IF_ERROR_WITH_PREFIX(reply, "handshake: ");
+  const DecodeResult& r = *reply;
   if (!r.ok()) return Status(StatusCode::kCorrupt, "handshake: the server's reply was rejected: " + r.reason);
   const Frame& f = r.frame;
   if (f.type == FrameType::kError) {
@@ -224,27 +226,26 @@ Status client_handshake(int fd, const LinkKeys& keys, const RunId& run_id, uint3
                       (type ? type : "?") + " (sequence " + std::to_string(f.seq) + ", session " +
                       to_hex(f.session.data(), kSessionSize) + ")");
   }
-  *session = f.session;
-  return Status();
+  return f.session;
 }
 
-std::string server_handshake(const Frame& hello, const RunId& run_id, uint32_t stage,
-                             const std::array<uint8_t, kSessionHalfSize>& server_half, Frame* reply,
-                             SessionId* session) {
+Result<Frame> server_handshake(const Frame& hello, const RunId& run_id, uint32_t stage,
+                               const std::array<uint8_t, kSessionHalfSize>& server_half) {
   if (hello.type != FrameType::kHello) {
     const char* type = frame_type_name(static_cast<uint16_t>(hello.type));
-    return std::string("bad_handshake: the first frame of a connection must be HELLO, not ") + (type ? type : "?");
+    return Status(StatusCode::kCorrupt,
+                  std::string("bad_handshake: the first frame of a connection must be HELLO, not ") + (type ? type : "?"));
   }
   if (hello.seq != 0) {
-    return "bad_handshake: HELLO with sequence number " + std::to_string(hello.seq) + ", expected 0";
+    return Status(StatusCode::kCorrupt,
+                  "bad_handshake: HELLO with sequence number " + std::to_string(hello.seq) + ", expected 0");
   }
   SessionId id{};
   std::memcpy(id.data(), hello.session.data(), kSessionHalfSize);
   std::memcpy(id.data() + kSessionHalfSize, server_half.data(), kSessionHalfSize);
-  *reply = make_control_frame(FrameType::kHello, run_id, stage, 0, 0);
-  reply->session = id;
-  *session = id;
-  return {};
+  Frame reply = make_control_frame(FrameType::kHello, run_id, stage, 0, 0);
+  reply.session = id;
+  return reply;
 }
 
 bool make_wake_pipe(int fds[2]) {

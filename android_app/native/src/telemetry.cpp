@@ -124,14 +124,13 @@ json to_json(const WindowRecord& r) {
           {"temperature_c", number_or_null(r.temperature_c)}};
 }
 
-Status TelemetryWriter::open(const std::string& path, std::unique_ptr<TelemetryWriter>* out) {
+Result<std::unique_ptr<TelemetryWriter>> TelemetryWriter::open(const std::string& path) {
   std::FILE* file = std::fopen(path.c_str(), "ae");  // "e": O_CLOEXEC (glibc and bionic)
   if (file == nullptr) {
     return Status(errno == ENOENT ? StatusCode::kNotFound : StatusCode::kIoError,
                   "cannot open telemetry log '" + path + "': " + std::strerror(errno));
   }
-  out->reset(new TelemetryWriter(file, path));
-  return Status();
+  return std::unique_ptr<TelemetryWriter>(new TelemetryWriter(file, path));
 }
 
 TelemetryWriter::~TelemetryWriter() {
@@ -152,29 +151,28 @@ Status TelemetryWriter::write_json(const json& object) {
 }
 
 std::optional<double> read_pss_mib(const std::string& root) {
-  std::string text;
   std::optional<double> kib;
-  if (read_file(join(root, "proc/self/smaps_rollup"), &text).ok()) {
-    kib = sum_field_kib(text, "Pss:");
-  } else if (read_file(join(root, "proc/self/smaps"), &text).ok()) {
-    kib = sum_field_kib(text, "Pss:");
+  if (const Result<std::string> rollup = read_file(join(root, "proc/self/smaps_rollup")); rollup.ok()) {
+    kib = sum_field_kib(*rollup, "Pss:");
+  } else if (const Result<std::string> smaps = read_file(join(root, "proc/self/smaps")); smaps.ok()) {
+    kib = sum_field_kib(*smaps, "Pss:");
   }
   if (!kib) return std::nullopt;
   return *kib / 1024.0;
 }
 
 std::optional<double> read_peak_rss_mib(const std::string& root) {
-  std::string text;
-  if (!read_file(join(root, "proc/self/status"), &text).ok()) return std::nullopt;
-  const std::optional<double> kib = sum_field_kib(text, "VmHWM:");
+  const Result<std::string> text = read_file(join(root, "proc/self/status"));
+  if (!text.ok()) return std::nullopt;
+  const std::optional<double> kib = sum_field_kib(*text, "VmHWM:");
   if (!kib) return std::nullopt;
   return *kib / 1024.0;
 }
 
 std::optional<double> read_battery_temperature_c(const std::string& root) {
-  std::string text;
+  const Result<std::string> text = read_file(join(root, "sys/class/power_supply/battery/temp"));
   long long tenths = 0;
-  if (!read_file(join(root, "sys/class/power_supply/battery/temp"), &text).ok() || !parse_integer(text, &tenths)) {
+  if (!text.ok() || !parse_integer(*text, &tenths)) {
     return std::nullopt;
   }
   const double celsius = static_cast<double>(tenths) / 10.0;
@@ -184,11 +182,11 @@ std::optional<double> read_battery_temperature_c(const std::string& root) {
 
 std::optional<double> read_thermal_zone_temperature_c(const std::string& root) {
   const std::string dir = join(root, "sys/class/thermal");
-  std::vector<std::string> names;
-  if (!list_directory(dir, &names).ok()) return std::nullopt;
+  const Result<std::vector<std::string>> names = list_directory(dir);
+  if (!names.ok()) return std::nullopt;
   std::vector<std::pair<long long, std::string>> zones;
   const std::string prefix = "thermal_zone";
-  for (const auto& name : names) {
+  for (const auto& name : *names) {
     long long index = 0;
     if (name.compare(0, prefix.size(), prefix) == 0 && parse_integer(name.substr(prefix.size()), &index)) {
       zones.emplace_back(index, name);
@@ -196,10 +194,11 @@ std::optional<double> read_thermal_zone_temperature_c(const std::string& root) {
   }
   std::sort(zones.begin(), zones.end());
   for (const auto& zone : zones) {
-    std::string type, temp;
     long long millis = 0;
-    if (!read_file(dir + "/" + zone.second + "/type", &type).ok() || !plausible_zone_type(trim(type))) continue;
-    if (!read_file(dir + "/" + zone.second + "/temp", &temp).ok() || !parse_integer(temp, &millis)) continue;
+    const Result<std::string> type = read_file(dir + "/" + zone.second + "/type");
+    if (!type.ok() || !plausible_zone_type(trim(*type))) continue;
+    const Result<std::string> temp = read_file(dir + "/" + zone.second + "/temp");
+    if (!temp.ok() || !parse_integer(*temp, &millis)) continue;
     const double celsius = static_cast<double>(millis) / 1000.0;
     if (plausible_celsius(celsius)) return celsius;
   }

@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "status_test_support.h"
 #include "temp_dir_support.h"
 
 namespace {
@@ -29,7 +30,9 @@ struct Model {
     AdamWConfig config;
     config.lr = 1e-2;
     std::vector<TrainableParam> params = {{"lora_A", {2, 3}, a.data()}, {"lora_B", {3, 1}, b.data()}};
-    EXPECT_TRUE(AdamW::create(config, params, &optimizer).ok());
+    zl::Result<std::unique_ptr<AdamW>> created = AdamW::create(config, params);
+    EXPECT_TRUE(created.ok()) << created.status().message();
+    if (created.ok()) optimizer = std::move(created).value();
   }
 };
 
@@ -62,8 +65,7 @@ TEST(AccumulatorSnapshot, AWindowContinuedFromASnapshotEndsBitIdentical) {
   snapshot.loss_sum = 0.1 + 0.2;  // not a short decimal: must come back exactly
   ASSERT_TRUE(zl::write_accumulator_snapshot(path, snapshot).ok());
 
-  AccumulatorSnapshot read;
-  ASSERT_TRUE(zl::read_accumulator_snapshot(path, &read).ok());
+  ASSERT_OK_AND_ASSIGN(const AccumulatorSnapshot read, zl::read_accumulator_snapshot(path));
   EXPECT_EQ(read.loss_sum, 0.1 + 0.2);
   ASSERT_TRUE(zl::check_accumulator_snapshot(read, "run", 1, 0, 0, 4, *resumed.optimizer).ok());
   std::vector<const float*> sums(2);
@@ -100,10 +102,9 @@ TEST(AccumulatorSnapshot, OneThatDoesNotContinueTheWindowIsRefused) {
 TEST(AccumulatorSnapshot, MissingIsNotFoundAndGarbageIsCorrupt) {
   TempDir dir;
   const std::string path = zl::accumulator_snapshot_path(dir.path());
-  AccumulatorSnapshot s;
-  EXPECT_EQ(zl::read_accumulator_snapshot(path, &s).code(), zl::StatusCode::kNotFound);
+  EXPECT_EQ(zl::read_accumulator_snapshot(path).status().code(), zl::StatusCode::kNotFound);
   write_text(path, "not a safetensors file");
-  EXPECT_EQ(zl::read_accumulator_snapshot(path, &s).code(), zl::StatusCode::kCorrupt);
+  EXPECT_EQ(zl::read_accumulator_snapshot(path).status().code(), zl::StatusCode::kCorrupt);
 }
 
 TEST(AccumulatorSnapshotWriter, WritesTheNewestInTheBackground) {
@@ -119,8 +120,7 @@ TEST(AccumulatorSnapshotWriter, WritesTheNewestInTheBackground) {
     writer.submit(std::move(s));
   }
   writer.drain();
-  AccumulatorSnapshot read;
-  ASSERT_TRUE(zl::read_accumulator_snapshot(path, &read).ok());
+  ASSERT_OK_AND_ASSIGN(const AccumulatorSnapshot read, zl::read_accumulator_snapshot(path));
   EXPECT_EQ(read.accumulated, 3);
   EXPECT_EQ(read.micro_batches_done, 3);
   EXPECT_EQ(writer.failures(), 0);

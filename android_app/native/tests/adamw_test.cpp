@@ -65,10 +65,10 @@ TEST(LrSchedule, ValidateRejectsBadSettings) {
 }
 
 std::unique_ptr<AdamW> make(AdamWConfig config, std::vector<float>* p) {
-  std::unique_ptr<AdamW> opt;
-  zl::Status s = AdamW::create(config, {TrainableParam{"w", {static_cast<int64_t>(p->size())}, p->data()}}, &opt);
-  EXPECT_TRUE(s.ok()) << s.message();
-  return opt;
+  zl::Result<std::unique_ptr<AdamW>> opt =
+      AdamW::create(config, {TrainableParam{"w", {static_cast<int64_t>(p->size())}, p->data()}});
+  EXPECT_TRUE(opt.ok()) << opt.status().message();
+  return opt.ok() ? std::move(opt).value() : nullptr;
 }
 
 TEST(AdamW, FirstStepMatchesHandComputation) {
@@ -81,9 +81,9 @@ TEST(AdamW, FirstStepMatchesHandComputation) {
   auto opt = make(config, &p);
   const float g = 0.5f;
   ASSERT_TRUE(opt->accumulate({&g}).ok());
-  double lr = 0;
-  ASSERT_TRUE(opt->step(&lr).ok());
-  EXPECT_DOUBLE_EQ(lr, 0.1);
+  const zl::Result<double> lr = opt->step();
+  ASSERT_TRUE(lr.ok()) << lr.status().message();
+  EXPECT_DOUBLE_EQ(*lr, 0.1);
   EXPECT_NEAR(p[0], 0.89f, 1e-6);
   EXPECT_NEAR(opt->exp_avg(0)[0], 0.05f, 1e-8);
   EXPECT_NEAR(opt->exp_avg_sq(0)[0], 2.5e-4f, 1e-10);
@@ -134,12 +134,11 @@ TEST(AdamW, ScheduleScalesTheUpdate) {
 
 TEST(AdamW, RejectsBadParamsAndConfig) {
   std::vector<float> p = {0.0f};
-  std::unique_ptr<AdamW> opt;
-  EXPECT_FALSE(AdamW::create(AdamWConfig{}, {{"w", {1}, p.data()}, {"w", {1}, p.data()}}, &opt).ok());
-  EXPECT_FALSE(AdamW::create(AdamWConfig{}, {{"w", {1}, nullptr}}, &opt).ok());
+  EXPECT_FALSE(AdamW::create(AdamWConfig{}, {{"w", {1}, p.data()}, {"w", {1}, p.data()}}).ok());
+  EXPECT_FALSE(AdamW::create(AdamWConfig{}, {{"w", {1}, nullptr}}).ok());
   AdamWConfig bad;
   bad.beta2 = 1.0;
-  zl::Status s = AdamW::create(bad, {{"w", {1}, p.data()}}, &opt);
+  const zl::Status s = AdamW::create(bad, {{"w", {1}, p.data()}}).status();
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("betas[1]"), std::string::npos) << s.message();
 }

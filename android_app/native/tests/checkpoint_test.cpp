@@ -11,12 +11,14 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "status_test_support.h"
 #include "temp_dir_support.h"
 #include "zl/durable_file.h"
 
@@ -38,10 +40,8 @@ struct Stage {
   std::unique_ptr<AdamW> opt;
 
   explicit Stage(int64_t rows = 2, float fill = 0.0f) : a(static_cast<size_t>(rows) * 3, fill), b(3 * 2, fill) {
-    zl::Status s = AdamW::create(AdamWConfig{},
-                                 {TrainableParam{kA, {rows, 3}, a.data()}, TrainableParam{kB, {3, 2}, b.data()}},
-                                 &opt);
-    EXPECT_TRUE(s.ok()) << s.message();
+    opt = zl::testing::value_or_fail(AdamW::create(
+        AdamWConfig{}, {TrainableParam{kA, {rows, 3}, a.data()}, TrainableParam{kB, {3, 2}, b.data()}}));
   }
 
   // One optimizer step with gradients derived from `seed`.
@@ -79,11 +79,9 @@ TEST(Checkpoint, RoundTripRestoresParamsMomentsAndProgress) {
   EXPECT_TRUE(zl::is_directory(dir.file("ckpt/window_000001")));
 
   Stage restored(2, 9.0f);
-  CheckpointProgress loaded;
-  bool found = false;
-  s = store.load_latest(restored.opt.get(), &loaded, &found);
-  ASSERT_TRUE(s.ok()) << s.message();
-  ASSERT_TRUE(found);
+  ASSERT_OK_AND_ASSIGN(const std::optional<CheckpointProgress> latest, store.load_latest(restored.opt.get()));
+  ASSERT_TRUE(latest.has_value());
+  const CheckpointProgress& loaded = *latest;
   EXPECT_EQ(restored.a, stage.a);
   EXPECT_EQ(restored.b, stage.b);
   EXPECT_EQ(restored.opt->exp_avg(1), stage.opt->exp_avg(1));
@@ -106,10 +104,8 @@ TEST(Checkpoint, EmptyDirectoryHasNoCheckpoint) {
   zl_test::TempDir dir;
   CheckpointStore store({dir.file("never_created"), 1, 2});
   Stage stage;
-  CheckpointProgress loaded;
-  bool found = true;
-  ASSERT_TRUE(store.load_latest(stage.opt.get(), &loaded, &found).ok());
-  EXPECT_FALSE(found);
+  ASSERT_OK_AND_ASSIGN(const std::optional<CheckpointProgress> latest, store.load_latest(stage.opt.get()));
+  EXPECT_FALSE(latest.has_value());
 }
 
 TEST(Checkpoint, KeepsOnlyTheLastK) {
@@ -120,8 +116,7 @@ TEST(Checkpoint, KeepsOnlyTheLastK) {
     stage.train_step(static_cast<float>(w));
     ASSERT_TRUE(store.save(*stage.opt, progress_for(stage, w)).ok());
   }
-  std::vector<int64_t> windows;
-  ASSERT_TRUE(store.list_windows(&windows).ok());
+  ASSERT_OK_AND_ASSIGN(const std::vector<int64_t> windows, store.list_windows());
   EXPECT_EQ(windows, (std::vector<int64_t>{3, 4}));
 }
 
@@ -146,8 +141,7 @@ TEST(Checkpoint, SavingTheSameWindowAgainReplacesIt) {
   stage.train_step(2.0f);
   ASSERT_TRUE(store.save(*stage.opt, progress_for(stage, 0)).ok());
   Stage restored;
-  CheckpointProgress loaded;
-  ASSERT_TRUE(store.load(0, restored.opt.get(), &loaded).ok());
+  ASSERT_OK_AND_ASSIGN(const CheckpointProgress loaded, store.load(0, restored.opt.get()));
   EXPECT_EQ(restored.a, stage.a);
   EXPECT_EQ(loaded.optimizer_step, 2);
 }
@@ -165,8 +159,7 @@ TEST(Checkpoint, ReplacingAWindowNeverLeavesItMissing) {
     ++hook_calls;
     EXPECT_EQ(path, window_dir);
     // The new checkpoint is complete in place while the old one still exists.
-    std::string text;
-    ASSERT_TRUE(zl::read_file(path + "/progress.json", &text).ok());
+    ASSERT_OK_AND_ASSIGN(const std::string text, zl::read_file(path + "/progress.json"));
     EXPECT_NE(text.find("\"optimizer_step\": " + std::to_string(hook_calls + 1)), std::string::npos) << text;
   };
   CheckpointStore store(options);
@@ -209,9 +202,7 @@ class DamagedCheckpoint : public ::testing::Test {
     window_dir_ = dir_.file("window_000000");
   }
   zl::Status load(Stage* into) const {
-    CheckpointProgress loaded;
-    bool found = false;
-    return store_.load_latest(into->opt.get(), &loaded, &found);
+    return store_.load_latest(into->opt.get()).status();
   }
   zl_test::TempDir dir_;
   CheckpointStore store_{CheckpointOptions{dir_.path(), 1, 2}};
@@ -220,8 +211,7 @@ class DamagedCheckpoint : public ::testing::Test {
 };
 
 TEST_F(DamagedCheckpoint, TruncatedAdapterNamesTheFile) {
-  std::string bytes;
-  ASSERT_TRUE(zl::read_file(window_dir_ + "/adapter.safetensors", &bytes).ok());
+  ASSERT_OK_AND_ASSIGN(const std::string bytes, zl::read_file(window_dir_ + "/adapter.safetensors"));
   zl_test::write_text(window_dir_ + "/adapter.safetensors", bytes.substr(0, bytes.size() - 5));
   Stage target(2, 7.0f);
   zl::Status s = load(&target);
@@ -265,15 +255,10 @@ TEST_F(DamagedCheckpoint, ShapeMismatchNamesTensorAndShapes) {
 
 TEST_F(DamagedCheckpoint, DifferentParameterSetIsReported) {
   std::vector<float> a(6), b(6), c(1);
-  std::unique_ptr<AdamW> opt;
-  ASSERT_TRUE(AdamW::create(AdamWConfig{},
-                            {TrainableParam{kA, {2, 3}, a.data()}, TrainableParam{kB, {3, 2}, b.data()},
-                             TrainableParam{"extra.lora_A.weight", {1}, c.data()}},
-                            &opt)
-                  .ok());
-  CheckpointProgress loaded;
-  bool found = false;
-  zl::Status s = store_.load_latest(opt.get(), &loaded, &found);
+  ASSERT_OK_AND_ASSIGN(const std::unique_ptr<AdamW> opt,
+                       AdamW::create(AdamWConfig{}, {TrainableParam{kA, {2, 3}, a.data()}, TrainableParam{kB, {3, 2}, b.data()},
+                                                     TrainableParam{"extra.lora_A.weight", {1}, c.data()}}));
+  const zl::Status s = store_.load_latest(opt.get()).status();
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("lacks tensor 'extra.lora_A.weight'"), std::string::npos) << s.message();
 }
@@ -282,11 +267,9 @@ TEST_F(DamagedCheckpoint, LeftoverTempDirIsIgnoredThenRemoved) {
   const std::string tmp = dir_.file(".tmp-window_000001-999");
   zl_test::write_text(tmp + "/adapter.safetensors", "partial");
   Stage target;
-  CheckpointProgress loaded;
-  bool found = false;
-  ASSERT_TRUE(store_.load_latest(target.opt.get(), &loaded, &found).ok());
-  EXPECT_TRUE(found);
-  EXPECT_EQ(loaded.window, 0);
+  ASSERT_OK_AND_ASSIGN(const std::optional<CheckpointProgress> loaded, store_.load_latest(target.opt.get()));
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->window, 0);
   stage_.train_step(2.0f);
   ASSERT_TRUE(store_.save(*stage_.opt, progress_for(stage_, 1)).ok());
   EXPECT_FALSE(zl::is_directory(tmp));
@@ -296,10 +279,10 @@ TEST_F(DamagedCheckpoint, LeftoverTempDirIsIgnoredThenRemoved) {
 // = window + 1) until it is killed.
 [[noreturn]] void save_forever(const std::string& root, size_t numel) {
   std::vector<float> data(numel, 0.0f);
-  std::unique_ptr<AdamW> opt;
-  if (!AdamW::create(AdamWConfig{}, {TrainableParam{kA, {static_cast<int64_t>(numel)}, data.data()}}, &opt).ok()) {
-    _exit(2);
-  }
+  zl::Result<std::unique_ptr<AdamW>> created =
+      AdamW::create(AdamWConfig{}, {TrainableParam{kA, {static_cast<int64_t>(numel)}, data.data()}});
+  if (!created.ok()) _exit(2);
+  const std::unique_ptr<AdamW> opt = std::move(created).value();
   CheckpointStore store({root, 1, 2});
   for (int64_t w = 1; w < 10000; ++w) {
     std::fill(data.begin(), data.end(), static_cast<float>(w + 1));
@@ -311,9 +294,9 @@ TEST_F(DamagedCheckpoint, LeftoverTempDirIsIgnoredThenRemoved) {
 }
 
 bool has_temp_entry(const std::string& root) {
-  std::vector<std::string> names;
-  if (!zl::list_directory(root, &names).ok()) return false;
-  return std::any_of(names.begin(), names.end(), [](const std::string& n) { return n.rfind(".tmp-", 0) == 0; });
+  const zl::Result<std::vector<std::string>> names = zl::list_directory(root);
+  if (!names.ok()) return false;
+  return std::any_of(names->begin(), names->end(), [](const std::string& n) { return n.rfind(".tmp-", 0) == 0; });
 }
 
 TEST(CheckpointCrash, KilledWriterLeavesPreviousCheckpointAsLatest) {
@@ -326,8 +309,8 @@ TEST(CheckpointCrash, KilledWriterLeavesPreviousCheckpointAsLatest) {
     {
       // Window 0 (values 1.0) exists before the writer starts.
       std::vector<float> data(kNumel, 1.0f);
-      std::unique_ptr<AdamW> opt;
-      ASSERT_TRUE(AdamW::create(AdamWConfig{}, {TrainableParam{kA, {static_cast<int64_t>(kNumel)}, data.data()}}, &opt).ok());
+      ASSERT_OK_AND_ASSIGN(const std::unique_ptr<AdamW> opt,
+                           AdamW::create(AdamWConfig{}, {TrainableParam{kA, {static_cast<int64_t>(kNumel)}, data.data()}}));
       CheckpointProgress p;
       p.window = 0;
       ASSERT_TRUE(CheckpointStore({root, 1, 2}).save(*opt, p).ok());
@@ -340,8 +323,8 @@ TEST(CheckpointCrash, KilledWriterLeavesPreviousCheckpointAsLatest) {
     // (so both "only window 0" and "a newer window" get exercised).
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     while (std::chrono::steady_clock::now() < deadline) {
-      std::vector<int64_t> windows;
-      (void)CheckpointStore({root, 1, 2}).list_windows(&windows);
+      const std::vector<int64_t> windows =
+          CheckpointStore({root, 1, 2}).list_windows().value_or(std::vector<int64_t>());
       const bool enough = attempt == 0 || (!windows.empty() && windows.back() >= 1);
       if (enough && has_temp_entry(root)) break;
       std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -355,19 +338,15 @@ TEST(CheckpointCrash, KilledWriterLeavesPreviousCheckpointAsLatest) {
   ASSERT_TRUE(killed_mid_write) << "never caught the writer inside a save";
 
   CheckpointStore store({root, 1, 2});
-  std::vector<int64_t> windows;
-  ASSERT_TRUE(store.list_windows(&windows).ok());
+  ASSERT_OK_AND_ASSIGN(const std::vector<int64_t> windows, store.list_windows());
   ASSERT_FALSE(windows.empty());
   std::vector<float> data(kNumel, -1.0f);
-  std::unique_ptr<AdamW> opt;
-  ASSERT_TRUE(AdamW::create(AdamWConfig{}, {TrainableParam{kA, {static_cast<int64_t>(kNumel)}, data.data()}}, &opt).ok());
-  CheckpointProgress loaded;
-  bool found = false;
-  zl::Status s = store.load_latest(opt.get(), &loaded, &found);
-  ASSERT_TRUE(s.ok()) << s.message();
-  ASSERT_TRUE(found);
-  EXPECT_EQ(loaded.window, windows.back());
-  const float expected = static_cast<float>(loaded.window + 1);
+  ASSERT_OK_AND_ASSIGN(const std::unique_ptr<AdamW> opt,
+                       AdamW::create(AdamWConfig{}, {TrainableParam{kA, {static_cast<int64_t>(kNumel)}, data.data()}}));
+  ASSERT_OK_AND_ASSIGN(const std::optional<CheckpointProgress> loaded, store.load_latest(opt.get()));
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->window, windows.back());
+  const float expected = static_cast<float>(loaded->window + 1);
   EXPECT_EQ(data.front(), expected);
   EXPECT_EQ(data.back(), expected);
   EXPECT_TRUE(std::all_of(data.begin(), data.end(), [&](float v) { return v == expected; }));

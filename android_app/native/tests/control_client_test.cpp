@@ -26,6 +26,7 @@ using std::chrono::milliseconds;
 using nlohmann::json;
 using testing::test_key;
 using testing::test_run;
+using testing::value_or_fail;
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kStage = 2;
@@ -39,7 +40,9 @@ LinkKeys coordinator_keys() { return link_keys(test_key(), Channel::kControl, kS
 class FakeCoordinator {
  public:
   explicit FakeCoordinator(uint16_t port = 0) {
-    EXPECT_TRUE(listen_tcp("127.0.0.1", port, &listener_, &port_).ok());
+    ListeningSocket listening = value_or_fail(listen_tcp("127.0.0.1", port));
+    listener_ = std::move(listening.socket);
+    port_ = listening.port;
   }
   uint16_t port() const { return port_; }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
@@ -48,20 +51,21 @@ class FakeCoordinator {
   bool accept(milliseconds timeout = 2000ms) {
     pollfd p{listener_.fd(), POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return false;
-    if (!accept_tcp(listener_, &conn_).ok()) return false;
-    DecodeResult hello;
+    Result<Socket> accepted = accept_tcp(listener_);
+    if (!accepted.ok()) return false;
+    conn_ = std::move(accepted).value();
     FrameExpectation expect;
     expect.run_id = test_run();
     expect.stage = kStage;
-    if (!read_frame(conn_.fd(), keys_.receive, expect, timeout, &hello).ok() || !hello.ok()) return false;
+    const Result<DecodeResult> hello = read_frame(conn_.fd(), keys_.receive, expect, timeout);
+    if (!hello.ok() || !hello->ok()) return false;
     std::array<uint8_t, kSessionHalfSize> half{};
     random_bytes(half.data(), half.size());
-    Frame reply;
     session_ = SessionState{};
-    if (!server_handshake(hello.frame, test_run(), kCoordinatorStage, half, &reply, &session_.id).empty()) {
-      return false;
-    }
-    return write_frame(conn_.fd(), reply, keys_.send).ok();
+    const Result<Frame> reply = server_handshake(hello->frame, test_run(), kCoordinatorStage, half);
+    if (!reply.ok()) return false;
+    session_.id = reply->session;
+    return write_frame(conn_.fd(), *reply, keys_.send).ok();
   }
 
   /// The next frame from the stage.
@@ -69,10 +73,10 @@ class FakeCoordinator {
     FrameExpectation expect;
     expect.run_id = test_run();
     expect.stage = kStage;
-    DecodeResult r;
     std::vector<uint8_t> raw;
-    const Status s = read_frame(conn_.fd(), keys_.receive, session_.expect(expect), timeout, &r, &raw);
-    if (!s.ok()) return ::testing::AssertionFailure() << "read: " << s.message();
+    const Result<DecodeResult> read = read_frame(conn_.fd(), keys_.receive, session_.expect(expect), timeout, &raw);
+    if (!read.ok()) return ::testing::AssertionFailure() << "read: " << read.status().message();
+    const DecodeResult& r = *read;
     if (!r.ok()) return ::testing::AssertionFailure() << "decode: " << r.reason;
     session_.accepted = r.frame.seq;
     // Sealed under this stage's key: the same bytes do not open under another.
@@ -110,9 +114,7 @@ class FakeCoordinator {
   }
   /// `f` as send() would seal it, for replays.
   std::vector<uint8_t> sealed(const Frame& f) {
-    std::vector<uint8_t> bytes;
-    EXPECT_TRUE(encode_frame(session_.stamp(f), keys_.send, &bytes).ok());
-    return bytes;
+    return value_or_fail(encode_frame(session_.stamp(f), keys_.send));
   }
   SessionState& session() { return session_; }
   void send_bytes(const std::string& bytes) {
@@ -522,15 +524,14 @@ TEST(ControlClientTest, StartRejectsBadOptions) {
   config.coordinator = "10.0.0.2:7100";
   config.run_id = "00112233445566778899aabbccddeeff";
   config.stage_index = 1;
-  ControlClientOptions from;
-  ASSERT_TRUE(control_options_from_config(config, test_key(), &from).ok());
+  ASSERT_OK_AND_ASSIGN(const ControlClientOptions from, control_options_from_config(config, test_key()));
   EXPECT_EQ(from.coordinator, "10.0.0.2:7100");
   EXPECT_EQ(from.stage, 1u);
   EXPECT_EQ(to_hex(from.run_id.data(), from.run_id.size()), config.run_id);
   config.run_id = "xyz";
-  EXPECT_EQ(control_options_from_config(config, test_key(), &from).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(control_options_from_config(config, test_key()).status().code(), StatusCode::kInvalidArgument);
   config.coordinator.clear();
-  EXPECT_EQ(control_options_from_config(config, test_key(), &from).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(control_options_from_config(config, test_key()).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(ControlClientTest, DescribesTheDevice) {

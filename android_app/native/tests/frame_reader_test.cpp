@@ -25,12 +25,11 @@ TEST(FrameReaderTest, PopsManyBufferedFramesInLinearTime) {
   constexpr int kFrames = 40000;
   std::vector<uint8_t> stream;
   for (int i = 0; i < kFrames; ++i) {
-    std::vector<uint8_t> one;
     // ~500-byte frames: 20 MB buffered; erasing from the front moved ~400 GB.
-    ASSERT_TRUE(encode_frame(make_control_frame(FrameType::kHeartbeat, test_run(), 1, 0, static_cast<uint64_t>(i),
-                                                "{\"pad\":\"" + std::string(400, 'p') + "\"}"),
-                             test_key(), &one)
-                    .ok());
+    ASSERT_OK_AND_ASSIGN(const std::vector<uint8_t> one,
+                         encode_frame(make_control_frame(FrameType::kHeartbeat, test_run(), 1, 0, static_cast<uint64_t>(i),
+                                                         "{\"pad\":\"" + std::string(400, 'p') + "\"}"),
+                                      test_key()));
     stream.insert(stream.end(), one.begin(), one.end());
   }
   ::fcntl(writer.fd(), F_SETFL, O_NONBLOCK);
@@ -68,11 +67,10 @@ TEST(FrameReaderTest, FramesSplitAcrossFillsAndPopsInterleave) {
   FrameReader reader;
   std::vector<uint8_t> stream;
   for (int i = 0; i < 50; ++i) {
-    std::vector<uint8_t> one;
-    ASSERT_TRUE(encode_frame(make_control_frame(FrameType::kHeartbeat, test_run(), 1, 0, static_cast<uint64_t>(i),
-                                                "{\"i\":" + std::to_string(i) + "}"),
-                             test_key(), &one)
-                    .ok());
+    ASSERT_OK_AND_ASSIGN(const std::vector<uint8_t> one,
+                         encode_frame(make_control_frame(FrameType::kHeartbeat, test_run(), 1, 0, static_cast<uint64_t>(i),
+                                                         "{\"i\":" + std::to_string(i) + "}"),
+                                      test_key()));
     stream.insert(stream.end(), one.begin(), one.end());
   }
   uint64_t next = 0;
@@ -99,8 +97,8 @@ TEST(FrameReaderTest, FramesSplitAcrossFillsAndPopsInterleave) {
 // Issue 28 item 2: memory follows the bytes that arrived, bounded by the cap,
 // never the length a header announces.
 TEST(FrameReaderTest, BuffersNoMoreThanItsCapWhateverAHeaderAnnounces) {
-  std::vector<uint8_t> stream;
-  ASSERT_TRUE(encode_frame(make_control_frame(FrameType::kHello, test_run(), 0, 0, 0), test_key(), &stream).ok());
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> stream,
+                       encode_frame(make_control_frame(FrameType::kHello, test_run(), 0, 0, 0), test_key()));
   stream.resize(kFrameHeaderSize);
   const uint32_t announced = 64u << 20;
   std::memcpy(stream.data() + 8, &announced, sizeof(announced));  // total_length, little-endian

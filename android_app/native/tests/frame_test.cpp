@@ -18,12 +18,10 @@ using testing::plain_frame;
 using testing::reseal;
 using testing::test_key;
 using testing::test_run;
+using testing::value_or_fail;
 
 std::vector<uint8_t> encode(const Frame& f, const FrameKey& key = test_key()) {
-  std::vector<uint8_t> out;
-  const Status s = encode_frame(f, key, &out);
-  EXPECT_TRUE(s.ok()) << s.message();
-  return out;
+  return value_or_fail(encode_frame(f, key));
 }
 
 FrameExpectation shape_expectation(int64_t b, int64_t s, int64_t d) {
@@ -249,8 +247,7 @@ TEST(FrameTest, OversizeIsRejectedFromTheHeaderAlone) {
   const DecodeResult r = decode_frame(bytes.data(), kFrameHeaderSize, test_key(), e);
   EXPECT_EQ(r.error, FrameError::kOversize);
   EXPECT_NE(r.reason.find("maximum of 1024"), std::string::npos) << r.reason;
-  std::vector<uint8_t> out;
-  EXPECT_EQ(encode_frame(data_frame(0, 1, 1, 16, 64), test_key(), &out, 1024).code(),
+  EXPECT_EQ(encode_frame(data_frame(0, 1, 1, 16, 64), test_key(), 1024).status().code(),
             StatusCode::kInvalidArgument);
 }
 
@@ -314,10 +311,9 @@ TEST(FrameTest, LyingInnerLengthsAreRejectedWithoutOverreading) {
 
 TEST(FrameTest, InvalidJsonPayloadIsRejected) {
   // The encoder refuses it; a key holder could still sign it.
-  std::vector<uint8_t> bytes;
   const Frame f = make_control_frame(FrameType::kError, test_run(), 0, 0, 0, "{not json");
-  EXPECT_EQ(encode_frame(f, test_key(), &bytes).code(), StatusCode::kInvalidArgument);
-  bytes = plain_frame(make_control_frame(FrameType::kError, test_run(), 0, 0, 0, "{\"a\":\"xx\"}"));
+  EXPECT_EQ(encode_frame(f, test_key()).status().code(), StatusCode::kInvalidArgument);
+  std::vector<uint8_t> bytes = plain_frame(make_control_frame(FrameType::kError, test_run(), 0, 0, 0, "{\"a\":\"xx\"}"));
   std::memcpy(bytes.data() + kFrameHeaderSize, "{not json", 9);
   reseal(&bytes, test_key());
   EXPECT_EQ(decode_frame(bytes.data(), bytes.size(), test_key()).error, FrameError::kBadPayload);
@@ -339,8 +335,7 @@ TEST(FrameTest, WrongRunAndWrongStageAreRejected) {
 TEST(FrameTest, EncodeRejectsDataThatDoesNotMatchTheShape) {
   Frame f = data_frame(0, 1);
   f.tensors[0].data.pop_back();
-  std::vector<uint8_t> out;
-  const Status s = encode_frame(f, test_key(), &out);
+  const Status s = encode_frame(f, test_key()).status();
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("'hidden'"), std::string::npos) << s.message();
 }
@@ -395,8 +390,7 @@ constexpr size_t kMinFrameSizeForTests = kFrameHeaderSize + kFrameTagSize;
 std::vector<uint8_t> raw_frame(FrameType type, const std::string& json,
                                const std::vector<std::vector<uint8_t>>& records = {}) {
   Frame f = make_control_frame(type, test_run(), 0, 0, 0);
-  std::vector<uint8_t> bytes;
-  EXPECT_TRUE(encode_frame(f, test_key(), &bytes).ok());
+  std::vector<uint8_t> bytes = value_or_fail(encode_frame(f, test_key()));
   bytes.resize(kFrameHeaderSize);
   bytes.insert(bytes.end(), json.begin(), json.end());
   for (const auto& r : records) bytes.insert(bytes.end(), r.begin(), r.end());
@@ -493,8 +487,7 @@ TEST(FrameRuleTest, TwoTensorsWithOneNameAreRejected) {
             FrameError::kBadTensor);
   Frame f = data_frame(0, 1);
   f.tensors.push_back(f.tensors[0]);
-  std::vector<uint8_t> out;
-  EXPECT_EQ(encode_frame(f, test_key(), &out).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(encode_frame(f, test_key()).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(FrameRuleTest, ShapesThatOverflowAreRejected) {
@@ -564,8 +557,9 @@ TEST(FrameRuleTest, FuzzedFramesDecodeOnlyWhenCanonical) {
       continue;
     }
     ++accepted;
-    std::vector<uint8_t> again;
-    ASSERT_TRUE(encode_frame(r.frame, test_key(), &again).ok()) << i;
+    Result<std::vector<uint8_t>> encoded = encode_frame(r.frame, test_key());
+    ASSERT_TRUE(encoded.ok()) << i << ": " << encoded.status().message();
+    std::vector<uint8_t> again = std::move(encoded).value();
     // The same plaintext sealed with the frame's nonce: byte for byte the frame.
     ASSERT_TRUE(open_frame(again.data(), again.size(), test_key()));
     std::copy(bytes.begin() + (kFrameHeaderSize - kFrameNonceSize), bytes.begin() + kFrameHeaderSize,
@@ -577,12 +571,11 @@ TEST(FrameRuleTest, FuzzedFramesDecodeOnlyWhenCanonical) {
 }
 
 TEST(FrameRuleTest, EncoderRefusesWhatTheDecoderRejects) {
-  std::vector<uint8_t> out;
-  EXPECT_EQ(encode_frame(make_control_frame(FrameType::kError, test_run(), 0, 0, 0, "[1]"), test_key(), &out).code(),
+  EXPECT_EQ(encode_frame(make_control_frame(FrameType::kError, test_run(), 0, 0, 0, "[1]"), test_key()).status().code(),
             StatusCode::kInvalidArgument);
   Frame f = data_frame(0, 1);
   f.tensors[0].name = "\xff";
-  EXPECT_EQ(encode_frame(f, test_key(), &out).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(encode_frame(f, test_key()).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -65,5 +65,18 @@ TEST(HostPortTest, PortOutOfRangeOrNotDecimal) {
   EXPECT_NE(status.message().find("1..65535"), std::string::npos) << status.message();
 }
 
+TEST(HostPortTest, WithPortKeepsTheHostAsWritten) {
+  Result<std::string> v4 = with_port("0.0.0.0:0", 7001);
+  ASSERT_TRUE(v4.ok()) << v4.status().message();
+  EXPECT_EQ(*v4, "0.0.0.0:7001");
+  Result<std::string> v6 = with_port("[::1]:0", 40123);
+  ASSERT_TRUE(v6.ok()) << v6.status().message();
+  EXPECT_EQ(*v6, "[::1]:40123");
+  Result<std::string> bare_v6 = with_port("::1:7001", 7002);
+  ASSERT_TRUE(bare_v6.ok()) << bare_v6.status().message();
+  EXPECT_EQ(*bare_v6, "::1:7002");
+  EXPECT_EQ(with_port("no-port", 7001).status().code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace zl

@@ -18,11 +18,10 @@ namespace {
 using testing::data_frame;
 using testing::TempDir;
 using testing::test_key;
+using testing::value_or_fail;
 
 std::vector<uint8_t> encoded(uint64_t window, uint64_t mb) {
-  std::vector<uint8_t> out;
-  EXPECT_TRUE(encode_frame(data_frame(window, mb), test_key(), &out).ok());
-  return out;
+  return value_or_fail(encode_frame(data_frame(window, mb), test_key()));
 }
 
 bool exists(const std::string& path) {
@@ -47,11 +46,10 @@ TEST(InputLogTest, AppendedEntriesSurviveReopenInMicroBatchOrder) {
     EXPECT_EQ(entries[i].micro_batch, i);
     EXPECT_EQ(entries[i].window, i / 2);
   }
-  Frame f;
-  ASSERT_TRUE(reopened.read(3, &f).ok());
+  ASSERT_OK_AND_ASSIGN(const Frame f, reopened.read(3));
   EXPECT_EQ(f.micro_batch, 3u);
   EXPECT_EQ(f.find("hidden")->data, data_frame(1, 3).find("hidden")->data);
-  EXPECT_EQ(reopened.read(9, &f).code(), StatusCode::kNotFound);
+  EXPECT_EQ(reopened.read(9).status().code(), StatusCode::kNotFound);
   EXPECT_TRUE(reopened.corrupt().empty());
 }
 
@@ -160,8 +158,7 @@ TEST(InputLogTest, ReadDetectsCorruptionAfterOpen) {
   ASSERT_TRUE(log.open().ok());
   ASSERT_TRUE(log.append(0, 0, encoded(0, 0)).ok());
   ASSERT_EQ(::truncate(log.path_for(0, 0).c_str(), 80), 0);
-  Frame f;
-  const Status s = log.read(0, &f);
+  const Status s = log.read(0).status();
   EXPECT_EQ(s.code(), StatusCode::kCorrupt);
   EXPECT_NE(s.message().find("truncated"), std::string::npos) << s.message();
 }

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "zl/frame.h"
+#include "status_test_support.h"
 
 namespace zl::testing {
 
@@ -46,8 +47,7 @@ inline Frame data_frame(uint64_t window, uint64_t mb, int64_t b = 1, int64_t s =
 /// A frame's plaintext form (encoded, then opened): a test edits it, then
 /// reseal()s it -- a frame altered by a holder of the key.
 inline std::vector<uint8_t> plain_frame(const Frame& f, const FrameKey& key = test_key()) {
-  std::vector<uint8_t> bytes;
-  EXPECT_TRUE(encode_frame(f, key, &bytes).ok());
+  std::vector<uint8_t> bytes = value_or_fail(encode_frame(f, key));
   EXPECT_TRUE(open_frame(bytes.data(), bytes.size(), key));
   return bytes;
 }

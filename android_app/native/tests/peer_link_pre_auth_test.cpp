@@ -31,6 +31,7 @@ using testing::data_frame;
 using testing::TempDir;
 using testing::test_key;
 using testing::test_run;
+using testing::value_or_fail;
 
 constexpr int64_t kB = 1, kS = 3, kD = 4;
 constexpr size_t kMiB = size_t{1} << 20;
@@ -119,17 +120,17 @@ struct RawUpstream {
   SessionState session;
   Frame hello;  // what a recording of this connection's HELLO replays
   explicit RawUpstream(uint16_t port, bool handshake = true) {
-    EXPECT_TRUE(connect_tcp("127.0.0.1", port, 1000ms, &sock).ok());
+    sock = value_or_fail(connect_tcp("127.0.0.1", port, 1000ms));
     if (!handshake) return;
-    const Status s = client_handshake(sock.fd(), upstream_keys(), test_run(), 0, {}, 2000ms, &session.id);
-    EXPECT_TRUE(s.ok()) << s.message();
+    session.id = value_or_fail(client_handshake(sock.fd(), upstream_keys(), test_run(), 0, {}, 2000ms));
   }
   /// Sends `f` in the session; the receiver's answer (an ACK), or why none came.
   DecodeResult send_and_reply(const Frame& f, Status* status) {
-    DecodeResult r;
     *status = write_frame(sock.fd(), session.stamp(f), upstream_keys().send);
-    if (status->ok()) *status = read_frame(sock.fd(), upstream_keys().receive, {}, 2000ms, &r);
-    return r;
+    if (!status->ok()) return DecodeResult{};
+    Result<DecodeResult> r = read_frame(sock.fd(), upstream_keys().receive, {}, 2000ms);
+    *status = r.status();
+    return r.ok() ? std::move(r).value() : DecodeResult{};
   }
 };
 
@@ -144,7 +145,7 @@ TEST(PeerLinkPreAuthTest, ThreeConnectionsAnnouncing64MiBDoNotGrowTheStage) {
   std::vector<Socket> attackers(3);
   const std::vector<uint8_t> header = header_claiming(static_cast<uint32_t>(kDefaultMaxFrameBytes));
   for (auto& sock : attackers) {
-    ASSERT_TRUE(connect_tcp("127.0.0.1", receiver.port(), 1000ms, &sock).ok());
+    ASSERT_OK_AND_ASSIGN(sock, connect_tcp("127.0.0.1", receiver.port(), 1000ms));
     ASSERT_TRUE(send_all(sock.fd(), header.data(), header.size()).ok());
   }
   size_t streamed = 0;
@@ -175,8 +176,7 @@ TEST(PeerLinkPreAuthTest, AnOversizePreAuthHeaderIsRefusedAtOnce) {
   ASSERT_TRUE(receiver.start().ok());
   // Anything a HELLO cannot be: just above the pre-auth cap, and the 64 MiB of the attack.
   for (uint32_t total : {static_cast<uint32_t>(kDefaultPreAuthFrameBytes + 1), static_cast<uint32_t>(64 * kMiB)}) {
-    Socket sock;
-    ASSERT_TRUE(connect_tcp("127.0.0.1", receiver.port(), 1000ms, &sock).ok());
+    ASSERT_OK_AND_ASSIGN(const Socket sock, connect_tcp("127.0.0.1", receiver.port(), 1000ms));
     const std::vector<uint8_t> header = header_claiming(total);
     ASSERT_TRUE(send_all(sock.fd(), header.data(), header.size()).ok());
     const auto t0 = SteadyClock::now();
@@ -202,8 +202,9 @@ TEST(PeerLinkPreAuthTest, ALegitimateUpstreamDeliversDuringTheAttack) {
     attackers.emplace_back([&] {
       const std::vector<uint8_t> header = header_claiming(static_cast<uint32_t>(kDefaultMaxFrameBytes));
       while (!done) {
-        Socket sock;
-        if (!connect_tcp("127.0.0.1", receiver.port(), 1000ms, &sock).ok()) continue;
+        Result<Socket> connected = connect_tcp("127.0.0.1", receiver.port(), 1000ms);
+        if (!connected.ok()) continue;
+        const Socket sock = std::move(connected).value();
         ++attack_connections;
         if (!send_all(sock.fd(), header.data(), header.size()).ok()) continue;
         stream_junk(sock.fd(), 4 * kMiB, 500ms);
@@ -221,9 +222,7 @@ TEST(PeerLinkPreAuthTest, ALegitimateUpstreamDeliversDuringTheAttack) {
   ASSERT_TRUE(sender.start().ok());
   for (uint64_t mb = 0; mb < 20; ++mb) {
     ASSERT_TRUE(sender.send(data_frame(0, mb), 5000ms).ok());
-    InputEntry e;
-    const Status s = receiver.next(5000ms, &e);
-    ASSERT_TRUE(s.ok()) << s.message();
+    ASSERT_OK_AND_ASSIGN(const InputEntry e, receiver.next(5000ms));
     EXPECT_EQ(e.micro_batch, mb);
   }
   EXPECT_TRUE(sender.flush(5000ms).ok());
@@ -272,14 +271,13 @@ TEST(PeerLinkPreAuthTest, ARecordedHelloHoldsAtMostOneFrameAndTheNewestHandshake
   {
     Frame h = make_control_frame(FrameType::kHello, test_run(), 0, 0, 0);
     std::copy(real.session.id.begin(), real.session.id.begin() + kSessionHalfSize, h.session.begin());
-    ASSERT_TRUE(encode_frame(h, upstream_keys().send, &recorded).ok());
+    ASSERT_OK_AND_ASSIGN(recorded, encode_frame(h, upstream_keys().send));
   }
   std::vector<Socket> replays(3);
   for (auto& r : replays) {
-    ASSERT_TRUE(connect_tcp("127.0.0.1", receiver.port(), 1000ms, &r).ok());
+    ASSERT_OK_AND_ASSIGN(r, connect_tcp("127.0.0.1", receiver.port(), 1000ms));
     ASSERT_TRUE(send_all(r.fd(), recorded.data(), recorded.size()).ok());
-    DecodeResult answer;
-    ASSERT_TRUE(read_frame(r.fd(), upstream_keys().receive, {}, 2000ms, &answer).ok());
+    ASSERT_OK_AND_ASSIGN(const DecodeResult answer, read_frame(r.fd(), upstream_keys().receive, {}, 2000ms));
     ASSERT_EQ(answer.frame.type, FrameType::kHello) << answer.reason;
   }
   // Each newer handshake closed the one before it: the real upstream's first, then each replay but the last.
@@ -326,13 +324,14 @@ TEST(PeerLinkPreAuthTest, StartRefusesABudgetWithoutRoomForAHello) {
 // The same pattern on the client side: until the server's HELLO verified, the
 // client (a Sender, a ControlClient) reads only what a HELLO or an ERROR can be.
 TEST(PeerLinkPreAuthTest, TheClientHandshakeReadsNoMoreThanAReplyFromAnUnverifiedServer) {
-  Socket listener;
-  uint16_t port = 0;
-  ASSERT_TRUE(listen_tcp("127.0.0.1", 0, &listener, &port).ok());
+  ASSERT_OK_AND_ASSIGN(const ListeningSocket listening, listen_tcp("127.0.0.1", 0));
+  const Socket& listener = listening.socket;
+  const uint16_t port = listening.port;
   std::atomic<bool> done{false};
   std::thread fake_server([&] {
-    Socket conn;
-    if (!accept_tcp(listener, &conn).ok()) return;
+    Result<Socket> accepted = accept_tcp(listener);
+    if (!accepted.ok()) return;
+    const Socket conn = std::move(accepted).value();
     std::vector<uint8_t> hello(kHelloFrameBytes);
     if (::recv(conn.fd(), hello.data(), hello.size(), MSG_WAITALL) != static_cast<ssize_t>(hello.size())) return;
     const std::vector<uint8_t> header = header_claiming(static_cast<uint32_t>(kDefaultMaxFrameBytes));
@@ -340,12 +339,10 @@ TEST(PeerLinkPreAuthTest, TheClientHandshakeReadsNoMoreThanAReplyFromAnUnverifie
     stream_junk(conn.fd(), 4 * kMiB, 1000ms);
     while (!done) std::this_thread::sleep_for(10ms);  // holds the connection open
   });
-  Socket sock;
-  ASSERT_TRUE(connect_tcp("127.0.0.1", port, 1000ms, &sock).ok());
+  ASSERT_OK_AND_ASSIGN(Socket sock, connect_tcp("127.0.0.1", port, 1000ms));
   FrameExpectation expect;  // the link's maximum is 64 MiB
-  SessionId session{};
   const auto t0 = SteadyClock::now();
-  const Status s = client_handshake(sock.fd(), upstream_keys(), test_run(), 0, expect, 3000ms, &session);
+  const Status s = client_handshake(sock.fd(), upstream_keys(), test_run(), 0, expect, 3000ms).status();
   EXPECT_LT(SteadyClock::now() - t0, 1000ms) << s.message();
   EXPECT_EQ(s.code(), StatusCode::kCorrupt) << s.message();
   EXPECT_NE(s.message().find("oversize"), std::string::npos) << s.message();

@@ -28,6 +28,7 @@ using testing::data_frame;
 using testing::TempDir;
 using testing::test_key;
 using testing::test_run;
+using testing::value_or_fail;
 
 constexpr int64_t kB = 1, kS = 3, kD = 4;
 
@@ -73,11 +74,8 @@ struct RawUpstream {
   LinkKeys keys = upstream_keys();
   std::vector<uint8_t> sent;  // every byte written, for replay tests
   explicit RawUpstream(uint16_t port, bool handshake = true) {
-    EXPECT_TRUE(connect_tcp("127.0.0.1", port, 1000ms, &sock).ok());
-    if (handshake) {
-      const Status s = client_handshake(sock.fd(), keys, test_run(), 0, {}, 2000ms, &session.id);
-      EXPECT_TRUE(s.ok()) << s.message();
-    }
+    sock = value_or_fail(connect_tcp("127.0.0.1", port, 1000ms));
+    if (handshake) session.id = value_or_fail(client_handshake(sock.fd(), keys, test_run(), 0, {}, 2000ms));
   }
   void send_bytes(const std::vector<uint8_t>& b) {
     sent.insert(sent.end(), b.begin(), b.end());
@@ -85,28 +83,27 @@ struct RawUpstream {
   }
   /// `f` stamped with the session and the next sequence number, sealed under `key`.
   std::vector<uint8_t> sealed(const Frame& f, const FrameKey* key = nullptr) {
-    std::vector<uint8_t> bytes;
-    EXPECT_TRUE(encode_frame(session.stamp(f), key ? *key : keys.send, &bytes).ok());
-    return bytes;
+    return value_or_fail(encode_frame(session.stamp(f), key ? *key : keys.send));
   }
   void send(const Frame& f) { send_bytes(sealed(f)); }
   DecodeResult reply(Status* status) {
-    DecodeResult r;
-    *status = read_frame(sock.fd(), keys.receive, {}, 2000ms, &r);
-    return r;
+    Result<DecodeResult> r = read_frame(sock.fd(), keys.receive, {}, 2000ms);
+    *status = r.status();
+    return r.ok() ? std::move(r).value() : DecodeResult{};
   }
 };
 
 // Plays a downstream by hand on an accepted connection: the server's
 // handshake; then `session` stamps its frames.
 bool accept_handshake(const Socket& conn, SessionState* session, uint8_t server_half = 0x5e) {
-  DecodeResult hello;
-  if (!read_frame(conn.fd(), downstream_keys().receive, {}, 2000ms, &hello).ok() || !hello.ok()) return false;
+  const Result<DecodeResult> hello = read_frame(conn.fd(), downstream_keys().receive, {}, 2000ms);
+  if (!hello.ok() || !hello->ok()) return false;
   std::array<uint8_t, kSessionHalfSize> half{};
   half.fill(server_half);
-  Frame reply;
-  if (!server_handshake(hello.frame, test_run(), 1, half, &reply, &session->id).empty()) return false;
-  return write_frame(conn.fd(), reply, downstream_keys().send).ok();
+  const Result<Frame> reply = server_handshake(hello->frame, test_run(), 1, half);
+  if (!reply.ok()) return false;
+  session->id = reply->session;
+  return write_frame(conn.fd(), *reply, downstream_keys().send).ok();
 }
 
 TEST(PeerLinkTest, DeliversEntriesInMicroBatchOrder) {
@@ -117,9 +114,7 @@ TEST(PeerLinkTest, DeliversEntriesInMicroBatchOrder) {
   ASSERT_TRUE(sender.start().ok());
   for (uint64_t mb = 0; mb < 6; ++mb) ASSERT_TRUE(sender.send(data_frame(mb / 3, mb), 2000ms).ok());
   for (uint64_t mb = 0; mb < 6; ++mb) {
-    InputEntry e;
-    const Status s = receiver.next(2000ms, &e);
-    ASSERT_TRUE(s.ok()) << s.message();
+    ASSERT_OK_AND_ASSIGN(const InputEntry e, receiver.next(2000ms));
     EXPECT_EQ(e.micro_batch, mb);
     EXPECT_EQ(e.window, mb / 3);
     EXPECT_EQ(e.frame.find("hidden")->data, data_frame(mb / 3, mb).find("hidden")->data);
@@ -128,8 +123,7 @@ TEST(PeerLinkTest, DeliversEntriesInMicroBatchOrder) {
   EXPECT_EQ(sender.stats().acks, 6u);
   EXPECT_LE(sender.stats().max_in_flight_seen, 2u);
   EXPECT_EQ(receiver.stats().accepted, 6u);
-  InputEntry none;
-  EXPECT_EQ(receiver.next(50ms, &none).code(), StatusCode::kTimeout);
+  EXPECT_EQ(receiver.next(50ms).status().code(), StatusCode::kTimeout);
 }
 
 TEST(PeerLinkTest, EntryIsInTheLogWhenItsAckArrives) {
@@ -160,7 +154,7 @@ TEST(PeerLinkTest, DuplicatesAreDroppedAndAcknowledgedAgain) {
   up.send(data_frame(0, 0));
   ASSERT_EQ(up.reply(&s).frame.type, FrameType::kAck);
   InputEntry e;
-  ASSERT_TRUE(receiver.next(1000ms, &e).ok());  // mb 0 consumed
+  ASSERT_OK_AND_ASSIGN(e, receiver.next(1000ms));  // mb 0 consumed
   up.send(data_frame(0, 1));
   ASSERT_EQ(up.reply(&s).frame.micro_batch, 1u);
   up.send(data_frame(0, 1));  // still in the log
@@ -171,9 +165,9 @@ TEST(PeerLinkTest, DuplicatesAreDroppedAndAcknowledgedAgain) {
   EXPECT_EQ(up.reply(&s).frame.micro_batch, 0u);
   EXPECT_EQ(receiver.stats().duplicates, 2u);
   EXPECT_EQ(receiver.stats().accepted, 2u);
-  ASSERT_TRUE(receiver.next(1000ms, &e).ok());
+  ASSERT_OK_AND_ASSIGN(e, receiver.next(1000ms));
   EXPECT_EQ(e.micro_batch, 1u);
-  EXPECT_EQ(receiver.next(50ms, &e).code(), StatusCode::kTimeout);
+  EXPECT_EQ(receiver.next(50ms).status().code(), StatusCode::kTimeout);
 }
 
 TEST(PeerLinkTest, BadFramesAreRejectedAndTheReceiverKeepsServing) {
@@ -227,7 +221,7 @@ TEST(PeerLinkTest, BadFramesAreRejectedAndTheReceiverKeepsServing) {
   Status s;
   EXPECT_EQ(good.reply(&s).frame.type, FrameType::kAck);
   InputEntry e;
-  ASSERT_TRUE(receiver.next(1000ms, &e).ok());
+  ASSERT_OK_AND_ASSIGN(e, receiver.next(1000ms));
   EXPECT_EQ(e.micro_batch, 0u);
   EXPECT_EQ(receiver.stats().accepted, 1u);
 }
@@ -282,7 +276,9 @@ TEST(PeerLinkTest, UnauthenticatedConnectionsDoNotReplaceTheUpstream) {
   for (int i = 0; i < 30; ++i) {
     flood.push_back(std::make_unique<RawUpstream>(receiver.port(), /*handshake=*/false));
     std::vector<uint8_t> bytes(80, 'x');
-    if (i % 3 == 2) ASSERT_TRUE(encode_frame(data_frame(0, 50), test_key(9), &bytes).ok());
+    if (i % 3 == 2) {
+      ASSERT_OK_AND_ASSIGN(bytes, encode_frame(data_frame(0, 50), test_key(9)));
+    }
     // The receiver may already have closed it (the oldest waiting are dropped).
     if (i % 3 != 0) (void)send_all(flood.back()->sock.fd(), bytes.data(), bytes.size());
   }
@@ -333,18 +329,20 @@ TEST(PeerLinkTest, NewcomersThatNeverAuthenticateAreClosed) {
 class SilentDownstream {
  public:
   SilentDownstream() {
-    EXPECT_TRUE(listen_tcp("127.0.0.1", 0, &listener_, &port_).ok());
+    ListeningSocket listening = value_or_fail(listen_tcp("127.0.0.1", 0));
+    listener_ = std::move(listening.socket);
+    port_ = listening.port;
     thread_ = std::thread([this] {
-      Socket conn;
-      if (!accept_tcp(listener_, &conn).ok()) return;
+      Result<Socket> accepted = accept_tcp(listener_);
+      if (!accepted.ok()) return;
+      const Socket conn = std::move(accepted).value();
       SessionState session;
       if (!accept_handshake(conn, &session)) return;
       while (!stop_) {
-        DecodeResult r;
-        const Status s = read_frame(conn.fd(), downstream_keys().receive, {}, 50ms, &r);
-        if (s.code() == StatusCode::kTimeout) continue;
-        if (!s.ok()) return;
-        if (r.ok()) ++frames_;
+        const Result<DecodeResult> r = read_frame(conn.fd(), downstream_keys().receive, {}, 50ms);
+        if (r.status().code() == StatusCode::kTimeout) continue;
+        if (!r.ok()) return;
+        if (r->ok()) ++frames_;
       }
     });
   }
@@ -387,9 +385,7 @@ TEST(PeerLinkTest, ALocalErrorPausesTheReceiverInsteadOfAReconnectLoop) {
   // The folder is back: the next try after the pause logs the entry.
   ASSERT_TRUE(remove_tree(log_dir).ok());
   ASSERT_TRUE(make_directories(log_dir).ok());
-  InputEntry e;
-  const Status got = receiver.next(5000ms, &e);
-  ASSERT_TRUE(got.ok()) << got.message();
+  ASSERT_OK_AND_ASSIGN(const InputEntry e, receiver.next(5000ms));
   EXPECT_EQ(e.micro_batch, 0u);
 }
 
@@ -435,7 +431,7 @@ TEST(PeerLinkTest, StalledConsumerBackPressuresTheSender) {
   // Consuming releases the pipeline.
   for (uint64_t mb = 0; mb < 4; ++mb) {
     InputEntry e;
-    ASSERT_TRUE(receiver.next(2000ms, &e).ok());
+    ASSERT_OK_AND_ASSIGN(e, receiver.next(2000ms));
     EXPECT_EQ(e.micro_batch, mb);
   }
   EXPECT_TRUE(sender.flush(2000ms).ok());
@@ -458,7 +454,7 @@ TEST(PeerLinkTest, TheHandshakeIsAnsweredWhileTheConsumerIsBehind) {
   std::this_thread::sleep_for(100ms);
   EXPECT_EQ(receiver.stats().accepted, 1u);
   InputEntry e;
-  ASSERT_TRUE(receiver.next(1000ms, &e).ok());
+  ASSERT_OK_AND_ASSIGN(e, receiver.next(1000ms));
   EXPECT_EQ(second.reply(&s).frame.type, FrameType::kAck) << s.message();
   EXPECT_EQ(receiver.stats().accepted, 2u);
 }
@@ -488,7 +484,7 @@ TEST(PeerLinkTest, ReconnectsAfterTheReceiverRestartsAndResendsUnacked) {
   ASSERT_TRUE(sender.flush(3000ms).ok());
   for (uint64_t mb = 0; mb < 4; ++mb) {
     InputEntry e;
-    ASSERT_TRUE(second.next(2000ms, &e).ok());
+    ASSERT_OK_AND_ASSIGN(e, second.next(2000ms));
     EXPECT_EQ(e.micro_batch, mb);
   }
   EXPECT_GE(sender.stats().connects, 2u);
@@ -496,21 +492,19 @@ TEST(PeerLinkTest, ReconnectsAfterTheReceiverRestartsAndResendsUnacked) {
 
 TEST(PeerLinkTest, UnackedEntriesAreResentAfterTheConnectionDrops) {
   TempDir dir;
-  uint16_t port = 0;
-  Socket listener;
-  ASSERT_TRUE(listen_tcp("127.0.0.1", 0, &listener, &port).ok());
+  ASSERT_OK_AND_ASSIGN(ListeningSocket listening, listen_tcp("127.0.0.1", 0));
+  Socket& listener = listening.socket;
+  const uint16_t port = listening.port;
   Sender sender(sender_options(port, 3));
   ASSERT_TRUE(sender.start().ok());
   {
     // First downstream reads two frames, never acknowledges, and dies.
-    Socket conn;
-    ASSERT_TRUE(accept_tcp(listener, &conn).ok());
+    ASSERT_OK_AND_ASSIGN(const Socket conn, accept_tcp(listener));
     SessionState session;
     ASSERT_TRUE(accept_handshake(conn, &session));
     for (uint64_t mb = 0; mb < 2; ++mb) ASSERT_TRUE(sender.send(data_frame(0, mb), 1000ms).ok());
     for (int i = 0; i < 2; ++i) {
-      DecodeResult r;
-      ASSERT_TRUE(read_frame(conn.fd(), downstream_keys().receive, {}, 1000ms, &r).ok());
+      ASSERT_OK_AND_ASSIGN(const DecodeResult r, read_frame(conn.fd(), downstream_keys().receive, {}, 1000ms));
       ASSERT_TRUE(r.ok());
     }
     listener.close();
@@ -520,7 +514,7 @@ TEST(PeerLinkTest, UnackedEntriesAreResentAfterTheConnectionDrops) {
   ASSERT_TRUE(sender.flush(3000ms).ok());
   EXPECT_GE(sender.stats().resends, 2u);
   InputEntry e;
-  ASSERT_TRUE(receiver.next(1000ms, &e).ok());
+  ASSERT_OK_AND_ASSIGN(e, receiver.next(1000ms));
   EXPECT_EQ(e.micro_batch, 0u);
 }
 
@@ -541,9 +535,9 @@ TEST(PeerLinkTest, RestartReplaysFromTheLogAfterTheCheckpoint) {
   ASSERT_TRUE(receiver.start().ok());
   EXPECT_EQ(receiver.input_log().size(), 4u);
   InputEntry e;
-  ASSERT_TRUE(receiver.next(1000ms, &e).ok());
+  ASSERT_OK_AND_ASSIGN(e, receiver.next(1000ms));
   EXPECT_EQ(e.micro_batch, 2u);
-  ASSERT_TRUE(receiver.next(1000ms, &e).ok());
+  ASSERT_OK_AND_ASSIGN(e, receiver.next(1000ms));
   EXPECT_EQ(e.micro_batch, 3u);
   ASSERT_TRUE(receiver.window_committed(1).ok());
   EXPECT_FALSE(file_exists(receiver.input_log().path_for(1, 3)));
@@ -564,15 +558,15 @@ TEST(PeerLinkTest, TheInputLogIsEncryptedAndSurvivesARestart) {
     Status s;
     ASSERT_EQ(up.reply(&s).frame.type, FrameType::kAck) << s.message();
   }
-  std::vector<uint8_t> stored;
-  ASSERT_TRUE(read_file_bytes(dir.path() + "/" + "entry-00000000000000000000-w00000000000000000000.zlf", &stored).ok());
+  ASSERT_OK_AND_ASSIGN(const std::vector<uint8_t> stored,
+                       read_file_bytes(dir.path() + "/" + "entry-00000000000000000000-w00000000000000000000.zlf"));
   const std::vector<uint8_t>& labels = f.find("labels")->data;
   EXPECT_EQ(std::search(stored.begin(), stored.end(), labels.begin(), labels.end()), stored.end());
   EXPECT_EQ(decode_frame(stored.data(), stored.size(), upstream_keys().send).error, FrameError::kBadMac);
   Receiver again(receiver_options(dir.path()));
   ASSERT_TRUE(again.start().ok());
   InputEntry e;
-  ASSERT_TRUE(again.next(1000ms, &e).ok());
+  ASSERT_OK_AND_ASSIGN(e, again.next(1000ms));
   EXPECT_EQ(e.frame.find("labels")->data, labels);
   EXPECT_EQ(e.frame.find("hidden")->data, f.find("hidden")->data);
 }
@@ -592,17 +586,15 @@ TEST(PeerLinkTest, ARecordedUpstreamReplayedOnANewConnectionTakesNothingOver) {
   Status s;
   ASSERT_EQ(real.reply(&s).frame.type, FrameType::kAck) << s.message();
   // The recording starts after the HELLO: replay the HELLO too, then the DATA frame.
-  Socket replay;
-  ASSERT_TRUE(connect_tcp("127.0.0.1", receiver.port(), 1000ms, &replay).ok());
+  ASSERT_OK_AND_ASSIGN(const Socket replay, connect_tcp("127.0.0.1", receiver.port(), 1000ms));
   std::vector<uint8_t> hello;
   {
     Frame h = make_control_frame(FrameType::kHello, test_run(), 0, 0, 0);
     std::copy(real.session.id.begin(), real.session.id.begin() + kSessionHalfSize, h.session.begin());
-    ASSERT_TRUE(encode_frame(h, real.keys.send, &hello).ok());
+    ASSERT_OK_AND_ASSIGN(hello, encode_frame(h, real.keys.send));
   }
   ASSERT_TRUE(send_all(replay.fd(), hello.data(), hello.size()).ok());
-  DecodeResult answer;
-  ASSERT_TRUE(read_frame(replay.fd(), real.keys.receive, {}, 2000ms, &answer).ok());
+  ASSERT_OK_AND_ASSIGN(const DecodeResult answer, read_frame(replay.fd(), real.keys.receive, {}, 2000ms));
   ASSERT_TRUE(answer.ok()) << answer.reason;
   EXPECT_NE(answer.frame.session, real.session.id);  // a fresh server half
   ASSERT_TRUE(send_all(replay.fd(), real.sent.data(), real.sent.size()).ok());
@@ -629,49 +621,45 @@ TEST(PeerLinkTest, ARecordedUpstreamReplayedOnANewConnectionTakesNothingOver) {
 // recorded earlier released an entry the receiver never logged. ACKs are now
 // bound to the connection's session and sequence numbers.
 TEST(PeerLinkTest, AReplayedAckDoesNotReleaseAnEntry) {
-  uint16_t port = 0;
-  Socket listener;
-  ASSERT_TRUE(listen_tcp("127.0.0.1", 0, &listener, &port).ok());
+  ASSERT_OK_AND_ASSIGN(const ListeningSocket listening, listen_tcp("127.0.0.1", 0));
+  const Socket& listener = listening.socket;
+  const uint16_t port = listening.port;
   Sender sender(sender_options(port, 3));
   ASSERT_TRUE(sender.start().ok());
   std::vector<uint8_t> recorded_ack;
   {
-    Socket conn;
-    ASSERT_TRUE(accept_tcp(listener, &conn).ok());
+    ASSERT_OK_AND_ASSIGN(const Socket conn, accept_tcp(listener));
     SessionState session;
     ASSERT_TRUE(accept_handshake(conn, &session));
     ASSERT_TRUE(sender.send(data_frame(0, 0), 1000ms).ok());
-    DecodeResult r;
-    ASSERT_TRUE(read_frame(conn.fd(), downstream_keys().receive, {}, 1000ms, &r).ok());
+    ASSERT_OK_AND_ASSIGN(const DecodeResult r, read_frame(conn.fd(), downstream_keys().receive, {}, 1000ms));
     ASSERT_TRUE(r.ok()) << r.reason;
-    ASSERT_TRUE(encode_frame(session.stamp(make_control_frame(FrameType::kAck, test_run(), 1, 0, 0)),
-                             downstream_keys().send, &recorded_ack).ok());
+    ASSERT_OK_AND_ASSIGN(recorded_ack, encode_frame(session.stamp(make_control_frame(FrameType::kAck, test_run(), 1, 0, 0)),
+                                                    downstream_keys().send));
     ASSERT_TRUE(send_all(conn.fd(), recorded_ack.data(), recorded_ack.size()).ok());
     ASSERT_TRUE(sender.flush(2000ms).ok());
     // Micro-batch 0 goes out again (the stage restarted from an earlier
     // checkpoint): the recorded ACK, replayed in the same session, is refused.
     ASSERT_TRUE(sender.send(data_frame(0, 0), 1000ms).ok());
-    ASSERT_TRUE(read_frame(conn.fd(), downstream_keys().receive, {}, 1000ms, &r).ok());
+    ASSERT_TRUE(read_frame(conn.fd(), downstream_keys().receive, {}, 1000ms).ok());
     ASSERT_TRUE(send_all(conn.fd(), recorded_ack.data(), recorded_ack.size()).ok());
     std::this_thread::sleep_for(100ms);
     EXPECT_EQ(sender.in_flight(), 1u) << "a replayed ACK released the entry";
   }
   // A new connection (new session): the recorded ACK again.
-  Socket conn;
-  ASSERT_TRUE(accept_tcp(listener, &conn).ok());
+  ASSERT_OK_AND_ASSIGN(const Socket conn, accept_tcp(listener));
   SessionState session;
   ASSERT_TRUE(accept_handshake(conn, &session, 0x77));
-  DecodeResult r;
-  ASSERT_TRUE(read_frame(conn.fd(), downstream_keys().receive, {}, 2000ms, &r).ok());  // the re-send
+  ASSERT_OK_AND_ASSIGN(const DecodeResult r, read_frame(conn.fd(), downstream_keys().receive, {}, 2000ms));  // the re-send
   ASSERT_TRUE(r.ok()) << r.reason;
   EXPECT_EQ(r.frame.session, session.id);
   ASSERT_TRUE(send_all(conn.fd(), recorded_ack.data(), recorded_ack.size()).ok());
   std::this_thread::sleep_for(100ms);
   EXPECT_EQ(sender.in_flight(), 1u) << "an ACK of an earlier connection released the entry";
   // The real ACK of this session does.
-  std::vector<uint8_t> ack;
-  ASSERT_TRUE(encode_frame(session.stamp(make_control_frame(FrameType::kAck, test_run(), 1, 0, 0)),
-                           downstream_keys().send, &ack).ok());
+  ASSERT_OK_AND_ASSIGN(const std::vector<uint8_t> ack,
+                       encode_frame(session.stamp(make_control_frame(FrameType::kAck, test_run(), 1, 0, 0)),
+                                    downstream_keys().send));
   ASSERT_TRUE(send_all(conn.fd(), ack.data(), ack.size()).ok());
   EXPECT_TRUE(sender.flush(2000ms).ok());
 }
@@ -682,7 +670,7 @@ TEST(PeerLinkTest, LinkShapingAddsLatencyAndSerializationDelay) {
   ASSERT_TRUE(receiver.start().ok());
 
   SenderOptions so = sender_options(receiver.port(), 4);
-  ASSERT_TRUE(link_profile_from_name("constrained", &so.profile).ok());
+  ASSERT_OK_AND_ASSIGN(so.profile, link_profile_from_name("constrained"));
   Sender sender(so);
   ASSERT_TRUE(sender.start().ok());
   for (int i = 0; i < 100 && !sender.connected(); ++i) std::this_thread::sleep_for(5ms);
@@ -726,8 +714,7 @@ TEST(PeerLinkTest, StopUnblocksAWaitingSendAndNext) {
     receiver.stop();
   });
   EXPECT_EQ(sender.send(data_frame(0, 1), 5000ms).code(), StatusCode::kClosed);
-  InputEntry e;
-  EXPECT_EQ(receiver.next(5000ms, &e).code(), StatusCode::kClosed);
+  EXPECT_EQ(receiver.next(5000ms).status().code(), StatusCode::kClosed);
   stopper.join();
 }
 

@@ -20,6 +20,7 @@ using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
 using testing::test_key;
 using testing::test_run;
+using testing::value_or_fail;
 
 TEST(BackoffTest, DoublesUpToTheMaximumAndResets) {
   Backoff backoff(10ms, 45ms);
@@ -50,28 +51,27 @@ struct Connected {
   SessionState session;
 
   Connected() {
-    EXPECT_TRUE(listen_tcp("127.0.0.1", 0, &listener, &port).ok());
+    ListeningSocket listening = value_or_fail(listen_tcp("127.0.0.1", 0));
+    listener = std::move(listening.socket);
+    port = listening.port;
     EXPECT_TRUE(link.open().ok());
-    Socket sock;
-    const Status dialled = ReconnectingLink::dial("127.0.0.1", port, 2000ms, &sock);
-    EXPECT_TRUE(dialled.ok()) << dialled.message();
-    EXPECT_TRUE(accept_tcp(listener, &peer).ok());
+    Socket sock = value_or_fail(ReconnectingLink::dial("127.0.0.1", port, 2000ms));
+    peer = value_or_fail(accept_tcp(listener));
     std::thread server([&] {
-      DecodeResult hello;
-      ASSERT_TRUE(read_frame(peer.fd(), server_keys().receive, {}, 2000ms, &hello).ok());
+      ASSERT_OK_AND_ASSIGN(const DecodeResult hello, read_frame(peer.fd(), server_keys().receive, {}, 2000ms));
       ASSERT_TRUE(hello.ok()) << hello.reason;
-      Frame reply;
       std::array<uint8_t, kSessionHalfSize> half{};
       half.fill(0x42);
-      ASSERT_EQ(server_handshake(hello.frame, test_run(), 1, half, &reply, &session.id), "");
+      ASSERT_OK_AND_ASSIGN(const Frame reply, server_handshake(hello.frame, test_run(), 1, half));
+      session.id = reply.session;
       ASSERT_TRUE(write_frame(peer.fd(), reply, server_keys().send).ok());
     });
-    SessionId id{};
-    const Status shaken = link.handshake(sock, 2000ms, &id);
+    const Result<SessionId> id = link.handshake(sock, 2000ms);
     server.join();
-    EXPECT_TRUE(shaken.ok()) << shaken.message();
-    EXPECT_EQ(id, session.id);
-    link.adopt(std::move(sock), id);
+    EXPECT_TRUE(id.ok()) << id.status().message();
+    if (!id.ok()) return;
+    EXPECT_EQ(*id, session.id);
+    link.adopt(std::move(sock), *id);
   }
 
   void send(const Frame& f) { ASSERT_TRUE(write_frame(peer.fd(), session.stamp(f), server_keys().send).ok()); }
@@ -80,7 +80,9 @@ struct Connected {
   LinkReadResult read(std::vector<DecodeResult>* frames) {
     bool readable = false;
     for (int i = 0; i < 50 && !readable; ++i) {
-      EXPECT_TRUE(link.wait_for_input(Clock::now() + 100ms, &readable).ok());
+      const Result<bool> waited = link.wait_for_input(Clock::now() + 100ms);
+      EXPECT_TRUE(waited.ok()) << waited.status().message();
+      readable = waited.ok() && *waited;
     }
     EXPECT_TRUE(readable);
     return link.read_frames([&](const DecodeResult& r) { frames->push_back(r); });
@@ -88,13 +90,9 @@ struct Connected {
 };
 
 TEST(ReconnectingLinkTest, DialFailsFastOnAClosedPort) {
-  Socket listener;
-  uint16_t port = 0;
-  ASSERT_TRUE(listen_tcp("127.0.0.1", 0, &listener, &port).ok());
-  listener.close();  // nothing listens there now
-  Socket sock;
-  EXPECT_FALSE(ReconnectingLink::dial("127.0.0.1", port, 500ms, &sock).ok());
-  EXPECT_FALSE(sock.valid());
+  ASSERT_OK_AND_ASSIGN(ListeningSocket listening, listen_tcp("127.0.0.1", 0));
+  listening.socket.close();  // nothing listens there now
+  EXPECT_FALSE(ReconnectingLink::dial("127.0.0.1", listening.port, 500ms).ok());
 }
 
 TEST(ReconnectingLinkTest, HandsOverValidAndRejectedFramesInOrder) {
@@ -104,8 +102,7 @@ TEST(ReconnectingLinkTest, HandsOverValidAndRejectedFramesInOrder) {
   const Frame foreign = make_control_frame(FrameType::kAck, test_run(9), 1, 0, 6);  // another run
   c.send(ack);
   c.send(foreign);
-  std::vector<uint8_t> recorded;
-  ASSERT_TRUE(encode_frame(c.session.stamp(ack), server_keys().send, &recorded).ok());
+  ASSERT_OK_AND_ASSIGN(const std::vector<uint8_t> recorded, encode_frame(c.session.stamp(ack), server_keys().send));
   ASSERT_TRUE(send_all(c.peer.fd(), recorded.data(), recorded.size()).ok());
   ASSERT_TRUE(send_all(c.peer.fd(), recorded.data(), recorded.size()).ok());  // replayed
   SessionState other = c.session;
@@ -134,8 +131,8 @@ TEST(ReconnectingLinkTest, OutgoingFramesAreStampedWithTheSessionAndIncreasingSe
     ASSERT_TRUE(c.link.send_frame(make_control_frame(FrameType::kData, test_run(), 0, 0, mb), 1 << 20).ok());
   }
   for (uint64_t seq = 1; seq <= 3; ++seq) {
-    DecodeResult r;
-    ASSERT_TRUE(read_frame(c.peer.fd(), server_keys().receive, c.session.expect({}), 2000ms, &r).ok());
+    ASSERT_OK_AND_ASSIGN(const DecodeResult r,
+                         read_frame(c.peer.fd(), server_keys().receive, c.session.expect({}), 2000ms));
     ASSERT_TRUE(r.ok()) << r.reason;
     c.session.accepted = r.frame.seq;
     EXPECT_EQ(r.frame.seq, seq);
@@ -143,22 +140,17 @@ TEST(ReconnectingLinkTest, OutgoingFramesAreStampedWithTheSessionAndIncreasingSe
 }
 
 TEST(ReconnectingLinkTest, TheHandshakeRejectsAServerHelloOfAnotherConnection) {
-  Socket listener, peer;
-  uint16_t port = 0;
-  ASSERT_TRUE(listen_tcp("127.0.0.1", 0, &listener, &port).ok());
+  ASSERT_OK_AND_ASSIGN(const ListeningSocket listening, listen_tcp("127.0.0.1", 0));
   ReconnectingLink link{client_keys(), expect_run(), test_run(), 0};
-  Socket sock;
-  ASSERT_TRUE(ReconnectingLink::dial("127.0.0.1", port, 2000ms, &sock).ok());
-  ASSERT_TRUE(accept_tcp(listener, &peer).ok());
+  ASSERT_OK_AND_ASSIGN(const Socket sock, ReconnectingLink::dial("127.0.0.1", listening.port, 2000ms));
+  ASSERT_OK_AND_ASSIGN(const Socket peer, accept_tcp(listening.socket));
   std::thread server([&] {
-    DecodeResult hello;
-    ASSERT_TRUE(read_frame(peer.fd(), server_keys().receive, {}, 2000ms, &hello).ok());
+    ASSERT_TRUE(read_frame(peer.fd(), server_keys().receive, {}, 2000ms).ok());
     Frame reply = make_control_frame(FrameType::kHello, test_run(), 1, 0, 0);
     reply.session.fill(0x33);  // a recorded HELLO: not this client's half
     ASSERT_TRUE(write_frame(peer.fd(), reply, server_keys().send).ok());
   });
-  SessionId id{};
-  const Status s = link.handshake(sock, 2000ms, &id);
+  const Status s = link.handshake(sock, 2000ms).status();
   server.join();
   EXPECT_EQ(s.code(), StatusCode::kCorrupt);
   EXPECT_NE(s.message().find("bad_handshake"), std::string::npos) << s.message();
@@ -188,11 +180,11 @@ TEST(ReconnectingLinkTest, WakeEndsAWaitEarly) {
     c.link.wake();
   });
   const auto start = Clock::now();
-  bool readable = true;
   // Capped at 1 s per call; a wake must end it well before.
-  ASSERT_TRUE(c.link.wait_for_input(start + 10s, &readable).ok());
+  const Result<bool> readable = c.link.wait_for_input(start + 10s);
   waker.join();
-  EXPECT_FALSE(readable);
+  ASSERT_TRUE(readable.ok()) << readable.status().message();
+  EXPECT_FALSE(*readable);
   EXPECT_LT(Clock::now() - start, 900ms);
 }
 

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "status_test_support.h"
 #include "temp_dir_support.h"
 
 namespace {
@@ -28,7 +29,10 @@ json middle_stage() {
 }
 
 zl::Status parse(const json& j, RunnerConfig* out, const std::string& base = "") {
-  return zl::parse_runner_config(j.dump(), base, out);
+  zl::Result<RunnerConfig> parsed = zl::parse_runner_config(j.dump(), base);
+  if (!parsed.ok()) return parsed.status();
+  *out = std::move(parsed).value();
+  return zl::Status();
 }
 
 void expect_error(const json& j, const std::vector<std::string>& fragments) {
@@ -152,8 +156,7 @@ TEST(RunnerConfig, BadValuesAreNamed) {
   j["window_size"] = 0;
   expect_error(j, {"'window_size'", ">= 1"});
   expect_error(json::array({1, 2}), {"JSON object"});
-  RunnerConfig c;
-  EXPECT_FALSE(zl::parse_runner_config("{not json", "", &c).ok());
+  EXPECT_FALSE(zl::parse_runner_config("{not json", "").ok());
 }
 
 TEST(RunnerConfig, HelpDocumentsEveryField) {
@@ -184,11 +187,9 @@ TEST(RunnerConfig, ToJsonRoundTrips) {
 TEST(RunnerConfig, LoadResolvesPathsAgainstTheFile) {
   zl_test::TempDir dir;
   zl_test::write_text(dir.file("conf/stage1.json"), middle_stage().dump());
-  RunnerConfig c;
-  zl::Status s = zl::load_runner_config(dir.file("conf/stage1.json"), &c);
-  ASSERT_TRUE(s.ok()) << s.message();
+  ASSERT_OK_AND_ASSIGN(const RunnerConfig c, zl::load_runner_config(dir.file("conf/stage1.json")));
   EXPECT_EQ(c.run_key_file, dir.file("conf/run.key"));
-  s = zl::load_runner_config(dir.file("conf/missing.json"), &c);
+  const zl::Status s = zl::load_runner_config(dir.file("conf/missing.json")).status();
   EXPECT_EQ(s.code(), zl::StatusCode::kNotFound);
   EXPECT_NE(s.message().find("missing.json"), std::string::npos);
 }
@@ -197,23 +198,20 @@ TEST(RunKey, ReadsHexWithTrailingNewline) {
   zl_test::TempDir dir;
   const std::string hex = "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f";
   zl_test::write_text(dir.file("run.key"), hex + "\n");
-  zl::FrameKey key{};
-  zl::Status s = zl::load_run_key(dir.file("run.key"), &key);
-  ASSERT_TRUE(s.ok()) << s.message();
+  ASSERT_OK_AND_ASSIGN(const zl::FrameKey key, zl::load_run_key(dir.file("run.key")));
   EXPECT_EQ(key[0], 0x00);
   EXPECT_EQ(key[31], 0x1f);
 }
 
 TEST(RunKey, RejectsRawBytesAndShortKeys) {
   zl_test::TempDir dir;
-  zl::FrameKey key{};
   zl_test::write_text(dir.file("short.key"), "abcd");
-  zl::Status s = zl::load_run_key(dir.file("short.key"), &key);
+  const zl::Status s = zl::load_run_key(dir.file("short.key")).status();
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("64 hex"), std::string::npos) << s.message();
   zl_test::write_text(dir.file("raw.key"), std::string(32, '\x7f'));
-  EXPECT_FALSE(zl::load_run_key(dir.file("raw.key"), &key).ok());
-  EXPECT_EQ(zl::load_run_key(dir.file("none.key"), &key).code(), zl::StatusCode::kNotFound);
+  EXPECT_FALSE(zl::load_run_key(dir.file("raw.key")).ok());
+  EXPECT_EQ(zl::load_run_key(dir.file("none.key")).status().code(), zl::StatusCode::kNotFound);
 }
 
 }  // namespace

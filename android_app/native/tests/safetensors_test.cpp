@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "status_test_support.h"
 #include "temp_dir_support.h"
 #include "zl/durable_file.h"
 
@@ -34,9 +35,7 @@ TEST(Safetensors, RoundTripKeepsNamesShapesValuesAndMetadata) {
                                      {"a.ids", SafetensorsDtype::kI64, {2}, b.data()}},
                                     {{"format", "pt"}})
                   .ok());
-  SafetensorsFile file;
-  zl::Status s = zl::read_safetensors(path, &file);
-  ASSERT_TRUE(s.ok()) << s.message();
+  ASSERT_OK_AND_ASSIGN(const SafetensorsFile file, zl::read_safetensors(path));
   ASSERT_EQ(file.tensors.size(), 2u);
   const auto& z = file.tensors.at("z.weight");
   EXPECT_EQ(z.dtype, SafetensorsDtype::kF32);
@@ -50,8 +49,7 @@ TEST(Safetensors, RoundTripKeepsNamesShapesValuesAndMetadata) {
   EXPECT_EQ(file.metadata.at("format"), "pt");
 
   // Sorted names: "a.ids" data comes first, and the data region is 8-aligned.
-  std::string bytes;
-  ASSERT_TRUE(zl::read_file(path, &bytes).ok());
+  ASSERT_OK_AND_ASSIGN(const std::string bytes, zl::read_file(path));
   uint64_t header_len = 0;
   std::memcpy(&header_len, bytes.data(), 8);
   EXPECT_EQ(header_len % 8, 0u);
@@ -72,11 +70,9 @@ TEST(Safetensors, TruncatedDataIsDetected) {
   const std::vector<float> a(100, 1.0f);
   const std::string path = dir.file("t.safetensors");
   ASSERT_TRUE(zl::write_safetensors(path, {{"a", SafetensorsDtype::kF32, {100}, a.data()}}).ok());
-  std::string bytes;
-  ASSERT_TRUE(zl::read_file(path, &bytes).ok());
+  ASSERT_OK_AND_ASSIGN(const std::string bytes, zl::read_file(path));
   zl_test::write_text(path, bytes.substr(0, bytes.size() - 10));
-  SafetensorsFile file;
-  zl::Status s = zl::read_safetensors(path, &file);
+  const zl::Status s = zl::read_safetensors(path).status();
   EXPECT_EQ(s.code(), zl::StatusCode::kCorrupt);
   EXPECT_NE(s.message().find(path), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("truncated"), std::string::npos) << s.message();
@@ -86,21 +82,19 @@ TEST(Safetensors, TruncatedHeaderIsDetected) {
   zl_test::TempDir dir;
   const std::string path = dir.file("h.safetensors");
   zl_test::write_text(path, raw_file("{\"a\": {\"dtype\": \"F32\"", "").substr(0, 12));
-  SafetensorsFile file;
-  zl::Status s = zl::read_safetensors(path, &file);
+  const zl::Status s = zl::read_safetensors(path).status();
   EXPECT_EQ(s.code(), zl::StatusCode::kCorrupt);
   EXPECT_NE(s.message().find("header length"), std::string::npos) << s.message();
 
   zl_test::write_text(path, "abc");
-  EXPECT_EQ(zl::read_safetensors(path, &file).code(), zl::StatusCode::kCorrupt);
+  EXPECT_EQ(zl::read_safetensors(path).status().code(), zl::StatusCode::kCorrupt);
 }
 
 TEST(Safetensors, BadHeaderJsonIsDetected) {
   zl_test::TempDir dir;
   const std::string path = dir.file("j.safetensors");
   zl_test::write_text(path, raw_file("{\"a\": [1, 2", ""));
-  SafetensorsFile file;
-  zl::Status s = zl::read_safetensors(path, &file);
+  const zl::Status s = zl::read_safetensors(path).status();
   EXPECT_EQ(s.code(), zl::StatusCode::kCorrupt);
   EXPECT_NE(s.message().find("JSON"), std::string::npos) << s.message();
 }
@@ -109,8 +103,7 @@ TEST(Safetensors, OffsetsThatDisagreeWithShapeAreDetected) {
   zl_test::TempDir dir;
   const std::string path = dir.file("o.safetensors");
   zl_test::write_text(path, raw_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", std::string(8, '\0')));
-  SafetensorsFile file;
-  zl::Status s = zl::read_safetensors(path, &file);
+  const zl::Status s = zl::read_safetensors(path).status();
   EXPECT_EQ(s.code(), zl::StatusCode::kCorrupt);
   EXPECT_NE(s.message().find("'a'"), std::string::npos) << s.message();
 }
@@ -118,25 +111,22 @@ TEST(Safetensors, OffsetsThatDisagreeWithShapeAreDetected) {
 TEST(Safetensors, GapsAndTrailingBytesAreDetected) {
   zl_test::TempDir dir;
   const std::string path = dir.file("g.safetensors");
-  SafetensorsFile file;
   zl_test::write_text(path, raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", std::string(8, '\0')));
-  EXPECT_EQ(zl::read_safetensors(path, &file).code(), zl::StatusCode::kCorrupt);
+  EXPECT_EQ(zl::read_safetensors(path).status().code(), zl::StatusCode::kCorrupt);
   zl_test::write_text(path, raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", std::string(8, '\0')));
-  EXPECT_EQ(zl::read_safetensors(path, &file).code(), zl::StatusCode::kCorrupt);
+  EXPECT_EQ(zl::read_safetensors(path).status().code(), zl::StatusCode::kCorrupt);
 }
 
 TEST(Safetensors, UnknownDtypeIsDetected) {
   zl_test::TempDir dir;
   const std::string path = dir.file("u.safetensors");
   zl_test::write_text(path, raw_file(R"({"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,4]}})", std::string(4, '\0')));
-  SafetensorsFile file;
-  zl::Status s = zl::read_safetensors(path, &file);
+  const zl::Status s = zl::read_safetensors(path).status();
   EXPECT_NE(s.message().find("Q4"), std::string::npos) << s.message();
 }
 
 TEST(Safetensors, MissingFileIsNotFound) {
-  SafetensorsFile file;
-  EXPECT_EQ(zl::read_safetensors("/nonexistent/zl/x.safetensors", &file).code(), zl::StatusCode::kNotFound);
+  EXPECT_EQ(zl::read_safetensors("/nonexistent/zl/x.safetensors").status().code(), zl::StatusCode::kNotFound);
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 
 #include <zl/pipeline_marker.h>
 
+#include "status_test_support.h"
 #include "temp_dir_support.h"
 
 namespace {
@@ -91,10 +92,7 @@ class StageProgramTest : public ::testing::Test {
   std::unique_ptr<StageProgram> load(int stage) {
     StageProgramOptions options;
     options.program_path = export_dir() + "/stage_" + std::to_string(stage) + ".pte";
-    std::unique_ptr<StageProgram> program;
-    zl::Status status = StageProgram::load(options, &program);
-    EXPECT_TRUE(status.ok()) << status.message();
-    return program;
+    return zl::testing::value_or_fail(StageProgram::load(options));
   }
 };
 
@@ -150,9 +148,7 @@ TEST_F(StageProgramTest, BeginReturnsHiddenWhileForwardIsSuspended) {
   std::vector<float> other;
   EXPECT_FALSE(p->begin(batch.inputs(), &other).ok());
   EXPECT_TRUE(p->suspended());
-  StageStepResult result;
-  status = p->finish(&result);
-  ASSERT_TRUE(status.ok()) << status.message();
+  ASSERT_OK_AND_ASSIGN(const StageStepResult result, p->finish());
   EXPECT_FALSE(p->suspended());
   EXPECT_TRUE(std::isfinite(result.loss));
   EXPECT_EQ(result.gradients.size(), p->parameters().size());
@@ -165,17 +161,13 @@ TEST_F(StageProgramTest, TwoPhasesGiveThePlainExecutionsNumbers) {
     perturb_lora_b(p.get());
     Batch batch(*p, stage + 3);
     std::vector<float> plain_hidden;
-    StageStepResult plain;
-    zl::Status status = p->run(batch.inputs(), &plain_hidden, &plain);
-    ASSERT_TRUE(status.ok()) << status.message();
+    ASSERT_OK_AND_ASSIGN(const StageStepResult plain, p->run(batch.inputs(), &plain_hidden));
     const auto plain_grads = copy_grads(*p, plain);
 
     std::vector<float> hidden;
-    status = p->begin(batch.inputs(), &hidden);
+    const zl::Status status = p->begin(batch.inputs(), &hidden);
     ASSERT_TRUE(status.ok()) << status.message();
-    StageStepResult two_phase;
-    status = p->finish(&two_phase);
-    ASSERT_TRUE(status.ok()) << status.message();
+    ASSERT_OK_AND_ASSIGN(const StageStepResult two_phase, p->finish());
 
     // Same program, same inputs, same kernels: bit-identical.
     EXPECT_EQ(two_phase.loss, plain.loss) << "stage " << stage;
@@ -210,7 +202,7 @@ TEST_F(StageProgramTest, HookFiresBeforeAnyGradientIsWritten) {
     perturb_lora_b(p.get());
     Batch batch(*p, 11 + stage);
     StageStepResult plain;
-    ASSERT_TRUE(p->run(batch.inputs(), nullptr, &plain).ok());
+    ASSERT_OK_AND_ASSIGN(plain, p->run(batch.inputs()));
     const auto final_grads = copy_grads(*p, plain);
     for (size_t i = 0; i < plain.gradients.size(); ++i) {
       float* g = const_cast<float*>(plain.gradients[i]);
@@ -225,7 +217,7 @@ TEST_F(StageProgramTest, HookFiresBeforeAnyGradientIsWritten) {
                                            << " was already computed when the marker fired";
     }
     StageStepResult two_phase;
-    ASSERT_TRUE(p->finish(&two_phase).ok());
+    ASSERT_OK_AND_ASSIGN(two_phase, p->finish());
     ASSERT_EQ(two_phase.gradients, plain.gradients) << "gradient buffers moved between executions";
     EXPECT_EQ(copy_grads(*p, two_phase), final_grads);
   }
@@ -241,7 +233,7 @@ TEST_F(StageProgramTest, LastStageRunsEverythingInFinish) {
   EXPECT_TRUE(hidden.empty());
   EXPECT_FALSE(p->suspended());
   StageStepResult result;
-  ASSERT_TRUE(p->finish(&result).ok());
+  ASSERT_OK_AND_ASSIGN(result, p->finish());
   EXPECT_TRUE(std::isfinite(result.loss));
 }
 
@@ -250,26 +242,25 @@ TEST_F(StageProgramTest, ParameterWritesReachTheProgram) {
   ASSERT_TRUE(p);
   Batch batch(*p, 7);
   StageStepResult before, changed, restored;
-  ASSERT_TRUE(p->run(batch.inputs(), nullptr, &before).ok());
+  ASSERT_OK_AND_ASSIGN(before, p->run(batch.inputs()));
   std::vector<std::vector<float>> saved;
   for (const auto& param : p->parameters()) saved.emplace_back(param.data, param.data + param.numel());
   perturb_lora_b(p.get());
   std::vector<float> hidden;
   ASSERT_TRUE(p->begin(batch.inputs(), &hidden).ok());
-  ASSERT_TRUE(p->finish(&changed).ok());
+  ASSERT_OK_AND_ASSIGN(changed, p->finish());
   EXPECT_NE(changed.loss, before.loss) << "writing lora_B did not change the program's loss";
   for (size_t i = 0; i < saved.size(); ++i) {
     std::copy(saved[i].begin(), saved[i].end(), p->parameters()[i].data);
   }
-  ASSERT_TRUE(p->run(batch.inputs(), nullptr, &restored).ok());
+  ASSERT_OK_AND_ASSIGN(restored, p->run(batch.inputs()));
   EXPECT_EQ(restored.loss, before.loss);
 }
 
 TEST_F(StageProgramTest, FinishWithoutBeginFails) {
   auto p = load(1);
   ASSERT_TRUE(p);
-  StageStepResult result;
-  zl::Status status = p->finish(&result);
+  const zl::Status status = p->finish().status();
   EXPECT_FALSE(status.ok());
   EXPECT_NE(status.message().find("begin"), std::string::npos) << status.message();
 }
@@ -293,12 +284,11 @@ TEST_F(StageProgramTest, RejectsAManifestOfAnotherExport) {
   StageProgramOptions options;
   options.program_path = export_dir() + "/stage_0.pte";
   options.manifest_path = tmp.file("manifest.json");
-  std::unique_ptr<StageProgram> program;
-  zl::Status status = StageProgram::load(options, &program);
+  zl::Status status = StageProgram::load(options).status();
   ASSERT_FALSE(status.ok());
   EXPECT_NE(status.message().find("manifest"), std::string::npos) << status.message();
   options.manifest_path = tmp.file("missing.json");
-  status = StageProgram::load(options, &program);
+  status = StageProgram::load(options).status();
   ASSERT_FALSE(status.ok());
   EXPECT_NE(status.message().find("missing.json"), std::string::npos) << status.message();
 }
@@ -308,10 +298,7 @@ std::unique_ptr<StageProgram> load_mode(int stage, bool map_file) {
   StageProgramOptions options;
   options.program_path = export_dir() + "/stage_" + std::to_string(stage) + ".pte";
   options.map_file = map_file;
-  std::unique_ptr<StageProgram> program;
-  zl::Status status = StageProgram::load(options, &program);
-  EXPECT_TRUE(status.ok()) << status.message();
-  return program;
+  return zl::testing::value_or_fail(StageProgram::load(options));
 }
 
 TEST_F(StageProgramTest, MappedProgramTrainsBitIdenticallyToAHeapLoadedOne) {
@@ -325,8 +312,8 @@ TEST_F(StageProgramTest, MappedProgramTrainsBitIdenticallyToAHeapLoadedOne) {
     for (int step = 0; step < 3; ++step) {
       Batch batch(*mapped, step);
       StageStepResult a, b;
-      ASSERT_TRUE(mapped->run(batch.inputs(), nullptr, &a).ok());
-      ASSERT_TRUE(heap->run(batch.inputs(), nullptr, &b).ok());
+      ASSERT_OK_AND_ASSIGN(a, mapped->run(batch.inputs()));
+      ASSERT_OK_AND_ASSIGN(b, heap->run(batch.inputs()));
       EXPECT_EQ(a.loss, b.loss) << "stage " << stage << " step " << step;
       const auto ga = copy_grads(*mapped, a), gb = copy_grads(*heap, b);
       ASSERT_EQ(ga.size(), gb.size());
@@ -345,7 +332,7 @@ TEST_F(StageProgramTest, MappedProgramTrainsBitIdenticallyToAHeapLoadedOne) {
     }
     Batch batch(*mapped, 0);
     StageStepResult again;
-    ASSERT_TRUE(mapped->run(batch.inputs(), nullptr, &again).ok());
+    ASSERT_OK_AND_ASSIGN(again, mapped->run(batch.inputs()));
     EXPECT_NE(again.loss, first_loss) << "the updates did not reach the mapped program";
   }
 }
@@ -361,8 +348,7 @@ TEST_F(StageProgramTest, RefusesATruncatedProgramInEitherLoadMode) {
     options.program_path = tmp.file("stage_0.pte");
     options.manifest_path = export_dir() + "/manifest.json";
     options.map_file = map_file;
-    std::unique_ptr<StageProgram> program;
-    zl::Status status = StageProgram::load(options, &program);
+    const zl::Status status = StageProgram::load(options).status();
     ASSERT_FALSE(status.ok()) << "map_file " << map_file;
     EXPECT_NE(status.message().find("truncated"), std::string::npos) << status.message();
     EXPECT_NE(status.message().find(options.program_path), std::string::npos) << status.message();

@@ -24,8 +24,8 @@ using zl::StageSession;
 using zl::StatusCode;
 
 std::string read_or_empty(const std::string& path) {
-  std::string text;
-  return zl::read_file(path, &text).ok() ? text : "";
+  zl::Result<std::string> text = zl::read_file(path);
+  return text.ok() ? std::move(text).value() : "";
 }
 
 /// A config that parses; `extra` is spliced in as more fields.

@@ -82,6 +82,13 @@ TEST(StatusTest, ResultFromAnOkStatusIsAnError) {
   EXPECT_EQ(r.status().code(), StatusCode::kInternal);
 }
 
+TEST(StatusTest, ValueOrFallsBackOnlyOnError) {
+  EXPECT_EQ(answer(true).value_or(7), 42);
+  EXPECT_EQ(answer(false).value_or(7), 7);
+  const Result<std::string> bad = Status(StatusCode::kNotFound, "none");
+  EXPECT_EQ(bad.value_or("fallback"), "fallback");
+}
+
 TEST(StatusTest, ResultMovesItsValueOut) {
   Result<std::string> r = std::string(1000, 'x');
   ASSERT_TRUE(r.ok());

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "status_test_support.h"
 #include "temp_dir_support.h"
 
 namespace {
@@ -133,8 +134,7 @@ std::vector<json> read_lines(const std::string& path) {
 TEST(TelemetryWriter, WritesOneJsonObjectPerLineWithNulls) {
   zl_test::TempDir dir;
   const std::string path = dir.file("metrics.jsonl");
-  std::unique_ptr<zl::TelemetryWriter> writer;
-  ASSERT_TRUE(zl::TelemetryWriter::open(path, &writer).ok());
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<zl::TelemetryWriter> writer, zl::TelemetryWriter::open(path));
   zl::MicroBatchRecord mb;
   mb.stage = 1;
   mb.window = 2;
@@ -156,7 +156,7 @@ TEST(TelemetryWriter, WritesOneJsonObjectPerLineWithNulls) {
   ASSERT_TRUE(writer->write(w).ok());
   writer.reset();
   // Reopening appends.
-  ASSERT_TRUE(zl::TelemetryWriter::open(path, &writer).ok());
+  ASSERT_OK_AND_ASSIGN(writer, zl::TelemetryWriter::open(path));
   ASSERT_TRUE(writer->write_json({{"type", "stop"}}).ok());
 
   auto lines = read_lines(path);
@@ -180,8 +180,7 @@ TEST(TelemetryWriter, WritesOneJsonObjectPerLineWithNulls) {
 }
 
 TEST(TelemetryWriter, UnwritableDirectoryIsAnError) {
-  std::unique_ptr<zl::TelemetryWriter> writer;
-  zl::Status s = zl::TelemetryWriter::open("/nonexistent/zl/metrics.jsonl", &writer);
+  const zl::Status s = zl::TelemetryWriter::open("/nonexistent/zl/metrics.jsonl").status();
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("/nonexistent/zl/metrics.jsonl"), std::string::npos);
 }

@@ -121,12 +121,12 @@ int encode(const std::map<std::string, std::string>& args, const zl::FrameKey& k
     if (!hex_to_bytes(t.value("data_hex", ""), &r.data)) return usage("spec: bad data_hex");
     f.tensors.push_back(std::move(r));
   }
-  std::vector<uint8_t> bytes;
-  const zl::Status s = zl::encode_frame(f, key, &bytes);
-  if (!s.ok()) {
-    std::fprintf(stderr, "zl_frame_tool: %s\n", s.message().c_str());
+  zl::Result<std::vector<uint8_t>> encoded = zl::encode_frame(f, key);
+  if (!encoded.ok()) {
+    std::fprintf(stderr, "zl_frame_tool: %s\n", encoded.status().message().c_str());
     return 1;
   }
+  std::vector<uint8_t> bytes = std::move(encoded).value();
   if (!nonce.empty()) {  // reproduce a given frame: the same plaintext sealed with that nonce
     if (!zl::open_frame(bytes.data(), bytes.size(), key)) return 1;
     std::copy(nonce.begin(), nonce.end(), bytes.begin() + (zl::kFrameHeaderSize - zl::kFrameNonceSize));
@@ -191,12 +191,12 @@ json header_spec(const zl::Frame& f) {
 
 int decode(const std::map<std::string, std::string>& args, const zl::FrameKey& key) {
   if (!args.count("--in")) return usage("decode needs --in");
-  std::vector<uint8_t> bytes;
-  const zl::Status read = zl::read_file_bytes(args.at("--in"), &bytes);
+  const zl::Result<std::vector<uint8_t>> read = zl::read_file_bytes(args.at("--in"));
   if (!read.ok()) {
-    std::fprintf(stderr, "zl_frame_tool: %s\n", read.message().c_str());
+    std::fprintf(stderr, "zl_frame_tool: %s\n", read.status().message().c_str());
     return 1;
   }
+  const std::vector<uint8_t>& bytes = *read;
   zl::FrameExpectation expect;
   if (!parse_expectation(args, &expect)) return 64;
   const zl::DecodeResult r = zl::decode_frame(bytes.data(), bytes.size(), key, expect);
@@ -226,12 +226,12 @@ zl::SessionId entry_session(const std::vector<uint8_t>& client_half, uint64_t i)
 }
 
 bool read_corpus(const std::string& path, std::vector<std::vector<uint8_t>>* out) {
-  std::vector<uint8_t> bytes;
-  const zl::Status read = zl::read_file_bytes(path, &bytes);
+  const zl::Result<std::vector<uint8_t>> read = zl::read_file_bytes(path);
   if (!read.ok()) {
-    std::fprintf(stderr, "zl_frame_tool: %s\n", read.message().c_str());
+    std::fprintf(stderr, "zl_frame_tool: %s\n", read.status().message().c_str());
     return false;
   }
+  const std::vector<uint8_t>& bytes = *read;
   size_t pos = 0;
   while (pos < bytes.size()) {
     if (bytes.size() - pos < 4) return false;
@@ -288,17 +288,14 @@ int decode_batch(const std::map<std::string, std::string>& args, const zl::Frame
 }
 
 // Sends one corpus entry over a fresh connection after the handshake,
-// half-closes it and reads until the receiver closes it; false when that
-// takes longer than `timeout`, kInternal when the handshake fails.
-zl::Status send_and_drain(uint16_t port, const zl::LinkKeys& keys, const zl::Frame& hello,
-                          const zl::SessionId& session, const std::vector<uint8_t>& bytes,
-                          std::chrono::milliseconds timeout, bool* closed) {
-  *closed = false;
-  zl::Socket sock;
-  ZL_RETURN_IF_ERROR(zl::connect_tcp("127.0.0.1", port, std::chrono::milliseconds(2000), &sock));
+// half-closes it and reads until the receiver closes it. Returns whether it
+// did within `timeout`; kInternal when the handshake fails.
+zl::Result<bool> send_and_drain(uint16_t port, const zl::LinkKeys& keys, const zl::Frame& hello,
+                                const zl::SessionId& session, const std::vector<uint8_t>& bytes,
+                                std::chrono::milliseconds timeout) {
+  ZL_ASSIGN_OR_RETURN(const zl::Socket sock, zl::connect_tcp("127.0.0.1", port, std::chrono::milliseconds(2000)));
   ZL_RETURN_IF_ERROR(zl::write_frame(sock.fd(), hello, keys.send));
-  zl::DecodeResult reply;
-  ZL_RETURN_IF_ERROR(zl::read_frame(sock.fd(), keys.receive, {}, timeout, &reply));
+  ZL_ASSIGN_OR_RETURN(const zl::DecodeResult reply, zl::read_frame(sock.fd(), keys.receive, {}, timeout));
   if (!reply.ok() || reply.frame.type != zl::FrameType::kHello || reply.frame.session != session) {
     return zl::Status(zl::StatusCode::kInternal, "the receiver's HELLO is not the expected one: " + reply.reason);
   }
@@ -309,15 +306,66 @@ zl::Status send_and_drain(uint16_t port, const zl::LinkKeys& keys, const zl::Fra
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) return zl::Status();
+    if (left.count() <= 0) return false;
     pollfd p{sock.fd(), POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
     const ssize_t n = ::recv(sock.fd(), buf, sizeof(buf), 0);
-    if (n <= 0) {  // EOF (or reset): the receiver closed the connection
-      *closed = true;
-      return zl::Status();
-    }
+    if (n <= 0) return true;  // EOF (or reset): the receiver closed the connection
   }
+}
+
+// Plays each corpus entry to a real Receiver (its input log under `log_dir`)
+// over a connection of its own, and prints one line per entry: how many
+// frames it acknowledged, rejected or ignored, and whether it hung. Returns
+// the exit code.
+int replay_to_receiver(const std::vector<std::vector<uint8_t>>& corpus, const zl::FrameKey& run_key,
+                       const zl::FrameExpectation& expect, const std::vector<uint8_t>& client_half,
+                       const std::string& log_dir) {
+  auto connection = std::make_shared<std::atomic<uint64_t>>(0);
+  zl::ReceiverOptions options;
+  options.key = run_key;
+  options.expect = expect;
+  options.stage = *expect.stage + 1;
+  options.log_dir = log_dir;
+  options.max_pending = size_t{1} << 30;  // nobody consumes: never apply back-pressure
+  options.session_random = [connection](uint8_t* out, size_t size) {
+    const zl::SessionId id = entry_session(std::vector<uint8_t>(zl::kSessionHalfSize), connection->load());
+    std::memcpy(out, id.data() + zl::kSessionHalfSize, size);
+  };
+  const zl::LinkKeys keys = zl::link_keys(run_key, zl::Channel::kData, *expect.stage, zl::LinkEnd::kClient);
+  zl::Frame hello =
+      zl::make_control_frame(zl::FrameType::kHello, expect.run_id.value_or(zl::RunId{}), *expect.stage, 0, 0);
+  std::copy(client_half.begin(), client_half.end(), hello.session.begin());
+  zl::Receiver receiver(options);
+  const zl::Status started = receiver.start();
+  if (!started.ok()) {
+    std::fprintf(stderr, "zl_frame_tool: %s\n", started.message().c_str());
+    return 1;
+  }
+  int rc = 0;
+  std::string out;
+  zl::ReceiverStats before = receiver.stats();
+  for (uint64_t i = 0; i < corpus.size(); ++i) {
+    connection->store(i);
+    const zl::Result<bool> closed = send_and_drain(receiver.port(), keys, hello, entry_session(client_half, i),
+                                                   corpus[i], std::chrono::milliseconds(10000));
+    if (!closed.ok()) {
+      std::fprintf(stderr, "zl_frame_tool: entry %llu: %s\n", static_cast<unsigned long long>(i),
+                   closed.status().message().c_str());
+      rc = 1;
+      break;
+    }
+    const zl::ReceiverStats after = receiver.stats();
+    out += safe_dump(json{{"acked", (after.accepted + after.duplicates) - (before.accepted + before.duplicates)},
+                          {"rejected", after.rejected - before.rejected},
+                          {"ignored", after.ignored - before.ignored},
+                          {"hang", !*closed}});
+    out += "\n";
+    before = after;
+  }
+  receiver.stop();
+  std::cout << out;
+  return rc;
 }
 
 int receive_batch(const std::map<std::string, std::string>& args, const zl::FrameKey& run_key) {
@@ -339,54 +387,7 @@ int receive_batch(const std::map<std::string, std::string>& args, const zl::Fram
     std::perror("zl_frame_tool: mkdtemp");
     return 1;
   }
-  int rc = 0;
-  {
-    auto connection = std::make_shared<std::atomic<uint64_t>>(0);
-    zl::ReceiverOptions options;
-    options.key = run_key;
-    options.expect = expect;
-    options.stage = *expect.stage + 1;
-    options.log_dir = tmpl;
-    options.max_pending = size_t{1} << 30;  // nobody consumes: never apply back-pressure
-    options.session_random = [connection](uint8_t* out, size_t size) {
-      const zl::SessionId id = entry_session(std::vector<uint8_t>(zl::kSessionHalfSize), connection->load());
-      std::memcpy(out, id.data() + zl::kSessionHalfSize, size);
-    };
-    const zl::LinkKeys keys = zl::link_keys(run_key, zl::Channel::kData, *expect.stage, zl::LinkEnd::kClient);
-    zl::Frame hello = zl::make_control_frame(zl::FrameType::kHello, expect.run_id.value_or(zl::RunId{}),
-                                             *expect.stage, 0, 0);
-    std::copy(client_half.begin(), client_half.end(), hello.session.begin());
-    zl::Receiver receiver(options);
-    const zl::Status started = receiver.start();
-    if (!started.ok()) {
-      std::fprintf(stderr, "zl_frame_tool: %s\n", started.message().c_str());
-      rc = 1;
-    } else {
-      std::string out;
-      zl::ReceiverStats before = receiver.stats();
-      for (uint64_t i = 0; i < corpus.size() && rc == 0; ++i) {
-        connection->store(i);
-        bool closed = false;
-        const zl::Status sent = send_and_drain(receiver.port(), keys, hello, entry_session(client_half, i), corpus[i],
-                                               std::chrono::milliseconds(10000), &closed);
-        if (!sent.ok()) {
-          std::fprintf(stderr, "zl_frame_tool: entry %llu: %s\n", static_cast<unsigned long long>(i),
-                       sent.message().c_str());
-          rc = 1;
-          break;
-        }
-        const zl::ReceiverStats after = receiver.stats();
-        out += safe_dump(json{{"acked", (after.accepted + after.duplicates) - (before.accepted + before.duplicates)},
-                              {"rejected", after.rejected - before.rejected},
-                              {"ignored", after.ignored - before.ignored},
-                              {"hang", !closed}});
-        out += "\n";
-        before = after;
-      }
-      receiver.stop();
-      std::cout << out;
-    }
-  }
+  const int rc = replay_to_receiver(corpus, run_key, expect, client_half, tmpl);
   std::error_code ignored;
   std::filesystem::remove_all(tmpl, ignored);
   return rc;

@@ -50,9 +50,9 @@ int main(int argc, char** argv) {
   options.threads = args.count("threads") ? std::stoll(args["threads"]) : 1;
   options.map_file = mode == "mmap";
   const auto load_start = std::chrono::steady_clock::now();
-  std::unique_ptr<zl::StageProgram> program;
-  zl::Status status = zl::StageProgram::load(options, &program);
-  if (!status.ok()) return fail(status.message());
+  zl::Result<std::unique_ptr<zl::StageProgram>> loaded = zl::StageProgram::load(options);
+  if (!loaded.ok()) return fail(loaded.status().message());
+  const std::unique_ptr<zl::StageProgram> program = std::move(loaded).value();
   std::printf("{\"event\": \"loaded\", \"load_ms\": %.1f}\n", ms_since(load_start));
   std::fflush(stdout);
 
@@ -68,9 +68,9 @@ auto [ids, mask, labels] = zl::fixed_tokens(bs, program->seq_len());
 
   for (int step = 0; step < steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
-    zl::StageStepResult result;
-    status = program->run(inputs, nullptr, &result);
-    if (!status.ok()) return fail(status.message());
+    const zl::Result<zl::StageStepResult> step_result = program->run(inputs);
+    if (!step_result.ok()) return fail(step_result.status().message());
+    const zl::StageStepResult& result = *step_result;
     for (size_t i = 0; i < program->parameters().size(); ++i) {
       const zl::TrainableParam& param = program->parameters()[i];
       for (size_t j = 0; j < param.numel(); ++j) param.data[j] -= 1e-3f * result.gradients[i][j];

@@ -52,70 +52,51 @@ struct StageNumbers {
   std::vector<std::vector<float>> grads;
 };
 
-}  // namespace
+zl::Status invalid(const std::string& message) { return zl::Status(zl::StatusCode::kInvalidArgument, message); }
 
-int main(int argc, char** argv) {
-  std::map<std::string, std::string> args;
-  if (const int exit_code = zl::parse_tool_args(argc, argv, "zl_step_check", kUsage, {"export-dir", "out"}, &args); exit_code >= 0) {
-    return exit_code;
-  }
+/// One step of stage `k` (program `path`) on the fixed inputs, with
+/// `upstream_hidden` (stage k-1's hidden state) for k > 0.
+zl::Result<StageNumbers> step_stage(const std::string& path, int k, const std::vector<float>& upstream_hidden) {
+  zl::StageProgramOptions options;
+  options.program_path = path;
+  options.threads = 1;
+  ZL_ASSIGN_OR_RETURN(const std::unique_ptr<zl::StageProgram> program, zl::StageProgram::load(options));
+  if (program->stage_index() != k) return invalid(path + ": manifest says stage " + std::to_string(program->stage_index()));
 
-  std::vector<StageNumbers> stages;
-  std::vector<float> upstream_hidden;
-  for (int k = 0;; ++k) {
-    const std::string path = args["export-dir"] + "/stage_" + std::to_string(k) + ".pte";
-    if (std::FILE* f = std::fopen(path.c_str(), "rb")) {
-      std::fclose(f);
-    } else {
-      if (k == 0) return fail("no stage_0.pte in '" + args["export-dir"] + "'; run `zl export` first");
-      break;
-    }
-    zl::StageProgramOptions options;
-    options.program_path = path;
-    options.threads = 1;
-    std::unique_ptr<zl::StageProgram> program;
-    zl::Status status = zl::StageProgram::load(options, &program);
-    if (!status.ok()) return fail(status.message());
-    if (program->stage_index() != k) return fail(path + ": manifest says stage " + std::to_string(program->stage_index()));
-
-    const int64_t bs = program->batch() * program->seq_len();  // B*S
+  const int64_t bs = program->batch() * program->seq_len();  // B*S
   auto [ids, mask, labels] = zl::fixed_tokens(bs, program->seq_len());
-    if (k > 0 && upstream_hidden.size() != static_cast<size_t>(bs * program->hidden_size())) {
-      return fail(path + ": stage " + std::to_string(k - 1) + " sent " + std::to_string(upstream_hidden.size()) +
-                  " hidden values, this stage takes " + std::to_string(bs * program->hidden_size()));
-    }
-    for (const zl::TrainableParam& param : program->parameters()) {
-      if (param.name.find("lora_B") == std::string::npos) continue;
-      for (size_t i = 0; i < param.numel(); ++i) param.data[i] = 0.01f * std::cos(0.7f * i);
-    }
-
-    zl::StageInputs inputs;
-    inputs.input_ids = ids.data();
-    inputs.hidden = k > 0 ? upstream_hidden.data() : nullptr;
-    inputs.attention_mask = mask.data();
-    inputs.labels = labels.data();
-    StageNumbers numbers;
-    status = program->begin(inputs, &numbers.hidden);
-    if (!status.ok()) return fail(status.message());
-    zl::StageStepResult result;
-    status = program->finish(&result);
-    if (!status.ok()) return fail(status.message());
-    numbers.hidden_shape = {program->batch(), program->seq_len(), program->hidden_size()};
-    numbers.loss = result.loss;
-    numbers.task_loss = result.task_loss;
-    numbers.consistency_loss = result.consistency_loss;
-    for (size_t i = 0; i < program->parameters().size(); ++i) {
-      const zl::TrainableParam& param = program->parameters()[i];
-      numbers.names.push_back(param.name);
-      numbers.shapes.push_back(param.shape);
-      numbers.grads.emplace_back(result.gradients[i], result.gradients[i] + param.numel());
-    }
-    std::printf("stage %d: loss %.9g task_loss %.9g consistency_loss %.9g (%zu gradients)\n", k, numbers.loss,
-                numbers.task_loss, numbers.consistency_loss, numbers.grads.size());
-    upstream_hidden = numbers.hidden;
-    stages.push_back(std::move(numbers));
+  if (k > 0 && upstream_hidden.size() != static_cast<size_t>(bs * program->hidden_size())) {
+    return invalid(path + ": stage " + std::to_string(k - 1) + " sent " + std::to_string(upstream_hidden.size()) +
+                   " hidden values, this stage takes " + std::to_string(bs * program->hidden_size()));
+  }
+  for (const zl::TrainableParam& param : program->parameters()) {
+    if (param.name.find("lora_B") == std::string::npos) continue;
+    for (size_t i = 0; i < param.numel(); ++i) param.data[i] = 0.01f * std::cos(0.7f * i);
   }
 
+  zl::StageInputs inputs;
+  inputs.input_ids = ids.data();
+  inputs.hidden = k > 0 ? upstream_hidden.data() : nullptr;
+  inputs.attention_mask = mask.data();
+  inputs.labels = labels.data();
+  StageNumbers numbers;
+  ZL_RETURN_IF_ERROR(program->begin(inputs, &numbers.hidden));
+  ZL_ASSIGN_OR_RETURN(const zl::StageStepResult result, program->finish());
+  numbers.hidden_shape = {program->batch(), program->seq_len(), program->hidden_size()};
+  numbers.loss = result.loss;
+  numbers.task_loss = result.task_loss;
+  numbers.consistency_loss = result.consistency_loss;
+  for (size_t i = 0; i < program->parameters().size(); ++i) {
+    const zl::TrainableParam& param = program->parameters()[i];
+    numbers.names.push_back(param.name);
+    numbers.shapes.push_back(param.shape);
+    numbers.grads.emplace_back(result.gradients[i], result.gradients[i] + param.numel());
+  }
+  return numbers;
+}
+
+/// Every stage's numbers under the names in the file comment.
+zl::Status write_numbers(const std::string& path, const std::vector<StageNumbers>& stages) {
   std::vector<zl::SafetensorsTensorRef> tensors;
   for (size_t k = 0; k < stages.size(); ++k) {
     const StageNumbers& s = stages[k];
@@ -130,7 +111,40 @@ int main(int argc, char** argv) {
       tensors.push_back({prefix + "grad." + s.names[i], zl::SafetensorsDtype::kF32, s.shapes[i], s.grads[i].data()});
     }
   }
-  zl::Status status = zl::write_safetensors(args["out"], tensors);
+  return zl::write_safetensors(path, tensors);
+}
+
+bool file_exists(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) return false;
+  std::fclose(f);
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::map<std::string, std::string> args;
+  if (const int exit_code = zl::parse_tool_args(argc, argv, "zl_step_check", kUsage, {"export-dir", "out"}, &args); exit_code >= 0) {
+    return exit_code;
+  }
+
+  std::vector<StageNumbers> stages;
+  std::vector<float> upstream_hidden;
+  for (int k = 0;; ++k) {
+    const std::string path = args["export-dir"] + "/stage_" + std::to_string(k) + ".pte";
+    if (!file_exists(path)) {
+      if (k == 0) return fail("no stage_0.pte in '" + args["export-dir"] + "'; run `zl export` first");
+      break;
+    }
+    zl::Result<StageNumbers> numbers = step_stage(path, k, upstream_hidden);
+    if (!numbers.ok()) return fail(numbers.status().message());
+    std::printf("stage %d: loss %.9g task_loss %.9g consistency_loss %.9g (%zu gradients)\n", k, numbers->loss,
+                numbers->task_loss, numbers->consistency_loss, numbers->grads.size());
+    upstream_hidden = numbers->hidden;
+    stages.push_back(std::move(numbers).value());
+  }
+  const zl::Status status = write_numbers(args["out"], stages);
   if (!status.ok()) return fail(status.message());
   return 0;
 }

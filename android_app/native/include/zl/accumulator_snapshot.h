@@ -52,7 +52,7 @@ Status write_accumulator_snapshot(const std::string& path, const AccumulatorSnap
 
 /// Reads a snapshot; kNotFound when there is none, kCorrupt for a file that
 /// does not parse or lacks a field.
-Status read_accumulator_snapshot(const std::string& path, AccumulatorSnapshot* out);
+Result<AccumulatorSnapshot> read_accumulator_snapshot(const std::string& path);
 
 /// Checks that `snapshot` continues `window` of this run and stage with the
 /// optimizer's parameters: its window and ids match, 0 < accumulated <

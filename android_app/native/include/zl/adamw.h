@@ -64,8 +64,7 @@ class AdamW {
  public:
   /// Validates `config` and `params` (non-null data, unique non-empty names,
   /// non-negative shapes) and creates zeroed moments and accumulators.
-  static Status create(const AdamWConfig& config, std::vector<TrainableParam> params,
-                       std::unique_ptr<AdamW>* out);
+  static Result<std::unique_ptr<AdamW>> create(const AdamWConfig& config, std::vector<TrainableParam> params);
 
   /// Adds one micro-batch's gradients to the window accumulator.
   /// `grads[i]` points at numel(param(i)) floats, in the order of `params`.
@@ -76,8 +75,8 @@ class AdamW {
 
   /// Applies one AdamW update with the mean accumulated gradient, then clears
   /// the accumulator. Fails (changing nothing) if nothing was accumulated.
-  /// `lr_used` (optional) receives the scheduled learning rate of this step.
-  Status step(double* lr_used = nullptr);
+  /// Returns the scheduled learning rate this step used.
+  Result<double> step();
 
   /// Drops the accumulated gradients without stepping (e.g. before a replay).
   void clear_accumulator();

@@ -32,6 +32,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -77,8 +78,7 @@ struct CheckpointOptions {
 /// Reads `window_dir` and validates it against `expected` (names and shapes;
 /// `data` is ignored): every file present and well-formed, dtype F32, exactly
 /// the expected names, matching shapes. Errors name the file and the problem.
-Status read_checkpoint(const std::string& window_dir, const std::vector<TrainableParam>& expected,
-                       CheckpointData* out);
+Result<CheckpointData> read_checkpoint(const std::string& window_dir, const std::vector<TrainableParam>& expected);
 
 /// Saves and restores checkpoints of one stage under `options.dir`.
 class CheckpointStore {
@@ -98,22 +98,27 @@ class CheckpointStore {
   Status save(const AdamW& optimizer, const CheckpointProgress& progress);
 
   /// Window numbers of the complete checkpoints on disk, ascending.
-  Status list_windows(std::vector<int64_t>* windows) const;
+  Result<std::vector<int64_t>> list_windows() const;
 
   /// Restores the newest checkpoint into `optimizer` (parameters in place,
-  /// moments, step count). `*found` is false, and nothing changes, when there
-  /// is none. A newest checkpoint that fails validation is an error (its
+  /// moments, step count) and returns its progress; nullopt, and nothing
+  /// changes, when there is none. A newest checkpoint that fails validation is an error (its
   /// message says which file); older ones are not tried here, because
   /// whether one is an exact fallback depends on the stage's inputs
   /// (StageRunner::fall_back, docs/design.md §7).
-  Status load_latest(AdamW* optimizer, CheckpointProgress* progress, bool* found) const;
+  Result<std::optional<CheckpointProgress>> load_latest(AdamW* optimizer) const;
 
-  /// Restores checkpoint `window` into `optimizer`.
-  Status load(int64_t window, AdamW* optimizer, CheckpointProgress* progress) const;
+  /// Restores checkpoint `window` into `optimizer` and returns its progress.
+  Result<CheckpointProgress> load(int64_t window, AdamW* optimizer) const;
 
   const CheckpointOptions& options() const { return options_; }
 
  private:
+  // save()'s last steps: staging directory `tmp` becomes window_<window>
+  // (atomically where the filesystem can), then the oldest beyond keep_last go.
+  Status publish(const CheckpointLayout& layout, const std::string& tmp, int64_t window, long pid) const;
+  Status prune(const CheckpointLayout& layout) const;
+
   CheckpointOptions options_;
 };
 

@@ -45,9 +45,8 @@
 //
 //   // setup(), at the end (after the Receiver listens, so "listen" has the real port):
 //   if (!c.coordinator.empty()) {
-//     ControlClientOptions o;
-//     ZL_RETURN_IF_ERROR(control_options_from_config(c, key_, &o));
-//     if (receiver_) o.listen = c.listen.substr(0, c.listen.rfind(':') + 1) + std::to_string(receiver_->port());
+//     ZL_ASSIGN_OR_RETURN(ControlClientOptions o, control_options_from_config(c, key_));
+//     if (receiver_) { ZL_ASSIGN_OR_RETURN(o.listen, with_port(c.listen, receiver_->port())); }
 //     o.resume = restored_window_.has_value();
 //     o.micro_batches_done = start_mb_;
 //     o.chain_stop = stop_;                  // the caller's flag (JNI stopNative, signals) keeps working
@@ -143,10 +142,10 @@ struct ControlClientOptions {
   size_t max_frame_bytes = size_t{1} << 20;  ///< control frames are small JSON objects
 };
 
-/// Fills coordinator, run_id (parsed from hex), key and stage from the stage
-/// config. kInvalidArgument if `coordinator` is empty or run_id is not 32 hex chars.
-Status control_options_from_config(const RunnerConfig& config, const FrameKey& key,
-                                   ControlClientOptions* out);
+/// Options with coordinator, run_id (parsed from hex), key and stage taken
+/// from the stage config, the rest at their defaults. kInvalidArgument if
+/// `coordinator` is empty or run_id is not 32 hex chars.
+Result<ControlClientOptions> control_options_from_config(const RunnerConfig& config, const FrameKey& key);
 
 /// "Google Pixel 7 (Android aarch64)" on Android (ro.product.*), otherwise
 /// "<hostname> (Linux x86_64)" from uname().
@@ -232,7 +231,18 @@ class ControlClient {
     Frame frame;
   };
 
+  // What run() carries from one turn of its loop to the next (I/O thread only).
+  struct LoopState {
+    std::chrono::steady_clock::time_point next_connect;
+    std::chrono::steady_clock::time_point next_heartbeat;
+    bool final_heartbeat_queued = false;
+  };
+
+  // The I/O thread's loop, and its steps in the order it takes them.
   void run();
+  bool queue_heartbeat(LoopState* state, bool closing);  // true: the loop exits
+  void connect_if_due(LoopState* state, Backoff* backoff, bool closing);
+  void wait_for_work(const LoopState& state, bool closing);
   bool connect_once(std::chrono::milliseconds timeout);
   void drop_connection(const std::string& why);
   Status send_frame(const Frame& frame);

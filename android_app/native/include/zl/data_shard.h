@@ -16,13 +16,17 @@ class DataShard {
  public:
   DataShard() = default;
   // The row pointers point into file_: a copy would point into the original.
+  // A move keeps them valid: moving the std::map hands over its nodes, and
+  // the tensors' bytes with them, without moving those.
   DataShard(const DataShard&) = delete;
   DataShard& operator=(const DataShard&) = delete;
+  DataShard(DataShard&&) = default;
+  DataShard& operator=(DataShard&&) = default;
 
   /// Reads `path` and checks it against the program: every tensor I64 [N, S]
   /// with S == `seq_len`, and N >= `batch` (one micro-batch at least). Errors
   /// name the file and say how to rebuild it.
-  static Status load(const std::string& path, int64_t batch, int64_t seq_len, DataShard* out);
+  static Result<DataShard> load(const std::string& path, int64_t batch, int64_t seq_len);
 
   /// Micro-batch `mb` takes rows [j*B, (j+1)*B) with j = mb mod floor(N/B):
   /// shard order, wrapping around for more than one epoch. Sets input_ids,

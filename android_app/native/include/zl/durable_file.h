@@ -25,12 +25,12 @@ Status write_file_synced(const std::string& path, const std::vector<std::pair<co
 /// survive power loss.
 Status fsync_directory(const std::string& path);
 
-/// Reads the whole of `path` into `out`; kNotFound if it does not exist.
-Status read_file(const std::string& path, std::string* out);
+/// The whole of `path`; kNotFound if it does not exist.
+Result<std::string> read_file(const std::string& path);
 
-/// Lists the names in directory `path` (without "." and ".."); kNotFound if
-/// the directory does not exist.
-Status list_directory(const std::string& path, std::vector<std::string>* names);
+/// The names in directory `path` (without "." and ".."), in readdir order;
+/// kNotFound if the directory does not exist.
+Result<std::vector<std::string>> list_directory(const std::string& path);
 
 /// Removes `path` and, if it is a directory, everything below it.
 /// A missing path is not an error.

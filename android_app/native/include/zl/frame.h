@@ -203,11 +203,12 @@ struct [[nodiscard]] DecodeResult {
 /// Fails with kInvalidArgument for a tensor whose data size does not match
 /// its shape, a rank > 8, a JSON payload or tensor names the decoder would
 /// reject, or a result larger than `max_frame_bytes`.
-Status encode_frame(const Frame& frame, const FrameKey& key, std::vector<uint8_t>* out,
-                    size_t max_frame_bytes = kDefaultMaxFrameBytes);
+/// Returns the sealed bytes.
+Result<std::vector<uint8_t>> encode_frame(const Frame& frame, const FrameKey& key,
+                                          size_t max_frame_bytes = kDefaultMaxFrameBytes);
 
 /// The size encode_frame would produce, after the same checks (no encryption).
-Status encoded_frame_size(const Frame& frame, size_t max_frame_bytes, size_t* size);
+Result<size_t> encoded_frame_size(const Frame& frame, size_t max_frame_bytes);
 
 /// Seals `size` bytes in place: [header, its nonce set][plaintext body][tag
 /// space] -> [header][ciphertext][tag]. Tests and the fuzz tool use it to

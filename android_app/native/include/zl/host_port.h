@@ -25,4 +25,10 @@ enum class PortZero { kRejected, kAllowed };
 /// that report a config field put their own message around it.
 Result<HostPort> parse_host_port(const std::string& address, PortZero port_zero = PortZero::kRejected);
 
+/// `address` ("host:port", as parse_host_port reads it) with its port
+/// replaced by `port`, the host kept as written (brackets included): a
+/// listen address of port 0 becomes the one the socket was bound to.
+/// kInvalidArgument, as parse_host_port, when `address` is not host:port.
+Result<std::string> with_port(const std::string& address, uint16_t port);
+
 }  // namespace zl

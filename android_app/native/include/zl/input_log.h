@@ -64,7 +64,7 @@ class InputLog {
 
   /// Reads and re-verifies one entry. kNotFound if absent, kCorrupt if the
   /// file no longer verifies.
-  Status read(uint64_t micro_batch, Frame* out) const;
+  Result<Frame> read(uint64_t micro_batch) const;
 
   /// Entries ordered by micro-batch id.
   std::vector<InputLogEntry> entries() const;
@@ -92,7 +92,7 @@ class InputLog {
 };
 
 /// Reads a whole file; kNotFound / kIoError on failure.
-Status read_file_bytes(const std::string& path, std::vector<uint8_t>* out);
+Result<std::vector<uint8_t>> read_file_bytes(const std::string& path);
 
 /// Writes `bytes` to `path` atomically: temp file, fsync, rename, fsync dir.
 Status write_file_durably(const std::string& path, const uint8_t* bytes, size_t size);

@@ -23,7 +23,7 @@ struct LinkProfile {
 
 /// `local` (no shaping), `wifi` 2 ms / 1000 Mbps, `mobile` 10 ms / 200 Mbps,
 /// `constrained` 30 ms / 50 Mbps. kInvalidArgument names the known profiles.
-Status link_profile_from_name(const std::string& name, LinkProfile* out);
+Result<LinkProfile> link_profile_from_name(const std::string& name);
 
 /// Computes when a frame would arrive over the emulated link. Frames queue
 /// behind each other on the wire (serialization at the bandwidth), then each

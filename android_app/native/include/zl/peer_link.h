@@ -38,6 +38,8 @@
 #include "zl/status.h"
 #include "zl/tcp_socket.h"
 
+struct pollfd;  // <poll.h>, for Receiver's private poll set
+
 namespace zl {
 
 struct SenderOptions {
@@ -106,8 +108,19 @@ class Sender {
     bool sent_before = false;
   };
 
+  // The next frame to put on the wire and when the emulated link delivers
+  // it (in a second when there is none).
+  struct NextSend {
+    std::shared_ptr<const Frame> frame;  // null: nothing to send
+    SteadyClock::time_point deliver_at;
+    bool resend = false;
+  };
+
+  // The I/O thread's loop, and its steps.
   void run();
   bool connect_once();
+  std::optional<NextSend> next_to_send();  // nullopt: the peer changed, the link was closed
+  void transmit(const NextSend& next);
   void drop_connection(const std::string& why);
   void handle_incoming();
   void handle_frame(const DecodeResult& r);
@@ -233,7 +246,7 @@ class Receiver {
   /// Takes the next entry in micro-batch order (from the network or, after a
   /// restart, from the log). kTimeout if it does not arrive in time,
   /// kCorrupt if its log file no longer verifies, kClosed after stop().
-  Status next(std::chrono::milliseconds timeout, InputEntry* out);
+  Result<InputEntry> next(std::chrono::milliseconds timeout);
 
   /// The window's checkpoint is in place: deletes log entries at or before it.
   Status window_committed(uint64_t window);
@@ -256,9 +269,18 @@ class Receiver {
     }
   };
 
+  // The I/O thread's loop, and its steps in the order it takes them.
   void run();
+  int sweep_candidates(SteadyClock::time_point now, int timeout_ms);  // returns timeout_ms, cut to the next deadline
+  void fill_poll_set(bool room, std::vector<pollfd>* fds) const;
+  void read_upstream();
+  void accept_newcomers();
   void serve_connection();
   void serve_candidate(size_t index);
+  // The candidate's HELLO answered; true when its next frame may be read now.
+  bool answer_hello(size_t index, const std::vector<uint8_t>& frame);
+  // The candidate's first session frame decoded: it becomes the upstream.
+  void promote_candidate(size_t index, const DecodeResult& first, const Status& filled);
   void drop_candidate(Candidate* c);
   void handle_frame(const std::vector<uint8_t>& bytes);
   void handle_decoded(const DecodeResult& r);

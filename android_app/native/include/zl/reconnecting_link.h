@@ -77,10 +77,10 @@ class ReconnectingLink {
 
   /// Connects to host:port within `timeout` (blocking socket, TCP_NODELAY,
   /// SO_KEEPALIVE so a peer that vanished is noticed on an idle link).
-  static Status dial(const std::string& host, uint16_t port, std::chrono::milliseconds timeout, Socket* out);
+  static Result<Socket> dial(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
   /// The client handshake on a freshly dialled `sock` (client_handshake,
-  /// within `timeout`); `*session` gets the new session.
-  Status handshake(const Socket& sock, std::chrono::milliseconds timeout, SessionId* session) const;
+  /// within `timeout`); returns the new session.
+  Result<SessionId> handshake(const Socket& sock, std::chrono::milliseconds timeout) const;
   /// Makes `sock` (handshake done) the connection with `session`; bytes
   /// buffered from an earlier one are dropped, sequence numbers start over.
   void adopt(Socket sock, const SessionId& session);
@@ -97,9 +97,9 @@ class ReconnectingLink {
   Status send_frame(const Frame& frame, size_t max_frame_bytes);
 
   /// Waits until `until` (at most 1 s, so the owner re-checks its state), a
-  /// wake(), or input (or a hang-up) on the connection; `*readable` says the
-  /// latter. kIoError "poll: ..." if the wait itself fails.
-  Status wait_for_input(std::chrono::steady_clock::time_point until, bool* readable);
+  /// wake(), or input (or a hang-up) on the connection; true for the latter.
+  /// kIoError "poll: ..." if the wait itself fails.
+  Result<bool> wait_for_input(std::chrono::steady_clock::time_point until);
   /// Sleeps for `duration` unless woken.
   void sleep(std::chrono::milliseconds duration);
 

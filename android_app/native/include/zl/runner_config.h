@@ -66,21 +66,21 @@ struct RunnerConfig {
   bool is_last_stage() const { return stage_index == num_stages - 1; }
 };
 
-/// Parses a JSON text into `out` and validates it. Unknown fields, missing
+/// Parses a JSON text into a config and validates it. Unknown fields, missing
 /// required fields, wrong types and bad values fail with a message naming
 /// the field (e.g. "optimizer.lr"), the expected type and the value seen.
 /// Relative paths are joined to the config's own `base_dir` field, which is
 /// itself joined to the `base_dir` argument when relative; without the
 /// field, to the argument (unless it is empty).
 /// For warmup_cosine with total_steps 0, total_steps becomes num_windows().
-Status parse_runner_config(const std::string& json_text, const std::string& base_dir, RunnerConfig* out);
+Result<RunnerConfig> parse_runner_config(const std::string& json_text, const std::string& base_dir);
 
 /// Reads `path` and parses it; relative paths resolve against its directory.
-Status load_runner_config(const std::string& path, RunnerConfig* out);
+Result<RunnerConfig> load_runner_config(const std::string& path);
 
 /// Parses just an "optimizer" object (same fields, defaults and messages as
 /// in the stage config) and validates it; used by tools that run AdamW alone.
-Status parse_optimizer_config(const nlohmann::json& optimizer, AdamWConfig* out);
+Result<AdamWConfig> parse_optimizer_config(const nlohmann::json& optimizer);
 
 /// The `--help` text: every field with type, default (or "required") and
 /// meaning, in the order of the field table.
@@ -92,6 +92,6 @@ nlohmann::json runner_config_to_json(const RunnerConfig& config);
 /// Reads the run key: the file holds the 32-byte key as 64 hex characters
 /// (surrounding whitespace, e.g. a trailing newline, is ignored). Hex rather
 /// than raw bytes so it survives `adb push`, shell tools and JSON alike.
-Status load_run_key(const std::string& path, FrameKey* out);
+Result<FrameKey> load_run_key(const std::string& path);
 
 }  // namespace zl

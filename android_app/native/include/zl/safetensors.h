@@ -62,6 +62,6 @@ Status write_safetensors(const std::string& path, const std::vector<SafetensorsT
 /// every entry has a known dtype, a non-negative shape, and data_offsets
 /// matching numel * dtype size; the entries tile the data region exactly
 /// (a truncated or padded file fails). Errors name the file and the entry.
-Status read_safetensors(const std::string& path, SafetensorsFile* out);
+Result<SafetensorsFile> read_safetensors(const std::string& path);
 
 }  // namespace zl

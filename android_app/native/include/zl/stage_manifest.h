@@ -30,6 +30,6 @@ struct ManifestStage {
 /// Reads `manifest_path` and returns the entry of `program_file` (a base
 /// name such as "stage_1.pte"). Errors name the manifest and the missing or
 /// malformed field and say to export again.
-Status read_manifest_stage(const std::string& manifest_path, const std::string& program_file, ManifestStage* out);
+Result<ManifestStage> read_manifest_stage(const std::string& manifest_path, const std::string& program_file);
 
 }  // namespace zl

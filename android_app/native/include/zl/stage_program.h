@@ -82,7 +82,7 @@ class StageProgram {
   /// checks it against the manifest (stage entry by file name,
   /// parameter names, order and shapes, input shapes) and starts the worker.
   /// Errors name the file and the mismatch.
-  static Status load(const StageProgramOptions& options, std::unique_ptr<StageProgram>* out);
+  static Result<std::unique_ptr<StageProgram>> load(const StageProgramOptions& options);
 
   /// Lets a suspended method run to its end, then stops the worker thread.
   ~StageProgram();
@@ -99,12 +99,12 @@ class StageProgram {
 
   /// Phase 2: resumes the method suspended by begin() (or, on the last stage,
   /// runs the whole method) and returns losses and gradients.
-  Status finish(StageStepResult* result);
+  Result<StageStepResult> finish();
 
   /// One plain execution on the calling thread, no marker hook involved (the
   /// reference begin()+finish() must match). `hidden` (optional) receives the
   /// program's `hidden` output on stages with one.
-  Status run(const StageInputs& inputs, std::vector<float>* hidden, StageStepResult* result);
+  Result<StageStepResult> run(const StageInputs& inputs, std::vector<float>* hidden = nullptr);
 
   /// The LoRA parameters under their PEFT names, in gradient order; `data`
   /// points into the program. Do not write while a step is in progress.
@@ -134,7 +134,7 @@ class StageProgram {
 
   StageProgram();
   Status stage_inputs(const StageInputs& inputs);
-  Status collect(StageStepResult* result, std::vector<float>* hidden_from_output);
+  Result<StageStepResult> collect(std::vector<float>* hidden_from_output);
   void worker_main();
   // Called by the marker hook on the worker thread with the kernel's `out`
   // tensor (an executorch::aten::Tensor, kept out of this header).

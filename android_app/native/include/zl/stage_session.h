@@ -104,6 +104,10 @@ class StageSession {
   bool wait(std::chrono::milliseconds timeout) const;
 
  private:
+  // start()'s steps; the caller holds mutex_ (`lock`, which a failed
+  // thread start releases to report the failure).
+  Status open_run_dir_locked(const std::string& run_dir);
+  Status start_thread_locked(std::unique_lock<std::mutex>& lock);
   static void* thread_main(void* self);
   void run();
   void finish(const Status& status, int exit_code);

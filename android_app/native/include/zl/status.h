@@ -72,6 +72,10 @@ class [[nodiscard]] Result {
   const T* operator->() const { return &*value_; }
   T* operator->() { return &*value_; }
 
+  /// The value, or `fallback` when there is none (the error is dropped).
+  T value_or(T fallback) const& { return value_.has_value() ? *value_ : std::move(fallback); }
+  T value_or(T fallback) && { return value_.has_value() ? std::move(*value_) : std::move(fallback); }
+
  private:
   std::optional<T> value_;
   Status status_;

@@ -35,16 +35,22 @@ class Socket {
   int fd_ = -1;
 };
 
-/// Binds and listens on host:port (port 0: ephemeral). `*bound_port` gets the
-/// actual port. SO_REUSEADDR is set so a restarted receiver can take its port back.
-Status listen_tcp(const std::string& host, uint16_t port, Socket* out, uint16_t* bound_port);
+/// A listening socket and the port it is bound to.
+struct ListeningSocket {
+  Socket socket;
+  uint16_t port = 0;  ///< the actual port (the ephemeral one chosen for port 0)
+};
+
+/// Binds and listens on host:port (port 0: ephemeral). SO_REUSEADDR is set
+/// so a restarted receiver can take its port back.
+Result<ListeningSocket> listen_tcp(const std::string& host, uint16_t port);
 
 /// Connects to host:port within `timeout`; the socket is blocking, TCP_NODELAY.
-Status connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout,
-                   Socket* out);
+Result<Socket> connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
 
-/// Accepts one pending connection (call after poll says the listener is readable).
-Status accept_tcp(const Socket& listener, Socket* out);
+/// Accepts one pending connection (call after poll says the listener is
+/// readable). On error errno is still accept's (EAGAIN: none was pending).
+Result<Socket> accept_tcp(const Socket& listener);
 
 /// Writes all `size` bytes (blocking). kIoError names errno.
 Status send_all(int fd, const uint8_t* data, size_t size);
@@ -54,13 +60,13 @@ Status write_frame(int fd, const Frame& frame, const FrameKey& key);
 
 /// Reads exactly one frame within `timeout` and decodes it. Transport errors
 /// come back as Status (kTimeout, kClosed, kIoError); a frame that arrives but
-/// fails validation comes back as ok Status with `out->error` set. A framing
+/// fails validation comes back as a DecodeResult with `error` set. A framing
 /// error (bad magic/version, oversize) leaves the stream unusable: close it.
 /// The buffer grows with the bytes that arrive (at most twice what arrived),
-/// not with the length the header announces.
-Status read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
-                  std::chrono::milliseconds timeout, DecodeResult* out,
-                  std::vector<uint8_t>* raw = nullptr);
+/// not with the length the header announces. `raw` (optional) also receives
+/// the sealed bytes as read, for callers that keep or re-check them.
+Result<DecodeResult> read_frame(int fd, const FrameKey& key, const FrameExpectation& expect,
+                                std::chrono::milliseconds timeout, std::vector<uint8_t>* raw = nullptr);
 
 /// A HELLO on the wire: a header and a tag, no payload, no tensors (PROTOCOL.md §6).
 constexpr size_t kHelloFrameBytes = kFrameHeaderSize + kFrameTagSize;
@@ -76,20 +82,19 @@ constexpr size_t kMaxHandshakeReplyBytes = 4096;
 /// and checked against `expect`, which must echo the client's half. The
 /// server is not authenticated until that reply verifies, so the reply may
 /// announce at most kMaxHandshakeReplyBytes (less if `expect` says so).
-/// `*session` gets the session both ends then stamp on every frame. kTimeout,
+/// Returns the session both ends then stamp on every frame. kTimeout,
 /// kClosed, kIoError from the socket; kCorrupt when the server's reply is not
 /// a valid HELLO of this connection (or is its ERROR), naming why.
-Status client_handshake(int fd, const LinkKeys& keys, const RunId& run_id, uint32_t stage,
-                        const FrameExpectation& expect, std::chrono::milliseconds timeout, SessionId* session);
+Result<SessionId> client_handshake(int fd, const LinkKeys& keys, const RunId& run_id, uint32_t stage,
+                                   const FrameExpectation& expect, std::chrono::milliseconds timeout);
 
 /// The server side: `hello` decoded and authenticated, the first frame of a
-/// new connection. Fills `*reply` with the server's HELLO (stage `stage`,
-/// session = the client's half + `server_half`, sequence 0) and `*session`
-/// with that session; "" then, else (not a HELLO, or not sequence 0) why
-/// the connection must be refused (reason name bad_handshake).
-std::string server_handshake(const Frame& hello, const RunId& run_id, uint32_t stage,
-                             const std::array<uint8_t, kSessionHalfSize>& server_half, Frame* reply,
-                             SessionId* session);
+/// new connection. Returns the server's HELLO (stage `stage`, session = the
+/// client's half + `server_half`, sequence 0); its `session` is the
+/// connection's from then on. kCorrupt (not a HELLO, or not sequence 0)
+/// with why the connection must be refused (reason name bad_handshake).
+Result<Frame> server_handshake(const Frame& hello, const RunId& run_id, uint32_t stage,
+                               const std::array<uint8_t, kSessionHalfSize>& server_half);
 
 /// Stamps the next frames of one end of a session: its id and its sequence
 /// numbers (1, 2, ...; HELLO was 0); checks incoming ones against both.

@@ -72,7 +72,7 @@ nlohmann::json to_json(const WindowRecord& record);
 class TelemetryWriter {
  public:
   /// Opens `path` for appending, creating it if needed.
-  static Status open(const std::string& path, std::unique_ptr<TelemetryWriter>* out);
+  static Result<std::unique_ptr<TelemetryWriter>> open(const std::string& path);
   ~TelemetryWriter();
   TelemetryWriter(const TelemetryWriter&) = delete;
   TelemetryWriter& operator=(const TelemetryWriter&) = delete;

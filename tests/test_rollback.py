@@ -10,7 +10,7 @@ import pytest
 
 from zl.errors import ZLError
 from zl_device.devices.local import LocalDevice
-from zl_device.run.coordinator import Coordinator, StagePlan, input_log_entry_window
+from zl_device.run.coordinator import Coordinator, StagePlan, input_log_entry_micro_batch, input_log_entry_window
 from zl_device.run.windows import WindowPlan
 
 
@@ -47,8 +47,9 @@ def test_rollback_removes_checkpoints_and_input_log_entries_after_the_common_win
 def test_input_log_entry_names():
     assert input_log_entry_window(f"entry-{7:020d}-w{1:020d}.zlf") == 1
     assert input_log_entry_window("entry-7-w12.zlf") == 12
+    assert input_log_entry_micro_batch(f"entry-{7:020d}-w{1:020d}.zlf") == 7
     for other in ("entry-7-w12.zlf.tmp", "entry-7-w12.zlf.corrupt", "window_000001", "entry--w1.zlf"):
-        assert input_log_entry_window(other) is None
+        assert input_log_entry_window(other) is None and input_log_entry_micro_batch(other) is None
 
 
 def test_a_stage_that_fails_past_max_restarts_ends_the_run(tmp_path):

@@ -10,6 +10,7 @@ ends, and a replayed window recomputes exactly what the lost one did.
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 import numpy as np
@@ -361,6 +362,64 @@ def test_resume_after_the_host_is_killed_ends_identical(clean_run, export_cache,
 
     with pytest.raises(ZLError, match="that run finished"):
         run_training(TrainSettings(out=out, resume=True), say=lambda line: None)
+
+
+def test_resume_after_a_failure_with_no_restarts_left_ends_identical(clean_run, export_cache, data_file, tmp_path,
+                                                                     monkeypatch):
+    """`--max-restarts 0 --inject-failure 1@1`: stage 1 is SIGKILLed in window 1 and the run gives up; stage 0 has
+    run on by then, sending micro-batches 8-10 into a queue nobody acknowledges and saving an accumulator snapshot
+    of window 2 that holds them. Those hidden states died with stage 0's process: `zl train --resume` must not
+    continue stage 0 from that snapshot (it would never send them again and stage 1 would wait for them until the
+    stall detector gave up) but from its checkpoint, and end with the clean run's adapter."""
+    from zl.errors import ZLError
+    from zl_device.run.checkpoints import snapshot_metadata
+    from zl_device.run.coordinator import Coordinator
+    from zl_device.run.train_job import run_training
+    from zl_device.run.train_settings import TrainSettings
+
+    out = tmp_path / "run"
+    stage_0 = out / "devices" / "local-0" / "checkpoints"
+    log_1 = out / "devices" / "local-1" / "checkpoints" / "input_log"
+
+    def wait_for(what: str, ready) -> None:
+        deadline = time.monotonic() + 60
+        while not ready():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    def snapshot() -> dict:
+        path = stage_0 / "accumulator.safetensors"
+        return (snapshot_metadata(path.read_bytes()) if path.is_file() else None) or {}
+
+    # Where the race that the report hit ends, every time: the kill once stage 0 committed window 1 (stage 1
+    # logged 4-7), the stop of the others once stage 0's snapshot holds 8-10 of window 2.
+    inject, stop_all = Coordinator._maybe_inject, Coordinator.stop_all
+
+    def kill_after_window_1(self):
+        if self._held and not self._injected:
+            wait_for("stage 0 never committed window 1", lambda: (stage_0 / "window_000001").is_dir())
+        inject(self)
+
+    def stop_after_snapshot(self):
+        wait_for("stage 0 never snapshotted window 2", lambda: snapshot().get("micro_batches_done") == "11")
+        stop_all(self)
+
+    monkeypatch.setattr(Coordinator, "_maybe_inject", kill_after_window_1)
+    monkeypatch.setattr(Coordinator, "stop_all", stop_after_snapshot)
+    with pytest.raises(ZLError, match="stage 1 failed 1 times"):
+        train(out, export_cache, data=str(data_file), inject_failure="1@1", max_restarts=0, stall_timeout_s=15.0,
+              timeout_s=120)
+    monkeypatch.undo()
+    assert snapshot()["window"] == "2" and snapshot()["micro_batches_done"] == "11", snapshot()
+    assert not (log_1 / f"entry-{10:020d}-w{2:020d}.zlf").exists(), "stage 1 never got micro-batch 10"
+    result = run_training(TrainSettings(out=out, resume=True), say=lambda line: None)
+    events = [json.loads(ln) for ln in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["type"] == "failure"]
+    starts = [e for e in events if e["type"] == "start" and e["stage"] == 0]
+    assert starts[-1]["first_micro_batch"] == 8 and starts[-1]["resumed_from_snapshot"] == 0, starts[-1]
+    clean, resumed = adapter_tensors(clean_run.run_dir), adapter_tensors(result.run_dir)
+    for name, t in clean.items():
+        assert torch.equal(resumed[name], t), name
 
 
 def test_bad_inputs_are_clear_errors(export_cache, tmp_path):

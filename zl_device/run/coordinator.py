@@ -471,6 +471,7 @@ class Coordinator:
             s.device = spare.name
             self._offsets[k], self._partial[k] = 0, ""
         self._clear_hold(plan)
+        self._drop_snapshot_of_lost_sends(k)
         committed = self._resume_point_mb(plan)
         replayed = max(0, s.micro_batches_done - committed)
         s.micro_batches_done = committed
@@ -544,6 +545,8 @@ class Coordinator:
             common, replayed, replay_bytes = self._roll_back()
         else:
             common = None
+            for k in range(len(self.plans)):
+                self._drop_snapshot_of_lost_sends(k)
             points = [self._resume_point_mb(p) for p in self.plans]
             replayed = sum(max(0, s.micro_batches_done - at) for s, at in zip(self.status, points))
             replay_bytes = sum(max(0, s.micro_batches_done - at) * p.input_bytes
@@ -609,6 +612,34 @@ class Coordinator:
             usable = False
         return done if usable else committed
 
+    def _drop_snapshot_of_lost_sends(self, k: int) -> None:
+        """Remove stage k's accumulator snapshot when the next stage lacks an output of a micro-batch it covers, so
+        that the restart replays the window from the checkpoint (exact, docs/design.md §7) and sends those again.
+
+        A snapshot is written after a micro-batch's phase 2, not once downstream acknowledged its hidden state (that
+        holds only at a commit, §4.4): sent entries still un-acknowledged live in the sender's memory and die with
+        its process. A restart continuing from the snapshot never computes them again, and the next stage would
+        wait for them forever (the run of `--max-restarts 0 --inject-failure 1@1`, then `--resume`: stage 0 went
+        on to a snapshot of micro-batches 8-10, stage 1 had logged up to 7). Checked after the kill, against what
+        the next stage holds durably: everything below its latest checkpoint, plus its input log. A next stage
+        that commits meanwhile only makes that look smaller, so a race costs a replay, never a hang.
+        """
+        if k + 1 >= len(self.plans):
+            return  # the last stage sends nothing
+        plan, down = self.plans[k], self.plans[k + 1]
+        committed, resume_at = self._latest_checkpoint_mb(plan), self._resume_point_mb(plan)
+        if resume_at <= committed:
+            return  # no usable snapshot: the restart replays from the checkpoint anyway
+        held_below = self._latest_checkpoint_mb(down)
+        logged = {mb for name in down.device.listdir(self.layout.device_input_log(down.checkpoint_dir))
+                  if (mb := input_log_entry_micro_batch(name)) is not None}
+        missing = [mb for mb in range(committed, resume_at) if mb >= held_below and mb not in logged]
+        if missing:
+            log.info("stage %d: accumulator snapshot (micro-batches %d-%d) not used: stage %d never received "
+                     "micro-batch %d; replaying from the checkpoint (micro-batch %d)", k, committed, resume_at - 1,
+                     k + 1, missing[0], committed)
+            plan.device.remove(self.layout.device_accumulator(plan.checkpoint_dir))
+
     def _remove_checkpoints_after(self, plan: StagePlan, window: int) -> None:
         for w in self._checkpoint_windows(plan):
             if w > window:
@@ -624,10 +655,20 @@ class Coordinator:
                 plan.device.remove(f"{folder}/{name}")
 
 
+_INPUT_LOG_ENTRY = re.compile(r"entry-(\d+)-w(\d+)\.zlf")
+
+
 def input_log_entry_window(name: str) -> int | None:
     """The window of an input-log file `entry-<micro_batch>-w<window>.zlf` (android_app/native/include/zl/input_log.h);
     None for any other name."""
-    match = re.fullmatch(r"entry-\d+-w(\d+)\.zlf", name)
+    match = _INPUT_LOG_ENTRY.fullmatch(name)
+    return int(match.group(2)) if match else None
+
+
+def input_log_entry_micro_batch(name: str) -> int | None:
+    """The micro-batch of an input-log file `entry-<micro_batch>-w<window>.zlf`; None for any other name (a `.tmp`
+    being written, a `.corrupt` one)."""
+    match = _INPUT_LOG_ENTRY.fullmatch(name)
     return int(match.group(1)) if match else None
 
 

@@ -139,7 +139,9 @@ struct ControlClientOptions {
   const std::atomic<bool>* chain_stop = nullptr;
   /// Root for the PSS / temperature probes ("/" in production; tests use a fake tree).
   std::string probe_root = "/";
-  size_t max_frame_bytes = size_t{1} << 20;  ///< control frames are small JSON objects
+  /// Control frames are small JSON objects; the largest the coordinator may send (or accept) is a header, 1 MiB
+  /// of JSON and the tag (MAX_CONTROL_FRAME_BYTES in zl_device/run/control.py).
+  size_t max_frame_bytes = kFrameHeaderSize + kMaxFrameJsonBytes + kFrameTagSize;
 };
 
 /// Options with coordinator, run_id (parsed from hex), key and stage taken

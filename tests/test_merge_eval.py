@@ -331,6 +331,9 @@ def test_cli_merge_then_eval_side_by_side(run, export_dir, demo_dev, tmp_path):
     assert report["results"]["base"]["accuracy"] == base.accuracy
     assert report["results"]["base"]["nll"] == pytest.approx(base.nll, rel=1e-6)
     assert report["results"]["adapter"]["nll"] != pytest.approx(base.nll, rel=1e-4)
+    # A classification shard: no perplexity or generations (those are for prompt/completion data).
+    assert "samples" not in report and report["results"]["base"]["perplexity"] is None
+    assert report["results"]["base"]["generated_rows"] == 0 and "ROUGE-L" not in result.stdout
 
 
 def test_cli_errors_and_help(run, export_dir, demo_dev, tmp_path):

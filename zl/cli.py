@@ -24,7 +24,7 @@ app = typer.Typer(
 
 # `zl --help` lists commands in this order (pipeline order); each module in
 # zl/commands/ declares its commands in a COMMANDS dict {name: function}.
-_ORDER = ("train", "export", "data", "devices", "deploy", "pull", "report", "merge", "eval")
+_ORDER = ("train", "export", "data", "devices", "deploy", "pull", "report", "merge", "eval", "generate")
 
 
 def _register() -> None:

@@ -1,4 +1,5 @@
-"""`zl eval`: accuracy and NLL of a base model, and of a merged LoRA adapter, on a shard."""
+"""`zl eval`: accuracy and NLL of a base model, and of a merged LoRA adapter, on a shard; perplexity and scored
+greedy generations on prompt/completion shards."""
 
 import json
 import os
@@ -10,9 +11,11 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from zl.errors import ZLError
 from zl.paths import check_out_file
+from zl_device.results.generation import GENERATE_ROWS, MARGIN_TOKENS, SAMPLE_ROWS, adapter_base
 
 console = Console()
 err_console = Console(stderr=True)
@@ -33,14 +36,34 @@ def eval_command(
     ] = None,
     limit: Annotated[int | None, typer.Option("--limit", help="Score only the first N rows of the shard.", show_default=False)] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Rows per forward pass.")] = 16,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of random-weight models (tiny-random, tinyllama-random); use the export's.")] = 0,
+    seed: Annotated[
+        int | None,
+        typer.Option("--seed", help="Seed of random-weight models (tiny-random, tinyllama-random) (default: the "
+                     "adapter's, from its zl_merge.json, else 0).", show_default=False),
+    ] = None,
+    generate_rows: Annotated[
+        int, typer.Option("--generate-rows", help="Prompt/completion shards: generate greedily for the first N rows "
+                          "(0: no generations).")
+    ] = GENERATE_ROWS,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option("--max-new-tokens", help="Tokens per generation (default: each row's completion length, with "
+                     f"end-of-sequence, + {MARGIN_TOKENS}).", show_default=False),
+    ] = None,
+    samples: Annotated[int, typer.Option("--samples", help="Rows whose generations are shown side by side (and kept "
+                                         "in --json-out).")] = SAMPLE_ROWS,
     json_out: Annotated[Path | None, typer.Option("--json-out", help="Also write the figures to this JSON file.", show_default=False)] = None,
 ) -> None:
-    """Score a model on a shard: label-word accuracy (classification shards) and mean NLL per label token.
+    """Score a model on a shard: label-word accuracy (classification shards) or perplexity and generations
+    (prompt/completion shards), and mean NLL per label token.
 
     The prediction for a row is the label word with the highest likelihood
     after its prompt; NLL is in nats per completion token (with the
-    end-of-sequence token). With --adapter the base model and the adapted
+    end-of-sequence token), perplexity is exp(NLL). On shards without label
+    words the model also continues the prompt of the first --generate-rows
+    rows greedily; each generation is scored against the row's completion by
+    exact match (equal but for whitespace at either end) and ROUGE-L
+    (F-measure, rouge-score). With --adapter the base model and the adapted
     model are scored on the same rows and shown side by side.
 
     Examples:
@@ -50,19 +73,25 @@ def eval_command(
       zl eval --model smollm2-135m --adapter runs/r1/adapter --data runs/demo-data/dev.safetensors --json-out runs/r1/eval.json
 
       zl eval --model tiny-random --data runs/tiny-data/dev.safetensors --limit 32 --batch-size 8
+
+      zl eval --adapter runs/r1/adapter --data runs/r1/data/dev.safetensors --generate-rows 20 --max-new-tokens 48
     """
-    from zl_device.results.adapter import MERGE_INFO, check_adapter_dir
-    from zl_device.results.evaluate import evaluate_with_adapter, limit_rows
+    from zl_device.results.adapter import check_adapter_dir
+    from zl_device.results.evaluate import GenerationEval, eval_record, evaluate_with_adapter, limit_rows
     from zl_export.model_source import load_model
     from zl_export.options import DEFAULT_MODEL
     from zl_export.shard import load_shard
 
     if batch_size < 1:
         raise ZLError(f"--batch-size {batch_size}: must be at least 1.")
+    if samples < 0:
+        raise ZLError(f"--samples {samples}: must be 0 (none) or more, e.g. --samples {SAMPLE_ROWS}.")
     check_out_file(json_out, "--json-out", "eval.json")  # before minutes of scoring
     if adapter is not None:
         check_adapter_dir(adapter)  # before minutes of scoring the base model
-    trained_on = _adapter_model(adapter / MERGE_INFO) if adapter is not None else None
+    trained_on, trained_seed = adapter_base(adapter) if adapter is not None else (None, None)
+    if seed is None:
+        seed = trained_seed if trained_seed is not None and model in (None, trained_on) else 0
     if model is None:
         model = trained_on or DEFAULT_MODEL
     elif trained_on is not None and trained_on != model:
@@ -71,10 +100,14 @@ def eval_command(
     with err_console.status(f"loading {model}"):
         loaded = load_model(model, seed=seed)
     shard.check_matches(tokenizer_name=loaded.tokenizer.name)
+    generation = GenerationEval(loaded.tokenizer, generate_rows, max_new_tokens)
+    generation.validate()
 
-    with _row_progress(shard.rows) as on_batch:
-        results = evaluate_with_adapter(loaded.model, shard, adapter, batch_size, on_batch)
+    with _row_progress(shard.rows, min(generate_rows, shard.rows)) as on_batch:
+        results = evaluate_with_adapter(loaded.model, shard, adapter, batch_size, on_batch, generation)
+    record = eval_record(results, shard, generation, samples)
     _print_table(results, shard, model, adapter)
+    _print_samples(record.get("samples", []))
     if json_out is not None:
         report = {
             "model": model,
@@ -83,7 +116,8 @@ def eval_command(
             "rows": shard.rows,
             "batch_size": batch_size,
             "label_words": shard.label_words,
-            "results": {name: r.to_dict() for name, r in results.items()},  # "base", and "adapter" with --adapter
+            "results": {name: record[name] for name in results},  # "base", and "adapter" with --adapter
+            **{key: record[key] for key in ("generation", "samples") if key in record},
         }
         json_out.parent.mkdir(parents=True, exist_ok=True)
         tmp = json_out.with_name(json_out.name + ".tmp")
@@ -92,27 +126,21 @@ def eval_command(
         console.print(f"figures written to {json_out}")
 
 
-def _adapter_model(info: Path) -> str | None:
-    """The base model name recorded by `zl merge`, if the adapter has zl_merge.json."""
-    try:
-        return json.loads(info.read_text())["model"]["name"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 @contextmanager
-def _row_progress(rows: int) -> Iterator[Callable[[str, int], None]]:
-    """A progress bar over rows per scored model, on stderr (transient; nothing is drawn when stderr is not a
-    terminal)."""
+def _row_progress(rows: int, generated_rows: int) -> Iterator[Callable[[str, int], None]]:
+    """A progress bar over rows per scored model, and per model's generations, on stderr (transient; nothing is
+    drawn when stderr is not a terminal)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    columns = (TextColumn("scoring {task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err_console, transient=True) as progress:
         bars: dict[str, int] = {}
 
         def on_batch(label: str, n: int) -> None:
             if label not in bars:
-                bars[label] = progress.add_task(label, total=rows)
+                generating = label.endswith(" generations")
+                bars[label] = progress.add_task(f"generating {label.split()[0]}" if generating else f"scoring {label}",
+                                                total=generated_rows if generating else rows)
             progress.advance(bars[label], n)
 
         yield on_batch
@@ -137,13 +165,41 @@ def _print_table(results: dict, shard, model: str, adapter: Path | None) -> None
             cells.append("—" if a is None or b is None else format(a - b, "+" + fmt))
         table.add_row(metric, *cells)
 
-    row("accuracy", lambda r: r.accuracy, ".3f")
+    if base.accuracy is not None:
+        row("accuracy", lambda r: r.accuracy, ".3f")
     row("NLL / label token (nats)", lambda r: r.nll, ".4f")
+    if base.perplexity is not None:
+        row("perplexity", lambda r: r.perplexity, ".3f")
+    if base.generated_rows:
+        row("exact match", lambda r: r.exact_match, ".3f")
+        row("ROUGE-L", lambda r: r.rouge_l, ".3f")
+        row("generated rows", lambda r: r.generated_rows, "d", delta=False)
     row("label tokens", lambda r: r.label_tokens, "d", delta=False)
     row("seconds", lambda r: r.seconds, ".1f", delta=False)
     console.print(table)
     if base.accuracy is None:
-        console.print("no label words in the shard's sidecar: accuracy needs a classification shard (text_label, agnews, demo).")
+        console.print("no label words in the shard's sidecar (prompt/completion data): no accuracy; perplexity and "
+                      "generations instead.")
+
+
+def _print_samples(samples: list[dict]) -> None:
+    """The sample rows side by side: prompt, reference and each model's generation."""
+    if not samples:
+        return
+    names = [k for k in samples[0] if k not in ("row", "prompt", "reference")]
+    table = Table(title=f"generations of the first {len(samples)} rows (greedy)", show_lines=True)
+    for column in ("row", "prompt", "reference", *names):
+        table.add_column(column, justify="right" if column == "row" else "left", overflow="fold")
+    for s in samples:
+        table.add_row(str(s["row"]), *(_shown(s[c]) for c in ("prompt", "reference", *names)))
+    console.print(table)
+
+
+def _shown(text: str, limit: int = 200) -> Text:
+    """A cell's text as it is (no markup), the prompt's start elided past `limit` characters."""
+    from zl_device.results.generation import visible
+
+    return Text(visible(text if len(text) <= limit else "…" + text[-limit:]))
 
 
 COMMANDS = {"eval": eval_command}

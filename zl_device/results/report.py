@@ -36,6 +36,11 @@ What the numbers mean:
 
 Layers come from the export manifest (`RUN_DIR/manifest.json`, written by
 `zl export`): `stages[i].layers = [first, last]`, null without a manifest.
+
+`eval`: the figures of `RUN_DIR/eval.json` (written by `zl train` after the
+merge, zl_device.results.evaluate), base model vs adapter on the dev rows, and
+on prompt/completion data the sample generations side by side; null when the
+run had no dev split.
 """
 
 import json
@@ -52,6 +57,7 @@ log = logging.getLogger(__name__)
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
+EVAL_JSON = "eval.json"
 PLOTS_DIR = "plots"
 
 LATENCY_KEYS = ("phase1_ms", "phase2_ms", "queue_ms", "send_ms", "total_ms")
@@ -132,8 +138,26 @@ def _analyze(run_dir: Path, manifest_path: Path | None) -> tuple[dict, dict]:
         "run": _run(metrics, manifest, stages),
         "stages": stages,
         "recovery": _recovery(metrics.events, replays_by_run),
+        "eval": _eval(run_dir / EVAL_JSON),
     }
     return report, curves
+
+
+def _eval(path: Path) -> dict | None:
+    """eval.json's figures as {"data", "rows", "results": {"base", "adapter"}, "generation", "samples"}; None
+    without one (a run without dev data), or with one that is not readable (a warning says so)."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        results = data.get("results") or {k: data[k] for k in ("base", "adapter") if isinstance(data.get(k), dict)}
+        if not results or not all(isinstance(r, dict) and "nll" in r for r in results.values()):
+            raise ValueError("no base/adapter figures")
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("%s: not usable (%s); the report leaves the evaluation out", path, e)
+        return None
+    return {"data": data.get("data"), "rows": data.get("rows"), "results": results,
+            "generation": data.get("generation"), "samples": data.get("samples") or []}
 
 
 def _stage(index: int, metrics: MetricsLog, layers: list[int] | None) -> tuple[dict, dict, list[int]]:
@@ -324,12 +348,65 @@ def render_markdown(report: dict, with_plots: bool = True) -> str:
         out.append(f"| {s['index']} | {s['windows']} | {_num(s['first_window_mean_loss'], 4)} | "
                    f"{_num(s['last_window_mean_loss'], 4)} |")
     out.append("")
+    if report.get("eval"):
+        out += _eval_markdown(report["eval"])
     replayed = [s for s in stages if s["replayed_micro_batches"] or s["restarts"]]
     if report["recovery"] or replayed:
         out += _recovery_markdown(report["recovery"], replayed)
     if with_plots:
         out += ["## Plots", "", "![latency per stage](plots/latency.png)", "", "![loss per stage](plots/loss.png)", ""]
     return "\n".join(out)
+
+
+_EVAL_ROWS = (("accuracy", "accuracy", 3), ("nll", "NLL / completion token (nats)", 4), ("perplexity", "perplexity", 3),
+              ("exact_match", "exact match", 3), ("rouge_l", "ROUGE-L (F)", 3))
+
+
+def _eval_markdown(ev: dict) -> list[str]:
+    """The evaluation: base vs adapter figures, then the sample generations side by side."""
+    results = ev["results"]
+    names = list(results)
+    out = ["## Evaluation", "", f"Base model vs adapter on {_num(ev['rows'])} dev rows (`{ev['data']}`).", "",
+           "| metric | " + " | ".join(names) + (" | Δ |" if len(names) == 2 else " |"),
+           "|---" * (len(names) + 1 + (len(names) == 2)) + "|"]
+    for key, label, digits in _EVAL_ROWS:
+        values = [results[n].get(key) for n in names]
+        if all(v is None for v in values):
+            continue
+        cells = [_num(v, digits) for v in values]
+        if len(names) == 2:
+            cells.append("n/a" if None in values else f"{values[1] - values[0]:+.{digits}f}")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    out.append("")
+    gen = ev.get("generation")
+    if gen:
+        budget = (f"at most {gen['max_new_tokens']} tokens" if gen.get("max_new_tokens")
+                  else f"each up to its reference's length + {gen.get('margin_tokens')} tokens")
+        out += [f"Generations: {gen.get('decoding', 'greedy')} from the prompts of the first {_num(gen.get('rows'))} "
+                f"rows, {budget}; exact match ignores whitespace at either end, ROUGE-L is the F-measure "
+                "(rouge-score).", ""]
+    samples = ev.get("samples") or []
+    if samples:
+        models = [k for k in samples[0] if k not in ("row", "prompt", "reference")]
+        out += ["### Sample generations", "", "| row | prompt | reference | " + " | ".join(models) + " |",
+                "|---" * (3 + len(models)) + "|"]
+        for sample in samples:
+            out.append(f"| {sample.get('row')} | " + " | ".join(_cell(sample.get(k), keep_end=k == "prompt")
+                                                            for k in ("prompt", "reference", *models)) + " |")
+        out.append("")
+    return out
+
+
+def _cell(text, limit: int = 160, keep_end: bool = False) -> str:
+    """Text for a Markdown table cell: control characters escaped, `|`, `<`, `>` and `&` made literal, newlines as
+    <br>; past `limit` characters elided (a prompt keeps its end, which is what the model continues)."""
+    from zl_device.results.generation import visible
+
+    text = "" if text is None else str(text)
+    if len(text) > limit:
+        text = "…" + text[-limit:] if keep_end else text[:limit] + "…"
+    text = visible(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+    return text.replace("\n", "<br>") if text.strip() else "(empty)"
 
 
 def _recovery_markdown(entries: list[dict], replayed: list[dict]) -> list[str]:

@@ -327,15 +327,15 @@ def run_event(s: TrainSettings, launched, num_stages: int, times: tuple[float, f
 
 
 def evaluate_run(s: TrainSettings, model: RunModel, run_dir: Path, dev: Path, say) -> dict:
-    """Base model and adapter on the dev shard; writes RUN_DIR/eval.json."""
-    from zl_device.results.evaluate import evaluate_with_adapter, limit_rows
+    """Base model and adapter on the dev shard (prompt/completion data: with scored generations); writes
+    RUN_DIR/eval.json."""
+    from zl_device.results.evaluate import GenerationEval, describe, eval_record, evaluate_with_adapter, limit_rows
     from zl_export.shard import load_shard
 
     shard = limit_rows(load_shard(dev), s.eval_limit)
-    scores = evaluate_with_adapter(model.loaded().model, shard, run_dir / "adapter")
-    before, after = scores["base"], scores["adapter"]
-    result = {"data": str(dev), "rows": shard.rows, "base": before.to_dict(), "adapter": after.to_dict()}
+    generation = GenerationEval(model.loaded().tokenizer)
+    scores = evaluate_with_adapter(model.loaded().model, shard, run_dir / "adapter", generation=generation)
+    result = {"data": str(dev), "rows": shard.rows, **eval_record(scores, shard, generation)}
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-    acc = (f"accuracy {before.accuracy:.1%} -> {after.accuracy:.1%}, " if before.accuracy is not None else "")
-    say(f"eval on {shard.rows} dev rows: {acc}NLL {before.nll:.3f} -> {after.nll:.3f} nats/token")
+    say(f"eval on {shard.rows} dev rows: {describe(scores)}")
     return result

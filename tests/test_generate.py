@@ -1,0 +1,160 @@
+"""`zl generate` (issue 26 item 4): prompts from arguments, a file or stdin through the base model and the adapter,
+streamed and labelled; greedy is deterministic, sampling reproducible with --seed; bad input is one line, exit 2."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import typer
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from zl.cli import run_cli
+from zl.commands.generate import generate_command
+from zl.errors import ZLError
+from zl_device.results.generation import Decoding, generate_ids
+from zl_export.model_source import load_model
+
+from conftest import REPO
+from generative_fixtures import ROWS, memorized_adapter, prompt_completion_shard, write_rows
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning"),  # PEFT calls a deprecated transformers API
+    pytest.mark.usefixtures("one_torch_thread"),
+]
+
+APP = typer.Typer(add_completion=False)
+APP.command("generate")(generate_command)
+APP.command("unused")(lambda: None)  # two commands, so `generate` is a subcommand as in `zl`
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    shard = prompt_completion_shard(tmp_path_factory.mktemp("pc"))
+    return memorized_adapter(tmp_path_factory.mktemp("memorized") / "adapter", shard)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, adapter):
+    """A finished run directory as far as `zl generate` looks: its adapter/."""
+    run = tmp_path_factory.mktemp("run")
+    shutil.copytree(adapter, run / "adapter")
+    return run
+
+
+def generate(tmp_path, *args, input: str | None = None) -> tuple[str, dict]:
+    """Run `zl generate ... --json-out` and return (stdout, the JSON)."""
+    out = tmp_path / "generated.json"  # replaced by every call
+    result = CliRunner().invoke(APP, ["generate", *map(str, args), "--json-out", str(out)], input=input)
+    assert result.exit_code == 0, result.output
+    return result.stdout, json.loads(out.read_text())
+
+
+def test_arguments_base_then_adapter_labelled_and_streamed(adapter, tmp_path):
+    stdout, saved = generate(tmp_path, "--adapter", adapter, "-n", "12", ROWS[0]["prompt"], ROWS[1]["prompt"])
+    assert "tiny-random base vs adapter" in stdout and "greedy" in stdout
+    assert "prompt 1/2" in stdout and "prompt 2/2" in stdout and "  Q: colour of the sky?\n  A:\n" in stdout
+    assert re.search(r"\n  base    │ [^\n]* …\n  adapter │  blue\n", stdout)  # base runs to the budget, adapter stops
+    assert re.search(r"\n  adapter │  apple\n", stdout)
+    for row, out in zip(ROWS, saved["outputs"]):
+        assert out["prompt"] == row["prompt"] and out["adapter"] == row["completion"] != out["base"]
+        assert (out["adapter_stopped"], out["base_stopped"], out["base_tokens"]) == ("eos", "max_new_tokens", 12)
+    assert saved["model"] == "tiny-random" and saved["decoding"] == {"sample": False}
+
+
+def test_run_dir_with_a_file_jsonl_and_stdin(run_dir, tmp_path):
+    _, by_argument = generate(tmp_path, "--run", run_dir, "-n", "6", *(r["prompt"] for r in ROWS))
+    jsonl = write_rows(tmp_path / "prompts.jsonl")  # prompt and completion fields: the completion is ignored
+    _, by_file = generate(tmp_path, "--run", run_dir, "-n", "6", "--file", jsonl)
+    _, by_stdin = generate(tmp_path, "--run", run_dir, "-n", "6", input=jsonl.read_text())
+    assert by_file["outputs"] == by_stdin["outputs"] == by_argument["outputs"]
+    assert [o["adapter"] for o in by_file["outputs"]] == [r["completion"] for r in ROWS]
+
+    (tmp_path / "lines.txt").write_text("hello\n\nworld\n")
+    _, plain = generate(tmp_path, "--run", run_dir, "-n", "4", "--file", tmp_path / "lines.txt")
+    _, piped = generate(tmp_path, "--run", run_dir, "-n", "4", "extra", "--file", "-", input="hello\nworld\n")
+    assert [o["prompt"] for o in plain["outputs"]] == ["hello", "world"]
+    assert [o["prompt"] for o in piped["outputs"]] == ["extra", "hello", "world"]
+    assert piped["outputs"][1:] == plain["outputs"]
+
+
+def test_greedy_is_deterministic_and_sampling_reproducible(adapter, tmp_path):
+    prompts = ["hello", ROWS[2]["prompt"]]
+    _, greedy = generate(tmp_path, "--adapter", adapter, "-n", "10", *prompts)
+    assert generate(tmp_path, "--adapter", adapter, "-n", "10", *prompts)[1] == greedy
+    sampled = [generate(tmp_path, "--adapter", adapter, "-n", "10", "--sample", "--seed", seed, *prompts)[1] for seed in (3, 3, 4)]
+    assert sampled[0] == sampled[1] and sampled[0]["decoding"]["seed"] == 3
+    texts = [[(o["base"], o["adapter"]) for o in s["outputs"]] for s in (greedy, *sampled)]
+    assert texts[1] != texts[0] and texts[3] != texts[1]  # sampling is not greedy; another seed, other text
+
+    loaded = load_model("tiny-random")
+    state = torch.get_rng_state()
+    ids = loaded.tokenizer.encode("hello")
+    first = generate_ids(loaded.model, loaded.tokenizer, [ids], 8, Decoding(True, 0.8, 0.9, seed=5))
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's random stream is left alone
+    assert generate_ids(loaded.model, loaded.tokenizer, [ids], 8, Decoding(True, 0.8, 0.9, seed=5)) == first
+
+
+def _other_models_adapter(directory, adapter):
+    """An adapter with tiny-random's parameter names but SmolLM2's width (576): made for another model."""
+    directory.mkdir()
+    shutil.copy(adapter / "adapter_config.json", directory)
+    names = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file({n: torch.zeros(8, 576) if "lora_A" in n else torch.zeros(576, 8) for n in names},
+              str(directory / "adapter_model.safetensors"))
+    return directory
+
+
+def test_bad_inputs_are_one_line_errors(adapter, tmp_path):
+    (tmp_path / "unfinished").mkdir()
+    (tmp_path / "unfinished" / "UNFINISHED.txt").write_text("resume with ...")
+    (tmp_path / "other_dir").mkdir()
+    (tmp_path / "empty_run" / "adapter").mkdir(parents=True)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"prompt": "cut\n')
+    (tmp_path / "noprompt.jsonl").write_text('{"text": "hi"}\n')
+    (tmp_path / "blank.jsonl").write_text('{"prompt": "  "}\n')
+    other = _other_models_adapter(tmp_path / "other_model", adapter)
+    a = ["--adapter", str(adapter)]
+    cases = [
+        (["hi"], None, "pass either --run RUN_DIR"),
+        (["--run", str(tmp_path), *a, "hi"], None, "and not both"),
+        (["--run", str(tmp_path / "nope"), "hi"], None, "nope: no such directory"),
+        (["--run", str(tmp_path / "unfinished"), "hi"], None, "the run has not finished; continue it with `zl train --resume"),
+        (["--run", str(tmp_path / "other_dir"), "hi"], None, "not a finished `zl train` run directory"),
+        (["--run", str(tmp_path / "empty_run"), "hi"], None, "--run " + str(tmp_path / "empty_run" / "adapter") + ": adapter_config.json is missing"),
+        (["--adapter", str(tmp_path / "other_dir"), "hi"], None, "other_dir: adapter_config.json is missing"),
+        (["--adapter", str(other), "hi"], None, "does not fit this model"),
+        ([*a, "hi", ""], None, "prompt argument 2 is empty"),
+        (a, "", "no prompts: pass them as arguments"),
+        (a, "\n  \n", "no prompts"),
+        ([*a, "--file", str(tmp_path / "bad.jsonl")], None, "bad.jsonl line 2: not valid JSON"),
+        ([*a, "--file", str(tmp_path / "noprompt.jsonl")], None, 'noprompt.jsonl line 1: no "prompt" field'),
+        ([*a, "--file", str(tmp_path / "blank.jsonl")], None, 'blank.jsonl line 1: an empty "prompt"'),
+        ([*a, "--file", str(tmp_path / "missing.txt")], None, "missing.txt: no such file"),
+        ([*a, "-n", "0", "hi"], None, "--max-new-tokens 0: must be at least 1"),
+        ([*a, "-n", "600", "hi"], None, "exceed tiny-random's context of 512 tokens"),
+        ([*a, "--sample", "--temperature", "0", "hi"], None, "--temperature 0: must be positive"),
+        ([*a, "--sample", "--top-p", "1.5", "hi"], None, "--top-p 1.5: must be in (0, 1]"),
+        ([*a, "--json-out", str(tmp_path), "hi"], None, "a directory, not a file"),
+    ]
+    for args, stdin, message in cases:
+        result = CliRunner().invoke(APP, ["generate", *args], input=stdin)
+        assert isinstance(result.exception, ZLError), (args, result.output)
+        assert message in str(result.exception) and "\n" not in str(result.exception), (args, str(result.exception))
+
+
+def test_the_zl_command_line_exits_2_with_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        run_cli(lambda: APP(["generate", "--run", str(tmp_path / "nope"), "hi"], prog_name="zl"))
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --run ") and err.count("\n") == 1
+
+    listing = subprocess.run([sys.executable, "-m", "zl.cli", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert re.search(r"│ generate\s+Continue prompts with the base model", listing.stdout), listing.stdout
+    helped = CliRunner().invoke(APP, ["generate", "--help"])
+    assert helped.exit_code == 0 and "zl generate --run runs/r1" in helped.output

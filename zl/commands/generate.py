@@ -1,0 +1,269 @@
+"""`zl generate`: prompts through a base model and its LoRA adapter, side by side, tokens streamed as they come."""
+
+import json
+import os
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from zl.errors import ZLError
+from zl.paths import check_out_file
+
+console = Console()
+err_console = Console(stderr=True)
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+LABELS = {"base": "cyan", "adapter": "green"}  # what is shown for each model, and its colour
+WIDTH = max(map(len, LABELS))
+
+
+def generate_command(
+    prompts: Annotated[
+        list[str] | None,
+        typer.Argument(help="Prompts, used verbatim as `zl data` uses a prompt (in bash, $'Q: hi?\\nA:' holds a "
+                       "newline). Without them: --file, or one prompt per line on stdin.", show_default=False),
+    ] = None,
+    run: Annotated[
+        Path | None,
+        typer.Option("--run", "-r", help="Run directory of `zl train`: its adapter/ and the model the run trained.",
+                     show_default=False),
+    ] = None,
+    adapter: Annotated[
+        Path | None,
+        typer.Option("--adapter", "-a", help="PEFT adapter directory (from `zl merge`, or PEFT's save_pretrained), "
+                     "instead of --run.", show_default=False),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option("--model", "-m", help="Base model: smollm2-135m, tiny-random, a hub id or a directory (default: "
+                     "the one the adapter was trained on, from zl_merge.json or adapter_config.json).",
+                     show_default=False),
+    ] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option("--file", "-f", help="Prompts from a file: one per line, or JSONL (.jsonl, or lines starting "
+                     "with '{') with a \"prompt\" field per line; - reads stdin.", show_default=False),
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens generated per prompt "
+                                                "and model.")] = 64,
+    sample: Annotated[bool, typer.Option("--sample", help="Sample tokens (with --temperature, --top-p, --seed) "
+                                         "instead of greedy decoding.")] = False,
+    temperature: Annotated[float, typer.Option("--temperature", help="--sample: softmax temperature (lower is more "
+                                               "deterministic).")] = 1.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="--sample: keep the smallest set of tokens whose "
+                                         "probability reaches P (1: all).")] = 1.0,
+    seed: Annotated[int, typer.Option("--seed", help="--sample: random seed; every prompt and model starts from it, "
+                                      "so a rerun gives the same text.")] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json-out", help="Also write the prompts and both generations "
+                                                  "to this JSON file.", show_default=False)] = None,
+) -> None:
+    """Continue prompts with the base model and with the fine-tuned adapter, one after the other, streamed.
+
+    What to run first after `zl train`: each prompt is shown, then the base
+    model's continuation, then the adapter's, labelled. A continuation ends at
+    the end-of-sequence token or after --max-new-tokens (shown as …).
+    Decoding is greedy (deterministic) unless --sample.
+
+    Examples:
+
+      zl generate --run runs/r1 $'Q: What is the capital of France?\\nA:'
+
+      zl generate --adapter runs/r1/adapter --model smollm2-135m "Hello, my name is" "The best phone is"
+
+      zl generate --run runs/r1 --file prompts.jsonl --max-new-tokens 128
+
+      echo "Write a haiku about phones:" | zl generate --run runs/r1 --sample --temperature 0.7 --seed 7
+    """
+    from zl_device.results.adapter import load_adapter
+    from zl_device.results.generation import Decoding, visible
+    from zl_export.model_source import load_model
+
+    if max_new_tokens < 1:
+        raise ZLError(f"--max-new-tokens {max_new_tokens}: must be at least 1, e.g. --max-new-tokens 64.")
+    decoding = Decoding(sample, temperature, top_p, seed)
+    decoding.validate()
+    if not sample and (temperature != 1.0 or top_p != 1.0):
+        err_console.print("[yellow]note:[/] --temperature and --top-p apply with --sample; decoding is greedy.")
+    check_out_file(json_out, "--json-out", "generations.json")
+    adapter_dir, model_name, model_seed = _source(run, adapter, model)
+    texts = read_prompts(prompts or [], file)
+
+    with err_console.status(f"loading {model_name} and {adapter_dir}"):
+        loaded = load_model(model_name, seed=model_seed)
+        tuned = load_adapter(loaded.model, adapter_dir)
+    tokenizer = loaded.tokenizer
+    encoded = [tokenizer.encode(t) for t in texts]
+    _check_lengths(texts, encoded, max_new_tokens, loaded.config, model_name)
+
+    how = (f"sampling (temperature {temperature:g}, top-p {top_p:g}, seed {seed})" if sample else "greedy")
+    console.print(f"[bold]{escape(model_name)}[/] base vs adapter {escape(str(adapter_dir))} · {how} · "
+                  f"at most {max_new_tokens} new tokens", highlight=False, soft_wrap=True)
+    outputs = []
+    for i, (text, ids) in enumerate(zip(texts, encoded)):
+        console.print(f"\n[bold]prompt {i + 1}/{len(texts)}[/] ({len(ids)} tokens)", highlight=False)
+        console.out(_indented(visible(text), "  "), highlight=False)
+        row = {"prompt": text}
+        for name in LABELS:
+            # Base: the same PEFT model with its adapter switched off (no second copy of the weights).
+            with tuned.disable_adapter() if name == "base" else nullcontext():
+                row[name], row[f"{name}_tokens"] = _stream(tuned, tokenizer, ids, max_new_tokens, decoding, name)
+            row[f"{name}_stopped"] = "max_new_tokens" if row[f"{name}_tokens"] >= max_new_tokens else "eos"
+        outputs.append(row)
+    if json_out is not None:
+        _write_json(json_out, {"model": model_name, "adapter_dir": str(adapter_dir), "max_new_tokens": max_new_tokens,
+                               "decoding": {"sample": sample, "temperature": temperature, "top_p": top_p,
+                                            "seed": seed} if sample else {"sample": False},
+                               "outputs": outputs})
+        console.print(f"\ngenerations written to {json_out}")
+
+
+def _stream(model, tokenizer, ids: list[int], max_new_tokens: int, decoding, name: str) -> tuple[str, int]:
+    """Generate for one prompt, printing the tokens after a label as they come; returns (text, tokens)."""
+    from zl_device.results.generation import generate_ids, token_printer, visible
+
+    prefix = f"  {name:<{WIDTH}} │ "
+    console.print(f"  [bold {LABELS[name]}]{name:<{WIDTH}}[/] │ ", end="", highlight=False)
+
+    def write(text: str) -> None:
+        console.out(visible(text).replace("\n", "\n" + " " * (len(prefix) - 2) + "│ "), end="", highlight=False)
+
+    (new,) = generate_ids(model, tokenizer, [ids], max_new_tokens, decoding, token_printer(tokenizer, write))
+    if not new:
+        console.print("[dim](end of sequence at once)[/]", end="")
+    elif len(new) >= max_new_tokens:
+        console.print("[dim] …[/]", end="")
+    console.out("")
+    return tokenizer.decode(new), len(new)
+
+
+def _indented(text: str, indent: str) -> str:
+    return "\n".join(indent + line for line in text.split("\n"))
+
+
+def _source(run: Path | None, adapter: Path | None, model: str | None) -> tuple[Path, str, int]:
+    """(adapter directory, base model, seed of a random-weight model) from --run or --adapter and --model.
+
+    Raises:
+        ZLError: neither or both of --run and --adapter, a missing run directory or adapter.
+    """
+    from zl_device.results.adapter import check_adapter_dir
+    from zl_device.results.generation import adapter_base
+    from zl_export.options import DEFAULT_MODEL
+
+    if (run is None) == (adapter is None):
+        raise ZLError("pass either --run RUN_DIR (a `zl train` run directory) or --adapter DIR (a PEFT adapter) "
+                      f"{'and not both' if run else 'to compare with the base model'}, e.g. zl generate --run runs/r1 "
+                      "\"Hello\".")
+    if run is not None:
+        if not run.is_dir():
+            raise ZLError(f"--run {run}: no such directory; pass the --out of a `zl train` run, e.g. --run runs/r1.")
+        adapter = run / "adapter"
+        if not adapter.is_dir():
+            unfinished = (run / "UNFINISHED.txt").is_file()
+            raise ZLError(f"--run {run}: no adapter/ in it, "
+                          + ("the run has not finished; continue it with `zl train --resume --out "
+                             f"{run}` (see {run / 'UNFINISHED.txt'})." if unfinished else
+                             "so it is not a finished `zl train` run directory; merge a run's checkpoints with "
+                             f"`zl merge --out {run / 'adapter'}` or pass --adapter DIR."))
+    try:
+        check_adapter_dir(adapter)
+    except ZLError as e:
+        raise ZLError(str(e).replace("--adapter", "--run" if run is not None else "--adapter", 1)) from None
+    trained_on, seed = adapter_base(adapter)
+    if model is not None and trained_on is not None and model != trained_on:
+        err_console.print(f"[yellow]note:[/] the adapter was trained on {escape(trained_on)}, generating with "
+                          f"--model {escape(model)}.", highlight=False)
+    name = model or trained_on or DEFAULT_MODEL
+    return adapter, name, seed if seed is not None and name == trained_on else 0
+
+
+def read_prompts(arguments: list[str], file: Path | None, stdin=None) -> list[str]:
+    """The prompts: the arguments, then those of --file (or of stdin when there are neither).
+
+    A file (or stdin) holds one prompt per line (blank lines skipped), or JSONL with a "prompt" field per line:
+    a .jsonl/.ndjson file, or lines that all start with "{".
+
+    Raises:
+        ZLError: an empty prompt, an unreadable file, a bad JSONL line (with its number), or no prompt at all.
+    """
+    stdin = sys.stdin if stdin is None else stdin
+    prompts = []
+    for i, text in enumerate(arguments, 1):
+        if not text.strip():
+            raise ZLError(f"prompt argument {i} is empty; give each prompt some text, e.g. zl generate --run RUN "
+                          "\"Q: What is 2+2?\\nA:\".")
+        prompts.append(text)
+    if file is not None and str(file) != "-":
+        text = _read_file(file)
+        prompts += _parse(text, f"--file {file}", file.suffix.lower() in JSONL_SUFFIXES or _looks_jsonl(text))
+    elif str(file) == "-" or (not arguments and not stdin.isatty()):
+        text = stdin.read()
+        prompts += _parse(text, "stdin", _looks_jsonl(text))
+    if not prompts:
+        raise ZLError("no prompts: pass them as arguments, with --file FILE (one per line, or JSONL with a "
+                      "\"prompt\" field) or on stdin, e.g. echo \"Hello\" | zl generate --run runs/r1.")
+    return prompts
+
+
+def _looks_jsonl(text: str) -> bool:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return bool(lines) and all(line.lstrip().startswith("{") for line in lines)
+
+
+def _read_file(path: Path) -> str:
+    if not path.is_file():
+        what = "a directory" if path.is_dir() else "no such file"
+        raise ZLError(f"--file {path}: {what}; pass a text file with one prompt per line, or JSONL with a "
+                      "\"prompt\" field.")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ZLError(f"--file {path}: not UTF-8 text (byte {e.start}); save it as UTF-8.") from e
+
+
+def _parse(text: str, where: str, jsonl: bool) -> list[str]:
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if not jsonl:
+            prompts.append(line)
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ZLError(f"{where} line {number}: not valid JSON ({e.msg}); expected one object per line, e.g. "
+                          "{\"prompt\": \"Q: hi?\\nA:\"}.") from None
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if not isinstance(prompt, str) or not prompt.strip():
+            found = "no \"prompt\" field" if not isinstance(row, dict) or "prompt" not in row else (
+                "an empty \"prompt\"" if isinstance(prompt, str) else f"a \"prompt\" of type {type(prompt).__name__}")
+            raise ZLError(f"{where} line {number}: {found}; expected {{\"prompt\": \"some text\"}} on every line.")
+        prompts.append(prompt)
+    return prompts
+
+
+def _check_lengths(texts: list[str], encoded: list[list[int]], max_new_tokens: int, config, model: str) -> None:
+    """Every prompt has a token and fits the model's context with its new tokens."""
+    limit = getattr(config, "max_position_embeddings", None)
+    for i, (text, ids) in enumerate(zip(texts, encoded), 1):
+        if not ids:
+            raise ZLError(f"prompt {i} ({text!r}) has no tokens for {model}; give it some text.")
+        if limit is not None and len(ids) + max_new_tokens > limit:
+            raise ZLError(f"prompt {i}: {len(ids)} tokens + --max-new-tokens {max_new_tokens} exceed {model}'s "
+                          f"context of {limit} tokens; shorten the prompt or lower --max-new-tokens.")
+
+
+def _write_json(path: Path, content: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+COMMANDS = {"generate": generate_command}

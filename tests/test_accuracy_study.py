@@ -143,7 +143,7 @@ def test_a_finished_arm_is_not_trained_again_but_a_changed_setting_is(study, dem
     (["--arm", "zl-x:alpha=0.5/0.5/0.5"], "--alpha 0.5,0.5,0.5: 3 values for 2 stages"),
     (["--samples", "0"], "--samples 0: must be at least 1"),
     (["--seeds", "0,0"], "--seeds 0,0: give distinct seeds"),
-    (["--arm", "zl-x:lora_targets=q_proj/w_proj"], "w_proj is not a Llama projection"),
+    (["--arm", "zl-x:lora_targets=q_proj/w_proj"], "w_proj is not a projection of any supported model"),
 ])
 def test_bad_options_are_clear_errors(demo_data, tmp_path, extra, problem):
     with pytest.raises(ZLError, match=problem.replace("(", r"\(").replace(")", r"\)")):

@@ -82,7 +82,8 @@ class WidenedLinear(torch.autograd.Function):
 
 
 class CompactLinear(nn.Module):
-    """A frozen bias-free `nn.Linear` stored as bf16 or int8 + per-row scale, in row chunks of ≤ CHUNK_ELEMENTS.
+    """A frozen `nn.Linear` stored as bf16 or int8 + per-row scale, in row chunks of ≤ CHUNK_ELEMENTS; a bias
+    (Qwen2's q/k/v projections) stays float32 (O values) and is added after the widened matmul.
 
     `widen_again = True` (eager only; `compact_for_training`): the backward widens the weight again instead of
     autograd keeping the forward's float32 copy. The export keeps it False and gets the same from `widen_per_use`.
@@ -92,8 +93,6 @@ class CompactLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, dtype: str):
         super().__init__()
-        if linear.bias is not None:
-            raise ValueError("CompactLinear: Llama projections have no bias")
         weight = linear.weight.detach()
         self._original = (linear,)  # a tuple: not a submodule, so not part of the program (restore_frozen_weights)
         self.dtype, self.in_features, self.out_features = dtype, linear.in_features, linear.out_features
@@ -106,6 +105,7 @@ class CompactLinear(nn.Module):
                 self.register_buffer(f"scale_{i}", s)
             else:
                 self.register_buffer(f"weight_{i}", part.to(torch.bfloat16).contiguous())
+        self.bias = None if linear.bias is None else nn.Buffer(linear.bias.detach().float().clone())  # (O,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (…, I) -> (…, O)
         outs = []
@@ -113,11 +113,13 @@ class CompactLinear(nn.Module):
             weight, scale = getattr(self, f"weight_{i}"), getattr(self, f"scale_{i}", None)
             # (…, rows); autograd keeps the compact weight with widen_again, else the forward's widening
             outs.append(WidenedLinear.apply(x, weight, scale) if self.widen_again else widened_linear(x, weight, scale))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if self.bias is None else y + self.bias
 
 
 class CompactEmbedding(nn.Module):
-    """A frozen `nn.Embedding` stored as bf16 or int8 + per-row scale; only the looked-up rows are widened."""
+    """A frozen `nn.Embedding` stored as bf16 or int8 + per-row scale; only the looked-up rows are widened. An
+    embedding that scales its rows (Gemma's `embed_scale`, sqrt(D)) keeps doing so."""
 
     def __init__(self, embedding: nn.Embedding, dtype: str):
         super().__init__()
@@ -130,10 +132,13 @@ class CompactEmbedding(nn.Module):
             self.register_buffer("scale", s)
         else:
             self.register_buffer("weight_q", weight.to(torch.bfloat16).contiguous())
+        scale = getattr(embedding, "embed_scale", None)
+        self.embed_scale = None if scale is None else nn.Buffer(scale.detach().float().clone(), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
         rows = widen(F.embedding(ids, self.weight_q))
-        return rows * self.scale[ids].unsqueeze(-1) if self.dtype == "int8" else rows
+        rows = rows * self.scale[ids].unsqueeze(-1) if self.dtype == "int8" else rows
+        return rows if self.embed_scale is None else rows * self.embed_scale
 
 
 def compact_for_training(module: nn.Module) -> int:

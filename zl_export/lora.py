@@ -8,6 +8,7 @@ graph, and the pipeline's replay after a failure must recompute exactly.
 import torch
 from torch import nn
 
+from zl_export.model_family import family_of_model
 from zl_export.options import LoraSettings
 
 
@@ -19,10 +20,13 @@ def attach_lora(model: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.M
 
     Returns:
         the `PeftModel`.
+
+    Raises:
+        ZLError: a bad rank or α, or a target that is not a projection of the model's family.
     """
     from peft import LoraConfig, get_peft_model
 
-    settings.validate()
+    settings.validate(family_of_model(model))
     config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,

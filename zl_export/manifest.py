@@ -13,6 +13,7 @@ from pathlib import Path
 
 from zl import __version__
 from zl.errors import ZLError
+from zl_export.model_family import family_of
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -21,6 +22,7 @@ MANIFEST = "manifest.json"
 def build_manifest(loaded, opts, stage_entries: list[dict]) -> dict:
     """The manifest of an export of `loaded` (a `LoadedModel`) with `opts` (an `ExportOptions`)."""
     cfg = loaded.config
+    family = family_of(cfg.model_type)
     return {
         "format_version": FORMAT_VERSION,
         "zl_version": __version__,
@@ -29,6 +31,10 @@ def build_manifest(loaded, opts, stage_entries: list[dict]) -> dict:
             "name": loaded.name,
             "source": loaded.source,
             "model_type": cfg.model_type,
+            # the family's layer (zl_export/model_family.py) and what sets it apart from Llama
+            "family": family.key,
+            "family_traits": family.traits(),
+            "tied_head": bool(getattr(cfg, "tie_word_embeddings", False)),
             "num_layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size,
             "vocab_size": cfg.vocab_size,

@@ -8,7 +8,11 @@
   directory: loaded with `transformers` as is.
 - `tinyllama-random`: the TinyLlama-1.1B architecture with seeded random
   weights, for memory and latency figures.
-- `tiny-random`: a tiny Llama with seeded random weights, for fast tests.
+- `tiny-random`: a tiny Llama with seeded random weights, for fast tests; `tiny-random-qwen2`,
+  `tiny-random-qwen3`, `tiny-random-phi3`, `tiny-random-gemma3` likewise for the other families
+  (zl_export/model_family.py).
+
+Every architecture must be one of the supported families (`model_family.FAMILIES`).
 
 Every model is loaded in float32 with eager attention: SDPA's backward brings
 operators the ExecuTorch training export cannot lower (docs/design.md §3.1).
@@ -27,12 +31,12 @@ from pathlib import Path
 import torch
 
 from zl.errors import ZLError
+from zl_export.model_family import FAMILIES, LLAMA, ModelFamily, family_of
 from zl_export.options import DEFAULT_MODEL
 from zl_export.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama",)
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -49,25 +53,16 @@ TINYLLAMA_CONFIG = dict(
     rope_theta=10000.0,
     tie_word_embeddings=False,
 )
-TINY_CONFIG = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-)
-RANDOM_MODELS = {"tinyllama-random": TINYLLAMA_CONFIG, "tiny-random": TINY_CONFIG}
+TINY_CONFIG = LLAMA.tiny
+# Built-in random models: (family, config).
+RANDOM_MODELS = {"tinyllama-random": (LLAMA, TINYLLAMA_CONFIG), "tiny-random": (LLAMA, TINY_CONFIG),
+                 **{f"tiny-random-{f.key.split('_')[0]}": (f, f.tiny) for f in FAMILIES if f is not LLAMA}}
 BUILTIN_MODELS = (DEFAULT_MODEL, *RANDOM_MODELS)
 
 
 @dataclass
 class LoadedModel:
-    """A float32 `LlamaForCausalLM` in eval mode with eager attention, and its tokenizer."""
+    """A float32 `*ForCausalLM` of a supported family in eval mode with eager attention, and its tokenizer."""
 
     model: torch.nn.Module
     tokenizer: Tokenizer
@@ -77,6 +72,10 @@ class LoadedModel:
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def family(self) -> ModelFamily:
+        return family_of(self.model.config.model_type, self.name)
 
 
 def cache_dir() -> Path:
@@ -139,14 +138,14 @@ def resolve(spec: str) -> tuple[str, Path | None]:
 
 
 def load_model(spec: str = DEFAULT_MODEL, seed: int = 0) -> LoadedModel:
-    """Load `spec` (see the module docstring) as a float32 Llama with eager attention.
+    """Load `spec` (see the module docstring) as a float32 model of a supported family with eager attention.
 
     Args:
         spec: the `--model` value.
         seed: seeds the random-weight models.
 
     Raises:
-        ZLError: unknown names, missing files, unreachable hub ids and non-Llama architectures.
+        ZLError: unknown names, missing files, unreachable hub ids and unsupported architectures.
     """
     kind, path = resolve(spec)
     if kind == "random":
@@ -182,7 +181,7 @@ def load_stage_model(spec: str, first: int, last: int, embedding: bool, seed: in
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    config = _llama_config(local, spec)
+    config = _checked_config(local, spec)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -198,9 +197,7 @@ def load_stage_model(spec: str, first: int, last: int, embedding: bool, seed: in
     model.load_state_dict(tensors, strict=False, assign=True)
     if tied:
         model.tie_weights()  # lm_head.weight is embed_tokens.weight again
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # buffers computed, not stored in the files
+    family_of(config.model_type, spec).rebuild_buffers(model)  # rotary tables (...): computed, not in the files
     missing = [n for n, t in model.named_parameters() if t.is_meta and n.startswith(tuple(wanted))]
     if missing:
         raise ZLError(f"--model {spec}: {local} has no tensor {missing[0]} ({len(missing)} weights of layers "
@@ -230,25 +227,12 @@ def load_tokenizer(spec: str = DEFAULT_MODEL) -> Tokenizer:
 
 
 def _random_model(name: str, seed: int) -> LoadedModel:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**RANDOM_MODELS[name], attn_implementation="eager")
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    return LoadedModel(model.float().eval(), ByteTokenizer(), name, f"random:seed={seed}")
+    family, config = RANDOM_MODELS[name]
+    return LoadedModel(family.build_random(config, seed), ByteTokenizer(), name, f"random:seed={seed}")
 
 
-def _check_llama(config, spec: str) -> None:
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ZLError(
-            f"--model {spec}: architecture {config.model_type!r} is not supported; zl splits Llama-family "
-            f"models (model_type {', '.join(SUPPORTED_MODEL_TYPES)}), e.g. TinyLlama, SmolLM2, Llama-3.2."
-        )
-
-
-def _llama_config(target: str | Path, spec: str):
-    """The model's config, checked to be a Llama.
+def _checked_config(target: str | Path, spec: str):
+    """The model's config, checked to be of a supported family.
 
     Raises:
         ZLError: no readable config (offline hub id), or another architecture.
@@ -262,14 +246,14 @@ def _llama_config(target: str | Path, spec: str):
             f"--model {spec}: could not load its config ({_first_line(e)}). A hub id needs network access; "
             "offline, download the model once and pass its local directory."
         ) from e
-    _check_llama(config, spec)
+    family_of(config.model_type, spec)
     return config
 
 
 def _from_pretrained(target: str | Path, spec: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    _llama_config(target, spec)
+    _checked_config(target, spec)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
@@ -300,7 +284,7 @@ def _gguf_cache(gguf: Path) -> Path:
 
     log.info("converting %s to float32 safetensors in %s (once)", gguf, target)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _check_llama(config, str(gguf))
+    family_of(config.model_type, str(gguf))
     dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # A model loaded from GGUF is flagged as quantized and refuses save_pretrained;

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from zl.errors import ZLError
 from zl.settings import check_fields, flag, nested, setting
+from zl_export.model_family import check_lora_names
 
 DEFAULT_MODEL = "smollm2-135m"
-LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONSISTENCY_KINDS = ("kl_rev", "kl_fwd")
 FIRST_TARGETS = ("embedding", "none")
 GATES = ("none", "target_prob")
@@ -66,8 +66,9 @@ def check_num_stages(count: int, name: str = "--num-stages") -> None:
 class ModelSplit:
     """Which model, cut into which stages."""
 
-    model: str = setting(DEFAULT_MODEL, "Built-in name (smollm2-135m, tinyllama-random, tiny-random), Hugging Face "
-                                        "hub id, model directory or .gguf file.")
+    model: str = setting(DEFAULT_MODEL, "Built-in name (smollm2-135m, tinyllama-random, tiny-random, "
+                                        "tiny-random-qwen2|qwen3|phi3|gemma3), Hugging Face hub id, model directory "
+                                        "or .gguf file (Llama, Qwen2/2.5, Qwen3, Phi-3 or Gemma 3 text models).")
     stages: str | None = setting(None, "Layer ranges per stage, e.g. 0-6,7-13,14-21 (inclusive, consecutive, "
                                        "covering every layer).", check=check_stage_spec)
     num_stages: int = setting(3, "Balanced split into this many stages (used when --stages is not given).",
@@ -100,22 +101,22 @@ class LoraSettings:
 
     rank: int = setting(8, "LoRA rank r.", flag="--lora-rank")
     alpha: float = setting(16.0, "LoRA scaling α (the update is scaled by α/r).", flag="--lora-alpha")
-    targets: tuple[str, ...] = setting(("q_proj", "v_proj"), "Comma-separated Llama projections that get adapters.",
+    targets: tuple[str, ...] = setting(("q_proj", "v_proj"), "Comma-separated projections that get adapters: "
+                                       "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (Llama, Qwen, "
+                                       "Gemma 3); qkv_proj,o_proj,gate_up_proj,down_proj (Phi-3).",
                                        flag="--lora-targets")
 
-    def validate(self) -> None:
+    def validate(self, family=None) -> None:
+        """Raises ZLError for a bad rank, α or target; `family` (a `ModelFamily`, once the model is known) checks
+        the targets against its projections, else they must be a projection of some supported family."""
         if self.rank < 1:
             raise ZLError(f"--lora-rank {self.rank}: the rank must be at least 1 (typical: 4-64).")
         if self.alpha <= 0:
             raise ZLError(f"--lora-alpha {self.alpha}: must be positive (typical: 2 x rank).")
-        if not self.targets:
-            raise ZLError("--lora-targets is empty; name at least one of " + ",".join(LLAMA_LINEARS) + ".")
-        unknown = [t for t in self.targets if t not in LLAMA_LINEARS]
-        if unknown:
-            raise ZLError(
-                f"--lora-targets {','.join(self.targets)}: {','.join(unknown)} is not a Llama projection; "
-                f"choose from {','.join(LLAMA_LINEARS)}."
-            )
+        if family is None:
+            check_lora_names(tuple(self.targets))
+        else:
+            family.check_lora_targets(tuple(self.targets))
 
 
 @dataclass(frozen=True)

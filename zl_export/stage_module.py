@@ -1,8 +1,9 @@
 """One pipeline stage as an `nn.Module` whose forward is the stage's whole local step.
 
-The module owns layers `first..last` of a (PEFT-wrapped) Llama model, the
-rotary embedding, and — frozen — the final norm and LM head for the readout;
-stage 0 also owns the token embedding. Its forward follows the program
+The module owns layers `first..last` of a (PEFT-wrapped) causal LM of a
+supported family (zl_export/model_family.py), the rotary embedding, and —
+frozen — the final norm and LM head for the readout (soft-capped where the
+config says so); stage 0 also owns the token embedding. Its forward follows the program
 contract of docs/design.md §3:
 
     inputs : input_ids (B,S) int64 | hidden (B,S,D) f32, attention_mask (B,S) int64, labels (B,S) int64
@@ -32,18 +33,22 @@ from torch import nn
 
 from custom_ops import pipeline_marker
 from zl_export.local_loss import LossConfig, local_loss, shift_targets
+from zl_export.model_family import causal_lm, family_of
 from zl_export.stages import StageRange
 from zl_export.translator import ReadoutTranslator
 
 
-def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
     """Additive attention mask (B, 1, S, S): 0 where query i may attend key j, a large negative elsewhere.
 
-    Query i attends key j when j <= i and key j is a real token. With right
-    padding every query still sees key 0, so no row is fully masked.
+    Query i attends key j when j <= i, key j is a real token and, with a sliding `window`, i - j < window. With
+    right padding every real query still sees itself; a padding query whose window holds only padding has a fully
+    masked row (uniform attention, as in Hugging Face's eager attention; its output is never a target).
     """
     seq = attention_mask.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()  # (S, S)
+    if window is not None:
+        causal = causal & ~torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril(-window)
     allowed = causal[None, None, :, :] & attention_mask[:, None, None, :].bool()  # (B, 1, S, S)
     neg = torch.finfo(dtype).min
     return torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device).masked_fill(~allowed, neg)
@@ -73,7 +78,7 @@ class StageModule(nn.Module):
                  max_targets: int = 0):
         """
         Args:
-            model: a `LlamaForCausalLM`, possibly wrapped by PEFT (LoRA modules
+            model: a `*ForCausalLM` of a supported family, possibly wrapped by PEFT (LoRA modules
                 inside its layers are kept and stay trainable).
             stage: the layer range of this stage.
             num_stages: stages in the pipeline; the last one has no hidden output.
@@ -82,7 +87,9 @@ class StageModule(nn.Module):
             max_targets: target slots per sample read out (0: every position, the full readout).
         """
         super().__init__()
-        llama = _llama_backbone(model)
+        lm = causal_lm(model)
+        config = lm.config
+        self.family = family_of(config.model_type)
         self.stage = stage
         self.is_first = stage.index == 0
         self.is_last = stage.index == num_stages - 1
@@ -94,12 +101,16 @@ class StageModule(nn.Module):
         self.has_prev_target = not (self.is_first and loss.first_target == "none") and self.alpha < 1.0
         self.max_targets = max_targets
         self.gather_targets = False
-        self.embed_tokens = llama.model.embed_tokens if self.is_first else None
-        self.layers = nn.ModuleList(llama.model.layers[stage.first : stage.last + 1])
-        self.rotary_emb = llama.model.rotary_emb
-        self.norm = llama.model.norm
-        self.lm_head = llama.lm_head
-        hidden = llama.config.hidden_size
+        self.embed_tokens = lm.model.embed_tokens if self.is_first else None
+        self.layers = nn.ModuleList(lm.model.layers[stage.first : stage.last + 1])
+        layers = range(stage.first, stage.last + 1)
+        self.windows = [self.family.attention_window(config, i) for i in layers]  # None: plain causal
+        self.rotary_keys = [self.family.rotary_key(config, i) for i in layers]  # None: the one rotary table
+        self.rotary_emb = lm.model.rotary_emb
+        self.norm = lm.model.norm
+        cap = self.family.final_softcap(config)
+        self.lm_head = lm.lm_head if cap is None else SoftCappedHead(lm.lm_head, cap)
+        hidden = config.hidden_size
         use_translator = loss.translator_rank > 0 and not self.is_last
         self.translator = ReadoutTranslator(hidden, loss.translator_rank, seed * 1009 + stage.index) if use_translator else None
 
@@ -114,11 +125,12 @@ class StageModule(nn.Module):
         h_in = self.embed_tokens(x) if self.is_first else x  # (B, S, D)
         batch, seq = attention_mask.shape
         position_ids = torch.arange(seq, device=attention_mask.device).unsqueeze(0).expand(batch, seq)  # (B, S)
-        mask = causal_padding_mask(attention_mask, h_in.dtype)  # (B, 1, S, S)
-        cos_sin = self.rotary_emb(h_in, position_ids)
+        masks = {w: causal_padding_mask(attention_mask, h_in.dtype, w) for w in set(self.windows)}  # (B, 1, S, S)
+        tables = {k: self.family.position_embeddings(self.rotary_emb, h_in, position_ids, k)
+                  for k in set(self.rotary_keys)}  # (cos, sin), each (B, S, head_dim)
         h = h_in
-        for layer in self.layers:
-            h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
+        for layer, window, key in zip(self.layers, self.windows, self.rotary_keys):
+            h = layer(h, attention_mask=masks[window], position_ids=position_ids, position_embeddings=tables[key])
         return h_in, h
 
     def loss_terms(self, h_in: torch.Tensor, h: torch.Tensor, labels: torch.Tensor):
@@ -165,8 +177,13 @@ class StageModule(nn.Module):
         return 0 if self.is_last else 1
 
 
-def _llama_backbone(model: nn.Module) -> nn.Module:
-    """The `LlamaForCausalLM` inside a PEFT wrapper (or the model itself)."""
-    if hasattr(model, "get_base_model"):
-        return model.get_base_model()
-    return model
+class SoftCappedHead(nn.Module):
+    """The LM head followed by logit soft-capping, c·tanh(logits / c) (a Gemma config's final_logit_softcapping):
+    what every readout of the stage computes, as the Hugging Face model's forward does after its head."""
+
+    def __init__(self, head: nn.Module, cap: float):
+        super().__init__()
+        self.head, self.cap = head, float(cap)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (…, D) -> (…, V)
+        return torch.tanh(self.head(x) / self.cap) * self.cap

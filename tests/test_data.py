@@ -168,9 +168,25 @@ def test_truncate_keeps_the_completion_and_cuts_the_prompt_from_the_left(tmp_pat
     assert meta["truncated_rows"] == 1 and meta["max_length"] == 20
 
 
-def test_truncate_fails_when_the_completion_alone_is_too_long(tmp_path):
-    with pytest.raises(ZLError, match=r"the completion alone is 13 tokens \(with end-of-sequence\)"):
+def test_truncate_drops_rows_whose_completion_does_not_fit_and_counts_them(tmp_path):
+    rows = [{"prompt": "p" * 30, "completion": " ok"},  # cut: 30 + 4 > 16
+            {"prompt": "p", "completion": " much longer"},  # fits: 1 + 12 + eos
+            {"prompt": "p", "completion": " far too long for it"},  # dropped: 21 tokens with eos
+            {"prompt": "short", "completion": " yes"}]
+    tokenized, task, meta = make_shard(tmp_path, rows, seq_len=16, truncate=True)
+    assert [e.line for e in task.examples] == [1, 2, 4] and tokenized.input_ids.shape == (3, 16)
+    assert (meta["rows"], meta["truncated_rows"], meta["dropped_rows"], meta["dropped_lines"]) == (3, 1, 1, [3])
+    assert data.truncation_summary(meta, 16) == ("1 row had their prompt cut from the left, 1 row dropped: completion "
+                                                 "longer than --seq-len 16 allows (line 3)")
+    for i in range(3):  # every kept completion whole
+        completion = BYTES.encode(task.examples[i].completion) + [BYTES.eos_token_id]
+        assert tokenized.labels[i][tokenized.labels[i] != -100].tolist() == completion
+    with pytest.raises(ZLError, match=r"no row left: the completion of every row \(1\) is longer than --seq-len 8 "
+                                      r"allows .* Raise --seq-len to at least 14\.$"):
         make_shard(tmp_path, [{"prompt": "p", "completion": " much longer"}], seq_len=8, truncate=True)
+    with pytest.raises(ZLError, match=r"line 1: the completion alone is 13 tokens \(with end-of-sequence\), which "
+                                      r"leaves no room for the prompt in --seq-len 8\. .*--truncate to drop such rows"):
+        make_shard(tmp_path, [{"prompt": "p", "completion": " much longer"}], seq_len=8)  # strict: an error
 
 
 def test_empty_file(tmp_path):

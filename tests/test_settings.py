@@ -116,7 +116,7 @@ def test_export_and_train_keep_their_flags_and_defaults():
     flags = [leaf.flag for leaf in leaves(TrainSettings)]
     assert flags.count("--seq-len") == flags.count("--seed") == 1  # the run's own, not the export's
     assert {"--model", "--stages", "--num-stages", "--alpha", "--consistency", "--lora-rank", "--timeout", "--format",
-            "--truncate", "--micro-batch", "--window", "--samples"} <= set(flags)
+            "--truncate/--no-truncate", "--prompt-column", "--prompt-template", "--micro-batch", "--window", "--samples"} <= set(flags)
     assert flag(LoraSettings, "rank") == "--lora-rank" and flag(ModelSplit, "num_stages") == "--num-stages"
     s = TrainSettings()
     assert (s.split.model, s.window, s.samples, s.seq_len, s.export.loss.alpha, s.timeout_s) == (

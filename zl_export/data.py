@@ -11,18 +11,27 @@ A shard is what stage 0 of a pipeline (and `zl eval`) reads:
   source file and its sha256, format, prompt template and, for classification,
   the label words that `zl eval` scores.
 
-Input formats (`--format`, detected from the columns by default):
+Input formats (`--format`, detected from the columns by default; reading: zl_export/records.py):
 
 - `prompt_completion`: columns `prompt`, `completion`; both taken verbatim.
+  `--prompt-column`, `--completion-column` and `--prompt-template` (several
+  columns into one prompt) pick other columns: zl_export/data_columns.py.
+- `chat`: JSONL `{"messages": [{"role": ..., "content": ...}, ...]}`; the last
+  (assistant) turn is the completion, the turns before it the prompt, rendered
+  with the tokenizer's chat template or a plain fallback: zl_export/chat.py.
 - `text_label`: columns `text`, `label`; the prompt is TEXT_LABEL_TEMPLATE, the
   completion the label word.
 - `agnews`: AG-News CSV (`label,title,description`, labels 1-4); the prompt
   is AGNEWS_TEMPLATE, the completion one of AGNEWS_LABELS' words.
+
+A completion is never cut: a row longer than the sequence length fails, naming
+its line (the default, `--no-truncate`), or with `--truncate` loses prompt
+tokens from the left; a row whose completion alone leaves no room for a prompt
+token is then dropped, and both counts are reported (`truncation_summary`).
 """
 
 import csv
 import html
-import json
 import logging
 import random
 import re
@@ -34,15 +43,19 @@ from pathlib import Path
 import torch
 
 from zl.errors import ZLError
+from zl_export import chat
+from zl_export.data_columns import DataColumns, column_rows
+from zl_export.records import Record, read_records  # noqa: F401 (re-exported)
 from zl_export.shard import Shard, file_sha256, load_shard, sidecar_path, target_counts, write_shard  # noqa: F401 (re-exported)
 from zl_export.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-FORMATS = ("auto", "prompt_completion", "text_label", "agnews")
+FORMATS = ("auto", "prompt_completion", "chat", "text_label", "agnews")
 REQUIRED_COLUMNS = {
     "prompt_completion": ("prompt", "completion"),
+    "chat": ("messages",),
     "text_label": ("text", "label"),
     "agnews": ("label", "title", "description"),
 }
@@ -69,6 +82,7 @@ class Example:
     prompt: str
     completion: str
     label: str | None = None  # the label word (without separator), for classification
+    messages: list[dict[str, str]] | None = None  # chat rows: the checked turns; `tokenize` renders the prompt
 
 
 @dataclass
@@ -80,112 +94,11 @@ class Task:
     prompt_template: str | None
     label_words: list[str] | None = None  # completions as tokenized, e.g. [" world", " sports"]
     label_map: dict[str, str] | None = None  # value in the file -> label word
-
-
-# ---------------------------------------------------------------- reading
-
-
-def read_records(path: Path) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
-    """Rows of a CSV (with header) or JSONL file as (line, {column: value}).
-
-    Raises:
-        ZLError: missing or empty file, unknown extension, malformed JSON lines.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ZLError(f"--input {path}: no such file. Pass a .csv or .jsonl file, or `demo` for the built-in task.")
-    suffix = path.suffix.lower()
-    if suffix not in (".csv", ".jsonl", ".ndjson"):
-        raise ZLError(f"--input {path}: unknown file type {suffix or '(none)'!r}; expected .csv or .jsonl.")
-    try:
-        columns, records = _read_csv(path) if suffix == ".csv" else _read_jsonl(path)
-    except UnicodeDecodeError as e:
-        raise ZLError(f"--input {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start} of a "
-                      "block); save it as UTF-8 CSV/JSONL.") from None
-    except csv.Error as e:
-        raise ZLError(f"--input {path}: not a readable CSV ({e}); fields are at most {_CSV_FIELD_LIMIT // 1024} KiB.") from None
-    if not records:
-        raise ZLError(f"--input {path}: the file has no data rows; expected a header and at least one row.")
-    return columns, records
-
-
-_CSV_FIELD_LIMIT = 128 * 1024  # the csv module's default field_size_limit, stated
-_JSONL_MAX_DEPTH = 32
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-
-
-def _check_cells(path: Path, line: int, cells: list[str]) -> None:
-    if any("\0" in c for c in cells):
-        raise ZLError(f"{path} line {line}: a NUL byte; the file looks binary. Save it as UTF-8 text.")
-
-
-def _read_csv(path: Path) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
-    csv.field_size_limit(_CSV_FIELD_LIMIT)
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            return [], []
-        _check_cells(path, 1, header)
-        columns = [c.strip().lower() for c in header]
-        records = []
-        start = reader.line_num + 1
-        for cells in reader:
-            _check_cells(path, start, cells)
-            if cells:  # blank lines
-                if len(cells) != len(columns):
-                    raise ZLError(
-                        f"{path} line {start}: {len(cells)} fields, but the header has {len(columns)} "
-                        f"({', '.join(columns)}). Quote fields that contain commas."
-                    )
-                records.append((start, dict(zip(columns, cells))))
-            start = reader.line_num + 1
-    return columns, records
-
-
-def _read_jsonl(path: Path) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
-    columns: dict[str, None] = {}
-    records = []
-    with open(path, encoding="utf-8-sig") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if _json_depth(line) > _JSONL_MAX_DEPTH:
-                raise ZLError(f"{path} line {line_no}: JSON nested deeper than {_JSONL_MAX_DEPTH} levels; expected "
-                              'one flat object per line like {"prompt": ..., "completion": ...}.')
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ZLError(f"{path} line {line_no}: not valid JSON ({e.msg}); expected one JSON object per line.") from e
-            except (ValueError, RecursionError) as e:  # e.g. an integer of more than 4300 digits
-                raise ZLError(f"{path} line {line_no}: not usable JSON ({e}); expected one JSON object per line.") from None
-            if not isinstance(obj, dict):
-                raise ZLError(f"{path} line {line_no}: a JSON {type(obj).__name__}, expected an object like "
-                              '{"prompt": ..., "completion": ...}.')
-            row = {str(k).strip().lower(): "" if v is None else str(v) for k, v in obj.items()}
-            _check_cells(path, line_no, list(row) + list(row.values()))
-            columns.update(dict.fromkeys(row))
-            records.append((line_no, row))
-    return list(columns), records
-
-
-def _json_depth(line: str) -> int:
-    """How deep the arrays/objects of a JSON line nest (brackets inside strings ignored); an upper bound for
-    malformed lines, which json.loads rejects anyway."""
-    if line.count("[") + line.count("{") <= _JSONL_MAX_DEPTH:
-        return 0
-    depth = deepest = 0
-    for c in _JSON_STRING.sub("", line):
-        if c in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif c in "]}":
-            depth -= 1
-    return deepest
+    chat_template: str | None = None  # chat rows, once tokenized: "tokenizer" (its own template) or "plain"
 
 
 def detect_format(columns: list[str], path: Path | str) -> str:
-    """The format whose required columns are all present (prompt_completion, then text_label, then agnews)."""
+    """The format whose required columns are all present (prompt_completion, chat, text_label, then agnews)."""
     for name, required in REQUIRED_COLUMNS.items():
         if all(c in columns for c in required):
             return name
@@ -196,7 +109,7 @@ def detect_format(columns: list[str], path: Path | str) -> str:
     )
 
 
-def load_task(path: Path, fmt: str = "auto", labels: list[str] | None = None) -> Task:
+def load_task(path: Path, fmt: str = "auto", labels: list[str] | None = None, cols: DataColumns | None = None) -> Task:
     """Read `path` and turn every row into an Example.
 
     Args:
@@ -204,13 +117,24 @@ def load_task(path: Path, fmt: str = "auto", labels: list[str] | None = None) ->
         fmt: one of FORMATS.
         labels: text_label only: the label values in the order to list them;
             default: the sorted distinct labels of the file.
+        cols: prompt/completion from other columns or a template (implies prompt_completion).
 
     Raises:
-        ZLError: bad format name, missing columns, empty fields, unknown labels.
+        ZLError: bad format name, missing columns, empty fields, unknown labels,
+            a bad chat row (unknown role, no assistant turn).
     """
     if fmt not in FORMATS:
         raise ZLError(f"--format {fmt!r} is not a known format; expected one of {', '.join(FORMATS)}.")
+    cols = cols if cols is not None and cols.given() else None
+    if cols is not None and fmt not in ("auto", "prompt_completion"):
+        raise ZLError(f"--prompt-column, --completion-column and --prompt-template pick a prompt/completion from "
+                      f"columns; they do not apply to --format {fmt}. Drop them or pass --format prompt_completion.")
+    if cols is not None:
+        cols.validate()  # before reading: a bad template fails fast
     columns, records = read_records(path)
+    if cols is not None:
+        rows = column_rows(path, columns, records, cols)
+        return Task([Example(line, p, c) for line, p, c in rows], "prompt_completion", cols.prompt_template)
     if fmt == "agnews" and "label" not in columns and len(columns) == 3 and columns[0].strip() in AGNEWS_LABELS:
         # The original AG News CSVs have no header: class id, title, description.
         columns, records = _agnews_headerless(path)
@@ -225,8 +149,17 @@ def load_task(path: Path, fmt: str = "auto", labels: list[str] | None = None) ->
             f"--input {path}: --format {fmt} needs the columns {', '.join(REQUIRED_COLUMNS[fmt])}, but the file has "
             f"{', '.join(columns) or '(none)'} (missing: {', '.join(missing)}). Rename the columns or pick another --format."
         )
+    if fmt == "chat":
+        examples = []
+        for line, row in records:
+            messages = chat.parse_messages(row.get("messages"), f"{path} line {line}")
+            examples.append(Example(line, chat.plain_prompt(messages), messages[-1]["content"], messages=messages))
+        return Task(examples, fmt, None)
     for line, row in records:
         for col in REQUIRED_COLUMNS[fmt]:
+            if not isinstance(row.get(col, ""), str):
+                raise ZLError(f"{path} line {line}: column {col!r} is a JSON {type(row[col]).__name__}; expected "
+                              "text. Put the text in a string, or pick another --format.")
             if not row.get(col, "").strip():
                 raise ZLError(
                     f"{path} line {line}: column {col!r} is empty; every row needs a non-empty "
@@ -354,13 +287,20 @@ def tokenize(
     """Tokenize `task.examples` to right-padded samples of `seq_len` tokens.
 
     ids = encode(prompt) + encode(completion) + [eos]; labels are the ids on
-    the completion and eos, -100 elsewhere. Classification tasks get their
-    separator placed by `label_separator`; the returned Task carries the
-    label words and template exactly as tokenized.
+    the completion and eos, -100 elsewhere. Chat rows get their prompt
+    rendered here (`zl_export.chat.render_prompt`: the tokenizer's chat
+    template, else the plain fallback). Classification tasks get their
+    separator placed by `label_separator`. The returned Task holds the rows
+    kept, exactly as tokenized (row i of the tensors is its example i).
+
+    A completion is never cut. A row longer than `seq_len` fails (naming its
+    line) unless `truncate`; then its prompt loses tokens from the left, and a
+    row whose completion + eos leaves no room for one prompt token is dropped.
+    `stats` counts both (`truncated_rows`, `dropped_rows`, `dropped_lines`).
 
     Raises:
-        ZLError: a sample longer than seq_len (without `truncate`), or a
-            completion that does not fit even with `truncate`.
+        ZLError: a row longer than seq_len (without `truncate`), every row
+            dropped (with it), or a chat row the tokenizer's template rejects.
     """
     if seq_len < 2:
         raise ZLError(f"--seq-len {seq_len}: too small; a sample needs at least one prompt and one completion token.")
@@ -373,54 +313,95 @@ def tokenize(
             [("" if sep else " ") + w for w in task.label_words],
             {k: ("" if sep else " ") + w for k, w in task.label_map.items()},
         )
-    n = len(task.examples)
-    input_ids = torch.full((n, seq_len), tokenizer.pad_token_id, dtype=torch.int64)
-    labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.int64)
-    attention_mask = torch.zeros((n, seq_len), dtype=torch.int64)
+    rows: list[tuple[list[int], list[int]]] = []  # (prompt ids, completion ids + eos) of the kept rows
+    kept: list[Example] = []
     too_long: list[tuple[Example, int, int]] = []
-    truncated = max_len = 0
-    for i, ex in enumerate(task.examples):
+    dropped: list[tuple[Example, int]] = []
+    truncated = 0
+    rendered: set[str] = set()
+    for ex in task.examples:
         if on_progress is not None:
             on_progress(1)
+        if ex.messages is not None:
+            text, how = chat.render_prompt(tokenizer, ex.messages, f"{source} line {ex.line}")
+            ex = Example(ex.line, text, ex.completion, ex.label, ex.messages)
+            rendered.add(how)
         prompt = tokenizer.encode(ex.prompt)
         completion = tokenizer.encode(ex.completion) + [tokenizer.eos_token_id]
-        length = len(prompt) + len(completion)
-        if length > seq_len:
+        if len(prompt) + len(completion) > seq_len:
             if not truncate:
                 too_long.append((ex, len(prompt), len(completion)))
                 continue
             keep = seq_len - len(completion)
             if keep < 1:
-                raise ZLError(
-                    f"{source} line {ex.line}: the completion alone is {len(completion)} tokens (with end-of-sequence), "
-                    f"which leaves no room for the prompt in --seq-len {seq_len}. Raise --seq-len to at least "
-                    f"{len(completion) + 1} or shorten the completion."
-                )
+                dropped.append((ex, len(completion)))
+                continue
             prompt = prompt[-keep:]
             truncated += 1
+        rows.append((prompt, completion))
+        kept.append(ex)
+    if too_long:
+        raise _too_long_error(too_long, seq_len, source)
+    if not rows and dropped:
+        longest = max(c for _, c in dropped)
+        raise ZLError(f"{source}: no row left: the completion of every row ({len(dropped)}) is longer than "
+                      f"--seq-len {seq_len} allows (with end-of-sequence and one prompt token), so --truncate dropped "
+                      f"them all. Raise --seq-len to at least {longest + 1}.")
+    n = len(rows)
+    input_ids = torch.full((n, seq_len), tokenizer.pad_token_id, dtype=torch.int64)  # (N, S)
+    labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.int64)  # (N, S)
+    attention_mask = torch.zeros((n, seq_len), dtype=torch.int64)  # (N, S)
+    for i, (prompt, completion) in enumerate(rows):
         ids = prompt + completion
         input_ids[i, : len(ids)] = torch.tensor(ids)
         labels[i, len(prompt) : len(ids)] = torch.tensor(completion)
         attention_mask[i, : len(ids)] = 1
-        max_len = max(max_len, len(ids))
-    if too_long:
-        ex, p, c = too_long[0]
-        more = f" ({len(too_long) - 1} more rows are too long)" if len(too_long) > 1 else ""
-        longest = max(p + c for _, p, c in too_long)
-        raise ZLError(
-            f"{source} line {ex.line}: {p + c} tokens (prompt {p}, completion {c - 1}, end-of-sequence 1) do not fit "
-            f"--seq-len {seq_len}{more}. Raise --seq-len to at least {longest}, or pass --truncate to cut prompts "
-            "from the left and keep the completions."
-        )
     stats = {
         "rows": n,
         "tokens": int(attention_mask.sum()),
         "label_tokens": int((labels != IGNORE_INDEX).sum()),
         "max_target_tokens": int(target_counts(labels).max()) if n else 0,  # per row; what --max-targets must cover
-        "max_length": max_len,
+        "max_length": int(attention_mask.sum(dim=1).max()) if n else 0,
         "truncated_rows": truncated,
+        "dropped_rows": len(dropped),
+        "dropped_lines": [ex.line for ex, _ in dropped[:MAX_LISTED_LINES]],
     }
-    return Tokenized(input_ids, attention_mask, labels, stats), task
+    out = Task(kept, task.format, task.prompt_template, task.label_words, task.label_map,
+               "tokenizer" if "tokenizer" in rendered else (chat.PLAIN if rendered else None))
+    return Tokenized(input_ids, attention_mask, labels, stats), out
+
+
+MAX_LISTED_LINES = 10  # dropped rows' lines kept in the sidecar and named in the summary
+
+
+def _too_long_error(too_long: list[tuple[Example, int, int]], seq_len: int, source: str) -> ZLError:
+    """The strict mode's error: the first row that does not fit, the count of the others and the fix."""
+    ex, p, c = too_long[0]
+    more = f" ({len(too_long) - 1} more rows are too long)" if len(too_long) > 1 else ""
+    longest = max(p + c for _, p, c in too_long)
+    if c >= seq_len:  # --truncate would drop this row: say so
+        return ZLError(
+            f"{source} line {ex.line}: the completion alone is {c} tokens (with end-of-sequence), which leaves no room "
+            f"for the prompt in --seq-len {seq_len}{more}. Raise --seq-len to at least {longest}, shorten the "
+            "completion, or pass --truncate to drop such rows (and cut long prompts from the left)."
+        )
+    return ZLError(
+        f"{source} line {ex.line}: {p + c} tokens (prompt {p}, completion {c - 1}, end-of-sequence 1) do not fit "
+        f"--seq-len {seq_len}{more}. Raise --seq-len to at least {longest}, or pass --truncate to cut prompts "
+        "from the left and keep the completions."
+    )
+
+
+def truncation_summary(stats: dict, seq_len: int) -> str | None:
+    """What `--truncate` did to a shard's rows, as one line (None when it did nothing), e.g. "3 rows had their
+    prompt cut from the left, 1 row dropped: completion longer than --seq-len 64 allows (line 7)"."""
+    cut, dropped = stats.get("truncated_rows", 0), stats.get("dropped_rows", 0)
+    if not cut and not dropped:
+        return None
+    lines = stats.get("dropped_lines") or []
+    shown = ", ".join(map(str, lines)) + (", ..." if dropped > len(lines) else "")
+    return (f"{cut} row{'s' * (cut != 1)} had their prompt cut from the left, {dropped} row{'s' * (dropped != 1)} "
+            f"dropped: completion longer than --seq-len {seq_len} allows" + (f" (line{'s' * (dropped > 1)} {shown})" if dropped else ""))
 
 
 def select(task: Task, limit: int | None, shuffle: bool, seed: int) -> Task:
@@ -432,7 +413,7 @@ def select(task: Task, limit: int | None, shuffle: bool, seed: int) -> Task:
         random.Random(seed).shuffle(examples)
     if limit is not None:
         examples = examples[:limit]
-    return Task(examples, task.format, task.prompt_template, task.label_words, task.label_map)
+    return Task(examples, task.format, task.prompt_template, task.label_words, task.label_map, task.chat_template)
 
 
 def save(path: Path | str, data: Tokenized, task: Task, tokenizer: Tokenizer, model: str, source: dict,
@@ -460,6 +441,7 @@ def save(path: Path | str, data: Tokenized, task: Task, tokenizer: Tokenizer, mo
         "label_token_ids": [tokenizer.encode(w) for w in task.label_words] if task.label_words else None,
         "label_map": task.label_map,
         "label_counts": dict(Counter(e.completion for e in task.examples)) if task.label_words else None,
+        "chat_template": task.chat_template,
         **(extra or {}),
     }
     tensors = {"input_ids": data.input_ids, "attention_mask": data.attention_mask, "labels": data.labels}

@@ -7,10 +7,11 @@ this module decides what to tokenize, with which provenance, at which length.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from zl_export import data as zdata
+from zl_export.data_columns import DataColumns
 from zl_export.tokenizer import Tokenizer
 
 DEMO = "demo"
@@ -36,12 +37,16 @@ def demo_jobs(seed: int) -> list[ShardJob]:
             for name, rows in demo_rows(seed).items()]
 
 
-def file_job(path: Path, fmt: str, name: str, labels: list[str] | None = None) -> ShardJob:
-    """A .csv/.jsonl file as one shard. Raises ZLError for an unreadable file or an unknown format."""
+def file_job(path: Path, fmt: str, name: str, labels: list[str] | None = None,
+             columns: DataColumns | None = None) -> ShardJob:
+    """A .csv/.jsonl file as one shard (`columns`: --prompt-column/--completion-column/--prompt-template).
+    Raises ZLError for an unreadable file, an unknown format or a bad row."""
     path = Path(path).expanduser()
-    task = zdata.load_task(path, fmt, labels)
-    return ShardJob(name, task, {"path": str(path.resolve()), "sha256": zdata.file_sha256(path),
-                                 "rows_in_source": len(task.examples)})
+    task = zdata.load_task(path, fmt, labels, columns)
+    source = {"path": str(path.resolve()), "sha256": zdata.file_sha256(path), "rows_in_source": len(task.examples)}
+    if columns is not None and columns.given():
+        source["columns"] = asdict(columns)
+    return ShardJob(name, task, source)
 
 
 def default_seq_len(tokenizer: Tokenizer, demo: bool) -> int:

@@ -57,5 +57,12 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str | None:
+        """`messages` rendered by the model's chat template with the assistant's turn opened (the text the model
+        continues), or None when the tokenizer has no chat template. Used by `zl_export.chat`."""
+        if not getattr(self._tok, "chat_template", None):
+            return None
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     def save(self, directory: str) -> None:
         self._tok.save_pretrained(directory)

@@ -26,7 +26,7 @@ def training_rows(s: TrainSettings) -> int:
         return load_shard(path).rows
     from zl_export import data as zdata
 
-    return len(zdata.load_task(path, s.data_format).examples)
+    return len(zdata.load_task(path, s.data_format, None, s.columns).examples)
 
 
 def check_samples(s: TrainSettings) -> None:
@@ -91,7 +91,8 @@ def prepare_data(s: TrainSettings, tokenizer: Tokenizer, seq_len: int, data_dir:
         slots = s.export.max_targets if job.name == "train" else None
         path, meta = write_shard(job, tokenizer, s.split.model, seq_len, data_dir, s.truncate, extra={"seed": s.seed},
                                  max_targets=slots)
-        say(f"data: {job.name} {meta['rows']} rows x {seq_len} tokens -> {path}")
+        cut = zdata.truncation_summary(meta, seq_len)
+        say(f"data: {job.name} {meta['rows']} rows x {seq_len} tokens -> {path}" + (f" ({cut})" if cut else ""))
         return path
 
     def from_file(spec: str, name: str) -> Path:
@@ -102,7 +103,7 @@ def prepare_data(s: TrainSettings, tokenizer: Tokenizer, seq_len: int, data_dir:
                 raise ZLError(f"--data {spec}: the shard has seq_len {shard.seq_len}, the programs {seq_len}; pass "
                               f"--seq-len {shard.seq_len} or re-tokenize with `zl data --seq-len {seq_len}`.")
             return path
-        job = file_job(path, s.data_format, name)
+        job = file_job(path, s.data_format, name, columns=s.columns)
         job.task = zdata.select(job.task, None, True, s.seed)
         return write(job)
 

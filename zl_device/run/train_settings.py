@@ -13,6 +13,7 @@ from zl.errors import ZLError
 from zl.settings import check_fields, nested, setting
 from zl_device.devices.registry import MAX_LOCAL_DEVICES, MODE_HELP, MODES, check_devices
 from zl_device.run.windows import WindowPlan
+from zl_export.data_columns import DataColumns
 from zl_export.options import ExportOptions, MAX_SEQ_LEN, ModelSplit, check_seq_len
 
 DEMO = "demo"
@@ -40,9 +41,12 @@ class TrainSettings:
     split: ModelSplit = nested(ModelSplit)
     data: str = setting(DEMO, "`demo` (the built-in task), a .csv/.jsonl file or a shard (.safetensors).")
     eval_data: str | None = setting(None, "Dev data for the evaluation (the demo task brings its own).")
-    data_format: str = setting("auto", "Format of a .csv/.jsonl --data (see `zl data`).", flag="--format")
-    truncate: bool = setting(False, "Cut over-long prompts from the left instead of failing (see `zl data`).",
-                             flag="--truncate")
+    data_format: str = setting("auto", "Format of a .csv/.jsonl --data: auto, prompt_completion, chat, text_label or "
+                                       "agnews (see `zl data`).", flag="--format")
+    columns: DataColumns = nested(DataColumns)  # --prompt-column, --completion-column, --prompt-template
+    truncate: bool = setting(False, "Rows longer than --seq-len: cut the prompt from the left and drop rows whose "
+                                    "completion does not fit, with counts (default: fail, naming the row; see "
+                                    "`zl data`).", flag="--truncate/--no-truncate")
     samples: int = setting(256, f"Training samples (the shard repeats when it has fewer rows, at most "
                                 f"{MAX_EPOCHS} times).")
     window: int = setting(4, "Update window m: micro-batches per AdamW step.")
@@ -116,6 +120,7 @@ class TrainSettings:
         if self.samples < 1 or self.window < 1:
             raise ZLError(f"--samples {self.samples} --window {self.window}: both must be at least 1.")
         check_fields(self)  # the choices, --seq-len's range, --devices
+        self.columns.validate()
         if self.launcher != "spawn" and self.runtime != "torch":
             raise ZLError(f"--launcher {self.launcher}: launchers start torch.distributed ranks; add --runtime torch.")
         if self.link_timeout_s <= 0:

@@ -1,0 +1,96 @@
+"""Chat rows: `{"messages": [{"role": ..., "content": ...}, ...]}` as one prompt and one completion.
+
+The trained turn is the conversation's last message, which must be the assistant's; the prompt is every message
+before it, rendered with the tokenizer's own chat template with the assistant's turn opened
+(`apply_chat_template(..., add_generation_prompt=True)`), and the completion is that turn's content followed by the
+tokenizer's end-of-sequence token (for SmolLM2 `<|im_end|>`, which is how its template closes a turn). A tokenizer
+without a chat template (the byte tokenizer of the random models) gets the plain fallback, one block per turn:
+
+    <|system|>
+    You answer in one word.
+    <|user|>
+    Capital of France?
+    <|assistant|>
+    Paris<eos>
+
+Why only the last assistant turn carries loss: a row stays one prompt and one completion, which is what the
+target slots (sized from the completions), `zl eval` (held-out completion NLL, generations from the prompt) and
+`zl generate` assume; earlier assistant turns are context. To train on every turn, write one row per turn (each a
+prefix of the conversation ending in that assistant turn).
+"""
+
+from __future__ import annotations
+
+from zl.errors import ZLError
+
+ROLES = ("system", "user", "assistant")
+#: The plain fallback: each turn as "<|role|>\ncontent\n", then "<|assistant|>\n" opens the trained turn.
+PLAIN_TURN = "<|{role}|>\n{content}\n"
+PLAIN = "plain"  # the sidecar's `chat_template` when the fallback was used (else "tokenizer")
+_EXAMPLE = '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}'
+
+
+def parse_messages(value: object, where: str) -> list[dict[str, str]]:
+    """A row's `messages`, checked: a non-empty list of {role, content} with known roles, ending in a non-empty
+    assistant turn (the completion).
+
+    Args:
+        where: names the row, e.g. "data.jsonl line 7".
+
+    Raises:
+        ZLError: naming the row and the first problem.
+    """
+    if not isinstance(value, list) or not value:
+        raise ZLError(f"{where}: 'messages' is {_kind(value)}, expected a list of turns like {_EXAMPLE}.")
+    messages = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ZLError(f"{where}: message {i} is {_kind(m)}, expected an object with a string 'role' and "
+                          f"'content', like {_EXAMPLE}.")
+        role = m["role"].strip().lower()
+        if role not in ROLES:
+            raise ZLError(f"{where}: message {i} has role {m['role']!r}; expected one of {', '.join(ROLES)}. Rename "
+                          "the role or drop the message.")
+        if "\0" in m["content"]:
+            raise ZLError(f"{where}: message {i} holds a NUL character; the text looks binary. Save it as UTF-8 text.")
+        messages.append({"role": role, "content": m["content"]})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ZLError(f"{where}: no assistant turn, so nothing to learn; end the conversation with "
+                      '{"role": "assistant", "content": ...}.')
+    if messages[-1]["role"] != "assistant":
+        raise ZLError(f"{where}: the conversation ends with a {messages[-1]['role']} turn; the last message must be "
+                      "the assistant turn to train on. Drop the turns after it.")
+    if not messages[-1]["content"].strip():
+        raise ZLError(f"{where}: the last assistant turn is empty (no completion); fill it in or delete the row.")
+    return messages
+
+
+def plain_prompt(messages: list[dict[str, str]]) -> str:
+    """The fallback rendering of every turn before the last, then the opened assistant turn."""
+    return "".join(PLAIN_TURN.format(**m) for m in messages[:-1]) + "<|assistant|>\n"
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]], where: str) -> tuple[str, str]:
+    """The prompt text of a checked conversation, and which rendering made it ("tokenizer" or PLAIN).
+
+    Raises:
+        ZLError: the tokenizer's template rejects the conversation (e.g. one that needs alternating turns).
+    """
+    chat_prompt = getattr(tokenizer, "chat_prompt", None)
+    if chat_prompt is None:
+        return plain_prompt(messages), PLAIN
+    try:
+        text = chat_prompt(messages[:-1])
+    except Exception as e:  # jinja2's TemplateError, or what a template raises itself
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ZLError(f"{where}: the chat template of {tokenizer.name} rejects this conversation ({first}); reorder "
+                      "the turns as the model expects (often: optional system, then user and assistant alternating).") from None
+    return (plain_prompt(messages), PLAIN) if text is None else (text, "tokenizer")
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, str):
+        return "text" if value.strip() else "empty"
+    if isinstance(value, list):
+        return "an empty list" if not value else "a list"
+    return {dict: "an object", bool: "a boolean", int: "a number", float: "a number"}.get(type(value), "missing")

@@ -1,5 +1,6 @@
 """Helpers of the generative tests (test_eval_generative.py, test_generate.py): a prompt/completion shard for
-tiny-random and a LoRA adapter trained here, with PEFT and backprop, to reproduce its completions."""
+tiny-random, a LoRA adapter trained here, with PEFT and backprop, to reproduce its completions, and a run directory
+trained so on chat rows."""
 
 import json
 from pathlib import Path
@@ -12,6 +13,14 @@ ROWS = [
     {"prompt": "Q: fruit that is red?\nA:", "completion": " apple"},
     {"prompt": "Q: two plus two?\nA:", "completion": " 4"},
     {"prompt": "Q: opposite of hot?\nA:", "completion": " cold"},
+]
+# Chat rows: one-word replies to short questions, one with a system turn (tiny-random renders them with the plain
+# fallback, having no chat template).
+CHAT_ROWS = [
+    {"messages": [{"role": "user", "content": "colour of the sky?"}, {"role": "assistant", "content": "blue"}]},
+    {"messages": [{"role": "user", "content": "fruit that is red?"}, {"role": "assistant", "content": "apple"}]},
+    {"messages": [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "two plus two?"},
+                  {"role": "assistant", "content": "four"}]},
 ]
 ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -31,6 +40,21 @@ def prompt_completion_shard(directory: Path, rows: list[dict] = ROWS, seq_len: i
     tokenized, task = zdata.tokenize(task, ByteTokenizer(), seq_len)
     zdata.save(directory / "pc.safetensors", tokenized, task, ByteTokenizer(), "tiny-random", {"path": "pc.jsonl"})
     return load_shard(directory / "pc.safetensors")
+
+
+def chat_run(run: Path, rows: list[dict] = CHAT_ROWS, seq_len: int = 80) -> Path:
+    """A finished `zl train` run on chat `rows` as far as `zl generate` looks: RUN/data/train.safetensors and its
+    sidecar, written as `zl train --data chat.jsonl` writes them (row order kept), and RUN/adapter memorizing the
+    replies."""
+    from zl_export.shard import load_shard
+    from zl_export.shard_jobs import file_job, write_shard
+    from zl_export.tokenizer import ByteTokenizer
+
+    run.mkdir(parents=True, exist_ok=True)
+    job = file_job(write_rows(run / "chat.jsonl", rows), "auto", "train")
+    path, _ = write_shard(job, ByteTokenizer(), "tiny-random", seq_len, run / "data")
+    memorized_adapter(run / "adapter", load_shard(path))
+    return run
 
 
 def memorized_adapter(out: Path, shard, steps: int = 300, seed: int = 0) -> Path:

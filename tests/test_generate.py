@@ -1,5 +1,6 @@
 """`zl generate` (issue 26 item 4): prompts from arguments, a file or stdin through the base model and the adapter,
-streamed and labelled; greedy is deterministic, sampling reproducible with --seed; bad input is one line, exit 2."""
+streamed and labelled; greedy is deterministic, sampling reproducible with --seed; a run trained on chat rows gets
+its prompts rendered as its training prompts were (same token ids); bad input is one line, exit 2."""
 
 import json
 import re
@@ -16,11 +17,13 @@ from typer.testing import CliRunner
 from zl.cli import run_cli
 from zl.commands.generate import generate_command
 from zl.errors import ZLError
-from zl_device.results.generation import Decoding, generate_ids
+from zl_device.results.generation import Decoding, generate_ids, split_row
 from zl_export.model_source import load_model
+from zl_export.shard import load_shard
+from zl_export.tokenizer import ByteTokenizer
 
 from conftest import REPO
-from generative_fixtures import ROWS, memorized_adapter, prompt_completion_shard, write_rows
+from generative_fixtures import CHAT_ROWS, ROWS, chat_run, memorized_adapter, prompt_completion_shard, write_rows
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning"),  # PEFT calls a deprecated transformers API
@@ -46,11 +49,19 @@ def run_dir(tmp_path_factory, adapter):
     return run
 
 
-def generate(tmp_path, *args, input: str | None = None) -> tuple[str, dict]:
-    """Run `zl generate ... --json-out` and return (stdout, the JSON)."""
+@pytest.fixture(scope="module")
+def chat_run_dir(tmp_path_factory):
+    """A run trained on CHAT_ROWS: data/train.safetensors and its sidecar (plain fallback), adapter/."""
+    return chat_run(tmp_path_factory.mktemp("chat") / "run")
+
+
+def generate(tmp_path, *args, input: str | None = None, stderr: list | None = None) -> tuple[str, dict]:
+    """Run `zl generate ... --json-out` and return (stdout, the JSON); stderr is appended to `stderr`."""
     out = tmp_path / "generated.json"  # replaced by every call
     result = CliRunner().invoke(APP, ["generate", *map(str, args), "--json-out", str(out)], input=input)
     assert result.exit_code == 0, result.output
+    if stderr is not None:
+        stderr.append(result.stderr)
     return result.stdout, json.loads(out.read_text())
 
 
@@ -99,6 +110,62 @@ def test_greedy_is_deterministic_and_sampling_reproducible(adapter, tmp_path):
     assert generate_ids(loaded.model, loaded.tokenizer, [ids], 8, Decoding(True, 0.8, 0.9, seed=5)) == first
 
 
+def _user(row: dict) -> str:
+    return row["messages"][-2]["content"]
+
+
+def test_a_chat_run_renders_prompts_with_the_ids_training_used(chat_run_dir, tmp_path):
+    shard = load_shard(chat_run_dir / "data" / "train.safetensors")
+    assert shard.meta["format"] == "chat" and shard.meta["chat_template"] == "plain"
+    stdout, saved = generate(tmp_path, "--run", chat_run_dir, "-n", "8", _user(CHAT_ROWS[0]), _user(CHAT_ROWS[1]))
+    _, system = generate(tmp_path, "--run", chat_run_dir, "-n", "8", "--system", "Answer in one word.",
+                         _user(CHAT_ROWS[2]))
+    for out, row in zip(saved["outputs"] + system["outputs"], range(3)):
+        # The ids the model gets are the shard's prompt part of the same conversation, so the adapter answers.
+        assert ByteTokenizer().encode(out["rendered_prompt"]) == split_row(shard, row)[0]
+        assert out["adapter"] == CHAT_ROWS[row]["messages"][-1]["content"] != out["base"]
+    assert saved["outputs"][0]["rendered_prompt"] == "<|user|>\ncolour of the sky?\n<|assistant|>\n"
+    sidecar = chat_run_dir / "data" / "train.json"
+    assert saved["chat"] == {"template": "plain", "system": None, "from": f"as the run trained: {sidecar}"}
+    assert system["chat"]["system"] == "Answer in one word."
+    # What the user typed is shown, the rendering only with --show-prompt.
+    assert f"prompts: chat, plain <|user|> fallback (as the run trained: {sidecar})" in stdout
+    assert "prompt 1/2 (42 tokens)\n  colour of the sky?\n  base" in stdout and "<|user|>\n" not in stdout
+    shown, _ = generate(tmp_path, "--run", chat_run_dir, "-n", "2", "--show-prompt", _user(CHAT_ROWS[0]))
+    assert "(42 tokens)\n  <|user|>\n  colour of the sky?\n  <|assistant|>\n" in shown
+
+
+def test_no_chat_and_an_adapter_folder_send_prompts_verbatim(chat_run_dir, tmp_path):
+    prompt = _user(CHAT_ROWS[0])
+    stdout, off = generate(tmp_path, "--run", chat_run_dir, "-n", "4", "--no-chat", prompt)
+    assert off["outputs"][0]["rendered_prompt"] == prompt and off["chat"] is None
+    assert f"prompt 1/1 ({len(prompt)} tokens)" in stdout and "prompts: verbatim (--no-chat)" in stdout
+
+    _, on = generate(tmp_path, "--run", chat_run_dir, "-n", "8", prompt)
+    err = []
+    stdout, by_adapter = generate(tmp_path, "--adapter", chat_run_dir / "adapter", "-n", "4", prompt, stderr=err)
+    assert by_adapter["outputs"][0]["rendered_prompt"] == prompt and "prompts: verbatim (--adapter records" in stdout
+    assert "trained on chat rows; pass --chat (or --run" in " ".join(err[0].split())  # the run beside it says so
+    _, forced = generate(tmp_path, "--adapter", chat_run_dir / "adapter", "-n", "8", "--chat", prompt)
+    assert forced["outputs"] == on["outputs"] and forced["chat"]["from"] == "--chat"
+
+
+def test_messages_rows_in_a_jsonl_file(chat_run_dir, tmp_path):
+    rows = [{"messages": r["messages"][:-1]} for r in CHAT_ROWS]  # each conversation up to its reply
+    jsonl = write_rows(tmp_path / "chats.jsonl", rows + [{"prompt": _user(CHAT_ROWS[1])}])
+    stdout, saved = generate(tmp_path, "--run", chat_run_dir, "-n", "8", "--file", jsonl)
+    shard = load_shard(chat_run_dir / "data" / "train.safetensors")
+    for row, out in enumerate(saved["outputs"][:3]):
+        assert ByteTokenizer().encode(out["rendered_prompt"]) == split_row(shard, row)[0]
+        assert out["messages"] == rows[row]["messages"] and out["prompt"] == _user(CHAT_ROWS[row])
+    assert [o["adapter"] for o in saved["outputs"]] == ["blue", "apple", "four", "apple"]
+    assert "\n  system: Answer in one word.\n  user: two plus two?\n" in stdout
+    # A conversation is rendered as one even where plain prompts go verbatim (an adapter folder's default).
+    stdout, by_adapter = generate(tmp_path, "--adapter", chat_run_dir / "adapter", "-n", "8", "--file", jsonl)
+    assert '; "messages" rows as chat, plain <|user|> fallback' in stdout
+    assert [o["rendered_prompt"] for o in by_adapter["outputs"]] == [o["rendered_prompt"] for o in saved["outputs"][:3]] + [_user(CHAT_ROWS[1])]
+
+
 def _other_models_adapter(directory, adapter):
     """An adapter with tiny-random's parameter names but SmolLM2's width (576): made for another model."""
     directory.mkdir()
@@ -117,6 +184,11 @@ def test_bad_inputs_are_one_line_errors(adapter, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"prompt": "cut\n')
     (tmp_path / "noprompt.jsonl").write_text('{"text": "hi"}\n')
     (tmp_path / "blank.jsonl").write_text('{"prompt": "  "}\n')
+    user, reply = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+    write_rows(tmp_path / "reply.jsonl", [{"messages": [user]}, {"messages": [user, reply]}])
+    write_rows(tmp_path / "convo.jsonl", [{"messages": [user]}])
+    write_rows(tmp_path / "role.jsonl", [{"messages": [{"role": "tool", "content": "x"}, user]}])
+    write_rows(tmp_path / "blank_user.jsonl", [{"messages": [{"role": "user", "content": " "}]}])
     other = _other_models_adapter(tmp_path / "other_model", adapter)
     a = ["--adapter", str(adapter)]
     cases = [
@@ -132,7 +204,16 @@ def test_bad_inputs_are_one_line_errors(adapter, tmp_path):
         (a, "", "no prompts: pass them as arguments"),
         (a, "\n  \n", "no prompts"),
         ([*a, "--file", str(tmp_path / "bad.jsonl")], None, "bad.jsonl line 2: not valid JSON"),
-        ([*a, "--file", str(tmp_path / "noprompt.jsonl")], None, 'noprompt.jsonl line 1: no "prompt" field'),
+        ([*a, "--file", str(tmp_path / "noprompt.jsonl")], None, 'noprompt.jsonl line 1: no "prompt" field or "messages"'),
+        ([*a, "--file", str(tmp_path / "reply.jsonl")], None,
+         "reply.jsonl line 2: the conversation ends with an assistant turn; a prompt's last message must be the user turn"),
+        ([*a, "--file", str(tmp_path / "role.jsonl")], None,
+         "role.jsonl line 1: message 0 has role 'tool'; expected one of system, user, assistant"),
+        ([*a, "--file", str(tmp_path / "blank_user.jsonl")], None, "blank_user.jsonl line 1: the last user turn is empty"),
+        ([*a, "--no-chat", "--file", str(tmp_path / "convo.jsonl")], None,
+         'convo.jsonl line 1: a "messages" row is a conversation, which --no-chat cannot send verbatim'),
+        ([*a, "--system", "Be brief.", "hi"], None, "--system: prompts go verbatim (--adapter records no training data"),
+        ([*a, "--chat", "--system", " ", "hi"], None, "--system is empty"),
         ([*a, "--file", str(tmp_path / "blank.jsonl")], None, 'blank.jsonl line 1: an empty "prompt"'),
         ([*a, "--file", str(tmp_path / "missing.txt")], None, "missing.txt: no such file"),
         ([*a, "-n", "0", "hi"], None, "--max-new-tokens 0: must be at least 1"),
@@ -147,12 +228,20 @@ def test_bad_inputs_are_one_line_errors(adapter, tmp_path):
         assert message in str(result.exception) and "\n" not in str(result.exception), (args, str(result.exception))
 
 
-def test_the_zl_command_line_exits_2_with_one_line(tmp_path, capsys):
+def test_the_zl_command_line_exits_2_with_one_line(adapter, tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         run_cli(lambda: APP(["generate", "--run", str(tmp_path / "nope"), "hi"], prog_name="zl"))
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --run ") and err.count("\n") == 1
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "Hi"}, '
+                                         '{"role": "assistant", "content": "Hello"}]}\n')
+    with pytest.raises(SystemExit) as exited:
+        run_cli(lambda: APP(["generate", "--adapter", str(adapter), "--file", str(tmp_path / "chat.jsonl")],
+                            prog_name="zl"))
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: --file ") and "line 1: the conversation ends with an assistant turn" in err
 
     listing = subprocess.run([sys.executable, "-m", "zl.cli", "--help"], capture_output=True, text=True, cwd=REPO)
     assert re.search(r"│ generate\s+Continue prompts with the base model", listing.stdout), listing.stdout

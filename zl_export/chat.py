@@ -40,6 +40,37 @@ def parse_messages(value: object, where: str) -> list[dict[str, str]]:
     Raises:
         ZLError: naming the row and the first problem.
     """
+    messages = _turns(value, where)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ZLError(f"{where}: no assistant turn, so nothing to learn; end the conversation with "
+                      '{"role": "assistant", "content": ...}.')
+    if messages[-1]["role"] != "assistant":
+        raise ZLError(f"{where}: the conversation ends with a {messages[-1]['role']} turn; the last message must be "
+                      "the assistant turn to train on. Drop the turns after it.")
+    if not messages[-1]["content"].strip():
+        raise ZLError(f"{where}: the last assistant turn is empty (no completion); fill it in or delete the row.")
+    return messages
+
+
+def parse_prompt_messages(value: object, where: str) -> list[dict[str, str]]:
+    """A prompt's `messages` (`zl generate`), checked as `parse_messages` checks a row's turns, but ending in the
+    non-empty user turn the model is to answer.
+
+    Raises:
+        ZLError: naming the row and the first problem.
+    """
+    messages = _turns(value, where)
+    if messages[-1]["role"] != "user":
+        raise ZLError(f"{where}: the conversation ends with a{'n' * (messages[-1]['role'] == 'assistant')} "
+                      f"{messages[-1]['role']} turn; a prompt's last message must be the user turn to answer. Drop "
+                      "the turns after it (a training row's assistant reply, too).")
+    if not messages[-1]["content"].strip():
+        raise ZLError(f"{where}: the last user turn is empty; give it some text or delete the row.")
+    return messages
+
+
+def _turns(value: object, where: str) -> list[dict[str, str]]:
+    """Every turn checked: {role, content} strings, a known role (lowercased), no NUL."""
     if not isinstance(value, list) or not value:
         raise ZLError(f"{where}: 'messages' is {_kind(value)}, expected a list of turns like {_EXAMPLE}.")
     messages = []
@@ -54,20 +85,17 @@ def parse_messages(value: object, where: str) -> list[dict[str, str]]:
         if "\0" in m["content"]:
             raise ZLError(f"{where}: message {i} holds a NUL character; the text looks binary. Save it as UTF-8 text.")
         messages.append({"role": role, "content": m["content"]})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ZLError(f"{where}: no assistant turn, so nothing to learn; end the conversation with "
-                      '{"role": "assistant", "content": ...}.')
-    if messages[-1]["role"] != "assistant":
-        raise ZLError(f"{where}: the conversation ends with a {messages[-1]['role']} turn; the last message must be "
-                      "the assistant turn to train on. Drop the turns after it.")
-    if not messages[-1]["content"].strip():
-        raise ZLError(f"{where}: the last assistant turn is empty (no completion); fill it in or delete the row.")
     return messages
 
 
 def plain_prompt(messages: list[dict[str, str]]) -> str:
     """The fallback rendering of every turn before the last, then the opened assistant turn."""
-    return "".join(PLAIN_TURN.format(**m) for m in messages[:-1]) + "<|assistant|>\n"
+    return plain_turns(messages[:-1])
+
+
+def plain_turns(turns: list[dict[str, str]]) -> str:
+    """The fallback rendering of `turns`, then the opened assistant turn."""
+    return "".join(PLAIN_TURN.format(**m) for m in turns) + "<|assistant|>\n"
 
 
 def render_prompt(tokenizer, messages: list[dict[str, str]], where: str) -> tuple[str, str]:
@@ -76,16 +104,27 @@ def render_prompt(tokenizer, messages: list[dict[str, str]], where: str) -> tupl
     Raises:
         ZLError: the tokenizer's template rejects the conversation (e.g. one that needs alternating turns).
     """
-    chat_prompt = getattr(tokenizer, "chat_prompt", None)
+    return render_turns(tokenizer, messages[:-1], where)
+
+
+def render_turns(tokenizer, turns: list[dict[str, str]], where: str, plain: bool = False) -> tuple[str, str]:
+    """`turns` rendered with the assistant's turn opened, the text the model continues, and which rendering made
+    it: the tokenizer's chat template ("tokenizer"), else (no template, or `plain`) the fallback (PLAIN). Training
+    renders a row's turns before its reply with it, `zl generate` a prompt's turns.
+
+    Raises:
+        ZLError: the tokenizer's template rejects the conversation (e.g. one that needs alternating turns).
+    """
+    chat_prompt = None if plain else getattr(tokenizer, "chat_prompt", None)
     if chat_prompt is None:
-        return plain_prompt(messages), PLAIN
+        return plain_turns(turns), PLAIN
     try:
-        text = chat_prompt(messages[:-1])
+        text = chat_prompt(turns)
     except Exception as e:  # jinja2's TemplateError, or what a template raises itself
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ZLError(f"{where}: the chat template of {tokenizer.name} rejects this conversation ({first}); reorder "
                       "the turns as the model expects (often: optional system, then user and assistant alternating).") from None
-    return (plain_prompt(messages), PLAIN) if text is None else (text, "tokenizer")
+    return (plain_turns(turns), PLAIN) if text is None else (text, "tokenizer")
 
 
 def _kind(value: object) -> str:

@@ -1,9 +1,15 @@
-"""`zl generate`: prompts through a base model and its LoRA adapter, side by side, tokens streamed as they come."""
+"""`zl generate`: prompts through a base model and its LoRA adapter, side by side, tokens streamed as they come.
+
+A run trained on chat rows gets its prompts as it saw them: each one a user turn rendered with the renderer of
+`zl data` (`zl_export.chat.render_turns`: the tokenizer's chat template with the assistant's turn opened, or the
+plain fallback the run's sidecar records).
+"""
 
 import json
 import os
 import sys
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -22,11 +28,30 @@ LABELS = {"base": "cyan", "adapter": "green"}  # what is shown for each model, a
 WIDTH = max(map(len, LABELS))
 
 
+@dataclass
+class Prompt:
+    """One prompt as given: an argument, a line, a JSONL "prompt" field, or a JSONL row's conversation."""
+
+    text: str  # as typed; a conversation: its last (user) turn
+    where: str  # names it in errors, e.g. "--file p.jsonl line 3"
+    messages: list[dict[str, str]] | None = None  # a "messages" row, checked (ends in a user turn)
+
+
+@dataclass
+class Rendering:
+    """Whether plain prompts become a chat user turn, and why (shown in the header and kept in --json-out)."""
+
+    chat: bool
+    plain: bool  # force the plain fallback: the run's chat rows were rendered with it
+    reason: str  # e.g. "--chat", "as the run trained: runs/r1/data/train.json"
+
+
 def generate_command(
     prompts: Annotated[
         list[str] | None,
         typer.Argument(help="Prompts, used verbatim as `zl data` uses a prompt (in bash, $'Q: hi?\\nA:' holds a "
-                       "newline). Without them: --file, or one prompt per line on stdin.", show_default=False),
+                       "newline), or each as a user turn with --chat. Without them: --file, or one prompt per line "
+                       "on stdin.", show_default=False),
     ] = None,
     run: Annotated[
         Path | None,
@@ -47,8 +72,23 @@ def generate_command(
     file: Annotated[
         Path | None,
         typer.Option("--file", "-f", help="Prompts from a file: one per line, or JSONL (.jsonl, or lines starting "
-                     "with '{') with a \"prompt\" field per line; - reads stdin.", show_default=False),
+                     "with '{') with a \"prompt\" field or a \"messages\" conversation ending in a user turn per "
+                     "line; - reads stdin.", show_default=False),
     ] = None,
+    chat: Annotated[
+        bool | None,
+        typer.Option("--chat/--no-chat", help="Render each prompt as one user turn, as `zl data` renders chat rows "
+                     "(the tokenizer's chat template, assistant turn opened; the plain <|user|> fallback without "
+                     "one), or send it verbatim. Default: as the run's training data was (--run); with --adapter, "
+                     "verbatim: pass --chat for an adapter trained on chat rows.", show_default=False),
+    ] = None,
+    system: Annotated[
+        str | None,
+        typer.Option("--system", help="Chat: a system turn before each prompt (a \"messages\" row with its own keeps "
+                     "that).", show_default=False),
+    ] = None,
+    show_prompt: Annotated[bool, typer.Option("--show-prompt", help="Show each prompt as the model gets it "
+                                              "(rendered, special tokens spelled out) instead of as typed.")] = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens generated per prompt "
                                                 "and model.")] = 64,
     sample: Annotated[bool, typer.Option("--sample", help="Sample tokens (with --temperature, --top-p, --seed) "
@@ -67,7 +107,8 @@ def generate_command(
     What to run first after `zl train`: each prompt is shown, then the base
     model's continuation, then the adapter's, labelled. A continuation ends at
     the end-of-sequence token or after --max-new-tokens (shown as …).
-    Decoding is greedy (deterministic) unless --sample.
+    Decoding is greedy (deterministic) unless --sample. A run trained on chat
+    rows gets each prompt as a user turn rendered as its training prompts were.
 
     Examples:
 
@@ -77,10 +118,12 @@ def generate_command(
 
       zl generate --run runs/r1 --file prompts.jsonl --max-new-tokens 128
 
+      zl generate --adapter runs/r1/adapter --chat --system "Answer in one word." --show-prompt "Capital of France?"
+
       echo "Write a haiku about phones:" | zl generate --run runs/r1 --sample --temperature 0.7 --seed 7
     """
     from zl_device.results.adapter import load_adapter
-    from zl_device.results.generation import Decoding, visible
+    from zl_device.results.generation import Decoding
     from zl_export.model_source import load_model
 
     if max_new_tokens < 1:
@@ -91,23 +134,28 @@ def generate_command(
         err_console.print("[yellow]note:[/] --temperature and --top-p apply with --sample; decoding is greedy.")
     check_out_file(json_out, "--json-out", "generations.json")
     adapter_dir, model_name, model_seed = _source(run, adapter, model)
-    texts = read_prompts(prompts or [], file)
+    given = read_prompts(prompts or [], file)
+    rendering = _rendering(chat, system, run, adapter_dir, given)
 
     with err_console.status(f"loading {model_name} and {adapter_dir}"):
         loaded = load_model(model_name, seed=model_seed)
         tuned = load_adapter(loaded.model, adapter_dir)
     tokenizer = loaded.tokenizer
+    texts, template = _render(given, rendering, system, tokenizer)
     encoded = [tokenizer.encode(t) for t in texts]
     _check_lengths(texts, encoded, max_new_tokens, loaded.config, model_name)
 
     how = (f"sampling (temperature {temperature:g}, top-p {top_p:g}, seed {seed})" if sample else "greedy")
     console.print(f"[bold]{escape(model_name)}[/] base vs adapter {escape(str(adapter_dir))} · {how} · "
                   f"at most {max_new_tokens} new tokens", highlight=False, soft_wrap=True)
+    console.print(f"prompts: {escape(_describe(rendering, template, system, tokenizer))}", highlight=False,
+                  soft_wrap=True)
     outputs = []
-    for i, (text, ids) in enumerate(zip(texts, encoded)):
+    for i, (prompt, text, ids) in enumerate(zip(given, texts, encoded)):
         console.print(f"\n[bold]prompt {i + 1}/{len(texts)}[/] ({len(ids)} tokens)", highlight=False)
-        console.out(_indented(visible(text), "  "), highlight=False)
-        row = {"prompt": text}
+        console.out(_indented(_shown(prompt, text, show_prompt), "  "), highlight=False)
+        row = {"prompt": prompt.text, **({"messages": prompt.messages} if prompt.messages else {}),
+               "rendered_prompt": text}
         for name in LABELS:
             # Base: the same PEFT model with its adapter switched off (no second copy of the weights).
             with tuned.disable_adapter() if name == "base" else nullcontext():
@@ -118,6 +166,8 @@ def generate_command(
         _write_json(json_out, {"model": model_name, "adapter_dir": str(adapter_dir), "max_new_tokens": max_new_tokens,
                                "decoding": {"sample": sample, "temperature": temperature, "top_p": top_p,
                                             "seed": seed} if sample else {"sample": False},
+                               "chat": {"template": template, "system": system, "from": rendering.reason}
+                               if template else None,
                                "outputs": outputs})
         console.print(f"\ngenerations written to {json_out}")
 
@@ -182,11 +232,93 @@ def _source(run: Path | None, adapter: Path | None, model: str | None) -> tuple[
     return adapter, name, seed if seed is not None and name == trained_on else 0
 
 
-def read_prompts(arguments: list[str], file: Path | None, stdin=None) -> list[str]:
+def _rendering(chat: bool | None, system: str | None, run: Path | None, adapter_dir: Path,
+               given: list[Prompt]) -> Rendering:
+    """How prompts are rendered: --chat/--no-chat, else as the run's training data was, else verbatim.
+
+    Raises:
+        ZLError: --system without chat rendering, or a "messages" row with --no-chat.
+    """
+    from zl_device.results.generation import run_chat_record
+    from zl_export.chat import PLAIN
+
+    record = run_chat_record(run) if run is not None else None
+    plain = bool(record and record.chat and record.template == PLAIN)
+    if chat is not None:
+        rendering = Rendering(chat, plain, "--chat" if chat else "--no-chat")
+    elif record is not None:
+        rendering = Rendering(record.chat, plain, f"as the run trained{'' if record.chat else ' on non-chat rows'}: "
+                                                  f"{record.sidecar}")
+    elif run is not None:
+        rendering = Rendering(False, False, "the run records no training data; pass --chat if it trained on chat rows")
+    else:
+        rendering = Rendering(False, False,
+                              "--adapter records no training data; pass --chat if it trained on chat rows")
+        sibling = run_chat_record(adapter_dir.parent) if (adapter_dir.parent / "data").is_dir() else None
+        if sibling is not None and sibling.chat:
+            err_console.print(f"[yellow]note:[/] {escape(str(adapter_dir))} is the adapter of run "
+                              f"{escape(str(adapter_dir.parent))}, which trained on chat rows; pass --chat (or --run "
+                              f"{escape(str(adapter_dir.parent))}) to render prompts as it did.", highlight=False)
+    if system is not None:
+        if not system.strip():
+            raise ZLError("--system is empty; give the system turn some text, e.g. --system \"Answer in one word.\".")
+        if not rendering.chat:
+            raise ZLError(f"--system: prompts go verbatim ({rendering.reason}), so there is no conversation to put a "
+                          "system turn in; pass --chat to render each prompt as a user turn.")
+    if chat is False:
+        row = next((p for p in given if p.messages is not None), None)
+        if row is not None:
+            raise ZLError(f"{row.where}: a \"messages\" row is a conversation, which --no-chat cannot send "
+                          "verbatim; drop --no-chat, or give the row as {\"prompt\": \"some text\"}.")
+    return rendering
+
+
+def _render(given: list[Prompt], rendering: Rendering, system: str | None, tokenizer) -> tuple[list[str], str | None]:
+    """The text the model gets for each prompt, and the chat rendering used ("tokenizer", "plain"; None when every
+    prompt went verbatim). Conversations are rendered whatever the default, as `zl data` renders a row's turns
+    before its reply."""
+    from zl_export.chat import render_turns
+
+    texts, template = [], None
+    for prompt in given:
+        if prompt.messages is None and not rendering.chat:
+            texts.append(prompt.text)
+            continue
+        turns = prompt.messages or [{"role": "user", "content": prompt.text}]
+        if system is not None and turns[0]["role"] != "system":
+            turns = [{"role": "system", "content": system}, *turns]
+        text, template = render_turns(tokenizer, turns, prompt.where, rendering.plain)
+        texts.append(text)
+    return texts, template
+
+
+def _describe(rendering: Rendering, template: str | None, system: str | None, tokenizer) -> str:
+    """The header's word on rendering, e.g. "chat, plain <|user|> fallback (as the run trained:
+    runs/r1/data/train.json)"."""
+    if template is None:
+        return f"verbatim ({rendering.reason})"
+    how = f"{tokenizer.name}'s chat template" if template == "tokenizer" else "plain <|user|> fallback"
+    if not rendering.chat:  # only "messages" rows were rendered
+        return f"verbatim ({rendering.reason}); \"messages\" rows as chat, {how}"
+    return f"chat, {how} ({rendering.reason})" + (f" · system: {system!r}" if system is not None else "")
+
+
+def _shown(prompt: Prompt, text: str, rendered: bool) -> str:
+    """What is printed for a prompt: the rendered text (--show-prompt), else as typed (a conversation's turns)."""
+    from zl_device.results.generation import visible
+
+    if rendered:
+        return visible(text)
+    if prompt.messages:
+        return "\n".join(f"{m['role']}: " + visible(m["content"]) for m in prompt.messages)
+    return visible(prompt.text)
+
+
+def read_prompts(arguments: list[str], file: Path | None, stdin=None) -> list[Prompt]:
     """The prompts: the arguments, then those of --file (or of stdin when there are neither).
 
-    A file (or stdin) holds one prompt per line (blank lines skipped), or JSONL with a "prompt" field per line:
-    a .jsonl/.ndjson file, or lines that all start with "{".
+    A file (or stdin) holds one prompt per line (blank lines skipped), or JSONL with a "prompt" field or a
+    "messages" conversation ending in a user turn per line: a .jsonl/.ndjson file, or lines that all start with "{".
 
     Raises:
         ZLError: an empty prompt, an unreadable file, a bad JSONL line (with its number), or no prompt at all.
@@ -197,7 +329,7 @@ def read_prompts(arguments: list[str], file: Path | None, stdin=None) -> list[st
         if not text.strip():
             raise ZLError(f"prompt argument {i} is empty; give each prompt some text, e.g. zl generate --run RUN "
                           "\"Q: What is 2+2?\\nA:\".")
-        prompts.append(text)
+        prompts.append(Prompt(text, f"prompt argument {i}"))
     if file is not None and str(file) != "-":
         text = _read_file(file)
         prompts += _parse(text, f"--file {file}", file.suffix.lower() in JSONL_SUFFIXES or _looks_jsonl(text))
@@ -206,7 +338,7 @@ def read_prompts(arguments: list[str], file: Path | None, stdin=None) -> list[st
         prompts += _parse(text, "stdin", _looks_jsonl(text))
     if not prompts:
         raise ZLError("no prompts: pass them as arguments, with --file FILE (one per line, or JSONL with a "
-                      "\"prompt\" field) or on stdin, e.g. echo \"Hello\" | zl generate --run runs/r1.")
+                      "\"prompt\" field or \"messages\") or on stdin, e.g. echo \"Hello\" | zl generate --run runs/r1.")
     return prompts
 
 
@@ -226,25 +358,32 @@ def _read_file(path: Path) -> str:
         raise ZLError(f"--file {path}: not UTF-8 text (byte {e.start}); save it as UTF-8.") from e
 
 
-def _parse(text: str, where: str, jsonl: bool) -> list[str]:
+def _parse(text: str, where: str, jsonl: bool) -> list[Prompt]:
+    from zl_export.chat import parse_prompt_messages
+
     prompts = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if not jsonl:
-            prompts.append(line)
+            prompts.append(Prompt(line, f"{where} line {number}"))
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ZLError(f"{where} line {number}: not valid JSON ({e.msg}); expected one object per line, e.g. "
                           "{\"prompt\": \"Q: hi?\\nA:\"}.") from None
+        if isinstance(row, dict) and "messages" in row:
+            messages = parse_prompt_messages(row["messages"], f"{where} line {number}")
+            prompts.append(Prompt(messages[-1]["content"], f"{where} line {number}", messages))
+            continue
         prompt = row.get("prompt") if isinstance(row, dict) else None
         if not isinstance(prompt, str) or not prompt.strip():
-            found = "no \"prompt\" field" if not isinstance(row, dict) or "prompt" not in row else (
+            found = "no \"prompt\" field or \"messages\"" if not isinstance(row, dict) or "prompt" not in row else (
                 "an empty \"prompt\"" if isinstance(prompt, str) else f"a \"prompt\" of type {type(prompt).__name__}")
-            raise ZLError(f"{where} line {number}: {found}; expected {{\"prompt\": \"some text\"}} on every line.")
-        prompts.append(prompt)
+            raise ZLError(f"{where} line {number}: {found}; expected {{\"prompt\": \"some text\"}} or "
+                          "{\"messages\": [{\"role\": \"user\", \"content\": \"some text\"}]} on every line.")
+        prompts.append(Prompt(prompt, f"{where} line {number}"))
     return prompts
 
 

@@ -6,6 +6,8 @@
   completions by exact match and ROUGE-L (the `rouge-score` package).
 - `token_printer`: a `transformers.TextStreamer` that hands each piece of decoded text to a callback, so a command
   can label and indent it.
+- `adapter_base`, `run_chat_record`: what an adapter was trained on (the model; whether its prompts were chat,
+  rendered how), so `zl generate` loads that model and renders its prompts the same way.
 
 Conventions: a prompt is tokenized exactly as `zl data` tokenizes one (`tokenizer.encode`, no special tokens), so
 a model trained on a shard sees at generation time the same ids it saw in training; a generation ends at the
@@ -261,3 +263,37 @@ def _random_seed(source) -> int | None:
     """The seed in a manifest's model source "random:seed=N" (the random-weight models), else None."""
     match = re.fullmatch(r"random:seed=(-?\d+)", str(source))
     return int(match.group(1)) if match else None
+
+
+@dataclass
+class ChatRecord:
+    """How a run's training prompts were rendered, as its shard's sidecar says."""
+
+    chat: bool  # the rows were chat conversations (`format` "chat")
+    template: str | None  # chat only: "tokenizer" (the tokenizer's chat template) or "plain" (the fallback)
+    sidecar: Path  # the sidecar that says so
+
+
+def run_chat_record(run_dir: Path | str) -> ChatRecord | None:
+    """What a `zl train` run's training data was: the sidecar of the shard it wrote (RUN_DIR/data/train.json), or
+    of the shard it was given (`--data X.safetensors`, from RUN_DIR/train_settings.json); None when neither is
+    there to read."""
+    from zl_export.shard import sidecar_path
+
+    run_dir = Path(run_dir)
+    candidates = [sidecar_path(run_dir / "data" / "train.safetensors")]
+    try:
+        data = json.loads((run_dir / "train_settings.json").read_text()).get("data")  # train_job.SETTINGS_FILE
+        if isinstance(data, str) and data.endswith(".safetensors"):
+            candidates.append(sidecar_path(Path(data).expanduser()))
+    except (OSError, ValueError, AttributeError):
+        pass
+    for sidecar in candidates:
+        try:
+            meta = json.loads(sidecar.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict):
+            chat = meta.get("format") == "chat"
+            return ChatRecord(chat, (meta.get("chat_template") or None) if chat else None, sidecar)
+    return None

@@ -59,6 +59,10 @@ from zl_device.run.windows import WindowPlan
 
 log = logging.getLogger(__name__)
 
+# How long a local restart waits for outputs the failed stage sent just before it died to reach the next stage's
+# input log (in its socket buffer, or being fsynced) before it gives up the failed stage's accumulator snapshot.
+IN_FLIGHT_GRACE_S = 3.0
+
 POLL_S = 0.05
 
 
@@ -471,7 +475,7 @@ class Coordinator:
             s.device = spare.name
             self._offsets[k], self._partial[k] = 0, ""
         self._clear_hold(plan)
-        self._drop_snapshot_of_lost_sends(k)
+        self._drop_snapshot_of_lost_sends(k, grace_s=IN_FLIGHT_GRACE_S)  # the next stage runs on: let it log
         committed = self._resume_point_mb(plan)
         replayed = max(0, s.micro_batches_done - committed)
         s.micro_batches_done = committed
@@ -612,7 +616,7 @@ class Coordinator:
             usable = False
         return done if usable else committed
 
-    def _drop_snapshot_of_lost_sends(self, k: int) -> None:
+    def _drop_snapshot_of_lost_sends(self, k: int, grace_s: float = 0.0) -> None:
         """Remove stage k's accumulator snapshot when the next stage lacks an output of a micro-batch it covers, so
         that the restart replays the window from the checkpoint (exact, docs/design.md §7) and sends those again.
 
@@ -623,6 +627,10 @@ class Coordinator:
         on to a snapshot of micro-batches 8-10, stage 1 had logged up to 7). Checked after the kill, against what
         the next stage holds durably: everything below its latest checkpoint, plus its input log. A next stage
         that commits meanwhile only makes that look smaller, so a race costs a replay, never a hang.
+
+        `grace_s`: while the next stage still runs (a local restart), an output the killed stage sent just before
+        it died may still sit in the next stage's socket buffer, on its way to the log; wait up to this long for
+        the missing entries to land before giving up the snapshot (on a loaded host the receiver can lag).
         """
         if k + 1 >= len(self.plans):
             return  # the last stage sends nothing
@@ -630,10 +638,15 @@ class Coordinator:
         committed, resume_at = self._latest_checkpoint_mb(plan), self._resume_point_mb(plan)
         if resume_at <= committed:
             return  # no usable snapshot: the restart replays from the checkpoint anyway
-        held_below = self._latest_checkpoint_mb(down)
-        logged = {mb for name in down.device.listdir(self.layout.device_input_log(down.checkpoint_dir))
-                  if (mb := input_log_entry_micro_batch(name)) is not None}
-        missing = [mb for mb in range(committed, resume_at) if mb >= held_below and mb not in logged]
+        deadline = time.monotonic() + grace_s
+        while True:
+            held_below = self._latest_checkpoint_mb(down)
+            logged = {mb for name in down.device.listdir(self.layout.device_input_log(down.checkpoint_dir))
+                      if (mb := input_log_entry_micro_batch(name)) is not None}
+            missing = [mb for mb in range(committed, resume_at) if mb >= held_below and mb not in logged]
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         if missing:
             log.info("stage %d: accumulator snapshot (micro-batches %d-%d) not used: stage %d never received "
                      "micro-batch %d; replaying from the checkpoint (micro-batch %d)", k, committed, resume_at - 1,

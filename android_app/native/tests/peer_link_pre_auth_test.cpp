@@ -20,7 +20,7 @@
 
 #include <gtest/gtest.h>
 
-#include "net_test_support.h"
+#include "peer_link_test_support.h"
 
 namespace zl {
 namespace {
@@ -33,19 +33,13 @@ using testing::test_key;
 using testing::test_run;
 using testing::value_or_fail;
 
-constexpr int64_t kB = 1, kS = 3, kD = 4;
+using testing::kB;
+using testing::kD;
+using testing::kS;
 constexpr size_t kMiB = size_t{1} << 20;
 
 ReceiverOptions receiver_options(const std::string& log_dir) {
-  ReceiverOptions o;
-  o.key = test_key();
-  o.expect.run_id = test_run();
-  o.expect.stage = 0;  // frames come from stage 0
-  o.expect.batch = kB;
-  o.expect.seq_len = kS;
-  o.expect.hidden_size = kD;
-  o.stage = 1;
-  o.log_dir = log_dir;
+  ReceiverOptions o = testing::receiver_options(log_dir);
   o.max_pending = 64;
   return o;
 }

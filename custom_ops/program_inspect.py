@@ -20,7 +20,7 @@ from executorch.exir._serialize.generated.executorch_flatbuffer.InstructionArgum
 from executorch.exir._serialize.generated.executorch_flatbuffer.KernelCall import KernelCall
 from executorch.exir._serialize.generated.executorch_flatbuffer.Program import Program
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 MARKER_OP = "zerolock::pipeline_marker.out"
 

@@ -20,7 +20,7 @@ import os
 import pathlib
 import threading
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 logger = logging.getLogger(__name__)
 

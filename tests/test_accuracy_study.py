@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from conftest import load_tool
 from zl.commands.data import data_command
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")]
@@ -178,3 +178,38 @@ def test_an_arm_with_lora_settings_of_its_own_trains_more_adapters(demo_data, tm
     assert runs["zl-wide"]["trainable"] > runs["zl-ce"]["trainable"]
     # Window 0 runs at the LoRA initialisation (B = 0: the base model either way); window 1 after a step differs.
     assert runs["zl-wide"]["window_losses"][1] != runs["zl-ce"]["window_losses"][1]
+
+
+def test_generative_data_is_scored_by_nll_and_generations_paired_per_row(tmp_path):
+    """A prompt/completion CSV (columns named like AG News headline generation): every arm gets completion NLL,
+    greedy generations scored by ROUGE-L and exact match per dev row, paired with backprop; ZeroLock arms get
+    each stage's early-exit NLL, the target slots fitted to the longest completion."""
+    import csv
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+    data = tmp_path / "headlines.csv"
+    with data.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["title", "description"])
+        for i in range(12):
+            writer.writerow([" ".join(words[(i + j) % len(words)] for j in range(3 + i * 2)), f"story {i} " * 3])
+    out = tmp_path / "study"
+    args = ["--model", "tiny-random", "--train", str(data), "--dev", str(data), "--format", "prompt_completion",
+            "--prompt-template", "Article: {description}\\nHeadline:", "--completion-column", "title",
+            "--samples", "4", "--seeds", "0,1", "--seq-len", "64", "--num-stages", "2", "--threads", "1",
+            "--eval-limit", "6", "--arms", "base,backprop,zl-ce", "--out", str(out)]
+    result = study_tool.run(args)
+    assert result["metric"] == "rouge_l"
+    runs = {(r["arm"], r["seed"]): r for r in result["results"]}
+    for r in runs.values():
+        assert r["accuracy"] is None and 0 <= r["rouge_l"] <= 1 and r["nll"] > 0
+        assert len(r["rows"]["rouge_l"]) == len(r["rows"]["exact"]) == len(r["rows"]["nll_sum"]) == 6
+        assert r["rouge_l"] == pytest.approx(sum(r["rows"]["rouge_l"]) / 6)
+        assert r["nll"] == pytest.approx(sum(r["rows"]["nll_sum"]) / sum(r["rows"]["tokens"]), rel=1e-5)
+    zl = runs[("zl-ce", 0)]
+    assert len(zl["early_exit_nll"]) == 2 and zl["early_exit_nll"][-1] == zl["nll"]
+    summary = {r["arm"]: r for r in result["summary"]}
+    assert "rouge_l_diff" in summary["zl-ce"]["paired"] and "nll_ratio" in summary["zl-ce"]["paired"]
+    assert summary["zl-ce"]["rouge_l"] == pytest.approx((runs[("zl-ce", 0)]["rouge_l"] + runs[("zl-ce", 1)]["rouge_l"]) / 2)
+    md = (out / "study.md").read_text()
+    assert "| ROUGE-L (F × 100) |" in md and "## Generations" in md and "reference:" in md

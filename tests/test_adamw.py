@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO
 
-from zl_device.run.lr_schedule import lr_factor
+from zl_device.formats.lr_schedule import lr_factor
 
 STEPS = 20
 SHAPES = {"layers.0.q_proj.lora_A.weight": (4, 16), "layers.0.q_proj.lora_B.weight": (16, 4), "bias_like": (7,)}

@@ -1,7 +1,7 @@
 """The app's Kotlin that needs no Android framework, compiled and run on this host's JVM.
 
-`StageConfig.kt`, `NativeRunner.kt` and `NativeRunnerException.kt` use only the JDK and org.json, so their
-unit tests (android_app/app/app/src/test, the ones `./gradlew test` runs) run here too: compiled with
+`StageConfig.kt`, `NativeRunner.kt`, `NativeRunnerException.kt` and `DeviceReadings.kt` use only the JDK and
+org.json, so their unit tests (android_app/app/app/src/test, the ones `./gradlew test` runs) run here too: compiled with
 Debian's `kotlinc` against Android's own org.json (`libandroid-json-org-java`) and JUnit 4, and run with
 libzl_jni.so built for the host on java.library.path, so `NativeRunnerHostTest` drives the real JNI library
 through the app's own `NativeRunner` object. Debian ships Kotlin 1.3, which predates trailing commas (the
@@ -26,7 +26,8 @@ from test_runner import jni_host_classes
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "android_app" / "app" / "app" / "src"
-MAIN_SOURCES = ("StageConfig.kt", "NativeRunner.kt", "NativeRunnerException.kt")  # no android.* imports
+# no android.* imports:
+MAIN_SOURCES = ("StageConfig.kt", "NativeRunner.kt", "NativeRunnerException.kt", "DeviceReadings.kt")
 JARS = {name: Path("/usr/share/java") / name for name in
         ("junit4.jar", "hamcrest-core.jar", "json-android.jar", "kotlin-stdlib.jar")}
 
@@ -64,4 +65,4 @@ def test_app_kotlin_unit_tests_on_the_host_jvm(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert re.search(r"OK \((\d+) tests\)", run.stdout), run.stdout[-2000:]
     count = int(re.search(r"OK \((\d+) tests\)", run.stdout).group(1))
-    assert count == 9, run.stdout[-2000:]  # every test ran: none skipped by an assumption
+    assert count == 12, run.stdout[-2000:]  # every test ran: none skipped by an assumption

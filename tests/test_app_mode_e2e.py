@@ -24,7 +24,7 @@ from test_runner import jni_host_classes
 from test_train import adapter_tensors, clean_run, data_file, export_cache, train  # noqa: F401 (fixtures)
 from zl_device.devices import adb as zadb
 from zl_device.devices import network
-from zl_device.run.launch import free_port_base
+from zl_device.devices.network import free_port_base
 
 SERIALS = ("zlemu-0", "zlemu-1", "zlemu-2")
 

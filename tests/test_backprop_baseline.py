@@ -13,6 +13,7 @@ import math
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from typer.testing import CliRunner
 
 from conftest import REPO, load_tool
 from zl.commands.data import data_command
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_export.shard import write_shard
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
@@ -234,12 +235,16 @@ def test_user_mistakes_are_one_zlerror(demo_data, tmp_path):
     with pytest.raises(ZLError, match="--window 0"):
         bpb.build_settings(bpb.parse_args(["--train", "x.safetensors", "--window", "0"]))
 
+    from zl_export.tokenizer import ByteTokenizer
+
     s = bpb.BaselineSettings(model="tiny-random", train=tmp_path / "nope.safetensors")
     with pytest.raises(ZLError, match="nope.safetensors: no such file"):
-        bpb.load_shards(s, "bytes", 320)
+        bpb.load_shards(s, ByteTokenizer(), 320)
     s = bpb.settings_from_run_dir(_fake_run_dir(tmp_path, demo_data, seq_len=32))
     with pytest.raises(ZLError, match="seq_len 64, the program expects 32"):
-        bpb.load_shards(s, "bytes", 320)
+        bpb.load_shards(s, ByteTokenizer(), 320)
     s.seq_len = None
     with pytest.raises(ZLError, match="tokenized for 'bytes'"):
-        bpb.load_shards(s, "smollm2-135m", 49152)
+        bpb.load_shards(s, SimpleNamespace(name="smollm2-135m", bos_token_id=None), 49152)
+    with pytest.raises(ZLError, match="its rows start with no beginning-of-sequence token"):  # made before zl added BOS
+        bpb.load_shards(s, SimpleNamespace(name="bytes", bos_token_id=1), 320)

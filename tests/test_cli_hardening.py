@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_export import data
 
 

@@ -7,9 +7,10 @@ import struct
 
 import pytest
 
-from zl_device.run import frames
+from zl_base.errors import ZLError
+from zl_device.formats import frames
 from zl_device.run.control import ControlServer
-from zl_device.run.frames import Frame, FrameRejected, FrameType, KeyPurpose
+from zl_device.formats.frames import Frame, FrameRejected, FrameType, KeyPurpose
 
 KEY = bytes(range(32))
 RUN = bytes(range(16))
@@ -250,7 +251,7 @@ def test_coordinator_survives_events_with_unusable_payloads():
 
     from zl_device.run.control import ControlEvent
     from zl_device.run.coordinator import Coordinator, StagePlan
-    from zl_device.run.windows import WindowPlan
+    from zl_device.formats.windows import WindowPlan
 
     control = SimpleNamespace(events=queue.Queue())
     plan = StagePlan(0, SimpleNamespace(name="fake"), "stage_0.json", "metrics.jsonl", "ckpt", 0)
@@ -329,7 +330,7 @@ def test_coordinator_logs_a_stage_error_without_raw_control_characters(caplog):
 
     from zl_device.run.control import ControlEvent
     from zl_device.run.coordinator import Coordinator, StagePlan
-    from zl_device.run.windows import WindowPlan
+    from zl_device.formats.windows import WindowPlan
 
     control = SimpleNamespace(events=queue.Queue())
     plan = StagePlan(0, SimpleNamespace(name="fake"), "stage_0.json", "metrics.jsonl", "ckpt", 0)
@@ -356,3 +357,32 @@ def test_a_stall_is_blamed_on_the_stage_that_stopped_not_its_neighbours(done, li
     from zl_device.run.coordinator import stalled_stage
 
     assert stalled_stage(done, live, seen_at) == blamed
+
+
+def test_time_the_coordinator_did_not_run_is_no_stage_silence():
+    """Heartbeats queue while the host is starved: after a 37 s gap in the coordinator's own loop (seen once with
+    three stages and other jobs on 2 cores: every stage blamed at once) no stage fails; a stage silent as long while
+    the coordinator ran does."""
+    import time
+    from types import SimpleNamespace
+
+    from zl_device.formats.windows import WindowPlan
+    from zl_device.run.coordinator import HOST_GAP_S, Coordinator, StagePlan
+
+    killed = []
+    device = SimpleNamespace(name="fake", exit_code=lambda: None, kill_runner=lambda: killed.append("kill"),
+                             stop_runner=lambda timeout_s: None, read_text=lambda path: "")
+    c = Coordinator([StagePlan(0, device, "stage_0.json", "metrics.jsonl", "ckpt", 0)], WindowPlan(8, 4),
+                    control=SimpleNamespace(events=queue.Queue()), heartbeat_timeout_s=30.0, max_restarts=0)
+    c._read_telemetry = lambda k, remote=False: None
+    s = c.status[0]
+    s.state, s.heartbeat_seen = "running", True
+    s.last_sign_of_life = time.monotonic() - 37.0  # its last heartbeat came just before the host stopped
+    c._forgive_host_gap(37.0)
+    c._check_health()
+    assert killed == [] and s.state == "running"
+    s.last_sign_of_life = time.monotonic() - 37.0
+    c._forgive_host_gap(HOST_GAP_S / 2)  # the loop's ordinary lateness forgives nothing
+    with pytest.raises(ZLError, match="stage 0 failed 1 times \\(heartbeat timeout\\)"):
+        c._check_health()
+    assert killed == ["kill"]

@@ -17,9 +17,9 @@ import pytest
 
 from tests.test_control import KEY, RUN, Runner, _closed_within, _connect, _next, _signed_raw, _up
 from tests.test_frames import _crafted
-from zl_device.run import frames
+from zl_device.formats import frames
 from zl_device.run.control import ControlEvent, ControlServer
-from zl_device.run.frames import Frame, FrameType
+from zl_device.formats.frames import Frame, FrameType
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -312,7 +312,7 @@ def test_the_coordinator_drops_events_beyond_the_runs_windows():
     from types import SimpleNamespace
 
     from zl_device.run.coordinator import Coordinator, StagePlan
-    from zl_device.run.windows import WindowPlan
+    from zl_device.formats.windows import WindowPlan
 
     control = SimpleNamespace(events=queue.Queue())
     plan = StagePlan(0, SimpleNamespace(name="fake"), "stage_0.json", "metrics.jsonl", "ckpt", 0)

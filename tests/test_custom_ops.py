@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 import custom_ops
 from custom_ops import pipeline_marker, runtime
 from custom_ops.program_inspect import MARKER_OP, kernel_instructions, marker_index
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 
 def _library_path() -> pathlib.Path:

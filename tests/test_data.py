@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from zl.commands.data import data_command
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_export import data
 from zl_export.demo_task import DEMO_SEQ_LEN, TOPIC_COLORS, demo_rows
 from zl_export.shard import load_shard, sidecar_path

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import typer
 
-from zl.cli import run_cli
+from zl_base.entry import run_cli
 from zl.commands.data import data_command
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_export import chat, data
 from zl_export.data_columns import DataColumns
+from zl_export.data_settings import DataSettings
 from zl_export.shard import load_shard
 from zl_export.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -261,13 +262,14 @@ def test_train_checks_the_data_options_before_the_run(tmp_path):
     csv = tmp_path / "news.csv"
     csv.write_text(NEWS_CSV)
     s = replace(TrainSettings(), data=str(csv), samples=4,
-                columns=DataColumns(prompt_template="Text: {description}\\nTitle:", completion_column="title"))
+                rows=DataSettings(columns=DataColumns(prompt_template="Text: {description}\\nTitle:",
+                                                      completion_column="title")))
     s.validate()
     check_samples(s)  # reads the 2 rows through the template
     with pytest.raises(ZLError, match="--prompt-template: column 'body' is not in"):
-        check_samples(replace(s, columns=DataColumns(prompt_template="{body}", completion_column="title")))
+        check_samples(replace(s, rows=DataSettings(columns=DataColumns(prompt_template="{body}", completion_column="title"))))
     with pytest.raises(ZLError, match="--prompt-column title and --prompt-template both given"):
-        replace(s, columns=DataColumns(prompt_column="title", prompt_template="{title}")).validate()
+        replace(s, rows=DataSettings(columns=DataColumns(prompt_column="title", prompt_template="{title}"))).validate()
 
 
 @pytest.mark.slow

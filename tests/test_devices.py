@@ -24,7 +24,7 @@ import typer
 from typer.testing import CliRunner
 
 from zl.commands import devices as devices_cli
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.devices import deploy as zdeploy
 from zl_device.devices.backend import signal_exit_code, sum_pss_kib
 from zl_device.devices.registry import local_cpu_sets, open_devices, parse_devices
@@ -477,3 +477,17 @@ def test_real_runner_pipeline_on_local_devices(tmp_path):
         lines = (tmp_path / "run" / "logs" / f"local-{k}" / "metrics.jsonl").read_text().splitlines()
         assert lines and all(json.loads(line) for line in lines)
         assert '"done"' in (tmp_path / "run" / "logs" / f"local-{k}" / "runner.out").read_text()
+
+
+def test_local_ports_stay_out_of_the_kernels_ephemeral_range(tmp_path, monkeypatch):
+    """A port the kernel may give any outgoing connection is no place for a runner to listen: free when checked,
+    some client's when bound."""
+    from zl_device.devices import network
+
+    low, high = network._ephemeral_ports()
+    assert low < high
+    bases = [network.free_port_base(3) for _ in range(200)]
+    assert all(b + 2 < low or b > high for b in bases)
+    assert min(bases) >= 20000 and max(bases) + 3 <= 60000
+    (tmp_path / "range").write_text("not numbers\n")
+    assert network._ephemeral_ports(str(tmp_path / "range")) == (32768, 60999)

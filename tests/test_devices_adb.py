@@ -26,7 +26,7 @@ import pytest
 from typer.testing import CliRunner
 
 from test_devices import WAIT_S, cli_app, dummy, free_port, make_configs, make_export  # noqa: F401 (dummy: fixture)
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.devices import adb as zadb
 from zl_device.devices import deploy as zdeploy
 from zl_device.devices.backend import signal_exit_code

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from test_devices import cli_app, make_configs, make_export
 from test_devices_adb import DF_TOYBOX, DUMPSYS_BATTERY, FakeClient, FakePhone, FakeSync
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.devices import adb as zadb
 from zl_device.devices import app as zapp
 from zl_device.devices import deploy as zdeploy

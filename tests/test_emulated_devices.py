@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import load_tool
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 emulated = load_tool("emulated_devices")
 

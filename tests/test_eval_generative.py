@@ -12,7 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 from zl.commands.eval import eval_command
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.results.evaluate import GenerationEval, eval_record, evaluate, evaluate_with_adapter
 from zl_device.results.generation import MARGIN_TOKENS, exact_match, rouge_l, split_row
 from zl_export.model_source import load_model

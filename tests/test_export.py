@@ -232,7 +232,7 @@ def test_manifest_order_matches_runtime_fqn_method(exported):
 
 def test_corrupt_program_is_a_clear_error(exported, tmp_path):
     native_library_or_skip()
-    from zl.errors import ZLError
+    from zl_base.errors import ZLError
 
     out, *_, manifest = exported
     bad = tmp_path / "stage_0.pte"

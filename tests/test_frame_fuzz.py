@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zl_device.run import frames
-from zl_device.run.frames import FrameRejected, FrameType
+from zl_device.formats import frames
+from zl_device.formats.frames import FrameRejected, FrameType
 
 RUN_KEY = bytes(range(32))
 KEY = frames.derive_key(RUN_KEY, frames.KeyPurpose.DATA_DOWN, 0)  # DATA frames of the link 0 -> 1

@@ -1,4 +1,4 @@
-"""The Python frame codec (zl_device/run/frames.py): round trips, every rejection reason, and the C++ twin."""
+"""The Python frame codec (zl_device/formats/frames.py): round trips, every rejection reason, and the C++ twin."""
 
 import json
 import os
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zl_device.run import frames
-from zl_device.run.frames import Frame, FrameRejected, FrameType, decode, encode
+from zl_device.formats import frames
+from zl_device.formats.frames import Frame, FrameRejected, FrameType, decode, encode
 
 RUN_KEY = bytes(range(32))
 KEY = frames.derive_key(RUN_KEY, frames.KeyPurpose.DATA_DOWN, 1)  # a frame key: DATA from stage 1
@@ -237,7 +237,7 @@ def test_the_payload_check_is_linear_time_on_unclosed_strings_of_escaped_quotes(
     # The regex that stripped strings before the depth count backtracked over the whole rest of the payload from
     # every quote: 12-62 s for 64 KiB, about an hour for 1 MiB, holding the interpreter lock all along. Measured in
     # a child process, so that the old code fails this test in a minute instead of hanging the suite.
-    code = ("import json, time; from zl_device.run import frames; from tests.test_frames import _crafted\n"
+    code = ("import json, time; from zl_device.formats import frames; from tests.test_frames import _crafted\n"
             "out = {}\n"
             "for size in (64 << 10, frames.MAX_JSON_BYTES):\n"
             "    t = time.perf_counter()\n"

@@ -7,7 +7,7 @@ from torch import nn
 
 from conftest import native_library_or_skip
 from test_export import _reference, _test_batch
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_export import exporter, frozen_weights
 from zl_export.exporter import build_stage_modules, export_stage, write_program
 from zl_export.frozen_weights import CompactEmbedding, CompactLinear, dequantized, quantize_rows

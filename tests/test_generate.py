@@ -14,9 +14,9 @@ import typer
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from zl.cli import run_cli
+from zl_base.entry import run_cli
 from zl.commands.generate import generate_command
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.results.generation import Decoding, generate_ids, split_row
 from zl_export.model_source import load_model
 from zl_export.shard import load_shard

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from zl.commands.data import data_command
 from zl.commands.eval import eval_command
 from zl.commands.merge import merge_command
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.results.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGE_INFO, load_adapter, merge_checkpoints
 from zl_device.results.evaluate import evaluate, limit_rows
 from zl_export.model_source import load_model
@@ -239,7 +239,7 @@ def test_checkpoints_of_another_stage_run_or_incomplete_are_refused(run, export_
 
 
 def test_custom_layout(tmp_path, export_dir):
-    from zl_device.run.checkpoints import CheckpointLayout
+    from zl_device.formats.checkpoints import CheckpointLayout
 
     manifest = manifest_of(export_dir)
     values = stage_tensors(manifest, 3)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import native_library_or_skip
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_export.exporter import build_stage_modules, example_inputs, export_stage, write_program
 from zl_export.frozen_weights import CompactEmbedding, CompactLinear, dequantized
 from zl_export.lora import attach_lora

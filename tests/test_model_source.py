@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_export import model_source
 from zl_export.model_source import load_model, load_tokenizer, resolve
 

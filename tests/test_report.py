@@ -11,7 +11,7 @@ from matplotlib.image import imread
 from typer.testing import CliRunner
 
 from zl.commands.report import report_command
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.results.report import LATENCY_KEYS, build_report, latency_stats, render_markdown, write_report
 
 T0 = 1_700_000_000_000  # ms
@@ -282,7 +282,7 @@ def test_no_telemetry_or_no_micro_batches(tmp_path):
     with pytest.raises(ZLError, match="no metrics.jsonl"):
         build_report(tmp_path)
     write_jsonl(tmp_path / "metrics.jsonl", [start_line(0), RUN])
-    with pytest.raises(ZLError, match="no micro_batch lines"):
+    with pytest.raises(ZLError, match="no micro_batch or window lines"):
         build_report(tmp_path)
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.devices.local import LocalDevice
 from zl_device.run.coordinator import Coordinator, StagePlan, input_log_entry_micro_batch, input_log_entry_window
-from zl_device.run.windows import WindowPlan
+from zl_device.formats.windows import WindowPlan
 
 
 def _stage(root: Path, k: int, windows: list[int], log_windows: list[int]) -> StagePlan:

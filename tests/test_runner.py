@@ -32,7 +32,7 @@ import torch
 
 from conftest import REPO, native_library_or_skip
 
-from zl_device.run.lr_schedule import lr_factor
+from zl_device.formats.lr_schedule import lr_factor
 
 SEQ_LEN = 16
 RUN_ID = "0123456789abcdef0123456789abcdef"
@@ -295,16 +295,13 @@ def eager_reference(export_dir: Path, shard_path: Path, num_micro_batches: int, 
         (final LoRA parameters by PEFT name, loss per micro-batch per stage)
     """
     from zl_export.exporter import build_stage_modules
-    from zl_export.options import ExportOptions, LoraSettings, LossConfig
+    from zl_export.options import ExportOptions
     from zl_export.model_source import load_model
     from zl_export.shard import load_shard
     from zl_export.stages import StageRange
 
     manifest = json.loads((export_dir / "manifest.json").read_text())
-    lora = manifest["lora"]
-    opts = ExportOptions(seq_len=manifest["seq_len"], micro_batch=manifest["micro_batch"],
-                         lora=LoraSettings(lora["rank"], lora["alpha"], tuple(lora["targets"])),
-                         loss=LossConfig(**manifest["loss"]), seed=manifest["seed"], max_targets=manifest["max_targets"])
+    opts = ExportOptions.from_manifest(manifest)
     loaded = load_model(manifest["model"]["name"], seed=manifest["seed"])
     stages = [StageRange(s["index"], *s["layers"]) for s in manifest["stages"]]
     _, modules = build_stage_modules(loaded.model, stages, opts)

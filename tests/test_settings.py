@@ -1,18 +1,19 @@
-"""Settings trees (zl/settings.py) and the typer options generated from them (zl/options.py)."""
+"""Settings trees (zl_base/settings.py) and the typer options generated from them (zl/options.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl.options import settings_command
-from zl.settings import check_choices, flag, leaves, nested, setting
+from zl_base.settings import check_choices, flag, leaves, nested, setting
 from zl_device.run.train_settings import TrainSettings
+from zl_export.data_settings import DataSettings
 from zl_export.options import ExportOptions, LoraSettings, LossConfig, ModelSplit
 
 
@@ -81,7 +82,7 @@ def _at_most_9(value: int, name: str) -> None:
 
 
 def test_a_setting_s_check_runs_with_the_flag_in_check_fields():
-    from zl.settings import check_fields
+    from zl_base.settings import check_fields
 
     @dataclass(frozen=True)
     class Checked:
@@ -97,7 +98,7 @@ def test_shared_options_carry_their_checks_into_every_tree():
     """--seq-len, --stages and --devices are checked wherever they are declared, before any model or file."""
     from zl.commands.export import ExportArgs
 
-    for bad, problem in [(TrainSettings(seq_len=10**8), "^--seq-len 100000000: at most 8192"),
+    for bad, problem in [(TrainSettings(rows=DataSettings(seq_len=10**8)), "^--seq-len 100000000: at most 8192"),
                          (TrainSettings(split=ModelSplit(stages="")), "^--stages '': an empty stage spec"),
                          (TrainSettings(split=ModelSplit(num_stages=1)), "^--num-stages 1: a pipeline needs at least 2"),
                          (TrainSettings(devices="local:65"), "^--devices local:65: at most 64 local devices"),
@@ -112,14 +113,14 @@ def test_export_and_train_keep_their_flags_and_defaults():
     assert [leaf.flag for leaf in leaves(ExportOptions)] == [
         "--seq-len", "--micro-batch", "--lora-rank", "--lora-alpha", "--lora-targets", "--alpha", "--consistency",
         "--first-target", "--gate", "--translator-rank", "--translator-init", "--loss", "--seed", "--frozen-dtype", "--max-targets"]
-    assert ExportOptions() == ExportOptions(128, 1, LoraSettings(8, 16.0, ("q_proj", "v_proj")), LossConfig((1.0,), "kl_rev", translator_rank=32), 0)
+    assert ExportOptions() == ExportOptions(128, 1, LoraSettings(8, 16.0, None), LossConfig((1.0,), "kl_rev", translator_rank=32), 0)
     flags = [leaf.flag for leaf in leaves(TrainSettings)]
     assert flags.count("--seq-len") == flags.count("--seed") == 1  # the run's own, not the export's
-    assert {"--model", "--stages", "--num-stages", "--alpha", "--consistency", "--lora-rank", "--timeout", "--format",
+    assert {"--model", "--stages", "--num-stages", "--alpha", "--consistency", "--lora-rank", "--timeout", "--format -f",
             "--truncate/--no-truncate", "--prompt-column", "--prompt-template", "--micro-batch", "--window", "--samples"} <= set(flags)
     assert flag(LoraSettings, "rank") == "--lora-rank" and flag(ModelSplit, "num_stages") == "--num-stages"
     s = TrainSettings()
-    assert (s.split.model, s.window, s.samples, s.seq_len, s.export.loss.alpha, s.timeout_s) == (
+    assert (s.split.model, s.window, s.samples, s.rows.seq_len, s.export.loss.alpha, s.timeout_s) == (
         "smollm2-135m", 4, 256, None, (1.0,), 3600.0)
     assert s.export_options(64) == ExportOptions(seq_len=64)
     assert s.export_options(64, 32) == ExportOptions(seq_len=64, max_targets=32)
@@ -195,3 +196,96 @@ def _export_app():
     app.command("export")(settings_command(ExportArgs, _seen_export.append, "Export."))
     app.command("other")(lambda: None)
     return app
+
+
+@dataclass(frozen=True)
+class _WithNewOption(ExportOptions):
+    """ExportOptions with one more field, as the next export option will be declared: nothing else changes."""
+
+    new_option: int = setting(0, "An export option added after the manifest and the cache key were written.")
+
+
+def test_a_new_export_option_reaches_the_manifest_and_the_cache_key():
+    """The export cache key hashes the options' serialization, so a new field changes it (issue 23: a hand-written
+    key left a new option out, and a run with another value reused a stale export)."""
+    from zl_device.run.export_cache import export_key
+
+    run = TrainSettings(split=ModelSplit("tiny-random"))
+    assert export_key(run, _WithNewOption(new_option=1)) != export_key(run, _WithNewOption(new_option=2))
+    assert export_key(run, _WithNewOption()) == export_key(run, _WithNewOption())
+    recorded = _WithNewOption(new_option=3, max_targets=8).to_manifest()
+    assert recorded["new_option"] == 3
+    assert _WithNewOption.from_manifest({"model": {}, "stages": [], **recorded}) == _WithNewOption(new_option=3,
+                                                                                                    max_targets=8)
+
+
+def test_export_options_round_trip_through_the_manifest():
+    """Every field is written by its name and read back; the manifest's notes (lora.dropout, loss.calibration) and
+    other keys are left aside; a manifest from before --frozen-dtype is fp32."""
+    opts = ExportOptions(seq_len=64, micro_batch=2, lora=LoraSettings(4, 8.0, ("q_proj", "o_proj")),
+                         loss=LossConfig(alpha=(0.5, 1.0), gate="target_prob"), seed=3, frozen_dtype="int8",
+                         max_targets=4)
+    manifest = {"format_version": 1, "model": {"name": "tiny-random"}, "stages": [], **opts.to_manifest()}
+    manifest["lora"]["dropout"], manifest["loss"]["calibration"] = 0.0, {"path": "demo"}
+    assert ExportOptions.from_manifest(manifest) == opts
+    del manifest["frozen_dtype"]
+    assert ExportOptions.from_manifest(manifest).frozen_dtype == "fp32"
+    assert ExportOptions(max_targets=None).to_manifest()["max_targets"] == 16  # what the programs have
+
+
+def test_the_optimizer_defaults_live_in_one_node():
+    """`zl train`'s stage configs, the eager references and the backprop baseline take AdamW's settings and the
+    schedule from OptimizerSettings; a stage config reads back to the same settings."""
+    from zl_device.torch import eager_training
+    from zl_device.formats.lr_schedule import OptimizerSettings
+
+    assert eager_training.OptimizerSettings is OptimizerSettings
+    s = TrainSettings()
+    assert s.optimizer == OptimizerSettings() and s.stage_lr_of(0) == OptimizerSettings().lr
+    assert [leaf.flag for leaf in leaves(OptimizerSettings)] == ["--lr"]
+    two_windows = s.optimizer.for_windows(2)
+    assert two_windows.schedule == {"kind": "warmup_cosine", "warmup_steps": 1, "min_lr_ratio": 0.1}
+    assert OptimizerSettings.from_config(two_windows.config(0.25)) == replace(two_windows, lr=0.25)
+    assert OptimizerSettings.from_config({}).schedule == {"kind": "constant"}  # the runner's own defaults
+
+
+def test_every_command_takes_its_options_from_a_settings_tree():
+    """No command declares options by hand: each is generated from a tree (zl/options.py), so a flag, its default
+    and its help are declared once, and trees shared between commands (DataSettings) stay shared."""
+    import importlib
+    import pkgutil
+
+    import zl.commands
+
+    commands = {}
+    for info in pkgutil.iter_modules(zl.commands.__path__):
+        commands.update(importlib.import_module(f"zl.commands.{info.name}").COMMANDS)
+    assert {"train", "export", "data", "devices", "deploy", "pull", "report", "merge", "eval", "generate"} <= set(commands)
+    by_hand = sorted(name for name, fn in commands.items() if not hasattr(fn, "settings"))
+    assert not by_hand, f"options declared by hand in: {by_hand}"
+    from zl_export.options import DEFAULT_MODEL
+
+    assert commands["data"].settings().model == DEFAULT_MODEL
+    data_flags = {leaf.flag for leaf in leaves(commands["data"].settings)}
+    assert {leaf.flag for leaf in leaves(DataSettings)} <= data_flags & {leaf.flag for leaf in leaves(TrainSettings)}
+
+
+def test_required_options_and_arguments_come_from_the_tree():
+    from zl_base.settings import REQUIRED
+
+    @dataclass(frozen=True)
+    class Args:
+        where: Path = setting(REQUIRED, "A required path.", flag="--where -w")
+        names: tuple[str, ...] | None = setting(None, "Names.", argument="NAMES...")
+        count: int = setting(1, "A count.")
+
+    seen = []
+    app = typer.Typer()
+    app.command("run")(settings_command(Args, seen.append, "Run."))
+    app.command("other")(lambda: None)
+    result = CliRunner().invoke(app, ["run", "a", "b", "-w", "x"])
+    assert result.exit_code == 0, result.output
+    assert seen == [Args(Path("x"), ("a", "b"), 1)]
+    result = CliRunner().invoke(app, ["run", "a"])
+    assert result.exit_code == 2 and "--where" in result.output
+    assert flag(Args, "names") == "NAMES..." and flag(Args, "where") == "--where"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_export.stages import balanced_split, format_spec, parse_spec
 
 

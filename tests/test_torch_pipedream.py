@@ -1,4 +1,4 @@
-"""PipeDream (zl_device/run/torch_pipedream.py): asynchronous 1F1B with weight stashing on three gloo ranks.
+"""PipeDream (zl_device/torch/schedules/pipedream.py): asynchronous 1F1B with weight stashing on three gloo ranks.
 
 - one window: no stage steps before every backward is done, so the gradient is
   single-process backprop's (rtol 1e-5);
@@ -26,7 +26,7 @@ ASYNC = (6, 2)  # 3 windows of 2: with K = 3, stage 0 runs forwards of window w+
 
 def test_pipedream_ops_are_1f1b_without_flush():
     """Fast: each stage's op order, in-flight bound K-k, every micro-batch once forward then once backward."""
-    from zl_device.run.torch_pipedream import pipedream_ops
+    from zl_device.torch.schedules.pipedream import pipedream_ops
 
     assert list(pipedream_ops(2, 3, 3)) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
     assert list(pipedream_ops(0, 3, 4)) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2),
@@ -49,10 +49,10 @@ def rank_main(rank: int, port: int, shard_path: str, out: str) -> None:
     """Spawned: PipeDream on fresh modules for each plan; gradients, trained weights, losses, memory counters."""
     import torch.distributed as dist
 
-    from zl_device.run.eager_training import OptimizerSettings
-    from zl_device.run.torch_pipedream import PipeDreamStage
-    from zl_device.run.torch_pipeline import window_rows
-    from zl_device.run.windows import WindowPlan
+    from zl_device.torch.eager_training import OptimizerSettings
+    from zl_device.torch.schedules.pipedream import PipeDreamStage
+    from zl_device.torch.backprop import window_rows
+    from zl_device.formats.windows import WindowPlan
     from zl_export.shard import load_shard
 
     torch.set_num_threads(1)
@@ -90,8 +90,8 @@ def simulate(shard, num_micro_batches: int, window: int, stash: bool):
     its AdamW step after the backward of its window's last micro-batch. A forward runs on the stage's weights of
     that moment, which it records; the backward recomputes the forward on the recorded weights (`stash`) or on
     the current ones. Returns (trained LoRA weights by manifest name, last stage's mean loss per window)."""
-    from zl_device.run.eager_training import OptimizerSettings, runner_optimizer
-    from zl_device.run.torch_pipeline import window_rows
+    from zl_device.torch.eager_training import OptimizerSettings, runner_optimizer
+    from zl_device.torch.backprop import window_rows
     from zl_export.local_loss import shift_targets
 
     _, modules, names = build()
@@ -160,7 +160,7 @@ def simulate(shard, num_micro_batches: int, window: int, stash: bool):
 
 @pytest.mark.slow
 def test_pipedream_one_window_gradient_equals_single_process_backprop(pipedream, one_torch_thread):
-    from zl_device.run.eager_training import causal_lm_loss, micro_batch
+    from zl_device.torch.eager_training import causal_lm_loss, micro_batch
     from zl_export.shard import load_shard
 
     out, shard_path = pipedream

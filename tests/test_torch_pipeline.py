@@ -1,4 +1,4 @@
-"""The backprop baselines (zl_device/run/torch_pipeline.py): GPipe and 1F1B on three gloo ranks, tiny-random
+"""The backprop baselines (zl_device/torch/schedules/gpipe.py): GPipe and 1F1B on three gloo ranks, tiny-random
 (PipeDream: test_torch_pipedream.py; the bench test runs all four pipelines).
 
 Each schedule's mean gradient over a window must equal single-process backprop
@@ -56,9 +56,10 @@ def rank_main(rank: int, port: int, shard_path: str, out: str) -> None:
     """Spawned: each schedule on fresh modules: window 0's gradients, then both windows trained."""
     import torch.distributed as dist
 
-    from zl_device.run.eager_training import OptimizerSettings
-    from zl_device.run.torch_pipeline import PipelinedStage, window_rows
-    from zl_device.run.windows import WindowPlan
+    from zl_device.torch.eager_training import OptimizerSettings
+    from zl_device.torch.backprop import window_rows
+    from zl_device.torch.schedules.gpipe import PipelinedStage
+    from zl_device.formats.windows import WindowPlan
     from zl_export.shard import load_shard
 
     torch.set_num_threads(1)
@@ -89,7 +90,7 @@ def spawn_stages(rank_main, out: Path) -> tuple[Path, Path]:
     """Run `rank_main(rank, port, shard, out)` as one process per stage on a fresh shard in `out`; (out, shard)."""
     import torch.multiprocessing as mp
 
-    from zl_device.run.launch import free_port_base
+    from zl_device.devices.network import free_port_base
 
     shard = make_shard(out / "train.safetensors")
     mp.start_processes(rank_main, args=(free_port_base(1), str(shard), str(out)), nprocs=len(STAGES), join=True,
@@ -112,7 +113,7 @@ def load_all(out: Path, kind: str, what: str) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_pipelined_gradient_equals_single_process_backprop(pipelined, kind, one_torch_thread):
-    from zl_device.run.eager_training import causal_lm_loss, micro_batch
+    from zl_device.torch.eager_training import causal_lm_loss, micro_batch
     from zl_export.shard import load_shard
 
     out, shard_path = pipelined

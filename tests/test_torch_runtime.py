@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from conftest import REPO
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 SAMPLES, WINDOW, BATCH = 12, 2, 2  # 6 micro-batches of 2 rows in 3 windows
 
@@ -39,12 +39,13 @@ def data_file(tmp_path_factory) -> Path:
 
 def settings(out: Path, data_file: Path, **kw):
     from zl_device.run.train_settings import TrainSettings
+    from zl_export.data_settings import DataSettings
     from zl_export.options import ExportOptions, LossConfig, ModelSplit
 
     # Per-stage α, a gated KL, lens translators and a per-stage lr: everything a stage's step depends on.
     loss = LossConfig(alpha=(0.5, 0.7, 1.0), first_target="none", gate="target_prob", translator_rank=2,
                       translator_init="lens")
-    base = dict(split=ModelSplit("tiny-random"), samples=SAMPLES, window=WINDOW, out=out, seq_len=32,
+    base = dict(split=ModelSplit("tiny-random"), samples=SAMPLES, window=WINDOW, out=out, rows=DataSettings(seq_len=32),
                 data=str(data_file), eval_data=str(data_file), eval_limit=8, timeout_s=600, runtime="torch",
                 link_timeout_s=120, stage_lr=(1.0, 1.0, 2.0), export=ExportOptions(micro_batch=BATCH, loss=loss))
     return TrainSettings(**{**base, **kw})
@@ -59,28 +60,25 @@ def torch_run(data_file, tmp_path_factory):
 
 def eager_reference(run_dir: Path) -> dict[str, torch.Tensor]:
     """The run retrained in one process by `train_zerolock` from its manifest, job and shard."""
-    from zl_device.run.eager_training import Budget, OptimizerSettings, stage_parameters, train_zerolock
+    from zl_device.torch.eager_training import Budget, OptimizerSettings, stage_parameters, train_zerolock
     from zl_export.exporter import build_stage_modules
     from zl_export.model_source import load_model
-    from zl_export.options import ExportOptions, LoraSettings, LossConfig
+    from zl_export.options import ExportOptions
     from zl_export.shard import load_shard
     from zl_export.stages import StageRange
     from zl_export.translator import calibration_batches
 
     manifest = json.loads((run_dir / "manifest.json").read_text())
     job = json.loads((run_dir / "torch_job.json").read_text())
-    lora, batch = manifest["lora"], manifest["micro_batch"]
-    opts = ExportOptions(seq_len=manifest["seq_len"], micro_batch=batch,
-                         lora=LoraSettings(lora["rank"], lora["alpha"], tuple(lora["targets"])),
-                         loss=LossConfig.from_manifest(manifest["loss"]), seed=manifest["seed"],
-                         max_targets=manifest["max_targets"])
+    opts = ExportOptions.from_manifest(manifest)
+    batch = opts.micro_batch
     shard = load_shard(run_dir / "data" / "train.safetensors")
     peft_model, modules = build_stage_modules(
         load_model(manifest["model"]["name"], seed=manifest["seed"]).model,
         [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]], opts, calibration_batches(shard))
     lr = job["lr"]
     train_zerolock(modules, shard, Budget(job["num_micro_batches"] * batch, job["window_size"], batch),
-                   OptimizerSettings(lr=lr[0], weight_decay=job["weight_decay"], schedule=job["schedule"]),
+                   OptimizerSettings.from_config({"lr": lr[0], "weight_decay": job["weight_decay"], "schedule": job["schedule"]}),
                    stage_lr=[x / lr[0] for x in lr])
     return stage_parameters(modules, peft_model)
 
@@ -113,7 +111,7 @@ def test_ranks_of_a_model_directory_load_only_their_layers_and_train_as_eager(da
     """A model directory (safetensors): each rank reads only its stage's weights (its `start` line says which
     layers), and the adapter still equals the single-process eager reference built on the whole model."""
     from test_model_source import _save_tiny_llama_dir
-    from zl_device.run.metrics_log import read_lines
+    from zl_device.formats.metrics_log import read_lines
     from zl_device.run.train_job import run_training
     from zl_export.options import ExportOptions, LossConfig, ModelSplit
 
@@ -284,7 +282,7 @@ def test_torchrun_runs_the_prepared_job_to_the_same_adapter(torch_run, data_file
                            say=said.append).run_dir
     command = next(line.strip() for line in said if line.strip().startswith("torchrun "))
     assert "--max-restarts 3 " in command
-    assert command.endswith(f"-m zl_device.run.torch_stage {run_dir / 'torch_job.json'}")
+    assert command.endswith(f"-m zl_device.torch {run_dir / 'torch_job.json'}")
     assert not (run_dir / "checkpoints").exists(), "nothing ran yet"
     args = command.split()[1:]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=REPO, capture_output=True,
@@ -302,7 +300,7 @@ def test_torchrun_runs_the_prepared_job_to_the_same_adapter(torch_run, data_file
 def test_torch_checkpoints_merge_like_the_runners(tmp_path):
     """save_checkpoint writes what `zl merge` reads; keep_last prunes the oldest windows."""
     from zl_device.results.adapter import merge_checkpoints
-    from zl_device.run.torch_checkpoint import save_checkpoint
+    from zl_device.torch.checkpoint import save_checkpoint
 
     names = {0: "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
              1: "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"}
@@ -344,7 +342,7 @@ def test_options_the_torch_runtime_lacks_are_clear_errors(tmp_path, change, prob
 
 
 def test_a_restarted_attempt_resumes_without_the_injected_failure():
-    from zl_device.run.torch_stage import TorchJob, for_attempt
+    from zl_device.torch.job import TorchJob, for_attempt
 
     job = TorchJob(model="tiny-random", manifest="m.json", shard="s.safetensors", run_id="ab" * 16, window_size=2,
                    num_micro_batches=6, micro_batch=2, lr=[0.1], weight_decay=0.0, schedule={},
@@ -358,8 +356,10 @@ def test_recovery_events_come_from_the_ranks_telemetry(tmp_path):
     """A failure of stage 1 mid-window 1 (window 2, 3 stages), the ranks restarted from window 0: the failure,
     restart and recovered events `zl report` reads, from the stages' lines."""
     from zl_device.results.report import build_report
-    from zl_device.run.torch_runtime import RankFailure, merge_metrics, recovery_events
-    from zl_device.run.windows import WindowPlan
+    from zl_device.formats.metrics_log import merge_metrics
+    from zl_device.formats.run_layout import RunLayout
+    from zl_device.torch.launcher import RankFailure, recovery_events
+    from zl_device.formats.windows import WindowPlan
 
     def start(k, t, first, resumed):
         return {"type": "start", "stage": k, "t_unix_ms": t, "first_micro_batch": first, "resumed_from_window": resumed}
@@ -387,7 +387,7 @@ def test_recovery_events_come_from_the_ranks_telemetry(tmp_path):
     assert restart["replayed_micro_batches"] == (4 - 2) + (3 - 2) + (2 - 2)
     assert recovered["downstream_stage"] == 2 and recovered["t_unix_ms"] == 1135 and recovered["window"] == 1
     assert recovered["recovery_ms"] == 1135 - 400 and recovered["since_failure_ms"] == 1135 - 300
-    merge_metrics(tmp_path, 3, events)
+    merge_metrics(RunLayout(tmp_path), 3, events)
     (entry,) = build_report(tmp_path)["recovery"]
     assert entry["stage"] == 1 and entry["replayed_micro_batches"] == 3 and entry["recovery_ms"] == 735
 
@@ -408,7 +408,8 @@ def test_link_timeout_and_launcher_are_checked(tmp_path):
 
 
 def test_torchrun_entry_point_needs_torchrun_and_a_job(tmp_path, monkeypatch, capsys):
-    from zl_device.run.torch_stage import TorchJob, main
+    from zl_device.torch.harness import main
+    from zl_device.torch.job import TorchJob
 
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
@@ -420,16 +421,16 @@ def test_torchrun_entry_point_needs_torchrun_and_a_job(tmp_path, monkeypatch, ca
 
 
 def test_backend_is_nccl_only_with_a_gpu_per_rank(monkeypatch):
-    from zl_device.run import torch_stage
+    from zl_device.torch import harness
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert torch_stage.backend_and_device("auto", 1, 2) == ("nccl", torch.device("cuda", 1))
-    assert torch_stage.backend_and_device("auto", 1, 3) == ("gloo", torch.device("cpu"))
+    assert harness.backend_and_device("auto", 1, 2) == ("nccl", torch.device("cuda", 1))
+    assert harness.backend_and_device("auto", 1, 3) == ("gloo", torch.device("cpu"))
     with pytest.raises(ZLError, match="3 ranks on this host but 2 GPU"):
-        torch_stage.backend_and_device("nccl", 0, 3)
+        harness.backend_and_device("nccl", 0, 3)
     with pytest.raises(ZLError, match="backend 'mpi'"):
-        torch_stage.backend_and_device("mpi", 0, 1)
+        harness.backend_and_device("mpi", 0, 1)
 
 
 def test_rank_watch_reads_progress_from_complete_lines(tmp_path):
@@ -459,7 +460,7 @@ def test_training_peak_rss_leaves_out_what_set_up_held_and_freed():
     after it are (the done lines' train_peak_rss_mib, per rank in tools/bench_pipelines.py)."""
     import numpy as np
 
-    from zl_device.run.torch_stage import peak_rss_mib, reset_peak_rss
+    from zl_device.torch.stage_io import peak_rss_mib, reset_peak_rss
 
     if peak_rss_mib() is None:
         pytest.skip("no /proc/self/status VmHWM here")
@@ -481,7 +482,7 @@ def _link_rank(rank: int, init: str, receive_ahead: bool, out: str) -> None:
     """Stage 0 sends three entries and flushes; stage 1 is 'busy' for 1.5 s before it asks for them."""
     import torch.distributed as dist
 
-    from zl_device.run.torch_link import StageLink
+    from zl_device.torch.link import StageLink
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     link = StageLink(rank, 2, 1, 8, torch.device("cpu"), depth=4, timeout_s=30, receive_ahead=receive_ahead)
@@ -510,10 +511,53 @@ def test_on_gloo_entries_land_while_the_receiver_computes(tmp_path, receive_ahea
     with the runner's peer link; without it gloo moves nothing until stage 1 asks, and the sender waits."""
     import torch.multiprocessing as mp
 
-    from zl_device.run.launch import free_port_base
+    from zl_device.devices.network import free_port_base
 
     mp.start_processes(_link_rank, args=(f"tcp://127.0.0.1:{free_port_base(1)}", receive_ahead, str(tmp_path)),
                        nprocs=2, start_method="spawn")
     flushed = json.loads((tmp_path / "0.json").read_text())["flushed"]
     asked = json.loads((tmp_path / "1.json").read_text())["asked"]
     assert (flushed < asked - 0.5) == receive_ahead, (flushed, asked)
+
+
+@pytest.mark.slow
+def test_a_backprop_schedule_trains_through_zl_train_as_eager_backprop(data_file, tmp_path, one_torch_thread):
+    """`zl train --runtime torch --schedule gpipe`: the ranks run the table's GPipe, and the run's adapter is what
+    whole-model backprop of the same model (its frozen weights stored as the run's), micro-batches, LoRA
+    initialisation and AdamW schedule gives in one process; merge and report take the run as any other."""
+    from zl_device.run.train_job import run_training
+    from zl_device.torch.eager_training import Budget, OptimizerSettings, train_backprop
+    from zl_export.exporter import build_stage_modules
+    from zl_export.model_source import load_model
+    from zl_export.options import ExportOptions
+    from zl_export.shard import load_shard
+    from zl_export.stages import StageRange
+
+    run = run_training(settings(tmp_path / "run", data_file, schedule="gpipe", stage_lr=(1.0,),
+                                export=ExportOptions(micro_batch=BATCH)), say=lambda line: None)
+    run_dir = run.run_dir
+    job = json.loads((run_dir / "torch_job.json").read_text())
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert job["pipeline"] == "gpipe" and (run_dir / "report.md").is_file()
+    peft_model, _ = build_stage_modules(load_model(manifest["model"]["name"], seed=manifest["seed"]).model,
+                                        [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]],
+                                        ExportOptions.from_manifest(manifest))
+    train_backprop(peft_model, load_shard(run_dir / "data" / "train.safetensors"),
+                   Budget(job["num_micro_batches"] * BATCH, job["window_size"], BATCH),
+                   OptimizerSettings.from_config({"lr": job["lr"][0], "weight_decay": job["weight_decay"],
+                                                  "schedule": job["schedule"]}))
+    want = {n: p.detach() for n, p in peft_model.named_parameters() if "lora_" in n}
+    merged = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    assert len(merged) == len(want)
+    for name, t in merged.items():
+        key = next(n for n in want if n.replace(".default", "") == name)
+        torch.testing.assert_close(t, want[key], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert any(t.abs().max() > 1e-3 for n, t in merged.items() if "lora_B" in n), "nothing moved"
+
+
+def test_a_backprop_schedule_needs_the_torch_runtime():
+    from zl_device.run.train_settings import TrainSettings
+
+    with pytest.raises(ZLError, match="--schedule gpipe: the backprop schedules run on torch.distributed ranks; add "
+                                      "--runtime torch"):
+        TrainSettings(schedule="gpipe").validate()

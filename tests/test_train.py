@@ -35,11 +35,14 @@ def export_cache(tmp_path_factory) -> Path:
 def train(out: Path, cache: Path, **kw):
     from zl_device.run.train_job import run_training
     from zl_device.run.train_settings import TrainSettings
+    from zl_export.data_settings import DataSettings
     from zl_export.options import ModelSplit
 
     kw.setdefault("timeout_s", 300)
-    settings = TrainSettings(split=ModelSplit("tiny-random"), samples=SAMPLES, window=WINDOW, out=out, export_cache=cache,
-                             seq_len=32, eval_limit=16, **kw)
+    kw.setdefault("rows", DataSettings(seq_len=32))
+    kw.setdefault("samples", SAMPLES)
+    settings = TrainSettings(split=ModelSplit("tiny-random"), window=WINDOW, out=out, export_cache=cache,
+                             eval_limit=16, **kw)
     # The demo task needs 64 tokens for the byte tokenizer; with seq_len 32 use a small prompt/completion file.
     return run_training(settings, say=lambda line: None)
 
@@ -131,26 +134,23 @@ def test_adapter_loads_with_peft_and_equals_final_checkpoints(clean_run):
 
 
 def eager_zerolock(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The run's pipeline retrained in PyTorch eager (zl_device.run.eager_training) from its manifest, configs and shard.
+    """The run's pipeline retrained in PyTorch eager (zl_device.torch.eager_training) from its manifest, configs and shard.
 
     Returns:
         (trained tensors by manifest name, the run's merged adapter tensors plus its early-exit heads).
     """
-    from zl_device.run.eager_training import Budget, OptimizerSettings, stage_parameters, train_zerolock
+    from zl_device.torch.eager_training import Budget, OptimizerSettings, stage_parameters, train_zerolock
     from zl_export.exporter import build_stage_modules
     from zl_export.model_source import load_model
-    from zl_export.options import ExportOptions, LoraSettings, LossConfig
+    from zl_export.options import ExportOptions
     from zl_export.shard import load_shard
     from zl_export.stages import StageRange
     from zl_export.translator import calibration_batches
 
     manifest = json.loads((run_dir / "manifest.json").read_text())
     configs = [json.loads((run_dir / f"stage_{st['index']}.json").read_text()) for st in manifest["stages"]]
-    lora, batch = manifest["lora"], manifest["micro_batch"]
-    opts = ExportOptions(seq_len=manifest["seq_len"], micro_batch=batch,
-                         lora=LoraSettings(lora["rank"], lora["alpha"], tuple(lora["targets"])),
-                         loss=LossConfig.from_manifest(manifest["loss"]), seed=manifest["seed"],
-                         max_targets=manifest["max_targets"])
+    opts = ExportOptions.from_manifest(manifest)
+    batch = opts.micro_batch
     loaded = load_model(manifest["model"]["name"], seed=manifest["seed"])
     shard = load_shard(run_dir / "data" / "train.safetensors")
     peft_model, modules = build_stage_modules(
@@ -159,8 +159,7 @@ def eager_zerolock(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, to
     optimizer = configs[0]["optimizer"]
     train_zerolock(modules, shard,
                    Budget(configs[0]["num_micro_batches"] * batch, configs[0]["window_size"], batch),
-                   OptimizerSettings(lr=optimizer["lr"], weight_decay=optimizer["weight_decay"],
-                                     schedule=optimizer["schedule"]),
+                   OptimizerSettings.from_config(optimizer),
                    stage_lr=[c["optimizer"]["lr"] / optimizer["lr"] for c in configs])
     merged = adapter_tensors(run_dir)
     for head in sorted((run_dir / "adapter" / "early_exit").glob("stage_*.safetensors")):
@@ -205,6 +204,23 @@ def test_loss_variants_train_through_the_runner_as_in_eager(export_cache, data_f
     assert heads == ["stage_0.safetensors", "stage_1.safetensors"]  # every stage but the last
     merged = assert_eager_equals_run(run_dir)
     assert merged["zl.translator.stage_0.up"].abs().max() > 0, "the runner trained the translator"
+
+
+def test_a_hundred_target_tokens_train_through_the_runner_as_in_eager(export_cache, tmp_path):
+    """Generative rows with 71 to 99 target tokens (completion bytes and end-of-sequence): the programs get 100 slots
+    (the longest, rounded up to 4), and the runners' readout, translators, hidden-state frames and shards carry
+    them: the adapter equals the eager path's, which reads out every target."""
+    from zl_export.data_settings import DataSettings
+
+    words = "north south east west river stone cloud field".split()
+    rows = [{"prompt": f"row {i}:", "completion": " " + " ".join(words[(i + j) % 8] for j in range(20))[: 69 + 4 * i]}
+            for i in range(8)]
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = train(tmp_path / "run", export_cache, data=str(data), rows=DataSettings(seq_len=128), samples=8)
+    manifest = json.loads((result.run_dir / "manifest.json").read_text())
+    assert manifest["max_targets"] == 100  # 99 completion bytes + end-of-sequence, a multiple of 4
+    assert_eager_equals_run(result.run_dir)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -358,7 +374,7 @@ def test_resume_after_the_host_is_killed_ends_identical(clean_run, export_cache,
     for name, t in clean.items():
         assert torch.equal(resumed[name], t), name
     assert not any(alive(pid) for pid in pids), "the previous host's runners were stopped, not left running"
-    from zl.errors import ZLError
+    from zl_base.errors import ZLError
 
     with pytest.raises(ZLError, match="that run finished"):
         run_training(TrainSettings(out=out, resume=True), say=lambda line: None)
@@ -371,8 +387,8 @@ def test_resume_after_a_failure_with_no_restarts_left_ends_identical(clean_run, 
     of window 2 that holds them. Those hidden states died with stage 0's process: `zl train --resume` must not
     continue stage 0 from that snapshot (it would never send them again and stage 1 would wait for them until the
     stall detector gave up) but from its checkpoint, and end with the clean run's adapter."""
-    from zl.errors import ZLError
-    from zl_device.run.checkpoints import snapshot_metadata
+    from zl_base.errors import ZLError
+    from zl_device.formats.checkpoints import snapshot_metadata
     from zl_device.run.coordinator import Coordinator
     from zl_device.run.train_job import run_training
     from zl_device.run.train_settings import TrainSettings
@@ -423,10 +439,10 @@ def test_resume_after_a_failure_with_no_restarts_left_ends_identical(clean_run, 
 
 
 def test_bad_inputs_are_clear_errors(export_cache, tmp_path):
-    from zl.errors import ZLError
+    from zl_base.errors import ZLError
 
     with pytest.raises(ZLError, match="expected STAGE@WINDOW"):
-        from zl_device.run.coordinator import Injection
+        from zl_device.run.runtime import Injection
 
         Injection.parse("1-2", 3, 6)
     with pytest.raises(ZLError, match="stage 5 does not exist"):
@@ -442,7 +458,7 @@ def test_bad_inputs_are_clear_errors(export_cache, tmp_path):
 
 def test_too_few_target_slots_fail_before_the_export(export_cache, data_file, tmp_path):
     """A training row with more targets than --max-targets fails in seconds, naming the row, not after the export."""
-    from zl.errors import ZLError
+    from zl_base.errors import ZLError
     from zl_export.options import ExportOptions
 
     cached = set(export_cache.iterdir())

@@ -6,7 +6,7 @@
 import pytest
 import torch
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_export.exporter import build_stage_modules
 from zl_export.model_source import load_model
 from zl_export.options import ExportOptions, LossConfig

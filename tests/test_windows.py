@@ -1,7 +1,7 @@
-"""The window plan (zl_device/run/windows.py) and the checkpoint layout (zl_device/run/checkpoints.py)."""
+"""The window plan (zl_device/formats/windows.py) and the checkpoint layout (zl_device/formats/checkpoints.py)."""
 
-from zl_device.run.checkpoints import CheckpointLayout
-from zl_device.run.windows import WindowPlan
+from zl_device.formats.checkpoints import CheckpointLayout
+from zl_device.formats.windows import WindowPlan
 
 
 def test_window_plan_of_a_run_with_a_short_last_window():

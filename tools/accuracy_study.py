@@ -8,7 +8,7 @@ it trains and scores on the dev rows (all of them by default):
     backprop-last   LoRA on the last stage's layers only, the others frozen: the cheapest honest
                     competitor of any pipeline method
     zl-*            ZeroLock, each stage on its local loss, in PyTorch eager with exactly the runner's
-                    semantics (zl_device.run.eager_training): the paper's loss and the variants below;
+                    semantics (zl_device.torch.eager_training): the paper's loss and the variants below;
                     zl-default is whatever `zl train` does by default (its loss and frozen dtype)
 
 An arm with `frozen_dtype` bf16 or int8 (zl-translator-bf16, zl-translator-int8, or `frozen_dtype=` in
@@ -62,11 +62,13 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
 
-from zl.errors import ZLError  # noqa: E402
-from zl_device.run.eager_training import Budget, OptimizerSettings  # noqa: E402
+from zl_base.errors import ZLError  # noqa: E402
+from zl_device.torch.eager_training import Budget, OptimizerSettings  # noqa: E402
+from zl_export.data_columns import DataColumns  # noqa: E402
 from zl_export.options import FROZEN_DTYPES, ExportOptions, LoraSettings, LossConfig  # noqa: E402
 
 STUDY_VERSION = 2  # 2: seeds, per-row results
+SHOWN_GENERATIONS = 8  # generations kept per generative arm (study.md shows them side by side)
 
 
 @dataclass(frozen=True)
@@ -146,28 +148,33 @@ class StudySettings:
     num_stages: int = 3
     window: int = 4
     micro_batch: int = 1
-    lr: float = 5e-3
-    warmup_windows: int = 2
-    min_lr_ratio: float = 0.1
+    lr: float = OptimizerSettings.lr  # zl train's optimizer defaults (zl_device/formats/lr_schedule.py)
+    warmup_windows: int = OptimizerSettings.warmup_windows
+    min_lr_ratio: float = OptimizerSettings.min_lr_ratio
     lora: LoraSettings = field(default_factory=LoraSettings)
     seeds: tuple[int, ...] = (0, 1, 2)
     threads: int = 2
     eval_limit: int | None = None
     eval_batch_size: int = 16
+    columns: DataColumns = field(default_factory=DataColumns)  # prompt/completion columns (generative data)
+    generate_rows: int | None = None  # dev rows generated for (generative data; None: all)
 
     def optimizer(self, budget: Budget) -> OptimizerSettings:
         """`zl train`'s AdamW settings and schedule for `budget` (zl_device/run/launch.py stage_configs)."""
-        warmup = min(self.warmup_windows, max(0, budget.num_windows - 1))
-        return OptimizerSettings(lr=self.lr, schedule={"kind": "warmup_cosine", "warmup_steps": warmup,
-                                                        "min_lr_ratio": self.min_lr_ratio})
+        return OptimizerSettings(lr=self.lr, warmup_windows=self.warmup_windows,
+                                 min_lr_ratio=self.min_lr_ratio).for_windows(budget.num_windows)
 
     def fingerprint(self, arm: Arm, samples: int, seed: int) -> str:
         """What determines an arm's result at `seed`: a cached arm with another fingerprint runs again."""
         fields = {k: str(v) for k, v in asdict(self).items()
                   if k not in ("samples", "seeds", "threads", "eval_batch_size")}
+        for name, unset in (("columns", not self.columns.given()), ("generate_rows", self.generate_rows is None)):
+            if unset:  # studies cached before generative data keep their fingerprints
+                del fields[name]
         fields["seed"] = str(seed)
         if arm.kind == "base":  # scoring only: the training settings and the seed do not matter
-            fields = {k: fields[k] for k in ("model", "dev", "data_format", "truncate", "seq_len", "eval_limit")}
+            fields = {k: fields[k] for k in ("model", "dev", "data_format", "truncate", "seq_len", "eval_limit",
+                                              "columns", "generate_rows") if k in fields}
         arm_fields = asdict(arm)
         if arm.frozen_dtype == "fp32":  # arms cached before frozen_dtype existed keep their fingerprint
             del arm_fields["frozen_dtype"]
@@ -179,7 +186,7 @@ class StudySettings:
 
 def parse_list(text: str, kind, flag: str) -> tuple:
     """"1,2" (or "1/2" inside --arm) -> (1, 2), parsed as the settings tree parses list options; at least one value."""
-    from zl.settings import parse_list as parse_setting_list
+    from zl_base.settings import parse_list as parse_setting_list
 
     values = parse_setting_list(text.replace("/", ","), kind, flag)
     if not values:
@@ -238,15 +245,15 @@ def prepare_shard(s: StudySettings, path: Path, split: str, tokenizer, out: Path
 
     if path.suffix == ".safetensors":
         shard = load_shard(path)
-        shard.check_matches(tokenizer_name=tokenizer.name)
+        shard.check_matches(tokenizer=tokenizer)
         return shard
     target = out / "data" / f"{split}.safetensors"
     if target.is_file():
         shard = load_shard(target)
         if (shard.meta.get("source", {}).get("sha256") == zdata.file_sha256(path) and shard.seq_len == s.seq_len
-                and shard.meta.get("seed") == seed):
+                and shard.meta.get("seed") == seed and shard.bos_token_id == tokenizer.bos_token_id):
             return shard
-    job = file_job(path, s.data_format, split)
+    job = file_job(path, s.data_format, split, columns=s.columns if s.columns.given() else None)
     job.task = zdata.select(job.task, None, True, seed)
     written, _ = write_shard(job, tokenizer, s.model, s.seq_len, out / "data", s.truncate, extra={"seed": seed})
     return load_shard(written)
@@ -255,12 +262,17 @@ def prepare_shard(s: StudySettings, path: Path, split: str, tokenizer, out: Path
 # --- one arm -------------------------------------------------------------------------------------------
 
 
-def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, split, train, dev, progress) -> dict:
-    """Train (unless base) a fresh copy of the model as `arm` on `samples` samples at `seed`, score it on `dev`."""
-    from zl_device.run.eager_training import (freeze_lora_below, train_backprop, train_zerolock)
+def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, split, train, dev, progress,
+            tokenizer=None) -> dict:
+    """Train (unless base) a fresh copy of the model as `arm` on `samples` samples at `seed`, score it on `dev`.
+
+    With `tokenizer` (generative dev data) the scoring is completion NLL and greedy generations (ROUGE-L, exact
+    match) instead of label-word accuracy."""
+    from zl_device.torch.eager_training import (freeze_lora_below, train_backprop, train_zerolock)
     from zl_device.results.early_exit import EarlyExitModel
-    from zl_device.results.evaluate import evaluate
+    from zl_device.results.evaluate import GenerationEval, evaluate
     from zl_export.exporter import build_stage_modules
+    from zl_export.shard import fitted_target_slots
     from zl_export.translator import calibration_batches
     from zl_export.lora import attach_lora
 
@@ -282,7 +294,7 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
 
     if arm.kind == "zerolock":
         opts = ExportOptions(seq_len=s.seq_len, micro_batch=s.micro_batch, lora=arm.lora_settings(s.lora),
-                             loss=arm.loss_config(),
+                             loss=arm.loss_config(), max_targets=fitted_target_slots(train.labels)[1],  # as zl train
                              seed=seed, frozen_dtype=arm.frozen_dtype)  # scored on the same compact weights
         peft_model, modules = build_stage_modules(model, split, opts, calibration_batches(train))
         result["trainable"] = sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
@@ -302,15 +314,25 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
         if log.task_losses:
             result.update(window_task_losses=log.task_losses, window_consistency_losses=log.consistency_losses)
     progress.update(bar, description=f"{label}: scoring", loss="")
-    score = evaluate(trained, dev, s.eval_batch_size, per_row=True)
-    result.update(accuracy=score.accuracy, nll=score.nll, eval_s=score.seconds,
-                  rows={"correct": score.per_row.correct, "nll_sum": score.per_row.nll_sum,
-                        "tokens": score.per_row.tokens})
-    if modules is not None:
+    generation = None
+    if tokenizer is not None:
+        generation = GenerationEval(tokenizer, rows=dev.rows if s.generate_rows is None else s.generate_rows)
+    score = evaluate(trained, dev, s.eval_batch_size, per_row=True, generation=generation)
+    rows = {"nll_sum": score.per_row.nll_sum, "tokens": score.per_row.tokens}
+    if generation is None:
+        rows["correct"] = score.per_row.correct
+        shown = f"{score.accuracy:.1%}"
+    else:
+        rows.update(rouge_l=score.row_rouge_l, exact=score.row_exact)
+        result.update(rouge_l=score.rouge_l, exact_match=score.exact_match, generated_rows=score.generated_rows,
+                      generations=score.generations[:SHOWN_GENERATIONS])
+        shown = f"ROUGE-L {score.rouge_l:.3f}, NLL {score.nll:.3f}"
+    result.update(accuracy=score.accuracy, nll=score.nll, eval_s=score.seconds, rows=rows)
+    if modules is not None:  # each stage's readout as the model: NLL (and accuracy on classification data)
         exits = [evaluate(EarlyExitModel(modules, k), dev, s.eval_batch_size) for k in range(len(modules) - 1)]
         result["early_exit_accuracy"] = [e.accuracy for e in exits] + [score.accuracy]
         result["early_exit_nll"] = [e.nll for e in exits] + [score.nll]
-    progress.update(bar, description=f"{label}: {score.accuracy:.1%}")
+    progress.update(bar, description=f"{label}: {shown}")
     return result
 
 
@@ -324,6 +346,7 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bo
 
     from zl_device.results.evaluate import limit_rows
     from zl_device.results.study_tables import markdown, plot, summary_table
+    from zl_export.model_family import family_of_model
     from zl_export.model_source import load_model
     from zl_export.stages import balanced_split, format_spec, parse_spec
 
@@ -331,15 +354,18 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bo
     with err.status(f"loading {s.model}"):
         loaded = load_model(s.model, seed=0)  # the model is fixed; the seeds vary LoRA and data
     cfg = loaded.config
+    family = family_of_model(loaded.model)
+    s.lora = s.lora.for_family(family)  # no --lora-targets: the family's default, as zl train (and in the fingerprint)
+    s.lora.validate(family)
     split = parse_spec(s.stages, cfg.num_hidden_layers) if s.stages else balanced_split(cfg.num_hidden_layers,
                                                                                        s.num_stages)
     for arm in arms:
+        arm.lora_settings(s.lora).validate(family)
         arm.loss_config().validate(len(split))
         if len(arm.stage_lr) not in (1, len(split)):
             raise ZLError(f"arm {arm.name}: stage_lr has {len(arm.stage_lr)} values for {len(split)} stages.")
     dev = limit_rows(prepare_shard(s, s.dev, "dev", loaded.tokenizer, out), s.eval_limit)
-    if not dev.meta.get("label_token_ids"):
-        raise ZLError(f"--dev {s.dev}: not a classification data set (no label words); the study scores accuracy.")
+    generative = not dev.meta.get("label_token_ids")  # prompt/completion rows: NLL and generations, not accuracy
     trains = {seed: prepare_shard(s, s.train, f"train-seed{seed}", loaded.tokenizer, out, seed) for seed in s.seeds}
     train_rows = trains[s.seeds[0]].rows
     err.print(f"study: {s.model}, stages {format_spec(split)}, {train_rows} train rows, {dev.rows} dev rows, "
@@ -364,14 +390,22 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bo
                         continue
                     else:
                         start = time.perf_counter()
-                        result = run_arm(arm, samples, seed, s, loaded.model, split, trains[seed], dev, progress)
+                        result = run_arm(arm, samples, seed, s, loaded.model, split, trains[seed], dev, progress,
+                                         loaded.tokenizer if generative else None)
                         result.update(fingerprint=fp, wall_s=time.perf_counter() - start)
                         _write_json(cached, result)
                     results.append({**result, "samples": samples})
     study = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items()},
              "stages": format_spec(split), "train_rows": train_rows, "dev_rows": dev.rows,
+             "metric": "rouge_l" if generative else "accuracy",
              "arms": [asdict(a) for a in arms], "reference": REFERENCE_ARM, "results": results}
-    study["summary"] = summary_table(results, REFERENCE_ARM)
+    study["summary"] = summary_table(results, REFERENCE_ARM, study["metric"])
+    if generative:  # the first dev rows, each arm's generation (first seed) next to the reference
+        from zl_device.results.generation import side_by_side
+
+        texts = {f"{r['arm']} @ {r['samples']}" if r["kind"] != "base" else r["arm"]: r["generations"]
+                 for r in results if r.get("generations") and r.get("seed") in (None, s.seeds[0])}
+        study["generations"] = side_by_side(dev, loaded.tokenizer, texts, rows=4)
     study = json.loads(json.dumps(study, default=str))  # what study.json holds (tuples as lists)
     _write_json(out / "study.json", study)
     (out / "study.md").write_text(markdown(study))
@@ -408,14 +442,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="fail on over-long prompts instead of cutting them from the left")
     ap.add_argument("--window", type=int, default=4, help="micro-batches per AdamW step (default 4, as zl train)")
     ap.add_argument("--micro-batch", type=int, default=1, help="rows per micro-batch (default 1)")
-    ap.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate (default 5e-3, as zl train)")
+    ap.add_argument("--lr", type=float, default=OptimizerSettings.lr,
+                    help=f"AdamW learning rate (default {OptimizerSettings.lr:g}, as zl train)")
     ap.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default 8)")
     ap.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
-    ap.add_argument("--lora-targets", default="q_proj,v_proj", help="projections with adapters (default q_proj,v_proj)")
+    ap.add_argument("--lora-targets", help="projections with adapters (default: the model family's, as zl train: "
+                                           "q_proj,v_proj; Phi-3 qkv_proj)")
     ap.add_argument("--seeds", default="0,1,2",
                     help="seeds of the LoRA init and data order, comma-separated; every arm runs at each (default 0,1,2)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--eval-limit", type=int, help="score only the first N dev rows (default: all)")
+    ap.add_argument("--prompt-column", help="generative data: the column holding the prompt (as zl data)")
+    ap.add_argument("--completion-column", help="generative data: the column holding the completion (as zl data)")
+    ap.add_argument("--prompt-template", help="generative data: build the prompt from columns, e.g. "
+                                              "\"Article: {description}\\nHeadline:\" (as zl data)")
+    ap.add_argument("--eval-batch-size", type=int, default=16,
+                    help="dev rows per forward pass when scoring and generating (default 16; more is faster on "
+                         "many cores; the figures change only by float rounding)")
+    ap.add_argument("--generate-rows", type=int,
+                    help="generative data: greedy generations for the first N dev rows (default: all)")
     ap.add_argument("--out", type=Path, default=Path("runs/study"), help="results and cache (default runs/study)")
     ap.add_argument("--report-only", action="store_true",
                     help="train nothing: tabulate the arms already cached in OUT/arms (e.g. from runs split across machines)")
@@ -428,6 +473,7 @@ def build(args: argparse.Namespace) -> tuple[StudySettings, list[Arm]]:
     if len(set(seeds)) != len(seeds) or min(seeds) < 0:
         raise ZLError(f"--seeds {args.seeds}: give distinct seeds of at least 0, e.g. 0,1,2.")
     for flag, value in (("--samples", min(samples)), ("--window", args.window), ("--micro-batch", args.micro_batch),
+                        ("--eval-batch-size", args.eval_batch_size),
                         ("--threads", args.threads), ("--num-stages", args.num_stages)):
         if value < 1:
             raise ZLError(f"{flag} {value}: must be at least 1.")
@@ -436,8 +482,13 @@ def build(args: argparse.Namespace) -> tuple[StudySettings, list[Arm]]:
     for flag, path in (("--train", args.train), ("--dev", args.dev)):
         if not path.is_file():
             raise ZLError(f"{flag} {path}: no such file; pass a .csv/.jsonl data file or a shard from `zl data`.")
-    lora = LoraSettings(args.lora_rank, args.lora_alpha, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
+    targets = None if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    lora = LoraSettings(args.lora_rank, args.lora_alpha, targets)
     lora.validate()
+    columns = DataColumns(args.prompt_column, args.completion_column, args.prompt_template)
+    columns.validate()
+    if args.generate_rows is not None and args.generate_rows < 1:
+        raise ZLError(f"--generate-rows {args.generate_rows}: must be at least 1 (or leave it out: every dev row).")
     names = [n.strip() for n in args.arms.split(",") if n.strip()]
     unknown = [n for n in names if n not in ARMS]
     if unknown:
@@ -448,7 +499,8 @@ def build(args: argparse.Namespace) -> tuple[StudySettings, list[Arm]]:
     s = StudySettings(model=args.model, train=args.train, dev=args.dev, data_format=args.data_format,
                       truncate=args.truncate, seq_len=args.seq_len, samples=samples, stages=args.stages,
                       num_stages=args.num_stages, window=args.window, micro_batch=args.micro_batch, lr=args.lr,
-                      lora=lora, seeds=seeds, threads=args.threads, eval_limit=args.eval_limit)
+                      lora=lora, seeds=seeds, threads=args.threads, eval_limit=args.eval_limit, columns=columns,
+                      generate_rows=args.generate_rows, eval_batch_size=args.eval_batch_size)
     return s, arms
 
 
@@ -465,7 +517,7 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 def main() -> None:
-    from zl.cli import run_cli
+    from zl_base.entry import run_cli
 
     run_cli(run)
 

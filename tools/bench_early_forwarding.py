@@ -58,7 +58,9 @@ def run_pipeline(runner: Path, export: Path, shard: Path, run_dir: Path, args, e
 
     `app_stage`: that stage runs through the app's JNI library instead of zl_runner.
     """
-    num_stages = len(json.loads((export / "manifest.json").read_text())["stages"])
+    from zl_export.manifest import MANIFEST, read_manifest_file, stage_count
+
+    num_stages = stage_count(read_manifest_file(export / MANIFEST))
     run_dir.mkdir(parents=True)
     (run_dir / "run.key").write_text(os.urandom(32).hex() + "\n")
     procs, port = {}, None

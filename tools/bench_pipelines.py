@@ -3,8 +3,8 @@
 Prepares one run as `zl train --runtime torch --launcher torchrun` does (data,
 manifest, RUN_DIR/torch_job.json), then runs its ranks once per pipeline —
 `zerolock` (local losses, no backward across stages), `gpipe`, `1f1b` and
-`pipedream` (end-to-end backprop, zl_device/run/torch_pipeline.py and
-torch_pipedream.py) — with the same split, LoRA, data order, micro-batches
+`pipedream` (end-to-end backprop; every schedule of zl_device/torch/schedules
+SCHEDULES) — with the same split, LoRA, data order, micro-batches
 of the full --seq-len, windows and optimizer, one process per stage
 (torch.multiprocessing spawn, gloo); and `zerolock-et`, the same job as `zl train` runs it by default: the
 exported stage programs on `zl_runner`s, one per stage on this host. Every
@@ -50,21 +50,25 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
+from zl_device.torch.schedules import SCHEDULES  # noqa: E402
+
 RUNNER = "zerolock-et"  # the ExecuTorch runner: `zl train`'s default runtime
 TRIMMED = "zerolock-trimmed"  # `zl train --runtime torch` as it runs by default: micro-batches cut to their longest row
-PIPELINES = ("zerolock", RUNNER, "gpipe", "1f1b", "pipedream")  # the default set
+BASELINES = tuple(name for name in SCHEDULES if name != "zerolock")  # the schedules ZeroLock is measured against
+PIPELINES = ("zerolock", RUNNER, *BASELINES)  # the default set: every schedule of the table, and the runner
 CHOICES = (*PIPELINES, TRIMMED)
 
 
 def settings(args, out: Path, runtime: str):
     """The `zl train` settings every pipeline shares (one job: split, data, LoRA, windows, optimizer, seed)."""
     from zl_device.run.train_settings import TrainSettings
+    from zl_export.data_settings import DataSettings
     from zl_export.options import ExportOptions, ModelSplit
 
     return TrainSettings(split=ModelSplit(args.model, args.stages, args.num_stages), data=args.data,
-                         eval_data=args.eval_data, data_format=args.format, truncate=args.truncate,
-                         samples=args.samples,
-                         window=args.window, seq_len=args.seq_len, out=out,
+                         eval_data=args.eval_data,
+                         rows=DataSettings(format=args.format, truncate=args.truncate, seq_len=args.seq_len),
+                         samples=args.samples, window=args.window, out=out,
                          export=ExportOptions(micro_batch=args.micro_batch, frozen_dtype=args.frozen_dtype),
                          runtime=runtime, launcher="torchrun" if runtime == "torch" else "spawn", threads=args.threads, seed=args.seed,
                          devices=f"local:{args.ranks}", eval_limit=args.eval_limit, timeout_s=args.timeout)
@@ -79,9 +83,11 @@ def prepare(args, out: Path) -> Path:
 
 def last_attempt_lines(run_dir: Path, world: int) -> list[list[dict]]:
     """Each stage's telemetry lines of its last attempt (from its last `start` line)."""
-    from zl_device.run.torch_runtime import stage_lines
+    from zl_device.formats.metrics_log import stage_lines
+    from zl_device.formats.run_layout import RunLayout
 
-    return [rank[max(i for i, r in enumerate(rank) if r["type"] == "start"):] for rank in stage_lines(run_dir, world)]
+    return [rank[max(i for i, r in enumerate(rank) if r["type"] == "start"):]
+            for rank in stage_lines(RunLayout(run_dir), world)]
 
 
 def figures(pipeline: str, lines: list[list[dict]], samples: int, begin_key: str) -> dict:
@@ -117,31 +123,34 @@ def emulated(args, pipeline: str):
 
 def run_torch(prepared: Path, pipeline: str, out: Path, timeout_s: float) -> dict:
     """Run the prepared job's ranks as `pipeline` and merge their last window into OUT/adapter; its figures."""
+    from zl_device.formats.run_layout import RunLayout
     from zl_device.results.adapter import merge_checkpoints
-    from zl_device.run.torch_runtime import launch_ranks
-    from zl_device.run.torch_stage import JOB_FILE, TorchJob
+    from zl_device.torch.job import TorchJob
+    from zl_device.torch.launcher import launch_ranks
 
-    job = TorchJob.load(prepared / JOB_FILE)
+    given, ran = RunLayout(prepared), RunLayout(out)
+    job = TorchJob.load(given.torch_job)
     job.pipeline = "zerolock" if pipeline == TRIMMED else pipeline
     # Every pipeline computes the full seq_len, as the runner's programs and the baselines' fixed-shape stages do;
     # only zerolock-trimmed cuts its micro-batches to their longest row (--runtime torch's default).
     job.trim_padding = pipeline == TRIMMED
-    job.metrics_dir, job.checkpoint_dir = str(out / "stages"), str(out / "checkpoints")
+    job.metrics_dir, job.checkpoint_dir = str(ran.stages), str(ran.checkpoints)
     out.mkdir(parents=True)
-    path = out / JOB_FILE
+    path = ran.torch_job
     job.save(path)
-    world = len(job.lr)
+    world = job.num_stages
     launch_ranks(path, world, timeout_s, max_restarts=0)  # a benchmark that fails fails
-    merge_checkpoints(out / "checkpoints", prepared / "manifest.json", out / "adapter")
+    merge_checkpoints(ran.checkpoints, given.manifest, ran.adapter)
     result = figures(pipeline, last_attempt_lines(out, world), job.num_micro_batches * job.micro_batch,
                      "t_unix_ms")
-    result["adapter"] = str(out / "adapter")
+    result["adapter"] = str(ran.adapter)
     return result
 
 
 def run_runner(args, out: Path) -> dict:
     """The same job through `zl train` on the ExecuTorch runner (local devices, one runner per stage); its figures,
     adapter and the run's own eval (the same dev rows and scoring as `score`'s)."""
+    from zl_device.formats.run_layout import RunLayout
     from zl_device.run.train_job import run_training
 
     s = settings(args, out, "executorch")
@@ -150,7 +159,7 @@ def run_runner(args, out: Path) -> dict:
     result = run_training(s, say=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     lines = last_attempt_lines(result.run_dir, args.ranks)
     figs = figures(RUNNER, lines, result.samples, "ready_unix_ms")
-    figs["adapter"] = str(result.run_dir / "adapter")
+    figs["adapter"] = str(RunLayout(result.run_dir).adapter)
     if result.eval and not args.no_eval:
         figs["accuracy"], figs["nll"] = result.eval["adapter"]["accuracy"], result.eval["adapter"]["nll"]
     return figs
@@ -159,12 +168,13 @@ def run_runner(args, out: Path) -> dict:
 def score(args, prepared: Path, results: list[dict]) -> dict | None:
     """Accuracy and NLL of the base model and of each result's adapter on the prepared dev rows (in place, as
     `accuracy` and `nll`); returns the base model's, or None without dev rows."""
+    from zl_device.formats.run_layout import RunLayout
     from zl_device.results.adapter import load_adapter
     from zl_device.results.evaluate import evaluate, limit_rows
     from zl_export.model_source import load_model
     from zl_export.shard import load_shard
 
-    dev = prepared / "data" / "dev.safetensors"
+    dev = RunLayout(prepared).dev_shard
     if not dev.is_file():
         print("eval: no dev rows (pass --eval-data, or use the demo task); accuracy not measured", file=sys.stderr)
         return None
@@ -209,7 +219,7 @@ def ratios(results: list[dict]) -> list[str]:
     by = {r["pipeline"]: r for r in results}
     zl = by.get("zerolock")
     lines = []
-    for other in ("gpipe", "1f1b", "pipedream", RUNNER):
+    for other in (*BASELINES, RUNNER):
         if zl is None or other not in by:
             continue
         o = by[other]
@@ -319,7 +329,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from zl.errors import ZLError
+    from zl_base.errors import ZLError
 
     try:
         main()

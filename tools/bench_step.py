@@ -4,11 +4,13 @@ Exports one stage (by default SmolLM2-135M layers 10-19, a middle stage of
 three, micro-batch 1, LoRA r=8 on q/v) per sequence length with the full
 readout (`--max-targets 0`: the LM head on every position, the programs
 before issue 10) and with the Ω readout (the LM head on T target slots per
-sample, one program per T of `--max-targets`; `zl train` on AG News: 4,
-`zl export`'s default: 16). Then it times the same step (forward, readout, local loss,
-backward of the LoRA parameters) of both programs alternately in the
-ExecuTorch runtime and in PyTorch eager, at each thread count, on
-AG News-shaped input (a prompt, `--targets` label tokens, right padding), and
+sample: one program per T of `--max-targets`, or by default the T `zl train`
+fits to each target count of `--targets`: the count rounded up to 4). Then it
+times the same step (forward, readout, local loss, backward of the LoRA
+parameters) of both programs alternately in the ExecuTorch runtime and in
+PyTorch eager, at each thread count and target count, on AG News-shaped input
+(a prompt, then N target tokens for each N of `--targets`: 2 is a label word
+and end-of-sequence, 16 or 64 a generated completion; right padding), and
 prints one table: medians, ExecuTorch / eager, an estimated GFLOP count per
 step (`step_gflop`) and the GFLOP/s achieved, and every step against the
 eager step of the full-readout program. With --profile it also runs each
@@ -18,6 +20,7 @@ where the time goes, grouped by operator, side by side.
     nice -n 10 .venv/bin/python tools/bench_step.py --threads 1 --seq-len 128 --repeats 3   # SmolLM2, stage 10-19
     .venv/bin/python tools/bench_step.py                       # the full grid: seq 32 and 128, 1 and 2 threads
     .venv/bin/python tools/bench_step.py --model tiny-random --stages 0-1,2-3 --stage 1 --seq-len 32   # smoke run
+    nice -n 10 .venv/bin/python tools/bench_step.py --seq-len 128 --targets 2,16,64   # many targets (generative data)
 """
 
 import argparse
@@ -70,10 +73,13 @@ def main() -> None:
     ap.add_argument("--seq-len", type=_ints, default=[32, 128], help="sequence lengths, comma-separated (one export "
                                                                        "of each program per length)")
     ap.add_argument("--threads", type=_ints, default=[1, 2], help="thread counts for both runtimes, comma-separated")
-    ap.add_argument("--max-targets", type=_ints, default=[4, 16], help="target slots per sample of the Ω-readout "
-                                                                         "programs, comma-separated (one program each)")
-    ap.add_argument("--targets", type=int, default=2, help="target tokens per sample in the timed input "
-                                                           "(AG News: label word + end-of-sequence = 2)")
+    ap.add_argument("--max-targets", type=_ints, default=None,
+                    help="target slots per sample of the Ω-readout programs, comma-separated (one program each; a "
+                         "target count is timed on those with at least as many slots). Default: per target count, "
+                         "the slots zl train fits to it (rounded up to 4)")
+    ap.add_argument("--targets", type=_ints, default=[2],
+                    help="target tokens per sample in the timed input, comma-separated (AG News: label word + "
+                         "end-of-sequence = 2; generative data: the completion's tokens, e.g. 2,16,64)")
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per runtime and program (after one warm-up)")
     ap.add_argument("--profile", action="store_true", help="per-operator breakdown of each program (first thread count)")
     ap.add_argument("--compare-linear", action="store_true",
@@ -88,9 +94,11 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="time the programs an earlier run left in --out instead of "
                                                           "exporting them again (same model, stage and options)")
     args = ap.parse_args()
-    if not 0 < args.targets <= min(args.max_targets):
-        ap.error(f"--targets {args.targets}: must be 1..{min(args.max_targets)} (the fewest slots), or targets would "
-                 "be dropped")
+    if not 0 < min(args.targets) <= max(args.targets) < min(args.seq_len):
+        ap.error(f"--targets {','.join(map(str, args.targets))}: each must be 1..{min(args.seq_len) - 1} (a sample "
+                 f"needs a prompt token before its targets within --seq-len {min(args.seq_len)})")
+    slots_for = {t: sorted(x for x in args.max_targets if x >= t) if args.max_targets else [fitted_slots(t)]
+                 for t in args.targets}  # the Ω programs each target count is timed on (the rest would drop targets)
 
     if not set(args.kernels) <= set(KERNELS):
         ap.error(f"--kernels {','.join(args.kernels)}: choose from {', '.join(KERNELS)}")
@@ -108,10 +116,11 @@ def main() -> None:
     module = modules[args.stage]
     _nonzero_lora_b(module)  # B = 0 at init would make every lora_A gradient 0
     out = args.out or Path(tempfile.mkdtemp(prefix="zl-bench-"))
-    readouts = {FULL: 0, **{f"Ω {t}": t for t in args.max_targets}}  # readout name -> the program's max_targets
-    print(f"{args.model} stage {args.stage} (layers {split[args.stage]}), micro-batch 1, {args.targets} target tokens "
-          f"per sample, readouts: {', '.join(readouts)}; ExecuTorch on kernels: {', '.join(args.kernels)}; "
-          f"median of {args.repeats} steps", flush=True)
+    # readout name -> the program's max_targets
+    readouts = {FULL: 0, **{f"Ω {x}": x for x in sorted({x for xs in slots_for.values() for x in xs})}}
+    print(f"{args.model} stage {args.stage} (layers {split[args.stage]}), micro-batch 1, "
+          f"{','.join(map(str, args.targets))} target tokens per sample, readouts: {', '.join(readouts)}; ExecuTorch "
+          f"on kernels: {', '.join(args.kernels)}; median of {args.repeats} steps", flush=True)
     files, inputs = {}, {}
     for seq in args.seq_len:
         seq_opts = replace(opts, seq_len=seq)
@@ -123,32 +132,42 @@ def main() -> None:
             module.max_targets = 0
             files[seq, MM] = _export(module, peft_model, replace(seq_opts, max_targets=0), cfg, out / f"s{seq}-0-mm{_dtype_suffix(args.frozen_dtype)}",
                                      rewrite=False)
-        inputs[seq] = example_inputs(module, seq_opts, cfg.vocab_size, seed=1, targets=args.targets)
-    programs = _load_programs(files, inputs, sorted(args.kernels, key=lambda k: k != "executorch"))
+        for t in args.targets:
+            inputs[seq, t] = example_inputs(module, seq_opts, cfg.vocab_size, seed=1, targets=t)
+    programs = _load_programs(files, {seq: inputs[seq, min(args.targets)] for seq in args.seq_len},
+                              sorted(args.kernels, key=lambda k: k != "executorch"))
 
     rows = []
     for seq in args.seq_len:
-        names = [name for (s, name) in files if s == seq]
-        gflop = {name: step_gflop(cfg, module, seq, 1, readouts.get(name, 0), opts.lora) for name in names}
-        seq_programs = {(name, k): p for (s, name, k), p in programs.items() if s == seq}
-        for i, threads in enumerate(args.threads):
-            ms = _time(module, seq_programs, readouts, inputs[seq], threads, args.repeats)
-            base = ms[(FULL, "eager")]
-            for name in names:
-                eager = ms[(name, "eager")]
-                et = {k: ms[(name, k)] for k in args.kernels}
-                rows.append((seq, threads, name, gflop[name], et, eager, base))
-            if BACKPROP in ms:
-                mine = ", ".join(f"{name} {ms[(name, 'eager')] / ms[BACKPROP]:.2f}x" for name in names)
-                print(f"seq {seq}, {threads} thread(s): a backprop pipeline's step of this stage (eager: the layers' "
-                      f"forward and backward from a received gradient) {ms[BACKPROP]:.0f} ms; ZeroLock's eager step "
-                      f"/ it: {mine}", flush=True)
-            if args.profile and i == 0:
+        for t in args.targets:
+            names = [name for (s, name) in files if s == seq and (readouts.get(name, 0) in (0, *slots_for[t]))]
+            gflop = {name: step_gflop(cfg, module, seq, 1, readouts.get(name, 0), opts.lora) for name in names}
+            seq_programs = {(name, k): p for (s, name, k), p in programs.items() if s == seq and name in names}
+            for i, threads in enumerate(args.threads):
+                ms = _time(module, seq_programs, readouts, inputs[seq, t], threads, args.repeats)
+                base = ms[(FULL, "eager")]
                 for name in names:
-                    module.max_targets = readouts.get(name, 0)
-                    print(f"\n--- {name} readout, seq {seq}, {threads} thread(s)")
-                    _breakdown(files[seq, name][0], module, inputs[seq], out)
+                    eager = ms[(name, "eager")]
+                    et = {k: ms[(name, k)] for k in args.kernels}
+                    rows.append((seq, threads, t, name, gflop[name], et, eager, base))
+                if BACKPROP in ms:
+                    mine = ", ".join(f"{name} {ms[(name, 'eager')] / ms[BACKPROP]:.2f}x" for name in names)
+                    print(f"seq {seq}, {t} targets, {threads} thread(s): a backprop pipeline's step of this stage "
+                          f"(eager: the layers' forward and backward from a received gradient) {ms[BACKPROP]:.0f} ms; "
+                          f"ZeroLock's eager step / it: {mine}", flush=True)
+                if args.profile and i == 0:
+                    for name in names:
+                        module.max_targets = readouts.get(name, 0)
+                        print(f"\n--- {name} readout, seq {seq}, {t} targets, {threads} thread(s)")
+                        _breakdown(files[seq, name][0], module, inputs[seq, t], out)
     _print_table(rows, args.kernels)
+
+
+def fitted_slots(targets: int) -> int:
+    """The target slots `zl train` gives programs for data whose longest completion has `targets` tokens."""
+    from zl_export.shard import fitted_target_slots
+
+    return fitted_target_slots(torch.tensor([[-100] + [0] * targets]))[1]
 
 
 def _print_table(rows: list, kernels: list[str]) -> None:
@@ -157,15 +176,15 @@ def _print_table(rows: list, kernels: list[str]) -> None:
     head += "".join(f"{label[k] + '/eag':>11}" for k in kernels)
     head += "".join(f"{label[k] + ' GF/s':>12}" for k in kernels) + f"{'eag GF/s':>10}"
     head += "".join(f"{'eag-full/' + label[k]:>17}" for k in kernels) + f"{'eag-full/eag':>14}"
-    print(f"\n{'seq':>4} {'thr':>3}  {'readout':<24}{'GFLOP':>7}{head}")
-    for seq, thr, name, gf, et, eager, base in rows:
+    print(f"\n{'seq':>4} {'thr':>3} {'tgt':>3}  {'readout':<24}{'GFLOP':>7}{head}")
+    for seq, thr, tgt, name, gf, et, eager, base in rows:
         line = "".join(f"{et[k]:>10.0f}" for k in kernels) + f"{eager:>10.0f}"
         line += "".join(f"{et[k] / eager:>11.2f}" for k in kernels)
         line += "".join(f"{gf / et[k] * 1e3:>12.1f}" for k in kernels) + f"{gf / eager * 1e3:>10.1f}"
         line += "".join(f"{base / et[k]:>16.2f}x" for k in kernels) + f"{base / eager:>13.2f}x"
-        print(f"{seq:>4} {thr:>3}  {name:<24}{gf:>7.2f}{line}")
+        print(f"{seq:>4} {thr:>3} {tgt:>3}  {name:<24}{gf:>7.2f}{line}")
     print("ET: the ExecuTorch step on zl's kernels (the runner's default); ET(et): on ExecuTorch's own "
-          "(ZL_KERNELS=executorch).\neag-full/X: the eager step of the full-readout program divided by X's step "
+          "(ZL_KERNELS=executorch); tgt: target tokens per sample in the input.\neag-full/X: the eager step of the full-readout program divided by X's step "
           "(> 1: X is faster).")
 
 

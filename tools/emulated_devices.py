@@ -12,7 +12,11 @@ phones share a Wi-Fi link. Two context managers put that back, for the length of
   netem, so no added delay. It changes the host's loopback for everything on it until the block ends (and, if the
   process is killed hard, until `tc qdisc del dev lo root`).
 
-Both need root (or the matching capabilities) and say so, naming what to do, when they cannot set up.
+Both need root (or the matching capabilities) and say so, naming what to do, when they cannot set up. The cgroup
+mechanics (where the cpu controller is, how a group is capped) are zl_device/devices/cpu_quota.py's, which also
+gives `zl train`'s local devices a quota each (`--cpu-quota 1.0,0.5,0.75`, with a SIGSTOP/SIGCONT fallback): use
+that for unequal devices; `CpuQuota` caps every rank alike, for the torch ranks of bench_pipelines.py, which are
+no devices.
 """
 
 from __future__ import annotations
@@ -24,11 +28,19 @@ import subprocess
 import threading
 from pathlib import Path
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
+from zl_device.devices.cpu_quota import (  # noqa: F401  (PERIOD_US, cgroup_cpu_root: this tool's API too)
+    PERIOD_US,
+    cgroup_cpu_root,
+    enable_cpu_controller,
+    has_cpu_controller,
+    is_v2,
+    write_cpu_limit,
+)
+from zl_device.devices.cpu_quota import read_text as _read
 
 # torch.multiprocessing's spawned ranks (not its resource tracker) and the ExecuTorch runner.
 RANK_COMMAND = re.compile(r"spawn_main|zl_runner")
-PERIOD_US = 10_000  # short, so a capped rank runs in slices of a few ms, as a slower CPU would, not in 100 ms bursts
 
 
 def descendants(pid: int, proc: Path = Path("/proc")) -> list[int]:
@@ -59,14 +71,6 @@ def command_line(pid: int, proc: Path = Path("/proc")) -> str:
         return ""
 
 
-def cgroup_cpu_root() -> Path:
-    """Where this host's cpu controller is mounted: cgroup v1's /sys/fs/cgroup/cpu or the v2 unified tree."""
-    v1 = Path("/sys/fs/cgroup/cpu")
-    if (v1 / "cpu.cfs_quota_us").is_file():
-        return v1
-    return Path("/sys/fs/cgroup")
-
-
 class CpuQuota:
     """Each rank process below this one in a cgroup of its own capped at `cpus` CPUs, while the block runs.
 
@@ -80,7 +84,7 @@ class CpuQuota:
             raise ZLError(f"--cpus-per-rank {cpus}: give a positive number of CPUs per rank, e.g. 0.66.")
         self.cpus, self.proc, self.poll_s = cpus, proc, poll_s
         self.root = root or cgroup_cpu_root()
-        self.v2 = not (self.root / "cpu.cfs_quota_us").is_file()
+        self.v2 = is_v2(self.root)
         self.base = self.root / f"zl-bench-{os.getpid()}"
         self.groups: dict[int, Path] = {}  # pid -> its group
         self._stop = threading.Event()
@@ -91,15 +95,13 @@ class CpuQuota:
         return len(self.groups)
 
     def __enter__(self) -> CpuQuota:
-        if self.v2 and "cpu" not in _read(self.root / "cgroup.controllers").split():
+        if not has_cpu_controller(self.root):
             raise ZLError(f"--cpus-per-rank: no cpu controller at {self.root} (cgroup v1 mounts it at "
                           "/sys/fs/cgroup/cpu, v2 lists it in cgroup.controllers); run without --cpus-per-rank.")
         try:
-            if self.v2:  # children of the root may only use the controllers it hands down
-                (self.root / "cgroup.subtree_control").write_text("+cpu")
             self.base.mkdir()
-            if self.v2:
-                (self.base / "cgroup.subtree_control").write_text("+cpu")
+            if self.v2:  # children of the root may only use the controllers it hands down
+                enable_cpu_controller(self.root, self.base)
         except OSError as e:
             raise ZLError(f"--cpus-per-rank: cannot create the control group {self.base}: {e}; it needs root "
                           "(or a cgroup delegated to you), or run without --cpus-per-rank.") from e
@@ -133,12 +135,7 @@ class CpuQuota:
                 continue
             group = self.base / f"rank-{len(self.groups)}-{pid}"
             group.mkdir()
-            quota = round(self.cpus * PERIOD_US)
-            if self.v2:
-                (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
-            else:
-                (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-                (group / "cpu.cfs_quota_us").write_text(str(quota))
+            write_cpu_limit(group, self.cpus, self.v2)
             try:
                 (group / "cgroup.procs").write_text(str(pid))  # all its threads
             except OSError:  # exited before it could be placed
@@ -195,10 +192,3 @@ class ShapedLoopback:
         """Bytes the qdisc has passed so far (`tc -s`), or None when it is not there."""
         m = re.search(r"Sent (\d+) bytes", self.tc("-s", "qdisc", "show", "dev", self.device).stdout)
         return int(m.group(1)) if m and self.added else None
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return ""

@@ -40,28 +40,29 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
 
-from zl.errors import ZLError  # noqa: E402
-from zl_device.run.eager_training import (Budget, OptimizerSettings, causal_lm_loss,  # noqa: E402,F401
+from zl_base.errors import ZLError  # noqa: E402
+from zl_device.torch.eager_training import (Budget, OptimizerSettings, causal_lm_loss,  # noqa: E402,F401
                                           micro_batch_rows)
-from zl_device.run.eager_training import train_backprop as eager_train_backprop  # noqa: E402
-from zl_device.run.lr_schedule import lr_factor  # noqa: E402
+from zl_device.torch.eager_training import train_backprop as eager_train_backprop  # noqa: E402
+from zl_device.formats.lr_schedule import RUNNER_DEFAULT_WEIGHT_DECAY, lr_factor  # noqa: E402
 from zl_export.options import DEFAULT_MODEL, LoraSettings  # noqa: E402
 from zl_export.shard import Shard  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-# `zl train`'s defaults (zl_device/run/train_settings.py TrainSettings, zl_device/run/launch.py stage_configs) and the runner's AdamW defaults
-# (zl/adamw.h) for fields the stage config leaves out.
+# `zl train`'s optimizer defaults (zl_device/formats/lr_schedule.py OptimizerSettings) and the runner's AdamW defaults
+# (zl/adamw.h) for fields a stage config leaves out.
 
 DEFAULT_SAMPLES = 256
 DEFAULT_WINDOW = 8
-DEFAULT_LR = 2e-3
-DEFAULT_WEIGHT_DECAY = 0.0  # zl train writes 0.0; the runner's own default (0.01) applies only to hand-written configs
-DEFAULT_WARMUP_WINDOWS = 2
-DEFAULT_MIN_LR_RATIO = 0.1
-RUNNER_BETAS = (0.9, 0.999)
-RUNNER_EPS = 1e-8
-RUNNER_WEIGHT_DECAY = 0.01
+ZL_TRAIN_OPTIMIZER = OptimizerSettings()
+DEFAULT_LR = ZL_TRAIN_OPTIMIZER.lr
+DEFAULT_WEIGHT_DECAY = ZL_TRAIN_OPTIMIZER.weight_decay  # the runner's own default applies only to hand-written configs
+DEFAULT_WARMUP_WINDOWS = ZL_TRAIN_OPTIMIZER.warmup_windows
+DEFAULT_MIN_LR_RATIO = ZL_TRAIN_OPTIMIZER.min_lr_ratio
+RUNNER_BETAS = ZL_TRAIN_OPTIMIZER.betas
+RUNNER_EPS = ZL_TRAIN_OPTIMIZER.eps
+RUNNER_WEIGHT_DECAY = RUNNER_DEFAULT_WEIGHT_DECAY
 
 
 # --- settings ------------------------------------------------------------------------------------------
@@ -90,7 +91,7 @@ class Schedule:
             raise ZLError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
 
     def factor(self, t: int) -> float:
-        """zl_device.run.lr_schedule.lr_factor: the runner's LrSchedule::factor in double precision."""
+        """zl_device.formats.lr_schedule.lr_factor: the runner's LrSchedule::factor in double precision."""
         schedule = {"kind": self.kind, "warmup_steps": self.warmup_steps, "min_lr_ratio": self.min_lr_ratio}
         return lr_factor(max(t, 0), schedule, self.total_steps)
 
@@ -169,8 +170,8 @@ class BaselineSettings:
 
 def default_schedule(samples: int, window: int, micro_batch: int = 1) -> Schedule:
     """The schedule `zl train` writes into every stage config (zl_device/run/launch.py stage_configs)."""
-    num_windows = Budget(samples, window, micro_batch).num_windows
-    return Schedule("warmup_cosine", min(DEFAULT_WARMUP_WINDOWS, max(0, num_windows - 1)), 0, DEFAULT_MIN_LR_RATIO)
+    opt = ZL_TRAIN_OPTIMIZER.for_windows(Budget(samples, window, micro_batch).num_windows)
+    return Schedule(opt.schedule_kind, opt.warmup_windows, opt.total_steps, opt.min_lr_ratio)
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -239,7 +240,7 @@ def settings_from_run_dir(run_dir: Path | str) -> BaselineSettings:
 # --- data ----------------------------------------------------------------------------------------------
 
 
-def load_shards(s: BaselineSettings, tokenizer_name: str, vocab_size: int) -> tuple[Shard, Shard | None]:
+def load_shards(s: BaselineSettings, tokenizer, vocab_size: int) -> tuple[Shard, Shard | None]:
     """The train and dev shards, checked against each other, the programs' seq_len and the model's tokenizer.
 
     Raises:
@@ -252,7 +253,7 @@ def load_shards(s: BaselineSettings, tokenizer_name: str, vocab_size: int) -> tu
     for shard in (train, dev):
         if shard is None:
             continue
-        shard.check_matches(seq_len=s.seq_len, tokenizer_name=tokenizer_name)
+        shard.check_matches(seq_len=s.seq_len, tokenizer=tokenizer)  # its name and its BOS
         top = int(shard.input_ids.max())
         if top >= vocab_size:
             raise ZLError(f"shard {shard.path}: token id {top} is outside the model's vocabulary of {vocab_size}; "
@@ -288,7 +289,7 @@ def make_optimizer(params, s: BaselineSettings) -> tuple[torch.optim.AdamW, torc
 def train_backprop(model: torch.nn.Module, shard: Shard, s: BaselineSettings, on_window=lambda w, loss, lr: None) -> TrainLog:
     """Train the LoRA parameters of `model` (a PeftModel) with end-to-end backprop over the run's micro-batches.
 
-    The loop is zl_device.run.eager_training.train_backprop (shared with tools/accuracy_study.py).
+    The loop is zl_device.torch.eager_training.train_backprop (shared with tools/accuracy_study.py).
 
     Args:
         model: the PEFT-wrapped model; only parameters with requires_grad train.
@@ -296,8 +297,8 @@ def train_backprop(model: torch.nn.Module, shard: Shard, s: BaselineSettings, on
         s: budget and optimizer settings.
         on_window: called after each step with (window index, mean loss, lr).
     """
-    opt = OptimizerSettings(lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay,
-                            schedule=asdict(s.resolved_schedule()))
+    opt = OptimizerSettings.from_config({"lr": s.lr, "betas": s.betas, "eps": s.eps, "weight_decay": s.weight_decay,
+                                         "schedule": asdict(s.resolved_schedule())})
     log = eager_train_backprop(model, shard, s.budget, opt,
                                lambda w, log: on_window(w, log.losses[-1][0], log.lrs[-1]))
     return TrainLog([window[0] for window in log.losses], log.lrs, log.seconds)
@@ -391,7 +392,8 @@ def run(argv: list[str] | None = None) -> dict:
 
     with err.status(f"loading {s.model}"):
         loaded = load_model(s.model, seed=s.seed)
-    train, dev = load_shards(s, loaded.tokenizer.name, int(loaded.config.vocab_size))
+    s.lora = s.lora.for_family(loaded.family)  # no --lora-targets: the family's default, recorded as such
+    train, dev = load_shards(s, loaded.tokenizer, int(loaded.config.vocab_size))
     if dev is not None:
         limit = s.eval_limit
         if limit is None and zl_eval is not None and int(zl_eval.get("rows", dev.rows)) < dev.rows:
@@ -477,7 +479,7 @@ def print_table(report: dict, console, s: BaselineSettings, err) -> None:
 
 
 def main() -> None:
-    from zl.cli import run_cli
+    from zl_base.entry import run_cli
 
     run_cli(run)
 

@@ -1,6 +1,6 @@
 """Checks of the paths a command will write, made before it does any work or writes anything.
 
-Both have the signature of a setting's `check` (zl/settings.py): `check(path, flag)` raises a one-line ZLError
+Both have the signature of a setting's `check` (zl_base/settings.py): `check(path, flag)` raises a one-line ZLError
 naming the flag, the path and the fix.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 
 def check_out_dir(path: Path | str | None, flag: str) -> None:

@@ -13,6 +13,10 @@ without a chat template (the byte tokenizer of the random models) gets the plain
     <|assistant|>
     Paris<eos>
 
+The rendered prompt is tokenized as every prompt is (`zl_export.tokenizer.encode_prompt`): the tokenizer's BOS in
+front when it adds one by default, once. A template that writes the BOS itself (`{{ bos_token }}`: Gemma's, Llama
+2's) renders it as text that encodes to the BOS id, and it is not doubled; the plain fallback gets it like any text.
+
 Why only the last assistant turn carries loss: a row stays one prompt and one completion, which is what the
 target slots (sized from the completions), `zl eval` (held-out completion NLL, generations from the prompt) and
 `zl generate` assume; earlier assistant turns are context. To train on every turn, write one row per turn (each a
@@ -21,7 +25,7 @@ prefix of the conversation ending in that assistant turn).
 
 from __future__ import annotations
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 ROLES = ("system", "user", "assistant")
 #: The plain fallback: each turn as "<|role|>\ncontent\n", then "<|assistant|>\n" opens the trained turn.

@@ -6,10 +6,14 @@ A shard is what stage 0 of a pipeline (and `zl eval`) reads:
   in the stage program's convention (docs/design.md §3): right padding with the
   tokenizer's pad id, mask 1 on tokens, labels aligned with the ids (position i
   predicts labels[i+1]) and -100 on prompt tokens and padding, so the loss
-  covers the completion and its end-of-sequence token only.
-- `NAME.json`: the sidecar (see `write_shard`): counts, seq_len, tokenizer,
-  source file and its sha256, format, prompt template and, for classification,
-  the label words that `zl eval` scores.
+  covers the completion and its end-of-sequence token only. A row is
+  [BOS] + prompt + completion + [eos], the BOS exactly when the tokenizer adds
+  one by default (Gemma, Llama 2; not SmolLM2 or the byte tokenizer):
+  `zl_export.tokenizer.encode_prompt`.
+- `NAME.json`: the sidecar (see `write_shard`): counts, seq_len, tokenizer
+  (with the BOS id the rows start with, or null), source file and its sha256,
+  format, prompt template and, for classification, the label words that
+  `zl eval` scores.
 
 Input formats (`--format`, detected from the columns by default; reading: zl_export/records.py):
 
@@ -26,8 +30,9 @@ Input formats (`--format`, detected from the columns by default; reading: zl_exp
 
 A completion is never cut: a row longer than the sequence length fails, naming
 its line (the default, `--no-truncate`), or with `--truncate` loses prompt
-tokens from the left; a row whose completion alone leaves no room for a prompt
-token is then dropped, and both counts are reported (`truncation_summary`).
+tokens from the left, after the BOS (which stays first); a row whose completion
+alone leaves no room for a prompt token is then dropped, and both counts are
+reported (`truncation_summary`).
 """
 
 import csv
@@ -42,17 +47,17 @@ from pathlib import Path
 
 import torch
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_export import chat
 from zl_export.data_columns import DataColumns, column_rows
+from zl_export.data_settings import FORMATS
 from zl_export.records import Record, read_records  # noqa: F401 (re-exported)
 from zl_export.shard import Shard, file_sha256, load_shard, sidecar_path, target_counts, write_shard  # noqa: F401 (re-exported)
-from zl_export.tokenizer import Tokenizer
+from zl_export.tokenizer import Tokenizer, bos_ids, encode_prompt
 
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-FORMATS = ("auto", "prompt_completion", "chat", "text_label", "agnews")
 REQUIRED_COLUMNS = {
     "prompt_completion": ("prompt", "completion"),
     "chat": ("messages",),
@@ -286,7 +291,9 @@ def tokenize(
 ) -> tuple[Tokenized, Task]:
     """Tokenize `task.examples` to right-padded samples of `seq_len` tokens.
 
-    ids = encode(prompt) + encode(completion) + [eos]; labels are the ids on
+    ids = encode_prompt(prompt) + encode(completion) + [eos], where
+    `encode_prompt` puts the tokenizer's BOS first when it adds one by default
+    (once, also after a chat template that writes it); labels are the ids on
     the completion and eos, -100 elsewhere. Chat rows get their prompt
     rendered here (`zl_export.chat.render_prompt`: the tokenizer's chat
     template, else the plain fallback). Classification tasks get their
@@ -294,16 +301,19 @@ def tokenize(
     kept, exactly as tokenized (row i of the tensors is its example i).
 
     A completion is never cut. A row longer than `seq_len` fails (naming its
-    line) unless `truncate`; then its prompt loses tokens from the left, and a
-    row whose completion + eos leaves no room for one prompt token is dropped.
-    `stats` counts both (`truncated_rows`, `dropped_rows`, `dropped_lines`).
+    line) unless `truncate`; then its prompt loses tokens from the left after
+    the BOS, which stays first (a model reads nothing right without it), and a
+    row whose BOS + completion + eos leaves no room for one prompt token is
+    dropped. `stats` counts both (`truncated_rows`, `dropped_rows`, `dropped_lines`).
 
     Raises:
         ZLError: a row longer than seq_len (without `truncate`), every row
             dropped (with it), or a chat row the tokenizer's template rejects.
     """
-    if seq_len < 2:
-        raise ZLError(f"--seq-len {seq_len}: too small; a sample needs at least one prompt and one completion token.")
+    head = len(bos_ids(tokenizer))  # the BOS every row starts with (0 or 1 tokens), never truncated
+    if seq_len < 2 + head:
+        raise ZLError(f"--seq-len {seq_len}: too small; a sample needs at least one prompt and one completion token"
+                      f"{_after_bos(head)}.")
     sep = label_separator(tokenizer, task.label_words) if task.label_words else ""
     if task.label_words:
         task = Task(
@@ -326,27 +336,28 @@ def tokenize(
             text, how = chat.render_prompt(tokenizer, ex.messages, f"{source} line {ex.line}")
             ex = Example(ex.line, text, ex.completion, ex.label, ex.messages)
             rendered.add(how)
-        prompt = tokenizer.encode(ex.prompt)
+        prompt = encode_prompt(tokenizer, ex.prompt)  # (BOS +) prompt text
         completion = tokenizer.encode(ex.completion) + [tokenizer.eos_token_id]
         if len(prompt) + len(completion) > seq_len:
             if not truncate:
-                too_long.append((ex, len(prompt), len(completion)))
+                too_long.append((ex, len(prompt) - head, len(completion)))
                 continue
-            keep = seq_len - len(completion)
+            keep = seq_len - head - len(completion)  # prompt tokens after the BOS
             if keep < 1:
                 dropped.append((ex, len(completion)))
                 continue
-            prompt = prompt[-keep:]
+            prompt = prompt[:head] + prompt[-keep:]
             truncated += 1
         rows.append((prompt, completion))
         kept.append(ex)
     if too_long:
-        raise _too_long_error(too_long, seq_len, source)
+        raise _too_long_error(too_long, seq_len, source, head)
     if not rows and dropped:
         longest = max(c for _, c in dropped)
         raise ZLError(f"{source}: no row left: the completion of every row ({len(dropped)}) is longer than "
-                      f"--seq-len {seq_len} allows (with end-of-sequence and one prompt token), so --truncate dropped "
-                      f"them all. Raise --seq-len to at least {longest + 1}.")
+                      f"--seq-len {seq_len} allows (with end-of-sequence{', beginning-of-sequence' * head} and one "
+                      f"prompt token), so --truncate dropped them all. Raise --seq-len to at least "
+                      f"{longest + 1 + head}.")
     n = len(rows)
     input_ids = torch.full((n, seq_len), tokenizer.pad_token_id, dtype=torch.int64)  # (N, S)
     labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.int64)  # (N, S)
@@ -374,21 +385,27 @@ def tokenize(
 MAX_LISTED_LINES = 10  # dropped rows' lines kept in the sidecar and named in the summary
 
 
-def _too_long_error(too_long: list[tuple[Example, int, int]], seq_len: int, source: str) -> ZLError:
-    """The strict mode's error: the first row that does not fit, the count of the others and the fix."""
+def _after_bos(head: int) -> str:
+    return " after the beginning-of-sequence token" if head else ""
+
+
+def _too_long_error(too_long: list[tuple[Example, int, int]], seq_len: int, source: str, head: int = 0) -> ZLError:
+    """The strict mode's error: the first row that does not fit, the count of the others and the fix.
+    `too_long` holds (example, prompt tokens without the BOS, completion tokens with eos); `head`: BOS tokens (0, 1)."""
     ex, p, c = too_long[0]
     more = f" ({len(too_long) - 1} more rows are too long)" if len(too_long) > 1 else ""
-    longest = max(p + c for _, p, c in too_long)
-    if c >= seq_len:  # --truncate would drop this row: say so
+    longest = max(head + p + c for _, p, c in too_long)
+    if head + c >= seq_len:  # --truncate would drop this row: say so
         return ZLError(
-            f"{source} line {ex.line}: the completion alone is {c} tokens (with end-of-sequence), which leaves no room "
-            f"for the prompt in --seq-len {seq_len}{more}. Raise --seq-len to at least {longest}, shorten the "
-            "completion, or pass --truncate to drop such rows (and cut long prompts from the left)."
+            f"{source} line {ex.line}: the completion alone is {c} tokens (with end-of-sequence){_after_bos(head)}, "
+            f"which leaves no room for the prompt in --seq-len {seq_len}{more}. Raise --seq-len to at least "
+            f"{longest}, shorten the completion, or pass --truncate to drop such rows (and cut long prompts from the "
+            "left)."
         )
     return ZLError(
-        f"{source} line {ex.line}: {p + c} tokens (prompt {p}, completion {c - 1}, end-of-sequence 1) do not fit "
-        f"--seq-len {seq_len}{more}. Raise --seq-len to at least {longest}, or pass --truncate to cut prompts "
-        "from the left and keep the completions."
+        f"{source} line {ex.line}: {head + p + c} tokens ({'beginning-of-sequence 1, ' * head}prompt {p}, completion "
+        f"{c - 1}, end-of-sequence 1) do not fit --seq-len {seq_len}{more}. Raise --seq-len to at least {longest}, or "
+        "pass --truncate to cut prompts from the left and keep the completions."
     )
 
 
@@ -421,7 +438,9 @@ def save(path: Path | str, data: Tokenized, task: Task, tokenizer: Tokenizer, mo
     """Write `data` as a shard at `path`; returns the sidecar.
 
     The sidecar holds the counts of `data.stats`, the tokenizer (name, the
-    `--model` it came from, eos and pad ids), `source` (path or "demo",
+    `--model` it came from, eos and pad ids, and `bos_token_id`: the BOS every
+    row starts with, null for none; a sidecar without it predates zl adding
+    BOS, so its rows have none: `Shard.check_matches`), `source` (path or "demo",
     sha256, ...), the format and prompt template, and for classification the
     label words with their token ids (what `zl eval` scores), the file's label
     values mapped to words, and the count of each label.
@@ -433,6 +452,7 @@ def save(path: Path | str, data: Tokenized, task: Task, tokenizer: Tokenizer, mo
             "model": model,
             "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": (bos_ids(tokenizer) or [None])[0],  # null: no BOS (and what an older sidecar lacks)
         },
         "source": source,
         "format": task.format,

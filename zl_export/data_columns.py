@@ -1,6 +1,6 @@
 """Prompt/completion rows from named columns: `--prompt-column`, `--completion-column`, `--prompt-template`.
 
-`DataColumns` is a settings tree (zl/settings.py) that `zl data` and `zl train` both nest, so each option is
+`DataColumns` is a settings tree (zl_base/settings.py) that `zl data` and `zl train` both nest, so each option is
 declared once here. A template builds the prompt from several columns: `{column}` is that column's text, `\\n`
 and `\\t` are a line break and a tab (so a shell argument can carry them), `{{` and `}}` are literal braces:
 
@@ -13,8 +13,8 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from zl.errors import ZLError
-from zl.settings import setting
+from zl_base.errors import ZLError
+from zl_base.settings import setting
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import itertools
 import json
 import random
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 DEMO_TEMPLATE = "{text}\nColor:"
 DEMO_SEQ_LEN = 64

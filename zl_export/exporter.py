@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_export.frozen_weights import compact_frozen_weights, restore_frozen_weights, widen_per_use
 from zl_export.lora import attach_lora, peft_names
 from zl_export.options import ExportOptions

@@ -21,12 +21,16 @@ def attach_lora(model: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.M
     Returns:
         the `PeftModel`.
 
+    Targets not given (`settings.targets` None) are the family's default (`ModelFamily.default_lora_targets`).
+
     Raises:
         ZLError: a bad rank or α, or a target that is not a projection of the model's family.
     """
     from peft import LoraConfig, get_peft_model
 
-    settings.validate(family_of_model(model))
+    family = family_of_model(model)
+    settings = settings.for_family(family)  # no --lora-targets: the family's default
+    settings.validate(family)
     config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,

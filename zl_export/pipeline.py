@@ -64,7 +64,7 @@ def calibration_rows(opts: ExportOptions, loaded: LoadedModel, shard_path: Path 
         from zl_export.shard import file_sha256, load_shard
 
         shard = load_shard(shard_path)
-        shard.check_matches(tokenizer_name=loaded.tokenizer.name)
+        shard.check_matches(tokenizer=loaded.tokenizer)
         source = {"path": str(Path(shard_path).resolve()), "sha256": file_sha256(Path(shard_path))}
     else:
         from zl_export import data as zdata

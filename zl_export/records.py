@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 #: One row: {column: value}; a value is text, or for JSONL a list/dict as parsed.
 Record = dict[str, "str | list | dict"]

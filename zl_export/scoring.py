@@ -11,18 +11,37 @@ from dataclasses import dataclass
 
 import torch
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_export.shard import Shard
 
 IGNORE_INDEX = -100
 
 
-def _decoder_and_head(model: torch.nn.Module):
-    """The transformer body (returns final-normed hidden states) and the LM head of a HF causal LM (or PEFT wrapper)."""
+def decoder_and_head(model: torch.nn.Module):
+    """The transformer body (returns final-normed hidden states) and the readout of a HF causal LM (or PEFT wrapper):
+    its LM head, soft-capped where the config says so (Gemma's final_logit_softcapping: c·tanh(logits / c), which
+    the Hugging Face forward applies after the head, so scores here equal the model's own logits).
+
+    A model without a config (`EarlyExitModel`) is taken as it is: its head is a stage's readout, capped already.
+    """
     try:
-        return model.get_decoder(), model.get_output_embeddings()
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
     except AttributeError as e:
         raise ZLError(f"cannot score {type(model).__name__}: expected a Hugging Face causal LM with get_decoder().") from e
+    config = getattr(model, "config", None)
+    cap = getattr(config, "final_logit_softcapping", None) if config is not None else None
+    return decoder, head if cap is None else _SoftCapped(head, float(cap))
+
+
+class _SoftCapped(torch.nn.Module):
+    """`head` followed by c·tanh(logits / c)."""
+
+    def __init__(self, head: torch.nn.Module, cap: float):
+        super().__init__()
+        self.head, self.cap = head, cap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (…, D) -> (…, V)
+        return torch.tanh(self.head(x) / self.cap) * self.cap
 
 
 def _log_probs_at(decoder, head, ids: torch.Tensor, mask: torch.Tensor, positions: list[list[int]]) -> list[torch.Tensor]:
@@ -92,7 +111,7 @@ def label_word_scores(model: torch.nn.Module, shard: Shard, batch_size: int = 16
     candidates = [list(map(int, c)) for c in candidates]
     eos = int(shard.meta["tokenizer"]["eos_token_id"])
     pad = int(shard.meta["tokenizer"]["pad_token_id"])
-    decoder, head = _decoder_and_head(model)
+    decoder, head = decoder_and_head(model)
     was_training = model.training
     model.eval()
     try:

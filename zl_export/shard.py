@@ -2,7 +2,8 @@
 
 `NAME.safetensors` holds `input_ids`, `attention_mask`, `labels`, int64
 [N, S] (docs/design.md §3 conventions, see zl_export.data); `NAME.json` next to it
-says how they were made (see `write_shard`).
+says how they were made (see `write_shard`), among it the BOS id the rows start
+with (`Shard.bos_token_id`, checked against the model's tokenizer by `check_matches`).
 """
 
 import hashlib
@@ -11,10 +12,14 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
+
+if TYPE_CHECKING:
+    from zl_export.tokenizer import Tokenizer
 
 SHARD_FORMAT_VERSION = 1
 TENSOR_NAMES = ("input_ids", "attention_mask", "labels")
@@ -99,24 +104,58 @@ class Shard:
         """Raise ZLError naming the first row with more than `slots` target tokens (0: no limit)."""
         check_target_slots(self.labels, slots, lambda i: f"shard {self.path} row {i}")
 
-    def check_matches(self, seq_len: int | None = None, tokenizer_name: str | None = None) -> None:
-        """Raise ZLError when the shard was built for another seq_len or tokenizer than a program expects."""
+    @property
+    def bos_token_id(self) -> int | None:
+        """The BOS id every row starts with, or None. A sidecar written before zl prepended BOS has no such key,
+        and its rows have none: for a tokenizer that adds no BOS (SmolLM2, the byte tokenizer) such a shard is
+        exactly what zl makes today, for one that does (Gemma) it is stale."""
+        return self.meta.get("tokenizer", {}).get("bos_token_id")
+
+    def check_matches(self, seq_len: int | None = None, tokenizer_name: str | None = None,
+                      tokenizer: "Tokenizer | None" = None) -> None:
+        """Raise ZLError when the shard was built for another seq_len or tokenizer than a program expects.
+
+        `tokenizer` (the model's) checks its name and that the rows start with its BOS exactly when it adds one
+        (`zl_export.tokenizer.encode_prompt`): a Gemma shard made before zl added `<bos>` must be remade, while
+        a SmolLM2 one stays valid, since nothing changed for it. `tokenizer_name` checks the name alone.
+        """
         if seq_len is not None and seq_len != self.seq_len:
             raise ZLError(
                 f"shard {self.path} has seq_len {self.seq_len}, the program expects {seq_len}. "
                 f"Rebuild the data with `zl data ... --seq-len {seq_len}`."
             )
+        if tokenizer is not None and tokenizer_name is None:
+            tokenizer_name = tokenizer.name
         built = self.meta.get("tokenizer", {}).get("name")
         if tokenizer_name is not None and built != tokenizer_name:
             raise ZLError(
                 f"shard {self.path} was tokenized for {built!r}, the model uses {tokenizer_name!r}. "
                 f"Rebuild the data with `zl data ... --model {tokenizer_name}`."
             )
+        want = getattr(tokenizer, "bos_token_id", None)
+        if tokenizer is not None and self.bos_token_id != want:
+            has = "no beginning-of-sequence token" if self.bos_token_id is None else f"BOS id {self.bos_token_id}"
+            needs = "none" if want is None else f"BOS id {want}"
+            raise ZLError(
+                f"shard {self.path}: its rows start with {has}, the tokenizer of {tokenizer.name} starts samples with "
+                f"{needs}{' (the shard predates zl adding it)' * (self.bos_token_id is None)}. Rebuild the data with "
+                f"`zl data ... --model {tokenizer.name}`."
+            )
 
 
 def target_counts(labels: torch.Tensor) -> torch.Tensor:
     """(N,) int64: target tokens per row (labels other than -100 after the first position: Ω of docs/design.md §1.1)."""
     return (labels[:, 1:] != -100).sum(dim=1)
+
+
+def fitted_target_slots(labels: torch.Tensor) -> tuple[int, int]:
+    """(most target tokens of any row, target slots fitted to them): the count rounded up to a multiple of
+    TARGET_SLOT_STEP, so the readout runs on a few positions more than the loss needs at most, and similar data
+    shares one cached export (`zl train` without --max-targets; AG News and the demo task: 4 slots)."""
+    from zl_export.options import TARGET_SLOT_STEP
+
+    need = int(target_counts(labels).max()) if len(labels) else 0
+    return need, max(1, -(-need // TARGET_SLOT_STEP)) * TARGET_SLOT_STEP
 
 
 def check_target_slots(labels: torch.Tensor, slots: int, where: Callable[[int], str]) -> None:

@@ -6,7 +6,7 @@ layer exactly once). `balanced_split` makes one from a stage count.
 
 from dataclasses import dataclass
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 
 @dataclass(frozen=True)

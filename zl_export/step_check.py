@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_export.options import ExportOptions
 from zl_export.stage_module import StageModule
 from zl_export.training_program import StepResult, TrainingProgram

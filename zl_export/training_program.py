@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 
 # The `.pte` container: a flatbuffer whose file identifier "ET12" sits at bytes

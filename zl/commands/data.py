@@ -1,7 +1,7 @@
 """`zl data`: tokenize a CSV/JSONL file (or the built-in demo task) into training shards.
 
-The options come from `DataArgs` (a settings tree, zl/settings.py); the column options are `DataColumns`, which
-`zl train` nests too, so they are declared once.
+The options come from `DataArgs` (a settings tree, zl_base/settings.py); how rows become samples (--format, the column
+options, --truncate, --seq-len) is `DataSettings`, which `zl train` nests too, so those are declared once.
 """
 
 from collections.abc import Callable, Iterator
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import typer
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl.options import settings_command
 from zl.paths import check_out_dir
-from zl.settings import check_fields, nested, setting
-from zl_export.data_columns import DataColumns
-from zl_export.options import MAX_SEQ_LEN, check_seq_len
+from zl_base.settings import check_fields, nested, setting
+from zl_export.data_settings import DataSettings
+from zl_export.options import DEFAULT_MODEL
 
 EXAMPLE = (
     "\n\nEach row becomes prompt + completion + end-of-sequence tokens, right-padded to --seq-len; the loss covers "
@@ -48,20 +48,12 @@ class DataArgs:
     input: str | None = setting(None, "A .csv or .jsonl file, or `demo` for the built-in demo task.",
                                 flag="--input -i")
     demo: bool = setting(False, "Same as --input demo: write the demo task's train and dev shards.", flag="--demo")
-    format: str = setting("auto", "auto (from the columns), prompt_completion (prompt,completion), chat (messages), "
-                                  "text_label (text,label) or agnews (label,title,description with labels 1-4).",
-                          flag="--format -f")
-    columns: DataColumns = nested(DataColumns)
-    model: str = setting("smollm2-135m", "Whose tokenizer to use: smollm2-135m, tiny-random, a hub id or a "
-                                         "directory.", flag="--model -m")
-    seq_len: int | None = setting(None, f"Tokens per sample (2 to {MAX_SEQ_LEN}), padded on the right (default 128; "
-                                        "the demo task: its longest sample, rounded up to 16).", check=check_seq_len)
+    rows: DataSettings = nested(DataSettings)  # --format, the column options, --truncate, --seq-len: as `zl train`
+    model: str = setting(DEFAULT_MODEL, "Whose tokenizer to use: smollm2-135m, tiny-random, a hub id or a "
+                                        "directory.", flag="--model -m")
     split: str | None = setting(None, "Shard name: writes OUT/SPLIT.safetensors (default train; the demo writes train "
                                       "and dev).")
     limit: int | None = setting(None, "Keep only the first N rows (after shuffling).")
-    truncate: bool = setting(False, "Rows longer than --seq-len: cut the prompt from the left and drop rows whose "
-                                    "completion alone does not fit, with counts printed (default: fail, naming the "
-                                    "row). A completion is never cut.", flag="--truncate/--no-truncate")
     shuffle: bool = setting(True, "Shuffle the rows (seeded) before --limit.")
     seed: int = setting(0, "Seed for shuffling and for generating the demo task.")
     max_targets: int | None = setting(None, "Fail on a row with more target tokens (completion + end-of-sequence) "
@@ -78,14 +70,14 @@ class DataArgs:
             raise ZLError("no input: pass --input FILE (.csv or .jsonl), or --demo for the built-in demo task.")
         if self.out is None:
             raise ZLError("no --out: pass the directory for the shards, e.g. --out runs/data.")
-        if self.is_demo and self.format not in ("auto", "text_label"):
-            raise ZLError(f"--format {self.format} does not apply to the demo task; drop --format.")
-        if self.is_demo and self.columns.given():
+        if self.is_demo and self.rows.format not in ("auto", "text_label"):
+            raise ZLError(f"--format {self.rows.format} does not apply to the demo task; drop --format.")
+        if self.is_demo and self.rows.columns.given():
             raise ZLError("--prompt-column, --completion-column and --prompt-template do not apply to the demo task; "
                           "drop them.")
         check_out_dir(self.out, "--out")
-        check_fields(self)  # --seq-len's range, before anything is allocated: rows x seq_len int64 tensors
-        self.columns.validate()
+        check_fields(self)
+        self.rows.validate()  # --seq-len's range, before anything is allocated: rows x seq_len int64 tensors
         if self.max_targets is not None and self.max_targets < 0:
             raise ZLError(f"--max-targets {self.max_targets}: expected 0 (no limit) or the programs' target slots, "
                           "e.g. 16.")
@@ -112,15 +104,16 @@ def run_data(args: DataArgs) -> None:
         jobs = [job for job in jobs if args.split in (None, job.name)]
     else:
         labels = args.labels.split(",") if args.labels else None
-        jobs = [shard_jobs.file_job(Path(args.input), args.format, args.split or "train", labels, args.columns)]
+        jobs = [shard_jobs.file_job(Path(args.input), args.rows.format, args.split or "train", labels,
+                                    args.rows.columns)]
     tokenizer = load_tokenizer(args.model)
-    seq_len = args.seq_len or shard_jobs.default_seq_len(tokenizer, args.is_demo)
+    seq_len = args.rows.seq_len or shard_jobs.default_seq_len(tokenizer, args.is_demo)
     for job in jobs:
         job.task = zdata.select(job.task, args.limit, args.shuffle, args.seed)
         with _row_progress(len(job.task.examples)) as on_rows:
             target, meta = shard_jobs.write_shard(
-                job, tokenizer, args.model, seq_len, args.out, args.truncate,
-                extra={"shuffle": args.shuffle, "seed": args.seed, "limit": args.limit, "truncate": args.truncate},
+                job, tokenizer, args.model, seq_len, args.out, args.rows.truncate,
+                extra={"shuffle": args.shuffle, "seed": args.seed, "limit": args.limit, "truncate": args.rows.truncate},
                 on_rows=on_rows, max_targets=args.max_targets,
             )
         cut = zdata.truncation_summary(meta, seq_len)

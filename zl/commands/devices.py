@@ -4,33 +4,42 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
+from zl.options import settings_command
+from zl_base.settings import REQUIRED, setting
 from zl_device.devices.registry import MODE_HELP
 
 DEVICES_HELP = "local:N (N local processes) or phone serials SERIAL1,SERIAL2,... in stage order (see `zl devices`)."
 
 
-def devices_command(
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per device instead of a table.")] = False,
-) -> None:
-    """List attached phones (serial, state, model, ABI, Android version, installed app version) and the
-    always-available `local` backend.
+@dataclass(frozen=True)
+class DevicesArgs:
+    """`zl devices`' options."""
 
-    A phone must be `ready`: authorized, online and arm64-v8a. The `app` column shows the version of the
-    com.zerolock.zl app (`--mode app`), `-` when it is not installed. The adb server is started when it is not
-    running.
+    as_json: bool = setting(False, "Print one JSON object per device instead of a table.", flag="--json")
 
-    Examples:
 
-      zl devices
+DEVICES_DOC = """List attached phones (serial, state, model, ABI, Android version, installed app version) and the
+always-available `local` backend.
 
-      zl devices --json
-    """
+A phone must be `ready`: authorized, online and arm64-v8a. The `app` column shows the version of the
+com.zerolock.zl app (`--mode app`), `-` when it is not installed. The adb server is started when it is not
+running.
+
+Examples:
+
+  zl devices
+
+  zl devices --json
+"""
+
+
+def run_devices(args: DevicesArgs) -> None:
     import os
     import platform
 
@@ -45,7 +54,7 @@ def devices_command(
         rows += [_with_app_version(client, r) for r in list_phones(client)]
     except ZLError as e:
         adb_problem = str(e)
-    if as_json:
+    if args.as_json:
         for row in rows:
             typer.echo(json.dumps(dataclasses.asdict(row)))
     else:
@@ -84,50 +93,48 @@ def _progress():
     return Progress(*columns, console=Console(stderr=True), transient=True)
 
 
-def deploy_command(
-    devices: Annotated[str, typer.Option("--devices", "-d", help=DEVICES_HELP, show_default=False)],
-    export: Annotated[Path, typer.Option("--export", "-e", help="Output directory of `zl export` (manifest.json, "
-                                         "stage_<k>.pte).", show_default=False)],
-    configs: Annotated[
-        Path | None,
-        typer.Option("--configs", help="Folder with stage_<k>.json runner configs; the files they name (data "
-                     "shard, run key) are pushed too.", show_default=False),
-    ] = None,
-    run_dir: Annotated[
-        Path | None,
-        typer.Option("--run-dir", help="Local devices only: their folders are RUN_DIR/devices/local-N.",
-                     show_default=False),
-    ] = None,
-    runner: Annotated[
-        Path | None,
-        typer.Option("--runner", help="The zl_runner binary to push (default: build/android_app/native/zl_runner "
-                     "for local devices, build-android/zl_runner for phones).", show_default=False),
-    ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Push every file, even those whose sha256 already matches "
-                                        "(and reinstall the app).")] = False,
-    mode: Annotated[str, typer.Option("--mode", help=MODE_HELP)] = "binary",
-) -> None:
-    """Push the runner, the manifest and stage k's program (and config) to the k-th device.
+@dataclass(frozen=True)
+class DeployArgs:
+    """`zl deploy`'s options."""
 
-    Phones get /data/local/tmp/zerolock/; devices beyond the number of stages are spares (runner and manifest only).
-    Unchanged files are skipped by sha256.
+    devices: str = setting(REQUIRED, DEVICES_HELP, flag="--devices -d")
+    export: Path = setting(REQUIRED, "Output directory of `zl export` (manifest.json, stage_<k>.pte).",
+                           flag="--export -e")
+    configs: Path | None = setting(None, "Folder with stage_<k>.json runner configs; the files they name (data "
+                                         "shard, run key) are pushed too.")
+    run_dir: Path | None = setting(None, "Local devices only: their folders are RUN_DIR/devices/local-N.")
+    runner: Path | None = setting(None, "The zl_runner binary to push (default: build/android_app/native/zl_runner "
+                                        "for local devices, build-android/zl_runner for phones).")
+    force: bool = setting(False, "Push every file, even those whose sha256 already matches (and reinstall the app).",
+                          flag="--force")
+    mode: str = setting("binary", MODE_HELP)
 
-    With --mode app, phones get the app com.zerolock.zl instead of zl_runner (reinstalled only when the APK changed).
-    Their files go to the app's folder /sdcard/Android/data/com.zerolock.zl/files/, except the run key: that folder
-    is shared storage, so the key goes with the START intent (`--es run_key`) into the app's private storage.
 
-    Examples:
+DEPLOY_DOC = """Push the runner, the manifest and stage k's program (and config) to the k-th device.
 
-      zl deploy --devices local:3 --export runs/export --run-dir runs/demo
+Phones get /data/local/tmp/zerolock/; devices beyond the number of stages are spares (runner and manifest only).
+Unchanged files are skipped by sha256.
 
-      zl deploy --devices R58M123,R58M456,R58M789 --export runs/export --configs runs/demo/configs
+With --mode app, phones get the app com.zerolock.zl instead of zl_runner (reinstalled only when the APK changed).
+Their files go to the app's folder /sdcard/Android/data/com.zerolock.zl/files/, except the run key: that folder
+is shared storage, so the key goes with the START intent (`--es run_key`) into the app's private storage.
 
-      zl deploy --devices R58M123,R58M456,R58M789 --mode app --export runs/export --configs runs/demo/configs
-    """
+Examples:
+
+  zl deploy --devices local:3 --export runs/export --run-dir runs/demo
+
+  zl deploy --devices R58M123,R58M456,R58M789 --export runs/export --configs runs/demo/configs
+
+  zl deploy --devices R58M123,R58M456,R58M789 --mode app --export runs/export --configs runs/demo/configs
+"""
+
+
+def run_deploy(args: DeployArgs) -> None:
     from zl_device.devices.deploy import deploy
     from zl_device.devices.registry import open_devices
 
-    opened = open_devices(devices, run_dir, mode=mode)
+    configs = args.configs
+    opened = open_devices(args.devices, args.run_dir, mode=args.mode)
     with _progress() as progress:
         task = progress.add_task("deploy", total=None)
 
@@ -135,7 +142,8 @@ def deploy_command(
             if not unchanged:
                 progress.reset(task, total=size, description=f"{device}: {name}")
 
-        results = deploy(opened, export, configs, runner, force, on_file, lambda n: progress.advance(task, n))
+        results = deploy(opened, args.export, configs, args.runner, args.force, on_file,
+                         lambda n: progress.advance(task, n))
     for r in results:
         what = f"stage {r.stage}" if r.stage is not None else "spare"
         unchanged = f", {len(r.unchanged)} unchanged" if r.unchanged else ""
@@ -147,42 +155,46 @@ def deploy_command(
                    "`--es run_key <the key file's 64 hex characters>` (android_app/README.md).")
 
 
-def pull_command(
-    devices: Annotated[str, typer.Option("--devices", "-d", help=DEVICES_HELP, show_default=False)],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory to copy into: logs/<device>/ and "
-                                      "checkpoints/stage_<k>/.", show_default=False)],
-    run_dir: Annotated[
-        Path | None,
-        typer.Option("--run-dir", help="Local devices only: where their folders are (default: --out).",
-                     show_default=False),
-    ] = None,
-    checkpoints: Annotated[bool, typer.Option("--checkpoints/--no-checkpoints", help="Pull complete checkpoints.")] = True,
-    input_logs: Annotated[bool, typer.Option("--input-logs", help="Pull the stages' durable input logs too.")] = False,
-    mode: Annotated[str, typer.Option("--mode", help="The --mode the phones were deployed with (it decides the "
-                                      "folder pulled from): binary or app.")] = "binary",
-) -> None:
-    """Copy runner logs, telemetry and checkpoints from the devices into a run directory.
+@dataclass(frozen=True)
+class PullArgs:
+    """`zl pull`'s options."""
 
-    Examples:
+    devices: str = setting(REQUIRED, DEVICES_HELP, flag="--devices -d")
+    out: Path = setting(REQUIRED, "Run directory to copy into: logs/<device>/ and checkpoints/stage_<k>/.",
+                        flag="--out -o")
+    run_dir: Path | None = setting(None, "Local devices only: where their folders are (default: --out).")
+    checkpoints: bool = setting(True, "Pull complete checkpoints.")
+    input_logs: bool = setting(False, "Pull the stages' durable input logs too.", flag="--input-logs")
+    mode: str = setting("binary", "The --mode the phones were deployed with (it decides the folder pulled from): "
+                                  "binary or app.")
 
-      zl pull --devices local:3 --out runs/demo
 
-      zl pull --devices R58M123,R58M456,R58M789 --out runs/phones --no-checkpoints
+PULL_DOC = """Copy runner logs, telemetry and checkpoints from the devices into a run directory.
 
-      zl pull --devices R58M123,R58M456,R58M789 --mode app --out runs/phones
-    """
+Examples:
+
+  zl pull --devices local:3 --out runs/demo
+
+  zl pull --devices R58M123,R58M456,R58M789 --out runs/phones --no-checkpoints
+
+  zl pull --devices R58M123,R58M456,R58M789 --mode app --out runs/phones
+"""
+
+
+def run_pull(args: PullArgs) -> None:
     from zl_device.devices.deploy import pull
     from zl_device.devices.registry import LOCAL, check_mode, open_devices, parse_devices
 
-    spec = parse_devices(devices)
-    check_mode(spec, mode)
+    out, run_dir = args.out, args.run_dir
+    spec = parse_devices(args.devices)
+    check_mode(spec, args.mode)
     if spec.kind == LOCAL:
         missing = [p for i in range(spec.count) if not (p := (run_dir or out) / "devices" / f"local-{i}").is_dir()]
         if missing:
             raise ZLError(f"{missing[0]} does not exist: no local device was deployed there; pass the run "
                           "directory of `zl deploy --run-dir` as --run-dir (or --out).")
-    opened = open_devices(spec, run_dir or out, check_abi=False, mode=mode)
-    for r in pull(opened, out, checkpoints, input_logs):
+    opened = open_devices(spec, run_dir or out, check_abi=False, mode=args.mode)
+    for r in pull(opened, out, args.checkpoints, args.input_logs):
         if not r.bytes_pulled:
             typer.echo(f"{r.device}: nothing to pull (no runner output, stage config or telemetry yet)")
             continue
@@ -191,4 +203,7 @@ def pull_command(
                    + "".join(f", {p}" for p in r.checkpoint_dirs.values()))
 
 
+devices_command = settings_command(DevicesArgs, run_devices, DEVICES_DOC)
+deploy_command = settings_command(DeployArgs, run_deploy, DEPLOY_DOC)
+pull_command = settings_command(PullArgs, run_pull, PULL_DOC)
 COMMANDS = {"devices": devices_command, "deploy": deploy_command, "pull": pull_command}

@@ -5,88 +5,88 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
-import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
+from zl.options import settings_command
 from zl.paths import check_out_file
+from zl_base.settings import REQUIRED, setting
 from zl_device.results.generation import GENERATE_ROWS, MARGIN_TOKENS, SAMPLE_ROWS, adapter_base
 
 console = Console()
 err_console = Console(stderr=True)
 
 
-def eval_command(
-    data: Annotated[Path, typer.Option("--data", "-d", help="Shard to score: SPLIT.safetensors written by `zl data` (e.g. its dev split).",
-                                       show_default=False)],
-    model: Annotated[
-        str | None,
-        typer.Option("--model", "-m", help="Base model: smollm2-135m, tiny-random, a hub id or a directory "
-                     "(default: the adapter's base model from its zl_merge.json, else smollm2-135m).", show_default=False),
-    ] = None,
-    adapter: Annotated[
-        Path | None,
-        typer.Option("--adapter", "-a", help="PEFT adapter directory (from `zl merge`); scored next to the base model.",
-                     show_default=False),
-    ] = None,
-    limit: Annotated[int | None, typer.Option("--limit", help="Score only the first N rows of the shard.", show_default=False)] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Rows per forward pass.")] = 16,
-    seed: Annotated[
-        int | None,
-        typer.Option("--seed", help="Seed of random-weight models (tiny-random, tinyllama-random) (default: the "
-                     "adapter's, from its zl_merge.json, else 0).", show_default=False),
-    ] = None,
-    generate_rows: Annotated[
-        int, typer.Option("--generate-rows", help="Prompt/completion shards: generate greedily for the first N rows "
-                          "(0: no generations).")
-    ] = GENERATE_ROWS,
-    max_new_tokens: Annotated[
-        int | None,
-        typer.Option("--max-new-tokens", help="Tokens per generation (default: each row's completion length, with "
-                     f"end-of-sequence, + {MARGIN_TOKENS}).", show_default=False),
-    ] = None,
-    samples: Annotated[int, typer.Option("--samples", help="Rows whose generations are shown side by side (and kept "
-                                         "in --json-out).")] = SAMPLE_ROWS,
-    json_out: Annotated[Path | None, typer.Option("--json-out", help="Also write the figures to this JSON file.", show_default=False)] = None,
-) -> None:
-    """Score a model on a shard: label-word accuracy (classification shards) or perplexity and generations
-    (prompt/completion shards), and mean NLL per label token.
+@dataclass(frozen=True)
+class EvalArgs:
+    """`zl eval`'s options."""
 
-    The prediction for a row is the label word with the highest likelihood
-    after its prompt; NLL is in nats per completion token (with the
-    end-of-sequence token), perplexity is exp(NLL). On shards without label
-    words the model also continues the prompt of the first --generate-rows
-    rows greedily; each generation is scored against the row's completion by
-    exact match (equal but for whitespace at either end) and ROUGE-L
-    (F-measure, rouge-score). With --adapter the base model and the adapted
-    model are scored on the same rows and shown side by side.
+    data: Path = setting(REQUIRED, "Shard to score: SPLIT.safetensors written by `zl data` (e.g. its dev split).",
+                         flag="--data -d")
+    model: str | None = setting(None, "Base model: smollm2-135m, tiny-random, a hub id or a directory (default: the "
+                                      "adapter's base model from its zl_merge.json, else smollm2-135m).",
+                                flag="--model -m")
+    adapter: Path | None = setting(None, "PEFT adapter directory (from `zl merge`); scored next to the base model.",
+                                   flag="--adapter -a")
+    limit: int | None = setting(None, "Score only the first N rows of the shard.")
+    batch_size: int = setting(16, "Rows per forward pass.", flag="--batch-size -b")
+    seed: int | None = setting(None, "Seed of random-weight models (tiny-random, tinyllama-random) (default: the "
+                                     "adapter's, from its zl_merge.json, else 0).")
+    generate_rows: int = setting(GENERATE_ROWS, "Prompt/completion shards: generate greedily for the first N rows "
+                                                "(0: no generations).")
+    max_new_tokens: int | None = setting(None, "Tokens per generation (default: each row's completion length, with "
+                                               f"end-of-sequence, + {MARGIN_TOKENS}).")
+    samples: int = setting(SAMPLE_ROWS, "Rows whose generations are shown side by side (and kept in --json-out).")
+    json_out: Path | None = setting(None, "Also write the figures to this JSON file.")
 
-    Examples:
+    def validate(self) -> None:
+        """The checks that need no file: raises ZLError naming the flag, the value and the fix."""
+        if self.batch_size < 1:
+            raise ZLError(f"--batch-size {self.batch_size}: must be at least 1.")
+        if self.samples < 0:
+            raise ZLError(f"--samples {self.samples}: must be 0 (none) or more, e.g. --samples {SAMPLE_ROWS}.")
+        check_out_file(self.json_out, "--json-out", "eval.json")  # before minutes of scoring
 
-      zl eval --data runs/demo-data/dev.safetensors
 
-      zl eval --model smollm2-135m --adapter runs/r1/adapter --data runs/demo-data/dev.safetensors --json-out runs/r1/eval.json
+EVAL_DOC = """Score a model on a shard: label-word accuracy (classification shards) or perplexity and generations
+(prompt/completion shards), and mean NLL per label token.
 
-      zl eval --model tiny-random --data runs/tiny-data/dev.safetensors --limit 32 --batch-size 8
+The prediction for a row is the label word with the highest likelihood
+after its prompt; NLL is in nats per completion token (with the
+end-of-sequence token), perplexity is exp(NLL). On shards without label
+words the model also continues the prompt of the first --generate-rows
+rows greedily; each generation is scored against the row's completion by
+exact match (equal but for whitespace at either end) and ROUGE-L
+(F-measure, rouge-score). With --adapter the base model and the adapted
+model are scored on the same rows and shown side by side.
 
-      zl eval --adapter runs/r1/adapter --data runs/r1/data/dev.safetensors --generate-rows 20 --max-new-tokens 48
-    """
+Examples:
+
+  zl eval --data runs/demo-data/dev.safetensors
+
+  zl eval --model smollm2-135m --adapter runs/r1/adapter --data runs/demo-data/dev.safetensors --json-out runs/r1/eval.json
+
+  zl eval --model tiny-random --data runs/tiny-data/dev.safetensors --limit 32 --batch-size 8
+
+  zl eval --adapter runs/r1/adapter --data runs/r1/data/dev.safetensors --generate-rows 20 --max-new-tokens 48
+"""
+
+
+def run_eval(args: EvalArgs) -> None:
+    """Score the base model (and the adapter) on the shard; print the tables; write --json-out."""
     from zl_device.results.adapter import check_adapter_dir
     from zl_device.results.evaluate import GenerationEval, eval_record, evaluate_with_adapter, limit_rows
     from zl_export.model_source import load_model
     from zl_export.options import DEFAULT_MODEL
     from zl_export.shard import load_shard
 
-    if batch_size < 1:
-        raise ZLError(f"--batch-size {batch_size}: must be at least 1.")
-    if samples < 0:
-        raise ZLError(f"--samples {samples}: must be 0 (none) or more, e.g. --samples {SAMPLE_ROWS}.")
-    check_out_file(json_out, "--json-out", "eval.json")  # before minutes of scoring
+    args.validate()
+    data, model, adapter, seed, json_out = args.data, args.model, args.adapter, args.seed, args.json_out
     if adapter is not None:
         check_adapter_dir(adapter)  # before minutes of scoring the base model
     trained_on, trained_seed = adapter_base(adapter) if adapter is not None else (None, None)
@@ -96,16 +96,16 @@ def eval_command(
         model = trained_on or DEFAULT_MODEL
     elif trained_on is not None and trained_on != model:
         err_console.print(f"[yellow]note:[/] the adapter was trained on {trained_on}, scoring it on --model {model}.")
-    shard = limit_rows(load_shard(data), limit)
+    shard = limit_rows(load_shard(data), args.limit)
     with err_console.status(f"loading {model}"):
         loaded = load_model(model, seed=seed)
-    shard.check_matches(tokenizer_name=loaded.tokenizer.name)
-    generation = GenerationEval(loaded.tokenizer, generate_rows, max_new_tokens)
+    shard.check_matches(tokenizer=loaded.tokenizer)
+    generation = GenerationEval(loaded.tokenizer, args.generate_rows, args.max_new_tokens)
     generation.validate()
 
-    with _row_progress(shard.rows, min(generate_rows, shard.rows)) as on_batch:
-        results = evaluate_with_adapter(loaded.model, shard, adapter, batch_size, on_batch, generation)
-    record = eval_record(results, shard, generation, samples)
+    with _row_progress(shard.rows, min(args.generate_rows, shard.rows)) as on_batch:
+        results = evaluate_with_adapter(loaded.model, shard, adapter, args.batch_size, on_batch, generation)
+    record = eval_record(results, shard, generation, args.samples)
     _print_table(results, shard, model, adapter)
     _print_samples(record.get("samples", []))
     if json_out is not None:
@@ -114,7 +114,7 @@ def eval_command(
             "adapter_dir": str(adapter) if adapter is not None else None,
             "data": str(data),
             "rows": shard.rows,
-            "batch_size": batch_size,
+            "batch_size": args.batch_size,
             "label_words": shard.label_words,
             "results": {name: record[name] for name in results},  # "base", and "adapter" with --adapter
             **{key: record[key] for key in ("generation", "samples") if key in record},
@@ -202,4 +202,5 @@ def _shown(text: str, limit: int = 200) -> Text:
     return Text(visible(text if len(text) <= limit else "…" + text[-limit:]))
 
 
+eval_command = settings_command(EvalArgs, run_eval, EVAL_DOC)
 COMMANDS = {"eval": eval_command}

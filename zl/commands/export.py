@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl.options import settings_command
 from zl.paths import check_out_dir
-from zl.settings import check_fields, flag, nested, setting
+from zl_base.settings import check_fields, flag, nested, setting
 from zl_export.options import ExportOptions, ModelSplit
 from zl_export.pipeline import ExportProgress
 
@@ -24,6 +24,8 @@ Examples:
   zl export                                             # SmolLM2-135M, 3 balanced stages, one checked step
 
   zl export --model tinyllama-random --stages 0-6,7-13,14-21 --out runs/tinyllama --no-check
+
+  zl export --stages runs/plan.json --seq-len 128      # the split `zl plan` chose
 """
 
 console = Console()
@@ -69,8 +71,10 @@ class ExportArgs:
 
 
 def run_export(args: ExportArgs) -> None:
+    from zl_device.plan.plan_file import split_of_plan
     from zl_export.pipeline import export_pipeline
 
+    args = replace(args, split=split_of_plan(args.split, args.options))  # --stages plan.json: the plan's ranges
     args.validate()  # before the model loads (seconds to minutes) or anything is written
     with RichExportProgress() as progress:
         export_pipeline(args.split, args.out, args.options, args.check, progress, calibration=args.calibration)

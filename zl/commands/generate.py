@@ -11,14 +11,14 @@ import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
-import typer
 from rich.console import Console
 from rich.markup import escape
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
+from zl.options import settings_command
 from zl.paths import check_out_file
+from zl_base.settings import setting
 
 console = Console()
 err_console = Console(stderr=True)
@@ -46,86 +46,75 @@ class Rendering:
     reason: str  # e.g. "--chat", "as the run trained: runs/r1/data/train.json"
 
 
-def generate_command(
-    prompts: Annotated[
-        list[str] | None,
-        typer.Argument(help="Prompts, used verbatim as `zl data` uses a prompt (in bash, $'Q: hi?\\nA:' holds a "
-                       "newline), or each as a user turn with --chat. Without them: --file, or one prompt per line "
-                       "on stdin.", show_default=False),
-    ] = None,
-    run: Annotated[
-        Path | None,
-        typer.Option("--run", "-r", help="Run directory of `zl train`: its adapter/ and the model the run trained.",
-                     show_default=False),
-    ] = None,
-    adapter: Annotated[
-        Path | None,
-        typer.Option("--adapter", "-a", help="PEFT adapter directory (from `zl merge`, or PEFT's save_pretrained), "
-                     "instead of --run.", show_default=False),
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option("--model", "-m", help="Base model: smollm2-135m, tiny-random, a hub id or a directory (default: "
-                     "the one the adapter was trained on, from zl_merge.json or adapter_config.json).",
-                     show_default=False),
-    ] = None,
-    file: Annotated[
-        Path | None,
-        typer.Option("--file", "-f", help="Prompts from a file: one per line, or JSONL (.jsonl, or lines starting "
-                     "with '{') with a \"prompt\" field or a \"messages\" conversation ending in a user turn per "
-                     "line; - reads stdin.", show_default=False),
-    ] = None,
-    chat: Annotated[
-        bool | None,
-        typer.Option("--chat/--no-chat", help="Render each prompt as one user turn, as `zl data` renders chat rows "
-                     "(the tokenizer's chat template, assistant turn opened; the plain <|user|> fallback without "
-                     "one), or send it verbatim. Default: as the run's training data was (--run); with --adapter, "
-                     "verbatim: pass --chat for an adapter trained on chat rows.", show_default=False),
-    ] = None,
-    system: Annotated[
-        str | None,
-        typer.Option("--system", help="Chat: a system turn before each prompt (a \"messages\" row with its own keeps "
-                     "that).", show_default=False),
-    ] = None,
-    show_prompt: Annotated[bool, typer.Option("--show-prompt", help="Show each prompt as the model gets it "
-                                              "(rendered, special tokens spelled out) instead of as typed.")] = False,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens generated per prompt "
-                                                "and model.")] = 64,
-    sample: Annotated[bool, typer.Option("--sample", help="Sample tokens (with --temperature, --top-p, --seed) "
-                                         "instead of greedy decoding.")] = False,
-    temperature: Annotated[float, typer.Option("--temperature", help="--sample: softmax temperature (lower is more "
-                                               "deterministic).")] = 1.0,
-    top_p: Annotated[float, typer.Option("--top-p", help="--sample: keep the smallest set of tokens whose "
-                                         "probability reaches P (1: all).")] = 1.0,
-    seed: Annotated[int, typer.Option("--seed", help="--sample: random seed; every prompt and model starts from it, "
-                                      "so a rerun gives the same text.")] = 0,
-    json_out: Annotated[Path | None, typer.Option("--json-out", help="Also write the prompts and both generations "
-                                                  "to this JSON file.", show_default=False)] = None,
-) -> None:
-    """Continue prompts with the base model and with the fine-tuned adapter, one after the other, streamed.
+@dataclass(frozen=True)
+class GenerateArgs:
+    """`zl generate`'s prompts and options."""
 
-    What to run first after `zl train`: each prompt is shown, then the base
-    model's continuation, then the adapter's, labelled. A continuation ends at
-    the end-of-sequence token or after --max-new-tokens (shown as …).
-    Decoding is greedy (deterministic) unless --sample. A run trained on chat
-    rows gets each prompt as a user turn rendered as its training prompts were.
+    prompts: tuple[str, ...] | None = setting(None, "Prompts, used verbatim as `zl data` uses a prompt (in bash, "
+                                                    "$'Q: hi?\\nA:' holds a newline), or each as a user turn with "
+                                                    "--chat. Without them: --file, or one prompt per line on stdin.",
+                                              argument="PROMPTS...")
+    run: Path | None = setting(None, "Run directory of `zl train`: its adapter/ and the model the run trained.",
+                               flag="--run -r")
+    adapter: Path | None = setting(None, "PEFT adapter directory (from `zl merge`, or PEFT's save_pretrained), "
+                                         "instead of --run.", flag="--adapter -a")
+    model: str | None = setting(None, "Base model: smollm2-135m, tiny-random, a hub id or a directory (default: the "
+                                      "one the adapter was trained on, from zl_merge.json or adapter_config.json).",
+                                flag="--model -m")
+    file: Path | None = setting(None, "Prompts from a file: one per line, or JSONL (.jsonl, or lines starting with "
+                                      "'{') with a \"prompt\" field or a \"messages\" conversation ending in a user "
+                                      "turn per line; - reads stdin.", flag="--file -f")
+    chat: bool | None = setting(None, "Render each prompt as one user turn, as `zl data` renders chat rows (the "
+                                      "tokenizer's chat template, assistant turn opened; the plain <|user|> fallback "
+                                      "without one), or send it verbatim. Default: as the run's training data was "
+                                      "(--run); with --adapter, verbatim: pass --chat for an adapter trained on chat "
+                                      "rows.")
+    system: str | None = setting(None, "Chat: a system turn before each prompt (a \"messages\" row with its own keeps "
+                                       "that).")
+    show_prompt: bool = setting(False, "Show each prompt as the model gets it (rendered, special tokens spelled out) "
+                                       "instead of as typed.", flag="--show-prompt")
+    max_new_tokens: int = setting(64, "Most tokens generated per prompt and model.", flag="--max-new-tokens -n")
+    sample: bool = setting(False, "Sample tokens (with --temperature, --top-p, --seed) instead of greedy decoding.",
+                           flag="--sample")
+    temperature: float = setting(1.0, "--sample: softmax temperature (lower is more deterministic).")
+    top_p: float = setting(1.0, "--sample: keep the smallest set of tokens whose probability reaches P (1: all).")
+    seed: int = setting(0, "--sample: random seed; every prompt and model starts from it, so a rerun gives the same "
+                           "text.")
+    json_out: Path | None = setting(None, "Also write the prompts and both generations to this JSON file.")
 
-    Examples:
 
-      zl generate --run runs/r1 $'Q: What is the capital of France?\\nA:'
+GENERATE_DOC = """Continue prompts with the base model and with the fine-tuned adapter, one after the other, streamed.
 
-      zl generate --adapter runs/r1/adapter --model smollm2-135m "Hello, my name is" "The best phone is"
+What to run first after `zl train`: each prompt is shown, then the base
+model's continuation, then the adapter's, labelled. A continuation ends at
+the end-of-sequence token or after --max-new-tokens (shown as …).
+Decoding is greedy (deterministic) unless --sample. A run trained on chat
+rows gets each prompt as a user turn rendered as its training prompts were.
 
-      zl generate --run runs/r1 --file prompts.jsonl --max-new-tokens 128
+Examples:
 
-      zl generate --adapter runs/r1/adapter --chat --system "Answer in one word." --show-prompt "Capital of France?"
+  zl generate --run runs/r1 $'Q: What is the capital of France?\\nA:'
 
-      echo "Write a haiku about phones:" | zl generate --run runs/r1 --sample --temperature 0.7 --seed 7
-    """
+  zl generate --adapter runs/r1/adapter --model smollm2-135m "Hello, my name is" "The best phone is"
+
+  zl generate --run runs/r1 --file prompts.jsonl --max-new-tokens 128
+
+  zl generate --adapter runs/r1/adapter --chat --system "Answer in one word." --show-prompt "Capital of France?"
+
+  echo "Write a haiku about phones:" | zl generate --run runs/r1 --sample --temperature 0.7 --seed 7
+"""
+
+
+def run_generate(args: GenerateArgs) -> None:
+    """Stream each prompt's continuation by the base model, then by the adapter; write --json-out."""
     from zl_device.results.adapter import load_adapter
-    from zl_device.results.generation import Decoding
+    from zl_device.results.generation import Decoding, encode_prompt
     from zl_export.model_source import load_model
 
+    run, adapter, model, file, chat, system = args.run, args.adapter, args.model, args.file, args.chat, args.system
+    max_new_tokens, sample, temperature, top_p, seed = (args.max_new_tokens, args.sample, args.temperature,
+                                                        args.top_p, args.seed)
+    json_out = args.json_out
     if max_new_tokens < 1:
         raise ZLError(f"--max-new-tokens {max_new_tokens}: must be at least 1, e.g. --max-new-tokens 64.")
     decoding = Decoding(sample, temperature, top_p, seed)
@@ -134,7 +123,7 @@ def generate_command(
         err_console.print("[yellow]note:[/] --temperature and --top-p apply with --sample; decoding is greedy.")
     check_out_file(json_out, "--json-out", "generations.json")
     adapter_dir, model_name, model_seed = _source(run, adapter, model)
-    given = read_prompts(prompts or [], file)
+    given = read_prompts(list(args.prompts or ()), file)
     rendering = _rendering(chat, system, run, adapter_dir, given)
 
     with err_console.status(f"loading {model_name} and {adapter_dir}"):
@@ -142,7 +131,7 @@ def generate_command(
         tuned = load_adapter(loaded.model, adapter_dir)
     tokenizer = loaded.tokenizer
     texts, template = _render(given, rendering, system, tokenizer)
-    encoded = [tokenizer.encode(t) for t in texts]
+    encoded = [encode_prompt(tokenizer, t) for t in texts]  # as `zl data` starts a sample: BOS where it adds one
     _check_lengths(texts, encoded, max_new_tokens, loaded.config, model_name)
 
     how = (f"sampling (temperature {temperature:g}, top-p {top_p:g}, seed {seed})" if sample else "greedy")
@@ -153,7 +142,7 @@ def generate_command(
     outputs = []
     for i, (prompt, text, ids) in enumerate(zip(given, texts, encoded)):
         console.print(f"\n[bold]prompt {i + 1}/{len(texts)}[/] ({len(ids)} tokens)", highlight=False)
-        console.out(_indented(_shown(prompt, text, show_prompt), "  "), highlight=False)
+        console.out(_indented(_shown(prompt, text, args.show_prompt), "  "), highlight=False)
         row = {"prompt": prompt.text, **({"messages": prompt.messages} if prompt.messages else {}),
                "rendered_prompt": text}
         for name in LABELS:
@@ -405,4 +394,5 @@ def _write_json(path: Path, content: dict) -> None:
     os.replace(tmp, path)
 
 
+generate_command = settings_command(GenerateArgs, run_generate, GENERATE_DOC)
 COMMANDS = {"generate": generate_command}

@@ -1,51 +1,53 @@
 """`zl merge`: turn the stages' LoRA checkpoints into one PEFT adapter."""
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
-import typer
 from rich.console import Console
 from rich.table import Table
+
+from zl.options import settings_command
+from zl_base.settings import REQUIRED, setting
 
 console = Console()
 err_console = Console(stderr=True)
 
 
-def merge_command(
-    checkpoints: Annotated[
-        Path,
-        typer.Option("--checkpoints", "-c", help="Checkpoint root of a run: holds stage_<k>/window_NNNNNN/adapter.safetensors.",
-                     show_default=False),
-    ],
-    manifest: Annotated[
-        Path,
-        typer.Option("--manifest", "-m", help="manifest.json of the export the run trained (or its directory).", show_default=False),
-    ],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Adapter directory to write (created; adapter files in it are replaced).",
-                                      show_default=False)],
-    window: Annotated[
-        int | None,
-        typer.Option("--window", help="Merge this window of every stage instead of the latest (all stages must have it).",
-                     show_default=False),
-    ] = None,
-) -> None:
-    """Merge each stage's checkpoint into one PEFT LoRA adapter for the whole model.
+@dataclass(frozen=True)
+class MergeArgs:
+    """`zl merge`'s options."""
 
-    Takes the latest window every stage has committed (or --window N), checks
-    that every LoRA parameter of the manifest is there exactly once with its
-    shape, and writes adapter_config.json, adapter_model.safetensors and
-    zl_merge.json to --out; PeftModel.from_pretrained(base_model, OUT) and
-    `zl eval --adapter OUT` load it.
+    checkpoints: Path = setting(REQUIRED, "Checkpoint root of a run: holds "
+                                          "stage_<k>/window_NNNNNN/adapter.safetensors.", flag="--checkpoints -c")
+    manifest: Path = setting(REQUIRED, "manifest.json of the export the run trained (or its directory).",
+                             flag="--manifest -m")
+    out: Path = setting(REQUIRED, "Adapter directory to write (created; adapter files in it are replaced).",
+                        flag="--out -o")
+    window: int | None = setting(None, "Merge this window of every stage instead of the latest (all stages must "
+                                       "have it).")
 
-    Examples:
 
-      zl merge --checkpoints runs/r1/checkpoints --manifest runs/export/manifest.json --out runs/r1/adapter
+MERGE_DOC = """Merge each stage's checkpoint into one PEFT LoRA adapter for the whole model.
 
-      zl merge -c runs/r1/checkpoints -m runs/export -o runs/r1/adapter-w3 --window 3
-    """
+Takes the latest window every stage has committed (or --window N), checks
+that every LoRA parameter of the manifest is there exactly once with its
+shape, and writes adapter_config.json, adapter_model.safetensors and
+zl_merge.json to --out; PeftModel.from_pretrained(base_model, OUT) and
+`zl eval --adapter OUT` load it.
+
+Examples:
+
+  zl merge --checkpoints runs/r1/checkpoints --manifest runs/export/manifest.json --out runs/r1/adapter
+
+  zl merge -c runs/r1/checkpoints -m runs/export -o runs/r1/adapter-w3 --window 3
+"""
+
+
+def run_merge(args: MergeArgs) -> None:
     from zl_device.results.adapter import merge_checkpoints
 
-    result = merge_checkpoints(checkpoints, manifest, out, window)
+    checkpoints = args.checkpoints
+    result = merge_checkpoints(checkpoints, args.manifest, args.out, args.window)
     table = Table(title=f"merged window {result.window} of {len(result.stages)} stages from {checkpoints} -> {result.out}")
     for col in ("stage", "checkpoint", "tensors", "parameters", "micro-batches", "steps"):
         if col == "checkpoint":
@@ -78,4 +80,5 @@ def _relative(path: Path, root: Path) -> str:
         return str(path)
 
 
+merge_command = settings_command(MergeArgs, run_merge, MERGE_DOC)
 COMMANDS = {"merge": merge_command}

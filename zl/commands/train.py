@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl.options import settings_command
 from zl_device.run.train_settings import TrainSettings
 
@@ -24,7 +24,11 @@ Examples:
 
   zl train --devices R58M123,R58M456,R58M789 --mode app --out runs/phones
 
+  zl train --devices R58M123,R58M456,R58M789 --max-temperature 42 --min-battery 30   # pause hot or flat phones
+
   zl train --runtime torch --model tiny-random --samples 64 --out runs/torch     # stages as torch.distributed ranks
+
+  zl train --devices local:3 --cpu-quota 1.0,0.5,0.75 --stages auto   # unequal devices, split planned (zl plan)
 """
 
 console = Console()
@@ -52,12 +56,15 @@ class PlainProgress:
         for s in status:
             loss = f"{s.last_loss:.4f}" if s.last_loss is not None else "-"
             pss = f"{s.pss_mib:.0f} MiB" if s.pss_mib is not None else "-"
-            self.print_line(f"stage {s.index} ({s.device}): {s.state}, micro-batch {s.micro_batches_done}/{self.total}, "
-                            f"{s.last_committed_window + 1} windows, loss {loss}, PSS {pss}, restarts {s.restarts}")
+            self.print_line(f"stage {s.index} ({s.device}): {stage_state(s)}, micro-batch "
+                            f"{s.micro_batches_done}/{self.total}, {s.last_committed_window + 1} windows, loss {loss}, "
+                            f"PSS {pss}, restarts {s.restarts}")
 
 
 def run_train(settings: TrainSettings) -> None:
     from zl.commands.export import RichExportProgress
+    from zl_device.plan.plan_file import PLAN_FILE, write_plan
+    from zl_device.plan.planner import resolve_stages
     from zl_device.run.train_job import run_training
 
     total = settings.windows().num_micro_batches
@@ -77,6 +84,7 @@ def run_train(settings: TrainSettings) -> None:
 
     try:
         with RichExportProgress() as export_progress:
+            settings, plan = resolve_stages(settings, lambda line: console.print(line), export_progress)
             result = run_training(settings, say=lambda line: console.print(line), on_update=on_update,
                                   export_progress=export_progress)
     finally:
@@ -86,7 +94,18 @@ def run_train(settings: TrainSettings) -> None:
         return  # prepared: the user starts the ranks with the torchrun command printed above
     if not result.report:
         raise ZLError("the run produced no report")
+    if plan is not None:  # what the split was chosen on, beside the run's measured stage times
+        write_plan(plan, result.run_dir / PLAN_FILE)
     console.print(f"[bold]done[/] in {result.wall_s:.0f} s: {result.samples} samples; results in {result.run_dir}")
+
+
+def stage_state(s, now: float | None = None) -> str:
+    """A stage's state for the display; a device policy's pause says why and for how long ("paused 12 s: 61.0 °C ≥
+    45 °C (--max-temperature)")."""
+    reason = getattr(s, "pause_reason", None)  # any status-like row; StageStatus has it
+    since = getattr(s, "paused_since", None)
+    state = s.state if since is None else f"{s.state} {(now or time.monotonic()) - since:.0f} s"
+    return f"{state}: {reason}" if reason else state
 
 
 def _table(status, total: int) -> Table:
@@ -96,7 +115,7 @@ def _table(status, total: int) -> Table:
     for s in status:
         loss = f"{s.last_loss:.4f}" if s.last_loss is not None else "-"
         pss = f"{s.pss_mib:.0f}" if s.pss_mib is not None else "-"
-        table.add_row(str(s.index), s.device, s.state, f"{s.micro_batches_done}/{total}",
+        table.add_row(str(s.index), s.device, stage_state(s), f"{s.micro_batches_done}/{total}",
                       str(s.last_committed_window + 1), loss, pss, str(s.restarts))
     return table
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import adbutils
 from adbutils.errors import AdbError
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.devices.backend import (
     RUNNER_EXIT,
     RUNNER_NAME,

@@ -28,7 +28,7 @@ import signal
 import time
 from pathlib import Path
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.devices.adb import AdbDevice, _adb_errors, parse_df_available
 from zl_device.devices.backend import (
     RUNNER_EXIT,
@@ -160,7 +160,7 @@ class AppDevice(AdbDevice):
         Raises:
             ZLError: the file is not a run key (64 hex characters).
         """
-        from zl_device.run.frames import parse_key
+        from zl_device.formats.frames import parse_key
 
         try:
             text = Path(key_file).read_text()

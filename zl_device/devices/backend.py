@@ -225,7 +225,7 @@ class Device(ABC):
         Raises:
             ZLError: the backend has no standby, one is there already, or the binary or config is missing.
         """
-        from zl.errors import ZLError
+        from zl_base.errors import ZLError
 
         raise ZLError(f"{self.name}: {self.kind} devices keep no hot standby; run without --standby.")
 

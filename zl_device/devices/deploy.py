@@ -26,12 +26,13 @@ import json
 import logging
 import os
 import posixpath
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
+from zl_device.formats.checkpoints import DEFAULT_LAYOUT
+from zl_device.formats.run_layout import MANIFEST, METRICS, RunLayout, stage_config_index, stage_config_name
 from zl_device.devices.backend import (
     RUNNER_EXIT,
     RUNNER_NAME,
@@ -46,7 +47,6 @@ from zl_device.devices.backend import (
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
-MANIFEST = "manifest.json"
 #: Runner config fields that name host files to push next to the config.
 PATH_FIELDS = ("program", "manifest", "data_shard", "run_key_file")
 #: Room left free for checkpoints, input logs and telemetry beyond the pushed files, bytes.
@@ -54,10 +54,6 @@ DISK_MARGIN = 64 << 20
 #: Files at least this big are hashed on both sides before pushing (smaller ones are just pushed).
 _HASH_MIN_BYTES = 1 << 20
 ANDROID_RUNNER_ENV = "ZL_ANDROID_RUNNER"
-
-
-def stage_config_name(stage: int) -> str:
-    return f"stage_{stage}.json"
 
 
 def android_runner_binary() -> Path:
@@ -262,10 +258,10 @@ def deploy(
     Raises:
         ZLError: fewer devices than stages, a missing config, or any `deploy_stage` error.
     """
-    from zl_export.manifest import load_manifest
+    from zl_export.manifest import load_manifest, stage_count
 
     manifest = load_manifest(Path(export_dir))
-    num_stages = len(manifest["stages"])
+    num_stages = stage_count(manifest)
     if len(devices) < num_stages:
         raise ZLError(f"{export_dir} has {num_stages} stages but --devices gives {len(devices)} device(s) "
                       f"({', '.join(d.name for d in devices)}); pass at least {num_stages}.")
@@ -274,8 +270,8 @@ def deploy(
         configs = {k: folder / stage_config_name(k) for k in range(num_stages)}
         missing = [str(p) for p in configs.values() if not p.is_file()]
         if missing:
-            raise ZLError(f"no stage config {', '.join(missing)}; --configs needs stage_0.json .. "
-                          f"stage_{num_stages - 1}.json.")
+            raise ZLError(f"no stage config {', '.join(missing)}; --configs needs {stage_config_name(0)} .. "
+                          f"{stage_config_name(num_stages - 1)}.")
     configs = configs or {}
     results = []
     for i, device in enumerate(devices):
@@ -299,19 +295,18 @@ def pull(devices: Sequence[Device], out_dir: Path, checkpoints: bool = True, inp
 
     Incomplete checkpoints (`.tmp-*`) are skipped; input logs only with `input_logs`.
     """
-    out_dir = Path(out_dir)
+    layout = RunLayout(out_dir)
     results = []
     for device in devices:
-        result = PullResult(device.name, logs_dir=out_dir / "logs" / device.name)
+        result = PullResult(device.name, logs_dir=layout.device_logs(device.name))
         names = device.listdir(".")
         for name in (RUNNER_STDOUT, RUNNER_STDERR, RUNNER_EXIT):
             if name in names:
                 result.bytes_pulled += device.pull(name, result.logs_dir / name)
         for name in names:
-            m = re.fullmatch(r"stage_(\d+)\.json", name)
-            if not m:
+            stage = stage_config_index(name)
+            if stage is None:
                 continue
-            stage = int(m.group(1))
             result.stages.append(stage)
             result.bytes_pulled += device.pull(name, result.logs_dir / name)
             try:
@@ -319,14 +314,15 @@ def pull(devices: Sequence[Device], out_dir: Path, checkpoints: bool = True, inp
             except json.JSONDecodeError:
                 log.warning("%s: %s is not valid JSON; pulled it without its telemetry", device.name, name)
                 continue
-            telemetry = cfg.get("log_path") or "metrics.jsonl"
+            telemetry = cfg.get("log_path") or METRICS
             if device.exists(telemetry):
                 result.bytes_pulled += device.pull(telemetry, result.logs_dir / posixpath.basename(telemetry))
             ckpt = cfg.get("checkpoint_dir")
             if checkpoints and ckpt and device.exists(ckpt):
-                target = out_dir / "checkpoints" / f"stage_{stage}"
+                target = layout.stage_checkpoints(stage)
                 # The accumulator snapshot (a window in progress, docs/design.md §7) goes with the input logs.
-                exclude = (".tmp-*",) + (() if input_logs else ("input_log", "accumulator.safetensors*"))
+                exclude = (".tmp-*",) + (() if input_logs else (DEFAULT_LAYOUT.input_log_dir,
+                                                                  f"{DEFAULT_LAYOUT.accumulator_file}*"))
                 result.bytes_pulled += device.pull(ckpt, target, exclude=exclude)
                 result.checkpoint_dirs[stage] = target
         results.append(result)
@@ -347,7 +343,7 @@ def remove_run_files(devices: Sequence[Device]) -> list[str]:
     removed = []
     for device in devices:
         for name in device.listdir("."):
-            if not re.fullmatch(r"stage_(\d+)\.json", name):
+            if stage_config_index(name) is None:
                 continue
             try:
                 cfg = json.loads(device.read_text(name) or "{}")
@@ -356,8 +352,8 @@ def remove_run_files(devices: Sequence[Device]) -> list[str]:
                 continue
             ckpt = cfg.get("checkpoint_dir")
             paths = [cfg.get("run_key_file"), cfg.get("data_shard"),
-                     cfg.get("input_log_dir") or (posixpath.join(ckpt, "input_log") if ckpt else None),
-                     posixpath.join(ckpt, "accumulator.safetensors") if ckpt else None]
+                     cfg.get("input_log_dir") or (DEFAULT_LAYOUT.device_input_log(ckpt) if ckpt else None),
+                     DEFAULT_LAYOUT.device_accumulator(ckpt) if ckpt else None]
             for path in paths:
                 if path and not posixpath.isabs(path) and ".." not in path.split("/") and device.exists(path):
                     device.remove(path)

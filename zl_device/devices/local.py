@@ -2,8 +2,9 @@
 
 `--devices local:3` makes RUN_DIR/devices/local-0 .. local-2. They stand in
 for phones in tests and benchmarks: optional CPU pinning (so three stages do
-not share cores the way they would not share a phone's), and a link profile
-the stage configs pass to the runner's sender-side shaping.
+not share cores the way they would not share a phone's), a CPU quota per
+device (`--cpu-quota 1.0,0.5,0.75`: unequal phones, cpu_quota.py), and a link
+profile the stage configs pass to the runner's sender-side shaping.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.devices.backend import (
     RUNNER_EXIT,
     RUNNER_NAME,
@@ -32,6 +33,7 @@ from zl_device.devices.backend import (
     excluded,
     sum_pss_kib,
 )
+from zl_device.devices.cpu_quota import CpuCap, cap_process
 
 REPO = Path(__file__).resolve().parents[2]
 #: Environment override for the host runner binary (same variable as tests/test_runner.py).
@@ -64,6 +66,7 @@ class LocalDevice(Device):
             process here); `--config FILE [--resume]` is appended.
         cpus: pin the runner to these CPU ids (taskset, or sched_setaffinity where taskset is missing).
         link_profile: the link profile of stages placed here (local, wifi, mobile, constrained).
+        cpu_quota: cap every runner (and standby) started here at this many CPUs (cpu_quota.py); None: uncapped.
     """
 
     kind = "local"
@@ -76,12 +79,15 @@ class LocalDevice(Device):
         runner: Sequence[str] | None = None,
         cpus: Sequence[int] | None = None,
         link_profile: str = "local",
+        cpu_quota: float | None = None,
     ):
         workdir = Path(workdir).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
         super().__init__(name, str(workdir), link_profile)
         self.runner = list(runner) if runner else None
         self.cpus = tuple(cpus) if cpus else None
+        self.cpu_quota = cpu_quota
+        self._caps: dict[int, CpuCap] = {}  # runner or standby pid -> its cap, until it is seen to end
         self._proc: subprocess.Popen | None = None
         self._out_offset = 0
         self._standby: subprocess.Popen | None = None
@@ -94,6 +100,8 @@ class LocalDevice(Device):
 
     def info(self) -> DeviceInfo:
         cpus = f"CPUs {','.join(map(str, self.cpus))}" if self.cpus else f"{os.cpu_count()} CPUs"
+        if self.cpu_quota is not None:
+            cpus += f", quota {self.cpu_quota:g} CPU"
         return DeviceInfo(self.name, self.kind, "ready", model=platform.node() or "this host",
                           abi=platform.machine(), note=f"{cpus}, {self.workdir}")
 
@@ -231,7 +239,27 @@ class LocalDevice(Device):
                 proc.kill()
                 raise ZLError(f"{self.name}: cannot pin to CPUs {self.cpus}: {e}; available: "
                               f"{sorted(os.sched_getaffinity(0))}.") from e
+        if self.cpu_quota is not None:
+            self._release_ended_caps()
+            try:  # microseconds after the start: the runner is still mapping its program
+                self._caps[proc.pid] = cap_process(proc.pid, self.cpu_quota, self.name)
+            except ZLError:
+                proc.kill()
+                proc.wait()
+                raise
         return proc
+
+    def _release_ended_caps(self) -> None:
+        """Free the caps of runners and standbys that have ended (their cgroup, their throttle thread)."""
+        live = {p.pid for p in (self._proc, self._standby) if p is not None and p.poll() is None}
+        for pid in [pid for pid in self._caps if pid not in live]:
+            self._caps.pop(pid).release()
+
+    @property
+    def cap_mechanism(self) -> str | None:
+        """How the quota holds the current runner ("cgroup" or "throttle"); None when uncapped or not running."""
+        cap = self._caps.get(self._proc.pid) if self._proc is not None else None
+        return cap.mechanism if cap else None
 
     # --- hot standby (docs/design.md §5.5) -------------------------------------------------------------
 
@@ -284,6 +312,8 @@ class LocalDevice(Device):
         if proc is not None:
             proc.kill()  # it holds nothing yet: no checkpoint, port or input log
             proc.wait()
+            if self._caps:
+                self._release_ended_caps()
         else:
             text = self.read_text(STANDBY_PID)
             pid = int(text) if text and text.strip().isdigit() else None
@@ -321,6 +351,8 @@ class LocalDevice(Device):
         exit_path = self._local(RUNNER_EXIT)
         if not exit_path.exists():
             exit_path.write_text(f"{self._proc.returncode}\n")
+        if self._caps:
+            self._release_ended_caps()
 
     def exit_code(self) -> int | None:
         if self._proc is not None:

@@ -17,12 +17,14 @@ and sends to stage k+1. Three ways to connect them:
 
 from __future__ import annotations
 
+import secrets
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 MODES = ("auto", "local", "wifi", "usb")
 DEFAULT_STAGE_PORT = 7100  # stage k listens on 7100 + k on its device
@@ -184,3 +186,42 @@ def apply_tunnels(plan: AddressPlan, devices: Sequence) -> None:
             by_name[t.serial].forward(t.host_port, t.device_port)
         else:
             by_name[t.serial].reverse(t.device_port, t.host_port)
+
+
+def free_port_base(count: int, start: int = 20000, stop: int = 60000) -> int:
+    """A base port with `count` consecutive free ports on 127.0.0.1 (local devices share this host).
+
+    The ports come from [start, stop) minus the kernel's ephemeral range (Linux: 32768-60999), from which it gives
+    every outgoing connection its local port: a port free when checked there can be some client's by the time a
+    runner binds it (a run once failed so, `bind 127.0.0.1:41010: Address already in use`).
+    """
+    rng = secrets.SystemRandom()
+    low, high = _ephemeral_ports()
+    ranges = [(a, b) for a, b in ((start, min(stop, low)), (max(start, high + 1), stop)) if b - a > count]
+    if not ranges:
+        ranges = [(start, stop)]
+    for _ in range(200):
+        a, b = rng.choice(ranges)
+        base = rng.randrange(a, b - count)
+        socks = []
+        try:
+            for p in range(base, base + count):
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", p))
+                socks.append(sock)
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise ZLError("found no free local ports for the stages; is the host out of ports?")
+
+
+def _ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections; Linux's default where it cannot be read."""
+    try:
+        low, high = (int(v) for v in Path(path).read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999

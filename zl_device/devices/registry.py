@@ -3,6 +3,7 @@
     open_devices("local:3", run_dir=Path("runs/demo"))   # runs/demo/devices/local-0 .. local-2
     open_devices("R58M123,R58M456")                      # two phones, checked online and arm64-v8a
     open_devices("R58M123,R58M456", mode="app")          # the same phones, stages run in the app
+    open_devices("local:3", run_dir=..., cpu_quota=(1.0, 0.5, 0.75))   # three unequal "phones" on this host
 
 `--mode binary` (the default) runs a phone's stage as `zl_runner` in /data/local/tmp/zerolock;
 `--mode app` in the app com.zerolock.zl (zl_device/devices/app.py). Local devices always run the host binary.
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.devices.backend import Device
 
 LOCAL = "local"
@@ -72,8 +73,22 @@ def parse_devices(spec: str) -> DevicesSpec:
 
 
 def check_devices(spec: str, flag: str = "--devices") -> None:
-    """`--devices`' check (zl/settings.py): raises ZLError when `spec` does not parse (see `parse_devices`)."""
+    """`--devices`' check (zl_base/settings.py): raises ZLError when `spec` does not parse (see `parse_devices`)."""
     parse_devices(spec)
+
+
+def check_cpu_quota_fits(spec: DevicesSpec, quotas, flag: str = "--cpu-quota") -> list[float | None]:
+    """The quota of each device of `spec`: local devices only, one value for all or one each.
+
+    Raises:
+        ZLError: quotas for phones, a value out of range, or another count than the devices'.
+    """
+    from zl_device.devices.cpu_quota import quotas_per_device
+
+    if quotas is not None and spec.kind != LOCAL:
+        raise ZLError(f"{flag}: phones run at their own speed; CPU quotas emulate unequal phones with local devices "
+                      f"(--devices local:N). Drop {flag}.")
+    return quotas_per_device(quotas, spec.count, flag)
 
 
 def check_mode(spec: DevicesSpec, mode: str) -> None:
@@ -112,6 +127,7 @@ def open_devices(
     check_abi: bool = True,
     client=None,
     mode: str = "binary",
+    cpu_quota: Sequence[float] | None = None,
 ) -> list[Device]:
     """The devices of a --devices value, in stage order.
 
@@ -125,24 +141,28 @@ def open_devices(
         check_abi: phones: fail unless arm64-v8a.
         client: an adbutils client (default: connect to the adb server, starting it).
         mode: phones: "binary" (zl_runner over adb) or "app" (the com.zerolock.zl app); see MODES.
+        cpu_quota: local only: CPUs per device (one value for all, or one each; zl_device/devices/cpu_quota.py).
 
     Raises:
-        ZLError: a bad spec or mode, no run_dir for local devices, or a phone that is missing, unauthorized,
-            offline or of the wrong ABI.
+        ZLError: a bad spec, mode or quota, no run_dir for local devices, or a phone that is missing,
+            unauthorized, offline or of the wrong ABI.
     """
     parsed = parse_devices(spec) if isinstance(spec, str) else spec
     check_mode(parsed, mode)
+    quotas = check_cpu_quota_fits(parsed, cpu_quota)
     if link_profile is not None and link_profile not in LINK_PROFILES:
         raise ZLError(f"link profile {link_profile!r}: expected one of {', '.join(LINK_PROFILES)}.")
     if parsed.kind == LOCAL:
         from zl_device.devices.local import LocalDevice
+        from zl_device.formats.run_layout import RunLayout
 
         if run_dir is None:
             raise ZLError("local devices need a run directory (their folders are RUN_DIR/devices/local-N); "
                           "pass --run-dir.")
         cpu_sets = local_cpu_sets(parsed.count) if pin_cpus else [None] * parsed.count
-        return [LocalDevice(f"local-{i}", Path(run_dir) / "devices" / f"local-{i}", runner=runner, cpus=cpu_sets[i],
-                            link_profile=link_profile or "local") for i in range(parsed.count)]
+        layout = RunLayout(run_dir)
+        return [LocalDevice(f"local-{i}", layout.device_dir(f"local-{i}"), runner=runner, cpus=cpu_sets[i],
+                            link_profile=link_profile or "local", cpu_quota=quotas[i]) for i in range(parsed.count)]
     from zl_device.devices import adb
 
     client = client or adb.connect()

@@ -7,7 +7,7 @@ names (android_app/native/include/zl/checkpoint.h):
     <checkpoints>/stage_<k>/window_000012/progress.json         stage, window, run_id, progress
 
 The orchestrator gives stage k the runner `checkpoint_dir` `stage_<k>` under
-the run's checkpoint root (zl_device/run/checkpoints.py `CheckpointLayout` says so, and can be changed).
+the run's checkpoint root (zl_device/formats/checkpoints.py `CheckpointLayout` says so, and can be changed).
 Because every name is a PEFT name and the manifest lists each stage's
 parameters, merging is a union of the stages' tensors checked against the
 manifest: every parameter present exactly once with its shape, nothing else,
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from zl.errors import ZLError
-from zl_device.run.checkpoints import DEFAULT_LAYOUT, CheckpointLayout
+from zl_base.errors import ZLError
+from zl_device.formats.checkpoints import DEFAULT_LAYOUT, CheckpointLayout
 from zl_export.lora import adapter_config
 from zl_export.options import LoraSettings
 from zl_export.manifest import MANIFEST, read_manifest_file

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.results.generation import GENERATE_ROWS, MARGIN_TOKENS, SAMPLE_ROWS, score_generations, side_by_side
-from zl_export.scoring import IGNORE_INDEX, RowScores, label_word_scores
+from zl_export.scoring import IGNORE_INDEX, RowScores, decoder_and_head, label_word_scores
 from zl_export.shard import Shard
 from zl_export.tokenizer import Tokenizer
 
@@ -64,14 +64,20 @@ class EvalResult:
     generated_rows: int = 0  # rows with a greedy generation (GenerationEval)
     exact_match: float | None = None  # fraction of generated rows equal to their reference
     rouge_l: float | None = None  # mean ROUGE-L F-measure of the generated rows
-    per_row: RowScores | None = field(default=None, repr=False)  # with evaluate(..., per_row=True), classification
+    # With evaluate(..., per_row=True), for paired comparisons: each row's NLL sum and label tokens (and, on
+    # classification shards, whether it was right; `correct` is empty otherwise), and each generated row's
+    # ROUGE-L and exact match.
+    per_row: RowScores | None = field(default=None, repr=False)
     generations: list[str] | None = field(default=None, repr=False)  # each generated row's text
+    row_rouge_l: list[float] | None = field(default=None, repr=False)
+    row_exact: list[int] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         del d["generations"]  # eval_record puts a sample of them side by side
-        if self.per_row is None:
-            del d["per_row"]
+        for name in ("per_row", "row_rouge_l", "row_exact"):
+            if d[name] is None:
+                del d[name]
         return d
 
 
@@ -129,7 +135,10 @@ def evaluate(
                                  (rows.tokens, scores.tokens)):
                 mine.extend(theirs)
         else:
-            nll = _completion_nll(model, batch)
+            sums, counts = _completion_nll_rows(model, batch)
+            nll = sum(sums) / max(sum(counts), 1)
+            rows.nll_sum.extend(sums)
+            rows.tokens.extend(counts)
         nll_sum += nll * count
         tokens += count
         on_batch(batch.rows)
@@ -148,8 +157,10 @@ def evaluate(
         generated_rows=generated.rows if generated else 0,
         exact_match=generated.exact_match if generated else None,
         rouge_l=generated.rouge_l if generated else None,
-        per_row=rows if per_row and classify else None,
+        per_row=rows if per_row else None,
         generations=generated.texts if generated else None,
+        row_rouge_l=generated.row_rouge_l if generated and per_row else None,
+        row_exact=generated.row_exact if generated and per_row else None,
     )
 
 
@@ -228,8 +239,9 @@ def _label_tokens(batch: Shard, offset: int) -> int:
 
 
 @torch.no_grad()
-def _completion_nll(model: torch.nn.Module, batch: Shard) -> float:
-    """Mean NLL per label token of a batch of a shard without label words (prompt/completion data).
+def _completion_nll_rows(model: torch.nn.Module, batch: Shard) -> tuple[list[float], list[int]]:
+    """Each row's summed NLL over its label tokens, and their count, for a batch of a shard without label words
+    (prompt/completion data).
 
     The LM head runs only on the positions that predict a label: full
     (B, S, V) logits would take gigabytes for a 49k-token vocabulary.
@@ -237,7 +249,7 @@ def _completion_nll(model: torch.nn.Module, batch: Shard) -> float:
     was_training = model.training
     model.eval()
     try:
-        decoder, head = model.get_decoder(), model.get_output_embeddings()
+        decoder, head = decoder_and_head(model)  # the LM head, soft-capped as the model's forward does
         length = int(batch.attention_mask.sum(1).max())
         ids, mask = batch.input_ids[:, :length], batch.attention_mask[:, :length]  # (B, L)
         hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, L, d)
@@ -245,6 +257,9 @@ def _completion_nll(model: torch.nn.Module, batch: Shard) -> float:
         targets = batch.labels[:, 1:length]  # (B, L-1)
         rows, cols = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
         logp = torch.log_softmax(head(hidden[rows, cols]).float(), dim=-1)  # (K, V)
-        return float(-logp.gather(1, targets[rows, cols][:, None]).mean())
+        nll = -logp.gather(1, targets[rows, cols][:, None])[:, 0]  # (K,)
+        sums = torch.zeros(batch.rows, dtype=torch.float64).index_add_(0, rows, nll.double())
+        counts = torch.bincount(rows, minlength=batch.rows)
+        return sums.tolist(), counts.tolist()
     finally:
         model.train(was_training)

@@ -9,9 +9,10 @@
 - `adapter_base`, `run_chat_record`: what an adapter was trained on (the model; whether its prompts were chat,
   rendered how), so `zl generate` loads that model and renders its prompts the same way.
 
-Conventions: a prompt is tokenized exactly as `zl data` tokenizes one (`tokenizer.encode`, no special tokens), so
-a model trained on a shard sees at generation time the same ids it saw in training; a generation ends at the
-tokenizer's end-of-sequence token (left out of the text) or after its token budget.
+Conventions: a prompt is tokenized exactly as `zl data` tokenizes one (`encode_prompt`, re-exported here: the
+tokenizer's BOS first when it adds one by default, then the text without special tokens), so a model trained on a
+shard sees at generation time the same ids it saw in training; `zl eval` takes its prompts from the shard's rows, BOS
+included. A generation ends at the tokenizer's end-of-sequence token (left out of the text) or after its token budget.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
+from zl_export.tokenizer import encode_prompt, without_bos  # noqa: F401 (encode_prompt: `zl generate`'s prompt ids)
 
 if TYPE_CHECKING:  # torch is imported where it is used: `zl --help` reads this module's constants
     import torch
@@ -164,6 +166,7 @@ def exact_match(prediction: str, reference: str) -> bool:
 
 def split_row(shard: Shard, row: int) -> tuple[list[int], list[int]]:
     """(prompt ids, completion ids without end-of-sequence) of a shard row; the completion starts at the first label.
+    The prompt ids keep the row's leading BOS, if any: generation continues from what training saw.
 
     Raises:
         ZLError: a row without a completion after a prompt.
@@ -191,6 +194,8 @@ class GenerationScores:
     max_new_tokens: int | None  # the fixed budget, or None: each row's completion length + MARGIN_TOKENS
     seconds: float
     texts: list[str] = field(default_factory=list, repr=False)  # each row's generation
+    row_rouge_l: list[float] = field(default_factory=list, repr=False)  # each row's ROUGE-L, for paired comparisons
+    row_exact: list[int] = field(default_factory=list, repr=False)  # 1 where the row's generation is exact
 
 
 def score_generations(
@@ -225,16 +230,18 @@ def score_generations(
             rouges.append(rouge_l(text, reference))
         on_batch(len(split))
     return GenerationScores(count, sum(matches) / max(count, 1), sum(rouges) / max(count, 1), max_new_tokens,
-                            time.perf_counter() - start_time, texts)
+                            time.perf_counter() - start_time, texts, rouges, [int(m) for m in matches])
 
 
 def side_by_side(shard: Shard, tokenizer: Tokenizer, texts: dict[str, list[str]], rows: int = SAMPLE_ROWS) -> list[dict]:
-    """The first `rows` rows as {"row", "prompt", "reference", <model>: generation, ...} for eval.json and report.md."""
+    """The first `rows` rows as {"row", "prompt", "reference", <model>: generation, ...} for eval.json and report.md
+    (the prompt's text without the BOS the model reads first)."""
     count = min([rows, shard.rows, *(len(t) for t in texts.values())])
     samples = []
     for r in range(count):
         prompt, completion = split_row(shard, r)
-        samples.append({"row": r, "prompt": tokenizer.decode(prompt), "reference": tokenizer.decode(completion),
+        samples.append({"row": r, "prompt": tokenizer.decode(without_bos(tokenizer, prompt)),
+                        "reference": tokenizer.decode(completion),
                         **{name: t[r] for name, t in texts.items()}})
     return samples
 

@@ -3,7 +3,7 @@
 `build_report(run_dir)` returns the report as a dict; `write_report(run_dir)`
 writes `report.json`, `report.md`, `plots/latency.png` and `plots/loss.png`
 into the run directory. The telemetry layouts and every line kind, including
-the coordinator's recovery events, are described in `zl_device.run.metrics_log`.
+the coordinator's recovery events, are described in `zl_device.formats.metrics_log`.
 
 What the numbers mean:
 
@@ -34,6 +34,14 @@ What the numbers mean:
   restart of a stage, the micro-batches in the runner's (n+1)-th run (after
   its n-th `start` line) that an earlier run had already done.
 
+`pauses`: one entry per `pause` event (a device policy held the stage,
+docs/design.md §5.8): stage, device, kind, reason, the window it stopped
+after, `to_pause_ms` (limit crossed → stopped: the rest of its window) and
+`paused_ms` (stopped → restarted), what the readings were when it resumed.
+`run.paused_s` is the time at least one stage was paused (the union of the
+pauses; the wall time includes it). A stage's `restarts` leaves out the
+starts that ended a pause.
+
 Layers come from the export manifest (`RUN_DIR/manifest.json`, written by
 `zl export`): `stages[i].layers = [first, last]`, null without a manifest.
 
@@ -49,16 +57,12 @@ from pathlib import Path
 
 import numpy as np
 
-from zl.errors import ZLError
-from zl_device.run.metrics_log import MetricsLog, read_metrics
-from zl_export.manifest import MANIFEST, read_manifest_file
+from zl_base.errors import ZLError
+from zl_device.formats.metrics_log import MetricsLog, read_metrics
+from zl_device.formats.run_layout import PLOTS_DIR, REPORT_JSON, REPORT_MD, RunLayout
+from zl_export.manifest import read_manifest_file
 
 log = logging.getLogger(__name__)
-
-REPORT_JSON = "report.json"
-REPORT_MD = "report.md"
-EVAL_JSON = "eval.json"
-PLOTS_DIR = "plots"
 
 LATENCY_KEYS = ("phase1_ms", "phase2_ms", "queue_ms", "send_ms", "total_ms")
 REPORT_VERSION = 1
@@ -93,31 +97,32 @@ def write_report(run_dir: Path, manifest_path: Path | None = None, plots: bool =
         The report (as in report.json); its "files" maps "json", "md" (and "latency", "loss" with plots)
         to the written paths, relative to `run_dir`.
     """
-    run_dir = Path(run_dir)
-    report, curves = _analyze(run_dir, manifest_path)
+    layout = RunLayout(run_dir)
+    report, curves = _analyze(layout.root, manifest_path)
     files = {"json": REPORT_JSON, "md": REPORT_MD}
     if plots:
         from zl_device.results import plots as zplots
 
-        (run_dir / PLOTS_DIR).mkdir(exist_ok=True)
+        layout.plots.mkdir(exist_ok=True)
         files["latency"] = f"{PLOTS_DIR}/latency.png"
         files["loss"] = f"{PLOTS_DIR}/loss.png"
-        zplots.plot_latency(report["stages"], run_dir / files["latency"])
-        zplots.plot_loss(curves, run_dir / files["loss"])
+        zplots.plot_latency(report["stages"], layout.root / files["latency"])
+        zplots.plot_loss(curves, layout.root / files["loss"])
     report["files"] = files
-    _write_text(run_dir / REPORT_JSON, json.dumps(report, indent=2) + "\n")
-    _write_text(run_dir / REPORT_MD, render_markdown(report, with_plots=plots))
+    _write_text(layout.report_json, json.dumps(report, indent=2) + "\n")
+    _write_text(layout.report_md, render_markdown(report, with_plots=plots))
     return report
 
 
 def _analyze(run_dir: Path, manifest_path: Path | None) -> tuple[dict, dict]:
     """(report, loss curves by stage) of a run."""
     metrics = read_metrics(run_dir)
-    if not any(metrics.of_type(s, "micro_batch") for s in metrics.runner):
-        raise ZLError(f"{', '.join(map(str, metrics.sources))}: no micro_batch lines; did any stage run a "
+    # The backprop schedules of the torch runtime (gpipe, 1f1b, pipedream) step whole windows: window lines only.
+    if not any(metrics.of_type(s, "micro_batch") or metrics.of_type(s, "window") for s in metrics.runner):
+        raise ZLError(f"{', '.join(map(str, metrics.sources))}: no micro_batch or window lines; did any stage run a "
                       "micro-batch? (the runner writes them to its log_path)")
-    if manifest_path is None and (run_dir / MANIFEST).is_file():
-        manifest_path = run_dir / MANIFEST
+    if manifest_path is None and RunLayout(run_dir).manifest.is_file():
+        manifest_path = RunLayout(run_dir).manifest
     manifest = read_manifest_file(manifest_path) if manifest_path is not None else None
     layers = {s["index"]: s.get("layers") for s in manifest["stages"]} if manifest else {}
     unknown = sorted(set(metrics.runner) - set(layers)) if manifest else []
@@ -130,6 +135,9 @@ def _analyze(run_dir: Path, manifest_path: Path | None) -> tuple[dict, dict]:
         summary, curve, replays_by_run[index] = _stage(index, metrics, layers.get(index))
         stages.append(summary)
         curves[index] = curve
+    pauses = _pauses(metrics.events)
+    for summary in stages:  # the start that ended a pause is no restart
+        summary["restarts"] = max(0, summary["restarts"] - sum(p["stage"] == summary["index"] for p in pauses))
     report = {
         "version": REPORT_VERSION,
         "run_dir": str(run_dir),
@@ -138,9 +146,34 @@ def _analyze(run_dir: Path, manifest_path: Path | None) -> tuple[dict, dict]:
         "run": _run(metrics, manifest, stages),
         "stages": stages,
         "recovery": _recovery(metrics.events, replays_by_run),
-        "eval": _eval(run_dir / EVAL_JSON),
+        "pauses": pauses,
+        "eval": _eval(RunLayout(run_dir).eval),
     }
+    report["run"]["paused_s"] = _held_s(pauses)
     return report, curves
+
+
+_PAUSE_KEYS = ("stage", "device", "kind", "reason", "window", "requested_unix_ms", "paused_unix_ms",
+               "resumed_unix_ms", "to_pause_ms", "paused_ms", "resumed_at")
+
+
+def _pauses(events: list[dict]) -> list[dict]:
+    """The `pause` events, in order, with the keys of _PAUSE_KEYS (null where an event lacks one)."""
+    return [{key: e.get(key) for key in _PAUSE_KEYS} for e in events if e["type"] == "pause"]
+
+
+def _held_s(pauses: list[dict]) -> float | None:
+    """Seconds during which at least one stage was paused (the union of the pauses); None without pauses."""
+    spans = sorted((p["paused_unix_ms"], p["resumed_unix_ms"]) for p in pauses
+                   if p["paused_unix_ms"] is not None and p["resumed_unix_ms"] is not None)
+    if not spans:
+        return None
+    total, (start, end) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > end:
+            total, start = total + end - start, a
+        end = max(end, b)
+    return (total + end - start) / 1000.0
 
 
 def _eval(path: Path) -> dict | None:
@@ -264,7 +297,7 @@ def _recovery(events: list[dict], replays_by_run: dict[int, list[int]]) -> list[
 
     for event in events:
         kind = event["type"]
-        if kind == "run":
+        if kind in ("run", "pause"):
             continue
         stage = event["stage"]
         if kind == "failure":
@@ -353,6 +386,8 @@ def render_markdown(report: dict, with_plots: bool = True) -> str:
     replayed = [s for s in stages if s["replayed_micro_batches"] or s["restarts"]]
     if report["recovery"] or replayed:
         out += _recovery_markdown(report["recovery"], replayed)
+    if report.get("pauses"):
+        out += _pauses_markdown(report["pauses"], run.get("paused_s"))
     if with_plots:
         out += ["## Plots", "", "![latency per stage](plots/latency.png)", "", "![loss per stage](plots/loss.png)", ""]
     return "\n".join(out)
@@ -431,6 +466,23 @@ def _recovery_markdown(entries: list[dict], replayed: list[dict]) -> list[str]:
                    "replayed (left out of the latency statistics).")
     if replayed:
         out.append("")
+    return out
+
+
+def _pauses_markdown(pauses: list[dict], paused_s: float | None) -> list[str]:
+    out = ["## Pauses", "",
+           "A device policy (`--max-temperature`, `--min-battery`, `--require-charging`) held these stages: each "
+           "finished its window, stopped, and started again from its checkpoint once its device was back in range "
+           "(docs/design.md §5.8). Until paused: from the limit crossed to the stop; paused: from the stop to the "
+           "restart." + (f" Some stage was paused for {paused_s:.1f} s in all, which the wall time includes."
+                         if paused_s is not None else ""), "",
+           "| stage | device | why | stopped after window | until paused (ms) | paused (s) | resumed at |",
+           "|---|---|---|---|---|---|---|"]
+    for p in pauses:
+        paused = None if p["paused_ms"] is None else p["paused_ms"] / 1000.0
+        out.append(f"| {p['stage']} | {p['device'] or 'n/a'} | {_cell(p['reason'])} | {_num(p['window'])} | "
+                   f"{_num(p['to_pause_ms'])} | {_num(paused)} | {_cell(p['resumed_at'])} |")
+    out.append("")
     return out
 
 

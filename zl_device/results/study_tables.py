@@ -3,6 +3,11 @@ the paired difference to the reference arm (zl_device/results/comparison.py), ti
 
 `results` are the study's arm records: arm, samples, seed (None for the base model), accuracy, nll, train_s,
 eval_s, wall_s, rows (each dev row's correct / nll_sum / tokens) and, for ZeroLock, early_exit_accuracy/_nll.
+
+The per-row score is the study's metric: label-word accuracy (`correct`, 0 or 1) on classification data, ROUGE-L
+F-measure of the greedy generation (`rouge_l`, in [0, 1]) on generative data, where records also carry each
+row's exact match (`exact`). The summary keys are named after the metric (`accuracy`, `accuracy_se`,
+`accuracy_diff`... or `rouge_l`, `rouge_l_se`, `rouge_l_diff`...); the paired arithmetic is the same.
 """
 
 from __future__ import annotations
@@ -12,33 +17,51 @@ from pathlib import Path
 from zl_device.results.comparison import Scored, paired, summarize
 
 
-def _scored(r: dict) -> Scored:
+METRICS = {"accuracy": "accuracy", "rouge_l": "ROUGE-L"}  # the per-row score's key in `rows` -> its name
+_ROW_KEY = {"accuracy": "correct", "rouge_l": "rouge_l"}
+
+
+def _scored(r: dict, metric: str = "accuracy") -> Scored:
     rows = r["rows"]
-    return Scored(r.get("seed"), tuple(rows["correct"]), tuple(rows["nll_sum"]), tuple(rows["tokens"]))
+    return Scored(r.get("seed"), tuple(rows[_ROW_KEY[metric]]), tuple(rows["nll_sum"]), tuple(rows["tokens"]))
 
 
-def summary_table(results: list[dict], reference: str) -> list[dict]:
-    """Per (budget, arm): mean ± SE over the seeds, the paired difference to `reference`, mean times, and the
-    early-exit figures averaged over the seeds."""
+def _named(d: dict, metric: str) -> dict:
+    """`accuracy*` keys of comparison.py's records renamed after `metric`."""
+    return {k.replace("accuracy", metric, 1) if k.startswith("accuracy") else k: v for k, v in d.items()}
+
+
+def _fmt(metric: str, x: float) -> str:
+    """Accuracy as a percentage, ROUGE-L in points (F-measure × 100)."""
+    return f"{x:.1%}" if metric == "accuracy" else f"{100 * x:.1f}"
+
+
+def summary_table(results: list[dict], reference: str, metric: str = "accuracy") -> list[dict]:
+    """Per (budget, arm): mean ± SE over the seeds of `metric` and NLL, the paired difference to `reference`,
+    mean times, and the early-exit figures averaged over the seeds."""
     rows = []
     for samples in sorted({r["samples"] for r in results}):
         at = [r for r in results if r["samples"] == samples]
-        ref = [_scored(r) for r in at if r["arm"] == reference]
+        ref = [_scored(r, metric) for r in at if r["arm"] == reference]
         for arm in dict.fromkeys(r["arm"] for r in at):
             mine = [r for r in at if r["arm"] == arm]
-            scored = [_scored(r) for r in mine]
-            row = {"arm": arm, "samples": samples, **summarize(scored).to_dict(),
+            scored = [_scored(r, metric) for r in mine]
+            row = {"arm": arm, "samples": samples, **_named(summarize(scored).to_dict(), metric),
                    "seeds": [r.get("seed") for r in mine],  # the seeds themselves, not only their count
                    "train_s": _mean_of(mine, "train_s"), "eval_s": _mean_of(mine, "eval_s"),
                    "wall_s": _mean_of(mine, "wall_s"),
-                   "per_seed_accuracy": [r["accuracy"] for r in mine]}
+                   f"per_seed_{metric}": [r[metric] for r in mine]}
+            if metric != "accuracy":
+                row["exact_match"] = _mean_of(mine, "exact_match")
             if ref and arm != reference:
                 pair = paired(scored, ref)
-                row["paired"] = pair.to_dict() if pair else None
-            exits = [r["early_exit_accuracy"] for r in mine if r.get("early_exit_accuracy")]
-            if exits:
-                row["early_exit_accuracy"] = [sum(x) / len(x) for x in zip(*exits)]
-                row["early_exit_nll"] = [sum(x) / len(x) for x in zip(*(r["early_exit_nll"] for r in mine))]
+                row["paired"] = _named(pair.to_dict(), metric) if pair else None
+            if any(r.get("early_exit_nll") for r in mine):
+                with_exits = [r for r in mine if r.get("early_exit_nll")]
+                row["early_exit_nll"] = [sum(x) / len(x) for x in zip(*(r["early_exit_nll"] for r in with_exits))]
+                if metric == "accuracy":
+                    row["early_exit_accuracy"] = [sum(x) / len(x)
+                                                  for x in zip(*(r["early_exit_accuracy"] for r in with_exits))]
             rows.append(row)
     return rows
 
@@ -54,53 +77,78 @@ def _seconds(x: float | None) -> str:
 
 def markdown(study: dict) -> str:
     """The summary per budget and arm (mean ± SE, paired difference to the reference, times), then the
-    early-exit figures per stage, then every seed's accuracy."""
+    early-exit figures per stage, then every seed's figures (and, for generative data, generations)."""
     s = study["settings"]
     ref = study["reference"]
+    metric = study.get("metric", "accuracy")
+    name = METRICS[metric]
+    unit = "" if metric == "accuracy" else " (F × 100)"
+    what = "Dev accuracy and NLL per label token" if metric == "accuracy" else \
+        "Dev ROUGE-L of greedy generations and completion NLL per token"
     lines = [f"# Accuracy study: {s['model']}, stages {study['stages']}", "",
              f"{study['train_rows']} train rows ({s['train']}), {study['dev_rows']} dev rows ({s['dev']}); "
              f"seq {s['seq_len']}, window {s['window']}, micro-batch {s['micro_batch']}, lr {s['lr']}, "
              f"LoRA r={s['lora']['rank']} on {','.join(s['lora']['targets'])}, seeds "
              f"{', '.join(map(str, s['seeds']))}.", "",
-             f"## Dev accuracy and NLL per label token (mean ± SE over seeds), paired difference to `{ref}`", "",
+             f"## {what} (mean ± SE over seeds), paired difference to `{ref}`", "",
              f"Δ: the arm minus `{ref}` on the same rows and seeds, with a 95% interval over rows and seeds; "
              "NLL ratio: the arm's NLL / the reference's. Times: seconds per seed.", "",
-             "| samples | arm | seeds | accuracy | Δ accuracy [95% CI] | NLL | Δ NLL [95% CI] | NLL ratio "
-             "| train s | scoring s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| samples | arm | seeds | {name}{unit} | Δ {name} [95% CI] | NLL | Δ NLL [95% CI] | NLL ratio "
+             + ("| exact match " if metric != "accuracy" else "") + "| train s | scoring s |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if metric != "accuracy" else "") + "---|---|"]
+    points = "pt" if metric == "accuracy" else ""
     for r in study["summary"]:
         pair = r.get("paired")
         if pair:
-            lo, hi = pair["accuracy_ci"]
+            lo, hi = pair[f"{metric}_ci"]
             nlo, nhi = pair["nll_ci"]
-            delta = f"{100 * pair['accuracy_diff']:+.1f} pt [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+            delta = f"{100 * pair[f'{metric}_diff']:+.1f} {points} [{100 * lo:+.1f}, {100 * hi:+.1f}]".replace("  ", " ")
             nll_delta = f"{pair['nll_diff']:+.3f} [{nlo:+.3f}, {nhi:+.3f}]"
             ratio = f"{pair['nll_ratio']:.3f}"
         else:
             delta = nll_delta = ratio = "—"
         seeds = "—" if r["seeds"] == [None] else str(len(r["seeds"]))
-        lines.append(f"| {r['samples']} | {r['arm']} | {seeds} | {r['accuracy']:.1%} ± {100 * r['accuracy_se']:.1f} "
-                     f"| {delta} | {r['nll']:.3f} ± {r['nll_se']:.3f} | {nll_delta} | {ratio} "
-                     f"| {_seconds(r['train_s'])} | {_seconds(r['eval_s'])} |")
-    exits = [r for r in study["summary"] if r.get("early_exit_accuracy")]
+        exact = f"| {r['exact_match']:.1%} " if metric != "accuracy" else ""
+        lines.append(f"| {r['samples']} | {r['arm']} | {seeds} | {_fmt(metric, r[metric])} ± "
+                     f"{100 * r[f'{metric}_se']:.1f} | {delta} | {r['nll']:.3f} ± {r['nll_se']:.3f} | {nll_delta} "
+                     f"| {ratio} {exact}| {_seconds(r['train_s'])} | {_seconds(r['eval_s'])} |")
+    exits = [r for r in study["summary"] if r.get("early_exit_nll")]
     if exits:
-        width = len(exits[0]["early_exit_accuracy"])
-        lines += ["", "## Early exit: each stage's readout as the classifier (ZeroLock arms, mean over seeds)", "",
+        width = len(exits[0]["early_exit_nll"])
+        title = ("each stage's readout as the classifier: accuracy (NLL)" if metric == "accuracy"
+                 else "completion NLL per token of each stage's readout")
+        lines += ["", f"## Early exit: {title} (ZeroLock arms, mean over seeds)", "",
                   "| samples | arm | " + " | ".join(f"stage {k}" for k in range(width)) + " |",
                   "|---|---|" + "---|" * width]
         for r in exits:
-            cells = [f"{a:.1%} ({n:.3f})" for a, n in zip(r["early_exit_accuracy"], r["early_exit_nll"])]
+            if metric == "accuracy":
+                cells = [f"{a:.1%} ({n:.3f})" for a, n in zip(r["early_exit_accuracy"], r["early_exit_nll"])]
+            else:
+                cells = [f"{n:.3f}" for n in r["early_exit_nll"]]
             lines.append(f"| {r['samples']} | {r['arm']} | " + " | ".join(cells) + " |")
-    lines += ["", "## Accuracy of every seed", "", "| samples | arm | seed | accuracy | NLL | train s |",
+    lines += ["", f"## {name[0].upper() + name[1:]} of every seed", "", f"| samples | arm | seed | {name} | NLL | train s |",
               "|---|---|---|---|---|---|"]
     for r in study["results"]:
         seed = "—" if r.get("seed") is None else r["seed"]
-        lines.append(f"| {r['samples']} | {r['arm']} | {seed} | {r['accuracy']:.1%} | {r['nll']:.3f} "
+        lines.append(f"| {r['samples']} | {r['arm']} | {seed} | {_fmt(metric, r[metric])} | {r['nll']:.3f} "
                      f"| {_seconds(r.get('train_s'))} |")
+    for sample in study.get("generations", []):
+        if sample is study["generations"][0]:
+            lines += ["", "## Generations (first dev rows, first seed)", ""]
+        lines += [f"**Row {sample['row']}.** Prompt: {_quote(sample['prompt'])}", "",
+                  f"- reference: {_quote(sample['reference'])}"]
+        lines += [f"- `{k}`: {_quote(v)}" for k, v in sample.items() if k not in ("row", "prompt", "reference")]
+        lines.append("")
     notes = {a["name"]: a["note"] for a in study["arms"]}
     lines += ["", "## Arms", ""] + [f"- `{n}`: {notes.get(n, '')}"
                                     for n in dict.fromkeys(r["arm"] for r in study["results"])]
     return "\n".join(lines) + "\n"
+
+
+def _quote(text: str) -> str:
+    """One line of model text for a markdown list: line breaks shown as ⏎, at most 300 characters."""
+    flat = text.replace("\n", " ⏎ ").strip()
+    return (flat[:300] + "…") if len(flat) > 300 else flat
 
 
 def plot(study: dict, path: Path) -> None:
@@ -109,15 +157,16 @@ def plot(study: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    metric = study.get("metric", "accuracy")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for arm in dict.fromkeys(r["arm"] for r in study["summary"]):
-        points = sorted((r["samples"], r["accuracy"], r["accuracy_se"]) for r in study["summary"] if r["arm"] == arm)
+        points = sorted((r["samples"], r[metric], r[f"{metric}_se"]) for r in study["summary"] if r["arm"] == arm)
         ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], marker="o",
                     capsize=3, label=arm, linestyle="--" if arm.startswith(("base", "backprop")) else "-")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("training samples")
-    ax.set_ylabel("dev accuracy (mean ± SE over seeds)")
-    ax.set_title(f"{study['settings']['model']}: dev accuracy per arm")
+    ax.set_ylabel(f"dev {METRICS[metric]} (mean ± SE over seeds)")
+    ax.set_title(f"{study['settings']['model']}: dev {METRICS[metric]} per arm")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

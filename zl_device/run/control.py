@@ -6,7 +6,7 @@ handshake (its HELLO, answered with the coordinator's HELLO carrying a fresh
 random half of the session id), then sends REGISTER, HEARTBEAT periodically,
 WINDOW_COMMITTED after each checkpointed window and ERROR on failure; the
 coordinator can send START and STOP. Frames are those of the data plane
-(zl_device/run/frames.py), encrypted under the stage's control keys (derived
+(zl_device/formats/frames.py), encrypted under the stage's control keys (derived
 from the run key, one per direction) and bound to the connection's session
 with increasing sequence numbers, so a recorded REGISTER or HEARTBEAT cannot
 be replayed (android_app/native/PROTOCOL.md §6). A frame that fails
@@ -31,8 +31,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from zl_device.run import frames
-from zl_device.run.frames import Frame, FrameRejected, FrameType
+from zl_device.formats import frames
+from zl_device.formats.frames import Frame, FrameRejected, FrameType
 
 log = logging.getLogger(__name__)
 

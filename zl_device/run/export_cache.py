@@ -10,11 +10,11 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.run.train_settings import TrainSettings
+from zl_export.manifest import MANIFEST
 from zl_export.options import ExportOptions
 
 log = logging.getLogger(__name__)
@@ -23,8 +23,8 @@ EXPORT_CACHE_VERSION = 3  # bump when the exporter's output changes for the same
 
 
 def export_key(s: TrainSettings, opts: ExportOptions, calibration: Path | None = None) -> str:
-    """A hash of what determines the stage programs: model identity, split, export options `opts` and, for lens
-    translators, the calibration shard's content."""
+    """A hash of what determines the stage programs: model identity, split, every export option (`opts` as the
+    manifest records it, `ExportOptions.to_manifest`) and, for lens translators, the calibration shard's content."""
     from zl_export.model_source import resolve
 
     kind, path = resolve(s.split.model)
@@ -33,9 +33,7 @@ def export_key(s: TrainSettings, opts: ExportOptions, calibration: Path | None =
         probe = path / "config.json" if path.is_dir() else path
         st = probe.stat()
         identity.update(path=str(path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns)
-    blob = {"v": EXPORT_CACHE_VERSION, "model": identity, "stages": s.split.key,
-            "opts": {"seq_len": opts.seq_len, "micro_batch": opts.micro_batch, "seed": opts.seed,
-                     "max_targets": opts.target_slots, "frozen_dtype": opts.frozen_dtype, "lora": asdict(opts.lora), "loss": asdict(opts.loss)}}
+    blob = {"v": EXPORT_CACHE_VERSION, "model": identity, "stages": s.split.key, "opts": opts.to_manifest()}
     if opts.loss.translator_rank and opts.loss.translator_init == "lens" and calibration is not None:
         from zl_export.shard import file_sha256
 
@@ -59,7 +57,7 @@ def export_cached(s: TrainSettings, opts: ExportOptions, load, say, progress=Non
 
     root = s.export_cache or cache_dir() / "exports"
     target = root / export_key(s, opts, calibration)
-    if (target / "manifest.json").is_file():
+    if (target / MANIFEST).is_file():
         try:
             manifest = load_manifest(target)
             if all((target / st["file"]).is_file() and (target / st["file"]).stat().st_size == st["size_bytes"]

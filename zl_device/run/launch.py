@@ -12,21 +12,17 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.devices.backend import Device
-from zl_device.run.windows import WindowPlan
+from zl_device.formats.run_layout import CHECKPOINTS_DIR, MANIFEST, METRICS, RunLayout
+from zl_device.formats.windows import WindowPlan
 from zl_device.run.train_settings import TrainSettings
-
-
-#: RUN_DIR/RUN_KEY: the run's key, owner-only; kept while `zl train --resume` may need it, deleted when the run
-#: finishes (train_job.finish_run).
-RUN_KEY = "run.key"
+from zl_export.manifest import stage_count
 
 
 @dataclass
@@ -50,11 +46,11 @@ def launch(s: TrainSettings, devices: Sequence[Device], local: bool, run_dir: Pa
 
     Args:
         local: the devices are local processes (they listen on 127.0.0.1 ports of this host).
-        injection: a zl_device.run.coordinator.Injection, or None.
+        injection: a zl_device.run.runtime.Injection, or None.
     """
     from zl_device.run.control import ControlServer
 
-    num_stages = len(manifest["stages"])
+    num_stages = stage_count(manifest)
     stage_devices, spares = list(devices[:num_stages]), list(devices[num_stages:num_stages + s.spares])
     key_file, run_id = saved_run_key(run_dir) if s.resume else write_run_key(run_dir)
     with ControlServer(bytes.fromhex(key_file.read_text().strip()), bytes.fromhex(run_id),
@@ -83,7 +79,7 @@ def control_bind_host(stage_devices: Sequence[Device], local: bool) -> str:
 
 def write_run_key(run_dir: Path) -> tuple[Path, str]:
     """RUN_DIR/run.key (the per-run MAC key, owner-only) and a fresh run id."""
-    key_file = run_dir / RUN_KEY
+    key_file = RunLayout(run_dir).run_key
     write_secret(key_file, secrets.token_hex(32) + "\n")
     return key_file, secrets.token_hex(16)
 
@@ -95,7 +91,8 @@ def saved_run_key(run_dir: Path) -> tuple[Path, str]:
     Raises:
         ZLError: RUN_DIR lacks run.key or stage_0.json (the run never got to its launch).
     """
-    key_file, config = run_dir / RUN_KEY, run_dir / "stage_0.json"
+    layout = RunLayout(run_dir)
+    key_file, config = layout.run_key, layout.stage_config(0)
     if not key_file.is_file() or not config.is_file():
         raise ZLError(f"--resume --out {run_dir}: no run.key or stage_0.json there, so the run never started its "
                       "stages; start it again without --resume.")
@@ -118,7 +115,7 @@ def write_secret(path: Path, text: str) -> None:
 
 def address_plan(stage_devices: Sequence[Device], coordinator_port: int, local: bool):
     """Where each stage listens and connects; phones only on USB get their adb tunnels here."""
-    from zl_device.devices.network import apply_tunnels, plan_addresses
+    from zl_device.devices.network import apply_tunnels, free_port_base, plan_addresses
 
     base = free_port_base(len(stage_devices)) if local else None
     plan = plan_addresses(stage_devices, coordinator_port=coordinator_port, **({"stage_port": base} if base else {}))
@@ -133,18 +130,20 @@ def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Pat
     from zl_device.devices.deploy import deploy, deploy_stage
     from zl_device.run.coordinator import Coordinator, StagePlan
 
-    num_stages = len(manifest["stages"])
+    num_stages = stage_count(manifest)
+    s.policy.check_devices(stage_devices)  # a device the policy cannot read fails before any config is written
     configs = stage_configs(s, manifest, export_dir, shard, plan, key_file, run_id, windows)
     deployed = {k: dict(cfg) for k, cfg in configs.items()}
     if injection:
         deployed[injection.stage]["hold_at_micro_batch"] = injection.hold_micro_batch(windows)
     for k, cfg in deployed.items():
-        (run_dir / f"stage_{k}.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        RunLayout(run_dir).stage_config(k).write_text(json.dumps(cfg, indent=2) + "\n")
     say(f"deploy: {num_stages} stages to {', '.join(d.name for d in stage_devices)}"
         + (f" (spares: {', '.join(d.name for d in spares)})" if spares else "")
         + (" in the app" if s.mode == "app" else ""))
     results = deploy(stage_devices, export_dir, deployed)
-    plans = [StagePlan(k, d, r.config, "metrics.jsonl", "checkpoints", entry_bytes(manifest, k))
+    # On a device the runner's files sit in its working folder under RUN_DIR's names (`log_path`, `checkpoint_dir`).
+    plans = [StagePlan(k, d, r.config, METRICS, CHECKPOINTS_DIR, entry_bytes(manifest, k))
              for k, (d, r) in enumerate(zip(stage_devices, results))]
 
     def redeploy(device: Device, k: int) -> None:
@@ -152,7 +151,7 @@ def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Pat
 
     coordinator = Coordinator(plans, windows, control, s.recovery, injection, spares, s.heartbeat_timeout_s,
                               s.timeout_s, redeploy, resume=s.resume, stall_timeout_s=s.stall_timeout_s,
-                              standby=s.standby, max_restarts=s.max_restarts)
+                              standby=s.standby, max_restarts=s.max_restarts, policy=s.policy)
     say(f"run: {s.samples} samples, {windows.num_micro_batches} micro-batches in {windows.num_windows} windows of "
         f"{windows.window_size}, "
         f"recovery {s.recovery}" + (", hot standbys" if s.standby else "") + (f", failure injected at stage {injection.stage} window {injection.window}"
@@ -160,38 +159,17 @@ def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Pat
     return Launched(coordinator, run_id, windows)
 
 
-def free_port_base(count: int, start: int = 20000, stop: int = 60000) -> int:
-    """A base port with `count` consecutive free ports on 127.0.0.1 (local devices share this host)."""
-    rng = secrets.SystemRandom()
-    for _ in range(200):
-        base = rng.randrange(start, stop - count)
-        socks = []
-        try:
-            for p in range(base, base + count):
-                sock = socket.socket()
-                sock.bind(("127.0.0.1", p))
-                socks.append(sock)
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise ZLError("found no free local ports for the stages; is the host out of ports?")
-
-
 def stage_configs(s: TrainSettings, manifest: dict, export_dir: Path, shard: Path, plan, key_file: Path,
                   run_id: str, windows: WindowPlan) -> dict[int, dict]:
     """The runner config of every stage (host paths; deploy pushes the files and rewrites them)."""
-    num_stages = len(manifest["stages"])
-    schedule = {"kind": "warmup_cosine", "warmup_steps": min(s.warmup_windows, max(0, windows.num_windows - 1)),
-                "min_lr_ratio": 0.1}
+    num_stages = stage_count(manifest)
+    optimizer = s.optimizer.for_windows(windows.num_windows)
     configs = {}
     for addresses in plan.stages:
         k = addresses.stage
         cfg = {
             "program": str(export_dir / manifest["stages"][k]["file"]),
-            "manifest": str(export_dir / "manifest.json"),
+            "manifest": str(export_dir / MANIFEST),
             "stage_index": k,
             "num_stages": num_stages,
             "run_key_file": str(key_file),
@@ -199,18 +177,22 @@ def stage_configs(s: TrainSettings, manifest: dict, export_dir: Path, shard: Pat
             "window_size": windows.window_size,
             "num_micro_batches": windows.num_micro_batches,
             "in_flight_depth": s.in_flight,
-            "checkpoint_dir": "checkpoints",
+            "checkpoint_dir": CHECKPOINTS_DIR,
             # Global recovery rolls every stage back to the last window all committed: keep them all.
             "keep_last": windows.num_windows + 1 if s.recovery == "global" else 2,
-            "log_path": "metrics.jsonl",
+            "log_path": METRICS,
             "threads": s.threads,
             "load_mode": s.load_mode,
             "accumulator_snapshots": s.accumulator_snapshots,
-            "optimizer": {"lr": s.stage_lr_of(k), "weight_decay": 0.0, "schedule": schedule},
+            "optimizer": optimizer.config(s.stage_lr_of(k)),
             **addresses.config_fields(),
         }
         if k == 0:
             cfg["data_shard"] = str(shard)
+        if s.policy.active:
+            # A neighbour of a paused stage waits as long as the pause lasts, which may be longer than the runner's
+            # 600 s input timeout; the coordinator, which knows a pause from a failure, watches it instead (§5.8).
+            cfg["input_timeout_s"] = 0
         configs[k] = cfg
     return configs
 

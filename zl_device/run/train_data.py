@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 from zl_device.run.train_settings import DEMO, MAX_EPOCHS, TrainSettings
 from zl_export.tokenizer import Tokenizer
 
@@ -26,7 +26,7 @@ def training_rows(s: TrainSettings) -> int:
         return load_shard(path).rows
     from zl_export import data as zdata
 
-    return len(zdata.load_task(path, s.data_format, None, s.columns).examples)
+    return len(zdata.load_task(path, s.rows.format, None, s.rows.columns).examples)
 
 
 def check_samples(s: TrainSettings) -> None:
@@ -48,7 +48,7 @@ def run_seq_len(s: TrainSettings, tokenizer: Tokenizer) -> int:
     """--seq-len, else 128, or for the demo task its longest sample under `tokenizer` rounded up to 16."""
     from zl_export.shard_jobs import default_seq_len
 
-    return s.seq_len if s.seq_len is not None else default_seq_len(tokenizer, demo=s.data == DEMO)
+    return s.rows.seq_len if s.rows.seq_len is not None else default_seq_len(tokenizer, demo=s.data == DEMO)
 
 
 def run_max_targets(s: TrainSettings, shard: Path, say) -> int:
@@ -61,15 +61,13 @@ def run_max_targets(s: TrainSettings, shard: Path, say) -> int:
     Raises:
         ZLError: a row has more target tokens than an explicit --max-targets.
     """
-    from zl_export.options import TARGET_SLOT_STEP
-    from zl_export.shard import load_shard, target_counts
+    from zl_export.shard import fitted_target_slots, load_shard
 
     data = load_shard(shard)
     if s.export.max_targets is not None:
         data.check_target_slots(s.export.max_targets)
         return s.export.max_targets
-    need = int(target_counts(data.labels).max()) if data.rows else 0
-    slots = max(1, -(-need // TARGET_SLOT_STEP)) * TARGET_SLOT_STEP
+    need, slots = fitted_target_slots(data.labels)
     say(f"data: up to {need} target tokens per sample -> {slots} target slots (--max-targets)")
     return slots
 
@@ -89,7 +87,7 @@ def prepare_data(s: TrainSettings, tokenizer: Tokenizer, seq_len: int, data_dir:
     def write(job: ShardJob) -> Path:
         # The training rows must fit an explicit --max-targets (named by their source line); dev rows are scored in eager.
         slots = s.export.max_targets if job.name == "train" else None
-        path, meta = write_shard(job, tokenizer, s.split.model, seq_len, data_dir, s.truncate, extra={"seed": s.seed},
+        path, meta = write_shard(job, tokenizer, s.split.model, seq_len, data_dir, s.rows.truncate, extra={"seed": s.seed},
                                  max_targets=slots)
         cut = zdata.truncation_summary(meta, seq_len)
         say(f"data: {job.name} {meta['rows']} rows x {seq_len} tokens -> {path}" + (f" ({cut})" if cut else ""))
@@ -102,8 +100,9 @@ def prepare_data(s: TrainSettings, tokenizer: Tokenizer, seq_len: int, data_dir:
             if shard.seq_len != seq_len:
                 raise ZLError(f"--data {spec}: the shard has seq_len {shard.seq_len}, the programs {seq_len}; pass "
                               f"--seq-len {shard.seq_len} or re-tokenize with `zl data --seq-len {seq_len}`.")
+            shard.check_matches(tokenizer=tokenizer)  # the model's tokenizer, and its BOS (a Gemma shard made before)
             return path
-        job = file_job(path, s.data_format, name, columns=s.columns)
+        job = file_job(path, s.rows.format, name, columns=s.rows.columns)
         job.task = zdata.select(job.task, None, True, s.seed)
         return write(job)
 

@@ -1,7 +1,9 @@
 """`zl train`'s settings tree: the model split and export options (zl_export/options.py) plus the run's own.
 
 `zl train`'s options are generated from `TrainSettings` (zl/options.py); to add
-one, add a field with `setting(default, "help")` (see zl/settings.py).
+one, add a field with `setting(default, "help")` (see zl_base/settings.py). How rows
+become samples (`DataSettings`) is shared with `zl data`; the optimizer
+(`OptimizerSettings`, zl_device/formats/lr_schedule.py) with every eager reference.
 """
 
 from __future__ import annotations
@@ -9,12 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from zl.errors import ZLError
-from zl.settings import check_fields, nested, setting
+from zl_base.errors import ZLError
+from zl_base.settings import check_fields, nested, setting
+from zl_device.devices.cpu_quota import check_cpu_quota
 from zl_device.devices.registry import MAX_LOCAL_DEVICES, MODE_HELP, MODES, check_devices
-from zl_device.run.windows import WindowPlan
-from zl_export.data_columns import DataColumns
-from zl_export.options import ExportOptions, MAX_SEQ_LEN, ModelSplit, check_seq_len
+from zl_device.formats.windows import WindowPlan
+from zl_device.formats.lr_schedule import OptimizerSettings
+from zl_device.run.device_policy import DevicePolicy
+from zl_device.torch.schedules import SCHEDULES
+from zl_export.data_settings import DataSettings
+from zl_export.options import ExportOptions, ModelSplit
 
 DEMO = "demo"
 RECOVERY_MODES = ("local", "global")
@@ -41,21 +47,23 @@ class TrainSettings:
     split: ModelSplit = nested(ModelSplit)
     data: str = setting(DEMO, "`demo` (the built-in task), a .csv/.jsonl file or a shard (.safetensors).")
     eval_data: str | None = setting(None, "Dev data for the evaluation (the demo task brings its own).")
-    data_format: str = setting("auto", "Format of a .csv/.jsonl --data: auto, prompt_completion, chat, text_label or "
-                                       "agnews (see `zl data`).", flag="--format")
-    columns: DataColumns = nested(DataColumns)  # --prompt-column, --completion-column, --prompt-template
-    truncate: bool = setting(False, "Rows longer than --seq-len: cut the prompt from the left and drop rows whose "
-                                    "completion does not fit, with counts (default: fail, naming the row; see "
-                                    "`zl data`).", flag="--truncate/--no-truncate")
+    rows: DataSettings = nested(DataSettings)  # --format, the column options, --truncate, --seq-len: as `zl data`
     samples: int = setting(256, f"Training samples (the shard repeats when it has fewer rows, at most "
                                 f"{MAX_EPOCHS} times).")
     window: int = setting(4, "Update window m: micro-batches per AdamW step.")
     devices: str = setting("local:3", f"local:N (N up to {MAX_LOCAL_DEVICES}), or phone serials SERIAL1,SERIAL2,... "
                                       "(see `zl devices`).", check=check_devices)
     mode: str = setting("binary", MODE_HELP, choices=MODES)
+    cpu_quota: tuple[float, ...] | None = setting(None, "CPUs each local device may use, one value for all or one per "
+                                                  "device, e.g. 1.0,0.5,0.75: unequal phones on one host (a cgroup "
+                                                  "cap where this host allows one, else a SIGSTOP/SIGCONT duty "
+                                                  "cycle; docs/design.md, Planning).", check=check_cpu_quota)
     runtime: str = setting("executorch", "executorch: the stage programs on the devices (zl_runner); torch: one "
                                          "torch.distributed rank per stage on this host, in PyTorch eager, no export "
                                          "(docs/design.md §13).", choices=RUNTIMES)
+    schedule: str = setting("zerolock", "--runtime torch: the pipeline schedule the ranks run: zerolock (local "
+                                        "losses), or end-to-end backprop as gpipe, 1f1b or pipedream (the baselines "
+                                        "of docs/design.md §13.1).", choices=tuple(SCHEDULES))
     launcher: str = setting("spawn", "--runtime torch: spawn runs one process per stage on this host; torchrun only "
                                      "prepares --out and prints the torchrun command that starts the ranks (multi-GPU, "
                                      "multi-node), then `zl merge` and `zl report`.", choices=LAUNCHERS)
@@ -71,6 +79,7 @@ class TrainSettings:
                                    "its program mapped and its method loaded, it takes over a failed stage from its "
                                    "checkpoint without a cold start; costs a second process (method memory) per stage.",
                             flag="--standby")
+    policy: DevicePolicy = nested(DevicePolicy)  # --max-temperature, --min-battery, --require-charging (§5.8)
     keep_device_files: bool = setting(False, "Leave the run key, data shard and input logs on the devices when the "
                                              "run ends (by default they are deleted once a finished run's results "
                                              "are pulled; a failed run keeps them for --resume).")
@@ -78,10 +87,8 @@ class TrainSettings:
                                                 "(in the background), so a restarted stage continues its window "
                                                 "instead of recomputing it (docs/design.md §7).")
     seed: int = setting(0, "Seeds LoRA init, data order and the demo task.")
-    seq_len: int | None = setting(None, f"Tokens per sample, 2 to {MAX_SEQ_LEN} (default: 128; the demo task: its "
-                                        "longest sample, rounded up to 16).", check=check_seq_len)
-    export: ExportOptions = nested(ExportOptions, skip=("seq_len", "seed"))  # those two are the run's, above
-    lr: float = setting(5e-3, "AdamW learning rate (warm-up, then cosine to 10%).")
+    export: ExportOptions = nested(ExportOptions, skip=("seq_len", "seed"))  # the run's: --seq-len, --seed above
+    optimizer: OptimizerSettings = nested(OptimizerSettings)  # --lr; the rest are not on the command line
     stage_lr: tuple[float, ...] = setting((1.0,), "Learning-rate multiplier per stage (one value for every stage, "
                                                   "or one per stage, e.g. 1,1,2).")
     threads: int = setting(1, "ExecuTorch threads per runner.")
@@ -89,13 +96,13 @@ class TrainSettings:
                                      "file-backed pages the OS can reclaim) or file (read into heap memory).",
                              choices=LOAD_MODES)
     eval_limit: int | None = setting(None, "Evaluate on the first N dev rows only.")
-    timeout_s: float = setting(3600.0, "Give up when the run takes longer (seconds).", flag="--timeout")
+    timeout_s: float = setting(3600.0, "Give up when the run takes longer (seconds; time a device policy holds a "
+                                       "stage paused does not count).", flag="--timeout")
     resume: bool = setting(False, "Continue the unfinished run in --out (after the host died, a failure or Ctrl-C) "
                                   "from its stages' checkpoints; the run's own settings are kept.")
     link_timeout_s: float = setting(600.0, "--runtime torch: a stage that waits this long (seconds) for a neighbour's "
                                            "hidden state fails the run.", flag="--link-timeout")
     # Not on the command line: tests and experiments set them.
-    warmup_windows: int = setting(2, "Windows of linear LR warm-up (capped at the run's windows - 1).", cli=False)
     in_flight: int = setting(4, "Un-acknowledged entries per link (the runner's in_flight_depth).", cli=False)
     link_profile: str | None = setting(None, "Shape local links like local, wifi, mobile or constrained.", cli=False)
     heartbeat_timeout_s: float = setting(30.0, "A stage without a heartbeat for this long has failed.", cli=False)
@@ -119,8 +126,24 @@ class TrainSettings:
                           f"--max-restarts {MAX_RESTARTS}.")
         if self.samples < 1 or self.window < 1:
             raise ZLError(f"--samples {self.samples} --window {self.window}: both must be at least 1.")
-        check_fields(self)  # the choices, --seq-len's range, --devices
-        self.columns.validate()
+        check_fields(self)  # the choices, --devices, --cpu-quota's range
+        if self.cpu_quota is not None:
+            if self.runtime == "torch":
+                raise ZLError("--cpu-quota caps local zl_runner devices; the torch runtime's ranks are not capped "
+                              "(tools/bench_pipelines.py --cpus-per-rank is). Drop --cpu-quota or --runtime torch.")
+            from zl_device.devices.registry import check_cpu_quota_fits, parse_devices
+
+            check_cpu_quota_fits(parse_devices(self.devices), self.cpu_quota)
+        self.rows.validate()  # --seq-len's range, the column options
+        self.optimizer.validate()
+        self.policy.validate()  # --max-temperature's and --min-battery's ranges
+        if self.policy.active and self.runtime == "torch":
+            raise ZLError("--max-temperature, --min-battery and --require-charging pause stages on their devices; "
+                          "--runtime torch runs its ranks on this host without them. Drop them, or use --runtime "
+                          "executorch.")
+        if self.schedule != "zerolock" and self.runtime != "torch":
+            raise ZLError(f"--schedule {self.schedule}: the backprop schedules run on torch.distributed ranks; add "
+                          "--runtime torch (the ExecuTorch runtime runs ZeroLock).")
         if self.launcher != "spawn" and self.runtime != "torch":
             raise ZLError(f"--launcher {self.launcher}: launchers start torch.distributed ranks; add --runtime torch.")
         if self.link_timeout_s <= 0:
@@ -138,7 +161,7 @@ class TrainSettings:
 
     def stage_lr_of(self, stage: int) -> float:
         """The learning rate of stage `stage`: --lr times its multiplier."""
-        return self.lr * (self.stage_lr[0] if len(self.stage_lr) == 1 else self.stage_lr[stage])
+        return self.optimizer.lr * (self.stage_lr[0] if len(self.stage_lr) == 1 else self.stage_lr[stage])
 
     def windows(self) -> WindowPlan:
         """The run's micro-batches (--samples in micro-batches of --micro-batch) in windows of --window."""

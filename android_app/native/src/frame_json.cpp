@@ -1,5 +1,5 @@
 // The payload rule of PROTOCOL.md §5 ("Payload and tensor rule"): one strict
-// JSON validator, the same rule as zl_device/run/frames.py implements, plus
+// JSON validator, the same rule as zl_device/formats/frames.py implements, plus
 // the escaping of untrusted bytes for reasons and logs.
 #include <cerrno>
 #include <cmath>

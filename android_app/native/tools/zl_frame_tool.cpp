@@ -1,5 +1,5 @@
 // zl_frame_tool: encodes/decodes frames from/to files, so the Python twin
-// (zl_device/run/frames.py) can be checked against this implementation.
+// (zl_device/formats/frames.py) can be checked against this implementation.
 //
 //   zl_frame_tool encode --key HEX64 --in spec.json --out frame.bin
 //   zl_frame_tool decode --key HEX64 --in frame.bin [--expect-shape B,S,D]

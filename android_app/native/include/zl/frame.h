@@ -3,7 +3,7 @@
 // input log on disk.
 //
 // Layout (little-endian, byte offsets) is specified in PROTOCOL.md; the
-// Python twin is zl_device/run/frames.py. A frame is
+// Python twin is zl_device/formats/frames.py. A frame is
 //   [128-byte header][JSON payload][tensor records][16-byte tag]
 // where everything after the header is encrypted with XChaCha20-Poly1305
 // (libsodium crypto_aead_xchacha20poly1305_ietf, the 24-byte nonce in the
@@ -170,7 +170,7 @@ enum class FrameError : int {
   kReplay,           ///< sequence number not above the last one accepted on the connection
 };
 
-/// "truncated", "bad_magic", ... (same strings as zl_device/run/frames.py).
+/// "truncated", "bad_magic", ... (same strings as zl_device/formats/frames.py).
 const char* frame_error_name(FrameError error);
 
 /// What the decoder checks beyond well-formedness. Unset fields are not checked.
@@ -238,7 +238,7 @@ Frame make_data_frame(const RunId& run_id, uint32_t stage, uint64_t window, uint
 Frame make_control_frame(FrameType type, const RunId& run_id, uint32_t stage, uint64_t window,
                          uint64_t micro_batch, std::string json = {});
 
-/// The payload rule of PROTOCOL.md §5, shared with zl_device/run/frames.py:
+/// The payload rule of PROTOCOL.md §5, shared with zl_device/formats/frames.py:
 /// empty, or at most kMaxFrameJsonBytes of strict UTF-8 holding exactly one
 /// RFC 8259 JSON object (whitespace around it allowed) with no NaN/Infinity,
 /// integers in [-2^63, 2^64-1], other numbers finite as doubles, no lone

@@ -16,6 +16,7 @@ import android.os.IBinder
 import android.os.Looper
 import android.os.PowerManager
 import android.os.Process
+import android.os.SystemClock
 import android.util.Log
 import androidx.core.app.NotificationCompat
 import androidx.core.app.ServiceCompat
@@ -31,6 +32,13 @@ import org.json.JSONObject
  * the notification and [StatusBoard] (stage, window, loss, PSS, battery
  * temperature), and goes away when the run ends. Stops the stage on
  * ACTION_STOP (the notification's button, the activity, or adb).
+ *
+ * Each poll also writes the phone's [DeviceReadings] (battery level, power,
+ * temperature, PowerManager's thermal status) to device_state.json in the
+ * files folder, for `zl train`'s device policies: the host decides when a
+ * too hot, too flat or unplugged phone pauses (it stops the stage with
+ * ACTION_STOP after a window and starts it again with `resume`); while the
+ * service is gone the host reads `dumpsys battery` instead.
  *
  * Driven by intents, so the host runs it without touching the screen (the
  * service is guarded by the DUMP permission, which the adb shell holds):
@@ -88,6 +96,7 @@ class RunnerService : Service() {
     private var config: StageConfig? = null
     private var wakeLock: PowerManager.WakeLock? = null
     private var polling = false
+    private var readingsFailureLogged = false
 
     private val poll = object : Runnable {
         override fun run() {
@@ -227,10 +236,12 @@ class RunnerService : Service() {
         notifyStatus(StatusBoard.current)
     }
 
-    /** Main thread, once a second while a run is going: battery in, progress out. */
+    /** Main thread, once a second while a run is going: battery in, progress and device readings out. */
     private fun pollRun() {
-        val battery = batteryTemperatureC()
+        val readings = readDevice()
+        val battery = readings.temperatureC
         if (battery != null) NativeRunner.reportBatteryTemperatureNative(battery)
+        writeReadings(readings)
         val native = NativeRunner.status()
         val windowSize = config?.windowSize
         StatusBoard.update { it.withProgress(native, windowSize).copy(batteryC = battery ?: it.batteryC) }
@@ -245,6 +256,7 @@ class RunnerService : Service() {
         polling = false
         mainHandler.removeCallbacks(poll)
         forgetRunKey()
+        forgetReadings()
         val failure = native.failure()
         val state = when (native.state) {
             "finished" -> RunState.FINISHED
@@ -266,11 +278,45 @@ class RunnerService : Service() {
         stopSelf()
     }
 
-    /** BatteryManager's temperature in °C from the sticky ACTION_BATTERY_CHANGED; null if absent. */
-    private fun batteryTemperatureC(): Double? {
-        val battery = registerReceiver(null, IntentFilter(Intent.ACTION_BATTERY_CHANGED)) ?: return null
-        val tenths = battery.getIntExtra(BatteryManager.EXTRA_TEMPERATURE, Int.MIN_VALUE)
-        return if (tenths == Int.MIN_VALUE) null else tenths / 10.0
+    /**
+     * The phone's state now: BatteryManager's sticky ACTION_BATTERY_CHANGED
+     * (level, scale, plugged, temperature) and, from Android 10,
+     * PowerManager's thermal status; null fields for what it does not give.
+     */
+    private fun readDevice(): DeviceReadings {
+        val battery = registerReceiver(null, IntentFilter(Intent.ACTION_BATTERY_CHANGED))
+        val thermal = if (Build.VERSION.SDK_INT >= Build.VERSION_CODES.Q) {
+            getSystemService(PowerManager::class.java)?.currentThermalStatus
+        } else {
+            null
+        }
+        return DeviceReadings.fromBattery(
+            level = battery?.getIntExtra(BatteryManager.EXTRA_LEVEL, -1) ?: -1,
+            scale = battery?.getIntExtra(BatteryManager.EXTRA_SCALE, -1) ?: -1,
+            plugged = battery?.getIntExtra(BatteryManager.EXTRA_PLUGGED, -1) ?: -1,
+            temperatureTenths = battery?.getIntExtra(BatteryManager.EXTRA_TEMPERATURE, Int.MIN_VALUE)
+                ?: Int.MIN_VALUE,
+            thermalStatus = thermal,
+            elapsedRealtimeMs = SystemClock.elapsedRealtime(),
+            tUnixMs = System.currentTimeMillis(),
+        )
+    }
+
+    /** device_state.json for the host's device policies; a failure is logged once (until a write works). */
+    private fun writeReadings(readings: DeviceReadings) {
+        val folder = getExternalFilesDir(null) ?: return
+        try {
+            readings.writeTo(folder)
+            readingsFailureLogged = false
+        } catch (e: IOException) {
+            if (!readingsFailureLogged) Log.w(TAG, "cannot write ${DeviceReadings.FILE} in $folder: ${e.message}")
+            readingsFailureLogged = true
+        }
+    }
+
+    /** The stage ended: its readings would only grow stale (the host falls back to dumpsys either way). */
+    private fun forgetReadings() {
+        getExternalFilesDir(null)?.let { File(it, DeviceReadings.FILE).delete() }
     }
 
     /** app.json in the external files folder: the host's proof that the app starts, and where to push. */

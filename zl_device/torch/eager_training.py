@@ -8,7 +8,7 @@ zl/adamw.h):
 - a window is m consecutive micro-batches (the last one may be shorter); the
   gradient of a window is the MEAN of its micro-batches' gradients, and one
   AdamW step (torch's, decoupled weight decay) is taken per window with the
-  runner's learning-rate schedule (zl_device/run/lr_schedule.py);
+  runner's learning-rate schedule (zl_device/formats/lr_schedule.py);
 - in ZeroLock every stage steps its own parameters on its own local loss, and
   stage k's micro-batch mb is computed on the hidden state stage k-1 produced
   for mb with its weights of the same window (parameters change only at window
@@ -30,22 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zl.errors import ZLError
-from zl_device.run.lr_schedule import lr_factor
-from zl_device.run.windows import WindowPlan
+from zl_base.errors import ZLError
+from zl_device.formats.lr_schedule import OptimizerSettings, lr_factor  # noqa: F401 (OptimizerSettings: re-exported)
+from zl_device.formats.windows import WindowPlan
 from zl_export.local_loss import shift_targets
 from zl_export.shard import Shard
-
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """AdamW and its schedule as `zl train` writes them into every stage config."""
-
-    lr: float = 5e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    schedule: dict = field(default_factory=lambda: {"kind": "warmup_cosine", "warmup_steps": 2, "min_lr_ratio": 0.1})
 
 
 @dataclass(frozen=True)
@@ -139,7 +128,7 @@ class TrainLog:
 
 class StageStep:
     """One ZeroLock stage's training, as every runtime runs it (in one process here, one rank per stage in
-    zl_device/run/torch_stage.py).
+    zl_device/torch/schedules/zerolock.py).
 
     Per micro-batch: `begin` (phase 1: the stage's layers; returns the hidden state to hand downstream),
     then `finish` (phase 2: the local loss and its backward; gradients add up in `.grad`). Per window:

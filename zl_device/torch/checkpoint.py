@@ -1,4 +1,4 @@
-"""A `--runtime torch` stage's checkpoints, in the runner's format (docs/design.md §4.5), so `zl merge` reads them.
+"""A torch rank's checkpoints, in the runner's format (docs/design.md §4.5), so `zl merge` reads them.
 
     <root>/stage_<k>/window_000012/adapter.safetensors    the stage's trainable tensors, manifest names, F32
                                   /optimizer.safetensors  "<name>.exp_avg", "<name>.exp_avg_sq", F32
@@ -6,7 +6,8 @@
 
 As the runner does: written into `.tmp-window_000012-<pid>/`, each file and the
 directory fsynced, renamed into place (the rename is the commit), the oldest
-windows beyond `keep_last` removed afterwards.
+windows beyond `keep_last` removed afterwards. `read_checkpoint` loads one back
+for a restarted rank (stage_io.Rank.resume). File names: formats/checkpoints.py.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from zl_device.run.checkpoints import DEFAULT_LAYOUT
+from zl_base.errors import ZLError
+from zl_device.formats.checkpoints import DEFAULT_LAYOUT
 
 FORMAT_VERSION = 1
-OPTIMIZER_FILE = "optimizer.safetensors"
 
 
 def save_checkpoint(stage_root: Path, window: int, tensors: dict[str, torch.Tensor], moments: dict[str, torch.Tensor],
@@ -48,12 +49,12 @@ def save_checkpoint(stage_root: Path, window: int, tensors: dict[str, torch.Tens
     cpu = {n: t.detach().to("cpu", torch.float32).contiguous() for n, t in tensors.items()}
     save_file(cpu, str(tmp / layout.adapter_file), metadata=metadata)
     save_file({n: t.detach().to("cpu", torch.float32).contiguous() for n, t in moments.items()},
-              str(tmp / OPTIMIZER_FILE), metadata=metadata)
+              str(tmp / layout.optimizer_file), metadata=metadata)
     record = {"format": "zl-checkpoint", "version": FORMAT_VERSION, **progress,
               "created_unix_ms": int(time.time() * 1000),
               "params": [{"name": n, "shape": list(t.shape)} for n, t in cpu.items()]}
     (tmp / layout.progress_file).write_text(json.dumps(record, indent=2) + "\n")
-    for name in (layout.adapter_file, OPTIMIZER_FILE, layout.progress_file):
+    for name in (layout.adapter_file, layout.optimizer_file, layout.progress_file):
         _fsync(tmp / name)
     _fsync(tmp)
     if final.exists():  # a rerun of the same window replaces it
@@ -63,6 +64,23 @@ def save_checkpoint(stage_root: Path, window: int, tensors: dict[str, torch.Tens
     for old in layout.windows(stage_root)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(stage_root / layout.window_name(old), ignore_errors=True)
     return final
+
+
+def read_checkpoint(where: Path, run_id: str, stage: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                                                   dict]:
+    """(tensors, AdamW moments, progress) of the window checkpoint `where` (a window_NNNNNN directory).
+
+    Raises:
+        ZLError: the checkpoint is of another run or stage.
+    """
+    from safetensors.torch import load_file
+
+    layout = DEFAULT_LAYOUT
+    progress = json.loads((where / layout.progress_file).read_text())
+    if progress.get("run_id") != run_id or progress.get("stage") != stage:
+        raise ZLError(f"{where}: a checkpoint of run {progress.get('run_id')} stage {progress.get('stage')}, not of "
+                      f"this run ({run_id}) stage {stage}; resume only the run directory that wrote it.")
+    return load_file(str(where / layout.adapter_file)), load_file(str(where / layout.optimizer_file)), progress
 
 
 def _fsync(path: Path) -> None:

@@ -28,7 +28,11 @@ command line takes comma-separated (`--stage-lr 1,1,2`). Keywords of
 `setting`: `flag="--name"` when the flag is not the field name with dashes,
 `choices=(...)` for a str with fixed values, `check=fn` for a range or shape
 the value must have (`fn(value, flag)` raises a `ZLError` naming the flag,
-the value, the limit and the fix), `cli=False` for a field that is no option.
+the value, the limit and the fix), `cli=False` for a field that is no option,
+`argument="METAVAR"` for a positional argument instead of an option (a
+tuple argument takes several values). `setting(REQUIRED, "help")` is an
+option without a default that the command line must give (declare such
+fields first: they have no default in Python either).
 Each class's `validate()` calls `check_fields(self)`, which applies both, so
 every command that shares an option gets its checks:
 
@@ -44,22 +48,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
-_HELP, _FLAG, _CHOICES, _CHECK, _CLI, _NESTED, _SKIP = "help", "flag", "choices", "check", "cli", "nested", "skip"
+_HELP, _FLAG, _CHOICES, _CHECK, _CLI, _NESTED, _SKIP, _ARGUMENT = ("help", "flag", "choices", "check", "cli", "nested",
+                                                                   "skip", "argument")
+
+#: The default of a setting the command line must give: `setting(REQUIRED, "help")` (no default in Python either).
+REQUIRED: Any = dataclasses.MISSING
 
 #: `check(value, flag)` of a setting: raises ZLError when `value` is out of range.
 Check = Callable[[Any, str], None]
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None,
-            check: Check | None = None, cli: bool = True) -> Any:
-    """A dataclass field that is an option: its default, help text and (unless derived from the name) flag, and
-    what `check_fields` checks: `choices`, and `check(value, flag)`."""
-    if choices is not None and default is not None and default not in choices:
+            check: Check | None = None, cli: bool = True, argument: str | None = None) -> Any:
+    """A dataclass field that is an option: its default (or REQUIRED), help text and (unless derived from the name)
+    flag, and what `check_fields` checks: `choices`, and `check(value, flag)`. With `argument` (its metavar, e.g.
+    "RUN_DIR") it is a positional argument instead."""
+    if choices is not None and default not in (None, REQUIRED) and default not in choices:
         raise ValueError(f"default {default!r} is not one of the choices {choices}")
+    if argument is not None and flag is not None:
+        raise ValueError(f"argument {argument} has no flag; drop flag={flag!r}")
     return dataclasses.field(default=default, metadata={_HELP: help, _FLAG: flag, _CHOICES: choices, _CHECK: check,
-                                                        _CLI: cli})
+                                                        _CLI: cli, _ARGUMENT: argument})
 
 
 def nested(cls: type, *, skip: tuple[str, ...] = ()) -> Any:
@@ -72,10 +83,13 @@ def nested(cls: type, *, skip: tuple[str, ...] = ()) -> Any:
 
 
 def flag(cls: type, name: str) -> str:
-    """The command-line flag of field `name` of `cls`, e.g. flag(LoraSettings, "rank") == "--lora-rank"."""
+    """The command-line flag of field `name` of `cls`, e.g. flag(LoraSettings, "rank") == "--lora-rank" (an
+    argument's metavar, e.g. "RUN_DIR")."""
     f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    if f.metadata.get(_ARGUMENT):
+        return f.metadata[_ARGUMENT]
     given = f.metadata.get(_FLAG)
-    return given.split("/")[0] if given else "--" + name.replace("_", "-")
+    return given.split("/")[0].split()[0] if given else "--" + name.replace("_", "-")  # "--out -o" -> "--out"
 
 
 def check_choices(obj: Any) -> None:
@@ -113,7 +127,18 @@ class Leaf:
         return "__".join(self.path)
 
     @property
+    def argument(self) -> str | None:
+        """The metavar of a positional argument (None: an option)."""
+        return self.field.metadata.get(_ARGUMENT)
+
+    @property
+    def required(self) -> bool:
+        return self.field.default is REQUIRED and self.field.default_factory is dataclasses.MISSING
+
+    @property
     def flag(self) -> str:
+        if self.argument:
+            return self.argument
         given = self.field.metadata.get(_FLAG)
         if given:
             return given
@@ -162,6 +187,8 @@ def build(cls: type, values: dict[str, Any], path: tuple[str, ...] = (), skip: t
             base, _, is_tuple = _shape(hints[f.name])
             if is_tuple and isinstance(value, str):
                 value = parse_list(value, base, flag(cls, f.name))
+            elif is_tuple and isinstance(value, list):  # a tuple argument: its values
+                value = tuple(value)
             kwargs[f.name] = value
     return cls(**kwargs)
 
@@ -181,26 +208,31 @@ def to_json(obj: Any) -> dict[str, Any]:
     return out
 
 
-def from_json(cls: type, data: dict[str, Any], where: str = "settings") -> Any:
+def from_json(cls: type, data: dict[str, Any], where: str = "settings", *, others: bool = False) -> Any:
     """The tree `cls` from `to_json`'s output. Fields the data lacks keep their defaults.
 
+    Args:
+        others: the data may hold other keys besides the fields (a manifest's notes); they are left aside.
+
     Raises:
-        ZLError: the data has a field `cls` does not (it was written by another version of zl).
+        ZLError: the data has a field `cls` does not (it was written by another version of zl), unless `others`.
     """
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - names)
-    if unknown:
+    if unknown and not others:
         raise ZLError(f"{where}: unknown field(s) {', '.join(unknown)} for {cls.__name__}; it was written by another "
                       "version of zl.")
     kwargs = {}
     for name, value in data.items():
+        if name not in names:
+            continue
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = from_json(tp, value, where)
+            kwargs[name] = from_json(tp, value, where, others=others)
             continue
         base, _, is_tuple = _shape(tp)
-        if value is not None and is_tuple:
+        if isinstance(value, list) and is_tuple:
             value = tuple(value)
         elif value is not None and base is not str and isinstance(value, str):
             value = base(value)  # a Path

@@ -1,6 +1,6 @@
 """PipeDream on the same ranks: asynchronous 1F1B across windows with weight stashing (docs/design.md §13.1).
 
-The third backprop baseline (torch_pipeline.py has GPipe and 1F1B), as the
+The third backprop baseline (gpipe.py has GPipe and 1F1B), as the
 PipeDream paper (Narayanan et al., SOSP 2019) runs it: stage k of K starts
 with K-1-k forwards, then alternates one forward and one backward over the
 whole run, with no flush at window ends; the last stage's loss is the final
@@ -25,7 +25,7 @@ waits at most `timeout_s`. On gloo, which moves a message only once its
 receive is posted, the next forward's and the next backward's receives are
 posted as soon as the previous one of the kind has been taken (`_recv`), so
 transfers overlap compute as the ZeroLock link's receiving thread lets them
-(torch_link.py); on NCCL a receive waiting in a neighbour pair's stream would
+(link.py); on NCCL a receive waiting in a neighbour pair's stream would
 hold up the sends queued behind it, so there each is posted when needed.
 """
 
@@ -37,10 +37,13 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from zl_device.run.eager_training import OptimizerSettings, runner_optimizer
-from zl_device.run.torch_pipeline import PipeStage, target_loss
-from zl_device.run.windows import WindowPlan
-from zl.errors import ZLError
+from zl_base.errors import ZLError
+from zl_device.formats.lr_schedule import OptimizerSettings
+from zl_device.formats.windows import WindowPlan
+from zl_device.torch.backprop import PipeStage, target_loss, window_rows
+from zl_device.torch.eager_training import runner_optimizer
+from zl_device.torch.schedules.base import Schedule
+from zl_device.torch.stage_io import Rank
 
 TAG_HIDDEN, TAG_MASK, TAG_GRAD = 0, 1, 2
 
@@ -182,3 +185,24 @@ class PipeDreamStage:
                 losses = []
         for work, _, what, mb in sends:
             self._wait(work, f"sending the {what}", mb)
+
+
+class PipeDream(Schedule):
+    """PipeDream on the ranks: `PipeDreamStage` over the whole run; a stage commits a window at its own step."""
+
+    name = "pipedream"
+
+    def __init__(self, rank: Rank):
+        super().__init__(rank)
+        self.shard = rank.shard() if rank.first or rank.last else None
+        self.pipe = PipeDreamStage(rank.module, rank.index, rank.world, rank.device, rank.lr, rank.optimizer_settings,
+                                   rank.plan, timeout_s=rank.job.link_timeout_s)
+        self.optimizer, self.scheduler = self.pipe.optimizer, self.pipe.scheduler
+
+    def train(self, first_window: int) -> dict:
+        rank, shard, batch = self.rank, self.shard, self.rank.batch
+        hidden_shape = (batch, rank.manifest["seq_len"], rank.module.norm.weight.shape[-1])  # (B, S, D)
+        batches = None if shard is None else (lambda mb: window_rows(shard, range(mb, mb + 1), batch))
+        self.pipe.run(batches, hidden_shape,
+                      lambda w, loss, lr: rank.commit(w, self.optimizer, self.scheduler.last_epoch, lr, mean_loss=loss))
+        return {"in_flight_max": self.pipe.in_flight_max, "stash_versions_max": self.pipe.stash_versions_max}

@@ -11,7 +11,7 @@ A stage's runner lines are taken from the merged file when it holds any line
 of that stage (runner kinds: `start`, `micro_batch`, `window`, `done`), and
 from its per-stage file otherwise, so a merged file next to the per-stage
 files it was merged from is never counted twice. Coordinator events
-(`run`, `failure`, `restart`, `recovered`) are read from the merged file
+(`run`, `failure`, `restart`, `recovered`, `pause`) are read from the merged file
 only: the coordinator writes them there, and a per-stage file holds one
 runner's lines. Within one stage, line order is time order: the
 runner appends, so a merge must keep each stage's lines in their order.
@@ -51,10 +51,19 @@ Coordinator events (written by the coordinator into the merged file;
         `window`, the window in flight at the failure; recovery_ms = from the
         restart event to that commit; since_failure_ms = from the failure (an
         injected failure's SIGKILL, else its detection) to that commit.
+    {"type": "pause", "stage", "device", "kind", "reason", "window", "requested_unix_ms", "paused_unix_ms",
+     "resumed_unix_ms", "to_pause_ms", "paused_ms", "resumed_at", "standby"}
+        a device policy held the stage (docs/design.md §5.8), written when it resumed: kind is temperature,
+        thermal_status, battery or charging, reason the limit crossed ("61.0 °C ≥ 45 °C (--max-temperature)");
+        the stage stopped after committing `window`; to_pause_ms = from the limit crossed (requested) to the
+        stop (the rest of its window), paused_ms = from the stop to the restart; resumed_at: the readings
+        that let it go on.
 
 Every other `type` (e.g. a future "error" or "heartbeat" line) is read and
 ignored by the report.
 """
+
+from __future__ import annotations
 
 import json
 import logging
@@ -63,14 +72,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
+from zl_device.formats.run_layout import METRICS, STAGES_DIR, RunLayout
 
 log = logging.getLogger(__name__)
 
-METRICS = "metrics.jsonl"
-STAGES_DIR = "stages"
 RUNNER_TYPES = ("start", "micro_batch", "window", "done")
-EVENT_TYPES = ("run", "failure", "restart", "recovered")
+EVENT_TYPES = ("run", "failure", "restart", "recovered", "pause")
 
 # Keys that must be integers, and keys that must be numbers or null, per kind.
 _INT_KEYS = {
@@ -81,6 +89,7 @@ _INT_KEYS = {
     "failure": ("stage",),
     "restart": ("stage",),
     "recovered": ("stage",),
+    "pause": ("stage",),
 }
 _NUMBER_KEYS = {
     "micro_batch": ("t_unix_ms", "phase1_ms", "phase2_ms", "queue_ms", "send_ms", "total_ms", "loss", "task_loss",
@@ -91,6 +100,7 @@ _NUMBER_KEYS = {
     "failure": ("t_unix_ms", "detected_after_ms", "window", "micro_batch"),
     "restart": ("t_unix_ms", "replayed_micro_batches", "replay_bytes"),
     "recovered": ("t_unix_ms", "recovery_ms", "since_failure_ms", "downstream_stage", "window"),
+    "pause": ("window", "requested_unix_ms", "paused_unix_ms", "resumed_unix_ms", "to_pause_ms", "paused_ms"),
     "start": ("first_micro_batch", "resumed_from_window"),
 }
 
@@ -171,6 +181,59 @@ def read_metrics(run_dir: Path) -> MetricsLog:
         result.sources.append(path)
         _add(result, lines)
     return result
+
+
+def stage_lines(layout: RunLayout, num_stages: int) -> list[list[dict]]:
+    """Every stage's own telemetry lines (RUN_DIR/stages/stage_<k>/metrics.jsonl), stage by stage.
+
+    Raises:
+        ZLError: a stage's file is missing or holds a malformed line (`read_lines`).
+    """
+    return [read_lines(layout.stage_metrics(k)) for k in range(num_stages)]
+
+
+def merge_metrics(layout: RunLayout, num_stages: int, events: list[dict]) -> Path:
+    """RUN_DIR/metrics.jsonl: every stage's lines (each stage's in its order; a stage without a file adds none),
+    then `events`, the run's own (coordinator events, the `run` event). Both runtimes end a run with it."""
+    lines: list[str] = []
+    for k in range(num_stages):
+        path = layout.stage_metrics(k)
+        if path.is_file():
+            lines += [ln for ln in path.read_text().splitlines() if ln.strip()]
+    lines += [json.dumps(e) for e in events]
+    layout.metrics.write_text("\n".join(lines) + "\n")
+    return layout.metrics
+
+
+class LineTail:
+    """The complete lines of a telemetry file that grows while it is read (a runner's or a rank's metrics.jsonl),
+    fed chunk by chunk: a line still being written waits for the chunk that ends it."""
+
+    def __init__(self) -> None:
+        self.offset = 0  # bytes of the file fed so far: where the next read starts
+        self._partial = b""
+
+    def feed(self, chunk: bytes) -> list[dict]:
+        """The records of the lines `chunk` completes; a line that is not a JSON object is skipped."""
+        self.offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        records = []
+        for line in lines:
+            try:
+                record = json.loads(line.decode(errors="replace"))
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
+
+    def read(self, path: Path) -> list[dict]:
+        """`feed` with what `path` (a file on this host) holds past `offset`; nothing while it does not exist."""
+        if not path.is_file():
+            return []
+        with open(path, "rb") as f:
+            f.seek(self.offset)
+            return self.feed(f.read())
 
 
 def _add(result: MetricsLog, lines: list[dict]) -> None:

@@ -36,7 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zl.errors import ZLError
+from zl_base.errors import ZLError
 
 HEADER_TAG, INTS_TAG, HIDDEN_TAG = 0, 1, 2
 

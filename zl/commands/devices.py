@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from zl_base.errors import ZLError
+from zl_device.formats.run_layout import RunLayout
 from zl.options import settings_command
 from zl_base.settings import REQUIRED, setting
 from zl_device.devices.registry import MODE_HELP
@@ -189,7 +190,8 @@ def run_pull(args: PullArgs) -> None:
     spec = parse_devices(args.devices)
     check_mode(spec, args.mode)
     if spec.kind == LOCAL:
-        missing = [p for i in range(spec.count) if not (p := (run_dir or out) / "devices" / f"local-{i}").is_dir()]
+        layout = RunLayout(run_dir or out)
+        missing = [p for i in range(spec.count) if not (p := layout.device_dir(f"local-{i}")).is_dir()]
         if missing:
             raise ZLError(f"{missing[0]} does not exist: no local device was deployed there; pass the run "
                           "directory of `zl deploy --run-dir` as --run-dir (or --out).")

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from zl_base.errors import ZLError
+from zl_device.formats.run_layout import RunLayout
 from zl.options import settings_command
 from zl.paths import check_out_file
 from zl_base.settings import setting
@@ -201,14 +202,15 @@ def _source(run: Path | None, adapter: Path | None, model: str | None) -> tuple[
     if run is not None:
         if not run.is_dir():
             raise ZLError(f"--run {run}: no such directory; pass the --out of a `zl train` run, e.g. --run runs/r1.")
-        adapter = run / "adapter"
+        layout = RunLayout(run)
+        adapter = layout.adapter
         if not adapter.is_dir():
-            unfinished = (run / "UNFINISHED.txt").is_file()
+            unfinished = layout.markers[0].is_file()
             raise ZLError(f"--run {run}: no adapter/ in it, "
                           + ("the run has not finished; continue it with `zl train --resume --out "
-                             f"{run}` (see {run / 'UNFINISHED.txt'})." if unfinished else
+                             f"{run}` (see {layout.markers[0]})." if unfinished else
                              "so it is not a finished `zl train` run directory; merge a run's checkpoints with "
-                             f"`zl merge --out {run / 'adapter'}` or pass --adapter DIR."))
+                             f"`zl merge --out {adapter}` or pass --adapter DIR."))
     try:
         check_adapter_dir(adapter)
     except ZLError as e:
@@ -243,7 +245,7 @@ def _rendering(chat: bool | None, system: str | None, run: Path | None, adapter_
     else:
         rendering = Rendering(False, False,
                               "--adapter records no training data; pass --chat if it trained on chat rows")
-        sibling = run_chat_record(adapter_dir.parent) if (adapter_dir.parent / "data").is_dir() else None
+        sibling = run_chat_record(adapter_dir.parent) if RunLayout(adapter_dir.parent).data.is_dir() else None
         if sibling is not None and sibling.chat:
             err_console.print(f"[yellow]note:[/] {escape(str(adapter_dir))} is the adapter of run "
                               f"{escape(str(adapter_dir.parent))}, which trained on chat rows; pass --chat (or --run "

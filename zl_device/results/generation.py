@@ -285,12 +285,13 @@ def run_chat_record(run_dir: Path | str) -> ChatRecord | None:
     """What a `zl train` run's training data was: the sidecar of the shard it wrote (RUN_DIR/data/train.json), or
     of the shard it was given (`--data X.safetensors`, from RUN_DIR/train_settings.json); None when neither is
     there to read."""
+    from zl_device.formats.run_layout import RunLayout
     from zl_export.shard import sidecar_path
 
-    run_dir = Path(run_dir)
-    candidates = [sidecar_path(run_dir / "data" / "train.safetensors")]
+    layout = RunLayout(Path(run_dir))
+    candidates = [sidecar_path(layout.train_shard)]
     try:
-        data = json.loads((run_dir / "train_settings.json").read_text()).get("data")  # train_job.SETTINGS_FILE
+        data = json.loads(layout.settings.read_text()).get("data")
         if isinstance(data, str) and data.endswith(".safetensors"):
             candidates.append(sidecar_path(Path(data).expanduser()))
     except (OSError, ValueError, AttributeError):

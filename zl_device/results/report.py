@@ -60,7 +60,7 @@ import numpy as np
 from zl_base.errors import ZLError
 from zl_device.formats.metrics_log import MetricsLog, read_metrics
 from zl_device.formats.run_layout import PLOTS_DIR, REPORT_JSON, REPORT_MD, RunLayout
-from zl_export.manifest import read_manifest_file
+from zl_export.manifest import read_manifest_file, stage_count
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def _model(manifest: dict | None) -> dict | None:
         return None
     model = manifest.get("model", {})
     return {"name": model.get("name"), "num_layers": model.get("num_layers"), "seq_len": manifest.get("seq_len"),
-            "micro_batch": manifest.get("micro_batch"), "num_stages": len(manifest["stages"]),
+            "micro_batch": manifest.get("micro_batch"), "num_stages": stage_count(manifest),
             # Exports before --frozen-dtype stored float32 weights.
             "frozen_dtype": manifest.get("frozen_dtype", "fp32"),
             "program_mib": ([st["size_bytes"] / 2**20 for st in manifest["stages"]]

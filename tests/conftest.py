@@ -68,3 +68,12 @@ def brute_force_label_scores(model, shard) -> tuple[float, float]:
             correct += int(max(range(len(cands)), key=scores.__getitem__) == truth)
         loss = model(input_ids=shard.input_ids, attention_mask=shard.attention_mask, labels=shard.labels).loss
     return correct / shard.rows, float(loss)
+
+
+def fake_v1(tmp_path: Path) -> Path:
+    """A cgroup v1 cpu controller folder for tests of the CPU-quota code: the files it writes, empty."""
+    root = tmp_path / "cpu"
+    root.mkdir()
+    for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us", "cgroup.procs"):
+        (root / name).write_text("")
+    return root

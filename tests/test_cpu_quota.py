@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import fake_v1
 from zl_base.errors import ZLError
 from zl_device.devices import cpu_quota
 from zl_device.devices.cpu_quota import CgroupCap, ThrottleCap, cap_process, check_cpu_quota, quotas_per_device
@@ -63,14 +64,6 @@ def test_the_cgroup_caps_a_busy_process_and_is_removed_after():
     assert share < 0.35
     base = cpu_quota.cgroup_cpu_root() / cpu_quota.GROUP_BASE
     assert not [g for g in base.glob("test-*") if g.is_dir()]
-
-
-def fake_v1(tmp_path: Path) -> Path:
-    root = tmp_path / "cpu"
-    root.mkdir()
-    for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us", "cgroup.procs"):
-        (root / name).write_text("")
-    return root
 
 
 def test_a_cgroup_group_per_runner_with_its_quota_and_stale_groups_removed(tmp_path):

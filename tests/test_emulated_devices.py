@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import load_tool
+from tests.conftest import fake_v1, load_tool
 from zl_base.errors import ZLError
 
 emulated = load_tool("emulated_devices")
@@ -49,14 +49,6 @@ def test_descendants_include_grandchildren_and_the_command_lines_are_read(rank_p
     assert emulated.command_line(rank).endswith("zl_runner ")
     assert not emulated.RANK_COMMAND.search(emulated.command_line(shell.pid))
     assert emulated.command_line(2**22 + 1) == ""  # no such process
-
-
-def fake_v1(tmp_path: Path) -> Path:
-    root = tmp_path / "cpu"
-    root.mkdir()
-    for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us", "cgroup.procs"):
-        (root / name).write_text("")
-    return root
 
 
 def test_each_rank_gets_a_group_of_its_own_with_the_quota_v1(tmp_path, rank_process):

@@ -46,6 +46,7 @@ import torch  # noqa: E402
 from zl_export.exporter import build_stage_modules, example_inputs, export_stage, write_program  # noqa: E402
 from zl_export.options import ExportOptions, LoraSettings, LossConfig  # noqa: E402
 from zl_export.model_source import load_model  # noqa: E402
+from zl_export.shard import target_slots_for  # noqa: E402
 from zl_export.stages import parse_spec  # noqa: E402
 from zl_export.step_check import eager_step  # noqa: E402
 from zl_export.training_program import TrainingProgram  # noqa: E402
@@ -97,7 +98,7 @@ def main() -> None:
     if not 0 < min(args.targets) <= max(args.targets) < min(args.seq_len):
         ap.error(f"--targets {','.join(map(str, args.targets))}: each must be 1..{min(args.seq_len) - 1} (a sample "
                  f"needs a prompt token before its targets within --seq-len {min(args.seq_len)})")
-    slots_for = {t: sorted(x for x in args.max_targets if x >= t) if args.max_targets else [fitted_slots(t)]
+    slots_for = {t: sorted(x for x in args.max_targets if x >= t) if args.max_targets else [target_slots_for(t)]
                  for t in args.targets}  # the Ω programs each target count is timed on (the rest would drop targets)
 
     if not set(args.kernels) <= set(KERNELS):
@@ -162,12 +163,6 @@ def main() -> None:
                         _breakdown(files[seq, name][0], module, inputs[seq, t], out)
     _print_table(rows, args.kernels)
 
-
-def fitted_slots(targets: int) -> int:
-    """The target slots `zl train` gives programs for data whose longest completion has `targets` tokens."""
-    from zl_export.shard import fitted_target_slots
-
-    return fitted_target_slots(torch.tensor([[-100] + [0] * targets]))[1]
 
 
 def _print_table(rows: list, kernels: list[str]) -> None:

@@ -148,14 +148,19 @@ def target_counts(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != -100).sum(dim=1)
 
 
-def fitted_target_slots(labels: torch.Tensor) -> tuple[int, int]:
-    """(most target tokens of any row, target slots fitted to them): the count rounded up to a multiple of
+def target_slots_for(targets: int) -> int:
+    """The target slots for samples of at most `targets` target tokens: the count rounded up to a multiple of
     TARGET_SLOT_STEP, so the readout runs on a few positions more than the loss needs at most, and similar data
     shares one cached export (`zl train` without --max-targets; AG News and the demo task: 4 slots)."""
     from zl_export.options import TARGET_SLOT_STEP
 
+    return max(1, -(-targets // TARGET_SLOT_STEP)) * TARGET_SLOT_STEP
+
+
+def fitted_target_slots(labels: torch.Tensor) -> tuple[int, int]:
+    """(most target tokens of any row, `target_slots_for` them)."""
     need = int(target_counts(labels).max()) if len(labels) else 0
-    return need, max(1, -(-need // TARGET_SLOT_STEP)) * TARGET_SLOT_STEP
+    return need, target_slots_for(need)
 
 
 def check_target_slots(labels: torch.Tensor, slots: int, where: Callable[[int], str]) -> None:

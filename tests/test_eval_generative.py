@@ -70,6 +70,17 @@ def test_generative_figures_nll_perplexity_and_generations(shard):
     assert evaluate(loaded.model, shard, generation=GenerationEval(loaded.tokenizer, rows=0)).exact_match is None
 
 
+def test_a_row_without_a_completion_is_named(shard):
+    from zl_export.scoring import IGNORE_INDEX
+    from zl_export.shard import Shard
+
+    labels = shard.labels.clone()
+    labels[2] = IGNORE_INDEX
+    broken = Shard(shard.path, shard.input_ids, shard.attention_mask, labels, shard.meta)
+    with pytest.raises(ZLError, match=r"row 2: no completion after a prompt"):
+        evaluate(load_model("tiny-random").model, broken, batch_size=2)
+
+
 def test_a_memorizing_adapter_changes_the_generations_and_scores_them(shard, adapter):
     loaded = load_model("tiny-random")
     generation = GenerationEval(loaded.tokenizer)

@@ -125,21 +125,24 @@ def evaluate(
     rows = RowScores([], [], [])
     for start in range(0, shard.rows, batch_size):
         batch = _rows(shard, start, min(start + batch_size, shard.rows))
-        count = _label_tokens(batch, start)
         if classify:
             # One call per batch: label_word_scores scores every row it is given.
+            count = _label_tokens(batch, start)
             scores = label_word_scores(model, batch, batch_size=batch_size)
-            nll = scores.nll
+            nll_sum += scores.nll * count
             correct += sum(scores.correct)
             for mine, theirs in ((rows.correct, scores.correct), (rows.nll_sum, scores.nll_sum),
                                  (rows.tokens, scores.tokens)):
                 mine.extend(theirs)
         else:
             sums, counts = _completion_nll_rows(model, batch)
-            nll = sum(sums) / max(sum(counts), 1)
+            if 0 in counts:
+                raise ZLError(f"shard {batch.path} row {start + counts.index(0)}: no completion after a prompt; "
+                              "recreate the shard with `zl data`.")
+            nll_sum += sum(sums)
+            count = sum(counts)
             rows.nll_sum.extend(sums)
             rows.tokens.extend(counts)
-        nll_sum += nll * count
         tokens += count
         on_batch(batch.rows)
     nll = nll_sum / max(tokens, 1)

@@ -223,7 +223,7 @@ def test_the_plan_file_round_trips_and_reports_the_slowest_stage(tmp_path):
 
 
 def test_a_bad_plan_file_is_one_line(tmp_path):
-    with pytest.raises(ZLError, match=r"--stages .*missing.json: no such plan file; make one with `zl plan"):
+    with pytest.raises(ZLError, match=r"--stages .*missing.json: no such file; make the plan with `zl plan"):
         read_plan(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ZLError, match="not valid JSON"):

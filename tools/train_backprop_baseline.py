@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
 
-from zl_base.errors import ZLError  # noqa: E402
+from zl_base.errors import ZLError, read_json_file  # noqa: E402
 from zl_device.torch.eager_training import (Budget, OptimizerSettings, causal_lm_loss,  # noqa: E402,F401
                                           micro_batch_rows)
 from zl_device.torch.eager_training import train_backprop as eager_train_backprop  # noqa: E402
@@ -175,12 +175,7 @@ def default_schedule(samples: int, window: int, micro_batch: int = 1) -> Schedul
 
 
 def _read_json(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise ZLError(f"{path}: no such file; {what}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ZLError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}).") from e
+    return read_json_file(path, str(path), missing=what, invalid="the run directory is damaged; train again.")
 
 
 def settings_from_run_dir(run_dir: Path | str) -> BaselineSettings:

@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from zl_base import __version__
-from zl_base.errors import ZLError
+from zl_base.errors import ZLError, read_json_file
 from zl_export.model_family import family_of
 
 FORMAT_VERSION = 1
@@ -70,13 +70,8 @@ def read_manifest_file(path: Path) -> dict:
         ZLError: no file, not a JSON object, another format version, or no list of stages with indices.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ZLError(f"manifest {path}: no such file; pass the manifest.json that `zl export` wrote "
-                      "(EXPORT_DIR/manifest.json).")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ZLError(f"manifest {path}: not valid JSON ({e.msg}, line {e.lineno}); export again with `zl export`.") from e
+    manifest = read_json_file(path, f"manifest {path}", missing="pass the manifest.json that `zl export` wrote "
+                              "(EXPORT_DIR/manifest.json).", invalid="export again with `zl export`.")
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
         seen = manifest.get("format_version") if isinstance(manifest, dict) else None
         raise ZLError(f"manifest {path}: format_version {seen!r}, this zl reads {FORMAT_VERSION}; export again with this zl.")

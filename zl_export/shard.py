@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zl_base.errors import ZLError
+from zl_base.errors import ZLError, read_json_file
 
 if TYPE_CHECKING:
     from zl_export.tokenizer import Tokenizer
@@ -204,10 +204,8 @@ def load_shard(path: Path | str) -> Shard:
     side = sidecar_path(path)
     if not side.is_file():
         raise ZLError(f"shard {path}: its sidecar {side} is missing. Recreate the shard with `zl data`.")
-    try:
-        meta = json.loads(side.read_text())
-    except json.JSONDecodeError as e:
-        raise ZLError(f"shard sidecar {side}: not valid JSON ({e.msg}). Recreate the shard with `zl data`.") from e
+    meta = read_json_file(side, f"shard sidecar {side}", missing="recreate the shard with `zl data`.",
+                          invalid="recreate the shard with `zl data`.")
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as e:

@@ -19,7 +19,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from zl_base.errors import ZLError
+from zl_base.errors import ZLError, read_json_file
 
 PLAN_FORMAT = "zl-plan"
 PLAN_VERSION = 1
@@ -136,13 +136,8 @@ def write_plan(plan: Plan, path: Path) -> Path:
 def read_plan(path: Path | str, flag: str = "--stages") -> Plan:
     """Raises ZLError: no such file, not JSON, or not a plan."""
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise ZLError(f"{flag} {path}: no such plan file; make one with `zl plan --out {path}`, or give layer ranges "
-                      "(e.g. 0-9,10-19,20-29) or `auto`.")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ZLError(f"{flag} {path}: not valid JSON ({e.msg}, line {e.lineno}); make it again with `zl plan`.") from e
+    data = read_json_file(path, f"{flag} {path}", missing=f"make the plan with `zl plan --out {path}`, or give "
+                          "layer ranges (e.g. 0-9,10-19,20-29) or `auto`.", invalid="make it again with `zl plan`.")
     return Plan.from_json(data, f"{flag} {path}")
 
 

@@ -43,3 +43,14 @@ class Schedule(ABC):
     @abstractmethod
     def train(self, first_window: int) -> dict:
         """Train windows `first_window`.. of the plan, committing each; returns the `done` line's extra fields."""
+
+
+class CrossRankBackprop(Schedule, ABC):
+    """A backprop baseline: the gradient crosses ranks, so the first rank (input ids) and the last (labels) read
+    the shard, and `pipe`, the rank's part of the cross-rank stage, owns the optimizer and its schedule."""
+
+    def __init__(self, rank: Rank, pipe):
+        super().__init__(rank)
+        self.shard = rank.shard() if rank.first or rank.last else None
+        self.pipe = pipe
+        self.optimizer, self.scheduler = pipe.optimizer, pipe.scheduler

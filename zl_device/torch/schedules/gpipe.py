@@ -25,7 +25,7 @@ from torch import nn
 from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.torch.backprop import PipeStage, target_loss, window_rows
 from zl_device.torch.eager_training import runner_optimizer
-from zl_device.torch.schedules.base import Schedule
+from zl_device.torch.schedules.base import CrossRankBackprop
 from zl_device.torch.stage_io import Rank
 
 KINDS = ("gpipe", "1f1b")  # torch.distributed.pipelining's, one flush per window
@@ -84,17 +84,14 @@ class PipelinedStage:
         return lr
 
 
-class GPipe(Schedule):
+class GPipe(CrossRankBackprop):
     """GPipe on the ranks: per window all forwards, then all backwards, then every stage's AdamW step."""
 
     name = "gpipe"
 
     def __init__(self, rank: Rank):
-        super().__init__(rank)
-        self.shard = rank.shard() if rank.first or rank.last else None
-        self.pipe = PipelinedStage(rank.module, rank.index, rank.world, rank.device, self.name, rank.lr,
-                                   rank.optimizer_settings, rank.plan.num_windows)
-        self.optimizer, self.scheduler = self.pipe.optimizer, self.pipe.scheduler
+        super().__init__(rank, PipelinedStage(rank.module, rank.index, rank.world, rank.device, self.name, rank.lr,
+                                              rank.optimizer_settings, rank.plan.num_windows))
 
     def train(self, first_window: int) -> dict:
         rank, plan = self.rank, self.rank.plan

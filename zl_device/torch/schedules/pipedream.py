@@ -42,7 +42,7 @@ from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.windows import WindowPlan
 from zl_device.torch.backprop import PipeStage, target_loss, window_rows
 from zl_device.torch.eager_training import runner_optimizer
-from zl_device.torch.schedules.base import Schedule
+from zl_device.torch.schedules.base import CrossRankBackprop
 from zl_device.torch.stage_io import Rank
 
 TAG_HIDDEN, TAG_MASK, TAG_GRAD = 0, 1, 2
@@ -187,17 +187,14 @@ class PipeDreamStage:
             self._wait(work, f"sending the {what}", mb)
 
 
-class PipeDream(Schedule):
+class PipeDream(CrossRankBackprop):
     """PipeDream on the ranks: `PipeDreamStage` over the whole run; a stage commits a window at its own step."""
 
     name = "pipedream"
 
     def __init__(self, rank: Rank):
-        super().__init__(rank)
-        self.shard = rank.shard() if rank.first or rank.last else None
-        self.pipe = PipeDreamStage(rank.module, rank.index, rank.world, rank.device, rank.lr, rank.optimizer_settings,
-                                   rank.plan, timeout_s=rank.job.link_timeout_s)
-        self.optimizer, self.scheduler = self.pipe.optimizer, self.pipe.scheduler
+        super().__init__(rank, PipeDreamStage(rank.module, rank.index, rank.world, rank.device, rank.lr,
+                                              rank.optimizer_settings, rank.plan, timeout_s=rank.job.link_timeout_s))
 
     def train(self, first_window: int) -> dict:
         rank, shard, batch = self.rank, self.shard, self.rank.batch

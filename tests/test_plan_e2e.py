@@ -50,7 +50,7 @@ def settings():
 
 def test_calibration_measures_each_device_then_a_second_plan_reads_the_cache(env, monkeypatch):
     from zl_device.plan import calibrate
-    from zl_device.plan.calibrate import ROUND_LAYERS, ROUND_MICRO_BATCHES
+    from zl_device.plan.calibrate import ROUND_MICRO_BATCHES, round_layers
     from zl_device.plan.costs import WARMUP_MICRO_BATCHES
     from zl_device.plan.planner import PlanSettings, make_plan
     from zl_export.stages import parse_spec
@@ -60,7 +60,7 @@ def test_calibration_measures_each_device_then_a_second_plan_reads_the_cache(env
     assert any(line.startswith("calibration: 1 layer(s) per stage on local-0, local-1") for line in said)
     assert len(parse_spec(plan.stages, 4)) == 2 and plan.num_layers == 4 and plan.seq_len == 64
     for k, entry in enumerate(plan.calibration):
-        assert [m["layers"] for m in entry["rounds"]] == list(ROUND_LAYERS) and entry["measured_now"]
+        assert [m["layers"] for m in entry["rounds"]] == round_layers(4, 2) == [1, 2] and entry["measured_now"]
         for m in entry["rounds"]:
             assert m["micro_batches"] == ROUND_MICRO_BATCHES - WARMUP_MICRO_BATCHES
             assert m["phase2_ms"] > 0 and m["pss_mib"] > 0

@@ -1,0 +1,59 @@
+"""ZeroLock's eager training (zl_device.torch.eager_training, the accuracy study's and the torch runtime's
+reference) against backprop on generative data: with every stage but the last held still, ZeroLock's last stage
+trains on the true next-token loss over every completion token, so it must give the adapter of last-stage-only
+backprop (frozen weights in float32 for both: bf16 would round them for ZeroLock only). A local loss that dropped,
+shifted or re-weighted target tokens (the many-target case) would differ."""
+
+import pytest
+import torch
+
+from generative_fixtures import prompt_completion_shard
+from zl_device.torch.eager_training import (Budget, OptimizerSettings, freeze_lora_below, stage_parameters,
+                                            train_backprop, train_zerolock)
+from zl_export.exporter import build_stage_modules
+from zl_export.lora import attach_lora
+from zl_export.model_source import load_model
+from zl_export.options import ExportOptions, LoraSettings, LossConfig
+from zl_export.shard import fitted_target_slots
+from zl_export.stages import parse_spec
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
+
+
+def lora_weights(peft_model) -> dict[str, torch.Tensor]:
+    """LoRA tensors under the manifest's PEFT names (without the adapter name, as the saved adapter has them)."""
+    return {n.replace(".default", ""): p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" in n}
+
+
+def test_with_the_upstream_stages_still_zerolock_trains_the_last_stage_as_last_stage_backprop(tmp_path):
+    shard = prompt_completion_shard(tmp_path)
+    assert int((shard.labels != -100).sum(1).max()) > 4  # many target tokens per row, not a label word
+    split = parse_spec("0-1,2-3", 4)
+    budget = Budget(samples=8, window=2, micro_batch=1)
+    opt = OptimizerSettings(lr=1e-2)
+    lora = LoraSettings(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
+
+    opts = ExportOptions(seq_len=shard.input_ids.shape[1], lora=lora, loss=LossConfig(alpha=(1.0,)),
+                         max_targets=fitted_target_slots(shard.labels)[1], seed=0, frozen_dtype="fp32")
+    peft_model, modules = build_stage_modules(load_model("tiny-random").model, split, opts)
+    # lr x0 upstream: AdamW's update and its weight decay are both scaled by the lr, so stage 0 stays as it began.
+    train_zerolock(modules, shard, budget, opt, stage_lr=(0.0, 1.0))
+    zerolock = stage_parameters(modules, peft_model)
+
+    reference = attach_lora(load_model("tiny-random").model, lora, seed=0)
+    freeze_lora_below(reference, split[-1].first)
+    before = lora_weights(reference)
+    train_backprop(reference, shard, budget, opt)
+    after = lora_weights(reference)
+
+    last = [n for n in zerolock if ".layers.2." in n or ".layers.3." in n]
+    assert len(last) == 8  # 2 layers x q, v x A, B
+    for name in last:
+        torch.testing.assert_close(zerolock[name], after[name], rtol=1e-4, atol=1e-6, msg=name)
+        assert not torch.equal(zerolock[name], before[name]) or "lora_A" in name  # B starts at 0 and moves
+    for name in zerolock.keys() - set(last):
+        if name in before:
+            torch.testing.assert_close(zerolock[name], before[name], rtol=0, atol=0, msg=name)

@@ -57,3 +57,25 @@ def test_with_the_upstream_stages_still_zerolock_trains_the_last_stage_as_last_s
     for name in zerolock.keys() - set(last):
         if name in before:
             torch.testing.assert_close(zerolock[name], before[name], rtol=0, atol=0, msg=name)
+
+
+def test_zl_train_warns_on_generative_data_unless_the_upstream_stages_are_still(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from zl.commands.data import data_command
+    from zl_device.run.train_data import generative_note
+    from zl_device.run.train_settings import TrainSettings
+
+    prompt_completion_shard(tmp_path)
+    generative = tmp_path / "pc.safetensors"
+    note = generative_note(TrainSettings(), generative)
+    assert note is not None and "--stage-lr 0,0,1" in note and "3.29" in note
+    assert generative_note(TrainSettings(stage_lr=(0.0, 0.0, 1.0)), generative) is None
+    assert generative_note(TrainSettings(stage_lr=(0.0, 0.5, 1.0)), generative) is not None
+
+    app = typer.Typer(add_completion=False)
+    app.command("data")(data_command)
+    result = CliRunner().invoke(app, ["--demo", "--model", "tiny-random", "--out", str(tmp_path / "demo")])
+    assert result.exit_code == 0, result.output
+    assert generative_note(TrainSettings(), tmp_path / "demo" / "train.safetensors") is None  # label words

@@ -156,7 +156,8 @@ def test_each_dataclass_validates_its_own_fields(opts, problem):
     (["export", "--alpha", "1.5", "--stages", "0-1,2-3"], "--alpha 1.5: α weighs CE against KL and must lie in (0, 1]"),
     (["train", "--alpha", "0.5,0.5", "--stages", "0-9,10-19,20-29"], "--alpha 0.5,0.5: 2 values for 3 stages"),
     (["train", "--stage-lr", "1,2", "--num-stages", "3"], "--stage-lr 1,2: 2 values for 3 stages"),
-    (["train", "--stage-lr", "1,0,1"], "--stage-lr 1,0,1: learning-rate multipliers must be positive"),
+    (["train", "--stage-lr", "1,-0.5,1"], "--stage-lr 1,-0.5,1: learning-rate multipliers must be 0 (the stage does not train) or positive"),
+    (["train", "--stage-lr", "0,0,0"], "--stage-lr 0,0,0: learning-rate multipliers must be 0 (the stage does not train) or positive, and at least one positive"),
     (["train", "--gate", "soft"], "--gate 'soft': expected one of none, target_prob."),
     (["export", "--translator-rank", "-2"], "--translator-rank -2: must be 0"),
 ])

@@ -156,7 +156,7 @@ def eager_zerolock(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, to
     peft_model, modules = build_stage_modules(
         loaded.model, [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]], opts,
         calibration_batches(shard))  # lens translators are fitted on the training shard, as zl train does
-    optimizer = configs[0]["optimizer"]
+    optimizer = max((c["optimizer"] for c in configs), key=lambda o: o["lr"])  # a stage may have lr 0
     train_zerolock(modules, shard,
                    Budget(configs[0]["num_micro_batches"] * batch, configs[0]["window_size"], batch),
                    OptimizerSettings.from_config(optimizer),
@@ -204,6 +204,23 @@ def test_loss_variants_train_through_the_runner_as_in_eager(export_cache, data_f
     assert heads == ["stage_0.safetensors", "stage_1.safetensors"]  # every stage but the last
     merged = assert_eager_equals_run(run_dir)
     assert merged["zl.translator.stage_0.up"].abs().max() > 0, "the runner trained the translator"
+
+
+def test_a_stage_at_lr_0_runs_but_does_not_train(export_cache, data_file, tmp_path):
+    """`--stage-lr 0,0,1`: the upstream runners compute and forward, but their LoRA B stays at its initial zeros
+    (every AdamW term is scaled by the lr, weight decay too), so the adapter changes only the last stage's layers;
+    the eager path, which the accuracy study trains, gives the same adapter."""
+    import re
+
+    result = train(tmp_path / "run", export_cache, data=str(data_file), stage_lr=(0.0, 0.0, 1.0))
+    manifest = json.loads((result.run_dir / "manifest.json").read_text())
+    last_first = manifest["stages"][-1]["layers"][0]
+    tensors = adapter_tensors(result.run_dir)
+    for name, t in tensors.items():
+        layer = int(re.search(r"\.layers\.(\d+)\.", name).group(1))
+        if "lora_B" in name:
+            assert (t.abs().max() > 0) == (layer >= last_first), name
+    assert_eager_equals_run(result.run_dir)
 
 
 def test_a_hundred_target_tokens_train_through_the_runner_as_in_eager(export_cache, tmp_path):

@@ -90,7 +90,8 @@ class TrainSettings:
     export: ExportOptions = nested(ExportOptions, skip=("seq_len", "seed"))  # the run's: --seq-len, --seed above
     optimizer: OptimizerSettings = nested(OptimizerSettings)  # --lr; the rest are not on the command line
     stage_lr: tuple[float, ...] = setting((1.0,), "Learning-rate multiplier per stage (one value for every stage, "
-                                                  "or one per stage, e.g. 1,1,2).")
+                                                  "or one per stage, e.g. 1,1,2; 0: the stage runs but does not "
+                                                  "train, e.g. 0,0,1 trains the last stage only).")
     threads: int = setting(1, "ExecuTorch threads per runner.")
     load_mode: str = setting("mmap", "How runners hold the frozen weights: mmap (mapped from the program file: "
                                      "file-backed pages the OS can reclaim) or file (read into heap memory).",
@@ -153,8 +154,9 @@ class TrainSettings:
         stages = self.split.count
         self.export.loss.validate(stages)
         shown = ",".join(f"{m:g}" for m in self.stage_lr)
-        if not self.stage_lr or not all(m > 0 for m in self.stage_lr):
-            raise ZLError(f"--stage-lr {shown}: learning-rate multipliers must be positive, e.g. --stage-lr 1,1,2.")
+        if not self.stage_lr or not all(m >= 0 for m in self.stage_lr) or not any(m > 0 for m in self.stage_lr):
+            raise ZLError(f"--stage-lr {shown}: learning-rate multipliers must be 0 (the stage does not train) or "
+                          "positive, and at least one positive, e.g. --stage-lr 1,1,2 or 0,0,1.")
         if len(self.stage_lr) not in (1, stages):
             raise ZLError(f"--stage-lr {shown}: {len(self.stage_lr)} values for {stages} stages; give one value for "
                           f"every stage or exactly {stages}.")

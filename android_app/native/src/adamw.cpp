@@ -12,7 +12,9 @@ Status AdamWConfig::validate() const {
     return Status(StatusCode::kInvalidArgument,
                   "optimizer." + what + " = " + std::to_string(value) + " is invalid; expected " + expected);
   };
-  if (!(lr > 0.0) || !std::isfinite(lr)) return bad("lr", lr, "a finite value > 0");
+  // lr 0 is a stage that computes but does not move (zl train --stage-lr 0,0,1: the last stage alone trains):
+  // every term of the update is scaled by the lr, weight decay too, so its weights stay bit for bit.
+  if (!(lr >= 0.0) || !std::isfinite(lr)) return bad("lr", lr, "a finite value >= 0");
   if (!(beta1 >= 0.0 && beta1 < 1.0)) return bad("betas[0]", beta1, "a value in [0, 1)");
   if (!(beta2 >= 0.0 && beta2 < 1.0)) return bad("betas[1]", beta2, "a value in [0, 1)");
   if (!(eps >= 0.0) || !std::isfinite(eps)) return bad("eps", eps, "a finite value >= 0");

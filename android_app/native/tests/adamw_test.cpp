@@ -109,6 +109,24 @@ TEST(AdamW, AccumulationStepsWithTheMean) {
   EXPECT_NE(b[0], 1.0f);
 }
 
+TEST(AdamW, ZeroLearningRateLeavesTheWeightsBitForBit) {
+  AdamWConfig config;
+  config.lr = 0.0;
+  config.weight_decay = 0.1;
+  std::vector<float> p = {1.0f, -0.25f};
+  auto opt = make(config, &p);
+  const std::vector<float> g = {0.5f, -3.0f};
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(opt->accumulate({g.data()}).ok());
+    ASSERT_TRUE(opt->step().ok());
+  }
+  EXPECT_EQ(p[0], 1.0f);
+  EXPECT_EQ(p[1], -0.25f);
+  EXPECT_EQ(opt->step_count(), 3);
+  config.lr = -1e-3;
+  EXPECT_FALSE(config.validate().ok());
+}
+
 TEST(AdamW, StepWithoutGradientsFailsAndChangesNothing) {
   std::vector<float> p = {3.0f};
   auto opt = make(AdamWConfig{}, &p);

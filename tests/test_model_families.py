@@ -57,6 +57,20 @@ def _readout(base, h: torch.Tensor) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+def assert_step_equals(result, entry, ref_loss, ref_ce, ref_kl, ref_grads) -> None:
+    """A program's step (TrainingProgram.step) equals the reference's loss terms and every LoRA gradient, each
+    gradient named by the manifest entry's parameters and nonzero."""
+    torch.testing.assert_close(result.outputs["loss"], ref_loss, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(result.outputs["task_loss"], ref_ce, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(result.outputs["consistency_loss"], ref_kl, rtol=1e-4, atol=1e-8)
+    by_program_name = {p["program_name"]: p["name"] for p in entry["parameters"]}
+    got = {by_program_name[k]: v for k, v in result.gradients.items()}
+    assert set(got) == set(ref_grads) and ref_grads
+    for n, g in ref_grads.items():
+        assert g.abs().max() > 0, n
+        torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
 def _reference(peft_model, first, last, ids, mask, labels, alpha, hidden_in=None):
     """Stage `first..last` through the HF model with hooks: (hidden_out, loss, ce, kl, LoRA grads by PEFT name).
 
@@ -260,15 +274,7 @@ def test_export_of_a_two_stage_split_equals_the_reference(tmp_path, name):
         first, last = entry["layers"]
         ref_h, ref_loss, ref_ce, ref_kl, ref_grads = _reference(peft_model, first, last, ids, mask, labels, 0.5,
                                                                 hidden_in=hidden)
-        torch.testing.assert_close(result.outputs["loss"], ref_loss, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(result.outputs["task_loss"], ref_ce, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(result.outputs["consistency_loss"], ref_kl, rtol=1e-4, atol=1e-8)
-        by_program_name = {p["program_name"]: p["name"] for p in entry["parameters"]}
-        got = {by_program_name[k]: v for k, v in result.gradients.items()}
-        assert set(got) == set(ref_grads) and ref_grads
-        for n, g in ref_grads.items():
-            assert g.abs().max() > 0, n
-            torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-6, msg=n)
+        assert_step_equals(result, entry, ref_loss, ref_ce, ref_kl, ref_grads)
         if "hidden" in result.outputs:
             torch.testing.assert_close(result.outputs["hidden"], ref_h, rtol=1e-4, atol=1e-5)
             hidden = result.outputs["hidden"].clone()

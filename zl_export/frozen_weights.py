@@ -10,9 +10,11 @@ use inside the program:
     int8: y = (x @ Q.float().T) * s     W ≈ Q * s[:, None], Q = round(W / s), s = max|W_row| / 127
 
 The scale is per output channel, so it applies to the matmul's output (V
-multiplies, not V × D). LoRA weights, gradients, activations and AdamW state
-stay float32. The eager model and the program compute the same quantized
-model: `zl export --check` and the tests compare them.
+multiplies, not V × D). A weight is stored in row chunks (`compact_rows`); a
+tied embedding and LM head share the same chunk tensors, so the table is held
+once, in stage 0's program too. LoRA weights, gradients, activations and
+AdamW state stay float32. The eager model and the program compute the same
+quantized model: `zl export --check` and the tests compare them.
 
 In the joint graph a widened weight would live from the forward to the
 backward (the input gradient needs it again) and memory planning would keep
@@ -81,9 +83,28 @@ class WidenedLinear(torch.autograd.Function):
         return grad @ widen(weight), None, None
 
 
+def compact_rows(weight: torch.Tensor, dtype: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """`weight` (O, I) as `dtype` ("bf16" or "int8") in row chunks of ≤ CHUNK_ELEMENTS: per chunk (compact rows,
+    int8 scale per row or None). The scale is per row, so chunking does not change a value."""
+    rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))
+    return [quantize_rows(part) if dtype == "int8" else (part.to(torch.bfloat16).contiguous(), None)
+            for part in weight.detach().split(rows, dim=0)]
+
+
+def _register_chunks(module: nn.Module, chunks: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """The chunks as buffers `weight_<i>` (and `scale_<i>` for int8): the tensors themselves, not copies, so two
+    modules given the same chunks (a tied embedding and LM head) hold them once."""
+    module.chunks, module.chunk_rows = len(chunks), chunks[0][0].shape[0]
+    for i, (weight, scale) in enumerate(chunks):
+        module.register_buffer(f"weight_{i}", weight)
+        if scale is not None:
+            module.register_buffer(f"scale_{i}", scale)
+
+
 class CompactLinear(nn.Module):
-    """A frozen `nn.Linear` stored as bf16 or int8 + per-row scale, in row chunks of ≤ CHUNK_ELEMENTS; a bias
-    (Qwen2's q/k/v projections) stays float32 (O values) and is added after the widened matmul.
+    """A frozen `nn.Linear` stored as bf16 or int8 + per-row scale, in row chunks of ≤ CHUNK_ELEMENTS
+    (`compact_rows`); a bias (Qwen2's q/k/v projections) stays float32 (O values) and is added after the widened
+    matmul. `chunks` gives the compact rows to use (shared with a tied embedding; default: made from `linear`).
 
     `widen_again = True` (eager only; `compact_for_training`): the backward widens the weight again instead of
     autograd keeping the forward's float32 copy. The export keeps it False and gets the same from `widen_per_use`.
@@ -91,20 +112,11 @@ class CompactLinear(nn.Module):
 
     widen_again = False
 
-    def __init__(self, linear: nn.Linear, dtype: str):
+    def __init__(self, linear: nn.Linear, dtype: str, chunks: list | None = None):
         super().__init__()
-        weight = linear.weight.detach()
         self._original = (linear,)  # a tuple: not a submodule, so not part of the program (restore_frozen_weights)
         self.dtype, self.in_features, self.out_features = dtype, linear.in_features, linear.out_features
-        rows = max(1, CHUNK_ELEMENTS // max(1, self.in_features))
-        self.chunks = (self.out_features + rows - 1) // rows
-        for i, part in enumerate(weight.split(rows, dim=0)):
-            if dtype == "int8":
-                q, s = quantize_rows(part)
-                self.register_buffer(f"weight_{i}", q)
-                self.register_buffer(f"scale_{i}", s)
-            else:
-                self.register_buffer(f"weight_{i}", part.to(torch.bfloat16).contiguous())
+        _register_chunks(self, chunks if chunks is not None else compact_rows(linear.weight, dtype))
         self.bias = None if linear.bias is None else nn.Buffer(linear.bias.detach().float().clone())  # (O,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (…, I) -> (…, O)
@@ -118,26 +130,36 @@ class CompactLinear(nn.Module):
 
 
 class CompactEmbedding(nn.Module):
-    """A frozen `nn.Embedding` stored as bf16 or int8 + per-row scale; only the looked-up rows are widened. An
-    embedding that scales its rows (Gemma's `embed_scale`, sqrt(D)) keeps doing so."""
+    """A frozen `nn.Embedding` stored as bf16 or int8 + per-row scale, in the row chunks of a `CompactLinear` of the
+    same table; only the looked-up rows are widened. An embedding that scales its rows (Gemma's `embed_scale`,
+    sqrt(D)) keeps doing so.
 
-    def __init__(self, embedding: nn.Embedding, dtype: str):
+    Stored like the head, a tied embedding (Gemma 3, Qwen2.5, SmolLM2: `lm_head.weight is embed_tokens.weight`) uses
+    the head's chunks (`chunks`, from `compact_frozen_weights`): the table is held once in memory and in stage 0's
+    program (one constant per chunk, not a whole-table copy beside the head's chunks: +320 MiB for Gemma 3 270M).
+    """
+
+    def __init__(self, embedding: nn.Embedding, dtype: str, chunks: list | None = None):
         super().__init__()
         self.dtype = dtype
         self._original = (embedding,)  # see CompactLinear
-        weight = embedding.weight.detach()
-        if dtype == "int8":
-            q, s = quantize_rows(weight)
-            self.register_buffer("weight_q", q)
-            self.register_buffer("scale", s)
-        else:
-            self.register_buffer("weight_q", weight.to(torch.bfloat16).contiguous())
+        _register_chunks(self, chunks if chunks is not None else compact_rows(embedding.weight, dtype))
         scale = getattr(embedding, "embed_scale", None)
         self.embed_scale = None if scale is None else nn.Buffer(scale.detach().float().clone(), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
-        rows = widen(F.embedding(ids, self.weight_q))
-        rows = rows * self.scale[ids].unsqueeze(-1) if self.dtype == "int8" else rows
+        rows = None
+        for i in range(self.chunks):
+            table, scale = getattr(self, f"weight_{i}"), getattr(self, f"scale_{i}", None)
+            first = i * self.chunk_rows  # the chunk holds ids first .. first + len(table) - 1
+            # Ids of other chunks read some row of this one (clamped) and are masked out below; an id past the
+            # table stays out of range in the last chunk, so the lookup refuses it as an unchunked one would.
+            local = ids if first == 0 else (ids - first).clamp(min=0)
+            local = local.clamp(max=table.shape[0] - 1) if i + 1 < self.chunks else local
+            part = widen(F.embedding(local, table))  # (B, S, D)
+            part = part if scale is None else part * scale[local].unsqueeze(-1)
+            # Chunk by chunk in order: the last chunk starting at or before an id holds it.
+            rows = part if rows is None else torch.where((ids >= first).unsqueeze(-1), part, rows)
         return rows if self.embed_scale is None else rows * self.embed_scale
 
 
@@ -168,7 +190,8 @@ def compact_frozen_weights(model: nn.Module, dtype: str) -> int:
     """Replace every frozen `nn.Linear` and `nn.Embedding` of `model` (in place) by its compact form.
 
     Call after LoRA is attached (PEFT wraps the original `nn.Linear`s; their `base_layer`s are replaced here).
-    Trainable linears (LoRA, translators) are left alone.
+    Trainable linears (LoRA, translators) are left alone. Modules that share a weight (a tied embedding and LM
+    head) share its compact chunks: one copy in memory and in the program, as the float32 model has.
 
     Returns:
         how many modules were replaced (0 for "fp32").
@@ -177,15 +200,17 @@ def compact_frozen_weights(model: nn.Module, dtype: str) -> int:
         raise ValueError(f"frozen dtype {dtype!r}: expected one of {', '.join(FROZEN_DTYPES)}")
     if dtype == "fp32":
         return 0
-    count = 0
+    count, made = 0, {}  # id(float32 weight) -> (weight, its compact chunks)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and not child.weight.requires_grad:
-                setattr(parent, name, CompactLinear(child, dtype))
-            elif isinstance(child, nn.Embedding) and not child.weight.requires_grad:
-                setattr(parent, name, CompactEmbedding(child, dtype))
-            else:
+            if not (isinstance(child, (nn.Linear, nn.Embedding)) and not child.weight.requires_grad):
                 continue
+            # A weight shared by two modules (a tied embedding and LM head) gets one set of compact chunks. `made`
+            # keeps the weight too, so its id cannot be reused by another tensor meanwhile.
+            if id(child.weight) not in made:
+                made[id(child.weight)] = (child.weight, compact_rows(child.weight, dtype))
+            compact = CompactLinear if isinstance(child, nn.Linear) else CompactEmbedding
+            setattr(parent, name, compact(child, dtype, made[id(child.weight)][1]))
             count += 1
     return count
 

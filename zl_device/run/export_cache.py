@@ -19,7 +19,7 @@ from zl_export.options import ExportOptions
 
 log = logging.getLogger(__name__)
 
-EXPORT_CACHE_VERSION = 3  # bump when the exporter's output changes for the same options
+EXPORT_CACHE_VERSION = 4  # bump when the exporter's output changes for the same options (4: a tied embedding shares the head's chunks)
 
 
 def export_key(s: TrainSettings, opts: ExportOptions, calibration: Path | None = None) -> str:

@@ -186,6 +186,19 @@ def check_target_slots(labels: torch.Tensor, slots: int, where: Callable[[int], 
                       f"{more}; pass --max-targets {worst} or more (0 reads out every position).")
 
 
+def shard_meta(path: Path | str) -> dict:
+    """A shard's sidecar (counts, tokenizer, label words, ...) without loading its tensors.
+
+    Raises:
+        ZLError: the sidecar is missing or not valid JSON.
+    """
+    side = sidecar_path(path)
+    if not side.is_file():
+        raise ZLError(f"shard {path}: its sidecar {side} is missing. Recreate the shard with `zl data`.")
+    return read_json_file(side, f"shard sidecar {side}", missing="recreate the shard with `zl data`.",
+                          invalid="recreate the shard with `zl data`.")
+
+
 def load_shard(path: Path | str) -> Shard:
     """Load and validate a shard written by `write_shard`.
 
@@ -201,11 +214,7 @@ def load_shard(path: Path | str) -> Shard:
         raise ZLError(f"shard {path} is a directory; pass the file, e.g. {path / 'train.safetensors'}.")
     if not path.is_file():
         raise ZLError(f"shard {path}: no such file. Create it with `zl data --input FILE --out {path.parent}`.")
-    side = sidecar_path(path)
-    if not side.is_file():
-        raise ZLError(f"shard {path}: its sidecar {side} is missing. Recreate the shard with `zl data`.")
-    meta = read_json_file(side, f"shard sidecar {side}", missing="recreate the shard with `zl data`.",
-                          invalid="recreate the shard with `zl data`.")
+    meta = shard_meta(path)
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as e:

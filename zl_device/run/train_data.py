@@ -76,9 +76,9 @@ def generative_note(s: TrainSettings, shard: Path) -> str | None:
     """A warning for training generative data (no label words) with every stage training on its local loss: in the
     README's headline study that made held-out NLL worse than the base model's, and training the last stage
     alone did not (None when the data has label words or the stages before the last are held still)."""
-    from zl_export.shard import load_shard
+    from zl_export.shard import shard_meta
 
-    if load_shard(shard).meta.get("label_token_ids"):
+    if shard_meta(shard).get("label_token_ids"):
         return None
     stages = s.split.count
     upstream = s.stage_lr[:1] if len(s.stage_lr) == 1 else s.stage_lr[:-1]

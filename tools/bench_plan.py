@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -36,15 +35,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
 
+from checkout_zl import checkout_zl  # noqa: E402
 from zl_device.formats.run_layout import RunLayout  # noqa: E402
 from zl_device.plan.plan_file import Plan, read_plan  # noqa: E402
 
 
 def zl(args: list[str]) -> None:
     """This checkout's `zl` (not whatever the venv's script was installed from); exits on failure."""
-    cmd = [sys.executable, "-c", "import sys; from zl.cli import main; sys.argv[0] = 'zl'; sys.exit(main())", *args]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cmd, env = checkout_zl(args)
     print(f"$ zl {' '.join(args)}", file=sys.stderr, flush=True)
     done = subprocess.run(cmd, cwd=REPO, env=env, stdout=sys.stderr)
     if done.returncode != 0:

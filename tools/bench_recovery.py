@@ -63,6 +63,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+from checkout_zl import checkout_zl  # noqa: E402
 ARMS = {
     "local+standby": ["--recovery", "local", "--standby"],
     "global+standby": ["--recovery", "global", "--standby"],
@@ -76,19 +78,15 @@ PHASES = ("to_restart_ms", "process_ms", "program_load_ms", "restore_links_ms", 
 
 def zl_train(args, out: Path, extra: list[str]) -> float:
     """One `zl train` run into `out`; returns its wall time in seconds (of the whole command)."""
-    # This checkout's zl and zl_runner, not whatever the venv's `zl` script was installed from.
-    cmd = [sys.executable, "-c", "import sys; from zl.cli import main; sys.argv[0] = 'zl'; sys.exit(main())",
-           "train", "--model", args.model, "--stages", args.stages,
+    cmd, env = checkout_zl(["train", "--model", args.model, "--stages", args.stages,
            "--data", args.data, "--samples", str(args.samples), "--window", str(args.window),
-           "--micro-batch", str(args.micro_batch), "--threads", str(args.threads), "--out", str(out)]
+           "--micro-batch", str(args.micro_batch), "--threads", str(args.threads), "--out", str(out)])
     if args.format:
         cmd += ["--format", args.format]
     if args.seq_len:
         cmd += ["--seq-len", str(args.seq_len), "--truncate"]
     cmd += extra
     start = time.monotonic()
-    env = dict(os.environ, PYTHONPATH=str(REPO),
-               ZL_RUNNER_BIN=os.environ.get("ZL_RUNNER_BIN", str(REPO / "build" / "android_app" / "native" / "zl_runner")))
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

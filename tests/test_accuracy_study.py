@@ -197,9 +197,11 @@ def test_generative_data_is_scored_by_nll_and_generations_paired_per_row(tmp_pat
     args = ["--model", "tiny-random", "--train", str(data), "--dev", str(data), "--format", "prompt_completion",
             "--prompt-template", "Article: {description}\\nHeadline:", "--completion-column", "title",
             "--samples", "4", "--seeds", "0,1", "--seq-len", "64", "--num-stages", "2", "--threads", "1",
-            "--eval-limit", "6", "--arms", "base,backprop,zl-ce", "--out", str(out)]
+            "--eval-limit", "6", "--arms", "base,backprop,zl-ce,zl-default", "--out", str(out)]
     result = study_tool.run(args)
     assert result["metric"] == "rouge_l"
+    arms = {a["name"]: a for a in result["arms"]}
+    assert arms["zl-default"]["stage_lr"] == [0.0, 1.0]  # zl train's default on generative data
     runs = {(r["arm"], r["seed"]): r for r in result["results"]}
     for r in runs.values():
         assert r["accuracy"] is None and 0 <= r["rouge_l"] <= 1 and r["nll"] > 0
@@ -213,3 +215,15 @@ def test_generative_data_is_scored_by_nll_and_generations_paired_per_row(tmp_pat
     assert summary["zl-ce"]["rouge_l"] == pytest.approx((runs[("zl-ce", 0)]["rouge_l"] + runs[("zl-ce", 1)]["rouge_l"]) / 2)
     md = (out / "study.md").read_text()
     assert "| ROUGE-L (F × 100) |" in md and "## Generations" in md and "reference:" in md
+
+
+def test_zl_default_is_zl_trains_default_for_the_data():
+    """On generative data `zl train` holds the stages before the last still (--stage-lr 0,..,0,1), so the study's
+    zl-default does too; zl-all-stages keeps every stage training; label words keep the arm as it was (and its
+    cached results: the fingerprint is unchanged)."""
+    default, every = study_tool.ARMS["zl-default"], study_tool.ARMS["zl-all-stages"]
+    assert study_tool.default_arm_for(default, 3, generative=False) == default and default.stage_lr == (1.0,)
+    generative = study_tool.default_arm_for(default, 3, generative=True)
+    assert generative.stage_lr == (0.0, 0.0, 1.0) and generative.loss == default.loss
+    assert generative.frozen_dtype == default.frozen_dtype
+    assert study_tool.default_arm_for(every, 3, generative=True) == every and every.loss == default.loss

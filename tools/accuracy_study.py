@@ -9,7 +9,9 @@ it trains and scores on the dev rows (all of them by default):
                     competitor of any pipeline method
     zl-*            ZeroLock, each stage on its local loss, in PyTorch eager with exactly the runner's
                     semantics (zl_device.torch.eager_training): the paper's loss and the variants below;
-                    zl-default is whatever `zl train` does by default (its loss and frozen dtype)
+                    zl-default is whatever `zl train` does by default (its loss, frozen dtype and, for
+                    the data, --stage-lr: on generative data the stages before the last held still);
+                    zl-all-stages is the default loss with every stage training
 
 An arm with `frozen_dtype` bf16 or int8 (zl-translator-bf16, zl-translator-int8, or `frozen_dtype=` in
 --arm) trains and is scored with the frozen weights stored that way (`zl export --frozen-dtype`); one with
@@ -116,18 +118,31 @@ ARMS = {a.name: a for a in (
     Arm("zl-translator-int8", "zerolock", {"alpha": (1.0,), "translator_rank": 32}, frozen_dtype="int8",
         note="zl-translator with int8 frozen weights (a float32 scale per output channel)"),
 )}
-def _default_arm() -> Arm:
+def _default_arm(name: str = "zl-default", stage_lr: tuple[float, ...] = (1.0,), what: str = "zl train's defaults",
+                 ) -> Arm:
     """`zl train`'s defaults as an arm: every LossConfig field and the frozen dtype, as they are now (so its
     fingerprint, and its cached results, change when a default does)."""
     defaults = ExportOptions()
-    loss = {name: getattr(defaults.loss, name) for name in LossConfig.__dataclass_fields__}
-    return Arm("zl-default", "zerolock", loss, frozen_dtype=defaults.frozen_dtype,
-               note=f"zl train's defaults: α {','.join(f'{x:g}' for x in defaults.loss.alpha)}, translator rank "
+    loss = {f: getattr(defaults.loss, f) for f in LossConfig.__dataclass_fields__}
+    lrs = "" if stage_lr == (1.0,) else f", stage lr {'/'.join(f'{m:g}' for m in stage_lr)}"
+    return Arm(name, "zerolock", loss, stage_lr=stage_lr, frozen_dtype=defaults.frozen_dtype,
+               note=f"{what}: α {','.join(f'{x:g}' for x in defaults.loss.alpha)}, translator rank "
                     f"{defaults.loss.translator_rank} ({defaults.loss.translator_init}), frozen weights "
-                    f"{defaults.frozen_dtype}")
+                    f"{defaults.frozen_dtype}{lrs}")
+
+
+def default_arm_for(arm: Arm, stages: int, generative: bool) -> Arm:
+    """`arm`, or for zl-default the arm of `zl train`'s defaults on this data: its --stage-lr depends on whether the
+    data is generative (zl_device/run/train_settings.py default_stage_lr)."""
+    from zl_device.run.train_settings import default_stage_lr
+
+    if arm.name != _DEFAULT:
+        return arm
+    return _default_arm(stage_lr=default_stage_lr(stages, generative))
 
 
 ARMS[_DEFAULT := "zl-default"] = _default_arm()
+ARMS["zl-all-stages"] = _default_arm("zl-all-stages", what="zl train's defaults with every stage training")
 DEFAULT_ARMS = ("base", "backprop", "backprop-last", _DEFAULT)
 REFERENCE_ARM = "backprop"
 
@@ -366,6 +381,7 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bo
             raise ZLError(f"arm {arm.name}: stage_lr has {len(arm.stage_lr)} values for {len(split)} stages.")
     dev = limit_rows(prepare_shard(s, s.dev, "dev", loaded.tokenizer, out), s.eval_limit)
     generative = not dev.meta.get("label_token_ids")  # prompt/completion rows: NLL and generations, not accuracy
+    arms = [default_arm_for(arm, len(split), generative) for arm in arms]
     trains = {seed: prepare_shard(s, s.train, f"train-seed{seed}", loaded.tokenizer, out, seed) for seed in s.seeds}
     train_rows = trains[s.seeds[0]].rows
     err.print(f"study: {s.model}, stages {format_spec(split)}, {train_rows} train rows, {dev.rows} dev rows, "

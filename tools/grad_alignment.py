@@ -65,11 +65,14 @@ def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
 
-def measure(arm: study.Arm, s: study.StudySettings, base_model, split, shard, micro_batches: int, seed: int) -> list:
-    """Both gradients of every stage's LoRA weights, summed over the first `micro_batches` micro-batches."""
+def measure(arm: study.Arm, s: study.StudySettings, base_model, split, shard, micro_batches: int, seed: int,
+            trained_samples: int = 0) -> list:
+    """Both gradients of every stage's LoRA weights, summed over `micro_batches` micro-batches: at the start, or
+    after the arm trained on the first `trained_samples` rows (ZeroLock, as the study trains it), on the rows after
+    them."""
     import copy
 
-    from zl_device.torch.eager_training import causal_lm_loss, micro_batch
+    from zl_device.torch.eager_training import Budget, causal_lm_loss, micro_batch, train_zerolock
     from zl_export.exporter import build_stage_modules
     from zl_export.options import ExportOptions
     from zl_export.shard import fitted_target_slots
@@ -79,13 +82,17 @@ def measure(arm: study.Arm, s: study.StudySettings, base_model, split, shard, mi
                          loss=arm.loss_config(), max_targets=fitted_target_slots(shard.labels)[1], seed=seed,
                          frozen_dtype=arm.frozen_dtype)
     peft_model, modules = build_stage_modules(copy.deepcopy(base_model), split, opts, calibration_batches(shard))
+    if trained_samples:
+        budget = Budget(trained_samples, s.window, s.micro_batch)
+        train_zerolock(modules, shard, budget, s.optimizer(budget), arm.stage_lr)
     params = [lora_params(m) for m in modules]
     every = [p for ps in params for p in ps]
     local_sum = [torch.zeros(sum(p.numel() for p in ps)) for ps in params]
     e2e_sum = [torch.zeros_like(t) for t in local_sum]
     for m in modules:
         m.gather_targets = True
-    for mb in range(micro_batches):
+    first = trained_samples // s.micro_batch
+    for mb in range(first, first + micro_batches):
         ids, mask, labels = micro_batch(shard, mb, s.micro_batch)
         for p in every:
             p.grad = None
@@ -103,7 +110,8 @@ def measure(arm: study.Arm, s: study.StudySettings, base_model, split, shard, mi
     rows = []
     for k, stage in enumerate(split):
         cos, sign = agreement(local_sum[k], e2e_sum[k])
-        rows.append({"arm": arm.name, "stage": k, "layers": f"{stage.first}-{stage.last}", "cos": cos, "sign": sign,
+        rows.append({"arm": arm.name, "trained_samples": trained_samples, "stage": k,
+                     "layers": f"{stage.first}-{stage.last}", "cos": cos, "sign": sign,
                      "e2e_norm": e2e_sum[k].norm().item(), "local_norm": local_sum[k].norm().item()})
     return rows
 
@@ -123,6 +131,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--arms", default="zl-default,zl-ce",
                     help="built-in ZeroLock arms of tools/accuracy_study.py (default zl-default,zl-ce)")
     ap.add_argument("--arm", action="append", default=[], help="an extra ZeroLock arm, the accuracy study's syntax")
+    ap.add_argument("--trained", default="0",
+                    help="measure after each arm trained on this many samples (comma-separated: several points; "
+                         "default 0, the start)")
     ap.add_argument("--seed", type=int, default=0, help="LoRA initialisation and row order")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
@@ -137,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         if args.micro_batches < 1:
             raise ZLError(f"--micro-batches {args.micro_batches}: must be at least 1.")
+        trained = study.parse_list(args.trained, int, "--trained")
+        if any(n < 0 for n in trained):
+            raise ZLError(f"--trained {args.trained}: sample counts must be 0 or more, e.g. --trained 0,256.")
         names = [n.strip() for n in args.arms.split(",") if n.strip()]
         unknown = [n for n in names if n not in study.ARMS or study.ARMS[n].kind != "zerolock"]
         if unknown:
@@ -164,29 +178,33 @@ def main(argv: list[str] | None = None) -> int:
 
         with tempfile.TemporaryDirectory() as tmp:  # the shard lives as long as the measurement reads it
             shard = study.prepare_shard(s, s.train, "train", loaded.tokenizer, Path(tmp), args.seed)
-            if shard.rows < args.micro_batches:
-                raise ZLError(f"--micro-batches {args.micro_batches}: the data has {shard.rows} rows; use at most that.")
+            if shard.rows < max(trained) + args.micro_batches:
+                raise ZLError(f"--micro-batches {args.micro_batches} after --trained {max(trained)}: the data has "
+                              f"{shard.rows} rows; use fewer.")
             kind = "label words" if shard.meta.get("label_token_ids") else "generative"
             err.print(f"{s.model}, stages {format_spec(split)}, {kind} data, {args.micro_batches} micro-batches, "
                       f"seed {args.seed}")
             rows = []
             for arm in arms:
-                with err.status(f"{arm.name}: gradients"):
-                    rows += measure(arm, s, loaded.model, split, shard, args.micro_batches, args.seed)
-            print(f"| arm | stage | layers | cos(local, e2e) | sign-step efficiency |  ({kind} data)")
-            print("|---|---|---|---|---|")
+                for n in trained:
+                    with err.status(f"{arm.name}: " + (f"training on {n} samples, then " if n else "") + "gradients"):
+                        rows += measure(arm, s, loaded.model, split, shard, args.micro_batches, args.seed, n)
+            print(f"| arm | trained samples | stage | layers | cos(local, e2e) | sign-step efficiency |  ({kind} data)")
+            print("|---|---|---|---|---|---|")
             for r in rows:
-                print(f"| {r['arm']} | {r['stage']} | {r['layers']} | {r['cos']:+.3f} | {r['sign']:+.3f} |")
+                print(f"| {r['arm']} | {r['trained_samples']} | {r['stage']} | {r['layers']} | {r['cos']:+.3f} "
+                      f"| {r['sign']:+.3f} |")
             if args.out:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps({"data": kind, "model": s.model, "stages": format_spec(split),
                                                 "micro_batches": args.micro_batches, "seed": args.seed,
+                                                "trained": list(trained),
                                                 "rows": rows}, indent=2) + "\n")
         return 0
     except ZLError as e:
         if os.environ.get("ZL_DEBUG"):
             raise
-        err.print(f"error: {e}", markup=False, highlight=False)
+        err.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
         return 2
 
 

@@ -59,23 +59,33 @@ def test_with_the_upstream_stages_still_zerolock_trains_the_last_stage_as_last_s
             torch.testing.assert_close(zerolock[name], before[name], rtol=0, atol=0, msg=name)
 
 
-def test_zl_train_warns_on_generative_data_unless_the_upstream_stages_are_still(tmp_path):
+def test_generative_data_holds_the_upstream_stages_still_by_default_and_warns_when_told_otherwise(tmp_path):
+    """--stage-lr's default comes from the data: 0,0,1 on generative rows (said in a line), 1 on label words; a
+    --stage-lr that trains the stages before the last on generative data gets the study's warning."""
     import typer
     from typer.testing import CliRunner
 
     from zl.commands.data import data_command
-    from zl_device.run.train_data import generative_note
+    from zl_device.run.train_data import choose_stage_lr
     from zl_device.run.train_settings import TrainSettings
+    from zl_export.options import ModelSplit
 
     prompt_completion_shard(tmp_path)
     generative = tmp_path / "pc.safetensors"
-    note = generative_note(TrainSettings(), generative)
-    assert note is not None and "--stage-lr 0,0,1" in note and "3.29" in note
-    assert generative_note(TrainSettings(stage_lr=(0.0, 0.0, 1.0)), generative) is None
-    assert generative_note(TrainSettings(stage_lr=(0.0, 0.5, 1.0)), generative) is not None
+    chosen, note = choose_stage_lr(TrainSettings(), generative)
+    assert chosen.stage_lr == (0.0, 0.0, 1.0) and chosen.stage_lr_of(0) == 0 and chosen.stage_lr_of(2) > 0
+    assert "--stage-lr 0,0,1 (the default for it)" in note
+    two = TrainSettings(split=ModelSplit(num_stages=2))
+    assert choose_stage_lr(two, generative)[0].stage_lr == (0.0, 1.0)
+    for given in ((0.0, 0.0, 1.0), (0.0, 0.5, 1.0), (1.0,)):
+        kept, note = choose_stage_lr(TrainSettings(stage_lr=given), generative)
+        assert kept.stage_lr == given  # the user's choice stands
+        assert (note is None) == (given == (0.0, 0.0, 1.0))
+        assert note is None or ("3.29" in note and "--stage-lr 0,0,1" in note)
 
     app = typer.Typer(add_completion=False)
     app.command("data")(data_command)
     result = CliRunner().invoke(app, ["--demo", "--model", "tiny-random", "--out", str(tmp_path / "demo")])
     assert result.exit_code == 0, result.output
-    assert generative_note(TrainSettings(), tmp_path / "demo" / "train.safetensors") is None  # label words
+    chosen, note = choose_stage_lr(TrainSettings(), tmp_path / "demo" / "train.safetensors")  # label words
+    assert chosen.stage_lr == (1.0,) and note is None

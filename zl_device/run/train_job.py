@@ -67,13 +67,15 @@ def _run(runtime: Runtime, run: Run, start: float, on_update) -> TrainResult:
     """run_training's steps in RUN_DIR, once it is open."""
     from zl_device.formats.metrics_log import merge_metrics
     from zl_device.results.adapter import merge_checkpoints
-    from zl_device.run.train_data import generative_note, prepare_data, run_max_targets, run_seq_len
+    from zl_device.run.train_data import choose_stage_lr, prepare_data, run_max_targets, run_seq_len
 
     s, layout, model, say = run.settings, run.layout, run.model, run.say
     seq_len = run_seq_len(s, model.tokenizer)
     # The data first (seconds): the stages' target slots must fit it, and a misfit must fail before the export.
     shard, dev = prepare_data(s, model.tokenizer, seq_len, layout.data, say)
-    if (note := generative_note(s, shard)) is not None:
+    s, note = choose_stage_lr(s, shard)  # --stage-lr's default depends on the data
+    run.settings = s
+    if note is not None:
         say(note)
     opts = s.export_options(seq_len, run_max_targets(s, shard, say))
     manifest = runtime.prepare(run, shard, opts)

@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ZLError(f"--micro-batches {args.micro_batches} after --trained {max(trained)}: the data has "
                               f"{shard.rows} rows; use fewer.")
             kind = "label words" if shard.meta.get("label_token_ids") else "generative"
+            arms = [study.default_arm_for(arm, len(split), kind == "generative") for arm in arms]  # as the study
             err.print(f"{s.model}, stages {format_spec(split)}, {kind} data, {args.micro_batches} micro-batches, "
                       f"seed {args.seed}")
             rows = []

@@ -17,6 +17,7 @@
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/core/evalue.h>
 #include <executorch/runtime/kernel/operator_registry.h>
+#include <executorch/runtime/platform/log.h>
 
 namespace {
 
@@ -41,8 +42,7 @@ struct HookRecord {
   const void* data_ptr = nullptr;
 };
 
-void recording_hook(const Tensor& hidden, void* user_data) {
-  auto* record = static_cast<HookRecord*>(user_data);
+void record_call(const Tensor& hidden, HookRecord* record) {
   record->calls += 1;
   record->thread = std::this_thread::get_id();
   const float* begin = hidden.const_data_ptr<float>();
@@ -51,8 +51,20 @@ void recording_hook(const Tensor& hidden, void* user_data) {
   record->data_ptr = hidden.const_data_ptr();
 }
 
-void other_hook(const Tensor&, void* user_data) {
+zl::PipelineMarkerAction recording_hook(const Tensor& hidden, void* user_data) {
+  record_call(hidden, static_cast<HookRecord*>(user_data));
+  return zl::PipelineMarkerAction::kContinue;
+}
+
+/// Records like recording_hook, then asks the method to stop at the marker.
+zl::PipelineMarkerAction stopping_hook(const Tensor& hidden, void* user_data) {
+  record_call(hidden, static_cast<HookRecord*>(user_data));
+  return zl::PipelineMarkerAction::kStop;
+}
+
+zl::PipelineMarkerAction other_hook(const Tensor&, void* user_data) {
   static_cast<HookRecord*>(user_data)->calls += 100;
+  return zl::PipelineMarkerAction::kContinue;
 }
 
 /// (2, 3, 4) float32 with values 0.5 * i, so a missed or partial copy shows.
@@ -283,6 +295,73 @@ TEST_F(PipelineMarkerTest, UnallocatedOutFailsThroughContext) {
   EXPECT_EQ(ctx.failure_state(), Error::InvalidArgument);
 }
 
+TEST_F(PipelineMarkerTest, StoppingHookFailsTheCallWithTheStopError) {
+  TensorPtr hidden = make_hidden();
+  TensorPtr out = make_out({2, 3, 4});
+  HookRecord record;
+  zl::set_pipeline_marker_hook(stopping_hook, &record);
+  const uint64_t calls_before = zl_pipeline_marker_call_count();
+  KernelRuntimeContext ctx;
+
+  Tensor& result = zl::pipeline_marker_out(ctx, *hidden, *out);
+
+  // The stop is a failure of the call (it ends Method::execute there), with
+  // its own code; the copy was made and the hook saw it first.
+  EXPECT_EQ(ctx.failure_state(), zl::kPipelineMarkerStopped);
+  EXPECT_EQ(&result, out.get());
+  EXPECT_EQ(record.calls, 1);
+  EXPECT_EQ(record.data, values_of(*hidden));
+  EXPECT_EQ(values_of(*out), values_of(*hidden));
+  EXPECT_EQ(zl_pipeline_marker_call_count(), calls_before + 1);
+}
+
+TEST_F(PipelineMarkerTest, ContinuingHookLeavesTheCallSuccessful) {
+  TensorPtr hidden = make_hidden();
+  TensorPtr out = make_out({2, 3, 4});
+  HookRecord record;
+  zl::set_pipeline_marker_hook(recording_hook, &record);
+  KernelRuntimeContext ctx;
+
+  zl::pipeline_marker_out(ctx, *hidden, *out);
+
+  EXPECT_EQ(ctx.failure_state(), Error::Ok);
+  EXPECT_EQ(record.calls, 1);
+}
+
+// The runtime logs a failed kernel call as "KernelCall failed at instruction
+// C:I in operator <name>.<overload>: 0x<code>" and one "arg N with type id T"
+// line per argument. After a stop, exactly those lines of the stop are left
+// out; a genuine failure's lines and every other line still reach the log.
+TEST_F(PipelineMarkerTest, StopKeepsOnlyItsOwnFailureLinesOutOfTheLog) {
+  TensorPtr hidden = make_hidden();
+  TensorPtr out = make_out({2, 3, 4});
+  HookRecord record;
+  zl::set_pipeline_marker_hook(stopping_hook, &record);
+  const unsigned stop_code = static_cast<unsigned>(zl::kPipelineMarkerStopped);
+
+  testing::internal::CaptureStderr();
+  KernelRuntimeContext ctx;
+  zl::pipeline_marker_out(ctx, *hidden, *out);
+  ET_LOG(Error, "KernelCall failed at instruction 0:7 in operator zerolock::pipeline_marker.out: 0x%x", stop_code);
+  ET_LOG(Error, "arg %u with type id %u", 0u, 1u);
+  ET_LOG(Error, "arg %u with type id %u", 1u, 1u);
+  ET_LOG(Error, "arg %u with type id %u", 2u, 1u);
+  ET_LOG(Error, "after the stop %d", 1);
+  ET_LOG(Error, "arg %u with type id %u", 3u, 1u);  // no longer part of the stop's lines
+  KernelRuntimeContext ctx_bad;
+  zl::pipeline_marker_out(ctx_bad, *hidden, *out);  // stops again: the filter is armed again
+  ET_LOG(Error, "KernelCall failed at instruction 0:7 in operator zerolock::pipeline_marker.out: 0x%x", 0x12u);
+  const std::string log = testing::internal::GetCapturedStderr();
+
+  ASSERT_EQ(ctx.failure_state(), zl::kPipelineMarkerStopped);
+  EXPECT_EQ(log.find("0x" + std::to_string(stop_code) + "\n"), std::string::npos) << log;
+  EXPECT_EQ(log.find("arg 0 with type id"), std::string::npos) << log;
+  EXPECT_EQ(log.find("arg 2 with type id"), std::string::npos) << log;
+  EXPECT_NE(log.find("after the stop 1"), std::string::npos) << log;
+  EXPECT_NE(log.find("arg 3 with type id"), std::string::npos) << log;
+  EXPECT_NE(log.find("pipeline_marker.out: 0x12"), std::string::npos) << log;
+}
+
 TEST_F(PipelineMarkerTest, BoxedCallThroughRegistryCopiesAndFiresHook) {
   // The path Method::execute takes: look up by name, call with EValues
   // (hidden, out, return value aliasing out).
@@ -303,40 +382,67 @@ TEST_F(PipelineMarkerTest, BoxedCallThroughRegistryCopiesAndFiresHook) {
   EXPECT_EQ(record.calls, 1);
 }
 
+/// Inputs for every input of `meta`'s method: floats 0.25, integers 1 (a
+/// valid token id, attention-mask value and label for the stage programs).
+/// `storage` keeps the tensors alive.
+std::vector<EValue> inputs_of(
+    const executorch::runtime::MethodMeta& meta,
+    std::vector<TensorPtr>* storage) {
+  std::vector<EValue> values;
+  for (size_t i = 0; i < meta.num_inputs(); ++i) {
+    auto info = meta.input_tensor_meta(i);
+    EXPECT_TRUE(info.ok()) << "input " << i << " is not a tensor";
+    if (!info.ok()) return {};
+    std::vector<SizesType> sizes(info->sizes().begin(), info->sizes().end());
+    const size_t numel = std::accumulate(
+        sizes.begin(), sizes.end(), size_t{1}, std::multiplies<size_t>());
+    if (info->scalar_type() == ScalarType::Float) {
+      storage->push_back(make_tensor_ptr(sizes, std::vector<float>(numel, 0.25f)));
+    } else if (info->scalar_type() == ScalarType::Long) {
+      storage->push_back(make_tensor_ptr(sizes, std::vector<int64_t>(numel, 1)));
+    } else {
+      ADD_FAILURE() << "input " << i << " has unsupported dtype "
+                    << executorch::runtime::toString(info->scalar_type());
+      return {};
+    }
+    values.emplace_back(*storage->back());
+  }
+  return values;
+}
+
+/// The float values of every tensor output, in order (copies: the outputs
+/// live in the method's memory, which the next execution overwrites).
+std::vector<std::vector<float>> float_outputs(const std::vector<EValue>& outputs) {
+  std::vector<std::vector<float>> values;
+  for (const EValue& v : outputs) {
+    if (v.isTensor() && v.toTensor().scalar_type() == ScalarType::Float) {
+      values.push_back(values_of(v.toTensor()));
+    }
+  }
+  return values;
+}
+
+const char* marker_test_pte() {
+  const char* pte = std::getenv("ZL_MARKER_TEST_PTE");
+  return pte != nullptr && *pte != '\0' ? pte : nullptr;
+}
+
 // The early-forwarding contract inside a real program: the hook fires during
 // Module::execute, on this thread, once, with what becomes user output 0.
 // Needs a .pte whose first output is the marker's; tests/test_custom_ops.py
 // writes one and runs this test with ZL_MARKER_TEST_PTE set.
 TEST_F(PipelineMarkerTest, ModuleExecuteFiresHookWithFirstOutput) {
-  const char* pte = std::getenv("ZL_MARKER_TEST_PTE");
-  if (pte == nullptr || *pte == '\0') {
+  const char* pte = marker_test_pte();
+  if (pte == nullptr) {
     GTEST_SKIP() << "set ZL_MARKER_TEST_PTE to a .pte whose first output is "
                     "the pipeline marker's";
   }
   executorch::extension::Module module(pte);
   auto meta = module.method_meta("forward");
   ASSERT_TRUE(meta.ok()) << "cannot load " << pte;
-
-  // Inputs from the method's own metadata: floats 0.25, integers 1 (a valid
-  // token id, attention-mask value and label for the stage programs).
   std::vector<TensorPtr> inputs;
-  std::vector<EValue> input_values;
-  for (size_t i = 0; i < meta->num_inputs(); ++i) {
-    auto info = meta->input_tensor_meta(i);
-    ASSERT_TRUE(info.ok()) << "input " << i << " is not a tensor";
-    std::vector<SizesType> sizes(info->sizes().begin(), info->sizes().end());
-    const size_t numel = std::accumulate(
-        sizes.begin(), sizes.end(), size_t{1}, std::multiplies<size_t>());
-    if (info->scalar_type() == ScalarType::Float) {
-      inputs.push_back(make_tensor_ptr(sizes, std::vector<float>(numel, 0.25f)));
-    } else if (info->scalar_type() == ScalarType::Long) {
-      inputs.push_back(make_tensor_ptr(sizes, std::vector<int64_t>(numel, 1)));
-    } else {
-      FAIL() << "input " << i << " has unsupported dtype "
-             << executorch::runtime::toString(info->scalar_type());
-    }
-    input_values.emplace_back(*inputs.back());
-  }
+  const std::vector<EValue> input_values = inputs_of(*meta, &inputs);
+  ASSERT_EQ(input_values.size(), meta->num_inputs());
 
   HookRecord record;
   zl::set_pipeline_marker_hook(recording_hook, &record);
@@ -350,6 +456,54 @@ TEST_F(PipelineMarkerTest, ModuleExecuteFiresHookWithFirstOutput) {
   const Tensor& first = (*outputs)[0].toTensor();
   EXPECT_EQ(record.sizes, sizes_of(first));
   EXPECT_EQ(record.data, values_of(first));
+}
+
+// A stop ends Module::execute at the marker with kPipelineMarkerStopped, and
+// leaves the method fit to run again: after many stopped executions a whole
+// one gives bit for bit what the first (on the freshly loaded program) gave.
+// The runtime's lines about the stopped kernel stay out of the log.
+TEST_F(PipelineMarkerTest, ModuleExecuteStoppedAtTheMarkerRunsAgainUnchanged) {
+  const char* pte = marker_test_pte();
+  if (pte == nullptr) {
+    GTEST_SKIP() << "set ZL_MARKER_TEST_PTE to a .pte whose first output is "
+                    "the pipeline marker's";
+  }
+  executorch::extension::Module module(pte);
+  auto meta = module.method_meta("forward");
+  ASSERT_TRUE(meta.ok()) << "cannot load " << pte;
+  std::vector<TensorPtr> inputs;
+  const std::vector<EValue> input_values = inputs_of(*meta, &inputs);
+  ASSERT_EQ(input_values.size(), meta->num_inputs());
+
+  HookRecord whole;
+  zl::set_pipeline_marker_hook(recording_hook, &whole);
+  auto fresh = module.execute("forward", input_values);
+  ASSERT_TRUE(fresh.ok()) << static_cast<int>(fresh.error());
+  const std::vector<std::vector<float>> expected = float_outputs(*fresh);
+  ASSERT_GE(expected.size(), 2u) << "expected the marker's output and a loss";
+
+  HookRecord stopped;
+  zl::set_pipeline_marker_hook(stopping_hook, &stopped);
+  constexpr int kStops = 20;
+  testing::internal::CaptureStderr();
+  for (int i = 0; i < kStops; ++i) {
+    auto result = module.execute("forward", input_values);
+    ASSERT_FALSE(result.ok()) << "a stopped method returned outputs";
+    ASSERT_EQ(result.error(), zl::kPipelineMarkerStopped) << "execution " << i;
+    ASSERT_EQ(stopped.data, whole.data) << "execution " << i;
+  }
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(stopped.calls, kStops);
+  EXPECT_EQ(log.find("KernelCall failed"), std::string::npos) << log;
+  EXPECT_EQ(log.find("with type id"), std::string::npos) << log;
+
+  HookRecord again;
+  zl::set_pipeline_marker_hook(recording_hook, &again);
+  auto after = module.execute("forward", input_values);
+  ASSERT_TRUE(after.ok()) << "execute after stops failed: "
+                          << static_cast<int>(after.error());
+  EXPECT_EQ(again.calls, 1);
+  EXPECT_EQ(float_outputs(*after), expected);
 }
 
 } // namespace

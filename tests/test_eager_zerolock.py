@@ -89,3 +89,40 @@ def test_generative_data_holds_the_upstream_stages_still_by_default_and_warns_wh
     assert result.exit_code == 0, result.output
     chosen, note = choose_stage_lr(TrainSettings(), tmp_path / "demo" / "train.safetensors")  # label words
     assert chosen.stage_lr == (1.0,) and note is None
+
+
+def test_a_forward_only_stage_step_hands_on_the_same_hidden_state_and_only_counts_its_windows(tmp_path):
+    """The torch runtime's stage held still (StageStep(forward_only=True)): phase 1 without autograd gives the hidden
+    state of a whole step bit for bit; its windows leave the weights and AdamW moments alone and advance the
+    schedule as a stepping stage's would."""
+    from zl_device.torch.eager_training import StageStep, micro_batch
+
+    shard = prompt_completion_shard(tmp_path)
+    opts = ExportOptions(seq_len=shard.input_ids.shape[1], loss=LossConfig(alpha=(1.0,)),
+                         max_targets=fitted_target_slots(shard.labels)[1], seed=0, frozen_dtype="fp32")
+    split = parse_spec("0-1,2-3", 4)
+    _, (whole_module, _) = build_stage_modules(load_model("tiny-random").model, split, opts)
+    _, (held_module, _) = build_stage_modules(load_model("tiny-random").model, split, opts)
+    opt = OptimizerSettings(lr=1e-2, warmup_windows=1)
+    whole = StageStep(whole_module, 0.0, opt, num_windows=3)
+    held = StageStep(held_module, 0.0, opt, num_windows=3, forward_only=True)
+    before = [p.detach().clone() for p in held.params]
+    for w in range(3):
+        whole.start_window()
+        held.start_window()
+        for mb in (2 * w, 2 * w + 1):
+            x, mask, labels = micro_batch(shard, mb, 1)
+            h = held.begin(x, mask)
+            assert not h.requires_grad
+            assert torch.equal(h, whole.begin(x, mask))
+            whole.finish(labels)
+        (whole_lr, whole_means), (held_lr, held_means) = whole.end_window(), held.end_window()
+        assert whole_lr == held_lr == 0.0 and None not in whole_means and held_means == [None, None, None]
+        assert held.optimizer_step == whole.optimizer_step == w + 1
+    assert all(torch.equal(p, b) for p, b in zip(held.params, before))
+    assert not held.optimizer.state, "a forward-only stage made AdamW state"
+    assert all(p.grad is None for p in held.params)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        held.finish(labels)
+    with pytest.raises(ValueError, match="lr 0"):
+        StageStep(held_module, 1e-3, opt, num_windows=3, forward_only=True)

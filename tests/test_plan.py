@@ -152,6 +152,37 @@ def test_stage_cost_fits_two_rounds_and_round_trips():
     assert StageCost.from_json(json.loads(json.dumps(c.to_json()))) == c
 
 
+def test_a_forward_only_stage_costs_its_phase_1_and_send_and_gets_more_layers():
+    """A stage held still by lr 0 runs no phase 2 (docs/design.md §4.3): its time per micro-batch is phase 1 +
+    other, so the split hands it more layers; a forward-only run's own lines (phase2_ms 0, null losses) measure."""
+    c = StageCost(Linear(1.0, 2.0), Linear(3.0, 4.0), Linear(0.5, 0.0), None)
+    assert c.ms(5, forward_only=True) == pytest.approx(1 + 10 + 0.5)
+    assert c.ms(5) == pytest.approx(1 + 10 + 3 + 20 + 0.5)
+    costs = [c, c, c]
+    names = ["local-0", "local-1", "local-2"]
+    even = choose_split(costs, 30, [None] * 3, names)
+    held = choose_split(costs, 30, [None] * 3, names, forward_only=[True, True, False])
+    assert even.counts == (10, 10, 10)
+    assert held.counts[0] > 10 and held.counts[1] > 10 and held.counts[2] < 10
+    lines = [{**mb(i, 10, 0, send=1), "loss": None, "forward_only": True} for i in range(5)]
+    m = measure(2, lines)
+    assert (m.phase1_ms, m.phase2_ms) == (10, 0)
+
+
+def test_a_forward_only_stage_prediction_leaves_its_phase_2_out_and_old_plans_read(tmp_path):
+    held = StagePrediction(0, "local-0", (0, 1), 5.0, 10.0, 1.0, 120.0, 1000.0, forward_only=True)
+    assert held.total_ms == 6.0
+    plan = a_plan(per_stage=[held] + a_plan().per_stage[1:])
+    back = read_plan(write_plan(plan, tmp_path / "plan.json"))
+    assert back.per_stage[0].forward_only and back.to_json() == plan.to_json()
+    assert back.to_json()["per_stage"][0]["total_ms"] == 6.0
+    old = plan.to_json()
+    for p in old["per_stage"]:
+        del p["forward_only"]  # a plan written before the field
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert not any(p.forward_only for p in read_plan(tmp_path / "old.json").per_stage)
+
+
 # --- memory budgets -------------------------------------------------------------------------------------------
 
 

@@ -309,6 +309,46 @@ def test_write_report_files_and_plots(tmp_path):
         assert image.std() > 0.01, f"{name} is blank"
 
 
+def held_still_run(tmp_path: Path) -> Path:
+    """Stage 0 held still by lr 0 (forward only: phase2_ms 0, null losses, `forward_only` lines), stage 1 trains."""
+    lines = make_run(failure=False)
+    for line in lines[0]:
+        if line["type"] in ("start", "micro_batch", "window"):
+            line["forward_only"] = True
+        if line["type"] == "micro_batch":
+            line.update(phase2_ms=0.0, loss=None, task_loss=None, consistency_loss=None)
+        if line["type"] == "window":
+            line.update(mean_loss=None, mean_task_loss=None, mean_consistency_loss=None, lr=0.0)
+    for line in lines[1]:
+        if line["type"] in ("start", "micro_batch", "window"):
+            line["forward_only"] = False
+    write_jsonl(tmp_path / "metrics.jsonl", lines[0] + lines[1] + [RUN])
+    (tmp_path / "manifest.json").write_text(json.dumps(MANIFEST))
+    return tmp_path
+
+
+def test_a_forward_only_stage_is_said_to_be_held_still_not_shown_with_empty_losses(tmp_path):
+    report = write_report(held_still_run(tmp_path))
+    held, trained = report["stages"]
+    assert held["forward_only"] is True and trained["forward_only"] is False
+    assert held["phase2_ms"] == {"median": 0.0, "p95": 0.0}  # no phase 2: its busy time is phase 1 + send
+    assert held["phase1_ms"]["median"] is not None and trained["phase2_ms"]["median"] > 0
+    assert held["first_window_mean_loss"] is None and trained["last_window_mean_loss"] is not None
+    md = (tmp_path / "report.md").read_text()
+    assert "- stage 0: held still (lr 0), forward only" in md
+    loss_table = md.split("## Loss")[1].split("\n\n")[1]
+    assert "| 1 | 3 |" in loss_table and "| 0 |" not in loss_table, loss_table
+    assert "none (forward only)" in md
+    for name in ("latency.png", "loss.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_a_forward_only_flag_that_is_not_a_boolean_is_named(tmp_path):
+    write_jsonl(tmp_path / "metrics.jsonl", [mb_line(0, 0, np.random.default_rng(0), T0, forward_only="yes")])
+    with pytest.raises(ZLError, match=r"micro_batch line has forward_only='yes', expected true or false"):
+        build_report(tmp_path)
+
+
 def test_plots_survive_unmeasured_stages(tmp_path):
     lines = [mb_line(0, 0, np.random.default_rng(0), T0, phase1_ms=None, phase2_ms=None, queue_ms=None,
                      total_ms=None, loss=None)]

@@ -51,6 +51,23 @@ def test_the_fold_leaves_lifecycle_to_the_coordinator_unless_asked():
     assert (watch.state, watch.restarts, watch.micro_batches_done, watch.last_committed_window) == ("running", 1, 2, 0)
 
 
+def test_a_forward_only_stage_shows_that_it_is_held_still_instead_of_a_missing_loss():
+    """A stage held still by lr 0 writes null losses and `forward_only: true`: the display says so ("lr 0: forward
+    only"), not "-" as for a loss not yet seen."""
+    from zl.commands.train import loss_text
+    from zl_device.run.runtime import StageStatus, fold_telemetry
+
+    held, fresh = StageStatus(0, "local-0"), StageStatus(1, "local-1")
+    for record in ({"type": "start", "first_micro_batch": 0, "forward_only": True},
+                   {"type": "micro_batch", "micro_batch": 0, "loss": None, "forward_only": True},
+                   {"type": "window", "window": 0, "mean_loss": None, "forward_only": True}):
+        fold_telemetry(held, record, 1.0)
+    assert held.forward_only and held.last_loss is None and held.last_committed_window == 0
+    assert loss_text(held) == "lr 0: forward only" and loss_text(fresh) == "-"
+    fold_telemetry(fresh, {"type": "micro_batch", "micro_batch": 0, "loss": 2.25, "forward_only": False}, 1.0)
+    assert loss_text(fresh) == "2.2500" and not fresh.forward_only
+
+
 def test_resume_needs_what_its_runtime_needs_before_anything_runs(tmp_path):
     """`--resume` on a run directory whose runtime's files are missing fails at once, naming them (the ExecuTorch
     runtime used to find out only at its launch, after the data and export steps)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -459,6 +460,83 @@ def test_early_forwarding_off_gives_identical_parameters(runner, export3, shard,
             assert torch.equal(a[name], b[name]), name
 
 
+def initial_parameters(export_dir: Path) -> dict[str, torch.Tensor]:
+    """Every stage's LoRA parameters as exported (PEFT names): the values the programs start from."""
+    from zl_export.exporter import build_stage_modules
+    from zl_export.model_source import load_model
+    from zl_export.options import ExportOptions
+    from zl_export.stages import StageRange
+
+    manifest = json.loads((export_dir / "manifest.json").read_text())
+    loaded = load_model(manifest["model"]["name"], seed=manifest["seed"])
+    _, modules = build_stage_modules(loaded.model, [StageRange(s["index"], *s["layers"]) for s in manifest["stages"]],
+                                     ExportOptions.from_manifest(manifest))
+    out = {}
+    for s, module in zip(manifest["stages"], modules):
+        by_program = {p["program_name"]: p["name"] for p in s["parameters"]}
+        out.update({by_program[n]: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad})
+    return out
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_a_stage_at_lr_0_runs_forward_only(runner, export3, shard, tmp_path, early):
+    """Stages 0 and 1 at lr 0 (`--stage-lr 0,0,1`) run phase 1 only: they send, skip readout, loss and backward,
+    and their weights and AdamW moments stay as exported while the step count goes on. Stage 2 sees the same hidden
+    states as when they also ran phase 2 at lr 0 (forward_only_at_lr0 false): its losses and adapter are
+    bit-identical."""
+    from safetensors.torch import load_file
+
+    held = {**OPTIMIZER, "lr": 0.0}
+    fast = make_pipeline(runner, export3, shard, tmp_path, "forward-only", early_forwarding=early,
+                         overrides={0: {"optimizer": held}, 1: {"optimizer": held}})
+    full = make_pipeline(runner, export3, shard, tmp_path, "phase-2", early_forwarding=early,
+                         overrides={k: {"optimizer": held, "forward_only_at_lr0": False} for k in (0, 1)})
+    fast_adapters, full_adapters = fast.run(), full.run()
+
+    initial = initial_parameters(export3)
+    for k in (0, 1):
+        for name, t in fast_adapters[k].items():
+            assert torch.equal(t, initial[name]), f"stage {k} {name} moved"
+        last = sorted((fast.run_dir / f"ckpt{k}").glob("window_*"))[-1]
+        progress = json.loads((last / "progress.json").read_text())
+        assert (progress["optimizer_step"], progress["lr"]) == (3, 0.0)
+        moments = load_file(str(last / "optimizer.safetensors"))
+        assert all(not m.any() for m in moments.values()), "a forward-only stage touched its AdamW moments"
+        full_moments = load_file(str(sorted((full.run_dir / f"ckpt{k}").glob("window_*"))[-1] / "optimizer.safetensors"))
+        assert any(m.any() for m in full_moments.values()), "phase 2 at lr 0 moves the moments (the comparison's arm)"
+        assert "KernelCall failed" not in fast.stderr(k), fast.stderr(k)
+
+        start = next(m for m in fast.metrics(k) if m["type"] == "start")
+        assert start["forward_only"] is True and start["config"]["forward_only_at_lr0"] is True
+        mbs = [m for m in fast.metrics(k) if m["type"] == "micro_batch"]
+        assert [m["micro_batch"] for m in mbs] == list(range(fast.num_micro_batches))
+        for m in mbs:
+            assert m["forward_only"] is True and m["phase2_ms"] == 0 and m["phase1_ms"] > 0
+            assert m["loss"] is None and m["task_loss"] is None and m["consistency_loss"] is None
+        windows = [m for m in fast.metrics(k) if m["type"] == "window"]
+        assert [(w["step"], w["lr"], w["mean_loss"], w["forward_only"]) for w in windows] == [
+            (1, 0.0, None, True), (2, 0.0, None, True), (3, 0.0, None, True)]
+        full_mbs = [m for m in full.metrics(k) if m["type"] == "micro_batch"]
+        assert all(not m["forward_only"] and m["phase2_ms"] > 0 and m["loss"] is not None for m in full_mbs)
+        print(f"stage {k} (early forwarding {early}): median phase1 "
+              f"{statistics.median(m['phase1_ms'] for m in mbs):.2f} ms, total "
+              f"{statistics.median(m['total_ms'] for m in mbs):.2f} ms forward only; phase1 "
+              f"{statistics.median(m['phase1_ms'] for m in full_mbs):.2f} ms, phase2 "
+              f"{statistics.median(m['phase2_ms'] for m in full_mbs):.2f} ms, total "
+              f"{statistics.median(m['total_ms'] for m in full_mbs):.2f} ms with phase 2")
+
+    def last_stage_losses(pipe: Pipeline) -> list[tuple]:
+        return [(m["micro_batch"], m["loss"], m["task_loss"], m["consistency_loss"], m["forward_only"])
+                for m in pipe.metrics(2) if m["type"] == "micro_batch"]
+
+    assert last_stage_losses(fast) == last_stage_losses(full)
+    assert all(loss is not None for _, loss, *_ in last_stage_losses(fast))
+    assert fast_adapters[2].keys() == full_adapters[2].keys()
+    for name, t in fast_adapters[2].items():
+        assert torch.equal(t, full_adapters[2][name]), name
+    assert any(not torch.equal(t, initial[name]) for name, t in fast_adapters[2].items()), "stage 2 trained"
+
+
 @pytest.mark.parametrize("early", [True, False])
 def test_hidden_state_leaves_before_phase_2_only_with_early_forwarding(runner, export3, shard, tmp_path, early):
     """Stage 0 parks between phase 1 and phase 2 of micro-batch 5: stage 1 gets it only with early forwarding."""
@@ -539,6 +617,37 @@ def test_sigkill_and_resume_ends_identical(runner, export3, shard, tmp_path, cle
         assert a.keys() == b.keys()
         for name in a:
             assert torch.equal(a[name], b[name]), f"{name} differs after kill of stage {victim} + resume"
+
+
+def test_a_forward_only_stage_killed_mid_window_continues_from_its_snapshot(runner, export3, shard, tmp_path):
+    """Stage 1 held still by lr 0 (forward only) is SIGKILLed after sending micro-batch 9: its accumulator snapshot
+    holds no gradient, only how far window 2 got, so the restart continues at 9, the window still counts its 4
+    micro-batches and one (skipped) step, and every adapter equals the kill-free forward-only run's."""
+    n, m, held = KILL_N, KILL_M, 2 * KILL_M + 1
+    still = {0: {"optimizer": {**OPTIMIZER, "lr": 0.0}}, 1: {"optimizer": {**OPTIMIZER, "lr": 0.0}}}
+    clean = make_pipeline(runner, export3, shard, tmp_path, "clean", num_micro_batches=n, window_size=m,
+                          overrides=still).run()
+    pipe = make_pipeline(runner, export3, shard, tmp_path, "kill", num_micro_batches=n, window_size=m,
+                         overrides={**still, 1: {**still[1], "hold_at_micro_batch": held}})
+    pipe.start_all()
+    try:
+        pipe.park(1, held)
+        pipe.procs[1].send_signal(signal.SIGKILL)
+        pipe.procs[1].wait()
+        pipe.edit_config(1, hold_at_micro_batch=None)
+        pipe.start(1, resume=True)
+        pipe.wait_all()
+    finally:
+        pipe.kill_all()
+    starts = pipe.events(1, "start")
+    assert (starts[1]["first_micro_batch"], starts[1]["resumed_from_snapshot"], starts[1]["forward_only"]) == (
+        held, 1, True), starts[1]
+    windows = {w["window"]: w for w in pipe.events(1, "window")}
+    assert (windows[2]["micro_batches"], windows[2]["step"], windows[2]["mean_loss"]) == (m, 3, None)
+    for k, adapter in enumerate(pipe.final_adapter(k) for k in range(pipe.num_stages)):
+        assert adapter.keys() == clean[k].keys()
+        for name in adapter:
+            assert torch.equal(adapter[name], clean[k][name]), f"stage {k}: {name}"
 
 
 def test_sigterm_stops_without_commit_and_resume_completes(runner, export3, shard, tmp_path, clean_adapters):

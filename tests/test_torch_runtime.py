@@ -58,8 +58,9 @@ def torch_run(data_file, tmp_path_factory):
     return run_training(settings(tmp_path_factory.mktemp("torch") / "run", data_file), say=lambda line: None)
 
 
-def eager_reference(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The run retrained in one process by `train_zerolock` from its manifest, job and shard."""
+def eager_reference(run_dir: Path, logs: list | None = None) -> dict[str, torch.Tensor]:
+    """The run retrained in one process by `train_zerolock` from its manifest, job and shard; its TrainLog (every
+    stage's window losses) is appended to `logs` if given."""
     from zl_device.torch.eager_training import Budget, OptimizerSettings, stage_parameters, train_zerolock
     from zl_export.exporter import build_stage_modules
     from zl_export.model_source import load_model
@@ -77,19 +78,23 @@ def eager_reference(run_dir: Path) -> dict[str, torch.Tensor]:
         load_model(manifest["model"]["name"], seed=manifest["seed"]).model,
         [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]], opts, calibration_batches(shard))
     lr = job["lr"]
-    train_zerolock(modules, shard, Budget(job["num_micro_batches"] * batch, job["window_size"], batch),
-                   OptimizerSettings.from_config({"lr": lr[0], "weight_decay": job["weight_decay"], "schedule": job["schedule"]}),
-                   stage_lr=[x / lr[0] for x in lr])
+    base = max(lr)  # a stage may have lr 0
+    log = train_zerolock(modules, shard, Budget(job["num_micro_batches"] * batch, job["window_size"], batch),
+                         OptimizerSettings.from_config({"lr": base, "weight_decay": job["weight_decay"],
+                                                        "schedule": job["schedule"]}),
+                         stage_lr=[x / base for x in lr])
+    if logs is not None:
+        logs.append(log)
     return stage_parameters(modules, peft_model)
 
 
-def assert_adapter_equals_eager(run_dir: Path) -> dict[str, torch.Tensor]:
+def assert_adapter_equals_eager(run_dir: Path, logs: list | None = None) -> dict[str, torch.Tensor]:
     """The run's merged adapter (LoRA and readout translators) equals `eager_reference`'s within rtol 1e-5;
     returns the adapter's tensors by name."""
     merged = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
     for head in sorted((run_dir / "adapter" / "early_exit").glob("stage_*.safetensors")):
         merged.update(load_file(str(head)))
-    want = eager_reference(run_dir)
+    want = eager_reference(run_dir, logs)
     assert set(merged) == set(want)
     for name, t in want.items():
         torch.testing.assert_close(merged[name], t, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
@@ -103,6 +108,41 @@ def test_torch_runtime_adapter_equals_the_eager_reference(torch_run, one_torch_t
     moved = [n for n, t in merged.items() if "lora_B" in n and t.abs().max() > 1e-3]
     assert len(moved) == sum("lora_B" in n for n in merged), "every stage trained its LoRA B off zero"
     assert merged["zl.translator.stage_0.up"].abs().max() > 0, "the translators trained too"
+
+
+@pytest.mark.slow
+def test_torch_stages_at_lr_0_run_forward_only(data_file, tmp_path, one_torch_thread):
+    """`--stage-lr 0,0,1` on torch ranks: ranks 0 and 1 run phase 1 and send, no readout or backward (the runner's
+    forward-only stage, docs/design.md §4.3), with the runner's telemetry shape; the adapter and the last stage's
+    window losses equal the eager reference's, whose upstream stages compute phase 2 at lr 0."""
+    from zl_device.formats.metrics_log import read_lines
+    from zl_device.run.train_job import run_training
+
+    run_dir = run_training(settings(tmp_path / "run", data_file, stage_lr=(0.0, 0.0, 1.0)),
+                           say=lambda line: None).run_dir
+    lines = {k: read_lines(run_dir / "stages" / f"stage_{k}" / "metrics.jsonl") for k in range(3)}
+    for k in (0, 1):
+        start = next(r for r in lines[k] if r["type"] == "start")
+        assert start["forward_only"] is True
+        mbs = [r for r in lines[k] if r["type"] == "micro_batch"]
+        assert len(mbs) == SAMPLES // BATCH
+        assert all(r["forward_only"] and r["phase2_ms"] == 0 and r["loss"] is None and r["phase1_ms"] > 0
+                   for r in mbs)
+        windows = [r for r in lines[k] if r["type"] == "window"]
+        assert [(w["step"], w["mean_loss"], w["forward_only"]) for w in windows] == [
+            (w + 1, None, True) for w in range(SAMPLES // BATCH // WINDOW)]
+    assert not next(r for r in lines[2] if r["type"] == "start")["forward_only"]
+    logs = []
+    merged = assert_adapter_equals_eager(run_dir, logs)
+    for name, t in merged.items():
+        if "lora_B" in name and not name.startswith("zl."):
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            last_first = json.loads((run_dir / "manifest.json").read_text())["stages"][-1]["layers"][0]
+            assert bool(t.abs().max() > 0) == (layer >= last_first), name
+    last = [r["mean_loss"] for r in lines[2] if r["type"] == "window"]
+    assert last == pytest.approx([window[2] for window in logs[0].losses], rel=1e-5)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert [s["forward_only"] for s in report["stages"]] == [True, True, False]
 
 
 @pytest.mark.slow

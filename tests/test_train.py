@@ -133,8 +133,11 @@ def test_adapter_loads_with_peft_and_equals_final_checkpoints(clean_run):
     assert any(t.abs().sum() > 0 for n, t in merged.items() if "lora_B" in n)  # training moved B off zero
 
 
-def eager_zerolock(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def eager_zerolock(run_dir: Path, logs: list | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The run's pipeline retrained in PyTorch eager (zl_device.torch.eager_training) from its manifest, configs and shard.
+
+    Args:
+        logs: if given, the eager run's TrainLog (per-window losses of every stage) is appended to it.
 
     Returns:
         (trained tensors by manifest name, the run's merged adapter tensors plus its early-exit heads).
@@ -157,22 +160,29 @@ def eager_zerolock(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, to
         loaded.model, [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]], opts,
         calibration_batches(shard))  # lens translators are fitted on the training shard, as zl train does
     optimizer = max((c["optimizer"] for c in configs), key=lambda o: o["lr"])  # a stage may have lr 0
-    train_zerolock(modules, shard,
-                   Budget(configs[0]["num_micro_batches"] * batch, configs[0]["window_size"], batch),
-                   OptimizerSettings.from_config(optimizer),
-                   stage_lr=[c["optimizer"]["lr"] / optimizer["lr"] for c in configs])
+    log = train_zerolock(modules, shard,
+                         Budget(configs[0]["num_micro_batches"] * batch, configs[0]["window_size"], batch),
+                         OptimizerSettings.from_config(optimizer),
+                         stage_lr=[c["optimizer"]["lr"] / optimizer["lr"] for c in configs])
+    if logs is not None:
+        logs.append(log)
     merged = adapter_tensors(run_dir)
     for head in sorted((run_dir / "adapter" / "early_exit").glob("stage_*.safetensors")):
         merged.update(load_file(str(head)))
     return stage_parameters(modules, peft_model), merged
 
 
-def assert_eager_equals_run(run_dir: Path) -> dict[str, torch.Tensor]:
-    got, merged = eager_zerolock(run_dir)
+def assert_eager_equals_run(run_dir: Path, logs: list | None = None,
+                            eager: dict | None = None) -> dict[str, torch.Tensor]:
+    """The run's adapter equals the eager path's within rtol 1e-4 (and something trained); returns the run's
+    tensors. `logs` and `eager` (if given) receive the eager run's TrainLog and its tensors by manifest name."""
+    got, merged = eager_zerolock(run_dir, logs)
     assert set(got) == set(merged)
     for name, want in merged.items():
         torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
     assert sum(int(t.abs().max() > 1e-3) for n, t in merged.items() if "lora_B" in n) > 0, "nothing moved"
+    if eager is not None:
+        eager.update(got)
     return merged
 
 
@@ -206,21 +216,43 @@ def test_loss_variants_train_through_the_runner_as_in_eager(export_cache, data_f
     assert merged["zl.translator.stage_0.up"].abs().max() > 0, "the runner trained the translator"
 
 
-def test_a_stage_at_lr_0_runs_but_does_not_train(export_cache, data_file, tmp_path):
-    """`--stage-lr 0,0,1`: the upstream runners compute and forward, but their LoRA B stays at its initial zeros
-    (every AdamW term is scaled by the lr, weight decay too), so the adapter changes only the last stage's layers;
-    the eager path, which the accuracy study trains, gives the same adapter."""
+def test_a_stage_at_lr_0_runs_forward_only_and_does_not_train(export_cache, data_file, tmp_path):
+    """`--stage-lr 0,0,1`: the upstream runners run phase 1 and forward, nothing more (docs/design.md §4.3): their
+    lines say forward_only with no phase-2 time and no loss, their checkpoints keep the exported LoRA weights (B at
+    its zeros) and untouched AdamW moments, the report says they were held still. The eager path, whose upstream
+    stages compute their phase 2 at lr 0, gives the same adapter and the same last-stage losses."""
     import re
 
     result = train(tmp_path / "run", export_cache, data=str(data_file), stage_lr=(0.0, 0.0, 1.0))
-    manifest = json.loads((result.run_dir / "manifest.json").read_text())
+    run_dir = result.run_dir
+    manifest = json.loads((run_dir / "manifest.json").read_text())
     last_first = manifest["stages"][-1]["layers"][0]
-    tensors = adapter_tensors(result.run_dir)
+    tensors = adapter_tensors(run_dir)
     for name, t in tensors.items():
         layer = int(re.search(r"\.layers\.(\d+)\.", name).group(1))
         if "lora_B" in name:
             assert (t.abs().max() > 0) == (layer >= last_first), name
-    assert_eager_equals_run(result.run_dir)
+    logs, initial = [], {}
+    assert_eager_equals_run(run_dir, logs, initial)  # at lr 0 the eager stages 0 and 1 end where they began
+    lines = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    report = json.loads((run_dir / "report.json").read_text())
+    for k in (0, 1):
+        final = sorted((run_dir / "checkpoints" / f"stage_{k}").glob("window_*"))[-1]
+        for name, t in load_file(str(final / "adapter.safetensors")).items():
+            assert torch.equal(t, initial[name]), f"stage {k}: {name} moved"
+        assert not any(m.any() for m in load_file(str(final / "optimizer.safetensors")).values())
+        assert json.loads((final / "progress.json").read_text())["optimizer_step"] == SAMPLES // WINDOW
+        mbs = [r for r in lines if r["type"] == "micro_batch" and r["stage"] == k]
+        assert len(mbs) == SAMPLES
+        assert all(r["forward_only"] is True and r["phase2_ms"] == 0 and r["loss"] is None for r in mbs)
+        assert all(r["forward_only"] and r["mean_loss"] is None for r in lines if r["type"] == "window"
+                   and r["stage"] == k)
+        assert report["stages"][k]["forward_only"] is True
+        assert f"- stage {k}: held still (lr 0), forward only" in (run_dir / "report.md").read_text()
+    last = [r for r in lines if r["type"] == "window" and r["stage"] == 2]
+    assert not report["stages"][2]["forward_only"] and all(not r["forward_only"] for r in last)
+    eager_last = [window[2] for window in logs[0].losses]
+    assert [r["mean_loss"] for r in last] == pytest.approx(eager_last, rel=1e-4)
 
 
 def test_a_hundred_target_tokens_train_through_the_runner_as_in_eager(export_cache, tmp_path):

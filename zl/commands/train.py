@@ -54,7 +54,7 @@ class PlainProgress:
             return
         self._last_t, self._last_states = now, states
         for s in status:
-            loss = f"{s.last_loss:.4f}" if s.last_loss is not None else "-"
+            loss = loss_text(s)
             pss = f"{s.pss_mib:.0f} MiB" if s.pss_mib is not None else "-"
             self.print_line(f"stage {s.index} ({s.device}): {stage_state(s)}, micro-batch "
                             f"{s.micro_batches_done}/{self.total}, {s.last_committed_window + 1} windows, loss {loss}, "
@@ -99,6 +99,13 @@ def run_train(settings: TrainSettings) -> None:
     console.print(f"[bold]done[/] in {result.wall_s:.0f} s: {result.samples} samples; results in {result.run_dir}")
 
 
+def loss_text(s) -> str:
+    """A stage's last loss for the display; a stage held still by lr 0 has none to show (it runs forward only)."""
+    if s.last_loss is not None:
+        return f"{s.last_loss:.4f}"
+    return "lr 0: forward only" if getattr(s, "forward_only", False) else "-"
+
+
 def stage_state(s, now: float | None = None) -> str:
     """A stage's state for the display; a device policy's pause says why and for how long ("paused 12 s: 61.0 °C ≥
     45 °C (--max-temperature)")."""
@@ -113,7 +120,7 @@ def _table(status, total: int) -> Table:
     for col in ("stage", "device", "state", "micro-batches", "windows", "last loss", "PSS MiB", "restarts"):
         table.add_column(col, justify="right")
     for s in status:
-        loss = f"{s.last_loss:.4f}" if s.last_loss is not None else "-"
+        loss = loss_text(s)
         pss = f"{s.pss_mib:.0f}" if s.pss_mib is not None else "-"
         table.add_row(str(s.index), s.device, stage_state(s), f"{s.micro_batches_done}/{total}",
                       str(s.last_committed_window + 1), loss, pss, str(s.restarts))

@@ -20,13 +20,19 @@ Runner lines (android_app/native/include/zl/telemetry.h, src/runner.cpp);
 times in ms, memory in MiB, temperature in °C; an unmeasured value is null:
 
     {"type": "start", "stage", "num_stages", "pid", "first_micro_batch",
-     "resumed_from_window" (null on a fresh start), "listen_port", "config"}
+     "resumed_from_window" (null on a fresh start), "listen_port", "forward_only", "config"}
     {"type": "micro_batch", "t_unix_ms", "stage", "window", "micro_batch",
      "phase1_ms", "phase2_ms", "queue_ms", "send_ms", "total_ms",
-     "loss", "task_loss", "consistency_loss", "pss_mib", "temperature_c", "early_forwarding"}
+     "loss", "task_loss", "consistency_loss", "pss_mib", "temperature_c", "early_forwarding", "forward_only"}
     {"type": "window", "t_unix_ms", "stage", "window", "micro_batches",
      "mean_loss", "mean_task_loss", "mean_consistency_loss", "lr", "step",
-     "checkpoint_ms" (null when no checkpoint was due), "pss_mib", "temperature_c"}
+     "checkpoint_ms" (null when no checkpoint was due), "pss_mib", "temperature_c", "forward_only"}
+
+`forward_only: true` marks a stage held still by lr 0 (docs/design.md §4.3):
+it runs phase 1 and the send only, so its micro-batch lines have phase2_ms 0
+and null losses, and its window lines null mean losses (the step still
+counts). Lines written before the field existed lack it: read it as false
+(`MetricsLog.forward_only`).
     {"type": "done", "stage", "micro_batches", "wall_s", "optimizer_step", "sender": {...}, "receiver": {...}}
 
 Coordinator events (written by the coordinator into the merged file;
@@ -103,6 +109,8 @@ _NUMBER_KEYS = {
     "pause": ("window", "requested_unix_ms", "paused_unix_ms", "resumed_unix_ms", "to_pause_ms", "paused_ms"),
     "start": ("first_micro_batch", "resumed_from_window"),
 }
+# Keys that must be true or false where present.
+_BOOL_KEYS = {"start": ("forward_only",), "micro_batch": ("forward_only",), "window": ("forward_only",)}
 
 
 @dataclass
@@ -115,6 +123,15 @@ class MetricsLog:
 
     def of_type(self, stage: int, kind: str) -> list[dict]:
         return [r for r in self.runner.get(stage, []) if r["type"] == kind]
+
+    def forward_only(self, stage: int) -> bool:
+        """Whether `stage` ran phase 1 only (held still by lr 0, docs/design.md §4.3): every one of its micro-batch
+        lines says so; without any, its last start line. A line without the field counts as false."""
+        mbs = self.of_type(stage, "micro_batch")
+        if mbs:
+            return all(r.get("forward_only") is True for r in mbs)
+        starts = self.of_type(stage, "start")
+        return bool(starts) and starts[-1].get("forward_only") is True
 
 
 def stage_files(run_dir: Path) -> dict[int, Path]:
@@ -246,6 +263,9 @@ def _add(result: MetricsLog, lines: list[dict]) -> None:
 
 def _check_fields(record: dict, where: str) -> None:
     kind = record["type"]
+    for key in _BOOL_KEYS.get(kind, ()):
+        if key in record and not isinstance(record[key], bool):
+            raise ZLError(f"{where}: {kind} line has {key}={record[key]!r}, expected true or false.")
     for key in _INT_KEYS.get(kind, ()):
         value = record.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -16,6 +16,11 @@ Gemma 3's sliding-window layers are cheaper than its global ones only beyond the
 (embedding, readout, loss, the runtime) does not change with n. A slope that comes out below zero (noise on a busy
 host) is taken as zero, the mean as the fixed part. Not counted: the AdamW step, flush and checkpoint at each
 window end (once per window, not per micro-batch).
+
+A stage held still by lr 0 runs phase 1 and the send only (docs/design.md §4.3): its time is phase1 + other
+(`StageCost.ms(n, forward_only=True)`; other's accumulation share, which such a stage skips, is a fraction of a
+millisecond). Calibration rounds train (lr > 0), so their phase 2 is measured; the lines of a forward-only run
+have phase2_ms 0, which `measure` takes as it is.
 """
 
 from __future__ import annotations
@@ -107,9 +112,11 @@ class StageCost:
     other: Linear
     pss: Linear | None  # None: the device reports no PSS
 
-    def ms(self, layers: int) -> float:
-        """Predicted time per micro-batch with `layers` layers."""
-        return self.phase1.at(layers) + self.phase2.at(layers) + self.other.at(layers)
+    def ms(self, layers: int, forward_only: bool = False) -> float:
+        """Predicted time per micro-batch with `layers` layers; `forward_only`: a stage held still by lr 0, which
+        runs no phase 2."""
+        phase2 = 0.0 if forward_only else self.phase2.at(layers)
+        return self.phase1.at(layers) + phase2 + self.other.at(layers)
 
     def pss_mib(self, layers: int) -> float | None:
         return self.pss.at(layers) if self.pss is not None else None

@@ -5,8 +5,12 @@
      "devices": "local:3", "device_names": [...], "mode": "binary", "cpu_quota": [1.0, 0.5, 0.75] | null,
      "predicted_slowest_ms": ..., "link": {"mbps": null, "entry_bytes": ..., "ms": 0.0},
      "per_stage": [{"stage", "device", "layers": [first, last], "phase1_ms", "phase2_ms", "other_ms", "total_ms",
-                    "pss_mib", "budget_mib"}, ...],
+                    "pss_mib", "budget_mib", "forward_only"}, ...],
      "even_split": {"stages": ..., "predicted_slowest_ms": ...} | null, "calibration": [...]}
+
+A `forward_only` stage (held still by `--stage-lr` 0, docs/design.md §4.3) runs no phase 2: its total_ms is
+phase1_ms + other_ms, and its phase2_ms (what it would take with phase 2) is listed but not counted. Plans written
+before the field existed have none: every stage counts its phase 2.
 
 `zl train --stages plan.json` and `zl export --stages plan.json` take its `stages`, after checking that the plan
 was made for the model (and, for `zl train`, the devices, quotas and shapes) they are given: a split predicted for
@@ -46,10 +50,11 @@ class StagePrediction:
     other_ms: float
     pss_mib: float | None
     budget_mib: float | None
+    forward_only: bool = False  # held still by lr 0: no phase 2 (docs/design.md §4.3)
 
     @property
     def total_ms(self) -> float:
-        return self.phase1_ms + self.phase2_ms + self.other_ms
+        return self.phase1_ms + (0.0 if self.forward_only else self.phase2_ms) + self.other_ms
 
     @property
     def num_layers(self) -> int:

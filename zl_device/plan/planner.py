@@ -108,13 +108,15 @@ def make_plan(s: TrainSettings, p: PlanSettings, say=print, export_progress=None
     cal = calibrate(s, spec, quotas, recalibrate=p.recalibrate, say=say, export_progress=export_progress)
     check_stage_count(num_stages, cal.num_layers, s.split.model)
     budgets = memory_budgets(spec, names, p.memory_limit, s.mode)
-    best = choose_split(cal.costs, cal.num_layers, budgets, names)
+    forward_only = forward_only_stages(s, num_stages)
+    best = choose_split(cal.costs, cal.num_layers, budgets, names, forward_only)
     link_ms = cal.entry_bytes(s.export.micro_batch) * 8 / (p.link_mbps * 1e3) if p.link_mbps else 0.0
     from zl_export.stages import balanced_split
 
-    even = evaluate(tuple((r.first, r.last) for r in balanced_split(cal.num_layers, num_stages)), cost_fn(cal.costs))
+    even = evaluate(tuple((r.first, r.last) for r in balanced_split(cal.num_layers, num_stages)),
+                    cost_fn(cal.costs, forward_only))
     per_stage = [StagePrediction(k, names[k], (a, b), c.phase1.at(b - a + 1), c.phase2.at(b - a + 1),
-                                 c.other.at(b - a + 1), c.pss_mib(b - a + 1), budgets[k])
+                                 c.other.at(b - a + 1), c.pss_mib(b - a + 1), budgets[k], forward_only[k])
                  for k, ((a, b), c) in enumerate(zip(best.ranges, cal.costs))]
     calibration = [{"device": names[k], "cache": str(cal.cache_files[k]), "measured_now": cal.measured_now,
                     "rounds": [m.to_json() for m in cal.rounds[k]], "fit": cal.costs[k].to_json()}
@@ -127,12 +129,23 @@ def make_plan(s: TrainSettings, p: PlanSettings, say=print, export_progress=None
                 calibration=calibration)
 
 
-def cost_fn(costs: list[StageCost]):
-    return lambda k, a, b: costs[k].ms(b - a + 1)
+def forward_only_stages(s: TrainSettings, num_stages: int) -> list[bool]:
+    """Which stages run phase 1 only: those a given `--stage-lr` holds still (lr 0) but the last, as the runner
+    decides (RunnerConfig::forward_only, docs/design.md §4.3). Without one (`zl plan` has no --stage-lr; `zl train`
+    chooses it from the data after planning) every stage counts its phase 2."""
+    if s.stage_lr is None:
+        return [False] * num_stages
+    return [s.stage_lr_of(k) == 0 and k < num_stages - 1 for k in range(num_stages)]
 
 
-def choose_split(costs: list[StageCost], num_layers: int, budgets: list[float | None], names: list[str]) -> Split:
-    """The best split within the budgets (split.py).
+def cost_fn(costs: list[StageCost], forward_only: list[bool] | None = None):
+    held = forward_only or [False] * len(costs)
+    return lambda k, a, b: costs[k].ms(b - a + 1, forward_only=held[k])
+
+
+def choose_split(costs: list[StageCost], num_layers: int, budgets: list[float | None], names: list[str],
+                 forward_only: list[bool] | None = None) -> Split:
+    """The best split within the budgets (split.py); a `forward_only` stage costs no phase 2.
 
     Raises:
         ZLError: no split fits: the device that cannot hold even one layer, or the one that needs the least extra
@@ -144,7 +157,7 @@ def choose_split(costs: list[StageCost], num_layers: int, budgets: list[float | 
         need = costs[k].pss_mib(b - a + 1)
         return budgets[k] is None or need is None or need <= budgets[k]
 
-    best = best_split(num_layers, num_stages, cost_fn(costs), fits)
+    best = best_split(num_layers, num_stages, cost_fn(costs, forward_only), fits)
     if best is not None:
         return best
     most = num_layers - (num_stages - 1)  # a stage holds at most this many: every other stage needs one

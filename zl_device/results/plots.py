@@ -15,7 +15,8 @@ PHASES = (("phase1_ms", "phase 1 (to the marker)"), ("phase2_ms", "phase 2 (read
 
 
 def plot_latency(stages: list[dict], path: Path) -> Path:
-    """Grouped bars: median phase-1 / phase-2 / queue time per stage, whiskers up to the p95.
+    """Grouped bars: median phase-1 / phase-2 / queue time per stage, whiskers up to the p95. A forward-only stage
+    (held still by lr 0) has a phase 2 of 0 ms and says so under its name.
 
     Args:
         stages: `report["stages"]` (each with `index` and `{median, p95}` per key of PHASES).
@@ -47,6 +48,7 @@ def plot_latency(stages: list[dict], path: Path) -> Path:
 
 def plot_loss(curves: dict[int, dict], path: Path) -> Path:
     """Local loss per micro-batch (thin line) and per update window (markers, at the window's last micro-batch).
+    A stage without a loss (a forward-only stage, held still by lr 0) has no line.
 
     Args:
         curves: by stage index, `{"micro_batch", "loss", "window_end", "window_mean_loss"}` lists.
@@ -55,7 +57,8 @@ def plot_loss(curves: dict[int, dict], path: Path) -> Path:
     fig = Figure(figsize=(7.0, 4.0), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for index, curve in sorted(curves.items()):
+    drawn = {index: curve for index, curve in sorted(curves.items()) if curve["loss"] or curve["window_end"]}
+    for index, curve in drawn.items():
         (line,) = ax.plot(curve["micro_batch"], curve["loss"], linewidth=0.8, alpha=0.5, label=f"stage {index}")
         if curve["window_end"]:
             ax.plot(curve["window_end"], curve["window_mean_loss"], marker="o", markersize=3.5, linewidth=1.5,
@@ -63,7 +66,7 @@ def plot_loss(curves: dict[int, dict], path: Path) -> Path:
     ax.set_xlabel("micro-batch")
     ax.set_ylabel("local loss  α·CE + (1−α)·KL")
     ax.set_title("Loss per stage")
-    if curves:
+    if drawn:
         ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -73,4 +76,5 @@ def plot_loss(curves: dict[int, dict], path: Path) -> Path:
 
 def _stage_label(stage: dict) -> str:
     layers = stage.get("layers")
-    return f"stage {stage['index']}" + (f"\nlayers {layers[0]}–{layers[1]}" if layers else "")
+    return (f"stage {stage['index']}" + (f"\nlayers {layers[0]}–{layers[1]}" if layers else "")
+            + ("\nforward only" if stage.get("forward_only") else ""))

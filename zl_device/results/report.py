@@ -11,6 +11,11 @@ What the numbers mean:
   stage's micro-batches, as `numpy.median` and `numpy.percentile(x, 95)`
   (linear interpolation) compute them; null values (unmeasured) are left out,
   and a statistic of no values is null.
+- `stages[i].forward_only`: the stage was held still by lr 0 and ran phase 1
+  only (docs/design.md §4.3; `MetricsLog.forward_only`). Its lines' phase2_ms
+  are 0, so are its phase-2 statistics (its busy time is phase 1 + send), and
+  it has no losses; report.md says "held still (lr 0), forward only" instead
+  of empty loss columns.
 - A micro-batch that a restarted stage replays appears twice in its
   telemetry. Latency and loss use the **last** line per (stage, micro-batch),
   the run whose gradients went into the committed window; the earlier lines
@@ -223,6 +228,7 @@ def _stage(index: int, metrics: MetricsLog, layers: list[int] | None) -> tuple[d
         "replayed_micro_batches": sum(replays_by_run),
         "restarts": max(len(replays_by_run) - 1, 0),
         "windows": len(windows),
+        "forward_only": metrics.forward_only(index),
         **{key: latency_stats([r.get(key) for r in kept]) for key in LATENCY_KEYS},
         "checkpoint_ms": latency_stats([w.get("checkpoint_ms") for w in windows]),
         "peak_pss_mib": max(pss) if pss else None,
@@ -371,16 +377,25 @@ def render_markdown(report: dict, with_plots: bool = True) -> str:
             "|---|---|---|---|---|---|---|---|---|---|"]
     for s in stages:
         layers = f"{s['layers'][0]}–{s['layers'][1]}" if s["layers"] else "n/a"
+        phase2 = "none (forward only)" if s.get("forward_only") else _pair(s["phase2_ms"])
         out.append(f"| {s['index']} | {layers} | {s['micro_batches']} | {_pair(s['phase1_ms'])} | "
-                   f"{_pair(s['phase2_ms'])} | {_pair(s['queue_ms'])} | {_pair(s['send_ms'])} | "
+                   f"{phase2} | {_pair(s['queue_ms'])} | {_pair(s['send_ms'])} | "
                    f"{_pair(s['total_ms'])} | {_num(s['peak_pss_mib'])} | {_num(s['temperature_c'])} |")
     out += ["", "Temperature: the highest reading (battery on Android, CPU thermal zone on Linux); n/a where the "
-            "device has no sensor.", "",
-            "## Loss", "", "| stage | windows | first window mean loss | last window mean loss |", "|---|---|---|---|"]
-    for s in stages:
-        out.append(f"| {s['index']} | {s['windows']} | {_num(s['first_window_mean_loss'], 4)} | "
-                   f"{_num(s['last_window_mean_loss'], 4)} |")
-    out.append("")
+            "device has no sensor.", "", "## Loss", ""]
+    trained = [s for s in stages if not s.get("forward_only")]
+    if trained:
+        out += ["| stage | windows | first window mean loss | last window mean loss |", "|---|---|---|---|"]
+        for s in trained:
+            out.append(f"| {s['index']} | {s['windows']} | {_num(s['first_window_mean_loss'], 4)} | "
+                       f"{_num(s['last_window_mean_loss'], 4)} |")
+        out.append("")
+    held = [s for s in stages if s.get("forward_only")]
+    for s in held:
+        out.append(f"- stage {s['index']}: held still (lr 0), forward only: its weights did not move, so it ran "
+                   "no readout, loss or backward (docs/design.md §4.3).")
+    if held:
+        out.append("")
     if report.get("eval"):
         out += _eval_markdown(report["eval"])
     replayed = [s for s in stages if s["replayed_micro_batches"] or s["restarts"]]

@@ -169,6 +169,7 @@ class StageStatus:
     micro_batches_done: int = 0  # by this stage's telemetry / heartbeats
     last_committed_window: int = -1
     last_loss: float | None = None
+    forward_only: bool = False  # held still by lr 0: runs phase 1 only, has no loss to show (docs/design.md §4.3)
     pss_mib: float | None = None  # latest reading (peaks and temperatures are the report's, from telemetry)
     restarts: int = 0
     last_sign_of_life: float = field(default_factory=time.monotonic)
@@ -205,6 +206,8 @@ def fold_telemetry(status: StageStatus, record: dict, now: float, lifecycle: boo
     its own restarts, and leaves `lifecycle` off. Other kinds are not progress.
     """
     kind = record.get("type")
+    if kind in ("start", "micro_batch", "window") and "forward_only" in record:
+        status.forward_only = record["forward_only"] is True  # its losses are null: not a missing reading
     if kind == "micro_batch":
         status.last_sign_of_life = now
         status.progressed(int(record["micro_batch"]) + 1, now)

@@ -25,6 +25,7 @@ against a `zl train` run's adapter.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -134,11 +135,20 @@ class StageStep:
     then `finish` (phase 2: the local loss and its backward; gradients add up in `.grad`). Per window:
     `start_window`, the micro-batches, `end_window` (one AdamW step on the mean gradient, the runner's lr
     schedule). The readouts run on the target positions only (`gather_targets`).
+
+    `forward_only` (a stage held still by lr 0, not the last: the runner's RunnerConfig::forward_only,
+    docs/design.md §4.3): `begin` runs without autograd and there is no `finish`, since its gradients could not
+    move the weights; `end_window` only advances the schedule. `train_zerolock` never sets it: the accuracy
+    study reads every stage's local loss.
     """
 
-    def __init__(self, module: torch.nn.Module, lr: float, opt: OptimizerSettings, num_windows: int):
+    def __init__(self, module: torch.nn.Module, lr: float, opt: OptimizerSettings, num_windows: int,
+                 forward_only: bool = False):
+        if forward_only and lr != 0:
+            raise ValueError(f"a forward-only stage must have lr 0, got {lr}: it would never step")
         module.gather_targets = True
         self.module = module
+        self.forward_only = forward_only
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = runner_optimizer([{"params": self.params, "lr": lr}], opt, num_windows)
         self._sums = torch.zeros(3, dtype=torch.float64)  # loss, task, consistency summed over the window
@@ -153,12 +163,18 @@ class StageStep:
     def begin(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Phase 1 on input ids (stage 0) or the upstream hidden state (B, L, D); returns the output hidden state
         (B, L, D), detached: what the marker hands downstream."""
+        if self.forward_only:
+            with torch.no_grad():  # no phase 2 follows: keep no activations for a backward
+                _, h = self.module.chunk(x, mask)
+            return h
         h_in, h = self.module.chunk(x, mask)
         self._pending = (h_in, h)
         return h.detach()
 
     def finish(self, labels: torch.Tensor) -> tuple[float, float, float]:
         """Phase 2 of the micro-batch `begin` started: local loss, backward; returns (loss, task, consistency)."""
+        if self.forward_only:
+            raise RuntimeError("StageStep.finish on a forward-only stage: it has no phase 2")
         if self._pending is None:
             raise RuntimeError("StageStep.finish without begin")
         h_in, h = self._pending
@@ -170,8 +186,17 @@ class StageStep:
         self._count += 1
         return tuple(values.tolist())
 
-    def end_window(self) -> tuple[float, list[float]]:
-        """The window's AdamW step; returns (lr used, [mean loss, mean task loss, mean consistency loss])."""
+    def end_window(self) -> tuple[float, list[float | None]]:
+        """The window's AdamW step; returns (lr used, [mean loss, mean task loss, mean consistency loss]).
+
+        A forward-only stage computed no gradient and no loss: its step only counts (the schedule advances as the
+        runner's AdamW::skip_step does, parameters and moments stay), and its means are None."""
+        if self.forward_only:
+            lr = self.optimizer.param_groups[0]["lr"]
+            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
+                warnings.simplefilter("ignore")
+                self.scheduler.step()
+            return lr, [None, None, None]
         means = (self._sums / self._count).tolist()
         return _step(self.optimizer, self.scheduler, self.params, self._count), means
 

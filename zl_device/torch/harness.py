@@ -105,7 +105,7 @@ def train_rank(job: TorchJob, rank: int, world: int, device: torch.device, backe
     dist.barrier()
     resumed = stage.resume(schedule.optimizer, schedule.scheduler) if job.resume and schedule.resumable else None
     first_window = 0 if resumed is None else resumed + 1
-    stage.write_start(first_window, resumed, setup_s, weights, setup_peak)
+    stage.write_start(first_window, resumed, setup_s, weights, setup_peak, forward_only=schedule.forward_only)
     extra = schedule.train(first_window)
     stage.write_done(schedule.scheduler.last_epoch, **extra)
 

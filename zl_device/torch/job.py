@@ -43,6 +43,9 @@ class TorchJob:
     # ZeroLock's micro-batches cut to their longest row (eager takes any length); False: the full seq_len, the
     # work the runner's programs and the backprop baselines' fixed-shape stages do (tools/bench_pipelines.py).
     trim_padding: bool = True
+    # ZeroLock's stages at lr 0 but the last run phase 1 only (the runner config's forward_only_at_lr0); False:
+    # they compute their local loss and backward too (the weights stay the same either way).
+    forward_only_at_lr0: bool = True
 
     @property
     def num_stages(self) -> int:

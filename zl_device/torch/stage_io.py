@@ -89,6 +89,12 @@ class Rank:
         return self.job.lr[self.index]
 
     @property
+    def forward_only(self) -> bool:
+        """A stage held still (lr 0) that is not the last, with the job's `forward_only_at_lr0`: ZeroLock runs its
+        phase 1 only, as the runner does (RunnerConfig::forward_only, docs/design.md §4.3)."""
+        return self.job.forward_only_at_lr0 and self.lr == 0 and not self.last
+
+    @property
     def optimizer_settings(self) -> OptimizerSettings:
         return self.job.optimizer(self.index)
 
@@ -110,13 +116,14 @@ class Rank:
         self.log.write({"type": kind, "t_unix_ms": int(time.time() * 1000), "stage": self.index, **fields})
 
     def write_start(self, first_window: int, resumed: int | None, setup_s: float, weights: str,
-                    setup_peak_mib: float | None) -> None:
+                    setup_peak_mib: float | None, forward_only: bool = False) -> None:
         """The `start` line, after the ranks' barrier: the run's time starts here (process start and model load are
-        not in it); the training clocks (CPU, wall, peak RSS) start too."""
+        not in it); the training clocks (CPU, wall, peak RSS) start too. `forward_only`: the schedule runs this
+        stage's phase 1 only."""
         self.write("start", num_stages=self.world, pid=os.getpid(), first_micro_batch=self.plan.start(first_window),
                    resumed_from_window=resumed, listen_port=None, runtime="torch", pipeline=self.job.pipeline,
                    backend=self.backend, device=str(self.device), setup_s=round(setup_s, 3), weights=weights,
-                   config=asdict(self.job))
+                   forward_only=forward_only, config=asdict(self.job))
         self._clock = (time.process_time(), time.perf_counter(), setup_peak_mib)
         self._window_t0 = time.perf_counter()
 

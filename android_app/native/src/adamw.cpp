@@ -138,6 +138,16 @@ Result<double> AdamW::step() {
   return lr;
 }
 
+Result<double> AdamW::skip_step() {
+  if (accumulated_ != 0) {
+    return Status(StatusCode::kInvalidArgument, "AdamW::skip_step: " + std::to_string(accumulated_) +
+                                                    " micro-batch gradients accumulated; step() applies them");
+  }
+  const double lr = lr_at(step_count_);
+  ++step_count_;
+  return lr;
+}
+
 int AdamW::find(const std::string& name) const {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i].name == name) return static_cast<int>(i);

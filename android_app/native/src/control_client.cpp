@@ -124,9 +124,9 @@ void ControlClient::set_phase(ControlPhase phase) {
 }
 
 Status ControlClient::window_committed(const WindowCommittedEvent& event) {
-  const json payload = {{"mean_loss", event.mean_loss},
-                        {"mean_task_loss", event.mean_task_loss},
-                        {"mean_consistency_loss", event.mean_consistency_loss},
+  const json payload = {{"mean_loss", optional_json(event.mean_loss)},
+                        {"mean_task_loss", optional_json(event.mean_task_loss)},
+                        {"mean_consistency_loss", optional_json(event.mean_consistency_loss)},
                         {"micro_batches_done", event.micro_batches_done},
                         {"checkpoint_ms", optional_json(event.checkpoint_ms)},
                         {"checkpointed", event.checkpoint_ms.has_value()}};

@@ -69,9 +69,11 @@ WindowCommittedEvent WindowCommittedEvent::from(const WindowRecord& record, int6
   WindowCommittedEvent e;
   e.window = record.window;
   e.micro_batches_done = micro_batches_done;
-  e.mean_loss = record.mean_loss;
-  e.mean_task_loss = record.mean_task_loss;
-  e.mean_consistency_loss = record.mean_consistency_loss;
+  if (!record.forward_only) {  // a forward-only stage computed no loss
+    e.mean_loss = record.mean_loss;
+    e.mean_task_loss = record.mean_task_loss;
+    e.mean_consistency_loss = record.mean_consistency_loss;
+  }
   e.checkpoint_ms = record.checkpoint_ms;
   return e;
 }

@@ -136,7 +136,9 @@ Status StageRunner::send_hidden(int64_t mb, const StageInputs& inputs, const std
 
 Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums& sums) {
   const RunnerConfig& c = config_;
-  ZL_ASSIGN_OR_RETURN(const double lr, optimizer_->step());
+  // A forward-only stage accumulated nothing: its step only counts (the
+  // schedule and the checkpoint's optimizer_step move on, the weights do not).
+  ZL_ASSIGN_OR_RETURN(const double lr, forward_only_ ? optimizer_->skip_step() : optimizer_->step());
   if (sender_) {
     // Commit only what downstream holds durably (see runner.h, step 6).
     ZL_RETURN_IF_ERROR(wait_sliced([&](milliseconds slice) { return sender_->flush(slice); }, stop_,
@@ -177,6 +179,7 @@ Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums
     record.checkpoint_ms = checkpoint_ms;
     record.pss_mib = read_pss_mib();
     record.temperature_c = read_temperature_c();
+    record.forward_only = forward_only_;
   }
   if (telemetry_) (void)telemetry_->write(record);
   if (control_) (void)control_->window_committed(WindowCommittedEvent::from(record, last_mb + 1));
@@ -200,7 +203,11 @@ Status StageRunner::loop() {
     MicroBatchRecord record;
     StageStepResult result;
     ZL_RETURN_IF_ERROR(run_micro_batch(mb, &record, &result));
-    sums.add(result);
+    if (forward_only_) {
+      sums.add_forward_only();
+    } else {
+      sums.add(result);
+    }
     write_micro_batch(&record);
 
     const bool window_end = plan_.is_last_of_window(mb);
@@ -215,7 +222,7 @@ Status StageRunner::loop() {
       p->micro_batches_done = done;
       p->window = window;
       if (window_end) p->committed_window = window;
-      p->loss = record.loss;
+      p->loss = forward_only_ ? std::nullopt : std::optional<double>(record.loss);
       p->pss_mib = record.pss_mib;
       p->temperature_c = record.temperature_c;
     });
@@ -237,8 +244,15 @@ Status StageRunner::run_micro_batch(int64_t mb, MicroBatchRecord* record, StageS
   ZL_RETURN_IF_ERROR(begin_micro_batch(mb, inputs, record));
 
   Clock::time_point t = Clock::now();
-  ZL_ASSIGN_OR_RETURN(*result, program_->finish());
-  record->phase2_ms = ms_since(t);
+  if (forward_only_) {
+    // lr 0: phase 2's gradients could not move the weights. The parked method
+    // stops at the marker; no loss, no gradient, phase2_ms stays 0.
+    ZL_RETURN_IF_ERROR(program_->abandon());
+    record->forward_only = true;
+  } else {
+    ZL_ASSIGN_OR_RETURN(*result, program_->finish());
+    record->phase2_ms = ms_since(t);
+  }
 
   if (sender_ && !config_.early_forwarding) {
     t = Clock::now();
@@ -247,10 +261,12 @@ Status StageRunner::run_micro_batch(int64_t mb, MicroBatchRecord* record, StageS
     ZL_RETURN_IF_ERROR(sent);
   }
 
-  ZL_RETURN_IF_ERROR(optimizer_->accumulate(result->gradients));
-  record->loss = result->loss;
-  record->task_loss = result->task_loss;
-  record->consistency_loss = result->consistency_loss;
+  if (!forward_only_) {
+    ZL_RETURN_IF_ERROR(optimizer_->accumulate(result->gradients));
+    record->loss = result->loss;
+    record->task_loss = result->task_loss;
+    record->consistency_loss = result->consistency_loss;
+  }
   record->total_ms = ms_since(mb_start);
   return Status();
 }
@@ -278,8 +294,8 @@ Status StageRunner::begin_micro_batch(int64_t mb, const StageInputs& inputs, Mic
 }
 
 void StageRunner::abandon_step() {
-  // The method is parked at the marker; let it end before unwinding.
-  (void)program_->finish();
+  // The method is parked at the marker: stop it there before unwinding.
+  (void)program_->abandon();
 }
 
 void StageRunner::write_micro_batch(MicroBatchRecord* record) {
@@ -335,6 +351,10 @@ void StageRunner::snapshot_accumulator(int64_t mb, const WindowSums& sums) {
     return;
   }
   AccumulatorSnapshot snapshot = AccumulatorSnapshot::of(*optimizer_);
+  // A forward-only stage accumulates no gradient (its sums are zeros), but the
+  // snapshot still records how far the window got: a restart continues there
+  // instead of running those micro-batches' phase 1 and sends again.
+  if (forward_only_) snapshot.accumulated = sums.count;
   snapshot.run_id = config_.run_id;
   snapshot.stage = config_.stage_index;
   snapshot.window = plan_.window_of(mb);

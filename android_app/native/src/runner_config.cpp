@@ -131,6 +131,11 @@ const Field kFields[] = {
     {"log_path", FieldType::kString, false, true, "Telemetry JSON-lines file (appended).", ZL_REF(log_path)},
     {"early_forwarding", FieldType::kBoolean, false, false,
      "Send the hidden state at the marker, before readout/loss/backward finish.", ZL_REF(early_forwarding)},
+    {"forward_only_at_lr0", FieldType::kBoolean, false, false,
+     "A stage with optimizer.lr 0 that is not the last runs phase 1 only: it sends the hidden state and skips "
+     "readout, loss and backward, which could not move its weights. false: it computes them anyway (its losses "
+     "in the telemetry, its AdamW moments; the weights stay the same either way).",
+     ZL_REF(forward_only_at_lr0)},
     {"accumulator_snapshots", FieldType::kBoolean, false, false,
      "After every micro-batch but a window's last, save the window's gradient sum (in the background) to "
      "<checkpoint_dir>/accumulator.safetensors; a restart resumes from it instead of replaying the window's "

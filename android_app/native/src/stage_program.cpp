@@ -138,8 +138,9 @@ struct StageProgram::Impl {
 
 /// Lets the C hook reach the private handler.
 struct StageProgramHook {
-  static void call(const Tensor& hidden, void* self) {
-    static_cast<StageProgram*>(self)->on_marker(&hidden);
+  static PipelineMarkerAction call(const Tensor& hidden, void* self) {
+    return static_cast<StageProgram*>(self)->on_marker(&hidden) ? PipelineMarkerAction::kContinue
+                                                                 : PipelineMarkerAction::kStop;
   }
 };
 
@@ -359,8 +360,8 @@ Result<std::unique_ptr<StageProgram>> StageProgram::load(const StageProgramOptio
 StageProgram::~StageProgram() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    // A method suspended at the marker cannot be abandoned mid-way: let it end.
-    if (state_ == State::kSuspended) state_ = State::kPhase2;
+    // A method suspended at the marker stops there (its phase 2 is not wanted).
+    if (state_ == State::kSuspended) state_ = State::kStopping;
     shutdown_ = true;
   }
   changed_.notify_all();
@@ -385,7 +386,7 @@ void StageProgram::worker_main() {
   set_pipeline_marker_hook(nullptr, nullptr);
 }
 
-void StageProgram::on_marker(const void* hidden_tensor) {
+bool StageProgram::on_marker(const void* hidden_tensor) {
   const Tensor& hidden = *static_cast<const Tensor*>(hidden_tensor);
   std::unique_lock<std::mutex> lock(mutex_);
   ++marker_calls_;
@@ -393,7 +394,7 @@ void StageProgram::on_marker(const void* hidden_tensor) {
     // A second marker in one method, or a marker on a stage whose manifest
     // says it has none: do not suspend, report at the end.
     if (marker_error_.empty()) marker_error_ = "the marker fired more than once or on a stage without hidden output";
-    return;
+    return true;
   }
   const int64_t expected = batch_ * seq_len_ * hidden_size_;
   if (hidden.scalar_type() != ScalarType::Float || hidden.numel() != expected) {
@@ -407,7 +408,15 @@ void StageProgram::on_marker(const void* hidden_tensor) {
   }
   state_ = State::kSuspended;
   changed_.notify_all();
-  changed_.wait(lock, [&] { return state_ == State::kPhase2; });
+  changed_.wait(lock, [&] { return state_ == State::kPhase2 || state_ == State::kStopping; });
+  return state_ == State::kPhase2;
+}
+
+void StageProgram::wait_done(std::unique_lock<std::mutex>& lock) {
+  changed_.notify_all();
+  changed_.wait(lock, [&] { return state_ == State::kDone; });
+  state_ = State::kIdle;
+  hidden_out_ = nullptr;
 }
 
 int64_t StageProgram::last_marker_calls() const {
@@ -484,10 +493,7 @@ Result<StageStepResult> StageProgram::finish() {
     } else {
       return Status(StatusCode::kInvalidArgument, "finish() without a successful begin()");
     }
-    changed_.notify_all();
-    changed_.wait(lock, [&] { return state_ == State::kDone; });
-    state_ = State::kIdle;
-    hidden_out_ = nullptr;
+    wait_done(lock);
     if (impl_->exec_error != Error::Ok) {
       return Status(StatusCode::kInternal, "program " + path_ + ": 'forward' failed after the marker (" +
                                                error_name(impl_->exec_error) + ")");
@@ -495,6 +501,26 @@ Result<StageStepResult> StageProgram::finish() {
     if (!marker_error_.empty()) return Status(StatusCode::kInternal, "program " + path_ + ": " + marker_error_);
   }
   return collect(nullptr);
+}
+
+Status StageProgram::abandon() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (state_ == State::kDeferred) {  // the last stage: nothing ran yet
+    state_ = State::kIdle;
+    return Status();
+  }
+  if (state_ != State::kSuspended) {
+    return Status(StatusCode::kInvalidArgument, "abandon() without a successful begin()");
+  }
+  state_ = State::kStopping;
+  wait_done(lock);
+  if (impl_->exec_error != kPipelineMarkerStopped) {
+    return Status(StatusCode::kInternal,
+                  "program " + path_ + ": 'forward' was to stop at the pipeline marker but " +
+                      (impl_->exec_error == Error::Ok ? std::string("ran to its end")
+                                                      : "failed (" + error_name(impl_->exec_error) + ")"));
+  }
+  return Status();
 }
 
 Result<StageStepResult> StageProgram::run(const StageInputs& inputs, std::vector<float>* hidden) {

@@ -57,6 +57,8 @@ struct WindowSums {
     task += r.task_loss;
     consistency += r.consistency_loss;
   }
+  /// A forward-only micro-batch: counted, no loss.
+  void add_forward_only() { ++count; }
 };
 
 /// Everything one stage process holds while it runs.
@@ -64,7 +66,12 @@ class StageRunner {
  public:
   StageRunner(const RunnerConfig& config, const std::atomic<bool>* stop, ProgressBoard* progress,
               const Standby* standby)
-      : config_(config), plan_(config.window_plan()), stop_(stop), progress_(progress), standby_(standby) {}
+      : config_(config),
+        plan_(config.window_plan()),
+        stop_(stop),
+        progress_(progress),
+        standby_(standby),
+        forward_only_(config.forward_only()) {}
 
   /// Loads, restores and connects (setup), runs the remaining micro-batches
   /// (loop), then reports the outcome to the coordinator and stops the links.
@@ -128,6 +135,7 @@ class StageRunner {
   std::unique_ptr<AccumulatorSnapshotWriter> snapshots_;
   WindowSums resumed_sums_;                    // the window so far, from an accumulator snapshot
   int64_t resumed_accumulated_ = 0;            // micro-batches that snapshot held (0: none used)
+  const bool forward_only_;                    // config_.forward_only(): phase 1 only (docs/design.md §4.3)
 };
 
 }  // namespace zl::internal

@@ -63,10 +63,11 @@ Status StageRunner::setup() {
   }
   write_start_line();
   ZL_RETURN_IF_ERROR(start_control());
-  log(LogLevel::kInfo, "stage %lld/%lld: micro-batches %lld..%lld, window %lld, early forwarding %s",
+  log(LogLevel::kInfo, "stage %lld/%lld: micro-batches %lld..%lld, window %lld, early forwarding %s%s",
       static_cast<long long>(c.stage_index), static_cast<long long>(c.num_stages),
       static_cast<long long>(start_mb_), static_cast<long long>(c.num_micro_batches - 1),
-      static_cast<long long>(c.window_size), c.early_forwarding ? "on" : "off");
+      static_cast<long long>(c.window_size), c.early_forwarding ? "on" : "off",
+      forward_only_ ? "; held still (lr 0): forward only" : "");
   return Status();
 }
 
@@ -162,6 +163,7 @@ void StageRunner::write_start_line() {
                 {"took_over_unix_ms", took_over_unix_ms_ ? json(*took_over_unix_ms_) : json(nullptr)},
                 {"ready_unix_ms", unix_ms_now()},
                 {"resumed_from_snapshot", resumed_accumulated_},
+                {"forward_only", forward_only_},
                 {"config", runner_config_to_json(c)}};
   (void)telemetry_->write_json(start);
 }
@@ -251,7 +253,9 @@ void StageRunner::resume_accumulator(int64_t window) {
     status = check_accumulator_snapshot(snapshot, c.run_id, c.stage_index, window, plan_.first_micro_batch(window),
                                         plan_.end_micro_batch(window), *optimizer_);
   }
-  if (status.ok()) {
+  // A forward-only stage's snapshot holds its progress only (zero sums): its
+  // optimizer accumulates nothing, so that skip_step() ends the window.
+  if (status.ok() && !forward_only_) {
     std::vector<const float*> sums(optimizer_->num_params(), nullptr);
     for (size_t i = 0; i < snapshot.names.size(); ++i) {
       sums[static_cast<size_t>(optimizer_->find(snapshot.names[i]))] = snapshot.sums[i].data();

@@ -91,6 +91,8 @@ json number_or_null(const std::optional<double>& value) {
 }
 
 json to_json(const MicroBatchRecord& r) {
+  // A forward-only micro-batch computed no loss: null, not the record's zeros.
+  const auto loss = [&](double value) { return r.forward_only ? json(nullptr) : number_or_null(value); };
   return {{"type", "micro_batch"},
           {"t_unix_ms", now_unix_ms()},
           {"stage", r.stage},
@@ -101,27 +103,30 @@ json to_json(const MicroBatchRecord& r) {
           {"queue_ms", number_or_null(r.queue_ms)},
           {"send_ms", number_or_null(r.send_ms)},
           {"total_ms", number_or_null(r.total_ms)},
-          {"loss", number_or_null(r.loss)},
-          {"task_loss", number_or_null(r.task_loss)},
-          {"consistency_loss", number_or_null(r.consistency_loss)},
+          {"loss", loss(r.loss)},
+          {"task_loss", loss(r.task_loss)},
+          {"consistency_loss", loss(r.consistency_loss)},
           {"pss_mib", number_or_null(r.pss_mib)},
-          {"temperature_c", number_or_null(r.temperature_c)}};
+          {"temperature_c", number_or_null(r.temperature_c)},
+          {"forward_only", r.forward_only}};
 }
 
 json to_json(const WindowRecord& r) {
+  const auto loss = [&](double value) { return r.forward_only ? json(nullptr) : number_or_null(value); };
   return {{"type", "window"},
           {"t_unix_ms", now_unix_ms()},
           {"stage", r.stage},
           {"window", r.window},
           {"micro_batches", r.micro_batches},
-          {"mean_loss", number_or_null(r.mean_loss)},
-          {"mean_task_loss", number_or_null(r.mean_task_loss)},
-          {"mean_consistency_loss", number_or_null(r.mean_consistency_loss)},
+          {"mean_loss", loss(r.mean_loss)},
+          {"mean_task_loss", loss(r.mean_task_loss)},
+          {"mean_consistency_loss", loss(r.mean_consistency_loss)},
           {"lr", number_or_null(r.lr)},
           {"step", r.step},
           {"checkpoint_ms", number_or_null(r.checkpoint_ms)},
           {"pss_mib", number_or_null(r.pss_mib)},
-          {"temperature_c", number_or_null(r.temperature_c)}};
+          {"temperature_c", number_or_null(r.temperature_c)},
+          {"forward_only", r.forward_only}};
 }
 
 Result<std::unique_ptr<TelemetryWriter>> TelemetryWriter::open(const std::string& path) {

@@ -127,6 +127,43 @@ TEST(AdamW, ZeroLearningRateLeavesTheWeightsBitForBit) {
   EXPECT_FALSE(config.validate().ok());
 }
 
+TEST(AdamW, SkipStepAdvancesTheScheduleOnly) {
+  // A stage held still (lr 0) computes no gradients; its windows still count
+  // as optimizer steps, on the schedule a stepping stage would follow.
+  AdamWConfig config;
+  config.lr = 0.1;
+  config.weight_decay = 0.1;
+  config.schedule = warmup_cosine(2, 6, 0.1);
+  std::vector<float> p = {1.0f, -0.25f};
+  auto opt = make(config, &p);
+  const std::vector<float> g = {0.5f, -3.0f};
+  ASSERT_TRUE(opt->accumulate({g.data()}).ok());
+  ASSERT_TRUE(opt->step().ok());
+  const std::vector<float> p_after_step = p;
+  const std::vector<float> m = opt->exp_avg(0), v = opt->exp_avg_sq(0);
+  for (int64_t t = 1; t < 4; ++t) {
+    const zl::Result<double> lr = opt->skip_step();
+    ASSERT_TRUE(lr.ok()) << lr.status().message();
+    EXPECT_DOUBLE_EQ(*lr, opt->lr_at(t));
+    EXPECT_EQ(opt->step_count(), t + 1);
+  }
+  EXPECT_EQ(p, p_after_step);
+  EXPECT_EQ(opt->exp_avg(0), m);
+  EXPECT_EQ(opt->exp_avg_sq(0), v);
+}
+
+TEST(AdamW, SkipStepRefusesToDropGradients) {
+  std::vector<float> p = {3.0f};
+  auto opt = make(AdamWConfig{}, &p);
+  const float g = 1.0f;
+  ASSERT_TRUE(opt->accumulate({&g}).ok());
+  const zl::Result<double> lr = opt->skip_step();
+  ASSERT_FALSE(lr.ok());
+  EXPECT_NE(lr.status().message().find("accumulated"), std::string::npos) << lr.status().message();
+  EXPECT_EQ(opt->step_count(), 0);
+  EXPECT_EQ(opt->accumulated(), 1);
+}
+
 TEST(AdamW, StepWithoutGradientsFailsAndChangesNothing) {
   std::vector<float> p = {3.0f};
   auto opt = make(AdamWConfig{}, &p);

@@ -272,8 +272,106 @@ TEST_F(StageProgramTest, DestroyingASuspendedProgramDoesNotHang) {
   std::vector<float> hidden;
   ASSERT_TRUE(p->begin(batch.inputs(), &hidden).ok());
   ASSERT_TRUE(p->suspended());
-  p.reset();  // lets the method end, then joins the worker
+  p.reset();  // stops the method at the marker, then joins the worker
   SUCCEED();
+}
+
+// A stage held still (lr 0) runs phase 1 only: abandon() stops the parked
+// method at the marker. Many abandoned steps later, a whole step gives bit for
+// bit what it gives on a freshly loaded program: nothing of a stopped step
+// (planned memory, the method's position) leaks into the next one.
+TEST_F(StageProgramTest, AbandonedStepsLeaveTheProgramAsFresh) {
+  for (int stage : {0, 1}) {
+    auto fresh = load(stage);
+    auto used = load(stage);
+    ASSERT_TRUE(fresh && used);
+    perturb_lora_b(fresh.get());
+    perturb_lora_b(used.get());
+    const Batch batch(*fresh, 21 + stage);
+    std::vector<float> fresh_hidden;
+    ASSERT_TRUE(fresh->begin(batch.inputs(), &fresh_hidden).ok());
+    ASSERT_OK_AND_ASSIGN(const StageStepResult expected, fresh->finish());
+    const auto expected_grads = copy_grads(*fresh, expected);
+
+    for (int round = 0; round < 3; ++round) {
+      for (int i = 0; i < 8; ++i) {
+        const Batch other(*used, 100 * round + i);
+        std::vector<float> plain_hidden, hidden;
+        ASSERT_OK_AND_ASSIGN(const StageStepResult plain, used->run(other.inputs(), &plain_hidden));
+        (void)plain;
+        ASSERT_TRUE(used->begin(other.inputs(), &hidden).ok());
+        const zl::Status abandoned = used->abandon();
+        ASSERT_TRUE(abandoned.ok()) << abandoned.message();
+        EXPECT_FALSE(used->suspended());
+        EXPECT_EQ(used->last_marker_calls(), 1);
+        EXPECT_EQ(hidden, plain_hidden) << "stage " << stage << ": an abandoned step's hidden state differs";
+      }
+      std::vector<float> hidden;
+      ASSERT_TRUE(used->begin(batch.inputs(), &hidden).ok()) << "stage " << stage << " round " << round;
+      ASSERT_OK_AND_ASSIGN(const StageStepResult after, used->finish());
+      EXPECT_EQ(hidden, fresh_hidden) << "stage " << stage << " round " << round;
+      EXPECT_EQ(after.loss, expected.loss) << "stage " << stage << " round " << round;
+      EXPECT_EQ(after.task_loss, expected.task_loss);
+      EXPECT_EQ(after.consistency_loss, expected.consistency_loss);
+      EXPECT_EQ(copy_grads(*used, after), expected_grads) << "stage " << stage << " round " << round;
+    }
+  }
+}
+
+TEST_F(StageProgramTest, AbandonEndsTheMethodWithoutItsPhaseTwo) {
+  // The gradients are phase 2's last outputs. Fill their (planned, fixed)
+  // memory with NaN, run a step and abandon it: no gradient may then hold the
+  // value a whole step on that batch computes (phase-1 activations may reuse
+  // that memory, but cannot reproduce the exact gradients).
+  auto reference = load(1);
+  auto p = load(1);
+  ASSERT_TRUE(reference && p);
+  perturb_lora_b(reference.get());
+  perturb_lora_b(p.get());
+  const Batch batch(*p, 4);
+  StageStepResult whole;
+  ASSERT_OK_AND_ASSIGN(whole, reference->run(batch.inputs()));
+  const auto final_grads = copy_grads(*reference, whole);
+  StageStepResult buffers;
+  ASSERT_OK_AND_ASSIGN(buffers, p->run(Batch(*p, 3).inputs()));
+  for (size_t i = 0; i < buffers.gradients.size(); ++i) {
+    float* g = const_cast<float*>(buffers.gradients[i]);
+    std::fill(g, g + p->parameters()[i].numel(), std::nanf(""));
+  }
+  std::vector<float> hidden;
+  ASSERT_TRUE(p->begin(batch.inputs(), &hidden).ok());
+  ASSERT_TRUE(p->abandon().ok());
+  const auto after = copy_grads(*p, buffers);
+  for (size_t i = 0; i < after.size(); ++i) {
+    EXPECT_NE(after[i], final_grads[i]) << "phase 2 ran: the gradient of " << p->parameters()[i].name
+                                        << " was computed";
+  }
+}
+
+TEST_F(StageProgramTest, AbandonNeedsABegin) {
+  auto p = load(1);
+  ASSERT_TRUE(p);
+  zl::Status status = p->abandon();
+  EXPECT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("begin"), std::string::npos) << status.message();
+  std::vector<float> hidden;
+  ASSERT_TRUE(p->begin(Batch(*p, 1).inputs(), &hidden).ok());
+  ASSERT_TRUE(p->abandon().ok());
+  EXPECT_FALSE(p->abandon().ok()) << "a second abandon() of the same step";
+  EXPECT_FALSE(p->finish().ok()) << "finish() after abandon()";
+}
+
+TEST_F(StageProgramTest, LastStageAbandonDropsTheStagedInputs) {
+  auto p = load(2);
+  ASSERT_TRUE(p);
+  const Batch batch(*p, 6);
+  ASSERT_OK_AND_ASSIGN(const StageStepResult plain, p->run(batch.inputs()));
+  std::vector<float> hidden;
+  ASSERT_TRUE(p->begin(Batch(*p, 9).inputs(), &hidden).ok());
+  ASSERT_TRUE(p->abandon().ok());
+  ASSERT_TRUE(p->begin(batch.inputs(), &hidden).ok());
+  ASSERT_OK_AND_ASSIGN(const StageStepResult two_phase, p->finish());
+  EXPECT_EQ(two_phase.loss, plain.loss);
 }
 
 TEST_F(StageProgramTest, RejectsAManifestOfAnotherExport) {

@@ -179,6 +179,32 @@ TEST(TelemetryWriter, WritesOneJsonObjectPerLineWithNulls) {
   EXPECT_EQ(lines[2]["type"], "stop");
 }
 
+TEST(TelemetryWriter, ForwardOnlyRecordsHaveNullLossesAndTheMarker) {
+  zl::MicroBatchRecord mb;
+  mb.phase1_ms = 4.0;
+  mb.loss = 3.25;  // stale values must not show
+  mb.forward_only = true;
+  const json line = zl::to_json(mb);
+  EXPECT_EQ(line["forward_only"], true);
+  EXPECT_DOUBLE_EQ(line["phase2_ms"].get<double>(), 0.0);
+  for (const char* key : {"loss", "task_loss", "consistency_loss"}) EXPECT_TRUE(line[key].is_null()) << key;
+  zl::WindowRecord w;
+  w.mean_loss = 2.0;
+  w.lr = 0.0;
+  w.step = 5;
+  w.forward_only = true;
+  const json window = zl::to_json(w);
+  EXPECT_EQ(window["forward_only"], true);
+  EXPECT_EQ(window["step"], 5);
+  for (const char* key : {"mean_loss", "mean_task_loss", "mean_consistency_loss"}) {
+    EXPECT_TRUE(window[key].is_null()) << key;
+  }
+  zl::MicroBatchRecord whole;
+  whole.loss = 1.5;
+  EXPECT_EQ(zl::to_json(whole)["forward_only"], false);
+  EXPECT_DOUBLE_EQ(zl::to_json(whole)["loss"].get<double>(), 1.5);
+}
+
 TEST(TelemetryWriter, UnwritableDirectoryIsAnError) {
   const zl::Status s = zl::TelemetryWriter::open("/nonexistent/zl/metrics.jsonl").status();
   EXPECT_FALSE(s.ok());

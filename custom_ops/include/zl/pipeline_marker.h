@@ -5,25 +5,53 @@
 // backward instruction runs. Right after the copy it calls the hook installed
 // on the executing thread, so the stage runner can send the hidden state
 // downstream while the method goes on ("early forwarding", docs/design.md §3-4).
+// The hook may also end the method there (a stage held still by lr 0 needs
+// only phase 1, docs/design.md §4.3): the kernel then fails the method with
+// kPipelineMarkerStopped, which the caller of `execute` takes as "stopped at
+// the marker", not as an error.
 #pragma once
 
 #include <cstdint>
 
+#include <executorch/runtime/core/error.h>
 #include <executorch/runtime/core/exec_aten/exec_aten.h>
 #include <executorch/runtime/kernel/kernel_runtime_context.h>
 
 namespace zl {
 
+/// What the method does after the hook returns.
+enum class PipelineMarkerAction {
+  kContinue,  ///< go on with the instructions after the marker (phase 2)
+  kStop,      ///< end the method here: fail it with kPipelineMarkerStopped
+};
+
+/// The error a method fails with when its marker hook returned kStop.
+///
+/// `Method::execute` never returns EndOfMethod itself (only `step()` does),
+/// and no kernel fails with it, so within `execute` it can only mean this.
+/// A method that failed this way has run its instructions up to the marker
+/// and no further: it can be executed again at once (execute() starts from
+/// the first instruction; nothing after the marker ran, and the outputs of a
+/// stopped run other than the marker's are stale), but its outputs other
+/// than `hidden` must not be read. ExecuTorch logs every failed kernel call
+/// ("KernelCall failed at instruction ..." and one line per argument); the
+/// kernel keeps those lines of a requested stop out of the log, see
+/// pipeline_marker_out.
+constexpr executorch::runtime::Error kPipelineMarkerStopped =
+    executorch::runtime::Error::EndOfMethod;
+
 /// Called on the executing thread right after the marker kernel copied the
-/// hidden state into `hidden`.
+/// hidden state into `hidden`; its return value says whether the method goes
+/// on.
 ///
 /// `hidden` is the kernel's `out` tensor (B, S, D) float32: it stays valid
 /// and unchanged until the method that owns it runs again, but the hook must
 /// not keep a reference past the current `execute` call. The hook runs inside
-/// the kernel, so it should hand the data off quickly (copy, enqueue) rather
-/// than block.
-using PipelineMarkerHook =
-    void (*)(const executorch::aten::Tensor& hidden, void* user_data);
+/// the kernel: the method waits for it (the stage runner parks it there until
+/// phase 2 is due, docs/design.md §4.2).
+using PipelineMarkerHook = PipelineMarkerAction (*)(
+    const executorch::aten::Tensor& hidden,
+    void* user_data);
 
 /// Installs `hook` (with `user_data`, passed back on every call) for the
 /// calling thread only; `nullptr` removes it.
@@ -44,7 +72,9 @@ PipelineMarkerHook set_pipeline_marker_hook(
 /// allows), then calls the calling thread's hook, if any. Bad inputs (not
 /// float32, dtype or shape of `out` that cannot match, unallocated `out`)
 /// set `ctx`'s failure state to InvalidArgument and leave `out` untouched;
-/// the hook is not called then.
+/// the hook is not called then. A hook that returns kStop makes the kernel
+/// set `ctx`'s failure state to kPipelineMarkerStopped (`out` holds the
+/// copy); the runtime's log lines about that failure are dropped.
 ///
 /// @returns `out`.
 executorch::aten::Tensor& pipeline_marker_out(

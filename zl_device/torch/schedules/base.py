@@ -33,6 +33,8 @@ class Schedule(ABC):
     #: Resumes from the latest window every stage checkpointed after a restart (`Rank.resume`); a schedule that
     #: does not starts its run over (its replay is the same computation, so the result is the same).
     resumable: ClassVar[bool] = False
+    #: This rank runs its stage's forward only (ZeroLock's stage held still by lr 0); the `start` line says so.
+    forward_only: bool = False
 
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler

@@ -7,6 +7,10 @@ link.py) -> phase 1 -> `isend` to rank k+1 -> phase 2 (local loss, backward)
 while the send goes on (early forwarding). Per window: AdamW step, flush (rank
 k+1 holds every entry of the window, as the runner commits only what
 downstream holds), commit.
+
+A stage held still (lr 0, not the last; `Rank.forward_only`) runs phase 1 and
+the send only, as the runner does (docs/design.md §4.3): its lines say
+`forward_only: true`, with phase2_ms 0 and null losses.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ class ZeroLock(Schedule):
         super().__init__(rank)
         job, plan = rank.job, rank.plan
         self.shard = rank.shard() if rank.first else None
-        self.step = StageStep(rank.module, rank.lr, rank.optimizer_settings, plan.num_windows)
+        self.forward_only = rank.forward_only
+        self.step = StageStep(rank.module, rank.lr, rank.optimizer_settings, plan.num_windows,
+                              forward_only=self.forward_only)
         self.optimizer, self.scheduler = self.step.optimizer, self.step.scheduler
         # Built now, receiving only in `train`: on NCCL a p2p op queued ahead of the harness's barrier can deadlock it.
         self.link = StageLink(rank.index, rank.world, rank.batch, rank.manifest["model"]["hidden_size"], rank.device,
@@ -54,16 +60,17 @@ class ZeroLock(Schedule):
                 t2 = time.perf_counter()
                 send_ms = link.send(mb, h, mask, labels) if not rank.last else 0.0  # early forwarding: before phase 2
                 t3 = time.perf_counter()
-                loss, task, consistency = step.finish(labels)
+                loss, task, consistency = (None, None, None) if self.forward_only else step.finish(labels)
                 t4 = time.perf_counter()
                 rank.write("micro_batch", window=w, micro_batch=mb, phase1_ms=(t2 - t1) * 1e3,
-                           phase2_ms=(t4 - t3) * 1e3, queue_ms=(t1 - t0) * 1e3, send_ms=send_ms,
-                           total_ms=(t4 - t0) * 1e3, loss=loss, task_loss=task, consistency_loss=consistency,
+                           phase2_ms=0.0 if self.forward_only else (t4 - t3) * 1e3, queue_ms=(t1 - t0) * 1e3,
+                           send_ms=send_ms, total_ms=(t4 - t0) * 1e3, loss=loss, task_loss=task,
+                           consistency_loss=consistency,
                            # PSS only on window lines: reading smaps_rollup costs ~10 ms, a tiny stage's whole step.
-                           pss_mib=None, temperature_c=None, early_forwarding=True)
+                           pss_mib=None, temperature_c=None, early_forwarding=True, forward_only=self.forward_only)
             lr, means = step.end_window()
             flush_ms = link.flush()  # as the runner: commit only what downstream holds
             rank.commit(w, self.optimizer, step.optimizer_step, lr, mean_loss=means[0], mean_task_loss=means[1],
-                        mean_consistency_loss=means[2], flush_ms=flush_ms)
+                        mean_consistency_loss=means[2], flush_ms=flush_ms, forward_only=self.forward_only)
         link.flush()
         return {"link": link.stats()}

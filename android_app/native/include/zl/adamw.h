@@ -78,6 +78,15 @@ class AdamW {
   /// Returns the scheduled learning rate this step used.
   Result<double> step();
 
+  /// Counts one optimizer step that changes nothing: for a window of a stage
+  /// held still (lr 0, docs/design.md §4.3), which computes no gradients.
+  /// The step count, and with it the schedule, advances as step() would
+  /// (checkpoints record it); parameters and moments stay as they are (a real
+  /// step at lr 0 leaves the parameters too, but moves the moments). Fails
+  /// (changing nothing) if gradients were accumulated: skipping would drop
+  /// them. Returns the scheduled learning rate of the skipped step.
+  Result<double> skip_step();
+
   /// Drops the accumulated gradients without stepping (e.g. before a replay).
   void clear_accumulator();
 

@@ -26,6 +26,7 @@
 //   WINDOW_COMMITTED  header window = the window id, micro_batch = micro_batches_done
 //     {"mean_loss": ..., "mean_task_loss": ..., "mean_consistency_loss": ...,
 //      "micro_batches_done": 12, "checkpoint_ms": 41.0 | null, "checkpointed": true}
+//     (the losses are null for a forward-only stage, docs/design.md §4.3)
 //   ERROR             {"reason": "..."}
 //
 // Delivery: frames queued while the coordinator is unreachable go out, in
@@ -157,9 +158,10 @@ std::string describe_device();
 struct WindowCommittedEvent {
   int64_t window = 0;
   int64_t micro_batches_done = 0;  ///< after this window
-  double mean_loss = 0;
-  double mean_task_loss = 0;
-  double mean_consistency_loss = 0;
+  /// Empty (null on the wire) for a stage held still by lr 0: it computes no loss.
+  std::optional<double> mean_loss;
+  std::optional<double> mean_task_loss;
+  std::optional<double> mean_consistency_loss;
   /// Empty when no checkpoint was due for this window (checkpoint_interval > 1):
   /// its update is then not durable on its own ("checkpointed": false).
   std::optional<double> checkpoint_ms;

@@ -10,9 +10,12 @@
 //   3. send:    the hidden state (plus mask and labels) to the downstream
 //               Sender right away ("early forwarding"); with
 //               early_forwarding = false only after phase 2
-//   4. phase 2: StageProgram::finish, then accumulate the LoRA gradients
+//   4. phase 2: StageProgram::finish, then accumulate the LoRA gradients;
+//               a forward-only stage (lr 0, not the last: RunnerConfig::
+//               forward_only) abandons the method at the marker instead
 // At the end of window w:
-//   5. AdamW step on the mean gradient (in place in the program)
+//   5. AdamW step on the mean gradient (in place in the program); a
+//      forward-only stage only counts it (AdamW::skip_step)
 //   6. flush the Sender: every hidden state of window w is durable
 //      downstream before w can be committed, because after the commit this
 //      stage can never recompute it (its parameters have moved on)

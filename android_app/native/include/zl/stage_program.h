@@ -6,6 +6,11 @@
 //                  method suspended inside the kernel. begin returns the copy.
 //   finish()       lets the method go on (readout, local loss, backward) and
 //                  returns the losses and the LoRA gradients.
+//   abandon()      instead of finish(): ends the method at the marker (the
+//                  hook tells the kernel to stop it, zl::kPipelineMarkerStopped);
+//                  no phase 2, no losses, no gradients. For a stage held still
+//                  (lr 0, docs/design.md §4.3), and for a step that must not go
+//                  on (a failed send, a stop).
 //
 // So the runner can send the hidden state downstream while phase 2 has not
 // even started, and phase 2 runs while the link carries it. The last stage's
@@ -84,14 +89,14 @@ class StageProgram {
   /// Errors name the file and the mismatch.
   static Result<std::unique_ptr<StageProgram>> load(const StageProgramOptions& options);
 
-  /// Lets a suspended method run to its end, then stops the worker thread.
+  /// Abandons a suspended method (see abandon()), then stops the worker thread.
   ~StageProgram();
   StageProgram(const StageProgram&) = delete;
   StageProgram& operator=(const StageProgram&) = delete;
 
   /// Phase 1: runs `forward` until the marker and copies the hidden state
   /// (B*S*D floats) into `*hidden`; the method stays suspended until
-  /// finish(). On the last stage only stores the inputs and clears `*hidden`.
+  /// finish() or abandon(). On the last stage only stores the inputs and clears `*hidden`.
   /// Fails if a step is already in progress, or if the method ends (or
   /// fails) without the marker firing; the method is then complete and no
   /// finish() is due.
@@ -100,6 +105,16 @@ class StageProgram {
   /// Phase 2: resumes the method suspended by begin() (or, on the last stage,
   /// runs the whole method) and returns losses and gradients.
   Result<StageStepResult> finish();
+
+  /// Ends the step begun by begin() without phase 2: the method suspended at
+  /// the marker stops there (its kernel fails it with
+  /// zl::kPipelineMarkerStopped, which is what was asked, not an error). The
+  /// program is idle afterwards and runs the next begin()/run() as a freshly
+  /// loaded one would: nothing of a stopped step but the hidden state begin()
+  /// returned is computed. On the last stage it drops the staged inputs.
+  /// Fails without a successful begin(), or if the method did not end with the
+  /// stop (another error, or it ran to its end).
+  Status abandon();
 
   /// One plain execution on the calling thread, no marker hook involved (the
   /// reference begin()+finish() must match). `hidden` (optional) receives the
@@ -124,12 +139,13 @@ class StageProgram {
   /// Marker hook calls seen since the last begin() (1 on stages with a marker).
   int64_t last_marker_calls() const;
 
-  /// True between a successful begin() and finish() on a stage with a
-  /// marker: the method is parked inside the marker kernel.
+  /// True between a successful begin() and finish() or abandon() on a stage
+  /// with a marker: the method is parked inside the marker kernel.
   bool suspended() const;
 
  private:
-  enum class State { kIdle, kDeferred, kPhase1, kSuspended, kPhase2, kDone };
+  // kStopping: abandon() asked the parked method to stop at the marker.
+  enum class State { kIdle, kDeferred, kPhase1, kSuspended, kPhase2, kStopping, kDone };
   struct Impl;
 
   StageProgram();
@@ -137,8 +153,11 @@ class StageProgram {
   Result<StageStepResult> collect(std::vector<float>* hidden_from_output);
   void worker_main();
   // Called by the marker hook on the worker thread with the kernel's `out`
-  // tensor (an executorch::aten::Tensor, kept out of this header).
-  void on_marker(const void* hidden_tensor);
+  // tensor (an executorch::aten::Tensor, kept out of this header); parks the
+  // method until finish() (returns true: go on) or abandon() (false: stop).
+  bool on_marker(const void* hidden_tensor);
+  // Waits for the worker to end the method; then idle. Caller holds `lock`.
+  void wait_done(std::unique_lock<std::mutex>& lock);
   friend struct StageProgramHook;
   friend struct StageProgramLoader;  // load()'s steps (stage_program.cpp)
 

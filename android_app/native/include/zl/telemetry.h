@@ -9,6 +9,8 @@
 //   {"type": "window", "t_unix_ms": ..., "stage": 1, "window": 3, "micro_batches": 4,
 //    "mean_loss": ..., "mean_task_loss": ..., "mean_consistency_loss": ...,
 //    "lr": ..., "step": 4, "checkpoint_ms": ..., "pss_mib": ..., "temperature_c": ...}
+// Both carry "forward_only": true for a stage held still by lr 0 (docs/design.md
+// §4.3), which runs phase 1 only: its phase2_ms is 0 and its losses null.
 // A value that was not measured (no sensor, no smaps_rollup, a NaN loss) is
 // written as null — never a made-up number.
 #pragma once
@@ -41,6 +43,8 @@ struct MicroBatchRecord {
   double consistency_loss = 0;
   std::optional<double> pss_mib;
   std::optional<double> temperature_c;
+  /// Phase 1 only (a stage held still by lr 0): phase2_ms 0, losses not computed (null).
+  bool forward_only = false;
 };
 
 /// One update window (after its AdamW step and checkpoint).
@@ -56,6 +60,8 @@ struct WindowRecord {
   std::optional<double> checkpoint_ms;  ///< empty when no checkpoint was due
   std::optional<double> pss_mib;
   std::optional<double> temperature_c;
+  /// The window's micro-batches ran phase 1 only: mean losses null, the step changed nothing.
+  bool forward_only = false;
 };
 
 /// The JSON object of a record (see file comment), with t_unix_ms stamped.

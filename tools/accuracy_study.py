@@ -302,7 +302,7 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
     every = max(1, budget.num_windows // 10)
 
     def on_window(w, train_log) -> None:
-        loss = "loss " + "/".join(f"{x:.2f}" for x in train_log.losses[-1])
+        loss = "loss " + "/".join("-" if x is None else f"{x:.2f}" for x in train_log.losses[-1])  # -: forward only
         progress.update(bar, advance=1, loss=loss)
         if not progress.console.is_terminal and (w + 1) % every == 0:  # a log file: a plain line now and then
             progress.console.print(f"{label}: window {w + 1}/{budget.num_windows}, {loss}")

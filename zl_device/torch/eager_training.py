@@ -218,7 +218,8 @@ def train_zerolock(
     stage_lr: Sequence[float] = (1.0,),
     on_window: Callable[[int, TrainLog], None] = lambda w, log: None,
 ) -> TrainLog:
-    """Train every stage's parameters on its local loss, window by window, as the pipeline does.
+    """Train every stage's parameters on its local loss, window by window, as the pipeline does (a stage before the
+    last at lr 0 runs forward only, as in the runtimes; its entries in the log's losses are None).
 
     Args:
         modules: the `StageModule`s of one split (zl_export.exporter.build_stage_modules), in order.
@@ -232,8 +233,11 @@ def train_zerolock(
         raise ZLError(f"--stage-lr: {len(stage_lr)} values for {len(modules)} stages; give one or {len(modules)}.")
     if shard.rows < budget.micro_batch:
         raise ZLError(f"shard {shard.path} has {shard.rows} rows, fewer than one micro-batch of {budget.micro_batch}.")
-    steps = [StageStep(module, opt.lr * (stage_lr[0] if len(stage_lr) == 1 else stage_lr[k]), opt, budget.num_windows)
-             for k, module in enumerate(modules)]
+    lrs = [opt.lr * (stage_lr[0] if len(stage_lr) == 1 else stage_lr[k]) for k in range(len(modules))]
+    # A stage held still (lr 0) before the last runs forward only, as the runtimes run it (docs/design.md §4.3):
+    # its phase 2 could not change anything. Its window losses are None.
+    steps = [StageStep(module, lr, opt, budget.num_windows, forward_only=lr == 0 and k < len(modules) - 1)
+             for k, (module, lr) in enumerate(zip(modules, lrs))]
     log = TrainLog()
     start = time.perf_counter()
     for w, window in enumerate(budget.windows()):
@@ -243,7 +247,8 @@ def train_zerolock(
             x, mask, labels = micro_batch(shard, mb, budget.micro_batch)
             for step in steps:
                 x = step.begin(x, mask)
-                step.finish(labels)
+                if not step.forward_only:
+                    step.finish(labels)
         ends = [step.end_window() for step in steps]
         means = [[m[i] for _, m in ends] for i in range(3)]  # [term][stage]
         log.losses.append(means[0])

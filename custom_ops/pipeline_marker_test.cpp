@@ -427,6 +427,23 @@ const char* marker_test_pte() {
   return pte != nullptr && *pte != '\0' ? pte : nullptr;
 }
 
+// The .pte of ZL_MARKER_TEST_PTE loaded, with inputs for its "forward".
+struct MarkerProgram {
+  explicit MarkerProgram(const char* pte) : path(pte), module(pte) {}
+
+  void prepare_inputs() {
+    auto meta = module.method_meta("forward");
+    ASSERT_TRUE(meta.ok()) << "cannot load " << path;
+    values = inputs_of(*meta, &inputs);
+    ASSERT_EQ(values.size(), meta->num_inputs());
+  }
+
+  const char* path;
+  executorch::extension::Module module;
+  std::vector<TensorPtr> inputs;
+  std::vector<EValue> values;
+};
+
 // The early-forwarding contract inside a real program: the hook fires during
 // Module::execute, on this thread, once, with what becomes user output 0.
 // Needs a .pte whose first output is the marker's; tests/test_custom_ops.py
@@ -437,12 +454,10 @@ TEST_F(PipelineMarkerTest, ModuleExecuteFiresHookWithFirstOutput) {
     GTEST_SKIP() << "set ZL_MARKER_TEST_PTE to a .pte whose first output is "
                     "the pipeline marker's";
   }
-  executorch::extension::Module module(pte);
-  auto meta = module.method_meta("forward");
-  ASSERT_TRUE(meta.ok()) << "cannot load " << pte;
-  std::vector<TensorPtr> inputs;
-  const std::vector<EValue> input_values = inputs_of(*meta, &inputs);
-  ASSERT_EQ(input_values.size(), meta->num_inputs());
+  MarkerProgram program(pte);
+  ASSERT_NO_FATAL_FAILURE(program.prepare_inputs());
+  executorch::extension::Module& module = program.module;
+  const std::vector<EValue>& input_values = program.values;
 
   HookRecord record;
   zl::set_pipeline_marker_hook(recording_hook, &record);
@@ -468,12 +483,10 @@ TEST_F(PipelineMarkerTest, ModuleExecuteStoppedAtTheMarkerRunsAgainUnchanged) {
     GTEST_SKIP() << "set ZL_MARKER_TEST_PTE to a .pte whose first output is "
                     "the pipeline marker's";
   }
-  executorch::extension::Module module(pte);
-  auto meta = module.method_meta("forward");
-  ASSERT_TRUE(meta.ok()) << "cannot load " << pte;
-  std::vector<TensorPtr> inputs;
-  const std::vector<EValue> input_values = inputs_of(*meta, &inputs);
-  ASSERT_EQ(input_values.size(), meta->num_inputs());
+  MarkerProgram program(pte);
+  ASSERT_NO_FATAL_FAILURE(program.prepare_inputs());
+  executorch::extension::Module& module = program.module;
+  const std::vector<EValue>& input_values = program.values;
 
   HookRecord whole;
   zl::set_pipeline_marker_hook(recording_hook, &whole);

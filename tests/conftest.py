@@ -32,6 +32,20 @@ def load_tool(name: str):
     return module
 
 
+def write_demo_data(out: Path) -> Path:
+    """`zl data --demo --model tiny-random --out OUT`: OUT/train.safetensors and OUT/dev.safetensors (label words)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from zl.commands.data import data_command
+
+    app = typer.Typer(add_completion=False)
+    app.command("data")(data_command)  # a one-command app: typer takes no command name
+    result = CliRunner().invoke(app, ["--demo", "--model", "tiny-random", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
 def native_library_or_skip() -> None:
     """Skip when the marker kernel is not built (run `bash setup.sh`)."""
     from custom_ops.runtime import DEFAULT_PATH, ENV_VAR

@@ -7,11 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-import typer
-from typer.testing import CliRunner
 
-from conftest import load_tool
-from zl.commands.data import data_command
+from conftest import load_tool, write_demo_data
 from zl_base.errors import ZLError
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
@@ -24,12 +21,7 @@ study_tool = load_tool("accuracy_study")
 @pytest.fixture(scope="module")
 def demo_data(tmp_path_factory) -> Path:
     """`zl data --demo --model tiny-random`: a classification task (label words) with train and dev shards."""
-    out = tmp_path_factory.mktemp("demo")
-    app = typer.Typer(add_completion=False)
-    app.command("data")(data_command)
-    result = CliRunner().invoke(app, ["--demo", "--model", "tiny-random", "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    return out
+    return write_demo_data(tmp_path_factory.mktemp("demo"))
 
 
 def _args(demo: Path, out: Path, *extra: str) -> list[str]:

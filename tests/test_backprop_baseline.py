@@ -17,12 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import typer
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from conftest import REPO, load_tool
-from zl.commands.data import data_command
+from conftest import REPO, load_tool, write_demo_data
 from zl_base.errors import ZLError
 from zl_export.shard import write_shard
 
@@ -38,12 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def demo_data(tmp_path_factory) -> Path:
     """`zl data --demo --model tiny-random`: OUT/train.safetensors and OUT/dev.safetensors."""
-    out = tmp_path_factory.mktemp("demo")
-    app = typer.Typer(add_completion=False)
-    app.command("data")(data_command)  # a one-command app: typer takes no command name
-    result = CliRunner().invoke(app, ["--demo", "--model", "tiny-random", "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    return out
+    return write_demo_data(tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ shifted or re-weighted target tokens (the many-target case) would differ."""
 import pytest
 import torch
 
+from conftest import write_demo_data
 from generative_fixtures import prompt_completion_shard
 from zl_device.torch.eager_training import (Budget, OptimizerSettings, freeze_lora_below, stage_parameters,
                                             train_backprop, train_zerolock)
@@ -62,10 +63,7 @@ def test_with_the_upstream_stages_still_zerolock_trains_the_last_stage_as_last_s
 def test_generative_data_holds_the_upstream_stages_still_by_default_and_warns_when_told_otherwise(tmp_path):
     """--stage-lr's default comes from the data: 0,0,1 on generative rows (said in a line), 1 on label words; a
     --stage-lr that trains the stages before the last on generative data gets the study's warning."""
-    import typer
-    from typer.testing import CliRunner
 
-    from zl.commands.data import data_command
     from zl_device.run.train_data import choose_stage_lr
     from zl_device.run.train_settings import TrainSettings
     from zl_export.options import ModelSplit
@@ -83,11 +81,8 @@ def test_generative_data_holds_the_upstream_stages_still_by_default_and_warns_wh
         assert (note is None) == (given == (0.0, 0.0, 1.0))
         assert note is None or ("3.29" in note and "--stage-lr 0,0,1" in note)
 
-    app = typer.Typer(add_completion=False)
-    app.command("data")(data_command)
-    result = CliRunner().invoke(app, ["--demo", "--model", "tiny-random", "--out", str(tmp_path / "demo")])
-    assert result.exit_code == 0, result.output
-    chosen, note = choose_stage_lr(TrainSettings(), tmp_path / "demo" / "train.safetensors")  # label words
+    demo = write_demo_data(tmp_path / "demo")
+    chosen, note = choose_stage_lr(TrainSettings(), demo / "train.safetensors")  # label words
     assert chosen.stage_lr == (1.0,) and note is None
 
 

@@ -7,11 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-import typer
-from typer.testing import CliRunner
 
-from conftest import load_tool
-from zl.commands.data import data_command
+from conftest import load_tool, write_demo_data
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")]
@@ -21,12 +18,7 @@ tool = load_tool("grad_alignment")
 
 @pytest.fixture(scope="module")
 def demo_train(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("demo")
-    app = typer.Typer(add_completion=False)
-    app.command("data")(data_command)
-    result = CliRunner().invoke(app, ["--demo", "--model", "tiny-random", "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    return out / "train.safetensors"
+    return write_demo_data(tmp_path_factory.mktemp("demo")) / "train.safetensors"
 
 
 def test_the_last_stage_agrees_with_backprop_exactly_and_upstream_stages_are_measured(demo_train, tmp_path, capsys):

@@ -55,7 +55,9 @@ def _train(name: str, runtime: str, out: Path, data: Path):
     extra = {"runtime": "torch", "link_timeout_s": 120} if runtime == "torch" else {}
     settings = TrainSettings(split=ModelSplit(name), samples=SAMPLES, window=WINDOW, out=out,
                              export_cache=out.parent / "export-cache", rows=DataSettings(seq_len=24), data=str(data),
-                             eval_data=str(data), eval_limit=8, timeout_s=600, **extra)
+                             eval_data=str(data), eval_limit=8, timeout_s=600,
+                             stage_lr=(1.0,),  # every stage trains (generative data would hold all but the last still)
+                             **extra)
     return run_training(settings, say=lambda line: None)
 
 
@@ -83,14 +85,15 @@ def _eager_reference(run_dir: Path, runtime: str):
         job = json.loads((run_dir / "torch_job.json").read_text())
         lr = job["lr"]
         steps, window = job["num_micro_batches"], job["window_size"]
-        optimizer = {"lr": lr[0], "weight_decay": job["weight_decay"], "schedule": job["schedule"]}
+        optimizer = {"lr": max(lr), "weight_decay": job["weight_decay"], "schedule": job["schedule"]}
     else:
         configs = [json.loads((run_dir / f"stage_{st['index']}.json").read_text()) for st in manifest["stages"]]
         lr = [c["optimizer"]["lr"] for c in configs]
-        steps, window, optimizer = configs[0]["num_micro_batches"], configs[0]["window_size"], configs[0]["optimizer"]
+        steps, window = configs[0]["num_micro_batches"], configs[0]["window_size"]
+        optimizer = max((c["optimizer"] for c in configs), key=lambda o: o["lr"])  # a stage may have lr 0
     batch = opts.micro_batch
     train_zerolock(modules, shard, Budget(steps * batch, window, batch), OptimizerSettings.from_config(optimizer),
-                   stage_lr=[x / lr[0] for x in lr])
+                   stage_lr=[x / optimizer["lr"] for x in lr])
     return peft_model, stage_parameters(modules, peft_model)
 
 

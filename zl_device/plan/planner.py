@@ -23,6 +23,7 @@ from zl_base.errors import ZLError
 from zl_base.settings import check_fields, setting
 from zl_device.devices.registry import LOCAL, DevicesSpec, check_cpu_quota_fits, check_mode, parse_devices
 from zl_device.plan.calibrate import calibrate, check_stage_count, device_names
+from zl_device.formats.lr_schedule import runs_forward_only
 from zl_device.plan.costs import StageCost
 from zl_device.plan.plan_file import AUTO, Plan, StagePrediction, check_plan_matches, is_plan_file, read_plan
 from zl_device.plan.split import Split, best_split, evaluate
@@ -135,7 +136,7 @@ def forward_only_stages(s: TrainSettings, num_stages: int) -> list[bool]:
     chooses it from the data after planning) every stage counts its phase 2."""
     if s.stage_lr is None:
         return [False] * num_stages
-    return [s.stage_lr_of(k) == 0 and k < num_stages - 1 for k in range(num_stages)]
+    return [runs_forward_only(s.stage_lr_of(k), k, num_stages) for k in range(num_stages)]
 
 
 def cost_fn(costs: list[StageCost], forward_only: list[bool] | None = None):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from zl_base.errors import ZLError
 from zl_device.devices.backend import Device
+from zl_device.formats.lr_schedule import runs_forward_only
 from zl_device.formats.run_layout import CHECKPOINTS_DIR, MANIFEST, METRICS, RunLayout
 from zl_device.formats.windows import WindowPlan
 from zl_device.run.train_settings import TrainSettings
@@ -153,8 +154,7 @@ def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Pat
                               s.timeout_s, redeploy, resume=s.resume, stall_timeout_s=s.stall_timeout_s,
                               standby=s.standby, max_restarts=s.max_restarts, policy=s.policy)
     for k, cfg in configs.items():  # the display's "held still" before any telemetry (phones report none)
-        coordinator.status[k].forward_only = (cfg.get("forward_only_at_lr0", True) and cfg["optimizer"]["lr"] == 0
-                                              and k < num_stages - 1)  # RunnerConfig::forward_only
+        coordinator.status[k].forward_only = runs_forward_only(cfg["optimizer"]["lr"], k, num_stages)
     say(f"run: {s.samples} samples, {windows.num_micro_batches} micro-batches in {windows.num_windows} windows of "
         f"{windows.window_size}, "
         f"recovery {s.recovery}" + (", hot standbys" if s.standby else "") + (f", failure injected at stage {injection.stage} window {injection.window}"

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from zl_base.errors import ZLError
-from zl_device.run.train_settings import DEMO, MAX_EPOCHS, TrainSettings
+from zl_device.formats.lr_schedule import runs_forward_only
+from zl_device.run.train_settings import DEMO, MAX_EPOCHS, TrainSettings, default_stage_lr
 from zl_export.tokenizer import Tokenizer
 
 
@@ -81,21 +82,22 @@ def choose_stage_lr(s: TrainSettings, shard: Path) -> tuple[TrainSettings, str |
 
     generative = not shard_meta(shard).get("label_token_ids")
     stages = s.split.count
+    chosen = s.with_data_stage_lr(generative)
     if not generative or stages < 2:
-        return s.with_data_stage_lr(generative), None
-    last_only = ",".join(["0"] * (stages - 1) + ["1"])
+        return chosen, None
+    last_only = ",".join(f"{m:g}" for m in default_stage_lr(stages, generative))
     if s.stage_lr is None:
-        return s.with_data_stage_lr(generative), (
+        return chosen, (
             f"generative data: --stage-lr {last_only} (the default for it): the stages before the last run forward "
             "only and the last stage trains. Training every stage on its own readout made held-out NLL worse than "
             "the base model's in the README's study ('Generative data'); --stage-lr 1 does it anyway.")
-    upstream = s.stage_lr[:1] if len(s.stage_lr) == 1 else s.stage_lr[:-1]
-    if all(m == 0 for m in upstream):
-        return s, None
-    return s, (f"note: generative data with the stages before the last training on their own readouts: in the "
-               f"README's headline study (SmolLM2, AG News headlines) that left held-out NLL worse than the base "
-               f"model's (4.96 -> 5.58 nats/token), while the last stage alone (--stage-lr {last_only}, the default "
-               "for generative data) got 3.29 where whole-model backprop got 3.07 (3 seeds). See the README, 'Generative data'.")
+    if all(runs_forward_only(s.stage_lr_of(k), k, stages) for k in range(stages - 1)):
+        return chosen, None
+    return chosen, (f"note: generative data with the stages before the last training on their own readouts: in the "
+                    f"README's headline study (SmolLM2, AG News headlines) that left held-out NLL worse than the base "
+                    f"model's (4.96 -> 5.58 nats/token), while the last stage alone (--stage-lr {last_only}, the "
+                    "default for generative data) got 3.29 where whole-model backprop got 3.07 (3 seeds). See the "
+                    "README, 'Generative data'.")
 
 
 def prepare_data(s: TrainSettings, tokenizer: Tokenizer, seq_len: int, data_dir: Path, say) -> tuple[Path, Path | None]:

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from zl_base.errors import ZLError
-from zl_device.formats.lr_schedule import OptimizerSettings, lr_factor  # noqa: F401 (OptimizerSettings: re-exported)
+from zl_device.formats.lr_schedule import (OptimizerSettings, lr_factor,  # noqa: F401 (OptimizerSettings: re-exported)
+                                           runs_forward_only)
 from zl_device.formats.windows import WindowPlan
 from zl_export.local_loss import shift_targets
 from zl_export.shard import Shard
@@ -138,8 +139,7 @@ class StageStep:
 
     `forward_only` (a stage held still by lr 0, not the last: the runner's RunnerConfig::forward_only,
     docs/design.md §4.3): `begin` runs without autograd and there is no `finish`, since its gradients could not
-    move the weights; `end_window` only advances the schedule. `train_zerolock` never sets it: the accuracy
-    study reads every stage's local loss.
+    move the weights; `end_window` only advances the schedule.
     """
 
     def __init__(self, module: torch.nn.Module, lr: float, opt: OptimizerSettings, num_windows: int,
@@ -236,7 +236,7 @@ def train_zerolock(
     lrs = [opt.lr * (stage_lr[0] if len(stage_lr) == 1 else stage_lr[k]) for k in range(len(modules))]
     # A stage held still (lr 0) before the last runs forward only, as the runtimes run it (docs/design.md §4.3):
     # its phase 2 could not change anything. Its window losses are None.
-    steps = [StageStep(module, lr, opt, budget.num_windows, forward_only=lr == 0 and k < len(modules) - 1)
+    steps = [StageStep(module, lr, opt, budget.num_windows, forward_only=runs_forward_only(lr, k, len(modules)))
              for k, (module, lr) in enumerate(zip(modules, lrs))]
     log = TrainLog()
     start = time.perf_counter()

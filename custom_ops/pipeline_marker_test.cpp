@@ -446,6 +446,12 @@ class PipelineMarkerProgramTest : public PipelineMarkerTest {
     ASSERT_NO_FATAL_FAILURE(program_->prepare_inputs());
   }
 
+  // One execution of the program's "forward" with `hook` installed.
+  auto execute(zl::PipelineMarkerHook hook, HookRecord* record) {
+    zl::set_pipeline_marker_hook(hook, record);
+    return program_->module.execute("forward", program_->values);
+  }
+
   std::unique_ptr<MarkerProgram> program_;
 };
 
@@ -454,12 +460,8 @@ class PipelineMarkerProgramTest : public PipelineMarkerTest {
 // Needs a .pte whose first output is the marker's; tests/test_custom_ops.py
 // writes one and runs this test with ZL_MARKER_TEST_PTE set.
 TEST_F(PipelineMarkerProgramTest, ModuleExecuteFiresHookWithFirstOutput) {
-  executorch::extension::Module& module = program_->module;
-  const std::vector<EValue>& input_values = program_->values;
-
   HookRecord record;
-  zl::set_pipeline_marker_hook(recording_hook, &record);
-  auto outputs = module.execute("forward", input_values);
+  auto outputs = execute(recording_hook, &record);
 
   ASSERT_TRUE(outputs.ok()) << "execute failed: "
                             << static_cast<int>(outputs.error());
@@ -476,22 +478,17 @@ TEST_F(PipelineMarkerProgramTest, ModuleExecuteFiresHookWithFirstOutput) {
 // one gives bit for bit what the first (on the freshly loaded program) gave.
 // The runtime's lines about the stopped kernel stay out of the log.
 TEST_F(PipelineMarkerProgramTest, ModuleExecuteStoppedAtTheMarkerRunsAgainUnchanged) {
-  executorch::extension::Module& module = program_->module;
-  const std::vector<EValue>& input_values = program_->values;
-
   HookRecord whole;
-  zl::set_pipeline_marker_hook(recording_hook, &whole);
-  auto fresh = module.execute("forward", input_values);
+  auto fresh = execute(recording_hook, &whole);
   ASSERT_TRUE(fresh.ok()) << static_cast<int>(fresh.error());
   const std::vector<std::vector<float>> expected = float_outputs(*fresh);
   ASSERT_GE(expected.size(), 2u) << "expected the marker's output and a loss";
 
   HookRecord stopped;
-  zl::set_pipeline_marker_hook(stopping_hook, &stopped);
   constexpr int kStops = 20;
   testing::internal::CaptureStderr();
   for (int i = 0; i < kStops; ++i) {
-    auto result = module.execute("forward", input_values);
+    auto result = execute(stopping_hook, &stopped);
     ASSERT_FALSE(result.ok()) << "a stopped method returned outputs";
     ASSERT_EQ(result.error(), zl::kPipelineMarkerStopped) << "execution " << i;
     ASSERT_EQ(stopped.data, whole.data) << "execution " << i;
@@ -502,8 +499,7 @@ TEST_F(PipelineMarkerProgramTest, ModuleExecuteStoppedAtTheMarkerRunsAgainUnchan
   EXPECT_EQ(log.find("with type id"), std::string::npos) << log;
 
   HookRecord again;
-  zl::set_pipeline_marker_hook(recording_hook, &again);
-  auto after = module.execute("forward", input_values);
+  auto after = execute(recording_hook, &again);
   ASSERT_TRUE(after.ok()) << "execute after stops failed: "
                           << static_cast<int>(after.error());
   EXPECT_EQ(again.calls, 1);

@@ -277,6 +277,24 @@ def prepare_shard(s: StudySettings, path: Path, split: str, tokenizer, out: Path
 # --- one arm -------------------------------------------------------------------------------------------
 
 
+def zerolock_modules(arm: Arm, s: StudySettings, model, split, train, seed: int):
+    """`model` with the ZeroLock `arm`'s LoRA and cut into its stage modules (build_stage_modules), as `zl train`
+    exports it for `train`: target slots fitted to its longest completion, translators calibrated on it, and the
+    arm's frozen dtype (trained and scored on the same compact weights).
+
+    Returns:
+        (peft model, stage modules).
+    """
+    from zl_export.exporter import build_stage_modules
+    from zl_export.shard import fitted_target_slots
+    from zl_export.translator import calibration_batches
+
+    opts = ExportOptions(seq_len=s.seq_len, micro_batch=s.micro_batch, lora=arm.lora_settings(s.lora),
+                         loss=arm.loss_config(), max_targets=fitted_target_slots(train.labels)[1], seed=seed,
+                         frozen_dtype=arm.frozen_dtype)
+    return build_stage_modules(model, split, opts, calibration_batches(train))
+
+
 def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, split, train, dev, progress,
             tokenizer=None) -> dict:
     """Train (unless base) a fresh copy of the model as `arm` on `samples` samples at `seed`, score it on `dev`.
@@ -286,9 +304,6 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
     from zl_device.torch.eager_training import (freeze_lora_below, train_backprop, train_zerolock)
     from zl_device.results.early_exit import EarlyExitModel
     from zl_device.results.evaluate import GenerationEval, evaluate
-    from zl_export.exporter import build_stage_modules
-    from zl_export.shard import fitted_target_slots
-    from zl_export.translator import calibration_batches
     from zl_export.lora import attach_lora
 
     budget = Budget(samples, s.window, s.micro_batch)
@@ -308,10 +323,7 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
             progress.console.print(f"{label}: window {w + 1}/{budget.num_windows}, {loss}")
 
     if arm.kind == "zerolock":
-        opts = ExportOptions(seq_len=s.seq_len, micro_batch=s.micro_batch, lora=arm.lora_settings(s.lora),
-                             loss=arm.loss_config(), max_targets=fitted_target_slots(train.labels)[1],  # as zl train
-                             seed=seed, frozen_dtype=arm.frozen_dtype)  # scored on the same compact weights
-        peft_model, modules = build_stage_modules(model, split, opts, calibration_batches(train))
+        peft_model, modules = zerolock_modules(arm, s, model, split, train, seed)
         result["trainable"] = sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
         log = train_zerolock(modules, train, budget, s.optimizer(budget), arm.stage_lr, on_window)
         trained = peft_model

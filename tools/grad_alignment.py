@@ -73,15 +73,8 @@ def measure(arm: study.Arm, s: study.StudySettings, base_model, split, shard, mi
     import copy
 
     from zl_device.torch.eager_training import Budget, causal_lm_loss, micro_batch, train_zerolock
-    from zl_export.exporter import build_stage_modules
-    from zl_export.options import ExportOptions
-    from zl_export.shard import fitted_target_slots
-    from zl_export.translator import calibration_batches
 
-    opts = ExportOptions(seq_len=s.seq_len, micro_batch=s.micro_batch, lora=arm.lora_settings(s.lora),
-                         loss=arm.loss_config(), max_targets=fitted_target_slots(shard.labels)[1], seed=seed,
-                         frozen_dtype=arm.frozen_dtype)
-    peft_model, modules = build_stage_modules(copy.deepcopy(base_model), split, opts, calibration_batches(shard))
+    peft_model, modules = study.zerolock_modules(arm, s, copy.deepcopy(base_model), split, shard, seed)
     if trained_samples:
         budget = Budget(trained_samples, s.window, s.micro_batch)
         train_zerolock(modules, shard, budget, s.optimizer(budget), arm.stage_lr)

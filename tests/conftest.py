@@ -46,6 +46,13 @@ def write_demo_data(out: Path) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory) -> Path:
+    """`zl data --demo --model tiny-random`: OUT/train.safetensors and OUT/dev.safetensors (label words), once per
+    test module."""
+    return write_demo_data(tmp_path_factory.mktemp("demo"))
+
+
 def native_library_or_skip() -> None:
     """Skip when the marker kernel is not built (run `bash setup.sh`)."""
     from custom_ops.runtime import DEFAULT_PATH, ENV_VAR

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_tool, write_demo_data
+from conftest import load_tool
 from zl_base.errors import ZLError
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
@@ -16,12 +16,6 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
 
 
 study_tool = load_tool("accuracy_study")
-
-
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory) -> Path:
-    """`zl data --demo --model tiny-random`: a classification task (label words) with train and dev shards."""
-    return write_demo_data(tmp_path_factory.mktemp("demo"))
 
 
 def _args(demo: Path, out: Path, *extra: str) -> list[str]:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, load_tool, write_demo_data
+from conftest import REPO, load_tool
 from zl_base.errors import ZLError
 from zl_export.shard import write_shard
 
@@ -30,12 +30,6 @@ bpb = load_tool("train_backprop_baseline")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory) -> Path:
-    """`zl data --demo --model tiny-random`: OUT/train.safetensors and OUT/dev.safetensors."""
-    return write_demo_data(tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_tool, write_demo_data
+from conftest import load_tool
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")]
@@ -17,8 +17,8 @@ tool = load_tool("grad_alignment")
 
 
 @pytest.fixture(scope="module")
-def demo_train(tmp_path_factory) -> Path:
-    return write_demo_data(tmp_path_factory.mktemp("demo")) / "train.safetensors"
+def demo_train(demo_data) -> Path:
+    return demo_data / "train.safetensors"
 
 
 def test_the_last_stage_agrees_with_backprop_exactly_and_upstream_stages_are_measured(demo_train, tmp_path, capsys):

@@ -183,6 +183,26 @@ def test_a_forward_only_stage_prediction_leaves_its_phase_2_out_and_old_plans_re
     assert not any(p.forward_only for p in read_plan(tmp_path / "old.json").per_stage)
 
 
+def test_the_plan_counts_the_stages_the_data_holds_still(tmp_path):
+    """Without --stage-lr the planner takes the default `zl train` will choose for the data (choose_stage_lr): on
+    generative rows the stages before the last run forward only, so their phase 2 must not be counted; on label
+    words (the demo task, an AG News file) every stage trains; a given --stage-lr wins over the data. Old code
+    counted phase 2 for every stage whenever --stage-lr was not given."""
+    from zl_device.plan.planner import forward_only_stages
+
+    gen = tmp_path / "gen.jsonl"
+    gen.write_text("".join(json.dumps({"prompt": f"Q{i}:", "completion": f" a{i}"}) + "\n" for i in range(4)))
+    labels = tmp_path / "labels.csv"
+    labels.write_text("label,title,description\n" + "".join(f"{1 + i % 4},t{i},d{i}\n" for i in range(4)))
+    auto = ModelSplit(stages="auto", num_stages=3)
+    generative = replace(TrainSettings(), data=str(gen), split=auto)
+    assert forward_only_stages(generative, 3) == [True, True, False]
+    assert forward_only_stages(replace(generative, stage_lr=(1.0,)), 3) == [False, False, False]
+    assert forward_only_stages(replace(TrainSettings(), split=auto), 3) == [False] * 3  # the demo task
+    agnews = replace(TrainSettings(), data=str(labels), rows=DataSettings(format="agnews"), split=auto)
+    assert forward_only_stages(agnews, 4) == [False] * 4
+
+
 # --- memory budgets -------------------------------------------------------------------------------------------
 
 

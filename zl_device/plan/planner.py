@@ -131,11 +131,14 @@ def make_plan(s: TrainSettings, p: PlanSettings, say=print, export_progress=None
 
 
 def forward_only_stages(s: TrainSettings, num_stages: int) -> list[bool]:
-    """Which stages run phase 1 only: those a given `--stage-lr` holds still (lr 0) but the last, as the runner
-    decides (RunnerConfig::forward_only, docs/design.md §4.3). Without one (`zl plan` has no --stage-lr; `zl train`
-    chooses it from the data after planning) every stage counts its phase 2."""
+    """Which stages run phase 1 only: those `--stage-lr` holds still (lr 0) but the last, as the runner decides
+    (RunnerConfig::forward_only, docs/design.md §4.3). Without a --stage-lr (`zl plan` has none), the default
+    `zl train` will choose for the training data (`choose_stage_lr`): on generative data the stages before the
+    last run forward only."""
+    from zl_device.run.train_data import data_is_generative
+
     if s.stage_lr is None:
-        return [False] * num_stages
+        s = replace(s, split=replace(s.split, stages=None, num_stages=num_stages)).with_data_stage_lr(data_is_generative(s))
     return [runs_forward_only(s.stage_lr_of(k), k, num_stages) for k in range(num_stages)]
 
 

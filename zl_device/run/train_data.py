@@ -16,18 +16,31 @@ from zl_export.tokenizer import Tokenizer
 def training_rows(s: TrainSettings) -> int:
     """The rows of the training data, read but not tokenized: the demo task's train split, a .csv/.jsonl file's
     rows, or a shard's. Raises ZLError for a file that cannot be read (as the data step would, later)."""
+    return _read_training_data(s)[0]
+
+
+def data_is_generative(s: TrainSettings) -> bool:
+    """Whether the training data is generative (prompt/completion or chat rows: no label words), read but not
+    tokenized; what `choose_stage_lr` decides from the shard, known before the data step (a plan needs it)."""
+    return _read_training_data(s)[1]
+
+
+def _read_training_data(s: TrainSettings) -> tuple[int, bool]:
+    """(rows, generative) of the training data, read but not tokenized. Raises ZLError for a file that cannot be
+    read."""
     if s.data == DEMO:
         from zl_export.demo_task import DEMO_TRAIN_ROWS
 
-        return DEMO_TRAIN_ROWS
+        return DEMO_TRAIN_ROWS, False  # label words
     path = Path(s.data).expanduser()
     if path.suffix == ".safetensors":
-        from zl_export.shard import load_shard
+        from zl_export.shard import load_shard, shard_meta
 
-        return load_shard(path).rows
+        return load_shard(path).rows, not shard_meta(path).get("label_token_ids")
     from zl_export import data as zdata
 
-    return len(zdata.load_task(path, s.rows.format, None, s.rows.columns).examples)
+    task = zdata.load_task(path, s.rows.format, None, s.rows.columns)
+    return len(task.examples), not task.label_words
 
 
 def check_samples(s: TrainSettings) -> None:

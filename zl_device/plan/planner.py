@@ -136,9 +136,10 @@ def forward_only_stages(s: TrainSettings, num_stages: int) -> list[bool]:
     `zl train` will choose for the training data (`choose_stage_lr`): on generative data the stages before the
     last run forward only."""
     from zl_device.run.train_data import data_is_generative
+    from zl_device.run.train_settings import default_stage_lr
 
     if s.stage_lr is None:
-        s = replace(s, split=replace(s.split, stages=None, num_stages=num_stages)).with_data_stage_lr(data_is_generative(s))
+        s = replace(s, stage_lr=default_stage_lr(num_stages, data_is_generative(s)))
     return [runs_forward_only(s.stage_lr_of(k), k, num_stages) for k in range(num_stages)]
 
 

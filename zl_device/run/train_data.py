@@ -34,13 +34,20 @@ def _read_training_data(s: TrainSettings) -> tuple[int, bool]:
         return DEMO_TRAIN_ROWS, False  # label words
     path = Path(s.data).expanduser()
     if path.suffix == ".safetensors":
-        from zl_export.shard import load_shard, shard_meta
+        from zl_export.shard import load_shard
 
-        return load_shard(path).rows, not shard_meta(path).get("label_token_ids")
+        return load_shard(path).rows, shard_is_generative(path)
     from zl_export import data as zdata
 
     task = zdata.load_task(path, s.rows.format, None, s.rows.columns)
     return len(task.examples), not task.label_words
+
+
+def shard_is_generative(shard: Path) -> bool:
+    """Whether a shard holds generative rows: it records no label words (`label_token_ids`)."""
+    from zl_export.shard import shard_meta
+
+    return not shard_meta(shard).get("label_token_ids")
 
 
 def check_samples(s: TrainSettings) -> None:
@@ -91,9 +98,7 @@ def choose_stage_lr(s: TrainSettings, shard: Path) -> tuple[TrainSettings, str |
     (TrainSettings.with_data_stage_lr), and a line to say about it: which default generative data got, or a
     warning when the user's --stage-lr trains the stages before the last on generative data (in the README's
     headline study that made held-out NLL worse than the base model's)."""
-    from zl_export.shard import shard_meta
-
-    generative = not shard_meta(shard).get("label_token_ids")
+    generative = shard_is_generative(shard)
     stages = s.split.count
     chosen = s.with_data_stage_lr(generative)
     if not generative or stages < 2:

@@ -187,7 +187,7 @@ def test_generative_data_is_scored_by_nll_and_generations_paired_per_row(tmp_pat
     result = study_tool.run(args)
     assert result["metric"] == "rouge_l"
     arms = {a["name"]: a for a in result["arms"]}
-    assert arms["zl-default"]["stage_lr"] == [0.0, 1.0]  # zl train's default on generative data
+    assert arms["zl-default"]["stage_lr"] == [0.0, 1.0]  # zl train's default
     runs = {(r["arm"], r["seed"]): r for r in result["results"]}
     for r in runs.values():
         assert r["accuracy"] is None and 0 <= r["rouge_l"] <= 1 and r["nll"] > 0
@@ -203,13 +203,12 @@ def test_generative_data_is_scored_by_nll_and_generations_paired_per_row(tmp_pat
     assert "| ROUGE-L (F × 100) |" in md and "## Generations" in md and "reference:" in md
 
 
-def test_zl_default_is_zl_trains_default_for_the_data():
-    """On generative data `zl train` holds the stages before the last still (--stage-lr 0,..,0,1), so the study's
-    zl-default does too; zl-all-stages keeps every stage training; label words keep the arm as it was (and its
-    cached results: the fingerprint is unchanged)."""
+def test_zl_default_is_zl_trains_default():
+    """`zl train` holds the stages before the last still (--stage-lr 0,..,0,1), so the study's zl-default does too,
+    on the study's split; zl-all-stages keeps every stage training with the same loss and frozen dtype."""
     default, every = study_tool.ARMS["zl-default"], study_tool.ARMS["zl-all-stages"]
-    assert study_tool.default_arm_for(default, 3, generative=False) == default and default.stage_lr == (1.0,)
-    generative = study_tool.default_arm_for(default, 3, generative=True)
-    assert generative.stage_lr == (0.0, 0.0, 1.0) and generative.loss == default.loss
-    assert generative.frozen_dtype == default.frozen_dtype
-    assert study_tool.default_arm_for(every, 3, generative=True) == every and every.loss == default.loss
+    resolved = study_tool.default_arm_for(default, 3)
+    assert resolved.stage_lr == (0.0, 0.0, 1.0) and resolved.loss == default.loss
+    assert resolved.frozen_dtype == default.frozen_dtype and "stage lr 0/0/1" in resolved.note
+    assert study_tool.default_arm_for(default, 2).stage_lr == (0.0, 1.0)
+    assert study_tool.default_arm_for(every, 3) == every and every.loss == default.loss and every.stage_lr == (1.0,)

@@ -60,9 +60,9 @@ def test_with_the_upstream_stages_still_zerolock_trains_the_last_stage_as_last_s
             torch.testing.assert_close(zerolock[name], before[name], rtol=0, atol=0, msg=name)
 
 
-def test_generative_data_holds_the_upstream_stages_still_by_default_and_warns_when_told_otherwise(tmp_path):
-    """--stage-lr's default comes from the data: 0,0,1 on generative rows (said in a line), 1 on label words; a
-    --stage-lr that trains the stages before the last on generative data gets the study's warning."""
+def test_the_default_holds_the_upstream_stages_still_on_any_data_and_notes_what_a_given_stage_lr_risks(tmp_path):
+    """--stage-lr's default is 0,..,0,1 on label words and on generative rows alike (said in a line); a --stage-lr
+    that trains the stages before the last gets the study's note for its kind of data, and stands."""
 
     from zl_device.run.train_data import choose_stage_lr
     from zl_device.run.train_settings import TrainSettings
@@ -70,20 +70,22 @@ def test_generative_data_holds_the_upstream_stages_still_by_default_and_warns_wh
 
     prompt_completion_shard(tmp_path)
     generative = tmp_path / "pc.safetensors"
-    chosen, note = choose_stage_lr(TrainSettings(), generative)
-    assert chosen.stage_lr == (0.0, 0.0, 1.0) and chosen.stage_lr_of(0) == 0 and chosen.stage_lr_of(2) > 0
-    assert "--stage-lr 0,0,1 (the default for it)" in note
-    two = TrainSettings(split=ModelSplit(num_stages=2))
-    assert choose_stage_lr(two, generative)[0].stage_lr == (0.0, 1.0)
-    for given in ((0.0, 0.0, 1.0), (0.0, 0.5, 1.0), (1.0,)):
-        kept, note = choose_stage_lr(TrainSettings(stage_lr=given), generative)
-        assert kept.stage_lr == given  # the user's choice stands
-        assert (note is None) == (given == (0.0, 0.0, 1.0))
-        assert note is None or ("3.29" in note and "--stage-lr 0,0,1" in note)
-
-    demo = write_demo_data(tmp_path / "demo")
-    chosen, note = choose_stage_lr(TrainSettings(), demo / "train.safetensors")  # label words
-    assert chosen.stage_lr == (1.0,) and note is None
+    labels = write_demo_data(tmp_path / "demo") / "train.safetensors"
+    for shard in (generative, labels):
+        chosen, note = choose_stage_lr(TrainSettings(), shard)
+        assert chosen.stage_lr == (0.0, 0.0, 1.0) and chosen.stage_lr_of(0) == 0 and chosen.stage_lr_of(2) > 0
+        assert note.startswith("--stage-lr 0,0,1 (the default)")
+        two = TrainSettings(split=ModelSplit(num_stages=2))
+        assert choose_stage_lr(two, shard)[0].stage_lr == (0.0, 1.0)
+        assert choose_stage_lr(TrainSettings(split=ModelSplit(num_stages=1)), shard) == (
+            TrainSettings(split=ModelSplit(num_stages=1), stage_lr=(1.0,)), None)
+        for given in ((0.0, 0.0, 1.0), (0.0, 0.5, 1.0), (1.0,)):
+            kept, note = choose_stage_lr(TrainSettings(stage_lr=given), shard)
+            assert kept.stage_lr == given  # the user's choice stands
+            assert (note is None) == (given == (0.0, 0.0, 1.0))
+            if note is not None:
+                assert "--stage-lr 0,0,1" in note
+                assert ("3.29" in note) == (shard == generative) and ("84.6%" in note) == (shard == labels)
 
 
 def test_a_forward_only_stage_step_hands_on_the_same_hidden_state_and_only_counts_its_windows(tmp_path):

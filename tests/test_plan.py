@@ -183,24 +183,16 @@ def test_a_forward_only_stage_prediction_leaves_its_phase_2_out_and_old_plans_re
     assert not any(p.forward_only for p in read_plan(tmp_path / "old.json").per_stage)
 
 
-def test_the_plan_counts_the_stages_the_data_holds_still(tmp_path):
-    """Without --stage-lr the planner takes the default `zl train` will choose for the data (choose_stage_lr): on
-    generative rows the stages before the last run forward only, so their phase 2 must not be counted; on label
-    words (the demo task, an AG News file) every stage trains; a given --stage-lr wins over the data. Old code
-    counted phase 2 for every stage whenever --stage-lr was not given."""
+def test_the_plan_counts_the_stages_the_default_holds_still():
+    """Without --stage-lr the planner takes `zl train`'s default (default_stage_lr): the stages before the last
+    run forward only, so their phase 2 must not be counted; a given --stage-lr wins."""
     from zl_device.plan.planner import forward_only_stages
 
-    gen = tmp_path / "gen.jsonl"
-    gen.write_text("".join(json.dumps({"prompt": f"Q{i}:", "completion": f" a{i}"}) + "\n" for i in range(4)))
-    labels = tmp_path / "labels.csv"
-    labels.write_text("label,title,description\n" + "".join(f"{1 + i % 4},t{i},d{i}\n" for i in range(4)))
-    auto = ModelSplit(stages="auto", num_stages=3)
-    generative = replace(TrainSettings(), data=str(gen), split=auto)
-    assert forward_only_stages(generative, 3) == [True, True, False]
-    assert forward_only_stages(replace(generative, stage_lr=(1.0,)), 3) == [False, False, False]
-    assert forward_only_stages(replace(TrainSettings(), split=auto), 3) == [False] * 3  # the demo task
-    agnews = replace(TrainSettings(), data=str(labels), rows=DataSettings(format="agnews"), split=auto)
-    assert forward_only_stages(agnews, 4) == [False] * 4
+    auto = replace(TrainSettings(), split=ModelSplit(stages="auto", num_stages=3))
+    assert forward_only_stages(auto, 3) == [True, True, False]
+    assert forward_only_stages(auto, 4) == [True, True, True, False]
+    assert forward_only_stages(replace(auto, stage_lr=(1.0,)), 3) == [False, False, False]
+    assert forward_only_stages(replace(auto, stage_lr=(0.0, 1.0, 1.0)), 3) == [True, False, False]
 
 
 # --- memory budgets -------------------------------------------------------------------------------------------
@@ -296,8 +288,8 @@ def test_a_plan_for_other_settings_is_refused_with_its_stages_as_the_fix():
 
 
 def test_train_takes_a_plan_file(tmp_path):
-    path = write_plan(a_plan(), tmp_path / "plan.json")
-    s = TrainSettings(split=ModelSplit("tiny-random", stages=str(path)), cpu_quota=(1.0, 0.5, 0.75))
+    path = write_plan(a_plan(), tmp_path / "plan.json")  # every stage trains in it
+    s = TrainSettings(split=ModelSplit("tiny-random", stages=str(path)), cpu_quota=(1.0, 0.5, 0.75), stage_lr=(1.0,))
     resolved, plan = resolve_stages(s, say=lambda line: None)
     assert resolved.split.stages == "0-1,2-2,3-3" and resolved.rows.seq_len == 32 and plan.stages == resolved.split.stages
     resolved.validate()
@@ -305,6 +297,24 @@ def test_train_takes_a_plan_file(tmp_path):
         resolve_stages(replace(s, devices="local:4", cpu_quota=(1.0, 0.5, 0.75, 1.0)), say=lambda line: None)
     plain = replace(s, split=ModelSplit("tiny-random", stages="0-1,2-3"))
     assert resolve_stages(plain)[0] is plain  # layer ranges stay as they are
+
+
+def test_a_plan_made_with_other_stages_held_still_is_refused(tmp_path):
+    """A plan balances the stages' costs for the stages it holds still (forward only); a run that holds others still
+    (--stage-lr's default holds all but the last) would be paced wrongly by it, so it is named, with the fix."""
+    every = write_plan(a_plan(), tmp_path / "every.json")
+    s = TrainSettings(split=ModelSplit("tiny-random", stages=str(every)), cpu_quota=(1.0, 0.5, 0.75))
+    with pytest.raises(ZLError, match=r"^--stages .*every.json: the plan was made with stages held still \(forward "
+                                      r"only\): none; this run \(--stage-lr's default\) holds 0, 1, so the split "
+                                      r"would pace it wrongly\. Run `zl plan` with this run's --stage-lr, or pass "
+                                      r"the plan's stages yourself \(--stages 0-1,2-2,3-3\)\.$"):
+        resolve_stages(s, say=lambda line: None)
+    held = write_plan(a_plan(per_stage=[replace(p, forward_only=p.stage < 2) for p in a_plan().per_stage]),
+                      tmp_path / "held.json")
+    on_held = replace(s, split=ModelSplit("tiny-random", stages=str(held)))
+    assert resolve_stages(on_held, say=lambda line: None)[0].split.stages == "0-1,2-2,3-3"
+    with pytest.raises(ZLError, match=r"held still \(forward only\): 0, 1; this run \(--stage-lr 0,1,1\) holds 0,"):
+        resolve_stages(replace(on_held, stage_lr=(0.0, 1.0, 1.0)), say=lambda line: None)
 
 
 def test_export_takes_a_plan_file(tmp_path):
@@ -336,6 +346,7 @@ def cache(tmp_path, monkeypatch):
 def settings(**kw) -> TrainSettings:
     kw.setdefault("split", ModelSplit("tiny-random"))
     kw.setdefault("devices", "local:3")
+    kw.setdefault("stage_lr", (1.0,))  # every stage trains: the costs below count both phases
     return TrainSettings(rows=DataSettings(seq_len=32), **kw)
 
 

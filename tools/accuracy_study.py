@@ -9,8 +9,8 @@ it trains and scores on the dev rows (all of them by default):
                     competitor of any pipeline method
     zl-*            ZeroLock, each stage on its local loss, in PyTorch eager with exactly the runner's
                     semantics (zl_device.torch.eager_training): the paper's loss and the variants below;
-                    zl-default is whatever `zl train` does by default (its loss, frozen dtype and, for
-                    the data, --stage-lr: on generative data the stages before the last held still);
+                    zl-default is whatever `zl train` does by default (its loss, frozen dtype and
+                    --stage-lr: the stages before the last held still, the last training);
                     zl-all-stages is the default loss with every stage training
 
 An arm with `frozen_dtype` bf16 or int8 (zl-translator-bf16, zl-translator-int8, or `frozen_dtype=` in
@@ -131,14 +131,14 @@ def _default_arm(name: str = "zl-default", stage_lr: tuple[float, ...] = (1.0,),
                     f"{defaults.frozen_dtype}{lrs}")
 
 
-def default_arm_for(arm: Arm, stages: int, generative: bool) -> Arm:
-    """`arm`, or for zl-default the arm of `zl train`'s defaults on this data: its --stage-lr depends on whether the
-    data is generative (zl_device/run/train_settings.py default_stage_lr)."""
+def default_arm_for(arm: Arm, stages: int) -> Arm:
+    """`arm`, or for zl-default the arm of `zl train`'s defaults on this split: its --stage-lr holds the stages
+    before the last still (zl_device/run/train_settings.py default_stage_lr)."""
     from zl_device.run.train_settings import default_stage_lr
 
     if arm.name != _DEFAULT:
         return arm
-    return _default_arm(stage_lr=default_stage_lr(stages, generative))
+    return _default_arm(stage_lr=default_stage_lr(stages))
 
 
 ARMS[_DEFAULT := "zl-default"] = _default_arm()
@@ -393,7 +393,7 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bo
             raise ZLError(f"arm {arm.name}: stage_lr has {len(arm.stage_lr)} values for {len(split)} stages.")
     dev = limit_rows(prepare_shard(s, s.dev, "dev", loaded.tokenizer, out), s.eval_limit)
     generative = not dev.meta.get("label_token_ids")  # prompt/completion rows: NLL and generations, not accuracy
-    arms = [default_arm_for(arm, len(split), generative) for arm in arms]
+    arms = [default_arm_for(arm, len(split)) for arm in arms]
     trains = {seed: prepare_shard(s, s.train, f"train-seed{seed}", loaded.tokenizer, out, seed) for seed in s.seeds}
     train_rows = trains[s.seeds[0]].rows
     err.print(f"study: {s.model}, stages {format_spec(split)}, {train_rows} train rows, {dev.rows} dev rows, "

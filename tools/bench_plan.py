@@ -95,8 +95,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
 
+    # Every stage trains (--stage-lr 1), as in the README's figures: the default holds all but the last still.
     common = ["--model", args.model, "--devices", args.devices, "--cpu-quota", args.cpu_quota,
-              "--seq-len", str(args.seq_len)]
+              "--seq-len", str(args.seq_len), "--stage-lr", "1"]
     plan_path = args.out / "plan.json"
     taken = [d for d in ("even", "planned") if (args.out / d).exists()]
     if taken:

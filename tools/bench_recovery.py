@@ -80,7 +80,8 @@ def zl_train(args, out: Path, extra: list[str]) -> float:
     """One `zl train` run into `out`; returns its wall time in seconds (of the whole command)."""
     cmd, env = checkout_zl(["train", "--model", args.model, "--stages", args.stages,
            "--data", args.data, "--samples", str(args.samples), "--window", str(args.window),
-           "--micro-batch", str(args.micro_batch), "--threads", str(args.threads), "--out", str(out)])
+           "--micro-batch", str(args.micro_batch), "--threads", str(args.threads), "--out", str(out),
+           "--stage-lr", "1"])  # every stage trains, so the failed stage 1 has a training state to recover
     if args.format:
         cmd += ["--format", args.format]
     if args.seq_len:

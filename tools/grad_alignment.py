@@ -121,8 +121,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--stages", help="layer ranges per stage (default: 3 balanced stages)")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro-batches", type=int, default=64, help="micro-batches (of one row) summed (default 64)")
-    ap.add_argument("--arms", default="zl-default,zl-ce",
-                    help="built-in ZeroLock arms of tools/accuracy_study.py (default zl-default,zl-ce)")
+    ap.add_argument("--arms", default="zl-all-stages,zl-ce",
+                    help="built-in ZeroLock arms of tools/accuracy_study.py (default zl-all-stages,zl-ce: every stage "
+                         "trains on its local loss, so --trained moves them all; zl-default holds all but the last "
+                         "still)")
     ap.add_argument("--arm", action="append", default=[], help="an extra ZeroLock arm, the accuracy study's syntax")
     ap.add_argument("--trained", default="0",
                     help="measure after each arm trained on this many samples (comma-separated: several points; "
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ZLError(f"--micro-batches {args.micro_batches} after --trained {max(trained)}: the data has "
                               f"{shard.rows} rows; use fewer.")
             kind = "label words" if shard.meta.get("label_token_ids") else "generative"
-            arms = [study.default_arm_for(arm, len(split), kind == "generative") for arm in arms]  # as the study
+            arms = [study.default_arm_for(arm, len(split)) for arm in arms]  # as the study
             err.print(f"{s.model}, stages {format_spec(split)}, {kind} data, {args.micro_batches} micro-batches, "
                       f"seed {args.seed}")
             rows = []

@@ -27,7 +27,7 @@ Examples:
 
 #: TrainSettings fields that say how a run trains or recovers, not what a stage computes: not `zl plan`'s.
 NOT_PLANNED = ("eval_data", "samples", "window", "runtime", "launcher", "schedule", "out", "recovery", "max_restarts",
-               "inject_failure", "spares", "standby", "keep_device_files", "seed", "optimizer", "stage_lr",
+               "inject_failure", "spares", "standby", "keep_device_files", "seed", "optimizer",
                "eval_limit", "timeout_s", "resume", "link_timeout_s", "stall_timeout_s", "policy")
 
 console = Console()
@@ -58,7 +58,7 @@ def run_plan(args: PlanArgs) -> None:
 def plan_table(plan) -> Table:
     """The plan per stage: device (and its CPU quota), layers, predicted ms per micro-batch (phase 1, phase 2, and in
     all: with sealing the hidden state and accumulating, which the plan file lists as "other_ms") and PSS against
-    the device's budget (MiB)."""
+    the device's budget (MiB). A stage held still (forward only) shows "held" for its phase 2."""
     quota = plan.cpu_quota or [None] * len(plan.per_stage)
     table = Table(title=f"plan: {plan.model} ({plan.num_layers} layers), seq {plan.seq_len}, micro-batch "
                         f"{plan.micro_batch}, {plan.frozen_dtype}; ms per micro-batch, MiB")
@@ -66,7 +66,7 @@ def plan_table(plan) -> Table:
         table.add_column(col, justify="right", no_wrap=True)
     for p, q in zip(plan.per_stage, quota):
         table.add_row(str(p.stage), p.device + ("" if q is None else f" @{q:g}"), f"{p.layers[0]}-{p.layers[1]}",
-                      _ms(p.phase1_ms), _ms(p.phase2_ms), _ms(p.total_ms),
+                      _ms(p.phase1_ms), "held" if p.forward_only else _ms(p.phase2_ms), _ms(p.total_ms),
                       "-" if p.pss_mib is None else f"{p.pss_mib:.0f}",
                       "-" if p.budget_mib is None else f"{p.budget_mib:.0f}")
     caption = f"slowest stage {_ms(plan.slowest_ms)} ms per micro-batch"

@@ -132,15 +132,31 @@ def make_plan(s: TrainSettings, p: PlanSettings, say=print, export_progress=None
 
 def forward_only_stages(s: TrainSettings, num_stages: int) -> list[bool]:
     """Which stages run phase 1 only: those `--stage-lr` holds still (lr 0) but the last, as the runner decides
-    (RunnerConfig::forward_only, docs/design.md §4.3). Without a --stage-lr (`zl plan` has none), the default
-    `zl train` will choose for the training data (`choose_stage_lr`): on generative data the stages before the
+    (RunnerConfig::forward_only, docs/design.md §4.3). Without a --stage-lr, its default: the stages before the
     last run forward only."""
-    from zl_device.run.train_data import data_is_generative
     from zl_device.run.train_settings import default_stage_lr
 
     if s.stage_lr is None:
-        s = replace(s, stage_lr=default_stage_lr(num_stages, data_is_generative(s)))
+        s = replace(s, stage_lr=default_stage_lr(num_stages))
     return [runs_forward_only(s.stage_lr_of(k), k, num_stages) for k in range(num_stages)]
+
+
+def check_plan_holds(plan: Plan, s: TrainSettings, where: str) -> None:
+    """Raise ZLError when the plan was made with other stages held still (forward only) than the run holds: its
+    split balances the stages' costs for that, so it would pace this run wrongly (an old plan, made before
+    `--stage-lr`'s default held the stages before the last still, held none)."""
+    planned = [p.forward_only for p in plan.per_stage]
+    held = forward_only_stages(s, len(planned))
+    if planned == held:
+        return
+
+    def shown(flags: list[bool]) -> str:
+        return ", ".join(str(k) for k, f in enumerate(flags) if f) or "none"
+
+    run = "--stage-lr's default" if s.stage_lr is None else "--stage-lr " + ",".join(f"{m:g}" for m in s.stage_lr)
+    raise ZLError(f"{where}: the plan was made with stages held still (forward only): {shown(planned)}; this run "
+                  f"({run}) holds {shown(held)}, so the split would pace it wrongly. Run `zl plan` with this run's "
+                  f"--stage-lr, or pass the plan's stages yourself (--stages {plan.stages}).")
 
 
 def cost_fn(costs: list[StageCost], forward_only: list[bool] | None = None):
@@ -231,6 +247,7 @@ def resolve_stages(s: TrainSettings, say=print, export_progress=None) -> tuple[T
         check_plan_matches(plan, f"--stages {stages}", model=s.split.model, seq_len=s.rows.seq_len,
                            micro_batch=s.export.micro_batch, frozen_dtype=s.export.frozen_dtype, devices=s.devices,
                            mode=s.mode, cpu_quota=quotas if s.cpu_quota else None, checked_devices=True)
+        check_plan_holds(plan, s, f"--stages {stages}")
     say(f"plan: --stages {plan.stages} (slowest stage {plan.slowest_ms:.0f} ms per micro-batch predicted"
         + (f", even split {plan.even_stages}: {plan.even_slowest_ms:.0f} ms" if plan.even_stages else "") + ")")
     rows = replace(s.rows, seq_len=plan.seq_len)  # the plan's: equal to the run's default, now explicit

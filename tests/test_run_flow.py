@@ -85,6 +85,33 @@ def test_resume_needs_what_its_runtime_needs_before_anything_runs(tmp_path):
         assert said == [] and sorted(p.name for p in run_dir.iterdir()) == ["UNFINISHED.txt", "train_settings.json"]
 
 
+def test_a_resume_keeps_the_stage_lr_the_run_started_with(tmp_path):
+    """The chosen --stage-lr goes into RUN_DIR's settings (record_stage_lr), so a resume under a zl whose default
+    differs continues as the run began; a run that never recorded it (started before) resumes with the multipliers
+    its stages' configs hold."""
+    from dataclasses import replace
+
+    from zl_base.settings import to_json
+    from zl_device.formats.run_layout import RunLayout
+    from zl_device.run.train_job import record_stage_lr, resumed_settings
+    from zl_device.run.train_settings import TrainSettings
+
+    layout = RunLayout(tmp_path)
+    (tmp_path / "UNFINISHED.txt").write_text("unfinished\n")
+    started = TrainSettings(out=tmp_path)
+    layout.settings.write_text(json.dumps(to_json(started)))
+    lr = started.optimizer.lr
+    for k, m in enumerate((1.0, 1.0, 2.0)):  # every stage trained, the last at twice the lr
+        layout.stage_config(k).write_text(json.dumps({"optimizer": {"lr": lr * m}}))
+    assert resumed_settings(TrainSettings(resume=True, out=tmp_path)).stage_lr == (1.0, 1.0, 2.0)
+
+    record_stage_lr(layout, replace(started, stage_lr=(0.0, 0.0, 1.0)))
+    assert json.loads(layout.settings.read_text())["stage_lr"] == [0.0, 0.0, 1.0]
+    assert resumed_settings(TrainSettings(resume=True, out=tmp_path)).stage_lr == (0.0, 0.0, 1.0)
+    record_stage_lr(layout, replace(started, stage_lr=(1.0,)))  # recorded once: it stays
+    assert json.loads(layout.settings.read_text())["stage_lr"] == [0.0, 0.0, 1.0]
+
+
 def test_every_schedule_is_in_the_table_under_its_name():
     from zl_device.torch.schedules import SCHEDULES, schedule_named
     from zl_device.torch.schedules.base import Schedule

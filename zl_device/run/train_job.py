@@ -73,8 +73,9 @@ def _run(runtime: Runtime, run: Run, start: float, on_update) -> TrainResult:
     seq_len = run_seq_len(s, model.tokenizer)
     # The data first (seconds): the stages' target slots must fit it, and a misfit must fail before the export.
     shard, dev = prepare_data(s, model.tokenizer, seq_len, layout.data, say)
-    s, note = choose_stage_lr(s, shard)  # --stage-lr's default depends on the data
+    s, note = choose_stage_lr(s, shard)  # --stage-lr's default, resolved for the split
     run.settings = s
+    record_stage_lr(layout, s)
     if note is not None:
         say(note)
     opts = s.export_options(seq_len, run_max_targets(s, shard, say))
@@ -201,6 +202,25 @@ def open_run(s: TrainSettings, say=print):
     return run_dir, spec
 
 
+def record_stage_lr(layout: RunLayout, s: TrainSettings) -> None:
+    """Write the run's --stage-lr into RUN_DIR's settings when they had none (its default, just resolved), so that
+    `--resume` continues with the multipliers the run started with even under a zl whose default differs."""
+    saved = json.loads(layout.settings.read_text())
+    if saved.get("stage_lr") is None:
+        saved["stage_lr"] = list(s.stage_lr)
+        layout.settings.write_text(json.dumps(saved, indent=2) + "\n")
+
+
+def started_stage_lr(layout: RunLayout, s: TrainSettings) -> tuple[float, ...] | None:
+    """The --stage-lr a run's stages started with, from their runner configs (RUN_DIR/stage_<k>.json: the optimizer's
+    lr over --lr), for a run whose settings do not record it (one started before record_stage_lr); None without
+    configs (a torch run keeps its per-stage lrs in its own job file)."""
+    lrs = []
+    while layout.stage_config(len(lrs)).is_file():
+        lrs.append(json.loads(layout.stage_config(len(lrs)).read_text())["optimizer"]["lr"] / s.optimizer.lr)
+    return tuple(lrs) or None
+
+
 def resumed_settings(s: TrainSettings) -> TrainSettings:
     """`zl train --resume --out RUN_DIR`: the settings RUN_DIR's run started with, marked to resume (an injected
     failure happens once, so it is dropped). Other options given with --resume are not used.
@@ -218,6 +238,8 @@ def resumed_settings(s: TrainSettings) -> TrainSettings:
     if not is_unfinished(run_dir):
         raise ZLError(f"--resume --out {run_dir}: that run finished (its report is written); nothing to resume.")
     settings = from_json(TrainSettings, json.loads(saved.read_text()), str(saved))
+    if settings.stage_lr is None:
+        settings = replace(settings, stage_lr=started_stage_lr(RunLayout(run_dir), settings))
     return replace(settings, out=run_dir, resume=True, inject_failure=None)
 
 

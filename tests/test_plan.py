@@ -411,6 +411,8 @@ def test_more_stages_than_layers_fails_before_any_export(cache):
     (dict(devices="local:2"), r"--devices local:2 gives 2 device\(s\); a plan for 3 stages needs 3"),
     (dict(runtime="torch"), r"--stages auto plans for the ExecuTorch runners"),
     (dict(split=ModelSplit("tiny-random", stages="0-1,2-3")), r"zl plan chooses the stages itself; drop --stages"),
+    (dict(stage_lr=(1.0, 2.0)), r"^--stage-lr 1,2: 2 values for 3 stages; give one value for every stage or exactly 3"),
+    (dict(stage_lr=(0.0,)), r"^--stage-lr 0: learning-rate multipliers must be 0 \(the stage does not train\) or"),
 ])
 def test_bad_plan_settings_are_one_line_errors(cache, kw, message):
     with pytest.raises(ZLError, match=message):

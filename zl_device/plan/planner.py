@@ -77,6 +77,7 @@ def check_settings(s: TrainSettings, p: PlanSettings, flag: str = "--stages") ->
     check_num_stages(s.split.num_stages)
     s.export.validate()
     s.export.loss.validate(s.split.num_stages)
+    s.check_stage_lr(s.split.num_stages)
     if s.runtime != "executorch":
         raise ZLError(f"{flag} auto plans for the ExecuTorch runners on the devices; with --runtime {s.runtime} give "
                       "--stages or --num-stages.")

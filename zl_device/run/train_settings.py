@@ -156,8 +156,12 @@ class TrainSettings:
         self.export.validate()
         stages = self.split.count
         self.export.loss.validate(stages)
+        self.check_stage_lr(stages)
+
+    def check_stage_lr(self, stages: int) -> None:
+        """--stage-lr's values against `stages` stages (no --stage-lr: its default, resolved once the split is)."""
         if self.stage_lr is None:
-            return  # the default (default_stage_lr), once the split's stage count is known
+            return
         shown = ",".join(f"{m:g}" for m in self.stage_lr)
         if not self.stage_lr or not all(m >= 0 for m in self.stage_lr) or not any(m > 0 for m in self.stage_lr):
             raise ZLError(f"--stage-lr {shown}: learning-rate multipliers must be 0 (the stage does not train) or "

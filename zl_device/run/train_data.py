@@ -104,8 +104,8 @@ def choose_stage_lr(s: TrainSettings, shard: Path) -> tuple[TrainSettings, str |
                         "the default) got 3.29 where whole-model backprop got 3.07 (3 seeds). See the README, "
                         "'Generative data'.")
     return chosen, ("note: the stages before the last train on their own readouts. On AG News label words that tied "
-                    f"holding them still (--stage-lr {held}, the default) on SmolLM2-135M, 82.3% against 82.4% "
-                    "(3 seeds), and lost 12 points on Gemma 3 270M, 72.6% against 84.6% (2 seeds). See the README, "
+                    f"holding them still (--stage-lr {held}, the default) on SmolLM2-135M, 82.3% both (3 seeds), "
+                    "and lost 12 points on Gemma 3 270M, 72.6% against 84.6% (2 seeds). See the README, "
                     "'Accuracy'.")
 
 

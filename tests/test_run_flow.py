@@ -111,6 +111,12 @@ def test_a_resume_keeps_the_stage_lr_the_run_started_with(tmp_path):
     record_stage_lr(layout, replace(started, stage_lr=(1.0,)))  # recorded once: it stays
     assert json.loads(layout.settings.read_text())["stage_lr"] == [0.0, 0.0, 1.0]
 
+    layout.settings.write_text(json.dumps(to_json(started)))  # unrecorded again, and a config cut short
+    layout.stage_config(1).write_text('{"optimizer": ')
+    with pytest.raises(ZLError, match=r"^--resume --out .*: .*stage_1.json is not a runner config with an optimizer "
+                                      r"lr \(JSONDecodeError: .*\); restore the file \(each device holds a copy\)"):
+        resumed_settings(TrainSettings(resume=True, out=tmp_path))
+
 
 def test_every_schedule_is_in_the_table_under_its_name():
     from zl_device.torch.schedules import SCHEDULES, schedule_named

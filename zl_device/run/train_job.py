@@ -216,8 +216,13 @@ def started_stage_lr(layout: RunLayout, s: TrainSettings) -> tuple[float, ...] |
     lr over --lr), for a run whose settings do not record it (one started before record_stage_lr); None without
     configs (a torch run keeps its per-stage lrs in its own job file)."""
     lrs = []
-    while layout.stage_config(len(lrs)).is_file():
-        lrs.append(json.loads(layout.stage_config(len(lrs)).read_text())["optimizer"]["lr"] / s.optimizer.lr)
+    while (config := layout.stage_config(len(lrs))).is_file():
+        try:
+            lrs.append(float(json.loads(config.read_text())["optimizer"]["lr"]) / s.optimizer.lr)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ZLError(f"--resume --out {layout.root}: {config} is not a runner config with an optimizer lr "
+                          f"({type(e).__name__}: {e}); restore the file (each device holds a copy), or start the run "
+                          "again without --resume.") from None
     return tuple(lrs) or None
 
 

@@ -130,10 +130,31 @@ def test_a_finished_arm_is_not_trained_again_but_a_changed_setting_is(study, dem
     (["--samples", "0"], "--samples 0: must be at least 1"),
     (["--seeds", "0,0"], "--seeds 0,0: give distinct seeds"),
     (["--arm", "zl-x:lora_targets=q_proj/w_proj"], "w_proj is not a projection of any supported model"),
+    (["--arm", "bp:kind=sgd"], "kind 'sgd'; expected one of zerolock, backprop, backprop-last"),
+    (["--arm", "bp:kind=backprop;stage_lr=0/1"], "stage_lr set for a backprop arm; they are ZeroLock settings"),
+    (["--arm", "bp:kind=backprop;lr=0"], "lr 0 must be positive"),
+    (["--arms", "zl-ce", "--reference", "backprop"], "--reference backprop: not among this study's arms"),
 ])
 def test_bad_options_are_clear_errors(demo_data, tmp_path, extra, problem):
     with pytest.raises(ZLError, match=problem.replace("(", r"\(").replace(")", r"\)")):
         study_tool.run(_args(demo_data, tmp_path, *extra))
+
+
+def test_an_arm_at_its_own_lr_is_its_own_run_and_can_be_the_reference(demo_data, tmp_path):
+    """`kind=backprop;lr=` trains backprop at that peak lr (not the study's --lr), cached apart from the plain arm,
+    and `--reference` pairs every other arm with it."""
+    args = _args(demo_data, tmp_path, "--samples", "8", "--seeds", "0", "--arms", "backprop,zl-ce",
+                 "--arm", "bp-slow:kind=backprop;lr=1e-4", "--reference", "bp-slow")
+    study = study_tool.run(args)
+    runs = {r["arm"]: r for r in study["results"]}
+    assert runs["bp-slow"]["kind"] == "backprop" and runs["bp-slow"]["fingerprint"] != runs["backprop"]["fingerprint"]
+    # The same initialisation and rows: window 0 is the same, the later windows differ by the step size.
+    assert runs["bp-slow"]["window_losses"][0] == runs["backprop"]["window_losses"][0]
+    assert runs["bp-slow"]["window_losses"][-1] != runs["backprop"]["window_losses"][-1]
+    assert study["reference"] == "bp-slow"
+    summary = {row["arm"]: row for row in study["summary"]}
+    diff = runs["zl-ce"]["accuracy"] - runs["bp-slow"]["accuracy"]
+    assert summary["zl-ce"]["paired"]["accuracy_diff"] == pytest.approx(diff) and "paired" not in summary["bp-slow"]
 
 
 def test_a_data_file_is_tokenized_once_like_zl_train(tmp_path):

@@ -84,6 +84,7 @@ class Arm:
     note: str = ""
     frozen_dtype: str = "fp32"  # how the frozen weights are stored (zerolock; `--frozen-dtype`, docs/design.md §3.6)
     lora: dict = field(default_factory=dict)  # LoraSettings fields that differ from the study's (zerolock)
+    lr: float | None = None  # peak learning rate of this arm (None: the study's --lr), e.g. a stable one for backprop
 
     def loss_config(self) -> LossConfig:
         return LossConfig(**self.loss)
@@ -174,9 +175,11 @@ class StudySettings:
     columns: DataColumns = field(default_factory=DataColumns)  # prompt/completion columns (generative data)
     generate_rows: int | None = None  # dev rows generated for (generative data; None: all)
 
-    def optimizer(self, budget: Budget) -> OptimizerSettings:
-        """`zl train`'s AdamW settings and schedule for `budget` (zl_device/run/launch.py stage_configs)."""
-        return OptimizerSettings(lr=self.lr, warmup_windows=self.warmup_windows,
+    def optimizer(self, budget: Budget, arm: Arm | None = None) -> OptimizerSettings:
+        """`zl train`'s AdamW settings and schedule for `budget` (zl_device/run/launch.py stage_configs), at `arm`'s
+        own peak lr where it has one."""
+        lr = self.lr if arm is None or arm.lr is None else arm.lr
+        return OptimizerSettings(lr=lr, warmup_windows=self.warmup_windows,
                                  min_lr_ratio=self.min_lr_ratio).for_windows(budget.num_windows)
 
     def fingerprint(self, arm: Arm, samples: int, seed: int) -> str:
@@ -195,6 +198,8 @@ class StudySettings:
             del arm_fields["frozen_dtype"]
         if not arm.lora:  # and those cached before arms had LoRA settings of their own
             del arm_fields["lora"]
+        if arm.lr is None:  # or a learning rate of their own
+            del arm_fields["lr"]
         blob = {"v": STUDY_VERSION, "arm": arm_fields, "samples": samples if arm.kind != "base" else 0, **fields}
         return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -209,20 +214,32 @@ def parse_list(text: str, kind, flag: str) -> tuple:
     return values
 
 
+TRAINED_KINDS = ("zerolock", "backprop", "backprop-last")
+
+
 def parse_arm(spec: str) -> Arm:
-    """`NAME:key=value;key=value` with LossConfig fields, stage_lr, and lists as a/b/c (a ZeroLock arm)."""
+    """`NAME:key=value;key=value` with LossConfig fields, stage_lr, and lists as a/b/c (a ZeroLock arm); `kind=backprop`
+    or `kind=backprop-last` for a backprop arm, `lr=` for an arm's own peak learning rate (any kind)."""
     name, _, body = spec.partition(":")
     name = name.strip()
     if not name or name in ARMS:
         raise ZLError(f"--arm {spec!r}: give a new name before ':' (built-in arms: {', '.join(ARMS)}).")
-    loss, stage_lr, frozen_dtype, lora = {}, (1.0,), "fp32", {}
+    kind, lr, loss, stage_lr, frozen_dtype, lora = "zerolock", None, {}, (1.0,), "fp32", {}
     fields = LossConfig.__dataclass_fields__
     for item in filter(None, (p.strip() for p in body.split(";"))):
         key, eq, value = item.partition("=")
         key = key.strip()
         if not eq:
             raise ZLError(f"--arm {spec!r}: {item!r} is not key=value.")
-        if key == "stage_lr":
+        if key == "kind":
+            kind = value.strip()
+            if kind not in TRAINED_KINDS:
+                raise ZLError(f"--arm {spec!r}: kind {kind!r}; expected one of {', '.join(TRAINED_KINDS)}.")
+        elif key == "lr":
+            lr = parse_list(value, float, f"--arm {name} lr")[0]
+            if not lr > 0:
+                raise ZLError(f"--arm {spec!r}: lr {value.strip()} must be positive, e.g. lr=0.002.")
+        elif key == "stage_lr":
             stage_lr = parse_list(value, float, f"--arm {name} stage_lr")
         elif key == "frozen_dtype":
             frozen_dtype = value.strip()
@@ -237,9 +254,14 @@ def parse_arm(spec: str) -> Arm:
         elif key in fields:
             loss[key] = value.strip()
         else:
-            raise ZLError(f"--arm {spec!r}: unknown key {key!r}; use stage_lr, frozen_dtype, lora_targets, "
+            raise ZLError(f"--arm {spec!r}: unknown key {key!r}; use kind, lr, stage_lr, frozen_dtype, lora_targets, "
                           f"lora_rank or one of {', '.join(fields)}.")
-    arm = Arm(name, "zerolock", loss, stage_lr, note=body, frozen_dtype=frozen_dtype, lora=lora)
+    zerolock_only = [k for k, v in (("stage_lr", stage_lr != (1.0,)), ("frozen_dtype", frozen_dtype != "fp32"),
+                                    ("lora_*", bool(lora)), ("loss fields", bool(loss))) if v]
+    if kind != "zerolock" and zerolock_only:
+        raise ZLError(f"--arm {spec!r}: {', '.join(zerolock_only)} set for a {kind} arm; they are ZeroLock settings "
+                      f"(a backprop arm takes kind and lr; its LoRA is the study's --lora-*).")
+    arm = Arm(name, kind, loss, stage_lr, note=body, frozen_dtype=frozen_dtype, lora=lora, lr=lr)
     arm.lora_settings(LoraSettings()).validate()
     arm.loss_config().validate()
     if frozen_dtype not in FROZEN_DTYPES:
@@ -325,14 +347,14 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
     if arm.kind == "zerolock":
         peft_model, modules = zerolock_modules(arm, s, model, split, train, seed)
         result["trainable"] = sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
-        log = train_zerolock(modules, train, budget, s.optimizer(budget), arm.stage_lr, on_window)
+        log = train_zerolock(modules, train, budget, s.optimizer(budget, arm), arm.stage_lr, on_window)
         trained = peft_model
     elif arm.kind in ("backprop", "backprop-last"):
         trained = attach_lora(model, s.lora, seed=seed)  # the same initial LoRA weights as the export
         if arm.kind == "backprop-last":
             freeze_lora_below(trained, split[-1].first)
         result["trainable"] = sum(p.numel() for p in trained.parameters() if p.requires_grad)
-        log = train_backprop(trained, train, budget, s.optimizer(budget), on_window)
+        log = train_backprop(trained, train, budget, s.optimizer(budget, arm), on_window)
     else:
         trained = model
         progress.update(bar, advance=1)
@@ -366,9 +388,10 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
 # --- the study -----------------------------------------------------------------------------------------
 
 
-def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bool = False) -> dict:
+def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bool = False,
+              reference: str = REFERENCE_ARM) -> dict:
     """Train and score every (budget, seed, arm) not cached in OUT/arms; with `report_only`, only tabulate the
-    cached ones."""
+    cached ones. The tables pair every arm with `reference`."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from zl_device.results.evaluate import limit_rows
@@ -426,8 +449,8 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bo
     study = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items()},
              "stages": format_spec(split), "train_rows": train_rows, "dev_rows": dev.rows,
              "metric": "rouge_l" if generative else "accuracy",
-             "arms": [asdict(a) for a in arms], "reference": REFERENCE_ARM, "results": results}
-    study["summary"] = summary_table(results, REFERENCE_ARM, study["metric"])
+             "arms": [asdict(a) for a in arms], "reference": reference, "results": results}
+    study["summary"] = summary_table(results, reference, study["metric"])
     if generative:  # the first dev rows, each arm's generation (first seed) next to the reference
         from zl_device.results.generation import side_by_side
 
@@ -490,6 +513,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--generate-rows", type=int,
                     help="generative data: greedy generations for the first N dev rows (default: all)")
     ap.add_argument("--out", type=Path, default=Path("runs/study"), help="results and cache (default runs/study)")
+    ap.add_argument("--reference", default=REFERENCE_ARM,
+                    help="the arm every other is paired with (default backprop), e.g. a backprop arm at its own lr: "
+                         "--arm 'backprop-2e-3:kind=backprop;lr=0.002' --reference backprop-2e-3")
     ap.add_argument("--report-only", action="store_true",
                     help="train nothing: tabulate the arms already cached in OUT/arms (e.g. from runs split across machines)")
     return ap.parse_args(argv)
@@ -524,6 +550,9 @@ def build(args: argparse.Namespace) -> tuple[StudySettings, list[Arm]]:
     arms = [ARMS[n] for n in names] + [parse_arm(spec) for spec in args.arm]
     if not arms:
         raise ZLError("no arms to run: pass --arms and/or --arm.")
+    if args.reference not in [a.name for a in arms]:
+        raise ZLError(f"--reference {args.reference}: not among this study's arms ({', '.join(a.name for a in arms)}); "
+                      f"add it to --arms or --arm, or name one of those.")
     s = StudySettings(model=args.model, train=args.train, dev=args.dev, data_format=args.data_format,
                       truncate=args.truncate, seq_len=args.seq_len, samples=samples, stages=args.stages,
                       num_stages=args.num_stages, window=args.window, micro_batch=args.micro_batch, lr=args.lr,
@@ -538,7 +567,7 @@ def run(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     s, arms = build(args)
     err = Console(stderr=True)
-    study = run_study(s, arms, args.out, err, args.report_only)
+    study = run_study(s, arms, args.out, err, args.report_only, args.reference)
     Console().print((args.out / "study.md").read_text())
     err.print(f"written: {args.out / 'study.json'}, {args.out / 'study.md'}, {args.out / 'accuracy.png'}")
     return study

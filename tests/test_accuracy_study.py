@@ -142,9 +142,11 @@ def test_bad_options_are_clear_errors(demo_data, tmp_path, extra, problem):
 
 def test_an_arm_at_its_own_lr_is_its_own_run_and_can_be_the_reference(demo_data, tmp_path):
     """`kind=backprop;lr=` trains backprop at that peak lr (not the study's --lr), cached apart from the plain arm,
-    and `--reference` pairs every other arm with it."""
+    and `--reference` pairs every other arm with it. A stage held still has no early exit (its readout learnt
+    nothing): None, "held still" in study.md."""
     args = _args(demo_data, tmp_path, "--samples", "8", "--seeds", "0", "--arms", "backprop,zl-ce",
-                 "--arm", "bp-slow:kind=backprop;lr=1e-4", "--reference", "bp-slow")
+                 "--arm", "bp-slow:kind=backprop;lr=1e-4", "--arm", "zl-held:alpha=1;stage_lr=0/1",
+                 "--reference", "bp-slow")
     study = study_tool.run(args)
     runs = {r["arm"]: r for r in study["results"]}
     assert runs["bp-slow"]["kind"] == "backprop" and runs["bp-slow"]["fingerprint"] != runs["backprop"]["fingerprint"]
@@ -155,6 +157,9 @@ def test_an_arm_at_its_own_lr_is_its_own_run_and_can_be_the_reference(demo_data,
     summary = {row["arm"]: row for row in study["summary"]}
     diff = runs["zl-ce"]["accuracy"] - runs["bp-slow"]["accuracy"]
     assert summary["zl-ce"]["paired"]["accuracy_diff"] == pytest.approx(diff) and "paired" not in summary["bp-slow"]
+    assert runs["zl-held"]["early_exit_nll"][0] is None and runs["zl-ce"]["early_exit_nll"][0] is not None
+    assert summary["zl-held"]["early_exit_accuracy"] == [None, runs["zl-held"]["accuracy"]]
+    assert f"| 8 | zl-held | — (held still) | {runs['zl-held']['accuracy']:.1%}" in (tmp_path / "study.md").read_text()
 
 
 def test_a_data_file_is_tokenized_once_like_zl_train(tmp_path):

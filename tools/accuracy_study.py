@@ -377,12 +377,27 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
                       generations=score.generations[:SHOWN_GENERATIONS])
         shown = f"ROUGE-L {score.rouge_l:.3f}, NLL {score.nll:.3f}"
     result.update(accuracy=score.accuracy, nll=score.nll, eval_s=score.seconds, rows=rows)
-    if modules is not None:  # each stage's readout as the model: NLL (and accuracy on classification data)
-        exits = [evaluate(EarlyExitModel(modules, k), dev, s.eval_batch_size) for k in range(len(modules) - 1)]
-        result["early_exit_accuracy"] = [e.accuracy for e in exits] + [score.accuracy]
-        result["early_exit_nll"] = [e.nll for e in exits] + [score.nll]
+    if modules is not None:  # each trained stage's readout as the model: NLL (and accuracy on classification data)
+        exits = [None if held_still(arm, k) else evaluate(EarlyExitModel(modules, k), dev, s.eval_batch_size)
+                 for k in range(len(modules) - 1)]  # a stage held still (lr 0): its readout learnt nothing; None
+        result["early_exit_accuracy"] = [e and e.accuracy for e in exits] + [score.accuracy]
+        result["early_exit_nll"] = [e and e.nll for e in exits] + [score.nll]
     progress.update(bar, description=f"{label}: {shown}")
     return result
+
+
+def held_still(arm: Arm, stage: int) -> bool:
+    """Whether `arm` holds `stage` (not the last) still: its stage_lr is 0 there."""
+    return len(arm.stage_lr) > 1 and arm.stage_lr[stage] == 0
+
+
+def without_held_exits(arm: Arm, result: dict) -> dict:
+    """`result` with no early exit for the stages `arm` holds still (arms cached before they were left unscored
+    have the base model's figures there, which say nothing about training)."""
+    if not result.get("early_exit_nll"):
+        return result
+    return {**result, **{key: [None if held_still(arm, k) and k < len(values) - 1 else v for k, v in enumerate(values)]
+                         for key in ("early_exit_nll", "early_exit_accuracy") if (values := result.get(key))}}
 
 
 # --- the study -----------------------------------------------------------------------------------------
@@ -435,7 +450,7 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bo
                     cached = out / "arms" / f"{key}.json"
                     fp = s.fingerprint(arm, samples, seed)
                     if cached.is_file() and json.loads(cached.read_text()).get("fingerprint") == fp:
-                        result = json.loads(cached.read_text())
+                        result = without_held_exits(arm, json.loads(cached.read_text()))
                     elif report_only:
                         err.print(f"{key}: not in {cached.parent} with these settings; left out")
                         continue
@@ -513,8 +528,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--generate-rows", type=int,
                     help="generative data: greedy generations for the first N dev rows (default: all)")
     ap.add_argument("--out", type=Path, default=Path("runs/study"), help="results and cache (default runs/study)")
-    ap.add_argument("--reference", default=REFERENCE_ARM,
-                    help="the arm every other is paired with (default backprop), e.g. a backprop arm at its own lr: "
+    ap.add_argument("--reference",
+                    help="the arm every other is paired with (default backprop, when the study has it), e.g. a backprop arm at its own lr: "
                          "--arm 'backprop-2e-3:kind=backprop;lr=0.002' --reference backprop-2e-3")
     ap.add_argument("--report-only", action="store_true",
                     help="train nothing: tabulate the arms already cached in OUT/arms (e.g. from runs split across machines)")
@@ -550,7 +565,7 @@ def build(args: argparse.Namespace) -> tuple[StudySettings, list[Arm]]:
     arms = [ARMS[n] for n in names] + [parse_arm(spec) for spec in args.arm]
     if not arms:
         raise ZLError("no arms to run: pass --arms and/or --arm.")
-    if args.reference not in [a.name for a in arms]:
+    if args.reference is not None and args.reference not in [a.name for a in arms]:
         raise ZLError(f"--reference {args.reference}: not among this study's arms ({', '.join(a.name for a in arms)}); "
                       f"add it to --arms or --arm, or name one of those.")
     s = StudySettings(model=args.model, train=args.train, dev=args.dev, data_format=args.data_format,
@@ -567,7 +582,7 @@ def run(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     s, arms = build(args)
     err = Console(stderr=True)
-    study = run_study(s, arms, args.out, err, args.report_only, args.reference)
+    study = run_study(s, arms, args.out, err, args.report_only, args.reference or REFERENCE_ARM)
     Console().print((args.out / "study.md").read_text())
     err.print(f"written: {args.out / 'study.json'}, {args.out / 'study.md'}, {args.out / 'accuracy.png'}")
     return study

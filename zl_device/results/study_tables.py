@@ -2,7 +2,8 @@
 the paired difference to the reference arm (zl_device/results/comparison.py), times, and early-exit figures.
 
 `results` are the study's arm records: arm, samples, seed (None for the base model), accuracy, nll, train_s,
-eval_s, wall_s, rows (each dev row's correct / nll_sum / tokens) and, for ZeroLock, early_exit_accuracy/_nll.
+eval_s, wall_s, rows (each dev row's correct / nll_sum / tokens) and, for ZeroLock, early_exit_accuracy/_nll
+(None for a stage held still: not scored).
 
 The per-row score is the study's metric: label-word accuracy (`correct`, 0 or 1) on classification data, ROUGE-L
 F-measure of the greedy generation (`rouge_l`, in [0, 1]) on generative data, where records also carry each
@@ -58,12 +59,17 @@ def summary_table(results: list[dict], reference: str, metric: str = "accuracy")
                 row["paired"] = _named(pair.to_dict(), metric) if pair else None
             if any(r.get("early_exit_nll") for r in mine):
                 with_exits = [r for r in mine if r.get("early_exit_nll")]
-                row["early_exit_nll"] = [sum(x) / len(x) for x in zip(*(r["early_exit_nll"] for r in with_exits))]
+                row["early_exit_nll"] = [_mean(x) for x in zip(*(r["early_exit_nll"] for r in with_exits))]
                 if metric == "accuracy":
-                    row["early_exit_accuracy"] = [sum(x) / len(x)
-                                                  for x in zip(*(r["early_exit_accuracy"] for r in with_exits))]
+                    row["early_exit_accuracy"] = [_mean(x) for x in zip(*(r["early_exit_accuracy"] for r in with_exits))]
             rows.append(row)
     return rows
+
+
+def _mean(values) -> float | None:
+    """The mean of the values that are there (an early exit of a stage held still is None: not scored)."""
+    there = [v for v in values if v is not None]
+    return sum(there) / len(there) if there else None
 
 
 def _mean_of(results: list[dict], key: str) -> float | None:
@@ -122,9 +128,10 @@ def markdown(study: dict) -> str:
                   "|---|---|" + "---|" * width]
         for r in exits:
             if metric == "accuracy":
-                cells = [f"{a:.1%} ({n:.3f})" for a, n in zip(r["early_exit_accuracy"], r["early_exit_nll"])]
+                cells = ["— (held still)" if n is None else f"{a:.1%} ({n:.3f})"
+                         for a, n in zip(r["early_exit_accuracy"], r["early_exit_nll"])]
             else:
-                cells = [f"{n:.3f}" for n in r["early_exit_nll"]]
+                cells = ["— (held still)" if n is None else f"{n:.3f}" for n in r["early_exit_nll"]]
             lines.append(f"| {r['samples']} | {r['arm']} | " + " | ".join(cells) + " |")
     lines += ["", f"## {name[0].upper() + name[1:]} of every seed", "", f"| samples | arm | seed | {name} | NLL | train s |",
               "|---|---|---|---|---|---|"]

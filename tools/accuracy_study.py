@@ -16,7 +16,9 @@ it trains and scores on the dev rows (all of them by default):
 An arm with `frozen_dtype` bf16 or int8 (zl-translator-bf16, zl-translator-int8, or `frozen_dtype=` in
 --arm) trains and is scored with the frozen weights stored that way (`zl export --frozen-dtype`); one with
 `lora_targets=q_proj/k_proj/...` or `lora_rank=` in --arm trains ZeroLock with LoRA settings of its own (the
-backprop arms keep the study's --lora-*).
+backprop arms keep the study's --lora-*). `lr=` gives an arm a peak learning rate of its own and `kind=backprop` or
+`kind=backprop-last` makes an --arm a backprop arm; `--reference NAME` pairs every arm with that one instead of
+`backprop` (e.g. backprop at an lr where it is stable, when the study's diverges).
 
 A seed sets the LoRA initialisation and the data order (which training rows,
 in which order); for one seed every arm sees the same micro-batches in the same
@@ -36,6 +38,8 @@ error over the seeds and its paired difference to the reference arm
         --arms base,backprop,backprop-last,zl-default --out runs/study
     .venv/bin/python tools/accuracy_study.py ... --arms base,backprop,zl-paper \\
         --arm "zl-mine:alpha=0.3/0.7/1;translator_rank=8;stage_lr=1/1/2"
+    .venv/bin/python tools/accuracy_study.py ... --samples 4096 --arms zl-default \\
+        --arm "backprop-2e-3:kind=backprop;lr=0.002" --reference backprop-2e-3
 
 Each finished arm is cached as OUT/arms/<samples>-<arm>-seed<seed>.json (the
 base model, scored once: OUT/arms/0-base.json) with the settings it ran with,

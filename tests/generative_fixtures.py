@@ -57,9 +57,10 @@ def chat_run(run: Path, rows: list[dict] = CHAT_ROWS, seq_len: int = 80) -> Path
     return run
 
 
-def memorized_adapter(out: Path, shard, steps: int = 300, seed: int = 0) -> Path:
+def memorized_adapter(out: Path, shard, steps: int = 1000, seed: int = 0) -> Path:
     """Train LoRA (rank 8, every projection) on `shard` until greedy decoding reproduces its completions; save it
-    as PEFT does (adapter_config.json, adapter_model.safetensors) in `out`."""
+    as PEFT does (adapter_config.json, adapter_model.safetensors) in `out`. It stops as soon as they are reproduced;
+    how many steps that takes depends on the host's floating point (300 were too few for the chat rows on one host)."""
     from safetensors.torch import save_file
 
     from zl_device.results.generation import generate_ids, split_row

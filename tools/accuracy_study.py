@@ -382,7 +382,7 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
         shown = f"ROUGE-L {score.rouge_l:.3f}, NLL {score.nll:.3f}"
     result.update(accuracy=score.accuracy, nll=score.nll, eval_s=score.seconds, rows=rows)
     if modules is not None:  # each trained stage's readout as the model: NLL (and accuracy on classification data)
-        exits = [None if held_still(arm, k) else evaluate(EarlyExitModel(modules, k), dev, s.eval_batch_size)
+        exits = [None if held_still(arm, k, len(modules)) else evaluate(EarlyExitModel(modules, k), dev, s.eval_batch_size)
                  for k in range(len(modules) - 1)]  # a stage held still (lr 0): its readout learnt nothing; None
         result["early_exit_accuracy"] = [e and e.accuracy for e in exits] + [score.accuracy]
         result["early_exit_nll"] = [e and e.nll for e in exits] + [score.nll]
@@ -390,9 +390,11 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
     return result
 
 
-def held_still(arm: Arm, stage: int) -> bool:
-    """Whether `arm` holds `stage` (not the last) still: its stage_lr is 0 there."""
-    return len(arm.stage_lr) > 1 and arm.stage_lr[stage] == 0
+def held_still(arm: Arm, stage: int, num_stages: int) -> bool:
+    """Whether `arm` holds `stage` still (runs it forward only), by the runtimes' rule on its lr multiplier there."""
+    from zl_device.formats.lr_schedule import runs_forward_only
+
+    return runs_forward_only(arm.stage_lr[0 if len(arm.stage_lr) == 1 else stage], stage, num_stages)
 
 
 def without_held_exits(arm: Arm, result: dict) -> dict:
@@ -400,7 +402,7 @@ def without_held_exits(arm: Arm, result: dict) -> dict:
     have the base model's figures there, which say nothing about training)."""
     if not result.get("early_exit_nll"):
         return result
-    return {**result, **{key: [None if held_still(arm, k) and k < len(values) - 1 else v for k, v in enumerate(values)]
+    return {**result, **{key: [None if held_still(arm, k, len(values)) else v for k, v in enumerate(values)]
                          for key in ("early_exit_nll", "early_exit_accuracy") if (values := result.get(key))}}
 
 
@@ -453,8 +455,9 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bo
                     key = "0-base" if arm.kind == "base" else f"{samples}-{arm.name}-seed{seed}"
                     cached = out / "arms" / f"{key}.json"
                     fp = s.fingerprint(arm, samples, seed)
-                    if cached.is_file() and json.loads(cached.read_text()).get("fingerprint") == fp:
-                        result = without_held_exits(arm, json.loads(cached.read_text()))
+                    stored = json.loads(cached.read_text()) if cached.is_file() else {}
+                    if stored.get("fingerprint") == fp:
+                        result = without_held_exits(arm, stored)
                     elif report_only:
                         err.print(f"{key}: not in {cached.parent} with these settings; left out")
                         continue

@@ -162,6 +162,38 @@ def test_an_arm_at_its_own_lr_is_its_own_run_and_can_be_the_reference(demo_data,
     assert f"| 8 | zl-held | — (held still) | {runs['zl-held']['accuracy']:.1%}" in (tmp_path / "study.md").read_text()
 
 
+def test_held_out_rows_are_never_trained_on_and_get_their_own_paired_table(demo_data, tmp_path):
+    """--held-out N: the last N of each seed's shuffled training rows leave training (the arms train on the rows
+    before them, as without the flag) and every trained arm is scored on them too: a second, paired table."""
+    from zl_export.shard import load_shard
+
+    train = load_shard(demo_data / "train.safetensors")
+    args = _args(demo_data, tmp_path, "--samples", "8", "--seeds", "0,1", "--arms", "base,backprop,zl-ce",
+                 "--held-out", "6")
+    study = study_tool.run(args)
+    runs = {(r["arm"], r["seed"]): r for r in study["results"]}
+    assert "held_out" not in runs[("base", None)]  # scored once: no seed, so no held-out rows of its own
+    for (arm, seed), r in runs.items():
+        if arm == "base":
+            continue
+        held = r["held_out"]
+        assert len(held["rows"]["correct"]) == 6 and sum(held["rows"]["correct"]) / 6 == held["accuracy"]
+        assert sum(held["rows"]["nll_sum"]) / sum(held["rows"]["tokens"]) == pytest.approx(held["nll"])
+    table = {row["arm"]: row for row in study["held_out_summary"]}
+    assert set(table) == {"backprop", "zl-ce"} and study["held_out_rows"] == 6
+    assert table["zl-ce"]["paired"]["accuracy_diff"] == pytest.approx(
+        sum(runs[("zl-ce", s)]["held_out"]["accuracy"] - runs[("backprop", s)]["held_out"]["accuracy"]
+            for s in (0, 1)) / 2)
+    assert "## Held-out rows: the last 6 of each seed's shuffled training rows" in (tmp_path / "study.md").read_text()
+    # Training itself is what it is without the flag (the first 8 rows either way); only the fingerprint differs.
+    plain = study_tool.run(_args(demo_data, tmp_path / "plain", "--samples", "8", "--seeds", "0", "--arms", "zl-ce"))
+    assert plain["results"][0]["window_losses"] == runs[("zl-ce", 0)]["window_losses"]
+    assert plain["results"][0]["fingerprint"] != runs[("zl-ce", 0)]["fingerprint"]
+    with pytest.raises(ZLError, match=f"--held-out {train.rows - 4}: .* hold out at most {train.rows - 8} rows"):
+        study_tool.run(_args(demo_data, tmp_path, "--samples", "8", "--seeds", "0", "--arms", "zl-ce",
+                             "--held-out", str(train.rows - 4)))
+
+
 def test_a_data_file_is_tokenized_once_like_zl_train(tmp_path):
     """A .jsonl (not a shard) becomes OUT/data/<split>.safetensors, shuffled with the seed, reused on the next run."""
     rows = [{"text": f"item {i} is here", "label": "odd" if i % 2 else "even"} for i in range(24)]

@@ -53,3 +53,14 @@ def test_an_arm_scored_once_pairs_with_every_seed_and_unpaired_seeds_are_left_ou
     assert paired([_arm(5, [1, 1])], ref) is None
     with pytest.raises(ValueError, match="same rows"):
         paired([_arm(0, [1, 1, 1])], ref)
+
+
+def test_rows_that_differ_per_seed_are_averaged_per_token_of_each_seed():
+    """Held-out rows: each seed scores its own rows, with their own token counts; the NLL difference of a seed is
+    per token of that seed's rows, and the estimate is the mean of the seeds'."""
+    ref = [Scored(0, (1, 1), (2.0, 2.0), (1, 1)), Scored(1, (1, 1), (6.0, 6.0), (3, 3))]
+    arm = [Scored(0, (1, 1), (1.0, 1.0), (1, 1)), Scored(1, (1, 1), (3.0, 3.0), (3, 3))]
+    pair = paired(arm, ref)
+    # Seed 0: (2 - 4) / 2 tokens = -1 per token; seed 1: (6 - 12) / 6 tokens = -1 per token.
+    assert pair.nll_diff == pytest.approx(-1.0)
+    assert pair.nll_ci == pytest.approx((-1.0, -1.0))

@@ -178,6 +178,19 @@ class StudySettings:
     eval_batch_size: int = 16
     columns: DataColumns = field(default_factory=DataColumns)  # prompt/completion columns (generative data)
     generate_rows: int | None = None  # dev rows generated for (generative data; None: all)
+    held_out: int | None = None  # the last N rows of each seed's shuffled training rows: never trained on, scored
+
+    def training_rows(self, train):
+        """(the rows arms train on, the held-out rows or None) of one seed's shuffled training shard."""
+        from zl_device.results.evaluate import head_rows, tail_rows
+
+        if self.held_out is None:
+            return train, None
+        if train.rows - self.held_out < max(self.samples):
+            raise ZLError(f"--held-out {self.held_out}: {train.path} has {train.rows} rows, which leaves "
+                          f"{train.rows - self.held_out} to train on, fewer than --samples {max(self.samples)}; "
+                          f"hold out at most {train.rows - max(self.samples)} rows.")
+        return head_rows(train, train.rows - self.held_out), tail_rows(train, self.held_out)
 
     def optimizer(self, budget: Budget, arm: Arm | None = None) -> OptimizerSettings:
         """`zl train`'s AdamW settings and schedule for `budget` (zl_device/run/launch.py stage_configs), at `arm`'s
@@ -190,13 +203,14 @@ class StudySettings:
         """What determines an arm's result at `seed`: a cached arm with another fingerprint runs again."""
         fields = {k: str(v) for k, v in asdict(self).items()
                   if k not in ("samples", "seeds", "threads", "eval_batch_size")}
-        for name, unset in (("columns", not self.columns.given()), ("generate_rows", self.generate_rows is None)):
+        for name, unset in (("columns", not self.columns.given()), ("generate_rows", self.generate_rows is None),
+                            ("held_out", self.held_out is None)):
             if unset:  # studies cached before generative data keep their fingerprints
                 del fields[name]
         fields["seed"] = str(seed)
         if arm.kind == "base":  # scoring only: the training settings and the seed do not matter
             fields = {k: fields[k] for k in ("model", "dev", "data_format", "truncate", "seq_len", "eval_limit",
-                                              "columns", "generate_rows") if k in fields}
+                                              "columns", "generate_rows") if k in fields}  # base: no held-out rows
         arm_fields = asdict(arm)
         if arm.frozen_dtype == "fp32":  # arms cached before frozen_dtype existed keep their fingerprint
             del arm_fields["frozen_dtype"]
@@ -322,14 +336,15 @@ def zerolock_modules(arm: Arm, s: StudySettings, model, split, train, seed: int)
 
 
 def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, split, train, dev, progress,
-            tokenizer=None) -> dict:
-    """Train (unless base) a fresh copy of the model as `arm` on `samples` samples at `seed`, score it on `dev`.
+            tokenizer=None, held=None) -> dict:
+    """Train (unless base) a fresh copy of the model as `arm` on `samples` samples at `seed`, score it on `dev`
+    (and, given `held`, on those rows too: result["held_out"]).
 
     With `tokenizer` (generative dev data) the scoring is completion NLL and greedy generations (ROUGE-L, exact
     match) instead of label-word accuracy."""
     from zl_device.torch.eager_training import (freeze_lora_below, train_backprop, train_zerolock)
     from zl_device.results.early_exit import EarlyExitModel
-    from zl_device.results.evaluate import GenerationEval, evaluate
+    from zl_device.results.evaluate import evaluate
     from zl_export.lora import attach_lora
 
     budget = Budget(samples, s.window, s.micro_batch)
@@ -367,20 +382,15 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
         if log.task_losses:
             result.update(window_task_losses=log.task_losses, window_consistency_losses=log.consistency_losses)
     progress.update(bar, description=f"{label}: scoring", loss="")
-    generation = None
+    score, scored = score_rows(trained, dev, s, tokenizer)
+    result.update(scored)
     if tokenizer is not None:
-        generation = GenerationEval(tokenizer, rows=dev.rows if s.generate_rows is None else s.generate_rows)
-    score = evaluate(trained, dev, s.eval_batch_size, per_row=True, generation=generation)
-    rows = {"nll_sum": score.per_row.nll_sum, "tokens": score.per_row.tokens}
-    if generation is None:
-        rows["correct"] = score.per_row.correct
-        shown = f"{score.accuracy:.1%}"
-    else:
-        rows.update(rouge_l=score.row_rouge_l, exact=score.row_exact)
-        result.update(rouge_l=score.rouge_l, exact_match=score.exact_match, generated_rows=score.generated_rows,
-                      generations=score.generations[:SHOWN_GENERATIONS])
-        shown = f"ROUGE-L {score.rouge_l:.3f}, NLL {score.nll:.3f}"
-    result.update(accuracy=score.accuracy, nll=score.nll, eval_s=score.seconds, rows=rows)
+        result["generations"] = score.generations[:SHOWN_GENERATIONS]
+    shown = f"{score.accuracy:.1%}" if tokenizer is None else f"ROUGE-L {score.rouge_l:.3f}, NLL {score.nll:.3f}"
+    if held is not None:
+        progress.update(bar, description=f"{label}: scoring {held.rows} held-out rows")
+        result["held_out"] = score_rows(trained, held, s, tokenizer)[1]
+        shown += f", held out {_shown(result['held_out'])}"
     if modules is not None:  # each trained stage's readout as the model: NLL (and accuracy on classification data)
         exits = [None if held_still(arm, k, len(modules)) else evaluate(EarlyExitModel(modules, k), dev, s.eval_batch_size)
                  for k in range(len(modules) - 1)]  # a stage held still (lr 0): its readout learnt nothing; None
@@ -388,6 +398,35 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
         result["early_exit_nll"] = [e and e.nll for e in exits] + [score.nll]
     progress.update(bar, description=f"{label}: {shown}")
     return result
+
+
+def score_rows(model, shard, s: StudySettings, tokenizer=None) -> tuple:
+    """`model` scored on every row of `shard`: (the Score, the record's fields: accuracy, nll, eval_s, each row's
+    result and, on generative data, ROUGE-L, exact match and how many rows were generated for)."""
+    from zl_device.results.evaluate import GenerationEval, evaluate
+
+    generation = None
+    if tokenizer is not None:
+        generation = GenerationEval(tokenizer, rows=shard.rows if s.generate_rows is None else s.generate_rows)
+    score = evaluate(model, shard, s.eval_batch_size, per_row=True, generation=generation)
+    rows = {"nll_sum": score.per_row.nll_sum, "tokens": score.per_row.tokens}
+    fields = {"accuracy": score.accuracy, "nll": score.nll, "eval_s": score.seconds, "rows": rows}
+    if generation is None:
+        rows["correct"] = score.per_row.correct
+    else:
+        rows.update(rouge_l=score.row_rouge_l, exact=score.row_exact)
+        fields.update(rouge_l=score.rouge_l, exact_match=score.exact_match, generated_rows=score.generated_rows)
+    return score, fields
+
+
+def _shown(fields: dict) -> str:
+    return f"{fields['accuracy']:.1%}" if "rouge_l" not in fields else f"ROUGE-L {fields['rouge_l']:.3f}"
+
+
+def held_out_results(results: list[dict]) -> list[dict]:
+    """The trained arms' records with their held-out scores in place of the dev ones (no early exits there)."""
+    return [{**{k: v for k, v in r.items() if not k.startswith("early_exit")}, **r["held_out"]}
+            for r in results if r.get("held_out")]
 
 
 def held_still(arm: Arm, stage: int, num_stages: int) -> bool:
@@ -438,11 +477,13 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bo
     dev = limit_rows(prepare_shard(s, s.dev, "dev", loaded.tokenizer, out), s.eval_limit)
     generative = not dev.meta.get("label_token_ids")  # prompt/completion rows: NLL and generations, not accuracy
     arms = [default_arm_for(arm, len(split)) for arm in arms]
-    trains = {seed: prepare_shard(s, s.train, f"train-seed{seed}", loaded.tokenizer, out, seed) for seed in s.seeds}
-    train_rows = trains[s.seeds[0]].rows
+    trains = {seed: s.training_rows(prepare_shard(s, s.train, f"train-seed{seed}", loaded.tokenizer, out, seed))
+              for seed in s.seeds}  # seed -> (rows to train on, held-out rows or None)
+    train_rows = trains[s.seeds[0]][0].rows
     err.print(f"study: {s.model}, stages {format_spec(split)}, {train_rows} train rows, {dev.rows} dev rows, "
               f"samples {', '.join(map(str, s.samples))}, seeds {', '.join(map(str, s.seeds))}, window {s.window}, "
-              f"lr {s.lr:g}, {s.threads} threads")
+              f"lr {s.lr:g}, {s.threads} threads"
+              + (f", {s.held_out} held-out rows per seed" if s.held_out else ""))
     results = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[loss]}"))
@@ -463,8 +504,10 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bo
                         continue
                     else:
                         start = time.perf_counter()
-                        result = run_arm(arm, samples, seed, s, loaded.model, split, trains[seed], dev, progress,
-                                         loaded.tokenizer if generative else None)
+                        train, held = trains[seed]
+                        result = run_arm(arm, samples, seed, s, loaded.model, split, train, dev, progress,
+                                         loaded.tokenizer if generative else None,
+                                         held if arm.kind != "base" else None)
                         result.update(fingerprint=fp, wall_s=time.perf_counter() - start)
                         _write_json(cached, result)
                     results.append({**result, "samples": samples})
@@ -473,6 +516,9 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bo
              "metric": "rouge_l" if generative else "accuracy",
              "arms": [asdict(a) for a in arms], "reference": reference, "results": results}
     study["summary"] = summary_table(results, reference, study["metric"])
+    if s.held_out:  # the same arms on each seed's held-out training rows (the base model, scored once, has none)
+        study["held_out_rows"] = s.held_out
+        study["held_out_summary"] = summary_table(held_out_results(results), reference, study["metric"])
     if generative:  # the first dev rows, each arm's generation (first seed) next to the reference
         from zl_device.results.generation import side_by_side
 
@@ -534,6 +580,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "many cores; the figures change only by float rounding)")
     ap.add_argument("--generate-rows", type=int,
                     help="generative data: greedy generations for the first N dev rows (default: all)")
+    ap.add_argument("--held-out", type=int,
+                    help="keep the last N of each seed's shuffled training rows out of training and score every "
+                         "trained arm on them too: a test set no choice was tuned on (study.md's held-out table)")
     ap.add_argument("--out", type=Path, default=Path("runs/study"), help="results and cache (default runs/study)")
     ap.add_argument("--reference",
                     help="the arm every other is paired with (default backprop, when the study has it), e.g. a backprop arm at its own lr: "
@@ -550,7 +599,8 @@ def build(args: argparse.Namespace) -> tuple[StudySettings, list[Arm]]:
         raise ZLError(f"--seeds {args.seeds}: give distinct seeds of at least 0, e.g. 0,1,2.")
     for flag, value in (("--samples", min(samples)), ("--window", args.window), ("--micro-batch", args.micro_batch),
                         ("--eval-batch-size", args.eval_batch_size),
-                        ("--threads", args.threads), ("--num-stages", args.num_stages)):
+                        ("--threads", args.threads), ("--num-stages", args.num_stages),
+                        ("--held-out", 1 if args.held_out is None else args.held_out)):
         if value < 1:
             raise ZLError(f"{flag} {value}: must be at least 1.")
     if not args.lr > 0:
@@ -579,7 +629,7 @@ def build(args: argparse.Namespace) -> tuple[StudySettings, list[Arm]]:
                       truncate=args.truncate, seq_len=args.seq_len, samples=samples, stages=args.stages,
                       num_stages=args.num_stages, window=args.window, micro_batch=args.micro_batch, lr=args.lr,
                       lora=lora, seeds=seeds, threads=args.threads, eval_limit=args.eval_limit, columns=columns,
-                      generate_rows=args.generate_rows, eval_batch_size=args.eval_batch_size)
+                      generate_rows=args.generate_rows, eval_batch_size=args.eval_batch_size, held_out=args.held_out)
     return s, arms
 
 

@@ -21,6 +21,12 @@ NLL difference per label token is the same with e_is in place of d_is and
 sums over rows divided by the rows' label tokens. An arm without seeds (the
 base model) pairs its one scoring with every seed of the reference.
 
+The rows may also differ from seed to seed, as long as the two arms of one
+seed are scored on the same ones (the study's held-out rows: each seed keeps
+its own shuffled tail of the training rows out of training). The same
+estimate then holds: the row part, var_i(mean_s d_is) / n, is the variance of
+a mean over n·S independent rows, as it should be.
+
 Accuracy and NLL of a single arm are reported as mean ± standard error over
 its seeds (sd / sqrt(S)); with one seed, the binomial standard error of the
 accuracy over the rows instead (the row noise alone).
@@ -123,7 +129,6 @@ def paired(arm: list[Scored], ref: list[Scored]) -> Paired | None:
     for a, r in pairs:
         if len(a.correct) != n or len(r.correct) != n or a.tokens != r.tokens:
             raise ValueError("paired: the arms were not scored on the same rows")
-    tokens = sum(pairs[0][1].tokens)
     seeds = len(pairs)
 
     def interval(per_row_seed: list[list[float]], scale: float) -> tuple[float, tuple[float, float]]:
@@ -135,6 +140,8 @@ def paired(arm: list[Scored], ref: list[Scored]) -> Paired | None:
         return diff, (diff - half, diff + half)
 
     acc_diff, acc_ci = interval([[x - y for x, y in zip(a.correct, r.correct)] for a, r in pairs], 1 / n)
-    nll_diff, nll_ci = interval([[x - y for x, y in zip(a.nll_sum, r.nll_sum)] for a, r in pairs], 1 / tokens)
+    # per token of each seed's rows (the same count for every seed when the rows are the same)
+    nll_diff, nll_ci = interval([[(x - y) * n / sum(r.tokens) for x, y in zip(a.nll_sum, r.nll_sum)]
+                                 for a, r in pairs], 1 / n)
     ratio = _mean(a.nll for a, _ in pairs) / _mean(r.nll for _, r in pairs)
     return Paired(seeds, acc_diff, acc_ci, nll_diff, nll_ci, ratio)

@@ -3,7 +3,8 @@ the paired difference to the reference arm (zl_device/results/comparison.py), ti
 
 `results` are the study's arm records: arm, samples, seed (None for the base model), accuracy, nll, train_s,
 eval_s, wall_s, rows (each dev row's correct / nll_sum / tokens) and, for ZeroLock, early_exit_accuracy/_nll
-(None for a stage held still: not scored).
+(None for a stage held still: not scored); with the study's --held-out, `held_out` holds the same scores on each
+seed's held-out training rows (tabulated as a second table).
 
 The per-row score is the study's metric: label-word accuracy (`correct`, 0 or 1) on classification data, ROUGE-L
 F-measure of the greedy generation (`rouge_l`, in [0, 1]) on generative data, where records also carry each
@@ -88,7 +89,6 @@ def markdown(study: dict) -> str:
     ref = study["reference"]
     metric = study.get("metric", "accuracy")
     name = METRICS[metric]
-    unit = "" if metric == "accuracy" else " (F × 100)"
     what = "Dev accuracy and NLL per label token" if metric == "accuracy" else \
         "Dev ROUGE-L of greedy generations and completion NLL per token"
     lines = [f"# Accuracy study: {s['model']}, stages {study['stages']}", "",
@@ -98,26 +98,13 @@ def markdown(study: dict) -> str:
              f"{', '.join(map(str, s['seeds']))}.", "",
              f"## {what} (mean ± SE over seeds), paired difference to `{ref}`", "",
              f"Δ: the arm minus `{ref}` on the same rows and seeds, with a 95% interval over rows and seeds; "
-             "NLL ratio: the arm's NLL / the reference's. Times: seconds per seed.", "",
-             f"| samples | arm | seeds | {name}{unit} | Δ {name} [95% CI] | NLL | Δ NLL [95% CI] | NLL ratio "
-             + ("| exact match " if metric != "accuracy" else "") + "| train s | scoring s |",
-             "|---|---|---|---|---|---|---|---|" + ("---|" if metric != "accuracy" else "") + "---|---|"]
-    points = "pt" if metric == "accuracy" else ""
-    for r in study["summary"]:
-        pair = r.get("paired")
-        if pair:
-            lo, hi = pair[f"{metric}_ci"]
-            nlo, nhi = pair["nll_ci"]
-            delta = f"{100 * pair[f'{metric}_diff']:+.1f} {points} [{100 * lo:+.1f}, {100 * hi:+.1f}]".replace("  ", " ")
-            nll_delta = f"{pair['nll_diff']:+.3f} [{nlo:+.3f}, {nhi:+.3f}]"
-            ratio = f"{pair['nll_ratio']:.3f}"
-        else:
-            delta = nll_delta = ratio = "—"
-        seeds = "—" if r["seeds"] == [None] else str(len(r["seeds"]))
-        exact = f"| {r['exact_match']:.1%} " if metric != "accuracy" else ""
-        lines.append(f"| {r['samples']} | {r['arm']} | {seeds} | {_fmt(metric, r[metric])} ± "
-                     f"{100 * r[f'{metric}_se']:.1f} | {delta} | {r['nll']:.3f} ± {r['nll_se']:.3f} | {nll_delta} "
-                     f"| {ratio} {exact}| {_seconds(r['train_s'])} | {_seconds(r['eval_s'])} |")
+             "NLL ratio: the arm's NLL / the reference's. Times: seconds per seed.", ""]
+    lines += _summary_lines(study["summary"], metric)
+    if study.get("held_out_summary"):
+        lines += ["", f"## Held-out rows: the last {study['held_out_rows']} of each seed's shuffled training rows", "",
+                  "Rows no arm trained on and no choice was made on (each seed holds out its own rows; the arms of "
+                  f"one seed are paired on the same ones). Δ: the arm minus `{ref}`. Scoring s: on these rows.", ""]
+        lines += _summary_lines(study["held_out_summary"], metric)
     exits = [r for r in study["summary"] if r.get("early_exit_nll")]
     if exits:
         width = len(exits[0]["early_exit_nll"])
@@ -150,6 +137,32 @@ def markdown(study: dict) -> str:
     lines += ["", "## Arms", ""] + [f"- `{n}`: {notes.get(n, '')}"
                                     for n in dict.fromkeys(r["arm"] for r in study["results"])]
     return "\n".join(lines) + "\n"
+
+
+def _summary_lines(summary: list[dict], metric: str) -> list[str]:
+    """The markdown table of summary_table's rows: mean ± SE, the paired difference to the reference, times."""
+    name = METRICS[metric]
+    unit = "" if metric == "accuracy" else " (F × 100)"
+    lines = [f"| samples | arm | seeds | {name}{unit} | Δ {name} [95% CI] | NLL | Δ NLL [95% CI] | NLL ratio "
+             + ("| exact match " if metric != "accuracy" else "") + "| train s | scoring s |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if metric != "accuracy" else "") + "---|---|"]
+    points = "pt" if metric == "accuracy" else ""
+    for r in summary:
+        pair = r.get("paired")
+        if pair:
+            lo, hi = pair[f"{metric}_ci"]
+            nlo, nhi = pair["nll_ci"]
+            delta = f"{100 * pair[f'{metric}_diff']:+.1f} {points} [{100 * lo:+.1f}, {100 * hi:+.1f}]".replace("  ", " ")
+            nll_delta = f"{pair['nll_diff']:+.3f} [{nlo:+.3f}, {nhi:+.3f}]"
+            ratio = f"{pair['nll_ratio']:.3f}"
+        else:
+            delta = nll_delta = ratio = "—"
+        seeds = "—" if r["seeds"] == [None] else str(len(r["seeds"]))
+        exact = f"| {r['exact_match']:.1%} " if metric != "accuracy" else ""
+        lines.append(f"| {r['samples']} | {r['arm']} | {seeds} | {_fmt(metric, r[metric])} ± "
+                     f"{100 * r[f'{metric}_se']:.1f} | {delta} | {r['nll']:.3f} ± {r['nll_se']:.3f} | {nll_delta} "
+                     f"| {ratio} {exact}| {_seconds(r['train_s'])} | {_seconds(r['eval_s'])} |")
+    return lines
 
 
 def _quote(text: str) -> str:

@@ -213,13 +213,16 @@ def test_a_data_file_is_tokenized_once_like_zl_train(tmp_path):
 
 
 def test_an_arm_with_lora_settings_of_its_own_trains_more_adapters(demo_data, tmp_path):
-    """`lora_targets=` in --arm reaches the ZeroLock trainer; the other arms keep the study's --lora-targets."""
+    """`lora_targets=` in --arm reaches the ZeroLock trainer and the backprop one; the other arms keep the study's
+    --lora-targets."""
     args = ["--model", "tiny-random", "--train", str(demo_data / "train.safetensors"), "--dev",
             str(demo_data / "dev.safetensors"), "--samples", "8", "--seeds", "0", "--num-stages", "2", "--eval-limit",
-            "4", "--threads", "1", "--out", str(tmp_path), "--arms", "zl-ce",
-            "--arm", "zl-wide:alpha=1;translator_rank=0;lora_targets=q_proj/k_proj/v_proj/o_proj"]
+            "4", "--threads", "1", "--out", str(tmp_path), "--arms", "zl-ce,backprop",
+            "--arm", "zl-wide:alpha=1;translator_rank=0;lora_targets=q_proj/k_proj/v_proj/o_proj",
+            "--arm", "bp-wide:kind=backprop;lora_targets=q_proj/k_proj/v_proj/o_proj"]
     runs = {r["arm"]: r for r in study_tool.run(args)["results"]}
     assert runs["zl-wide"]["trainable"] > runs["zl-ce"]["trainable"]
+    assert runs["bp-wide"]["trainable"] == 2 * runs["backprop"]["trainable"]  # q,v -> q,k,v,o (k, v: as wide as q)
     # Window 0 runs at the LoRA initialisation (B = 0: the base model either way); window 1 after a step differs.
     assert runs["zl-wide"]["window_losses"][1] != runs["zl-ce"]["window_losses"][1]
 

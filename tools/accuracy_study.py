@@ -15,8 +15,8 @@ it trains and scores on the dev rows (all of them by default):
 
 An arm with `frozen_dtype` bf16 or int8 (zl-translator-bf16, zl-translator-int8, or `frozen_dtype=` in
 --arm) trains and is scored with the frozen weights stored that way (`zl export --frozen-dtype`); one with
-`lora_targets=q_proj/k_proj/...` or `lora_rank=` in --arm trains ZeroLock with LoRA settings of its own (the
-backprop arms keep the study's --lora-*). `lr=` gives an arm a peak learning rate of its own and `kind=backprop` or
+`lora_targets=q_proj/k_proj/...` or `lora_rank=` in --arm trains with LoRA settings of its own (ZeroLock or
+backprop; the built-in arms keep the study's --lora-*). `lr=` gives an arm a peak learning rate of its own and `kind=backprop` or
 `kind=backprop-last` makes an --arm a backprop arm; `--reference NAME` pairs every arm with that one instead of
 `backprop` (e.g. backprop at an lr where it is stable, when the study's diverges).
 
@@ -275,10 +275,10 @@ def parse_arm(spec: str) -> Arm:
             raise ZLError(f"--arm {spec!r}: unknown key {key!r}; use kind, lr, stage_lr, frozen_dtype, lora_targets, "
                           f"lora_rank or one of {', '.join(fields)}.")
     zerolock_only = [k for k, v in (("stage_lr", stage_lr != (1.0,)), ("frozen_dtype", frozen_dtype != "fp32"),
-                                    ("lora_*", bool(lora)), ("loss fields", bool(loss))) if v]
+                                    ("loss fields", bool(loss))) if v]
     if kind != "zerolock" and zerolock_only:
         raise ZLError(f"--arm {spec!r}: {', '.join(zerolock_only)} set for a {kind} arm; they are ZeroLock settings "
-                      f"(a backprop arm takes kind and lr; its LoRA is the study's --lora-*).")
+                      f"(a backprop arm takes kind, lr, lora_targets and lora_rank).")
     arm = Arm(name, kind, loss, stage_lr, note=body, frozen_dtype=frozen_dtype, lora=lora, lr=lr)
     arm.lora_settings(LoraSettings()).validate()
     arm.loss_config().validate()
@@ -369,7 +369,7 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
         log = train_zerolock(modules, train, budget, s.optimizer(budget, arm), arm.stage_lr, on_window)
         trained = peft_model
     elif arm.kind in ("backprop", "backprop-last"):
-        trained = attach_lora(model, s.lora, seed=seed)  # the same initial LoRA weights as the export
+        trained = attach_lora(model, arm.lora_settings(s.lora), seed=seed)  # the same initial LoRA weights as the export
         if arm.kind == "backprop-last":
             freeze_lora_below(trained, split[-1].first)
         result["trainable"] = sum(p.numel() for p in trained.parameters() if p.requires_grad)

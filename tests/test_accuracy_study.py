@@ -217,7 +217,7 @@ def test_an_arm_with_lora_settings_of_its_own_trains_more_adapters(demo_data, tm
     --lora-targets."""
     args = ["--model", "tiny-random", "--train", str(demo_data / "train.safetensors"), "--dev",
             str(demo_data / "dev.safetensors"), "--samples", "8", "--seeds", "0", "--num-stages", "2", "--eval-limit",
-            "4", "--threads", "1", "--out", str(tmp_path), "--arms", "zl-ce,backprop",
+            "4", "--threads", "1", "--out", str(tmp_path), "--arms", "zl-ce,backprop", "--lora-targets", "q_proj,v_proj",
             "--arm", "zl-wide:alpha=1;translator_rank=0;lora_targets=q_proj/k_proj/v_proj/o_proj",
             "--arm", "bp-wide:kind=backprop;lora_targets=q_proj/k_proj/v_proj/o_proj"]
     runs = {r["arm"]: r for r in study_tool.run(args)["results"]}

@@ -2,7 +2,7 @@
 with three local devices, and `--runtime torch`), then `zl merge`'s adapter through PEFT and `zl eval`.
 
 Llama's runs are tests/test_train.py's and tests/test_torch_runtime.py's. Here every other family trains with the
-defaults a user gets (no --lora-targets: the family's own, so Phi-3 adapts its fused qkv_proj), and:
+defaults a user gets (no --lora-targets: every projection of the family, so Phi-3 adapts its fused qkv_proj), and:
 
 - the adapter equals the same pipeline trained in PyTorch eager (`train_zerolock`), tensor by tensor;
 - `PeftModel.from_pretrained` on a fresh Hugging Face model of the family loads it and computes the logits of that
@@ -124,7 +124,7 @@ def test_a_family_trains_merges_and_evaluates(name, runtime, data_file, tmp_path
         merged.update(load_file(str(head)))
     trained, want = _eager_reference(run_dir, runtime)
     assert set(merged) == set(want)
-    # atol 1% of the lr (5e-3): Adam moves a weight whose gradient is about zero by up to lr on rounding noise alone
+    # atol 2.5% of the lr (2e-3): Adam moves a weight whose gradient is about zero by up to lr on rounding noise alone
     # (m/√v of noise), so an element or two of a tensor differs by ~1e-5 between two correct runs; a wrong gradient
     # moves whole tensors by ~lr.
     for n, t in want.items():

@@ -138,15 +138,16 @@ def test_setup_installs_exactly_the_packages_zl_names():
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.key)
 def test_lora_targets_default_per_family(family):
-    """No --lora-targets: the family's query and value projections (Phi-3: its fused qkv_proj, where q_proj,v_proj
-    would not exist); given targets are kept and checked against the family."""
+    """No --lora-targets: every projection of the family's layers (Phi-3: its fused qkv_proj and gate_up_proj, where
+    q_proj, v_proj or gate_proj would not exist); given targets are kept and checked against the family."""
     settings = LoraSettings()
     assert settings.targets is None
     settings.validate()  # the default needs no model to be valid
     peft_model = attach_lora(load_model(TINY[family.key]).model, settings)
     adapted = {n.split(".")[-4] for n, _ in peft_model.named_parameters() if n.endswith("lora_A.default.weight")}
-    assert adapted == set(family.default_lora_targets) <= set(family.lora_targets)
-    assert adapted == ({"qkv_proj"} if family.key == "phi3" else {"q_proj", "v_proj"})
+    assert adapted == set(family.default_lora_targets) == set(family.lora_targets)
+    assert adapted == ({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} if family.key == "phi3" else
+                       {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
     assert settings.for_family(family).targets == family.default_lora_targets
     given = LoraSettings(targets=("o_proj",))
     assert given.for_family(family) is given

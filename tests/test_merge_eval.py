@@ -42,12 +42,13 @@ STAGES = ((0, 1), (2, 3))  # tiny-random has 4 layers
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory) -> Path:
     """A manifest of a 2-stage tiny-random export (no programs: merge needs only the parameter lists)."""
-    from zl_export.options import ExportOptions
+    from zl_export.options import ExportOptions, LoraSettings
     from zl_export.lora import attach_lora, peft_names
     from zl_export.manifest import build_manifest, write_manifest
 
     loaded = load_model("tiny-random")
-    opts = ExportOptions(seq_len=64)
+    # LoRA on q and v only (not the default, every projection): the merge's mechanics with fewer tensors to name
+    opts = ExportOptions(seq_len=64, lora=LoraSettings(targets=("q_proj", "v_proj")))
     peft_model = attach_lora(loaded.model, opts.lora)
     names = peft_names(peft_model)
     entries = []

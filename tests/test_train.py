@@ -177,12 +177,16 @@ def eager_zerolock(run_dir: Path, logs: list | None = None) -> tuple[dict[str, t
 
 def assert_eager_equals_run(run_dir: Path, logs: list | None = None,
                             eager: dict | None = None) -> dict[str, torch.Tensor]:
-    """The run's adapter equals the eager path's within rtol 1e-4 (and something trained); returns the run's
+    """The run's adapter equals the eager path's within rtol 1e-4, atol 1% of the lr (and something trained); returns the run's
     tensors. `logs` and `eager` (if given) receive the eager run's TrainLog and its tensors by manifest name."""
     got, merged = eager_zerolock(run_dir, logs)
     assert set(got) == set(merged)
+    # atol 1% of the peak lr: Adam moves a weight whose gradient is about zero by up to lr on rounding noise alone
+    # (m/√v of noise), so an element of a tensor can differ by ~1e-5 between two correct runs (lr 2e-3: one of
+    # 512 by 9.8e-6); a wrong gradient moves whole tensors by ~lr.
+    lr = max(json.loads(p.read_text())["optimizer"]["lr"] for p in run_dir.glob("stage_*.json"))
     for name, want in merged.items():
-        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=0.01 * lr, msg=lambda m: f"{name}: {m}")
     assert sum(int(t.abs().max() > 1e-3) for n, t in merged.items() if "lora_B" in n) > 0, "nothing moved"
     if eager is not None:
         eager.update(got)

@@ -566,7 +566,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default 8)")
     ap.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
     ap.add_argument("--lora-targets", help="projections with adapters (default: the model family's, as zl train: "
-                                           "q_proj,v_proj; Phi-3 qkv_proj)")
+                                           "every projection of its layers)")
     ap.add_argument("--seeds", default="0,1,2",
                     help="seeds of the LoRA init and data order, comma-separated; every arm runs at each (default 0,1,2)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")

@@ -1,7 +1,7 @@
 """Peak memory of one stage as a phone would see it: PSS per frozen-weight dtype and load mode, side by side.
 
 Exports one stage (by default stage 0 of `tinyllama-random --stages 0-6,7-13,14-21`, micro-batch 1, LoRA r=8 on
-q/v) once per `--frozen-dtype` and sequence length, then trains each program alone for `--steps` steps with the
+every projection, as `zl train`; `--lora-targets q_proj,v_proj` for fewer) once per `--frozen-dtype` and sequence length, then trains each program alone for `--steps` steps with the
 runner's StageProgram (build/android_app/native/zl_stage_bench, one ExecuTorch thread) in each load mode, reading
 /proc/<pid>/smaps_rollup every few milliseconds. It prints one table: peak PSS, its anonymous (heap, planned
 memory) and file-backed (mapped program) parts at the peak, the fastest step after the first (a warm-up; the
@@ -90,7 +90,8 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, args, out: 
     from zl_export.options import ExportOptions, LoraSettings, LossConfig
     from zl_export.stages import parse_spec
 
-    opts = ExportOptions(seq_len=seq, micro_batch=1, lora=LoraSettings(args.lora_rank, 2.0 * args.lora_rank),
+    opts = ExportOptions(seq_len=seq, micro_batch=1, lora=LoraSettings(args.lora_rank, 2.0 * args.lora_rank,
+                                                                       args.lora_targets).for_family(loaded.family),
                          loss=LossConfig(), max_targets=args.max_targets, frozen_dtype=dtype)
     stages = parse_spec(split, loaded.config.num_hidden_layers)
     peft_model, modules = build_stage_modules(loaded.model, stages, opts)
@@ -111,6 +112,7 @@ def reusable(out: Path, args, dtype: str, seq: int) -> dict | None:
         return None
     same = (manifest.get("model", {}).get("name") == args.model and manifest.get("frozen_dtype") == dtype and manifest.get("seq_len") == seq
             and manifest.get("max_targets") == args.max_targets and manifest.get("lora", {}).get("rank") == args.lora_rank
+            and (args.lora_targets is None or tuple(manifest.get("lora", {}).get("targets", ())) == args.lora_targets)
             and len(manifest.get("stages", [])) == 1 and (out / manifest["stages"][0]["file"]).is_file()
             and manifest["stages"][0].get("index") == args.stage
             and "-".join(map(str, manifest["stages"][0].get("layers", []))) == args.stages.split(",")[args.stage])
@@ -129,6 +131,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="runs of every program and mode, interleaved")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--lora-targets", type=lambda v: tuple(t.strip() for t in v.split(",") if t.strip()),
+                    help="projections with adapters (default: every one of the model family's, as zl train)")
     ap.add_argument("--max-targets", type=int, default=16)
     ap.add_argument("--work", type=Path, default=None, help="export folder (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the exported programs in --work")
@@ -198,7 +202,8 @@ def main() -> None:
     rows = list(rows.values())
 
     base = {(r["seq"], r["load_mode"]): r["step_ms"] for r in rows if r["dtype"] == "fp32"}
-    print(f"\n{args.model} stage {args.stage} of {args.stages}, micro-batch 1, r={args.lora_rank}, "
+    targets = ",".join(args.lora_targets) if args.lora_targets else "every projection"
+    print(f"\n{args.model} stage {args.stage} of {args.stages}, micro-batch 1, r={args.lora_rank} on {targets}, "
           f"{args.threads} thread(s), {args.steps} steps x {args.rounds} rounds\n")
     print("| seq | frozen dtype | load mode | peak PSS (MiB) | anonymous | file-backed | step (ms) | vs fp32 | .pte (MiB) |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -358,7 +358,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--min-lr-ratio", type=float, help=f"cosine floor as a fraction of lr (default {DEFAULT_MIN_LR_RATIO})")
     ap.add_argument("--lora-rank", type=int, help="LoRA rank (default 8)")
     ap.add_argument("--lora-alpha", type=float, help="LoRA alpha (default 16)")
-    ap.add_argument("--lora-targets", help="comma-separated projections (default q_proj,v_proj)")
+    ap.add_argument("--lora-targets", help="comma-separated projections (default: every one of the model family's, as zl train)")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default 2; on a busy machine 1 can be "
                     "far faster: spinning threads wait on each other)")
     ap.add_argument("--eval-limit", type=int, help="score only the first N dev rows (default: all, or as many as --zl-eval)")

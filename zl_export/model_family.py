@@ -42,9 +42,14 @@ class ModelFamily:
     model_class: str
     examples: str  # models of the family, for messages
     lora_targets: tuple[str, ...]  # the linear layers LoRA may adapt, by module name
-    # What LoRA adapts when --lora-targets is not given: the query and value projections (LoRA's own choice, and
-    # PEFT's default for these families); Phi-3 has them inside its fused qkv_proj, so there it adapts qkv_proj.
-    default_lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+
+    @property
+    def default_lora_targets(self) -> tuple[str, ...]:
+        """What LoRA adapts when --lora-targets is not given: every projection of the family's layers (attention
+        and MLP). The default trains one stage (the last; the others are held still), a third of the layers
+        whole-model backprop trains: on AG News at 4,096 samples, q and v alone left it 1.3 points behind
+        backprop and every projection put it 0.6 above (README, "Accuracy")."""
+        return self.lora_targets
     gguf_arch: str = ""  # general.architecture of the family's GGUF files (llama.cpp's name)
     tiny: dict = field(default_factory=dict)  # config of the family's tiny random model (tests)
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
@@ -143,7 +148,7 @@ QWEN3 = ModelFamily(
 )
 PHI3 = ModelFamily(
     "Phi-3", ("phi3",), "Phi3Config", "Phi3ForCausalLM", "Phi-3-mini, Phi-3.5-mini, Phi-4-mini",
-    ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), default_lora_targets=("qkv_proj",), gguf_arch="phi3",
+    ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), gguf_arch="phi3",
     # Phi-3-mini-4k attends over a 2047-position window on every layer; 6 here, so a test sequence crosses it.
     tiny=dict(_TINY, rms_norm_eps=1e-5, sliding_window=6, tie_word_embeddings=False, pad_token_id=0,
               bos_token_id=1, eos_token_id=2),

@@ -108,7 +108,7 @@ class LoraSettings:
     targets: tuple[str, ...] | None = setting(None, "Comma-separated projections that get adapters: "
                                               "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (Llama, "
                                               "Qwen, Gemma 3); qkv_proj,o_proj,gate_up_proj,down_proj (Phi-3). "
-                                              "Default: q_proj,v_proj (Phi-3: qkv_proj).", flag="--lora-targets")
+                                              "Default: every one of the family's.", flag="--lora-targets")
 
     def for_family(self, family) -> "LoraSettings":
         """These settings with the targets of `family` (a `ModelFamily`) filled in when none were given."""

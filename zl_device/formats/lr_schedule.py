@@ -24,7 +24,7 @@ class OptimizerSettings:
     (`from_config`).
     """
 
-    lr: float = setting(5e-3, "AdamW learning rate (warm-up, then cosine to 10%).")
+    lr: float = setting(2e-3, "AdamW learning rate (warm-up, then cosine to 10%).")
     weight_decay: float = setting(0.0, "AdamW's decoupled weight decay.", cli=False)
     betas: tuple[float, ...] = setting((0.9, 0.999), "AdamW's moment decays (beta1, beta2).", cli=False)
     eps: float = setting(1e-8, "Added to the square root of AdamW's second moment.", cli=False)

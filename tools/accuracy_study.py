@@ -31,7 +31,10 @@ stage's readout, translator included, used as the classifier), which shows
 which stage holds the model back. The tables give each arm's mean and standard
 error over the seeds and its paired difference to the reference arm
 (whole-model backprop) with a 95% interval over rows and seeds
-(zl_device/results/comparison.py says how).
+(zl_device/results/comparison.py says how). Dev rows that chose an arm or
+its lr are no unbiased judge of it: `--held-out N` keeps the last N of each
+seed's shuffled training rows out of training and scores every trained arm
+on them too, in a second paired table.
 
     .venv/bin/python tools/accuracy_study.py --train ../shared/data/agnews/train.csv \\
         --dev ../shared/data/agnews/dev.csv --format agnews --samples 1024 --seeds 0,1,2 \\
@@ -40,6 +43,7 @@ error over the seeds and its paired difference to the reference arm
         --arm "zl-mine:alpha=0.3/0.7/1;translator_rank=8;stage_lr=1/1/2"
     .venv/bin/python tools/accuracy_study.py ... --samples 4096 --arms zl-default \\
         --arm "backprop-2e-3:kind=backprop;lr=0.002" --reference backprop-2e-3
+    .venv/bin/python tools/accuracy_study.py ... --samples 1024 --held-out 1000 --arms backprop,zl-default
 
 Each finished arm is cached as OUT/arms/<samples>-<arm>-seed<seed>.json (the
 base model, scored once: OUT/arms/0-base.json) with the settings it ran with,

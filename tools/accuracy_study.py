@@ -186,7 +186,7 @@ class StudySettings:
 
     def training_rows(self, train):
         """(the rows arms train on, the held-out rows or None) of one seed's shuffled training shard."""
-        from zl_device.results.evaluate import head_rows, tail_rows
+        from zl_device.results.evaluate import limit_rows, tail_rows
 
         if self.held_out is None:
             return train, None
@@ -194,7 +194,7 @@ class StudySettings:
             raise ZLError(f"--held-out {self.held_out}: {train.path} has {train.rows} rows, which leaves "
                           f"{train.rows - self.held_out} to train on, fewer than --samples {max(self.samples)}; "
                           f"hold out at most {train.rows - max(self.samples)} rows.")
-        return head_rows(train, train.rows - self.held_out), tail_rows(train, self.held_out)
+        return limit_rows(train, train.rows - self.held_out), tail_rows(train, self.held_out)
 
     def optimizer(self, budget: Budget, arm: Arm | None = None) -> OptimizerSettings:
         """`zl train`'s AdamW settings and schedule for `budget` (zl_device/run/launch.py stage_configs), at `arm`'s

@@ -94,11 +94,6 @@ def limit_rows(shard: Shard, limit: int | None) -> Shard:
     return _rows(shard, 0, limit)
 
 
-def head_rows(shard: Shard, count: int) -> Shard:
-    """The first `count` rows of `shard`."""
-    return _rows(shard, 0, count)
-
-
 def tail_rows(shard: Shard, count: int) -> Shard:
     """The last `count` rows of `shard` (e.g. rows held out of training, scored as a test set nobody tuned to)."""
     return _rows(shard, shard.rows - count, shard.rows)

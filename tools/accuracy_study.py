@@ -390,7 +390,7 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
     result.update(scored)
     if tokenizer is not None:
         result["generations"] = score.generations[:SHOWN_GENERATIONS]
-    shown = f"{score.accuracy:.1%}" if tokenizer is None else f"ROUGE-L {score.rouge_l:.3f}, NLL {score.nll:.3f}"
+    shown = _shown(scored)
     if held is not None:
         progress.update(bar, description=f"{label}: scoring {held.rows} held-out rows")
         result["held_out"] = score_rows(trained, held, s, tokenizer)[1]
@@ -424,7 +424,9 @@ def score_rows(model, shard, s: StudySettings, tokenizer=None) -> tuple:
 
 
 def _shown(fields: dict) -> str:
-    return f"{fields['accuracy']:.1%}" if "rouge_l" not in fields else f"ROUGE-L {fields['rouge_l']:.3f}"
+    """score_rows' fields in a progress line: accuracy, or ROUGE-L and NLL on generative data."""
+    return f"{fields['accuracy']:.1%}" if "rouge_l" not in fields else \
+        f"ROUGE-L {fields['rouge_l']:.3f}, NLL {fields['nll']:.3f}"
 
 
 def held_out_results(results: list[dict]) -> list[dict]:

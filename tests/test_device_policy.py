@@ -319,8 +319,12 @@ def test_a_stage_paused_for_heat_ends_with_the_adapter_of_a_run_without_pauses(t
     data.write_text("".join(json.dumps({"prompt": f"item {i} is", "completion": " odd" if i % 2 else " even"}) + "\n"
                             for i in range(40)))
 
+    # 12 windows over links shaped `constrained` (30 ms a send): on the tiny model an unshaped stage once ran all
+    # its windows between two polls of a coordinator starved by a loaded host, so it ended before it could be
+    # stopped (seen as starting, then done: correct for a run that ended, but no pause to test).
     def train(out: Path, on_update=None, **kw):
-        settings = TrainSettings(split=ModelSplit("tiny-random"), window=4, samples=24, out=out,
+        settings = TrainSettings(split=ModelSplit("tiny-random"), window=4, samples=48, out=out,
+                                 link_profile="constrained",
                                  export_cache=tmp_path / "cache", data=str(data), rows=DataSettings(seq_len=32),
                                  eval_limit=4, timeout_s=300, **kw)
         return run_training(settings, say=lambda line: None, on_update=on_update)
@@ -359,7 +363,7 @@ def test_a_stage_paused_for_heat_ends_with_the_adapter_of_a_run_without_pauses(t
     pause = pauses[0]
     assert (pause["stage"], pause["device"], pause["kind"], pause["reason"]) == (1, "local-1", "temperature", reason)
     assert pause["paused_ms"] >= 9000 and pause["resumed_at"].startswith("41.0 °C"), pause
-    assert 0 <= pause["window"] < 5  # it stopped after a window before the last (6 windows)
+    assert 0 <= pause["window"] < 11  # it stopped after a window before the last (12 windows)
     starts = {k: [e for e in events if e["type"] == "start" and e["stage"] == k] for k in range(3)}
     assert [len(starts[k]) for k in range(3)] == [1, 2, 1]  # only the paused stage started again
     assert starts[1][1]["resumed_from_window"] == pause["window"]

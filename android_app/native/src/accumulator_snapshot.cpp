@@ -45,13 +45,15 @@ bool parse_double(const std::map<std::string, std::string>& m, const char* key, 
 
 }  // namespace
 
-AccumulatorSnapshot AccumulatorSnapshot::of(const AdamW& optimizer) {
+AccumulatorSnapshot AccumulatorSnapshot::of(const AdamW& optimizer, bool with_sums) {
   AccumulatorSnapshot s;
   s.accumulated = optimizer.accumulated();
+  if (!with_sums) return s;
   for (size_t i = 0; i < optimizer.num_params(); ++i) {
-    s.names.push_back(optimizer.param(i).name);
-    s.shapes.push_back(optimizer.param(i).shape);
-    s.sums.push_back(optimizer.grad_sum(i));
+    const TrainableParam& p = optimizer.param(i);
+    s.names.push_back(p.name);
+    s.shapes.push_back(p.shape);
+    s.sums.emplace_back(optimizer.grad_sum(i), optimizer.grad_sum(i) + p.numel());
   }
   return s;
 }
@@ -129,7 +131,7 @@ Status check_accumulator_snapshot(const AccumulatorSnapshot& s, const std::strin
                std::to_string(s.micro_batches_done) + " done; window " + std::to_string(window) + " is micro-batches " +
                std::to_string(first_micro_batch) + ".." + std::to_string(end_micro_batch - 1));
   }
-  if (s.names.size() != optimizer.num_params()) {
+  if (!s.names.empty() && s.names.size() != optimizer.num_params()) {  // none: a forward-only stage's
     return bad("it has " + std::to_string(s.names.size()) + " tensors for " + std::to_string(optimizer.num_params()) +
                " parameters");
   }

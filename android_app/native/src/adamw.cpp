@@ -29,12 +29,30 @@ size_t TrainableParam::numel() const {
 }
 
 AdamW::AdamW(const AdamWConfig& config, std::vector<TrainableParam> params)
-    : config_(config), params_(std::move(params)) {
-  for (const auto& p : params_) {
-    exp_avg_.emplace_back(p.numel(), 0.0f);
-    exp_avg_sq_.emplace_back(p.numel(), 0.0f);
-    grad_sum_.emplace_back(p.numel(), 0.0f);
+    : config_(config),
+      params_(std::move(params)),
+      exp_avg_(params_.size()),
+      exp_avg_sq_(params_.size()),
+      grad_sum_(params_.size()) {
+  size_t largest = 0;
+  for (const auto& p : params_) largest = std::max(largest, p.numel());
+  zeros_.assign(largest, 0.0f);
+}
+
+void AdamW::allocate(std::initializer_list<State*> states, bool* done) const {
+  if (*done) return;
+  for (State* state : states) {
+    for (size_t i = 0; i < params_.size(); ++i) (*state)[i].assign(params_[i].numel(), 0.0f);
   }
+  *done = true;
+}
+
+size_t AdamW::state_bytes() const {
+  size_t floats = 0;
+  for (const State* state : {&exp_avg_, &exp_avg_sq_, &grad_sum_}) {
+    for (const auto& v : *state) floats += v.capacity();
+  }
+  return floats * sizeof(float);
 }
 
 Result<std::unique_ptr<AdamW>> AdamW::create(const AdamWConfig& config, std::vector<TrainableParam> params) {
@@ -61,10 +79,11 @@ Status AdamW::accumulate(const std::vector<const float*>& grads) {
                                                     " gradients for " + std::to_string(params_.size()) + " parameters");
   }
   for (size_t i = 0; i < grads.size(); ++i) {
-    if (grads[i] == nullptr && !grad_sum_[i].empty()) {
+    if (grads[i] == nullptr && params_[i].numel() > 0) {
       return Status(StatusCode::kInvalidArgument, "AdamW::accumulate: null gradient for '" + params_[i].name + "'");
     }
   }
+  allocate({&grad_sum_}, &accumulator_allocated_);
   for (size_t i = 0; i < grads.size(); ++i) {
     float* sum = grad_sum_[i].data();
     const float* g = grads[i];
@@ -82,10 +101,11 @@ Status AdamW::restore_accumulator(int64_t accumulated, const std::vector<const f
                                                     " parameters, " + std::to_string(accumulated) + " micro-batches");
   }
   for (size_t i = 0; i < grad_sums.size(); ++i) {
-    if (grad_sums[i] == nullptr && !grad_sum_[i].empty()) {
+    if (grad_sums[i] == nullptr && params_[i].numel() > 0) {
       return Status(StatusCode::kInvalidArgument, "AdamW::restore_accumulator: no sum for '" + params_[i].name + "'");
     }
   }
+  allocate({&grad_sum_}, &accumulator_allocated_);
   for (size_t i = 0; i < grad_sums.size(); ++i) {
     std::copy(grad_sums[i], grad_sums[i] + grad_sum_[i].size(), grad_sum_[i].begin());
   }
@@ -94,7 +114,7 @@ Status AdamW::restore_accumulator(int64_t accumulated, const std::vector<const f
 }
 
 void AdamW::clear_accumulator() {
-  for (auto& sum : grad_sum_) std::fill(sum.begin(), sum.end(), 0.0f);
+  for (auto& sum : grad_sum_) std::fill(sum.begin(), sum.end(), 0.0f);  // nothing to clear before the first accumulate()
   accumulated_ = 0;
 }
 
@@ -116,13 +136,14 @@ Result<double> AdamW::step() {
   const float bias2_sqrt = static_cast<float>(std::pow(bias2, 0.5));
   const float eps = static_cast<float>(config_.eps);
   const bool small_w1 = std::fabs(w1) < 0.5f;
+  allocate({&exp_avg_, &exp_avg_sq_}, &moments_allocated_);
 
   for (size_t i = 0; i < params_.size(); ++i) {
     float* p = params_[i].data;
     float* m = exp_avg_[i].data();
     float* v = exp_avg_sq_[i].data();
     const float* sum = grad_sum_[i].data();
-    const size_t n = grad_sum_[i].size();
+    const size_t n = params_[i].numel();
     for (size_t j = 0; j < n; ++j) {
       const float g = sum[j] / count;
       if (config_.weight_decay != 0.0) p[j] *= decay;
@@ -178,10 +199,20 @@ Status AdamW::restore(int64_t step_count, const std::vector<const float*>& param
       return Status(StatusCode::kInvalidArgument, "AdamW::restore: missing data for '" + params_[i].name + "'");
     }
   }
+  // Moments that are all zero (a stage that never stepped: held still by lr 0) stay unallocated.
+  bool moments = moments_allocated_;
+  for (size_t i = 0; i < params_.size() && !moments; ++i) {
+    const size_t n = params_[i].numel();
+    auto nonzero = [](float x) { return x != 0.0f; };
+    moments = n > 0 && (std::any_of(exp_avg[i], exp_avg[i] + n, nonzero) ||
+                        std::any_of(exp_avg_sq[i], exp_avg_sq[i] + n, nonzero));
+  }
+  if (moments) allocate({&exp_avg_, &exp_avg_sq_}, &moments_allocated_);
   for (size_t i = 0; i < params_.size(); ++i) {
     const size_t n = params_[i].numel();
     if (n == 0) continue;
     std::memcpy(params_[i].data, params[i], n * sizeof(float));
+    if (!moments) continue;
     std::memcpy(exp_avg_[i].data(), exp_avg[i], n * sizeof(float));
     std::memcpy(exp_avg_sq_[i].data(), exp_avg_sq[i], n * sizeof(float));
   }

@@ -223,8 +223,8 @@ Status write_staging(const std::string& tmp, const AdamW& optimizer, const Check
   for (size_t i = 0; i < optimizer.num_params(); ++i) {
     const TrainableParam& p = optimizer.param(i);
     adapter.push_back({p.name, SafetensorsDtype::kF32, p.shape, p.data});
-    moments.push_back({p.name + ".exp_avg", SafetensorsDtype::kF32, p.shape, optimizer.exp_avg(i).data()});
-    moments.push_back({p.name + ".exp_avg_sq", SafetensorsDtype::kF32, p.shape, optimizer.exp_avg_sq(i).data()});
+    moments.push_back({p.name + ".exp_avg", SafetensorsDtype::kF32, p.shape, optimizer.exp_avg(i)});
+    moments.push_back({p.name + ".exp_avg_sq", SafetensorsDtype::kF32, p.shape, optimizer.exp_avg_sq(i)});
   }
   // "format": "pt" is what safetensors.torch.save_file writes; PEFT expects it.
   const std::map<std::string, std::string> metadata = {

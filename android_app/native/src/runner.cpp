@@ -350,10 +350,11 @@ void StageRunner::snapshot_accumulator(int64_t mb, const WindowSums& sums) {
     snapshots_.reset();
     return;
   }
-  AccumulatorSnapshot snapshot = AccumulatorSnapshot::of(*optimizer_);
-  // A forward-only stage accumulates no gradient (its sums are zeros), but the
-  // snapshot still records how far the window got: a restart continues there
-  // instead of running those micro-batches' phase 1 and sends again.
+  // A forward-only stage accumulates no gradient (its sums are zeros: the
+  // snapshot holds none of them), but the snapshot still records how far the
+  // window got: a restart continues there instead of running those
+  // micro-batches' phase 1 and sends again.
+  AccumulatorSnapshot snapshot = AccumulatorSnapshot::of(*optimizer_, /*with_sums=*/!forward_only_);
   if (forward_only_) snapshot.accumulated = sums.count;
   snapshot.run_id = config_.run_id;
   snapshot.stage = config_.stage_index;

@@ -57,7 +57,7 @@ TEST(AccumulatorSnapshot, AWindowContinuedFromASnapshotEndsBitIdentical) {
   ASSERT_TRUE(straight.optimizer->step().ok());
 
   for (int mb = 0; mb < 3; ++mb) accumulate(&interrupted, mb);
-  AccumulatorSnapshot snapshot = AccumulatorSnapshot::of(*interrupted.optimizer);
+  AccumulatorSnapshot snapshot = AccumulatorSnapshot::of(*interrupted.optimizer, /*with_sums=*/true);
   snapshot.run_id = "run";
   snapshot.stage = 1;
   snapshot.window = 0;
@@ -81,7 +81,7 @@ TEST(AccumulatorSnapshot, AWindowContinuedFromASnapshotEndsBitIdentical) {
 TEST(AccumulatorSnapshot, OneThatDoesNotContinueTheWindowIsRefused) {
   Model m;
   for (int mb = 0; mb < 2; ++mb) accumulate(&m, mb);
-  AccumulatorSnapshot s = AccumulatorSnapshot::of(*m.optimizer);
+  AccumulatorSnapshot s = AccumulatorSnapshot::of(*m.optimizer, /*with_sums=*/true);
   s.run_id = "run";
   s.stage = 1;
   s.window = 2;
@@ -99,6 +99,26 @@ TEST(AccumulatorSnapshot, OneThatDoesNotContinueTheWindowIsRefused) {
             std::string::npos);
 }
 
+TEST(AccumulatorSnapshot, AForwardOnlyStagesHoldsItsProgressAndNoSums) {
+  // A stage held still by lr 0 accumulates nothing: its snapshot records how
+  // far the window got, and writes none of the zero sums.
+  TempDir dir;
+  const std::string path = zl::accumulator_snapshot_path(dir.path());
+  Model held;
+  AccumulatorSnapshot s = AccumulatorSnapshot::of(*held.optimizer, /*with_sums=*/false);
+  s.run_id = "run";
+  s.stage = 0;
+  s.window = 1;
+  s.accumulated = 2;  // the runner's count of the window's forward-only micro-batches
+  s.micro_batches_done = 6;
+  ASSERT_TRUE(zl::write_accumulator_snapshot(path, s).ok());
+  ASSERT_OK_AND_ASSIGN(const AccumulatorSnapshot read, zl::read_accumulator_snapshot(path));
+  EXPECT_TRUE(read.names.empty() && read.sums.empty());
+  EXPECT_EQ(read.micro_batches_done, 6);
+  EXPECT_TRUE(zl::check_accumulator_snapshot(read, "run", 0, 1, 4, 8, *held.optimizer).ok());
+  EXPECT_EQ(held.optimizer->state_bytes(), 0u);
+}
+
 TEST(AccumulatorSnapshot, MissingIsNotFoundAndGarbageIsCorrupt) {
   TempDir dir;
   const std::string path = zl::accumulator_snapshot_path(dir.path());
@@ -114,7 +134,7 @@ TEST(AccumulatorSnapshotWriter, WritesTheNewestInTheBackground) {
   zl::AccumulatorSnapshotWriter writer(path);
   for (int mb = 0; mb < 3; ++mb) {
     accumulate(&m, mb);
-    AccumulatorSnapshot s = AccumulatorSnapshot::of(*m.optimizer);
+    AccumulatorSnapshot s = AccumulatorSnapshot::of(*m.optimizer, /*with_sums=*/true);
     s.run_id = "run";
     s.micro_batches_done = mb + 1;
     writer.submit(std::move(s));

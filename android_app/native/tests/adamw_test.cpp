@@ -140,7 +140,7 @@ TEST(AdamW, SkipStepAdvancesTheScheduleOnly) {
   ASSERT_TRUE(opt->accumulate({g.data()}).ok());
   ASSERT_TRUE(opt->step().ok());
   const std::vector<float> p_after_step = p;
-  const std::vector<float> m = opt->exp_avg(0), v = opt->exp_avg_sq(0);
+  const std::vector<float> m(opt->exp_avg(0), opt->exp_avg(0) + 2), v(opt->exp_avg_sq(0), opt->exp_avg_sq(0) + 2);
   for (int64_t t = 1; t < 4; ++t) {
     const zl::Result<double> lr = opt->skip_step();
     ASSERT_TRUE(lr.ok()) << lr.status().message();
@@ -148,8 +148,48 @@ TEST(AdamW, SkipStepAdvancesTheScheduleOnly) {
     EXPECT_EQ(opt->step_count(), t + 1);
   }
   EXPECT_EQ(p, p_after_step);
-  EXPECT_EQ(opt->exp_avg(0), m);
-  EXPECT_EQ(opt->exp_avg_sq(0), v);
+  EXPECT_EQ(std::vector<float>(opt->exp_avg(0), opt->exp_avg(0) + 2), m);
+  EXPECT_EQ(std::vector<float>(opt->exp_avg_sq(0), opt->exp_avg_sq(0) + 2), v);
+}
+
+TEST(AdamW, StateIsAllocatedWhenFirstWritten) {
+  // A stage held still by lr 0 never accumulates or steps: it carries no
+  // moments and no accumulator, and reads them as zeros (checkpoints).
+  std::vector<float> p(1000, 1.0f);
+  auto opt = make(AdamWConfig{}, &p);
+  EXPECT_EQ(opt->state_bytes(), 0u);
+  for (int64_t t = 0; t < 3; ++t) ASSERT_TRUE(opt->skip_step().ok());
+  opt->clear_accumulator();
+  EXPECT_EQ(opt->state_bytes(), 0u);
+  EXPECT_EQ(opt->exp_avg(0)[999], 0.0f);
+  EXPECT_EQ(opt->grad_sum(0)[0], 0.0f);
+  const std::vector<float> g(1000, 0.5f);
+  ASSERT_TRUE(opt->accumulate({g.data()}).ok());
+  EXPECT_EQ(opt->state_bytes(), 1000 * sizeof(float));  // the accumulator
+  EXPECT_EQ(opt->grad_sum(0)[999], 0.5f);
+  ASSERT_TRUE(opt->step().ok());
+  EXPECT_EQ(opt->state_bytes(), 3 * 1000 * sizeof(float));  // and both moments
+  EXPECT_GT(opt->exp_avg(0)[999], 0.0f);
+}
+
+TEST(AdamW, RestoringZeroMomentsAllocatesNone) {
+  // A held stage's checkpoint (zero moments) restores without allocating
+  // them; its next real step is the same as a fresh optimizer's.
+  AdamWConfig config;
+  config.lr = 0.05;
+  std::vector<float> a = {0.5f, 1.5f}, b = {9.0f, 9.0f};
+  const std::vector<float> zeros(2, 0.0f);
+  auto fresh = make(config, &a);
+  auto restored = make(config, &b);
+  ASSERT_TRUE(restored->restore(0, {a.data()}, {zeros.data()}, {zeros.data()}).ok());
+  EXPECT_EQ(restored->state_bytes(), 0u);
+  EXPECT_EQ(b, a);
+  const std::vector<float> g = {0.3f, -0.7f};
+  for (auto* opt : {fresh.get(), restored.get()}) {
+    ASSERT_TRUE(opt->accumulate({g.data()}).ok());
+    ASSERT_TRUE(opt->step().ok());
+  }
+  EXPECT_EQ(b, a);
 }
 
 TEST(AdamW, SkipStepRefusesToDropGradients) {
@@ -218,8 +258,8 @@ TEST(AdamW, RestoreContinuesLikeTheOriginal) {
   }
   std::vector<float> b = {9.0f, 9.0f};
   auto copy = make(config, &b);
-  ASSERT_TRUE(copy->restore(original->step_count(), {a.data()}, {original->exp_avg(0).data()},
-                            {original->exp_avg_sq(0).data()})
+  ASSERT_TRUE(copy->restore(original->step_count(), {a.data()}, {original->exp_avg(0)},
+                            {original->exp_avg_sq(0)})
                   .ok());
   EXPECT_EQ(b, a);
   ASSERT_TRUE(original->accumulate({g.data()}).ok());

@@ -7,7 +7,9 @@
 // from the checkpoint is exact anyway.
 //
 // File: one F32 tensor per LoRA parameter, named as the parameter, holding
-// the sum of the window's micro-batch gradients; string metadata: format
+// the sum of the window's micro-batch gradients, or no tensor at all for a
+// stage that runs forward only (§4.3: its sums are zeros, and writing them
+// cost it numel floats a micro-batch); string metadata: format
 // "zl-accumulator", version "1", run_id, stage, window, micro_batches_done
 // (the next micro-batch to run), accumulated (micro-batches in the sum),
 // loss_sum, task_loss_sum, consistency_loss_sum (for the window's telemetry
@@ -40,8 +42,10 @@ struct AccumulatorSnapshot {
   std::vector<std::vector<int64_t>> shapes;
   std::vector<std::vector<float>> sums;
 
-  /// The optimizer's accumulator as it is now (copies the sums).
-  static AccumulatorSnapshot of(const AdamW& optimizer);
+  /// The optimizer's accumulator as it is now: its count, and with
+  /// `with_sums` a copy of the sums (without: a forward-only stage's, which
+  /// records only how far the window got).
+  static AccumulatorSnapshot of(const AdamW& optimizer, bool with_sums);
 };
 
 /// <checkpoint_dir>/accumulator.safetensors
@@ -57,7 +61,8 @@ Result<AccumulatorSnapshot> read_accumulator_snapshot(const std::string& path);
 /// Checks that `snapshot` continues `window` of this run and stage with the
 /// optimizer's parameters: its window and ids match, 0 < accumulated <
 /// micro-batches of the window, micro_batches_done = first + accumulated,
-/// and one sum of the right shape per parameter. Errors say what differs.
+/// and one sum of the right shape per parameter, or none (a forward-only
+/// stage's snapshot). Errors say what differs.
 Status check_accumulator_snapshot(const AccumulatorSnapshot& snapshot, const std::string& run_id, int64_t stage,
                                   int64_t window, int64_t first_micro_batch, int64_t end_micro_batch,
                                   const AdamW& optimizer);

@@ -21,10 +21,17 @@
 //
 // Scalars (lr, betas, eps, bias corrections) are computed in double and
 // rounded to float where PyTorch rounds them, tensors are float32.
+//
+// State is allocated when first needed: the accumulator at the first
+// accumulate(), the moments at the first step() (or a restore() of moments
+// that are not all zero). Until then they read as zeros. A stage held still
+// by lr 0 (docs/design.md §4.3) accumulates and steps never, so it carries
+// none of the 3 x numel floats (the moments and the accumulator).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,7 +70,8 @@ struct TrainableParam {
 class AdamW {
  public:
   /// Validates `config` and `params` (non-null data, unique non-empty names,
-  /// non-negative shapes) and creates zeroed moments and accumulators.
+  /// non-negative shapes). Moments and accumulator start as zeros, allocated
+  /// when first written.
   static Result<std::unique_ptr<AdamW>> create(const AdamWConfig& config, std::vector<TrainableParam> params);
 
   /// Adds one micro-batch's gradients to the window accumulator.
@@ -92,7 +100,7 @@ class AdamW {
 
   /// The window's gradient sum of parameter `i` so far (numel floats), for
   /// accumulator snapshots (docs/design.md §7).
-  const std::vector<float>& grad_sum(size_t i) const { return grad_sum_[i]; }
+  const float* grad_sum(size_t i) const { return state_or_zeros(grad_sum_, i); }
   /// Sets the accumulator to a snapshot: `accumulated` micro-batches whose
   /// gradients sum to `grad_sums[i]` (numel(param(i)) floats each), exactly
   /// as accumulate() left it, so the window goes on bit for bit.
@@ -115,8 +123,13 @@ class AdamW {
   Status rebind(size_t i, float* data);
 
   /// First / second moment of parameter `i` (numel floats), for checkpoints.
-  const std::vector<float>& exp_avg(size_t i) const { return exp_avg_[i]; }
-  const std::vector<float>& exp_avg_sq(size_t i) const { return exp_avg_sq_[i]; }
+  const float* exp_avg(size_t i) const { return state_or_zeros(exp_avg_, i); }
+  const float* exp_avg_sq(size_t i) const { return state_or_zeros(exp_avg_sq_, i); }
+
+  /// Bytes of optimizer state allocated now: 0 until something was
+  /// accumulated or a step taken, then 4 bytes per float of the accumulator
+  /// and of the moments.
+  size_t state_bytes() const;
 
   /// Restores state from a checkpoint: parameter values, moments (each
   /// numel(param(i)) floats) and the step count. The accumulator is cleared.
@@ -126,11 +139,22 @@ class AdamW {
  private:
   AdamW(const AdamWConfig& config, std::vector<TrainableParam> params);
 
+  /// One vector per parameter: numel floats each once allocated, empty before.
+  using State = std::vector<std::vector<float>>;
+  const float* state_or_zeros(const State& state, size_t i) const {
+    return state[i].empty() ? zeros_.data() : state[i].data();
+  }
+  /// Gives every parameter its numel zeroed floats in each of `states`, once (`*done`).
+  void allocate(std::initializer_list<State*> states, bool* done) const;
+
   AdamWConfig config_;
   std::vector<TrainableParam> params_;
-  std::vector<std::vector<float>> exp_avg_;
-  std::vector<std::vector<float>> exp_avg_sq_;
-  std::vector<std::vector<float>> grad_sum_;
+  State exp_avg_;
+  State exp_avg_sq_;
+  State grad_sum_;
+  bool moments_allocated_ = false;
+  bool accumulator_allocated_ = false;
+  std::vector<float> zeros_;  ///< numel floats of the largest parameter: what unallocated state reads as
   int64_t accumulated_ = 0;
   int64_t step_count_ = 0;
 };

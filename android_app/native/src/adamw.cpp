@@ -188,20 +188,22 @@ Status AdamW::rebind(size_t i, float* data) {
 Status AdamW::restore(int64_t step_count, const std::vector<const float*>& params,
                       const std::vector<const float*>& exp_avg, const std::vector<const float*>& exp_avg_sq) {
   if (step_count < 0) return Status(StatusCode::kInvalidArgument, "AdamW::restore: negative step count");
-  if (params.size() != params_.size() || exp_avg.size() != params_.size() || exp_avg_sq.size() != params_.size()) {
+  const bool zero_moments = exp_avg.empty() && exp_avg_sq.empty();
+  if (params.size() != params_.size() ||
+      (!zero_moments && (exp_avg.size() != params_.size() || exp_avg_sq.size() != params_.size()))) {
     return Status(StatusCode::kInvalidArgument, "AdamW::restore: expected " + std::to_string(params_.size()) +
-                                                    " entries per list");
+                                                    " entries per list (or no moments: zeros)");
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     const size_t n = params_[i].numel();
     if (n == 0) continue;
-    if (params[i] == nullptr || exp_avg[i] == nullptr || exp_avg_sq[i] == nullptr) {
+    if (params[i] == nullptr || (!zero_moments && (exp_avg[i] == nullptr || exp_avg_sq[i] == nullptr))) {
       return Status(StatusCode::kInvalidArgument, "AdamW::restore: missing data for '" + params_[i].name + "'");
     }
   }
   // Moments that are all zero (a stage that never stepped: held still by lr 0) stay unallocated.
   bool moments = moments_allocated_;
-  for (size_t i = 0; i < params_.size() && !moments; ++i) {
+  for (size_t i = 0; i < params_.size() && !moments && !zero_moments; ++i) {
     const size_t n = params_[i].numel();
     auto nonzero = [](float x) { return x != 0.0f; };
     moments = n > 0 && (std::any_of(exp_avg[i], exp_avg[i] + n, nonzero) ||
@@ -213,8 +215,8 @@ Status AdamW::restore(int64_t step_count, const std::vector<const float*>& param
     if (n == 0) continue;
     std::memcpy(params_[i].data, params[i], n * sizeof(float));
     if (!moments) continue;
-    std::memcpy(exp_avg_[i].data(), exp_avg[i], n * sizeof(float));
-    std::memcpy(exp_avg_sq_[i].data(), exp_avg_sq[i], n * sizeof(float));
+    std::memcpy(exp_avg_[i].data(), zero_moments ? zeros_.data() : exp_avg[i], n * sizeof(float));
+    std::memcpy(exp_avg_sq_[i].data(), zero_moments ? zeros_.data() : exp_avg_sq[i], n * sizeof(float));
   }
   step_count_ = step_count;
   clear_accumulator();

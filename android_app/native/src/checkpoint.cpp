@@ -150,13 +150,16 @@ Result<CheckpointData> read_checkpoint(const std::string& window_dir, const std:
   Result<SafetensorsFile> optimizer = read_safetensors(optimizer_path);
   ZL_RETURN_IF_ERROR_WITH_PREFIX(optimizer, "checkpoint is unreadable: ");
   out.optimizer = std::move(optimizer).value();
+  const auto zero = out.optimizer.metadata.find(kZeroMomentsKey);
+  out.zero_moments = zero != out.optimizer.metadata.end() && zero->second == kZeroMomentsValue;
 
-  std::set<std::string> param_names, moment_names;
+  std::set<std::string> param_names, moment_names;  // moment_names stays empty with zero moments: no tensor
   for (const auto& p : expected) {
     param_names.insert(p.name);
+    ZL_RETURN_IF_ERROR(check_tensor(adapter_path, out.adapter, p.name, p.shape));
+    if (out.zero_moments) continue;
     moment_names.insert(p.name + ".exp_avg");
     moment_names.insert(p.name + ".exp_avg_sq");
-    ZL_RETURN_IF_ERROR(check_tensor(adapter_path, out.adapter, p.name, p.shape));
     ZL_RETURN_IF_ERROR(check_tensor(optimizer_path, out.optimizer, p.name + ".exp_avg", p.shape));
     ZL_RETURN_IF_ERROR(check_tensor(optimizer_path, out.optimizer, p.name + ".exp_avg_sq", p.shape));
   }
@@ -223,14 +226,17 @@ Status write_staging(const std::string& tmp, const AdamW& optimizer, const Check
   for (size_t i = 0; i < optimizer.num_params(); ++i) {
     const TrainableParam& p = optimizer.param(i);
     adapter.push_back({p.name, SafetensorsDtype::kF32, p.shape, p.data});
+    if (!optimizer.has_moments()) continue;  // all zero: not written (a held stage's: 2/3 of its checkpoint)
     moments.push_back({p.name + ".exp_avg", SafetensorsDtype::kF32, p.shape, optimizer.exp_avg(i)});
     moments.push_back({p.name + ".exp_avg_sq", SafetensorsDtype::kF32, p.shape, optimizer.exp_avg_sq(i)});
   }
   // "format": "pt" is what safetensors.torch.save_file writes; PEFT expects it.
   const std::map<std::string, std::string> metadata = {
       {"format", "pt"}, {"run_id", progress.run_id}, {"window", std::to_string(progress.window)}};
+  std::map<std::string, std::string> optimizer_metadata = metadata;
+  if (!optimizer.has_moments()) optimizer_metadata[kZeroMomentsKey] = kZeroMomentsValue;
   ZL_RETURN_IF_ERROR(write_safetensors(tmp + "/" + kAdapterFile, adapter, metadata));
-  ZL_RETURN_IF_ERROR(write_safetensors(tmp + "/" + kOptimizerFile, moments, metadata));
+  ZL_RETURN_IF_ERROR(write_safetensors(tmp + "/" + kOptimizerFile, moments, optimizer_metadata));
   CheckpointProgress stamped = progress;
   stamped.created_unix_ms = now_unix_ms();
   const std::string progress_text = progress_to_json(stamped, optimizer).dump(2) + "\n";
@@ -307,9 +313,10 @@ Result<CheckpointProgress> CheckpointStore::load(int64_t window, AdamW* optimize
     return Status(StatusCode::kCorrupt, "checkpoint '" + dir + "' says window " +
                                             std::to_string(data.progress.window) + " in " + kProgressFile);
   }
-  std::vector<const float*> params, exp_avg, exp_avg_sq;
+  std::vector<const float*> params, exp_avg, exp_avg_sq;  // the moments stay empty when they are zero
   for (const auto& p : expected) {
     params.push_back(data.adapter.tensors.at(p.name).f32());
+    if (data.zero_moments) continue;
     exp_avg.push_back(data.optimizer.tensors.at(p.name + ".exp_avg").f32());
     exp_avg_sq.push_back(data.optimizer.tensors.at(p.name + ".exp_avg_sq").f32());
   }

@@ -99,7 +99,7 @@ TEST(AccumulatorSnapshot, OneThatDoesNotContinueTheWindowIsRefused) {
             std::string::npos);
 }
 
-TEST(AccumulatorSnapshot, AForwardOnlyStagesHoldsItsProgressAndNoSums) {
+TEST(AccumulatorSnapshot, AForwardOnlyStageHoldsItsProgressAndNoSums) {
   // A stage held still by lr 0 accumulates nothing: its snapshot records how
   // far the window got, and writes none of the zero sums.
   TempDir dir;

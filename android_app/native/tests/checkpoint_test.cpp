@@ -106,6 +106,36 @@ TEST(Checkpoint, RoundTripRestoresParamsMomentsAndProgress) {
   EXPECT_EQ(restored.a, stage.a);
 }
 
+TEST(Checkpoint, AnOptimizerThatNeverSteppedWritesNoMoments) {
+  // A stage held still by lr 0 (skip_step only): its moments are zeros, and
+  // its optimizer file holds none of them, only the "moments": "zero" mark.
+  zl_test::TempDir dir;
+  CheckpointStore store({dir.file("ckpt"), 1, 2});
+  Stage held(2, 0.5f);
+  ASSERT_TRUE(held.opt->skip_step().ok());
+  ASSERT_TRUE(store.save(*held.opt, progress_for(held, 0)).ok());
+  ASSERT_OK_AND_ASSIGN(const zl::CheckpointData data,
+                       zl::read_checkpoint(dir.file("ckpt/window_000000"), {held.opt->param(0), held.opt->param(1)}));
+  EXPECT_TRUE(data.zero_moments);
+  EXPECT_TRUE(data.optimizer.tensors.empty());
+  EXPECT_EQ(data.optimizer.metadata.at("moments"), "zero");
+
+  // It restores as zeros, into an optimizer with moments too, and both go on
+  // as one that was never saved.
+  Stage trained(2, 9.0f), fresh(2, 0.5f);
+  trained.train_step(5.0f);
+  ASSERT_OK_AND_ASSIGN(const std::optional<CheckpointProgress> latest, store.load_latest(trained.opt.get()));
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(trained.a, held.a);
+  EXPECT_EQ(trained.moment(0, 0), std::vector<float>(6, 0.0f));
+  EXPECT_EQ(trained.opt->step_count(), 1);
+  ASSERT_TRUE(fresh.opt->skip_step().ok());
+  for (Stage* s : {&trained, &held, &fresh}) s->train_step(2.0f);
+  EXPECT_EQ(trained.a, fresh.a);
+  EXPECT_EQ(held.a, fresh.a);
+  EXPECT_EQ(trained.moment(1, 1), fresh.moment(1, 1));
+}
+
 TEST(Checkpoint, EmptyDirectoryHasNoCheckpoint) {
   zl_test::TempDir dir;
   CheckpointStore store({dir.file("never_created"), 1, 2});
@@ -248,6 +278,16 @@ TEST_F(DamagedCheckpoint, MissingOptimizerFileIsReported) {
   zl::Status s = load(&target);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("optimizer.safetensors"), std::string::npos) << s.message();
+}
+
+TEST_F(DamagedCheckpoint, MomentsMissingWithoutTheZeroMarkAreReported) {
+  // An optimizer file without tensors is zeros only when it says so.
+  ASSERT_TRUE(zl::write_safetensors(window_dir_ + "/optimizer.safetensors", {}, {{"format", "pt"}}).ok());
+  Stage target;
+  zl::Status s = load(&target);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("optimizer.safetensors"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(".exp_avg"), std::string::npos) << s.message();
 }
 
 TEST_F(DamagedCheckpoint, ShapeMismatchNamesTensorAndShapes) {

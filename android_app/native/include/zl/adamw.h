@@ -122,6 +122,10 @@ class AdamW {
   /// program was reloaded). The moments are kept.
   Status rebind(size_t i, float* data);
 
+  /// Whether the moments are allocated: false until the first step() (or a
+  /// restore() of moments not all zero), while they are all zero.
+  bool has_moments() const { return moments_allocated_; }
+
   /// First / second moment of parameter `i` (numel floats), for checkpoints.
   const float* exp_avg(size_t i) const { return state_or_zeros(exp_avg_, i); }
   const float* exp_avg_sq(size_t i) const { return state_or_zeros(exp_avg_sq_, i); }
@@ -132,7 +136,8 @@ class AdamW {
   size_t state_bytes() const;
 
   /// Restores state from a checkpoint: parameter values, moments (each
-  /// numel(param(i)) floats) and the step count. The accumulator is cleared.
+  /// numel(param(i)) floats; both lists empty: all zero) and the step count.
+  /// The accumulator is cleared.
   Status restore(int64_t step_count, const std::vector<const float*>& params,
                  const std::vector<const float*>& exp_avg, const std::vector<const float*>& exp_avg_sq);
 

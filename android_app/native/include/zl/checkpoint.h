@@ -4,7 +4,10 @@
 // Layout (one directory per committed window; names in checkpoint_layout.h):
 //
 //   <dir>/window_000012/adapter.safetensors    LoRA params under their PEFT names, F32
-//   <dir>/window_000012/optimizer.safetensors  "<name>.exp_avg", "<name>.exp_avg_sq", F32
+//   <dir>/window_000012/optimizer.safetensors  "<name>.exp_avg", "<name>.exp_avg_sq", F32;
+//                                              or no tensor and metadata "moments": "zero" when
+//                                              the optimizer never stepped (a stage held still
+//                                              by lr 0, docs/design.md §4.3: zeros, not written)
 //   <dir>/window_000012/progress.json          see CheckpointProgress
 //
 // A save writes into "<dir>/.tmp-window_000012-<pid>/", fsyncs every file and
@@ -62,7 +65,8 @@ struct CheckpointProgress {
 struct CheckpointData {
   CheckpointProgress progress;
   SafetensorsFile adapter;
-  SafetensorsFile optimizer;
+  SafetensorsFile optimizer;  ///< no tensors when `zero_moments`
+  bool zero_moments = false;  ///< the optimizer file says its moments are all zero ("moments": "zero")
 };
 
 /// Where and how often to checkpoint.
@@ -77,7 +81,8 @@ struct CheckpointOptions {
 
 /// Reads `window_dir` and validates it against `expected` (names and shapes;
 /// `data` is ignored): every file present and well-formed, dtype F32, exactly
-/// the expected names, matching shapes. Errors name the file and the problem.
+/// the expected names, matching shapes (the optimizer file: or none, with
+/// "moments": "zero"). Errors name the file and the problem.
 Result<CheckpointData> read_checkpoint(const std::string& window_dir, const std::vector<TrainableParam>& expected);
 
 /// Saves and restores checkpoints of one stage under `options.dir`.

@@ -20,6 +20,9 @@ namespace zl {
 inline constexpr const char* kAdapterFile = "adapter.safetensors";
 inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
 inline constexpr const char* kProgressFile = "progress.json";
+/// Metadata of an optimizer file that holds no tensor because its moments are all zero (checkpoint.h).
+inline constexpr const char* kZeroMomentsKey = "moments";
+inline constexpr const char* kZeroMomentsValue = "zero";
 
 /// "window_000012" for window 12.
 std::string checkpoint_dir_name(int64_t window);

@@ -366,6 +366,24 @@ def test_torch_checkpoints_merge_like_the_runners(tmp_path):
     assert all(torch.equal(got[n], t) for n, t in last.items()) and got.keys() == last.keys()
 
 
+def test_an_optimizer_file_marked_zero_reads_as_zero_moments(tmp_path):
+    """The runner stores a held stage's moments (all zero) as an optimizer file without tensors, marked
+    moments: zero (docs/design.md §4.5): read_checkpoint gives zeros of the adapter's shapes."""
+    from safetensors.torch import save_file
+
+    from zl_device.torch.checkpoint import read_checkpoint
+
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    where = tmp_path / "window_000000"
+    where.mkdir()
+    save_file({name: torch.ones(2, 4)}, str(where / "adapter.safetensors"), metadata={"format": "pt"})
+    save_file({}, str(where / "optimizer.safetensors"), metadata={"format": "pt", "moments": "zero"})
+    (where / "progress.json").write_text(json.dumps({"run_id": "ab" * 16, "stage": 0, "window": 0}))
+    tensors, moments, _ = read_checkpoint(where, "ab" * 16, 0)
+    assert moments.keys() == {f"{name}.exp_avg", f"{name}.exp_avg_sq"}
+    assert all(torch.equal(m, torch.zeros(2, 4)) for m in moments.values())
+
+
 @pytest.mark.parametrize("change, problem", [
     ({"spares": 1}, "--spares is not supported with --runtime torch"),
     ({"recovery": "local"}, "--recovery local is not supported with --runtime torch .a failed rank restarts every"),

@@ -39,6 +39,9 @@ class CheckpointLayout:
     progress_file: str = "progress.json"
     input_log_dir: str = "input_log"  # the runner's input_log_dir default, under checkpoint_dir
     accumulator_file: str = "accumulator.safetensors"  # the runner's accumulator snapshot (docs/design.md §7)
+    #: An optimizer file that holds no tensor because its moments are all zero (a stage held still that never
+    #: stepped, docs/design.md §4.5) says so in this metadata key and value (the runner's kZeroMomentsKey/Value).
+    zero_moments: tuple[str, str] = ("moments", "zero")
 
     def stage_root(self, root: Path, k: int) -> Path:
         return Path(root) / self.stage_dir.format(k=k)

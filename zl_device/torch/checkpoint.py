@@ -68,11 +68,14 @@ def save_checkpoint(stage_root: Path, window: int, tensors: dict[str, torch.Tens
 
 def read_checkpoint(where: Path, run_id: str, stage: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
                                                                    dict]:
-    """(tensors, AdamW moments, progress) of the window checkpoint `where` (a window_NNNNNN directory).
+    """(tensors, AdamW moments, progress) of the window checkpoint `where` (a window_NNNNNN directory). An
+    optimizer file marked as all-zero moments without tensors (the runner writes one for a stage held still,
+    docs/design.md §4.5) reads as zeros of the tensors' shapes.
 
     Raises:
         ZLError: the checkpoint is of another run or stage.
     """
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     layout = DEFAULT_LAYOUT
@@ -80,7 +83,13 @@ def read_checkpoint(where: Path, run_id: str, stage: int) -> tuple[dict[str, tor
     if progress.get("run_id") != run_id or progress.get("stage") != stage:
         raise ZLError(f"{where}: a checkpoint of run {progress.get('run_id')} stage {progress.get('stage')}, not of "
                       f"this run ({run_id}) stage {stage}; resume only the run directory that wrote it.")
-    return load_file(str(where / layout.adapter_file)), load_file(str(where / layout.optimizer_file)), progress
+    tensors, moments = load_file(str(where / layout.adapter_file)), load_file(str(where / layout.optimizer_file))
+    if not moments:
+        key, value = layout.zero_moments
+        with safe_open(str(where / layout.optimizer_file), "pt") as f:
+            if (f.metadata() or {}).get(key) == value:
+                moments = {f"{n}.{m}": torch.zeros_like(t) for n, t in tensors.items() for m in ("exp_avg", "exp_avg_sq")}
+    return tensors, moments, progress
 
 
 def _fsync(path: Path) -> None:

@@ -88,7 +88,8 @@ def read_checkpoint(where: Path, run_id: str, stage: int) -> tuple[dict[str, tor
         key, value = layout.zero_moments
         with safe_open(str(where / layout.optimizer_file), "pt") as f:
             if (f.metadata() or {}).get(key) == value:
-                moments = {f"{n}.{m}": torch.zeros_like(t) for n, t in tensors.items() for m in ("exp_avg", "exp_avg_sq")}
+                moments = {f"{n}.{m}": torch.zeros_like(t) for n, t in tensors.items()
+                           for m in ("exp_avg", "exp_avg_sq")}
     return tensors, moments, progress
 
 

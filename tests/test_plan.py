@@ -195,6 +195,22 @@ def test_the_plan_counts_the_stages_the_default_holds_still():
     assert forward_only_stages(replace(auto, stage_lr=(0.0, 1.0, 1.0)), 3) == [True, False, False]
 
 
+def test_a_calibration_round_runs_each_stage_in_its_role_and_caches_it_so(cache):
+    """A stage the run holds still is calibrated forward only (lr 0), as it will run: its PSS is a held stage's
+    (no readout pages, no optimizer state), not a trained one's. The role is in the cache key: a plan that trains
+    every stage does not take the held stages' figures."""
+    from zl_device.devices.registry import parse_devices
+
+    held, trained = settings(stage_lr=None), settings(stage_lr=(1.0,))
+    assert cal.round_settings(held, 1, Path("r")).stage_lr == (0.0, 0.0, 1.0)
+    assert cal.round_settings(trained, 1, Path("r")).stage_lr == (1.0, 1.0, 1.0)
+    assert cal.round_settings(settings(stage_lr=(0.0, 1.0, 0.5)), 1, Path("r")).stage_lr == (0.0, 1.0, 1.0)
+    spec_ = parse_devices("local:3")
+    keys = {k: (cal.cache_key(held, spec_, k, None), cal.cache_key(trained, spec_, k, None)) for k in range(3)}
+    assert [keys[k][0]["forward_only"] for k in range(3)] == [True, True, False]
+    assert keys[0][0] != keys[0][1] and keys[2][0] == keys[2][1]  # the last stage trains in both
+
+
 # --- memory budgets -------------------------------------------------------------------------------------------
 
 

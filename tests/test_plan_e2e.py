@@ -62,10 +62,11 @@ def test_calibration_measures_each_device_then_a_second_plan_reads_the_cache(env
     for k, entry in enumerate(plan.calibration):
         assert [m["layers"] for m in entry["rounds"]] == round_layers(4, 2) == [1, 2] and entry["measured_now"]
         for m in entry["rounds"]:
-            assert m["micro_batches"] == ROUND_MICRO_BATCHES - WARMUP_MICRO_BATCHES
-            assert m["phase2_ms"] > 0 and m["pss_mib"] > 0
-            # The last stage has no marker: its phase 1 only stages the inputs, the step is all phase 2.
-            assert (m["phase1_ms"] > 0) if k == 0 else (m["phase1_ms"] < m["phase2_ms"] / 4)
+            assert m["micro_batches"] == ROUND_MICRO_BATCHES - WARMUP_MICRO_BATCHES and m["pss_mib"] > 0
+            if k == 0:  # held still by the default --stage-lr, it is calibrated as it will run: forward only
+                assert m["phase1_ms"] > 0 and m["phase2_ms"] == 0
+            else:  # the last stage has no marker: its phase 1 only stages the inputs, the step is all phase 2
+                assert m["phase1_ms"] < m["phase2_ms"] / 4
         assert Path(entry["cache"]).is_file()
     assert all(p.total_ms > 0 and p.pss_mib > 0 and p.budget_mib > 0 for p in plan.per_stage)
     assert plan.cpu_quota == list(QUOTAS)

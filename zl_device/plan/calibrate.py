@@ -13,10 +13,17 @@ The round's programs give every stage the model's layers 0..n-1 (`CalibrationSpl
 how many layers it runs, not which (every layer has the same shape), so two small exports (cached like any other,
 $ZL_CACHE_DIR/exports) serve every later plan of this model and export options, whatever the devices.
 
-A calibration is cached per device, stage position and settings ($ZL_CACHE_DIR/calibrations/<key>.json: key =
+A round runs each stage as the run will: a stage the run holds still (`--stage-lr` 0, by default every stage but
+the last; `forward_only_stages`) runs forward only (docs/design.md §4.3), so what is measured of it is a held stage's
+phase 1, send and PSS (no readout, so none of the LM head's pages; no optimizer state), not a trained one's: on
+Gemma 3 270M a held stage peaked at 207 MiB where the trained one reached 534. The others train, and their phase 2
+is measured too.
+
+A calibration is cached per device, stage position, role and settings ($ZL_CACHE_DIR/calibrations/<key>.json: key =
 the device -- a local device's name, quota, host and runner build; a phone's serial and mode -- the stage index and
-count, the model, the data and every option that changes a stage's work); a plan whose every stage is cached runs
-nothing and loads no model. `zl plan --recalibrate` measures again (a phone's new runner build, a hotter day).
+count, whether the stage runs forward only, the model, the data and every option that changes a stage's work); a plan
+whose every stage is cached runs nothing and loads no model. `zl plan --recalibrate` measures again (a phone's new
+runner build, a hotter day).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from zl_base.errors import ZLError
 from zl_base.settings import to_json
 from zl_device.devices.backend import RUNNER_STDERR
 from zl_device.devices.registry import LOCAL, DevicesSpec
+from zl_device.formats.lr_schedule import runs_forward_only
 from zl_device.plan.costs import WARMUP_MICRO_BATCHES, Measured, StageCost, measure
 from zl_device.run.train_settings import DEMO, TrainSettings
 from zl_export.options import ModelSplit
@@ -43,7 +51,8 @@ from zl_export.stages import StageRange
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 2  # bump when what a round measures or how it is fitted changes (2: rounds 1 and L/K)
+#: Bump when what a round measures or how it is fitted changes (2: rounds 1 and L/K; 3: held stages forward only).
+CALIBRATION_VERSION = 3
 #: Micro-batches per round: the warm-up, then the ones measured.
 ROUND_MICRO_BATCHES = WARMUP_MICRO_BATCHES + 8
 #: A round of a few micro-batches that takes longer than this has a device that is stuck.
@@ -123,10 +132,22 @@ def data_identity(s: TrainSettings) -> dict:
     return {"data": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def forward_only_stages(s: TrainSettings, num_stages: int) -> list[bool]:
+    """Which stages run phase 1 only: those `--stage-lr` holds still (lr 0) but the last, as the runner decides
+    (RunnerConfig::forward_only, docs/design.md §4.3). Without a --stage-lr, its default: the stages before the
+    last run forward only."""
+    from zl_device.run.train_settings import default_stage_lr
+
+    if s.stage_lr is None:
+        s = replace(s, stage_lr=default_stage_lr(num_stages))
+    return [runs_forward_only(s.stage_lr_of(k), k, num_stages) for k in range(num_stages)]
+
+
 def cache_key(s: TrainSettings, spec: DevicesSpec, stage: int, quota: float | None) -> dict:
     """Everything a stage's measured cost depends on (module docstring)."""
     return {"v": CALIBRATION_VERSION, "device": device_identity(spec, stage, quota, s.mode), "stage": stage,
-            "num_stages": s.split.num_stages, "model": model_identity(s.split.model), "data": data_identity(s),
+            "num_stages": s.split.num_stages, "forward_only": forward_only_stages(s, s.split.num_stages)[stage],
+            "model": model_identity(s.split.model), "data": data_identity(s),
             "rows": to_json(s.rows), "export": to_json(s.export), "threads": s.threads, "load_mode": s.load_mode,
             "accumulator_snapshots": s.accumulator_snapshots, "in_flight": s.in_flight,
             "micro_batches": ROUND_MICRO_BATCHES}
@@ -245,12 +266,14 @@ def round_layers(num_layers: int, num_stages: int) -> list[int]:
 
 def round_settings(s: TrainSettings, layers: int, out: Path) -> TrainSettings:
     """The run's settings for one calibration round: `layers` layers on every stage, one window of
-    ROUND_MICRO_BATCHES micro-batches, no recovery (a device that fails calibration is reported, not nursed) and no
-    device policy (a round takes seconds; a pause would only stretch it)."""
+    ROUND_MICRO_BATCHES micro-batches, the stages the run holds still at lr 0 (forward only) and the others at
+    lr 1, no recovery (a device that fails calibration is reported, not nursed) and no device policy (a round takes
+    seconds; a pause would only stretch it)."""
     split = CalibrationSplit(model=s.split.model, num_stages=s.split.num_stages, layers=layers)
+    stage_lr = tuple(0.0 if held else 1.0 for held in forward_only_stages(s, s.split.num_stages))
     return replace(s, split=split, samples=ROUND_MICRO_BATCHES * s.export.micro_batch, window=ROUND_MICRO_BATCHES,
                    out=out, runtime="executorch", recovery="local", max_restarts=0, spares=0, inject_failure=None,
-                   standby=False, resume=False, keep_device_files=False, stage_lr=(1.0,), timeout_s=ROUND_TIMEOUT_S,
+                   standby=False, resume=False, keep_device_files=False, stage_lr=stage_lr, timeout_s=ROUND_TIMEOUT_S,
                    policy=type(s.policy)())
 
 

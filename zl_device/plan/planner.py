@@ -22,8 +22,7 @@ from pathlib import Path
 from zl_base.errors import ZLError
 from zl_base.settings import check_fields, setting
 from zl_device.devices.registry import LOCAL, DevicesSpec, check_cpu_quota_fits, check_mode, parse_devices
-from zl_device.plan.calibrate import calibrate, check_stage_count, device_names
-from zl_device.formats.lr_schedule import runs_forward_only
+from zl_device.plan.calibrate import calibrate, check_stage_count, device_names, forward_only_stages
 from zl_device.plan.costs import StageCost
 from zl_device.plan.plan_file import AUTO, Plan, StagePrediction, check_plan_matches, is_plan_file, read_plan
 from zl_device.plan.split import Split, best_split, evaluate
@@ -129,17 +128,6 @@ def make_plan(s: TrainSettings, p: PlanSettings, say=print, export_progress=None
                 per_stage=per_stage, link_mbps=p.link_mbps, entry_bytes=cal.entry_bytes(s.export.micro_batch),
                 link_ms=link_ms, even_stages=even.spec, even_slowest_ms=max(even.slowest_ms, link_ms),
                 calibration=calibration)
-
-
-def forward_only_stages(s: TrainSettings, num_stages: int) -> list[bool]:
-    """Which stages run phase 1 only: those `--stage-lr` holds still (lr 0) but the last, as the runner decides
-    (RunnerConfig::forward_only, docs/design.md §4.3). Without a --stage-lr, its default: the stages before the
-    last run forward only."""
-    from zl_device.run.train_settings import default_stage_lr
-
-    if s.stage_lr is None:
-        s = replace(s, stage_lr=default_stage_lr(num_stages))
-    return [runs_forward_only(s.stage_lr_of(k), k, num_stages) for k in range(num_stages)]
 
 
 def check_plan_holds(plan: Plan, s: TrainSettings, where: str) -> None:

@@ -39,7 +39,7 @@ AdamW::AdamW(const AdamWConfig& config, std::vector<TrainableParam> params)
   zeros_.assign(largest, 0.0f);
 }
 
-void AdamW::allocate(std::initializer_list<State*> states, bool* done) const {
+void AdamW::allocate(std::initializer_list<State*> states, bool* done) {
   if (*done) return;
   for (State* state : states) {
     for (size_t i = 0; i < params_.size(); ++i) (*state)[i].assign(params_[i].numel(), 0.0f);
@@ -114,7 +114,8 @@ Status AdamW::restore_accumulator(int64_t accumulated, const std::vector<const f
 }
 
 void AdamW::clear_accumulator() {
-  for (auto& sum : grad_sum_) std::fill(sum.begin(), sum.end(), 0.0f);  // nothing to clear before the first accumulate()
+  // Before the first accumulate() there is nothing allocated to clear.
+  for (auto& sum : grad_sum_) std::fill(sum.begin(), sum.end(), 0.0f);
   accumulated_ = 0;
 }
 

@@ -150,7 +150,7 @@ class AdamW {
     return state[i].empty() ? zeros_.data() : state[i].data();
   }
   /// Gives every parameter its numel zeroed floats in each of `states`, once (`*done`).
-  void allocate(std::initializer_list<State*> states, bool* done) const;
+  void allocate(std::initializer_list<State*> states, bool* done);
 
   AdamWConfig config_;
   std::vector<TrainableParam> params_;

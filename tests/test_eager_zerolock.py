@@ -85,7 +85,8 @@ def test_the_default_holds_the_upstream_stages_still_on_any_data_and_notes_what_
             assert (note is None) == (given == (0.0, 0.0, 1.0))
             if note is not None:
                 assert "--stage-lr 0,0,1" in note
-                assert ("3.29" in note) == (shard == generative) and ("84.6%" in note) == (shard == labels)
+                assert ("headlines-smollm2-135m-1024-local-losses" in note) == (shard == generative)
+                assert ("agnews-gemma3-270m-1024" in note) == (shard == labels)
 
 
 def test_a_forward_only_stage_step_hands_on_the_same_hidden_state_and_only_counts_its_windows(tmp_path):

@@ -137,7 +137,8 @@ class LossConfig:
     """The local loss of every stage (zl_export/local_loss.py), recorded in `manifest.json` under "loss".
 
     The defaults (α 1 with rank-32 readout translators) are the best variant of the accuracy study
-    (tools/accuracy_study.py, README "Accuracy"); `--loss paper` gives the paper's form.
+    (tools/accuracy_study.py; docs/studies/README.md, agnews-smollm2-135m-readouts); `--loss paper` gives the
+    paper's form.
     """
 
     alpha: tuple[float, ...] = setting((1.0,), "CE weight α of the local loss against its KL term, in (0, 1]: one "

@@ -83,8 +83,8 @@ def run_max_targets(s: TrainSettings, shard: Path, say) -> int:
 def choose_stage_lr(s: TrainSettings, shard: Path) -> tuple[TrainSettings, str | None]:
     """The run's settings with --stage-lr's default resolved when it was not given
     (TrainSettings.with_default_stage_lr), and a line to say about it: the default, which holds the stages before
-    the last still, or what the README's studies found when the user's --stage-lr trains them on the data in
-    `shard` (generative rows or label words)."""
+    the last still, or which study (docs/studies/README.md) to read when the user's --stage-lr trains them on the
+    data in `shard` (generative rows or label words). Messages cite studies by name, not their figures."""
     stages = s.split.count
     chosen = s.with_default_stage_lr()
     if stages < 2:
@@ -93,20 +93,19 @@ def choose_stage_lr(s: TrainSettings, shard: Path) -> tuple[TrainSettings, str |
     if s.stage_lr is None:
         return chosen, (
             f"--stage-lr {held} (the default): the stages before the last run forward only and the last stage "
-            "trains. In the README's studies that matched or beat every stage training on its own readout "
-            "(--stage-lr 1), on label words and on generative data ('Accuracy').")
+            "trains. In every study this matched or beat every stage training on its own readout "
+            "(--stage-lr 1), on label words and on generative data (docs/studies/README.md).")
     if all(runs_forward_only(s.stage_lr_of(k), k, stages) for k in range(stages - 1)):
         return chosen, None
     if shard_is_generative(shard):
-        return chosen, (f"note: generative data with the stages before the last training on their own readouts: in "
-                        f"the README's headline study (SmolLM2, AG News headlines) that left held-out NLL worse than "
-                        f"the base model's (4.96 -> 5.58 nats/token), while the last stage alone (--stage-lr {held}, "
-                        "the default) got 3.29 where whole-model backprop got 3.07 (3 seeds). See the README, "
-                        "'Generative data'.")
+        return chosen, ("note: generative data with the stages before the last training on their own readouts: in "
+                        "the study headlines-smollm2-135m-1024-local-losses that left the model worse than the base "
+                        f"model, while the last stage alone (--stage-lr {held}, the default) came close to whole-model "
+                        "backprop. See docs/studies/README.md.")
     return chosen, ("note: the stages before the last train on their own readouts. On AG News label words that tied "
-                    f"holding them still (--stage-lr {held}, the default) on SmolLM2-135M, 82.3% both (3 seeds), "
-                    "and lost 12 points on Gemma 3 270M, 72.6% against 84.6% (2 seeds). See the README, "
-                    "'Accuracy'.")
+                    f"holding them still (--stage-lr {held}, the default) on SmolLM2-135M and lost clearly on Gemma 3 "
+                    "270M (studies agnews-smollm2-135m-1024-local-losses, agnews-gemma3-270m-1024). See "
+                    "docs/studies/README.md.")
 
 
 def prepare_data(s: TrainSettings, tokenizer: Tokenizer, seq_len: int, data_dir: Path, say) -> tuple[Path, Path | None]:

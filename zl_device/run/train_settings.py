@@ -92,9 +92,9 @@ class TrainSettings:
     stage_lr: tuple[float, ...] | None = setting(None, "Learning-rate multiplier per stage (one value for every "
                                                        "stage, or one per stage, e.g. 1,1,2; 0: the stage runs "
                                                        "forward only and does not train). Default: 0 before the "
-                                                       "last stage and 1 on it (e.g. 0,0,1): in the README's "
-                                                       "studies that matched or beat every stage training on its "
-                                                       "local loss (--stage-lr 1).")
+                                                       "last stage and 1 on it (e.g. 0,0,1), which in every "
+                                                       "study matched or beat every stage training on its local "
+                                                       "loss (--stage-lr 1; docs/studies/README.md).")
     threads: int = setting(1, "ExecuTorch threads per runner.")
     load_mode: str = setting("mmap", "How runners hold the frozen weights: mmap (mapped from the program file: "
                                      "file-backed pages the OS can reclaim) or file (read into heap memory).",
@@ -195,14 +195,12 @@ class TrainSettings:
 
 def default_stage_lr(stages: int) -> tuple[float, ...]:
     """--stage-lr's default, on every kind of data: 0 for the stages before the last (they run forward only and
-    hand on their hidden state) and 1 for the last, which trains on the true output. In the README's studies,
-    training the upstream stages on their own readouts never beat holding them still and once lost badly:
-    - AG News label words, SmolLM2-135M, 1,024 samples, 3 seeds: 82.3% both (a tie; backprop 82.9%);
-    - the same on Gemma 3 270M, 2 seeds: 72.6% against 84.6%;
-    - AG News headlines (generative), SmolLM2: held-out NLL 5.58 nats/token, worse than the base model's 4.96,
-      against 3.29 held still (3 seeds).
-    Holding them still is also 1.4x faster per step. `--stage-lr 1` trains every stage on its local loss
-    (docs/design.md §4.3)."""
+    hand on their hidden state) and 1 for the last, which trains on the true output. In the studies
+    (docs/studies/README.md), training the upstream stages on their own readouts never beat holding them still and
+    once lost badly: a tie on AG News label words with SmolLM2-135M (agnews-smollm2-135m-1024-local-losses), a clear
+    loss with Gemma 3 270M (agnews-gemma3-270m-1024), and worse than the base model on AG News headlines
+    (headlines-smollm2-135m-1024-local-losses). Holding them still is also faster per step (docs/benchmarks.md).
+    `--stage-lr 1` trains every stage on its local loss (docs/design.md §4.3)."""
     if stages < 2:
         return (1.0,)
     return (0.0,) * (stages - 1) + (1.0,)

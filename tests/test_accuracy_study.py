@@ -1,4 +1,4 @@
-"""tools/accuracy_study.py end to end on tiny-random with tiny budgets: files, tables, plot, cache, bad input.
+"""zl_study/accuracy_study.py end to end on tiny-random with tiny budgets: files, tables, plot, cache, bad input.
 
     .venv/bin/python -m pytest tests/test_accuracy_study.py
 """
@@ -8,14 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_tool
 from zl_base.errors import ZLError
+from zl_study import accuracy_study as study_tool
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")]
-
-
-study_tool = load_tool("accuracy_study")
 
 
 def _args(demo: Path, out: Path, *extra: str) -> list[str]:

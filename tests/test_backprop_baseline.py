@@ -1,4 +1,5 @@
-"""tools/train_backprop_baseline.py: the single-process backprop baseline of issue 4, on tiny-random.
+"""zl_study/backprop_baseline.py (`tools/train_backprop_baseline.py`): the single-process backprop baseline of
+issue 4, on tiny-random.
 
 The schedule must be the runner's (zl/lr_schedule.h, and the runner itself
 through `zl_adamw_check` when it is built), training must lower the loss on a
@@ -19,14 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, load_tool
+from conftest import REPO
 from zl_base.errors import ZLError
 from zl_export.shard import write_shard
+from zl_study import backprop_baseline as bpb
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
-
-
-bpb = load_tool("train_backprop_baseline")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

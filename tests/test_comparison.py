@@ -1,10 +1,10 @@
-"""zl_device/results/comparison.py: the paired difference of two arms and its interval, on numbers worked by hand."""
+"""zl_study/comparison.py: the paired difference of two arms and its interval, on numbers worked by hand."""
 
 import math
 
 import pytest
 
-from zl_device.results.comparison import Z95, Scored, paired, summarize
+from zl_study.comparison import Z95, Scored, paired, summarize
 
 
 def _arm(seed, correct, nll=None):

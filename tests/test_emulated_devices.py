@@ -1,4 +1,4 @@
-"""tools/emulated_devices.py: the CPU quota per rank and the shaped loopback link of the benchmarks.
+"""zl_study/emulated_devices.py: the CPU quota per rank and the shaped loopback link of the benchmarks.
 
 The placement logic runs against fake cgroup trees (v1 and v2) with real processes; the quota's effect is checked
 on the host's own cgroups where this runs as root; the shaped link (it slows the whole host's loopback) only in
@@ -20,8 +20,7 @@ import pytest
 
 from tests.conftest import fake_v1, load_tool
 from zl_base.errors import ZLError
-
-emulated = load_tool("emulated_devices")
+from zl_study import emulated_devices as emulated
 
 
 @pytest.fixture

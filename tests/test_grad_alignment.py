@@ -1,4 +1,4 @@
-"""tools/grad_alignment.py on tiny-random: the last stage's local gradient is the end-to-end one; bad arms are errors.
+"""zl_study/grad_alignment.py on tiny-random: the last stage's local gradient is the end-to-end one; bad arms are errors.
 
     .venv/bin/python -m pytest tests/test_grad_alignment.py
 """
@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_tool
+from zl_study import grad_alignment as tool
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")]
-
-tool = load_tool("grad_alignment")
 
 
 @pytest.fixture(scope="module")

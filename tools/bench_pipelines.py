@@ -23,7 +23,7 @@ merged adapter:
 Ranks on one host are not devices: a rank waiting in a bubble gives its core to the others, and loopback is
 not a phone's Wi-Fi. `--cpus-per-rank C` caps every rank at C CPUs in a control group of its own (busy share is
 then of that quota), and `--link-mbit B` makes all traffic between the ranks share one B Mbit/s link
-(tools/emulated_devices.py; both need root and change the host only while a pipeline runs).
+(zl_study/emulated_devices.py; both need root and change the host only while a pipeline runs).
 
 It prints a table, writes the figures (--json) and a plot of throughput and memory per pipeline
 (OUT/pipelines.png, or --plot).
@@ -48,7 +48,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
 
 from zl_device.torch.schedules import SCHEDULES  # noqa: E402
 
@@ -110,7 +109,7 @@ def figures(pipeline: str, lines: list[list[dict]], samples: int, begin_key: str
 def emulated(args, pipeline: str):
     """The devices a pipeline runs on: a CPU quota per rank and the shared link, where asked for (a no-op
     otherwise); checks on exit that every rank had its quota."""
-    from emulated_devices import CpuQuota, ShapedLoopback
+    from zl_study.emulated_devices import CpuQuota, ShapedLoopback
 
     with contextlib.ExitStack() as stack:
         if args.link_mbit:

@@ -4,7 +4,7 @@ For a model, a classification data set, a list of budgets and a list of seeds
 it trains and scores on the dev rows (all of them by default):
 
     base            the model without an adapter
-    backprop        LoRA over the whole model, end-to-end backprop (the baseline of tools/train_backprop_baseline.py)
+    backprop        LoRA over the whole model, end-to-end backprop (the baseline of zl_study/backprop_baseline.py)
     backprop-last   LoRA on the last stage's layers only, the others frozen: the cheapest honest
                     competitor of any pipeline method
     zl-*            ZeroLock, each stage on its local loss, in PyTorch eager with exactly the runner's
@@ -31,7 +31,7 @@ stage's readout, translator included, used as the classifier), which shows
 which stage holds the model back. The tables give each arm's mean and standard
 error over the seeds and its paired difference to the reference arm
 (whole-model backprop) with a 95% interval over rows and seeds
-(zl_device/results/comparison.py says how). Dev rows that chose an arm or
+(zl_study/comparison.py says how). Dev rows that chose an arm or
 its lr are no unbiased judge of it: `--held-out N` keeps the last N of each
 seed's shuffled training rows out of training and scores every trained arm
 on them too, in a second paired table.
@@ -62,20 +62,16 @@ import dataclasses
 import hashlib
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+import torch
 
-import torch  # noqa: E402
-
-from zl_base.errors import ZLError  # noqa: E402
-from zl_device.torch.eager_training import Budget, OptimizerSettings  # noqa: E402
-from zl_export.data_columns import DataColumns  # noqa: E402
-from zl_export.options import FROZEN_DTYPES, ExportOptions, LoraSettings, LossConfig  # noqa: E402
+from zl_base.errors import ZLError
+from zl_device.torch.eager_training import Budget, OptimizerSettings
+from zl_export.data_columns import DataColumns
+from zl_export.options import FROZEN_DTYPES, ExportOptions, LoraSettings, LossConfig
 
 STUDY_VERSION = 2  # 2: seeds, per-row results
 SHOWN_GENERATIONS = 8  # generations kept per generative arm (study.md shows them side by side)
@@ -347,7 +343,7 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
     With `tokenizer` (generative dev data) the scoring is completion NLL and greedy generations (ROUGE-L, exact
     match) instead of label-word accuracy."""
     from zl_device.torch.eager_training import (freeze_lora_below, train_backprop, train_zerolock)
-    from zl_device.results.early_exit import EarlyExitModel
+    from zl_study.early_exit import EarlyExitModel
     from zl_device.results.evaluate import evaluate
     from zl_export.lora import attach_lora
 
@@ -461,7 +457,7 @@ def run_study(s: StudySettings, arms: list[Arm], out: Path, err, report_only: bo
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from zl_device.results.evaluate import limit_rows
-    from zl_device.results.study_tables import markdown, plot, summary_table
+    from zl_study.study_tables import markdown, plot, summary_table
     from zl_export.model_family import family_of_model
     from zl_export.model_source import load_model
     from zl_export.stages import balanced_split, format_spec, parse_spec

@@ -30,23 +30,19 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+import torch
 
-import torch  # noqa: E402
-
-from zl_base.errors import ZLError, read_json_file  # noqa: E402
-from zl_device.torch.eager_training import (Budget, OptimizerSettings, causal_lm_loss,  # noqa: E402,F401
+from zl_base.errors import ZLError, read_json_file
+from zl_device.torch.eager_training import (Budget, OptimizerSettings, causal_lm_loss,  # noqa: F401
                                           micro_batch_rows)
-from zl_device.torch.eager_training import train_backprop as eager_train_backprop  # noqa: E402
-from zl_device.formats.lr_schedule import RUNNER_DEFAULT_WEIGHT_DECAY, lr_factor  # noqa: E402
-from zl_export.options import DEFAULT_MODEL, LoraSettings  # noqa: E402
-from zl_export.shard import Shard  # noqa: E402
+from zl_device.torch.eager_training import train_backprop as eager_train_backprop
+from zl_device.formats.lr_schedule import RUNNER_DEFAULT_WEIGHT_DECAY, lr_factor
+from zl_export.options import DEFAULT_MODEL, LoraSettings
+from zl_export.shard import Shard
 
 log = logging.getLogger(__name__)
 

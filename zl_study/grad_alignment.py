@@ -38,14 +38,10 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+import torch
 
-import torch  # noqa: E402
-
-import accuracy_study as study  # noqa: E402
-from zl_base.errors import ZLError  # noqa: E402
+from zl_base.errors import ZLError
+from zl_study import accuracy_study as study
 
 
 def lora_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -1,5 +1,6 @@
-"""The tables and the plot of tools/accuracy_study.py: per budget and arm, the mean ± standard error over seeds,
-the paired difference to the reference arm (zl_device/results/comparison.py), times, and early-exit figures.
+"""The tables and the plot of the accuracy study (zl_study/accuracy_study.py): per budget and arm, the mean ±
+standard error over seeds, the paired difference to the reference arm (zl_study/comparison.py), times, and
+early-exit figures.
 
 `results` are the study's arm records: arm, samples, seed (None for the base model), accuracy, nll, train_s,
 eval_s, wall_s, rows (each dev row's correct / nll_sum / tokens) and, for ZeroLock, early_exit_accuracy/_nll
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zl_device.results.comparison import Scored, paired, summarize
+from zl_study.comparison import Scored, paired, summarize
 
 
 METRICS = {"accuracy": "accuracy", "rouge_l": "ROUGE-L"}  # the per-row score's key in `rows` -> its name

@@ -290,3 +290,68 @@ def test_an_unfinished_run_says_how_to_resume(tmp_path):
     (old / "logs").mkdir()
     open_run(_settings(old))
     assert (tmp_path / "old.unfinished-1" / "logs").is_dir()
+
+
+# --- Issue 43: non-finite float options, the framework's own usage errors, `zl plan --out` before calibrating ---
+
+def _float_options() -> list[tuple[str, type, object]]:
+    """(command, settings tree, Leaf) of every float option (or float list) of every `zl` command."""
+    import importlib
+    import pkgutil
+
+    import zl.commands
+    from zl_base.settings import leaves
+
+    found = []
+    for info in pkgutil.iter_modules(zl.commands.__path__):
+        for name, command in getattr(importlib.import_module(f"zl.commands.{info.name}"), "COMMANDS", {}).items():
+            found += [(name, command.settings, leaf) for leaf in leaves(command.settings) if leaf.base is float]
+    return found
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_float_option_of_every_command_refuses_non_finite_values(value):
+    """nan passes every range check (`nan <= 0` is False): `zl generate --sample --temperature nan` used to sample."""
+    from zl_base.settings import build
+
+    options = _float_options()
+    assert {"generate", "train", "plan", "export"} <= {c for c, _, _ in options}, options
+    for command, tree, leaf in options:
+        given = f"1,{value}" if leaf.is_tuple else float(value)
+        flag = leaf.flag.split()[0]
+        with pytest.raises(ZLError, match=f"^{flag} .*not a finite number; give a number, e.g. {flag} "):
+            build(tree, {leaf.name: given})
+
+
+def test_generate_with_a_nan_temperature_is_one_line_before_loading_anything(tmp_path):
+    _refused(_zl("generate", "--sample", "--temperature", "nan", "--adapter", "nowhere", "hi", cwd=tmp_path),
+             "--temperature nan: not a finite number", "e.g. --temperature 1.0")
+    _refused(_zl("train", "--model", "tiny-random", "--stage-lr", "1,inf", "--out", "run", cwd=tmp_path),
+             "--stage-lr 1,inf: inf is not a finite number")
+    assert _files(tmp_path) == []
+
+
+@pytest.mark.parametrize("args, words", [
+    (["train", "--max-temperature", "abc"], ["zl train --max-temperature 'abc': input should be a valid number",
+                                             "see `zl train --help`"]),
+    (["data", "--seq-len", "1.5"], ["zl data --seq-len '1.5': input should be a valid integer"]),
+    (["eval", "--seedd", "1"], ["zl eval: No such option: --seedd (Possible options: --seed)"]),
+    (["generate", "--top-p"], ["Option '--top-p' requires an argument"]),
+    (["frob"], ["zl: No such command 'frob'", "see `zl --help`"]),
+])
+def test_the_frameworks_usage_errors_are_one_line(tmp_path, args, words):
+    """typer printed these in a six-line box (and `python -m zl.cli` as the program's name)."""
+    proc = _zl(*args, cwd=tmp_path)
+    _refused(proc, *words)
+    assert "─" not in proc.stderr and "Usage:" not in proc.stderr, proc.stderr
+
+
+def test_plan_out_on_a_directory_is_refused_before_calibrating(tmp_path):
+    """It used to calibrate every device (minutes), then fail with IsADirectoryError, leaving .DIR.tmp behind."""
+    (tmp_path / "plans").mkdir()
+    before = _files(tmp_path)
+    t0 = time.monotonic()
+    _refused(_zl("plan", "--model", "tiny-random", "--devices", "local:2", "--num-stages", "2", "--out", "plans",
+                 cwd=tmp_path), "--out plans: a directory, not a file", "--out plans/plan.json")
+    assert time.monotonic() - t0 < 60
+    assert _files(tmp_path) == before

@@ -38,7 +38,9 @@ def _register() -> None:
 
 def main() -> None:
     _register()
-    run_cli(app)
+    # Not standalone: typer raises its usage errors (a bad option value, an unknown option) instead of printing its
+    # boxed message, so run_cli prints them as the house's one line.
+    run_cli(lambda: app(prog_name="zl", standalone_mode=False))
 
 
 if __name__ == "__main__":

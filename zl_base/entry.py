@@ -1,13 +1,16 @@
 """How a zl command line runs: `run_cli(entry)` for `zl` (zl/cli.py) and the tools' command lines alike.
 
-Errors of type `ZLError` print as one line and exit with status 2; set `ZL_DEBUG=1` for the traceback and debug
-logging.
+Errors of type `ZLError` print as one line and exit with status 2; so do the command-line framework's own errors
+(an option value that does not parse, an unknown option) when the entry runs typer with `standalone_mode=False`;
+set `ZL_DEBUG=1` for the traceback and debug logging.
 """
 
 import logging
 import os
 import sys
 import warnings
+
+import typer
 
 from zl_base.errors import ZLError
 
@@ -31,16 +34,52 @@ def _quiet_third_party() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+def usage_error_line(e: typer.TyperException) -> str:
+    """A typer (click) usage error as one line: the command, the option and the value seen, what was expected, and
+    where the help is; e.g. "zl train --max-temperature 'abc': input should be a valid number, unable to parse
+    string as a number; see `zl train --help`."."""
+    ctx = getattr(e, "ctx", None)
+    command = ctx.command_path if ctx is not None else "zl"
+    param = getattr(e, "param", None)
+    if param is not None and getattr(e, "message", None):  # a value that does not parse (BadParameter)
+        name = param.opts[0] if getattr(param, "opts", None) else (param.human_readable_name or param.name).upper()
+        reason = " ".join(str(e.message).split())
+        seen = _input_of(e)
+        what = f"{command} {name}" + ("" if seen is None else f" {seen!r}")
+        return f"{what}: {reason[:1].lower()}{reason[1:]}; see `{command} --help`."
+    return f"{command}: {' '.join(e.format_message().split()).rstrip('.')}; see `{command} --help`."
+
+
+def _input_of(e: BaseException) -> object | None:
+    """The value a parse error saw, where the framework's cause kept it (a pydantic ValidationError's input)."""
+    errors = getattr(e.__cause__, "errors", None)
+    try:
+        return errors()[0]["input"] if callable(errors) else None
+    except (IndexError, KeyError, TypeError):
+        return None
+
+
 def run_cli(entry) -> None:
-    """Run `entry()` as a zl command line: logging, quiet third parties, ZLError as one line and exit 2."""
+    """Run `entry()` as a zl command line: logging, quiet third parties, ZLError and the framework's usage errors as
+    one line and exit 2. `entry` may return an exit status (typer's, with `standalone_mode=False`)."""
     debug = os.environ.get("ZL_DEBUG") == "1"
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not debug:
         _quiet_third_party()
     try:
-        entry()
+        code = entry()
     except ZLError as e:
         if debug:
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except typer.TyperException as e:  # click's UsageError, BadParameter, ... (typer vendors click)
+        if debug:
+            raise
+        if type(e).__name__ != "NoArgsIsHelpError":  # `zl` alone: typer printed the help already
+            print(f"error: {usage_error_line(e)}", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 2))
+    except typer.Abort:  # end of input at a prompt
+        sys.exit(1)
+    if isinstance(code, int) and code:
+        sys.exit(code)  # typer's Exit status (130 after Ctrl-C)

@@ -42,6 +42,7 @@ every command that shares an option gets its checks:
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -189,6 +190,8 @@ def build(cls: type, values: dict[str, Any], path: tuple[str, ...] = (), skip: t
                 value = parse_list(value, base, flag(cls, f.name))
             elif is_tuple and isinstance(value, list):  # a tuple argument: its values
                 value = tuple(value)
+            if base is float:
+                check_finite(value, flag(cls, f.name), f.default)
             kwargs[f.name] = value
     return cls(**kwargs)
 
@@ -248,6 +251,21 @@ def parse_list(text: str, item: type, name: str) -> tuple:
     except ValueError:
         example = {int: "1,1,2", float: "0.3,0.7,1.0"}.get(item, "a,b")
         raise ZLError(f"{name} {text}: expected comma-separated {item.__name__} values, e.g. {name} {example}.") from None
+
+
+def check_finite(value: float | tuple[float, ...] | None, name: str, default: Any = None) -> None:
+    """Raise ZLError when a float option (or an item of a float list) is nan or infinite.
+
+    The command line parses "nan" and "inf" as floats, and nan passes every range check (`nan <= 0` is False), so
+    every float option of every command is checked here, as it is parsed (`build`). `default` gives the example.
+    """
+    values = value if isinstance(value, tuple) else (value,)
+    bad = [v for v in values if v is not None and not math.isfinite(v)]
+    if bad:
+        shown = f"{','.join(f'{v:g}' for v in values)}: {bad[0]:g} is" if isinstance(value, tuple) else f"{bad[0]:g}:"
+        example = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        example = "0.5" if example in (None, REQUIRED) else example
+        raise ZLError(f"{name} {shown} not a finite number; give a number, e.g. {name} {example}.")
 
 
 def format_value(leaf: Leaf, value: Any) -> Any:

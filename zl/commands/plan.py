@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zl.options import settings_command
+from zl.paths import check_out_file
 from zl_base.settings import nested
 from zl_device.plan.planner import PlanSettings
 from zl_device.run.train_settings import TrainSettings
@@ -46,6 +47,7 @@ def run_plan(args: PlanArgs) -> None:
     from zl_device.plan.plan_file import write_plan
     from zl_device.plan.planner import make_plan
 
+    check_out_file(args.plan.out, "--out", "plan.json")  # before minutes of calibration
     with RichExportProgress() as export_progress:
         plan = make_plan(args.run, args.plan, say=lambda line: console.print(line, soft_wrap=True),
                          export_progress=export_progress)

@@ -103,6 +103,8 @@ def test_without_a_cgroup_the_quota_falls_back_to_the_throttle(tmp_path, caplog)
     ((0.5, float("nan")), r"--cpu-quota 0.5,nan: nan is out of range"),
     ((float(os.cpu_count() + 1),), r"at most this host's \d+"),
     ((), r"--cpu-quota is empty"),
+    ((1.0, 0.0001), r"--cpu-quota 1,0.0001: 0.0001 CPU is below the floor of 0.1 CPU a device can work at .*"
+                    r"e\.g\. --cpu-quota 0\.1\.$"),  # accepted once: the plan then took 85 s
 ])
 def test_quotas_out_of_range_are_one_line_errors(values, message):
     with pytest.raises(ZLError, match=message):

@@ -43,6 +43,10 @@ GROUP_BASE = "zl-devices"
 #: Environment override of the mechanism.
 MECHANISM_ENV = "ZL_CPU_QUOTA"
 MECHANISMS = ("auto", "cgroup", "throttle")
+#: The smallest quota, in CPUs: the kernel refuses CFS quotas below 1 ms per period (so a cgroup could not cap
+#: lower than 1 ms per PERIOD_US), and below it a device works too slowly to plan or train on (0.0001 CPU took a
+#: tiny-random `zl plan` 85 s).
+MIN_CPUS = 1000 / PERIOD_US
 
 
 def cgroup_cpu_root() -> Path:
@@ -65,7 +69,7 @@ def has_cpu_controller(root: Path) -> bool:
 
 def write_cpu_limit(group: Path, cpus: float, v2: bool) -> None:
     """Cap `group` at `cpus` CPUs per PERIOD_US (CFS bandwidth)."""
-    quota = max(1000, round(cpus * PERIOD_US))  # the kernel refuses quotas below 1 ms
+    quota = max(round(MIN_CPUS * PERIOD_US), round(cpus * PERIOD_US))  # the kernel refuses quotas below 1 ms
     if v2:
         (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
     else:
@@ -80,10 +84,12 @@ def enable_cpu_controller(root: Path, base: Path) -> None:
 
 
 def check_cpu_quota(quotas: Sequence[float] | None, flag: str = "--cpu-quota") -> None:
-    """`--cpu-quota`'s check (zl_base/settings.py): every value a number of CPUs in (0, this host's CPU count].
+    """`--cpu-quota`'s check (zl_base/settings.py): every value a number of CPUs in [MIN_CPUS, this host's CPU
+    count].
 
     Raises:
-        ZLError: an empty list, a value out of range (zero, negative, not finite, more than the host has).
+        ZLError: an empty list, a value out of range (zero, negative, not finite, more than the host has), or a
+            positive one below MIN_CPUS.
     """
     if quotas is None:
         return
@@ -96,6 +102,10 @@ def check_cpu_quota(quotas: Sequence[float] | None, flag: str = "--cpu-quota") -
         raise ZLError(f"{flag} {shown}: {bad[0]:g} is out of range; each value is the CPUs one local device may use, "
                       f"more than 0 and at most this host's {host} (e.g. 0.5 = half a core), as in "
                       f"{flag} 1.0,0.5,0.75.")
+    low = [q for q in quotas if q < MIN_CPUS]
+    if low:
+        raise ZLError(f"{flag} {shown}: {low[0]:g} CPU is below the floor of {MIN_CPUS:g} CPU a device can work at "
+                      f"(a cgroup cannot cap lower); give {MIN_CPUS:g} or more, e.g. {flag} {MIN_CPUS:g}.")
 
 
 def quotas_per_device(quotas: Sequence[float] | None, count: int, flag: str = "--cpu-quota") -> list[float | None]:

@@ -22,13 +22,16 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO
 from zl_base.errors import ZLError
+from zl_base.settings import to_json
+from zl_device.formats.lr_schedule import OptimizerSettings, lr_factor
+from zl_device.formats.run_layout import RunLayout
+from zl_device.run.train_settings import TrainSettings
+from zl_device.torch.eager_training import causal_lm_loss, micro_batch_rows, runner_optimizer
 from zl_export.shard import write_shard
 from zl_study import backprop_baseline as bpb
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
-
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")]
 
 
 @pytest.fixture(scope="module")
@@ -54,21 +57,22 @@ def learnable_shard(tmp_path_factory) -> Path:
 
 def test_schedule_is_the_runner_formula():
     """warmup_cosine W=2, T=6, r=0.1 (zl/lr_schedule.h): 1/2, 1, then cosine to 0.1 at t=6, flat after."""
-    s = bpb.Schedule("warmup_cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    s = OptimizerSettings(schedule_kind="warmup_cosine", warmup_windows=2, total_steps=6, min_lr_ratio=0.1).schedule
     cosine = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p / 4)) for p in range(5)]
-    assert [s.factor(t) for t in range(8)] == pytest.approx([0.5, 1.0, *cosine, 0.1], rel=1e-15)
+    assert [lr_factor(t, s, 100) for t in range(8)] == pytest.approx([0.5, 1.0, *cosine, 0.1], rel=1e-15)
     assert cosine[0] == 1.0 and cosine[-1] == pytest.approx(0.1)
-    assert bpb.Schedule("constant").factor(5) == 1.0
+    assert lr_factor(5, OptimizerSettings(schedule_kind="constant").schedule, 6) == 1.0
 
 
 def test_lambda_lr_steps_like_zl_train():
     """13 samples, window 2 -> 7 windows; zl train's schedule: W = 2, T = 0 -> 7, floor 0.1; one LambdaLR step per window."""
-    s = bpb.BaselineSettings(samples=13, window=2, lr=1e-2, schedule=bpb.default_schedule(13, 2))
+    s = bpb.build_settings(bpb.parse_args(["--train", "x.safetensors", "--samples", "13", "--window", "2",
+                                           "--lr", "1e-2"]))
     assert (s.num_micro_batches, s.num_windows) == (13, 7)
-    sched = s.resolved_schedule()
-    assert (sched.warmup_steps, sched.total_steps, sched.min_lr_ratio) == (2, 7, 0.1)
+    sched = s.schedule()
+    assert (sched["warmup_steps"], sched["total_steps"], sched["min_lr_ratio"]) == (2, 7, 0.1)
     param = torch.nn.Parameter(torch.zeros(3))
-    optimizer, scheduler = bpb.make_optimizer([param], s)
+    optimizer, scheduler = runner_optimizer([{"params": [param], "lr": s.optimizer.lr}], s.optimizer, s.num_windows)
     lrs = []
     for _ in range(s.num_windows):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -78,7 +82,8 @@ def test_lambda_lr_steps_like_zl_train():
     want = [1e-2 * f for f in (0.5, 1.0)] + [1e-2 * (0.1 + 0.45 * (1 + math.cos(math.pi * p / 5))) for p in range(5)]
     assert lrs == pytest.approx(want, rel=1e-12)
     # One window: zl train's warm-up is min(2, windows - 1) = 0 steps, so the single step is at the full lr.
-    assert bpb.default_schedule(4, 8).warmup_steps == 0
+    one = bpb.build_settings(bpb.parse_args(["--train", "x.safetensors", "--samples", "4", "--window", "8"]))
+    assert one.schedule()["warmup_steps"] == 0
 
 
 def test_lrs_equal_the_runners(tmp_path):
@@ -98,9 +103,9 @@ def test_lrs_equal_the_runners(tmp_path):
     assert proc.returncode == 0, proc.stderr
     runner_lrs = load_file(str(tmp_path / "out.safetensors"))["__lr__"].tolist()
 
-    s = bpb.BaselineSettings(samples=n, window=m, lr=3e-3, schedule=bpb.Schedule("warmup_cosine", 2, 0, 0.1))
+    s = bpb.BaselineSettings(samples=n, window=m, optimizer=OptimizerSettings.from_config(optimizer))
     param = torch.nn.Parameter(torch.zeros(3))
-    opt, scheduler = bpb.make_optimizer([param], s)
+    opt, scheduler = runner_optimizer([{"params": [param], "lr": s.optimizer.lr}], s.optimizer, s.num_windows)
     ours = []
     for _ in range(s.num_windows):
         ours.append(opt.param_groups[0]["lr"])
@@ -113,9 +118,9 @@ def test_lrs_equal_the_runners(tmp_path):
 
 def test_micro_batches_wrap_like_the_runner():
     """data_shard.cpp DataShard::micro_batch: j = mb mod floor(N/B); a partial last group of rows is never used."""
-    assert [bpb.micro_batch_rows(mb, 5, 2) for mb in range(5)] == [slice(0, 2), slice(2, 4), slice(0, 2), slice(2, 4),
-                                                                   slice(0, 2)]
-    assert bpb.micro_batch_rows(7, 4, 1) == slice(3, 4)
+    assert [micro_batch_rows(mb, 5, 2) for mb in range(5)] == [slice(0, 2), slice(2, 4), slice(0, 2), slice(2, 4),
+                                                               slice(0, 2)]
+    assert micro_batch_rows(7, 4, 1) == slice(3, 4)
 
 
 # ---------------------------------------------------------------- training
@@ -143,8 +148,8 @@ def test_loss_decreases_and_the_report_has_all_rows(learnable_shard, tmp_path):
     assert report["dev"]["rows"] == 2  # as many rows as the ZeroLock eval scored
     assert losses[0] == pytest.approx(report["base"]["nll"], rel=1e-5)
     lrs = report["training"]["window_lrs"]
-    sched = bpb.Schedule("warmup_cosine", 2, 12, 0.1)
-    assert lrs == pytest.approx([3e-2 * sched.factor(t) for t in range(12)], rel=1e-12)
+    sched = {"kind": "warmup_cosine", "warmup_steps": 2, "min_lr_ratio": 0.1}
+    assert lrs == pytest.approx([3e-2 * lr_factor(t, sched, 12) for t in range(12)], rel=1e-12)
     assert report["zerolock"]["nll"] == 1.5
     assert json.loads(out.read_text())["settings"]["schedule"] == {"kind": "warmup_cosine", "warmup_steps": 2,
                                                                     "total_steps": 12, "min_lr_ratio": 0.1}
@@ -157,13 +162,14 @@ def test_a_window_steps_on_the_mean_gradient_of_its_micro_batches(learnable_shar
     from zl_export.shard import load_shard
 
     shard = load_shard(learnable_shard)
-    s = bpb.BaselineSettings(model="tiny-random", samples=2, window=2, lr=1e-2, schedule=bpb.Schedule("constant"))
+    s = bpb.BaselineSettings(model="tiny-random", samples=2, window=2,
+                             optimizer=OptimizerSettings(lr=1e-2, schedule_kind="constant"))
     trained = attach_lora(load_model("tiny-random").model, s.lora)
     bpb.train_backprop(trained, shard, s)  # .grad keeps the last window's accumulated gradient
 
     reference = attach_lora(load_model("tiny-random").model, s.lora)  # same seed: same initial weights
     for row in (0, 1):
-        bpb.causal_lm_loss(reference, shard.input_ids[row:row + 1], shard.attention_mask[row:row + 1],
+        causal_lm_loss(reference, shard.input_ids[row:row + 1], shard.attention_mask[row:row + 1],
                            shard.labels[row:row + 1]).backward()
     grads = {n: p.grad for n, p in trained.named_parameters() if p.requires_grad}
     summed = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
@@ -176,18 +182,25 @@ def test_a_window_steps_on_the_mean_gradient_of_its_micro_batches(learnable_shar
 # ---------------------------------------------------------------- --run-dir and errors
 
 
-def _fake_run_dir(root: Path, demo_data: Path, seq_len: int = 64) -> Path:
-    """What `zl train` leaves behind that the baseline reads: stage_0.json, manifest.json, data/."""
-    run = root / "run"
+def _fake_run_dir(root: Path, demo_data: Path, seq_len: int = 64, stage_lr: tuple[float, ...] = (1.0,),
+                  settings: bool = False, name: str = "run") -> Path:
+    """What `zl train --lr 3e-3 --stage-lr STAGE_LR` leaves behind that the baseline reads: stage_<k>.json (lr 3e-3
+    times stage k's multiplier), manifest.json, data/, and with `settings` train_settings.json (as open_run writes
+    it)."""
+    run = root / name
     (run / "data").mkdir(parents=True)
-    for name in ("train", "dev"):
+    for split in ("train", "dev"):
         for ext in (".safetensors", ".json"):
-            shutil.copyfile(demo_data / f"{name}{ext}", run / "data" / f"{name}{ext}")
-    (run / "stage_0.json").write_text(json.dumps({
-        "stage_index": 0, "window_size": 4, "num_micro_batches": 10, "threads": 1,
-        "optimizer": {"lr": 3e-3, "weight_decay": 0.0, "betas": [0.8, 0.99],
-                      "schedule": {"kind": "warmup_cosine", "warmup_steps": 1, "min_lr_ratio": 0.2}},
-        "data_shard": "/elsewhere/train.safetensors"}))
+            shutil.copyfile(demo_data / f"{split}{ext}", run / "data" / f"{split}{ext}")
+    for k, multiplier in enumerate(stage_lr):
+        (run / f"stage_{k}.json").write_text(json.dumps({
+            "stage_index": k, "window_size": 4, "num_micro_batches": 10, "threads": 1,
+            "optimizer": {"lr": 3e-3 * multiplier, "weight_decay": 0.0, "betas": [0.8, 0.99],
+                          "schedule": {"kind": "warmup_cosine", "warmup_steps": 1, "min_lr_ratio": 0.2}},
+            "data_shard": "/elsewhere/train.safetensors"}))
+    if settings:
+        saved = TrainSettings(optimizer=OptimizerSettings(lr=3e-3), stage_lr=stage_lr, out=run)
+        RunLayout(run).settings.write_text(json.dumps(to_json(saved), indent=2) + "\n")
     (run / "manifest.json").write_text(json.dumps({
         "format_version": 1, "model": {"name": "tiny-random", "num_layers": 4}, "tokenizer": "bytes",
         "seq_len": seq_len, "micro_batch": 2, "seed": 3,
@@ -200,14 +213,27 @@ def test_run_dir_gives_data_budget_optimizer_and_lora(demo_data, tmp_path):
     s = bpb.settings_from_run_dir(run)
     assert (s.model, s.seed, s.samples, s.window, s.micro_batch, s.seq_len) == ("tiny-random", 3, 20, 4, 2, 64)
     assert (s.num_micro_batches, s.num_windows) == (10, 3)
-    assert (s.lr, s.betas, s.eps, s.weight_decay) == (3e-3, (0.8, 0.99), 1e-8, 0.0)
-    assert s.resolved_schedule() == bpb.Schedule("warmup_cosine", 1, 3, 0.2)  # T = number of windows
+    assert (s.optimizer.lr, s.optimizer.betas, s.optimizer.eps, s.optimizer.weight_decay) == (3e-3, (0.8, 0.99), 1e-8,
+                                                                                              0.0)
+    assert s.schedule() == {"kind": "warmup_cosine", "warmup_steps": 1, "total_steps": 3,  # T = number of windows
+                            "min_lr_ratio": 0.2}
     assert (s.lora.rank, s.lora.alpha, s.lora.targets) == (4, 8.0, ("q_proj", "k_proj"))
     assert s.train == run / "data" / "train.safetensors" and s.dev == run / "data" / "dev.safetensors"
 
     # Options on the command line override the run directory; the rest stays.
     s = bpb.build_settings(bpb.parse_args(["--run-dir", str(run), "--threads", "1", "--samples", "40"]))
-    assert (s.threads, s.samples, s.window, s.lr, s.resolved_schedule().total_steps) == (1, 40, 4, 3e-3, 5)
+    assert (s.threads, s.samples, s.window, s.optimizer.lr, s.schedule()["total_steps"]) == (1, 40, 4, 3e-3, 5)
+
+
+@pytest.mark.parametrize("stage_lr, settings", [((0.0, 0.0, 1.0), True), ((0.0, 0.0, 1.0), False),
+                                                ((0.5, 0.5, 2.0), True)])
+def test_run_dir_trains_at_the_runs_lr_not_stage_0s(demo_data, tmp_path, stage_lr, settings):
+    """`zl train`'s default --stage-lr holds stage 0 still, so stage_0.json's lr is 0: the baseline takes the run's
+    --lr from train_settings.json (a run without it: the first trained stage's lr), never a stage's multiplied one."""
+    run = _fake_run_dir(tmp_path, demo_data, stage_lr=stage_lr, settings=settings)
+    s = bpb.build_settings(bpb.parse_args(["--run-dir", str(run)]))
+    assert s.optimizer.lr == pytest.approx(3e-3, rel=1e-15)
+    assert s.optimizer.betas == (0.8, 0.99) and s.schedule()["warmup_steps"] == 1  # the rest: stage 0's config
 
 
 def test_user_mistakes_are_one_zlerror(demo_data, tmp_path):
@@ -219,6 +245,12 @@ def test_user_mistakes_are_one_zlerror(demo_data, tmp_path):
         bpb.build_settings(bpb.parse_args(["--model", "tiny-random"]))
     with pytest.raises(ZLError, match="--window 0"):
         bpb.build_settings(bpb.parse_args(["--train", "x.safetensors", "--window", "0"]))
+    held = _fake_run_dir(tmp_path, demo_data, stage_lr=(0.0, 0.0), name="held")  # no stage trains, no settings
+    with pytest.raises(ZLError, match=r"no train_settings.json and no stage config with a positive lr .*pass"):
+        bpb.settings_from_run_dir(held)
+    RunLayout(held).settings.write_text(json.dumps({"optimizer": {}}))
+    with pytest.raises(ZLError, match="train_settings.json holds no optimizer lr"):
+        bpb.settings_from_run_dir(held)
 
     from zl_export.tokenizer import ByteTokenizer
 

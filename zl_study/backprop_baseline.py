@@ -31,70 +31,33 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
 from zl_base.errors import ZLError, read_json_file
-from zl_device.torch.eager_training import (Budget, OptimizerSettings, causal_lm_loss,  # noqa: F401
-                                          micro_batch_rows)
+from zl_device.formats.lr_schedule import OptimizerSettings
+from zl_device.formats.run_layout import RunLayout
+from zl_device.torch.eager_training import Budget, TrainLog
 from zl_device.torch.eager_training import train_backprop as eager_train_backprop
-from zl_device.formats.lr_schedule import RUNNER_DEFAULT_WEIGHT_DECAY, lr_factor
 from zl_export.options import DEFAULT_MODEL, LoraSettings
 from zl_export.shard import Shard
 
 log = logging.getLogger(__name__)
 
-# `zl train`'s optimizer defaults (zl_device/formats/lr_schedule.py OptimizerSettings) and the runner's AdamW defaults
-# (zl/adamw.h) for fields a stage config leaves out.
-
 DEFAULT_SAMPLES = 256
 DEFAULT_WINDOW = 8
+#: `zl train`'s optimizer and schedule (zl_device/formats/lr_schedule.py): the baseline's defaults without --run-dir.
 ZL_TRAIN_OPTIMIZER = OptimizerSettings()
-DEFAULT_LR = ZL_TRAIN_OPTIMIZER.lr
-DEFAULT_WEIGHT_DECAY = ZL_TRAIN_OPTIMIZER.weight_decay  # the runner's own default applies only to hand-written configs
-DEFAULT_WARMUP_WINDOWS = ZL_TRAIN_OPTIMIZER.warmup_windows
-DEFAULT_MIN_LR_RATIO = ZL_TRAIN_OPTIMIZER.min_lr_ratio
-RUNNER_BETAS = ZL_TRAIN_OPTIMIZER.betas
-RUNNER_EPS = ZL_TRAIN_OPTIMIZER.eps
-RUNNER_WEIGHT_DECAY = RUNNER_DEFAULT_WEIGHT_DECAY
 
 
 # --- settings ------------------------------------------------------------------------------------------
 
 
 @dataclass
-class Schedule:
-    """zl/lr_schedule.h: `factor(t)` multiplies the base lr of optimizer step t (0-based, steps already taken)."""
-
-    kind: str = "warmup_cosine"  # or "constant"
-    warmup_steps: int = 0  # W
-    total_steps: int = 0  # T; 0 = number of windows (the runner's rule)
-    min_lr_ratio: float = 0.0  # r
-
-    def validate(self) -> None:
-        """The runner's LrSchedule::validate, with its messages."""
-        if self.kind not in ("constant", "warmup_cosine"):
-            raise ZLError(f"schedule kind {self.kind!r}: expected constant or warmup_cosine.")
-        if self.kind == "constant":
-            return
-        if self.warmup_steps < 0:
-            raise ZLError(f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}.")
-        if self.total_steps < self.warmup_steps:
-            raise ZLError(f"schedule.total_steps ({self.total_steps}) must be >= warmup_steps ({self.warmup_steps}).")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ZLError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
-
-    def factor(self, t: int) -> float:
-        """zl_device.formats.lr_schedule.lr_factor: the runner's LrSchedule::factor in double precision."""
-        schedule = {"kind": self.kind, "warmup_steps": self.warmup_steps, "min_lr_ratio": self.min_lr_ratio}
-        return lr_factor(max(t, 0), schedule, self.total_steps)
-
-
-@dataclass
 class BaselineSettings:
-    """What the baseline trains on and with; `from_run_dir` fills it from a `zl train` run."""
+    """What the baseline trains on and with; `settings_from_run_dir` fills it from a `zl train` run."""
 
     model: str = DEFAULT_MODEL
     seed: int = 0  # LoRA initialisation and random-weight models, as `zl export --seed`
@@ -104,11 +67,7 @@ class BaselineSettings:
     window: int = DEFAULT_WINDOW  # micro-batches per AdamW step
     micro_batch: int = 1  # rows per micro-batch (the export's --micro-batch)
     seq_len: int | None = None  # the programs' seq_len when known (run dir): the shards must match it
-    lr: float = DEFAULT_LR
-    betas: tuple[float, float] = RUNNER_BETAS
-    eps: float = RUNNER_EPS
-    weight_decay: float = DEFAULT_WEIGHT_DECAY
-    schedule: Schedule = field(default_factory=Schedule)
+    optimizer: OptimizerSettings = ZL_TRAIN_OPTIMIZER  # AdamW and the runner's lr schedule, as `zl train` sets them
     lora: LoraSettings = field(default_factory=LoraSettings)
     threads: int = 2
     eval_limit: int | None = None
@@ -127,13 +86,13 @@ class BaselineSettings:
     def num_windows(self) -> int:
         return self.budget.num_windows
 
-    def resolved_schedule(self) -> Schedule:
-        """The schedule with T = number of windows when it says 0 (runner_config.cpp does the same)."""
-        s = self.schedule
-        if s.kind == "warmup_cosine" and s.total_steps == 0:
-            s = replace(s, total_steps=self.num_windows)
-        s.validate()
-        return s
+    def schedule(self) -> dict:
+        """The lr schedule as the runner runs it (zl/lr_schedule.h): every field, with T = the number of windows
+        when the settings say 0 (runner_config.cpp does the same)."""
+        opt = self.optimizer
+        total = opt.total_steps or (self.num_windows if opt.schedule_kind == "warmup_cosine" else 0)
+        return {"kind": opt.schedule_kind, "warmup_steps": opt.warmup_windows, "total_steps": total,
+                "min_lr_ratio": opt.min_lr_ratio}
 
     def check_budget(self) -> None:
         """Samples, window, micro-batch and threads are at least 1 (before anything divides by them)."""
@@ -142,44 +101,87 @@ class BaselineSettings:
             if value < 1:
                 raise ZLError(f"{name} {value}: must be at least 1.")
 
+    def check_schedule(self) -> None:
+        """The runner's LrSchedule::validate, with its messages."""
+        s = self.schedule()
+        if s["kind"] not in ("constant", "warmup_cosine"):
+            raise ZLError(f"schedule kind {s['kind']!r}: expected constant or warmup_cosine.")
+        if s["kind"] == "constant":
+            return
+        if s["warmup_steps"] < 0:
+            raise ZLError(f"schedule.warmup_steps must be >= 0, got {s['warmup_steps']}.")
+        if s["total_steps"] < s["warmup_steps"]:
+            raise ZLError(f"schedule.total_steps ({s['total_steps']}) must be >= warmup_steps ({s['warmup_steps']}).")
+        if not 0.0 <= s["min_lr_ratio"] <= 1.0:
+            raise ZLError(f"schedule.min_lr_ratio must be in [0, 1], got {s['min_lr_ratio']}.")
+
     def validate(self) -> None:
         """Everything `run` needs; raises ZLError naming the bad value."""
         self.check_budget()
-        if not self.lr > 0:
-            raise ZLError(f"--lr {self.lr}: must be positive (zl train uses {DEFAULT_LR}).")
-        if not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ZLError(f"betas {list(self.betas)}: each must be in [0, 1).")
-        if self.eps < 0 or self.weight_decay < 0:
-            raise ZLError(f"eps {self.eps}, weight_decay {self.weight_decay}: must not be negative.")
+        opt = self.optimizer
+        if not opt.lr > 0:
+            raise ZLError(f"--lr {opt.lr}: must be positive (zl train uses {ZL_TRAIN_OPTIMIZER.lr}).")
+        if not all(0.0 <= b < 1.0 for b in opt.betas):
+            raise ZLError(f"betas {list(opt.betas)}: each must be in [0, 1).")
+        if opt.eps < 0 or opt.weight_decay < 0:
+            raise ZLError(f"eps {opt.eps}, weight_decay {opt.weight_decay}: must not be negative.")
         self.lora.validate()
-        self.resolved_schedule()
+        self.check_schedule()
         if self.train is None:
             raise ZLError("no training data: pass --train SHARD.safetensors (from `zl data`) or --run-dir RUN_DIR.")
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        """What --json-out records: every setting, the optimizer's fields at the top level and the schedule as the
+        runner runs it."""
+        opt, d = self.optimizer, {}
+        for f in fields(self):
+            if f.name == "optimizer":
+                d.update(lr=opt.lr, betas=list(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
+                         schedule=self.schedule())
+            else:
+                d[f.name] = getattr(self, f.name)
         d.update(train=str(self.train) if self.train else None, dev=str(self.dev) if self.dev else None,
-                 schedule=asdict(self.resolved_schedule()), lora={**asdict(self.lora), "targets": list(self.lora.targets)},
+                 lora={**asdict(self.lora), "targets": list(self.lora.targets)},
                  num_micro_batches=self.num_micro_batches, num_windows=self.num_windows)
         return d
-
-
-def default_schedule(samples: int, window: int, micro_batch: int = 1) -> Schedule:
-    """The schedule `zl train` writes into every stage config (zl_device/run/launch.py stage_configs)."""
-    opt = ZL_TRAIN_OPTIMIZER.for_windows(Budget(samples, window, micro_batch).num_windows)
-    return Schedule(opt.schedule_kind, opt.warmup_windows, opt.total_steps, opt.min_lr_ratio)
 
 
 def _read_json(path: Path, what: str) -> dict:
     return read_json_file(path, str(path), missing=what, invalid="the run directory is damaged; train again.")
 
 
+def run_lr(layout: RunLayout) -> float:
+    """A run's base learning rate (`zl train --lr`): its settings' (RUN_DIR/train_settings.json), not a stage
+    config's, which is --lr times that stage's --stage-lr multiplier (0 for a stage held still, stage 0 by default).
+    A run directory without settings (zl before they were kept) gives its first trained stage's lr.
+
+    Raises:
+        ZLError: the settings hold no lr, or (without settings) no stage config has a positive one.
+    """
+    if layout.settings.is_file():
+        saved = _read_json(layout.settings, "")
+        try:
+            return float(saved["optimizer"]["lr"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ZLError(f"--run-dir {layout.root}: {layout.settings} holds no optimizer lr ({type(e).__name__}: "
+                          f"{e}); was it written by `zl train`? Pass --lr.") from None
+    lrs = []
+    while (config := layout.stage_config(len(lrs))).is_file():
+        lrs.append(float(_read_json(config, "").get("optimizer", {}).get("lr", 0.0)))
+    trained = [lr for lr in lrs if lr > 0]
+    if not trained:
+        raise ZLError(f"--run-dir {layout.root}: no {layout.settings.name} and no stage config with a positive lr "
+                      f"(stage lrs {lrs}); pass the run's --lr.")
+    return trained[0]
+
+
 def settings_from_run_dir(run_dir: Path | str) -> BaselineSettings:
     """Data, model and hyper-parameters of a `zl train` run directory.
 
     Reads RUN_DIR/stage_0.json (window_size, num_micro_batches, optimizer,
-    data_shard) and RUN_DIR/manifest.json (model, seed, seq_len, micro_batch,
-    LoRA). The shards are RUN_DIR/data/train.safetensors (else the config's
+    data_shard), RUN_DIR/manifest.json (model, seed, seq_len, micro_batch,
+    LoRA) and the run's base lr (`run_lr`: stage 0's own is 0 when it is held
+    still). The shards are RUN_DIR/data/train.safetensors (else the config's
     data_shard) and RUN_DIR/data/dev.safetensors when present.
 
     Raises:
@@ -188,26 +190,24 @@ def settings_from_run_dir(run_dir: Path | str) -> BaselineSettings:
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
         raise ZLError(f"--run-dir {run_dir}: no such directory; pass the --out directory of a `zl train` run.")
+    layout = RunLayout(run_dir)
     hint = f"is {run_dir} the --out directory of a `zl train` run that got as far as deploying?"
-    stage0 = _read_json(run_dir / "stage_0.json", hint)
-    manifest = _read_json(run_dir / "manifest.json", hint)
+    stage0 = _read_json(layout.stage_config(0), hint)
+    manifest = _read_json(layout.manifest, hint)
     try:
         window = int(stage0["window_size"])
         num_micro_batches = int(stage0["num_micro_batches"])
-        optimizer = stage0["optimizer"]
-        lr = float(optimizer["lr"])
+        optimizer = OptimizerSettings.from_config(stage0["optimizer"])  # what a field leaves out: the runner's default
         micro_batch = int(manifest.get("micro_batch", 1))
         lora = manifest["lora"]
         model = manifest["model"]["name"]
     except (KeyError, TypeError, ValueError) as e:
         raise ZLError(f"--run-dir {run_dir}: stage_0.json or manifest.json lacks field {e} (or it has the wrong type); "
                       "were they written by `zl train`?") from e
-    sched = optimizer.get("schedule", {"kind": "constant"})
-    betas = optimizer.get("betas", list(RUNNER_BETAS))
-    train = run_dir / "data" / "train.safetensors"
+    train = layout.train_shard
     if not train.is_file() and stage0.get("data_shard"):
         train = Path(stage0["data_shard"])
-    dev = run_dir / "data" / "dev.safetensors"
+    dev = layout.dev_shard
     return BaselineSettings(
         model=model,
         seed=int(manifest.get("seed", 0)),
@@ -217,12 +217,7 @@ def settings_from_run_dir(run_dir: Path | str) -> BaselineSettings:
         window=window,
         micro_batch=micro_batch,
         seq_len=int(manifest["seq_len"]) if "seq_len" in manifest else None,
-        lr=lr,
-        betas=(float(betas[0]), float(betas[1])),
-        eps=float(optimizer.get("eps", RUNNER_EPS)),
-        weight_decay=float(optimizer.get("weight_decay", RUNNER_WEIGHT_DECAY)),
-        schedule=Schedule(str(sched.get("kind", "constant")), int(sched.get("warmup_steps", 0)),
-                          int(sched.get("total_steps", 0)), float(sched.get("min_lr_ratio", 0.0))),
+        optimizer=replace(optimizer, lr=run_lr(layout)),
         lora=LoraSettings(int(lora["rank"]), float(lora["alpha"]), tuple(lora["targets"])),
         source=str(run_dir),
     )
@@ -261,38 +256,23 @@ def load_shards(s: BaselineSettings, tokenizer, vocab_size: int) -> tuple[Shard,
 # --- training ------------------------------------------------------------------------------------------
 
 
-@dataclass
-class TrainLog:
-    """Per-window figures of a baseline run."""
-
-    losses: list[float] = field(default_factory=list)  # mean micro-batch loss of each window (nats per target token)
-    lrs: list[float] = field(default_factory=list)  # lr of each window's step
-    seconds: float = 0.0
-
-
-def make_optimizer(params, s: BaselineSettings) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with the runner's settings and its schedule as a LambdaLR stepped once per window."""
-    optimizer = torch.optim.AdamW(params, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
-    schedule = s.resolved_schedule()
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
-
-
-def train_backprop(model: torch.nn.Module, shard: Shard, s: BaselineSettings, on_window=lambda w, loss, lr: None) -> TrainLog:
+def train_backprop(model: torch.nn.Module, shard: Shard, s: BaselineSettings,
+                   on_window=lambda w, loss, lr: None) -> TrainLog:
     """Train the LoRA parameters of `model` (a PeftModel) with end-to-end backprop over the run's micro-batches.
 
-    The loop is zl_device.torch.eager_training.train_backprop (shared with tools/accuracy_study.py).
+    The loop is zl_device.torch.eager_training.train_backprop (shared with the accuracy study).
 
     Args:
         model: the PEFT-wrapped model; only parameters with requires_grad train.
         shard: the training shard (stage 0's data).
         s: budget and optimizer settings.
         on_window: called after each step with (window index, mean loss, lr).
+
+    Returns:
+        the window losses (one value per window: [[loss], ...]), lrs and seconds.
     """
-    opt = OptimizerSettings.from_config({"lr": s.lr, "betas": s.betas, "eps": s.eps, "weight_decay": s.weight_decay,
-                                         "schedule": asdict(s.resolved_schedule())})
-    log = eager_train_backprop(model, shard, s.budget, opt,
-                               lambda w, log: on_window(w, log.losses[-1][0], log.lrs[-1]))
-    return TrainLog([window[0] for window in log.losses], log.lrs, log.seconds)
+    return eager_train_backprop(model, shard, s.budget, s.optimizer,
+                                lambda w, log: on_window(w, log.losses[-1][0], log.lrs[-1]))
 
 
 # --- the command ---------------------------------------------------------------------------------------
@@ -310,25 +290,22 @@ def build_settings(args: argparse.Namespace) -> BaselineSettings:
     """Settings from --run-dir (if given), then every option given on the command line on top."""
     s = settings_from_run_dir(args.run_dir) if args.run_dir else BaselineSettings()
     given = {k: v for k, v in vars(args).items() if v is not None}
-    for name in ("model", "seed", "train", "dev", "samples", "window", "micro_batch", "lr", "eps", "weight_decay",
-                 "threads", "eval_limit", "eval_batch_size"):
+    for name in ("model", "seed", "train", "dev", "samples", "window", "micro_batch", "threads", "eval_limit",
+                 "eval_batch_size"):
         if name in given:
             setattr(s, name, given[name])
-    if "betas" in given:
-        s.betas = tuple(given["betas"])
+    optimizer = {name: given[name] for name in ("lr", "eps", "weight_decay", "betas") if name in given}
+    s.optimizer = replace(s.optimizer, **optimizer)
     if any(k in given for k in ("lora_rank", "lora_alpha", "lora_targets")):
         targets = (tuple(t.strip() for t in given["lora_targets"].split(",") if t.strip())
                    if "lora_targets" in given else s.lora.targets)
         s.lora = LoraSettings(given.get("lora_rank", s.lora.rank), given.get("lora_alpha", s.lora.alpha), targets)
     s.check_budget()
-    if not args.run_dir:
-        s.schedule = default_schedule(s.samples, s.window, s.micro_batch)
-    if "schedule" in given:
-        s.schedule = replace(s.schedule, kind=given["schedule"])
-    if "warmup_windows" in given:
-        s.schedule = replace(s.schedule, warmup_steps=given["warmup_windows"])
-    if "min_lr_ratio" in given:
-        s.schedule = replace(s.schedule, min_lr_ratio=given["min_lr_ratio"])
+    if not args.run_dir:  # zl train's warm-up for this many windows (a run dir's configs have it already)
+        s.optimizer = s.optimizer.for_windows(s.num_windows)
+    flags = (("schedule", "schedule_kind"), ("warmup_windows", "warmup_windows"), ("min_lr_ratio", "min_lr_ratio"))
+    schedule = {field: given[name] for name, field in flags if name in given}
+    s.optimizer = replace(s.optimizer, **schedule)
     s.validate()
     return s
 
@@ -337,7 +314,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:3]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", type=Path, help="a `zl train --out` directory: data, model and settings from its "
-                    "stage_0.json and manifest.json (options below override them)")
+                    "stage_0.json, manifest.json and train_settings.json (its --lr; options below override them)")
     ap.add_argument("--model", help=f"as `zl train --model` (default {DEFAULT_MODEL})")
     ap.add_argument("--seed", type=int, help="LoRA initialisation and random-weight models (default 0)")
     ap.add_argument("--train", type=Path, help="training shard (.safetensors from `zl data`)")
@@ -345,13 +322,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--samples", type=int, help=f"training samples, wrapping over the shard (default {DEFAULT_SAMPLES})")
     ap.add_argument("--window", type=int, help=f"micro-batches per AdamW step (default {DEFAULT_WINDOW})")
     ap.add_argument("--micro-batch", type=int, help="rows per micro-batch (default 1)")
-    ap.add_argument("--lr", type=float, help=f"base learning rate (default {DEFAULT_LR})")
-    ap.add_argument("--betas", type=float, nargs=2, help=f"AdamW betas (default {RUNNER_BETAS[0]} {RUNNER_BETAS[1]})")
-    ap.add_argument("--eps", type=float, help=f"AdamW eps (default {RUNNER_EPS})")
-    ap.add_argument("--weight-decay", type=float, help=f"AdamW decoupled weight decay (default {DEFAULT_WEIGHT_DECAY})")
+    ap.add_argument("--lr", type=float, help=f"base learning rate (default {ZL_TRAIN_OPTIMIZER.lr})")
+    ap.add_argument("--betas", type=float, nargs=2, help="AdamW betas (default %g %g)" % ZL_TRAIN_OPTIMIZER.betas)
+    ap.add_argument("--eps", type=float, help=f"AdamW eps (default {ZL_TRAIN_OPTIMIZER.eps})")
+    ap.add_argument("--weight-decay", type=float,
+                    help=f"AdamW decoupled weight decay (default {ZL_TRAIN_OPTIMIZER.weight_decay})")
     ap.add_argument("--schedule", choices=("constant", "warmup_cosine"), help="lr schedule (default warmup_cosine)")
-    ap.add_argument("--warmup-windows", type=int, help=f"W (default min({DEFAULT_WARMUP_WINDOWS}, windows-1))")
-    ap.add_argument("--min-lr-ratio", type=float, help=f"cosine floor as a fraction of lr (default {DEFAULT_MIN_LR_RATIO})")
+    ap.add_argument("--warmup-windows", type=int,
+                    help=f"W (default min({ZL_TRAIN_OPTIMIZER.warmup_windows}, windows-1))")
+    ap.add_argument("--min-lr-ratio", type=float,
+                    help=f"cosine floor as a fraction of lr (default {ZL_TRAIN_OPTIMIZER.min_lr_ratio})")
     ap.add_argument("--lora-rank", type=int, help="LoRA rank (default 8)")
     ap.add_argument("--lora-alpha", type=float, help="LoRA alpha (default 16)")
     ap.add_argument("--lora-targets", help="comma-separated projections (default: every one of the model family's, as zl train)")
@@ -394,7 +374,7 @@ def run(argv: list[str] | None = None) -> dict:
     else:
         err.print("note: no dev shard (--dev or RUN_DIR/data/dev.safetensors): training only, nothing is scored.")
     err.print(f"backprop baseline: {s.model}, {s.num_micro_batches} micro-batches of {s.micro_batch} from {train.path} "
-              f"({train.rows} rows) in {s.num_windows} windows of {s.window}, lr {s.lr:g}, {s.threads} threads "
+              f"({train.rows} rows) in {s.num_windows} windows of {s.window}, lr {s.optimizer.lr:g}, {s.threads} threads "
               f"(settings from {s.source})")
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -415,7 +395,8 @@ def run(argv: list[str] | None = None) -> dict:
             log.info("window %d: loss %.4f lr %.3e", w, loss, lr)
 
         trained = train_backprop(peft_model, train, s, on_window)
-    err.print(f"trained in {trained.seconds:.1f} s: window loss {trained.losses[0]:.3f} -> {trained.losses[-1]:.3f}")
+    losses = [window[0] for window in trained.losses]  # one loss per window: the whole model's
+    err.print(f"trained in {trained.seconds:.1f} s: window loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     after = score(peft_model, "backprop") if dev is not None else None
     if args.save_adapter:
         peft_model.save_pretrained(str(args.save_adapter))
@@ -429,7 +410,7 @@ def run(argv: list[str] | None = None) -> dict:
         "backprop": after.to_dict() if after else None,
         "zerolock": zl_eval.get("adapter") if zl_eval else None,
         "zerolock_eval": str(args.zl_eval) if args.zl_eval else None,
-        "training": {"seconds": trained.seconds, "window_losses": trained.losses, "window_lrs": trained.lrs},
+        "training": {"seconds": trained.seconds, "window_losses": losses, "window_lrs": trained.lrs},
         "wall_s": time.perf_counter() - wall_start,
     }
     print_table(report, Console(), s, err)

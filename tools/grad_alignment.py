@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The gradient-alignment probe's command line; the probe is zl_study/grad_alignment.py (`--help` says how to run it)."""
+"""The gradient-alignment probe's command line; the probe is zl_study/grad_alignment.py (`--help`: how to run it)."""
 
 import os
 import sys

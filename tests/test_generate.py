@@ -247,3 +247,22 @@ def test_the_zl_command_line_exits_2_with_one_line(adapter, tmp_path, capsys):
     assert re.search(r"│ generate\s+Continue prompts with the base model", listing.stdout), listing.stdout
     helped = CliRunner().invoke(APP, ["generate", "--help"])
     assert helped.exit_code == 0 and "zl generate --run runs/r1" in helped.output
+
+
+@pytest.mark.parametrize("damage", ["truncated", "nan"])
+def test_a_damaged_adapter_is_one_line_before_any_model_loads(adapter, tmp_path, capsys, damage):
+    """Issue 43: a truncated adapter_model.safetensors was a SafetensorError traceback; a NaN one printed \\x00
+    tokens."""
+    damaged = tmp_path / "adapter"
+    shutil.copytree(adapter, damaged)
+    weights = damaged / "adapter_model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-100])
+    else:
+        save_file({n: torch.full_like(t, float("nan")) for n, t in load_file(str(weights)).items()}, str(weights))
+    with pytest.raises(SystemExit) as exited:
+        run_cli(lambda: APP(["generate", "--adapter", str(damaged), "hi"], prog_name="zl"))
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --adapter {damaged}: adapter_model.safetensors: ")
+    assert ("not a readable safetensors file" if damage == "truncated" else "non-finite value(s) (nan)") in err, err

@@ -207,6 +207,26 @@ def test_bad_parameters_name_the_file_and_the_fix(run, export_dir, tmp_path, cor
     assert not (tmp_path / "adapter" / ADAPTER_WEIGHTS).exists()  # nothing half-merged
 
 
+def test_non_finite_weights_or_moments_are_refused_naming_stage_and_window(run, export_dir, tmp_path):
+    """Issue 43: a checkpoint full of NaN merged with exit 0 (then NLL nan, generations of token 0)."""
+    root, _, values = run
+    diverged = {n: torch.full_like(t, float("nan")) for n, t in values[1][1].items()}
+    write_checkpoint(root, 1, 1, diverged)
+    with pytest.raises(ZLError, match=r"^stage 1 window 1: checkpoint file .*stage_1/window_000001/adapter.safetensors: "
+                                      r"base_model\S+ holds 512 non-finite value\(s\) \(nan\) of 512, so the run it "
+                                      r"comes from diverged .*; merge an earlier --window"):
+        merge_checkpoints(root, export_dir, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+    assert merge_checkpoints(root, export_dir, tmp_path / "w0", window=0).window == 0  # the fix it names works
+    write_checkpoint(root, 1, 1, values[1][1])
+    moments = {f"{n}.{m}": torch.zeros_like(t) for n, t in values[1][0].items() for m in ("exp_avg", "exp_avg_sq")}
+    moments[sorted(moments)[0]][0, 0] = float("inf")
+    save_file(moments, str(root / "stage_0" / "window_000001" / "optimizer.safetensors"))
+    with pytest.raises(ZLError, match=r"^stage 0 window 1: checkpoint file .*optimizer.safetensors: \S+exp_avg holds 1 "
+                                      r"non-finite value\(s\) \(inf\)"):
+        merge_checkpoints(root, export_dir, tmp_path / "adapter")
+
+
 def test_missing_stage_and_diverging_windows(run, export_dir, tmp_path):
     root, manifest, values = run
     write_checkpoint(root, 0, 2, values[1][0])
@@ -347,3 +367,23 @@ def test_cli_errors_and_help(run, export_dir, demo_dev, tmp_path):
     for command, example in (("merge", "zl merge --checkpoints"), ("eval", "zl eval --model")):
         result = CliRunner().invoke(_app(), [command, "--help"])
         assert result.exit_code == 0 and example in result.output
+
+
+@pytest.mark.parametrize("damage", ["truncated", "nan"])
+def test_eval_refuses_a_damaged_adapter_before_scoring(run, export_dir, demo_dev, tmp_path, damage):
+    """Issue 43: a truncated adapter_model.safetensors was a SafetensorError traceback (after scoring the base), a
+    NaN one scored NLL nan."""
+    root, _, _ = run
+    adapter = merge_checkpoints(root, export_dir, tmp_path / "adapter").out
+    weights = adapter / ADAPTER_WEIGHTS
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-100])
+        message = f"--adapter {adapter}: {ADAPTER_WEIGHTS}: not a readable safetensors file"
+    else:
+        save_file({n: t * float("nan") for n, t in load_file(str(weights)).items()}, str(weights))
+        message = f"--adapter {adapter}: {ADAPTER_WEIGHTS}: base_model"
+    result = CliRunner().invoke(_app(), ["eval", "--adapter", str(adapter), "--data", str(demo_dev), "--limit", "4"])
+    assert isinstance(result.exception, ZLError) and str(result.exception).startswith(message), result.output
+    assert "\n" not in str(result.exception) and "scoring" not in result.output
+    with pytest.raises(ZLError, match="not a readable safetensors file" if damage == "truncated" else "non-finite"):
+        load_adapter(load_model("tiny-random").model, adapter)

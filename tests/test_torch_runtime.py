@@ -384,6 +384,25 @@ def test_an_optimizer_file_marked_zero_reads_as_zero_moments(tmp_path):
     assert all(torch.equal(m, torch.zeros(2, 4)) for m in moments.values())
 
 
+def test_a_resumed_torch_stage_refuses_a_non_finite_checkpoint(tmp_path):
+    """Issue 43: a window whose weights (or AdamW moments) are nan or inf is a damaged run; a restarted rank must not
+    train on from it."""
+    from safetensors.torch import save_file
+
+    from zl_device.torch.checkpoint import read_checkpoint
+
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    where = tmp_path / "window_000003"
+    where.mkdir()
+    save_file({name: torch.ones(2, 4)}, str(where / "adapter.safetensors"))
+    save_file({f"{name}.exp_avg": torch.zeros(2, 4), f"{name}.exp_avg_sq": torch.full((2, 4), float("inf"))},
+              str(where / "optimizer.safetensors"))
+    (where / "progress.json").write_text(json.dumps({"run_id": "ab" * 16, "stage": 1, "window": 3}))
+    with pytest.raises(ZLError, match=r"^stage 1 window 3: checkpoint file .*window_000003/optimizer.safetensors: "
+                                      r".*exp_avg_sq holds 8 non-finite value\(s\) \(inf\) of 8.*start it again"):
+        read_checkpoint(where, "ab" * 16, 1)
+
+
 @pytest.mark.parametrize("change, problem", [
     ({"spares": 1}, "--spares is not supported with --runtime torch"),
     ({"recovery": "local"}, "--recovery local is not supported with --runtime torch .a failed rank restarts every"),

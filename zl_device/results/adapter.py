@@ -30,6 +30,7 @@ import torch
 
 from zl_base.errors import ZLError
 from zl_device.formats.checkpoints import DEFAULT_LAYOUT, CheckpointLayout
+from zl_device.formats.tensor_files import check_finite, read_tensors
 from zl_export.lora import adapter_config
 from zl_export.options import LoraSettings
 from zl_export.manifest import MANIFEST, read_manifest_file
@@ -131,7 +132,9 @@ def merge_checkpoints(
     Raises:
         ZLError: a missing stage or window, stages at different windows, a
             checkpoint of another stage or run, a missing, extra, wrongly
-            shaped or non-F32 parameter, or a parameter listed twice in the manifest.
+            shaped or non-F32 parameter, a parameter listed twice in the manifest,
+            an unreadable file, or a weight or AdamW moment that is nan or inf
+            (a damaged run; the message names the stage and window).
     """
     manifest, manifest_file = read_manifest(manifest_path)
     root = Path(checkpoints)
@@ -157,7 +160,8 @@ def merge_checkpoints(
         total = (progress.get("extra") or {}).get("num_micro_batches")
         if total is None or progress.get("micro_batches_done") != total:
             finished = False
-        tensors = _read_stage_adapter(window_dir / layout.adapter_file, stage, owner)
+        tensors = _read_stage_adapter(window_dir / layout.adapter_file, stage, chosen, owner)
+        _check_optimizer_state(window_dir / layout.optimizer_file, k, chosen)
         head = {n: tensors.pop(n) for n in [n for n in tensors if is_translator_name(n)]}
         if head:
             heads[k] = head
@@ -270,18 +274,18 @@ def _read_progress(path: Path, k: int, window: int) -> dict:
     return progress
 
 
-def _read_stage_adapter(path: Path, stage: dict, owner: dict[str, int]) -> dict[str, torch.Tensor]:
-    """Load one stage's adapter.safetensors and check it holds exactly the manifest's parameters of that stage."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+#: The fix for a checkpoint whose tensors are not finite.
+_DIVERGED = ("merge an earlier --window (the stages keep their last windows), or train again with a lower --lr "
+             "(or --stage-lr).")
 
+
+def _read_stage_adapter(path: Path, stage: dict, window: int, owner: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Load one stage's adapter.safetensors and check it holds exactly the manifest's parameters of that stage, all
+    finite."""
     k = stage["index"]
     if not path.is_file():
         raise ZLError(f"checkpoint file {path} is missing, so the checkpoint is incomplete; copy the whole window directory, or merge another --window.")
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise ZLError(f"checkpoint file {path}: not a readable safetensors file ({e}); merge another --window.") from e
+    tensors = read_tensors(path, f"checkpoint file {path}", "merge another --window.")
     expected = {p["name"]: [int(d) for d in p["shape"]] for p in stage["parameters"]}
     missing = [n for n in expected if n not in tensors]
     if missing:
@@ -307,7 +311,16 @@ def _read_stage_adapter(path: Path, stage: dict, owner: dict[str, int]) -> dict[
             )
         if t.dtype != torch.float32:
             raise ZLError(f"checkpoint file {path}: {name} is {t.dtype}, expected torch.float32 (F32) as the runner writes it.")
+    check_finite(tensors, f"stage {k} window {window}: checkpoint file {path}", _DIVERGED)
     return tensors
+
+
+def _check_optimizer_state(path: Path, k: int, window: int) -> None:
+    """A window's AdamW moments, where the checkpoint has them, are finite too: non-finite moments mean the run was
+    damaged even where the weights still look sound (the next step would spread them)."""
+    if path.is_file():
+        check_finite(read_tensors(path, f"checkpoint file {path}", "merge another --window."),
+                     f"stage {k} window {window}: checkpoint file {path}", _DIVERGED)
 
 
 def _write_adapter(out: Path, tensors: dict[str, torch.Tensor], config: dict, info: dict,
@@ -333,15 +346,32 @@ def _write_adapter(out: Path, tensors: dict[str, torch.Tensor], config: dict, in
 
 
 def check_adapter_dir(adapter_dir: Path | str) -> Path:
-    """Raise ZLError unless `adapter_dir` holds the two files PEFT loads; returns it as a Path."""
+    """Raise ZLError unless `adapter_dir` holds the two files PEFT loads, its weights readable and finite; returns
+    it as a Path. Cheap (an adapter is a few MB): commands call it before any model loads."""
     adapter_dir = Path(adapter_dir)
+    adapter_weights(adapter_dir)
+    return adapter_dir
+
+
+def adapter_weights(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of `adapter_dir`'s adapter_model.safetensors, checked: the two files there, the weights readable
+    (not cut short) and finite.
+
+    Raises:
+        ZLError: a missing file, a truncated or garbled weights file, or a weight that is nan or inf.
+    """
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (adapter_dir / name).is_file():
             raise ZLError(
                 f"--adapter {adapter_dir}: {name} is missing; pass a directory written by `zl merge` "
                 "(RUN_DIR/adapter) or by PEFT's save_pretrained."
             )
-    return adapter_dir
+    label = f"--adapter {adapter_dir}: {ADAPTER_WEIGHTS}"
+    tensors = read_tensors(adapter_dir / ADAPTER_WEIGHTS, label, "merge the run's checkpoints again (`zl merge`) "
+                           "or copy the adapter again.")
+    check_finite(tensors, label, "the run diverged: train again with a lower --lr, or merge an earlier window "
+                 "(`zl merge --window N`).")
+    return tensors
 
 
 def load_adapter(model: torch.nn.Module, adapter_dir: Path | str) -> torch.nn.Module:
@@ -351,18 +381,18 @@ def load_adapter(model: torch.nn.Module, adapter_dir: Path | str) -> torch.nn.Mo
     gets a tensor from the file and every tensor in the file is used.
 
     Raises:
-        ZLError: missing files, or an adapter for another model (names or shapes differ).
+        ZLError: missing files, unreadable or non-finite weights, or an adapter for another model (names or shapes
+            differ).
     """
     from peft import PeftModel
-    from safetensors.torch import load_file
 
-    adapter_dir = check_adapter_dir(adapter_dir)
+    adapter_dir = Path(adapter_dir)
+    saved = set(adapter_weights(adapter_dir))
     try:
         peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
     except (RuntimeError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ZLError(f"--adapter {adapter_dir}: does not fit this model ({first}); was it trained on another --model?") from e
-    saved = set(load_file(str(adapter_dir / ADAPTER_WEIGHTS)))
     created = {n.replace(".default.", ".") for n, _ in peft_model.named_parameters() if "lora_" in n}
     if saved != created:
         unused, missing = sorted(saved - created), sorted(created - saved)

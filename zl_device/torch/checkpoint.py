@@ -22,6 +22,7 @@ import torch
 
 from zl_base.errors import ZLError
 from zl_device.formats.checkpoints import DEFAULT_LAYOUT
+from zl_device.formats.tensor_files import check_finite, read_tensors
 
 FORMAT_VERSION = 1
 
@@ -73,17 +74,22 @@ def read_checkpoint(where: Path, run_id: str, stage: int) -> tuple[dict[str, tor
     docs/design.md §4.5) reads as zeros of the tensors' shapes.
 
     Raises:
-        ZLError: the checkpoint is of another run or stage.
+        ZLError: the checkpoint is of another run or stage, a file is unreadable, or a weight or moment is nan or
+            inf (a damaged run: resuming would train on from it).
     """
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     layout = DEFAULT_LAYOUT
     progress = json.loads((where / layout.progress_file).read_text())
     if progress.get("run_id") != run_id or progress.get("stage") != stage:
         raise ZLError(f"{where}: a checkpoint of run {progress.get('run_id')} stage {progress.get('stage')}, not of "
                       f"this run ({run_id}) stage {stage}; resume only the run directory that wrote it.")
-    tensors, moments = load_file(str(where / layout.adapter_file)), load_file(str(where / layout.optimizer_file))
+    label = f"stage {stage} window {progress.get('window')}: checkpoint file {where}"
+    fix = "the run cannot resume from it; start it again (with a lower --lr if it diverged)."
+    tensors, moments = (read_tensors(where / name, f"{label}/{name}", fix)
+                        for name in (layout.adapter_file, layout.optimizer_file))
+    for name, found in ((layout.adapter_file, tensors), (layout.optimizer_file, moments)):
+        check_finite(found, f"{label}/{name}", fix)
     if not moments:
         key, value = layout.zero_moments
         with safe_open(str(where / layout.optimizer_file), "pt") as f:

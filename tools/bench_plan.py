@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
 
-    # Every stage trains (--stage-lr 1), as in the README's figures: the default holds all but the last still.
+    # Every stage trains (--stage-lr 1), as in docs/benchmarks.md's figures: the default holds all but the last still.
     common = ["--model", args.model, "--devices", args.devices, "--cpu-quota", args.cpu_quota,
               "--seq-len", str(args.seq_len), "--stage-lr", "1"]
     plan_path = args.out / "plan.json"

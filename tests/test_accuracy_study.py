@@ -10,6 +10,7 @@ import pytest
 
 from zl_base.errors import ZLError
 from zl_study import accuracy_study as study_tool
+from zl_study import arms
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")]
@@ -264,9 +265,9 @@ def test_generative_data_is_scored_by_nll_and_generations_paired_per_row(tmp_pat
 def test_zl_default_is_zl_trains_default():
     """`zl train` holds the stages before the last still (--stage-lr 0,..,0,1), so the study's zl-default does too,
     on the study's split; zl-all-stages keeps every stage training with the same loss and frozen dtype."""
-    default, every = study_tool.ARMS["zl-default"], study_tool.ARMS["zl-all-stages"]
-    resolved = study_tool.default_arm_for(default, 3)
+    default, every = arms.ARMS["zl-default"], arms.ARMS["zl-all-stages"]
+    resolved = arms.default_arm_for(default, 3)
     assert resolved.stage_lr == (0.0, 0.0, 1.0) and resolved.loss == default.loss
     assert resolved.frozen_dtype == default.frozen_dtype and "stage lr 0/0/1" in resolved.note
-    assert study_tool.default_arm_for(default, 2).stage_lr == (0.0, 1.0)
-    assert study_tool.default_arm_for(every, 3) == every and every.loss == default.loss and every.stage_lr == (1.0,)
+    assert arms.default_arm_for(default, 2).stage_lr == (0.0, 1.0)
+    assert arms.default_arm_for(every, 3) == every and every.loss == default.loss and every.stage_lr == (1.0,)

@@ -42,6 +42,7 @@ import torch
 
 from zl_base.errors import ZLError
 from zl_study import accuracy_study as study
+from zl_study import arms as study_arms
 
 
 def lora_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -61,7 +62,7 @@ def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
 
-def measure(arm: study.Arm, s: study.StudySettings, base_model, split, shard, micro_batches: int, seed: int,
+def measure(arm: study_arms.Arm, s: study.StudySettings, base_model, split, shard, micro_batches: int, seed: int,
             trained_samples: int = 0) -> list:
     """Both gradients of every stage's LoRA weights, summed over `micro_batches` micro-batches: at the start, or
     after the arm trained on the first `trained_samples` rows (ZeroLock, as the study trains it), on the rows after
@@ -139,15 +140,15 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         if args.micro_batches < 1:
             raise ZLError(f"--micro-batches {args.micro_batches}: must be at least 1.")
-        trained = study.parse_list(args.trained, int, "--trained")
+        trained = study_arms.parse_list(args.trained, int, "--trained")
         if any(n < 0 for n in trained):
             raise ZLError(f"--trained {args.trained}: sample counts must be 0 or more, e.g. --trained 0,256.")
         names = [n.strip() for n in args.arms.split(",") if n.strip()]
-        unknown = [n for n in names if n not in study.ARMS or study.ARMS[n].kind != "zerolock"]
+        unknown = [n for n in names if n not in study_arms.ARMS or study_arms.ARMS[n].kind != "zerolock"]
         if unknown:
             raise ZLError(f"--arms: {unknown[0]!r} is not a ZeroLock arm of tools/accuracy_study.py; choose from "
-                          f"{', '.join(n for n, a in study.ARMS.items() if a.kind == 'zerolock')}.")
-        arms = [study.ARMS[n] for n in names] + [study.parse_arm(spec) for spec in args.arm]
+                          f"{', '.join(n for n, a in study_arms.ARMS.items() if a.kind == 'zerolock')}.")
+        arms = [study_arms.ARMS[n] for n in names] + [study_arms.parse_arm(spec) for spec in args.arm]
         from zl_export.data_columns import DataColumns
         from zl_export.model_family import family_of_model
         from zl_export.model_source import load_model
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ZLError(f"--micro-batches {args.micro_batches} after --trained {max(trained)}: the data has "
                               f"{shard.rows} rows; use fewer.")
             kind = "label words" if shard.meta.get("label_token_ids") else "generative"
-            arms = [study.default_arm_for(arm, len(split)) for arm in arms]  # as the study
+            arms = [study_arms.default_arm_for(arm, len(split)) for arm in arms]  # as the study
             err.print(f"{s.model}, stages {format_spec(split)}, {kind} data, {args.micro_batches} micro-batches, "
                       f"seed {args.seed}")
             rows = []

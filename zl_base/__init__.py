@@ -5,8 +5,11 @@
 - `zl_base.entry`: `run_cli`, how a zl command line runs (logging, ZLError as one line, exit status 2);
 - `__version__`, the package's version (pyproject.toml reads it from here).
 
-The layers above it, from the bottom: `zl_export` (ahead-of-time) and `custom_ops`, `zl_device` (devices, runs,
-results), and the CLI `zl` on top, which nothing imports (tools/importlinter.ini checks it).
+The layers above it, from the bottom: `custom_ops`, `zl_export` (ahead-of-time: export, data shards), `zl_device`
+(the host side of a run: devices, the run's flow, the ExecuTorch and torch runtimes, results, planning), and on top
+the CLI `zl` and the research layer `zl_study` (the accuracy study, the backprop baseline, gradient alignment,
+emulated devices), which import each other not at all and which nothing imports (the import-linter contracts in
+pyproject.toml check it).
 """
 
 __version__ = "0.1.0"

@@ -1,2 +1,12 @@
-"""Host orchestrator, in three parts: `devices` (backends, deploy, network), `run` (the train job, coordinator,
-control channel, telemetry) and `results` (merge to a PEFT adapter, eval, report, plots)."""
+"""The host side of a run, in layers (docs/design.md §2):
+
+- `formats`: what every part shares (run-directory layout, frames, telemetry log, checkpoint layout, window plan,
+  optimizer and LR schedule), importing no other part;
+- `devices`: device backends (local, adb, app), `--devices`, CPU quotas, deploy/pull, the network plan;
+- `torch`: the torch runtime (ranks, launcher, pipeline schedules, eager training); `results`: merge to a PEFT
+  adapter, eval, generation, report, plots;
+- `executorch`: the ExecuTorch runtime (coordinator, control server, launch, device policy, export cache);
+- `run`: the `zl train` flow over the two runtimes; `plan` on top (`zl plan`: calibration, cost fits, the split).
+
+The studies built on these live in `zl_study`, a layer above.
+"""

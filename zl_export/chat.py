@@ -26,6 +26,7 @@ prefix of the conversation ending in that assistant turn).
 from __future__ import annotations
 
 from zl_base.errors import ZLError
+from zl_export.records import check_text
 
 ROLES = ("system", "user", "assistant")
 #: The plain fallback: each turn as "<|role|>\ncontent\n", then "<|assistant|>\n" opens the trained turn.
@@ -86,6 +87,7 @@ def _turns(value: object, where: str) -> list[dict[str, str]]:
         if role not in ROLES:
             raise ZLError(f"{where}: message {i} has role {m['role']!r}; expected one of {', '.join(ROLES)}. Rename "
                           "the role or drop the message.")
+        check_text(m["content"], f"{where}: message {i}")
         if "\0" in m["content"]:
             raise ZLError(f"{where}: message {i} holds a NUL character; the text looks binary. Save it as UTF-8 text.")
         messages.append({"role": role, "content": m["content"]})

@@ -51,7 +51,7 @@ from zl_base.errors import ZLError
 from zl_export import chat
 from zl_export.data_columns import DataColumns, column_rows
 from zl_export.data_settings import FORMATS
-from zl_export.records import Record, read_records  # noqa: F401 (re-exported)
+from zl_export.records import Record, json_kind, read_records  # noqa: F401 (Record re-exported)
 from zl_export.shard import Shard, file_sha256, load_shard, sidecar_path, target_counts, write_shard  # noqa: F401 (re-exported)
 from zl_export.tokenizer import Tokenizer, bos_ids, encode_prompt
 
@@ -162,9 +162,12 @@ def load_task(path: Path, fmt: str = "auto", labels: list[str] | None = None, co
         return Task(examples, fmt, None)
     for line, row in records:
         for col in REQUIRED_COLUMNS[fmt]:
-            if not isinstance(row.get(col, ""), str):
-                raise ZLError(f"{path} line {line}: column {col!r} is a JSON {type(row[col]).__name__}; expected "
-                              "text. Put the text in a string, or pick another --format.")
+            value = row.get(col, "")
+            if col == "label" and isinstance(value, int) and not isinstance(value, bool):
+                row[col] = value = str(value)  # a class id written as a number (AG News 1-4): its digits are exact
+            if not isinstance(value, str):
+                raise ZLError(f"{path} line {line}: column {col!r} is a JSON {json_kind(value)}; expected text. Put "
+                              f"the text in a string (\"...\"), or pick another --format.")
             if not row.get(col, "").strip():
                 raise ZLError(
                     f"{path} line {line}: column {col!r} is empty; every row needs a non-empty "
@@ -226,7 +229,7 @@ def clean_agnews_text(text: str) -> str:
     """Undo AG News' escapes: ` #39;` for an apostrophe, `#36;` for `$`, `&lt;b&gt;` markup, `\\` for a line break."""
     text = re.sub(r" ?#39;", "'", text)
     text = re.sub(r"#(\d+);", lambda m: html.unescape(f"&#{m.group(1)};"), text)
-    text = re.sub(r"<[^>]*>", " ", html.unescape(text))
+    text = re.sub(r"<[^<>]*>", " ", html.unescape(text))  # [^<>]: linear on unclosed "<<<..." ([^>] was quadratic)
     text = text.replace("\\$", "$").replace("\\", " ")
     return re.sub(r"\s+", " ", text).strip()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from zl_base.errors import ZLError
 from zl_base.settings import setting
+from zl_export.records import json_kind
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,8 @@ def column_rows(path: Path, columns: list[str], records, cols: DataColumns) -> l
     for line, r in records:
         for name in cols.needed():
             if not isinstance(r.get(name, ""), str):
-                raise ZLError(f"{path} line {line}: column {name!r} is a JSON {type(r[name]).__name__}; expected "
-                              "text. Put the text in a string, or pick another column.")
+                raise ZLError(f"{path} line {line}: column {name!r} is a JSON {json_kind(r[name])}; expected text. "
+                              "Put the text in a string (\"...\"), or pick another column.")
         completion = r.get(cols.completion, "")
         if not completion.strip():
             raise ZLError(f"{path} line {line}: column {cols.completion!r} is empty (no completion); every row needs "

@@ -1,19 +1,22 @@
 """Reading training data files: the rows of a CSV (with header) or JSONL file, with their line numbers.
 
 Every problem is a one-line ZLError naming the file and line: a missing file, an unknown extension, text that is
-not UTF-8, a NUL byte, a ragged CSV row, a malformed or too deeply nested JSON line. JSONL values are kept as text
-(numbers as their digits, null as ""), except arrays and objects, which stay JSON (a chat row's `messages`).
+not UTF-8, a NUL byte, a ragged CSV row, a malformed or too deeply nested JSON line (the nesting is measured in
+linear time before parsing), a lone surrogate escape, and two keys of one JSONL line that name the same column
+(the same key twice, or keys that differ only in case or surrounding spaces: keys are matched as CSV headers are,
+stripped and lower-cased). JSONL values are kept as parsed (strings, numbers, true/false, null, lists, dicts), so a
+reader that needs text names what it found (`json_kind`) instead of training on "True" or "inf".
 """
 
 import csv
 import json
-import re
 from pathlib import Path
 
 from zl_base.errors import ZLError
+from zl_base.json_nesting import nests_deeper_than
 
-#: One row: {column: value}; a value is text, or for JSONL a list/dict as parsed.
-Record = dict[str, "str | list | dict"]
+#: One row: {column: value}; a value is text, or for JSONL any JSON value as parsed (check it is text: json_kind).
+Record = dict[str, object]
 
 
 def read_records(path: Path) -> tuple[list[str], list[tuple[int, Record]]]:
@@ -42,7 +45,6 @@ def read_records(path: Path) -> tuple[list[str], list[tuple[int, Record]]]:
 
 _CSV_FIELD_LIMIT = 128 * 1024  # the csv module's default field_size_limit, stated
 _JSONL_MAX_DEPTH = 32
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 
 
 def _check_cells(path: Path, line: int, cells: list[str]) -> None:
@@ -81,42 +83,90 @@ def _read_jsonl(path: Path) -> tuple[list[str], list[tuple[int, Record]]]:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            if _json_depth(line) > _JSONL_MAX_DEPTH:
-                raise ZLError(f"{path} line {line_no}: JSON nested deeper than {_JSONL_MAX_DEPTH} levels; expected "
-                              'one flat object per line like {"prompt": ..., "completion": ...}.')
+            where = f"{path} line {line_no}"
+            if nests_deeper_than(line, _JSONL_MAX_DEPTH):
+                raise ZLError(f"{where}: JSON nested deeper than {_JSONL_MAX_DEPTH} levels; expected one flat object "
+                              'per line like {"prompt": ..., "completion": ...}.')
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, object_pairs_hook=_pairs)
             except json.JSONDecodeError as e:
-                raise ZLError(f"{path} line {line_no}: not valid JSON ({e.msg}); expected one JSON object per line.") from e
+                raise ZLError(f"{where}: not valid JSON ({e.msg}); expected one JSON object per line.") from e
             except (ValueError, RecursionError) as e:  # e.g. an integer of more than 4300 digits
-                raise ZLError(f"{path} line {line_no}: not usable JSON ({e}); expected one JSON object per line.") from None
-            if not isinstance(obj, dict):
-                raise ZLError(f"{path} line {line_no}: a JSON {type(obj).__name__}, expected an object like "
+                raise ZLError(f"{where}: not usable JSON ({e}); expected one JSON object per line.") from None
+            if not isinstance(obj, _Object):
+                raise ZLError(f"{where}: a JSON {json_kind(obj)}, expected an object like "
                               '{"prompt": ..., "completion": ...}.')
-            row = {str(k).strip().lower(): _cell(v) for k, v in obj.items()}
+            row = _row(obj, where)
             _check_cells(path, line_no, list(row) + [v for v in row.values() if isinstance(v, str)])
+            check_text(list(row) + list(row.values()), where)
             columns.update(dict.fromkeys(row))
             records.append((line_no, row))
     return list(columns), records
 
 
-def _cell(value: object) -> "str | list | dict":
-    """A JSON value as a row cell: "" for null, str() of strings, numbers and booleans; arrays and objects as parsed."""
+class _Object(list):
+    """A JSON object as its (key, value) pairs in file order, so a duplicated key is seen, not overwritten."""
+
+
+def _pairs(pairs: list) -> _Object:
+    return _Object(pairs)
+
+
+def _row(obj: _Object, where: str) -> Record:
+    """The row of a JSONL line's object: keys stripped and lower-cased (as CSV headers), integers as their digits.
+
+    Raises:
+        ZLError: two keys naming the same column, e.g. "prompt" twice, or "prompt" and "Prompt".
+    """
+    row: Record = {}
+    written: dict[str, str] = {}  # column -> the key as the file wrote it
+    for key, value in obj:
+        column = key.strip().lower()
+        if column in written:
+            same = "twice" if key == written[column] else f"and {written[column]!r} (the same column: keys are " \
+                                                          "matched ignoring case and surrounding spaces)"
+            raise ZLError(f"{where}: key {key!r} {same}; zl would silently keep one value. Keep one of them, or "
+                          "rename the other.")
+        written[column] = key
+        row[column] = _value(value)
+    return row
+
+
+def _value(value: object) -> object:
+    """A JSON value as a row cell: nested objects as dicts (chat turns; checked by their reader), the rest as parsed."""
+    if isinstance(value, _Object):
+        return {k: _value(v) for k, v in value}
+    if isinstance(value, list):
+        return [_value(v) for v in value]
+    return value
+
+
+def json_kind(value: object) -> str:
+    """How a row cell that is not text reads in an error: "boolean (true)", "number (inf)", "null", "list", ..."""
     if value is None:
-        return ""
-    return value if isinstance(value, (str, list, dict)) else str(value)
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"number ({value!r})"
+    return {dict: "object", _Object: "object", list: "list", str: "string"}.get(type(value), type(value).__name__)
 
 
-def _json_depth(line: str) -> int:
-    """How deep the arrays/objects of a JSON line nest (brackets inside strings ignored); an upper bound for
-    malformed lines, which json.loads rejects anyway."""
-    if line.count("[") + line.count("{") <= _JSONL_MAX_DEPTH:
-        return 0
-    depth = deepest = 0
-    for c in _JSON_STRING.sub("", line):
-        if c in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif c in "]}":
-            depth -= 1
-    return deepest
+def check_text(value: object, where: str) -> None:
+    """Raise ZLError when a string in `value` (a string, or a list/dict of them, keys too) holds a lone surrogate:
+    a JSON \\ud800 escape without its pair, or a command-line argument of bytes that are not UTF-8. Such text
+    cannot be encoded, and would fail later in the tokenizer with a traceback."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ZLError(f"{where}: a lone surrogate U+{ord(value[e.start]):04X} at character {e.start + 1}, which is "
+                          "not text (a \\u escape without its pair, or bytes that are not UTF-8); write the character "
+                          "itself (saved as UTF-8) or a full pair such as \\ud83d\\ude00.") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, where)
+            check_text(v, where)
+    elif isinstance(value, list):
+        for v in value:
+            check_text(v, where)

@@ -17,6 +17,7 @@ from rich.markup import escape
 
 from zl_base.errors import ZLError
 from zl_device.formats.run_layout import RunLayout
+from zl_export.records import check_text
 from zl.options import settings_command
 from zl.paths import check_out_file
 from zl_base.settings import setting
@@ -253,6 +254,7 @@ def _rendering(chat: bool | None, system: str | None, run: Path | None, adapter_
     if system is not None:
         if not system.strip():
             raise ZLError("--system is empty; give the system turn some text, e.g. --system \"Answer in one word.\".")
+        check_text(system, "--system")
         if not rendering.chat:
             raise ZLError(f"--system: prompts go verbatim ({rendering.reason}), so there is no conversation to put a "
                           "system turn in; pass --chat to render each prompt as a user turn.")
@@ -327,6 +329,8 @@ def read_prompts(arguments: list[str], file: Path | None, stdin=None) -> list[Pr
     elif str(file) == "-" or (not arguments and not stdin.isatty()):
         text = stdin.read()
         prompts += _parse(text, "stdin", _looks_jsonl(text))
+    for prompt in prompts:  # an argument of bytes that are not UTF-8, or a JSON \\ud800 escape without its pair
+        check_text(prompt.text, prompt.where)
     if not prompts:
         raise ZLError("no prompts: pass them as arguments, with --file FILE (one per line, or JSONL with a "
                       "\"prompt\" field or \"messages\") or on stdin, e.g. echo \"Hello\" | zl generate --run runs/r1.")

@@ -29,7 +29,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -37,6 +36,8 @@ from enum import IntEnum
 import numpy as np
 from nacl import bindings as _sodium
 from nacl.exceptions import CryptoError
+
+from zl_base.json_nesting import nests_deeper_than
 
 MAGIC = b"ZLFR"
 VERSION = 2  # 1: MAC only, before frames were encrypted (rejected as bad_version)
@@ -159,26 +160,6 @@ class _BadJson(ValueError):
     pass
 
 
-# A JSON string, closed or not (an unclosed one runs to the end of the payload). The possessive quantifiers keep
-# the match from backtracking, so stripping every string is one pass over the payload: the same pattern without them
-# was quadratic on an unclosed string of escaped quotes (issue 28: 12-62 s for 64 KiB, about an hour for 1 MiB).
-_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"?', re.DOTALL)
-_DEPTH_STEP = np.zeros(256, np.int8)  # byte -> its change of nesting depth outside strings
-_DEPTH_STEP[list(b"[{")] = 1
-_DEPTH_STEP[list(b"]}")] = -1
-
-
-def _too_deep(raw: bytes) -> bool:
-    """Whether the payload nests deeper than MAX_JSON_DEPTH, in time linear in its length (checked before json.loads
-    recurses). Exact for valid JSON; for any other payload the answer does not matter: it is rejected either way."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return False
-    skeleton = np.frombuffer(_STRING.sub(b"", raw), np.uint8)  # (N,) the bytes outside strings
-    if skeleton.size == 0:
-        return False
-    return int(np.cumsum(_DEPTH_STEP[skeleton], dtype=np.int32).max()) > MAX_JSON_DEPTH
-
-
 def _parse_int(text: str) -> int:
     digits = text.lstrip("-")
     if len(digits) > 20:
@@ -246,7 +227,7 @@ def check_payload(raw: bytes) -> dict | None:
         raise FrameRejected("bad_payload", f"{where}: invalid UTF-8") from None
     if not text.lstrip(" \t\n\r").startswith("{"):
         raise FrameRejected("bad_payload", f"{where}: the payload is not a JSON object")
-    if _too_deep(raw):
+    if nests_deeper_than(raw, MAX_JSON_DEPTH):  # linear, before json.loads recurses
         raise FrameRejected("bad_payload", f"{where}: nesting deeper than {MAX_JSON_DEPTH}")
     try:
         value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant,

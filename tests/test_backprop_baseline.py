@@ -249,8 +249,9 @@ def test_user_mistakes_are_one_zlerror(demo_data, tmp_path):
     with pytest.raises(ZLError, match=r"no train_settings.json and no stage config with a positive lr .*pass"):
         bpb.settings_from_run_dir(held)
     RunLayout(held).settings.write_text(json.dumps({"optimizer": {}}))
-    with pytest.raises(ZLError, match="train_settings.json holds no optimizer lr"):
+    with pytest.raises(ZLError, match="train_settings.json holds no optimizer lr .*Pass the run's --lr"):
         bpb.settings_from_run_dir(held)
+    assert bpb.build_settings(bpb.parse_args(["--run-dir", str(held), "--lr", "1e-3"])).optimizer.lr == 1e-3
 
     from zl_export.tokenizer import ByteTokenizer
 

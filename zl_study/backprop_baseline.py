@@ -158,16 +158,18 @@ def run_lr(layout: RunLayout) -> float:
     Raises:
         ZLError: the settings hold no lr, or (without settings) no stage config has a positive one.
     """
-    if layout.settings.is_file():
-        saved = _read_json(layout.settings, "")
+    def optimizer_lr(path: Path) -> float:
         try:
-            return float(saved["optimizer"]["lr"])
+            return float(_read_json(path, "")["optimizer"]["lr"])
         except (KeyError, TypeError, ValueError) as e:
-            raise ZLError(f"--run-dir {layout.root}: {layout.settings} holds no optimizer lr ({type(e).__name__}: "
-                          f"{e}); was it written by `zl train`? Pass --lr.") from None
+            raise ZLError(f"--run-dir {layout.root}: {path} holds no optimizer lr ({type(e).__name__}: {e}); was it "
+                          "written by `zl train`? Pass the run's --lr.") from None
+
+    if layout.settings.is_file():
+        return optimizer_lr(layout.settings)
     lrs = []
     while (config := layout.stage_config(len(lrs))).is_file():
-        lrs.append(float(_read_json(config, "").get("optimizer", {}).get("lr", 0.0)))
+        lrs.append(optimizer_lr(config))
     trained = [lr for lr in lrs if lr > 0]
     if not trained:
         raise ZLError(f"--run-dir {layout.root}: no {layout.settings.name} and no stage config with a positive lr "
@@ -175,14 +177,15 @@ def run_lr(layout: RunLayout) -> float:
     return trained[0]
 
 
-def settings_from_run_dir(run_dir: Path | str) -> BaselineSettings:
+def settings_from_run_dir(run_dir: Path | str, lr: float | None = None) -> BaselineSettings:
     """Data, model and hyper-parameters of a `zl train` run directory.
 
     Reads RUN_DIR/stage_0.json (window_size, num_micro_batches, optimizer,
     data_shard), RUN_DIR/manifest.json (model, seed, seq_len, micro_batch,
-    LoRA) and the run's base lr (`run_lr`: stage 0's own is 0 when it is held
-    still). The shards are RUN_DIR/data/train.safetensors (else the config's
-    data_shard) and RUN_DIR/data/dev.safetensors when present.
+    LoRA) and, unless `lr` (--lr) is given, the run's base lr (`run_lr`:
+    stage 0's own is 0 when it is held still). The shards are
+    RUN_DIR/data/train.safetensors (else the config's data_shard) and
+    RUN_DIR/data/dev.safetensors when present.
 
     Raises:
         ZLError: not a run directory, or a config/manifest without the fields zl train writes.
@@ -217,7 +220,7 @@ def settings_from_run_dir(run_dir: Path | str) -> BaselineSettings:
         window=window,
         micro_batch=micro_batch,
         seq_len=int(manifest["seq_len"]) if "seq_len" in manifest else None,
-        optimizer=replace(optimizer, lr=run_lr(layout)),
+        optimizer=replace(optimizer, lr=run_lr(layout) if lr is None else lr),
         lora=LoraSettings(int(lora["rank"]), float(lora["alpha"]), tuple(lora["targets"])),
         source=str(run_dir),
     )
@@ -288,7 +291,7 @@ def read_zl_eval(path: Path) -> dict:
 
 def build_settings(args: argparse.Namespace) -> BaselineSettings:
     """Settings from --run-dir (if given), then every option given on the command line on top."""
-    s = settings_from_run_dir(args.run_dir) if args.run_dir else BaselineSettings()
+    s = settings_from_run_dir(args.run_dir, args.lr) if args.run_dir else BaselineSettings()
     given = {k: v for k, v in vars(args).items() if v is not None}
     for name in ("model", "seed", "train", "dev", "samples", "window", "micro_batch", "threads", "eval_limit",
                  "eval_batch_size"):

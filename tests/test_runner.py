@@ -673,26 +673,37 @@ def test_sigterm_stops_without_commit_and_resume_completes(runner, export3, shar
             assert torch.equal(a[name], b[name]), name
 
 
-def kill_parked_and_corrupt_newest_checkpoint(pipe: Pipeline, victim: int, held: int) -> Path:
-    """Park `victim` inside window 2, SIGKILL it and truncate its newest checkpoint (window 1); returns that dir."""
+def kill_parked_and_corrupt_newest_checkpoint(pipe: Pipeline, victim: int, held: int, damage: str = "truncated") -> Path:
+    """Park `victim` inside window 2, SIGKILL it and damage its newest checkpoint (window 1): truncate its adapter,
+    or (`damage` "nan") make one of its weights nan in an intact file; returns that dir."""
+    from safetensors.torch import load_file, save_file
+
     pipe.park(victim, held)
     pipe.procs[victim].send_signal(signal.SIGKILL)
     pipe.procs[victim].wait()
     newest = pipe.run_dir / f"ckpt{victim}" / "window_000001"
     adapter = newest / "adapter.safetensors"
-    adapter.write_bytes(adapter.read_bytes()[:100])
+    if damage == "nan":
+        tensors = load_file(str(adapter))
+        tensors[sorted(tensors)[-1]].view(-1)[3] = float("nan")
+        save_file(tensors, str(adapter), metadata={"format": "pt"})
+    else:
+        adapter.write_bytes(adapter.read_bytes()[:100])
     pipe.edit_config(victim, hold_at_micro_batch=None)
     return newest
 
 
-def test_corrupt_newest_checkpoint_of_stage_0_falls_back_exactly(runner, export3, shard, tmp_path, clean_adapters):
-    """Stage 0 can replay anything from its shard: it resumes from window 0 and ends bit-identical to a clean run."""
+@pytest.mark.parametrize("damage", ["truncated", "nan"])
+def test_corrupt_newest_checkpoint_of_stage_0_falls_back_exactly(runner, export3, shard, tmp_path, clean_adapters,
+                                                                 damage):
+    """Stage 0 can replay anything from its shard: it resumes from window 0 and ends bit-identical to a clean run.
+    A weight that is nan (issue 43: resume took the newest checkpoint whatever it held) is damage like a torn file."""
     held = 2 * KILL_M + 1
     pipe = make_pipeline(runner, export3, shard, tmp_path, "corrupt0", num_micro_batches=KILL_N, window_size=KILL_M,
                          overrides={0: {"hold_at_micro_batch": held}})
     pipe.start_all()
     try:
-        newest = kill_parked_and_corrupt_newest_checkpoint(pipe, 0, held)
+        newest = kill_parked_and_corrupt_newest_checkpoint(pipe, 0, held, damage)
         corrupt_bytes = (newest / "adapter.safetensors").read_bytes()
         pipe.start(0, resume=True)
         pipe.wait_all()
@@ -701,6 +712,8 @@ def test_corrupt_newest_checkpoint_of_stage_0_falls_back_exactly(runner, export3
     starts = pipe.events(0, "start")
     assert starts[-1]["resumed_from_window"] == 0, starts
     assert "window_000001 is unusable" in pipe.stderr(0), pipe.stderr(0)
+    if damage == "nan":
+        assert "holds nan at element 3 (a damaged run: not finite)" in pipe.stderr(0), pipe.stderr(0)
     aside = list((pipe.run_dir / "ckpt0").glob("corrupt-window_000001-*"))
     assert len(aside) == 1 and (aside[0] / "adapter.safetensors").read_bytes() == corrupt_bytes, aside
     for a, b in zip(clean_adapters, [pipe.final_adapter(k) for k in range(pipe.num_stages)]):
@@ -725,6 +738,30 @@ def test_corrupt_newest_checkpoint_without_exact_fallback_stops_with_exit_2(runn
     assert f"{pipe.run_dir / 'ckpt1' / 'window_000001'}" in err or "ckpt1/window_000001 is unusable" in err, err
     assert "no longer holds micro-batch 4" in err and "intact copy" in err, err
     assert {p.name: p.read_bytes() for p in newest.iterdir()} == before  # left exactly as it was
+
+
+@pytest.mark.parametrize("lr, problem, kept", [
+    # ±1e30 weights after window 0's step are finite, but their products overflow in window 1's forward.
+    (1e30, "stage 0 window 1: the loss summed over its 4 micro-batches is nan", ["window_000000"]),
+    # A step of 1e39 leaves float32's range: the weights are inf with the window's loss still finite.
+    (1e39, "stage 0 window 0: the AdamW step made base_model.", []),
+], ids=["loss", "weights"])
+def test_a_stage_that_goes_non_finite_stops_with_exit_2_keeping_its_last_good_checkpoint(runner, export3, shard,
+                                                                                        tmp_path, lr, problem, kept):
+    """Issue 43: a stage whose loss or weights go nan or inf stops at once (exit 2: a restart would replay into the
+    same values), names the stage and window, and checkpoints nothing past its last good window."""
+    wild = {0: {"optimizer": {**OPTIMIZER, "lr": lr, "schedule": {"kind": "constant"}}}}
+    pipe = make_pipeline(runner, export3, shard, tmp_path, "diverged", num_micro_batches=KILL_N, window_size=KILL_M,
+                         overrides=wild)
+    pipe.start_all()
+    try:
+        assert pipe.procs[0].wait(timeout=PROCESS_TIMEOUT_S) == 2, pipe.stderr(0)
+    finally:
+        pipe.kill_all()
+    err = pipe.stderr(0)
+    assert problem in err and "a damaged run (diverged?): not stepped or checkpointed" in err, err
+    assert f"last good checkpoint ({'window 0' if kept else 'none yet'})" in err, err
+    assert sorted(p.name for p in (pipe.run_dir / "ckpt0").glob("window_*")) == kept
 
 
 def run_single(runner: Path, run_dir: Path, cfg: dict, *extra: str) -> subprocess.CompletedProcess:

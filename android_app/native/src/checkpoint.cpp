@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <set>
 
@@ -47,6 +48,14 @@ Status check_tensor(const std::string& file, const SafetensorsFile& contents, co
   if (it->second.shape != shape) {
     return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "': tensor '" + name + "' has shape " +
                                             shape_text(it->second.shape) + ", expected " + shape_text(shape));
+  }
+  // A weight or moment that is nan or inf: the run was damaged (it diverged, or the file was); resuming from it
+  // would train on NaNs, so it is as unusable as a torn file (StageRunner::fall_back takes an older one).
+  const int64_t bad = first_non_finite(it->second.f32(), it->second.numel());
+  if (bad >= 0) {
+    return Status(StatusCode::kCorrupt, "checkpoint file '" + file + "': tensor '" + name + "' holds " +
+                                            std::to_string(it->second.f32()[bad]) + " at element " +
+                                            std::to_string(bad) + " (a damaged run: not finite)");
   }
   return Status();
 }
@@ -132,6 +141,13 @@ int64_t now_unix_ms() {
 }
 
 }  // namespace
+
+int64_t first_non_finite(const float* data, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (!std::isfinite(data[i])) return i;
+  }
+  return -1;
+}
 
 Result<CheckpointData> read_checkpoint(const std::string& window_dir, const std::vector<TrainableParam>& expected) {
   if (!is_directory(window_dir)) {

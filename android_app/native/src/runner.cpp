@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cinttypes>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <thread>
@@ -134,11 +135,39 @@ Status StageRunner::send_hidden(int64_t mb, const StageInputs& inputs, const std
                      "sending micro-batch " + std::to_string(mb) + " to " + config_.downstream);
 }
 
+// A loss or weight that is nan or inf is a damaged run: the stage diverged (a
+// learning rate too high) or its input was damaged. Stepping on it or
+// checkpointing it would put NaNs over the last good checkpoint, and a restart
+// would replay into the same values, so the stage stops for good
+// (kUnrecoverable: exit 2, not retried) with its last good checkpoint kept.
+Status StageRunner::damaged_run(int64_t window, const std::string& what) const {
+  const Result<std::vector<int64_t>> windows = store_->list_windows();
+  const std::string kept =
+      windows.ok() && !windows->empty() ? "window " + std::to_string(windows->back()) : "none yet";
+  return Status(StatusCode::kUnrecoverable,
+                "stage " + std::to_string(config_.stage_index) + " window " + std::to_string(window) + ": " + what +
+                    ", a damaged run (diverged?): not stepped or checkpointed; the stage stops with its last good "
+                    "checkpoint (" + kept + "). Lower the learning rate (--lr, --stage-lr) or check the data, and "
+                    "train again");
+}
+
 Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums& sums) {
   const RunnerConfig& c = config_;
+  if (!forward_only_ && !std::isfinite(sums.loss)) {
+    return damaged_run(window, "the loss summed over its " + std::to_string(sums.count) + " micro-batches is " +
+                                   std::to_string(sums.loss));
+  }
   // A forward-only stage accumulated nothing: its step only counts (the
   // schedule and the checkpoint's optimizer_step move on, the weights do not).
   ZL_ASSIGN_OR_RETURN(const double lr, forward_only_ ? optimizer_->skip_step() : optimizer_->step());
+  for (size_t i = 0; i < optimizer_->num_params() && !forward_only_; ++i) {
+    const TrainableParam& p = optimizer_->param(i);  // a finite loss can still step into inf (a huge lr)
+    const int64_t bad = first_non_finite(p.data, static_cast<int64_t>(p.numel()));
+    if (bad >= 0) {
+      return damaged_run(window, "the AdamW step made " + p.name + " " + std::to_string(p.data[bad]) +
+                                     " at element " + std::to_string(bad));
+    }
+  }
   if (sender_) {
     // Commit only what downstream holds durably (see runner.h, step 6).
     ZL_RETURN_IF_ERROR(wait_sliced([&](milliseconds slice) { return sender_->flush(slice); }, stop_,

@@ -102,6 +102,8 @@ class StageRunner {
   void abandon_step();
   void write_micro_batch(MicroBatchRecord* record);
   Status end_window(int64_t window, int64_t last_mb, const WindowSums& sums);
+  /// kUnrecoverable naming the stage, `window`, `what` went non-finite and the last good checkpoint kept.
+  Status damaged_run(int64_t window, const std::string& what) const;
   void finish_run(int64_t micro_batches, double wall_s, double cpu_s);
   void shutdown();
   template <typename Update>

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -307,6 +308,24 @@ TEST_F(DamagedCheckpoint, DifferentParameterSetIsReported) {
   const zl::Status s = store_.load_latest(opt.get()).status();
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("lacks tensor 'extra.lora_A.weight'"), std::string::npos) << s.message();
+}
+
+TEST(Checkpoint, ANonFiniteWeightIsADamagedCheckpoint) {
+  // A run that diverged: an intact file whose weight is nan is as unusable as a torn one (kCorrupt, so a resume
+  // falls back to an older window, StageRunner::fall_back).
+  zl_test::TempDir dir;
+  CheckpointStore store(CheckpointOptions{dir.path(), 1, 2});
+  Stage stage;
+  stage.train_step(1.0f);
+  stage.b[4] = std::numeric_limits<float>::quiet_NaN();
+  ASSERT_TRUE(store.save(*stage.opt, progress_for(stage, 0)).ok());
+  Stage target(2, 7.0f);
+  const zl::Status s = store.load_latest(target.opt.get()).status();
+  ASSERT_EQ(s.code(), zl::StatusCode::kCorrupt) << s.message();
+  EXPECT_NE(s.message().find(std::string("tensor '") + kB + "' holds nan at element 4 (a damaged run: not finite)"),
+            std::string::npos) << s.message();
+  EXPECT_EQ(target.a[0], 7.0f);  // nothing was restored
+  EXPECT_EQ(zl::first_non_finite(stage.a.data(), static_cast<int64_t>(stage.a.size())), -1);
 }
 
 TEST_F(DamagedCheckpoint, LeftoverTempDirIsIgnoredThenRemoved) {

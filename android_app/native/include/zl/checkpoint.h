@@ -85,6 +85,11 @@ struct CheckpointOptions {
 /// "moments": "zero"). Errors name the file and the problem.
 Result<CheckpointData> read_checkpoint(const std::string& window_dir, const std::vector<TrainableParam>& expected);
 
+/// Index of the first nan or inf among `count` floats at `data`, or -1 when all are finite. A checkpoint
+/// holding one is a damaged run (read_checkpoint refuses it: kCorrupt); the runner checks its weights with it
+/// before it checkpoints them.
+int64_t first_non_finite(const float* data, int64_t count);
+
 /// Saves and restores checkpoints of one stage under `options.dir`.
 class CheckpointStore {
  public:

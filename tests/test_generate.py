@@ -266,3 +266,16 @@ def test_a_damaged_adapter_is_one_line_before_any_model_loads(adapter, tmp_path,
     assert exited.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"error: --adapter {damaged}: adapter_model.safetensors: ")
     assert ("not a readable safetensors file" if damage == "truncated" else "non-finite value(s) (nan)") in err, err
+
+
+def test_another_base_than_the_adapters_is_refused_unless_forced(adapter):
+    """Issue 43: an adapter on a base it was not trained on says nothing of itself; refused, naming both bases."""
+    result = CliRunner().invoke(APP, ["generate", "--adapter", str(adapter), "--model", "tiny-random-qwen2", "hi"])
+    assert isinstance(result.exception, ZLError), result.output
+    assert str(result.exception).startswith(f"--adapter {adapter}: trained on tiny-random, not on "
+                                            "tiny-random-qwen2 (seed 0) (--model tiny-random-qwen2); ")
+    assert "pass --force-base to use tiny-random-qwen2 (seed 0) anyway" in str(result.exception)
+    forced = CliRunner().invoke(APP, ["generate", "--adapter", str(adapter), "--model", "tiny-random-qwen2",
+                                      "--force-base", "-n", "2", "hi"])
+    assert "note: the adapter was trained on tiny-random; using tiny-random-qwen2 (seed 0)" in forced.stderr
+    assert forced.exit_code == 0, forced.output  # same shapes and names: PEFT loads it; the user asked for it

@@ -387,3 +387,27 @@ def test_eval_refuses_a_damaged_adapter_before_scoring(run, export_dir, demo_dev
     assert "\n" not in str(result.exception) and "scoring" not in result.output
     with pytest.raises(ZLError, match="not a readable safetensors file" if damage == "truncated" else "non-finite"):
         load_adapter(load_model("tiny-random").model, adapter)
+
+
+def test_eval_refuses_another_base_than_the_adapters_unless_forced(run, export_dir, demo_dev, tmp_path):
+    """Issue 43: `zl eval --seed 1` scored an adapter trained on tiny-random seed 0 on another random model, without
+    a word."""
+    root, _, _ = run
+    adapter = merge_checkpoints(root, export_dir, tmp_path / "adapter").out
+    base = ["eval", "--adapter", str(adapter), "--data", str(demo_dev), "--limit", "4", "-b", "4"]
+    for extra, message in (
+        (["--seed", "1"], f"--adapter {adapter}: trained on tiny-random (seed 0), not on tiny-random (seed 1) "
+                          "(--seed 1); its LoRA weights are deltas of that base's, so on another they say nothing of "
+                          "the adapter. Drop --seed to use the adapter's base, or pass --force-base to use "
+                          "tiny-random (seed 1) anyway."),
+        (["--model", "tiny-random-qwen2"], "trained on tiny-random (seed 0), not on tiny-random-qwen2 (seed 0) "
+                                           "(--model tiny-random-qwen2); "),
+    ):
+        result = CliRunner().invoke(_app(), [*base, *extra])
+        assert isinstance(result.exception, ZLError), result.output
+        assert message in str(result.exception), str(result.exception)
+    out = tmp_path / "forced.json"
+    result = CliRunner().invoke(_app(), [*base, "--seed", "1", "--force-base", "--json-out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "trained on tiny-random (seed 0); using tiny-random (seed 1) (--force-base)" in result.stderr
+    assert CliRunner().invoke(_app(), [*base, "--seed", "0", "--model", "tiny-random"]).exit_code == 0  # its own base

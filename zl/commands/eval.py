@@ -16,7 +16,7 @@ from zl_base.errors import ZLError
 from zl.options import settings_command
 from zl.paths import check_out_file
 from zl_base.settings import REQUIRED, setting
-from zl_device.results.generation import GENERATE_ROWS, MARGIN_TOKENS, SAMPLE_ROWS, adapter_base
+from zl_device.results.generation import GENERATE_ROWS, MARGIN_TOKENS, SAMPLE_ROWS, choose_base
 
 console = Console()
 err_console = Console(stderr=True)
@@ -37,6 +37,9 @@ class EvalArgs:
     batch_size: int = setting(16, "Rows per forward pass.", flag="--batch-size -b")
     seed: int | None = setting(None, "Seed of random-weight models (tiny-random, tinyllama-random) (default: the "
                                      "adapter's, from its zl_merge.json, else 0).")
+    force_base: bool = setting(False, "Score --adapter on the --model (or --seed) given even when it was trained on "
+                                      "another base (refused otherwise: its scores there say nothing of it).",
+                               flag="--force-base")
     generate_rows: int = setting(GENERATE_ROWS, "Prompt/completion shards: generate greedily for the first N rows "
                                                 "(0: no generations).")
     max_new_tokens: int | None = setting(None, "Tokens per generation (default: each row's completion length, with "
@@ -89,13 +92,10 @@ def run_eval(args: EvalArgs) -> None:
     data, model, adapter, seed, json_out = args.data, args.model, args.adapter, args.seed, args.json_out
     if adapter is not None:
         check_adapter_dir(adapter)  # before minutes of scoring the base model
-    trained_on, trained_seed = adapter_base(adapter) if adapter is not None else (None, None)
-    if seed is None:
-        seed = trained_seed if trained_seed is not None and model in (None, trained_on) else 0
-    if model is None:
-        model = trained_on or DEFAULT_MODEL
-    elif trained_on is not None and trained_on != model:
-        err_console.print(f"[yellow]note:[/] the adapter was trained on {trained_on}, scoring it on --model {model}.")
+        model, seed, note = choose_base(adapter, model, seed, DEFAULT_MODEL, force=args.force_base)
+        if note:
+            err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+    model, seed = model or DEFAULT_MODEL, 0 if seed is None else seed
     shard = limit_rows(load_shard(data), args.limit)
     with err_console.status(f"loading {model}"):
         loaded = load_model(model, seed=seed)

@@ -63,6 +63,8 @@ class GenerateArgs:
     model: str | None = setting(None, "Base model: smollm2-135m, tiny-random, a hub id or a directory (default: the "
                                       "one the adapter was trained on, from zl_merge.json or adapter_config.json).",
                                 flag="--model -m")
+    force_base: bool = setting(False, "Use --model even when the adapter was trained on another base (refused "
+                                      "otherwise: its generations there say nothing of it).", flag="--force-base")
     file: Path | None = setting(None, "Prompts from a file: one per line, or JSONL (.jsonl, or lines starting with "
                                       "'{') with a \"prompt\" field or a \"messages\" conversation ending in a user "
                                       "turn per line; - reads stdin.", flag="--file -f")
@@ -124,7 +126,7 @@ def run_generate(args: GenerateArgs) -> None:
     if not sample and (temperature != 1.0 or top_p != 1.0):
         err_console.print("[yellow]note:[/] --temperature and --top-p apply with --sample; decoding is greedy.")
     check_out_file(json_out, "--json-out", "generations.json")
-    adapter_dir, model_name, model_seed = _source(run, adapter, model)
+    adapter_dir, model_name, model_seed = _source(run, adapter, model, args.force_base)
     given = read_prompts(list(args.prompts or ()), file)
     rendering = _rendering(chat, system, run, adapter_dir, given)
 
@@ -186,14 +188,16 @@ def _indented(text: str, indent: str) -> str:
     return "\n".join(indent + line for line in text.split("\n"))
 
 
-def _source(run: Path | None, adapter: Path | None, model: str | None) -> tuple[Path, str, int]:
+def _source(run: Path | None, adapter: Path | None, model: str | None, force_base: bool = False
+            ) -> tuple[Path, str, int]:
     """(adapter directory, base model, seed of a random-weight model) from --run or --adapter and --model.
 
     Raises:
-        ZLError: neither or both of --run and --adapter, a missing run directory or adapter.
+        ZLError: neither or both of --run and --adapter, a missing run directory or adapter, or a --model other
+            than the adapter's base without --force-base.
     """
     from zl_device.results.adapter import check_adapter_dir
-    from zl_device.results.generation import adapter_base
+    from zl_device.results.generation import choose_base
     from zl_export.options import DEFAULT_MODEL
 
     if (run is None) == (adapter is None):
@@ -214,14 +218,12 @@ def _source(run: Path | None, adapter: Path | None, model: str | None) -> tuple[
                              f"`zl merge --out {adapter}` or pass --adapter DIR."))
     try:
         check_adapter_dir(adapter)
+        name, seed, note = choose_base(adapter, model, None, DEFAULT_MODEL, force=force_base)
     except ZLError as e:
         raise ZLError(str(e).replace("--adapter", "--run" if run is not None else "--adapter", 1)) from None
-    trained_on, seed = adapter_base(adapter)
-    if model is not None and trained_on is not None and model != trained_on:
-        err_console.print(f"[yellow]note:[/] the adapter was trained on {escape(trained_on)}, generating with "
-                          f"--model {escape(model)}.", highlight=False)
-    name = model or trained_on or DEFAULT_MODEL
-    return adapter, name, seed if seed is not None and name == trained_on else 0
+    if note:
+        err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
+    return adapter, name, seed
 
 
 def _rendering(chat: bool | None, system: str | None, run: Path | None, adapter_dir: Path,

@@ -6,7 +6,7 @@
   completions by exact match and ROUGE-L (the `rouge-score` package).
 - `token_printer`: a `transformers.TextStreamer` that hands each piece of decoded text to a callback, so a command
   can label and indent it.
-- `adapter_base`, `run_chat_record`: what an adapter was trained on (the model; whether its prompts were chat,
+- `adapter_base`, `choose_base`, `run_chat_record`: what an adapter was trained on (the model; whether its prompts were chat,
   rendered how), so `zl generate` loads that model and renders its prompts the same way.
 
 Conventions: a prompt is tokenized exactly as `zl data` tokenizes one (`encode_prompt`, re-exported here: the
@@ -264,6 +264,49 @@ def adapter_base(adapter_dir: Path | str) -> tuple[str | None, int | None]:
         return (str(name) if name else None), None
     except (OSError, ValueError, AttributeError):
         return None, None
+
+
+def choose_base(adapter_dir: Path | str, model: str | None, seed: int | None, default: str, *, force: bool = False,
+                flag: str = "--adapter") -> tuple[str, int, str | None]:
+    """The base model to load under the adapter in `adapter_dir`: (name, seed of a random-weight model, a note to
+    show or None).
+
+    The adapter's own base (`adapter_base`) unless `model` or `seed` names another. LoRA weights are deltas of the
+    weights they were trained on, so on another base (another model, or a random-weight model under another seed)
+    its scores and generations say nothing of it: that is refused unless `force` (`--force-base`), which gives a
+    note instead. An adapter that does not say its base takes `model` (else `default`) and `seed` (else 0).
+
+    Raises:
+        ZLError: another base than the adapter's without `force`, naming both and the fix.
+    """
+    from zl_export.model_source import RANDOM_MODELS
+
+    trained_on, trained_seed = adapter_base(adapter_dir)
+    name = model or trained_on or default
+    same_model = trained_on is None or _same_model(name, trained_on)
+    if seed is None:
+        seed = trained_seed if same_model and trained_seed is not None else 0
+    if same_model and (trained_seed is None or seed == trained_seed):
+        return name, seed, None
+
+    def shown(model_name: str, model_seed: int | None) -> str:
+        return f"{model_name} (seed {model_seed})" if model_name in RANDOM_MODELS and model_seed is not None else model_name
+
+    trained, used = shown(str(trained_on), trained_seed), shown(name, seed)
+    if force:
+        return name, seed, f"the adapter was trained on {trained}; using {used} (--force-base)."
+    given = f"--model {model}" if not same_model else f"--seed {seed}"
+    raise ZLError(f"{flag} {adapter_dir}: trained on {trained}, not on {used} ({given}); its LoRA weights are deltas of "
+                  f"that base's, so on another they say nothing of the adapter. Drop {given.split()[0]} to use the "
+                  f"adapter's base, or pass --force-base to use {used} anyway.")
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Two model specs name the same model: equal, or one directory written two ways."""
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.is_dir() and pb.is_dir() and pa.resolve() == pb.resolve()
 
 
 def _random_seed(source) -> int | None:

@@ -271,3 +271,18 @@ def test_zl_default_is_zl_trains_default():
     assert resolved.frozen_dtype == default.frozen_dtype and "stage lr 0/0/1" in resolved.note
     assert arms.default_arm_for(default, 2).stage_lr == (0.0, 1.0)
     assert arms.default_arm_for(every, 3) == every and every.loss == default.loss and every.stage_lr == (1.0,)
+
+
+def test_the_async_arm_is_backprop_on_stashed_weight_versions(demo_data, tmp_path):
+    """kind async trains backprop's LoRA on the asynchronous schedule: the first window (no step taken yet) is
+    backprop's to the bit; after it, stage 0 runs a micro-batch per window on weights one step old, so the losses
+    part (window 4, 2 stages: micro-batch 4 of window 1 on stage 0's version 0)."""
+    args = ["--model", "tiny-random", "--train", str(demo_data / "train.safetensors"), "--dev",
+            str(demo_data / "dev.safetensors"), "--samples", "12", "--seeds", "0", "--num-stages", "2",
+            "--eval-limit", "4", "--threads", "1", "--out", str(tmp_path), "--arms", "backprop,async"]
+    runs = {r["arm"]: r for r in study_tool.run(args)["results"]}
+    sync, stale = runs["backprop"]["window_losses"], runs["async"]["window_losses"]
+    assert len(sync) == len(stale) == 3
+    assert stale[0] == sync[0]
+    assert stale[1:] != sync[1:]
+    assert runs["async"]["trainable"] == runs["backprop"]["trainable"]

@@ -7,6 +7,9 @@ it trains and scores on the dev rows (all of them by default):
     backprop        LoRA over the whole model, end-to-end backprop (the baseline of zl_study/backprop_baseline.py)
     backprop-last   LoRA on the last stage's layers only, the others frozen: the cheapest honest
                     competitor of any pipeline method
+    async           backprop's LoRA and loss on the asynchronous pipeline schedule (PipeDream: no flush,
+                    weight stashing): micro-batch j runs on stage k's weights of window_of(j - (K-1-k))
+                    (zl_device/torch/stale_backprop.py)
     zl-*            ZeroLock, each stage on its local loss, in PyTorch eager with exactly the runner's
                     semantics (zl_device.torch.eager_training): the paper's loss and the variants below;
                     zl-default is whatever `zl train` does by default (its loss, frozen dtype and
@@ -16,8 +19,8 @@ it trains and scores on the dev rows (all of them by default):
 An arm with `frozen_dtype` bf16 or int8 (zl-translator-bf16, zl-translator-int8, or `frozen_dtype=` in
 --arm) trains and is scored with the frozen weights stored that way (`zl export --frozen-dtype`); one with
 `lora_targets=q_proj/k_proj/...` or `lora_rank=` in --arm trains with LoRA settings of its own (ZeroLock or
-backprop; the built-in arms keep the study's --lora-*). `lr=` gives an arm a peak learning rate of its own and `kind=backprop` or
-`kind=backprop-last` makes an --arm a backprop arm; `--reference NAME` pairs every arm with that one instead of
+backprop; the built-in arms keep the study's --lora-*). `lr=` gives an arm a peak learning rate of its own and `kind=backprop`,
+`kind=backprop-last` or `kind=async` makes an --arm a backprop arm; `--reference NAME` pairs every arm with that one instead of
 `backprop` (e.g. backprop at an lr where it is stable, when the study's diverges).
 
 A seed sets the LoRA initialisation and the data order (which training rows,
@@ -204,6 +207,7 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
     With `tokenizer` (generative dev data) the scoring is completion NLL and greedy generations (ROUGE-L, exact
     match) instead of label-word accuracy."""
     from zl_device.torch.eager_training import (freeze_lora_below, train_backprop, train_zerolock)
+    from zl_device.torch.stale_backprop import train_stale_backprop
     from zl_study.early_exit import EarlyExitModel
     from zl_device.results.evaluate import evaluate
     from zl_export.lora import attach_lora
@@ -229,12 +233,16 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
         result["trainable"] = sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
         log = train_zerolock(modules, train, budget, s.optimizer(budget, arm), arm.stage_lr, on_window)
         trained = peft_model
-    elif arm.kind in ("backprop", "backprop-last"):
+    elif arm.kind in ("backprop", "backprop-last", "async"):
         trained = attach_lora(model, arm.lora_settings(s.lora), seed=seed)  # the same initial LoRA weights as the export
         if arm.kind == "backprop-last":
             freeze_lora_below(trained, split[-1].first)
         result["trainable"] = sum(p.numel() for p in trained.parameters() if p.requires_grad)
-        log = train_backprop(trained, train, budget, s.optimizer(budget, arm), on_window)
+        if arm.kind == "async":  # each stage of the split on its stashed weight version
+            log = train_stale_backprop(trained, train, budget, s.optimizer(budget, arm),
+                                       [range(r.first, r.last + 1) for r in split], on_window)
+        else:
+            log = train_backprop(trained, train, budget, s.optimizer(budget, arm), on_window)
     else:
         trained = model
         progress.update(bar, advance=1)

@@ -2,7 +2,8 @@
 syntax (`parse_arm`).
 
 An arm is base (the model without an adapter), backprop (LoRA over the whole model, end-to-end backprop),
-backprop-last (LoRA on the last stage's layers only) or zerolock (each stage on its local loss, with the loss
+backprop-last (LoRA on the last stage's layers only), async (whole-model backprop as PipeDream's asynchronous
+schedule computes it: each stage on its stashed weight version) or zerolock (each stage on its local loss, with the loss
 settings, per-stage lr multipliers, frozen dtype and LoRA settings it names). The built-in arms spell out every
 loss field that differs from the paper's, so a change of `zl train`'s defaults changes only zl-default and
 zl-all-stages (and, through the fingerprint, their cached results: zl_study/accuracy_study.py).
@@ -19,7 +20,7 @@ from zl_export.options import FROZEN_DTYPES, ExportOptions, LoraSettings, LossCo
 
 @dataclass(frozen=True)
 class Arm:
-    """One way of training: `kind` base | backprop | backprop-last | zerolock, with ZeroLock's loss settings."""
+    """One way of training: `kind` base | backprop | backprop-last | async | zerolock, with ZeroLock's loss settings."""
 
     name: str
     kind: str
@@ -44,6 +45,7 @@ ARMS = {a.name: a for a in (
     Arm("base", "base", note="no adapter"),
     Arm("backprop", "backprop", note="LoRA on every layer, end-to-end backprop"),
     Arm("backprop-last", "backprop-last", note="LoRA on the last stage's layers only, backprop"),
+    Arm("async", "async", note="LoRA on every layer, end-to-end gradients on PipeDream's asynchronous schedule"),
     Arm("zl-paper", "zerolock", {"preset": "paper"},
         note="α 0.5, KL(p_k‖p_k-1), stage 0 towards the embedding readout"),
     Arm("zl-ce", "zerolock", {"alpha": (1.0,), **_PLAIN}, note="α 1: CE only"),
@@ -104,12 +106,14 @@ def parse_list(text: str, kind, flag: str) -> tuple:
     return values
 
 
-TRAINED_KINDS = ("zerolock", "backprop", "backprop-last")
+#: zerolock: local losses; backprop: whole-model (synchronous, GPipe's result); backprop-last: the last stage only;
+#: async: end-to-end backprop as PipeDream's asynchronous schedule computes it (zl_device/torch/stale_backprop.py).
+TRAINED_KINDS = ("zerolock", "backprop", "backprop-last", "async")
 
 
 def parse_arm(spec: str) -> Arm:
-    """`NAME:key=value;key=value` with LossConfig fields, stage_lr, and lists as a/b/c (a ZeroLock arm); `kind=backprop`
-    or `kind=backprop-last` for a backprop arm, `lr=` for an arm's own peak learning rate (any kind)."""
+    """`NAME:key=value;key=value` with LossConfig fields, stage_lr, and lists as a/b/c (a ZeroLock arm); `kind=backprop`,
+    `kind=backprop-last` or `kind=async` for a backprop arm, `lr=` for an arm's own peak learning rate (any kind)."""
     name, _, body = spec.partition(":")
     name = name.strip()
     if not name or name in ARMS:

@@ -213,8 +213,8 @@ def test_non_finite_weights_or_moments_are_refused_naming_stage_and_window(run, 
     diverged = {n: torch.full_like(t, float("nan")) for n, t in values[1][1].items()}
     write_checkpoint(root, 1, 1, diverged)
     with pytest.raises(ZLError, match=r"^stage 1 window 1: checkpoint file .*stage_1/window_000001/adapter.safetensors: "
-                                      r"base_model\S+ holds 512 non-finite value\(s\) \(nan\) of 512, so the run it "
-                                      r"comes from diverged .*; merge an earlier --window"):
+                                      r"base_model\S+ holds 512 non-finite value\(s\) \(nan\) of 512, a damaged run; "
+                                      r"the run diverged or the file was damaged: merge an earlier --window"):
         merge_checkpoints(root, export_dir, tmp_path / "adapter")
     assert not (tmp_path / "adapter").exists()
     assert merge_checkpoints(root, export_dir, tmp_path / "w0", window=0).window == 0  # the fix it names works

@@ -384,6 +384,21 @@ def test_an_optimizer_file_marked_zero_reads_as_zero_moments(tmp_path):
     assert all(torch.equal(m, torch.zeros(2, 4)) for m in moments.values())
 
 
+def test_a_torch_stage_that_diverges_stops_naming_stage_and_window(data_file, tmp_path, one_torch_thread):
+    """Issue 43: a window whose loss or weights go nan or inf is not checkpointed; the run stops at once (a ZLError
+    in a rank is not retried) naming the stage, the window and the last good checkpoint."""
+    from dataclasses import replace
+
+    from zl_device.run.train_job import run_training
+
+    s = settings(tmp_path / "run", data_file, stage_lr=(1.0, 1.0, 1.0))
+    s = replace(s, optimizer=replace(s.optimizer, lr=1e30))
+    with pytest.raises(ZLError, match=r"--runtime torch: stage (\d) failed: stage \1 window \d+: (the mean loss is nan|"
+                                      r"after the AdamW step: \S+ holds \d+ non-finite).*; not checkpointed; the stage "
+                                      r"stops with its last good checkpoint \((window \d+|none yet)\)"):
+        run_training(s, say=lambda line: None)
+
+
 def test_a_resumed_torch_stage_refuses_a_non_finite_checkpoint(tmp_path):
     """Issue 43: a window whose weights (or AdamW moments) are nan or inf is a damaged run; a restarted rank must not
     train on from it."""

@@ -52,5 +52,5 @@ def check_finite(tensors: dict[str, torch.Tensor], label: str, fix: str) -> None
             continue
         bad = t[~finite]
         kinds = "nan" if bool(bad.isnan().all()) else "inf" if not bool(bad.isnan().any()) else "nan and inf"
-        raise ZLError(f"{label}: {name} holds {bad.numel()} non-finite value(s) ({kinds}) of {t.numel()}, so the run "
-                      f"it comes from diverged or the file was damaged; {fix}")
+        raise ZLError(f"{label}: {name} holds {bad.numel()} non-finite value(s) ({kinds}) of {t.numel()}, a damaged "
+                      f"run; {fix}")

@@ -275,8 +275,8 @@ def _read_progress(path: Path, k: int, window: int) -> dict:
 
 
 #: The fix for a checkpoint whose tensors are not finite.
-_DIVERGED = ("merge an earlier --window (the stages keep their last windows), or train again with a lower --lr "
-             "(or --stage-lr).")
+_DIVERGED = ("the run diverged or the file was damaged: merge an earlier --window (the stages keep their last "
+             "windows), or train again with a lower --lr (or --stage-lr).")
 
 
 def _read_stage_adapter(path: Path, stage: dict, window: int, owner: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -369,8 +369,8 @@ def adapter_weights(adapter_dir: Path) -> dict[str, torch.Tensor]:
     label = f"--adapter {adapter_dir}: {ADAPTER_WEIGHTS}"
     tensors = read_tensors(adapter_dir / ADAPTER_WEIGHTS, label, "merge the run's checkpoints again (`zl merge`) "
                            "or copy the adapter again.")
-    check_finite(tensors, label, "the run diverged: train again with a lower --lr, or merge an earlier window "
-                 "(`zl merge --window N`).")
+    check_finite(tensors, label, "the run diverged or the file was damaged: train again with a lower --lr, or "
+                 "merge an earlier window (`zl merge --window N`).")
     return tensors
 
 

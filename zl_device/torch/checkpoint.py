@@ -85,7 +85,7 @@ def read_checkpoint(where: Path, run_id: str, stage: int) -> tuple[dict[str, tor
         raise ZLError(f"{where}: a checkpoint of run {progress.get('run_id')} stage {progress.get('stage')}, not of "
                       f"this run ({run_id}) stage {stage}; resume only the run directory that wrote it.")
     label = f"stage {stage} window {progress.get('window')}: checkpoint file {where}"
-    fix = "the run cannot resume from it; start it again (with a lower --lr if it diverged)."
+    fix = "the run diverged or the file was damaged, so it cannot resume from it; start it again (with a lower --lr)."
     tensors, moments = (read_tensors(where / name, f"{label}/{name}", fix)
                         for name in (layout.adapter_file, layout.optimizer_file))
     for name, found in ((layout.adapter_file, tensors), (layout.optimizer_file, moments)):

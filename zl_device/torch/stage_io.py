@@ -16,6 +16,7 @@ and checkpoints through it, so `zl merge` and `zl report` read any of them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from zl_base.errors import ZLError
 from zl_device.formats.checkpoints import DEFAULT_LAYOUT
 from zl_device.formats.lr_schedule import OptimizerSettings, runs_forward_only
+from zl_device.formats.tensor_files import check_finite
 from zl_device.formats.windows import WindowPlan
 from zl_device.torch.checkpoint import read_checkpoint, save_checkpoint
 from zl_device.torch.eager_training import adamw_moments
@@ -130,7 +132,13 @@ class Rank:
     def commit(self, window: int, optimizer: torch.optim.Optimizer, optimizer_step: int, lr: float,
                **fields) -> None:
         """Window `window` is done (its optimizer step taken): checkpoint the trainable parameters and AdamW's
-        moments in the runner's format, then the `window` line (`fields`: mean_loss and the schedule's own)."""
+        moments in the runner's format, then the `window` line (`fields`: mean_loss and the schedule's own).
+
+        Raises:
+            ZLError: the window's loss or a weight after its step is nan or inf (a damaged run, as the runner's
+                StageRunner::end_window sees it): nothing is checkpointed, the last good window stays the newest.
+        """
+        self.refuse_non_finite(window, fields.get("mean_loss"))
         c0 = time.perf_counter()
         self.save_window(window, optimizer, optimizer_step, lr)
         now = time.perf_counter()
@@ -138,6 +146,19 @@ class Rank:
                    step=optimizer_step, window_ms=(now - self._window_t0) * 1e3, checkpoint_ms=(now - c0) * 1e3,
                    pss_mib=pss_mib(), temperature_c=None)
         self._window_t0 = time.perf_counter()
+
+    def refuse_non_finite(self, window: int, mean_loss: float | None) -> None:
+        """Raise ZLError (not retried: a restart would replay into the same values) when the window's loss or a
+        trainable weight is nan or inf, naming the stage, the window and the last good checkpoint."""
+        root, layout = self.checkpoint_root, DEFAULT_LAYOUT
+        kept = layout.windows(root) if root.is_dir() else []
+        label = f"stage {self.index} window {window}"
+        fix = (f"not checkpointed; the stage stops with its last good checkpoint "
+               f"({f'window {kept[-1]}' if kept else 'none yet'}). Lower the learning rate (--lr, --stage-lr) or check "
+               "the data, and train again")
+        if mean_loss is not None and not math.isfinite(mean_loss):
+            raise ZLError(f"{label}: the mean loss is {mean_loss}, a damaged run (diverged?); {fix}")
+        check_finite({self.names[id(p)]: p.detach() for p in self.trainable}, f"{label}: after the AdamW step", fix)
 
     def write_done(self, optimizer_step: int, **fields) -> None:
         """The `done` line: the run's micro-batches, wall time since set-up began, steps, the schedule's `fields`,

@@ -9,7 +9,7 @@ import pytest
 
 from zl_base.errors import ZLError
 from zl_device.formats import frames
-from zl_device.run.control import ControlServer
+from zl_device.executorch.control import ControlServer
 from zl_device.formats.frames import Frame, FrameRejected, FrameType, KeyPurpose
 
 KEY = bytes(range(32))
@@ -249,8 +249,8 @@ def test_signed_payload_of_the_wrong_shape_is_dropped_and_the_link_stays(type_, 
 def test_coordinator_survives_events_with_unusable_payloads():
     from types import SimpleNamespace
 
-    from zl_device.run.control import ControlEvent
-    from zl_device.run.coordinator import Coordinator, StagePlan
+    from zl_device.executorch.control import ControlEvent
+    from zl_device.executorch.coordinator import Coordinator, StagePlan
     from zl_device.formats.windows import WindowPlan
 
     control = SimpleNamespace(events=queue.Queue())
@@ -316,7 +316,7 @@ def test_connections_past_the_hello_are_capped_but_a_registered_stage_always_get
 def test_control_server_binds_loopback_for_usb_phones_and_local_devices():
     from types import SimpleNamespace
 
-    from zl_device.run.launch import control_bind_host
+    from zl_device.executorch.launch import control_bind_host
 
     usb = [SimpleNamespace(name=f"P{i}", kind="adb", address=lambda: None) for i in range(2)]
     wifi = [SimpleNamespace(name=f"W{i}", kind="adb", address=lambda i=i: f"192.168.1.{10 + i}") for i in range(2)]
@@ -328,8 +328,8 @@ def test_control_server_binds_loopback_for_usb_phones_and_local_devices():
 def test_coordinator_logs_a_stage_error_without_raw_control_characters(caplog):
     from types import SimpleNamespace
 
-    from zl_device.run.control import ControlEvent
-    from zl_device.run.coordinator import Coordinator, StagePlan
+    from zl_device.executorch.control import ControlEvent
+    from zl_device.executorch.coordinator import Coordinator, StagePlan
     from zl_device.formats.windows import WindowPlan
 
     control = SimpleNamespace(events=queue.Queue())
@@ -354,7 +354,7 @@ def test_coordinator_logs_a_stage_error_without_raw_control_characters(caplog):
     ([32, 20, 19], [False, True, True], 2, 2),  # stage 0 is done: stage 1 has input; 2 has input from 1
 ])
 def test_a_stall_is_blamed_on_the_stage_that_stopped_not_its_neighbours(done, live, seen_at, blamed):
-    from zl_device.run.coordinator import stalled_stage
+    from zl_device.executorch.coordinator import stalled_stage
 
     assert stalled_stage(done, live, seen_at) == blamed
 
@@ -367,7 +367,7 @@ def test_time_the_coordinator_did_not_run_is_no_stage_silence():
     from types import SimpleNamespace
 
     from zl_device.formats.windows import WindowPlan
-    from zl_device.run.coordinator import HOST_GAP_S, Coordinator, StagePlan
+    from zl_device.executorch.coordinator import HOST_GAP_S, Coordinator, StagePlan
 
     killed = []
     device = SimpleNamespace(name="fake", exit_code=lambda: None, kill_runner=lambda: killed.append("kill"),

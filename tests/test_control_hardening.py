@@ -18,7 +18,7 @@ import pytest
 from tests.test_control import KEY, RUN, Runner, _closed_within, _connect, _next, _signed_raw, _up
 from tests.test_frames import _crafted
 from zl_device.formats import frames
-from zl_device.run.control import ControlEvent, ControlServer
+from zl_device.executorch.control import ControlEvent, ControlServer
 from zl_device.formats.frames import Frame, FrameType
 
 REPO = Path(__file__).resolve().parent.parent
@@ -311,7 +311,7 @@ def test_the_coordinator_drops_events_beyond_the_runs_windows():
     # more micro-batches done than the run has, is dropped instead of shown (or taken as recovery).
     from types import SimpleNamespace
 
-    from zl_device.run.coordinator import Coordinator, StagePlan
+    from zl_device.executorch.coordinator import Coordinator, StagePlan
     from zl_device.formats.windows import WindowPlan
 
     control = SimpleNamespace(events=queue.Queue())

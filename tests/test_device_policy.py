@@ -23,7 +23,7 @@ from zl_device.devices.readings import (
     read_device,
     read_override,
 )
-from zl_device.run.device_policy import DevicePolicy
+from zl_device.executorch.device_policy import DevicePolicy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -212,7 +212,7 @@ def test_the_stall_walk_never_blames_a_paused_stage_or_the_ones_waiting_for_it(m
     """Stage 1 paused, stage 2 starved by it, stage 0 held back by it, all without progress for longer than the
     stall timeout: nobody is blamed. The same counts with stage 1 running: stage 1 is."""
     from zl_device.formats.windows import WindowPlan
-    from zl_device.run.coordinator import Coordinator, StagePlan
+    from zl_device.executorch.coordinator import Coordinator, StagePlan
 
     class Idle:
         name, kind, files_on_host, supports_standby = "idle", "local", True, False
@@ -238,7 +238,7 @@ def test_the_stall_walk_never_blames_a_paused_stage_or_the_ones_waiting_for_it(m
 
 def test_the_live_view_says_why_and_for_how_long_a_stage_is_paused():
     from zl.commands.train import stage_state
-    from zl_device.run.runtime import StageStatus
+    from zl_device.formats.stage_status import StageStatus
 
     s = StageStatus(1, "local-1", state="pausing", pause_reason="61.0 °C ≥ 45 °C (--max-temperature)")
     assert stage_state(s) == "pausing: 61.0 °C ≥ 45 °C (--max-temperature)"
@@ -349,7 +349,7 @@ def test_a_stage_paused_for_heat_ends_with_the_adapter_of_a_run_without_pauses(t
             seen["cooled"] = now
             set_readings(hot, temperature_c=41.0)
 
-    from zl_device.run.device_policy import DevicePolicy
+    from zl_device.executorch.device_policy import DevicePolicy
 
     paused = train(tmp_path / "paused", on_update, stall_timeout_s=4.0,
                    policy=DevicePolicy(max_temperature_c=45.0, readings_override=readings, read_every_s=0.2))

@@ -325,7 +325,7 @@ def test_run_key_is_owner_only_from_creation_and_run_files_leave_the_devices(tmp
     """Keys are created 0600 (not chmod-ed after, so umask 0 and a chmod that never happens change nothing);
     remove_run_files deletes key, shard and input log but leaves checkpoints, telemetry and programs."""
     from zl_device.devices import local as zlocal
-    from zl_device.run.launch import write_run_key
+    from zl_device.executorch.launch import write_run_key
 
     old_umask = os.umask(0)
     try:

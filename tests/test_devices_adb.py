@@ -537,7 +537,7 @@ def test_adb_take_over_is_three_round_trips_and_app_mode_has_no_standby():
                                       "--mode binary"):
         app.start_standby("stage_0.json")
 
-    from zl_device.run.coordinator import Coordinator, StagePlan
+    from zl_device.executorch.coordinator import Coordinator, StagePlan
 
     def coordinator(device):
         return Coordinator([StagePlan(0, device, "stage_0.json", "metrics.jsonl", "ckpt", 1)], None, standby=True)

@@ -143,7 +143,7 @@ def test_unknown_frozen_dtype_is_refused():
 def test_the_frozen_dtype_changes_the_export_cache_key():
     from dataclasses import replace
 
-    from zl_device.run.export_cache import export_key
+    from zl_device.executorch.export_cache import export_key
     from zl_device.run.train_settings import TrainSettings
     from zl_export.options import ModelSplit
 

@@ -37,7 +37,7 @@ def test_the_fold_leaves_lifecycle_to_the_coordinator_unless_asked():
     """The coordinator learns that a stage started or ended from its process: a `done` line must not mark a
     runner done before it exits (its exit status decides), nor a `start` line count a restart. The torch watch,
     which has only the lines, asks for them."""
-    from zl_device.run.runtime import StageStatus, fold_telemetry
+    from zl_device.formats.stage_status import StageStatus, fold_telemetry
 
     lines = [{"type": "start", "first_micro_batch": 0}, {"type": "micro_batch", "micro_batch": 3, "loss": 2.0},
              {"type": "window", "window": 1, "mean_loss": 1.5, "pss_mib": 12.0}, {"type": "done"},
@@ -55,7 +55,7 @@ def test_a_forward_only_stage_shows_that_it_is_held_still_instead_of_a_missing_l
     """A stage held still by lr 0 writes null losses and `forward_only: true`: the display says so ("lr 0: forward
     only"), not "-" as for a loss not yet seen."""
     from zl.commands.train import loss_text
-    from zl_device.run.runtime import StageStatus, fold_telemetry
+    from zl_device.formats.stage_status import StageStatus, fold_telemetry
 
     held, fresh = StageStatus(0, "local-0"), StageStatus(1, "local-1")
     for record in ({"type": "start", "first_micro_batch": 0, "forward_only": True},

@@ -209,7 +209,7 @@ class _WithNewOption(ExportOptions):
 def test_a_new_export_option_reaches_the_manifest_and_the_cache_key():
     """The export cache key hashes the options' serialization, so a new field changes it (issue 23: a hand-written
     key left a new option out, and a run with another value reused a stale export)."""
-    from zl_device.run.export_cache import export_key
+    from zl_device.executorch.export_cache import export_key
 
     run = TrainSettings(split=ModelSplit("tiny-random"))
     assert export_key(run, _WithNewOption(new_option=1)) != export_key(run, _WithNewOption(new_option=2))

@@ -310,7 +310,7 @@ def test_a_stalled_living_stage_is_restarted_not_its_neighbours(clean_run, expor
     """Stage 1 parks in window 2 and stays alive (heartbeats go on from its timer thread): the coordinator must
     find it by its lack of progress, blame it -- not stage 0 held back by it, nor stage 2 starved by it --
     restart it alone, and end with the clean run's adapter. Without stall detection the run times out."""
-    from zl_device.run.coordinator import Coordinator
+    from zl_device.executorch.coordinator import Coordinator
 
     # The hold of --inject-failure without the kill that normally follows it: a stage that stopped computing.
     monkeypatch.setattr(Coordinator, "_maybe_inject", lambda self: None)
@@ -459,7 +459,7 @@ def test_resume_after_a_failure_with_no_restarts_left_ends_identical(clean_run, 
     stall detector gave up) but from its checkpoint, and end with the clean run's adapter."""
     from zl_base.errors import ZLError
     from zl_device.formats.checkpoints import snapshot_metadata
-    from zl_device.run.coordinator import Coordinator
+    from zl_device.executorch.coordinator import Coordinator
     from zl_device.run.train_job import run_training
     from zl_device.run.train_settings import TrainSettings
 
@@ -512,7 +512,7 @@ def test_bad_inputs_are_clear_errors(export_cache, tmp_path):
     from zl_base.errors import ZLError
 
     with pytest.raises(ZLError, match="expected STAGE@WINDOW"):
-        from zl_device.run.runtime import Injection
+        from zl_device.formats.injection import Injection
 
         Injection.parse("1-2", 3, 6)
     with pytest.raises(ZLError, match="stage 5 does not exist"):

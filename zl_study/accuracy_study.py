@@ -122,7 +122,7 @@ class StudySettings:
         return limit_rows(train, train.rows - self.held_out), tail_rows(train, self.held_out)
 
     def optimizer(self, budget: Budget, arm: Arm | None = None) -> OptimizerSettings:
-        """`zl train`'s AdamW settings and schedule for `budget` (zl_device/run/launch.py stage_configs), at `arm`'s
+        """`zl train`'s AdamW settings and schedule for `budget` (zl_device/executorch/launch.py stage_configs), at `arm`'s
         own peak lr where it has one."""
         lr = self.lr if arm is None or arm.lr is None else arm.lr
         return OptimizerSettings(lr=lr, warmup_windows=self.warmup_windows,

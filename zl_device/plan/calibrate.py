@@ -90,7 +90,7 @@ class Calibration:
 
     def entry_bytes(self, micro_batch: int) -> int:
         """One DATA entry between stages: hidden (B, S, D) float32 plus mask and labels (B, S) int64
-        (zl_device/run/launch.py `entry_bytes`)."""
+        (zl_device/executorch/launch.py `entry_bytes`)."""
         return micro_batch * self.seq_len * self.hidden_size * 4 + 2 * micro_batch * self.seq_len * 8
 
 

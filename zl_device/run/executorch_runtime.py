@@ -1,9 +1,9 @@
 """`zl train --runtime executorch` (the default): the stages as exported programs on the devices' `zl_runner`s.
 
-    prepare   the stage programs for the run's options, exported once and reused from the cache (export_cache.py);
-              RUN_DIR/manifest.json
-    run       the devices opened, the control server, address plan, stage configs and deploy (launch.py), the
-              coordinator to the end, recovering failed stages (coordinator.py)
+    prepare   the stage programs for the run's options, exported once and reused from the cache
+              (executorch/export_cache.py); RUN_DIR/manifest.json
+    run       the devices opened, the control server, address plan, stage configs and deploy (executorch/launch.py),
+              the coordinator to the end, recovering failed stages (executorch/coordinator.py)
     collect   what the devices wrote pulled into RUN_DIR/logs/<device>/ and RUN_DIR/checkpoints/stage_<k>/, each
               stage's telemetry into RUN_DIR/stages/stage_<k>/, the run key, shard and input logs off the devices
 """
@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 from zl_base.errors import ZLError
+from zl_device.formats.injection import Injection
 from zl_device.formats.run_layout import MANIFEST, METRICS, RUN_KEY, SETTINGS_FILE, stage_config_name
-from zl_device.run.runtime import Injection, Run, RunRecord, Runtime
+from zl_device.run.runtime import Run, RunRecord, Runtime
 
 
 class ExecuTorchRuntime(Runtime):
@@ -28,7 +29,7 @@ class ExecuTorchRuntime(Runtime):
     resumes_from = f"with its own settings ({SETTINGS_FILE}), every stage from its checkpoints"
 
     def prepare(self, run: Run, shard: Path, opts) -> dict:
-        from zl_device.run.export_cache import export_cached
+        from zl_device.executorch.export_cache import export_cached
 
         s = run.settings
         self.shard = shard
@@ -39,7 +40,7 @@ class ExecuTorchRuntime(Runtime):
 
     def run(self, run: Run, injection: Injection | None, on_update) -> bool:
         from zl_device.devices.registry import open_devices
-        from zl_device.run.launch import launch
+        from zl_device.executorch.launch import launch
 
         s, root = run.settings, run.layout.root
         self.devices = open_devices(run.devices, root, link_profile=s.link_profile, mode=s.mode,

@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 
 from zl_base.errors import ZLError
+from zl_device.formats.injection import Injection
 from zl_device.formats.metrics_log import LineTail
 from zl_device.formats.run_layout import TORCH_JOB, RunLayout, stage_metrics
-from zl_device.run.runtime import Injection, Run, RunRecord, Runtime, StageStatus, fold_telemetry
+from zl_device.formats.stage_status import StageStatus, fold_telemetry
+from zl_device.run.runtime import Run, RunRecord, Runtime
 from zl_device.run.train_settings import TrainSettings
 from zl_device.torch.job import TorchJob
 from zl_device.torch.launcher import launch_ranks, recovery_events, torchrun_instructions, training_span

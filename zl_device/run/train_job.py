@@ -24,9 +24,10 @@ from pathlib import Path
 
 from zl_base.errors import ZLError
 from zl_base.settings import to_json
+from zl_device.formats.injection import Injection
 from zl_device.formats.run_layout import INCOMPLETE_MARKER, SETTINGS_FILE, RunLayout
 from zl_device.run.executorch_runtime import ExecuTorchRuntime
-from zl_device.run.runtime import Injection, Run, RunModel, Runtime, run_event
+from zl_device.run.runtime import Run, RunModel, Runtime, run_event
 from zl_device.run.torch_runtime import TorchRuntime
 from zl_device.run.train_settings import TrainSettings
 from zl_export.manifest import stage_count
@@ -45,7 +46,7 @@ class TrainResult:
 
 
 def run_training(s: TrainSettings, say=print, on_update=None, export_progress=None) -> TrainResult:
-    """The whole `zl train` job; `say` prints a step's line, `on_update` gets the stages' states (runtime.StageStatus)
+    """The whole `zl train` job; `say` prints a step's line, `on_update` gets the stages' states (StageStatus)
     about once a second, `export_progress` (a zl_export.pipeline.ExportProgress) sees the export when the cache has
     none.
 

@@ -15,15 +15,15 @@ from zl_base.errors import ZLError
 from zl_base.settings import check_fields, nested, setting
 from zl_device.devices.cpu_quota import check_cpu_quota
 from zl_device.devices.registry import MAX_LOCAL_DEVICES, MODE_HELP, MODES, check_devices
-from zl_device.formats.windows import WindowPlan
+from zl_device.executorch.device_policy import DevicePolicy
+from zl_device.executorch.recovery import MAX_RESTARTS, RECOVERY_MODES
 from zl_device.formats.lr_schedule import OptimizerSettings
-from zl_device.run.device_policy import DevicePolicy
+from zl_device.formats.windows import WindowPlan
 from zl_device.torch.schedules import SCHEDULES
 from zl_export.data_settings import DataSettings
 from zl_export.options import ExportOptions, ModelSplit
 
 DEMO = "demo"
-RECOVERY_MODES = ("local", "global")
 RUNTIMES = ("executorch", "torch")
 LAUNCHERS = ("spawn", "torchrun")
 #: The runner's default `input_timeout_s` (runner_config.cpp), which zl train leaves: a stage waiting this long
@@ -32,8 +32,6 @@ RUNNER_INPUT_TIMEOUT_S = 600.0
 #: Default --stall-timeout: well above a phone's slowest micro-batch or checkpoint, well below the input timeout.
 STALL_TIMEOUT_S = 300.0
 LOAD_MODES = ("mmap", "file")
-#: Restarts of a failing stage (--runtime torch: of every rank) before a run gives up.
-MAX_RESTARTS = 3
 #: --samples may go over the training rows at most this many times (checked against the data before the run
 #: starts, zl_device/run/train_data.py): more passes only fit the same rows again, and a stray 10**12 would train
 #: until killed.

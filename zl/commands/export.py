@@ -14,7 +14,7 @@ from zl_base.errors import ZLError
 from zl.options import settings_command
 from zl.paths import check_out_dir
 from zl_base.settings import check_fields, flag, nested, setting
-from zl_export.options import ExportOptions, ModelSplit
+from zl_export.options import ExportOptions, ModelSplit, ProgramSettings
 from zl_export.pipeline import ExportProgress
 
 EXAMPLE = """
@@ -26,6 +26,8 @@ Examples:
   zl export --model tinyllama-random --stages 0-6,7-13,14-21 --out runs/tinyllama --no-check
 
   zl export --stages runs/plan.json --seq-len 128      # the split `zl plan` chose
+
+  zl export --program backprop --model tiny-random     # programs that take grad_hidden and give grad_input
 """
 
 console = Console()
@@ -39,6 +41,7 @@ class ExportArgs:
     out: Path = setting(Path("runs/export"), "Output directory for stage_<k>.pte and manifest.json.",
                         check=check_out_dir)
     options: ExportOptions = nested(ExportOptions)
+    program: ProgramSettings = nested(ProgramSettings)
     check: bool = setting(True, "Run one training step of every stage through ExecuTorch and compare with PyTorch eager.")
     calibration: Path | None = setting(None, "A shard (from `zl data`) whose first 64 rows fit the readout lenses of "
                                              "--translator-init lens (only then); default: the built-in demo task's "
@@ -54,6 +57,7 @@ class ExportArgs:
         self.split.validate()
         self.options.validate()
         self.options.loss.validate(self.split.count)
+        self.program.validate()
         if self.calibration is None:
             return
         name, loss = flag(ExportArgs, "calibration"), self.options.loss
@@ -77,7 +81,8 @@ def run_export(args: ExportArgs) -> None:
     args = replace(args, split=split_of_plan(args.split, args.options))  # --stages plan.json: the plan's ranges
     args.validate()  # before the model loads (seconds to minutes) or anything is written
     with RichExportProgress() as progress:
-        export_pipeline(args.split, args.out, args.options, args.check, progress, calibration=args.calibration)
+        export_pipeline(args.split, args.out, args.options, args.check, progress, calibration=args.calibration,
+                        program=args.program)
 
 
 class RichExportProgress(ExportProgress):
@@ -142,6 +147,7 @@ class RichExportProgress(ExportProgress):
         return console.status("one training step per stage: ExecuTorch and PyTorch eager")
 
     def checked(self, checks) -> None:
+        # A backprop program's step (§3.8) reports its loss (on upstream stages <h, grad_hidden>), no CE or KL.
         table = Table(title="one training step on a demo-task sample: ExecuTorch runtime vs PyTorch eager")
         # With --frozen-dtype bf16/int8, eager computes with the same compact weights; "loss fp32" is eager with
         # the float32 weights, the price of the compact ones.
@@ -154,10 +160,10 @@ class RichExportProgress(ExportProgress):
             extra = ()
             if quantized and r.fp32_loss is not None:
                 extra = (f"{r.fp32_loss:.5f}", f"{float(r.eager.outputs['loss']) - r.fp32_loss:+.1e}")
+            terms = [f"{float(o[k]):.3f}" if k in o else "-" for k in ("task_loss", "consistency_loss")]
             table.add_row(
-                str(r.index), f"{float(o['loss']):.5f}", f"{float(r.eager.outputs['loss']):.5f}", f"{float(o['task_loss']):.3f}",
-                f"{float(o['consistency_loss']):.3f}", f"{r.loss_diff():.1e}", f"{r.grad_diff():.1e}", f"{r.et_ms:.0f}",
-                *extra,
+                str(r.index), f"{float(o['loss']):.5f}", f"{float(r.eager.outputs['loss']):.5f}", *terms,
+                f"{r.loss_diff():.1e}", f"{r.grad_diff():.1e}", f"{r.et_ms:.0f}", *extra,
             )
         console.print(table)
 

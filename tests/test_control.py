@@ -354,7 +354,7 @@ def test_coordinator_logs_a_stage_error_without_raw_control_characters(caplog):
     ([32, 20, 19], [False, True, True], 2, 2),  # stage 0 is done: stage 1 has input; 2 has input from 1
 ])
 def test_a_stall_is_blamed_on_the_stage_that_stopped_not_its_neighbours(done, live, seen_at, blamed):
-    from zl_device.executorch.coordinator import stalled_stage
+    from zl_device.executorch.health import stalled_stage
 
     assert stalled_stage(done, live, seen_at) == blamed
 
@@ -367,7 +367,8 @@ def test_time_the_coordinator_did_not_run_is_no_stage_silence():
     from types import SimpleNamespace
 
     from zl_device.formats.windows import WindowPlan
-    from zl_device.executorch.coordinator import HOST_GAP_S, Coordinator, StagePlan
+    from zl_device.executorch.coordinator import Coordinator, StagePlan
+    from zl_device.executorch.health import HOST_GAP_S
 
     killed = []
     device = SimpleNamespace(name="fake", exit_code=lambda: None, kill_runner=lambda: killed.append("kill"),

@@ -1,4 +1,4 @@
-"""Global recovery's rollback (zl_device/executorch/coordinator.py `_roll_back`, docs/design.md §7) on local device folders:
+"""Global recovery's rollback (zl_device/executorch/recovery.py `_roll_back`, docs/design.md §7) on local device folders:
 checkpoints and input-log entries after the last window every stage committed are removed, nothing at or before it."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 
 from zl_base.errors import ZLError
 from zl_device.devices.local import LocalDevice
-from zl_device.executorch.coordinator import Coordinator, StagePlan, input_log_entry_micro_batch, input_log_entry_window
+from zl_device.executorch.coordinator import Coordinator, StagePlan
+from zl_device.executorch.device_files import input_log_entry_micro_batch, input_log_entry_window
 from zl_device.formats.windows import WindowPlan
 
 

@@ -1,0 +1,132 @@
+"""When a stage has failed, as the coordinator sees it (docs/design.md §5.1, §5.2).
+
+Membership: every stage's runner registers and sends heartbeats on the
+control channel (zl_device/executorch/control.py); on local devices the coordinator
+also reads each runner's telemetry file as it grows, so progress shows even
+without a control connection; on phones it reads that file over adb when a
+stage fails, to know the window in flight (heartbeats come once a second). A stage has failed when its process exits
+with a non-zero status or, once it has sent a heartbeat, when no heartbeat
+arrived for `heartbeat_timeout_s`.
+
+A stage alive but without progress while its input is there has stalled (`stall_timeout_s`); the stall is traced
+to the stage it comes from (`stalled_stage`). Time the host itself did not run is no stage's silence
+(`HOST_GAP_S`).
+
+`HealthChecks` is mixed into the `Coordinator` (coordinator.py): it works on its `plans` and `status`, and hands
+a failed stage to its recovery (`_failed`, recovery.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from zl_base.errors import ZLError
+from zl_device.executorch.device_files import stderr_tail
+from zl_device.executorch.pauses import EXIT_STOPPED
+
+log = logging.getLogger(__name__)
+
+# A pass of the coordinator's loop that began this much later than it should have means the host itself did not run
+# (a laptop starved by other work, suspended or swapping): heartbeats sent meanwhile are queued, not missing, so
+# that time is no stage's silence (`_forgive_host_gap`).
+HOST_GAP_S = 5.0
+
+
+class HealthChecks:
+    """Exit statuses, heartbeats and stalls of the stages (module docstring)."""
+
+    def _forgive_host_gap(self, gap_s: float) -> None:
+        """Move every stage's heartbeat and progress clocks on by the `gap_s` seconds the coordinator did not run,
+        when that is more than HOST_GAP_S: under load (all three stages of a run on a 2-core host with other jobs
+        were once blamed together after a 37 s gap) a stage is judged only on the time the host watched it. A
+        stage that really died is found `gap_s` later."""
+        if gap_s <= HOST_GAP_S:
+            return
+        log.warning("the coordinator did not run for %.1f s (host overloaded?); no stage is blamed for it", gap_s)
+        for s in self.status:
+            s.last_sign_of_life += gap_s
+            s.last_progress += gap_s
+
+    def _check_health(self) -> None:
+        now = time.monotonic()
+        for k, plan in enumerate(self.plans):
+            s = self.status[k]
+            if s.state in ("done", "error", "paused"):  # paused: no process to watch
+                continue
+            code = plan.device.exit_code()
+            if code == 0:
+                self._read_telemetry(k)
+                s.state = "done"
+                s.micro_batches_done = max(s.micro_batches_done, self.windows.num_micro_batches)
+                if self._pauses.pop(k, None) is not None:  # the window it was to finish was its last
+                    s.pause_reason = None
+                continue
+            pause = self._pauses.get(k)
+            if code == EXIT_STOPPED and pause is not None and pause.stop_t is not None:
+                self._paused(k, pause)
+                continue
+            if code == 2:
+                s.state = "error"
+                self.stop_all()
+                raise ZLError(f"stage {k} on {plan.device.name} stopped with exit status 2 (a bad configuration, or a "
+                              f"failure a restart cannot fix, so it is not retried): "
+                              f"{stderr_tail(plan.device)}")
+            timed_out = s.heartbeat_seen and now - s.last_sign_of_life > self.heartbeat_timeout_s
+            if code is not None or timed_out:
+                if timed_out and code is None:
+                    plan.device.kill_runner()
+                self._failed(k, now, "exited with status %s" % code if code is not None else "heartbeat timeout")
+        self._check_stalls(now)
+
+    def _check_stalls(self, now: float) -> None:
+        """A stage alive (heartbeats come from a timer thread) but without progress for `stall_timeout_s`.
+
+        Its neighbours stop progressing too: the ones downstream starve, the ones upstream are held back by the
+        in-flight limit. So the stage blamed is not the first one found without progress but the one its stall
+        leads to (`stalled_stage`), and only when that one itself has made no progress for as long: a slow
+        stage that still moves is left alone (docs/design.md §5.2).
+        """
+        if not self.stall_timeout_s:
+            return
+        live = [s.state not in ("done", "error", "failed") for s in self.status]
+        for k, s in enumerate(self.status):
+            if not live[k] or now - s.last_progress < self.stall_timeout_s:
+                continue
+            done = [st.micro_batches_done if live[i] else self.windows.num_micro_batches
+                    for i, st in enumerate(self.status)]
+            blamed = stalled_stage(done, live, k)
+            b = self.status[blamed]
+            if not live[blamed] or now - b.last_progress < self.stall_timeout_s:
+                continue
+            if b.state == "paused":
+                continue  # the stall leads to a stage a device policy holds: waiting for it is no failure
+            still = now - b.last_progress
+            log.warning("stage %d made no progress for %.0f s at micro-batch %d with its input there: restarting it",
+                        blamed, still, b.micro_batches_done)
+            self.plans[blamed].device.kill_runner()
+            self._failed(blamed, now, f"stalled: no progress for {still:.0f} s at micro-batch "
+                                      f"{b.micro_batches_done} (alive; input available)", stalled_s=still)
+            return
+
+
+def stalled_stage(done: Sequence[int], live: Sequence[bool], k: int) -> int:
+    """The stage a stall seen at stage `k` comes from, by each stage's micro-batches done.
+
+    A stage is starved when its upstream has done no more than it has (nothing new to consume): the stall is
+    upstream. It is held back when it has done more than its live downstream (its output waits there): the
+    stall is downstream. The walk ends at a stage that is neither -- input there, output taken -- which is
+    the one that stopped. It never turns back (starved means done[k-1] <= done[k], held back the opposite),
+    so it ends within len(done) steps.
+
+    Example: stage 1 parked after sending micro-batch 9: done = [14, 9, 10]; stage 2 is starved (9 <= 10),
+    stage 0 held back (14 > 9), stage 1 neither: it is the one.
+    """
+    while True:
+        if k > 0 and live[k - 1] and done[k - 1] <= done[k]:
+            k -= 1
+        elif k < len(done) - 1 and live[k + 1] and done[k] > done[k + 1]:
+            k += 1
+        else:
+            return k

@@ -19,7 +19,8 @@ app = typer.Typer(
 
 # `zl --help` lists commands in this order (pipeline order); each module in
 # zl/commands/ declares its commands in a COMMANDS dict {name: function}.
-_ORDER = ("train", "plan", "export", "data", "devices", "deploy", "pull", "report", "merge", "eval", "generate")
+_ORDER = ("train", "plan", "export", "data", "devices", "deploy", "pull", "report", "merge", "eval", "generate",
+          "export-model")
 
 
 def _register() -> None:

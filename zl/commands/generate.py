@@ -26,7 +26,7 @@ console = Console()
 err_console = Console(stderr=True)
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
-LABELS = {"base": "cyan", "adapter": "green"}  # what is shown for each model, and its colour
+LABELS = {"base": "cyan", "adapter": "green", "program": "magenta"}  # what is shown for each model, and its colour
 WIDTH = max(map(len, LABELS))
 
 
@@ -85,6 +85,8 @@ class GenerateArgs:
     seed: int = setting(0, "--sample: random seed; every prompt and model starts from it, so a rerun gives the same "
                            "text.")
     json_out: Path | None = setting(None, "Also write the prompts and both generations to this JSON file.")
+    program: Path | None = setting(None, "An inference program of `zl export-model` (.pte): generate with it, run by "
+                                         "ExecuTorch's runtime, next to the adapter instead of the base model.")
 
 
 GENERATE_DOC = """Continue prompts with the base model and with the fine-tuned adapter, one after the other, streamed.
@@ -106,6 +108,8 @@ Examples:
   zl generate --adapter runs/r1/adapter --chat --system "Answer in one word." --show-prompt "Capital of France?"
 
   echo "Write a haiku about phones:" | zl generate --run runs/r1 --sample --temperature 0.7 --seed 7
+
+  zl generate --run runs/r1 --program runs/r1/model-int8.pte "Hello"   # the phone's program vs the adapter
 """
 
 
@@ -126,20 +130,27 @@ def run_generate(args: GenerateArgs) -> None:
     if not sample and (temperature != 1.0 or top_p != 1.0):
         err_console.print("[yellow]note:[/] --temperature and --top-p apply with --sample; decoding is greedy.")
     check_out_file(json_out, "--json-out", "generations.json")
-    adapter_dir, model_name, model_seed = _source(run, adapter, model, args.force_base)
+    runner = _program_runner(args.program)  # before the model: a bad --program is found at once
+    adapter_dir, model_name, model_seed = adapter_source(run, adapter, model, args.force_base)
     given = read_prompts(list(args.prompts or ()), file)
     rendering = _rendering(chat, system, run, adapter_dir, given)
 
     with err_console.status(f"loading {model_name} and {adapter_dir}"):
         loaded = load_model(model_name, seed=model_seed)
         tuned = load_adapter(loaded.model, adapter_dir)
+    if runner is not None and runner.vocab_size != loaded.config.vocab_size:
+        raise ZLError(f"--program {args.program}: a model of {runner.vocab_size} tokens, but {model_name} has "
+                      f"{loaded.config.vocab_size}; pass the program `zl export-model` wrote for this run.")
     tokenizer = loaded.tokenizer
     texts, template = _render(given, rendering, system, tokenizer)
     encoded = [encode_prompt(tokenizer, t) for t in texts]  # as `zl data` starts a sample: BOS where it adds one
     _check_lengths(texts, encoded, max_new_tokens, loaded.config, model_name)
 
+    shown = ("adapter", "program") if runner is not None else ("base", "adapter")
     how = (f"sampling (temperature {temperature:g}, top-p {top_p:g}, seed {seed})" if sample else "greedy")
-    console.print(f"[bold]{escape(model_name)}[/] base vs adapter {escape(str(adapter_dir))} · {how} · "
+    versus = (f"adapter {escape(str(adapter_dir))} vs program {escape(str(args.program))}" if runner is not None
+              else f"base vs adapter {escape(str(adapter_dir))}")
+    console.print(f"[bold]{escape(model_name)}[/] {versus} · {how} · "
                   f"at most {max_new_tokens} new tokens", highlight=False, soft_wrap=True)
     console.print(f"prompts: {escape(_describe(rendering, template, system, tokenizer))}", highlight=False,
                   soft_wrap=True)
@@ -149,14 +160,17 @@ def run_generate(args: GenerateArgs) -> None:
         console.out(_indented(_shown(prompt, text, args.show_prompt), "  "), highlight=False)
         row = {"prompt": prompt.text, **({"messages": prompt.messages} if prompt.messages else {}),
                "rendered_prompt": text}
-        for name in LABELS:
+        for name in shown:
             # Base: the same PEFT model with its adapter switched off (no second copy of the weights).
             with tuned.disable_adapter() if name == "base" else nullcontext():
-                row[name], row[f"{name}_tokens"] = _stream(tuned, tokenizer, ids, max_new_tokens, decoding, name)
+                row[name], row[f"{name}_tokens"] = _stream(runner if name == "program" else tuned, tokenizer, ids,
+                                                           max_new_tokens, decoding, name)
             row[f"{name}_stopped"] = "max_new_tokens" if row[f"{name}_tokens"] >= max_new_tokens else "eos"
         outputs.append(row)
     if json_out is not None:
-        _write_json(json_out, {"model": model_name, "adapter_dir": str(adapter_dir), "max_new_tokens": max_new_tokens,
+        _write_json(json_out, {"model": model_name, "adapter_dir": str(adapter_dir),
+                               **({"program": str(args.program)} if runner is not None else {}),
+                               "max_new_tokens": max_new_tokens,
                                "decoding": {"sample": sample, "temperature": temperature, "top_p": top_p,
                                             "seed": seed} if sample else {"sample": False},
                                "chat": {"template": template, "system": system, "from": rendering.reason}
@@ -165,8 +179,22 @@ def run_generate(args: GenerateArgs) -> None:
         console.print(f"\ngenerations written to {json_out}")
 
 
+def _program_runner(program: Path | None):
+    """The ExecuTorch program of --program, loaded (None without it)."""
+    if program is None:
+        return None
+    from zl_device.results.program_runner import ProgramRunner
+
+    with err_console.status(f"loading {program}"):
+        return ProgramRunner(program)
+
+
 def _stream(model, tokenizer, ids: list[int], max_new_tokens: int, decoding, name: str) -> tuple[str, int]:
-    """Generate for one prompt, printing the tokens after a label as they come; returns (text, tokens)."""
+    """Generate for one prompt, printing the tokens after a label as they come; returns (text, tokens). `model` is
+    a PyTorch model, or a `ProgramRunner` (--program)."""
+    import torch
+
+    from zl_device.results.program_runner import ProgramRunner
     from zl_device.results.generation import generate_ids, token_printer, visible
 
     prefix = f"  {name:<{WIDTH}} │ "
@@ -175,7 +203,14 @@ def _stream(model, tokenizer, ids: list[int], max_new_tokens: int, decoding, nam
     def write(text: str) -> None:
         console.out(visible(text).replace("\n", "\n" + " " * (len(prefix) - 2) + "│ "), end="", highlight=False)
 
-    (new,) = generate_ids(model, tokenizer, [ids], max_new_tokens, decoding, token_printer(tokenizer, write))
+    printer = token_printer(tokenizer, write)
+    if isinstance(model, ProgramRunner):
+        printer.put(torch.tensor([ids]))  # the prompt, which the printer skips
+        new = model.generate(ids, max_new_tokens, tokenizer.eos_token_id, decoding.sample, decoding.temperature,
+                             decoding.top_p, decoding.seed, on_token=lambda t: printer.put(torch.tensor([t])))
+        printer.end()
+    else:
+        (new,) = generate_ids(model, tokenizer, [ids], max_new_tokens, decoding, printer)
     if not new:
         console.print("[dim](end of sequence at once)[/]", end="")
     elif len(new) >= max_new_tokens:
@@ -188,9 +223,10 @@ def _indented(text: str, indent: str) -> str:
     return "\n".join(indent + line for line in text.split("\n"))
 
 
-def _source(run: Path | None, adapter: Path | None, model: str | None, force_base: bool = False
-            ) -> tuple[Path, str, int]:
-    """(adapter directory, base model, seed of a random-weight model) from --run or --adapter and --model.
+def adapter_source(run: Path | None, adapter: Path | None, model: str | None, force_base: bool = False,
+                   run_flag: str = "--run") -> tuple[Path, str, int]:
+    """(adapter directory, base model, seed of a random-weight model) from --run or --adapter and --model; the one
+    way `zl generate` and `zl export-model` (whose run is RUN_DIR: `run_flag`) find a run's adapter and base.
 
     Raises:
         ZLError: neither or both of --run and --adapter, a missing run directory or adapter, or a --model other
@@ -206,21 +242,23 @@ def _source(run: Path | None, adapter: Path | None, model: str | None, force_bas
                       "\"Hello\".")
     if run is not None:
         if not run.is_dir():
-            raise ZLError(f"--run {run}: no such directory; pass the --out of a `zl train` run, e.g. --run runs/r1.")
+            example = f"{run_flag} runs/r1" if run_flag.startswith("-") else "runs/r1"
+            raise ZLError(f"{run_flag} {run}: no such directory; pass the --out of a `zl train` run, e.g. {example}.")
         layout = RunLayout(run)
         adapter = layout.adapter
         if not adapter.is_dir():
             unfinished = layout.markers[0].is_file()
-            raise ZLError(f"--run {run}: no adapter/ in it, "
+            raise ZLError(f"{run_flag} {run}: no adapter/ in it, "
                           + ("the run has not finished; continue it with `zl train --resume --out "
                              f"{run}` (see {layout.markers[0]})." if unfinished else
                              "so it is not a finished `zl train` run directory; merge a run's checkpoints with "
-                             f"`zl merge --out {adapter}` or pass --adapter DIR."))
+                             f"`zl merge --out {adapter}`"
+                             + (" or pass --adapter DIR." if run_flag == "--run" else ".")))
     try:
         check_adapter_dir(adapter)
         name, seed, note = choose_base(adapter, model, None, DEFAULT_MODEL, force=force_base)
     except ZLError as e:
-        raise ZLError(str(e).replace("--adapter", "--run" if run is not None else "--adapter", 1)) from None
+        raise ZLError(str(e).replace("--adapter", run_flag if run is not None else "--adapter", 1)) from None
     if note:
         err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     return adapter, name, seed

@@ -1,0 +1,228 @@
+"""`zl export-model` (issue 42): a run's adapter merged into its base and exported as an ExecuTorch inference
+program with a KV cache; run with ExecuTorch's runtime it gives the PEFT model's logits (float: within 1e-3) and
+greedy continuations; `zl generate --program` shows it next to the adapter; bad input is one line, exit 2.
+
+The default suite exports tiny-random (Llama) once in float; the quantized programs, the other tiny families and
+SmolLM2 are `slow`."""
+
+import json
+
+import pytest
+import torch
+import typer
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from zl.commands.export_model import export_model_command
+from zl.commands.generate import generate_command
+from zl_base.errors import ZLError
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),  # torch.export and executorch warn about internals
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
+
+APP = typer.Typer(add_completion=False)
+APP.command("export-model")(export_model_command)
+APP.command("generate")(generate_command)
+PROMPTS = ["Q: colour of the sky?\nA:", "Hello there, how are you", "x"]
+SEQ = 48  # KV cache positions of the test programs: small, so exports stay quick
+
+
+def random_run(run, model: str = "tiny-random", seed: int = 0):
+    """A finished run as far as export-model looks: RUN/adapter, a rank-4 LoRA on every projection whose B is
+    random (PEFT starts it at zero, which would make merging a no-op)."""
+    from zl_export.lora import adapter_config, attach_lora, peft_names
+    from zl_export.model_source import load_model
+    from zl_export.options import LoraSettings
+
+    loaded = load_model(model, seed=0)
+    settings = LoraSettings(4, 8.0, loaded.family.default_lora_targets)
+    peft_model = attach_lora(loaded.model, settings, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    names = peft_names(peft_model)
+    for p in peft_model.parameters():
+        if p.requires_grad:
+            tensors[names[id(p)]] = (torch.randn(p.shape, generator=generator) * 0.05).contiguous()
+    (run / "adapter").mkdir(parents=True)
+    save_file(tensors, str(run / "adapter" / "adapter_model.safetensors"))
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps(adapter_config(settings, model)))
+    return run
+
+
+def invoke(*args):
+    return CliRunner().invoke(APP, [str(a) for a in args])
+
+
+def tuned_model(run, model: str = "tiny-random"):
+    """The PEFT model of the run, loaded as `zl generate` loads it."""
+    from zl_device.results.adapter import load_adapter
+    from zl_export.model_source import load_model
+
+    return load_adapter(load_model(model).model, run / "adapter")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(run, program) of `zl export-model RUN --quantize none`, once per module."""
+    run = random_run(tmp_path_factory.mktemp("run"))
+    out = run / "model.pte"
+    result = invoke("export-model", run, "--out", out, "--quantize", "none", "--max-seq-len", SEQ)
+    assert result.exit_code == 0, result.output
+    assert "check on 3 built-in prompts" in result.stdout and "greedy continuations identical on 3/3" in result.stdout
+    return run, out
+
+
+def test_float_program_gives_the_peft_models_logits_and_greedy_continuations(exported):
+    from zl_device.results.program_runner import ProgramRunner, compare_with_model
+    from zl_export.tokenizer import ByteTokenizer
+
+    run, out = exported
+    runner = ProgramRunner(out)
+    assert runner.max_seq_len == SEQ and runner.eos_ids == [ByteTokenizer.eos_token_id]
+    tok = ByteTokenizer()
+    tuned = tuned_model(run)
+    with torch.no_grad(), tuned.disable_adapter():  # the adapter changes the logits: merging it is tested
+        base = tuned(torch.tensor([tok.encode(PROMPTS[0])])).logits
+    with torch.no_grad():
+        assert (tuned(torch.tensor([tok.encode(PROMPTS[0])])).logits - base).abs().max() > 1e-3
+    rows = [tok.encode(p) for p in PROMPTS[:2]]
+    result = compare_with_model(runner, tuned, rows, 12, tok.eos_token_id, [r[:5] for r in rows])
+    assert result.max_relative_error < 1e-3
+    assert result.greedy_agree == 2 and all(len(m) == 12 for m, _ in result.continuations)
+    assert abs(result.nll_change) < 1e-4
+    # Decoding from the KV cache: the logits after one more token equal a fresh prefill of the longer sequence.
+    ids = tok.encode(PROMPTS[1])
+    runner.logits(ids[:-1])
+    step = runner.logits(ids[-1:], len(ids) - 1)[-1]
+    assert torch.allclose(step, runner.logits(ids)[-1], rtol=0, atol=1e-5)
+
+
+def test_tokenizer_files_next_to_the_program_give_the_same_ids(exported):
+    from tokenizers import Tokenizer
+
+    from zl_export.tokenizer import ByteTokenizer
+
+    run, out = exported
+    tok = Tokenizer.from_file(str(out.parent / "tokenizer.json"))
+    text = "Q: café?\nA: 4"
+    assert tok.encode(text).ids == ByteTokenizer().encode(text)
+    assert tok.decode(ByteTokenizer().encode(text)) == text
+    assert tok.token_to_id("<eos>") == ByteTokenizer.eos_token_id
+    assert json.loads((out.parent / "tokenizer_config.json").read_text())["eos_token"] == "<eos>"
+
+
+def test_generate_with_program_side_by_side_with_the_adapter(exported, tmp_path):
+    run, out = exported
+    saved = tmp_path / "g.json"
+    result = invoke("generate", "--run", run, "--program", out, "-n", "10", "--json-out", saved, *PROMPTS[:2])
+    assert result.exit_code == 0, result.output
+    assert f"adapter {run / 'adapter'} vs program {out}" in result.stdout
+    assert "\n  adapter │ " in result.stdout and "\n  program │ " in result.stdout and "base" not in result.stdout
+    content = json.loads(saved.read_text())
+    assert content["program"] == str(out)
+    for row in content["outputs"]:
+        assert row["program"] == row["adapter"] and row["program_tokens"] == row["adapter_tokens"] == 10
+        assert "base" not in row
+
+
+def test_the_llm_runner_loads_the_program_and_its_tokenizer(exported):
+    """ExecuTorch's own LLM runner (what the demo apps and llama_main use) reads the .pte and tokenizer.json."""
+    runner_module = pytest.importorskip("executorch.extension.llm.runner")
+    run, out = exported
+    runner = runner_module.TextLLMRunner(str(out), str(out.parent / "tokenizer.json"))
+    stats = []
+    # No token callback: a random model's byte tokens are not UTF-8, which the binding cannot hand to Python.
+    runner.generate(PROMPTS[0], runner_module.GenerationConfig(echo=False, max_new_tokens=6, temperature=0.0),
+                    stats_callback=stats.append)
+    assert stats[0].num_prompt_tokens == len(PROMPTS[0]) and stats[0].num_generated_tokens >= 1
+
+
+def test_refusals_are_one_line_before_any_work(exported, tmp_path, monkeypatch):
+    from zl_export import model_source
+
+    run, out = exported
+    monkeypatch.setattr(model_source, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    cases = [
+        ((run, "--out", out), f"--out {out}: exists; pass --force"),
+        ((run, "--out", tmp_path / "m.bin"), "not a .pte file name"),
+        ((run, "--out", tmp_path), "a directory, not a file"),
+        ((tmp_path / "nope", "--out", tmp_path / "m.pte"), "RUN_DIR " + str(tmp_path / "nope") + ": no such directory"),
+        ((tmp_path, "--out", tmp_path / "m.pte"), f"RUN_DIR {tmp_path}: no adapter/ in it"),
+        ((run, "--out", tmp_path / "m.pte", "--quantize", "int3"), "--quantize"),
+        ((run, "--out", tmp_path / "m.pte", "--max-seq-len", "1"), "--max-seq-len 1: must be at least 2"),
+    ]
+    for args, message in cases:
+        result = invoke("export-model", *args)
+        assert isinstance(result.exception, ZLError), (args, result.output)
+        assert message in str(result.exception) and "\n" not in str(result.exception), (args, str(result.exception))
+    assert not (tmp_path / "m.pte").exists()
+
+
+def test_a_quantization_the_model_does_not_fit_is_refused():
+    from zl_export.inference_program import check_quantization
+
+    model = torch.nn.Sequential(torch.nn.Linear(48, 8))
+    check_quantization(model, "int8", "Llama")  # per channel: any shape
+    with pytest.raises(ZLError, match="layer 0 has 48 input channels, not a multiple of int4's group of 32"):
+        check_quantization(model, "int4", "Llama")
+
+
+def test_another_models_tokenizer_beside_the_program_is_not_replaced(tmp_path):
+    from zl_export.inference_program import write_tokenizer_files
+    from zl_export.tokenizer import ByteTokenizer
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ZLError, match="holds another tokenizer; pass --force"):
+        write_tokenizer_files(ByteTokenizer(), tmp_path)
+    assert (tmp_path / "tokenizer.json").read_text() == "{}"
+    files = write_tokenizer_files(ByteTokenizer(), tmp_path, force=True)
+    assert [f.name for f in files] == ["tokenizer.json", "tokenizer_config.json"]
+    assert write_tokenizer_files(ByteTokenizer(), tmp_path) == files  # the same tokenizer: kept, no error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_programs_stay_close(tmp_path, quantize):
+    """int8 (qd8-qc8w) keeps the logits within a few percent on tiny-random; int4 within 30% (4-bit groups of 32
+    on a random model, whose logits are all close); both run through the runtime, the NLL change is reported."""
+    from zl_device.results.program_runner import ProgramRunner, compare_with_model
+    from zl_export.tokenizer import ByteTokenizer
+
+    run = random_run(tmp_path / "run")
+    out = tmp_path / f"{quantize}.pte"
+    result = invoke("export-model", run, "--out", out, "--quantize", quantize, "--max-seq-len", SEQ, "--no-check")
+    assert result.exit_code == 0, result.output
+    tok = ByteTokenizer()
+    rows = [tok.encode(p) for p in PROMPTS[:2]]
+    comparison = compare_with_model(ProgramRunner(out), tuned_model(run), rows, 8, tok.eos_token_id)
+    bound = {"int8": 0.05, "int4": 0.3}[quantize]
+    assert comparison.max_relative_error < bound and abs(comparison.nll_change) < bound
+    print(f"{quantize}: max rel err {comparison.max_relative_error:.3g}, NLL {comparison.nll_model:.4f} -> "
+          f"{comparison.nll_program:.4f}, greedy {comparison.greedy_agree}/2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-random-qwen2", "tiny-random-qwen3", "tiny-random-phi3", "tiny-random-gemma3"])
+def test_other_families_export(tmp_path, model):
+    run = random_run(tmp_path / "run", model)
+    result = invoke("export-model", run, "--out", tmp_path / "m.pte", "--quantize", "none", "--max-seq-len", SEQ)
+    assert result.exit_code == 0, result.output
+    assert "greedy continuations identical on 3/3" in result.stdout
+
+
+@pytest.mark.slow
+def test_smollm2_float_and_int8(tmp_path):
+    """SmolLM2-135M: float within 1e-3 of the PEFT model, greedy identical; int8 reported by the check."""
+    run = random_run(tmp_path / "run", "smollm2-135m")
+    for quantize in ("none", "int8"):
+        result = invoke("export-model", run, "--out", tmp_path / f"{quantize}.pte", "--quantize", quantize,
+                        "--max-seq-len", 128)
+        assert result.exit_code == 0, result.output
+        if quantize == "none":
+            assert "greedy continuations identical on 3/3" in result.stdout
+            assert "(over 1e-3)" not in result.stdout
+        print(result.stdout)
+    assert (tmp_path / "tokenizer.json").is_file() and (tmp_path / "tokenizer_config.json").is_file()

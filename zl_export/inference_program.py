@@ -1,0 +1,221 @@
+"""An ExecuTorch inference program of a (merged) model: text generation with a KV cache, for phones.
+
+    model (float32, adapter merged)  ->  torchao weight quantization (int8 | int4 | none)
+      ->  transformers' static-cache wrapper  ->  torch.export (prompt length dynamic)
+      ->  to_edge_transform_and_lower(XnnpackPartitioner)  ->  to_executorch  ->  FILE.pte
+
+The program has one method, `forward(input_ids (1, S) int64, cache_position (S,) int64) -> logits (1, S, V)`, the
+signature of `transformers.integrations.executorch.TorchExportableModuleForDecoderOnlyLM` (what optimum-executorch
+exports and the ExecuTorch LLM runners call): the S tokens are written into the KV cache at `cache_position`, so a
+prompt is prefilled in one call and each new token is one call at the next position. Its constant methods
+(`get_max_seq_len`, `get_eos_ids`, ...: `METADATA`) are the ones the runners read.
+
+Quantization (torchao source transforms through executorch's `quantize_model_`, so XNNPACK gets the patterns it
+fuses):
+- int8: linear layers int8 per output channel with activations quantized per token on the fly (XNNPACK
+  qd8-f32-qc8w), the embedding int8 per row;
+- int4: linear layers int4 in groups of 32 input channels, activations int8 per token (qd8-f32-qb4w), the
+  embedding int4 in groups of 32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zl_base.errors import ZLError
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("none", "int8", "int4")
+# --quantize -> (linear config, embedding config) of executorch's quantize_model_ (see the module docstring).
+_SCHEMES = {"int8": ("8da8w", "8w"), "int4": ("8da4w", "4w")}
+GROUP_SIZE = 32  # int4: input channels per scale; every quantized weight's inner size must be a multiple
+DEFAULT_MAX_SEQ_LEN = 512
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what the runners read, next to the program
+# Families whose export is refused, and why (zl_export.model_family keys).
+UNSUPPORTED_FAMILIES: dict[str, str] = {}
+
+
+@dataclass
+class ProgramInfo:
+    """What `export_program` wrote and how long it took."""
+
+    path: Path
+    bytes: int
+    quantize: str
+    max_seq_len: int
+    seconds: float
+    metadata: dict
+
+
+def merged_model(peft_model: torch.nn.Module) -> torch.nn.Module:
+    """The base model with the LoRA adapter folded into its weights (W + B A · alpha/r), in eval mode.
+
+    PEFT's `merge_and_unload` changes the wrapped model in place: the PEFT model is spent afterwards.
+    """
+    model = peft_model.merge_and_unload()
+    return model.eval().requires_grad_(False)
+
+
+def check_quantization(model: torch.nn.Module, quantize: str, family: str) -> None:
+    """Raise unless `quantize` is known and fits every weight it would quantize (int4's groups of 32).
+
+    Raises:
+        ZLError: an unknown name, or a layer whose input size is not a multiple of the group size.
+    """
+    if quantize not in QUANTIZATIONS:
+        raise ZLError(f"--quantize {quantize}: not one of {', '.join(QUANTIZATIONS)}; e.g. --quantize int8.")
+    if quantize != "int4":
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and module.weight.shape[-1] % GROUP_SIZE:
+            raise ZLError(f"--quantize int4: {family}'s layer {name} has {module.weight.shape[-1]} input channels, "
+                          f"not a multiple of int4's group of {GROUP_SIZE}; use --quantize int8 or none.")
+
+
+def export_program(model: torch.nn.Module, out: Path, quantize: str = "none", max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
+                   eos_ids: tuple[int, ...] = (), bos_id: int | None = None) -> ProgramInfo:
+    """Quantize `model` (in place), export it with a KV cache of `max_seq_len` positions, lower it to XNNPACK and
+    write the program to `out` (under a temporary name, renamed when complete).
+
+    Args:
+        model: a float32 Hugging Face causal LM of a supported family (a merged one: `merged_model`).
+        quantize: one of QUANTIZATIONS (checked by `check_quantization` first).
+        max_seq_len: positions of the KV cache: prompt plus generated tokens, at most.
+        eos_ids, bos_id: the tokenizer's, recorded for the LLM runners (`get_eos_ids`, `get_bos_id`).
+    """
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.backends.xnnpack._passes.convert_to_linear import ConvertToLinearPass
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
+    from transformers import GenerationConfig
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    start = time.perf_counter()
+    model.eval().requires_grad_(False)
+    if quantize != "none":
+        _quantize(model, quantize)
+    model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static",
+                                               cache_config={"batch_size": 1, "max_cache_len": max_seq_len})
+    wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_seq_len)
+    example = torch.zeros((1, 2), dtype=torch.int64)  # (1, S): a prompt of S tokens; S is dynamic
+    seq = torch.export.Dim("seq_len", min=1, max=max_seq_len - 1)
+    with torch.no_grad():
+        # strict: non-strict export lifts the cache's tensors as constants aliasing its buffers, which
+        # run_decompositions then refuses (torch 2.13, transformers 5.24).
+        exported = wrapper.export(input_ids=example, cache_position=torch.arange(2),
+                                  dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}}, strict=True)
+    metadata = program_metadata(model.config, max_seq_len, eos_ids, bos_id)
+    log.info("lowering to XNNPACK (%s)", quantize)
+    edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()],
+                                       compile_config=EdgeCompileConfig(_check_ir_validity=False),
+                                       constant_methods=metadata)
+    # As executorch's LLMEdgeManager.to_executorch: linears left outside XNNPACK run as op_linear (not transpose +
+    # mm), quantized embeddings become quantized_decomposed::embedding_{byte,4bit} (quant fusion), inputs are not
+    # planned into the arena (the runner passes its own), and sizes follow the dynamic prompt length.
+    edge = edge.transform([ConvertToLinearPass()])
+    program = edge.to_executorch(ExecutorchBackendConfig(
+        extract_delegate_segments=True, do_quant_fusion_and_const_prop=True,
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+        sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass()))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp.write_bytes(program.buffer)
+    os.replace(tmp, out)
+    return ProgramInfo(out, out.stat().st_size, quantize, max_seq_len, time.perf_counter() - start, metadata)
+
+
+def program_metadata(config, max_seq_len: int, eos_ids: tuple[int, ...], bos_id: int | None) -> dict:
+    """The constant methods ExecuTorch's LLM runners read (names as examples/models/llama/export_llama_lib.py and
+    optimum-executorch write them)."""
+    metadata = {
+        "get_max_seq_len": max_seq_len,
+        "get_max_context_len": max_seq_len,
+        "get_vocab_size": int(config.vocab_size),
+        "get_n_layers": int(config.num_hidden_layers),
+        "use_kv_cache": True,
+        "use_sdpa_with_kv_cache": False,
+        "enable_dynamic_shape": True,
+        "get_eos_ids": list(eos_ids),
+    }
+    if bos_id is not None:
+        metadata["get_bos_id"] = bos_id
+    return metadata
+
+
+def _quantize(model: torch.nn.Module, quantize: str) -> None:
+    """torchao weight quantization of the linear layers and the embedding, in place (`_SCHEMES`)."""
+    from executorch.extension.llm.export.quantize import quantize_model_
+
+    linear, embedding = _SCHEMES[quantize]
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        # Tied (SmolLM2, Qwen2.5, Gemma 3): each side gets its own quantized copy, in its own layout.
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
+    # quantize_model_ reports on stdout; a library's output goes to the log.
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        quantize_model_(model, qlinear_config=linear, qembedding_config=embedding,
+                        qlinear_group_size=None if quantize == "int8" else GROUP_SIZE,
+                        qembedding_group_size=None if quantize == "int8" else GROUP_SIZE)
+    for line in said.getvalue().splitlines():
+        log.info("%s", line.strip())
+
+
+def write_tokenizer_files(tokenizer, directory: Path, force: bool = False) -> list[Path]:
+    """Write the tokenizer files the ExecuTorch LLM runners read (tokenizer.json, tokenizer_config.json) into
+    `directory`; returns their paths. A byte tokenizer (the random models) is written as a byte-level BPE without
+    merges: the same ids (byte b is id b, then end of sequence and padding).
+
+    Files of the same name already there are kept when identical (programs of one model share them) and replaced
+    only with `force`.
+
+    Raises:
+        ZLError: a tokenizer file beside the program that differs (another model's), without `force`.
+    """
+    import shutil
+    import tempfile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".tokenizer-") as tmp:
+        staged = Path(tmp)
+        if hasattr(tokenizer, "save"):
+            tokenizer.save(str(staged))
+        else:
+            _byte_tokenizer_json(tokenizer, staged)
+        names = [n for n in TOKENIZER_FILES if (staged / n).is_file()]
+        for name in names:
+            there = directory / name
+            if there.exists() and not force and there.read_bytes() != (staged / name).read_bytes():
+                raise ZLError(f"--out: {there} exists and holds another tokenizer; pass --force to replace it, or "
+                              "write the program to another directory.")
+        for name in names:
+            shutil.move(str(staged / name), directory / name)
+    return [directory / n for n in names]
+
+
+def _byte_tokenizer_json(tokenizer, directory: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = bytes_to_unicode()  # byte -> the printable character byte-level BPE spells it with
+    vocab = {chars[b]: b for b in range(256)}
+    specials = {"<eos>": tokenizer.eos_token_id, "<pad>": tokenizer.pad_token_id}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(specials))
+    if tok.token_to_id("<eos>") != specials["<eos>"] or tok.token_to_id("<pad>") != specials["<pad>"]:
+        raise AssertionError("byte tokenizer ids out of order")  # a change of the ByteTokenizer's ids
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "pad_token": "<pad>",
+         "bos_token": None, "add_bos_token": False}, indent=2) + "\n")

@@ -142,3 +142,69 @@ def test_integer_class_labels_and_keys_in_any_case_still_read(tmp_path):
     path.write_text(json.dumps({"Text": "rain", "label": 1}) + "\n" + json.dumps({" text ": "sun", "LABEL": 2}) + "\n")
     task = data.load_task(path, "text_label")
     assert [e.completion for e in task.examples] == ["1", "2"]
+
+
+# --- item 5: a shard's token ids are checked against the vocabulary when it is opened ------------------------------
+
+def _damaged_shard(demo_dev: Path, out: Path, value: int, row: int = 3, position: int = 5) -> Path:
+    """A copy of the demo dev shard (and its sidecar) with input_ids[row, position] = `value`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(demo_dev))
+    tensors["input_ids"][row, position] = value
+    save_file(tensors, str(out / "dev.safetensors"))
+    shutil.copy(demo_dev.with_suffix(".json"), out / "dev.json")
+    return out / "dev.safetensors"
+
+
+@pytest.mark.parametrize("value", [10**9, -5])
+def test_a_token_id_outside_the_vocabulary_names_shard_row_position_and_vocabulary(demo_data, tmp_path, value):
+    from zl_export.shard import load_shard
+    from zl_export.tokenizer import ByteTokenizer
+
+    path = _damaged_shard(demo_data / "dev.safetensors", tmp_path / "bad", value)
+    with pytest.raises(ZLError, match=rf"shard {path}: input_ids row 3 position 5 holds token id {value}, outside the "
+                                      r"258 ids of the tokenizer of bytes \(0 to 257\); the shard is damaged"):
+        load_shard(path).check_matches(tokenizer=ByteTokenizer())
+    load_shard(demo_data / "dev.safetensors").check_matches(tokenizer=ByteTokenizer())  # the intact shard passes
+
+
+def test_a_label_outside_the_vocabulary_is_refused_and_minus_100_is_not(demo_data):
+    from zl_export.shard import load_shard
+    from zl_export.tokenizer import ByteTokenizer
+
+    shard = load_shard(demo_data / "dev.safetensors")
+    assert (shard.labels == -100).any()
+    shard.labels[0, -1] = 258
+    with pytest.raises(ZLError, match=r"labels row 0 position \d+ holds token id 258"):
+        shard.check_matches(tokenizer=ByteTokenizer())
+
+
+def test_zl_eval_on_a_shard_with_a_bad_token_id_exits_2_with_one_line(demo_data, tmp_path):
+    from conftest import REPO
+
+    path = _damaged_shard(demo_data / "dev.safetensors", tmp_path / "bad", 10**9)
+    proc = subprocess.run([sys.executable, "-m", "zl.cli", "eval", "--data", str(path), "--model", "tiny-random",
+                           "--json-out", str(tmp_path / "eval.json")], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "input_ids row 3 position 5 holds token id 1000000000" in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "eval.json").exists()
+
+
+def test_zl_train_refuses_a_shard_with_a_bad_token_id_before_the_export(demo_data, tmp_path):
+    from dataclasses import replace
+
+    from zl_device.run.train_data import prepare_data
+    from zl_device.run.train_settings import TrainSettings
+    from zl_export.tokenizer import ByteTokenizer
+
+    path = _damaged_shard(demo_data / "dev.safetensors", tmp_path / "bad", -5)
+    s = replace(TrainSettings(), data=str(path), out=tmp_path / "run")
+    with pytest.raises(ZLError, match=r"input_ids row 3 position 5 holds token id -5"):
+        prepare_data(s, ByteTokenizer(), json.loads(path.with_suffix(".json").read_text())["seq_len"],
+                     tmp_path / "data", lambda *_: None)

@@ -111,13 +111,31 @@ class Shard:
         exactly what zl makes today, for one that does (Gemma) it is stale."""
         return self.meta.get("tokenizer", {}).get("bos_token_id")
 
+    def check_token_ids(self, vocab_size: int, tokenizer_name: str) -> None:
+        """Raise ZLError naming the first token id outside 0 .. vocab_size - 1: in `input_ids`, or in `labels`
+        other than -100 (no target). Such an id is an IndexError in the embedding or the loss (`zl eval`), or
+        trips the runner's bounds check again and again (`zl train`), so it is refused before any work."""
+        for name, ids in (("input_ids", self.input_ids), ("labels", self.labels)):  # (N, S) each
+            bad = (ids < 0) | (ids >= vocab_size)
+            if name == "labels":
+                bad &= ids != -100
+            count = int(bad.sum())
+            if count:
+                row, position = divmod(int(bad.flatten().to(torch.uint8).argmax()), self.seq_len)
+                more = f" ({count - 1:,} more such ids)" if count > 1 else ""
+                raise ZLError(f"shard {self.path}: {name} row {row} position {position} holds token id "
+                              f"{int(ids[row, position])}, outside the {vocab_size:,} ids of the tokenizer of "
+                              f"{tokenizer_name} (0 to {vocab_size - 1:,}){more}; the shard is damaged or was not made "
+                              f"for this model. Rebuild it with `zl data ... --model {tokenizer_name}`.")
+
     def check_matches(self, seq_len: int | None = None, tokenizer_name: str | None = None,
                       tokenizer: "Tokenizer | None" = None) -> None:
         """Raise ZLError when the shard was built for another seq_len or tokenizer than a program expects.
 
-        `tokenizer` (the model's) checks its name and that the rows start with its BOS exactly when it adds one
-        (`zl_export.tokenizer.encode_prompt`): a Gemma shard made before zl added `<bos>` must be remade, while
-        a SmolLM2 one stays valid, since nothing changed for it. `tokenizer_name` checks the name alone.
+        `tokenizer` (the model's) checks its name, every token id against its vocabulary (`check_token_ids`), and
+        that the rows start with its BOS exactly when it adds one (`zl_export.tokenizer.encode_prompt`): a Gemma
+        shard made before zl added `<bos>` must be remade, while a SmolLM2 one stays valid, since nothing changed
+        for it. `tokenizer_name` checks the name alone.
         """
         if seq_len is not None and seq_len != self.seq_len:
             raise ZLError(
@@ -132,6 +150,8 @@ class Shard:
                 f"shard {self.path} was tokenized for {built!r}, the model uses {tokenizer_name!r}. "
                 f"Rebuild the data with `zl data ... --model {tokenizer_name}`."
             )
+        if getattr(tokenizer, "vocab_size", None) is not None:
+            self.check_token_ids(tokenizer.vocab_size, tokenizer.name)
         want = getattr(tokenizer, "bos_token_id", None)
         if tokenizer is not None and self.bos_token_id != want:
             has = "no beginning-of-sequence token" if self.bos_token_id is None else f"BOS id {self.bos_token_id}"

@@ -23,6 +23,7 @@ class Tokenizer(Protocol):
     eos_token_id: int
     pad_token_id: int
     bos_token_id: int | None  # the id every sample starts with (see encode_prompt); None: the tokenizer adds none
+    vocab_size: int  # ids are 0 .. vocab_size - 1 (special tokens included): what a shard for it may hold
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without special tokens: a piece of a sample (a completion, a label word). A
@@ -63,6 +64,7 @@ class HFTokenizer:
         self.eos_token_id = int(tok.eos_token_id)
         self.pad_token_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_token_id
         self.bos_token_id = default_bos(tok)
+        self.vocab_size = len(tok)  # with the added special tokens (tok.vocab_size counts the base vocabulary only)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))

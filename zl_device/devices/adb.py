@@ -244,7 +244,7 @@ class _ProgressReader:
 
 def parse_battery_temperature(dumpsys: str) -> float | None:
     """°C from `dumpsys battery` ("  temperature: 312" is tenths of a degree); None when absent or implausible."""
-    m = re.search(r"^\s*temperature:\s*(-?\d+)\s*$", dumpsys, re.MULTILINE)
+    m = re.search(r"^[ \t]*temperature:[ \t]*(-?\d+)[ \t\r]*$", dumpsys, re.MULTILINE)
     if not m:
         return None
     celsius = int(m.group(1)) / 10.0

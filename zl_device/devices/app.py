@@ -100,7 +100,7 @@ def parse_meminfo_total_pss_kib(meminfo: str) -> int | None:
     """
     m = re.search(r"TOTAL PSS:\s*(\d+)", meminfo)
     if m is None:
-        m = re.search(r"^\s*TOTAL:?\s+(\d+)", meminfo, re.MULTILINE)
+        m = re.search(r"^[ \t]*TOTAL:?[ \t]+(\d+)", meminfo, re.MULTILINE)
     return int(m.group(1)) if m else None
 
 

@@ -188,7 +188,7 @@ def parse_dumpsys_battery(text: str) -> DeviceReadings:
 
     A value `dumpsys battery set ...` forced is read as such (how to try the policies on a phone by hand)."""
     def field(name: str) -> str | None:
-        m = re.search(rf"^\s*{name}:\s*(\S+)\s*$", text, re.MULTILINE)
+        m = re.search(rf"^[ \t]*{name}:[ \t]*(\S+)[ \t\r]*$", text, re.MULTILINE)
         return m.group(1) if m else None
 
     level, scale, tenths = field("level"), field("scale"), field("temperature")
@@ -196,7 +196,7 @@ def parse_dumpsys_battery(text: str) -> DeviceReadings:
     if level is not None and level.lstrip("-").isdigit():
         top = int(scale) if scale is not None and scale.isdigit() and int(scale) > 0 else 100
         battery = 100.0 * int(level) / top if 0 <= int(level) <= top else None
-    powered = re.findall(r"^\s*\w+ powered:\s*(true|false)\s*$", text, re.MULTILINE)
+    powered = re.findall(r"^[ \t]*\w+ powered:[ \t]*(true|false)[ \t\r]*$", text, re.MULTILINE)
     celsius = int(tenths) / 10.0 if tenths is not None and tenths.lstrip("-").isdigit() else None
     return DeviceReadings(temperature_c=celsius if celsius is not None and -40.0 < celsius < 150.0 else None,
                           battery_pct=battery, charging=("true" in powered) if powered else None, source="dumpsys")
@@ -204,7 +204,7 @@ def parse_dumpsys_battery(text: str) -> DeviceReadings:
 
 def parse_thermal_status(text: str) -> int | None:
     """`Thermal Status: N` of `dumpsys thermalservice` (Android 10+); None when absent."""
-    m = re.search(r"^\s*Thermal Status:\s*(\d+)\s*$", text, re.MULTILINE)
+    m = re.search(r"^[ \t]*Thermal Status:[ \t]*(\d+)[ \t\r]*$", text, re.MULTILINE)
     return int(m.group(1)) if m and int(m.group(1)) < len(THERMAL_STATUS_NAMES) else None
 
 

@@ -138,6 +138,12 @@ MAX_CONTROL_FRAME_BYTES = frames.HEADER_SIZE + frames.MAX_JSON_BYTES + frames.TA
 HELLO_MAX_FRAME_BYTES = 4 << 10  # a HELLO has no payload: 144 bytes
 PRE_AUTH_MAX_FRAME_BYTES = 64 << 10  # the first frame after the HELLO: a REGISTER is a few hundred bytes
 UNVERIFIED_PER_STAGE = 2  # a third HELLO for a stage pushes out its oldest unverified connection
+#: Seconds a connection may stay silent in the kernel before it is handed over (TCP_DEFER_ACCEPT, Linux): a HELLO
+#: sent up to this long after the connect arrives with its connection, whole, and never waits among strangers.
+DEFER_ACCEPT_S = 1
+#: Connections the kernel may hold for the accept thread (it caps this at net.core.somaxconn): deferred ones count,
+#: and past the limit the kernel answers with SYN cookies, which hand a connection over without waiting for bytes.
+LISTEN_BACKLOG = 4096
 
 
 @dataclass
@@ -165,12 +171,16 @@ class _Pending:
 class ControlServer:
     """Accepts runner connections; `events` is the queue of ControlEvent.
 
-    Pending connections cost no thread: the accept thread reads their HELLOs. A newcomer over `max_pending` pushes
-    out the oldest pending connection of the address with the most of them: a flood from an address of its own
-    (phones on Wi-Fi have theirs) pushes out its own connections; on loopback, where every peer is 127.0.0.1, the
-    oldest ones, and a runner, which sends its HELLO as it connects, is read long before its connection is the
-    oldest. A verified HELLO gets the connection a thread; UNVERIFIED_PER_STAGE of them per stage may wait for
-    their first frame in the session. Frame sizes: HELLO_MAX_FRAME_BYTES for the HELLO, PRE_AUTH_MAX_FRAME_BYTES
+    Pending connections cost no thread: the accept thread reads their HELLOs. Where the system has TCP_DEFER_ACCEPT
+    (Linux), the kernel hands a connection over once its first bytes arrive (or after DEFER_ACCEPT_S without any):
+    a runner's HELLO, however late after its connect (`adb reverse`, a slow phone link), arrives whole with its
+    connection, and a connection whose HELLO is all there on accept starts its session at once, taking no pending
+    slot and pushing nobody out. Only a connection still short of its HELLO waits: a newcomer over `max_pending`
+    pushes out the oldest pending connection of the address with the most of them, so a flood from an address of
+    its own (phones on Wi-Fi have theirs) pushes out its own connections; on loopback, where every peer is
+    127.0.0.1, the oldest ones (without TCP_DEFER_ACCEPT, macOS: a HELLO that comes later than the flood turns the
+    pending connections over may be pushed out; the runner reconnects). A verified HELLO gets the connection a
+    thread; UNVERIFIED_PER_STAGE of them per stage may wait for their first frame in the session. Frame sizes: HELLO_MAX_FRAME_BYTES for the HELLO, PRE_AUTH_MAX_FRAME_BYTES
     until a frame in the session verifies, MAX_CONTROL_FRAME_BYTES after (PROTOCOL.md §6).
 
     Args:
@@ -180,7 +190,8 @@ class ControlServer:
         idle_timeout_s: the most time between frames of a verified connection (runners send a heartbeat a second).
         num_stages: the run's stage count, when known: a HELLO from another stage is refused ("wrong_stage").
         max_pending: connections waiting for their HELLO at once.
-        hello_timeout_s: from accept to a HELLO that verifies (at most auth_timeout_s).
+        hello_timeout_s: from accept to a HELLO that verifies (at most auth_timeout_s); a connection the kernel
+            deferred waited up to DEFER_ACCEPT_S before that.
     """
 
     def __init__(self, key: bytes, run_id: bytes, host: str = "127.0.0.1", port: int = 0,
@@ -193,7 +204,9 @@ class ControlServer:
         self.events: queue.Queue[ControlEvent] = queue.Queue()
         self.rejected: list[str] = []  # reasons of rejected frames, for the report and tests
         self.pending_dropped: Counter[str] = Counter()  # pending connections closed by us: "budget", "deadline"
-        self._sock = socket.create_server((host, port))
+        self._sock = socket.create_server((host, port), backlog=LISTEN_BACKLOG)
+        if hasattr(socket, "TCP_DEFER_ACCEPT"):
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, DEFER_ACCEPT_S)
         self._sock.setblocking(False)
         self._pending: dict[socket.socket, _Pending] = {}  # oldest first; the accept thread's own
         self._conns: dict[int, _Session] = {}  # stage -> its latest verified connection
@@ -283,12 +296,9 @@ class ControlServer:
                     time.sleep(0.05)
                 return
             conn.setblocking(False)
-            if len(self._pending) >= self.max_pending:
-                self._drop_pending(sel, self._eviction_victim(), "budget")
-            p = _Pending(conn, peer, time.monotonic() + self.hello_timeout_s)
-            self._pending[conn] = p
-            sel.register(conn, selectors.EVENT_READ, p)
-            self._read_hello(sel, p)  # a local runner's HELLO is usually here already
+            # A local runner's HELLO, and with TCP_DEFER_ACCEPT any runner's, is here already: read before anyone is
+            # pushed out, so a whole HELLO never waits among strangers.
+            self._read_hello(sel, _Pending(conn, peer, time.monotonic() + self.hello_timeout_s))
 
     def _eviction_victim(self) -> _Pending:
         """The oldest pending connection of the address with the most pending connections."""
@@ -297,23 +307,23 @@ class ControlServer:
         return next(p for p in self._pending.values() if p.peer[0] == busiest)
 
     def _read_hello(self, sel: selectors.BaseSelector, p: _Pending) -> None:
+        """Read what `p` sent of its HELLO: start its session once it is all here; a newcomer still short of it
+        waits among the pending connections (over `max_pending`, pushing one out)."""
         try:
-            chunk = p.conn.recv(p.need - len(p.buf))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._drop_pending(sel, p, None)
-            return
-        p.buf += chunk
-        try:
-            if p.need == frames.HEADER_SIZE and len(p.buf) == frames.HEADER_SIZE:
-                p.need = frames.peek_length(p.buf, HELLO_MAX_FRAME_BYTES)
-            if len(p.buf) < p.need:
+            complete = self._hello_bytes(p)
+            if complete is False:
+                if p.conn not in self._pending:
+                    if len(self._pending) >= self.max_pending:
+                        self._drop_pending(sel, self._eviction_victim(), "budget")
+                    self._pending[p.conn] = p
+                    sel.register(p.conn, selectors.EVENT_READ, p)
                 return
-            sel.unregister(p.conn)
-            del self._pending[p.conn]
+            if p.conn in self._pending:
+                sel.unregister(p.conn)
+                del self._pending[p.conn]
+            if complete is None:  # the peer went away
+                _close_quietly(p.conn)
+                return
             self._start_session(p.conn, p.peer, bytes(p.buf))
         except FrameRejected as e:
             self._rejected(p.peer, e)
@@ -321,6 +331,28 @@ class ControlServer:
                 self._drop_pending(sel, p, None)
             else:
                 _close_quietly(p.conn)
+
+    @staticmethod
+    def _hello_bytes(p: _Pending) -> bool | None:
+        """Read what has arrived of `p`'s HELLO into `p.buf`. True: all of it is there; False: more is to come;
+        None: the peer closed or failed.
+
+        Raises:
+            FrameRejected: its header announces a frame larger than a HELLO can be.
+        """
+        while len(p.buf) < p.need:
+            try:
+                chunk = p.conn.recv(p.need - len(p.buf))
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                return None
+            if not chunk:
+                return None
+            p.buf += chunk
+            if p.need == frames.HEADER_SIZE and len(p.buf) == frames.HEADER_SIZE:
+                p.need = frames.peek_length(p.buf, HELLO_MAX_FRAME_BYTES)
+        return True
 
     def _drop_pending(self, sel: selectors.BaseSelector, p: _Pending, why: str | None) -> None:
         """Close a pending connection; `why` ("budget", "deadline") is counted and logged at most every 5 s (a flood

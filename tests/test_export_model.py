@@ -226,3 +226,37 @@ def test_smollm2_float_and_int8(tmp_path):
             assert "(over 1e-3)" not in result.stdout
         print(result.stdout)
     assert (tmp_path / "tokenizer.json").is_file() and (tmp_path / "tokenizer_config.json").is_file()
+
+
+def test_deploy_pushes_the_program_and_its_tokenizer_to_every_device(tmp_path):
+    """`zl deploy --program` (issue 42 item 4): the program and tokenizer files go into each device's workdir next
+    to the training files; unchanged big files are skipped the second time."""
+    from zl.commands.devices import deploy_command
+    from zl_device.devices.deploy import deploy_program
+    from zl_device.devices.registry import open_devices
+    from zl_export.inference_program import write_tokenizer_files
+    from zl_export.tokenizer import ByteTokenizer
+
+    program = tmp_path / "out" / "model.pte"
+    program.parent.mkdir()
+    program.write_bytes(b"\0" * (2 << 20))  # big enough to be hashed before pushing
+    write_tokenizer_files(ByteTokenizer(), program.parent)
+    app = typer.Typer(add_completion=False)
+    app.command("deploy")(deploy_command)
+    app.command("unused")(lambda: None)
+    result = CliRunner().invoke(app, ["deploy", "--devices", "local:2", "--run-dir", str(tmp_path / "run"),
+                                      "--program", str(program)])
+    assert result.exit_code == 0, result.output
+    assert "local-1: program: pushed 3 files (2.0 MiB) (model.pte, tokenizer.json, tokenizer_config.json)" in (
+        " ".join(result.stdout.split()))
+    for k in range(2):
+        work = tmp_path / "run" / "devices" / f"local-{k}"
+        assert (work / "model.pte").read_bytes() == program.read_bytes()
+        assert (work / "tokenizer.json").read_bytes() == (program.parent / "tokenizer.json").read_bytes()
+    again = deploy_program(open_devices("local:2", tmp_path / "run"), program)
+    assert again[0].unchanged == ["model.pte"] and "model.pte" not in again[0].pushed
+    for args, message in ((["--program", str(tmp_path / "no.pte")], "no.pte: no such file"),
+                          ([], "nothing to push; pass --export DIR")):
+        result = CliRunner().invoke(app, ["deploy", "--devices", "local:2", "--run-dir", str(tmp_path / "run"),
+                                          *args])
+        assert isinstance(result.exception, ZLError) and message in str(result.exception), result.output

@@ -99,8 +99,10 @@ class DeployArgs:
     """`zl deploy`'s options."""
 
     devices: str = setting(REQUIRED, DEVICES_HELP, flag="--devices -d")
-    export: Path = setting(REQUIRED, "Output directory of `zl export` (manifest.json, stage_<k>.pte).",
-                           flag="--export -e")
+    export: Path | None = setting(None, "Output directory of `zl export` (manifest.json, stage_<k>.pte).",
+                                  flag="--export -e")
+    program: Path | None = setting(None, "An inference program of `zl export-model` (.pte): pushed with the "
+                                         "tokenizer files beside it to every device, next to the training files.")
     configs: Path | None = setting(None, "Folder with stage_<k>.json runner configs; the files they name (data "
                                          "shard, run key) are pushed too.")
     run_dir: Path | None = setting(None, "Local devices only: their folders are RUN_DIR/devices/local-N.")
@@ -120,9 +122,14 @@ With --mode app, phones get the app com.zerolock.zl instead of zl_runner (reinst
 Their files go to the app's folder /sdcard/Android/data/com.zerolock.zl/files/, except the run key: that folder
 is shared storage, so the key goes with the START intent (`--es run_key`) into the app's private storage.
 
+With --program FILE.pte (from `zl export-model`), every device also gets that
+inference program and the tokenizer.json beside it, for ExecuTorch's LLM runner.
+
 Examples:
 
   zl deploy --devices local:3 --export runs/export --run-dir runs/demo
+
+  zl deploy --devices R58M123,R58M456 --program runs/r1/model-int8.pte
 
   zl deploy --devices R58M123,R58M456,R58M789 --export runs/export --configs runs/demo/configs
 
@@ -131,10 +138,15 @@ Examples:
 
 
 def run_deploy(args: DeployArgs) -> None:
-    from zl_device.devices.deploy import deploy
+    from zl_device.devices.deploy import deploy, deploy_program
     from zl_device.devices.registry import open_devices
 
     configs = args.configs
+    if args.export is None and args.program is None:
+        raise ZLError("zl deploy: nothing to push; pass --export DIR (a `zl export` of stage programs) and/or "
+                      "--program FILE.pte (a `zl export-model` program), e.g. zl deploy -d local:2 -e runs/export.")
+    if args.export is None and configs is not None:
+        raise ZLError(f"--configs {configs}: stage configs go with the stage programs of --export; pass --export.")
     opened = open_devices(args.devices, args.run_dir, mode=args.mode)
     with _progress() as progress:
         task = progress.add_task("deploy", total=None)
@@ -143,14 +155,23 @@ def run_deploy(args: DeployArgs) -> None:
             if not unchanged:
                 progress.reset(task, total=size, description=f"{device}: {name}")
 
-        results = deploy(opened, args.export, configs, args.runner, args.force, on_file,
-                         lambda n: progress.advance(task, n))
+        def advance(n: int) -> None:
+            progress.advance(task, n)
+
+        results = (deploy(opened, args.export, configs, args.runner, args.force, on_file, advance)
+                   if args.export is not None else [])
+        programs = (deploy_program(opened, args.program, args.force, on_file, advance)
+                    if args.program is not None else [])
     for r in results:
         what = f"stage {r.stage}" if r.stage is not None else "spare"
         unchanged = f", {len(r.unchanged)} unchanged" if r.unchanged else ""
         app = (f", {r.runtime.name} {'installed' if r.runtime.installed else 'unchanged'}" if r.runtime else "")
         typer.echo(f"{r.device}: {what}: pushed {len(r.pushed)} files ({r.bytes_pushed / 2**20:.1f} MiB){unchanged}"
                    + (f", config {r.config}" if r.config else "") + app)
+    for r in programs:
+        unchanged = f", {len(r.unchanged)} unchanged" if r.unchanged else ""
+        typer.echo(f"{r.device}: program: pushed {len(r.pushed)} files ({r.bytes_pushed / 2**20:.1f} MiB){unchanged}"
+                   f" ({', '.join(r.pushed + r.unchanged)})")
     if configs is not None and any(not d.workdir_is_private for d in opened):
         typer.echo("run key: not pushed (the app's folder is shared storage); START a stage with "
                    "`--es run_key <the key file's 64 hex characters>` (android_app/README.md).")

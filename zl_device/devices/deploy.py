@@ -8,6 +8,8 @@ A deployed device's workdir holds, flat:
     stage_<k>.pte      this device's stage program
     stage_<k>.json     the stage config, its host paths rewritten to the names above (when given)
     run.key, *.safetensors ...   the other files the config names (run key, data shard)
+    FILE.pte, tokenizer.json, tokenizer_config.json   an inference program of `zl export-model` and its
+                       tokenizer (`deploy_program`, `zl deploy --program`)
 
 Stage k goes to devices[k]; devices past the last stage are spares and get
 the runner (or the app) and manifest only (`deploy_stage` puts a stage on one when the
@@ -198,6 +200,48 @@ def deploy_stage(
     # First, as the app creates the workdir it runs in.
     runtime = device.install_runtime(force, on_file, on_bytes)
     result = DeployResult(device.name, stage, runtime=runtime, bytes_pushed=runtime.bytes_pushed if runtime else 0)
+    _push_files(device, files, result, force, on_file, on_bytes)
+    if config_text is not None:
+        result.config = stage_config_name(stage)
+        device.write_text(result.config, config_text)
+        result.pushed.append(result.config)
+    log.info("%s: stage %s, pushed %s, unchanged %s", device.name, stage, result.pushed, result.unchanged)
+    return result
+
+
+def deploy_program(devices: Sequence[Device], program: Path, force: bool = False,
+                   on_file: FileCallback | None = None, on_bytes: ByteCallback | None = None) -> list[DeployResult]:
+    """Put an inference program of `zl export-model` and the tokenizer files beside it (tokenizer.json,
+    tokenizer_config.json) into every device's workdir, next to the training files, so the phone that trained
+    a model can run it (ExecuTorch's LLM runner reads the pair). Unchanged files are skipped as for stages.
+
+    Raises:
+        ZLError: a missing program, or too little free space on a device.
+    """
+    from zl_export.inference_program import TOKENIZER_FILES
+
+    program = Path(program)
+    if not program.is_file():
+        raise ZLError(f"--program {program}: no such file; pass the .pte `zl export-model` wrote.")
+    files = {program.name: (program, 0o644)}
+    files.update({n: (program.parent / n, 0o644) for n in TOKENIZER_FILES if (program.parent / n).is_file()})
+    results = []
+    for device in devices:
+        result = DeployResult(device.name, None)
+        _push_files(device, files, result, force, on_file, on_bytes)
+        log.info("%s: program, pushed %s, unchanged %s", device.name, result.pushed, result.unchanged)
+        results.append(result)
+    return results
+
+
+def _push_files(device: Device, files: dict[str, tuple[Path, int]], result: DeployResult, force: bool,
+                on_file: FileCallback | None, on_bytes: ByteCallback | None) -> None:
+    """Push {remote name: (host file, mode)} to `device`, skipping big files whose sha256 matches (unless
+    `force`); recorded in `result`.
+
+    Raises:
+        ZLError: too little free space for the files to push and the margin for checkpoints and logs.
+    """
     todo = []
     for name, (host, mode) in files.items():
         size = host.stat().st_size
@@ -220,12 +264,6 @@ def deploy_stage(
             on_file(device.name, name, size, False)
         result.bytes_pushed += device.push(host, name, mode=mode, on_bytes=on_bytes)
         result.pushed.append(name)
-    if config_text is not None:
-        result.config = stage_config_name(stage)
-        device.write_text(result.config, config_text)
-        result.pushed.append(result.config)
-    log.info("%s: stage %s, pushed %s, unchanged %s", device.name, stage, result.pushed, result.unchanged)
-    return result
 
 
 def _check_shard_fits(shard: Path, manifest: dict) -> None:

@@ -126,6 +126,10 @@ def test_generate_with_program_side_by_side_with_the_adapter(exported, tmp_path)
     for row in content["outputs"]:
         assert row["program"] == row["adapter"] and row["program_tokens"] == row["adapter_tokens"] == 10
         assert "base" not in row
+    for args, message in (((out, "-n", "40"), "exceed its KV cache of 48 positions"),
+                          ((run / "no.pte",), "no.pte: no such file")):
+        result = invoke("generate", "--run", run, "--program", *args, PROMPTS[0])
+        assert isinstance(result.exception, ZLError) and message in str(result.exception), result.output
 
 
 def test_the_llm_runner_loads_the_program_and_its_tokenizer(exported):

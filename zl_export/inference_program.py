@@ -41,8 +41,6 @@ _SCHEMES = {"int8": ("8da8w", "8w"), "int4": ("8da4w", "4w")}
 GROUP_SIZE = 32  # int4: input channels per scale; every quantized weight's inner size must be a multiple
 DEFAULT_MAX_SEQ_LEN = 512
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what the runners read, next to the program
-# Families whose export is refused, and why (zl_export.model_family keys).
-UNSUPPORTED_FAMILIES: dict[str, str] = {}
 
 
 @dataclass

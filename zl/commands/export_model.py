@@ -87,10 +87,8 @@ def run_export_model(args: ExportModelArgs) -> None:
     adapter_dir, model_name, seed = adapter_source(args.run, None, None, run_flag="RUN_DIR")
     with err_console.status(f"loading {model_name} and {adapter_dir}"):
         loaded = load_model(model_name, seed=seed)
-        family = loaded.family
-        _check_family(family, args.quantize)
         model = merged_model(load_adapter(loaded.model, adapter_dir))
-        check_quantization(model, args.quantize, family.name)
+        check_quantization(model, args.quantize, loaded.family.name)
     limit = int(getattr(model.config, "max_position_embeddings", args.max_seq_len) or args.max_seq_len)
     max_seq_len = min(args.max_seq_len, limit)
     tokenizer = loaded.tokenizer
@@ -118,15 +116,6 @@ def _check_out(out: Path, force: bool) -> None:
                       f"{out.with_suffix('.pte')}.")
     if out.exists() and not force:
         raise ZLError(f"--out {out}: exists; pass --force to replace it, or another --out.")
-
-
-def _check_family(family, quantize: str) -> None:
-    from zl_export.inference_program import UNSUPPORTED_FAMILIES
-
-    why = UNSUPPORTED_FAMILIES.get(family.key)
-    if why:
-        raise ZLError(f"zl export-model: {family.name} models cannot be exported for inference yet ({why}); "
-                      "export a Llama, Qwen2 or Qwen3 run.")
 
 
 def _check(run: Path, out: Path, model_name: str, seed: int, adapter_dir: Path, tokenizer, quantize: str) -> None:

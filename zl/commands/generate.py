@@ -17,7 +17,7 @@ from rich.markup import escape
 
 from zl_base.errors import ZLError
 from zl_device.formats.run_layout import RunLayout
-from zl_export.records import check_text
+from zl_export.records import check_text, json_line
 from zl.options import settings_command
 from zl.paths import check_out_file
 from zl_base.settings import setting
@@ -145,6 +145,11 @@ def run_generate(args: GenerateArgs) -> None:
     texts, template = _render(given, rendering, system, tokenizer)
     encoded = [encode_prompt(tokenizer, t) for t in texts]  # as `zl data` starts a sample: BOS where it adds one
     _check_lengths(texts, encoded, max_new_tokens, loaded.config, model_name)
+    longest = max(len(ids) for ids in encoded)
+    if runner is not None and longest + max_new_tokens > runner.max_seq_len:
+        raise ZLError(f"--program {args.program}: a prompt of {longest} tokens + --max-new-tokens {max_new_tokens} "
+                      f"exceed its KV cache of {runner.max_seq_len} positions; lower --max-new-tokens or export with a "
+                      "larger --max-seq-len.")
 
     shown = ("adapter", "program") if runner is not None else ("base", "adapter")
     how = (f"sampling (temperature {temperature:g}, top-p {top_p:g}, seed {seed})" if sample else "greedy")
@@ -403,11 +408,7 @@ def _parse(text: str, where: str, jsonl: bool) -> list[Prompt]:
         if not jsonl:
             prompts.append(Prompt(line, f"{where} line {number}"))
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ZLError(f"{where} line {number}: not valid JSON ({e.msg}); expected one object per line, e.g. "
-                          "{\"prompt\": \"Q: hi?\\nA:\"}.") from None
+        row = json_line(line, f"{where} line {number}")  # nesting, duplicate keys, JSON: one line each
         if isinstance(row, dict) and "messages" in row:
             messages = parse_prompt_messages(row["messages"], f"{where} line {number}")
             prompts.append(Prompt(messages[-1]["content"], f"{where} line {number}", messages))

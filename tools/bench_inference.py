@@ -1,0 +1,199 @@
+"""Inference on this host, one thread: `zl export-model`'s programs (none / int8 / int4) next to PyTorch eager.
+
+For one model (by default SmolLM2-135M, its base weights: merging an adapter changes values, not speed) it exports
+each quantization once into --work, then runs every variant in its own process, --rounds times interleaved (a busy
+spell of a shared machine hits them alike), and prints one table: program size, load time, peak RSS (the process's
+high-water mark, and above the RSS after imports), prefill tokens/s (a --prompt-tokens prompt in one call) and
+decode tokens/s (--new-tokens greedy tokens, one call each, from the KV cache). Each figure is the best of the rounds
+(other processes only ever add time). Eager: the Hugging Face model with its dynamic KV cache, torch 1 thread.
+
+    nice -n 10 .venv/bin/python tools/bench_inference.py                        # smollm2-135m, prompt 128, 64 new
+    .venv/bin/python tools/bench_inference.py --model tiny-random --rounds 1     # smoke run
+    .venv/bin/python tools/bench_inference.py --work runs/bench-inference --reuse   # time the programs again
+    .venv/bin/python tools/bench_inference.py --reuse --dev runs/demo-data/dev.safetensors --rows 16   # + accuracy
+
+With --dev SHARD (a `zl data` shard of the model), each program is also compared with the eager model on the
+shard's first --rows rows (`compare_with_model`: logits' max relative error, NLL of the rows, greedy continuations
+of --new-tokens from each row's prompt part identical or not).
+"""
+
+import argparse
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+warnings.filterwarnings("ignore")
+for _name in ("torchao", "torch.utils._pytree", "executorch"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = ("eager", "none", "int8", "int4")
+
+
+def rss_kib() -> int:
+    """The process's resident set now, in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def measure(variant: str, model_name: str, program: Path | None, prompt_tokens: int, new_tokens: int) -> dict:
+    """One variant in this process: load it, prefill a prompt, decode greedily; seconds and KiB."""
+    import torch
+
+    torch.set_num_threads(1)
+    import executorch.kernels.quantized  # noqa: F401
+    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+    _unsafe_reset_threadpool(1)  # XNNPACK's threadpool: one thread, as torch
+    from zl_device.results.program_runner import ProgramRunner
+    from zl_export.model_source import load_model
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 200, (prompt_tokens,), generator=generator).tolist()
+    baseline = rss_kib()
+    start = time.perf_counter()
+    if variant == "eager":
+        model = load_model(model_name).model.eval()
+        load = time.perf_counter() - start
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = model(torch.tensor([ids]), use_cache=True)  # prefill
+            prefill = time.perf_counter() - start
+            cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+            start = time.perf_counter()
+            for _ in range(new_tokens):
+                out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+                cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+            decode = time.perf_counter() - start
+        size = None
+    else:
+        runner = ProgramRunner(program)
+        load = time.perf_counter() - start
+        start = time.perf_counter()
+        logits = runner.logits(ids)
+        prefill = time.perf_counter() - start
+        token = int(logits[-1].argmax())
+        start = time.perf_counter()
+        for i in range(new_tokens):
+            token = int(runner.logits([token], prompt_tokens + i)[-1].argmax())
+        decode = time.perf_counter() - start
+        size = program.stat().st_size
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"variant": variant, "bytes": size, "load_s": load, "peak_rss_kib": peak, "peak_above_imports_kib":
+            peak - baseline, "prefill_tok_s": prompt_tokens / prefill, "decode_tok_s": new_tokens / decode}
+
+
+def export(model_name: str, work: Path, quantize: str, max_seq_len: int, reuse: bool) -> Path:
+    """The program of `model_name` at `quantize` in `work` (exported unless --reuse finds it)."""
+    from zl_export.inference_program import export_program
+    from zl_export.model_source import load_model
+
+    out = work / f"{model_name}-{quantize}-{max_seq_len}.pte"
+    if reuse and out.is_file():
+        return out
+    loaded = load_model(model_name)
+    info = export_program(loaded.model, out, quantize, max_seq_len, (loaded.tokenizer.eos_token_id,))
+    print(f"exported {out} ({info.bytes / 2**20:.1f} MiB) in {info.seconds:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="Model to export and time (its base weights).")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="Of eager,none,int8,int4.")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="Prompt length of the prefill.")
+    parser.add_argument("--new-tokens", type=int, default=64, help="Tokens decoded after it.")
+    parser.add_argument("--rounds", type=int, default=3, help="Runs of every variant, interleaved; best kept.")
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-inference", help="Where programs go.")
+    parser.add_argument("--reuse", action="store_true", help="Time the programs already in --work.")
+    parser.add_argument("--json-out", type=Path, help="Also write the table as JSON.")
+    parser.add_argument("--dev", type=Path, help="A shard to compare each program with the eager model on.")
+    parser.add_argument("--rows", type=int, default=16, help="--dev rows compared.")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one variant (JSON on stdout)
+    parser.add_argument("--program", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one, args.model, args.program, args.prompt_tokens, args.new_tokens)))
+        return
+    variants = [v for v in args.variants.split(",") if v]
+    max_seq_len = args.prompt_tokens + args.new_tokens + 1
+    programs = {v: export(args.model, args.work, v, max_seq_len, args.reuse) for v in variants if v != "eager"}
+    best: dict[str, dict] = {}
+    for _ in range(args.rounds):
+        for v in variants:
+            command = [sys.executable, __file__, "--one", v, "--model", args.model, "--prompt-tokens",
+                       str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
+            if v in programs:
+                command += ["--program", str(programs[v])]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            old = best.get(v)
+            best[v] = row if old is None else {
+                **row, **{k: max(old[k], row[k]) for k in ("prefill_tok_s", "decode_tok_s")},
+                **{k: min(old[k], row[k]) for k in ("load_s",)},
+                **{k: max(old[k], row[k]) for k in ("peak_rss_kib", "peak_above_imports_kib")}}
+    if best:
+        print_speed_table(args, variants, best)
+    accuracy = accuracy_table(args.model, programs, args.dev, args.rows, args.new_tokens) if args.dev else {}
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"model": args.model, "prompt_tokens": args.prompt_tokens,
+                                             "new_tokens": args.new_tokens, "rounds": args.rounds,
+                                             "results": best, "accuracy": accuracy}, indent=2) + "\n")
+
+
+def print_speed_table(args, variants: list[str], best: dict[str, dict]) -> None:
+    """The speed table: one row per variant, decode speed also as a multiple of eager's."""
+    eager = best.get("eager")
+    print(f"{args.model}, prompt {args.prompt_tokens} tokens, {args.new_tokens} decoded, 1 thread, best of "
+          f"{args.rounds}")
+    print(f"{'variant':<8} {'size MiB':>9} {'load s':>7} {'peak RSS MiB':>13} {'above imports':>14} "
+          f"{'prefill tok/s':>14} {'decode tok/s':>13} {'decode vs eager':>16}")
+    for v in variants:
+        r = best[v]
+        size = f"{r['bytes'] / 2**20:.1f}" if r["bytes"] else "-"
+        ratio = f"{r['decode_tok_s'] / eager['decode_tok_s']:.2f}x" if eager else "-"
+        print(f"{v:<8} {size:>9} {r['load_s']:>7.2f} {r['peak_rss_kib'] / 1024:>13.0f} "
+              f"{r['peak_above_imports_kib'] / 1024:>14.0f} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
+              f"{ratio:>16}")
+
+
+def accuracy_table(model_name: str, programs: dict[str, Path], shard_path: Path, rows: int, new_tokens: int) -> dict:
+    """Each program against the eager model on the shard's first `rows` rows; printed and returned."""
+    import torch
+
+    torch.set_num_threads(1)
+    from zl_device.results.generation import split_row
+    from zl_device.results.program_runner import ProgramRunner, compare_with_model
+    from zl_export.model_source import load_model
+    from zl_export.shard import load_shard
+
+    loaded = load_model(model_name)
+    shard = load_shard(shard_path)
+    picked = range(min(rows, shard.rows))
+    ids = [shard.input_ids[r, : int(shard.attention_mask[r].sum())].tolist() for r in picked]
+    prompts = [split_row(shard, r)[0] for r in picked]
+    print(f"\n{model_name} programs vs eager on {len(ids)} rows of {shard_path} (greedy: {new_tokens} tokens)")
+    print(f"{'variant':<8} {'logits max rel err':>19} {'NLL eager':>10} {'NLL program':>12} {'change':>8} "
+          f"{'greedy identical':>17}")
+    table = {}
+    for variant, program in programs.items():
+        runner = ProgramRunner(program)
+        c = compare_with_model(runner, loaded.model, ids, new_tokens, loaded.tokenizer.eos_token_id, prompts)
+        table[variant] = {"max_relative_error": c.max_relative_error, "nll_eager": c.nll_model,
+                          "nll_program": c.nll_program, "greedy_identical": c.greedy_agree, "rows": c.prompts}
+        print(f"{variant:<8} {c.max_relative_error:>19.2e} {c.nll_model:>10.4f} {c.nll_program:>12.4f} "
+              f"{c.nll_change:>+8.4f} {c.greedy_agree:>9}/{c.prompts:<7}")
+    return table
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,9 @@ stage, the end-to-end loss, and a window's rows at the full sequence length.
 
 The baselines train the same stages, LoRA, data order, micro-batches, windows
 and optimizer as ZeroLock, but end to end: the loss is the final output's
-cross-entropy on the target positions (eager_training.causal_lm_loss's) and
-its gradient flows back through every stage. Micro-batches keep the full
+cross-entropy on the target positions (eager_training.causal_lm_loss's), the
+backprop program's true loss (`StageModule.task_loss`, zl_export/backprop_stage.py,
+docs/design.md §3.8), and its gradient flows back through every stage. Micro-batches keep the full
 sequence length S (a pipelining stage has fixed shapes); right padding and
 causal attention leave the loss as with the padding cut. Stage 0 and the last
 stage both read the shard: ids and mask go in at stage 0, labels are the last
@@ -17,13 +18,12 @@ import torch
 from torch import nn
 
 from zl_device.torch.eager_training import micro_batch_rows
-from zl_export.local_loss import shift_targets
 from zl_export.shard import Shard
 
 
 class PipeStage(nn.Module):
     """A StageModule's layers as a pipelining stage: (ids | hidden, mask) -> (hidden, mask); the last stage returns
-    the final-normed hidden state (B, S, D) that the loss reads out."""
+    its output hidden state (B, S, D), which the loss reads out (`target_loss`)."""
 
     def __init__(self, stage_module: nn.Module):
         super().__init__()
@@ -32,19 +32,16 @@ class PipeStage(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
         _, h = self.stage.chunk(x, mask)  # (B, S, D)
         if self.stage.is_last:
-            return self.stage.norm(h)
+            return h
         return h, mask
 
 
-def target_loss(lm_head: nn.Module):
-    """The pipeline's loss_fn: mean cross-entropy of the LM head on the target positions (causal_lm_loss's)."""
-
-    def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        targets, valid = shift_targets(labels)  # (B, S), (B, S)
-        rows, cols = valid.bool().nonzero(as_tuple=True)  # K target positions
-        return nn.functional.cross_entropy(lm_head(hidden[rows, cols]).float(), targets[rows, cols])
-
-    return loss_fn
+def target_loss(stage_module: nn.Module):
+    """The pipeline's loss_fn(hidden (B, S, D), labels (B, S)): the last stage's true loss, the mean cross-entropy
+    of its readout on the target positions (causal_lm_loss's), as the backprop program computes it
+    (`StageModule.task_loss`), here on exactly those positions (`gather_targets`, set on the module)."""
+    stage_module.gather_targets = True
+    return stage_module.task_loss
 
 
 def window_rows(shard: Shard, window: range, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -46,7 +46,7 @@ class PipelinedStage:
         self.params = [p for n, p in module.named_parameters() if p.requires_grad and "lora_" in n]
         self.stage = PipelineStage(PipeStage(module), rank, world, device)
         # Every rank passes the loss: a schedule without one runs forward only (only the last stage calls it).
-        self.loss_fn = target_loss(module.lm_head)
+        self.loss_fn = target_loss(module)
         self.optimizer, self.scheduler = runner_optimizer([{"params": self.params, "lr": lr}], opt, num_windows)
         self._schedules: dict[int, object] = {}
 

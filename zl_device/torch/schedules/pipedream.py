@@ -44,6 +44,7 @@ from zl_device.torch.backprop import PipeStage, target_loss, window_rows
 from zl_device.torch.eager_training import runner_optimizer
 from zl_device.torch.schedules.base import CrossRankBackprop
 from zl_device.torch.stage_io import Rank
+from zl_export.backprop_stage import backprop_objective
 
 TAG_HIDDEN, TAG_MASK, TAG_GRAD = 0, 1, 2
 
@@ -75,7 +76,7 @@ class PipeDreamStage:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and "lora_" in n]
         self.names = [f"stage.{n}" for n, _ in named]  # PipeStage's names, for functional_call
         self.params = [p for _, p in named]
-        self.loss_fn = target_loss(module.lm_head)
+        self.loss_fn = target_loss(module)
         self.optimizer, self.scheduler = runner_optimizer([{"params": self.params, "lr": lr}], opt, plan.num_windows)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.version = 0  # optimizer steps taken by this stage
@@ -164,7 +165,8 @@ class PipeDreamStage:
             upstream = None if last else self._recv("gradient", (b, s, d), dtype, self.rank + 1, TAG_GRAD,
                                                     "gradient", mb, ahead)
             inputs = weights if first else [*weights, x]
-            grads = torch.autograd.grad(out, inputs, grad_outputs=upstream)  # on the stashed weights
+            # on the stashed weights; upstream, the backprop program's objective <h, grad_hidden> (§3.8)
+            grads = torch.autograd.grad(out if last else backprop_objective(out, upstream), inputs)
             for acc, g in zip(grad_sum, grads):
                 acc += g
             if not first:

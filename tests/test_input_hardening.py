@@ -121,9 +121,10 @@ def test_zl_data_on_a_lone_surrogate_exits_2_with_one_line_and_writes_nothing(tm
 
 @pytest.mark.parametrize("line,problem", [
     ('{"prompt":"lower","Prompt":"UPPER","completion":"c"}',
-     r"line 1: key 'Prompt' and 'prompt' \(the same column: keys are matched ignoring case"),
+     r"line 1: keys 'prompt' and 'Prompt' name the same column \(keys are matched ignoring case"),
     ('{"prompt":"first","prompt":"second","completion":"c"}', r"line 1: key 'prompt' twice; zl would silently keep"),
-    ('{"prompt":"p"," completion ":"a","completion":"b"}', r"line 1: key 'completion' and ' completion '"),
+    ('{"prompt":"p"," completion ":"a","completion":"b"}', r"line 1: keys ' completion ' and 'completion' name"),
+    ('{"messages":[{"role":"user","role":"assistant","content":"x"}]}', r"line 1: key 'role' twice"),
 ])
 def test_two_keys_naming_one_column_are_an_error(tmp_path, line, problem):
     path = tmp_path / "k.jsonl"
@@ -154,6 +155,18 @@ def test_a_value_that_is_not_text_is_named_with_prompt_columns(tmp_path):
     path.write_text(json.dumps({"question": False, "answer": "a"}) + "\n")
     with pytest.raises(ZLError, match=r"q.jsonl line 1: column 'question' is a JSON boolean \(false\)"):
         data.load_task(path, cols=DataColumns(prompt_column="question", completion_column="answer"))
+
+
+@pytest.mark.parametrize("line,problem", [
+    ('{"prompt": ' + "[" * 5000 + "]" * 5000 + "}", r"p.jsonl line 2: JSON nested deeper than 32 levels"),  # was a RecursionError
+    ('{"prompt": "a", "prompt": "b"}', r"p.jsonl line 2: key 'prompt' twice"),
+])
+def test_a_generate_prompt_file_line_is_read_as_data_lines_are(tmp_path, line, problem):
+    from zl.commands.generate import read_prompts
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(ZLError, match=problem):
+        read_prompts([], tmp_path / "p.jsonl")
 
 
 def test_integer_class_labels_and_keys_in_any_case_still_read(tmp_path):

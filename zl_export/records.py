@@ -2,8 +2,8 @@
 
 Every problem is a one-line ZLError naming the file and line: a missing file, an unknown extension, text that is
 not UTF-8, a NUL byte, a ragged CSV row, a malformed or too deeply nested JSON line (the nesting is measured in
-linear time before parsing), a lone surrogate escape, and two keys of one JSONL line that name the same column
-(the same key twice, or keys that differ only in case or surrounding spaces: keys are matched as CSV headers are,
+linear time before parsing), a lone surrogate escape, a key twice in one JSON object, and two keys of one line that
+name the same column (keys that differ only in case or surrounding spaces: keys are matched as CSV headers are,
 stripped and lower-cased). JSONL values are kept as parsed (strings, numbers, true/false, null, lists, dicts), so a
 reader that needs text names what it found (`json_kind`) instead of training on "True" or "inf".
 """
@@ -84,16 +84,8 @@ def _read_jsonl(path: Path) -> tuple[list[str], list[tuple[int, Record]]]:
             if not line.strip():
                 continue
             where = f"{path} line {line_no}"
-            if nests_deeper_than(line, _JSONL_MAX_DEPTH):
-                raise ZLError(f"{where}: JSON nested deeper than {_JSONL_MAX_DEPTH} levels; expected one flat object "
-                              'per line like {"prompt": ..., "completion": ...}.')
-            try:
-                obj = json.loads(line, object_pairs_hook=_pairs)
-            except json.JSONDecodeError as e:
-                raise ZLError(f"{where}: not valid JSON ({e.msg}); expected one JSON object per line.") from e
-            except (ValueError, RecursionError) as e:  # e.g. an integer of more than 4300 digits
-                raise ZLError(f"{where}: not usable JSON ({e}); expected one JSON object per line.") from None
-            if not isinstance(obj, _Object):
+            obj = json_line(line, where)
+            if not isinstance(obj, dict):
                 raise ZLError(f"{where}: a JSON {json_kind(obj)}, expected an object like "
                               '{"prompt": ..., "completion": ...}.')
             row = _row(obj, where)
@@ -104,41 +96,57 @@ def _read_jsonl(path: Path) -> tuple[list[str], list[tuple[int, Record]]]:
     return list(columns), records
 
 
-class _Object(list):
-    """A JSON object as its (key, value) pairs in file order, so a duplicated key is seen, not overwritten."""
+class _DuplicateKey(Exception):
+    """A key twice in one JSON object (json.loads would keep the last value silently)."""
 
 
-def _pairs(pairs: list) -> _Object:
-    return _Object(pairs)
+def _unique(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
-def _row(obj: _Object, where: str) -> Record:
-    """The row of a JSONL line's object: keys stripped and lower-cased (as CSV headers), integers as their digits.
+def json_line(line: str, where: str) -> object:
+    """One line of a JSONL file (data rows, `zl generate --file` prompts) parsed: nesting measured first, in linear
+    time (json.loads recurses once per level), and a key twice in any object refused.
 
     Raises:
-        ZLError: two keys naming the same column, e.g. "prompt" twice, or "prompt" and "Prompt".
+        ZLError: naming `where` (e.g. "data.jsonl line 7"): nested deeper than 32, a duplicated key, not JSON.
+    """
+    if nests_deeper_than(line, _JSONL_MAX_DEPTH):
+        raise ZLError(f"{where}: JSON nested deeper than {_JSONL_MAX_DEPTH} levels; expected one flat object per "
+                      'line like {"prompt": ..., "completion": ...}.')
+    try:
+        return json.loads(line, object_pairs_hook=_unique)
+    except _DuplicateKey as e:
+        raise ZLError(f"{where}: key {e.args[0]!r} twice; zl would silently keep one value. Keep one of them, or "
+                      "rename the other.") from None
+    except json.JSONDecodeError as e:
+        raise ZLError(f"{where}: not valid JSON ({e.msg}); expected one JSON object per line.") from e
+    except (ValueError, RecursionError) as e:  # e.g. an integer of more than 4300 digits
+        raise ZLError(f"{where}: not usable JSON ({e}); expected one JSON object per line.") from None
+
+
+def _row(obj: dict, where: str) -> Record:
+    """The row of a JSONL line's object: keys stripped and lower-cased, as CSV headers are.
+
+    Raises:
+        ZLError: two keys naming the same column, e.g. "prompt" and "Prompt".
     """
     row: Record = {}
     written: dict[str, str] = {}  # column -> the key as the file wrote it
-    for key, value in obj:
+    for key, value in obj.items():
         column = key.strip().lower()
         if column in written:
-            same = "twice" if key == written[column] else f"and {written[column]!r} (the same column: keys are " \
-                                                          "matched ignoring case and surrounding spaces)"
-            raise ZLError(f"{where}: key {key!r} {same}; zl would silently keep one value. Keep one of them, or "
-                          "rename the other.")
+            raise ZLError(f"{where}: keys {written[column]!r} and {key!r} name the same column (keys are matched "
+                          "ignoring case and surrounding spaces), so zl would silently keep one value. Keep one of "
+                          "them, or rename the other.")
         written[column] = key
-        row[column] = _value(value)
+        row[column] = value
     return row
-
-
-def _value(value: object) -> object:
-    """A JSON value as a row cell: nested objects as dicts (chat turns; checked by their reader), the rest as parsed."""
-    if isinstance(value, _Object):
-        return {k: _value(v) for k, v in value}
-    if isinstance(value, list):
-        return [_value(v) for v in value]
-    return value
 
 
 def json_kind(value: object) -> str:
@@ -149,7 +157,7 @@ def json_kind(value: object) -> str:
         return f"boolean ({str(value).lower()})"
     if isinstance(value, (int, float)):
         return f"number ({value!r})"
-    return {dict: "object", _Object: "object", list: "list", str: "string"}.get(type(value), type(value).__name__)
+    return {dict: "object", list: "list", str: "string"}.get(type(value), type(value).__name__)
 
 
 def check_text(value: object, where: str) -> None:

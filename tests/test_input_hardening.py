@@ -169,6 +169,15 @@ def test_a_generate_prompt_file_line_is_read_as_data_lines_are(tmp_path, line, p
         read_prompts([], tmp_path / "p.jsonl")
 
 
+def test_chat_content_that_is_not_text_is_named(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 1e9}]})
+                    + "\n")
+    with pytest.raises(ZLError, match=r"c.jsonl line 1: message 1 is an object, expected an object with a string "
+                                      r"'role' and 'content' \(its 'content' is a JSON number \(1000000000.0\)\)"):
+        data.load_task(path)
+
+
 def test_integer_class_labels_and_keys_in_any_case_still_read(tmp_path):
     path = tmp_path / "ok.jsonl"
     path.write_text(json.dumps({"Text": "rain", "label": 1}) + "\n" + json.dumps({" text ": "sun", "LABEL": 2}) + "\n")

@@ -26,7 +26,7 @@ prefix of the conversation ending in that assistant turn).
 from __future__ import annotations
 
 from zl_base.errors import ZLError
-from zl_export.records import check_text
+from zl_export.records import check_text, json_kind
 
 ROLES = ("system", "user", "assistant")
 #: The plain fallback: each turn as "<|role|>\ncontent\n", then "<|assistant|>\n" opens the trained turn.
@@ -81,8 +81,11 @@ def _turns(value: object, where: str) -> list[dict[str, str]]:
     messages = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            seen = "" if not isinstance(m, dict) else " (its " + ", ".join(
+                f"{k!r} is {'missing' if k not in m else 'a JSON ' + json_kind(m[k])}"
+                for k in ("role", "content") if not isinstance(m.get(k), str)) + ")"  # "'content' is a JSON null"
             raise ZLError(f"{where}: message {i} is {_kind(m)}, expected an object with a string 'role' and "
-                          f"'content', like {_EXAMPLE}.")
+                          f"'content'{seen}, like {_EXAMPLE}.")
         role = m["role"].strip().lower()
         if role not in ROLES:
             raise ZLError(f"{where}: message {i} has role {m['role']!r}; expected one of {', '.join(ROLES)}. Rename "

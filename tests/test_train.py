@@ -508,6 +508,68 @@ def test_resume_after_a_failure_with_no_restarts_left_ends_identical(clean_run, 
         assert torch.equal(resumed[name], t), name
 
 
+def test_a_stopped_zl_train_stops_its_runners_and_resume_finishes_the_run(export_cache, data_file, tmp_path,
+                                                                           monkeypatch):
+    """`zl train` (the CLI, in a subprocess) stopped by SIGTERM once the last stage has committed a window: it exits
+    within seconds with 143 and one line saying how to resume, no runner is left running, the run is kept
+    (UNFINISHED.txt, run.key), and `zl train --resume` finishes it. (Before, SIGTERM ended zl train at once and the
+    runners trained on without a host until `--resume` stopped them.)"""
+    import signal
+    import subprocess
+    import sys
+
+    from zl_device.run.train_job import run_training
+    from zl_device.run.train_settings import TrainSettings
+
+    cache = tmp_path / "cache"  # $ZL_CACHE_DIR/exports: this module's export cache, whose tiny-random export fits
+    cache.mkdir()
+    (cache / "exports").symlink_to(export_cache, target_is_directory=True)
+    monkeypatch.setenv("ZL_CACHE_DIR", str(cache))
+    out = tmp_path / "run"
+    log = (tmp_path / "zl.out").open("wb")
+    host = subprocess.Popen(
+        [sys.executable, "-c", "from zl.cli import main; main()", "train", "--model", "tiny-random", "--seq-len", "32",
+         "--data", str(data_file), "--samples", "800", "--window", str(WINDOW), "--stage-lr", "1", "--out", str(out)],
+        cwd=REPO, stdout=log, stderr=subprocess.PIPE)
+    checkpoints = out / "devices" / "local-2" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (checkpoints.is_dir() and any(checkpoints.glob("window_*"))):
+        assert host.poll() is None, host.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "the run never committed a window"
+        time.sleep(0.02)
+    pids = [int((out / "devices" / f"local-{k}" / "runner.pid").read_text()) for k in range(3)]
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    assert all(alive(pid) for pid in pids), "the runners were done before the stop: nothing was tested"
+    stopped = time.monotonic()
+    host.send_signal(signal.SIGTERM)
+    try:
+        code = host.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        host.kill()
+        pytest.fail("zl train did not exit within 60 s of SIGTERM")
+    took = time.monotonic() - stopped
+    err = host.stderr.read().decode().strip().splitlines()
+    assert code == 143, (code, err[-5:])  # 128 + SIGTERM, as a shell reports it
+    assert took < 30, f"zl train took {took:.1f} s to stop"  # measured: about 2-5 s on a loaded 2-core host
+    assert err[-1] == (f"stopped (SIGTERM): the stages are stopped and keep their checkpoints; continue the run with "
+                       f"`zl train --resume --out {out.resolve()}`"), err[-5:]
+    assert not any(alive(pid) for pid in pids), "a runner outlived the stopped zl train"
+    codes = [(out / "devices" / f"local-{k}" / "runner.exit").read_text().strip() for k in range(3)]
+    assert codes == ["3", "3", "3"], f"the runners did not stop on request (exit 3): {codes}"
+    assert (out / "UNFINISHED.txt").is_file() and (out / "run.key").is_file()
+    result = run_training(TrainSettings(out=out, resume=True), say=lambda line: None)
+    assert result.report and not (out / "UNFINISHED.txt").exists() and not (out / "run.key").exists()
+    events = [json.loads(ln) for ln in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["type"] for e in events if e["type"] == "resume"] == ["resume"]
+    assert max(e["window"] for e in events if e["type"] == "window" and e["stage"] == 2) == 800 // WINDOW - 1
+
+
 def test_bad_inputs_are_clear_errors(export_cache, tmp_path):
     from zl_base.errors import ZLError
 

@@ -2,13 +2,17 @@
 
 Errors of type `ZLError` print as one line and exit with status 2; so do the command-line framework's own errors
 (an option value that does not parse, an unknown option) when the entry runs typer with `standalone_mode=False`;
-set `ZL_DEBUG=1` for the traceback and debug logging.
+set `ZL_DEBUG=1` for the traceback and debug logging. A command that starts processes stops them when it is
+stopped itself: `stopped_by_signals` turns SIGTERM, like Ctrl-C, into an exception that runs its cleanup.
 """
 
 import logging
 import os
+import signal
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import typer
 
@@ -57,6 +61,45 @@ def _input_of(e: BaseException) -> object | None:
         return errors()[0]["input"] if callable(errors) else None
     except (IndexError, KeyError, TypeError):
         return None
+
+
+class Stopped(KeyboardInterrupt):
+    """A command stopped by a signal (SIGINT: Ctrl-C; SIGTERM: `kill`, a service manager, a CI timeout), raised in the
+    main thread wherever it was, so that cleanup (`finally`, `except BaseException`) runs as after Ctrl-C. A
+    KeyboardInterrupt, so code that does not catch Ctrl-C does not catch this either."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(self.name)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        """The shells' status for a process ended by the signal: 128 + its number (SIGINT 130, SIGTERM 143)."""
+        return 128 + self.signum
+
+
+@contextmanager
+def stopped_by_signals(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Within: each of `signums` raises `Stopped` in the main thread. Only the first does: further ones while its
+    cleanup runs (stopping processes takes seconds) are ignored, so a second Ctrl-C cannot leave them half stopped
+    (SIGKILL still ends the command). The previous handlers come back on leaving."""
+    stopping: list[int] = []
+
+    def stop(signum: int, frame) -> None:
+        if not stopping:
+            stopping.append(signum)
+            raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def run_cli(entry) -> None:

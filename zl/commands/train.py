@@ -1,11 +1,15 @@
 """`zl train`: export, deploy and run a pipeline end to end, then merge, evaluate and report."""
 
+import sys
 import time
+from pathlib import Path
 
+import typer
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from zl_base.entry import Stopped, stopped_by_signals
 from zl_base.errors import ZLError
 from zl.options import settings_command
 from zl_device.run.train_settings import TrainSettings
@@ -62,6 +66,29 @@ class PlainProgress:
 
 
 def run_train(settings: TrainSettings) -> None:
+    """`zl train`. Stopped by Ctrl-C or SIGTERM, it stops its stages (their runners or ranks, which keep their
+    checkpoints), keeps the run for `--resume` and exits with 130 or 143 (`stopped_line`)."""
+    try:
+        with stopped_by_signals():
+            _train(settings)
+    except Stopped as e:
+        print(stopped_line(Path(settings.out), e.name), file=sys.stderr, flush=True)
+        raise typer.Exit(e.exit_code) from None
+
+
+def stopped_line(out: Path, signal_name: str) -> str:
+    """The line `zl train` ends with when a signal stopped it (its stages are stopped by then): how to continue the
+    run, or that there is nothing to continue (it was stopped before its stages started)."""
+    from zl_device.run.train_job import is_unfinished
+
+    run_dir = out.expanduser().resolve()
+    if is_unfinished(run_dir):
+        return (f"stopped ({signal_name}): the stages are stopped and keep their checkpoints; continue the run with "
+                f"`zl train --resume --out {run_dir}`")
+    return f"stopped ({signal_name}) before the stages started: nothing to resume; start the run again."
+
+
+def _train(settings: TrainSettings) -> None:
     from zl.commands.export import RichExportProgress
     from zl_device.plan.plan_file import PLAN_FILE, write_plan
     from zl_device.plan.planner import resolve_stages

@@ -270,7 +270,7 @@ class ExportOptions:
         """The options as manifest.json records them, every field by its name (nested trees as objects), with
         `max_targets` resolved to the programs' `target_slots`.
 
-        What the export cache key hashes (zl_device/run/export_cache.py) and `from_manifest` reads back, so a new
+        What the export cache key hashes (zl_device/executorch/export_cache.py) and `from_manifest` reads back, so a new
         field reaches the manifest, the cache key and the rebuilt options without a line elsewhere.
         """
         return {**to_json(self), "max_targets": self.target_slots}

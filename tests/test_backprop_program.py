@@ -239,7 +239,7 @@ def test_zl_export_program_backprop_checks_and_records_the_kind(tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["program"] == {"kind": "backprop", "local_weight": 0.0}
     assert [o["name"] for o in manifest["stages"][1]["outputs"]] == ["hidden", "loss", "grad_input"]
-    assert "ExecuTorch runtime vs PyTorch eager" in result.output
+    assert "loss ET" in result.output and "|Δ|grad" in result.output  # the check's table
 
 
 @pytest.mark.slow
@@ -257,3 +257,29 @@ def test_exported_local_weight_program_equals_its_eager_step(tmp_path):
         torch.testing.assert_close(got.outputs[k], v, rtol=1e-4, atol=1e-6, msg=k)
     for k, v in want.gradients.items():
         torch.testing.assert_close(got.gradients[k], v, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_export_pipeline_builds_backprop_modules_and_records_the_program(tmp_path, monkeypatch):
+    """`export_pipeline` with ProgramSettings("backprop", w): backprop modules reach the exporter and the manifest
+    records the program and each stage's inputs and outputs (the exporter itself stubbed: no ExecuTorch export)."""
+    import json
+
+    from zl_export import exporter
+    from zl_export.backprop_stage import BackpropStage
+    from zl_export.options import ModelSplit
+    from zl_export.pipeline import export_pipeline
+
+    def fake_export(module, peft_model, opts, vocab_size, on_phase=None):
+        assert isinstance(module, BackpropStage) and module.local_weight == (0.0 if module.is_last else 0.5)
+        hidden = module.hidden_size
+        return exporter.StageProgram(module.stage, b"pte", [], exporter.input_specs(module, opts, hidden),
+                                     exporter.output_specs(module, opts, hidden), 0.0)
+
+    monkeypatch.setattr(exporter, "export_stage", fake_export)
+    out = tmp_path / "export"
+    export_pipeline(ModelSplit("tiny-random", "0-1,2-3"), out, ExportOptions(seq_len=16),
+                    program=ProgramSettings("backprop", 0.5))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["program"] == {"kind": "backprop", "local_weight": 0.5}
+    assert [[o["name"] for o in s["outputs"]] for s in manifest["stages"]] == [["hidden", "loss", "local_loss"],
+                                                                              ["loss", "grad_input"]]

@@ -124,11 +124,11 @@ def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bo
         entries = []
         for module in modules:
             k = module.stage.index
-            program = export_stage(module, peft_model, opts, cfg.vocab_size, lambda phase, k=k: progress.stage_phase(k, phase))
+            exported = export_stage(module, peft_model, opts, cfg.vocab_size, lambda phase, k=k: progress.stage_phase(k, phase))
             progress.stage_phase(k, "writing")
-            entries.append(write_program(program, out))
-            progress.stage_done(k, len(program.buffer), program.export_s)
-            del program
+            entries.append(write_program(exported, out))
+            progress.stage_done(k, len(exported.buffer), exported.export_s)
+            del exported
         manifest = build_manifest(loaded, opts, entries)
         manifest["program"] = program.to_manifest()
         if lens_source is not None:

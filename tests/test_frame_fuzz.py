@@ -87,6 +87,13 @@ def data_records(rng: random.Random, b: int = B, s: int = S, d: int = D) -> list
             record(2, b"labels", (b, s), labels)]
 
 
+def grad_records(rng: random.Random, code: int = 5, b: int = B, s: int = S, d: int = D) -> list[bytes]:
+    """A GRAD frame's one record: grad_hidden [B,S,D], bfloat16 (code 5, the default on the wire) or float32 (1)."""
+    grad = np.array([rng.uniform(-1e-3, 1e-3) for _ in range(b * s * d)], np.float32)
+    raw = frames.to_bfloat16(grad).tobytes() if code == 5 else grad.tobytes()
+    return [record(code, b"grad_hidden", (b, s, d), raw)]
+
+
 # JSON payloads that break the payload rule (each must be rejected as bad_payload) ...
 BAD_JSON = [
     b"[1]", b"null", b"1", b'"x"', b"true", b"[]", b"{", b"}", b"{not json", b'{"a":NaN}', b'{"a":Infinity}',
@@ -142,6 +149,10 @@ def corpus() -> list[tuple[bytes, str]]:
         mb += 1
         return build(1, b"", data_records(rng), window=mb // 8, mb=mb)
 
+    def valid_grad() -> bytes:
+        return build(4, rng.choice([b"", b"{}"]), grad_records(rng, rng.choice([5, 1])), window=rng.randrange(10),
+                     mb=rng.randrange(100))
+
     def valid_control() -> bytes:
         ftype = rng.choice([2, 3, 16, 17, 18, 19, 20, 21])
         payload = rng.choice(GOOD_JSON)
@@ -181,7 +192,7 @@ def corpus() -> list[tuple[bytes, str]]:
     out.append((signed(20, b"{}", [record(3, "é€😀".encode(), (1,), b"abcd")]), "any"))
     out.append((signed(20, b"{}", [record(6, b"\"'\\", (1,), b"a")]), "any"))
     # Header lies, sealed with the right key.
-    for kw in [dict(flags=1), dict(reserved=1), dict(version=1), dict(version=3), dict(ftype=4), dict(ftype=0xFFFF),
+    for kw in [dict(flags=1), dict(reserved=1), dict(version=1), dict(version=3), dict(ftype=4), dict(ftype=5), dict(ftype=0xFFFF),
                dict(count=1), dict(count=0xFFFFFFFF), dict(json_len=0xFFFFFFFF), dict(json_len=1), dict(total=0),
                dict(total=0xFFFFFFFF), dict(total=H + TAG - 1), dict(total=(64 << 20) + 1), dict(magic=b"ZLFS")]:
         out.append((signed(**{"ftype": 17, "json_bytes": b'{"a":1}', **kw}), "bad"))
@@ -191,6 +202,22 @@ def corpus() -> list[tuple[bytes, str]]:
     out.append((signed(1, b"", data_records(rng, s=3)), "bad"))
     out.append((signed(1, b"", data_records(rng)[:2]), "bad"))
     out.append((signed(1, b"", data_records(rng) + [record(6, b"extra", (1,), b"a")]), "bad"))
+    # GRAD (issue 39): anything but exactly grad_hidden bfloat16/float32 [B,S,D].
+    out.append((signed(4, b"", grad_records(rng, 5)), "any"))
+    out.append((signed(4, b"", grad_records(rng, 1)), "any"))
+    for recs in ([record(2, b"grad_hidden", (B, S, D), bytes(8 * B * S * D))],  # int64
+                 [record(4, b"grad_hidden", (B, S, D), bytes(2 * B * S * D))],  # float16
+                 [record(5, b"grad_hidden", (B, S * D), bytes(2 * B * S * D))],  # rank 2
+                 [record(5, b"grad_hidden", (B, S, D, 1), bytes(2 * B * S * D))],  # rank 4
+                 grad_records(rng, 5, d=D + 1), grad_records(rng, 1, s=S + 1),
+                 [record(5, b"hidden", (B, S, D), bytes(2 * B * S * D))],  # misnamed
+                 grad_records(rng) + [record(6, b"extra", (1,), b"a")], [],
+                 [record(5, b"grad_hidden", (B, S, D), bytes(2 * B * S * D), nbytes=4 * B * S * D)],  # f32 bytes, bf16
+                 [record(1, b"grad_hidden", (B, S, D), bytes(2 * B * S * D))]):  # bf16 bytes, f32
+        out.append((signed(4, b"", recs), "bad"))
+    out.append((signed(4, b'{"a":NaN}', grad_records(rng)), "bad"))
+    out.append((signed(4, b"", grad_records(rng), stage=1), "bad"))
+    out.append((signed(4, b"", grad_records(rng), seq=0), "bad"))
     # Session and sequence: another connection's session, none, and a sequence number already used (0: the HELLO's).
     out.append((signed(1, b"", data_records(rng), session=session_for(len(out) + 1)), "bad"))
     out.append((signed(1, b"", data_records(rng), session=frames.NO_SESSION), "bad"))
@@ -199,7 +226,8 @@ def corpus() -> list[tuple[bytes, str]]:
 
     while len(out) < N_FRAMES:
         kind = rng.randrange(17) % 16  # valid frames twice as often as each kind of damage
-        base_plain = valid_data() if rng.random() < 0.6 else valid_control()
+        pick = rng.random()
+        base_plain = valid_data() if pick < 0.5 else valid_grad() if pick < 0.65 else valid_control()
         base = seal(base_plain)
         if kind == 0:
             out.append((base, "any"))
@@ -352,6 +380,14 @@ def test_corpus_is_big_and_varied(fuzz_corpus):
         seen.add(w)
     assert replays > 300
     assert sum(not isinstance(r, dict) for r in results) > 1000  # plenty of accepted frames too
+    # GRAD frames (issue 39): accepted in both wire dtypes, and mutated ones rejected with a named reason.
+    grads = [(r, w) for r, (w, _) in zip(results, fuzz_corpus) if len(w) >= H and w[6:8] == b"\x04\x00"]
+    accepted = {frames._DTYPE_NAMES[frames._DTYPE_CODES[r.tensors["grad_hidden"].dtype]]
+                for r, _ in grads if not isinstance(r, dict)}
+    assert accepted == {"bfloat16", "float32"}
+    grad_errors = {r["error"] for r, _ in grads if isinstance(r, dict)}
+    assert {"bad_mac", "unexpected_tensor", "bad_tensor", "length_mismatch", "truncated", "replay"} <= grad_errors
+    assert len(grads) > 1000
 
 
 def test_python_decoder_never_raises_anything_else_and_accepts_only_valid_frames(fuzz_corpus):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -288,3 +289,94 @@ def test_cpp_and_python_agree_on_nesting_around_strings(tmp_path):
             py.append(e.error)
     assert py == cpp
     assert py[:4] == [None, "bad_payload", None, "bad_payload"] and py[4:7] == [None, None, "bad_payload"]
+
+
+# --- issue 39 item 2: GRAD, the hidden state's gradient going upstream (PROTOCOL.md §4) -------------------------------
+
+UP_KEY = frames.derive_key(RUN_KEY, frames.KeyPurpose.DATA_UP, 1)  # GRAD from stage 2 to stage 1 (link 1)
+GRAD_SHAPE = (2, 3, 5)  # (B, S, D)
+
+
+def _grad_values() -> np.ndarray:
+    """(B, S, D) float32 with the cases bf16 rounding has to get right: ties both ways, inf, subnormals."""
+    g = np.random.default_rng(1).standard_normal(GRAD_SHAPE).astype(np.float32)
+    g.flat[:6] = [1.00390625, 1.01171875, -1.00390625, np.inf, 1e-40, 3.4e38]  # tie to even (down, up), -tie, ...
+    return g
+
+
+def test_bfloat16_rounds_to_nearest_even_and_widens_exactly():
+    above_tie = np.nextafter(np.float32(1.00390625), np.float32(2))
+    bits = frames.to_bfloat16(np.array([1.0, 1.00390625, 1.01171875, above_tie, np.nan], np.float32)).view("<u2")
+    assert list(bits[:4]) == [0x3F80, 0x3F80, 0x3F82, 0x3F81]  # tie down to even, tie up to even, above the tie
+    assert (bits[4] & 0x7FC0) == 0x7FC0  # NaN stays a quiet NaN
+    g = _grad_values()
+    widened = frames.from_bfloat16(frames.to_bfloat16(g))
+    normal = np.isfinite(g) & (np.abs(g) > 1e-37) & (np.abs(g) < 3e38)
+    assert np.all(np.abs(widened[normal] - g[normal]) <= np.abs(g[normal]) * 2.0**-8)  # half a bf16 ulp
+    assert widened.flat[3] == np.inf and widened.flat[5] == np.inf  # 3.4e38 rounds past bf16's largest
+    assert np.array_equal(frames.from_bfloat16(frames.to_bfloat16(widened)), widened)  # exact on bf16 values
+
+
+@pytest.mark.parametrize("wire_dtype, itemsize", [("bfloat16", 2), ("float32", 4)])
+def test_grad_round_trip(wire_dtype, itemsize):
+    g = _grad_values()
+    wire = encode(frames.grad_frame(RUN, 2, window=3, micro_batch=14, grad_hidden=g, wire_dtype=wire_dtype), UP_KEY)
+    assert len(wire) == frames.HEADER_SIZE + 16 + len("grad_hidden") + 24 + g.size * itemsize + frames.TAG_SIZE
+    f = decode(wire, UP_KEY, run_id=RUN, stage=2, expect_shape=GRAD_SHAPE)
+    assert (f.type, f.window, f.micro_batch, list(f.tensors)) == (FrameType.GRAD, 3, 14, ["grad_hidden"])
+    got = frames.grad_hidden(f, GRAD_SHAPE)
+    assert got.dtype == np.float32 and got.shape == GRAD_SHAPE
+    expected = frames.from_bfloat16(frames.to_bfloat16(g)) if wire_dtype == "bfloat16" else g
+    assert np.array_equal(got, expected)
+    _reject(wire, "bad_mac", key=frames.derive_key(RUN_KEY, frames.KeyPurpose.DATA_DOWN, 1))  # the down key
+
+
+def test_grad_of_the_wrong_tensor_is_unexpected_tensor():
+    good = frames.to_bfloat16(_grad_values())
+    cases = {
+        "dtype int64, expected bfloat16 or float32": {"grad_hidden": np.zeros(GRAD_SHAPE, np.int64)},
+        "dtype float16": {"grad_hidden": np.zeros(GRAD_SHAPE, np.float16)},
+        "shape [2, 3, 4], expected [2, 3, 5]": {"grad_hidden": np.zeros((2, 3, 4), np.float32)},
+        "shape [6, 5]": {"grad_hidden": np.zeros((6, 5), np.float32)},
+        "no tensor 'grad_hidden'": {"hidden": good},
+        "2 tensors, expected 1": {"grad_hidden": good, "labels": np.zeros((2, 3), np.int64)},
+    }
+    for words, tensors in cases.items():
+        wire = encode(Frame(FrameType.GRAD, RUN, stage=2, tensors=tensors), UP_KEY)
+        with pytest.raises(FrameRejected, match=re.escape(words)) as e:
+            decode(wire, UP_KEY, expect_shape=GRAD_SHAPE)
+        assert e.value.error == "unexpected_tensor"
+        with pytest.raises(FrameRejected, match=re.escape(words)):
+            frames.grad_hidden(decode(wire, UP_KEY), GRAD_SHAPE)
+    with pytest.raises(ValueError, match="wire dtype 'float16'"):
+        frames.grad_frame(RUN, 2, 0, 0, _grad_values(), wire_dtype="float16")
+    with pytest.raises(ValueError, match=r"float64 \[2, 3\], expected a float32 \(B, S, D\)"):
+        frames.grad_frame(RUN, 2, 0, 0, np.zeros((2, 3)))
+
+
+@pytest.mark.skipif(not FRAME_TOOL.is_file(), reason=f"{FRAME_TOOL} not built (bash setup.sh)")
+@pytest.mark.parametrize("wire_dtype", ["bfloat16", "float32"])
+def test_cpp_and_python_agree_on_grad_frames(tmp_path, wire_dtype):
+    g = _grad_values()
+    shape_arg = ",".join(map(str, GRAD_SHAPE))
+    # Python -> C++: C++ decodes and widens what Python narrowed.
+    (tmp_path / "py.bin").write_bytes(encode(frames.grad_frame(RUN, 2, 3, 14, g, wire_dtype), UP_KEY))
+    out = _tool("decode", "--key", UP_KEY.hex(), "--in", str(tmp_path / "py.bin"), "--expect-shape", shape_arg)
+    assert out.returncode == 0, out.stderr.decode()
+    spec = json.loads(out.stdout)
+    assert (spec["type"], spec["window"], spec["micro_batch"], spec["tensors"][0]["dtype"]) == ("GRAD", 3, 14, wire_dtype)
+    expected = frames.grad_hidden(decode((tmp_path / "py.bin").read_bytes(), UP_KEY), GRAD_SHAPE)
+    assert bytes.fromhex(spec["grad_f32_hex"]) == expected.tobytes()
+    # C++ -> Python: C++ narrows (make_grad_frame) exactly as Python does, and Python decodes it.
+    nonce = (tmp_path / "py.bin").read_bytes()[frames.HEADER_SIZE - frames.NONCE_SIZE:frames.HEADER_SIZE]
+    cpp_spec = {"type": "GRAD", "run_id": RUN.hex(), "stage": 2, "window": 3, "micro_batch": 14, "nonce": nonce.hex(),
+                "grad": {"shape": list(GRAD_SHAPE), "wire_dtype": wire_dtype, "f32_hex": g.tobytes().hex()}}
+    (tmp_path / "spec.json").write_text(json.dumps(cpp_spec))
+    back = _tool("encode", "--key", UP_KEY.hex(), "--in", str(tmp_path / "spec.json"), "--out", str(tmp_path / "cpp.bin"))
+    assert back.returncode == 0, back.stderr.decode()
+    assert (tmp_path / "cpp.bin").read_bytes() == (tmp_path / "py.bin").read_bytes()  # byte for byte
+    f = decode((tmp_path / "cpp.bin").read_bytes(), UP_KEY, run_id=RUN, stage=2, expect_shape=GRAD_SHAPE)
+    assert np.array_equal(frames.grad_hidden(f, GRAD_SHAPE), expected)
+    # A GRAD of the wrong shape: the same reason name on both sides.
+    bad = _tool("decode", "--key", UP_KEY.hex(), "--in", str(tmp_path / "py.bin"), "--expect-shape", "2,3,4")
+    assert bad.returncode == 2 and json.loads(bad.stdout)["error"] == "unexpected_tensor"

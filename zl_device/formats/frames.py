@@ -66,6 +66,7 @@ class FrameType(IntEnum):
     DATA = 1
     ACK = 2
     HELLO = 3
+    GRAD = 4  # stage k+1 -> k: grad_hidden [B,S,D] (bf16 or f32) of the DATA entry (window, micro_batch)
     REGISTER = 16
     HEARTBEAT = 17
     START = 18
@@ -110,7 +111,7 @@ class KeyPurpose(IntEnum):
     control connection, or the stage whose input log it is."""
 
     DATA_DOWN = 1  # data link k -> k+1: DATA (and HELLO) from stage k
-    DATA_UP = 2  # data link k -> k+1: ACK, ERROR, HELLO from stage k+1
+    DATA_UP = 2  # data link k -> k+1: ACK, GRAD, ERROR, HELLO from stage k+1
     CONTROL_UP = 3  # control channel of stage k: stage -> coordinator
     CONTROL_DOWN = 4  # control channel of stage k: coordinator -> stage
     INPUT_LOG = 5  # stage k's input log entries at rest
@@ -341,7 +342,8 @@ def decode(data: bytes, key: bytes, run_id: bytes | None = None,
 
     `run_id`, `stage` (the sender's), `session` (the connection's), `min_seq` (the lowest sequence number still
     new on it) and `expect_shape` (B, S, D of a DATA frame: it must carry exactly hidden float32 [B,S,D],
-    attention_mask int64 [B,S], labels int64 [B,S]) are checked when given.
+    attention_mask int64 [B,S], labels int64 [B,S]; of a GRAD frame: exactly grad_hidden bfloat16 or float32
+    [B,S,D]) are checked when given.
 
     Raises:
         FrameRejected: with the reason name of the C++ decoder; never another exception.
@@ -432,7 +434,82 @@ def decode(data: bytes, key: bytes, run_id: bytes | None = None,
             bad = f"DATA frame has {len(tensors)} tensors, expected 3"
         if bad:
             raise FrameRejected("unexpected_tensor", bad)
+    if ftype == FrameType.GRAD and expect_shape is not None and all(v > 0 for v in expect_shape):
+        bad = _grad_tensor_problem(tensors, expect_shape)
+        if bad:
+            raise FrameRejected("unexpected_tensor", bad)
     return Frame(ftype, rid, sender, window, micro_batch, payload, tensors, sid, seq)
+
+
+GRAD_TENSOR = "grad_hidden"  # a GRAD frame's one tensor
+GRAD_WIRE_DTYPES = ("bfloat16", "float32")  # the first is the default
+
+
+def _grad_tensor_problem(tensors: dict[str, np.ndarray], shape: tuple[int, int, int]) -> str:
+    """Why a GRAD frame's tensors are not exactly grad_hidden bfloat16/float32 `shape` (the C++
+    check_grad_tensor), or "" when they are."""
+    t = tensors.get(GRAD_TENSOR)
+    if t is None:
+        return f"GRAD frame has no tensor '{GRAD_TENSOR}'"
+    code = _DTYPE_CODES[t.dtype]
+    if code not in (1, 5):
+        return f"tensor '{GRAD_TENSOR}' has dtype {_DTYPE_NAMES[code]}, expected bfloat16 or float32"
+    if t.shape != tuple(shape):
+        return f"tensor '{GRAD_TENSOR}' has shape {list(t.shape)}, expected {list(shape)}"
+    if len(tensors) != 1:
+        return f"GRAD frame has {len(tensors)} tensors, expected 1"
+    return ""
+
+
+def to_bfloat16(values: np.ndarray) -> np.ndarray:
+    """float32 -> BFLOAT16 (the C++ bf16_from_f32): round to nearest, ties to even; NaN stays a quiet NaN."""
+    bits = np.ascontiguousarray(values, dtype="<f4").view("<u4")
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16  # no overflow: only NaN patterns lie above 0xFF800000
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    out = np.where(nan, (bits >> 16) | 0x40, rounded).astype("<u2")
+    return out.view(BFLOAT16).reshape(np.shape(values))
+
+
+def from_bfloat16(values: np.ndarray) -> np.ndarray:
+    """BFLOAT16 -> float32 (the C++ f32_from_bf16): exact, bf16 being the top half of a float32."""
+    bits = np.ascontiguousarray(values).view("<u2").astype("<u4") << 16
+    return bits.view("<f4").reshape(values.shape)
+
+
+def grad_frame(run_id: bytes, stage: int, window: int, micro_batch: int, grad_hidden: np.ndarray,
+               wire_dtype: str = "bfloat16") -> Frame:
+    """A GRAD frame (the C++ make_grad_frame): stage k+1 (`stage`) sends `grad_hidden` (B, S, D) float32, the
+    gradient of the DATA entry (window, micro_batch) it received, upstream; narrowed to bfloat16 unless
+    `wire_dtype` is "float32".
+
+    Raises:
+        ValueError: another wire dtype, or `grad_hidden` not a float32 (B, S, D) of positive dims.
+    """
+    if wire_dtype not in GRAD_WIRE_DTYPES:
+        raise ValueError(f"GRAD wire dtype {wire_dtype!r} is not supported; use bfloat16 (default) or float32")
+    grad = np.asarray(grad_hidden)
+    if grad.dtype != np.float32 or grad.ndim != 3 or min(grad.shape) <= 0:
+        raise ValueError(f"grad_hidden is {grad.dtype} {list(grad.shape)}, expected a float32 (B, S, D) of "
+                         "positive dims")
+    wire = to_bfloat16(grad) if wire_dtype == "bfloat16" else grad  # (B, S, D)
+    return Frame(FrameType.GRAD, run_id, stage=stage, window=window, micro_batch=micro_batch,
+                 tensors={GRAD_TENSOR: wire})
+
+
+def grad_hidden(frame: Frame, shape: tuple[int, int, int]) -> np.ndarray:
+    """A GRAD frame's grad_hidden as float32 (B, S, D), bf16 widened (the C++ grad_hidden_f32).
+
+    Raises:
+        FrameRejected: "unexpected_tensor" when the frame is not a GRAD of exactly grad_hidden
+            bfloat16/float32 `shape`.
+    """
+    if frame.type != FrameType.GRAD:
+        raise FrameRejected("unexpected_tensor", f"expected a GRAD frame, got {frame.type.name}")
+    bad = _grad_tensor_problem(frame.tensors, shape)
+    if bad:
+        raise FrameRejected("unexpected_tensor", f"{bad} (window {frame.window}, micro-batch {frame.micro_batch})")
+    t = frame.tensors[GRAD_TENSOR]
+    return from_bfloat16(t) if t.dtype == BFLOAT16 else np.array(t, dtype=np.float32)
 
 
 def parse_key(text: str) -> bytes:

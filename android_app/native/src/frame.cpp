@@ -143,6 +143,22 @@ std::string check_tensor(const Frame& f, const char* name, DType dtype,
   return {};
 }
 
+// A GRAD frame's tensors against [B,S,D]: exactly grad_hidden, bfloat16 or
+// float32 (the record's dtype says which). Empty string when they match.
+std::string check_grad_tensor(const Frame& f, int64_t b, int64_t s, int64_t d) {
+  const TensorRecord* t = f.find(kGradTensorName);
+  if (!t) return "GRAD frame has no tensor 'grad_hidden'";
+  if (t->dtype != DType::kBFloat16 && t->dtype != DType::kFloat32) {
+    const char* seen = dtype_name(static_cast<uint8_t>(t->dtype));
+    return std::string("tensor 'grad_hidden' has dtype ") + (seen ? seen : "?") + ", expected bfloat16 or float32";
+  }
+  if (t->shape != std::vector<int64_t>{b, s, d}) {
+    return "tensor 'grad_hidden' has shape " + shape_str(t->shape) + ", expected " + shape_str({b, s, d});
+  }
+  if (f.tensors.size() != 1) return "GRAD frame has " + std::to_string(f.tensors.size()) + " tensors, expected 1";
+  return {};
+}
+
 }  // namespace
 
 const char* frame_type_name(uint16_t type) {
@@ -150,6 +166,7 @@ const char* frame_type_name(uint16_t type) {
     case FrameType::kData: return "DATA";
     case FrameType::kAck: return "ACK";
     case FrameType::kHello: return "HELLO";
+    case FrameType::kGrad: return "GRAD";
     case FrameType::kRegister: return "REGISTER";
     case FrameType::kHeartbeat: return "HEARTBEAT";
     case FrameType::kStart: return "START";
@@ -163,7 +180,7 @@ const char* frame_type_name(uint16_t type) {
 bool parse_frame_type(const std::string& name, FrameType* out) {
   std::string upper;
   for (char c : name) upper += static_cast<char>(c >= 'a' && c <= 'z' ? c - 32 : c);
-  for (uint16_t v : {1, 2, 3, 16, 17, 18, 19, 20, 21}) {
+  for (uint16_t v : {1, 2, 3, 4, 16, 17, 18, 19, 20, 21}) {
     if (upper == frame_type_name(v)) {
       *out = static_cast<FrameType>(v);
       return true;
@@ -609,6 +626,10 @@ DecodeStep check_expectation(const Frame& f, const FrameExpectation& expect) {
     }
     if (!bad.empty()) return DecodeError{FrameError::kUnexpectedTensor, bad};
   }
+  if (f.type == FrameType::kGrad && expect.batch > 0 && expect.seq_len > 0 && expect.hidden_size > 0) {
+    const std::string bad = check_grad_tensor(f, expect.batch, expect.seq_len, expect.hidden_size);
+    if (!bad.empty()) return DecodeError{FrameError::kUnexpectedTensor, bad};
+  }
   return std::nullopt;
 }
 
@@ -645,6 +666,78 @@ Frame make_data_frame(const RunId& run_id, uint32_t stage, uint64_t window, uint
       {"attention_mask", DType::kInt64, {batch, seq_len}, bytes_of(attention_mask, bs * 8)});
   f.tensors.push_back({"labels", DType::kInt64, {batch, seq_len}, bytes_of(labels, bs * 8)});
   return f;
+}
+
+uint16_t bf16_from_f32(float value) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);  // quiet NaN
+  // Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, then truncate.
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float f32_from_bf16(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out = 0;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+Result<Frame> make_grad_frame(const RunId& run_id, uint32_t stage, uint64_t window, uint64_t micro_batch,
+                              int64_t batch, int64_t seq_len, int64_t hidden_size, const float* grad_hidden,
+                              DType wire_dtype) {
+  if (wire_dtype != DType::kBFloat16 && wire_dtype != DType::kFloat32) {
+    const char* seen = dtype_name(static_cast<uint8_t>(wire_dtype));
+    return Status(StatusCode::kInvalidArgument, std::string("GRAD wire dtype ") + (seen ? seen : "?") +
+                                                    " is not supported; use bfloat16 (default) or float32");
+  }
+  const std::vector<int64_t> shape{batch, seq_len, hidden_size};
+  if (batch <= 0 || seq_len <= 0 || hidden_size <= 0 || checked_numel(shape) < 0) {
+    return Status(StatusCode::kInvalidArgument,
+                  "GRAD shape " + shape_str(shape) + " is not a (B,S,D) of positive dims");
+  }
+  const size_t n = static_cast<size_t>(checked_numel(shape));
+  Frame f = make_control_frame(FrameType::kGrad, run_id, stage, window, micro_batch);
+  TensorRecord t{kGradTensorName, wire_dtype, shape, {}};
+  if (wire_dtype == DType::kFloat32) {
+    const auto* b = reinterpret_cast<const uint8_t*>(grad_hidden);
+    t.data.assign(b, b + n * sizeof(float));
+  } else {
+    t.data.resize(n * sizeof(uint16_t));
+    for (size_t i = 0; i < n; ++i) {
+      const uint16_t h = bf16_from_f32(grad_hidden[i]);
+      std::memcpy(t.data.data() + 2 * i, &h, sizeof(h));
+    }
+  }
+  f.tensors.push_back(std::move(t));
+  return f;
+}
+
+Result<std::vector<float>> grad_hidden_f32(const Frame& frame, int64_t batch, int64_t seq_len,
+                                           int64_t hidden_size) {
+  if (frame.type != FrameType::kGrad) {
+    const char* seen = frame_type_name(static_cast<uint16_t>(frame.type));
+    return Status(StatusCode::kInvalidArgument,
+                  std::string("expected a GRAD frame, got ") + (seen ? seen : "an unknown type"));
+  }
+  if (const std::string bad = check_grad_tensor(frame, batch, seq_len, hidden_size); !bad.empty()) {
+    return Status(StatusCode::kInvalidArgument, bad + " (window " + std::to_string(frame.window) +
+                                                    ", micro-batch " + std::to_string(frame.micro_batch) + ")");
+  }
+  const TensorRecord& t = *frame.find(kGradTensorName);
+  const size_t n = static_cast<size_t>(batch * seq_len * hidden_size);
+  std::vector<float> out(n);
+  if (t.dtype == DType::kFloat32) {
+    std::memcpy(out.data(), t.data.data(), n * sizeof(float));
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t h = 0;
+      std::memcpy(&h, t.data.data() + 2 * i, sizeof(h));
+      out[i] = f32_from_bf16(h);
+    }
+  }
+  return out;
 }
 
 Frame make_control_frame(FrameType type, const RunId& run_id, uint32_t stage, uint64_t window,

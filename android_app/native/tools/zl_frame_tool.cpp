@@ -17,7 +17,11 @@
 //   "micro_batch": 0, "json": "", "session": HEX64, "seq": 0,
 //   "nonce": HEX48 (optional: random), "tensors": [{"name": "hidden",
 //   "dtype": "float32", "shape": [1, 3, 4], "data_hex": "..."}]}
-// decode prints the same spec to stdout; a rejected frame prints
+// A GRAD spec may instead give "grad": {"shape": [B, S, D], "wire_dtype":
+//   "bfloat16" | "float32", "f32_hex": "..."} (float32 values): the frame is
+//   built by make_grad_frame (narrowed to bf16 there, round to nearest even).
+// decode prints the same spec to stdout (a GRAD decoded with --expect-shape
+// adds "grad_f32_hex", grad_hidden widened by grad_hidden_f32); a rejected frame prints
 // {"error": "<reason code>", "reason": "..."} and exits with status 2.
 //
 // A corpus is a sequence of [u32 little-endian length][that many bytes].
@@ -112,6 +116,28 @@ int encode(const std::map<std::string, std::string>& args, const zl::FrameKey& k
   if (spec.contains("nonce") &&
       (!hex_to_bytes(spec.value("nonce", ""), &nonce) || nonce.size() != zl::kFrameNonceSize)) {
     return usage("spec: nonce must be 48 hex digits");
+  }
+  if (spec.contains("grad")) {
+    const json& g = spec["grad"];
+    const std::vector<int64_t> shape = g.value("shape", std::vector<int64_t>{});
+    zl::DType wire = zl::kDefaultGradWireDType;
+    std::vector<uint8_t> values;
+    if (shape.size() != 3 || !zl::parse_dtype(g.value("wire_dtype", "bfloat16"), &wire) ||
+        !hex_to_bytes(g.value("f32_hex", ""), &values) || values.size() % sizeof(float) != 0) {
+      return usage("spec: grad wants shape [B,S,D], wire_dtype and f32_hex");
+    }
+    if (values.size() / sizeof(float) != static_cast<size_t>(shape[0] * shape[1] * shape[2])) {
+      return usage("spec: grad f32_hex does not hold B*S*D floats");
+    }
+    std::vector<float> grad(values.size() / sizeof(float));
+    std::memcpy(grad.data(), values.data(), values.size());
+    zl::Result<zl::Frame> built = zl::make_grad_frame(f.run_id, f.stage, f.window, f.micro_batch, shape[0], shape[1],
+                                                      shape[2], grad.data(), wire);
+    if (!built.ok()) {
+      std::fprintf(stderr, "zl_frame_tool: %s\n", built.status().message().c_str());
+      return 1;
+    }
+    f.tensors = std::move(built->tensors);
   }
   for (const auto& t : spec.value("tensors", json::array())) {
     zl::TensorRecord r;
@@ -211,6 +237,12 @@ int decode(const std::map<std::string, std::string>& args, const zl::FrameKey& k
                                {"dtype", zl::dtype_name(static_cast<uint8_t>(t.dtype))},
                                {"shape", t.shape},
                                {"data_hex", zl::to_hex(t.data.data(), t.data.size())}});
+  }
+  if (f.type == zl::FrameType::kGrad && expect.batch > 0) {
+    const zl::Result<std::vector<float>> grad = zl::grad_hidden_f32(f, expect.batch, expect.seq_len, expect.hidden_size);
+    if (grad.ok()) {
+      spec["grad_f32_hex"] = zl::to_hex(reinterpret_cast<const uint8_t*>(grad->data()), grad->size() * sizeof(float));
+    }
   }
   std::cout << safe_dump(spec) << "\n";
   return 0;

@@ -53,6 +53,7 @@ enum class FrameType : uint16_t {
   kData = 1,             ///< upstream -> downstream: hidden, attention_mask, labels
   kAck = 2,              ///< downstream -> upstream: entry (window, micro_batch) is durable
   kHello = 3,            ///< first frame each way on every connection: the session handshake
+  kGrad = 4,             ///< downstream -> upstream: grad_hidden [B,S,D] (bf16 or f32) of DATA (window, micro_batch)
   kRegister = 16,        ///< stage -> coordinator: JSON {device, pid, listen port, ...}
   kHeartbeat = 17,       ///< stage -> coordinator: JSON {micro_batches_done, window, phase, pss_mib, temperature_c, t_unix_ms}
   kStart = 18,           ///< coordinator -> stage: JSON run settings
@@ -92,7 +93,7 @@ using SessionId = std::array<uint8_t, kSessionSize>;
 /// sealed for one channel, link or direction never opens on another.
 enum class KeyPurpose : uint32_t {
   kDataDown = 1,     ///< data link k -> k+1: DATA (and HELLO) from stage k
-  kDataUp = 2,       ///< data link k -> k+1: ACK, ERROR, HELLO from stage k+1
+  kDataUp = 2,       ///< data link k -> k+1: ACK, GRAD, ERROR, HELLO from stage k+1
   kControlUp = 3,    ///< control channel of stage k: stage -> coordinator
   kControlDown = 4,  ///< control channel of stage k: coordinator -> stage
   kInputLog = 5,     ///< stage k's input log entries at rest
@@ -163,7 +164,7 @@ enum class FrameError : int {
   kBadHeader,        ///< reserved field not zero
   kBadPayload,       ///< JSON payload breaks the payload rule (check_frame_json)
   kBadTensor,        ///< unknown dtype, rank > 8, bad or duplicate name, dims overflow, payload size != numel * size
-  kUnexpectedTensor, ///< DATA tensors differ from the expected names/dtypes/shapes
+  kUnexpectedTensor, ///< DATA or GRAD tensors differ from the expected names/dtypes/shapes
   kWrongRun,         ///< run id differs from the expected one
   kWrongStage,       ///< stage index differs from the expected one
   kWrongSession,     ///< session differs from the connection's (a frame of another connection)
@@ -182,7 +183,8 @@ struct FrameExpectation {
   /// ... and the lowest sequence number still new on it (replay below).
   uint64_t min_seq = 0;
   /// When all three are > 0, a DATA frame must carry exactly
-  /// hidden float32 [B,S,D], attention_mask int64 [B,S], labels int64 [B,S].
+  /// hidden float32 [B,S,D], attention_mask int64 [B,S], labels int64 [B,S],
+  /// and a GRAD frame exactly grad_hidden bfloat16 or float32 [B,S,D].
   int64_t batch = 0;
   int64_t seq_len = 0;
   int64_t hidden_size = 0;
@@ -233,6 +235,34 @@ FrameError peek_frame_length(const uint8_t* header, size_t size, size_t max_fram
 Frame make_data_frame(const RunId& run_id, uint32_t stage, uint64_t window, uint64_t micro_batch,
                       int64_t batch, int64_t seq_len, int64_t hidden_size, const float* hidden,
                       const int64_t* attention_mask, const int64_t* labels);
+
+/// The hidden state's gradient on the wire (PROTOCOL.md §4, GRAD): bf16 by
+/// default (half the bytes; kept results in the gradient-alignment checks),
+/// f32 where a run wants it exact.
+constexpr DType kDefaultGradWireDType = DType::kBFloat16;
+/// The name of a GRAD frame's one tensor.
+constexpr const char* kGradTensorName = "grad_hidden";
+
+/// Builds a GRAD frame, sent upstream by stage k+1 (`stage`) for the DATA
+/// entry (window, micro_batch) it received: grad_hidden [B,S,D] from the
+/// float32 `grad_hidden` (B*S*D elements), narrowed to bf16 with
+/// round-to-nearest-even when `wire_dtype` is kBFloat16. kInvalidArgument for
+/// another wire dtype or a non-positive dim.
+Result<Frame> make_grad_frame(const RunId& run_id, uint32_t stage, uint64_t window, uint64_t micro_batch,
+                              int64_t batch, int64_t seq_len, int64_t hidden_size, const float* grad_hidden,
+                              DType wire_dtype = kDefaultGradWireDType);
+
+/// A GRAD frame's grad_hidden as float32 (bf16 widened exactly), B*S*D
+/// elements row-major. kInvalidArgument naming what was seen when the frame
+/// is not a GRAD, or its tensor is missing, not bfloat16/float32, or not
+/// [batch, seq_len, hidden_size].
+Result<std::vector<float>> grad_hidden_f32(const Frame& frame, int64_t batch, int64_t seq_len,
+                                           int64_t hidden_size);
+
+/// float32 -> bfloat16 bits, round to nearest, ties to even (NaN stays a quiet NaN).
+uint16_t bf16_from_f32(float value);
+/// bfloat16 bits -> float32 (exact: bf16 is the top half of a float32).
+float f32_from_bf16(uint16_t bits);
 
 /// A header-only frame (ACK, STOP, ...) with an optional JSON payload.
 Frame make_control_frame(FrameType type, const RunId& run_id, uint32_t stage, uint64_t window,

@@ -3,9 +3,11 @@ their output hidden state and give their LoRA gradients and their input's, chain
 whole-model backprop in eager PyTorch — the Hugging Face model with PEFT LoRA (B nonzero) and its own CE on the
 targets, cut at the same layers with hooks: hidden states, the loss, every LoRA gradient and every input gradient.
 
-ExecuTorch: tiny-random Llama, 3 stages, in the default suite (one export); the other families' exports are `slow`,
-their eager modules are checked in the default suite. No code shared with the module under test: the reference is
-`F.cross_entropy` on the HF model's logits and `torch.autograd`'s gradient of its hidden states.
+Default suite: every family's eager modules (full and Ω readout, fp32 and bf16), and tiny-random Llama's middle stage
+of 3 (grad_hidden in, grad_input out) exported and run by ExecuTorch between the eager first and last stages. Slow:
+every stage of every family through ExecuTorch, the local-weight program, `zl export --program backprop` with its
+check. The reference shares no code with the module under test: `F.cross_entropy` on the HF model's logits and
+autograd's gradients of its hidden states; the chain (`backprop_chain`) only passes tensors between the steps.
 """
 
 import pytest

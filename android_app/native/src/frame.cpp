@@ -714,6 +714,10 @@ Result<Frame> make_grad_frame(const RunId& run_id, uint32_t stage, uint64_t wind
   return f;
 }
 
+std::string check_grad_frame(const Frame& frame, int64_t batch, int64_t seq_len, int64_t hidden_size) {
+  return check_grad_tensor(frame, batch, seq_len, hidden_size);
+}
+
 Result<std::vector<float>> grad_hidden_f32(const Frame& frame, int64_t batch, int64_t seq_len,
                                            int64_t hidden_size) {
   if (frame.type != FrameType::kGrad) {

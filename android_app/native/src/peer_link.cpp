@@ -21,13 +21,20 @@ namespace {
 /// The largest frame without tensors: a header, a payload at the JSON limit, the tag.
 constexpr size_t kMaxTensorlessFrameBytes = kFrameHeaderSize + kMaxFrameJsonBytes + kFrameTagSize;
 
-/// What the Sender accepts from downstream: ACKs (and ERRORs) of its run.
-/// They carry no tensors, so nothing larger than that is read from the
-/// downstream, whatever the DATA maximum (options.max_frame_bytes) is.
+/// What the Sender accepts from downstream: ACKs (and ERRORs) of its run,
+/// and GRAD frames of [B,S,D] when it is owed gradients. ACK and ERROR carry
+/// no tensors, so without gradients nothing larger than that is read from
+/// the downstream, whatever the DATA maximum (options.max_frame_bytes) is.
 FrameExpectation sender_expectation(const SenderOptions& options) {
   FrameExpectation expect;
   expect.run_id = options.run_id;
-  expect.max_frame_bytes = std::min(options.max_frame_bytes, kMaxTensorlessFrameBytes);
+  const bool grads = options.max_grads_in_flight > 0;
+  expect.max_frame_bytes = grads ? options.max_frame_bytes : std::min(options.max_frame_bytes, kMaxTensorlessFrameBytes);
+  if (grads) {
+    expect.batch = options.batch;
+    expect.seq_len = options.seq_len;
+    expect.hidden_size = options.hidden_size;
+  }
   return expect;
 }
 
@@ -45,6 +52,12 @@ Status Sender::start() {
   if (options_.max_in_flight == 0) {
     return Status(StatusCode::kInvalidArgument, "max_in_flight (D) is 0; it must be at least 1");
   }
+  if (options_.max_grads_in_flight > 0 && (options_.batch <= 0 || options_.seq_len <= 0 || options_.hidden_size <= 0)) {
+    return Status(StatusCode::kInvalidArgument,
+                  "max_grads_in_flight is " + std::to_string(options_.max_grads_in_flight) + " but B, S, D are " +
+                      std::to_string(options_.batch) + ", " + std::to_string(options_.seq_len) + ", " +
+                      std::to_string(options_.hidden_size) + "; a link carrying gradients needs the hidden shape");
+  }
   if (thread_.joinable()) return Status(StatusCode::kInvalidArgument, "sender already started");
   ZL_RETURN_IF_ERROR(link_.open());
   thread_ = std::thread([this] { run(); });
@@ -53,16 +66,33 @@ Status Sender::start() {
 
 Status Sender::send(const Frame& frame, std::chrono::milliseconds timeout) {
   ZL_ASSIGN_OR_RETURN(const size_t wire_bytes, encoded_frame_size(frame, options_.max_frame_bytes));
+  // A DATA entry owes a gradient when the link carries them: one of G credits.
+  const bool owes = options_.max_grads_in_flight > 0 && frame.type == FrameType::kData;
   std::unique_lock<std::mutex> lock(mutex_);
-  const bool room = changed_.wait_for(lock, timeout, [this] {
-    return stopping_ || queue_.size() < options_.max_in_flight;
+  const bool room = changed_.wait_for(lock, timeout, [this, owes] {
+    return stopping_ || (queue_.size() < options_.max_in_flight &&
+                         (!owes || grad_credit_used_locked() < options_.max_grads_in_flight));
   });
   if (stopping_) return Status(StatusCode::kClosed, "sender is stopped");
-  if (!room) {
+  if (!room && queue_.size() >= options_.max_in_flight) {
     return Status(StatusCode::kTimeout,
                   std::to_string(queue_.size()) + " entries (D = " +
                       std::to_string(options_.max_in_flight) + ") still un-acknowledged after " +
                       std::to_string(timeout.count()) + " ms; downstream stalled?");
+  }
+  if (!room) {
+    return Status(StatusCode::kTimeout,
+                  std::to_string(owed_.size()) + " gradients owed and " + std::to_string(grads_.size()) +
+                      " not taken (G = " + std::to_string(options_.max_grads_in_flight) + ") after " +
+                      std::to_string(timeout.count()) +
+                      " ms; downstream not sending GRAD frames, or next_grad() not called?");
+  }
+  if (owes) {
+    owed_.emplace(frame.window, frame.micro_batch);
+    stats_.max_grads_owed_seen = std::max(stats_.max_grads_owed_seen, grad_credit_used_locked());
+  }
+  if (frame.type == FrameType::kData) {
+    last_sent_micro_batch_ = std::max(last_sent_micro_batch_.value_or(0), frame.micro_batch);
   }
   Entry e;
   e.window = frame.window;
@@ -86,6 +116,30 @@ Status Sender::flush(std::chrono::milliseconds timeout) {
   }
   if (!queue_.empty()) return Status(StatusCode::kClosed, "sender stopped before flush completed");
   return Status();
+}
+
+Result<GradEntry> Sender::next_grad(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (options_.max_grads_in_flight == 0) {
+    return Status(StatusCode::kInvalidArgument,
+                  "this link carries no gradients (SenderOptions::max_grads_in_flight is 0)");
+  }
+  const bool ready = changed_.wait_for(lock, timeout, [this] { return stopping_ || !grads_.empty(); });
+  if (stopping_) return Status(StatusCode::kClosed, "sender is stopped");
+  if (!ready) {
+    return Status(StatusCode::kTimeout, "no GRAD frame within " + std::to_string(timeout.count()) + " ms (" +
+                                            std::to_string(owed_.size()) + " micro-batches owed a gradient)");
+  }
+  GradEntry e = std::move(grads_.front());
+  grads_.pop_front();
+  lock.unlock();
+  changed_.notify_all();  // a gradient credit is free for send()
+  return e;
+}
+
+size_t Sender::grads_owed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return owed_.size();
 }
 
 void Sender::set_peer(const std::string& host, uint16_t port) {
@@ -179,6 +233,10 @@ void Sender::drop_connection(const std::string& why) {
 
 void Sender::handle_incoming() {
   const LinkReadResult read = link_.read_frames([this](const DecodeResult& r) { handle_frame(r); });
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.bytes_received += read.bytes;
+  }
   if (read.broken) {
     log(LogLevel::kWarn, "sender: unreadable stream from downstream: %s: %s", frame_error_name(read.error),
         read.reason.c_str());
@@ -191,6 +249,14 @@ void Sender::handle_incoming() {
 void Sender::handle_frame(const DecodeResult& r) {
   if (!r.ok()) {
     log(LogLevel::kWarn, "sender: rejected frame from downstream: %s", r.reason.c_str());
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.rejected;
+    stats_.last_reject_reason = r.reason;
+    return;
+  }
+  if (r.frame.type == FrameType::kGrad) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    handle_grad(r.frame);
     return;
   }
   if (r.frame.type == FrameType::kAck) {
@@ -211,6 +277,34 @@ void Sender::handle_frame(const DecodeResult& r) {
   }
 }
 
+void Sender::handle_grad(const Frame& grad) {
+  const auto key = std::make_pair(grad.window, grad.micro_batch);
+  if (owed_.erase(key) == 0) {
+    // Never sent, or its gradient came already (a downstream that restarted
+    // and sent it again): nothing waits for it, and taking it would let
+    // GRADs outgrow the bound G.
+    ++stats_.grads_refused;
+    stats_.last_reject_reason =
+        options_.max_grads_in_flight == 0
+            ? std::string("GRAD frame on a link that carries no gradients (max_grads_in_flight 0)")
+            : "GRAD for window " + std::to_string(grad.window) + ", micro-batch " + std::to_string(grad.micro_batch) +
+                  ", which is not owed a gradient (never sent, or its gradient arrived already)";
+    log(LogLevel::kWarn, "sender: refused: %s", stats_.last_reject_reason.c_str());
+    return;
+  }
+  GradEntry e;
+  e.window = grad.window;
+  e.micro_batch = grad.micro_batch;
+  const uint64_t newest = last_sent_micro_batch_.value_or(grad.micro_batch);
+  e.delay = newest > grad.micro_batch ? newest - grad.micro_batch : 0;
+  e.frame = grad;
+  ++stats_.grads_received;
+  stats_.sum_grad_delay += e.delay;
+  stats_.max_grad_delay = std::max(stats_.max_grad_delay, e.delay);
+  grads_.push_back(std::move(e));
+  changed_.notify_all();
+}
+
 std::optional<Sender::NextSend> Sender::next_to_send() {
   NextSend next;
   next.deliver_at = SteadyClock::now() + std::chrono::seconds(1);
@@ -227,6 +321,7 @@ std::optional<Sender::NextSend> Sender::next_to_send() {
       e.deliver_at = shaper_.schedule(e.wire_bytes, handed_over);
     }
     next.frame = e.frame;
+    next.wire_bytes = e.wire_bytes;
     next.deliver_at = *e.deliver_at;
     next.resend = e.sent_before;
     break;
@@ -248,6 +343,7 @@ void Sender::transmit(const NextSend& next) {
     }
   }
   ++stats_.transmissions;
+  stats_.bytes_sent += next.wire_bytes;
   if (next.resend) ++stats_.resends;
 }
 
@@ -389,6 +485,75 @@ Result<InputEntry> Receiver::next(std::chrono::milliseconds timeout) {
   return entry;
 }
 
+Status Receiver::send_grad(const Frame& grad, std::chrono::milliseconds timeout) {
+  if (grad.type != FrameType::kGrad) {
+    const char* seen = frame_type_name(static_cast<uint16_t>(grad.type));
+    return Status(StatusCode::kInvalidArgument,
+                  std::string("send_grad sends GRAD frames, not ") + (seen ? seen : "an unknown type"));
+  }
+  const FrameExpectation& e = options_.expect;
+  if (e.batch > 0 && e.seq_len > 0 && e.hidden_size > 0) {
+    if (const std::string bad = check_grad_frame(grad, e.batch, e.seq_len, e.hidden_size); !bad.empty()) {
+      return Status(StatusCode::kInvalidArgument, bad + " (window " + std::to_string(grad.window) +
+                                                      ", micro-batch " + std::to_string(grad.micro_batch) + ")");
+    }
+  }
+  ZL_RETURN_IF_ERROR(encoded_frame_size(grad, e.max_frame_bytes).status());
+  std::unique_lock<std::mutex> lock(mutex_);
+  const bool room = grad_room_.wait_for(lock, timeout, [this] {
+    return stopping_ || grad_outbox_.size() < std::max<size_t>(options_.max_grads_queued, 1);
+  });
+  if (stopping_) return Status(StatusCode::kClosed, "receiver is stopped");
+  if (!room) {
+    return Status(StatusCode::kTimeout, std::to_string(grad_outbox_.size()) +
+                                            " GRAD frames still not written upstream after " +
+                                            std::to_string(timeout.count()) + " ms; upstream disconnected?");
+  }
+  grad_outbox_.push_back(grad);
+  lock.unlock();
+  wake();
+  return Status();
+}
+
+void Receiver::write_grads() {
+  while (conn_.valid()) {
+    Frame grad;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (grad_outbox_.empty()) return;
+      grad = grad_outbox_.front();
+    }
+    // In the data-up direction's sequence, between the ACKs.
+    const Status s = write_up(conn_.fd(), session_.stamp(std::move(grad)));
+    if (!s.ok()) {
+      // Still queued: it goes out on the upstream's next connection.
+      log(LogLevel::kWarn, "receiver: cannot send GRAD: %s", s.message().c_str());
+      conn_.close();
+      reader_.clear();
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      grad_outbox_.pop_front();
+      ++stats_.grads_sent;
+    }
+    grad_room_.notify_all();
+  }
+}
+
+Status Receiver::write_up(int fd, const Frame& frame) {
+  ZL_ASSIGN_OR_RETURN(const std::vector<uint8_t> bytes, encode_frame(frame, keys_.send, options_.expect.max_frame_bytes));
+  ZL_RETURN_IF_ERROR(send_all(fd, bytes.data(), bytes.size()));
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.bytes_sent += bytes.size();
+  return Status();
+}
+
+void Receiver::count_received(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.bytes_received += bytes;
+}
+
 Status Receiver::window_committed(uint64_t window) { return log_.delete_through(window); }
 
 ReceiverStats Receiver::stats() const {
@@ -403,6 +568,7 @@ void Receiver::stop() {
     stopping_ = true;
   }
   arrived_.notify_all();
+  grad_room_.notify_all();
   wake();
   if (thread_.joinable()) thread_.join();
   conn_.close();
@@ -439,13 +605,14 @@ void Receiver::reject_on(Socket* sock, FrameReader* reader, const std::string& r
                                    nlohmann::json{{"reason", reason}}.dump(
                                        -1, ' ', false, nlohmann::json::error_handler_t::replace));
     if (session != nullptr) err = session->stamp(std::move(err));
-    (void)write_frame(sock->fd(), err, keys_.send);
+    (void)write_up(sock->fd(), err);
   }
   sock->close();
   reader->clear();
 }
 
 void Receiver::handle_frame(const std::vector<uint8_t>& bytes) {
+  count_received(bytes.size());
   const DecodeResult r =
       decode_frame(bytes.data(), bytes.size(), keys_.receive, session_.expect(options_.expect));
   if (r.ok()) session_.accepted = r.frame.seq;
@@ -500,7 +667,7 @@ void Receiver::handle_decoded(const DecodeResult& r) {
     arrived_.notify_all();
   }
   const Frame ack = session_.stamp(make_control_frame(FrameType::kAck, r.frame.run_id, options_.stage, window, mb));
-  const Status s = write_frame(conn_.fd(), ack, keys_.send);
+  const Status s = write_up(conn_.fd(), ack);
   if (!s.ok()) {
     log(LogLevel::kWarn, "receiver: cannot send ACK: %s", s.message().c_str());
     conn_.close();
@@ -556,6 +723,7 @@ void Receiver::serve_candidate(size_t index) {
       candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
       return;
     }
+    count_received(popped.frame.size());
     promote_candidate(index, r, filled);
     return;
   }
@@ -725,6 +893,7 @@ void Receiver::run() {
                        std::chrono::duration_cast<std::chrono::milliseconds>(paused_until_ - now).count()) + 1;
     }
     if (room && conn_.valid()) serve_connection();
+    write_grads();  // gradients go upstream whether or not there is room for DATA
     timeout_ms = sweep_candidates(now, timeout_ms);
 
     fill_poll_set(room, &fds);

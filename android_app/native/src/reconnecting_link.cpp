@@ -109,6 +109,7 @@ LinkReadResult ReconnectingLink::read_frames(const std::function<void(const Deco
       result.reason = popped.reason;
       return result;
     }
+    result.bytes += popped.frame.size();
     const DecodeResult r =
         decode_frame(popped.frame.data(), popped.frame.size(), keys_.receive, session_.expect(expect_));
     if (r.ok()) session_.accepted = r.frame.seq;

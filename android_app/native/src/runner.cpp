@@ -357,12 +357,14 @@ void StageRunner::finish_run(int64_t micro_batches, double wall_s, double cpu_s)
     if (sender_) {
       const SenderStats s = sender_->stats();
       line["sender"] = {{"transmissions", s.transmissions}, {"resends", s.resends}, {"connects", s.connects},
-                        {"max_in_flight_seen", s.max_in_flight_seen}};
+                        {"max_in_flight_seen", s.max_in_flight_seen}, {"bytes_sent", s.bytes_sent},
+                        {"bytes_received", s.bytes_received}, {"grads_received", s.grads_received}};
     }
     if (receiver_) {
       const ReceiverStats s = receiver_->stats();
       line["receiver"] = {{"accepted", s.accepted}, {"duplicates", s.duplicates}, {"rejected", s.rejected},
-                          {"connections", s.connections}};
+                          {"connections", s.connections}, {"bytes_received", s.bytes_received},
+                          {"bytes_sent", s.bytes_sent}, {"grads_sent", s.grads_sent}};
     }
     (void)telemetry_->write_json(line);
   }

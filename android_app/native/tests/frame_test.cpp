@@ -367,7 +367,8 @@ TEST(FrameTest, RandomCorruptionNeverCrashesAndIsAlwaysRejected) {
 TEST(FrameTest, NamesAndHelpers) {
   EXPECT_STREQ(frame_type_name(20), "WINDOW_COMMITTED");
   EXPECT_STREQ(frame_type_name(3), "HELLO");
-  EXPECT_EQ(frame_type_name(4), nullptr);
+  EXPECT_STREQ(frame_type_name(4), "GRAD");
+  EXPECT_EQ(frame_type_name(5), nullptr);
   FrameType t{};
   EXPECT_TRUE(parse_frame_type("heartbeat", &t));
   EXPECT_EQ(t, FrameType::kHeartbeat);

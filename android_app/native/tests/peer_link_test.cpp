@@ -33,18 +33,10 @@ using testing::value_or_fail;
 using testing::kB;
 using testing::kD;
 using testing::kS;
+using testing::accept_handshake;
+using testing::downstream_keys;
 using testing::receiver_options;
-
-SenderOptions sender_options(uint16_t port, size_t d = 2) {
-  SenderOptions o;
-  o.port = port;
-  o.key = test_key();
-  o.run_id = test_run();
-  o.max_in_flight = d;
-  o.backoff_initial = 10ms;
-  o.backoff_max = 100ms;
-  return o;
-}
+using testing::sender_options;
 
 bool file_exists(const std::string& path) {
   struct stat st {};
@@ -53,7 +45,6 @@ bool file_exists(const std::string& path) {
 
 // The keys of the link 0 -> 1 at its upstream (client) and downstream (server) end.
 LinkKeys upstream_keys() { return link_keys(test_key(), Channel::kData, 0, LinkEnd::kClient); }
-LinkKeys downstream_keys() { return link_keys(test_key(), Channel::kData, 0, LinkEnd::kServer); }
 
 // Plays an upstream by hand: one raw connection to the receiver, after the
 // handshake (unless `handshake` is false) frames stamped with its session.
@@ -81,19 +72,6 @@ struct RawUpstream {
     return r.ok() ? std::move(r).value() : DecodeResult{};
   }
 };
-
-// Plays a downstream by hand on an accepted connection: the server's
-// handshake; then `session` stamps its frames.
-bool accept_handshake(const Socket& conn, SessionState* session, uint8_t server_half = 0x5e) {
-  const Result<DecodeResult> hello = read_frame(conn.fd(), downstream_keys().receive, {}, 2000ms);
-  if (!hello.ok() || !hello->ok()) return false;
-  std::array<uint8_t, kSessionHalfSize> half{};
-  half.fill(server_half);
-  const Result<Frame> reply = server_handshake(hello->frame, test_run(), 1, half);
-  if (!reply.ok()) return false;
-  session->id = reply->session;
-  return write_frame(conn.fd(), *reply, downstream_keys().send).ok();
-}
 
 TEST(PeerLinkTest, DeliversEntriesInMicroBatchOrder) {
   TempDir dir;

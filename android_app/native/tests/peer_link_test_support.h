@@ -1,6 +1,10 @@
-// The receiver every peer-link test starts from: stage 1 of a link 0 -> 1 with (kB, kS, kD) hidden states.
+// The ends every peer-link test starts from: stage 0's sender and stage 1's
+// receiver of a link 0 -> 1 with (kB, kS, kD) hidden states, and a
+// downstream played by hand.
 #pragma once
 
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -23,6 +27,33 @@ inline ReceiverOptions receiver_options(const std::string& log_dir, uint16_t por
   o.stage = 1;
   o.log_dir = log_dir;
   return o;
+}
+
+inline SenderOptions sender_options(uint16_t port, size_t d = 2) {
+  SenderOptions o;
+  o.port = port;
+  o.key = test_key();
+  o.run_id = test_run();
+  o.max_in_flight = d;
+  o.backoff_initial = std::chrono::milliseconds(10);
+  o.backoff_max = std::chrono::milliseconds(100);
+  return o;
+}
+
+/// The keys of the link 0 -> 1 at its downstream (server) end.
+inline LinkKeys downstream_keys() { return link_keys(test_key(), Channel::kData, 0, LinkEnd::kServer); }
+
+/// Plays a downstream by hand on an accepted connection: the server's
+/// handshake; then `session` stamps its frames.
+inline bool accept_handshake(const Socket& conn, SessionState* session, uint8_t server_half = 0x5e) {
+  const Result<DecodeResult> hello = read_frame(conn.fd(), downstream_keys().receive, {}, std::chrono::milliseconds(2000));
+  if (!hello.ok() || !hello->ok()) return false;
+  std::array<uint8_t, kSessionHalfSize> half{};
+  half.fill(server_half);
+  const Result<Frame> reply = server_handshake(hello->frame, test_run(), 1, half);
+  if (!reply.ok()) return false;
+  session->id = reply->session;
+  return write_frame(conn.fd(), *reply, downstream_keys().send).ok();
 }
 
 }  // namespace zl::testing

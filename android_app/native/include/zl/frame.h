@@ -252,6 +252,11 @@ Result<Frame> make_grad_frame(const RunId& run_id, uint32_t stage, uint64_t wind
                               int64_t batch, int64_t seq_len, int64_t hidden_size, const float* grad_hidden,
                               DType wire_dtype = kDefaultGradWireDType);
 
+/// "" when `frame` carries exactly grad_hidden bfloat16/float32
+/// [batch, seq_len, hidden_size] (what a receiver expecting that shape
+/// accepts in a GRAD), else why not.
+std::string check_grad_frame(const Frame& frame, int64_t batch, int64_t seq_len, int64_t hidden_size);
+
 /// A GRAD frame's grad_hidden as float32 (bf16 widened exactly), B*S*D
 /// elements row-major. kInvalidArgument naming what was seen when the frame
 /// is not a GRAD, or its tensor is missing, not bfloat16/float32, or not

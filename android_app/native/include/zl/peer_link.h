@@ -3,6 +3,16 @@
 //   stage k  Sender  --DATA-->  Receiver  stage k+1
 //                    <--ACK---            (ACK only after the entry is in the
 //                                          receiver's durable InputLog)
+//                    <--GRAD--            (Receiver::send_grad: the gradient of
+//                                          an entry's hidden state, issue 39)
+//
+// Gradients flow control (PROTOCOL.md §7): the Sender is owed a gradient for
+// every DATA entry it sent until the runner takes it (next_grad); at most G
+// (SenderOptions::max_grads_in_flight) are owed at once, and send() blocks
+// beyond that, so at most G GRAD frames are ever on their way to or queued at
+// stage k. A GRAD for an entry that is not owed one is refused. The Receiver
+// queues at most ReceiverOptions::max_grads_queued GRAD frames not yet
+// written upstream; send_grad() blocks beyond that.
 //
 // Sender: at most D entries un-acknowledged (send() blocks beyond that),
 // reconnects with exponential back-off (a ReconnectingLink) and re-sends
@@ -27,7 +37,9 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -54,6 +66,15 @@ struct SenderOptions {
   std::chrono::milliseconds backoff_initial{20};  ///< first retry delay, doubled per failure
   std::chrono::milliseconds backoff_max{2000};
   size_t max_frame_bytes = kDefaultMaxFrameBytes;
+  /// G: DATA entries whose gradient (a GRAD frame from downstream) has not
+  /// been taken by next_grad() yet; send() blocks beyond it. 0: this link
+  /// carries no gradients (every GRAD is refused), the default.
+  size_t max_grads_in_flight = 0;
+  /// The hidden state's B, S, D: a GRAD must carry exactly grad_hidden
+  /// bfloat16/float32 [B,S,D] (else unexpected_tensor). Required when G > 0.
+  int64_t batch = 0;
+  int64_t seq_len = 0;
+  int64_t hidden_size = 0;
 };
 
 struct SenderStats {
@@ -62,6 +83,25 @@ struct SenderStats {
   uint64_t acks = 0;              ///< ACKs that released an entry
   uint64_t connects = 0;          ///< successful connections
   size_t max_in_flight_seen = 0;  ///< never exceeds SenderOptions::max_in_flight
+  uint64_t bytes_sent = 0;        ///< frames written downstream after the handshake, re-sends included
+  uint64_t bytes_received = 0;    ///< frames read from downstream after the handshake (ACK, GRAD, ERROR)
+  uint64_t rejected = 0;          ///< frames from downstream that failed validation (then ignored)
+  uint64_t grads_received = 0;    ///< GRAD frames queued for next_grad()
+  uint64_t grads_refused = 0;     ///< valid GRAD frames for an entry not owed a gradient
+  size_t max_grads_owed_seen = 0; ///< owed + queued gradients; never exceeds max_grads_in_flight
+  /// Gradient arrival delay in micro-batches: the newest micro-batch sent when
+  /// a GRAD arrived minus the GRAD's own (0: it came back before the next was sent).
+  uint64_t max_grad_delay = 0;
+  uint64_t sum_grad_delay = 0;    ///< over grads_received, for the mean
+  std::string last_reject_reason;
+};
+
+/// A gradient handed to stage k's runner (Sender::next_grad).
+struct GradEntry {
+  uint64_t window = 0;
+  uint64_t micro_batch = 0;
+  uint64_t delay = 0;  ///< micro-batches sent after this one before its GRAD arrived
+  Frame frame;         ///< grad_hidden [B,S,D] bfloat16 or float32: widen with grad_hidden_f32
 };
 
 /// Upstream end of a link. Owns one I/O thread.
@@ -82,6 +122,14 @@ class Sender {
 
   /// Waits until every queued entry is acknowledged; kTimeout otherwise.
   Status flush(std::chrono::milliseconds timeout);
+
+  /// Takes the next gradient that arrived (in arrival order), which frees one
+  /// of the G owed gradients for send(). kTimeout if none arrives in time,
+  /// kClosed after stop(), kInvalidArgument when max_grads_in_flight is 0.
+  Result<GradEntry> next_grad(std::chrono::milliseconds timeout);
+
+  /// DATA entries sent whose gradient has not arrived yet.
+  size_t grads_owed() const;
 
   /// Points the link at a new downstream (e.g. a spare device); un-acknowledged
   /// entries are re-sent there.
@@ -112,6 +160,7 @@ class Sender {
   // it (in a second when there is none).
   struct NextSend {
     std::shared_ptr<const Frame> frame;  // null: nothing to send
+    size_t wire_bytes = 0;
     SteadyClock::time_point deliver_at;
     bool resend = false;
   };
@@ -124,11 +173,16 @@ class Sender {
   void drop_connection(const std::string& why);
   void handle_incoming();
   void handle_frame(const DecodeResult& r);
+  void handle_grad(const Frame& grad);  // mutex_ held
+  size_t grad_credit_used_locked() const { return owed_.size() + grads_.size(); }
 
   SenderOptions options_;
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   std::deque<Entry> queue_;  // un-acknowledged, in send order
+  std::set<std::pair<uint64_t, uint64_t>> owed_;  // (window, micro_batch) sent, gradient not arrived
+  std::deque<GradEntry> grads_;                   // arrived, not taken; owed_ + grads_ <= G
+  std::optional<uint64_t> last_sent_micro_batch_;  // newest DATA micro-batch queued, for the delay
   SenderStats stats_;
   bool stopping_ = false;
   bool connected_ = false;
@@ -203,6 +257,9 @@ struct ReceiverOptions {
   /// reconnect-and-resend loop as fast as the network allows.
   std::chrono::milliseconds local_error_backoff_initial{20};
   std::chrono::milliseconds local_error_backoff_max{2000};
+  /// GRAD frames given to send_grad() and not yet written upstream (they
+  /// wait while the upstream is disconnected); send_grad() blocks beyond it.
+  size_t max_grads_queued = 4;
   /// The server's half of each new session (16 bytes). Default: random
   /// (randombytes_buf); zl_frame_tool's fuzz mode injects known values.
   std::function<void(uint8_t* out, size_t size)> session_random;
@@ -218,6 +275,9 @@ struct ReceiverStats {
   /// deadline or cap, or replaced by a newer handshake.
   uint64_t candidates_dropped = 0;
   uint64_t local_errors = 0;  ///< entries that could not be logged here (then a pause, see local_error_backoff_*)
+  uint64_t grads_sent = 0;      ///< GRAD frames written upstream
+  uint64_t bytes_received = 0;  ///< frames read from upstream after the handshake
+  uint64_t bytes_sent = 0;      ///< frames written upstream (ACK, GRAD, ERROR)
   std::string last_reject_reason;
   std::string last_local_error;
 };
@@ -247,6 +307,15 @@ class Receiver {
   /// restart, from the log). kTimeout if it does not arrive in time,
   /// kCorrupt if its log file no longer verifies, kClosed after stop().
   Result<InputEntry> next(std::chrono::milliseconds timeout);
+
+  /// Queues `grad` (a GRAD frame, make_grad_frame) to be written upstream in
+  /// this connection's session, sealed with the link's data-up key. Blocks
+  /// while max_grads_queued are waiting; kTimeout then, kClosed after stop(),
+  /// kInvalidArgument for another frame type, a grad_hidden that is not
+  /// bfloat16/float32 [B,S,D] of expect, or a frame too large to encode.
+  /// Returns once queued. A GRAD written on a connection that then breaks is
+  /// not written again (gradient recovery is issue 39 item 4).
+  Status send_grad(const Frame& grad, std::chrono::milliseconds timeout);
 
   /// The window's checkpoint is in place: deletes log entries at or before it.
   Status window_committed(uint64_t window);
@@ -286,6 +355,10 @@ class Receiver {
   void handle_decoded(const DecodeResult& r);
   void reject(const std::string& reason, bool send_error);
   void reject_on(Socket* sock, FrameReader* reader, const std::string& reason, SessionState* session);
+  // Seals `frame` under the data-up key and writes it to `fd`, counting its bytes.
+  Status write_up(int fd, const Frame& frame);
+  void write_grads();  // the queued GRAD frames, on conn_ (I/O thread)
+  void count_received(size_t bytes);
   size_t pending_locked() const;
   void wake();
 
@@ -300,6 +373,8 @@ class Receiver {
   uint16_t port_ = 0;
   mutable std::mutex mutex_;
   std::condition_variable arrived_;
+  std::condition_variable grad_room_;  // a queued GRAD was written (or stop)
+  std::deque<Frame> grad_outbox_;      // send_grad() -> the I/O thread, at most max_grads_queued
   uint64_t next_micro_batch_ = 0;
   ReceiverStats stats_;
   bool stopping_ = false;

@@ -56,6 +56,8 @@ struct LinkReadResult {
   /// Reading the socket: kClosed on EOF, kIoError on a failure. Frames that
   /// arrived before it were handed over already.
   Status filled;
+  /// Bytes of the whole frames handed over (valid or not), for telemetry.
+  uint64_t bytes = 0;
 };
 
 class ReconnectingLink {

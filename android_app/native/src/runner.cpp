@@ -358,7 +358,9 @@ void StageRunner::finish_run(int64_t micro_batches, double wall_s, double cpu_s)
       const SenderStats s = sender_->stats();
       line["sender"] = {{"transmissions", s.transmissions}, {"resends", s.resends}, {"connects", s.connects},
                         {"max_in_flight_seen", s.max_in_flight_seen}, {"bytes_sent", s.bytes_sent},
-                        {"bytes_received", s.bytes_received}, {"grads_received", s.grads_received}};
+                        {"bytes_received", s.bytes_received}, {"grads_received", s.grads_received},
+                        {"grads_refused", s.grads_refused}, {"max_grad_delay", s.max_grad_delay},
+                        {"sum_grad_delay", s.sum_grad_delay}};
     }
     if (receiver_) {
       const ReceiverStats s = receiver_->stats();

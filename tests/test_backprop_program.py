@@ -80,16 +80,22 @@ def _assert_backprop_equal(results, names, ref, rtol=1e-4, atol=1e-6):
     loss, hidden, hidden_grads, grads = ref
     torch.testing.assert_close(results[-1].outputs["loss"], loss, rtol=rtol, atol=atol)
     for k, h in enumerate(hidden):
-        torch.testing.assert_close(results[k].outputs["hidden"], h, rtol=rtol, atol=1e-5, msg=f"hidden {k}")
+        # atol 5e-5: ExecuTorch's kernels round differently, and the error of every layer before adds up here
+        # (the reference is the whole model's forward, not re-fed the program's hidden state as tests/test_export.py's)
+        torch.testing.assert_close(results[k].outputs["hidden"], h, rtol=rtol, atol=5e-5,
+                                   msg=lambda m, k=k: f"hidden {k}: {m}")
         got = results[k + 1].outputs["grad_input"]
         assert hidden_grads[k].abs().max() > 0
-        torch.testing.assert_close(got, hidden_grads[k], rtol=rtol, atol=1e-7, msg=f"grad_input of stage {k + 1}")
+        torch.testing.assert_close(got, hidden_grads[k], rtol=rtol, atol=rtol * float(hidden_grads[k].abs().max()),
+                                   msg=lambda m, k=k: f"grad_input of stage {k + 1}: {m}")
     assert "grad_input" not in results[0].outputs
     got = {names[k][n]: g for k, r in enumerate(results) for n, g in r.gradients.items()}
     assert set(got) == set(grads) and grads
     for n, g in grads.items():
         assert g.abs().max() > 0, n
-        torch.testing.assert_close(got[n], g, rtol=rtol, atol=atol, msg=n)
+        # the error of the stages after this one adds up in a gradient: absolute to rtol of the tensor's scale
+        torch.testing.assert_close(got[n], g, rtol=rtol, atol=max(atol, rtol * float(g.abs().max())),
+                                   msg=lambda m, n=n: f"{n}: {m}")
 
 
 def _program_names(modules, peft_model) -> list[dict[str, str]]:

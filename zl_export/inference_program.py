@@ -156,6 +156,10 @@ def _quantize(model: torch.nn.Module, quantize: str) -> None:
     from executorch.extension.llm.export.quantize import quantize_model_
 
     linear, embedding = _SCHEMES[quantize]
+    # padding_idx only shapes training (that row gets no gradient); the lookup is the same without it, and with it
+    # aten.embedding carries an argument the quant-fusion pattern of embedding_byte/4bit does not match, leaving a
+    # dequantize_affine no runtime kernel implements (SmolLM2, Phi-3: pad_token_id is set).
+    model.get_input_embeddings().padding_idx = None
     if model.lm_head.weight is model.model.embed_tokens.weight:
         # Tied (SmolLM2, Qwen2.5, Gemma 3): each side gets its own quantized copy, in its own layout.
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)

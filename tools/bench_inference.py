@@ -21,7 +21,6 @@ import argparse
 import json
 import logging
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -37,10 +36,11 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("eager", "none", "int8", "int4")
 
 
-def rss_kib() -> int:
-    """The process's resident set now, in KiB."""
+def status_kib(field: str = "VmRSS") -> int:
+    """A KiB field of /proc/self/status: VmRSS (resident now) or VmHWM (its peak). Not getrusage's ru_maxrss, which
+    survives exec: a child of an exporting parent would report the parent's peak."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
 
@@ -59,7 +59,7 @@ def measure(variant: str, model_name: str, program: Path | None, prompt_tokens: 
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 200, (prompt_tokens,), generator=generator).tolist()
-    baseline = rss_kib()
+    baseline = status_kib()
     start = time.perf_counter()
     if variant == "eager":
         model = load_model(model_name).model.eval()
@@ -87,7 +87,7 @@ def measure(variant: str, model_name: str, program: Path | None, prompt_tokens: 
             token = int(runner.logits([token], prompt_tokens + i)[-1].argmax())
         decode = time.perf_counter() - start
         size = program.stat().st_size
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak = status_kib("VmHWM")
     return {"variant": variant, "bytes": size, "load_s": load, "peak_rss_kib": peak, "peak_above_imports_kib":
             peak - baseline, "prefill_tok_s": prompt_tokens / prefill, "decode_tok_s": new_tokens / decode}
 

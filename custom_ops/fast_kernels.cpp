@@ -2,6 +2,7 @@
 // build without OpenBLAS), and the registration of all of zl's fast kernels
 // (docs/design.md §4.9).
 #include <zl/fast_kernels.h>
+#include <zl/thread_pool.h>
 
 #include <algorithm>
 #include <array>
@@ -220,7 +221,7 @@ void bmm_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   const float* pb = b.const_data_ptr<float>();
   float* po = out.mutable_data_ptr<float>();
   if (m == 0 || n == 0 || batch == 0) return;
-  const int64_t threads = executorch::extension::get_thread_count();
+  const int64_t threads = zl::parallel_thread_count();
   if (threads > 1 && batch >= threads) {
     // Attention's many small products: one whole product per task.
     executorch::extension::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {

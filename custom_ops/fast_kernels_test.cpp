@@ -86,7 +86,7 @@ TEST(FastKernels, GemmIsTheOneThisBuildChose) {
 
 TEST(FastKernels, ThreadSplitIsBitIdenticalToOneThread) {
   if (!set_threads(1)) GTEST_SKIP() << "no ExecuTorch thread pool in this build";
-  ASSERT_EQ(executorch::extension::get_thread_count(), 1);
+  ASSERT_EQ(zl::parallel_thread_count(), 1);
   // Panels of 64; a product whose last panel would be one wide (129 = 2 x 64 + 1) stays whole.
   // Attention-sized products (128 x 64 x 128, ~1M multiply-adds) straddle OpenBLAS's
   // small-matrix limit: whole, they would take one kernel, cut in panels another.
@@ -100,7 +100,7 @@ TEST(FastKernels, ThreadSplitIsBitIdenticalToOneThread) {
       ASSERT_TRUE(set_threads(1));
       zl::gemm_f32(a.data(), b.data(), one.data(), s.m, s.k, s.n, transposed);
       ASSERT_TRUE(set_threads(3));
-      ASSERT_EQ(executorch::extension::get_thread_count(), 3);
+      ASSERT_EQ(zl::parallel_thread_count(), 3);
       zl::gemm_f32(a.data(), b.data(), three.data(), s.m, s.k, s.n, transposed);
       EXPECT_EQ(one, three) << "m=" << s.m << " k=" << s.k << " n=" << s.n
                             << " transposed=" << transposed;

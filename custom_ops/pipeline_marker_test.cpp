@@ -3,6 +3,8 @@
 // with TensorImpl-backed tensors (extension/tensor), through the operator
 // registry, and (when ZL_MARKER_TEST_PTE names a program) inside a real
 // Module::execute.
+#include <zl/executorch_version.h>
+#include <zl/fast_kernels.h>
 #include <zl/pipeline_marker.h>
 
 #include <cstdlib>
@@ -285,10 +287,15 @@ TEST_F(PipelineMarkerTest, OutTooSmallForHiddenFailsThroughContext) {
 
 TEST_F(PipelineMarkerTest, UnallocatedOutFailsThroughContext) {
   TensorPtr hidden = make_hidden();
+#if ZL_EXECUTORCH_BEFORE_1_5_1
+  // Before 1.5.1 (tools/build_phone_runner.sh on a 1.5.0 tree) the device came last.
+  TensorPtr out = make_tensor_ptr({2, 3, 4}, nullptr, ScalarType::Float, TensorShapeDynamism::STATIC);
+#else
   TensorPtr out = make_tensor_ptr(
       {2, 3, 4}, nullptr, ScalarType::Float,
       executorch::aten::Device(executorch::aten::DeviceType::CPU),
       TensorShapeDynamism::STATIC);
+#endif
   KernelRuntimeContext ctx;
 
   zl::pipeline_marker_out(ctx, *hidden, *out);
@@ -441,6 +448,13 @@ class PipelineMarkerProgramTest : public PipelineMarkerTest {
     if (pte == nullptr) {
       GTEST_SKIP() << "set ZL_MARKER_TEST_PTE to a .pte whose first output is "
                       "the pipeline marker's";
+    }
+    // A selective ExecuTorch build (the phone binary, tools/build_phone_runner.sh)
+    // has no aten::linear.out of its own: zl's fast kernels supply it, as they
+    // do in the runner.
+    if (!executorch::runtime::registry_has_op_function("aten::linear.out")) {
+      const zl::FastKernelsRegistration registered = zl::register_fast_kernels();
+      ASSERT_TRUE(registered.ok) << registered.error;
     }
     program_ = std::make_unique<MarkerProgram>(pte);
     ASSERT_NO_FATAL_FAILURE(program_->prepare_inputs());

@@ -4,6 +4,7 @@
 //   zl_runner --config stage1.json --resume   restore the latest checkpoint even if "resume": false
 //   zl_runner --config stage1.json --standby  a hot standby: load, then wait for SIGUSR1 to take over
 //   zl_runner --help                          usage and every config field
+//   zl_runner --version                       zl's and ExecuTorch's versions, the build (static or not)
 //
 // Stdout gets JSON event lines ({"event": "listening", "port": ...},
 // {"event": "done", ...}); diagnostics go to stderr; telemetry to the
@@ -22,6 +23,21 @@
 #include "zl/runner.h"
 #include "zl/runner_config.h"
 
+#include "zl/executorch_version.h"
+
+// Where the ExecuTorch install has no version header (the pip wheel), CMake's
+// package version (or "unknown") stands in.
+#if defined(ET_VERSION)
+#define ZL_RUNNER_ET_VERSION ET_VERSION
+#elif defined(ZL_EXECUTORCH_VERSION)
+#define ZL_RUNNER_ET_VERSION ZL_EXECUTORCH_VERSION
+#else
+#define ZL_RUNNER_ET_VERSION "unknown"
+#endif
+#ifndef ZL_VERSION
+#define ZL_VERSION "unknown"
+#endif
+
 namespace {
 
 std::atomic<bool> g_stop{false};
@@ -30,7 +46,7 @@ extern "C" void on_signal(int) { g_stop.store(true); }
 
 constexpr const char* kUsage =
     "usage: zl_runner --config FILE [--resume] [--standby] [--verbose]\n"
-    "       zl_runner --help\n"
+    "       zl_runner --help | --version\n"
     "\n"
     "Runs one stage of a zl pipeline: reads its input (stage 0: the data shard; later\n"
     "stages: hidden states from upstream), trains the stage's LoRA parameters with its\n"
@@ -63,6 +79,22 @@ std::optional<int> parse_args(int argc, char** argv, Args* args) {
     if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
       std::fputs(zl::runner_config_help().c_str(), stdout);
+      return 0;
+    } else if (arg == "--version") {
+      // One line a deployer can check on the device (which binary, which runtime).
+      std::printf("zl_runner %s executorch %s %s %s\n", ZL_VERSION, ZL_RUNNER_ET_VERSION,
+#if defined(__aarch64__)
+                  "aarch64",
+#elif defined(__x86_64__)
+                  "x86_64",
+#else
+                  "other-arch",
+#endif
+#ifdef ZL_STATIC_BINARY
+                  "static");
+#else
+                  "dynamic");
+#endif
       return 0;
     } else if (arg == "--config" && i + 1 < argc) {
       args->config_path = argv[++i];

@@ -32,12 +32,26 @@ Result<Address> resolve(const std::string& host, uint16_t port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
+  std::string name = host;
+#ifdef ZL_STATIC_BINARY
+  // A static glibc resolves names through NSS modules it would dlopen, which
+  // a phone does not have: numeric addresses only (the host resolves names
+  // before it writes a config), "localhost" being the loopback address.
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+  if (name == "localhost") name = "127.0.0.1";
+#endif
   addrinfo* res = nullptr;
   const std::string service = std::to_string(port);
-  const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
+  const int rc = getaddrinfo(name.c_str(), service.c_str(), &hints, &res);
   if (rc != 0 || res == nullptr) {
+#ifdef ZL_STATIC_BINARY
+    return Status(StatusCode::kInvalidArgument,
+                  "cannot use host '" + host + "': this static zl_runner takes numeric addresses only "
+                  "(e.g. 192.168.1.20 or ::1): " + gai_strerror(rc));
+#else
     return Status(StatusCode::kInvalidArgument,
                   "cannot resolve host '" + host + "': " + gai_strerror(rc));
+#endif
   }
   Address address;
   std::memcpy(&address.addr, res->ai_addr, res->ai_addrlen);

@@ -7,6 +7,10 @@
 
 #include <cstdint>
 
+#include <executorch/runtime/kernel/thread_parallel_interface.h>
+
+#include "zl/executorch_version.h"
+
 namespace executorch::extension::threadpool {
 class ThreadPool {
  public:
@@ -23,6 +27,16 @@ inline bool reset_thread_pool(uint32_t threads) {
   namespace tp = executorch::extension::threadpool;
   auto* pool = &tp::get_threadpool != nullptr ? tp::get_threadpool() : nullptr;
   return pool != nullptr && pool->_unsafe_reset_threadpool(threads);
+}
+
+/// The threads parallel_for spreads work over (one before ExecuTorch 1.5.1,
+/// where the phone build has no thread pool and no get_thread_count()).
+inline int64_t parallel_thread_count() {
+#if ZL_EXECUTORCH_BEFORE_1_5_1
+  return 1;
+#else
+  return executorch::extension::get_thread_count();
+#endif
 }
 
 /// True when this build has ExecuTorch's thread pool.

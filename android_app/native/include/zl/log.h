@@ -100,11 +100,12 @@ inline void log(LogLevel level, const char* fmt, ...) {
   // clock_gettime, not timespec_get: the latter needs Android API 29.
   timespec now{};
   clock_gettime(CLOCK_REALTIME, &now);
-  std::tm utc{};
-  gmtime_r(&now.tv_sec, &utc);
+  // The UTC time of day straight from the epoch seconds: glibc's gmtime_r
+  // reads /etc/localtime first, which a static binary on a phone has not got.
+  const long day_seconds = static_cast<long>(now.tv_sec % 86400);
   char line[1100];
-  std::snprintf(line, sizeof(line), "%02d:%02d:%02d.%03ld %s zl: %s", utc.tm_hour, utc.tm_min, utc.tm_sec,
-                now.tv_nsec / 1000000L, kNames[static_cast<int>(level)], message);
+  std::snprintf(line, sizeof(line), "%02ld:%02ld:%02ld.%03ld %s zl: %s", day_seconds / 3600, day_seconds / 60 % 60,
+                day_seconds % 60, now.tv_nsec / 1000000L, kNames[static_cast<int>(level)], message);
   detail::write_line(stderr, &detail::OutputMirror::err, line);
 }
 

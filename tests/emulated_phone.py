@@ -251,6 +251,10 @@ class EmulatedPhone:
                      "ZLEMU_BASE_APK": BASE_APK, "ZLEMU_JAVA": app.java,
                      "ZLEMU_JNI_LIBRARY": str(Path(app.jni_library).resolve()),
                      "ZLEMU_JNI_CLASSES": str(Path(app.jni_classes).resolve())}
+        # The host's OpenBLAS settings (e.g. OPENBLAS_CORETYPE=Haswell on an AVX-512 host) pick its GEMM kernels,
+        # whose float order the tests compare bit for bit with local devices: a phone's runner must use the same
+        # ones as the local runners, which inherit the host's environment.
+        self._env.update({k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")})
 
     def local(self, device_path: str) -> Path:
         """The host path of a device path (/sdcard/x -> ROOT/sdcard/x)."""

@@ -24,6 +24,7 @@ against a `zl train` run's adapter.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -300,8 +301,13 @@ def train_backprop(
     budget: Budget,
     opt: OptimizerSettings,
     on_window: Callable[[int, TrainLog], None] = lambda w, log: None,
+    versions=None,
 ) -> TrainLog:
-    """Ordinary end-to-end backprop of the trainable parameters of `model` (a PeftModel) over the run's micro-batches."""
+    """Ordinary end-to-end backprop of the trainable parameters of `model` (a PeftModel) over the run's micro-batches.
+
+    `versions` (a zl_device.torch.stale_backprop.WeightVersions) runs each micro-batch on the weight versions an
+    asynchronous pipeline would (`running(mb, window)`) and keeps each window's weights for them (`keep(window)`,
+    before its step); None is synchronous backprop."""
     if shard.rows < budget.micro_batch:
         raise ZLError(f"shard {shard.path} has {shard.rows} rows, fewer than one micro-batch of {budget.micro_batch}.")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -313,9 +319,12 @@ def train_backprop(
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for mb in window:
-            loss = causal_lm_loss(model, *micro_batch(shard, mb, budget.micro_batch))
-            loss.backward()
+            with contextlib.nullcontext() if versions is None else versions.running(mb, w):
+                loss = causal_lm_loss(model, *micro_batch(shard, mb, budget.micro_batch))
+                loss.backward()  # on the weights running() put in place, into the live parameters' .grad
             total += float(loss.detach())
+        if versions is not None:
+            versions.keep(w)
         log.lrs.append(_step(optimizer, scheduler, params, len(window)))
         log.losses.append([total / len(window)])
         on_window(w, log)

@@ -25,17 +25,16 @@ the last stage never does.
 
 from __future__ import annotations
 
+import contextlib
 import re
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from zl_base.errors import ZLError
 from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.windows import WindowPlan
-from zl_device.torch.eager_training import (Budget, TrainLog, _step, causal_lm_loss, micro_batch,
-                                            runner_optimizer)
+from zl_device.torch.eager_training import Budget, TrainLog, train_backprop
 from zl_export.shard import Shard
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -68,6 +67,43 @@ def stage_parameters(model: torch.nn.Module, stage_layers: Sequence[range]) -> l
     return stages
 
 
+class WeightVersions:
+    """Each stage's older weight versions while a micro-batch may still run on them, for `train_backprop`."""
+
+    def __init__(self, model: torch.nn.Module, stage_layers: Sequence[range], plan: WindowPlan):
+        self.stages = stage_parameters(model, stage_layers)
+        self.plan = plan
+        # kept[k][v]: stage k's weights after v steps.
+        self.kept: list[dict[int, list[torch.Tensor]]] = [{} for _ in self.stages]
+
+    @contextlib.contextmanager
+    def running(self, mb: int, window: int) -> Iterator[None]:
+        """Every stage holds the version it runs micro-batch `mb` of `window` on; its current weights after."""
+        swapped = []  # (param, its current data) while it holds an older version
+        try:
+            for k, ps in enumerate(self.stages):
+                v = stashed_version(k, len(self.stages), mb, self.plan)
+                if v != window:
+                    for p, old in zip(ps, self.kept[k][v]):
+                        swapped.append((p, p.data))
+                        p.data = old
+            yield
+        finally:
+            for p, data in swapped:
+                p.data = data
+
+    def keep(self, window: int) -> None:
+        """Keep `window`'s weights (before its step) for the next window's early micro-batches, and drop the
+        versions no later micro-batch runs on."""
+        for k, ps in enumerate(self.stages):
+            self.kept[k][window] = [p.detach().clone() for p in ps]
+        if self.plan.exists(window + 1):
+            first = self.plan.start(window + 1)
+            for k in range(len(self.stages)):
+                oldest = stashed_version(k, len(self.stages), first, self.plan)
+                self.kept[k] = {v: t for v, t in self.kept[k].items() if v >= oldest}
+
+
 def train_stale_backprop(
     model: torch.nn.Module,
     shard: Shard,
@@ -80,44 +116,8 @@ def train_stale_backprop(
     on the stages `stage_layers` (layer indices per stage): each micro-batch on every stage's stashed version.
 
     Returns the window losses (the final loss's mean per window, as `train_backprop`'s), lrs and seconds.
+
+    Raises:
+        ZLError: a trainable parameter in no stage's layers.
     """
-    if shard.rows < budget.micro_batch:
-        raise ZLError(f"shard {shard.path} has {shard.rows} rows, fewer than one micro-batch of {budget.micro_batch}.")
-    plan, num_stages = budget.plan, len(stage_layers)
-    stages = stage_parameters(model, stage_layers)
-    params = [p for ps in stages for p in ps]
-    optimizer, scheduler = runner_optimizer([{"params": params, "lr": opt.lr}], opt, budget.num_windows)
-    # versions[k][v]: stage k's weights after v steps, kept while a later micro-batch may still run on them.
-    versions: list[dict[int, list[torch.Tensor]]] = [{} for _ in stages]
-    model.train()
-    log = TrainLog()
-    start = time.perf_counter()
-    for w, window in enumerate(budget.windows()):
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for mb in window:
-            swapped = []  # (param, its current data) while it holds an older version
-            for k, ps in enumerate(stages):
-                v = stashed_version(k, num_stages, mb, plan)
-                if v != w:
-                    for p, old in zip(ps, versions[k][v]):
-                        swapped.append((p, p.data))
-                        p.data = old
-            loss = causal_lm_loss(model, *micro_batch(shard, mb, budget.micro_batch))
-            loss.backward()  # gradients on the stashed weights, into the live parameters' .grad
-            for p, data in swapped:
-                p.data = data
-            total += float(loss.detach())
-        for k, ps in enumerate(stages):  # this window's weights, for the next window's early micro-batches
-            versions[k][w] = [p.detach().clone() for p in ps]
-        log.lrs.append(_step(optimizer, scheduler, params, len(window)))
-        log.losses.append([total / len(window)])
-        if plan.exists(w + 1):
-            first = plan.start(w + 1)
-            for k in range(num_stages):  # drop versions no later micro-batch runs on
-                keep = stashed_version(k, num_stages, first, plan)
-                versions[k] = {v: t for v, t in versions[k].items() if v >= keep}
-        on_window(w, log)
-    log.seconds = time.perf_counter() - start
-    model.eval()
-    return log
+    return train_backprop(model, shard, budget, opt, on_window, WeightVersions(model, stage_layers, budget.plan))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import native_library_or_skip
+from test_model_families import randomize_lora_b
 from zl_base.errors import ZLError
 from zl_export.backprop_stage import backprop_chain, backprop_step
 from zl_export.exporter import build_stage_modules, example_inputs, export_stage, write_program
@@ -38,11 +39,7 @@ def _build(name: str, slots: int = SLOTS, frozen_dtype: str = "bf16", local_weig
                          frozen_dtype=frozen_dtype)
     peft_model, modules = build_stage_modules(loaded.model, parse_spec(SPLIT, 4), opts,
                                               program=ProgramSettings("backprop", local_weight))
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for n, p in peft_model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    randomize_lora_b(peft_model)
     return loaded, peft_model, modules, opts
 
 

@@ -35,6 +35,15 @@ def test_every_family_has_a_tiny_model():
     assert sorted(MODELS) == sorted(f.key for f in FAMILIES)
 
 
+def randomize_lora_b(peft_model) -> None:
+    """LoRA B random (seeded), so every LoRA gradient is nonzero (B = 0 at init makes every lora_A gradient 0)."""
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
 def _build(name: str, max_targets: int, frozen_dtype: str = "bf16"):
     """The model with LoRA on every projection of its family (B random, so every gradient is nonzero), cut in 2."""
     loaded = load_model(name, seed=3)
@@ -42,11 +51,7 @@ def _build(name: str, max_targets: int, frozen_dtype: str = "bf16"):
                          loss=LossConfig(alpha=0.5, translator_rank=0), seed=5, max_targets=max_targets,
                          frozen_dtype=frozen_dtype)
     peft_model, modules = build_stage_modules(loaded.model, parse_spec(SPLIT, 4), opts)
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for n, p in peft_model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    randomize_lora_b(peft_model)
     return loaded, peft_model, modules, opts
 
 

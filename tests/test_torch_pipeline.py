@@ -152,7 +152,7 @@ def test_bench_pipelines_measures_every_pipeline(tmp_path, capsys):
     bench = load_tool("bench_pipelines")
     results = bench.main(["--samples", "8", "--window", "4", "--seq-len", "64", "--eval-limit", "16",
                           "--out", str(tmp_path / "bench"), "--json", str(tmp_path / "bench.json")])
-    assert [r["pipeline"] for r in results] == ["zerolock", "zerolock-et", "gpipe", "1f1b", "pipedream"]
+    assert [r["pipeline"] for r in results] == ["zerolock", "zerolock-et", "gpipe", "1f1b", "async"]
     for r in results:
         assert r["samples"] == 8 and r["records_per_s"] == pytest.approx(8 / r["wall_s"])
         least = 5 if r["pipeline"] == "zerolock-et" else 100  # a tiny program in a runner; libtorch in a rank
@@ -175,7 +175,7 @@ def test_bench_pipelines_measures_every_pipeline(tmp_path, capsys):
     assert results[0]["in_flight_max"] == [None] * 3
     printed = capsys.readouterr().out
     assert sum(line.startswith("|") for line in printed.splitlines()) == 8  # header, rule, 5 pipelines, base
-    assert "| 3/2 / 2/2 / 1/1 |" in printed and "zerolock vs pipedream: records/s" in printed
+    assert "| 3/2 / 2/2 / 1/1 |" in printed and "zerolock vs async: records/s" in printed
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["results"] == results and saved["base"]["rows"] == 16
     assert (tmp_path / "bench" / "pipelines.png").stat().st_size > 10_000
@@ -192,7 +192,7 @@ def test_bench_pipelines_prints_unmeasured_peaks_as_dashes(tmp_path):
                 "peak_rss_mib": peaks, "busy_share": [0.5, 0.5], "last_stage_first_loss": 1.0,
                 "last_stage_last_loss": 0.5, "in_flight_max": [None, None], "stash_versions_max": [None, None]}
 
-    results = [result("zerolock", [None, 10.0]), result("pipedream", [20.0, None])]
+    results = [result("zerolock", [None, 10.0]), result("async", [20.0, None])]
     assert "| - / 10 | - / 10 |" in bench.table(results, None)
-    assert bench.ratios(results) == ["zerolock vs pipedream: records/s 1.00x, peak RSS in training per rank - / -x"]
+    assert bench.ratios(results) == ["zerolock vs async: records/s 1.00x, peak RSS in training per rank - / -x"]
     assert bench.plot(results, tmp_path / "p.png").stat().st_size > 0

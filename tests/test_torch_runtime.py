@@ -645,11 +645,3 @@ def test_a_backprop_schedule_trains_through_zl_train_as_eager_backprop(data_file
         key = next(n for n in want if n.replace(".default", "") == name)
         torch.testing.assert_close(t, want[key], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
     assert any(t.abs().max() > 1e-3 for n, t in merged.items() if "lora_B" in n), "nothing moved"
-
-
-def test_a_backprop_schedule_needs_the_torch_runtime():
-    from zl_device.run.train_settings import TrainSettings
-
-    with pytest.raises(ZLError, match="--schedule gpipe: the backprop schedules run on torch.distributed ranks; add "
-                                      "--runtime torch"):
-        TrainSettings(schedule="gpipe").validate()

@@ -3,7 +3,7 @@
 Prepares one run as `zl train --runtime torch --launcher torchrun` does (data,
 manifest, RUN_DIR/torch_job.json), then runs its ranks once per pipeline —
 `zerolock` (local losses, no backward across stages), `gpipe`, `1f1b` and
-`pipedream` (end-to-end backprop; every schedule of zl_device/torch/schedules
+`async` (end-to-end backprop; every schedule of zl_device/torch/schedules
 SCHEDULES) — with the same split, LoRA, data order, micro-batches
 of the full --seq-len, windows and optimizer, one process per stage
 (torch.multiprocessing spawn, gloo); and `zerolock-et`, the same job as `zl train` runs it by default: the
@@ -33,7 +33,7 @@ It prints a table, writes the figures (--json) and a plot of throughput and memo
     sudo .venv/bin/python tools/bench_pipelines.py --model smollm2-135m --samples 64 --window 4 --seq-len 128 \\
         --cpus-per-rank 0.66 --link-mbit 50 --no-eval   # 3 devices of 2/3 of a core on one 50 Mbit/s link
     .venv/bin/python tools/bench_pipelines.py --model tinyllama-random --stages 0-6,7-13,14-21 --samples 8 \\
-        --window 4 --seq-len 128 --pipelines zerolock,pipedream --no-eval   # memory
+        --window 4 --seq-len 128 --pipelines zerolock,async --no-eval   # memory
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from zl_base.errors import ZLError
 from zl_export.manifest import MANIFEST
-from zl_export.options import ExportOptions, ModelSplit
+from zl_export.options import ExportOptions, ModelSplit, ProgramSettings
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +29,11 @@ class ExportSettings(Protocol):
 EXPORT_CACHE_VERSION = 4  # bump when the exporter's output changes for the same options (4: a tied embedding shares the head's chunks)
 
 
-def export_key(s: ExportSettings, opts: ExportOptions, calibration: Path | None = None) -> str:
+def export_key(s: ExportSettings, opts: ExportOptions, calibration: Path | None = None,
+               program: ProgramSettings | None = None) -> str:
     """A hash of what determines the stage programs: model identity, split, every export option (`opts` as the
-    manifest records it, `ExportOptions.to_manifest`) and, for lens translators, the calibration shard's content."""
+    manifest records it, `ExportOptions.to_manifest`), the program kind (zerolock programs keep the keys they had
+    before there were others) and, for lens translators, the calibration shard's content."""
     from zl_export.model_source import resolve
 
     kind, path = resolve(s.split.model)
@@ -41,6 +43,8 @@ def export_key(s: ExportSettings, opts: ExportOptions, calibration: Path | None 
         st = probe.stat()
         identity.update(path=str(path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns)
     blob = {"v": EXPORT_CACHE_VERSION, "model": identity, "stages": s.split.key, "opts": opts.to_manifest()}
+    if program is not None and program.kind != "zerolock":
+        blob["program"] = program.to_manifest()
     if opts.loss.translator_rank and opts.loss.translator_init == "lens" and calibration is not None:
         from zl_export.shard import file_sha256
 
@@ -49,7 +53,7 @@ def export_key(s: ExportSettings, opts: ExportOptions, calibration: Path | None 
 
 
 def export_cached(s: ExportSettings, opts: ExportOptions, load, say, progress=None,
-                  calibration: Path | None = None) -> tuple[Path, dict]:
+                  calibration: Path | None = None, program: ProgramSettings | None = None) -> tuple[Path, dict]:
     """The export directory for `s` with the run's resolved options `opts`: reused from the cache when
     complete, else exported into it.
 
@@ -57,13 +61,14 @@ def export_cached(s: ExportSettings, opts: ExportOptions, load, say, progress=No
         load: returns the run's `LoadedModel` (called only when there is something to export).
         progress: a zl_export.pipeline.ExportProgress that sees the export, if there is one.
         calibration: the training shard, to fit lens translators on.
+        program: which program every stage gets (docs/design.md §3.8); default: zerolock.
     """
     from zl_export.manifest import load_manifest
     from zl_export.model_source import cache_dir
     from zl_export.pipeline import export_pipeline
 
     root = s.export_cache or cache_dir() / "exports"
-    target = root / export_key(s, opts, calibration)
+    target = root / export_key(s, opts, calibration, program)
     if (target / MANIFEST).is_file():
         try:
             manifest = load_manifest(target)
@@ -77,7 +82,7 @@ def export_cached(s: ExportSettings, opts: ExportOptions, load, say, progress=No
     shutil.rmtree(tmp, ignore_errors=True)
     opts.validate()  # before minutes of loading
     manifest = export_pipeline(s.split, tmp, opts, progress=progress, loaded=load(), shown_dir=target,
-                               calibration=calibration).manifest
+                               calibration=calibration, program=program).manifest
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target, manifest

@@ -22,6 +22,7 @@ from zl_base.errors import ZLError
 from zl_device.devices.backend import Device
 from zl_device.executorch.device_policy import DevicePolicy
 from zl_device.formats.lr_schedule import OptimizerSettings, runs_forward_only
+from zl_device.formats.schedules import schedule_name
 from zl_device.formats.run_layout import CHECKPOINTS_DIR, MANIFEST, METRICS, RunLayout
 from zl_device.formats.windows import WindowPlan
 from zl_export.manifest import stage_count
@@ -45,6 +46,8 @@ class LaunchSettings(Protocol):
     threads: int
     load_mode: str
     accumulator_snapshots: bool
+    schedule: str  # zerolock | gpipe | 1f1b | async (pipedream: async)
+    grad_dtype: str  # bf16 | f32
     policy: DevicePolicy
     optimizer: OptimizerSettings
 
@@ -215,6 +218,8 @@ def stage_configs(s: LaunchSettings, manifest: dict, export_dir: Path, shard: Pa
             "optimizer": optimizer.config(s.stage_lr_of(k)),
             **addresses.config_fields(),
         }
+        if s.schedule != "zerolock":  # configs of ZeroLock runs stay as they were
+            cfg.update(schedule=schedule_name(s.schedule), grad_wire_dtype=s.grad_dtype)
         if k == 0:
             cfg["data_shard"] = str(shard)
         if s.policy.active:

@@ -18,6 +18,7 @@ from zl_base.errors import ZLError
 from zl_device.formats.injection import Injection
 from zl_device.formats.run_layout import MANIFEST, METRICS, RUN_KEY, SETTINGS_FILE, stage_config_name
 from zl_device.run.runtime import Run, RunRecord, Runtime
+from zl_export.options import ProgramSettings
 
 
 class ExecuTorchRuntime(Runtime):
@@ -33,8 +34,10 @@ class ExecuTorchRuntime(Runtime):
 
         s = run.settings
         self.shard = shard
+        # A backprop schedule runs programs that take grad_hidden and give grad_input (docs/design.md §3.8).
+        program = ProgramSettings(kind="backprop") if s.backprop else None
         self.export_dir, self.manifest = export_cached(s, opts, run.model.loaded, run.say, run.export_progress,
-                                                       calibration=shard)
+                                                       calibration=shard, program=program)
         shutil.copyfile(self.export_dir / MANIFEST, run.layout.manifest)
         return self.manifest
 

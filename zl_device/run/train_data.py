@@ -87,7 +87,7 @@ def choose_stage_lr(s: TrainSettings, shard: Path) -> tuple[TrainSettings, str |
     data in `shard` (generative rows or label words). Messages cite studies by name, not their figures."""
     stages = s.split.count
     chosen = s.with_default_stage_lr()
-    if stages < 2:
+    if stages < 2 or s.backprop:  # a backprop schedule trains every stage on the final loss's gradient
         return chosen, None
     held = ",".join(f"{m:g}" for m in default_stage_lr(stages))
     if s.stage_lr is None:

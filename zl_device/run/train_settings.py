@@ -19,7 +19,7 @@ from zl_device.executorch.device_policy import DevicePolicy
 from zl_device.executorch.recovery import MAX_RESTARTS, RECOVERY_MODES
 from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.windows import WindowPlan
-from zl_device.torch.schedules import SCHEDULES
+from zl_device.formats.schedules import SCHEDULE_NAMES, is_backprop
 from zl_export.data_settings import DataSettings
 from zl_export.options import ExportOptions, ModelSplit
 
@@ -59,9 +59,16 @@ class TrainSettings:
     runtime: str = setting("executorch", "executorch: the stage programs on the devices (zl_runner); torch: one "
                                          "torch.distributed rank per stage on this host, in PyTorch eager, no export "
                                          "(docs/design.md §13).", choices=RUNTIMES)
-    schedule: str = setting("zerolock", "--runtime torch: the pipeline schedule the ranks run: zerolock (local "
-                                        "losses), or end-to-end backprop as gpipe, 1f1b or pipedream (the baselines "
-                                        "of docs/design.md §13.1).", choices=tuple(SCHEDULES))
+    schedule: str = setting("zerolock", "How the stages train (docs/design.md §4.9): zerolock (each stage on its own "
+                                        "local loss, no gradient crosses a link; with --stage-lr's default only the "
+                                        "last stage trains), or end-to-end backprop, every stage on the final loss's "
+                                        "gradient sent upstream: gpipe (a flush per window: exact backprop), 1f1b "
+                                        "(the same numbers, fewer inputs held), async (PipeDream: no flush, a "
+                                        "stage's first micro-batches of a window on weights one step old; "
+                                        "`pipedream` is its other name). Both runtimes.",
+                            choices=tuple(SCHEDULE_NAMES))
+    grad_dtype: str = setting("bf16", "Backprop schedules: how grad_hidden travels upstream, bf16 (half the bytes) "
+                                      "or f32 (exact).", choices=("bf16", "f32"))
     launcher: str = setting("spawn", "--runtime torch: spawn runs one process per stage on this host; torchrun only "
                                      "prepares --out and prints the torchrun command that starts the ranks (multi-GPU, "
                                      "multi-node), then `zl merge` and `zl report`.", choices=LAUNCHERS)
@@ -114,8 +121,8 @@ class TrainSettings:
     export_cache: Path | None = setting(None, "Export cache folder (default: $ZL_CACHE_DIR/exports).", cli=False)
 
     def __post_init__(self) -> None:
-        if self.recovery is None:  # each runtime's own default
-            self.recovery = "global" if self.runtime == "torch" else "local"
+        if self.recovery is None:  # each runtime's own default; a backprop schedule's stages restart together
+            self.recovery = "global" if self.runtime == "torch" or self.backprop else "local"
 
     def validate(self) -> None:
         """The checks that need no model or device; run before anything slow."""
@@ -143,9 +150,14 @@ class TrainSettings:
             raise ZLError("--max-temperature, --min-battery and --require-charging pause stages on their devices; "
                           "--runtime torch runs its ranks on this host without them. Drop them, or use --runtime "
                           "executorch.")
-        if self.schedule != "zerolock" and self.runtime != "torch":
-            raise ZLError(f"--schedule {self.schedule}: the backprop schedules run on torch.distributed ranks; add "
-                          "--runtime torch (the ExecuTorch runtime runs ZeroLock).")
+        if self.backprop and self.runtime == "executorch":
+            if self.recovery == "local":
+                raise ZLError(f"--schedule {self.schedule} --recovery local: a stage restarted alone would need the "
+                              "gradients its downstream already sent; backprop schedules restart every stage from "
+                              "their last common window (--recovery global, their default). Drop --recovery local.")
+            if self.standby:
+                raise ZLError(f"--schedule {self.schedule} --standby: hot standbys take over ZeroLock stages only; "
+                              "drop --standby (a failed stage restarts with every stage, --recovery global).")
         if self.launcher != "spawn" and self.runtime != "torch":
             raise ZLError(f"--launcher {self.launcher}: launchers start torch.distributed ranks; add --runtime torch.")
         if self.link_timeout_s <= 0:
@@ -168,6 +180,11 @@ class TrainSettings:
             raise ZLError(f"--stage-lr {shown}: {len(self.stage_lr)} values for {stages} stages; give one value for "
                           f"every stage or exactly {stages}.")
 
+    @property
+    def backprop(self) -> bool:
+        """An end-to-end backprop schedule (gpipe, 1f1b, async): every stage trains on the final loss's gradient."""
+        return is_backprop(self.schedule)
+
     def stage_lr_of(self, stage: int) -> float:
         """The learning rate of stage `stage`: --lr times its multiplier (--stage-lr, or its default once resolved)."""
         if self.stage_lr is None:
@@ -179,7 +196,7 @@ class TrainSettings:
         and the last training (default_stage_lr; the split's stage count is known only once it is resolved)."""
         if self.stage_lr is not None:
             return self
-        return replace(self, stage_lr=default_stage_lr(self.split.count))
+        return replace(self, stage_lr=(1.0,) if self.backprop else default_stage_lr(self.split.count))
 
     def windows(self) -> WindowPlan:
         """The run's micro-batches (--samples in micro-batches of --micro-batch) in windows of --window."""

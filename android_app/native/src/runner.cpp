@@ -25,31 +25,14 @@ namespace {
 
 using nlohmann::json;
 
-/// Repeats `attempt(slice)` while it times out, until the stop flag is set or
-/// `timeout_s` (0 = forever) has passed.
-template <typename Attempt>
-Status wait_sliced(Attempt attempt, const std::atomic<bool>* stop, int64_t timeout_s, const std::string& what) {
-  const Clock::time_point start = Clock::now();
-  while (true) {
-    if (stopping(stop)) return stop_status(what);
-    Status status = attempt(kPollSlice);
-    if (status.code() != StatusCode::kTimeout) return status;
-    if (timeout_s > 0 && ms_since(start) >= 1000.0 * static_cast<double>(timeout_s)) {
-      return Status(StatusCode::kTimeout, what + ": nothing after " + std::to_string(timeout_s) +
-                                              " s (input_timeout_s); is the neighbouring stage running?");
-    }
-  }
-}
+}  // namespace
 
-/// This process's CPU time (user + system), in seconds.
 double process_cpu_s() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   const auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec / 1e6; };
   return seconds(usage.ru_utime) + seconds(usage.ru_stime);
 }
-
-}  // namespace
 
 Status StageRunner::run() {
   report([this](StageProgress* p) {
@@ -107,16 +90,24 @@ Status StageRunner::take_input(int64_t mb, InputEntry* entry, StageInputs* input
                                  "waiting for micro-batch " + std::to_string(mb) + " from stage " +
                                      std::to_string(config_.stage_index - 1)));
   *queue_ms = ms_since(start);
+  return inputs_of(mb, *entry, inputs);
+}
+
+Status StageRunner::inputs_of(int64_t mb, const InputEntry& entry, StageInputs* inputs) {
+  if (config_.is_first_stage()) {
+    shard_.micro_batch(mb, inputs);
+    return Status();
+  }
   const uint64_t window = static_cast<uint64_t>(plan_.window_of(mb));
-  if (entry->micro_batch != static_cast<uint64_t>(mb) || entry->window != window) {
-    return Status(StatusCode::kCorrupt, "upstream entry is micro-batch " + std::to_string(entry->micro_batch) +
-                                            " of window " + std::to_string(entry->window) + ", expected " +
+  if (entry.micro_batch != static_cast<uint64_t>(mb) || entry.window != window) {
+    return Status(StatusCode::kCorrupt, "upstream entry is micro-batch " + std::to_string(entry.micro_batch) +
+                                            " of window " + std::to_string(entry.window) + ", expected " +
                                             std::to_string(mb) + " of window " + std::to_string(window) +
                                             "; do all stages use the same window_size?");
   }
-  const TensorRecord* hidden = entry->frame.find("hidden");
-  const TensorRecord* mask = entry->frame.find("attention_mask");
-  const TensorRecord* labels = entry->frame.find("labels");
+  const TensorRecord* hidden = entry.frame.find("hidden");
+  const TensorRecord* mask = entry.frame.find("attention_mask");
+  const TensorRecord* labels = entry.frame.find("labels");
   if (hidden == nullptr || mask == nullptr || labels == nullptr) {
     return Status(StatusCode::kCorrupt, "upstream entry " + std::to_string(mb) + " lacks hidden/attention_mask/labels");
   }
@@ -216,6 +207,7 @@ Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums
 }
 
 Status StageRunner::loop() {
+  if (backprop()) return loop_backprop();
   const RunnerConfig& c = config_;
   WindowSums sums = resumed_sums_;  // empty unless an accumulator snapshot continued the window
   int64_t done = start_mb_;
@@ -353,7 +345,9 @@ void StageRunner::finish_run(int64_t micro_batches, double wall_s, double cpu_s)
                  {"cpu_s", cpu_s},
                  {"busy_share", wall_s > 0 ? cpu_s / wall_s : 0.0},
                  {"peak_rss_mib", number_or_null(read_peak_rss_mib())},
-                 {"optimizer_step", optimizer_->step_count()}};
+                 {"optimizer_step", optimizer_->step_count()},
+                 {"schedule", c.schedule}};
+    if (backprop()) line["max_weight_versions_kept"] = max_versions_kept_;
     if (sender_) {
       const SenderStats s = sender_->stats();
       line["sender"] = {{"transmissions", s.transmissions}, {"resends", s.resends}, {"connects", s.connects},

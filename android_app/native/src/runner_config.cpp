@@ -7,6 +7,7 @@
 #include "zl/durable_file.h"
 #include "zl/host_port.h"
 #include "zl/link_profile.h"
+#include "zl/pipeline_schedule.h"
 
 namespace zl {
 namespace {
@@ -147,6 +148,13 @@ const Field kFields[] = {
      "telemetry line and wait until killed or stopped; -1 = never. The coordinator sets it to kill a stage at a "
      "reproducible point and removes it before the restart.",
      ZL_REF(hold_at_micro_batch)},
+    {"schedule", FieldType::kString, false, false,
+     "zerolock: each stage steps on its local loss (two phases, no gradient crosses a link); gpipe, 1f1b or "
+     "async: end-to-end backprop with the export's backprop programs, grad_hidden sent upstream in GRAD frames "
+     "(gpipe and 1f1b flush every window; async is PipeDream's, no flush, weight versions stashed).",
+     ZL_REF(schedule)},
+    {"grad_wire_dtype", FieldType::kString, false, false,
+     "How GRAD frames carry grad_hidden upstream: bf16 (half the bytes) or f32 (exact).", ZL_REF(grad_wire_dtype)},
 };
 
 #undef ZL_REF
@@ -304,6 +312,11 @@ Status validate(const RunnerConfig& c) {
   }
   const Result<LinkProfile> profile = link_profile_from_name(c.link_profile);
   if (!profile.ok()) return invalid("field 'link_profile': " + profile.status().message());
+  const Result<PipelineSchedule> schedule = parse_pipeline_schedule(c.schedule);
+  if (!schedule.ok()) return invalid("field 'schedule': " + schedule.status().message());
+  if (c.grad_wire_dtype != "bf16" && c.grad_wire_dtype != "f32") {
+    return invalid("field 'grad_wire_dtype' is '" + c.grad_wire_dtype + "'; expected bf16 or f32");
+  }
   const Status s = c.optimizer.validate();
   if (!s.ok()) return invalid(s.message());
   return Status();

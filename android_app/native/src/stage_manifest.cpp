@@ -52,6 +52,16 @@ Result<ManifestStage> read_manifest_stage(const std::string& manifest_path, cons
       return manifest_error(manifest_path, "entry of " + program_file + " lacks index, layers, outputs or parameters");
     }
     ManifestStage out;
+    auto program = root.find("program");
+    if (program != root.end()) {
+      auto kind = program->is_object() ? program->find("kind") : program->end();
+      if (kind == program->end() || !kind->is_string() ||
+          (kind->get<std::string>() != "zerolock" && kind->get<std::string>() != "backprop")) {
+        return manifest_error(manifest_path, "'program' is not {\"kind\": \"zerolock\" | \"backprop\", ...}");
+      }
+      out.program_kind = kind->get<std::string>();
+      out.local_weight = program->value("local_weight", 0.0);
+    }
     out.index = index->get<int64_t>();
     out.first_layer = layer_range[0];
     out.last_layer = layer_range[1];

@@ -129,6 +129,7 @@ struct StageProgram::Impl {
   std::vector<float> hidden;    // (B, S, D)
   std::vector<int64_t> mask;    // (B, S)
   std::vector<int64_t> labels;  // (B, S)
+  std::vector<float> grad_hidden;  // (B, S, D): a backprop program's 4th input, stages before the last
   std::vector<TensorPtr> tensors;
   std::vector<EValue> inputs;
   // Result of the worker's last execute.
@@ -199,14 +200,22 @@ Status StageProgramLoader::read_training_indices() {
 }
 
 Status StageProgramLoader::check_inputs(const MethodMeta& meta) {
-  if (meta.num_inputs() != 3) {
-    return Status(StatusCode::kInvalidArgument, "program " + path + ": 'forward' takes " +
-                                                    std::to_string(meta.num_inputs()) +
-                                                    " inputs, a stage program takes 3 (x, attention_mask, labels)");
+  program.backprop_ = stage.program_kind == "backprop";
+  program.is_last_ = !stage.has_hidden_output;
+  program.local_loss_ = program.backprop_ && !program.is_last_ && stage.local_weight > 0;
+  // A backprop program takes grad_hidden after (x, attention_mask, labels), but on the last stage (§3.8).
+  const size_t expected = program.backprop_ && !program.is_last_ ? 4 : 3;
+  if (meta.num_inputs() != expected) {
+    return Status(StatusCode::kInvalidArgument,
+                  "program " + path + ": 'forward' takes " + std::to_string(meta.num_inputs()) + " inputs, a " +
+                      stage.program_kind + " stage program " + (expected == 4 ? "before the last " : "") +
+                      "takes " + std::to_string(expected) + " (x, attention_mask, labels" +
+                      (expected == 4 ? ", grad_hidden)" : ")") + "; does manifest " + manifest_path +
+                      " belong to this export?");
   }
   std::vector<std::vector<int64_t>> in_shapes;
   std::vector<ScalarType> in_types;
-  for (size_t i = 0; i < 3; ++i) {
+  for (size_t i = 0; i < expected; ++i) {
     auto info = meta.input_tensor_meta(i);
     if (!info.ok()) return Status(StatusCode::kInvalidArgument, "program " + path + ": input " + std::to_string(i) + " is not a tensor");
     in_shapes.emplace_back(info->sizes().begin(), info->sizes().end());
@@ -222,6 +231,12 @@ Status StageProgramLoader::check_inputs(const MethodMeta& meta) {
                       shape_text(in_shapes[2]) +
                       " are not (input_ids int64 [B,S] | hidden float32 [B,S,D], attention_mask int64 [B,S], labels int64 [B,S])");
   }
+  if (expected == 4 && (in_types[3] != ScalarType::Float || in_shapes[3].size() != 3 ||
+                        in_shapes[3][0] != in_shapes[1][0] || in_shapes[3][1] != in_shapes[1][1] ||
+                        (hidden_in && in_shapes[3] != in_shapes[0]))) {
+    return Status(StatusCode::kInvalidArgument, "program " + path + ": input 3 " + shape_text(in_shapes[3]) +
+                                                    " is not grad_hidden float32 [B,S,D]");
+  }
   program.is_first_ = first;
   program.batch_ = in_shapes[1][0];
   program.seq_len_ = in_shapes[1][1];
@@ -229,7 +244,6 @@ Status StageProgramLoader::check_inputs(const MethodMeta& meta) {
   program.stage_index_ = stage.index;
   program.first_layer_ = stage.first_layer;
   program.last_layer_ = stage.last_layer;
-  program.is_last_ = !stage.has_hidden_output;
   if (first != (stage.index == 0)) {
     return Status(StatusCode::kInvalidArgument, "program " + path + ": manifest says stage " +
                                                     std::to_string(stage.index) + " but its first input is " +
@@ -239,8 +253,7 @@ Status StageProgramLoader::check_inputs(const MethodMeta& meta) {
 }
 
 Status StageProgramLoader::check_outputs(const MethodMeta& meta) {
-  // User outputs: [hidden,] loss, task_loss, consistency_loss.
-  const size_t user_outputs = program.is_last_ ? 3 : 4;
+  const size_t user_outputs = program.user_outputs();
   const size_t num_params = program.param_start_ - program.grad_start_;
   if (program.grad_start_ != user_outputs || program.param_start_ < program.grad_start_ ||
       meta.num_outputs() != program.param_start_ + num_params || fqns.size() != num_params) {
@@ -318,6 +331,12 @@ void StageProgramLoader::allocate_input_buffers() {
   impl.labels.assign(bs, -100);
   impl.tensors.push_back(from_blob(impl.mask.data(), Sizes{b, s}, ScalarType::Long));
   impl.tensors.push_back(from_blob(impl.labels.data(), Sizes{b, s}, ScalarType::Long));
+  if (program.takes_gradient()) {
+    impl.grad_hidden.assign(bs * program.hidden_size_, 0.0f);
+    impl.tensors.push_back(from_blob(impl.grad_hidden.data(),
+                                     Sizes{b, s, static_cast<executorch::aten::SizesType>(program.hidden_size_)},
+                                     ScalarType::Float));
+  }
   for (const TensorPtr& t : impl.tensors) impl.inputs.emplace_back(*t);
 }
 
@@ -443,6 +462,13 @@ Status StageProgram::stage_inputs(const StageInputs& inputs) {
   }
   std::memcpy(impl_->mask.data(), inputs.attention_mask, bs * sizeof(int64_t));
   std::memcpy(impl_->labels.data(), inputs.labels, bs * sizeof(int64_t));
+  if (takes_gradient()) {
+    if (inputs.grad_hidden != nullptr) {
+      std::memcpy(impl_->grad_hidden.data(), inputs.grad_hidden, impl_->grad_hidden.size() * sizeof(float));
+    } else {
+      std::fill(impl_->grad_hidden.begin(), impl_->grad_hidden.end(), 0.0f);
+    }
+  }
   return Status();
 }
 
@@ -547,9 +573,12 @@ Result<StageStepResult> StageProgram::collect(std::vector<float>* hidden_from_ou
     return Status(StatusCode::kInternal, "program " + path_ + ": 'forward' returned " +
                                              std::to_string(outputs.size()) + " outputs");
   }
+  // User outputs (§3.2): [hidden,] loss, task_loss, consistency_loss; a
+  // backprop program's (§3.8): [hidden,] loss, [local_loss,] [grad_input].
   const size_t loss_at = is_last_ ? 0 : 1;
-  double losses[3];
-  for (size_t k = 0; k < 3; ++k) {
+  const size_t num_losses = backprop_ ? (local_loss_ ? 2 : 1) : 3;
+  double losses[3] = {0, 0, 0};
+  for (size_t k = 0; k < num_losses; ++k) {
     const EValue& v = outputs[loss_at + k];
     if (!v.isTensor() || v.toTensor().scalar_type() != ScalarType::Float || v.toTensor().numel() != 1) {
       return Status(StatusCode::kInternal, "program " + path_ + ": loss output " + std::to_string(loss_at + k) +
@@ -566,8 +595,16 @@ Result<StageStepResult> StageProgram::collect(std::vector<float>* hidden_from_ou
   }
   StageStepResult result;
   result.loss = losses[0];
-  result.task_loss = losses[1];
+  result.task_loss = backprop_ ? (is_last_ ? losses[0] : losses[1]) : losses[1];
   result.consistency_loss = losses[2];
+  if (gives_gradient()) {
+    const EValue& g = outputs[grad_start_ - 1];  // the last user output
+    if (!g.isTensor() || g.toTensor().scalar_type() != ScalarType::Float ||
+        g.toTensor().numel() != batch_ * seq_len_ * hidden_size_) {
+      return Status(StatusCode::kInternal, "program " + path_ + ": grad_input is not float32 [B,S,D]");
+    }
+    result.grad_input = g.toTensor().const_data_ptr<float>();
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     const EValue& g = outputs[grad_start_ + i];
     const EValue& p = outputs[param_start_ + i];

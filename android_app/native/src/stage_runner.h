@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,6 +19,7 @@
 #include "zl/data_shard.h"
 #include "zl/frame.h"
 #include "zl/peer_link.h"
+#include "zl/pipeline_schedule.h"
 #include "zl/runner.h"
 #include "zl/stage_program.h"
 #include "zl/status.h"
@@ -41,10 +43,29 @@ inline int64_t unix_ms_now() {
              std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
+/// This process's CPU time (user + system), in seconds.
+double process_cpu_s();
+
 inline bool stopping(const std::atomic<bool>* stop) { return stop != nullptr && stop->load(); }
 
 inline Status stop_status(const std::string& where) {
   return Status(StatusCode::kClosed, "stop requested (" + where + ")");
+}
+
+/// Repeats `attempt(slice)` while it times out, until the stop flag is set or
+/// `timeout_s` (0 = forever) has passed.
+template <typename Attempt>
+Status wait_sliced(Attempt attempt, const std::atomic<bool>* stop, int64_t timeout_s, const std::string& what) {
+  const Clock::time_point start = Clock::now();
+  while (true) {
+    if (stopping(stop)) return stop_status(what);
+    Status status = attempt(kPollSlice);
+    if (status.code() != StatusCode::kTimeout) return status;
+    if (timeout_s > 0 && ms_since(start) >= 1000.0 * static_cast<double>(timeout_s)) {
+      return Status(StatusCode::kTimeout, what + ": nothing after " + std::to_string(timeout_s) +
+                                              " s (input_timeout_s); is the neighbouring stage running?");
+    }
+  }
 }
 
 /// Running sums for one window's telemetry line.
@@ -71,7 +92,8 @@ class StageRunner {
         stop_(stop),
         progress_(progress),
         standby_(standby),
-        forward_only_(config.forward_only()) {}
+        forward_only_(config.forward_only()),
+        schedule_(parse_pipeline_schedule(config.schedule).value_or(PipelineSchedule::kZeroLock)) {}
 
   /// Loads, restores and connects (setup), runs the remaining micro-batches
   /// (loop), then reports the outcome to the coordinator and stops the links.
@@ -94,6 +116,15 @@ class StageRunner {
 
   // loop(): per micro-batch, then per window; finish_run() after the last.
   Status loop();
+  // loop_backprop(): a backprop schedule's operations (backprop_loop.cpp).
+  bool backprop() const { return schedule_ != PipelineSchedule::kZeroLock; }
+  Status check_program_kind() const;
+  Status loop_backprop();
+  Status forward_op(int64_t mb);
+  Status backward_op(int64_t mb, MicroBatchRecord* record, StageStepResult* result);
+  Status inputs_of(int64_t mb, const InputEntry& entry, StageInputs* inputs);
+  Status take_grad(int64_t mb, double* wait_ms);
+  Status send_grad(int64_t mb, const float* grad_input);
   Status run_micro_batch(int64_t mb, MicroBatchRecord* record, StageStepResult* result);
   Status take_input(int64_t mb, InputEntry* entry, StageInputs* inputs, double* queue_ms);
   Status begin_micro_batch(int64_t mb, const StageInputs& inputs, MicroBatchRecord* record);
@@ -138,6 +169,16 @@ class StageRunner {
   WindowSums resumed_sums_;                    // the window so far, from an accumulator snapshot
   int64_t resumed_accumulated_ = 0;            // micro-batches that snapshot held (0: none used)
   const bool forward_only_;                    // config_.forward_only(): phase 1 only (docs/design.md §4.3)
+  const PipelineSchedule schedule_;            // config_.schedule (validated with the config)
+  // A backprop schedule's micro-batches forwarded, their backward not run yet.
+  struct InFlight {
+    InputEntry entry;  // stages > 0: the input received (stage 0 re-reads its shard)
+    double queue_ms = 0, forward_ms = 0, send_ms = 0;
+  };
+  std::map<int64_t, InFlight> in_flight_;
+  WeightVersions versions_;
+  std::vector<float> grad_hidden_;  // the gradient taken for the current backward (B*S*D), reused
+  int64_t max_versions_kept_ = 0;   // for the done line
 };
 
 }  // namespace zl::internal

@@ -3,6 +3,7 @@
 // each a step that names what failed.
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -57,7 +58,9 @@ Status StageRunner::setup() {
 
   if (!c.is_first_stage()) ZL_RETURN_IF_ERROR(start_receiver());
   if (!c.is_last_stage()) ZL_RETURN_IF_ERROR(start_sender());
-  if (c.accumulator_snapshots) {
+  // A backprop schedule restarts from a window's checkpoint: its gradient sums
+  // need the downstream's gradients, which a restart gets again from there.
+  if (c.accumulator_snapshots && !backprop()) {
     ZL_RETURN_IF_ERROR(make_directories(c.checkpoint_dir));
     snapshots_.reset(new AccumulatorSnapshotWriter(accumulator_snapshot_path(c.checkpoint_dir)));
   }
@@ -85,7 +88,7 @@ Status StageRunner::load_program() {
                       (program_->is_last() ? " (a last stage)" : " (not a last stage)") + ", the config says stage " +
                       std::to_string(c.stage_index) + " of " + std::to_string(c.num_stages));
   }
-  return Status();
+  return check_program_kind();
 }
 
 Status StageRunner::stand_by() {
@@ -141,6 +144,14 @@ Status StageRunner::start_sender() {
   options.run_id = run_id_;
   options.max_in_flight = static_cast<size_t>(c.in_flight_depth);
   ZL_ASSIGN_OR_RETURN(options.profile, link_profile_from_name(c.link_profile));
+  if (backprop()) {
+    // G: the gradients this stage's schedule may be owed at once (its micro-batches in flight).
+    const int64_t owed = max_in_flight(schedule_ops(schedule_, c.stage_index, c.num_stages, plan_, start_mb_));
+    options.max_grads_in_flight = static_cast<size_t>(std::max<int64_t>(owed, 1));
+    options.batch = program_->batch();
+    options.seq_len = program_->seq_len();
+    options.hidden_size = program_->hidden_size();
+  }
   sender_.reset(new Sender(options));
   ZL_RETURN_IF_ERROR_WITH_PREFIX(sender_->start(), "downstream " + c.downstream + ": ");
   return Status();
@@ -243,7 +254,7 @@ Status StageRunner::restore() {
 // checkpoint, which is exact too.
 void StageRunner::resume_accumulator(int64_t window) {
   const RunnerConfig& c = config_;
-  if (!c.accumulator_snapshots || window >= plan_.num_windows()) return;
+  if (!c.accumulator_snapshots || backprop() || window >= plan_.num_windows()) return;
   const std::string path = accumulator_snapshot_path(c.checkpoint_dir);
   Result<AccumulatorSnapshot> read = read_accumulator_snapshot(path);
   if (read.status().code() == StatusCode::kNotFound) return;

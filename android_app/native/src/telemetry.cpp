@@ -93,7 +93,7 @@ json number_or_null(const std::optional<double>& value) {
 json to_json(const MicroBatchRecord& r) {
   // A forward-only micro-batch computed no loss: null, not the record's zeros.
   const auto loss = [&](double value) { return r.forward_only ? json(nullptr) : number_or_null(value); };
-  return {{"type", "micro_batch"},
+  json line = {{"type", "micro_batch"},
           {"t_unix_ms", now_unix_ms()},
           {"stage", r.stage},
           {"window", r.window},
@@ -109,6 +109,9 @@ json to_json(const MicroBatchRecord& r) {
           {"pss_mib", number_or_null(r.pss_mib)},
           {"temperature_c", number_or_null(r.temperature_c)},
           {"forward_only", r.forward_only}};
+  if (r.grad_wait_ms) line["grad_wait_ms"] = *r.grad_wait_ms;
+  if (r.weight_version) line["weight_version"] = *r.weight_version;
+  return line;
 }
 
 json to_json(const WindowRecord& r) {

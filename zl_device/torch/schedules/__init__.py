@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from zl_base.errors import ZLError
+from zl_device.formats.schedules import schedule_name
 
 if TYPE_CHECKING:
     from zl_device.torch.schedules.base import Schedule
@@ -22,7 +23,7 @@ SCHEDULES: dict[str, str] = {
     "zerolock": "zerolock:ZeroLock",
     "gpipe": "gpipe:GPipe",
     "1f1b": "gpipe:OneFOneB",
-    "pipedream": "pipedream:PipeDream",
+    "async": "pipedream:PipeDream",
 }
 
 
@@ -32,6 +33,7 @@ def schedule_named(name: str) -> type[Schedule]:
     Raises:
         ZLError: no schedule has that name.
     """
+    name = schedule_name(name)
     if name not in SCHEDULES:
         raise ZLError(f"torch job pipeline {name!r}: expected one of {', '.join(SCHEDULES)}.")
     module, cls = SCHEDULES[name].split(":")

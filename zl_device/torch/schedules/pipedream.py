@@ -192,7 +192,7 @@ class PipeDreamStage:
 class PipeDream(CrossRankBackprop):
     """PipeDream on the ranks: `PipeDreamStage` over the whole run; a stage commits a window at its own step."""
 
-    name = "pipedream"
+    name = "async"
 
     def __init__(self, rank: Rank):
         super().__init__(rank, PipeDreamStage(rank.module, rank.index, rank.world, rank.device, rank.lr,

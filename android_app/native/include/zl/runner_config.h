@@ -58,6 +58,10 @@ struct RunnerConfig {
   bool accumulator_snapshots = true;  ///< save the window's gradient sum per micro-batch (docs/design.md §7)
   int64_t seed = 0;               ///< for anything random in the runner (data order)
   int64_t hold_at_micro_batch = -1;  ///< failure injection: park after sending this micro-batch; -1 = never
+  /// zerolock: the local-loss step (two phases); gpipe | 1f1b | async: end-to-end
+  /// backprop with a backprop program (pipeline_schedule.h, docs/design.md §4.9).
+  std::string schedule = "zerolock";
+  std::string grad_wire_dtype = "bf16";  ///< GRAD frames upstream: bf16 (half the bytes) or f32
 
   /// How num_micro_batches fall into windows of window_size.
   WindowPlan window_plan() const { return WindowPlan(num_micro_batches, window_size); }
@@ -70,7 +74,10 @@ struct RunnerConfig {
   /// sends the hidden state and skips the readout, loss and backward
   /// (docs/design.md §4.3). The last stage always computes its loss.
   /// forward_only_at_lr0: false keeps phase 2 (for its losses).
-  bool forward_only() const { return forward_only_at_lr0 && optimizer.lr == 0.0 && !is_last_stage(); }
+  /// Never under a backprop schedule: its grad_input is owed upstream whatever its lr.
+  bool forward_only() const {
+    return forward_only_at_lr0 && optimizer.lr == 0.0 && !is_last_stage() && schedule == "zerolock";
+  }
 };
 
 /// Parses a JSON text into a config and validates it. Unknown fields, missing

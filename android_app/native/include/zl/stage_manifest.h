@@ -1,7 +1,8 @@
 // The part of an export's manifest.json (written by `zl export`) that a
 // stage program is checked against: its stage entry, found by file name, with
 // the layer range, whether it has a `hidden` output, and its LoRA parameters
-// (PEFT name, name inside the program, shape) in gradient order.
+// (PEFT name, name inside the program, shape) in gradient order, and the
+// export's program kind.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +26,11 @@ struct ManifestStage {
   int64_t last_layer = 0;
   bool has_hidden_output = false;  ///< false on the last stage (no marker, no downstream)
   std::vector<Param> params;       ///< in gradient order
+  /// The manifest's "program": what every stage's program computes
+  /// (docs/design.md §3.8): "zerolock" (a local step; manifests from before
+  /// the field) or "backprop" (a gradient in, a gradient out).
+  std::string program_kind = "zerolock";
+  double local_weight = 0;  ///< backprop: the weight of an upstream stage's local loss
 };
 
 /// Reads `manifest_path` and returns the entry of `program_file` (a base

@@ -68,13 +68,20 @@ struct StageInputs {
   const float* hidden = nullptr;            ///< (B, S, D) float32, stages > 0
   const int64_t* attention_mask = nullptr;  ///< (B, S) int64, 1 = token, 0 = padding
   const int64_t* labels = nullptr;          ///< (B, S) int64, -100 = ignored
+  /// (B, S, D) float32, the gradient of the stage's output: a backprop
+  /// program's fourth input on stages before the last (docs/design.md §3.8).
+  /// nullptr gives zeros, for a forward that stops at the marker.
+  const float* grad_hidden = nullptr;
 };
 
 /// What one finished step yields.
 struct StageStepResult {
-  double loss = 0;              ///< α·CE + (1-α)·KL, the differentiated one
-  double task_loss = 0;         ///< CE
-  double consistency_loss = 0;  ///< KL
+  double loss = 0;              ///< α·CE + (1-α)·KL, the differentiated one (backprop: §3.8's loss)
+  double task_loss = 0;         ///< CE (backprop: the last stage's CE, an upstream stage's local loss or 0)
+  double consistency_loss = 0;  ///< KL (backprop: 0)
+  /// A backprop program on stages > 0: the gradient of the stage's input
+  /// (B*S*D floats, valid until the next begin()/run()), to send upstream.
+  const float* grad_input = nullptr;
   /// One pointer per parameter (order of parameters()), numel floats each,
   /// in the method's planned memory: valid until the next begin()/run().
   std::vector<const float*> gradients;
@@ -131,6 +138,13 @@ class StageProgram {
   bool is_first() const { return is_first_; }
   /// True when the program has no `hidden` output (and no marker).
   bool is_last() const { return is_last_; }
+  /// A backprop program (manifest "program.kind"): it takes grad_hidden
+  /// (but on the last stage) and gives grad_input (but on stage 0).
+  bool is_backprop() const { return backprop_; }
+  /// A backprop program before the last stage: StageInputs::grad_hidden is read.
+  bool takes_gradient() const { return backprop_ && !is_last_; }
+  /// A backprop program after stage 0: StageStepResult::grad_input is set.
+  bool gives_gradient() const { return backprop_ && !is_first_; }
   int64_t batch() const { return batch_; }
   int64_t seq_len() const { return seq_len_; }
   int64_t hidden_size() const { return hidden_size_; }
@@ -149,6 +163,12 @@ class StageProgram {
   struct Impl;
 
   StageProgram();
+  /// The outputs before the gradients: [hidden,] and the losses; a backprop
+  /// program's [hidden,] loss, [local_loss,] [grad_input] (docs/design.md §3.8).
+  size_t user_outputs() const {
+    if (!backprop_) return is_last_ ? 3 : 4;
+    return (is_last_ ? 0 : 1) + 1 + (local_loss_ ? 1 : 0) + (is_first_ ? 0 : 1);
+  }
   Status stage_inputs(const StageInputs& inputs);
   Result<StageStepResult> collect(std::vector<float>* hidden_from_output);
   void worker_main();
@@ -169,6 +189,8 @@ class StageProgram {
   int64_t last_layer_ = 0;
   bool is_first_ = false;
   bool is_last_ = false;
+  bool backprop_ = false;
+  bool local_loss_ = false;  // a backprop program's upstream stage with a local loss (local_weight > 0)
   int64_t batch_ = 0;
   int64_t seq_len_ = 0;
   int64_t hidden_size_ = 0;

@@ -1,0 +1,101 @@
+// The order in which a stage runs its micro-batches' forwards and backwards
+// under the end-to-end backprop schedules (docs/design.md §4.9): one pure
+// function per stage, so the runner, its tests and the torch runtime's
+// single-process simulation (zl_device/torch/stale_backprop.py) agree on it.
+//
+//   gpipe   per window: every forward, then every backward, then the step
+//           (a flush per window: exact backprop, every stage on one version)
+//   1f1b    per window: K-1-k warm-up forwards, then one forward and one
+//           backward alternately, the remaining backwards, the step (a flush
+//           per window: the same numbers as gpipe, fewer inputs held)
+//   async   PipeDream's: K-1-k warm-up forwards, then one forward and one
+//           backward alternately over the whole run, no flush; the step after
+//           the backward of a window's last micro-batch. A forward may run on
+//           weights one step older than the step its backward lands in, so the
+//           backward recomputes on the version its forward used (WeightVersions)
+//
+// The last stage (k = K-1) has no warm-up under every schedule: its forward
+// and backward of a micro-batch are one execution of its program.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "zl/adamw.h"
+#include "zl/status.h"
+#include "zl/window_plan.h"
+
+namespace zl {
+
+/// The runner config's "schedule".
+enum class PipelineSchedule { kZeroLock, kGPipe, kOneFOneB, kAsync };
+
+/// "zerolock" | "gpipe" | "1f1b" | "async"; kInvalidArgument naming the value otherwise.
+Result<PipelineSchedule> parse_pipeline_schedule(const std::string& name);
+const char* pipeline_schedule_name(PipelineSchedule schedule);
+
+/// One operation of a stage: the forward (take the input, send the hidden
+/// state) or the backward (take the gradient, compute, send grad_input) of a
+/// micro-batch.
+struct ScheduleOp {
+  enum class Kind { kForward, kBackward };
+  Kind kind;
+  int64_t micro_batch;
+  bool operator==(const ScheduleOp& o) const { return kind == o.kind && micro_batch == o.micro_batch; }
+};
+
+/// Stage `stage` of `num_stages`'s operations for micro-batches
+/// [first_micro_batch, n) of `plan`, in order (the file comment).
+/// `first_micro_batch` is a window's first (a restart from its checkpoint).
+/// kZeroLock has no backward: an empty list.
+std::vector<ScheduleOp> schedule_ops(PipelineSchedule schedule, int64_t stage, int64_t num_stages,
+                                     const WindowPlan& plan, int64_t first_micro_batch = 0);
+
+/// The most micro-batches forwarded and not yet backwarded at once in `ops`:
+/// the inputs a stage holds, and the gradients it may be owed.
+int64_t max_in_flight(const std::vector<ScheduleOp>& ops);
+
+/// A stage's older weight versions while a micro-batch forwarded on them
+/// still has its backward to run (weight stashing; LoRA only, the base is
+/// frozen). A version is the optimizer's step count when the forward ran.
+class WeightVersions {
+ public:
+  /// Records that `micro_batch`'s forward ran on version `version`.
+  void forwarded(int64_t micro_batch, int64_t version) { versions_[micro_batch] = version; }
+  /// The version `micro_batch`'s forward ran on (-1 if it has none).
+  int64_t version_of(int64_t micro_batch) const;
+  /// Before the step that ends version `current`: keeps a copy of `params`
+  /// if a micro-batch forwarded on it still waits for its backward.
+  void before_step(int64_t current, const std::vector<TrainableParam>& params);
+  /// `micro_batch`'s backward ran: forgets it and the versions no one needs.
+  void backwarded(int64_t micro_batch);
+  /// The kept copy of `version` (one vector per parameter), or nullptr.
+  const std::vector<std::vector<float>>* kept(int64_t version) const;
+  size_t num_kept() const { return kept_.size(); }
+  /// Micro-batches forwarded and not backwarded, oldest first, with versions.
+  const std::map<int64_t, int64_t>& in_flight() const { return versions_; }
+  /// Keeps `weights` as `version` (a restart restoring a stashed version).
+  void keep(int64_t version, std::vector<std::vector<float>> weights) { kept_[version] = std::move(weights); }
+
+ private:
+  std::map<int64_t, int64_t> versions_;                     // micro-batch -> version of its forward
+  std::map<int64_t, std::vector<std::vector<float>>> kept_;  // version -> the weights, one vector per parameter
+};
+
+/// While alive, `params` hold `weights` (a kept version); the current values
+/// come back on destruction. A null `weights` leaves them alone.
+class WeightSwap {
+ public:
+  WeightSwap(const std::vector<TrainableParam>& params, const std::vector<std::vector<float>>* weights);
+  ~WeightSwap();
+  WeightSwap(const WeightSwap&) = delete;
+  WeightSwap& operator=(const WeightSwap&) = delete;
+
+ private:
+  const std::vector<TrainableParam>& params_;
+  std::vector<std::vector<float>> current_;
+};
+
+}  // namespace zl

@@ -1,0 +1,204 @@
+// StageRunner under a backprop schedule (gpipe, 1f1b, async; docs/design.md
+// §4.9): the stage runs its operations in the order schedule_ops gives.
+//
+//   forward(j)   take micro-batch j's input, run the program to the marker
+//                (grad_hidden zeros), send the hidden state downstream, stop
+//                the method there, keep the input; the last stage only takes it
+//   backward(j)  take j's gradient from downstream (GRAD), run the whole
+//                program on the kept input and that gradient, on the weight
+//                version j's forward used, send grad_input upstream (GRAD),
+//                accumulate the LoRA gradients; after a window's last
+//                micro-batch the AdamW step, flush and checkpoint (end_window)
+//
+// A backward recomputes its forward from the kept input (one more forward per
+// micro-batch, a (B,S,D) input held per micro-batch in flight, no activations).
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "stage_runner.h"
+#include "zl/log.h"
+
+namespace zl::internal {
+
+Status StageRunner::check_program_kind() const {
+  if (program_->is_backprop() == backprop()) return Status();
+  if (backprop()) {
+    return Status(StatusCode::kInvalidArgument,
+                  "program " + config_.program + " is a zerolock program (a local step) and schedule '" +
+                      config_.schedule + "' runs end-to-end backprop; export with `zl export --program backprop` "
+                      "(zl train --schedule does), or use schedule zerolock");
+  }
+  return Status(StatusCode::kInvalidArgument,
+                "program " + config_.program + " is a backprop program (it takes grad_hidden) and schedule "
+                "'zerolock' has no gradient to give it; use schedule gpipe, 1f1b or async, or export with "
+                "--program zerolock");
+}
+
+Status StageRunner::loop_backprop() {
+  const RunnerConfig& c = config_;
+  const std::vector<ScheduleOp> ops = schedule_ops(schedule_, c.stage_index, c.num_stages, plan_, start_mb_);
+  WindowSums sums;
+  int64_t done = start_mb_;
+  const Clock::time_point run_start = Clock::now();
+  const double cpu_start = process_cpu_s();
+  report([&](StageProgress* p) {
+    p->phase = "running";
+    p->micro_batches_done = start_mb_;
+    p->committed_window = restored_window_.value_or(-1);
+  });
+  for (const ScheduleOp& op : ops) {
+    const int64_t mb = op.micro_batch;
+    if (stopping(stop_)) return stop_status("before micro-batch " + std::to_string(mb));
+    if (op.kind == ScheduleOp::Kind::kForward) {
+      ZL_RETURN_IF_ERROR(forward_op(mb));
+      continue;
+    }
+    const int64_t window = plan_.window_of(mb);
+    MicroBatchRecord record;
+    StageStepResult result;
+    ZL_RETURN_IF_ERROR(backward_op(mb, &record, &result));
+    sums.add(result);
+    write_micro_batch(&record);
+    const bool window_end = plan_.is_last_of_window(mb);
+    if (window_end) {
+      // Micro-batches forwarded on the weights this step replaces still run their backward on them.
+      versions_.before_step(optimizer_->step_count(), program_->parameters());
+      max_versions_kept_ = std::max(max_versions_kept_, static_cast<int64_t>(versions_.num_kept()));
+      ZL_RETURN_IF_ERROR(end_window(window, mb, sums));
+      sums = WindowSums();
+    }
+    done = mb + 1;
+    report([&](StageProgress* p) {
+      p->micro_batches_done = done;
+      p->window = window;
+      if (window_end) p->committed_window = window;
+      p->loss = record.loss;
+      p->pss_mib = record.pss_mib;
+      p->temperature_c = record.temperature_c;
+    });
+    if (control_) control_->update_progress(done, window);
+  }
+  finish_run(done - start_mb_, ms_since(run_start) / 1000.0, process_cpu_s() - cpu_start);
+  return Status();
+}
+
+Status StageRunner::forward_op(int64_t mb) {
+  InFlight f;
+  StageInputs inputs;
+  ZL_RETURN_IF_ERROR(take_input(mb, &f.entry, &inputs, &f.queue_ms));
+  versions_.forwarded(mb, optimizer_->step_count());
+  if (!program_->is_last()) {
+    Clock::time_point t = Clock::now();
+    ZL_RETURN_IF_ERROR(program_->begin(inputs, &hidden_));  // grad_hidden zeros: the method stops at the marker
+    f.forward_ms = ms_since(t);
+    t = Clock::now();
+    const Status sent = send_hidden(mb, inputs, hidden_);
+    f.send_ms = ms_since(t);
+    if (!sent.ok()) {
+      abandon_step();
+      return sent;
+    }
+    if (mb == config_.hold_at_micro_batch) {
+      const Status held = hold(mb);
+      abandon_step();
+      return held;
+    }
+    ZL_RETURN_IF_ERROR(program_->abandon());
+  }
+  in_flight_.emplace(mb, std::move(f));
+  return Status();
+}
+
+Status StageRunner::take_grad(int64_t mb, double* wait_ms) {
+  const RunnerConfig& c = config_;
+  const Clock::time_point start = Clock::now();
+  GradEntry grad;
+  auto next = [&](milliseconds slice) -> Status {
+    Result<GradEntry> taken = sender_->next_grad(slice);
+    if (!taken.ok()) return taken.status();
+    grad = std::move(taken).value();
+    return Status();
+  };
+  ZL_RETURN_IF_ERROR(wait_sliced(next, stop_, c.input_timeout_s,
+                                 "waiting for the gradient of micro-batch " + std::to_string(mb) + " from stage " +
+                                     std::to_string(c.stage_index + 1)));
+  *wait_ms = ms_since(start);
+  const uint64_t window = static_cast<uint64_t>(plan_.window_of(mb));
+  if (grad.micro_batch != static_cast<uint64_t>(mb) || grad.window != window) {
+    return Status(StatusCode::kCorrupt, "stage " + std::to_string(c.stage_index + 1) + " sent the gradient of "
+                                            "micro-batch " + std::to_string(grad.micro_batch) + " of window " +
+                                            std::to_string(grad.window) + ", expected " + std::to_string(mb) +
+                                            " of window " + std::to_string(window) +
+                                            "; do all stages run the same schedule?");
+  }
+  ZL_ASSIGN_OR_RETURN(grad_hidden_, grad_hidden_f32(grad.frame, program_->batch(), program_->seq_len(),
+                                                    program_->hidden_size()));
+  return Status();
+}
+
+Status StageRunner::send_grad(int64_t mb, const float* grad_input) {
+  const RunnerConfig& c = config_;
+  ZL_ASSIGN_OR_RETURN(const Frame frame,
+                      make_grad_frame(run_id_, static_cast<uint32_t>(c.stage_index),
+                                      static_cast<uint64_t>(plan_.window_of(mb)), static_cast<uint64_t>(mb),
+                                      program_->batch(), program_->seq_len(), program_->hidden_size(), grad_input,
+                                      c.grad_wire_dtype == "f32" ? DType::kFloat32 : DType::kBFloat16));
+  return wait_sliced([&](milliseconds slice) { return receiver_->send_grad(frame, slice); }, stop_,
+                     c.input_timeout_s,
+                     "sending the gradient of micro-batch " + std::to_string(mb) + " to stage " +
+                         std::to_string(c.stage_index - 1));
+}
+
+Status StageRunner::backward_op(int64_t mb, MicroBatchRecord* record, StageStepResult* result) {
+  const auto it = in_flight_.find(mb);
+  if (it == in_flight_.end()) {
+    return Status(StatusCode::kInternal, "backward of micro-batch " + std::to_string(mb) + " before its forward");
+  }
+  const InFlight& f = it->second;
+  record->stage = config_.stage_index;
+  record->window = plan_.window_of(mb);
+  record->micro_batch = mb;
+  record->queue_ms = f.queue_ms;
+  record->phase1_ms = f.forward_ms;
+  record->send_ms = f.send_ms;
+  const Clock::time_point start = Clock::now();
+  double grad_wait_ms = 0;
+  if (program_->takes_gradient()) ZL_RETURN_IF_ERROR(take_grad(mb, &grad_wait_ms));
+  StageInputs inputs;
+  ZL_RETURN_IF_ERROR(inputs_of(mb, f.entry, &inputs));
+  inputs.grad_hidden = program_->takes_gradient() ? grad_hidden_.data() : nullptr;
+
+  const int64_t version = versions_.version_of(mb);
+  const std::vector<std::vector<float>>* stashed = nullptr;
+  if (version != optimizer_->step_count()) {
+    stashed = versions_.kept(version);
+    if (stashed == nullptr) {
+      return Status(StatusCode::kInternal, "micro-batch " + std::to_string(mb) + " ran forward on weight version " +
+                                               std::to_string(version) + ", which was not kept");
+    }
+  }
+  Clock::time_point t = Clock::now();
+  {
+    const WeightSwap swap(program_->parameters(), stashed);
+    ZL_ASSIGN_OR_RETURN(*result, program_->run(inputs));
+  }
+  record->phase2_ms = ms_since(t);
+  if (result->grad_input != nullptr) {
+    t = Clock::now();
+    ZL_RETURN_IF_ERROR(send_grad(mb, result->grad_input));
+    record->send_ms += ms_since(t);
+  }
+  ZL_RETURN_IF_ERROR(optimizer_->accumulate(result->gradients));
+  record->loss = result->loss;
+  record->task_loss = result->task_loss;
+  record->consistency_loss = result->consistency_loss;
+  record->grad_wait_ms = grad_wait_ms;
+  record->weight_version = version;
+  record->total_ms = f.queue_ms + f.forward_ms + f.send_ms + ms_since(start);
+  versions_.backwarded(mb);
+  in_flight_.erase(it);
+  return Status();
+}
+
+}  // namespace zl::internal

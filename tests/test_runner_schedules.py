@@ -1,0 +1,158 @@
+"""`zl train --schedule gpipe | 1f1b | async` on the ExecuTorch runner (docs/design.md §4.9): every stage trains on
+the final loss's gradient, sent upstream in GRAD frames, with the export's backprop programs (§3.8).
+
+The references are eager PyTorch in one process on the same model (its frozen weights stored as the programs'),
+micro-batches, LoRA initialisation and AdamW schedule: whole-model backprop (`train_backprop`) for gpipe and 1f1b,
+PipeDream's schedule with each stage on its stashed weight version (`train_stale_backprop`) for async.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zl_base.errors import ZLError
+
+SAMPLES, WINDOW, BATCH = 12, 2, 2  # 6 micro-batches of 2 rows in 3 windows: async's stages 0, 1 run stale weights
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    rows = [{"prompt": f"item {i} is", "completion": " odd" if i % 2 else " even"} for i in range(40)]
+    path = tmp_path_factory.mktemp("data") / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def settings(out: Path, data_file: Path, **kw):
+    from zl_device.run.train_settings import TrainSettings
+    from zl_export.data_settings import DataSettings
+    from zl_export.options import ExportOptions, ModelSplit
+
+    base = dict(split=ModelSplit("tiny-random"), samples=SAMPLES, window=WINDOW, out=out, rows=DataSettings(seq_len=32),
+                data=str(data_file), eval_data=str(data_file), eval_limit=8, timeout_s=600, grad_dtype="f32",
+                export=ExportOptions(micro_batch=BATCH))
+    return TrainSettings(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def runs(data_file, tmp_path_factory):
+    """schedule name -> its run directory, trained on first use."""
+    from zl_device.run.train_job import run_training
+
+    done: dict[str, Path] = {}
+
+    def run(schedule: str, **kw) -> Path:
+        key = schedule + "".join(f"-{k}={v}" for k, v in sorted(kw.items()))
+        if key not in done:
+            out = tmp_path_factory.mktemp(schedule) / "run"
+            done[key] = run_training(settings(out, data_file, schedule=schedule, **kw), say=lambda line: None).run_dir
+        return done[key]
+
+    return run
+
+
+def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def eager_reference(run_dir: Path, stale: bool) -> dict[str, torch.Tensor]:
+    """The LoRA weights eager PyTorch trains from the run's model, data, LoRA init and optimizer: whole-model backprop,
+    or (`stale`) PipeDream's schedule with weight stashing, in one process."""
+    from zl_device.formats.lr_schedule import OptimizerSettings
+    from zl_device.torch.eager_training import Budget, train_backprop
+    from zl_device.torch.stale_backprop import train_stale_backprop
+    from zl_export.exporter import build_stage_modules
+    from zl_export.model_source import load_model
+    from zl_export.options import ExportOptions
+    from zl_export.shard import load_shard
+    from zl_export.stages import StageRange
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    config = json.loads((run_dir / "stage_0.json").read_text())
+    stages = [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]]
+    peft_model, _ = build_stage_modules(load_model(manifest["model"]["name"], seed=manifest["seed"]).model, stages,
+                                        ExportOptions.from_manifest(manifest))
+    shard = load_shard(run_dir / "data" / "train.safetensors")
+    budget = Budget(config["num_micro_batches"] * BATCH, config["window_size"], BATCH)
+    opt = OptimizerSettings.from_config(config["optimizer"])
+    if stale:
+        train_stale_backprop(peft_model, shard, budget, opt, [range(s.first, s.last + 1) for s in stages])
+    else:
+        train_backprop(peft_model, shard, budget, opt)
+    return {n.replace(".default", ""): p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" in n}
+
+
+def worst_relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """The largest ‖got − want‖ / ‖want‖ over the tensors (Adam turns float-order noise in near-zero gradients into
+    up to a fraction of a step, so an elementwise tolerance would test the noise)."""
+    assert got.keys() == want.keys()
+    return max(float((got[k] - want[k]).norm() / want[k].norm()) for k in want)
+
+
+def test_gpipe_on_the_runner_is_whole_model_backprop(runs, one_torch_thread):
+    """Every stage's LoRA moved, and the adapter is what whole-model backprop trains (gpipe flushes every window)."""
+    run_dir = runs("gpipe")
+    got = adapter(run_dir)
+    want = eager_reference(run_dir, stale=False)
+    assert worst_relative(got, want) < 1e-3
+    for k in range(3):  # every stage learns: its lora_B left zero
+        layers = json.loads((run_dir / "manifest.json").read_text())["stages"][k]["layers"]
+        moved = [t.abs().max() for n, t in got.items() if "lora_B" in n and f".layers.{layers[0]}." in n]
+        assert moved and all(m > 1e-4 for m in moved), (k, moved)
+    done = [json.loads(line) for k in range(3)
+            for line in (run_dir / "stages" / f"stage_{k}" / "metrics.jsonl").read_text().splitlines()
+            if '"type": "done"' in line or '"type":"done"' in line]
+    assert [d["schedule"] for d in done] == ["gpipe"] * 3
+    assert [d["sender"]["grads_received"] for d in done[:2]] == [SAMPLES // BATCH] * 2
+    assert [d["receiver"]["grads_sent"] for d in done[1:]] == [SAMPLES // BATCH] * 2
+
+
+def test_1f1b_trains_the_same_weights_as_gpipe(runs):
+    """1F1B only reorders each window's forwards and backwards: bit for bit gpipe's adapter."""
+    got, want = adapter(runs("1f1b")), adapter(runs("gpipe"))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_async_on_the_runner_is_the_asynchronous_schedule_simulated(runs, one_torch_thread):
+    """async runs PipeDream's schedule: its adapter is the single-process simulation's with stashed weights, and
+    not whole-model backprop's (the comparison can fail: stale weights change the result)."""
+    run_dir = runs("async")
+    got = adapter(run_dir)
+    assert worst_relative(got, eager_reference(run_dir, stale=True)) < 1e-3
+    assert worst_relative(got, eager_reference(run_dir, stale=False)) > 1e-2
+    versions = [json.loads(line)["max_weight_versions_kept"] for k in range(2)
+                for line in (run_dir / "stages" / f"stage_{k}" / "metrics.jsonl").read_text().splitlines()
+                if "max_weight_versions_kept" in line]
+    assert versions == [1, 1]  # stages 0 and 1 kept one older version across each step
+
+
+def test_bf16_gradients_on_the_wire_stay_close_to_f32(runs):
+    """grad_hidden as bf16 on the wire (the default, half the bytes) moves the adapter by little against f32."""
+    got, want = adapter(runs("gpipe", grad_dtype="bf16")), adapter(runs("gpipe"))
+    worst = worst_relative(got, want)
+    assert 0 < worst < 5e-2, worst
+
+
+@pytest.mark.parametrize("change, problem", [
+    (dict(recovery="local"), "--schedule gpipe --recovery local: a stage restarted alone would need the gradients"),
+    (dict(standby=True), "--schedule gpipe --standby: hot standbys take over ZeroLock stages only"),
+])
+def test_what_backprop_schedules_do_not_do_yet_is_a_clear_error(tmp_path, data_file, change, problem):
+    with pytest.raises(ZLError, match=problem):
+        settings(tmp_path / "run", data_file, schedule="gpipe", **change).validate()
+
+
+def test_backprop_schedules_train_every_stage_by_default(tmp_path, data_file):
+    """--stage-lr's default holds the stages before the last still under zerolock only; a backprop schedule trains
+    every stage, on either runtime, and restarts every stage together."""
+    zerolock = settings(tmp_path / "z", data_file).with_default_stage_lr()
+    assert zerolock.stage_lr == (0.0, 0.0, 1.0) and zerolock.recovery == "local"
+    for schedule in ("gpipe", "1f1b", "async", "pipedream"):
+        s = settings(tmp_path / schedule, data_file, schedule=schedule).with_default_stage_lr()
+        assert s.backprop and s.stage_lr == (1.0,) and s.recovery == "global"

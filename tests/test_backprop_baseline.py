@@ -13,6 +13,7 @@ import json
 import math
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,12 +22,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO
+from manifest_fixtures import fake_manifest
 from zl_base.errors import ZLError
 from zl_base.settings import to_json
 from zl_device.formats.lr_schedule import OptimizerSettings, lr_factor
 from zl_device.formats.run_layout import RunLayout
 from zl_device.run.train_settings import TrainSettings
 from zl_device.torch.eager_training import causal_lm_loss, micro_batch_rows, runner_optimizer
+from zl_export.manifest import write_manifest
+from zl_export.options import LoraSettings
 from zl_export.shard import write_shard
 from zl_study import backprop_baseline as bpb
 
@@ -201,10 +205,9 @@ def _fake_run_dir(root: Path, demo_data: Path, seq_len: int = 64, stage_lr: tupl
     if settings:
         saved = TrainSettings(optimizer=OptimizerSettings(lr=3e-3), stage_lr=stage_lr, out=run)
         RunLayout(run).settings.write_text(json.dumps(to_json(saved), indent=2) + "\n")
-    (run / "manifest.json").write_text(json.dumps({
-        "format_version": 1, "model": {"name": "tiny-random", "num_layers": 4}, "tokenizer": "bytes",
-        "seq_len": seq_len, "micro_batch": 2, "seed": 3,
-        "lora": {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "k_proj"], "dropout": 0.0}, "stages": []}))
+    manifest = fake_manifest([(0, 1), (2, 3)], seq_len=seq_len, micro_batch=2)
+    write_manifest(replace(manifest, options=replace(manifest.options, seed=3,
+                                                     lora=LoraSettings(4, 8.0, ("q_proj", "k_proj")))), run)
     return run
 
 

@@ -164,7 +164,7 @@ def _export_and_chain(tmp_path, name, exported=(0, 1, 2)):
     loaded, peft_model, modules, opts = _build(name)
     entries = {k: write_program(export_stage(modules[k], peft_model, opts, loaded.config.vocab_size), tmp_path)
                for k in exported}
-    programs = {k: TrainingProgram(tmp_path / e["file"], [o["name"] for o in e["outputs"]]) for k, e in entries.items()}
+    programs = {k: TrainingProgram(tmp_path / e.file, e.output_names) for k, e in entries.items()}
     ids, mask, labels = example_inputs(modules[0], opts, loaded.config.vocab_size, seed=7)[:3]
     ref = _whole_model_backprop(peft_model, modules, ids, mask, labels)
 
@@ -174,7 +174,7 @@ def _export_and_chain(tmp_path, name, exported=(0, 1, 2)):
     results = backprop_chain(step, modules, ids, mask, labels)
     names = _program_names(modules, peft_model)
     for k, e in entries.items():  # the manifest names the programs' parameters as the modules do
-        assert {p["program_name"]: p["name"] for p in e["parameters"]} == names[k]
+        assert {p.program_name: p.name for p in e.parameters} == names[k]
     _assert_backprop_equal(results, names, ref)
     return loaded, entries
 
@@ -185,12 +185,12 @@ def test_exported_middle_stage_chained_equals_whole_model_backprop(tmp_path):
     outputs, and the program holds no LM head."""
     loaded, entries = _export_and_chain(tmp_path, "tiny-random", exported=(1,))
     entry, cfg = entries[1], loaded.config
-    assert [i["name"] for i in entry["inputs"]] == ["hidden", "attention_mask", "labels", "grad_hidden"]
-    assert entry["inputs"][-1] == {"name": "grad_hidden", "dtype": "float32", "shape": [2, 24, cfg.hidden_size]}
-    assert [o["name"] for o in entry["outputs"]] == ["hidden", "loss", "grad_input"]
-    assert entry["outputs"][-1] == {"name": "grad_input", "dtype": "float32", "shape": [2, 24, cfg.hidden_size]}
+    assert [i.name for i in entry.inputs] == ["hidden", "attention_mask", "labels", "grad_hidden"]
+    assert entry.inputs[-1].to_json() == {"name": "grad_hidden", "dtype": "float32", "shape": [2, 24, cfg.hidden_size]}
+    assert entry.output_names == ["hidden", "loss", "grad_input"]
+    assert entry.outputs[-1].to_json() == {"name": "grad_input", "dtype": "float32", "shape": [2, 24, cfg.hidden_size]}
     head = [cfg.vocab_size, cfg.hidden_size]
-    assert head not in _tensor_shapes((tmp_path / entry["file"]).read_bytes())  # no LM head (nor embedding)
+    assert head not in _tensor_shapes((tmp_path / entry.file).read_bytes())  # no LM head (nor embedding)
 
 
 def _tensor_shapes(pte: bytes) -> list[list[int]]:
@@ -254,9 +254,9 @@ def test_exported_local_weight_program_equals_its_eager_step(tmp_path):
     native_library_or_skip()
     loaded, peft_model, modules, opts = _build("tiny-random", local_weight=0.25)
     entry = write_program(export_stage(modules[1], peft_model, opts, loaded.config.vocab_size), tmp_path)
-    assert [o["name"] for o in entry["outputs"]] == ["hidden", "loss", "local_loss", "grad_input"]
+    assert entry.output_names == ["hidden", "loss", "local_loss", "grad_input"]
     inputs = example_inputs(modules[1], opts, loaded.config.vocab_size, seed=7)
-    got = TrainingProgram(tmp_path / entry["file"], [o["name"] for o in entry["outputs"]]).step(*inputs)
+    got = TrainingProgram(tmp_path / entry.file, entry.output_names).step(*inputs)
     want = backprop_step(modules[1], *inputs)
     for k, v in want.outputs.items():
         torch.testing.assert_close(got.outputs[k], v, rtol=1e-4, atol=1e-6, msg=k)
@@ -271,14 +271,14 @@ def test_export_pipeline_builds_backprop_modules_and_records_the_program(tmp_pat
 
     from zl_export import exporter
     from zl_export.backprop_stage import BackpropStage
+    from zl_export.manifest import stage_entry
     from zl_export.options import ModelSplit
     from zl_export.pipeline import export_pipeline
 
     def fake_export(module, peft_model, opts, vocab_size, on_phase=None):
         assert isinstance(module, BackpropStage) and module.local_weight == (0.0 if module.is_last else 0.5)
-        hidden = module.hidden_size
-        return exporter.StageProgram(module.stage, b"pte", [], exporter.input_specs(module, opts, hidden),
-                                     exporter.output_specs(module, opts, hidden), 0.0)
+        entry = stage_entry(module, exporter.manifest_names(module, peft_model), opts)
+        return exporter.StageProgram(module.stage, b"pte", entry, 0.0)
 
     monkeypatch.setattr(exporter, "export_stage", fake_export)
     out = tmp_path / "export"

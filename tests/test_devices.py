@@ -30,6 +30,8 @@ from zl_device.devices.backend import signal_exit_code, sum_pss_kib
 from zl_device.devices.registry import local_cpu_sets, open_devices, parse_devices
 from zl_device.devices.local import LocalDevice, thermal_zone_celsius
 from zl_device.devices.network import plan_addresses
+from zl_export.manifest import write_manifest
+from manifest_fixtures import fake_manifest
 
 # A stand-in for zl_runner: reads --config, prints the "listening" event, writes telemetry and checkpoint
 # folders like the real one, then behaves as the config's "dummy" field says. SIGTERM exits 3 (as zl_runner).
@@ -265,11 +267,9 @@ def test_open_local_devices(tmp_path):
 def make_export(root: Path, stages: int = 2) -> Path:
     export = root / "export"
     export.mkdir(parents=True)
-    entries = []
     for k in range(stages):
         (export / f"stage_{k}.pte").write_bytes(bytes([k]) * ((1 << 20) + 10 * k))  # big enough to be hashed
-        entries.append({"index": k, "file": f"stage_{k}.pte", "sha256": "unused"})
-    (export / "manifest.json").write_text(json.dumps({"format_version": 1, "stages": entries}))
+    write_manifest(fake_manifest([(k, k) for k in range(stages)]), export)
     return export
 
 

@@ -17,7 +17,7 @@ from custom_ops.program_inspect import instructions_not_feeding_marker, kernel_i
 from zl_export import exporter
 from zl_export.exporter import build_stage_modules, example_inputs, export_stage, write_program
 from zl_export.options import ExportOptions, LoraSettings, LossConfig
-from zl_export.manifest import build_manifest, load_manifest, write_manifest
+from zl_export.manifest import build_manifest, load_export, write_manifest
 from zl_export.model_source import load_model
 from zl_export.stages import parse_spec
 from zl_export.training_program import TrainingProgram
@@ -146,33 +146,33 @@ def test_programs_match_eager_reference(exported):
     input_ids, mask, labels = _test_batch(modules, opts, loaded.config.vocab_size)
     assert (mask == 0).any() and (labels == -100).any(), "the batch must exercise padding and ignored labels"
     hidden = None
-    for entry in manifest["stages"]:
-        program = TrainingProgram(out / entry["file"], [o["name"] for o in entry["outputs"]])
+    for entry in manifest.stages:
+        program = TrainingProgram(out / entry.file, entry.output_names)
         x = input_ids if hidden is None else hidden
         result = program.step(x, mask, labels)
-        first, last = entry["layers"]
-        t = modules[entry["index"]].translator
+        first, last = entry.layers
+        t = modules[entry.index].translator
         ref_h, ref_loss, ref_ce, ref_kl, ref_grads = _reference(
-            peft_model, first, last, input_ids, mask, labels, opts.loss, hidden_in=hidden, stage=entry["index"],
+            peft_model, first, last, input_ids, mask, labels, opts.loss, hidden_in=hidden, stage=entry.index,
             translator=None if t is None else (t.scale, t.down, t.up),
         )
         torch.testing.assert_close(result.outputs["loss"], ref_loss, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(result.outputs["task_loss"], ref_ce, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(result.outputs["consistency_loss"], ref_kl, rtol=1e-4, atol=1e-9)
-        no_target = entry["index"] == 0 and opts.loss.first_target == "none"
+        no_target = entry.index == 0 and opts.loss.first_target == "none"
         # Gated by p_k-1(target) ~ 1/V on a random model, the KL is small but far above float noise.
         floor = 1e-6 if opts.loss.gate == "target_prob" else 1e-4
         assert no_target or float(ref_kl) > floor, "a zero KL would not test the consistency term"
-        if opts.loss.translator_rank and entry["index"] < len(manifest["stages"]) - 1:
-            roles = [p["name"] for p in entry["parameters"] if p.get("role") == "translator"]
+        if opts.loss.translator_rank and entry.index < manifest.num_stages - 1:
+            roles = [p.name for p in entry.parameters if p.is_translator]
             assert len(roles) == 3, "stages before the last carry a translator (scale, down, up)"
-        by_program_name = {p["program_name"]: p["name"] for p in entry["parameters"]}
+        by_program_name = {p.program_name: p.name for p in entry.parameters}
         got = {by_program_name[k]: v for k, v in result.gradients.items()}
         assert set(got) == set(ref_grads), "every LoRA parameter of the stage has exactly one gradient"
         for name, g in ref_grads.items():
             assert g.abs().max() > 0, f"{name}: zero reference gradient tests nothing"
             torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
-        if entry["index"] < len(manifest["stages"]) - 1:
+        if entry.index < manifest.num_stages - 1:
             torch.testing.assert_close(result.outputs["hidden"], ref_h, rtol=1e-4, atol=1e-5)
             hidden = result.outputs["hidden"].clone()
         else:
@@ -181,13 +181,13 @@ def test_programs_match_eager_reference(exported):
 
 def test_marker_precedes_readout_loss_and_backward(exported):
     out, _, _, _, _, manifest = exported
-    for entry in manifest["stages"][:-1]:
-        pte = (out / entry["file"]).read_bytes()
+    for entry in manifest.stages[:-1]:
+        pte = (out / entry.file).read_bytes()
         names = kernel_instructions(pte)
         m = marker_index(pte)
         assert 0 < m < len(names) - 1
-        assert instructions_not_feeding_marker(pte) == [], entry["file"]
-    last = (out / manifest["stages"][-1]["file"]).read_bytes()
+        assert instructions_not_feeding_marker(pte) == [], entry.file
+    last = (out / manifest.stages[-1].file).read_bytes()
     assert "zerolock::pipeline_marker.out" not in kernel_instructions(last)
 
 
@@ -203,19 +203,21 @@ def test_placement_check_catches_work_before_the_marker(tmp_path, monkeypatch):
 
 def test_manifest_contents(exported):
     out, loaded, peft_model, modules, opts, manifest = exported
-    again = load_manifest(out, verify=True)
-    assert again == json.loads((out / "manifest.json").read_text())
-    assert manifest["model"]["num_layers"] == 4 and manifest["seq_len"] == 24 and manifest["micro_batch"] == 2
-    assert manifest["max_targets"] == opts.max_targets
-    assert manifest["loss"] == opts.loss.to_manifest()
-    assert LossConfig.from_manifest(manifest["loss"]) == opts.loss
-    assert manifest["lora"]["targets"] == ["q_proj", "v_proj", "down_proj"]
-    assert [s["layers"] for s in manifest["stages"]] == [[0, 1], [2, 2], [3, 3]]
-    assert [i["name"] for i in manifest["stages"][0]["inputs"]] == ["input_ids", "attention_mask", "labels"]
-    assert [i["name"] for i in manifest["stages"][1]["inputs"]] == ["hidden", "attention_mask", "labels"]
-    assert [o["name"] for o in manifest["stages"][2]["outputs"]] == ["loss", "task_loss", "consistency_loss"]
-    peft_params = {n.replace(".default.", "."): list(p.shape) for n, p in peft_model.named_parameters() if "lora_" in n}
-    listed = {p["name"]: p["shape"] for s in manifest["stages"] for p in s["parameters"] if p.get("role") != "translator"}
+    again = load_export(out, verify=True)
+    assert again == manifest, "what the exporter built reads back field for field"
+    assert again.to_json() == json.loads((out / "manifest.json").read_text())
+    on_disk = json.loads((out / "manifest.json").read_text())
+    assert on_disk["model"]["num_layers"] == 4 and on_disk["seq_len"] == 24 and on_disk["micro_batch"] == 2
+    assert on_disk["max_targets"] == opts.max_targets
+    assert on_disk["loss"] == opts.loss.to_manifest()
+    assert LossConfig.from_manifest(on_disk["loss"]) == opts.loss == again.options.loss
+    assert on_disk["lora"]["targets"] == ["q_proj", "v_proj", "down_proj"]
+    assert [list(s.layers) for s in again.stages] == [[0, 1], [2, 2], [3, 3]]
+    assert [i.name for i in again.stages[0].inputs] == ["input_ids", "attention_mask", "labels"]
+    assert [i.name for i in again.stages[1].inputs] == ["hidden", "attention_mask", "labels"]
+    assert again.stages[2].output_names == ["loss", "task_loss", "consistency_loss"]
+    peft_params = {n.replace(".default.", "."): tuple(p.shape) for n, p in peft_model.named_parameters() if "lora_" in n}
+    listed = {p.name: p.shape for s in again.stages for p in s.parameters if not p.is_translator}
     assert listed == peft_params, "the stages together list every LoRA parameter of the model once, by PEFT name"
 
 
@@ -224,10 +226,10 @@ def test_manifest_order_matches_runtime_fqn_method(exported):
     from executorch.extension.pybindings.portable_lib import _load_for_executorch
 
     out, *_, manifest = exported
-    for entry in manifest["stages"]:
-        module = _load_for_executorch(str(out / entry["file"]))
+    for entry in manifest.stages:
+        module = _load_for_executorch(str(out / entry.file))
         fqns = list(module.run_method("__et_training_fqn_forward", ()))
-        assert fqns == [p["program_name"] for p in entry["parameters"]]
+        assert fqns == [p.program_name for p in entry.parameters]
 
 
 def test_corrupt_program_is_a_clear_error(exported, tmp_path):
@@ -240,9 +242,9 @@ def test_corrupt_program_is_a_clear_error(exported, tmp_path):
     bad.write_bytes(bytes(data[: len(data) // 3]))
     with pytest.raises(ZLError, match="stage_0.pte"):
         TrainingProgram(bad, ["hidden", "loss", "task_loss", "consistency_loss"])
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(manifest, tmp_path)
     with pytest.raises(ZLError, match="sha256"):
-        load_manifest(tmp_path, verify=True)
+        load_export(tmp_path, verify=True)
 
 
 def test_target_selection_maps_the_targets_onto_slots_in_order():

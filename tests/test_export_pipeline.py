@@ -3,7 +3,7 @@
 import torch
 
 from conftest import native_library_or_skip
-from zl_export.manifest import load_manifest
+from zl_export.manifest import load_export
 from zl_export.model_source import load_model
 from zl_export.options import ExportOptions, ModelSplit
 from zl_export.pipeline import ExportProgress, export_pipeline
@@ -35,7 +35,7 @@ def test_export_pipeline_reports_checks_and_gives_the_model_back(tmp_path):
                              progress=progress, loaded=loaded, shown_dir=tmp_path / "final")
     assert progress.events == [("loaded", "tiny-random", ["0-1", "2-3"]), ("done", 0, True), ("done", 1, True),
                                ("exported", "final"), ("checked", [0, 1])]
-    assert load_manifest(tmp_path / "tmp", verify=True) == result.manifest
+    assert load_export(tmp_path / "tmp", verify=True) == result.exported
     assert [c.index for c in result.checks] == [0, 1] and all(c.loss_diff() < 1e-3 for c in result.checks)
     after = dict(loaded.model.named_parameters())
     assert not any("lora_" in n for n in after), "the LoRA layers are removed from the caller's model"

@@ -71,19 +71,19 @@ def test_compact_programs_match_eager_of_the_same_weights(tmp_path, monkeypatch,
     _perturb_lora_b(peft_q)
     entries = [write_program(export_stage(m, peft_q, opts, loaded.config.vocab_size), tmp_path) for m in modules]
     manifest = build_manifest(loaded, opts, entries)
-    assert manifest["frozen_dtype"] == dtype
+    assert manifest.options.frozen_dtype == dtype
     twin = _fp32_twin(opts, peft_q)
     input_ids, mask, labels = _test_batch(modules, opts, loaded.config.vocab_size)
     hidden, fp32_gap = None, 0.0
-    for entry in manifest["stages"]:
-        program = TrainingProgram(tmp_path / entry["file"], [o["name"] for o in entry["outputs"]])
+    for entry in manifest.stages:
+        program = TrainingProgram(tmp_path / entry.file, entry.output_names)
         result = program.step(input_ids if hidden is None else hidden, mask, labels)
-        first, last = entry["layers"]
+        first, last = entry.layers
         ref_h, ref_loss, ref_ce, ref_kl, ref_grads = _reference(twin, first, last, input_ids, mask, labels,
-                                                                 opts.loss, hidden_in=hidden, stage=entry["index"])
+                                                                 opts.loss, hidden_in=hidden, stage=entry.index)
         torch.testing.assert_close(result.outputs["loss"], ref_loss, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(result.outputs["consistency_loss"], ref_kl, rtol=1e-4, atol=1e-7)
-        names = {p["program_name"]: p["name"] for p in entry["parameters"]}
+        names = {p.program_name: p.name for p in entry.parameters}
         for k, g in result.gradients.items():
             torch.testing.assert_close(g, ref_grads[names[k]], rtol=1e-4, atol=1e-6, msg=names[k])
         if "hidden" in result.outputs:
@@ -91,7 +91,7 @@ def test_compact_programs_match_eager_of_the_same_weights(tmp_path, monkeypatch,
             hidden = result.outputs["hidden"].clone()
         # The float32 model gives another loss: the quantization is really in the program.
         fp32 = _reference(_fp32_twin(_opts("fp32"), peft_q), first, last, input_ids, mask, labels, opts.loss,
-                          hidden_in=hidden if entry["index"] else None, stage=entry["index"])[1]
+                          hidden_in=hidden if entry.index else None, stage=entry.index)[1]
         fp32_gap = max(fp32_gap, abs(float(fp32) - float(ref_loss)))
     assert fp32_gap > 1e-6, "the compact program computes the float32 model's loss: nothing was quantized"
 

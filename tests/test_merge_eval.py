@@ -44,7 +44,7 @@ def export_dir(tmp_path_factory) -> Path:
     """A manifest of a 2-stage tiny-random export (no programs: merge needs only the parameter lists)."""
     from zl_export.options import ExportOptions, LoraSettings
     from zl_export.lora import attach_lora, peft_names
-    from zl_export.manifest import build_manifest, write_manifest
+    from zl_export.manifest import ParameterEntry, StageEntry, build_manifest, write_manifest
 
     loaded = load_model("tiny-random")
     # LoRA on q and v only (not the default, every projection): the merge's mechanics with fewer tensors to name
@@ -53,12 +53,12 @@ def export_dir(tmp_path_factory) -> Path:
     names = peft_names(peft_model)
     entries = []
     for k, (first, last) in enumerate(STAGES):
-        params = [
-            {"name": names[id(p)], "program_name": n, "shape": list(p.shape)}
+        params = tuple(
+            ParameterEntry(names[id(p)], tuple(p.shape), n)
             for n, p in peft_model.named_parameters()
             if "lora_" in n and first <= int(re.search(r"layers\.(\d+)\.", n).group(1)) <= last
-        ]
-        entries.append({"index": k, "layers": [first, last], "file": f"stage_{k}.pte", "parameters": params})
+        )
+        entries.append(StageEntry(k, (first, last), (), (), params))
     out = tmp_path_factory.mktemp("export")
     write_manifest(build_manifest(loaded, opts, entries), out)
     return out

@@ -68,7 +68,7 @@ def assert_step_equals(result, entry, ref_loss, ref_ce, ref_kl, ref_grads) -> No
     torch.testing.assert_close(result.outputs["loss"], ref_loss, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(result.outputs["task_loss"], ref_ce, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(result.outputs["consistency_loss"], ref_kl, rtol=1e-4, atol=1e-8)
-    by_program_name = {p["program_name"]: p["name"] for p in entry["parameters"]}
+    by_program_name = {p.program_name: p.name for p in entry.parameters}
     got = {by_program_name[k]: v for k, v in result.gradients.items()}
     assert set(got) == set(ref_grads) and ref_grads
     for n, g in ref_grads.items():
@@ -269,14 +269,14 @@ def test_export_of_a_two_stage_split_equals_the_reference(tmp_path, name):
     loaded, peft_model, modules, opts = _build(name, SLOTS)
     entries = [write_program(export_stage(m, peft_model, opts, loaded.config.vocab_size), tmp_path) for m in modules]
     manifest = build_manifest(loaded, opts, entries)
-    assert manifest["model"]["family"] == loaded.family.key
-    assert manifest["model"]["family_traits"] == loaded.family.traits()
+    assert manifest.to_json()["model"]["family"] == loaded.family.key
+    assert manifest.to_json()["model"]["family_traits"] == loaded.family.traits()
     ids, mask, labels = example_inputs(modules[0], opts, loaded.config.vocab_size, seed=7)
     hidden = None
-    for entry in manifest["stages"]:
-        program = TrainingProgram(tmp_path / entry["file"], [o["name"] for o in entry["outputs"]])
+    for entry in manifest.stages:
+        program = TrainingProgram(tmp_path / entry.file, entry.output_names)
         result = program.step(ids if hidden is None else hidden, mask, labels)
-        first, last = entry["layers"]
+        first, last = entry.layers
         ref_h, ref_loss, ref_ce, ref_kl, ref_grads = _reference(peft_model, first, last, ids, mask, labels, 0.5,
                                                                 hidden_in=hidden)
         assert_step_equals(result, entry, ref_loss, ref_ce, ref_kl, ref_grads)

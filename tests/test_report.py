@@ -10,6 +10,8 @@ import typer
 from matplotlib.image import imread
 from typer.testing import CliRunner
 
+from manifest_fixtures import fake_manifest
+
 from zl.commands.report import report_command
 from zl_base.errors import ZLError
 from zl_device.results.report import LATENCY_KEYS, build_report, latency_stats, render_markdown, write_report
@@ -78,9 +80,7 @@ EVENTS = [
      "window": 2},
 ]
 RUN = {"type": "run", "start_unix_ms": T0 - 500, "end_unix_ms": T0 + 15_500, "samples": 12, "run_id": "ab"}
-MANIFEST = {"format_version": 1, "model": {"name": "tiny-random", "num_layers": 4}, "seq_len": 16, "micro_batch": 2,
-            "stages": [{"index": 0, "layers": [0, 1], "file": "stage_0.pte"},
-                       {"index": 1, "layers": [2, 3], "file": "stage_1.pte"}]}
+MANIFEST = fake_manifest([(0, 1), (2, 3)], files=False, seq_len=16, micro_batch=2).to_json()
 
 
 def write_jsonl(path: Path, lines: list[dict]) -> Path:

@@ -95,7 +95,7 @@ def test_stage_0_holds_the_tied_table_once_and_computes_the_reference(tmp_path, 
     entry = write_program(program, tmp_path)
     ids, mask, labels = example_inputs(stage, opts, loaded.config.vocab_size, seed=7)
     assert set((ids // 128).unique().tolist()) == {0, 1, 2}  # the embedding reads every chunk
-    result = TrainingProgram(tmp_path / entry["file"], [o["name"] for o in entry["outputs"]]).step(ids, mask, labels)
+    result = TrainingProgram(tmp_path / entry.file, entry.output_names).step(ids, mask, labels)
     twin = _fp32_twin(opts, peft_model)
     ref_h, ref_loss, ref_ce, ref_kl, ref_grads = _reference(twin, 0, 1, ids, mask, labels, 0.5)
     torch.testing.assert_close(result.outputs["hidden"], ref_h, rtol=1e-4, atol=1e-5)

@@ -342,12 +342,11 @@ def test_torch_checkpoints_merge_like_the_runners(tmp_path):
     from zl_device.results.adapter import merge_checkpoints
     from zl_device.torch.checkpoint import save_checkpoint
 
-    names = {0: "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
-             1: "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"}
-    manifest = {"format_version": 1, "model": {"name": "tiny-random", "source": "random"}, "lora":
-                {"rank": 2, "alpha": 4.0, "targets": ["q_proj"]}, "stages": [
-                    {"index": k, "layers": [k, k], "parameters": [{"name": names[k], "shape": [2, 4]}]} for k in (0, 1)]}
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    from manifest_fixtures import LORA_A, fake_manifest
+    from zl_export.manifest import write_manifest
+
+    names = {k: LORA_A.format(k=k) for k in (0, 1)}
+    write_manifest(fake_manifest([(0, 0), (1, 1)], files=False), tmp_path)
     root = tmp_path / "checkpoints"
     last = {}
     for k in (0, 1):

@@ -58,9 +58,9 @@ def run_pipeline(runner: Path, export: Path, shard: Path, run_dir: Path, args, e
 
     `app_stage`: that stage runs through the app's JNI library instead of zl_runner.
     """
-    from zl_export.manifest import MANIFEST, read_manifest_file, stage_count
+    from zl_export.manifest import read_manifest
 
-    num_stages = stage_count(read_manifest_file(export / MANIFEST))
+    num_stages = read_manifest(export).num_stages
     run_dir.mkdir(parents=True)
     (run_dir / "run.key").write_text(os.urandom(32).hex() + "\n")
     procs, port = {}, None

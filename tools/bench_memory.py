@@ -101,7 +101,7 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, args, out: 
     finally:
         restore_frozen_weights(peft_model)
         peft_model.unload()
-    return entry
+    return entry.to_json()  # as `reusable` reads it back (one stage, index `stage`: no whole export to read)
 
 
 def reusable(out: Path, args, dtype: str, seq: int) -> dict | None:

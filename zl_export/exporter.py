@@ -9,7 +9,6 @@ LoRA parameters (ExecuTorch's training convention, sliced by the
 §3.8) also returns its input's gradient, as the last user output.
 """
 
-import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from zl_base.errors import ZLError
 from zl_export.frozen_weights import compact_frozen_weights, restore_frozen_weights, widen_per_use
 from zl_export.backprop_stage import BackpropStage
 from zl_export.lora import attach_lora, peft_names
+from zl_export.manifest import StageEntry, stage_entry
 from zl_export.options import ExportOptions, ProgramSettings
 from zl_export.stage_module import StageModule
 from zl_export.stages import StageRange
@@ -31,13 +31,11 @@ MARKER_OP = "zerolock::pipeline_marker.out"
 
 @dataclass
 class StageProgram:
-    """One exported stage: its program bytes and what the manifest records of it."""
+    """One exported stage: its program bytes and what the manifest records of it (less the program file)."""
 
     stage: StageRange
     buffer: bytes
-    parameters: list[dict]  # in gradient order: {"name" (PEFT), "program_name", "shape"}
-    inputs: list[dict]
-    outputs: list[dict]
+    entry: StageEntry  # inputs, outputs, parameters in gradient order
     export_s: float
 
 
@@ -122,31 +120,6 @@ def example_inputs(module: StageModule, opts: ExportOptions, vocab_size: int, se
     return x, mask, labels
 
 
-# The tensors of the programs' inputs and outputs by name: hidden states and their gradients (B, S, D), token
-# tensors (B, S); every other output is a float32 scalar (a loss).
-_STATE_NAMES = ("hidden", "grad_hidden", "grad_input")
-_TOKEN_NAMES = ("input_ids", "attention_mask", "labels")
-
-
-def _spec(name: str, opts: ExportOptions, hidden: int) -> dict:
-    b, s = opts.micro_batch, opts.seq_len
-    if name in _TOKEN_NAMES:
-        return {"name": name, "dtype": "int64", "shape": [b, s]}
-    return {"name": name, "dtype": "float32", "shape": [b, s, hidden] if name in _STATE_NAMES else []}
-
-
-def input_specs(module: StageModule, opts: ExportOptions, hidden: int) -> list[dict]:
-    """The manifest's `inputs` of the stage's program (§3.2, §3.8)."""
-    names = module.input_names if isinstance(module, BackpropStage) else [
-        "input_ids" if module.is_first else "hidden", "attention_mask", "labels"]
-    return [_spec(n, opts, hidden) for n in names]
-
-
-def output_specs(module: StageModule, opts: ExportOptions, hidden: int) -> list[dict]:
-    """The manifest's `outputs` of the stage's program: its user outputs, in order."""
-    return [_spec(n, opts, hidden) for n in module.output_names]
-
-
 def export_stage(
     module: StageModule,
     peft_model: torch.nn.Module,
@@ -191,41 +164,18 @@ def export_stage(
     on_phase("to_executorch")
     program = edge.to_executorch()
     buffer = program.buffer
-    names = manifest_names(module, peft_model)
-    params = dict(module.named_parameters())
-    hidden = module.hidden_size
-    parameters = [
-        {"name": names[id(params[fqn])], "program_name": fqn, "shape": list(params[fqn].shape),
-         **({"role": "translator"} if fqn.startswith("translator.") else {})} for fqn in grad_fqns
-    ]
-    return StageProgram(
-        stage=module.stage,
-        buffer=buffer,
-        parameters=parameters,
-        inputs=input_specs(module, opts, hidden),
-        outputs=output_specs(module, opts, hidden),
-        export_s=time.perf_counter() - start,
-    )
+    entry = stage_entry(module, manifest_names(module, peft_model), opts, program_names=grad_fqns)
+    return StageProgram(stage=module.stage, buffer=buffer, entry=entry, export_s=time.perf_counter() - start)
 
 
-def write_program(program: StageProgram, out_dir: Path) -> dict:
+def write_program(program: StageProgram, out_dir: Path) -> StageEntry:
     """Write `stage_<k>.pte` and return its manifest entry."""
     name = f"stage_{program.stage.index}.pte"
     path = out_dir / name
     tmp = path.with_suffix(".pte.tmp")
     tmp.write_bytes(program.buffer)
     tmp.replace(path)
-    return {
-        "index": program.stage.index,
-        "layers": [program.stage.first, program.stage.last],
-        "file": name,
-        "sha256": hashlib.sha256(program.buffer).hexdigest(),
-        "size_bytes": len(program.buffer),
-        "export_s": round(program.export_s, 2),
-        "inputs": program.inputs,
-        "outputs": program.outputs,
-        "parameters": program.parameters,
-    }
+    return program.entry.with_program(name, program.buffer, program.export_s)
 
 
 def input_gradients_as_outputs(ep: torch.export.ExportedProgram) -> int:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from zl_export.options import ExportOptions, ModelSplit, ProgramSettings
 
 if TYPE_CHECKING:
+    from zl_export.manifest import Manifest
     from zl_export.model_source import LoadedModel
     from zl_export.stages import StageRange
     from zl_export.step_check import StageCheck
@@ -37,7 +38,7 @@ class ExportProgress:
     def stage_done(self, index: int, size_bytes: int, export_s: float) -> None:
         """Stage `index`'s program is written."""
 
-    def exported(self, manifest: dict, shown_dir: Path) -> None:
+    def exported(self, manifest: Manifest, shown_dir: Path) -> None:
         """Every program and the manifest are written; `shown_dir` is the directory to name."""
 
     def checking(self) -> AbstractContextManager:
@@ -50,8 +51,13 @@ class ExportProgress:
 
 @dataclass
 class ExportResult:
-    manifest: dict
+    exported: Manifest  # what manifest.json records
     checks: list[StageCheck] | None  # with check=True: one step per stage, ExecuTorch next to eager
+
+    @property
+    def manifest(self) -> dict:
+        """The manifest's JSON object: what zl_device/executorch/export_cache.py and launch.py still read by key."""
+        return self.exported.to_json()
 
 
 def calibration_rows(opts: ExportOptions, loaded: LoadedModel, shard_path: Path | None):
@@ -129,10 +135,7 @@ def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bo
             entries.append(write_program(exported, out))
             progress.stage_done(k, len(exported.buffer), exported.export_s)
             del exported
-        manifest = build_manifest(loaded, opts, entries)
-        manifest["program"] = program.to_manifest()
-        if lens_source is not None:
-            manifest["loss"]["calibration"] = lens_source
+        manifest = build_manifest(loaded, opts, entries, program, calibration=lens_source)
         write_manifest(manifest, out)
         progress.exported(manifest, shown_dir or out)
         checks = None

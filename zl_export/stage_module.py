@@ -188,6 +188,11 @@ class StageModule(nn.Module):
         return hidden_out, loss, task, consistency
 
     @property
+    def input_names(self) -> list[str]:
+        """The program's inputs, in order (docs/design.md §3.2)."""
+        return ["input_ids" if self.is_first else "hidden", "attention_mask", "labels"]
+
+    @property
     def output_names(self) -> list[str]:
         """The program's user outputs, in order (docs/design.md §3.2)."""
         return ([] if self.is_last else ["hidden"]) + ["loss", "task_loss", "consistency_loss"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from zl_base.errors import ZLError
+from zl_export.manifest import Manifest
 from zl_export.options import ExportOptions
 from zl_export.stage_module import StageModule
 from zl_export.training_program import StepResult, TrainingProgram
@@ -51,7 +52,7 @@ def eager_step(module: StageModule, *inputs: torch.Tensor) -> StepResult:
 
 
 def check_pipeline(
-    export_dir: Path, manifest: dict, modules: list[StageModule], first_inputs: tuple[torch.Tensor, ...]
+    export_dir: Path, manifest: Manifest, modules: list[StageModule], first_inputs: tuple[torch.Tensor, ...]
 ) -> list[StageCheck]:
     """Run one step of every stage in ExecuTorch and in eager, chaining hidden states.
 
@@ -66,8 +67,8 @@ def check_pipeline(
     results = []
     x_et = x_eager = x_fp32 = first_inputs[0]
     mask, labels = first_inputs[1], first_inputs[2]
-    for entry, module in zip(manifest["stages"], modules):
-        program = TrainingProgram(Path(export_dir) / entry["file"], [o["name"] for o in entry["outputs"]])
+    for entry, module in zip(manifest.stages, modules):
+        program = TrainingProgram(Path(export_dir) / entry.file, entry.output_names)
         t0 = time.perf_counter()
         et = program.step(x_et, mask, labels)
         t1 = time.perf_counter()
@@ -77,7 +78,7 @@ def check_pipeline(
         with full_precision(module) as compact:
             if compact:  # the same step on the float32 weights, on the float32 chain of hidden states
                 fp32 = eager_step(module, x_fp32, mask, labels)
-        results.append(StageCheck(entry["index"], et, eager, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
+        results.append(StageCheck(entry.index, et, eager, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
                                   None if fp32 is None else float(fp32.outputs["loss"])))
         if "hidden" in et.outputs:
             x_et, x_eager = et.outputs["hidden"], eager.outputs["hidden"]
@@ -85,14 +86,13 @@ def check_pipeline(
     return results
 
 
-def check_backprop_pipeline(export_dir: Path, manifest: dict, modules: list, first_inputs: tuple) -> list[StageCheck]:
+def check_backprop_pipeline(export_dir: Path, manifest: Manifest, modules: list, first_inputs: tuple) -> list[StageCheck]:
     """One micro-batch of end-to-end backprop through the backprop programs (§3.8), next to the same chain in eager
     (`BackpropStage`, `backprop_step`): each runtime chains its own hidden states forward and gradients back
     (`backprop_chain`). Arguments as `check_pipeline`'s; the times are the backward pass's step of each stage."""
     from zl_export.backprop_stage import backprop_chain, backprop_step
 
-    programs = [TrainingProgram(Path(export_dir) / e["file"], [o["name"] for o in e["outputs"]])
-                for e in manifest["stages"]]
+    programs = [TrainingProgram(Path(export_dir) / e.file, e.output_names) for e in manifest.stages]
     ms: dict[tuple[str, int], float] = {}  # (runtime, stage) -> the last step's ms: the backward pass's
 
     def timed(runtime: str, run):
@@ -106,8 +106,8 @@ def check_backprop_pipeline(export_dir: Path, manifest: dict, modules: list, fir
     ids, mask, labels = first_inputs
     et = backprop_chain(timed("et", lambda k, *x: programs[k].step(*x)), modules, ids, mask, labels)
     eager = backprop_chain(timed("eager", lambda k, *x: backprop_step(modules[k], *x)), modules, ids, mask, labels)
-    return [StageCheck(e["index"], a, b, ms["et", k], ms["eager", k])
-            for k, (e, a, b) in enumerate(zip(manifest["stages"], et, eager))]
+    return [StageCheck(e.index, a, b, ms["et", k], ms["eager", k])
+            for k, (e, a, b) in enumerate(zip(manifest.stages, et, eager))]
 
 
 def check_agreement(results: list[StageCheck]) -> None:

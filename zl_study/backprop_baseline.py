@@ -41,6 +41,7 @@ from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.run_layout import RunLayout
 from zl_device.torch.eager_training import Budget, TrainLog
 from zl_device.torch.eager_training import train_backprop as eager_train_backprop
+from zl_export.manifest import read_manifest
 from zl_export.options import DEFAULT_MODEL, LoraSettings
 from zl_export.shard import Shard
 
@@ -196,32 +197,30 @@ def settings_from_run_dir(run_dir: Path | str, lr: float | None = None) -> Basel
     layout = RunLayout(run_dir)
     hint = f"is {run_dir} the --out directory of a `zl train` run that got as far as deploying?"
     stage0 = _read_json(layout.stage_config(0), hint)
-    manifest = _read_json(layout.manifest, hint)
+    manifest = read_manifest(layout.manifest)
+    opts = manifest.options
     try:
         window = int(stage0["window_size"])
         num_micro_batches = int(stage0["num_micro_batches"])
         optimizer = OptimizerSettings.from_config(stage0["optimizer"])  # what a field leaves out: the runner's default
-        micro_batch = int(manifest.get("micro_batch", 1))
-        lora = manifest["lora"]
-        model = manifest["model"]["name"]
     except (KeyError, TypeError, ValueError) as e:
-        raise ZLError(f"--run-dir {run_dir}: stage_0.json or manifest.json lacks field {e} (or it has the wrong type); "
-                      "were they written by `zl train`?") from e
+        raise ZLError(f"--run-dir {run_dir}: stage_0.json lacks field {e} (or it has the wrong type); was it written "
+                      "by `zl train`?") from e
     train = layout.train_shard
     if not train.is_file() and stage0.get("data_shard"):
         train = Path(stage0["data_shard"])
     dev = layout.dev_shard
     return BaselineSettings(
-        model=model,
-        seed=int(manifest.get("seed", 0)),
+        model=manifest.model.name,
+        seed=opts.seed,
         train=train,
         dev=dev if dev.is_file() else None,
-        samples=num_micro_batches * micro_batch,
+        samples=num_micro_batches * opts.micro_batch,
         window=window,
-        micro_batch=micro_batch,
-        seq_len=int(manifest["seq_len"]) if "seq_len" in manifest else None,
+        micro_batch=opts.micro_batch,
+        seq_len=opts.seq_len,
         optimizer=replace(optimizer, lr=run_lr(layout) if lr is None else lr),
-        lora=LoraSettings(int(lora["rank"]), float(lora["alpha"]), tuple(lora["targets"])),
+        lora=opts.lora,
         source=str(run_dir),
     )
 

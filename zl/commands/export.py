@@ -14,6 +14,7 @@ from zl_base.errors import ZLError
 from zl.options import settings_command
 from zl.paths import check_out_dir
 from zl_base.settings import check_fields, flag, nested, setting
+from zl_export.manifest import Manifest
 from zl_export.options import ExportOptions, ModelSplit, ProgramSettings
 from zl_export.pipeline import ExportProgress
 
@@ -132,15 +133,15 @@ class RichExportProgress(ExportProgress):
         if not console.is_terminal:  # no live display in a log: one line per stage instead
             console.print(f"stage {index} (layers {self._stages[index]}): {done}")
 
-    def exported(self, manifest: dict, shown_dir: Path) -> None:
+    def exported(self, manifest: Manifest, shown_dir: Path) -> None:
         self._stop_bars()
         table = Table(title=f"exported to {shown_dir}")
         for col in ("stage", "layers", "LoRA params", ".pte MiB", "export s"):
             table.add_column(col, justify="right")
-        for s in manifest["stages"]:
-            n = sum(_numel(p["shape"]) for p in s["parameters"])
-            table.add_row(str(s["index"]), f"{s['layers'][0]}-{s['layers'][1]}", f"{n:,}",
-                          f"{s['size_bytes'] / 2**20:.1f}", f"{s['export_s']:.1f}")
+        for s in manifest.stages:
+            n = sum(_numel(p.shape) for p in s.parameters)
+            table.add_row(str(s.index), f"{s.layers[0]}-{s.layers[1]}", f"{n:,}", f"{s.size_bytes / 2**20:.1f}",
+                          f"{s.export_s:.1f}")
         console.print(table)
 
     def checking(self) -> AbstractContextManager:
@@ -173,7 +174,7 @@ class RichExportProgress(ExportProgress):
             self._bars = None
 
 
-def _numel(shape: list[int]) -> int:
+def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= d

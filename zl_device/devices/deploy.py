@@ -31,6 +31,7 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zl_base.errors import ZLError
 from zl_device.formats.checkpoints import DEFAULT_LAYOUT
@@ -45,6 +46,9 @@ from zl_device.devices.backend import (
     FileCallback,
     RuntimeInstall,
 )
+
+if TYPE_CHECKING:
+    from zl_export.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +131,7 @@ def deploy_stage(
     stage: int | None,
     config: Path | Mapping | None = None,
     runner: Path | None = None,
-    manifest: dict | None = None,
+    manifest: Manifest | dict | None = None,
     force: bool = False,
     on_file: FileCallback | None = None,
     on_bytes: ByteCallback | None = None,
@@ -141,16 +145,16 @@ def deploy_stage(
             fields rewritten to their names; paths that do not exist on the host are kept (device paths).
         runner: the runner binary (default: the build for this device's kind); devices that do not run the
             binary (`--mode app`) take none.
-        manifest: the export's manifest, when the caller has read it already.
+        manifest: the export's manifest, when the caller has read it already (launch.py passes its JSON object).
         force: push even files whose sha256 already matches (and reinstall the app).
 
     Raises:
         ZLError: a missing export file, runner build or APK, a config for another stage, or too little free space.
     """
-    from zl_export.manifest import load_manifest
+    from zl_export.manifest import as_manifest, load_export
 
     export_dir = Path(export_dir)
-    manifest = manifest or load_manifest(export_dir)
+    manifest = as_manifest(manifest, export_dir / MANIFEST) if manifest else load_export(export_dir)
     files: dict[str, tuple[Path, int]] = {}
     if device.runs_runner_binary:
         files[RUNNER_NAME] = (Path(runner) if runner else runner_binary_for(device), 0o755)
@@ -160,10 +164,10 @@ def deploy_stage(
     files[MANIFEST] = (export_dir / MANIFEST, 0o644)
     config_text = None
     if stage is not None:
-        entries = {s["index"]: s for s in manifest["stages"]}
+        entries = {s.index: s for s in manifest.stages}
         if stage not in entries:
             raise ZLError(f"stage {stage}: {export_dir} has stages {sorted(entries)}.")
-        program = entries[stage]["file"]
+        program = entries[stage].file
         files[program] = (export_dir / program, 0o644)
         if config is not None:
             cfg, base = _load_config(config, export_dir)
@@ -266,13 +270,13 @@ def _push_files(device: Device, files: dict[str, tuple[Path, int]], result: Depl
         result.pushed.append(name)
 
 
-def _check_shard_fits(shard: Path, manifest: dict) -> None:
+def _check_shard_fits(shard: Path, manifest: Manifest) -> None:
     """Raise ZLError for a shard row with more targets than the programs' slots (docs/design.md §1.4).
 
     The programs cannot tell that a sample had more targets than they read out, so this is checked before
     the shard reaches a device (exports without `max_targets` read out every position: nothing to check).
     """
-    slots = manifest.get("max_targets", 0)
+    slots = manifest.options.target_slots
     if slots:
         from zl_export.shard import load_shard
 
@@ -296,10 +300,10 @@ def deploy(
     Raises:
         ZLError: fewer devices than stages, a missing config, or any `deploy_stage` error.
     """
-    from zl_export.manifest import load_manifest, stage_count
+    from zl_export.manifest import load_export
 
-    manifest = load_manifest(Path(export_dir))
-    num_stages = stage_count(manifest)
+    manifest = load_export(Path(export_dir))
+    num_stages = manifest.num_stages
     if len(devices) < num_stages:
         raise ZLError(f"{export_dir} has {num_stages} stages but --devices gives {len(devices)} device(s) "
                       f"({', '.join(d.name for d in devices)}); pass at least {num_stages}.")

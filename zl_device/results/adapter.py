@@ -23,6 +23,7 @@ and all stages at the same window. The result is a directory that
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,8 +33,7 @@ from zl_base.errors import ZLError
 from zl_device.formats.checkpoints import DEFAULT_LAYOUT, CheckpointLayout
 from zl_device.formats.tensor_files import check_finite, read_tensors
 from zl_export.lora import adapter_config
-from zl_export.options import LoraSettings
-from zl_export.manifest import MANIFEST, read_manifest_file
+from zl_export.manifest import MANIFEST, Manifest, StageEntry, read_manifest
 from zl_export.translator import is_translator_name
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -68,45 +68,16 @@ class MergeResult:
         return sum(s.numel for s in self.stages)
 
 
-def read_manifest(path: Path | str) -> tuple[dict, Path]:
-    """Read a manifest written by `zl export`, without needing its programs next to it.
-
-    Args:
-        path: `manifest.json`, or a directory that holds one (an export or run directory).
-
-    Returns:
-        (manifest, path of the file).
-
-    Raises:
-        ZLError: no file, not JSON, another format version, or no stage parameters.
-    """
-    path = Path(path)
-    if path.is_dir():
-        path = path / MANIFEST
-    manifest = read_manifest_file(path)
-    stages = manifest["stages"]
-    if not stages or not all(isinstance(s, dict) and "index" in s and "parameters" in s for s in stages):
-        raise ZLError(f"manifest {path}: no stages with parameters; is it a manifest of `zl export`?")
-    indices = sorted(s["index"] for s in stages)
-    if indices != list(range(len(stages))):
-        raise ZLError(f"manifest {path}: stage indices {indices}, expected 0..{len(stages) - 1}; export again.")
-    for key in ("lora", "model"):
-        if not isinstance(manifest.get(key), dict):
-            raise ZLError(f"manifest {path}: no {key!r} section; export again with this zl.")
-    return manifest, path
-
-
-def base_model_reference(manifest: dict) -> str:
+def base_model_reference(manifest: Manifest) -> str:
     """What `adapter_config.json` names as the base model: a hub id or directory when the weights came from one.
 
     The built-in names (`smollm2-135m`, `tiny-random`) are zl's, so they are
     kept as they are: `zl eval --model NAME` resolves them.
     """
-    model = manifest["model"]
-    kind, _, where = str(model.get("source", "")).partition(":")
+    kind, _, where = manifest.model.source.partition(":")
     if kind in ("hub", "dir") and where:
         return where
-    return str(model.get("name", ""))
+    return manifest.model.name
 
 
 def merge_checkpoints(
@@ -136,14 +107,15 @@ def merge_checkpoints(
             an unreadable file, or a weight or AdamW moment that is nan or inf
             (a damaged run; the message names the stage and window).
     """
-    manifest, manifest_file = read_manifest(manifest_path)
+    manifest_file = Path(manifest_path) / MANIFEST if Path(manifest_path).is_dir() else Path(manifest_path)
+    manifest = read_manifest(manifest_file)
     root = Path(checkpoints)
     if not root.is_dir():
         raise ZLError(
             f"checkpoints {root}: no such directory; pass the run's checkpoint root (RUN_DIR/checkpoints), "
             f"which holds {layout.stage_dir.format(k='<k>')}/window_NNNNNN/{layout.adapter_file} per stage."
         )
-    stages = sorted(manifest["stages"], key=lambda s: s["index"])
+    stages = manifest.stages  # in index order (Manifest.from_json)
     owner = _parameter_owners(stages, manifest_file)
     chosen = _choose_window(root, stages, window, layout)
 
@@ -153,7 +125,7 @@ def merge_checkpoints(
     run_ids: dict[int, str] = {}
     finished = True
     for stage in stages:
-        k = stage["index"]
+        k = stage.index
         window_dir = layout.stage_root(root, k) / layout.window_dir.format(window=chosen)
         progress = _read_progress(window_dir / layout.progress_file, k, chosen)
         run_ids[k] = progress.get("run_id")
@@ -174,22 +146,21 @@ def merge_checkpoints(
             f"checkpoints {root}: the stages come from different runs ({listing}); "
             "merge the checkpoints of one run (one RUN_DIR/checkpoints)."
         )
-    lora = manifest["lora"]
-    settings = LoraSettings(int(lora["rank"]), float(lora["alpha"]), tuple(lora["targets"]))
-    config = adapter_config(settings, base_model_reference(manifest))
+    recorded = manifest.to_json()  # zl_merge.json repeats the manifest's model and lora as it records them
+    config = adapter_config(manifest.options.lora, base_model_reference(manifest))
     run_id = next(iter(run_ids.values()), None)
     info = {
         "format": "zl-merge",
         "version": 1,
         "manifest": str(manifest_file.resolve()),
-        "model": manifest["model"],
-        "tokenizer": manifest.get("tokenizer"),
-        "lora": lora,
+        "model": recorded["model"],
+        "tokenizer": manifest.tokenizer,
+        "lora": recorded["lora"],
         "run_id": run_id,
         "window": chosen,
         "finished": finished,
         "stages": [
-            {"index": s.index, "layers": stages[s.index].get("layers"), "window": s.window, "checkpoint": str(s.path.resolve()),
+            {"index": s.index, "layers": list(stages[s.index].layers), "window": s.window, "checkpoint": str(s.path.resolve()),
              "tensors": s.tensors, "micro_batches_done": s.progress.get("micro_batches_done"),
              "num_micro_batches": (s.progress.get("extra") or {}).get("num_micro_batches"),
              "optimizer_step": s.progress.get("optimizer_step")}
@@ -200,25 +171,25 @@ def merge_checkpoints(
     return MergeResult(Path(out), taken, chosen, run_id, finished, config)
 
 
-def _parameter_owners(stages: list[dict], manifest_file: Path) -> dict[str, int]:
+def _parameter_owners(stages: Sequence[StageEntry], manifest_file: Path) -> dict[str, int]:
     """PEFT name -> stage index; a name on two stages would make the merge ambiguous."""
     owner: dict[str, int] = {}
     for stage in stages:
-        for p in stage["parameters"]:
-            if p["name"] in owner:
+        for p in stage.parameters:
+            if p.name in owner:
                 raise ZLError(
-                    f"manifest {manifest_file}: parameter {p['name']} is listed by stage {owner[p['name']]} and stage "
-                    f"{stage['index']}; each LoRA parameter belongs to one stage. Export again."
+                    f"manifest {manifest_file}: parameter {p.name} is listed by stage {owner[p.name]} and stage "
+                    f"{stage.index}; each LoRA parameter belongs to one stage. Export again."
                 )
-            owner[p["name"]] = stage["index"]
+            owner[p.name] = stage.index
     return owner
 
 
-def _choose_window(root: Path, stages: list[dict], window: int | None, layout: CheckpointLayout) -> int:
+def _choose_window(root: Path, stages: Sequence[StageEntry], window: int | None, layout: CheckpointLayout) -> int:
     """The window every stage is merged at: `window`, or the latest one, which all stages must share."""
     per_stage: dict[int, list[int]] = {}
     for stage in stages:
-        k = stage["index"]
+        k = stage.index
         stage_root = layout.stage_root(root, k)
         windows = layout.windows(stage_root) if stage_root.is_dir() else []
         if not windows:
@@ -279,14 +250,14 @@ _DIVERGED = ("the run diverged or the file was damaged: merge an earlier --windo
              "windows), or train again with a lower --lr (or --stage-lr).")
 
 
-def _read_stage_adapter(path: Path, stage: dict, window: int, owner: dict[str, int]) -> dict[str, torch.Tensor]:
+def _read_stage_adapter(path: Path, stage: StageEntry, window: int, owner: dict[str, int]) -> dict[str, torch.Tensor]:
     """Load one stage's adapter.safetensors and check it holds exactly the manifest's parameters of that stage, all
     finite."""
-    k = stage["index"]
+    k = stage.index
     if not path.is_file():
         raise ZLError(f"checkpoint file {path} is missing, so the checkpoint is incomplete; copy the whole window directory, or merge another --window.")
     tensors = read_tensors(path, f"checkpoint file {path}", "merge another --window.")
-    expected = {p["name"]: [int(d) for d in p["shape"]] for p in stage["parameters"]}
+    expected = {p.name: list(p.shape) for p in stage.parameters}
     missing = [n for n in expected if n not in tensors]
     if missing:
         raise ZLError(

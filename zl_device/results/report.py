@@ -65,7 +65,7 @@ import numpy as np
 from zl_base.errors import ZLError
 from zl_device.formats.metrics_log import MetricsLog, read_metrics
 from zl_device.formats.run_layout import PLOTS_DIR, REPORT_JSON, REPORT_MD, RunLayout
-from zl_export.manifest import read_manifest_file, stage_count
+from zl_export.manifest import Manifest, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +128,8 @@ def _analyze(run_dir: Path, manifest_path: Path | None) -> tuple[dict, dict]:
                       "micro-batch? (the runner writes them to its log_path)")
     if manifest_path is None and RunLayout(run_dir).manifest.is_file():
         manifest_path = RunLayout(run_dir).manifest
-    manifest = read_manifest_file(manifest_path) if manifest_path is not None else None
-    layers = {s["index"]: s.get("layers") for s in manifest["stages"]} if manifest else {}
+    manifest = read_manifest(manifest_path) if manifest_path is not None else None
+    layers = {s.index: list(s.layers) for s in manifest.stages} if manifest else {}
     unknown = sorted(set(metrics.runner) - set(layers)) if manifest else []
     if unknown:
         log.warning("stage(s) %s are not in %s; is it this run's manifest?", unknown, manifest_path)
@@ -250,19 +250,17 @@ def _stage(index: int, metrics: MetricsLog, layers: list[int] | None) -> tuple[d
     return summary, curve, replays_by_run
 
 
-def _model(manifest: dict | None) -> dict | None:
+def _model(manifest: Manifest | None) -> dict | None:
     if manifest is None:
         return None
-    model = manifest.get("model", {})
-    return {"name": model.get("name"), "num_layers": model.get("num_layers"), "seq_len": manifest.get("seq_len"),
-            "micro_batch": manifest.get("micro_batch"), "num_stages": stage_count(manifest),
-            # Exports before --frozen-dtype stored float32 weights.
-            "frozen_dtype": manifest.get("frozen_dtype", "fp32"),
-            "program_mib": ([st["size_bytes"] / 2**20 for st in manifest["stages"]]
-                            if all("size_bytes" in st for st in manifest["stages"]) else None)}
+    opts = manifest.options  # exports before --frozen-dtype stored float32 weights: fp32
+    return {"name": manifest.model.name, "num_layers": manifest.model.num_layers, "seq_len": opts.seq_len,
+            "micro_batch": opts.micro_batch, "num_stages": manifest.num_stages, "frozen_dtype": opts.frozen_dtype,
+            "program_mib": ([st.size_bytes / 2**20 for st in manifest.stages]
+                            if all(st.size_bytes is not None for st in manifest.stages) else None)}
 
 
-def _run(metrics: MetricsLog, manifest: dict | None, stages: list[dict]) -> dict:
+def _run(metrics: MetricsLog, manifest: Manifest | None, stages: list[dict]) -> dict:
     runs = [e for e in metrics.events if e["type"] == "run"]
     run = runs[-1] if runs else {}
     wall_s, wall_source = None, None
@@ -279,7 +277,7 @@ def _run(metrics: MetricsLog, manifest: dict | None, stages: list[dict]) -> dict
         if starts:
             wall_s, wall_source = (max(ends) - min(starts)) / 1000.0, "telemetry"
     samples, samples_source = run.get("samples"), "run" if run.get("samples") is not None else None
-    micro_batch = manifest.get("micro_batch") if manifest else None
+    micro_batch = manifest.options.micro_batch if manifest else None
     if samples is None and isinstance(micro_batch, int) and stages:
         samples, samples_source = stages[-1]["micro_batches"] * micro_batch, "telemetry"
     rate = samples / wall_s if samples is not None and wall_s else None

@@ -18,6 +18,7 @@ from zl_base.errors import ZLError
 from zl_device.formats.injection import Injection
 from zl_device.formats.run_layout import MANIFEST, METRICS, RUN_KEY, SETTINGS_FILE, stage_config_name
 from zl_device.run.runtime import Run, RunRecord, Runtime
+from zl_export.manifest import Manifest, read_manifest
 from zl_export.options import ProgramSettings
 
 
@@ -29,17 +30,18 @@ class ExecuTorchRuntime(Runtime):
     resume_needs = (RUN_KEY, stage_config_name(0))
     resumes_from = f"with its own settings ({SETTINGS_FILE}), every stage from its checkpoints"
 
-    def prepare(self, run: Run, shard: Path, opts) -> dict:
+    def prepare(self, run: Run, shard: Path, opts) -> Manifest:
         from zl_device.executorch.export_cache import export_cached
 
         s = run.settings
         self.shard = shard
+        # self.manifest: the JSON object, which launch (executorch/launch.py) reads by key
         # A backprop schedule runs programs that take grad_hidden and give grad_input (docs/design.md §3.8).
         program = ProgramSettings(kind="backprop") if s.backprop else None
         self.export_dir, self.manifest = export_cached(s, opts, run.model.loaded, run.say, run.export_progress,
                                                        calibration=shard, program=program)
         shutil.copyfile(self.export_dir / MANIFEST, run.layout.manifest)
-        return self.manifest
+        return read_manifest(run.layout.manifest)
 
     def run(self, run: Run, injection: Injection | None, on_update) -> bool:
         from zl_device.devices.registry import open_devices

@@ -27,6 +27,7 @@ from zl_device.formats.injection import Injection
 from zl_device.formats.run_layout import RunLayout
 from zl_device.formats.windows import WindowPlan
 from zl_device.run.train_settings import TrainSettings
+from zl_export.manifest import Manifest
 
 Say = Callable[[str], None]
 
@@ -105,7 +106,7 @@ class Runtime(ABC):
         """The settings this runtime cannot run, before anything else is checked or written."""
 
     @abstractmethod
-    def prepare(self, run: Run, shard: Path, opts) -> dict:
+    def prepare(self, run: Run, shard: Path, opts) -> Manifest:
         """What the stages run, for the training shard `shard` and the export options `opts`: the stage programs
         (ExecuTorch) or the stages' modules and job (torch); RUN_DIR/manifest.json. Returns the manifest."""
 

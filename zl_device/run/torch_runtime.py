@@ -29,7 +29,7 @@ from zl_device.run.runtime import Run, RunRecord, Runtime
 from zl_device.run.train_settings import TrainSettings
 from zl_device.torch.job import TorchJob
 from zl_device.torch.launcher import launch_ranks, recovery_events, torchrun_instructions, training_span
-from zl_export.manifest import read_manifest_file, stage_count
+from zl_export.manifest import Manifest, read_manifest
 
 
 class TorchRuntime(Runtime):
@@ -43,14 +43,14 @@ class TorchRuntime(Runtime):
     def check(self, s: TrainSettings) -> None:
         check_torch_settings(s)
 
-    def prepare(self, run: Run, shard: Path, opts) -> dict:
+    def prepare(self, run: Run, shard: Path, opts) -> Manifest:
         s, layout = run.settings, run.layout
         if s.resume:  # the run's own job and manifest: the ranks resume from their checkpoints
             self.job = TorchJob.load(layout.torch_job)
             self.job.resume, self.job.fail_at = True, None  # an injected failure happens once
-            return read_manifest_file(layout.manifest)
+            return read_manifest(layout.manifest)
         manifest = write_manifest(s, opts, run.model.loaded(), shard, layout.root)
-        self.job = torch_job(s, layout, shard, stage_count(manifest))
+        self.job = torch_job(s, layout, shard, manifest.num_stages)
         return manifest
 
     def run(self, run: Run, injection: Injection | None, on_update) -> bool:
@@ -100,37 +100,24 @@ def check_torch_settings(s: TrainSettings) -> None:
                       "torchrun, docs/design.md §13), not on phones; drop --devices or use --runtime executorch.")
 
 
-def write_manifest(s: TrainSettings, opts, loaded, shard: Path, run_dir: Path) -> dict:
+def write_manifest(s: TrainSettings, opts, loaded, shard: Path, run_dir: Path) -> Manifest:
     """RUN_DIR/manifest.json as an export writes it, less the programs: stages, their parameters (manifest names,
     shapes), LoRA, loss, shapes, seed; `"runtime": "torch"`. The base model keeps no LoRA layers afterwards."""
-    from zl_export.exporter import build_stage_modules, input_specs, manifest_names, output_specs
+    from zl_export.exporter import build_stage_modules, manifest_names
     from zl_export.frozen_weights import restore_frozen_weights
-    from zl_export.manifest import build_manifest, write_manifest as write
+    from zl_export.manifest import build_manifest, stage_entry, write_manifest as write
     from zl_export.pipeline import calibration_rows
-    from zl_export.translator import is_translator_name
 
     opts.validate(loaded.config.max_position_embeddings)
     stages = s.split.ranges(loaded.config.num_hidden_layers)
     lens_rows, lens_source = calibration_rows(opts, loaded, shard)
     peft_model, modules = build_stage_modules(loaded.model, stages, opts, lens_rows)
     try:
-        hidden = loaded.config.hidden_size
-        entries = []
-        for module in modules:
-            names = manifest_names(module, peft_model)
-            params = [{"name": names[id(p)], "shape": list(p.shape),
-                       **({"role": "translator"} if is_translator_name(names[id(p)]) else {})}
-                      for p in module.parameters() if p.requires_grad]
-            entries.append({"index": module.stage.index, "layers": [module.stage.first, module.stage.last],
-                            "inputs": input_specs(module, opts, hidden), "outputs": output_specs(module, opts, hidden),
-                            "parameters": params})
+        entries = [stage_entry(module, manifest_names(module, peft_model), opts) for module in modules]
     finally:
         restore_frozen_weights(peft_model)  # float32 frozen weights again (--frozen-dtype bf16/int8), for the eval
         peft_model.unload()  # eval loads the adapter onto the base model
-    manifest = build_manifest(loaded, opts, entries)
-    manifest["runtime"] = TorchRuntime.name
-    if lens_source is not None:
-        manifest["loss"]["calibration"] = lens_source
+    manifest = build_manifest(loaded, opts, entries, calibration=lens_source, runtime=TorchRuntime.name)
     write(manifest, run_dir)
     return manifest
 

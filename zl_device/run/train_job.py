@@ -30,7 +30,6 @@ from zl_device.run.executorch_runtime import ExecuTorchRuntime
 from zl_device.run.runtime import Run, RunModel, Runtime, run_event
 from zl_device.run.torch_runtime import TorchRuntime
 from zl_device.run.train_settings import TrainSettings
-from zl_export.manifest import stage_count
 
 #: --runtime -> the runtime that runs the stages (their names are TrainSettings.runtime's choices).
 RUNTIMES: dict[str, type[Runtime]] = {ExecuTorchRuntime.name: ExecuTorchRuntime, TorchRuntime.name: TorchRuntime}
@@ -81,7 +80,7 @@ def _run(runtime: Runtime, run: Run, start: float, on_update) -> TrainResult:
         say(note)
     opts = s.export_options(seq_len, run_max_targets(s, shard, say))
     manifest = runtime.prepare(run, shard, opts)
-    num_stages, windows = stage_count(manifest), run.windows
+    num_stages, windows = manifest.num_stages, run.windows
     injection = Injection.parse(s.inject_failure, num_stages, windows.num_windows) if s.inject_failure else None
     if not runtime.run(run, injection, on_update):  # prepared only: the user starts the stages
         return TrainResult(layout.root, time.time() - start, 0)

@@ -37,6 +37,7 @@ from zl_device.formats.run_layout import stage_metrics
 from zl_device.torch.job import TorchJob, for_attempt
 from zl_device.torch.schedules import schedule_named
 from zl_device.torch.stage_io import Rank, Telemetry, reset_peak_rss
+from zl_export.manifest import Manifest
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -84,11 +85,11 @@ def run_rank(job: TorchJob, rank: int, world: int, local_rank: int, local_world:
 def train_rank(job: TorchJob, rank: int, world: int, device: torch.device, backend: str) -> None:
     """Stage `rank`'s whole run under the job's schedule, in the process group: build, barrier, resume point,
     `start` line, the schedule's windows, `done` line."""
-    from zl_export.manifest import read_manifest_file, stage_count
+    from zl_export.manifest import read_manifest
 
     schedule_class = schedule_named(job.pipeline)
-    manifest = read_manifest_file(Path(job.manifest))
-    stages = stage_count(manifest)
+    manifest = read_manifest(job.manifest)
+    stages = manifest.num_stages
     if world != stages:
         raise ZLError(f"{world} ranks for the {stages} stages of {job.manifest}; start exactly one rank per stage "
                       f"(torchrun --nproc-per-node {stages}).")
@@ -124,7 +125,7 @@ def attempt_store(world: int, attempt: int, timeout: timedelta):
     return dist.PrefixStore(f"zl/attempt_{attempt}", shared)
 
 
-def build_stage(job: TorchJob, manifest: dict, rank: int):
+def build_stage(job: TorchJob, manifest: Manifest, rank: int):
     """(stage `rank`'s StageModule, its trainable parameters' manifest names by id, where its weights came from).
 
     The rank loads only its stage's weights where the model's files allow (`load_stage_model`: a GGUF file or a
@@ -133,26 +134,24 @@ def build_stage(job: TorchJob, manifest: dict, rank: int):
     from zl_export.exporter import build_stage_modules, manifest_names
     from zl_export.frozen_weights import compact_for_training
     from zl_export.model_source import load_model, load_stage_model
-    from zl_export.options import ExportOptions
     from zl_export.shard import load_shard
-    from zl_export.stages import StageRange
     from zl_export.translator import calibration_batches
 
-    opts = ExportOptions.from_manifest(manifest)
+    opts = manifest.options
     lens = opts.loss.translator_rank and opts.loss.translator_init == "lens"
     if lens:  # fitting the lenses runs the calibration rows through every stage: the whole model
-        loaded = load_model(job.model, seed=manifest["seed"])
+        loaded = load_model(job.model, seed=opts.seed)
     else:  # this stage's weights only, where the model's files allow (load_stage_model)
-        first, last = manifest["stages"][rank]["layers"]
-        loaded = load_stage_model(job.model, first, last, embedding=rank == 0, seed=manifest["seed"])
+        first, last = manifest.stages[rank].layers
+        loaded = load_stage_model(job.model, first, last, embedding=rank == 0, seed=opts.seed)
     calibration = calibration_batches(load_shard(job.shard)) if lens else None  # as the export fits them
     peft_model, modules = build_stage_modules(
-        loaded.model, [StageRange(st["index"], *st["layers"]) for st in manifest["stages"]], opts, calibration)
+        loaded.model, [st.range for st in manifest.stages], opts, calibration)
     module = modules[rank]
     compact_for_training(module)  # bf16/int8: the compact weights only, never float32 copies
     names = manifest_names(module, peft_model)
     names = {id(p): names[id(p)] for p in module.parameters() if p.requires_grad}
-    expected = {p["name"] for p in manifest["stages"][rank]["parameters"]}
+    expected = {p.name for p in manifest.stages[rank].parameters}
     if set(names.values()) != expected:
         raise ZLError(f"stage {rank}: its trainable parameters differ from {job.manifest}'s stage {rank} "
                       f"({len(names)} vs {len(expected)}); the manifest is from another model or settings, start "

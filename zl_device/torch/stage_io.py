@@ -36,6 +36,7 @@ from zl_device.formats.windows import WindowPlan
 from zl_device.torch.checkpoint import read_checkpoint, save_checkpoint
 from zl_device.torch.eager_training import adamw_moments
 from zl_device.torch.job import TorchJob
+from zl_export.manifest import Manifest
 from zl_export.shard import Shard
 
 
@@ -60,7 +61,7 @@ class Rank:
     world: int
     device: torch.device
     backend: str
-    manifest: dict
+    manifest: Manifest
     module: torch.nn.Module
     names: dict[int, str]  # id(trainable parameter) -> its manifest name
     log: Telemetry
@@ -84,7 +85,7 @@ class Rank:
     @property
     def batch(self) -> int:
         """B, rows per micro-batch (the manifest's)."""
-        return self.manifest["micro_batch"]
+        return self.manifest.options.micro_batch
 
     @property
     def lr(self) -> float:

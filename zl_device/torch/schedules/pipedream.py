@@ -200,7 +200,7 @@ class PipeDream(CrossRankBackprop):
 
     def train(self, first_window: int) -> dict:
         rank, shard, batch = self.rank, self.shard, self.rank.batch
-        hidden_shape = (batch, rank.manifest["seq_len"], rank.module.norm.weight.shape[-1])  # (B, S, D)
+        hidden_shape = (batch, rank.manifest.options.seq_len, rank.module.norm.weight.shape[-1])  # (B, S, D)
         batches = None if shard is None else (lambda mb: window_rows(shard, range(mb, mb + 1), batch))
         self.pipe.run(batches, hidden_shape,
                       lambda w, loss, lr: rank.commit(w, self.optimizer, self.scheduler.last_epoch, lr, mean_loss=loss))

@@ -38,7 +38,7 @@ class ZeroLock(Schedule):
                               forward_only=self.forward_only)
         self.optimizer, self.scheduler = self.step.optimizer, self.step.scheduler
         # Built now, receiving only in `train`: on NCCL a p2p op queued ahead of the harness's barrier can deadlock it.
-        self.link = StageLink(rank.index, rank.world, rank.batch, rank.manifest["model"]["hidden_size"], rank.device,
+        self.link = StageLink(rank.index, rank.world, rank.batch, rank.manifest.model.hidden_size, rank.device,
                               job.in_flight, job.link_timeout_s, receive_ahead=rank.backend == "gloo")
 
     def train(self, first_window: int) -> dict:

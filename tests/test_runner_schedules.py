@@ -156,3 +156,36 @@ def test_backprop_schedules_train_every_stage_by_default(tmp_path, data_file):
     for schedule in ("gpipe", "1f1b", "async", "pipedream"):
         s = settings(tmp_path / schedule, data_file, schedule=schedule).with_default_stage_lr()
         assert s.backprop and s.stage_lr == (1.0,) and s.recovery == "global"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "async"])
+def test_a_killed_stage_restarts_every_stage_to_the_uninterrupted_adapter(runs, data_file, tmp_path, schedule):
+    """Stage 1 killed in the middle of window 1 (after a forward, its gradient owed): every stage rolls back to the
+    last window all committed and replays, and the adapter is the uninterrupted run's bit for bit. For async the
+    checkpoint keeps the older weight version of the micro-batches in flight, and the replay runs them on it."""
+    from zl_device.run.train_job import run_training
+
+    run = run_training(settings(tmp_path / "run", data_file, schedule=schedule, inject_failure="1@1"),
+                       say=lambda line: None)
+    events = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["stage"] for e in events if e["type"] == "failure"] == [1]
+    got, want = adapter(run.run_dir), adapter(runs(schedule))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    if schedule == "async":  # the checkpoint stage 0 took after window 0 held micro-batches 2, 3's version
+        versions = load_file(str(run.run_dir / "checkpoints" / "stage_0" / "window_000000" /
+                                 "weight_versions.safetensors"))
+        assert versions and all(name.startswith("v0/") for name in versions)
+
+
+def test_resume_after_a_failed_async_run_ends_with_the_uninterrupted_adapter(runs, data_file, tmp_path):
+    """A run that gives up (stage 1 killed, no restarts left) continues with `zl train --resume`: the same adapter."""
+    from zl_device.run.train_job import run_training
+    from zl_device.run.train_settings import TrainSettings
+
+    out = tmp_path / "run"
+    with pytest.raises(ZLError, match="stage 1 failed 1 times"):
+        run_training(settings(out, data_file, schedule="async", inject_failure="1@1", max_restarts=0),
+                     say=lambda line: None)
+    result = run_training(TrainSettings(out=out, resume=True), say=lambda line: None)
+    got, want = adapter(result.run_dir), adapter(runs("async"))
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -84,11 +84,26 @@ Status StageRunner::loop_backprop() {
 }
 
 Status StageRunner::forward_op(int64_t mb) {
+  const RunnerConfig& c = config_;
   InFlight f;
   StageInputs inputs;
   ZL_RETURN_IF_ERROR(take_input(mb, &f.entry, &inputs, &f.queue_ms));
-  versions_.forwarded(mb, optimizer_->step_count());
+  // The version an uninterrupted run forwards on: the current one, but after a restart from a checkpoint taken
+  // with micro-batches in flight, whose first forwards re-run on the older version it kept.
+  const int64_t version = forward_version(schedule_, c.stage_index, c.num_stages, plan_, mb);
+  const std::vector<std::vector<float>>* stashed = nullptr;
+  if (version != optimizer_->step_count()) {
+    stashed = versions_.kept(version);
+    if (stashed == nullptr || version > optimizer_->step_count()) {
+      return Status(StatusCode::kInternal, "the forward of micro-batch " + std::to_string(mb) + " runs on weight " +
+                                               "version " + std::to_string(version) + ", the stage has taken " +
+                                               std::to_string(optimizer_->step_count()) + " steps and kept " +
+                                               std::to_string(versions_.num_kept()) + " older versions");
+    }
+  }
+  versions_.forwarded(mb, version);
   if (!program_->is_last()) {
+    const WeightSwap swap(program_->parameters(), stashed);
     Clock::time_point t = Clock::now();
     ZL_RETURN_IF_ERROR(program_->begin(inputs, &hidden_));  // grad_hidden zeros: the method stops at the marker
     f.forward_ms = ms_since(t);
@@ -99,7 +114,7 @@ Status StageRunner::forward_op(int64_t mb) {
       abandon_step();
       return sent;
     }
-    if (mb == config_.hold_at_micro_batch) {
+    if (mb == c.hold_at_micro_batch) {
       const Status held = hold(mb);
       abandon_step();
       return held;

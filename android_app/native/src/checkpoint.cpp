@@ -234,7 +234,8 @@ Status check_save(const AdamW& optimizer, const CheckpointProgress& progress) {
 
 // Creates staging directory `tmp` and writes the three files into it, each
 // fsynced, then the directory itself.
-Status write_staging(const std::string& tmp, const AdamW& optimizer, const CheckpointProgress& progress) {
+Status write_staging(const std::string& tmp, const AdamW& optimizer, const CheckpointProgress& progress,
+                     const std::vector<SafetensorsTensorRef>& extra) {
   if (::mkdir(tmp.c_str(), 0755) != 0) {
     return Status(StatusCode::kIoError, "cannot create '" + tmp + "': " + std::strerror(errno));
   }
@@ -253,6 +254,7 @@ Status write_staging(const std::string& tmp, const AdamW& optimizer, const Check
   if (!optimizer.has_moments()) optimizer_metadata[kZeroMomentsKey] = kZeroMomentsValue;
   ZL_RETURN_IF_ERROR(write_safetensors(tmp + "/" + kAdapterFile, adapter, metadata));
   ZL_RETURN_IF_ERROR(write_safetensors(tmp + "/" + kOptimizerFile, moments, optimizer_metadata));
+  if (!extra.empty()) ZL_RETURN_IF_ERROR(write_safetensors(tmp + "/" + kWeightVersionsFile, extra, metadata));
   CheckpointProgress stamped = progress;
   stamped.created_unix_ms = now_unix_ms();
   const std::string progress_text = progress_to_json(stamped, optimizer).dump(2) + "\n";
@@ -262,7 +264,8 @@ Status write_staging(const std::string& tmp, const AdamW& optimizer, const Check
 
 }  // namespace
 
-Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& progress) {
+Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& progress,
+                             const std::vector<SafetensorsTensorRef>& extra) {
   ZL_RETURN_IF_ERROR(validate());
   ZL_RETURN_IF_ERROR(check_save(optimizer, progress));
   const CheckpointLayout layout(options_.dir);
@@ -277,7 +280,7 @@ Status CheckpointStore::save(const AdamW& optimizer, const CheckpointProgress& p
 
   const long pid = static_cast<long>(::getpid());
   const std::string tmp = layout.staging_dir(progress.window, pid);
-  ZL_RETURN_IF_ERROR(write_staging(tmp, optimizer, progress));
+  ZL_RETURN_IF_ERROR(write_staging(tmp, optimizer, progress, extra));
   ZL_RETURN_IF_ERROR(publish(layout, tmp, progress.window, pid));
   return prune(layout);
 }

@@ -68,6 +68,59 @@ int64_t max_in_flight(const std::vector<ScheduleOp>& ops) {
   return most;
 }
 
+int64_t forward_version(PipelineSchedule schedule, int64_t stage, int64_t num_stages, const WindowPlan& plan,
+                        int64_t micro_batch) {
+  const int64_t warm = schedule == PipelineSchedule::kAsync ? num_stages - 1 - stage : 0;
+  return micro_batch >= warm ? plan.window_of(micro_batch - warm) : 0;
+}
+
+std::vector<SafetensorsTensorRef> WeightVersions::tensors(const std::vector<TrainableParam>& params) const {
+  std::vector<SafetensorsTensorRef> out;
+  for (const auto& [version, weights] : kept_) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      out.push_back({"v" + std::to_string(version) + "/" + params[i].name, SafetensorsDtype::kF32, params[i].shape,
+                     weights[i].data()});
+    }
+  }
+  return out;
+}
+
+Status WeightVersions::restore(const SafetensorsFile& file, const std::vector<TrainableParam>& params,
+                               const std::string& path) {
+  std::map<int64_t, std::vector<std::vector<float>>> read;
+  for (const auto& [name, tensor] : file.tensors) {
+    const size_t slash = name.find('/');
+    int64_t version = -1;
+    if (name.size() > 1 && name[0] == 'v' && slash != std::string::npos) {
+      try {
+        version = std::stoll(name.substr(1, slash - 1));
+      } catch (const std::exception&) {
+        version = -1;
+      }
+    }
+    const std::string param = slash == std::string::npos ? "" : name.substr(slash + 1);
+    const auto it = std::find_if(params.begin(), params.end(), [&](const TrainableParam& p) { return p.name == param; });
+    if (version < 0 || it == params.end() || tensor.dtype != SafetensorsDtype::kF32 || tensor.shape != it->shape) {
+      return Status(StatusCode::kCorrupt, "weight versions " + path + ": tensor '" + name +
+                                              "' is not v<version>/<a LoRA parameter of this stage> with its shape, "
+                                              "F32; the checkpoint is damaged or of another export");
+    }
+    auto& weights = read[version];
+    weights.resize(params.size());
+    weights[static_cast<size_t>(it - params.begin())].assign(tensor.f32(), tensor.f32() + tensor.numel());
+  }
+  for (auto& [version, weights] : read) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (weights[i].size() != params[i].numel()) {
+        return Status(StatusCode::kCorrupt, "weight versions " + path + ": version " + std::to_string(version) +
+                                                " lacks " + params[i].name);
+      }
+    }
+    kept_[version] = std::move(weights);
+  }
+  return Status();
+}
+
 int64_t WeightVersions::version_of(int64_t micro_batch) const {
   const auto it = versions_.find(micro_batch);
   return it == versions_.end() ? -1 : it->second;

@@ -178,7 +178,8 @@ Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums
     progress.lr = lr;
     progress.extra = {{"program", base_of(c.program)}, {"window_size", c.window_size},
                       {"num_micro_batches", c.num_micro_batches}};
-    ZL_RETURN_IF_ERROR(store_->save(*optimizer_, progress));
+    // The async schedule's micro-batches in flight run on older weights a restart needs too.
+    ZL_RETURN_IF_ERROR(store_->save(*optimizer_, progress, versions_.tensors(program_->parameters())));
     if (receiver_) {
       const Status cleaned = receiver_->window_committed(static_cast<uint64_t>(window));
       if (!cleaned.ok()) log(LogLevel::kWarn, "input log cleanup after window %lld: %s",

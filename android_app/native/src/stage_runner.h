@@ -105,6 +105,7 @@ class StageRunner {
   Status load_program();
   Status stand_by();
   Status restore();
+  Status restore_weight_versions(int64_t window);
   void resume_accumulator(int64_t window);
   void snapshot_accumulator(int64_t mb, const WindowSums& sums);
   Status fall_back(const std::vector<int64_t>& windows, const Status& why, CheckpointProgress* progress,

@@ -240,10 +240,23 @@ Status StageRunner::restore() {
   }
   start_mb_ = progress.micro_batches_done;
   restored_window_ = progress.window;
+  if (backprop()) ZL_RETURN_IF_ERROR(restore_weight_versions(progress.window));
   log(LogLevel::kInfo, "resumed from checkpoint window %lld (optimizer step %lld); replaying from micro-batch %lld",
       static_cast<long long>(progress.window), static_cast<long long>(progress.optimizer_step),
       static_cast<long long>(start_mb_));
   if (newest.ok()) resume_accumulator(progress.window + 1);
+  return Status();
+}
+
+// A checkpoint the async schedule took with micro-batches in flight holds
+// the older weight versions they ran forward on; the restart re-runs those
+// forwards (and their backwards) on them, as the uninterrupted run did.
+Status StageRunner::restore_weight_versions(int64_t window) {
+  const std::string path = CheckpointLayout(config_.checkpoint_dir).window_dir(window) + "/" + kWeightVersionsFile;
+  if (::access(path.c_str(), F_OK) != 0) return Status();
+  ZL_ASSIGN_OR_RETURN(const SafetensorsFile file, read_safetensors(path));
+  ZL_RETURN_IF_ERROR(versions_.restore(file, program_->parameters(), path));
+  log(LogLevel::kInfo, "restored %zu older weight version(s) from %s", versions_.num_kept(), path.c_str());
   return Status();
 }
 

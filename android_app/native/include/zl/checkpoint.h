@@ -9,6 +9,9 @@
 //                                              the optimizer never stepped (a stage held still
 //                                              by lr 0, docs/design.md §4.3: zeros, not written)
 //   <dir>/window_000012/progress.json          see CheckpointProgress
+//   <dir>/window_000012/weight_versions.safetensors   optional: "v<version>/<name>", F32, the older
+//                                              weight versions micro-batches in flight still run on
+//                                              (the async schedule, pipeline_schedule.h)
 //
 // A save writes into "<dir>/.tmp-window_000012-<pid>/", fsyncs every file and
 // that directory, renames it to "window_000012", and fsyncs <dir>. So a
@@ -105,7 +108,9 @@ class CheckpointStore {
   /// Writes parameters and state of `optimizer` with `progress` atomically as
   /// checkpoint `progress.window` (see the file comment), then prunes old
   /// ones. Replaces an existing directory of the same window.
-  Status save(const AdamW& optimizer, const CheckpointProgress& progress);
+  /// `extra`: tensors written to weight_versions.safetensors (none: no file).
+  Status save(const AdamW& optimizer, const CheckpointProgress& progress,
+              const std::vector<SafetensorsTensorRef>& extra = {});
 
   /// Window numbers of the complete checkpoints on disk, ascending.
   Result<std::vector<int64_t>> list_windows() const;

@@ -19,6 +19,8 @@ namespace zl {
 /// File names inside a window directory.
 inline constexpr const char* kAdapterFile = "adapter.safetensors";
 inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
+/// Older weight versions micro-batches in flight still run on (the async schedule; optional).
+inline constexpr const char* kWeightVersionsFile = "weight_versions.safetensors";
 inline constexpr const char* kProgressFile = "progress.json";
 /// Metadata of an optimizer file that holds no tensor because its moments are all zero (checkpoint.h).
 inline constexpr const char* kZeroMomentsKey = "moments";

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "zl/adamw.h"
+#include "zl/safetensors.h"
 #include "zl/status.h"
 #include "zl/window_plan.h"
 
@@ -57,6 +58,14 @@ std::vector<ScheduleOp> schedule_ops(PipelineSchedule schedule, int64_t stage, i
 /// the inputs a stage holds, and the gradients it may be owed.
 int64_t max_in_flight(const std::vector<ScheduleOp>& ops);
 
+/// The weight version (optimizer steps taken) the forward of `micro_batch`
+/// runs on under `schedule`: the steps before it in schedule_ops' order of an
+/// uninterrupted run. async: window_of(mb - (K-1-k)) (0 in the first warm-up);
+/// gpipe and 1f1b: the micro-batch's own window. A restart re-runs its first
+/// forwards on the older versions its checkpoint kept.
+int64_t forward_version(PipelineSchedule schedule, int64_t stage, int64_t num_stages, const WindowPlan& plan,
+                        int64_t micro_batch);
+
 /// A stage's older weight versions while a micro-batch forwarded on them
 /// still has its backward to run (weight stashing; LoRA only, the base is
 /// frozen). A version is the optimizer's step count when the forward ran.
@@ -76,8 +85,12 @@ class WeightVersions {
   size_t num_kept() const { return kept_.size(); }
   /// Micro-batches forwarded and not backwarded, oldest first, with versions.
   const std::map<int64_t, int64_t>& in_flight() const { return versions_; }
-  /// Keeps `weights` as `version` (a restart restoring a stashed version).
-  void keep(int64_t version, std::vector<std::vector<float>> weights) { kept_[version] = std::move(weights); }
+  /// The kept versions as checkpoint tensors "v<version>/<parameter name>",
+  /// borrowing this object's memory (a checkpoint's weight_versions.safetensors).
+  std::vector<SafetensorsTensorRef> tensors(const std::vector<TrainableParam>& params) const;
+  /// Keeps every version `file` holds (a restart from a checkpoint taken with
+  /// micro-batches in flight); kCorrupt naming a missing or mis-shaped tensor.
+  Status restore(const SafetensorsFile& file, const std::vector<TrainableParam>& params, const std::string& path);
 
  private:
   std::map<int64_t, int64_t> versions_;                     // micro-batch -> version of its forward

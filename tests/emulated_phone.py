@@ -18,6 +18,11 @@ pid reused by another program, does not count). `pm install` checks the zip head
 as the installed base.apk, so deploy's sha256 skip works. Every process the app started is listed in
 ROOT/.emulator/starts ("pid resume config" lines), outside the files folder.
 
+The phone runs what it is given: by default the host build of zl_runner stands in for the arm64 one;
+with `qemu=` (the path of qemu-aarch64) it is an arm64 phone, and `./zl_runner` in its shell commands runs
+under that qemu, as binfmt_misc would run an AArch64 file on a host that registers it, so `--mode binary` can
+push and start the static phone build (tools/build_phone_runner.sh) itself.
+
 Network: each phone reports a distinct loopback address, 127.0.0.2, 127.0.0.3, ..., as its Wi-Fi
 (wlan0) address, so `zl train` plans the `wifi` network: stage k listens on 0.0.0.0:P+k and stage k-1
 sends to phone k's address, over real TCP, as phones on one Wi-Fi do (a listener takes its port on every
@@ -49,6 +54,8 @@ from test_devices_adb import FakeClient
 PACKAGE = "com.zerolock.zl"
 #: Where `pm install` puts the app (a device path, as `pm path` prints it).
 BASE_APK = f"/data/app/~~emulated==/{PACKAGE}-emulated==/base.apk"
+#: `./zl_runner` as a command word of a shell line (an arm64 phone with `qemu=` runs it under qemu-aarch64).
+_RUNNER_WORD = re.compile(r"(?<![\w./-])\./zl_runner\b")
 #: Device path prefixes that live under the phone's root folder.
 _DEVICE_PATH = re.compile(r"(?<![\w.\-/~])(?=/(?:sdcard|storage|data)(?:/|\b))")
 
@@ -228,8 +235,9 @@ class EmulatedSync:
 class EmulatedPhone:
     """One phone (see the module docstring): a root folder, Android's commands and the app."""
 
-    def __init__(self, serial: str, root: Path, wifi_ip: str, app: AppRuntime):
+    def __init__(self, serial: str, root: Path, wifi_ip: str, app: AppRuntime, qemu: str | None = None):
         self.serial = serial
+        self.qemu = qemu  # qemu-aarch64: an arm64 phone (see the module docstring)
         self.root = Path(root).resolve()
         self.wifi_ip = wifi_ip
         self.app = app
@@ -271,9 +279,12 @@ class EmulatedPhone:
         """`adb shell CMD`: stdout and stderr merged, right-stripped (adbutils' defaults)."""
         command = cmdargs if isinstance(cmdargs, str) else shlex.join(cmdargs)
         self.commands.append(command)
+        local = _DEVICE_PATH.sub(lambda m: str(self.root), command)
+        if self.qemu:
+            local = _RUNNER_WORD.sub(lambda m: f"{self.qemu} ./zl_runner", local)
         try:
             # cwd: the root, as `adb shell` starts in /.
-            done = subprocess.run(["sh", "-c", _DEVICE_PATH.sub(lambda m: str(self.root), command)], env=self._env,
+            done = subprocess.run(["sh", "-c", local], env=self._env,
                                   cwd=self.root, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, timeout=timeout)
         except subprocess.TimeoutExpired as e:

@@ -391,17 +391,25 @@ def test_deploy_errors(tmp_path, monkeypatch):
 
 
 def test_android_runner_must_be_built_for_arm64(tmp_path, monkeypatch):
+    """Phones get $ZL_ANDROID_RUNNER, else the static build of tools/build_phone_runner.sh, else the NDK build; an
+    x86 file is refused."""
     monkeypatch.setenv("ZL_ANDROID_BUILD_DIR", str(tmp_path / "build-android"))
+    monkeypatch.setattr(zdeploy, "PHONE_RUNNER", tmp_path / "build-phone" / "zl_runner")
     monkeypatch.delenv("ZL_ANDROID_RUNNER", raising=False)
-    with pytest.raises(ZLError, match=r"build-android/zl_runner: the Android .*`tools/build_android.sh --native-only`"):
+    with pytest.raises(ZLError, match=r"build-android/zl_runner: the Android .*tools/build_phone_runner.sh.*"
+                                      r"`tools/build_android.sh --native-only`"):
         zdeploy.android_runner_binary()
     (tmp_path / "build-android").mkdir()
     host_elf = (tmp_path / "build-android" / "zl_runner")
     host_elf.write_bytes(b"\x7fELF" + bytes(14) + (62).to_bytes(2, "little") + bytes(40))  # EM_X86_64
-    with pytest.raises(ZLError, match="not an AArch64 ELF"):
+    with pytest.raises(ZLError, match=r"not an AArch64 ELF executable \(x86_64\)"):
         zdeploy.android_runner_binary()
     host_elf.write_bytes(b"\x7fELF" + bytes(14) + (183).to_bytes(2, "little") + bytes(40))  # EM_AARCH64
     assert zdeploy.android_runner_binary() == host_elf
+    static = tmp_path / "build-phone" / "zl_runner"
+    static.parent.mkdir()
+    static.write_bytes(host_elf.read_bytes())
+    assert zdeploy.android_runner_binary() == static  # the static build first: the one tested under qemu
 
 
 # --- CLI ------------------------------------------------------------------------------------------------

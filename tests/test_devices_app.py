@@ -177,6 +177,8 @@ class FakeAppPhone(FakePhone):
             return "\n".join(self.props)
         if command.startswith(f"cd {WD} 2>/dev/null || exit 0; echo \"exit="):
             return self._status()
+        if command.endswith("./zl_runner --version 2>/dev/null"):  # `zl devices` asks binary mode's runner
+            return ""  # this phone runs the app; /data/local/tmp/zerolock holds no zl_runner
         args = shlex.split(command.replace(" 2>/dev/null", "").replace(" 2>&1", "").replace(" | ", " | "))
         match args:
             case ["am", "start-foreground-service", *_]:

@@ -1,14 +1,21 @@
 """The phone binary (issue 41): tools/build_phone_runner.sh's static aarch64 zl_runner, and its kernel selection.
 
-The selection tests run everywhere (a made-up ExecuTorch tree). The binary tests need the build
-(`ZL_EXECUTORCH_SRC=<ExecuTorch checkout> tools/build_phone_runner.sh`, into build-phone/) and
-qemu-aarch64, and skip without them. The end-to-end proof (every C++ suite under qemu, one step equal
-to the x86 build's) is the script's --test, run here with ZL_EXECUTORCH_SRC set and `-m slow`.
+The selection tests and the checks of `--runner` / `--runner-prefix` run everywhere (a made-up ExecuTorch
+tree, made-up ELF files). The binary tests need the build (`ZL_EXECUTORCH_SRC=<ExecuTorch checkout>
+tools/build_phone_runner.sh`, into build-phone/) and qemu-aarch64, and skip without them: `zl train` on
+tiny-random with three local devices running it under qemu-aarch64 trains the x86 run's adapter; `--mode
+binary` pushes exactly that file to (emulated, arm64) phones, which train with it; `zl deploy` and `zl
+devices` say which runner and ExecuTorch each device holds. The end-to-end proof of the build (every C++
+suite under qemu, one step equal to the x86 build's) is the script's --test, run here with
+ZL_EXECUTORCH_SRC set and `-m slow`; SmolLM2-135M through the binary is tests/test_phone_binary_train.py.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
 import shutil
 import struct
 import subprocess
@@ -22,8 +29,9 @@ sys.path.insert(0, str(REPO / "tools"))
 import phone_kernels  # noqa: E402
 
 from zl_base.errors import ZLError  # noqa: E402
+from zl_device.devices import deploy as zdeploy  # noqa: E402
 
-RUNNER = REPO / "build-phone" / "zl" / "android_app" / "native" / "zl_runner"
+RUNNER = zdeploy.PHONE_RUNNER  # build-phone/zl/android_app/native/zl_runner
 QEMU = shutil.which("qemu-aarch64")
 needs_binary = pytest.mark.skipif(not RUNNER.is_file() or QEMU is None,
                                   reason="no build-phone/ static binary (tools/build_phone_runner.sh) or no qemu-aarch64")
@@ -134,3 +142,177 @@ def test_build_phone_runner_passes_its_proofs():
     assert " tests failed out of " in proc.stdout and "0 tests failed" in proc.stdout, proc.stdout[-2000:]
     losses = [line for line in proc.stdout.splitlines() if ".loss: x86 " in line]
     assert len(losses) == 3, proc.stdout[-2000:]
+
+
+# --- zl train --runner / --runner-prefix, and what --mode binary pushes (issue 41 items 4, 5) -------------------
+
+
+def _fake_elf(path: Path, machine: int) -> Path:
+    """An executable file whose ELF header names `machine` (62 x86-64, 183 AArch64)."""
+    path.write_bytes(b"\x7fELF" + bytes(14) + machine.to_bytes(2, "little") + bytes(40))
+    path.chmod(0o755)
+    return path
+
+
+def test_runner_and_prefix_are_checked_before_anything_runs(tmp_path):
+    from zl_device.devices.registry import check_runner, parse_devices
+    from zl_device.run.train_settings import TrainSettings
+
+    local, phones = parse_devices("local:3"), parse_devices("P1,P2")
+    other = _fake_elf(tmp_path / "zl_runner", 62 if platform.machine() == "aarch64" else 183)
+    arch = "x86_64" if platform.machine() == "aarch64" else "aarch64"
+    with pytest.raises(ZLError, match=r"--runner .*/missing/zl_runner: no executable file there; build it .*"
+                                      r"tools/build_phone_runner.sh"):
+        check_runner(local, "binary", tmp_path / "missing" / "zl_runner", None)
+    with pytest.raises(ZLError, match=rf"built for {arch}, this host is .*--runner-prefix qemu-{arch}"):
+        check_runner(local, "binary", other, None)
+    with pytest.raises(ZLError, match=r"--runner-prefix 'zl-no-such-emulator -x': zl-no-such-emulator is not on "
+                                      r"PATH; install it"):
+        check_runner(local, "binary", other, "zl-no-such-emulator -x")
+    with pytest.raises(ZLError, match=r"--runner-prefix '  ': empty"):
+        check_runner(local, "binary", other, "  ")
+    assert check_runner(local, "binary", other, "env -u X") == (other.resolve(), ("env", "-u", "X"))
+    assert check_runner(local, "binary", None, None) == (None, ())  # this host's build
+    with pytest.raises(ZLError, match=r"--runner-prefix 'qemu-aarch64': phones start their runner themselves"):
+        check_runner(phones, "binary", None, "qemu-aarch64")
+    with pytest.raises(ZLError, match=r"phones in --mode app run the app's runtime; drop --runner"):
+        check_runner(phones, "app", other, None)
+    with pytest.raises(ZLError, match=r"is not an AArch64 ELF executable \(x86_64\); phones run arm64 builds"):
+        check_runner(phones, "binary", _fake_elf(tmp_path / "x86_runner", 62), None)
+    with pytest.raises(ZLError, match=r"--runtime torch runs PyTorch ranks on this host"):
+        TrainSettings(runtime="torch", runner_prefix="env").validate()
+    settings = TrainSettings(runner=tmp_path / "missing" / "zl_runner", out=tmp_path / "run")
+    with pytest.raises(ZLError, match="no executable file there"):  # at validation, before the export
+        settings.validate()
+    assert settings.runner.is_absolute()  # what RUN_DIR's settings keep for --resume
+
+
+def test_local_devices_start_the_runner_under_the_prefix(tmp_path):
+    """The deployed --runner is what starts, under --runner-prefix; --version goes the same way."""
+    from zl_device.devices.registry import open_devices
+
+    fake = tmp_path / "fake_runner"
+    fake.write_text("#!/bin/sh\necho \"zl_runner 9.9 executorch 0.0 fake $PREFIXED\"\n")
+    fake.chmod(0o755)
+    device = open_devices("local:1", tmp_path / "run", runner_binary=fake, runner_prefix="env PREFIXED=yes")[0]
+    assert zdeploy.runner_binary_for(device) == fake.resolve()
+    assert device.runner_version() is None  # nothing deployed yet
+    device.push(zdeploy.runner_binary_for(device), "zl_runner", mode=0o755)
+    assert device.runner_version() == "zl_runner 9.9 executorch 0.0 fake yes"
+
+
+@pytest.fixture()
+def arm64_phones(tmp_path, monkeypatch):
+    """Three emulated arm64 phones (tests/emulated_phone.py, `./zl_runner` under qemu-aarch64) the adb server
+    lists; `--mode binary` gives them its default build, the static phone binary."""
+    from emulated_phone import AppRuntime, EmulatedPhone, emulated_client
+    from zl_device.devices import adb as zadb
+    from zl_device.devices import network
+
+    no_app = AppRuntime("java", tmp_path / "no-app" / "libzl_jni.so", tmp_path / "no-app")  # binary mode: unused
+    phones = [EmulatedPhone(f"zlemu-{i}", tmp_path / "phones" / f"zlemu-{i}", f"127.0.0.{2 + i}", no_app, qemu=QEMU)
+              for i in range(3)]
+    monkeypatch.setattr(zadb, "connect", lambda start=True: emulated_client(phones))
+    monkeypatch.delenv(zdeploy.ANDROID_RUNNER_ENV, raising=False)
+    # Phones listen on fixed ports (7100 + k); all emulated phones share this host, where those may be taken.
+    plan = network.plan_addresses
+    monkeypatch.setattr(network, "plan_addresses", lambda devices, **kw: plan(
+        devices, stage_port=network.free_port_base(len(devices)), **kw))
+    return phones
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@needs_binary
+def test_deploy_and_devices_say_which_runner_the_phone_holds(arm64_phones, tmp_path, monkeypatch):
+    """`zl deploy --mode binary` pushes exactly the static phone build (the phone's copy hashes the same) and names
+    the zl and ExecuTorch of the runner the phone holds, as `zl devices` does (asked of the file itself)."""
+    from typer.testing import CliRunner
+
+    from test_devices import cli_app, make_export
+
+    export = make_export(tmp_path)
+    version = subprocess.run([QEMU, str(RUNNER), "--version"], capture_output=True, text=True).stdout.strip()
+    result = CliRunner().invoke(cli_app(), ["deploy", "--devices", "zlemu-0,zlemu-1", "--export", str(export)])
+    assert result.exit_code == 0, result.output
+    want = _sha256(RUNNER)
+    for phone in arm64_phones[:2]:
+        assert _sha256(phone.local("/data/local/tmp/zerolock/zl_runner")) == want  # the device side's copy
+        line = next(ln for ln in result.stdout.splitlines() if ln.startswith(f"{phone.serial}: stage"))
+        assert line.endswith(f", runner {version.removeprefix('zl_runner ')} (sha256 {want[:12]})"), line
+    assert version.endswith(" aarch64 static") and " executorch 1." in version
+    result = CliRunner().invoke(cli_app(), ["devices", "--json"])
+    assert result.exit_code == 0, result.output
+    runners = {r["name"]: r["runner"] for r in map(json.loads, result.stdout.splitlines())}
+    host = subprocess.run([str(zdeploy.runner_binary_for(_local_device(tmp_path))), "--version"],
+                          capture_output=True, text=True).stdout.strip()
+    assert runners == {"local": host, "zlemu-0": version, "zlemu-1": version, "zlemu-2": ""}
+    monkeypatch.setenv("COLUMNS", "250")  # rich's table: one line per device
+    result = CliRunner().invoke(cli_app(), ["devices"])
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    assert version.removeprefix("zl_runner ") in rows["zlemu-0"] and rows["zlemu-2"].split()[-1] == "-", rows
+
+
+def _local_device(tmp_path: Path):
+    from zl_device.devices.local import LocalDevice
+
+    return LocalDevice("local-0", tmp_path / "host")
+
+
+@pytest.fixture(scope="module")
+def _tiny(tmp_path_factory):
+    """test_train's export cache, data and clean x86 run (tiny-random, 24 samples, every stage training)."""
+    from test_train import RUNNER as HOST_RUNNER
+    from test_train import train
+
+    from conftest import native_library_or_skip
+
+    native_library_or_skip()
+    if not HOST_RUNNER.is_file():
+        pytest.skip(f"{HOST_RUNNER} not built; run `bash setup.sh`")
+    cache = tmp_path_factory.mktemp("export-cache")
+    rows = [{"prompt": f"item {i} is", "completion": " odd" if i % 2 else " even"} for i in range(40)]
+    data = tmp_path_factory.mktemp("data") / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    clean = train(tmp_path_factory.mktemp("clean") / "run", cache, data=str(data))
+    return cache, data, clean.run_dir
+
+
+def _assert_x86_adapter(run_dir: Path, x86_dir: Path) -> None:
+    from test_train import adapter_tensors, assert_trained_alike, run_lr
+
+    got, want = adapter_tensors(run_dir), adapter_tensors(x86_dir)
+    assert got.keys() == want.keys()
+    assert_trained_alike(got, want, run_lr(x86_dir))
+    assert any(t.abs().max() > 1e-3 for n, t in got.items() if "lora_B" in n), "nothing trained"
+
+
+@needs_binary
+def test_local_devices_train_through_the_phone_binary_under_qemu(_tiny, tmp_path):
+    """`zl train --runner <static arm64 zl_runner> --runner-prefix qemu-aarch64` on local:3 finishes with the x86
+    run's adapter (rounding apart: Eigen's GEMM and aarch64's float order against OpenBLAS's)."""
+    from test_train import train
+
+    cache, data, x86 = _tiny
+    result = train(tmp_path / "run", cache, data=str(data), runner=RUNNER, runner_prefix=QEMU)
+    for k in range(3):
+        workdir = result.run_dir / "devices" / f"local-{k}"
+        assert _sha256(workdir / "zl_runner") == _sha256(RUNNER)  # the phone's file ran, nothing else could here
+    _assert_x86_adapter(result.run_dir, x86)
+
+
+@needs_binary
+def test_binary_mode_trains_with_the_phone_binary_on_arm64_phones(_tiny, arm64_phones, tmp_path):
+    """`zl train --devices <3 phones> --mode binary` pushes the static phone build (no --runner: the default),
+    starts it over `adb shell` on each (emulated arm64) phone and trains the x86 run's adapter."""
+    from test_train import train
+
+    cache, data, x86 = _tiny
+    result = train(tmp_path / "run", cache, data=str(data), devices="zlemu-0,zlemu-1,zlemu-2", mode="binary")
+    for phone in arm64_phones:
+        assert _sha256(phone.local("/data/local/tmp/zerolock/zl_runner")) == _sha256(RUNNER)
+        assert any("./zl_runner --config stage_" in c for c in phone.commands), phone.commands
+    _assert_x86_adapter(result.run_dir, x86)

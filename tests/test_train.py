@@ -175,18 +175,28 @@ def eager_zerolock(run_dir: Path, logs: list | None = None) -> tuple[dict[str, t
     return stage_parameters(modules, peft_model), merged
 
 
+def run_lr(run_dir: Path) -> float:
+    """The peak learning rate of a run's stages (RUN_DIR/stage_<k>.json)."""
+    return max(json.loads(p.read_text())["optimizer"]["lr"] for p in run_dir.glob("stage_*.json"))
+
+
+def assert_trained_alike(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], lr: float) -> None:
+    """Two trainings of the same run that differ in float rounding only (eager against the runner, two builds of
+    the runner) agree to rtol 1e-4 and atol 1% of the peak lr, tensor by tensor."""
+    # atol 1% of the peak lr: Adam moves a weight whose gradient is about zero by up to lr on rounding noise alone
+    # (m/√v of noise), so an element of a tensor can differ by ~1e-5 between two correct runs (lr 2e-3: one of
+    # 512 by 9.8e-6); a wrong gradient moves whole tensors by ~lr.
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=1e-4, atol=0.01 * lr, msg=lambda m: f"{name}: {m}")
+
+
 def assert_eager_equals_run(run_dir: Path, logs: list | None = None,
                             eager: dict | None = None) -> dict[str, torch.Tensor]:
     """The run's adapter equals the eager path's within rtol 1e-4, atol 1% of the lr (and something trained); returns the run's
     tensors. `logs` and `eager` (if given) receive the eager run's TrainLog and its tensors by manifest name."""
     got, merged = eager_zerolock(run_dir, logs)
     assert set(got) == set(merged)
-    # atol 1% of the peak lr: Adam moves a weight whose gradient is about zero by up to lr on rounding noise alone
-    # (m/√v of noise), so an element of a tensor can differ by ~1e-5 between two correct runs (lr 2e-3: one of
-    # 512 by 9.8e-6); a wrong gradient moves whole tensors by ~lr.
-    lr = max(json.loads(p.read_text())["optimizer"]["lr"] for p in run_dir.glob("stage_*.json"))
-    for name, want in merged.items():
-        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=0.01 * lr, msg=lambda m: f"{name}: {m}")
+    assert_trained_alike(got, merged, run_lr(run_dir))
     assert sum(int(t.abs().max() > 1e-3) for n, t in merged.items() if "lora_B" in n) > 0, "nothing moved"
     if eager is not None:
         eager.update(got)
@@ -508,13 +518,34 @@ def test_resume_after_a_failure_with_no_restarts_left_ends_identical(clean_run, 
         assert torch.equal(resumed[name], t), name
 
 
+def wait_for_a_window(host, checkpoints: Path, timeout_s: float) -> None:
+    """Wait until a `zl train` subprocess's stage committed a window into `checkpoints` (fail if it ends first)."""
+    deadline = time.monotonic() + timeout_s
+    while not (checkpoints.is_dir() and any(checkpoints.glob("window_*"))):
+        assert host.poll() is None, host.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "the run never committed a window"
+        time.sleep(0.02)
+
+
+def stop_with_sigterm(host, timeout_s: float) -> int:
+    """SIGTERM a `zl train` subprocess; its exit status (fail if it takes longer than `timeout_s`)."""
+    import signal
+    import subprocess
+
+    host.send_signal(signal.SIGTERM)
+    try:
+        return host.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        host.kill()
+        pytest.fail(f"zl train did not exit within {timeout_s:g} s of SIGTERM")
+
+
 def test_a_stopped_zl_train_stops_its_runners_and_resume_finishes_the_run(export_cache, data_file, tmp_path,
                                                                            monkeypatch):
     """`zl train` (the CLI, in a subprocess) stopped by SIGTERM once the last stage has committed a window: it exits
     within seconds with 143 and one line saying how to resume, no runner is left running, the run is kept
     (UNFINISHED.txt, run.key), and `zl train --resume` finishes it. (Before, SIGTERM ended zl train at once and the
     runners trained on without a host until `--resume` stopped them.)"""
-    import signal
     import subprocess
     import sys
 
@@ -531,12 +562,7 @@ def test_a_stopped_zl_train_stops_its_runners_and_resume_finishes_the_run(export
         [sys.executable, "-c", "from zl.cli import main; main()", "train", "--model", "tiny-random", "--seq-len", "32",
          "--data", str(data_file), "--samples", "800", "--window", str(WINDOW), "--stage-lr", "1", "--out", str(out)],
         cwd=REPO, stdout=log, stderr=subprocess.PIPE)
-    checkpoints = out / "devices" / "local-2" / "checkpoints"
-    deadline = time.monotonic() + 300
-    while not (checkpoints.is_dir() and any(checkpoints.glob("window_*"))):
-        assert host.poll() is None, host.stderr.read().decode()[-2000:]
-        assert time.monotonic() < deadline, "the run never committed a window"
-        time.sleep(0.02)
+    wait_for_a_window(host, out / "devices" / "local-2" / "checkpoints", 300)
     pids = [int((out / "devices" / f"local-{k}" / "runner.pid").read_text()) for k in range(3)]
 
     def alive(pid: int) -> bool:
@@ -547,12 +573,7 @@ def test_a_stopped_zl_train_stops_its_runners_and_resume_finishes_the_run(export
 
     assert all(alive(pid) for pid in pids), "the runners were done before the stop: nothing was tested"
     stopped = time.monotonic()
-    host.send_signal(signal.SIGTERM)
-    try:
-        code = host.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        host.kill()
-        pytest.fail("zl train did not exit within 60 s of SIGTERM")
+    code = stop_with_sigterm(host, 60)
     took = time.monotonic() - stopped
     err = host.stderr.read().decode().strip().splitlines()
     assert code == 143, (code, err[-5:])  # 128 + SIGTERM, as a shell reports it

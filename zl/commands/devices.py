@@ -25,12 +25,14 @@ class DevicesArgs:
     as_json: bool = setting(False, "Print one JSON object per device instead of a table.", flag="--json")
 
 
-DEVICES_DOC = """List attached phones (serial, state, model, ABI, Android version, installed app version) and the
-always-available `local` backend.
+DEVICES_DOC = """List attached phones (serial, state, model, ABI, Android version, installed app version, the
+zl_runner it holds) and the always-available `local` backend.
 
 A phone must be `ready`: authorized, online and arm64-v8a. The `app` column shows the version of the
-com.zerolock.zl app (`--mode app`), `-` when it is not installed. The adb server is started when it is not
-running.
+com.zerolock.zl app (`--mode app`), `-` when it is not installed. The `runner` column shows what the
+zl_runner that `zl deploy` left in /data/local/tmp/zerolock (`--mode binary`) says of itself: its zl and
+ExecuTorch versions, architecture, static or dynamic; `-` when there is none. For `local` it is this
+host's build. The adb server is started when it is not running.
 
 Examples:
 
@@ -48,11 +50,11 @@ def run_devices(args: DevicesArgs) -> None:
     from zl_device.devices.backend import DeviceInfo
 
     rows = [DeviceInfo("local", "local", "ready", model=platform.node() or "this host", abi=platform.machine(),
-                       note=f"{os.cpu_count()} CPUs; --devices local:N")]
+                       note=f"{os.cpu_count()} CPUs; --devices local:N", runner=_host_runner_version())]
     adb_problem = ""
     try:
         client = connect()
-        rows += [_with_app_version(client, r) for r in list_phones(client)]
+        rows += [_with_versions(client, r) for r in list_phones(client)]
     except ZLError as e:
         adb_problem = str(e)
     if args.as_json:
@@ -62,11 +64,12 @@ def run_devices(args: DevicesArgs) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table("device", "kind", "state", "model", "ABI", "Android", "app", "note", box=None)
+        table = Table("device", "kind", "state", "model", "ABI", "Android", "app", "runner", "note", box=None)
         for r in rows:
             state = r.state if r.state == "ready" else f"[red]{r.state}[/red]"
             app = r.app or ("-" if r.kind == "adb" and r.state == "ready" else "")
-            table.add_row(r.name, r.kind, state, r.model, r.abi, r.android, app, r.note)
+            runner = r.runner.removeprefix("zl_runner ") or ("-" if r.state == "ready" else "")
+            table.add_row(r.name, r.kind, state, r.model, r.abi, r.android, app, runner, r.note)
         Console().print(table)
         if len(rows) == 1 and not adb_problem:
             typer.echo("no phones attached (enable USB debugging and plug one in, or `adb connect IP:5555`).", err=True)
@@ -74,16 +77,33 @@ def run_devices(args: DevicesArgs) -> None:
         typer.echo(f"phones: unavailable: {adb_problem}", err=True)
 
 
-def _with_app_version(client, row):
-    """`row` with the installed app's version, for a ready phone (a failed lookup leaves it empty)."""
+def _with_versions(client, row):
+    """`row` with the installed app's version and the deployed zl_runner's, for a ready phone (a failed lookup
+    leaves them empty)."""
+    from zl_device.devices.adb import runner_version
     from zl_device.devices.app import app_version
 
     if row.state != "ready":
         return row
     try:
-        return dataclasses.replace(row, app=app_version(client.device(row.name), row.name) or "")
+        dev = client.device(row.name)
+        return dataclasses.replace(row, app=app_version(dev, row.name) or "",
+                                   runner=runner_version(dev, row.name) or "")
     except ZLError:
         return row
+
+
+def _host_runner_version() -> str:
+    """`zl_runner --version` of this host's build; "" when it is not built or does not answer."""
+    import subprocess
+
+    from zl_device.devices.local import host_runner_binary
+
+    try:
+        done = subprocess.run([str(host_runner_binary()), "--version"], capture_output=True, text=True, timeout=30)
+    except (ZLError, OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 def _progress():
@@ -107,7 +127,8 @@ class DeployArgs:
                                          "shard, run key) are pushed too.")
     run_dir: Path | None = setting(None, "Local devices only: their folders are RUN_DIR/devices/local-N.")
     runner: Path | None = setting(None, "The zl_runner binary to push (default: build/android_app/native/zl_runner "
-                                        "for local devices, build-android/zl_runner for phones).")
+                                        "for local devices; for phones the static build of "
+                                        "tools/build_phone_runner.sh, else build-android/zl_runner).")
     force: bool = setting(False, "Push every file, even those whose sha256 already matches (and reinstall the app).",
                           flag="--force")
     mode: str = setting("binary", MODE_HELP)
@@ -116,7 +137,10 @@ class DeployArgs:
 DEPLOY_DOC = """Push the runner, the manifest and stage k's program (and config) to the k-th device.
 
 Phones get /data/local/tmp/zerolock/; devices beyond the number of stages are spares (runner and manifest only).
-Unchanged files are skipped by sha256.
+Unchanged files are skipped by sha256. Each device's line ends with what its zl_runner says of itself
+(`zl_runner --version`: zl and ExecuTorch versions, architecture, static or dynamic) and the sha256 the
+device computes of it. Phones get --runner, else the static build of tools/build_phone_runner.sh
+(build-phone/zl/android_app/native/zl_runner), else build-android/zl_runner.
 
 With --mode app, phones get the app com.zerolock.zl instead of zl_runner (reinstalled only when the APK changed).
 Their files go to the app's folder /sdcard/Android/data/com.zerolock.zl/files/, except the run key: that folder
@@ -167,7 +191,7 @@ def run_deploy(args: DeployArgs) -> None:
         unchanged = f", {len(r.unchanged)} unchanged" if r.unchanged else ""
         app = (f", {r.runtime.name} {'installed' if r.runtime.installed else 'unchanged'}" if r.runtime else "")
         typer.echo(f"{r.device}: {what}: pushed {len(r.pushed)} files ({r.bytes_pushed / 2**20:.1f} MiB){unchanged}"
-                   + (f", config {r.config}" if r.config else "") + app)
+                   + (f", config {r.config}" if r.config else "") + app + _runner_note(r))
     for r in programs:
         unchanged = f", {len(r.unchanged)} unchanged" if r.unchanged else ""
         typer.echo(f"{r.device}: program: pushed {len(r.pushed)} files ({r.bytes_pushed / 2**20:.1f} MiB){unchanged}"
@@ -175,6 +199,14 @@ def run_deploy(args: DeployArgs) -> None:
     if configs is not None and any(not d.workdir_is_private for d in opened):
         typer.echo("run key: not pushed (the app's folder is shared storage); START a stage with "
                    "`--es run_key <the key file's 64 hex characters>` (android_app/README.md).")
+
+
+def _runner_note(result) -> str:
+    """", runner <its --version line> (sha256 <first 12>)" for a device that got (or kept) zl_runner."""
+    if result.runner is None and result.runner_sha256 is None:
+        return ""
+    said = result.runner.removeprefix("zl_runner ") if result.runner else "did not answer --version"
+    return f", runner {said}" + (f" (sha256 {result.runner_sha256[:12]})" if result.runner_sha256 else "")
 
 
 @dataclass(frozen=True)

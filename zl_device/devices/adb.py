@@ -215,6 +215,16 @@ def attached(serial: str, client: adbutils.AdbClient | None = None) -> adbutils.
     return client
 
 
+def runner_version(dev, serial: str, workdir: str = REMOTE_ROOT) -> str | None:
+    """`zl_runner --version` of the runner `--mode binary` deployed in `workdir` on an adbutils device (which zl
+    and ExecuTorch it holds); None when there is none or it does not answer."""
+    with _adb_errors(serial, "ask zl_runner for its version"):
+        out = dev.shell(f"cd {shlex.quote(workdir)} 2>/dev/null && [ -x {RUNNER_NAME} ] && "
+                        f"./{RUNNER_NAME} --version 2>/dev/null", timeout=_SHELL_TIMEOUT_S)
+    line = out.strip().splitlines()[-1] if out.strip() else ""
+    return line if line.startswith(f"{RUNNER_NAME} ") else None
+
+
 def check_abi(phone: AdbDevice) -> None:
     """Raises ZLError when the phone is not arm64-v8a (the runner is built for that ABI only)."""
     info = phone.info()
@@ -308,6 +318,11 @@ class AdbDevice(Device):
 
     def address(self) -> str | None:
         return parse_wifi_ip(self.shell("ip -f inet addr show wlan0 2>/dev/null", "read its Wi-Fi address"))
+
+    def runner_version(self) -> str | None:
+        if not self.runs_runner_binary:  # the app carries its runtime; no zl_runner in its folder
+            return None
+        return runner_version(self._dev, self.serial, self.workdir)
 
     # --- files ---------------------------------------------------------------------------------------
 

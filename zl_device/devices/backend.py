@@ -38,10 +38,23 @@ STANDBY_PID = "standby.pid"
 #: The standby's exit status when it ended before taking over (adb backend; written by the wrapper shell).
 STANDBY_EXIT = "standby.exit"
 
+#: ELF e_machine values (byte 18, little endian) of the builds zl makes, by `platform.machine()`'s name.
+ELF_MACHINES = {62: "x86_64", 183: "aarch64"}
+
 #: Called with the number of bytes just copied, for progress bars.
 ByteCallback = Callable[[int], None]
 #: Called before each push with (device name, remote name, bytes to push, skipped because unchanged).
 FileCallback = Callable[[str, str, int, bool], None]
+
+
+def elf_machine(path: Path) -> str | None:
+    """The architecture an ELF executable is built for ("x86_64", "aarch64", else "e_machine N"); None: not ELF."""
+    with open(path, "rb") as f:
+        header = f.read(20)
+    if len(header) < 20 or header[:4] != b"\x7fELF":
+        return None
+    machine = int.from_bytes(header[18:20], "little")
+    return ELF_MACHINES.get(machine, f"e_machine {machine}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,7 @@ class DeviceInfo:
     android: str = ""  # Android version (ro.build.version.release); "" for local
     note: str = ""  # what to do when state is not "ready", or extra detail
     app: str = ""  # versionName of the installed com.zerolock.zl app (phones); "" when not installed
+    runner: str = ""  # `zl_runner --version` of the runner it holds ("zl_runner 0.1.0 executorch 1.5.0 aarch64 static")
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,9 @@ class Device(ABC):
     #: files folder on shared storage (other apps may read it on Android 8-10): deploy hands the run key to
     #: `hold_run_key` instead, and the device passes it on at each start.
     workdir_is_private: bool = True
+    #: The zl_runner build deploy puts in the workdir (`zl train --runner`); None: the default of the backend
+    #: (deploy.runner_binary_for).
+    runner_binary: Path | None = None
 
     def __init__(self, name: str, workdir: str, link_profile: str):
         self.name = name
@@ -165,6 +182,11 @@ class Device(ABC):
         Args:
             force: install even when the same build is already there.
         """
+        return None
+
+    def runner_version(self) -> str | None:
+        """`zl_runner --version` of the runner in the workdir, run there as stages are (one line: zl's version,
+        ExecuTorch's, the architecture, static or dynamic); None when none is there or it does not answer."""
         return None
 
     @abstractmethod

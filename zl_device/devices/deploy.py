@@ -2,7 +2,8 @@
 
 A deployed device's workdir holds, flat:
 
-    zl_runner          the runner (host build for local devices, build-android/zl_runner for phones;
+    zl_runner          the runner (`zl train --runner`, else the host build for local devices and for phones
+                       the static arm64 build of tools/build_phone_runner.sh, else build-android/zl_runner;
                        not in `--mode app`, where the app is installed instead: `Device.install_runtime`)
     manifest.json      the export's manifest
     stage_<k>.pte      this device's stage program
@@ -45,6 +46,7 @@ from zl_device.devices.backend import (
     Device,
     FileCallback,
     RuntimeInstall,
+    elf_machine,
 )
 
 if TYPE_CHECKING:
@@ -62,31 +64,53 @@ _HASH_MIN_BYTES = 1 << 20
 ANDROID_RUNNER_ENV = "ZL_ANDROID_RUNNER"
 
 
+#: tools/build_phone_runner.sh's static aarch64 zl_runner: needs nothing of the phone but its kernel, and is the
+#: build that ran the C++ suite and `zl train` under qemu-aarch64 (issue 41).
+PHONE_RUNNER = REPO / "build-phone" / "zl" / "android_app" / "native" / RUNNER_NAME
+
+
 def android_runner_binary() -> Path:
-    """The arm64-v8a runner: $ZL_ANDROID_RUNNER, else $ZL_ANDROID_BUILD_DIR/zl_runner (default build-android/).
+    """The arm64-v8a runner phones get in `--mode binary`: $ZL_ANDROID_RUNNER, else the static build of
+    tools/build_phone_runner.sh (PHONE_RUNNER), else the NDK build $ZL_ANDROID_BUILD_DIR/zl_runner (default
+    build-android/).
 
     Raises:
-        ZLError: not built, with the command that builds it.
+        ZLError: none is built, with the commands that build one, or the file is not an AArch64 executable.
     """
     build_dir = Path(os.environ.get("ZL_ANDROID_BUILD_DIR", REPO / "build-android"))
-    path = Path(os.environ.get(ANDROID_RUNNER_ENV, build_dir / RUNNER_NAME))
+    if ANDROID_RUNNER_ENV in os.environ:
+        path = Path(os.environ[ANDROID_RUNNER_ENV])
+    else:
+        path = PHONE_RUNNER if PHONE_RUNNER.is_file() else build_dir / RUNNER_NAME
     if not path.is_file():
         raise ZLError(
-            f"{path}: the Android (arm64-v8a) zl_runner is not built; set ANDROID_NDK, EXECUTORCH_ANDROID_PREFIX "
-            f"and ZL_SODIUM_ANDROID_PREFIX and run `tools/build_android.sh --native-only` (`--check` lists what is "
-            f"missing), or set {ANDROID_RUNNER_ENV} to a built binary."
+            f"{path}: the Android (arm64-v8a) zl_runner is not built; build the static one with "
+            f"`ZL_EXECUTORCH_SRC=<ExecuTorch checkout> tools/build_phone_runner.sh` (into {PHONE_RUNNER}), or set "
+            f"ANDROID_NDK, EXECUTORCH_ANDROID_PREFIX and ZL_SODIUM_ANDROID_PREFIX and run "
+            f"`tools/build_android.sh --native-only` (`--check` lists what is missing), or set {ANDROID_RUNNER_ENV} "
+            f"to a built binary."
         )
-    with open(path, "rb") as f:
-        header = f.read(20)
-    # ELF e_machine at byte 18 (little endian): 183 = AArch64. A host build pushed to a phone fails with a
-    # cryptic "not executable: 64-bit ELF file" only when it starts.
-    if header[:4] != b"\x7fELF" or int.from_bytes(header[18:20], "little") != 183:
-        raise ZLError(f"{path} is not an AArch64 ELF executable; build it with `tools/build_android.sh --native-only`.")
+    return check_phone_runner(path, "`tools/build_phone_runner.sh` or `tools/build_android.sh --native-only`")
+
+
+def check_phone_runner(path: Path, how: str) -> Path:
+    """`path`, checked to be an AArch64 ELF executable: a host build pushed to a phone fails with a cryptic "not
+    executable: 64-bit ELF file" only when it starts.
+
+    Raises:
+        ZLError: it is not; `how` says how to build the right one.
+    """
+    arch = elf_machine(path)
+    if arch != "aarch64":
+        raise ZLError(f"{path} is not an AArch64 ELF executable ({arch or 'not ELF'}); phones run arm64 builds: "
+                      f"build one with {how}.")
     return path
 
 
 def runner_binary_for(device: Device) -> Path:
-    """The runner build that runs on `device`."""
+    """The runner build that runs on `device`: its own (`--runner`), else its backend's default."""
+    if device.runner_binary is not None:
+        return device.runner_binary
     if device.kind == "local":
         from zl_device.devices.local import host_runner_binary
 
@@ -111,6 +135,8 @@ class DeployResult:
     bytes_pushed: int = 0
     config: str | None = None  # remote name of the stage config
     runtime: RuntimeInstall | None = None  # the app, where the device runs one (`--mode app`)
+    runner: str | None = None  # `zl_runner --version` of the runner now on the device (zl, ExecuTorch, arch)
+    runner_sha256: str | None = None  # sha256 of zl_runner as the device holds it (None: none, or unreadable)
 
 
 def _load_config(config: Path | Mapping, base: Path) -> tuple[dict, Path]:
@@ -205,6 +231,8 @@ def deploy_stage(
     runtime = device.install_runtime(force, on_file, on_bytes)
     result = DeployResult(device.name, stage, runtime=runtime, bytes_pushed=runtime.bytes_pushed if runtime else 0)
     _push_files(device, files, result, force, on_file, on_bytes)
+    if RUNNER_NAME in files:  # what the device now holds, hashed there and asked itself (zl_runner --version)
+        result.runner, result.runner_sha256 = device.runner_version(), device.file_sha256(RUNNER_NAME)
     if config_text is not None:
         result.config = stage_config_name(stage)
         device.write_text(result.config, config_text)

@@ -5,6 +5,11 @@ for phones in tests and benchmarks: optional CPU pinning (so three stages do
 not share cores the way they would not share a phone's), a CPU quota per
 device (`--cpu-quota 1.0,0.5,0.75`: unequal phones, cpu_quota.py), and a link
 profile the stage configs pass to the runner's sender-side shaping.
+
+A local device may run another build than this host's: `--runner PATH` is the binary deploy
+puts in its folder, `--runner-prefix CMD` the command it is started under. With the static
+phone build of tools/build_phone_runner.sh and `qemu-aarch64`, the three "phones" of
+`--devices local:3` run the very file `--mode binary` pushes to a phone (issue 41).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
@@ -30,6 +36,7 @@ from zl_device.devices.backend import (
     ByteCallback,
     Device,
     DeviceInfo,
+    elf_machine,
     excluded,
     sum_pss_kib,
 )
@@ -56,6 +63,35 @@ def host_runner_binary() -> Path:
     return path
 
 
+def local_runner_command(binary: Path | None, prefix: str | None) -> tuple[Path | None, tuple[str, ...]]:
+    """`--runner` and `--runner-prefix` of local devices, checked: the binary (absolute; None: this host's
+    build) and the prefix's words.
+
+    Raises:
+        ZLError: a binary that is missing or not executable, a prefix whose command is not on PATH, or a binary
+            built for another architecture than this host's with no prefix to run it.
+    """
+    words = tuple(shlex.split(prefix)) if prefix else ()
+    if prefix is not None and not words:
+        raise ZLError(f"--runner-prefix {prefix!r}: empty; give the command that runs the runner, e.g. "
+                      "--runner-prefix qemu-aarch64, or drop the option.")
+    if words and shutil.which(words[0]) is None:
+        raise ZLError(f"--runner-prefix {prefix!r}: {words[0]} is not on PATH; install it (qemu-aarch64: "
+                      "`sudo apt-get install qemu-user`) or give its full path.")
+    if binary is None:
+        return None, words
+    binary = Path(binary).expanduser().resolve()
+    if not binary.is_file() or not os.access(binary, os.X_OK):
+        raise ZLError(f"--runner {binary}: no executable file there; build it (this host's: `bash setup.sh`; the "
+                      "phone's: `tools/build_phone_runner.sh`, into build-phone/zl/android_app/native/zl_runner) "
+                      "or fix the path.")
+    arch, host = elf_machine(binary), platform.machine()
+    if not words and arch is not None and arch != host:
+        raise ZLError(f"--runner {binary}: built for {arch}, this host is {host}; run it under an emulator, e.g. "
+                      f"--runner-prefix qemu-{arch}, or pass a {host} build.")
+    return binary, words
+
+
 class LocalDevice(Device):
     """A working directory plus one runner process on this host.
 
@@ -67,6 +103,9 @@ class LocalDevice(Device):
         cpus: pin the runner to these CPU ids (taskset, or sched_setaffinity where taskset is missing).
         link_profile: the link profile of stages placed here (local, wifi, mobile, constrained).
         cpu_quota: cap every runner (and standby) started here at this many CPUs (cpu_quota.py); None: uncapped.
+        runner_binary: the zl_runner build deploy puts here (checked by `local_runner_command`); None: this host's
+            (`host_runner_binary`).
+        runner_prefix: the command the runner is started under, e.g. ("qemu-aarch64",) for the phone build.
     """
 
     kind = "local"
@@ -80,6 +119,8 @@ class LocalDevice(Device):
         cpus: Sequence[int] | None = None,
         link_profile: str = "local",
         cpu_quota: float | None = None,
+        runner_binary: Path | None = None,
+        runner_prefix: Sequence[str] = (),
     ):
         workdir = Path(workdir).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
@@ -87,6 +128,8 @@ class LocalDevice(Device):
         self.runner = list(runner) if runner else None
         self.cpus = tuple(cpus) if cpus else None
         self.cpu_quota = cpu_quota
+        self.runner_binary = Path(runner_binary) if runner_binary else None
+        self.runner_prefix = tuple(runner_prefix)
         self._caps: dict[int, CpuCap] = {}  # runner or standby pid -> its cap, until it is seen to end
         self._proc: subprocess.Popen | None = None
         self._out_offset = 0
@@ -204,7 +247,18 @@ class LocalDevice(Device):
         if self.runner:
             return list(self.runner)
         deployed = self._local(RUNNER_NAME)
-        return [str(deployed if deployed.is_file() else host_runner_binary())]
+        binary = deployed if deployed.is_file() else self.runner_binary or host_runner_binary()
+        return [*self.runner_prefix, str(binary)]
+
+    def runner_version(self) -> str | None:
+        if self.runner or not self.exists(RUNNER_NAME):
+            return None
+        try:
+            done = subprocess.run(self._command() + ["--version"], cwd=self.workdir, stdin=subprocess.DEVNULL,
+                                  capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return (done.stdout.strip() or None) if done.returncode == 0 else None
 
     def start_runner(self, config: str, resume: bool = False) -> None:
         if self.is_running():

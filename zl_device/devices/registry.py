@@ -4,9 +4,12 @@
     open_devices("R58M123,R58M456")                      # two phones, checked online and arm64-v8a
     open_devices("R58M123,R58M456", mode="app")          # the same phones, stages run in the app
     open_devices("local:3", run_dir=..., cpu_quota=(1.0, 0.5, 0.75))   # three unequal "phones" on this host
+    open_devices("local:3", run_dir=..., runner_binary=PHONE_RUNNER, runner_prefix="qemu-aarch64")  # the phone build
 
 `--mode binary` (the default) runs a phone's stage as `zl_runner` in /data/local/tmp/zerolock;
-`--mode app` in the app com.zerolock.zl (zl_device/devices/app.py). Local devices always run the host binary.
+`--mode app` in the app com.zerolock.zl (zl_device/devices/app.py). Local devices run the host build, or
+`--runner PATH` under `--runner-prefix CMD` (the static phone build under qemu-aarch64); phones in binary mode
+get `--runner PATH` instead of their default build (deploy.android_runner_binary).
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ LOCAL = "local"
 #: needs one per stage (at most one stage per layer; the built-in models have 4 to 30 layers) plus its spares.
 MAX_LOCAL_DEVICES = 64
 LINK_PROFILES = ("local", "wifi", "mobile", "constrained")
+RUNNER_HELP = ("The zl_runner binary the devices run: local devices' (default: this host's build), or phones' in "
+               "--mode binary (default: tools/build_phone_runner.sh's static arm64 build). E.g. the phone build "
+               "build-phone/zl/android_app/native/zl_runner on local devices, with --runner-prefix qemu-aarch64.")
+RUNNER_PREFIX_HELP = ("Local devices: the command their runner is started under, e.g. qemu-aarch64 to run an arm64 "
+                      "--runner on this host (quoted when it has arguments).")
 #: How a phone runs its stage: the zl_runner binary over `adb shell`, or the app's foreground service.
 MODES = ("binary", "app")
 MODE_HELP = ("How phones run their stage: `binary` (zl_runner started over adb in /data/local/tmp/zerolock) or `app` "
@@ -105,6 +113,37 @@ def check_mode(spec: DevicesSpec, mode: str) -> None:
                       "Pass phone serials (see `zl devices`) or drop --mode app.")
 
 
+def check_runner(spec: DevicesSpec, mode: str, runner_binary: Path | None, runner_prefix: str | None):
+    """--runner and --runner-prefix against the devices: local devices take both (`local_runner_command`),
+    phones in --mode binary an AArch64 --runner only.
+
+    Returns:
+        (the runner binary, resolved, or None for the default; the prefix's words).
+
+    Raises:
+        ZLError: a prefix for phones, a runner for the app, or a runner or prefix that cannot run.
+    """
+    if spec.kind == LOCAL:
+        from zl_device.devices.local import local_runner_command
+
+        return local_runner_command(runner_binary, runner_prefix)
+    if runner_prefix is not None:
+        raise ZLError(f"--runner-prefix {runner_prefix!r}: phones start their runner themselves; the prefix is for "
+                      "local devices (--devices local:N). Drop it.")
+    if runner_binary is None:
+        return None, ()
+    if mode == "app":
+        raise ZLError(f"--runner {runner_binary}: phones in --mode app run the app's runtime; drop --runner or use "
+                      "--mode binary.")
+    from zl_device.devices.deploy import check_phone_runner
+
+    binary = Path(runner_binary).expanduser().resolve()
+    if not binary.is_file():
+        raise ZLError(f"--runner {binary}: no such file; build the phone's with `tools/build_phone_runner.sh` or fix "
+                      "the path.")
+    return check_phone_runner(binary, "`tools/build_phone_runner.sh`"), ()
+
+
 def local_cpu_sets(count: int, cpus: Sequence[int] | None = None) -> list[tuple[int, ...]]:
     """Split the CPUs this process may use into `count` contiguous groups (one per local device).
 
@@ -128,6 +167,8 @@ def open_devices(
     client=None,
     mode: str = "binary",
     cpu_quota: Sequence[float] | None = None,
+    runner_binary: Path | None = None,
+    runner_prefix: str | None = None,
 ) -> list[Device]:
     """The devices of a --devices value, in stage order.
 
@@ -142,14 +183,17 @@ def open_devices(
         client: an adbutils client (default: connect to the adb server, starting it).
         mode: phones: "binary" (zl_runner over adb) or "app" (the com.zerolock.zl app); see MODES.
         cpu_quota: local only: CPUs per device (one value for all, or one each; zl_device/devices/cpu_quota.py).
+        runner_binary: the zl_runner build deploy puts on the devices (`--runner`; `check_runner`).
+        runner_prefix: local only: the command the runner is started under (`--runner-prefix`, e.g. qemu-aarch64).
 
     Raises:
-        ZLError: a bad spec, mode or quota, no run_dir for local devices, or a phone that is missing,
+        ZLError: a bad spec, mode, quota or runner, no run_dir for local devices, or a phone that is missing,
             unauthorized, offline or of the wrong ABI.
     """
     parsed = parse_devices(spec) if isinstance(spec, str) else spec
     check_mode(parsed, mode)
     quotas = check_cpu_quota_fits(parsed, cpu_quota)
+    binary, prefix = check_runner(parsed, mode, runner_binary, runner_prefix)
     if link_profile is not None and link_profile not in LINK_PROFILES:
         raise ZLError(f"link profile {link_profile!r}: expected one of {', '.join(LINK_PROFILES)}.")
     if parsed.kind == LOCAL:
@@ -162,12 +206,16 @@ def open_devices(
         cpu_sets = local_cpu_sets(parsed.count) if pin_cpus else [None] * parsed.count
         layout = RunLayout(run_dir)
         return [LocalDevice(f"local-{i}", layout.device_dir(f"local-{i}"), runner=runner, cpus=cpu_sets[i],
-                            link_profile=link_profile or "local", cpu_quota=quotas[i]) for i in range(parsed.count)]
+                            link_profile=link_profile or "local", cpu_quota=quotas[i], runner_binary=binary,
+                            runner_prefix=prefix) for i in range(parsed.count)]
     from zl_device.devices import adb
 
     client = client or adb.connect()
-    return [open_phone(s, client, check_abi=check_abi, link_profile=link_profile or "local", mode=mode)
-            for s in parsed.serials]
+    phones = [open_phone(s, client, check_abi=check_abi, link_profile=link_profile or "local", mode=mode)
+              for s in parsed.serials]
+    for phone in phones:
+        phone.runner_binary = binary
+    return phones
 
 
 def open_phone(serial: str, client=None, check_abi: bool = True, link_profile: str = "local", mode: str = "binary"):

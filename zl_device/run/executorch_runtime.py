@@ -49,7 +49,7 @@ class ExecuTorchRuntime(Runtime):
 
         s, root = run.settings, run.layout.root
         self.devices = open_devices(run.devices, root, link_profile=s.link_profile, mode=s.mode,
-                                    cpu_quota=s.cpu_quota)
+                                    cpu_quota=s.cpu_quota, runner_binary=s.runner, runner_prefix=s.runner_prefix)
         try:
             with launch(s, self.devices, run.devices.kind == "local", root, self.export_dir, self.manifest,
                         self.shard, run.windows, injection, run.say) as self.launched:

@@ -14,7 +14,14 @@ from pathlib import Path
 from zl_base.errors import ZLError
 from zl_base.settings import check_fields, nested, setting
 from zl_device.devices.cpu_quota import check_cpu_quota
-from zl_device.devices.registry import MAX_LOCAL_DEVICES, MODE_HELP, MODES, check_devices
+from zl_device.devices.registry import (
+    MAX_LOCAL_DEVICES,
+    MODE_HELP,
+    MODES,
+    RUNNER_HELP,
+    RUNNER_PREFIX_HELP,
+    check_devices,
+)
 from zl_device.executorch.device_policy import DevicePolicy
 from zl_device.executorch.recovery import MAX_RESTARTS, RECOVERY_MODES
 from zl_device.formats.lr_schedule import OptimizerSettings
@@ -56,10 +63,12 @@ class TrainSettings:
                                                   "device, e.g. 1.0,0.5,0.75: unequal phones on one host (a cgroup "
                                                   "cap where this host allows one, else a SIGSTOP/SIGCONT duty "
                                                   "cycle; docs/design.md, Planning).", check=check_cpu_quota)
+    runner: Path | None = setting(None, RUNNER_HELP)
+    runner_prefix: str | None = setting(None, RUNNER_PREFIX_HELP)
     runtime: str = setting("executorch", "executorch: the stage programs on the devices (zl_runner); torch: one "
                                          "torch.distributed rank per stage on this host, in PyTorch eager, no export "
                                          "(docs/design.md §13).", choices=RUNTIMES)
-    schedule: str = setting("zerolock", "How the stages train (docs/design.md §4.9): zerolock (each stage on its own "
+    schedule: str = setting("zerolock", "How the stages train (docs/design.md §4.10): zerolock (each stage on its own "
                                         "local loss, no gradient crosses a link; with --stage-lr's default only the "
                                         "last stage trains), or end-to-end backprop, every stage on the final loss's "
                                         "gradient sent upstream: gpipe (a flush per window: exact backprop), 1f1b "
@@ -123,6 +132,8 @@ class TrainSettings:
     def __post_init__(self) -> None:
         if self.recovery is None:  # each runtime's own default; a backprop schedule's stages restart together
             self.recovery = "global" if self.runtime == "torch" or self.backprop else "local"
+        if self.runner is not None:  # absolute in RUN_DIR's settings: `--resume` may run from another folder
+            self.runner = Path(self.runner).expanduser().resolve()
 
     def validate(self) -> None:
         """The checks that need no model or device; run before anything slow."""
@@ -143,6 +154,13 @@ class TrainSettings:
             from zl_device.devices.registry import check_cpu_quota_fits, parse_devices
 
             check_cpu_quota_fits(parse_devices(self.devices), self.cpu_quota)
+        if self.runner is not None or self.runner_prefix is not None:
+            if self.runtime == "torch":
+                raise ZLError("--runner and --runner-prefix choose the zl_runner the devices run; --runtime torch runs "
+                              "PyTorch ranks on this host. Drop them, or use --runtime executorch.")
+            from zl_device.devices.registry import check_runner, parse_devices
+
+            check_runner(parse_devices(self.devices), self.mode, self.runner, self.runner_prefix)
         self.rows.validate()  # --seq-len's range, the column options
         self.optimizer.validate()
         self.policy.validate()  # --max-temperature's and --min-battery's ranges

@@ -68,7 +68,7 @@ class TrainSettings:
     runtime: str = setting("executorch", "executorch: the stage programs on the devices (zl_runner); torch: one "
                                          "torch.distributed rank per stage on this host, in PyTorch eager, no export "
                                          "(docs/design.md §13).", choices=RUNTIMES)
-    schedule: str = setting("zerolock", "How the stages train (docs/design.md §4.9): zerolock (each stage on its own "
+    schedule: str = setting("zerolock", "How the stages train (docs/design.md §4.10): zerolock (each stage on its own "
                                         "local loss, no gradient crosses a link; with --stage-lr's default only the "
                                         "last stage trains), or end-to-end backprop, every stage on the final loss's "
                                         "gradient sent upstream: gpipe (a flush per window: exact backprop), 1f1b "

@@ -1,5 +1,5 @@
 // StageRunner under a backprop schedule (gpipe, 1f1b, async; docs/design.md
-// §4.9): the stage runs its operations in the order schedule_ops gives.
+// §4.10): the stage runs its operations in the order schedule_ops gives.
 //
 //   forward(j)   take micro-batch j's input, run the program to the marker
 //                (grad_hidden zeros), send the hidden state downstream, stop

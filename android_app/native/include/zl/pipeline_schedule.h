@@ -1,5 +1,5 @@
 // The order in which a stage runs its micro-batches' forwards and backwards
-// under the end-to-end backprop schedules (docs/design.md §4.9): one pure
+// under the end-to-end backprop schedules (docs/design.md §4.10): one pure
 // function per stage, so the runner, its tests and the torch runtime's
 // single-process simulation (zl_device/torch/stale_backprop.py) agree on it.
 //

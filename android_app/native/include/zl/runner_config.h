@@ -59,7 +59,7 @@ struct RunnerConfig {
   int64_t seed = 0;               ///< for anything random in the runner (data order)
   int64_t hold_at_micro_batch = -1;  ///< failure injection: park after sending this micro-batch; -1 = never
   /// zerolock: the local-loss step (two phases); gpipe | 1f1b | async: end-to-end
-  /// backprop with a backprop program (pipeline_schedule.h, docs/design.md §4.9).
+  /// backprop with a backprop program (pipeline_schedule.h, docs/design.md §4.10).
   std::string schedule = "zerolock";
   std::string grad_wire_dtype = "bf16";  ///< GRAD frames upstream: bf16 (half the bytes) or f32
 

@@ -45,7 +45,7 @@ struct MicroBatchRecord {
   std::optional<double> temperature_c;
   /// Phase 1 only (a stage held still by lr 0): phase2_ms 0, losses not computed (null).
   bool forward_only = false;
-  /// Backprop schedules (docs/design.md §4.9): waiting for the micro-batch's
+  /// Backprop schedules (docs/design.md §4.10): waiting for the micro-batch's
   /// gradient from downstream, and the weight version (optimizer steps) its
   /// forward and backward ran on; unset under zerolock.
   std::optional<double> grad_wait_ms;

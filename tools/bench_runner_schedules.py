@@ -1,0 +1,152 @@
+"""The runner's schedules side by side: ZeroLock held still and training, gpipe, 1f1b and async (issue 39, E2).
+
+Runs one `zl train` job (the same split, data, LoRA, windows, optimizer and seed) once per schedule on the
+ExecuTorch runner, 3 local devices by default, once per link profile (the runner's sender-side emulation:
+`local`, i.e. idle, and `constrained`, 30 ms and 50 Mbit/s), and reads each stage's telemetry:
+
+    records/s          samples over the span from the first runner ready to the last done
+    peak PSS per stage the largest pss_mib a stage reported (micro-batch and window lines)
+    bytes per record   down (DATA frames and their headers, sender bytes_sent) and up (ACKs and GRAD frames,
+                       receiver bytes_sent), per sample, summed over the links
+    grad delay         the largest number of micro-batches a stage sent between a DATA entry and its GRAD
+
+The schedules: `zerolock-held` (zl train's default: the stages before the last forward only), `zerolock-all`
+(--stage-lr 1: every stage on its local loss), `gpipe`, `1f1b`, `async` (every stage on the final loss's gradient,
+docs/design.md §4.10). It prints a table per link profile and the ratios the issue asks for (async against 1f1b
+and against the held-still default).
+
+    .venv/bin/python tools/bench_runner_schedules.py --model smollm2-135m --samples 64 --window 4 --seq-len 128 \\
+        --data ../shared/data/agnews/train.csv --format agnews --cpu-quota 0.66 --json runs/bench-schedules.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+#: name -> (zl train --schedule, --stage-lr or None for its default)
+SCHEDULES: dict[str, tuple[str, tuple[float, ...] | None]] = {
+    "zerolock-held": ("zerolock", None),
+    "zerolock-all": ("zerolock", (1.0,)),
+    "gpipe": ("gpipe", None),
+    "1f1b": ("1f1b", None),
+    "async": ("async", None),
+}
+PROFILES = ("local", "constrained")
+
+
+def run_one(args, name: str, profile: str, out: Path) -> dict:
+    """One `zl train` of `name` on `profile` links; its figures from the stages' telemetry."""
+    from zl_device.formats.metrics_log import stage_lines
+    from zl_device.formats.run_layout import RunLayout
+    from zl_device.run.train_job import run_training
+    from zl_device.run.train_settings import TrainSettings
+    from zl_export.data_settings import DataSettings
+    from zl_export.options import ExportOptions, ModelSplit
+
+    schedule, stage_lr = SCHEDULES[name]
+    s = TrainSettings(split=ModelSplit(args.model, args.stages, args.num_stages), data=args.data,
+                      eval_data=None if args.data == "demo" else args.data, eval_limit=1, rows=DataSettings(format=args.format, seq_len=args.seq_len),
+                      samples=args.samples, window=args.window, out=out, export=ExportOptions(micro_batch=1),
+                      threads=args.threads, seed=args.seed, devices=f"local:{args.ranks}", schedule=schedule,
+                      stage_lr=stage_lr, link_profile=profile, grad_dtype=args.grad_dtype,
+                      cpu_quota=(args.cpu_quota,) if args.cpu_quota else None, timeout_s=args.timeout)
+    result = run_training(s, say=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    lines = stage_lines(RunLayout(result.run_dir), args.ranks)
+    lines = [rank[max(i for i, r in enumerate(rank) if r["type"] == "start"):] for rank in lines]  # last attempt
+    start = min(r["ready_unix_ms"] for rank in lines for r in rank if r["type"] == "start")
+    done = [next(r for r in rank if r["type"] == "done") for rank in lines]
+    wall_s = (max(d["t_unix_ms"] for d in done) - start) / 1e3
+    pss = [max((r["pss_mib"] for r in rank if r.get("pss_mib") is not None), default=None) for rank in lines]
+    down = sum(d["sender"]["bytes_sent"] for d in done if "sender" in d)
+    up = sum(d["receiver"]["bytes_sent"] for d in done if "receiver" in d)
+    windows = [r for r in lines[-1] if r["type"] == "window"]
+    return {"pipeline": name, "profile": profile, "samples": result.samples, "wall_s": wall_s,
+            "records_per_s": result.samples / wall_s, "peak_pss_mib": pss,
+            "peak_rss_mib": [d["peak_rss_mib"] for d in done],
+            "bytes_down_per_record": down / result.samples, "bytes_up_per_record": up / result.samples,
+            "max_grad_delay": [d["sender"].get("max_grad_delay") for d in done if "sender" in d],
+            "last_stage_first_loss": windows[0]["mean_loss"], "last_stage_last_loss": windows[-1]["mean_loss"]}
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| link | schedule | records/s | wall (s) | peak PSS per stage (MiB) | bytes/record down | bytes/record up "
+            "| max grad delay (mb) | last stage loss, first -> last window |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        pss = " / ".join("-" if m is None else f"{m:.0f}" for m in r["peak_pss_mib"])
+        delay = " / ".join(str(d) for d in r["max_grad_delay"] if d) or "-"
+        rows.append(f"| {r['profile']} | {r['pipeline']} | {r['records_per_s']:.3f} | {r['wall_s']:.1f} | {pss} | "
+                    f"{r['bytes_down_per_record']:,.0f} | {r['bytes_up_per_record']:,.0f} | {delay} | "
+                    f"{r['last_stage_first_loss']:.3f} -> {r['last_stage_last_loss']:.3f} |")
+    return "\n".join(rows)
+
+
+def ratios(results: list[dict]) -> list[str]:
+    """async's records/s against 1f1b's and the held-still default's, and its peak PSS against the others', per
+    link profile."""
+    lines = []
+    for profile in PROFILES:
+        by = {r["pipeline"]: r for r in results if r["profile"] == profile}
+        a = by.get("async")
+        if a is None:
+            continue
+        for other in ("1f1b", "gpipe", "zerolock-held", "zerolock-all"):
+            if other not in by:
+                continue
+            o = by[other]
+            mem = " / ".join(f"{x / y:.2f}" if x and y else "-" for x, y in zip(a["peak_pss_mib"], o["peak_pss_mib"]))
+            lines.append(f"{profile}: async vs {other}: records/s {a['records_per_s'] / o['records_per_s']:.2f}x, "
+                         f"peak PSS per stage {mem}x")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny-random", help="--model of zl train (e.g. smollm2-135m).")
+    parser.add_argument("--stages", default=None, help="Layer ranges per stage, e.g. 0-9,10-19,20-29.")
+    parser.add_argument("--num-stages", type=int, default=3, help="Balanced split (without --stages).")
+    parser.add_argument("--data", default="demo", help="demo, a .csv/.jsonl file or a shard, as zl train --data.")
+    parser.add_argument("--format", default="auto", help="Format of a .csv/.jsonl --data, as zl train --format.")
+    parser.add_argument("--samples", type=int, default=32, help="Training samples (micro-batches of 1).")
+    parser.add_argument("--window", type=int, default=4, help="Micro-batches per AdamW step.")
+    parser.add_argument("--seq-len", type=int, default=64, help="Tokens per sample.")
+    parser.add_argument("--threads", type=int, default=1, help="ExecuTorch threads per runner.")
+    parser.add_argument("--seed", type=int, default=0, help="LoRA init, data order, random-weight models.")
+    parser.add_argument("--grad-dtype", default="bf16", choices=("bf16", "f32"), help="GRAD frames on the wire.")
+    parser.add_argument("--cpu-quota", type=float, default=None,
+                        help="CPUs per local device (zl train --cpu-quota), e.g. 0.66 for 3 devices on 2 cores.")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"From {','.join(SCHEDULES)}.")
+    parser.add_argument("--profiles", default=",".join(PROFILES), help="Link profiles: local, wifi, mobile, "
+                                                                        "constrained (the runner's emulation).")
+    parser.add_argument("--out", type=Path, default=None, help="Working directory (default: a temporary one).")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="Seconds per run.")
+    parser.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.schedules.split(",") if n.strip()]
+    profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
+    if not names or any(n not in SCHEDULES for n in names):
+        parser.error(f"--schedules {args.schedules}: choose from {','.join(SCHEDULES)}")
+    args.ranks = len(args.stages.split(",")) if args.stages else args.num_stages
+    out = args.out or Path(tempfile.mkdtemp(prefix="zl-bench-schedules-"))
+    results = []
+    for profile in profiles:  # one sitting: every schedule on one profile, then the next
+        for name in names:
+            print(f"{name} on {profile} links ...", file=sys.stderr, flush=True)
+            results.append(run_one(args, name, profile, out / f"{profile}-{name}"))
+    print(table(results))
+    for line in ratios(results):
+        print(line)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                                        indent=2) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()

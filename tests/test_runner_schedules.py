@@ -234,3 +234,33 @@ def _split(model: str):
     from zl_export.options import ModelSplit
 
     return ModelSplit(model)
+
+
+def test_a_stage_that_stops_is_blamed_not_the_ones_waiting_for_its_gradients(runs, data_file, tmp_path, monkeypatch):
+    """Stage 1 parks after a forward in window 1 and stays alive: stage 2 starves and stage 0 waits for gradients
+    that never come, so every stage stops progressing; the coordinator traces the stall to stage 1
+    (`stalled_backprop_stage`), restarts every stage, and the adapter is the uninterrupted run's. No deadlock."""
+    from zl_device.executorch.coordinator import Coordinator
+    from zl_device.run.train_job import run_training
+
+    monkeypatch.setattr(Coordinator, "_maybe_inject", lambda self: None)  # the hold of --inject-failure, no kill
+    run = run_training(settings(tmp_path / "run", data_file, schedule="async", inject_failure="1@1",
+                                stall_timeout_s=8.0, timeout_s=150), say=lambda line: None)
+    events = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    failures = [e for e in events if e["type"] == "failure"]
+    assert [f["stage"] for f in failures] == [1] and failures[0]["reason"].startswith("stalled"), failures
+    got, want = adapter(run.run_dir), adapter(runs("async"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("done, live, blamed", [
+    ([1, 1, 3], [True] * 3, 1),  # stage 1 parked in a forward: stage 2 finished what it had sent
+    ([0, 1, 3], [True] * 3, 1),  # ... and stage 0 had not yet used the gradient stage 1 sent
+    ([2, 4, 4], [True] * 3, 0),  # stage 0 parked: the others finished what it had forwarded
+    ([4, 4, 4], [True] * 3, 2),  # the last stage stopped: the others used up its gradients
+    ([4, 4, 8], [True, True, False], 1),  # a finished stage is never blamed
+])
+def test_a_backprop_stall_is_traced_to_the_stage_that_stopped(done, live, blamed):
+    from zl_device.executorch.health import stalled_backprop_stage
+
+    assert stalled_backprop_stage(done, live) == blamed

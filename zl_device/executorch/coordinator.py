@@ -69,6 +69,7 @@ class Coordinator(HealthChecks, Recovery, Pauses, DeviceFiles):
         standby: bool = False,
         max_restarts: int = MAX_RESTARTS,
         policy: DevicePolicy | None = None,
+        backprop: bool = False,
     ):
         if recovery not in RECOVERY_MODES:
             raise ZLError(f"--recovery {recovery!r}: expected one of {', '.join(RECOVERY_MODES)}.")
@@ -82,6 +83,7 @@ class Coordinator(HealthChecks, Recovery, Pauses, DeviceFiles):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.timeout_s = timeout_s
         self.stall_timeout_s = stall_timeout_s  # 0: no stall detection
+        self.backprop = backprop  # a backprop schedule: a stage's progress waits on its downstream's gradients
         self.redeploy = redeploy  # puts stage k's program and config on a spare before it takes over
         self.resume = resume  # `zl train --resume`: the stages continue from their checkpoints
         self.standby = standby  # keep a hot standby per stage (see the module docstring)

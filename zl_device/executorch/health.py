@@ -96,7 +96,7 @@ class HealthChecks:
                 continue
             done = [st.micro_batches_done if live[i] else self.windows.num_micro_batches
                     for i, st in enumerate(self.status)]
-            blamed = stalled_stage(done, live, k)
+            blamed = stalled_backprop_stage(done, live) if self.backprop else stalled_stage(done, live, k)
             b = self.status[blamed]
             if not live[blamed] or now - b.last_progress < self.stall_timeout_s:
                 continue
@@ -109,6 +109,22 @@ class HealthChecks:
             self._failed(blamed, now, f"stalled: no progress for {still:.0f} s at micro-batch "
                                       f"{b.micro_batches_done} (alive; input available)", stalled_s=still)
             return
+
+
+def stalled_backprop_stage(done: Sequence[int], live: Sequence[bool]) -> int:
+    """The stage a stall under a backprop schedule comes from, by each stage's micro-batches done (backwards).
+
+    There a stage's backward of a micro-batch waits for its downstream's (the gradient), so done[k] <= done[k+1],
+    and its forward for its upstream's: every count is bounded both ways, and `stalled_stage`'s walk would blame
+    stage 0. When stage s stops, its downstream stages still finish the micro-batches s had forwarded, so they end
+    ahead of it (done[s+1] > done[s]), while its upstream stages use up the gradients s had sent and end level with
+    it. So the stalled stage is the last live one its downstream has done more than; none: the last stage (it
+    stopped, and the others used up its gradients).
+
+    Example: stage 1 parked in a forward after its first backward: done = [1, 1, 3]: stage 1.
+    """
+    ahead = [k for k in range(len(done) - 1) if live[k] and done[k + 1] > done[k]]
+    return ahead[-1] if ahead else max(k for k in range(len(done)) if live[k])
 
 
 def stalled_stage(done: Sequence[int], live: Sequence[bool], k: int) -> int:

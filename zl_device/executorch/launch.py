@@ -180,7 +180,8 @@ def _deploy_and_coordinate(s: LaunchSettings, stage_devices, spares, run_dir: Pa
 
     coordinator = Coordinator(plans, windows, control, s.recovery, injection, spares, s.heartbeat_timeout_s,
                               s.timeout_s, redeploy, resume=s.resume, stall_timeout_s=s.stall_timeout_s,
-                              standby=s.standby, max_restarts=s.max_restarts, policy=s.policy)
+                              standby=s.standby, max_restarts=s.max_restarts, policy=s.policy,
+                              backprop=s.schedule != "zerolock")
     for k, cfg in configs.items():  # the display's "held still" before any telemetry (phones report none)
         coordinator.status[k].forward_only = runs_forward_only(cfg["optimizer"]["lr"], k, num_stages)
     say(f"run: {s.samples} samples, {windows.num_micro_batches} micro-batches in {windows.num_windows} windows of "

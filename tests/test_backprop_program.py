@@ -3,10 +3,11 @@ their output hidden state and give their LoRA gradients and their input's, chain
 whole-model backprop in eager PyTorch — the Hugging Face model with PEFT LoRA (B nonzero) and its own CE on the
 targets, cut at the same layers with hooks: hidden states, the loss, every LoRA gradient and every input gradient.
 
-Default suite: every family's eager modules (full and Ω readout, fp32 and bf16), and tiny-random Llama's middle stage
-of 3 (grad_hidden in, grad_input out) exported and run by ExecuTorch between the eager first and last stages. Slow:
-every stage of every family through ExecuTorch, the local-weight program, `zl export --program backprop` with its
-check. The reference shares no code with the module under test: `F.cross_entropy` on the HF model's logits and
+Default suite: every family's eager modules (full and Ω readout, fp32 and bf16), the upstream modules' missing
+readout, the manifest of `export_pipeline` (exporter stubbed); tiny-random's exported backprop programs train on the
+runner as whole-model backprop in tests/test_runner_schedules.py. Slow: tiny-random Llama's middle stage of 3
+(grad_hidden in, grad_input out) exported and run by ExecuTorch between the eager first and last stages, every stage
+of every family through ExecuTorch, the local-weight program, `zl export --program backprop` with its check. The reference shares no code with the module under test: `F.cross_entropy` on the HF model's logits and
 autograd's gradients of its hidden states; the chain (`backprop_chain`) only passes tensors between the steps.
 """
 
@@ -179,6 +180,9 @@ def _export_and_chain(tmp_path, name, exported=(0, 1, 2)):
     return loaded, entries
 
 
+# Slow (~25 s of export): the default suite's test_runner_schedules exports every stage's backprop program of
+# tiny-random and trains them on the runner to whole-model backprop's adapter.
+@pytest.mark.slow
 def test_exported_middle_stage_chained_equals_whole_model_backprop(tmp_path):
     """tiny-random Llama, 3 stages, the middle one (grad_hidden in, grad_input out) through ExecuTorch's runtime
     between the eager first and last: the chain equals whole-model backprop; the manifest entry names its inputs and

@@ -15,17 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from test_torch_runtime import data_file  # noqa: F401 - the fixture: 40 odd/even prompt-completion rows
 from zl_base.errors import ZLError
 
 SAMPLES, WINDOW, BATCH = 12, 2, 2  # 6 micro-batches of 2 rows in 3 windows: async's stages 0, 1 run stale weights
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory) -> Path:
-    rows = [{"prompt": f"item {i} is", "completion": " odd" if i % 2 else " even"} for i in range(40)]
-    path = tmp_path_factory.mktemp("data") / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 FAMILIES = ("tiny-random-gemma3", "tiny-random-qwen2", "tiny-random-qwen3", "tiny-random-phi3", "smollm2-135m")

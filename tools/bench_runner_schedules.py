@@ -16,7 +16,7 @@ docs/design.md §4.10). It prints a table per link profile and the ratios the is
 and against the held-still default).
 
     .venv/bin/python tools/bench_runner_schedules.py --model smollm2-135m --samples 64 --window 4 --seq-len 128 \\
-        --data ../shared/data/agnews/train.csv --format agnews --cpu-quota 0.66 --json runs/bench-schedules.json
+        --data ../shared/data/agnews/train.csv --format agnews --truncate --cpu-quota 0.66 --json runs/bench-schedules.json
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def run_one(args, name: str, profile: str, out: Path) -> dict:
 
     schedule, stage_lr = SCHEDULES[name]
     s = TrainSettings(split=ModelSplit(args.model, args.stages, args.num_stages), data=args.data,
-                      eval_data=None if args.data == "demo" else args.data, eval_limit=1, rows=DataSettings(format=args.format, seq_len=args.seq_len),
+                      eval_data=None if args.data == "demo" else args.data, eval_limit=1, rows=DataSettings(format=args.format, seq_len=args.seq_len, truncate=args.truncate),
                       samples=args.samples, window=args.window, out=out, export=ExportOptions(micro_batch=1),
                       threads=args.threads, seed=args.seed, devices=f"local:{args.ranks}", schedule=schedule,
                       stage_lr=stage_lr, link_profile=profile, grad_dtype=args.grad_dtype,
@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--num-stages", type=int, default=3, help="Balanced split (without --stages).")
     parser.add_argument("--data", default="demo", help="demo, a .csv/.jsonl file or a shard, as zl train --data.")
     parser.add_argument("--format", default="auto", help="Format of a .csv/.jsonl --data, as zl train --format.")
+    parser.add_argument("--truncate", action="store_true", help="Cut over-long prompts from the left (zl train "
+                        "--truncate), e.g. AG News at --seq-len 128.")
     parser.add_argument("--samples", type=int, default=32, help="Training samples (micro-batches of 1).")
     parser.add_argument("--window", type=int, default=4, help="Micro-batches per AdamW step.")
     parser.add_argument("--seq-len", type=int, default=64, help="Tokens per sample.")

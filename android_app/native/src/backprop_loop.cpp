@@ -104,22 +104,11 @@ Status StageRunner::forward_op(int64_t mb) {
   versions_.forwarded(mb, version);
   if (!program_->is_last()) {
     const WeightSwap swap(program_->parameters(), stashed);
-    Clock::time_point t = Clock::now();
-    ZL_RETURN_IF_ERROR(program_->begin(inputs, &hidden_));  // grad_hidden zeros: the method stops at the marker
-    f.forward_ms = ms_since(t);
-    t = Clock::now();
-    const Status sent = send_hidden(mb, inputs, hidden_);
-    f.send_ms = ms_since(t);
-    if (!sent.ok()) {
-      abandon_step();
-      return sent;
-    }
-    if (mb == c.hold_at_micro_batch) {
-      const Status held = hold(mb);
-      abandon_step();
-      return held;
-    }
+    MicroBatchRecord timing;
+    ZL_RETURN_IF_ERROR(begin_micro_batch(mb, inputs, &timing));  // grad_hidden zeros: it stops at the marker, sends
     ZL_RETURN_IF_ERROR(program_->abandon());
+    f.forward_ms = timing.phase1_ms;
+    f.send_ms = timing.send_ms;
   }
   in_flight_.emplace(mb, std::move(f));
   return Status();

@@ -298,7 +298,7 @@ Status StageRunner::begin_micro_batch(int64_t mb, const StageInputs& inputs, Mic
   ZL_RETURN_IF_ERROR(program_->begin(inputs, &hidden_));
   record->phase1_ms = ms_since(t);
 
-  if (sender_ && config_.early_forwarding) {
+  if (sender_ && (config_.early_forwarding || backprop())) {  // a backprop schedule sends at the marker
     const Clock::time_point send_start = Clock::now();
     const Status sent = send_hidden(mb, inputs, hidden_);
     record->send_ms = ms_since(send_start);

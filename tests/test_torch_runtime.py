@@ -389,8 +389,11 @@ def test_a_torch_stage_that_diverges_stops_naming_stage_and_window(data_file, tm
     from dataclasses import replace
 
     from zl_device.run.train_job import run_training
+    from zl_export.options import ExportOptions, ModelSplit
 
-    s = settings(tmp_path / "run", data_file, stage_lr=(1.0, 1.0, 1.0))
+    # Two ranks, not three, on the plain local loss: every rank starts torch and builds its stage first.
+    s = settings(tmp_path / "run", data_file, split=ModelSplit("tiny-random", "0-1,2-3"), stage_lr=(1.0, 1.0),
+                 export=ExportOptions(micro_batch=BATCH))
     s = replace(s, optimizer=replace(s.optimizer, lr=1e30))
     with pytest.raises(ZLError, match=r"--runtime torch: stage (\d) failed: stage \1 window \d+: (the mean loss is nan|"
                                       r"after the AdamW step: \S+ holds \d+ non-finite).*; not checkpointed; the stage "

@@ -281,13 +281,36 @@ def _tiny(tmp_path_factory):
     return cache, data, clean.run_dir
 
 
+#: Elements of a trained adapter (a fraction of all) that may differ from the x86 run's by more than
+#: runner-vs-eager's tolerance, and by how much at most (a fraction of the peak lr). Another architecture's float
+#: order (Eigen's GEMM and aarch64 against OpenBLAS on x86) makes gradients that are rounding noise differ, and
+#: Adam's m/√v turns such noise into steps of up to lr: SmolLM2-135M, 16 samples, measured 2026-12-03: 6 of
+#: 2,442,240 elements beyond, the largest 8.7e-5 (4.3% of lr 2e-3), the whole adapter 6.2e-6 apart (relative
+#: norm). A wrong gradient moves whole tensors by ~lr.
+OUTLIER_FRACTION, OUTLIER_LR = 1e-5, 0.1
+
+
 def _assert_x86_adapter(run_dir: Path, x86_dir: Path) -> None:
-    from test_train import adapter_tensors, assert_trained_alike, run_lr
+    """The run's adapter equals the x86 run's within runner-vs-eager's tolerance (test_train.assert_trained_alike),
+    but for at most OUTLIER_FRACTION of its elements, each within OUTLIER_LR x lr; and it trained."""
+    import torch
+
+    from test_train import TRAINED_ATOL_LR, TRAINED_RTOL, adapter_tensors, run_lr
 
     got, want = adapter_tensors(run_dir), adapter_tensors(x86_dir)
     assert got.keys() == want.keys()
-    assert_trained_alike(got, want, run_lr(x86_dir))
+    lr = run_lr(x86_dir)
+    beyond, total, diff_sq, norm_sq = 0, 0, 0.0, 0.0
+    for name, t in want.items():
+        diff = (got[name] - t).abs()
+        beyond += int((diff > TRAINED_ATOL_LR * lr + TRAINED_RTOL * t.abs()).sum())
+        total += t.numel()
+        diff_sq, norm_sq = diff_sq + float((diff ** 2).sum()), norm_sq + float((t ** 2).sum())
+        assert float(diff.max()) <= OUTLIER_LR * lr, f"{name}: {float(diff.max()):.3g} off (lr {lr:g})"
+    assert beyond <= OUTLIER_FRACTION * total, f"{beyond} of {total} elements beyond the tolerance"
+    assert (diff_sq / norm_sq) ** 0.5 < 1e-4, f"relative norm {(diff_sq / norm_sq) ** 0.5:.3g}"
     assert any(t.abs().max() > 1e-3 for n, t in got.items() if "lora_B" in n), "nothing trained"
+    assert not any(torch.isnan(t).any() for t in got.values())
 
 
 @needs_binary

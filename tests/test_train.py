@@ -180,6 +180,10 @@ def run_lr(run_dir: Path) -> float:
     return max(json.loads(p.read_text())["optimizer"]["lr"] for p in run_dir.glob("stage_*.json"))
 
 
+#: assert_trained_alike's tolerance: relative, and absolute as a fraction of the peak lr.
+TRAINED_RTOL, TRAINED_ATOL_LR = 1e-4, 0.01
+
+
 def assert_trained_alike(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], lr: float) -> None:
     """Two trainings of the same run that differ in float rounding only (eager against the runner, two builds of
     the runner) agree to rtol 1e-4 and atol 1% of the peak lr, tensor by tensor."""
@@ -187,7 +191,8 @@ def assert_trained_alike(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
     # (m/√v of noise), so an element of a tensor can differ by ~1e-5 between two correct runs (lr 2e-3: one of
     # 512 by 9.8e-6); a wrong gradient moves whole tensors by ~lr.
     for name, t in want.items():
-        torch.testing.assert_close(got[name], t, rtol=1e-4, atol=0.01 * lr, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], t, rtol=TRAINED_RTOL, atol=TRAINED_ATOL_LR * lr,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 def assert_eager_equals_run(run_dir: Path, logs: list | None = None,

@@ -106,6 +106,8 @@ def test_gpipe_on_the_runner_is_whole_model_backprop(runs, one_torch_thread):
             for line in (run_dir / "stages" / f"stage_{k}" / "metrics.jsonl").read_text().splitlines()
             if '"type": "done"' in line or '"type":"done"' in line]
     assert [d["schedule"] for d in done] == ["gpipe"] * 3
+    report = (run_dir / "report.md").read_text()  # the stages before the last have no loss of their own to show
+    assert "- stage 0: trained on the final loss's gradient (gpipe schedule)" in report
     assert [d["sender"]["grads_received"] for d in done[:2]] == [SAMPLES // BATCH] * 2
     assert [d["receiver"]["grads_sent"] for d in done[1:]] == [SAMPLES // BATCH] * 2
 

@@ -133,6 +133,11 @@ class MetricsLog:
         starts = self.of_type(stage, "start")
         return bool(starts) and starts[-1].get("forward_only") is True
 
+    def schedule(self, stage: int) -> str:
+        """The schedule `stage` ran (its last start line's config; `zerolock` for runs from before schedules)."""
+        starts = self.of_type(stage, "start")
+        return (starts[-1].get("config") or {}).get("schedule", "zerolock") if starts else "zerolock"
+
 
 def stage_files(run_dir: Path) -> dict[int, Path]:
     """`RUN_DIR/stages/stage_<k>/metrics.jsonl` by k."""

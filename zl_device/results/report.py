@@ -229,6 +229,7 @@ def _stage(index: int, metrics: MetricsLog, layers: list[int] | None) -> tuple[d
         "restarts": max(len(replays_by_run) - 1, 0),
         "windows": len(windows),
         "forward_only": metrics.forward_only(index),
+        "schedule": metrics.schedule(index),
         **{key: latency_stats([r.get(key) for r in kept]) for key in LATENCY_KEYS},
         "checkpoint_ms": latency_stats([w.get("checkpoint_ms") for w in windows]),
         "peak_pss_mib": max(pss) if pss else None,
@@ -381,12 +382,20 @@ def render_markdown(report: dict, with_plots: bool = True) -> str:
                    f"{_pair(s['total_ms'])} | {_num(s['peak_pss_mib'])} | {_num(s['temperature_c'])} |")
     out += ["", "Temperature: the highest reading (battery on Android, CPU thermal zone on Linux); n/a where the "
             "device has no sensor.", "", "## Loss", ""]
-    trained = [s for s in stages if not s.get("forward_only")]
+    # Under a backprop schedule a stage before the last differentiates <h, grad_hidden>, no loss of its own (§3.8).
+    linked = [s for s in stages[:-1] if s.get("schedule", "zerolock") != "zerolock"]
+    trained = [s for s in stages if not s.get("forward_only") and s not in linked]
     if trained:
         out += ["| stage | windows | first window mean loss | last window mean loss |", "|---|---|---|---|"]
         for s in trained:
             out.append(f"| {s['index']} | {s['windows']} | {_num(s['first_window_mean_loss'], 4)} | "
                        f"{_num(s['last_window_mean_loss'], 4)} |")
+        out.append("")
+    for s in linked:
+        out.append(f"- stage {s['index']}: trained on the final loss's gradient ({s['schedule']} schedule), "
+                   "which has no loss of its own there; the last stage's loss is the pipeline's "
+                   "(docs/design.md §4.10).")
+    if linked:
         out.append("")
     held = [s for s in stages if s.get("forward_only")]
     for s in held:

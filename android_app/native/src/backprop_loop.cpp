@@ -13,6 +13,8 @@
 // A backward recomputes its forward from the kept input (one more forward per
 // micro-batch, a (B,S,D) input held per micro-batch in flight, no activations).
 #include <chrono>
+#include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -73,7 +75,7 @@ Status StageRunner::loop_backprop() {
       p->micro_batches_done = done;
       p->window = window;
       if (window_end) p->committed_window = window;
-      p->loss = record.loss;
+      p->loss = program_->takes_gradient() ? std::nullopt : std::optional<double>(record.loss);
       p->pss_mib = record.pss_mib;
       p->temperature_c = record.temperature_c;
     });
@@ -194,7 +196,9 @@ Status StageRunner::backward_op(int64_t mb, MicroBatchRecord* record, StageStepR
     record->send_ms += ms_since(t);
   }
   ZL_RETURN_IF_ERROR(optimizer_->accumulate(result->gradients));
-  record->loss = result->loss;
+  // A stage before the last differentiates <h, grad_hidden>, no loss to show: null in its micro-batch lines (the
+  // window's sum keeps it, so a gradient gone non-finite still stops the run as a damaged one).
+  record->loss = program_->takes_gradient() ? std::numeric_limits<double>::quiet_NaN() : result->loss;
   record->task_loss = result->task_loss;
   record->consistency_loss = result->consistency_loss;
   record->grad_wait_ms = grad_wait_ms;

@@ -26,10 +26,14 @@ SAMPLES, WINDOW = 24, 4  # 6 windows
 
 @pytest.fixture(scope="module")
 def export_cache(tmp_path_factory) -> Path:
+    """One export cache for the session: test_binary_mode_e2e and test_app_mode_e2e import this fixture (and
+    clean_run), and their runs export the programs this module's runs do (~20 s each)."""
     native_library_or_skip()
     if not RUNNER.is_file():
         pytest.skip(f"{RUNNER} not built; run `bash setup.sh`")
-    return tmp_path_factory.mktemp("export-cache")
+    cache = tmp_path_factory.getbasetemp() / "train-export-cache"
+    cache.mkdir(exist_ok=True)
+    return cache
 
 
 def train(out: Path, cache: Path, **kw):

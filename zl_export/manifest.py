@@ -271,7 +271,7 @@ def read_manifest(path: Path | str) -> Manifest:
 
 
 def as_manifest(manifest: Manifest | dict, source: Path | str) -> Manifest:
-    """`manifest` typed; a JSON object (what zl_device/executorch/launch.py still passes) is read from `source`."""
+    """`manifest` typed; a JSON object is read from `source`."""
     return manifest if isinstance(manifest, Manifest) else Manifest.from_json(manifest, source)
 
 
@@ -302,12 +302,6 @@ def load_export(export_dir: Path | str, verify: bool = False) -> Manifest:
                     "the file is corrupt or from another export. Export again."
                 )
     return manifest
-
-
-def load_manifest(export_dir: Path | str, verify: bool = False) -> dict:
-    """`load_export`'s manifest as its JSON object: what zl_device/executorch/export_cache.py and launch.py still
-    read by key (until they take a `Manifest`)."""
-    return load_export(export_dir, verify).to_json()
 
 
 class _Reader:

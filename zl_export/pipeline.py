@@ -54,11 +54,6 @@ class ExportResult:
     exported: Manifest  # what manifest.json records
     checks: list[StageCheck] | None  # with check=True: one step per stage, ExecuTorch next to eager
 
-    @property
-    def manifest(self) -> dict:
-        """The manifest's JSON object: what zl_device/executorch/export_cache.py and launch.py still read by key."""
-        return self.exported.to_json()
-
 
 def calibration_rows(opts: ExportOptions, loaded: LoadedModel, shard_path: Path | None):
     """(rows to fit the readout lenses on, what they were) — (None, None) unless the translators start as lenses."""

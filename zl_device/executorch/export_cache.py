@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 from zl_base.errors import ZLError
-from zl_export.manifest import MANIFEST
+from zl_export.manifest import MANIFEST, Manifest
 from zl_export.options import ExportOptions, ModelSplit, ProgramSettings
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def export_key(s: ExportSettings, opts: ExportOptions, calibration: Path | None 
 
 
 def export_cached(s: ExportSettings, opts: ExportOptions, load, say, progress=None,
-                  calibration: Path | None = None, program: ProgramSettings | None = None) -> tuple[Path, dict]:
+                  calibration: Path | None = None, program: ProgramSettings | None = None) -> tuple[Path, Manifest]:
     """The export directory for `s` with the run's resolved options `opts`: reused from the cache when
     complete, else exported into it.
 
@@ -63,7 +63,7 @@ def export_cached(s: ExportSettings, opts: ExportOptions, load, say, progress=No
         calibration: the training shard, to fit lens translators on.
         program: which program every stage gets (docs/design.md §3.8); default: zerolock.
     """
-    from zl_export.manifest import load_manifest
+    from zl_export.manifest import load_export
     from zl_export.model_source import cache_dir
     from zl_export.pipeline import export_pipeline
 
@@ -71,9 +71,8 @@ def export_cached(s: ExportSettings, opts: ExportOptions, load, say, progress=No
     target = root / export_key(s, opts, calibration, program)
     if (target / MANIFEST).is_file():
         try:
-            manifest = load_manifest(target)
-            if all((target / st["file"]).is_file() and (target / st["file"]).stat().st_size == st["size_bytes"]
-                   for st in manifest["stages"]):
+            manifest = load_export(target)
+            if all((target / st.file).stat().st_size == st.size_bytes for st in manifest.stages):
                 say(f"export: reusing {target}")
                 return target, manifest
         except ZLError as e:
@@ -82,7 +81,7 @@ def export_cached(s: ExportSettings, opts: ExportOptions, load, say, progress=No
     shutil.rmtree(tmp, ignore_errors=True)
     opts.validate()  # before minutes of loading
     manifest = export_pipeline(s.split, tmp, opts, progress=progress, loaded=load(), shown_dir=target,
-                               calibration=calibration, program=program).manifest
+                               calibration=calibration, program=program).exported
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target, manifest

@@ -25,7 +25,7 @@ from zl_device.formats.lr_schedule import OptimizerSettings, runs_forward_only
 from zl_device.formats.schedules import schedule_name
 from zl_device.formats.run_layout import CHECKPOINTS_DIR, MANIFEST, METRICS, RunLayout
 from zl_device.formats.windows import WindowPlan
-from zl_export.manifest import stage_count
+from zl_export.manifest import Manifest
 
 
 class LaunchSettings(Protocol):
@@ -69,7 +69,7 @@ class Launched:
 
 
 @contextmanager
-def launch(s: LaunchSettings, devices: Sequence[Device], local: bool, run_dir: Path, export_dir: Path, manifest: dict,
+def launch(s: LaunchSettings, devices: Sequence[Device], local: bool, run_dir: Path, export_dir: Path, manifest: Manifest,
            shard: Path, windows: WindowPlan, injection, say) -> Iterator[Launched]:
     """Deploy the stages of `manifest` to `devices` (stages first, then spares) and yield the pipeline to run.
 
@@ -79,7 +79,7 @@ def launch(s: LaunchSettings, devices: Sequence[Device], local: bool, run_dir: P
     """
     from zl_device.executorch.control import ControlServer
 
-    num_stages = stage_count(manifest)
+    num_stages = len(manifest.stages)
     stage_devices, spares = list(devices[:num_stages]), list(devices[num_stages:num_stages + s.spares])
     key_file, run_id = saved_run_key(run_dir) if s.resume else write_run_key(run_dir)
     with ControlServer(bytes.fromhex(key_file.read_text().strip()), bytes.fromhex(run_id),
@@ -153,13 +153,13 @@ def address_plan(stage_devices: Sequence[Device], coordinator_port: int, local: 
     return plan
 
 
-def _deploy_and_coordinate(s: LaunchSettings, stage_devices, spares, run_dir: Path, export_dir: Path, manifest: dict,
+def _deploy_and_coordinate(s: LaunchSettings, stage_devices, spares, run_dir: Path, export_dir: Path, manifest: Manifest,
                            shard: Path, plan, key_file: Path, run_id: str, control, windows: WindowPlan, injection,
                            say) -> Launched:
     from zl_device.devices.deploy import deploy, deploy_stage
     from zl_device.executorch.coordinator import Coordinator, StagePlan
 
-    num_stages = stage_count(manifest)
+    num_stages = len(manifest.stages)
     s.policy.check_devices(stage_devices)  # a device the policy cannot read fails before any config is written
     configs = stage_configs(s, manifest, export_dir, shard, plan, key_file, run_id, windows)
     deployed = {k: dict(cfg) for k, cfg in configs.items()}
@@ -191,16 +191,16 @@ def _deploy_and_coordinate(s: LaunchSettings, stage_devices, spares, run_dir: Pa
     return Launched(coordinator, run_id, windows)
 
 
-def stage_configs(s: LaunchSettings, manifest: dict, export_dir: Path, shard: Path, plan, key_file: Path,
+def stage_configs(s: LaunchSettings, manifest: Manifest, export_dir: Path, shard: Path, plan, key_file: Path,
                   run_id: str, windows: WindowPlan) -> dict[int, dict]:
     """The runner config of every stage (host paths; deploy pushes the files and rewrites them)."""
-    num_stages = stage_count(manifest)
+    num_stages = len(manifest.stages)
     optimizer = s.optimizer.for_windows(windows.num_windows)
     configs = {}
     for addresses in plan.stages:
         k = addresses.stage
         cfg = {
-            "program": str(export_dir / manifest["stages"][k]["file"]),
+            "program": str(export_dir / manifest.stages[k].file),
             "manifest": str(export_dir / MANIFEST),
             "stage_index": k,
             "num_stages": num_stages,
@@ -231,7 +231,7 @@ def stage_configs(s: LaunchSettings, manifest: dict, export_dir: Path, shard: Pa
     return configs
 
 
-def entry_bytes(manifest: dict, k: int) -> int:
+def entry_bytes(manifest: Manifest, k: int) -> int:
     """Bytes of one input entry of stage k: a DATA frame's tensors (stage 0: a shard row)."""
-    b, sl, d = manifest["micro_batch"], manifest["seq_len"], manifest["model"]["hidden_size"]
+    b, sl, d = manifest.options.micro_batch, manifest.options.seq_len, manifest.model.hidden_size
     return 3 * b * sl * 8 if k == 0 else b * sl * d * 4 + 2 * b * sl * 8

@@ -18,7 +18,7 @@ from zl_base.errors import ZLError
 from zl_device.formats.injection import Injection
 from zl_device.formats.run_layout import MANIFEST, METRICS, RUN_KEY, SETTINGS_FILE, stage_config_name
 from zl_device.run.runtime import Run, RunRecord, Runtime
-from zl_export.manifest import Manifest, read_manifest
+from zl_export.manifest import Manifest
 from zl_export.options import ProgramSettings
 
 
@@ -35,13 +35,12 @@ class ExecuTorchRuntime(Runtime):
 
         s = run.settings
         self.shard = shard
-        # self.manifest: the JSON object, which launch (executorch/launch.py) reads by key
         # A backprop schedule runs programs that take grad_hidden and give grad_input (docs/design.md §3.8).
         program = ProgramSettings(kind="backprop") if s.backprop else None
         self.export_dir, self.manifest = export_cached(s, opts, run.model.loaded, run.say, run.export_progress,
                                                        calibration=shard, program=program)
         shutil.copyfile(self.export_dir / MANIFEST, run.layout.manifest)
-        return read_manifest(run.layout.manifest)
+        return self.manifest
 
     def run(self, run: Run, injection: Injection | None, on_update) -> bool:
         from zl_device.devices.registry import open_devices

@@ -434,6 +434,14 @@ def test_cli_deploy_and_pull_local(tmp_path):
     assert isinstance(result.exception, ZLError) and "local-2 does not exist" in str(result.exception)
 
 
+def test_cli_deploy_refuses_a_host_runner_for_phones(tmp_path):
+    """`zl deploy --runner` checks a phone's runner before any adb call, as `zl train --runner` does."""
+    result = CliRunner().invoke(cli_app(), ["deploy", "--devices", "R58M123", "--export", str(make_export(tmp_path)),
+                                            "--runner", sys.executable])
+    assert isinstance(result.exception, ZLError), result.output
+    assert "is not an AArch64 ELF executable" in str(result.exception)
+
+
 # --- the real zl_runner through the local backend -----------------------------------------------------------
 
 

@@ -171,6 +171,12 @@ def run_deploy(args: DeployArgs) -> None:
                       "--program FILE.pte (a `zl export-model` program), e.g. zl deploy -d local:2 -e runs/export.")
     if args.export is None and configs is not None:
         raise ZLError(f"--configs {configs}: stage configs go with the stage programs of --export; pass --export.")
+    if args.runner is not None:
+        from zl_device.devices.registry import LOCAL, check_runner, parse_devices
+
+        spec = parse_devices(args.devices)
+        if spec.kind != LOCAL:  # phones: an AArch64 build, and none in app mode (local devices run what they get)
+            check_runner(spec, args.mode, args.runner, None)
     opened = open_devices(args.devices, args.run_dir, mode=args.mode)
     with _progress() as progress:
         task = progress.add_task("deploy", total=None)

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cinttypes>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <string>
 #include <thread>
@@ -192,7 +193,10 @@ Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums
     record.stage = c.stage_index;
     record.window = window;
     record.micro_batches = sums.count;
-    record.mean_loss = sums.count > 0 ? sums.loss / sums.count : 0;
+    // A backprop stage before the last summed <h, grad_hidden>: no loss to show (null), as in its micro-batch lines.
+    record.mean_loss = backprop() && program_->takes_gradient() ? std::numeric_limits<double>::quiet_NaN()
+                       : sums.count > 0                         ? sums.loss / sums.count
+                                                                : 0;
     record.mean_task_loss = sums.count > 0 ? sums.task / sums.count : 0;
     record.mean_consistency_loss = sums.count > 0 ? sums.consistency / sums.count : 0;
     record.lr = lr;

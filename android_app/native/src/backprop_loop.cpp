@@ -44,11 +44,7 @@ Status StageRunner::loop_backprop() {
   int64_t done = start_mb_;
   const Clock::time_point run_start = Clock::now();
   const double cpu_start = process_cpu_s();
-  report([&](StageProgress* p) {
-    p->phase = "running";
-    p->micro_batches_done = start_mb_;
-    p->committed_window = restored_window_.value_or(-1);
-  });
+  report_running();
   for (const ScheduleOp& op : ops) {
     const int64_t mb = op.micro_batch;
     if (stopping(stop_)) return stop_status("before micro-batch " + std::to_string(mb));
@@ -71,15 +67,7 @@ Status StageRunner::loop_backprop() {
       sums = WindowSums();
     }
     done = mb + 1;
-    report([&](StageProgress* p) {
-      p->micro_batches_done = done;
-      p->window = window;
-      if (window_end) p->committed_window = window;
-      p->loss = program_->takes_gradient() ? std::nullopt : std::optional<double>(record.loss);
-      p->pss_mib = record.pss_mib;
-      p->temperature_c = record.temperature_c;
-    });
-    if (control_) control_->update_progress(done, window);
+    report_done(mb, window_end, record, program_->takes_gradient() ? std::nullopt : std::optional<double>(record.loss));
   }
   finish_run(done - start_mb_, ms_since(run_start) / 1000.0, process_cpu_s() - cpu_start);
   return Status();

@@ -218,11 +218,7 @@ Status StageRunner::loop() {
   int64_t done = start_mb_;
   const Clock::time_point run_start = Clock::now();
   const double cpu_start = process_cpu_s();
-  report([&](StageProgress* p) {
-    p->phase = "running";
-    p->micro_batches_done = start_mb_;
-    p->committed_window = restored_window_.value_or(-1);
-  });
+  report_running();
   for (int64_t mb = start_mb_; mb < c.num_micro_batches; ++mb) {
     if (stopping(stop_)) return stop_status("before micro-batch " + std::to_string(mb));
     const int64_t window = plan_.window_of(mb);
@@ -244,18 +240,32 @@ Status StageRunner::loop() {
       snapshot_accumulator(mb, sums);
     }
     done = mb + 1;
-    report([&](StageProgress* p) {
-      p->micro_batches_done = done;
-      p->window = window;
-      if (window_end) p->committed_window = window;
-      p->loss = forward_only_ ? std::nullopt : std::optional<double>(record.loss);
-      p->pss_mib = record.pss_mib;
-      p->temperature_c = record.temperature_c;
-    });
-    if (control_) control_->update_progress(done, window);
+    report_done(mb, window_end, record, forward_only_ ? std::nullopt : std::optional<double>(record.loss));
   }
   finish_run(done - start_mb_, ms_since(run_start) / 1000.0, process_cpu_s() - cpu_start);
   return Status();
+}
+
+void StageRunner::report_running() {
+  report([&](StageProgress* p) {
+    p->phase = "running";
+    p->micro_batches_done = start_mb_;
+    p->committed_window = restored_window_.value_or(-1);
+  });
+}
+
+void StageRunner::report_done(int64_t mb, bool window_end, const MicroBatchRecord& record,
+                              std::optional<double> loss) {
+  const int64_t window = plan_.window_of(mb);
+  report([&](StageProgress* p) {
+    p->micro_batches_done = mb + 1;
+    p->window = window;
+    if (window_end) p->committed_window = window;
+    p->loss = loss;
+    p->pss_mib = record.pss_mib;
+    p->temperature_c = record.temperature_c;
+  });
+  if (control_) control_->update_progress(mb + 1, window);
 }
 
 Status StageRunner::run_micro_batch(int64_t mb, MicroBatchRecord* record, StageStepResult* result) {

@@ -117,6 +117,9 @@ class StageRunner {
 
   // loop(): per micro-batch, then per window; finish_run() after the last.
   Status loop();
+  void report_running();  // the progress board: running from start_mb_
+  /// The progress board and the coordinator: micro-batch `mb` done (`loss`: none on a stage without one).
+  void report_done(int64_t mb, bool window_end, const MicroBatchRecord& record, std::optional<double> loss);
   // loop_backprop(): a backprop schedule's operations (backprop_loop.cpp).
   bool backprop() const { return schedule_ != PipelineSchedule::kZeroLock; }
   Status check_program_kind() const;

@@ -81,16 +81,7 @@ Status StageRunner::forward_op(int64_t mb) {
   // The version an uninterrupted run forwards on: the current one, but after a restart from a checkpoint taken
   // with micro-batches in flight, whose first forwards re-run on the older version it kept.
   const int64_t version = forward_version(schedule_, c.stage_index, c.num_stages, plan_, mb);
-  const std::vector<std::vector<float>>* stashed = nullptr;
-  if (version != optimizer_->step_count()) {
-    stashed = versions_.kept(version);
-    if (stashed == nullptr || version > optimizer_->step_count()) {
-      return Status(StatusCode::kInternal, "the forward of micro-batch " + std::to_string(mb) + " runs on weight " +
-                                               "version " + std::to_string(version) + ", the stage has taken " +
-                                               std::to_string(optimizer_->step_count()) + " steps and kept " +
-                                               std::to_string(versions_.num_kept()) + " older versions");
-    }
-  }
+  ZL_ASSIGN_OR_RETURN(const std::vector<std::vector<float>>* stashed, weights_of(version, mb));
   versions_.forwarded(mb, version);
   if (!program_->is_last()) {
     const WeightSwap swap(program_->parameters(), stashed);
@@ -102,6 +93,18 @@ Status StageRunner::forward_op(int64_t mb) {
   }
   in_flight_.emplace(mb, std::move(f));
   return Status();
+}
+
+Result<const std::vector<std::vector<float>>*> StageRunner::weights_of(int64_t version, int64_t mb) const {
+  if (version == optimizer_->step_count()) return nullptr;  // the current weights: nothing to swap in
+  const std::vector<std::vector<float>>* kept = versions_.kept(version);
+  if (kept == nullptr || version > optimizer_->step_count()) {
+    return Status(StatusCode::kInternal, "micro-batch " + std::to_string(mb) + " runs on weight version " +
+                                             std::to_string(version) + "; the stage has taken " +
+                                             std::to_string(optimizer_->step_count()) + " steps and kept " +
+                                             std::to_string(versions_.num_kept()) + " older versions");
+  }
+  return kept;
 }
 
 Status StageRunner::take_grad(int64_t mb, double* wait_ms) {
@@ -164,14 +167,7 @@ Status StageRunner::backward_op(int64_t mb, MicroBatchRecord* record, StageStepR
   inputs.grad_hidden = program_->takes_gradient() ? grad_hidden_.data() : nullptr;
 
   const int64_t version = versions_.version_of(mb);
-  const std::vector<std::vector<float>>* stashed = nullptr;
-  if (version != optimizer_->step_count()) {
-    stashed = versions_.kept(version);
-    if (stashed == nullptr) {
-      return Status(StatusCode::kInternal, "micro-batch " + std::to_string(mb) + " ran forward on weight version " +
-                                               std::to_string(version) + ", which was not kept");
-    }
-  }
+  ZL_ASSIGN_OR_RETURN(const std::vector<std::vector<float>>* stashed, weights_of(version, mb));
   Clock::time_point t = Clock::now();
   {
     const WeightSwap swap(program_->parameters(), stashed);

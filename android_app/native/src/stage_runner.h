@@ -128,6 +128,8 @@ class StageRunner {
   Status backward_op(int64_t mb, MicroBatchRecord* record, StageStepResult* result);
   Status inputs_of(int64_t mb, const InputEntry& entry, StageInputs* inputs);
   Status take_grad(int64_t mb, double* wait_ms);
+  /// The kept weights micro-batch `mb` runs on at `version` (nullptr: the current ones); kInternal if not kept.
+  Result<const std::vector<std::vector<float>>*> weights_of(int64_t version, int64_t mb) const;
   Status send_grad(int64_t mb, const float* grad_input);
   Status run_micro_batch(int64_t mb, MicroBatchRecord* record, StageStepResult* result);
   Status take_input(int64_t mb, InputEntry* entry, StageInputs* inputs, double* queue_ms);

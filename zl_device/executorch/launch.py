@@ -22,7 +22,7 @@ from zl_base.errors import ZLError
 from zl_device.devices.backend import Device
 from zl_device.executorch.device_policy import DevicePolicy
 from zl_device.formats.lr_schedule import OptimizerSettings, runs_forward_only
-from zl_device.formats.schedules import schedule_name
+from zl_device.formats.schedules import is_backprop, schedule_name
 from zl_device.formats.run_layout import CHECKPOINTS_DIR, MANIFEST, METRICS, RunLayout
 from zl_device.formats.windows import WindowPlan
 from zl_export.manifest import Manifest
@@ -181,7 +181,7 @@ def _deploy_and_coordinate(s: LaunchSettings, stage_devices, spares, run_dir: Pa
     coordinator = Coordinator(plans, windows, control, s.recovery, injection, spares, s.heartbeat_timeout_s,
                               s.timeout_s, redeploy, resume=s.resume, stall_timeout_s=s.stall_timeout_s,
                               standby=s.standby, max_restarts=s.max_restarts, policy=s.policy,
-                              backprop=s.schedule != "zerolock")
+                              backprop=is_backprop(s.schedule))
     for k, cfg in configs.items():  # the display's "held still" before any telemetry (phones report none)
         coordinator.status[k].forward_only = runs_forward_only(cfg["optimizer"]["lr"], k, num_stages)
     say(f"run: {s.samples} samples, {windows.num_micro_batches} micro-batches in {windows.num_windows} windows of "
@@ -219,7 +219,7 @@ def stage_configs(s: LaunchSettings, manifest: Manifest, export_dir: Path, shard
             "optimizer": optimizer.config(s.stage_lr_of(k)),
             **addresses.config_fields(),
         }
-        if s.schedule != "zerolock":  # configs of ZeroLock runs stay as they were
+        if is_backprop(s.schedule):  # configs of ZeroLock runs stay as they were
             cfg.update(schedule=schedule_name(s.schedule), grad_wire_dtype=s.grad_dtype)
         if k == 0:
             cfg["data_shard"] = str(shard)

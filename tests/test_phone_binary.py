@@ -128,8 +128,22 @@ def test_runner_runs_under_qemu_with_nothing_from_the_host():
     # An empty environment and no -L: qemu has no sysroot to give the binary.
     proc = subprocess.run([QEMU, str(RUNNER), "--version"], env={}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("zl_runner ") and proc.stdout.rstrip().endswith("aarch64 static"), proc.stdout
+    assert proc.stdout.startswith("zl_runner ") and " aarch64 static kernels=" in proc.stdout, proc.stdout
     assert " executorch 1." in proc.stdout
+
+
+@needs_binary
+@pytest.mark.parametrize("cpu, path, features", [
+    ("cortex-a53", "baseline", "none"),              # armv8.0: Cortex-A53/A73-class phones
+    ("cortex-a76", "baseline", "fp16,dotprod"),      # armv8.2 with dotprod, no bf16
+    ("max", "bf16", "fp16,dotprod,bf16,i8mm"),       # FEAT_BF16: Cortex-A510/A710/X2 and later
+])
+def test_runner_picks_its_kernel_path_from_the_cpu(cpu: str, path: str, features: str):
+    """One binary, two kernel paths (docs/design.md §4.1): --version names the one the CPU's hwcaps select."""
+    proc = subprocess.run([QEMU, "-cpu", cpu, str(RUNNER), "--version"], env={}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip().endswith(f" aarch64 static kernels={path} cpu={features}"), proc.stdout
 
 
 @pytest.mark.slow
@@ -242,7 +256,7 @@ def test_deploy_and_devices_say_which_runner_the_phone_holds(arm64_phones, tmp_p
         assert _sha256(phone.local("/data/local/tmp/zerolock/zl_runner")) == want  # the device side's copy
         line = next(ln for ln in result.stdout.splitlines() if ln.startswith(f"{phone.serial}: stage"))
         assert line.endswith(f", runner {version.removeprefix('zl_runner ')} (sha256 {want[:12]})"), line
-    assert version.endswith(" aarch64 static") and " executorch 1." in version
+    assert " aarch64 static kernels=" in version and " executorch 1." in version
     result = CliRunner().invoke(cli_app(), ["devices", "--json"])
     assert result.exit_code == 0, result.output
     runners = {r["name"]: r["runner"] for r in map(json.loads, result.stdout.splitlines())}

@@ -69,7 +69,9 @@ class DeviceInfo:
     android: str = ""  # Android version (ro.build.version.release); "" for local
     note: str = ""  # what to do when state is not "ready", or extra detail
     app: str = ""  # versionName of the installed com.zerolock.zl app (phones); "" when not installed
-    runner: str = ""  # `zl_runner --version` of the runner it holds ("zl_runner 0.1.0 executorch 1.5.0 aarch64 static")
+    # `zl_runner --version` of the runner it holds, e.g. "zl_runner 0.1.0 executorch 1.5.0 aarch64 static
+    # kernels=bf16 cpu=fp16,dotprod,bf16,i8mm" (the kernel path this device's CPU gets, docs/design.md §4.1)
+    runner: str = ""
 
 
 @dataclass(frozen=True)

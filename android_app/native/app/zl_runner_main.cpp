@@ -4,7 +4,7 @@
 //   zl_runner --config stage1.json --resume   restore the latest checkpoint even if "resume": false
 //   zl_runner --config stage1.json --standby  a hot standby: load, then wait for SIGUSR1 to take over
 //   zl_runner --help                          usage and every config field
-//   zl_runner --version                       zl's and ExecuTorch's versions, the build (static or not)
+//   zl_runner --version                       zl's and ExecuTorch's versions, the build (static or not), the kernel path
 //
 // Stdout gets JSON event lines ({"event": "listening", "port": ...},
 // {"event": "done", ...}); diagnostics go to stderr; telemetry to the
@@ -19,6 +19,7 @@
 #include <optional>
 #include <string>
 
+#include "zl/cpu_features.h"
 #include "zl/log.h"
 #include "zl/runner.h"
 #include "zl/runner_config.h"
@@ -81,8 +82,10 @@ std::optional<int> parse_args(int argc, char** argv, Args* args) {
       std::fputs(zl::runner_config_help().c_str(), stdout);
       return 0;
     } else if (arg == "--version") {
-      // One line a deployer can check on the device (which binary, which runtime).
-      std::printf("zl_runner %s executorch %s %s %s\n", ZL_VERSION, ZL_RUNNER_ET_VERSION,
+      // One line a deployer can check on the device (which binary, which
+      // runtime, which kernel path this CPU gets and, on arm64, the
+      // extensions its hwcaps name).
+      std::printf("zl_runner %s executorch %s %s %s kernels=%s%s\n", ZL_VERSION, ZL_RUNNER_ET_VERSION,
 #if defined(__aarch64__)
                   "aarch64",
 #elif defined(__x86_64__)
@@ -91,9 +94,15 @@ std::optional<int> parse_args(int argc, char** argv, Args* args) {
                   "other-arch",
 #endif
 #ifdef ZL_STATIC_BINARY
-                  "static");
+                  "static",
 #else
-                  "dynamic");
+                  "dynamic",
+#endif
+                  zl::kernel_path_name(zl::kernel_path()),
+#if defined(__aarch64__)
+                  (" cpu=" + zl::cpu_features_str(zl::cpu_features())).c_str());
+#else
+                  "");
 #endif
       return 0;
     } else if (arg == "--config" && i + 1 < argc) {

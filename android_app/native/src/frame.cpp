@@ -668,22 +668,6 @@ Frame make_data_frame(const RunId& run_id, uint32_t stage, uint64_t window, uint
   return f;
 }
 
-uint16_t bf16_from_f32(float value) {
-  uint32_t bits = 0;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);  // quiet NaN
-  // Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, then truncate.
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-float f32_from_bf16(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out = 0;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
-
 Result<Frame> make_grad_frame(const RunId& run_id, uint32_t stage, uint64_t window, uint64_t micro_batch,
                               int64_t batch, int64_t seq_len, int64_t hidden_size, const float* grad_hidden,
                               DType wire_dtype) {
@@ -704,11 +688,10 @@ Result<Frame> make_grad_frame(const RunId& run_id, uint32_t stage, uint64_t wind
     const auto* b = reinterpret_cast<const uint8_t*>(grad_hidden);
     t.data.assign(b, b + n * sizeof(float));
   } else {
-    t.data.resize(n * sizeof(uint16_t));
-    for (size_t i = 0; i < n; ++i) {
-      const uint16_t h = bf16_from_f32(grad_hidden[i]);
-      std::memcpy(t.data.data() + 2 * i, &h, sizeof(h));
-    }
+    std::vector<uint16_t> narrow(n);
+    narrow_to_bf16(grad_hidden, narrow.data(), n);
+    const auto* b = reinterpret_cast<const uint8_t*>(narrow.data());
+    t.data.assign(b, b + n * sizeof(uint16_t));
   }
   f.tensors.push_back(std::move(t));
   return f;
@@ -735,11 +718,9 @@ Result<std::vector<float>> grad_hidden_f32(const Frame& frame, int64_t batch, in
   if (t.dtype == DType::kFloat32) {
     std::memcpy(out.data(), t.data.data(), n * sizeof(float));
   } else {
-    for (size_t i = 0; i < n; ++i) {
-      uint16_t h = 0;
-      std::memcpy(&h, t.data.data() + 2 * i, sizeof(h));
-      out[i] = f32_from_bf16(h);
-    }
+    std::vector<uint16_t> narrow(n);  // t.data has no alignment to offer uint16_t
+    std::memcpy(narrow.data(), t.data.data(), n * sizeof(uint16_t));
+    widen_from_bf16(narrow.data(), out.data(), n);
   }
   return out;
 }

@@ -16,6 +16,7 @@
 #include "stage_runner.h"
 #include "zl/accumulator_snapshot.h"
 #include "zl/checkpoint_layout.h"
+#include "zl/cpu_features.h"
 #include "zl/durable_file.h"
 #include "zl/input_log.h"
 #include "zl/host_port.h"
@@ -76,6 +77,9 @@ Status StageRunner::setup() {
 
 Status StageRunner::load_program() {
   const RunnerConfig& c = config_;
+  // Which kernel variants this CPU gets (docs/design.md §4.1, kernel paths).
+  log(LogLevel::kInfo, "kernel path: %s (cpu features: %s)", kernel_path_name(kernel_path()),
+      cpu_features_str(cpu_features()).c_str());
   StageProgramOptions program_options;
   program_options.program_path = c.program;
   program_options.manifest_path = c.manifest;

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "zl/bf16.h"  // bf16_from_f32, f32_from_bf16: the GRAD wire dtype
 #include "zl/status.h"
 
 namespace zl {
@@ -263,11 +264,6 @@ std::string check_grad_frame(const Frame& frame, int64_t batch, int64_t seq_len,
 /// [batch, seq_len, hidden_size].
 Result<std::vector<float>> grad_hidden_f32(const Frame& frame, int64_t batch, int64_t seq_len,
                                            int64_t hidden_size);
-
-/// float32 -> bfloat16 bits, round to nearest, ties to even (NaN stays a quiet NaN).
-uint16_t bf16_from_f32(float value);
-/// bfloat16 bits -> float32 (exact: bf16 is the top half of a float32).
-float f32_from_bf16(uint16_t bits);
 
 /// A header-only frame (ACK, STOP, ...) with an optional JSON payload.
 Frame make_control_frame(FrameType type, const RunId& run_id, uint32_t stage, uint64_t window,

@@ -23,7 +23,10 @@
 #                Debian's aarch64 GCC, its static glibc, the multiarch arm64
 #                libsodium.a and libgtest.a, and Eigen's GEMM (header only)
 # --test then checks: `file` says statically linked; `env -i qemu-aarch64
-# zl_runner --version` runs; ctest runs every suite under qemu-aarch64 (no -L).
+# zl_runner --version` runs and names the kernel path each `-cpu` gets
+# (cortex-a53, cortex-a76: baseline; max: bf16); ctest runs every suite under
+# qemu-aarch64 (no -L) on -cpu max and on -cpu cortex-a53; one 3-stage step
+# equals x86's, and is bit-identical on both CPUs.
 #
 # Debian packages: gcc-aarch64-linux-gnu g++-aarch64-linux-gnu
 # libc6-dev-arm64-cross qemu-user libsodium-dev:arm64 libgtest-dev:arm64
@@ -152,6 +155,18 @@ version=$(env -i "$(command -v qemu-aarch64)" "$RUNNER" --version) || die "qemu-
 echo "  $version"
 case "$version" in *"aarch64 static"*) ;; *) die "--version does not say 'aarch64 static': $version" ;; esac
 
+# The kernel path each class of phone CPU gets (docs/design.md §4.1): qemu's
+# -cpu sets the hwcaps the binary reads. cortex-a53: armv8.0; cortex-a76:
+# armv8.2 with dotprod and fp16, no bf16; max: everything (bf16, i8mm).
+say "the kernel path per CPU (qemu-aarch64 -cpu)"
+for want in "cortex-a53 kernels=baseline cpu=none" "cortex-a76 kernels=baseline cpu=fp16,dotprod" \
+            "max kernels=bf16 cpu=fp16,dotprod,bf16,i8mm"; do
+  cpu=${want%% *}
+  got=$(env -i "$(command -v qemu-aarch64)" -cpu "$cpu" "$RUNNER" --version) || die "qemu-aarch64 -cpu $cpu $RUNNER --version"
+  [ "${got#* static }" = "${want#* }" ] || die "-cpu $cpu: --version says '$got', expected '... static ${want#* }'"
+  echo "  -cpu $cpu: ${got#* static }"
+done
+
 # The x86 reference (zl_step_check and the kernel library the export loads)
 # against the venv's wheel, and a tiny-random 3-stage export, as
 # tools/check_arm64.sh makes them.
@@ -173,13 +188,21 @@ fi
 # (it skips itself); leaving it out keeps "none skipped" meaningful.
 EXCLUDE=()
 [ "$THREADPOOL" = ON ] || EXCLUDE=(-E 'ThreadSplitIsBitIdenticalToOneThread')
-say "every C++ suite under qemu-aarch64 (log: $OUT/ctest.log)"
-ZL_TEST_EXPORT_DIR=$EXPORT ZL_MARKER_TEST_PTE=$EXPORT/stage_1.pte nice -n 10 ctest --test-dir "$OUT/zl" \
-  "${EXCLUDE[@]}" --output-on-failure -j"$JOBS" --timeout 600 >"$OUT/ctest.log" 2>&1 ||
-  { grep -E 'Failed|\*\*\*' "$OUT/ctest.log" | tail -30; die "ctest under qemu (log: $OUT/ctest.log)"; }
-grep -q 'tests did not run' "$OUT/ctest.log" &&
-  { sed -n '/tests did not run/,$p' "$OUT/ctest.log"; die "tests skipped under qemu (log: $OUT/ctest.log)"; }
-echo "  $(grep -E 'tests passed' "$OUT/ctest.log"), none skipped"
+# Twice: on the bf16 path (-cpu max, where Bf16Test also compares BFCVTN
+# with the baseline bit for bit) and on the baseline of an armv8.0 phone
+# (-cpu cortex-a53: any instruction past armv8.0 would be SIGILL there).
+# QEMU_CPU is qemu's -cpu; ZL_EXPECT_KERNEL_PATH tells Bf16Test which path it must see.
+for run in "max bf16" "cortex-a53 baseline"; do
+  cpu=${run% *} path=${run#* }
+  log=$OUT/ctest-$cpu.log
+  say "every C++ suite under qemu-aarch64 -cpu $cpu, $path path (log: $log)"
+  QEMU_CPU=$cpu ZL_EXPECT_KERNEL_PATH=$path ZL_TEST_EXPORT_DIR=$EXPORT ZL_MARKER_TEST_PTE=$EXPORT/stage_1.pte \
+    nice -n 10 ctest --test-dir "$OUT/zl" "${EXCLUDE[@]}" --output-on-failure -j"$JOBS" --timeout 600 >"$log" 2>&1 ||
+    { grep -E 'Failed|\*\*\*' "$log" | tail -30; die "ctest under qemu -cpu $cpu (log: $log)"; }
+  grep -q 'tests did not run' "$log" &&
+    { sed -n '/tests did not run/,$p' "$log"; die "tests skipped under qemu -cpu $cpu (log: $log)"; }
+  echo "  $(grep -E 'tests passed' "$log"), none skipped"
+done
 
 say "one step through the 3 stages: x86, and the static aarch64 binary under qemu (logs: $OUT/step_*.log)"
 nice -n 10 "$OUT/x86/android_app/native/zl_step_check" --export-dir "$EXPORT" \
@@ -195,4 +218,13 @@ echo "  files opened: $(grep -oE '(openat|open)\([^"]*"[^"]*"' "$OUT/step_arm64.
 compare=$("$VENV_PY" "$ROOT/tools/compare_step.py" "$OUT/step_x86.safetensors" "$OUT/step_arm64.safetensors" \
   "${ZL_LOSS_RTOL:-1e-5}" "${ZL_GRAD_ATOL:-1e-6}") || { echo "$compare"; die "x86 and static aarch64 numbers differ beyond the limits"; }
 echo "$compare" | sed 's/^/  /'
+# The same step on an armv8.0 CPU: it runs (nothing past armv8.0 outside the
+# dispatched kernels) and gives the very bytes of the default (-cpu max) run.
+say "the same step on the baseline path (qemu-aarch64 -cpu cortex-a53; log: $OUT/step_arm64_a53.log)"
+nice -n 10 env -i "$(command -v qemu-aarch64)" -cpu cortex-a53 "$STEP" --export-dir "$EXPORT" \
+  --out "$OUT/step_arm64_a53.safetensors" >"$OUT/step_arm64_a53.log" 2>&1 ||
+  { cat "$OUT/step_arm64_a53.log"; die "aarch64 step on -cpu cortex-a53"; }
+cmp -s "$OUT/step_arm64.safetensors" "$OUT/step_arm64_a53.safetensors" ||
+  die "the step's outputs differ between -cpu max and -cpu cortex-a53 ($OUT/step_arm64*.safetensors)"
+echo "  bit-identical to -cpu max"
 say "OK"

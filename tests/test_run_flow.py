@@ -22,12 +22,16 @@ def test_every_runtime_option_has_a_runtime():
 
 
 def test_the_run_event_is_one_line_for_both_runtimes():
-    from zl_device.run.runtime import RunRecord, run_event
+    from zl_device.formats.run_layout import RunLayout
+    from zl_device.run.resolved_run import ResolvedRun
+    from zl_device.run.runtime import Run, RunRecord, run_event
     from zl_device.run.train_settings import TrainSettings
+    from zl_export.options import ModelSplit
 
-    s = TrainSettings(samples=10, window=4)
+    s = TrainSettings(samples=10, window=4, split=ModelSplit(num_stages=2))
+    run = Run(s, ResolvedRun.of(s, 64, 4), RunLayout("."), None, None, print)
     record = RunRecord([], 1_000, 5_000, "ab" * 16, ["rank-0", "rank-1"], {"launch_s": 1.5})
-    event = run_event(s, 2, record)
+    event = run_event(run, record)
     assert event == {"type": "run", "start_unix_ms": 1_000, "end_unix_ms": 5_000, "samples": 10, "run_id": "ab" * 16,
                      "num_stages": 2, "window_size": 4, "num_micro_batches": 10, "recovery": "local",
                      "devices": ["rank-0", "rank-1"], "launch_s": 1.5}
@@ -85,15 +89,12 @@ def test_resume_needs_what_its_runtime_needs_before_anything_runs(tmp_path):
         assert said == [] and sorted(p.name for p in run_dir.iterdir()) == ["UNFINISHED.txt", "train_settings.json"]
 
 
-def test_a_resume_keeps_the_stage_lr_the_run_started_with(tmp_path):
-    """The chosen --stage-lr goes into RUN_DIR's settings (record_stage_lr), so a resume under a zl whose default
-    differs continues as the run began; a run that never recorded it (started before) resumes with the multipliers
-    its stages' configs hold."""
-    from dataclasses import replace
-
+def test_a_resume_of_a_run_older_than_its_resolved_run_reads_the_stage_lr_off_its_configs(tmp_path):
+    """A run started before zl wrote resolved_run.json, whose settings do not record --stage-lr either, resumes
+    with the multipliers its stages' configs hold (a run with one reads it back: tests/test_resolved_run.py)."""
     from zl_base.settings import to_json
     from zl_device.formats.run_layout import RunLayout
-    from zl_device.run.train_job import record_stage_lr, resumed_settings
+    from zl_device.run.train_job import resumed_settings
     from zl_device.run.train_settings import TrainSettings
 
     layout = RunLayout(tmp_path)
@@ -105,17 +106,12 @@ def test_a_resume_keeps_the_stage_lr_the_run_started_with(tmp_path):
         layout.stage_config(k).write_text(json.dumps({"optimizer": {"lr": lr * m}}))
     assert resumed_settings(TrainSettings(resume=True, out=tmp_path)).stage_lr == (1.0, 1.0, 2.0)
 
-    record_stage_lr(layout, replace(started, stage_lr=(0.0, 0.0, 1.0)))
-    assert json.loads(layout.settings.read_text())["stage_lr"] == [0.0, 0.0, 1.0]
-    assert resumed_settings(TrainSettings(resume=True, out=tmp_path)).stage_lr == (0.0, 0.0, 1.0)
-    record_stage_lr(layout, replace(started, stage_lr=(1.0,)))  # recorded once: it stays
-    assert json.loads(layout.settings.read_text())["stage_lr"] == [0.0, 0.0, 1.0]
-
-    layout.settings.write_text(json.dumps(to_json(started)))  # unrecorded again, and a config cut short
-    layout.stage_config(1).write_text('{"optimizer": ')
+    layout.stage_config(1).write_text('{"optimizer": ')  # a config cut short
     with pytest.raises(ZLError, match=r"^--resume --out .*: .*stage_1.json is not a runner config with an optimizer "
                                       r"lr \(JSONDecodeError: .*\); restore the file \(each device holds a copy\)"):
         resumed_settings(TrainSettings(resume=True, out=tmp_path))
+    layout.resolved.write_text("{}")  # a run with a resolved run: its configs are not read
+    assert resumed_settings(TrainSettings(resume=True, out=tmp_path)).stage_lr is None
 
 
 def test_every_schedule_is_in_the_table_under_its_name():

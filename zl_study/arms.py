@@ -165,9 +165,10 @@ def parse_arm(spec: str) -> Arm:
 
 def held_still(arm: Arm, stage: int, num_stages: int) -> bool:
     """Whether `arm` holds `stage` still (runs it forward only), by the runtimes' rule on its lr multiplier there."""
-    from zl_device.formats.lr_schedule import runs_forward_only
+    from zl_device.formats.stage_spec import FORWARD, stage_role
 
-    return runs_forward_only(arm.stage_lr[0 if len(arm.stage_lr) == 1 else stage], stage, num_stages)
+    lr = arm.stage_lr[0 if len(arm.stage_lr) == 1 else stage]
+    return stage_role(lr, stage, num_stages, "zerolock") == FORWARD
 
 
 def without_held_exits(arm: Arm, result: dict) -> dict:

@@ -21,9 +21,10 @@ from typing import Protocol
 from zl_base.errors import ZLError
 from zl_device.devices.backend import Device
 from zl_device.executorch.device_policy import DevicePolicy
-from zl_device.formats.lr_schedule import OptimizerSettings, runs_forward_only
-from zl_device.formats.schedules import is_backprop, schedule_name
+from zl_device.formats.lr_schedule import OptimizerSettings
+from zl_device.formats.schedules import is_backprop
 from zl_device.formats.run_layout import CHECKPOINTS_DIR, MANIFEST, METRICS, RunLayout
+from zl_device.formats.stage_spec import StageSpec
 from zl_device.formats.windows import WindowPlan
 from zl_export.manifest import Manifest
 
@@ -46,12 +47,18 @@ class LaunchSettings(Protocol):
     threads: int
     load_mode: str
     accumulator_snapshots: bool
-    schedule: str  # zerolock | gpipe | 1f1b | async (pipedream: async)
     grad_dtype: str  # bf16 | f32
     policy: DevicePolicy
-    optimizer: OptimizerSettings
 
-    def stage_lr_of(self, stage: int) -> float: ...
+
+class RunPlan(Protocol):
+    """What the launch reads of a run resolved from its settings and data: zl_device/run/resolved_run.py's
+    `ResolvedRun` has it (each stage's role and learning rate, the windows, the windowed optimizer)."""
+
+    schedule: str  # zerolock | gpipe | 1f1b | async (the schedule's own name)
+    stages: tuple[StageSpec, ...]
+    windows: WindowPlan
+    optimizer: OptimizerSettings
 
 
 @dataclass
@@ -69,8 +76,8 @@ class Launched:
 
 
 @contextmanager
-def launch(s: LaunchSettings, devices: Sequence[Device], local: bool, run_dir: Path, export_dir: Path, manifest: Manifest,
-           shard: Path, windows: WindowPlan, injection, say) -> Iterator[Launched]:
+def launch(s: LaunchSettings, run_plan: RunPlan, devices: Sequence[Device], local: bool, run_dir: Path,
+           export_dir: Path, manifest: Manifest, shard: Path, injection, say) -> Iterator[Launched]:
     """Deploy the stages of `manifest` to `devices` (stages first, then spares) and yield the pipeline to run.
 
     Args:
@@ -88,8 +95,8 @@ def launch(s: LaunchSettings, devices: Sequence[Device], local: bool, run_dir: P
                        num_stages=num_stages) as control:
         plan = address_plan(stage_devices, control.address[1], local)
         try:
-            yield _deploy_and_coordinate(s, stage_devices, spares, run_dir, export_dir, manifest, shard, plan, key_file,
-                                         run_id, control, windows, injection, say)
+            yield _deploy_and_coordinate(s, run_plan, stage_devices, spares, run_dir, export_dir, manifest, shard,
+                                         plan, key_file, run_id, control, injection, say)
         finally:
             if plan.tunnels:
                 for device in devices:
@@ -153,15 +160,15 @@ def address_plan(stage_devices: Sequence[Device], coordinator_port: int, local: 
     return plan
 
 
-def _deploy_and_coordinate(s: LaunchSettings, stage_devices, spares, run_dir: Path, export_dir: Path, manifest: Manifest,
-                           shard: Path, plan, key_file: Path, run_id: str, control, windows: WindowPlan, injection,
+def _deploy_and_coordinate(s: LaunchSettings, run_plan: RunPlan, stage_devices, spares, run_dir: Path, export_dir: Path,
+                           manifest: Manifest, shard: Path, plan, key_file: Path, run_id: str, control, injection,
                            say) -> Launched:
     from zl_device.devices.deploy import deploy, deploy_stage
     from zl_device.executorch.coordinator import Coordinator, StagePlan
 
-    num_stages = len(manifest.stages)
+    num_stages, windows = len(manifest.stages), run_plan.windows
     s.policy.check_devices(stage_devices)  # a device the policy cannot read fails before any config is written
-    configs = stage_configs(s, manifest, export_dir, shard, plan, key_file, run_id, windows)
+    configs = stage_configs(s, run_plan, manifest, export_dir, shard, plan, key_file, run_id)
     deployed = {k: dict(cfg) for k, cfg in configs.items()}
     if injection:
         deployed[injection.stage]["hold_at_micro_batch"] = injection.hold_micro_batch(windows)
@@ -181,9 +188,9 @@ def _deploy_and_coordinate(s: LaunchSettings, stage_devices, spares, run_dir: Pa
     coordinator = Coordinator(plans, windows, control, s.recovery, injection, spares, s.heartbeat_timeout_s,
                               s.timeout_s, redeploy, resume=s.resume, stall_timeout_s=s.stall_timeout_s,
                               standby=s.standby, max_restarts=s.max_restarts, policy=s.policy,
-                              backprop=is_backprop(s.schedule))
-    for k, cfg in configs.items():  # the display's "held still" before any telemetry (phones report none)
-        coordinator.status[k].forward_only = runs_forward_only(cfg["optimizer"]["lr"], k, num_stages)
+                              backprop=is_backprop(run_plan.schedule))
+    for spec in run_plan.stages:  # the display's "held still" before any telemetry (phones report none)
+        coordinator.status[spec.index].forward_only = spec.forward_only
     say(f"run: {s.samples} samples, {windows.num_micro_batches} micro-batches in {windows.num_windows} windows of "
         f"{windows.window_size}, "
         f"recovery {s.recovery}" + (", hot standbys" if s.standby else "") + (f", failure injected at stage {injection.stage} window {injection.window}"
@@ -191,14 +198,15 @@ def _deploy_and_coordinate(s: LaunchSettings, stage_devices, spares, run_dir: Pa
     return Launched(coordinator, run_id, windows)
 
 
-def stage_configs(s: LaunchSettings, manifest: Manifest, export_dir: Path, shard: Path, plan, key_file: Path,
-                  run_id: str, windows: WindowPlan) -> dict[int, dict]:
-    """The runner config of every stage (host paths; deploy pushes the files and rewrites them)."""
-    num_stages = len(manifest.stages)
-    optimizer = s.optimizer.for_windows(windows.num_windows)
+def stage_configs(s: LaunchSettings, run_plan: RunPlan, manifest: Manifest, export_dir: Path, shard: Path, plan,
+                  key_file: Path, run_id: str) -> dict[int, dict]:
+    """The runner config of every stage (host paths; deploy pushes the files and rewrites them), from its
+    `StageSpec`: the one place a setting gets its runner-JSON name where that differs (stage_spec.RUNNER_NAMES)."""
+    num_stages, windows, optimizer = len(manifest.stages), run_plan.windows, run_plan.optimizer
     configs = {}
     for addresses in plan.stages:
         k = addresses.stage
+        spec = run_plan.stages[k]
         cfg = {
             "program": str(export_dir / manifest.stages[k].file),
             "manifest": str(export_dir / MANIFEST),
@@ -216,11 +224,12 @@ def stage_configs(s: LaunchSettings, manifest: Manifest, export_dir: Path, shard
             "threads": s.threads,
             "load_mode": s.load_mode,
             "accumulator_snapshots": s.accumulator_snapshots,
-            "optimizer": optimizer.config(s.stage_lr_of(k)),
+            "optimizer": optimizer.config(spec.lr),
+            "role": spec.role,  # train | forward (held still: phase 1 only); the runner never infers it from the lr
             **addresses.config_fields(),
         }
-        if is_backprop(s.schedule):  # configs of ZeroLock runs stay as they were
-            cfg.update(schedule=schedule_name(s.schedule), grad_wire_dtype=s.grad_dtype)
+        if is_backprop(spec.schedule):  # configs of ZeroLock runs stay as they were
+            cfg.update(schedule=spec.schedule, grad_wire_dtype=s.grad_dtype)
         if k == 0:
             cfg["data_shard"] = str(shard)
         if s.policy.active:

@@ -6,5 +6,7 @@
 - `stage_status.py`: `StageStatus`, a stage as the live display and the coordinator see it, folded from its telemetry;
 - `injection.py`: `Injection`, `--inject-failure STAGE@WINDOW`;
 - `checkpoints.py`: `CheckpointLayout`, where a stage's checkpoints live (the runner's layout);
-- `windows.py`: `WindowPlan`, the run's micro-batches in update windows.
+- `windows.py`: `WindowPlan`, the run's micro-batches in update windows;
+- `schedules.py`: the pipeline schedules' names;
+- `stage_spec.py`: `StageSpec`, a stage's role, learning rate and schedule, which both runtimes' configs derive from.
 """

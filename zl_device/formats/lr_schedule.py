@@ -92,9 +92,3 @@ def lr_factor(t: int, schedule: dict, total_steps: int) -> float:
         return (t + 1) / w
     p = min(max((t - w) / max(1, total - w), 0.0), 1.0)
     return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * p))
-
-
-def runs_forward_only(lr: float, stage: int, num_stages: int) -> bool:
-    """Whether a stage runs phase 1 only: held still by lr 0 and not the last (RunnerConfig::forward_only,
-    docs/design.md §4.3). Its phase 2 could not move its weights; the last stage always computes the loss."""
-    return lr == 0 and stage < num_stages - 1

@@ -1,7 +1,8 @@
 """Every path of a run directory, built in one place (docs/design.md §6).
 
     RUN_DIR/manifest.json                  the export's manifest (--runtime torch: built without an export)
-    RUN_DIR/train_settings.json            the run's settings; `zl train --resume` continues with them
+    RUN_DIR/train_settings.json            the run's settings as given; `zl train --resume` continues with them
+    RUN_DIR/resolved_run.json              what the run worked out from them and the data (run/resolved_run.py)
     RUN_DIR/UNFINISHED.txt                 until the run finishes: how to continue it (older runs: .zl-incomplete)
     RUN_DIR/run.key, stage_<k>.json        the run key (deleted when the run finishes) and the runner configs
     RUN_DIR/torch_job.json                 --runtime torch: what every rank needs
@@ -33,6 +34,7 @@ STAGES_DIR = "stages"
 CHECKPOINTS_DIR = "checkpoints"
 RUN_KEY = "run.key"
 SETTINGS_FILE = "train_settings.json"
+RESOLVED_FILE = "resolved_run.json"
 INCOMPLETE_MARKER = "UNFINISHED.txt"
 LEGACY_INCOMPLETE_MARKER = ".zl-incomplete"
 TORCH_JOB = "torch_job.json"
@@ -80,6 +82,10 @@ class RunLayout:
     @property
     def settings(self) -> Path:
         return self.root / SETTINGS_FILE
+
+    @property
+    def resolved(self) -> Path:
+        return self.root / RESOLVED_FILE
 
     @property
     def markers(self) -> tuple[Path, Path]:

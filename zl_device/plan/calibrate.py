@@ -43,7 +43,6 @@ from zl_base.errors import ZLError
 from zl_base.settings import to_json
 from zl_device.devices.backend import RUNNER_STDERR
 from zl_device.devices.registry import LOCAL, DevicesSpec
-from zl_device.formats.lr_schedule import runs_forward_only
 from zl_device.plan.costs import WARMUP_MICRO_BATCHES, Measured, StageCost, measure
 from zl_device.run.train_settings import DEMO, TrainSettings
 from zl_export.options import ModelSplit
@@ -133,14 +132,11 @@ def data_identity(s: TrainSettings) -> dict:
 
 
 def forward_only_stages(s: TrainSettings, num_stages: int) -> list[bool]:
-    """Which stages run phase 1 only: those `--stage-lr` holds still (lr 0) but the last, as the runner decides
-    (RunnerConfig::forward_only, docs/design.md §4.3). Without a --stage-lr, its default: the stages before the
-    last run forward only."""
-    from zl_device.run.train_settings import default_stage_lr
+    """Which of `num_stages` stages run phase 1 only: the roles the run resolves (`run_stage_specs`, docs/design.md
+    §4.3); without a --stage-lr, its default: under ZeroLock the stages before the last run forward only."""
+    from zl_device.run.resolved_run import run_stage_specs
 
-    if s.stage_lr is None:
-        s = replace(s, stage_lr=default_stage_lr(num_stages))
-    return [runs_forward_only(s.stage_lr_of(k), k, num_stages) for k in range(num_stages)]
+    return [spec.forward_only for spec in run_stage_specs(s, num_stages)]
 
 
 def cache_key(s: TrainSettings, spec: DevicesSpec, stage: int, quota: float | None) -> dict:
@@ -209,8 +205,8 @@ def _read_entry(path: Path, key: dict) -> dict | None:
 def _measure(s: TrainSettings, spec: DevicesSpec, names: list[str], keys: list[dict], files: list[Path], say,
              export_progress) -> Calibration:
     from zl_device.formats.run_layout import RunLayout
+    from zl_device.run.resolved_run import resolve_run
     from zl_device.run.runtime import RunModel
-    from zl_device.run.train_data import prepare_data, run_max_targets, run_seq_len
 
     num_stages = s.split.num_stages
     model = RunModel(s.split.model, s.seed)
@@ -223,16 +219,16 @@ def _measure(s: TrainSettings, spec: DevicesSpec, names: list[str], keys: list[d
         config = model.loaded().config  # the export needs it anyway; the stage count is checked before any work
         num_layers, hidden = config.num_hidden_layers, config.hidden_size
         check_stage_count(num_stages, num_layers, s.split.model)
-        seq_len = run_seq_len(s, model.tokenizer)
-        shard, _ = prepare_data(s, model.tokenizer, seq_len, RunLayout(work).data, quiet)
-        max_targets = run_max_targets(s, shard, quiet)
-        opts = s.export_options(seq_len, max_targets)
+        # The run's sequence length and target slots, resolved from its data as `zl train` will (the rounds'
+        # programs must have the run's shapes).
+        resolved, shard, _ = resolve_run(replace(s, resume=False), model.tokenizer, RunLayout(work), quiet)
+        seq_len, max_targets = resolved.seq_len, resolved.max_targets
         layer_counts = round_layers(num_layers, num_stages)
         rounds: list[list[Measured]] = [[] for _ in range(num_stages)]
         for n in layer_counts:
             say(f"calibration: {n} layer(s) per stage on {', '.join(names)}, {ROUND_MICRO_BATCHES} micro-batches")
             started = True
-            lines = run_round(s, n, model, shard, opts, spec, work / f"layers-{n}", quiet, export_progress)
+            lines = run_round(s, n, model, shard, resolved, spec, work / f"layers-{n}", quiet, export_progress)
             for k in range(num_stages):
                 m = measure(n, lines[k])
                 if m is None:
@@ -277,7 +273,7 @@ def round_settings(s: TrainSettings, layers: int, out: Path) -> TrainSettings:
                    policy=type(s.policy)())
 
 
-def run_round(s: TrainSettings, layers: int, model, shard: Path, opts, spec: DevicesSpec, out: Path, say,
+def run_round(s: TrainSettings, layers: int, model, shard: Path, resolved, spec: DevicesSpec, out: Path, say,
               export_progress=None) -> list[list[dict]]:
     """One calibration round on the devices; every stage's telemetry lines.
 
@@ -287,14 +283,17 @@ def run_round(s: TrainSettings, layers: int, model, shard: Path, opts, spec: Dev
     from zl_device.formats.metrics_log import read_lines
     from zl_device.formats.run_layout import RunLayout
     from zl_device.run.executorch_runtime import ExecuTorchRuntime
+    from zl_device.run.resolved_run import ResolvedRun
     from zl_device.run.runtime import Run
 
     rs = round_settings(s, layers, out)
     out.mkdir(parents=True)
     layout = RunLayout(out)
-    run = Run(rs, layout, spec, model, say, export_progress)
+    # The round's own stages and windows, with the run's resolved shapes (`resolved`: the run's ResolvedRun).
+    run = Run(rs, ResolvedRun.of(rs, resolved.seq_len, resolved.max_targets), layout, spec, model, say,
+              export_progress)
     runtime = ExecuTorchRuntime()
-    runtime.prepare(run, shard, opts)
+    runtime.prepare(run, shard)
     try:
         runtime.run(run, None, None)
     except ZLError as e:

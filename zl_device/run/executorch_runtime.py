@@ -30,15 +30,15 @@ class ExecuTorchRuntime(Runtime):
     resume_needs = (RUN_KEY, stage_config_name(0))
     resumes_from = f"with its own settings ({SETTINGS_FILE}), every stage from its checkpoints"
 
-    def prepare(self, run: Run, shard: Path, opts) -> Manifest:
+    def prepare(self, run: Run, shard: Path) -> Manifest:
         from zl_device.executorch.export_cache import export_cached
 
         s = run.settings
         self.shard = shard
         # A backprop schedule runs programs that take grad_hidden and give grad_input (docs/design.md §3.8).
         program = ProgramSettings(kind="backprop") if s.backprop else None
-        self.export_dir, self.manifest = export_cached(s, opts, run.model.loaded, run.say, run.export_progress,
-                                                       calibration=shard, program=program)
+        self.export_dir, self.manifest = export_cached(s, run.resolved.export_options(s), run.model.loaded, run.say,
+                                                       run.export_progress, calibration=shard, program=program)
         shutil.copyfile(self.export_dir / MANIFEST, run.layout.manifest)
         return self.manifest
 
@@ -50,8 +50,8 @@ class ExecuTorchRuntime(Runtime):
         self.devices = open_devices(run.devices, root, link_profile=s.link_profile, mode=s.mode,
                                     cpu_quota=s.cpu_quota, runner_binary=s.runner, runner_prefix=s.runner_prefix)
         try:
-            with launch(s, self.devices, run.devices.kind == "local", root, self.export_dir, self.manifest,
-                        self.shard, run.windows, injection, run.say) as self.launched:
+            with launch(s, run.resolved, self.devices, run.devices.kind == "local", root, self.export_dir,
+                        self.manifest, self.shard, injection, run.say) as self.launched:
                 self.events, self.span = supervise(self.launched, root, on_update)
         except BaseException:
             # The devices keep what `zl train --resume` needs (key, shard, input logs); a finished resume removes them.

@@ -26,6 +26,7 @@ from typing import ClassVar
 from zl_device.formats.injection import Injection
 from zl_device.formats.run_layout import RunLayout
 from zl_device.formats.windows import WindowPlan
+from zl_device.run.resolved_run import ResolvedRun
 from zl_device.run.train_settings import TrainSettings
 from zl_export.manifest import Manifest
 
@@ -59,9 +60,11 @@ class RunModel:
 
 @dataclass
 class Run:
-    """One `zl train` run as the flow hands it to its runtime."""
+    """One `zl train` run as the flow hands it to its runtime: the settings as given and the run resolved from
+    them and the data (resolved_run.py), which is where the stages' roles, learning rates and windows come from."""
 
     settings: TrainSettings
+    resolved: ResolvedRun
     layout: RunLayout
     devices: object  # the parsed --devices (zl_device.devices.registry.DevicesSpec)
     model: RunModel
@@ -70,7 +73,7 @@ class Run:
 
     @property
     def windows(self) -> WindowPlan:
-        return self.settings.windows()
+        return self.resolved.windows
 
 
 @dataclass
@@ -106,9 +109,10 @@ class Runtime(ABC):
         """The settings this runtime cannot run, before anything else is checked or written."""
 
     @abstractmethod
-    def prepare(self, run: Run, shard: Path, opts) -> Manifest:
-        """What the stages run, for the training shard `shard` and the export options `opts`: the stage programs
-        (ExecuTorch) or the stages' modules and job (torch); RUN_DIR/manifest.json. Returns the manifest."""
+    def prepare(self, run: Run, shard: Path) -> Manifest:
+        """What the stages run, for the training shard `shard` (the export's options: the resolved run's): the
+        stage programs (ExecuTorch) or the stages' modules and job (torch); RUN_DIR/manifest.json. Returns the
+        manifest."""
 
     @abstractmethod
     def run(self, run: Run, injection: Injection | None, on_update) -> bool:
@@ -122,11 +126,11 @@ class Runtime(ABC):
         in RUN_DIR/checkpoints/; the events and span of the run."""
 
 
-def run_event(s: TrainSettings, num_stages: int, record: RunRecord) -> dict:
+def run_event(run: Run, record: RunRecord) -> dict:
     """The `run` line of metrics.jsonl (schema in zl_device/formats/metrics_log.py), both runtimes'."""
-    windows = s.windows()
+    s, windows = run.settings, run.windows
     return {"type": "run", "start_unix_ms": record.start_unix_ms, "end_unix_ms": record.end_unix_ms,
             "samples": windows.num_micro_batches * s.export.micro_batch, "run_id": record.run_id,
-            "num_stages": num_stages, "window_size": windows.window_size,
+            "num_stages": run.resolved.num_stages, "window_size": windows.window_size,
             "num_micro_batches": windows.num_micro_batches, "recovery": s.recovery, "devices": record.devices,
             **record.extra}

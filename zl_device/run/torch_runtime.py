@@ -25,6 +25,7 @@ from zl_device.formats.injection import Injection
 from zl_device.formats.metrics_log import LineTail
 from zl_device.formats.run_layout import TORCH_JOB, RunLayout, stage_metrics
 from zl_device.formats.stage_status import StageStatus, fold_telemetry
+from zl_device.run.resolved_run import ResolvedRun
 from zl_device.run.runtime import Run, RunRecord, Runtime
 from zl_device.run.train_settings import TrainSettings
 from zl_device.torch.job import TorchJob
@@ -43,14 +44,14 @@ class TorchRuntime(Runtime):
     def check(self, s: TrainSettings) -> None:
         check_torch_settings(s)
 
-    def prepare(self, run: Run, shard: Path, opts) -> Manifest:
+    def prepare(self, run: Run, shard: Path) -> Manifest:
         s, layout = run.settings, run.layout
         if s.resume:  # the run's own job and manifest: the ranks resume from their checkpoints
             self.job = TorchJob.load(layout.torch_job)
             self.job.resume, self.job.fail_at = True, None  # an injected failure happens once
             return read_manifest(layout.manifest)
-        manifest = write_manifest(s, opts, run.model.loaded(), shard, layout.root)
-        self.job = torch_job(s, layout, shard, manifest.num_stages)
+        manifest = write_manifest(s, run.resolved.export_options(s), run.model.loaded(), shard, layout.root)
+        self.job = torch_job(s, run.resolved, layout, shard)
         return manifest
 
     def run(self, run: Run, injection: Injection | None, on_update) -> bool:
@@ -122,19 +123,20 @@ def write_manifest(s: TrainSettings, opts, loaded, shard: Path, run_dir: Path) -
     return manifest
 
 
-def torch_job(s: TrainSettings, layout: RunLayout, shard: Path, num_stages: int) -> TorchJob:
-    """The ranks' job: the runner configs' optimizer, plan and schedule (launch.stage_configs), for torch."""
-    windows = s.windows()
-    optimizer = s.optimizer.for_windows(windows.num_windows)
+def torch_job(s: TrainSettings, resolved: ResolvedRun, layout: RunLayout, shard: Path) -> TorchJob:
+    """The ranks' job from the resolved run's stages, windows and optimizer, as the runner configs have them
+    (executorch/launch.py `stage_configs`)."""
+    windows, optimizer = resolved.windows, resolved.optimizer
     return TorchJob(model=s.split.model, manifest=str(layout.manifest), shard=str(Path(shard).resolve()),
                     run_id=secrets.token_hex(16), window_size=windows.window_size,
                     num_micro_batches=windows.num_micro_batches,
-                    lr=[s.stage_lr_of(k) for k in range(num_stages)], weight_decay=optimizer.weight_decay,
-                    schedule=optimizer.schedule, checkpoint_dir=str(layout.checkpoints), metrics_dir=str(layout.stages),
+                    lr=[st.lr for st in resolved.stages], roles=[st.role for st in resolved.stages],
+                    weight_decay=optimizer.weight_decay, schedule=optimizer.schedule,
+                    checkpoint_dir=str(layout.checkpoints), metrics_dir=str(layout.stages),
                     threads=s.threads, in_flight=s.in_flight, link_timeout_s=s.link_timeout_s,
-                    micro_batch=s.export.micro_batch, pipeline=s.schedule,
+                    micro_batch=s.export.micro_batch, pipeline=resolved.schedule,
                     # Neighbours commit at most a window apart, so K+1 windows hold one every stage has (resume).
-                    keep_last=num_stages + 1)
+                    keep_last=resolved.num_stages + 1)
 
 
 class RankWatch:

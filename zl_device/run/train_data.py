@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zl_base.errors import ZLError
-from zl_device.formats.lr_schedule import runs_forward_only
+from zl_device.formats.stage_spec import stage_specs
 from zl_device.run.train_settings import DEMO, MAX_EPOCHS, TrainSettings, default_stage_lr
 from zl_export.tokenizer import Tokenizer
 
@@ -95,7 +95,7 @@ def choose_stage_lr(s: TrainSettings, shard: Path) -> tuple[TrainSettings, str |
             f"--stage-lr {held} (the default): the stages before the last run forward only and the last stage "
             "trains. In every study this matched or beat every stage training on its own readout "
             "(--stage-lr 1), on label words and on generative data (docs/studies/README.md).")
-    if all(runs_forward_only(s.stage_lr_of(k), k, stages) for k in range(stages - 1)):
+    if all(spec.forward_only for spec in stage_specs([chosen.stage_lr_of(k) for k in range(stages)], "zerolock")[:-1]):
         return chosen, None
     if shard_is_generative(shard):
         return chosen, ("note: generative data with the stages before the last training on their own readouts: in "

@@ -27,6 +27,7 @@ from zl_base.settings import to_json
 from zl_device.formats.injection import Injection
 from zl_device.formats.run_layout import INCOMPLETE_MARKER, SETTINGS_FILE, RunLayout
 from zl_device.run.executorch_runtime import ExecuTorchRuntime
+from zl_device.run.resolved_run import resolve_run
 from zl_device.run.runtime import Run, RunModel, Runtime, run_event
 from zl_device.run.torch_runtime import TorchRuntime
 from zl_device.run.train_settings import TrainSettings
@@ -59,37 +60,30 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     keep_dir = is_empty_dir(s.out)
     run_dir, spec = reopen_run(s, say) if s.resume else open_run(s, say)
     with kept_if_resumable(run_dir, () if s.resume else runtime.resume_needs, say, keep_dir):
-        run = Run(s, RunLayout(run_dir), spec, RunModel(s.split.model, s.seed), say, export_progress)
-        return _run(runtime, run, start, on_update)
+        layout, model = RunLayout(run_dir), RunModel(s.split.model, s.seed)
+        # The data first (seconds): the stages' target slots must fit it, and a misfit must fail before the export.
+        resolved, shard, dev = resolve_run(s, model.tokenizer, layout, say)
+        run = Run(s, resolved, layout, spec, model, say, export_progress)
+        return _run(runtime, run, shard, dev, start, on_update)
 
 
-def _run(runtime: Runtime, run: Run, start: float, on_update) -> TrainResult:
-    """run_training's steps in RUN_DIR, once it is open."""
+def _run(runtime: Runtime, run: Run, shard: Path, dev: Path | None, start: float, on_update) -> TrainResult:
+    """run_training's steps in RUN_DIR, once it is open and the run resolved."""
     from zl_device.formats.metrics_log import merge_metrics
     from zl_device.results.adapter import merge_checkpoints
-    from zl_device.run.train_data import choose_stage_lr, prepare_data, run_max_targets, run_seq_len
 
-    s, layout, model, say = run.settings, run.layout, run.model, run.say
-    seq_len = run_seq_len(s, model.tokenizer)
-    # The data first (seconds): the stages' target slots must fit it, and a misfit must fail before the export.
-    shard, dev = prepare_data(s, model.tokenizer, seq_len, layout.data, say)
-    s, note = choose_stage_lr(s, shard)  # --stage-lr's default, resolved for the split
-    run.settings = s
-    record_stage_lr(layout, s)
-    if note is not None:
-        say(note)
-    opts = s.export_options(seq_len, run_max_targets(s, shard, say))
-    manifest = runtime.prepare(run, shard, opts)
+    s, layout, say = run.settings, run.layout, run.say
+    manifest = runtime.prepare(run, shard)
     num_stages, windows = manifest.num_stages, run.windows
     injection = Injection.parse(s.inject_failure, num_stages, windows.num_windows) if s.inject_failure else None
     if not runtime.run(run, injection, on_update):  # prepared only: the user starts the stages
         return TrainResult(layout.root, time.time() - start, 0)
     record = runtime.collect(run)
-    merge_metrics(layout, num_stages, [*record.events, run_event(s, num_stages, record)])
+    merge_metrics(layout, num_stages, [*record.events, run_event(run, record)])
     merged = merge_checkpoints(layout.checkpoints, layout.manifest, layout.adapter)
     say(f"merge: {merged.numel:,} LoRA parameters of window {merged.window} -> {layout.adapter}")
     result = TrainResult(layout.root, time.time() - start, windows.num_micro_batches * s.export.micro_batch)
-    return finish_run(s, model, result, dev, say)
+    return finish_run(s, run.model, result, dev, say)
 
 
 def finish_run(s: TrainSettings, model: RunModel, result: TrainResult, dev: Path | None, say) -> TrainResult:
@@ -202,19 +196,10 @@ def open_run(s: TrainSettings, say=print):
     return run_dir, spec
 
 
-def record_stage_lr(layout: RunLayout, s: TrainSettings) -> None:
-    """Write the run's --stage-lr into RUN_DIR's settings when they had none (its default, just resolved), so that
-    `--resume` continues with the multipliers the run started with even under a zl whose default differs."""
-    saved = json.loads(layout.settings.read_text())
-    if saved.get("stage_lr") is None:
-        saved["stage_lr"] = list(s.stage_lr)
-        layout.settings.write_text(json.dumps(saved, indent=2) + "\n")
-
-
 def started_stage_lr(layout: RunLayout, s: TrainSettings) -> tuple[float, ...] | None:
     """The --stage-lr a run's stages started with, from their runner configs (RUN_DIR/stage_<k>.json: the optimizer's
-    lr over --lr), for a run whose settings do not record it (one started before record_stage_lr); None without
-    configs (a torch run keeps its per-stage lrs in its own job file)."""
+    lr over --lr), for a run started before zl wrote its resolved run (resolved_run.json) and whose settings do not
+    record it either; None without configs (a torch run keeps its per-stage lrs in its own job file)."""
     lrs = []
     while (config := layout.stage_config(len(lrs))).is_file():
         try:
@@ -228,7 +213,9 @@ def started_stage_lr(layout: RunLayout, s: TrainSettings) -> tuple[float, ...] |
 
 def resumed_settings(s: TrainSettings) -> TrainSettings:
     """`zl train --resume --out RUN_DIR`: the settings RUN_DIR's run started with, marked to resume (an injected
-    failure happens once, so it is dropped). Other options given with --resume are not used.
+    failure happens once, so it is dropped). Other options given with --resume are not used. What the run worked
+    out from them (its --stage-lr default, sequence length, target slots) comes back from its resolved run
+    (resolve_run); for a run older than that file, --stage-lr is read off its runner configs.
 
     Raises:
         ZLError: RUN_DIR holds no unfinished run.
@@ -243,7 +230,7 @@ def resumed_settings(s: TrainSettings) -> TrainSettings:
     if not is_unfinished(run_dir):
         raise ZLError(f"--resume --out {run_dir}: that run finished (its report is written); nothing to resume.")
     settings = from_json(TrainSettings, json.loads(saved.read_text()), str(saved))
-    if settings.stage_lr is None:
+    if settings.stage_lr is None and not RunLayout(run_dir).resolved.is_file():
         settings = replace(settings, stage_lr=started_stage_lr(RunLayout(run_dir), settings))
     return replace(settings, out=run_dir, resume=True, inject_failure=None)
 

@@ -20,7 +20,10 @@ from zl_device.devices.registry import (
     MODES,
     RUNNER_HELP,
     RUNNER_PREFIX_HELP,
+    check_cpu_quota_fits,
     check_devices,
+    check_runner,
+    parse_devices,
 )
 from zl_device.executorch.device_policy import DevicePolicy
 from zl_device.executorch.recovery import MAX_RESTARTS, RECOVERY_MODES
@@ -147,20 +150,17 @@ class TrainSettings:
         if self.samples < 1 or self.window < 1:
             raise ZLError(f"--samples {self.samples} --window {self.window}: both must be at least 1.")
         check_fields(self)  # the choices, --devices, --cpu-quota's range
+        spec = parse_devices(self.devices)
         if self.cpu_quota is not None:
             if self.runtime == "torch":
                 raise ZLError("--cpu-quota caps local zl_runner devices; the torch runtime's ranks are not capped "
                               "(tools/bench_pipelines.py --cpus-per-rank is). Drop --cpu-quota or --runtime torch.")
-            from zl_device.devices.registry import check_cpu_quota_fits, parse_devices
-
-            check_cpu_quota_fits(parse_devices(self.devices), self.cpu_quota)
+            check_cpu_quota_fits(spec, self.cpu_quota)
         if self.runner is not None or self.runner_prefix is not None:
             if self.runtime == "torch":
                 raise ZLError("--runner and --runner-prefix choose the zl_runner the devices run; --runtime torch runs "
                               "PyTorch ranks on this host. Drop them, or use --runtime executorch.")
-            from zl_device.devices.registry import check_runner, parse_devices
-
-            check_runner(parse_devices(self.devices), self.mode, self.runner, self.runner_prefix)
+            check_runner(spec, self.mode, self.runner, self.runner_prefix)
         self.rows.validate()  # --seq-len's range, the column options
         self.optimizer.validate()
         self.policy.validate()  # --max-temperature's and --min-battery's ranges
@@ -209,12 +209,14 @@ class TrainSettings:
             raise RuntimeError("stage_lr_of before --stage-lr's default was resolved (with_default_stage_lr)")
         return self.optimizer.lr * (self.stage_lr[0] if len(self.stage_lr) == 1 else self.stage_lr[stage])
 
-    def with_default_stage_lr(self) -> TrainSettings:
-        """These settings with --stage-lr's default when it was not given: the stages before the last held still
-        and the last training (default_stage_lr; the split's stage count is known only once it is resolved)."""
+    def with_default_stage_lr(self, num_stages: int | None = None) -> TrainSettings:
+        """These settings with --stage-lr's default when it was not given: under ZeroLock the stages before the last
+        held still and the last training (default_stage_lr), under a backprop schedule every stage training; for
+        the split's stage count (known only once it is resolved) or `num_stages`."""
         if self.stage_lr is not None:
             return self
-        return replace(self, stage_lr=(1.0,) if self.backprop else default_stage_lr(self.split.count))
+        stages = self.split.count if num_stages is None else num_stages
+        return replace(self, stage_lr=(1.0,) if self.backprop else default_stage_lr(stages))
 
     def windows(self) -> WindowPlan:
         """The run's micro-batches (--samples in micro-batches of --micro-batch) in windows of --window."""

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from zl_base.errors import ZLError
-from zl_device.formats.lr_schedule import (OptimizerSettings, lr_factor,  # noqa: F401 (OptimizerSettings: re-exported)
-                                           runs_forward_only)
+from zl_device.formats.lr_schedule import OptimizerSettings, lr_factor  # noqa: F401 (OptimizerSettings: re-exported)
+from zl_device.formats.stage_spec import stage_specs
 from zl_device.formats.windows import WindowPlan
 from zl_export.local_loss import shift_targets
 from zl_export.shard import Shard
@@ -237,8 +237,8 @@ def train_zerolock(
     lrs = [opt.lr * (stage_lr[0] if len(stage_lr) == 1 else stage_lr[k]) for k in range(len(modules))]
     # A stage held still (lr 0) before the last runs forward only, as the runtimes run it (docs/design.md §4.3):
     # its phase 2 could not change anything. Its window losses are None.
-    steps = [StageStep(module, lr, opt, budget.num_windows, forward_only=runs_forward_only(lr, k, len(modules)))
-             for k, (module, lr) in enumerate(zip(modules, lrs))]
+    steps = [StageStep(module, spec.lr, opt, budget.num_windows, forward_only=spec.forward_only)
+             for module, spec in zip(modules, stage_specs(lrs, "zerolock"))]
     log = TrainLog()
     start = time.perf_counter()
     for w, window in enumerate(budget.windows()):

@@ -14,6 +14,7 @@ from pathlib import Path
 from zl_base.errors import ZLError
 from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.run_layout import TORCH_JOB
+from zl_device.formats.stage_spec import FORWARD, stage_role
 
 
 @dataclass
@@ -43,9 +44,20 @@ class TorchJob:
     # ZeroLock's micro-batches cut to their longest row (eager takes any length); False: the full seq_len, the
     # work the runner's programs and the backprop baselines' fixed-shape stages do (tools/bench_pipelines.py).
     trim_padding: bool = True
-    # ZeroLock's stages at lr 0 but the last run phase 1 only (the runner config's forward_only_at_lr0); False:
+    # ZeroLock's held stages (role forward) run phase 1 only (the runner config's forward_only_at_lr0); False:
     # they compute their local loss and backward too (the weights stay the same either way).
     forward_only_at_lr0: bool = True
+    # per stage: its role (zl_device/formats/stage_spec.py ROLES); None in a job written before roles were: worked
+    # out from `lr` and `pipeline` when loaded (stage_role, the rule the resolved run applies)
+    roles: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.roles is None:
+            self.roles = [stage_role(lr, k, len(self.lr), self.pipeline) for k, lr in enumerate(self.lr)]
+
+    def forward_only(self, stage: int) -> bool:
+        """Whether stage `stage` runs phase 1 only: held still (its role) and `forward_only_at_lr0`."""
+        return self.forward_only_at_lr0 and self.roles[stage] == FORWARD
 
     @property
     def num_stages(self) -> int:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from zl_base.errors import ZLError
 from zl_device.formats.checkpoints import DEFAULT_LAYOUT
-from zl_device.formats.lr_schedule import OptimizerSettings, runs_forward_only
+from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.tensor_files import check_finite
 from zl_device.formats.windows import WindowPlan
 from zl_device.torch.checkpoint import read_checkpoint, save_checkpoint
@@ -93,9 +93,9 @@ class Rank:
 
     @property
     def forward_only(self) -> bool:
-        """A stage held still (lr 0) that is not the last, with the job's `forward_only_at_lr0`: ZeroLock runs its
-        phase 1 only, as the runner does (RunnerConfig::forward_only, docs/design.md §4.3)."""
-        return self.job.forward_only_at_lr0 and runs_forward_only(self.lr, self.index, self.world)
+        """A stage held still (its role in the job) with the job's `forward_only_at_lr0`: ZeroLock runs its phase 1
+        only, as the runner does (RunnerConfig::forward_only, docs/design.md §4.3)."""
+        return self.job.forward_only(self.index)
 
     @property
     def optimizer_settings(self) -> OptimizerSettings:

@@ -133,10 +133,14 @@ const Field kFields[] = {
     {"early_forwarding", FieldType::kBoolean, false, false,
      "Send the hidden state at the marker, before readout/loss/backward finish.", ZL_REF(early_forwarding)},
     {"forward_only_at_lr0", FieldType::kBoolean, false, false,
-     "A stage with optimizer.lr 0 that is not the last runs phase 1 only: it sends the hidden state and skips "
-     "readout, loss and backward, which could not move its weights. false: it computes them anyway (its losses "
-     "in the telemetry, its AdamW moments; the weights stay the same either way).",
+     "A held stage (role forward) runs phase 1 only: it sends the hidden state and skips readout, loss and "
+     "backward, which could not move its weights. false: it computes them anyway (its losses in the telemetry, "
+     "its AdamW moments; the weights stay the same either way).",
      ZL_REF(forward_only_at_lr0)},
+    {"role", FieldType::kString, false, false,
+     "train, or forward: held still (optimizer.lr 0, not the last stage, schedule zerolock). Without it the "
+     "stage is held still when it is all of those.",
+     ZL_REF(role)},
     {"accumulator_snapshots", FieldType::kBoolean, false, false,
      "After every micro-batch but a window's last, save the window's gradient sum (in the background) to "
      "<checkpoint_dir>/accumulator.safetensors; a restart resumes from it instead of replaying the window's "
@@ -316,6 +320,14 @@ Status validate(const RunnerConfig& c) {
   if (!schedule.ok()) return invalid("field 'schedule': " + schedule.status().message());
   if (c.grad_wire_dtype != "bf16" && c.grad_wire_dtype != "f32") {
     return invalid("field 'grad_wire_dtype' is '" + c.grad_wire_dtype + "'; expected bf16 or f32");
+  }
+  if (!c.role.empty() && c.role != "train" && c.role != "forward") {
+    return invalid("field 'role' is '" + c.role + "'; expected train or forward (held still)");
+  }
+  if (c.role == "forward" && (c.optimizer.lr != 0.0 || c.is_last_stage() || c.schedule != "zerolock")) {
+    return invalid("field 'role' is 'forward' (held still) but stage " + std::to_string(c.stage_index) + " of " +
+                   std::to_string(c.num_stages) + " has optimizer.lr " + std::to_string(c.optimizer.lr) +
+                   " and schedule '" + c.schedule + "'; only a zerolock stage at lr 0 before the last is held still");
   }
   const Status s = c.optimizer.validate();
   if (!s.ok()) return invalid(s.message());

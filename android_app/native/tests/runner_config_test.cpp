@@ -159,6 +159,37 @@ TEST(RunnerConfig, BadValuesAreNamed) {
   EXPECT_FALSE(zl::parse_runner_config("{not json", "").ok());
 }
 
+TEST(RunnerConfig, TheRoleIsAFieldAndAnOlderConfigGetsItFromTheLr) {
+  json held = middle_stage();
+  held["optimizer"] = {{"lr", 0.0}};
+  RunnerConfig c;
+  ASSERT_TRUE(parse(held, &c).ok());
+  EXPECT_TRUE(c.held_still() && c.forward_only());  // no role: lr 0 before the last under zerolock
+  held["forward_only_at_lr0"] = false;
+  ASSERT_TRUE(parse(held, &c).ok());
+  EXPECT_TRUE(c.held_still() && !c.forward_only());  // held, but phase 2 kept for its losses
+
+  json trains = middle_stage();
+  trains["optimizer"] = {{"lr", 0.0}};
+  trains["role"] = "train";  // a role given wins over the lr
+  ASSERT_TRUE(parse(trains, &c).ok());
+  EXPECT_FALSE(c.held_still());
+  json forward = middle_stage();
+  forward["optimizer"] = {{"lr", 0.0}};
+  forward["role"] = "forward";
+  ASSERT_TRUE(parse(forward, &c).ok());
+  EXPECT_TRUE(c.forward_only());
+
+  forward["optimizer"] = {{"lr", 1e-3}};  // a held stage cannot train
+  expect_error(forward, {"'role' is 'forward'", "optimizer.lr 0.001", "only a zerolock stage at lr 0"});
+  forward["optimizer"] = {{"lr", 0.0}};
+  forward["schedule"] = "gpipe";  // nor skip the gradient a backprop schedule owes upstream
+  expect_error(forward, {"'role' is 'forward'", "schedule 'gpipe'"});
+  json other = middle_stage();
+  other["role"] = "frozen";
+  expect_error(other, {"field 'role' is 'frozen'", "train or forward"});
+}
+
 TEST(RunnerConfig, HelpDocumentsEveryField) {
   const std::string help = zl::runner_config_help();
   const json all = zl::runner_config_to_json(RunnerConfig{});

@@ -54,7 +54,10 @@ struct RunnerConfig {
   std::string load_mode = "mmap";  ///< mmap: frozen weights mapped from the program file; file: read into heap
   std::string log_path = "metrics.jsonl";  ///< telemetry JSON lines (appended)
   bool early_forwarding = true;   ///< send hidden at the marker, before phase 2
-  bool forward_only_at_lr0 = true;  ///< an lr-0 stage but the last runs phase 1 only (forward_only())
+  bool forward_only_at_lr0 = true;  ///< a held stage (role forward) runs phase 1 only (forward_only())
+  /// train | forward (held still: lr 0, not the last, zerolock); empty in a
+  /// config written before roles were: the role then follows from the lr.
+  std::string role;
   bool accumulator_snapshots = true;  ///< save the window's gradient sum per micro-batch (docs/design.md §7)
   int64_t seed = 0;               ///< for anything random in the runner (data order)
   int64_t hold_at_micro_batch = -1;  ///< failure injection: park after sending this micro-batch; -1 = never
@@ -69,15 +72,19 @@ struct RunnerConfig {
   int64_t num_windows() const { return window_plan().num_windows(); }
   bool is_first_stage() const { return stage_index == 0; }
   bool is_last_stage() const { return stage_index == num_stages - 1; }
-  /// A stage held still (optimizer.lr 0, e.g. `zl train --stage-lr 0,0,1`)
-  /// that is not the last: its weights never move, so it runs phase 1 only,
-  /// sends the hidden state and skips the readout, loss and backward
+  /// A stage held still (role forward: `zl train --stage-lr 0,0,1` gives it
+  /// lr 0 and it is not the last): its weights never move, so it runs phase 1
+  /// only, sends the hidden state and skips the readout, loss and backward
   /// (docs/design.md §4.3). The last stage always computes its loss.
-  /// forward_only_at_lr0: false keeps phase 2 (for its losses).
-  /// Never under a backprop schedule: its grad_input is owed upstream whatever its lr.
-  bool forward_only() const {
-    return forward_only_at_lr0 && optimizer.lr == 0.0 && !is_last_stage() && schedule == "zerolock";
+  /// forward_only_at_lr0: false keeps phase 2 (for its losses). A config
+  /// without a role (older runs) is held by the same rule on its lr that
+  /// zl_device/formats/stage_spec.py stage_role applies; validate() refuses a
+  /// role that contradicts it. Never under a backprop schedule: its
+  /// grad_input is owed upstream whatever its lr.
+  bool held_still() const {
+    return role.empty() ? optimizer.lr == 0.0 && !is_last_stage() && schedule == "zerolock" : role == "forward";
   }
+  bool forward_only() const { return forward_only_at_lr0 && held_still(); }
 };
 
 /// Parses a JSON text into a config and validates it. Unknown fields, missing

@@ -1,0 +1,121 @@
+"""The run resolved once (zl_device/run/resolved_run.py) and the typed stage config both runtimes derive from
+(zl_device/formats/stage_spec.py): roles are fields, set by one rule, read by the launch, the torch job and the
+runner; `--resume` reads the resolved run back. Fast: no model, no runner."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from zl_base.errors import ZLError
+
+
+def settings(**kw):
+    from zl_device.run.train_settings import TrainSettings
+
+    return TrainSettings(**kw)
+
+
+def test_the_role_follows_one_rule_and_is_checked():
+    from zl_device.formats.stage_spec import FORWARD, TRAIN, StageSpec, stage_specs
+
+    assert [s.role for s in stage_specs([0.0, 0.0, 2e-3], "zerolock")] == [FORWARD, FORWARD, TRAIN]
+    assert [s.role for s in stage_specs([0.0, 1e-3, 0.0], "zerolock")] == [FORWARD, TRAIN, TRAIN]  # the last: loss
+    assert [s.role for s in stage_specs([0.0, 0.0, 2e-3], "async")] == [TRAIN] * 3  # grad_input owed upstream
+    with pytest.raises(ValueError, match="only a ZeroLock stage at lr 0 before the last is held still"):
+        StageSpec(0, 3, 1e-3, FORWARD, "zerolock")
+    with pytest.raises(ValueError, match="only a ZeroLock stage at lr 0 before the last is held still"):
+        StageSpec(0, 3, 0.0, FORWARD, "gpipe")
+    with pytest.raises(ValueError, match="role in"):
+        StageSpec(0, 3, 0.0, "frozen", "zerolock")
+
+
+def test_a_run_resolves_its_stages_windows_and_optimizer_in_one_place():
+    from zl_device.run.resolved_run import ResolvedRun
+
+    r = ResolvedRun.of(settings(samples=10, window=4), 64, 4)
+    assert (r.schedule, r.seq_len, r.max_targets, r.stage_lr) == ("zerolock", 64, 4, (0.0, 0.0, 1.0))
+    assert [(st.index, st.role, st.lr) for st in r.stages] == [(0, "forward", 0.0), (1, "forward", 0.0),
+                                                              (2, "train", r.optimizer.lr)]
+    assert (r.windows.num_micro_batches, r.windows.num_windows, r.optimizer.warmup_windows) == (10, 3, 2)
+    short = ResolvedRun.of(settings(samples=8, window=4), 64, 4)  # 2 windows: the warm-up leaves the last to the cosine
+    assert short.optimizer.warmup_windows == 1
+    pipedream = ResolvedRun.of(settings(schedule="pipedream", stage_lr=(1.0, 1.0, 2.0)), 64, 4)
+    assert pipedream.schedule == "async" and [st.role for st in pipedream.stages] == ["train"] * 3
+    assert [st.lr for st in pipedream.stages] == [pipedream.optimizer.lr * m for m in (1.0, 1.0, 2.0)]
+    options = r.export_options(settings(seed=7))
+    assert (options.seq_len, options.max_targets, options.seed) == (64, 4, 7)
+
+
+def test_the_resolved_run_round_trips_and_a_bad_file_is_named(tmp_path):
+    from zl_device.formats.run_layout import RunLayout
+    from zl_device.run.resolved_run import ResolvedRun
+
+    layout = RunLayout(tmp_path)
+    assert ResolvedRun.load(layout) is None  # a run older than the file
+    r = ResolvedRun.of(settings(samples=12, stage_lr=(0.0, 1.0, 2.0)), 80, 8)
+    r.save(layout)
+    assert ResolvedRun.load(layout) == r
+    data = json.loads(layout.resolved.read_text())
+    layout.resolved.write_text(json.dumps({**data, "version": 99}))
+    with pytest.raises(ZLError, match=r"resolved_run.json: not a resolved run this zl can read \(ValueError: version "
+                                      r"99, this zl reads 1\); resume the run with the zl that started it"):
+        ResolvedRun.load(layout)
+    layout.resolved.write_text(json.dumps({**data, "stages": [{**data["stages"][2], "role": "forward"}]}))
+    with pytest.raises(ZLError, match="only a ZeroLock stage at lr 0 before the last is held still"):
+        ResolvedRun.load(layout)
+    layout.resolved.write_text('{"version": ')
+    with pytest.raises(ZLError, match="resolved_run.json: unreadable"):
+        ResolvedRun.load(layout)
+
+
+def test_a_resume_reads_the_resolved_run_back_instead_of_working_it_out_again(tmp_path, monkeypatch):
+    """The run started with --stage-lr's default of its time and a sequence length of 48; resumed under a zl whose
+    default differs, it continues with those: nothing is worked out again but the data at the saved length."""
+    from zl_device.formats.run_layout import RunLayout
+    from zl_device.run import resolved_run, train_data
+    from zl_device.run.resolved_run import ResolvedRun, resolve_run
+
+    layout = RunLayout(tmp_path)
+    started = ResolvedRun.of(settings(stage_lr=(1.0, 1.0, 2.0)), 48, 4)
+    started.save(layout)
+    seen = {}
+
+    def prepare_data(s, tokenizer, seq_len, data_dir, say):
+        seen.update(seq_len=seq_len, max_targets=s.export.max_targets)
+        return tmp_path / "train.safetensors", None
+
+    monkeypatch.setattr(train_data, "prepare_data", prepare_data)
+    monkeypatch.setattr(train_data, "choose_stage_lr", lambda *a: pytest.fail("resolved again"))
+    got, shard, dev = resolve_run(settings(resume=True, out=tmp_path), None, layout, print)
+    assert got == started and seen == {"seq_len": 48, "max_targets": 4}
+    assert resolved_run.ResolvedRun.load(layout) == started
+
+
+def test_the_launch_and_the_torch_job_take_the_role_from_the_resolved_run(tmp_path):
+    """The runner config carries the role (the runner checks it against its lr, runner_config_test.cpp); the
+    coordinator's display and the torch job read it from the resolved run, not from a learning rate."""
+    from types import SimpleNamespace
+
+    from zl_device.executorch.launch import stage_configs
+    from zl_device.formats.run_layout import RunLayout
+    from zl_device.run.resolved_run import ResolvedRun
+    from zl_device.run.torch_runtime import torch_job
+    from zl_device.torch.job import TorchJob
+
+    s = settings(samples=8)
+    r = ResolvedRun.of(s, 32, 4)
+    manifest = SimpleNamespace(stages=[SimpleNamespace(file=f"stage_{k}.pte") for k in range(3)])
+    addresses = SimpleNamespace(stages=[SimpleNamespace(stage=k, config_fields=dict) for k in range(3)])
+    configs = stage_configs(s, r, manifest, tmp_path, tmp_path / "train.safetensors", addresses, tmp_path / "run.key",
+                            "ab" * 16)
+    assert [configs[k]["role"] for k in range(3)] == ["forward", "forward", "train"]
+    assert [configs[k]["optimizer"]["lr"] for k in range(3)] == [0.0, 0.0, r.optimizer.lr]
+    assert configs[0]["optimizer"]["schedule"]["warmup_steps"] == 1  # the resolved (windowed) optimizer's
+
+    job = torch_job(s, r, RunLayout(tmp_path), tmp_path / "train.safetensors")
+    assert job.roles == ["forward", "forward", "train"] and [job.forward_only(k) for k in range(3)] == [
+        True, True, False]
+    older = {k: v for k, v in vars(job).items() if k != "roles"}  # a job written before roles: the same rule
+    assert TorchJob(**older).roles == job.roles
+    assert not replace(job, forward_only_at_lr0=False).forward_only(0)

@@ -1,0 +1,135 @@
+"""`zl train`'s run, resolved once: everything the settings leave to be worked out, worked out in one place.
+
+    RUN_DIR/resolved_run.json   the resolved run; `zl train --resume` reads it back instead of working it out again
+
+The settings tree (train_settings.py) is what the user gave; some of it is only known once the model and the data
+are: the sequence length (--seq-len, or the demo task's longest sample), the target slots (--max-targets, or fitted
+to the training rows), --stage-lr's default for the split and the schedule, each stage's role and learning rate
+(`StageSpec`, zl_device/formats/stage_spec.py), the run's update windows and the optimizer's warm-up for them.
+`resolve_run` works these out from the settings and the data, after the split is (`--stages auto` or a plan file:
+zl_device/plan/planner.py); both runtimes and the launch read them from the `ResolvedRun`. A resumed run reads
+the one it started with, so it continues with the same values even under a zl whose defaults have changed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from zl_base.errors import ZLError
+from zl_device.formats.lr_schedule import OptimizerSettings
+from zl_device.formats.run_layout import RunLayout
+from zl_device.formats.schedules import schedule_name
+from zl_device.formats.stage_spec import StageSpec, stage_specs
+from zl_device.formats.windows import WindowPlan
+from zl_device.run.train_settings import TrainSettings
+from zl_export.options import ExportOptions
+
+#: resolved_run.json's format; a file of another version is refused by `load` (the run cannot be resumed by it).
+RESOLVED_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """One run's values that depend on the model, the data or the split (module docstring)."""
+
+    schedule: str  # the schedule's own name (`pipedream` given: async)
+    seq_len: int  # tokens per sample: the programs' and the shards' sequence length
+    max_targets: int  # target slots per sample in the programs
+    stage_lr: tuple[float, ...]  # --stage-lr, one multiplier per stage (its default resolved)
+    stages: tuple[StageSpec, ...]  # each stage's role and learning rate
+    windows: WindowPlan  # the run's micro-batches in update windows
+    optimizer: OptimizerSettings  # --lr's AdamW and schedule, the warm-up capped for these windows
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @classmethod
+    def of(cls, s: TrainSettings, seq_len: int, max_targets: int) -> ResolvedRun:
+        """The run of settings `s` (its split resolved) with the data's `seq_len` and `max_targets`."""
+        multipliers = run_stage_lr(s)
+        windows = s.windows()
+        return cls(schedule_name(s.schedule), seq_len, max_targets, multipliers, run_stage_specs(s), windows,
+                   s.optimizer.for_windows(windows.num_windows))
+
+    def export_options(self, s: TrainSettings) -> ExportOptions:
+        """The export's options: the settings' with this run's sequence length, target slots and seed."""
+        return replace(s.export, seq_len=self.seq_len, max_targets=self.max_targets, seed=s.seed)
+
+    def to_json(self) -> dict:
+        return {"version": RESOLVED_VERSION, "schedule": self.schedule, "seq_len": self.seq_len,
+                "max_targets": self.max_targets, "stage_lr": list(self.stage_lr),
+                "stages": [asdict(st) for st in self.stages], "windows": asdict(self.windows),
+                "optimizer": {**asdict(self.optimizer), "betas": list(self.optimizer.betas)}}
+
+    @classmethod
+    def from_json(cls, data: dict, source: str) -> ResolvedRun:
+        """Raises ZLError naming `source` for a file of another version or a missing or malformed field."""
+        try:
+            if data.get("version") != RESOLVED_VERSION:
+                raise ValueError(f"version {data.get('version')!r}, this zl reads {RESOLVED_VERSION}")
+            return cls(str(data["schedule"]), int(data["seq_len"]), int(data["max_targets"]),
+                       tuple(float(m) for m in data["stage_lr"]), tuple(StageSpec(**st) for st in data["stages"]),
+                       WindowPlan(**data["windows"]), OptimizerSettings(**data["optimizer"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ZLError(f"{source}: not a resolved run this zl can read ({type(e).__name__}: {e}); resume the run "
+                          "with the zl that started it, or start it again without --resume.") from None
+
+    def save(self, layout: RunLayout) -> None:
+        layout.resolved.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, layout: RunLayout) -> ResolvedRun | None:
+        """RUN_DIR's resolved run; None for a run started before zl wrote one (`--resume` works it out again)."""
+        path = layout.resolved
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ZLError(f"{path}: unreadable ({e}); restore it, or start the run again without --resume.") from None
+        return cls.from_json(data, str(path))
+
+
+def run_stage_lr(s: TrainSettings, num_stages: int | None = None) -> tuple[float, ...]:
+    """--stage-lr as one multiplier per stage of the split (or of `num_stages` stages): its default when not given
+    (TrainSettings.with_default_stage_lr), one value given for every stage."""
+    n = s.split.count if num_stages is None else num_stages
+    given = s.with_default_stage_lr(n).stage_lr
+    return tuple(float(m) for m in given) * n if len(given) == 1 else tuple(float(m) for m in given)
+
+
+def run_stage_specs(s: TrainSettings, num_stages: int | None = None) -> tuple[StageSpec, ...]:
+    """Every stage's role and learning rate (--lr x its multiplier) for settings `s`, its split resolved (or
+    `num_stages` stages: the planner weighs splits of other counts)."""
+    return stage_specs([s.optimizer.lr * m for m in run_stage_lr(s, num_stages)], schedule_name(s.schedule))
+
+
+def resolve_run(s: TrainSettings, tokenizer, layout: RunLayout, say) -> tuple[ResolvedRun, Path, Path | None]:
+    """The run of settings `s` in RUN_DIR `layout`, resolved from them and the data, which it tokenizes into
+    RUN_DIR/data/ first (seconds: the target slots must fit the rows, and a misfit must fail before the export).
+    A resumed run (`s.resume`) reads RUN_DIR's resolved run back and re-tokenizes the data at its sequence length.
+
+    Returns:
+        (the resolved run, the training shard, the dev shard or None).
+
+    Raises:
+        ZLError: as the data step (prepare_data); a resumed run's rows that do not fit its programs' target slots.
+    """
+    from zl_device.run.train_data import choose_stage_lr, prepare_data, run_max_targets, run_seq_len
+
+    saved = ResolvedRun.load(layout) if s.resume else None
+    if saved is not None:
+        shard, dev = prepare_data(replace(s, export=replace(s.export, max_targets=saved.max_targets)), tokenizer,
+                                  saved.seq_len, layout.data, say)
+        return saved, shard, dev
+    seq_len = run_seq_len(s, tokenizer)
+    shard, dev = prepare_data(s, tokenizer, seq_len, layout.data, say)
+    chosen, note = choose_stage_lr(s, shard)  # --stage-lr's default, and what the studies say of the choice
+    if note is not None:
+        say(note)
+    resolved = ResolvedRun.of(chosen, seq_len, run_max_targets(chosen, shard, say))
+    resolved.save(layout)
+    return resolved, shard, dev

@@ -61,8 +61,9 @@ def test_with_the_upstream_stages_still_zerolock_trains_the_last_stage_as_last_s
 
 
 def test_the_default_holds_the_upstream_stages_still_on_any_data_and_notes_what_a_given_stage_lr_risks(tmp_path):
-    """--stage-lr's default is 0,..,0,1 on label words and on generative rows alike (said in a line); a --stage-lr
-    that trains the stages before the last gets the study's note for its kind of data, and stands."""
+    """--stage-lr's default is 0,..,0,1 on label words and on generative rows alike (said in a line, which on
+    generative rows points at --schedule async); a --stage-lr that trains the stages before the last gets the
+    study's note for its kind of data, and stands."""
 
     from zl_device.run.train_data import choose_stage_lr
     from zl_device.run.train_settings import TrainSettings
@@ -75,6 +76,7 @@ def test_the_default_holds_the_upstream_stages_still_on_any_data_and_notes_what_
         chosen, note = choose_stage_lr(TrainSettings(), shard)
         assert chosen.stage_lr == (0.0, 0.0, 1.0) and chosen.stage_lr_of(0) == 0 and chosen.stage_lr_of(2) > 0
         assert note.startswith("--stage-lr 0,0,1 (the default)")
+        assert ("--schedule async" in note and "headlines-smollm2-135m-1024-async" in note) == (shard == generative)
         two = TrainSettings(split=ModelSplit(num_stages=2))
         assert choose_stage_lr(two, shard)[0].stage_lr == (0.0, 1.0)
         assert choose_stage_lr(TrainSettings(split=ModelSplit(num_stages=1)), shard) == (

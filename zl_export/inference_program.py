@@ -184,24 +184,49 @@ def write_tokenizer_files(tokenizer, directory: Path, force: bool = False) -> li
         ZLError: a tokenizer file beside the program that differs (another model's), without `force`.
     """
     import shutil
-    import tempfile
 
     directory.mkdir(parents=True, exist_ok=True)
+    with _staged_tokenizer_files(tokenizer, directory) as (staged, names):
+        _refuse_another_tokenizer(staged, names, directory, force)
+        for name in names:
+            shutil.move(str(staged / name), directory / name)
+    return [directory / n for n in names]
+
+
+def check_tokenizer_files(tokenizer, directory: Path, force: bool = False) -> None:
+    """What `write_tokenizer_files` would refuse, without writing anything: run before the export, so that a
+    conflict costs no minutes of exporting and leaves no program behind.
+
+    Raises:
+        ZLError: a tokenizer file in `directory` that differs from `tokenizer`'s, without `force`.
+    """
+    if force or not any((directory / n).exists() for n in TOKENIZER_FILES):
+        return
+    with _staged_tokenizer_files(tokenizer, directory) as (staged, names):
+        _refuse_another_tokenizer(staged, names, directory, force)
+
+
+@contextlib.contextmanager
+def _staged_tokenizer_files(tokenizer, directory: Path):
+    """`tokenizer`'s runner files written into a temporary folder in `directory` (same file system, so they can be
+    moved in); yields (that folder, the names written)."""
+    import tempfile
+
     with tempfile.TemporaryDirectory(dir=directory, prefix=".tokenizer-") as tmp:
         staged = Path(tmp)
         if hasattr(tokenizer, "save"):
             tokenizer.save(str(staged))
         else:
             _byte_tokenizer_json(tokenizer, staged)
-        names = [n for n in TOKENIZER_FILES if (staged / n).is_file()]
-        for name in names:
-            there = directory / name
-            if there.exists() and not force and there.read_bytes() != (staged / name).read_bytes():
-                raise ZLError(f"--out: {there} exists and holds another tokenizer; pass --force to replace it, or "
-                              "write the program to another directory.")
-        for name in names:
-            shutil.move(str(staged / name), directory / name)
-    return [directory / n for n in names]
+        yield staged, [n for n in TOKENIZER_FILES if (staged / n).is_file()]
+
+
+def _refuse_another_tokenizer(staged: Path, names: list[str], directory: Path, force: bool) -> None:
+    for name in names:
+        there = directory / name
+        if there.exists() and not force and there.read_bytes() != (staged / name).read_bytes():
+            raise ZLError(f"--out: {there} exists and holds another tokenizer; pass --force to replace it, or "
+                          "write the program to another directory.")
 
 
 def _byte_tokenizer_json(tokenizer, directory: Path) -> None:

@@ -79,7 +79,8 @@ def run_export_model(args: ExportModelArgs) -> None:
     """Check the output paths, load and merge the tuned model, export, write the tokenizer, check the program."""
     from zl.commands.generate import adapter_source
     from zl_device.results.adapter import load_adapter
-    from zl_export.inference_program import check_quantization, export_program, merged_model, write_tokenizer_files
+    from zl_export.inference_program import (check_quantization, check_tokenizer_files, export_program, merged_model,
+                                             write_tokenizer_files)
     from zl_export.model_source import load_model
 
     out = args.out
@@ -87,6 +88,7 @@ def run_export_model(args: ExportModelArgs) -> None:
     adapter_dir, model_name, seed = adapter_source(args.run, None, None, run_flag="RUN_DIR")
     with err_console.status(f"loading {model_name} and {adapter_dir}"):
         loaded = load_model(model_name, seed=seed)
+        check_tokenizer_files(loaded.tokenizer, out.parent, args.force)  # before minutes of exporting, not after
         model = merged_model(load_adapter(loaded.model, adapter_dir))
         check_quantization(model, args.quantize, loaded.family.name)
     limit = int(getattr(model.config, "max_position_embeddings", args.max_seq_len) or args.max_seq_len)

@@ -11,6 +11,11 @@ decode tokens/s (--new-tokens greedy tokens, one call each, from the KV cache). 
     .venv/bin/python tools/bench_inference.py --model tiny-random --rounds 1     # smoke run
     .venv/bin/python tools/bench_inference.py --work runs/bench-inference --reuse   # time the programs again
     .venv/bin/python tools/bench_inference.py --reuse --dev runs/demo-data/dev.safetensors --rows 16   # + accuracy
+    nice -n 10 .venv/bin/python tools/bench_inference.py --programs runs/export-demo-async   # a run's programs
+
+With --programs DIR it exports nothing and times the programs `zl export-model` wrote there as
+model-<quantization>.pte (e.g. a trained run's, with their --max-seq-len); --model is then their base, whose eager
+model is the row they are compared with.
 
 With --dev SHARD (a `zl data` shard of the model), each program is also compared with the eager model on the
 shard's first --rows rows (`compare_with_model`: logits' max relative error, NLL of the rows, greedy continuations
@@ -115,6 +120,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="Runs of every variant, interleaved; best kept.")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-inference", help="Where programs go.")
     parser.add_argument("--reuse", action="store_true", help="Time the programs already in --work.")
+    parser.add_argument("--programs", type=Path, help="Time DIR/model-<quantization>.pte of `zl export-model` "
+                                                      "instead of exporting.")
     parser.add_argument("--json-out", type=Path, help="Also write the table as JSON.")
     parser.add_argument("--dev", type=Path, help="A shard to compare each program with the eager model on.")
     parser.add_argument("--rows", type=int, default=16, help="--dev rows compared.")
@@ -126,7 +133,14 @@ def main() -> None:
         return
     variants = [v for v in args.variants.split(",") if v]
     max_seq_len = args.prompt_tokens + args.new_tokens + 1
-    programs = {v: export(args.model, args.work, v, max_seq_len, args.reuse) for v in variants if v != "eager"}
+    if args.programs:
+        programs = {v: args.programs / f"model-{v}.pte" for v in variants if v != "eager"}
+        missing = [str(p) for p in programs.values() if not p.is_file()]
+        if missing:
+            parser.error(f"--programs {args.programs}: no {', '.join(missing)}; write them with `zl export-model RUN "
+                         f"--out {args.programs}/model-<quantization>.pte`, or pick --variants.")
+    else:
+        programs = {v: export(args.model, args.work, v, max_seq_len, args.reuse) for v in variants if v != "eager"}
     best: dict[str, dict] = {}
     for _ in range(args.rounds):
         for v in variants:

@@ -16,7 +16,7 @@ docs/design.md §4.10). It prints a table per link profile and the ratios the is
 and against the held-still default).
 
     .venv/bin/python tools/bench_runner_schedules.py --model smollm2-135m --samples 64 --window 4 --seq-len 128 \\
-        --data ../shared/data/agnews/train.csv --format agnews --truncate --cpu-quota 0.66 --json runs/bench-schedules.json
+        --data ../shared/data/agnews/train.csv --format agnews --truncate --cpu-quota 0.5 --json runs/bench-schedules.json
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0, help="LoRA init, data order, random-weight models.")
     parser.add_argument("--grad-dtype", default="bf16", choices=("bf16", "f32"), help="GRAD frames on the wire.")
     parser.add_argument("--cpu-quota", type=float, default=None,
-                        help="CPUs per local device (zl train --cpu-quota), e.g. 0.66 for 3 devices on 2 cores.")
+                        help="CPUs per local device (zl train --cpu-quota), e.g. 0.5 for 3 devices on 2 cores: "
+                             "leave the host some CPU, or stages busy at once slow each other (docs/benchmarks.md).")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"From {','.join(SCHEDULES)}.")
     parser.add_argument("--profiles", default=",".join(PROFILES), help="Link profiles: local, wifi, mobile, "
                                                                         "constrained (the runner's emulation).")

@@ -56,7 +56,7 @@ class ResolvedRun:
 
     def export_options(self, s: TrainSettings) -> ExportOptions:
         """The export's options: the settings' with this run's sequence length, target slots and seed."""
-        return replace(s.export, seq_len=self.seq_len, max_targets=self.max_targets, seed=s.seed)
+        return s.export_options(self.seq_len, self.max_targets)
 
     def to_json(self) -> dict:
         return {"version": RESOLVED_VERSION, "schedule": self.schedule, "seq_len": self.seq_len,

@@ -49,9 +49,8 @@ class ResolvedRun:
     @classmethod
     def of(cls, s: TrainSettings, seq_len: int, max_targets: int) -> ResolvedRun:
         """The run of settings `s` (its split resolved) with the data's `seq_len` and `max_targets`."""
-        multipliers = run_stage_lr(s)
-        windows = s.windows()
-        return cls(schedule_name(s.schedule), seq_len, max_targets, multipliers, run_stage_specs(s), windows,
+        multipliers, windows = run_stage_lr(s), s.windows()
+        return cls(schedule_name(s.schedule), seq_len, max_targets, multipliers, _specs(s, multipliers), windows,
                    s.optimizer.for_windows(windows.num_windows))
 
     def export_options(self, s: TrainSettings) -> ExportOptions:
@@ -104,7 +103,12 @@ def run_stage_lr(s: TrainSettings, num_stages: int | None = None) -> tuple[float
 def run_stage_specs(s: TrainSettings, num_stages: int | None = None) -> tuple[StageSpec, ...]:
     """Every stage's role and learning rate (--lr x its multiplier) for settings `s`, its split resolved (or
     `num_stages` stages: the planner weighs splits of other counts)."""
-    return stage_specs([s.optimizer.lr * m for m in run_stage_lr(s, num_stages)], schedule_name(s.schedule))
+    return _specs(s, run_stage_lr(s, num_stages))
+
+
+def _specs(s: TrainSettings, multipliers: tuple[float, ...]) -> tuple[StageSpec, ...]:
+    """The stages at --lr x `multipliers` on the settings' schedule."""
+    return stage_specs([s.optimizer.lr * m for m in multipliers], schedule_name(s.schedule))
 
 
 def resolve_run(s: TrainSettings, tokenizer, layout: RunLayout, say) -> tuple[ResolvedRun, Path, Path | None]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zl_base.errors import ZLError
-from zl_device.formats.stage_spec import stage_specs
+from zl_device.formats.stage_spec import FORWARD, stage_role
 from zl_device.run.train_settings import DEMO, MAX_EPOCHS, TrainSettings, default_stage_lr
 from zl_export.tokenizer import Tokenizer
 
@@ -99,7 +99,7 @@ def choose_stage_lr(s: TrainSettings, shard: Path) -> tuple[TrainSettings, str |
                      "on the final loss's gradient and came level with backprop, at about half the records/s "
                      "(study headlines-smollm2-135m-1024-async).")
         return chosen, said
-    if all(spec.forward_only for spec in stage_specs([chosen.stage_lr_of(k) for k in range(stages)], "zerolock")[:-1]):
+    if all(stage_role(chosen.stage_lr_of(k), k, stages, s.schedule) == FORWARD for k in range(stages - 1)):
         return chosen, None
     if shard_is_generative(shard):
         return chosen, ("note: generative data with the stages before the last training on their own readouts: in "

@@ -69,6 +69,12 @@ Status StageRunner::loop_backprop() {
     done = mb + 1;
     report_done(mb, window_end, record, program_->takes_gradient() ? std::nullopt : std::optional<double>(record.loss));
   }
+  if (receiver_) {
+    // The last gradients out before the run counts as done: the upstream still waits for them.
+    ZL_RETURN_IF_ERROR(wait_sliced([&](milliseconds slice) { return receiver_->flush_grads(slice); }, stop_,
+                                   c.input_timeout_s,
+                                   "writing the last gradients to stage " + std::to_string(c.stage_index - 1)));
+  }
   finish_run(done - start_mb_, ms_since(run_start) / 1000.0, process_cpu_s() - cpu_start);
   return Status();
 }

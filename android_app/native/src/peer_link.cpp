@@ -515,6 +515,18 @@ Status Receiver::send_grad(const Frame& grad, std::chrono::milliseconds timeout)
   return Status();
 }
 
+Status Receiver::flush_grads(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const bool written = grad_room_.wait_for(lock, timeout, [this] { return stopping_ || grad_outbox_.empty(); });
+  if (stopping_) return Status(StatusCode::kClosed, "receiver is stopped");
+  if (!written) {
+    return Status(StatusCode::kTimeout, std::to_string(grad_outbox_.size()) +
+                                            " GRAD frames still not written upstream after " +
+                                            std::to_string(timeout.count()) + " ms");
+  }
+  return Status();
+}
+
 void Receiver::write_grads() {
   while (conn_.valid()) {
     Frame grad;

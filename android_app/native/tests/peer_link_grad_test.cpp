@@ -201,6 +201,10 @@ TEST(PeerLinkGradTest, SendGradChecksTheFrameAndBoundsItsQueue) {
   const Status full = receiver.send_grad(grad_frame(0, 2), 100ms);
   EXPECT_EQ(full.code(), StatusCode::kTimeout);
   EXPECT_NE(full.message().find("2 GRAD frames still not written upstream"), std::string::npos) << full.message();
+  const Status unwritten = receiver.flush_grads(100ms);
+  EXPECT_EQ(unwritten.code(), StatusCode::kTimeout);
+  EXPECT_NE(unwritten.message().find("2 GRAD frames still not written upstream"), std::string::npos)
+      << unwritten.message();
   // Once the upstream connects (its first DATA), the queued ones go out to
   // it: the first is taken, the second (micro-batch 0 again) refused.
   Sender sender(grad_sender_options(receiver.port(), 2));
@@ -209,8 +213,9 @@ TEST(PeerLinkGradTest, SendGradChecksTheFrameAndBoundsItsQueue) {
   ASSERT_OK_AND_ASSIGN(const GradEntry e, sender.next_grad(2000ms));
   EXPECT_EQ(e.micro_batch, 0u);
   EXPECT_EQ(e.frame.tensors[0].dtype, DType::kBFloat16);
-  const auto deadline = std::chrono::steady_clock::now() + 2s;
-  while (receiver.stats().grads_sent < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+  // flush_grads returns once both are written, and the stats count them then.
+  ASSERT_TRUE(receiver.flush_grads(2000ms).ok());
+  EXPECT_EQ(receiver.stats().grads_sent, 2u);
   ASSERT_TRUE(receiver.send_grad(grad_frame(0, 2), 100ms).ok()) << "a written GRAD must free its room";
   SenderOptions bad = grad_sender_options(receiver.port(), 1);
   bad.hidden_size = 0;

@@ -317,6 +317,12 @@ class Receiver {
   /// not written again (gradient recovery is issue 39 item 4).
   Status send_grad(const Frame& grad, std::chrono::milliseconds timeout);
 
+  /// Waits until every GRAD given to send_grad() is written upstream, so that
+  /// a stage finishing its run does not stop with the upstream's last
+  /// gradient still queued (and its stats count every GRAD sent). kTimeout
+  /// while some are still queued, kClosed after stop().
+  Status flush_grads(std::chrono::milliseconds timeout);
+
   /// The window's checkpoint is in place: deletes log entries at or before it.
   Status window_committed(uint64_t window);
 

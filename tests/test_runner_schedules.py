@@ -132,6 +132,21 @@ def test_async_on_the_runner_is_the_asynchronous_schedule_simulated(runs, one_to
     assert versions == [1, 1]  # stages 0 and 1 kept one older version across each step
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "async"])
+def test_keeping_activations_trains_the_same_weights(runs, schedule):
+    """--keep-activations parks each forward at its marker until its gradient comes, instead of running the forward
+    again in the backward: the same forward on the same weight version, so the adapter is the same bit for bit, with
+    one program instance per micro-batch in flight on the stages before the last."""
+    kept = runs(schedule, keep_activations=True)
+    got, want = adapter(kept), adapter(runs(schedule))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    done = [json.loads(line) for k in range(3)
+            for line in (kept / "stages" / f"stage_{k}" / "metrics.jsonl").read_text().splitlines()
+            if '"type": "done"' in line or '"type":"done"' in line]
+    assert [d["program_instances"] for d in done] == ([WINDOW, WINDOW, 0] if schedule == "gpipe" else [3, 2, 0])
+
+
 def test_bf16_gradients_on_the_wire_stay_close_to_f32(runs):
     """grad_hidden as bf16 on the wire (the default, half the bytes) moves the adapter by little against f32."""
     got, want = adapter(runs("gpipe", grad_dtype="bf16")), adapter(runs("gpipe"))
@@ -148,6 +163,11 @@ def test_what_backprop_schedules_do_not_do_yet_is_a_clear_error(tmp_path, data_f
         settings(tmp_path / "run", data_file, schedule="gpipe", **change).validate()
 
 
+def test_keeping_activations_under_zerolock_is_a_clear_error(tmp_path, data_file):
+    with pytest.raises(ZLError, match="--keep-activations --schedule zerolock: a ZeroLock stage finishes"):
+        settings(tmp_path / "run", data_file, keep_activations=True).validate()
+
+
 def test_backprop_schedules_train_every_stage_by_default(tmp_path, data_file):
     """--stage-lr's default holds the stages before the last still under zerolock only; a backprop schedule trains
     every stage, on either runtime, and restarts every stage together."""
@@ -158,15 +178,16 @@ def test_backprop_schedules_train_every_stage_by_default(tmp_path, data_file):
         assert s.backprop and s.stage_lr == (1.0,) and s.recovery == "global"
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "async"])
-def test_a_killed_stage_restarts_every_stage_to_the_uninterrupted_adapter(runs, data_file, tmp_path, schedule):
+@pytest.mark.parametrize("schedule, keep", [("gpipe", False), ("async", False), ("async", True)])
+def test_a_killed_stage_restarts_every_stage_to_the_uninterrupted_adapter(runs, data_file, tmp_path, schedule, keep):
     """Stage 1 killed in the middle of window 1 (after a forward, its gradient owed): every stage rolls back to the
     last window all committed and replays, and the adapter is the uninterrupted run's bit for bit. For async the
-    checkpoint keeps the older weight version of the micro-batches in flight, and the replay runs them on it."""
+    checkpoint keeps the older weight version of the micro-batches in flight, and the replay runs them on it (with
+    --keep-activations: parks their forwards on it again)."""
     from zl_device.run.train_job import run_training
 
-    run = run_training(settings(tmp_path / "run", data_file, schedule=schedule, inject_failure="1@1"),
-                       say=lambda line: None)
+    run = run_training(settings(tmp_path / "run", data_file, schedule=schedule, inject_failure="1@1",
+                                keep_activations=keep), say=lambda line: None)
     events = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e["stage"] for e in events if e["type"] == "failure"] == [1]
     got, want = adapter(run.run_dir), adapter(runs(schedule))

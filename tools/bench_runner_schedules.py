@@ -12,8 +12,9 @@ ExecuTorch runner, 3 local devices by default, once per link profile (the runner
 
 The schedules: `zerolock-held` (zl train's default: the stages before the last forward only), `zerolock-all`
 (--stage-lr 1: every stage on its local loss), `gpipe`, `1f1b`, `async` (every stage on the final loss's gradient,
-docs/design.md §4.10). It prints a table per link profile and the ratios the issue asks for (async against 1f1b
-and against the held-still default).
+docs/design.md §4.10), and on request `1f1b-keep` and `async-keep` (the same with --keep-activations: no second
+forward in the backward, one program instance per micro-batch in flight). It prints a table per link profile and
+the ratios the issue asks for (async against 1f1b and against the held-still default).
 
     .venv/bin/python tools/bench_runner_schedules.py --model smollm2-135m --samples 64 --window 4 --seq-len 128 \\
         --data ../shared/data/agnews/train.csv --format agnews --truncate --cpu-quota 0.5 --json runs/bench-schedules.json
@@ -30,14 +31,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-#: name -> (zl train --schedule, --stage-lr or None for its default)
-SCHEDULES: dict[str, tuple[str, tuple[float, ...] | None]] = {
-    "zerolock-held": ("zerolock", None),
-    "zerolock-all": ("zerolock", (1.0,)),
-    "gpipe": ("gpipe", None),
-    "1f1b": ("1f1b", None),
-    "async": ("async", None),
+#: name -> (zl train --schedule, --stage-lr or None for its default, --keep-activations)
+SCHEDULES: dict[str, tuple[str, tuple[float, ...] | None, bool]] = {
+    "zerolock-held": ("zerolock", None, False),
+    "zerolock-all": ("zerolock", (1.0,), False),
+    "gpipe": ("gpipe", None, False),
+    "1f1b": ("1f1b", None, False),
+    "async": ("async", None, False),
+    "1f1b-keep": ("1f1b", None, True),
+    "async-keep": ("async", None, True),
 }
+DEFAULT_SCHEDULES = ("zerolock-held", "zerolock-all", "gpipe", "1f1b", "async")
 PROFILES = ("local", "constrained")
 
 
@@ -50,12 +54,12 @@ def run_one(args, name: str, profile: str, out: Path) -> dict:
     from zl_export.data_settings import DataSettings
     from zl_export.options import ExportOptions, ModelSplit
 
-    schedule, stage_lr = SCHEDULES[name]
+    schedule, stage_lr, keep = SCHEDULES[name]
     s = TrainSettings(split=ModelSplit(args.model, args.stages, args.num_stages), data=args.data,
                       eval_data=None if args.data == "demo" else args.data, eval_limit=1, rows=DataSettings(format=args.format, seq_len=args.seq_len, truncate=args.truncate),
                       samples=args.samples, window=args.window, out=out, export=ExportOptions(micro_batch=1),
                       threads=args.threads, seed=args.seed, devices=f"local:{args.ranks}", schedule=schedule,
-                      stage_lr=stage_lr, link_profile=profile, grad_dtype=args.grad_dtype,
+                      stage_lr=stage_lr, keep_activations=keep, link_profile=profile, grad_dtype=args.grad_dtype,
                       cpu_quota=(args.cpu_quota,) if args.cpu_quota else None, timeout_s=args.timeout)
     result = run_training(s, say=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     lines = stage_lines(RunLayout(result.run_dir), args.ranks)
@@ -88,21 +92,23 @@ def table(results: list[dict]) -> str:
 
 
 def ratios(results: list[dict]) -> list[str]:
-    """async's records/s against 1f1b's and the held-still default's, and its peak PSS against the others', per
-    link profile."""
+    """async's (and async-keep's) records/s against 1f1b's and the held-still default's, and its peak PSS against the
+    others', per link profile."""
     lines = []
     for profile in PROFILES:
         by = {r["pipeline"]: r for r in results if r["profile"] == profile}
-        a = by.get("async")
-        if a is None:
-            continue
-        for other in ("1f1b", "gpipe", "zerolock-held", "zerolock-all"):
-            if other not in by:
+        for subject in ("async", "async-keep"):
+            a = by.get(subject)
+            if a is None:
                 continue
-            o = by[other]
-            mem = " / ".join(f"{x / y:.2f}" if x and y else "-" for x, y in zip(a["peak_pss_mib"], o["peak_pss_mib"]))
-            lines.append(f"{profile}: async vs {other}: records/s {a['records_per_s'] / o['records_per_s']:.2f}x, "
-                         f"peak PSS per stage {mem}x")
+            for other in ("1f1b", "1f1b-keep", "async", "gpipe", "zerolock-held", "zerolock-all"):
+                if other not in by or other == subject:
+                    continue
+                o = by[other]
+                mem = " / ".join(f"{x / y:.2f}" if x and y else "-"
+                                 for x, y in zip(a["peak_pss_mib"], o["peak_pss_mib"]))
+                lines.append(f"{profile}: {subject} vs {other}: records/s "
+                             f"{a['records_per_s'] / o['records_per_s']:.2f}x, peak PSS per stage {mem}x")
     return lines
 
 
@@ -124,7 +130,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--cpu-quota", type=float, default=None,
                         help="CPUs per local device (zl train --cpu-quota), e.g. 0.5 for 3 devices on 2 cores: "
                              "leave the host some CPU, or stages busy at once slow each other (docs/benchmarks.md).")
-    parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"From {','.join(SCHEDULES)}.")
+    parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
+                        help=f"From {','.join(SCHEDULES)} (-keep: --keep-activations).")
     parser.add_argument("--profiles", default=",".join(PROFILES), help="Link profiles: local, wifi, mobile, "
                                                                         "constrained (the runner's emulation).")
     parser.add_argument("--out", type=Path, default=None, help="Working directory (default: a temporary one).")

@@ -48,6 +48,7 @@ class LaunchSettings(Protocol):
     load_mode: str
     accumulator_snapshots: bool
     grad_dtype: str  # bf16 | f32
+    keep_activations: bool
     policy: DevicePolicy
 
 
@@ -229,7 +230,7 @@ def stage_configs(s: LaunchSettings, run_plan: RunPlan, manifest: Manifest, expo
             **addresses.config_fields(),
         }
         if is_backprop(spec.schedule):  # configs of ZeroLock runs stay as they were
-            cfg.update(schedule=spec.schedule, grad_wire_dtype=s.grad_dtype)
+            cfg.update(schedule=spec.schedule, grad_wire_dtype=s.grad_dtype, keep_activations=s.keep_activations)
         if k == 0:
             cfg["data_shard"] = str(shard)
         if s.policy.active:

@@ -81,6 +81,11 @@ class TrainSettings:
                             choices=tuple(SCHEDULE_NAMES))
     grad_dtype: str = setting("bf16", "Backprop schedules: how grad_hidden travels upstream, bf16 (half the bytes) "
                                       "or f32 (exact).", choices=("bf16", "f32"))
+    keep_activations: bool = setting(False, "Backprop schedules on the ExecuTorch runtime: a stage before the last "
+                                            "keeps each micro-batch's forward until its gradient comes instead of "
+                                            "running the forward again (one program instance per micro-batch in "
+                                            "flight: less compute, more memory; docs/design.md §4.10). The torch "
+                                            "runtime always keeps them.", flag="--keep-activations")
     launcher: str = setting("spawn", "--runtime torch: spawn runs one process per stage on this host; torchrun only "
                                      "prepares --out and prints the torchrun command that starts the ranks (multi-GPU, "
                                      "multi-node), then `zl merge` and `zl report`.", choices=LAUNCHERS)
@@ -176,6 +181,10 @@ class TrainSettings:
             if self.standby:
                 raise ZLError(f"--schedule {self.schedule} --standby: hot standbys take over ZeroLock stages only; "
                               "drop --standby (a failed stage restarts with every stage, --recovery global).")
+        if self.keep_activations and not self.backprop:
+            raise ZLError(f"--keep-activations --schedule {self.schedule}: a ZeroLock stage finishes each micro-batch "
+                          "in one go and has no forward waiting for a gradient; add --schedule async (or gpipe, "
+                          "1f1b), or drop --keep-activations.")
         if self.launcher != "spawn" and self.runtime != "torch":
             raise ZLError(f"--launcher {self.launcher}: launchers start torch.distributed ranks; add --runtime torch.")
         if self.link_timeout_s <= 0:

@@ -12,6 +12,11 @@
 //
 // A backward recomputes its forward from the kept input (one more forward per
 // micro-batch, a (B,S,D) input held per micro-batch in flight, no activations).
+// With keep_activations a stage before the last instead parks each forward at
+// its marker in an instance of the program of its own, on a copy of the
+// weights it forwards with, and its backward writes the gradient in and
+// resumes it (StageProgram::finish(grad_hidden)): no second forward, one
+// instance's planned memory per micro-batch in flight.
 #include <chrono>
 #include <limits>
 #include <optional>
@@ -35,6 +40,42 @@ Status StageRunner::check_program_kind() const {
                 "program " + config_.program + " is a backprop program (it takes grad_hidden) and schedule "
                 "'zerolock' has no gradient to give it; use schedule gpipe, 1f1b or async, or export with "
                 "--program zerolock");
+}
+
+Status StageRunner::load_instances() {
+  const RunnerConfig& c = config_;
+  if (!c.keep_activations || !backprop() || program_->is_last()) return Status();
+  const int64_t depth = max_in_flight(schedule_ops(schedule_, c.stage_index, c.num_stages, plan_, start_mb_));
+  StageProgramOptions options;
+  options.program_path = c.program;
+  options.manifest_path = c.manifest;
+  options.threads = c.threads;
+  options.map_file = c.load_mode != "file";
+  for (int64_t i = 0; i < depth; ++i) {
+    ZL_ASSIGN_OR_RETURN(std::unique_ptr<StageProgram> instance, StageProgram::load(options));
+    idle_instances_.push_back(instance.get());
+    instances_.push_back(std::move(instance));
+  }
+  log(LogLevel::kInfo, "stage %lld: keeping activations: %lld program instances, one per micro-batch in flight",
+      static_cast<long long>(c.stage_index), static_cast<long long>(depth));
+  return Status();
+}
+
+Result<StageProgram*> StageRunner::take_instance(int64_t mb, const std::vector<std::vector<float>>* weights) {
+  if (idle_instances_.empty()) {
+    return Status(StatusCode::kInternal, "micro-batch " + std::to_string(mb) + ": all " +
+                                             std::to_string(instances_.size()) +
+                                             " program instances hold a micro-batch in flight");
+  }
+  StageProgram* instance = idle_instances_.back();
+  idle_instances_.pop_back();
+  const std::vector<TrainableParam>& from = program_->parameters();
+  const std::vector<TrainableParam>& to = instance->parameters();
+  for (size_t i = 0; i < from.size(); ++i) {
+    const float* src = weights != nullptr ? (*weights)[i].data() : from[i].data;
+    std::copy(src, src + from[i].numel(), to[i].data);
+  }
+  return instance;
 }
 
 Status StageRunner::loop_backprop() {
@@ -89,7 +130,13 @@ Status StageRunner::forward_op(int64_t mb) {
   const int64_t version = forward_version(schedule_, c.stage_index, c.num_stages, plan_, mb);
   ZL_ASSIGN_OR_RETURN(const std::vector<std::vector<float>>* stashed, weights_of(version, mb));
   versions_.forwarded(mb, version);
-  if (!program_->is_last()) {
+  if (!program_->is_last() && !instances_.empty()) {
+    ZL_ASSIGN_OR_RETURN(f.kept, take_instance(mb, stashed));
+    MicroBatchRecord timing;
+    ZL_RETURN_IF_ERROR(begin_micro_batch(mb, inputs, &timing, f.kept));  // parked at the marker until backward(mb)
+    f.forward_ms = timing.phase1_ms;
+    f.send_ms = timing.send_ms;
+  } else if (!program_->is_last()) {
     const WeightSwap swap(program_->parameters(), stashed);
     MicroBatchRecord timing;
     ZL_RETURN_IF_ERROR(begin_micro_batch(mb, inputs, &timing));  // grad_hidden zeros: it stops at the marker, sends
@@ -168,14 +215,15 @@ Status StageRunner::backward_op(int64_t mb, MicroBatchRecord* record, StageStepR
   const Clock::time_point start = Clock::now();
   double grad_wait_ms = 0;
   if (program_->takes_gradient()) ZL_RETURN_IF_ERROR(take_grad(mb, &grad_wait_ms));
-  StageInputs inputs;
-  ZL_RETURN_IF_ERROR(inputs_of(mb, f.entry, &inputs));
-  inputs.grad_hidden = program_->takes_gradient() ? grad_hidden_.data() : nullptr;
-
   const int64_t version = versions_.version_of(mb);
-  ZL_ASSIGN_OR_RETURN(const std::vector<std::vector<float>>* stashed, weights_of(version, mb));
   Clock::time_point t = Clock::now();
-  {
+  if (f.kept != nullptr) {  // its forward waits at the marker, on the weights it began with
+    ZL_ASSIGN_OR_RETURN(*result, f.kept->finish(grad_hidden_.data()));
+  } else {
+    StageInputs inputs;
+    ZL_RETURN_IF_ERROR(inputs_of(mb, f.entry, &inputs));
+    inputs.grad_hidden = program_->takes_gradient() ? grad_hidden_.data() : nullptr;
+    ZL_ASSIGN_OR_RETURN(const std::vector<std::vector<float>>* stashed, weights_of(version, mb));
     const WeightSwap swap(program_->parameters(), stashed);
     ZL_ASSIGN_OR_RETURN(*result, program_->run(inputs));
   }
@@ -195,6 +243,7 @@ Status StageRunner::backward_op(int64_t mb, MicroBatchRecord* record, StageStepR
   record->weight_version = version;
   record->total_ms = f.queue_ms + f.forward_ms + f.send_ms + ms_since(start);
   versions_.backwarded(mb);
+  if (f.kept != nullptr) idle_instances_.push_back(f.kept);  // its outputs are used: result no longer points in it
   in_flight_.erase(it);
   return Status();
 }

@@ -307,9 +307,11 @@ Status StageRunner::run_micro_batch(int64_t mb, MicroBatchRecord* record, StageS
   return Status();
 }
 
-Status StageRunner::begin_micro_batch(int64_t mb, const StageInputs& inputs, MicroBatchRecord* record) {
+Status StageRunner::begin_micro_batch(int64_t mb, const StageInputs& inputs, MicroBatchRecord* record,
+                                      StageProgram* program) {
+  StageProgram* p = program != nullptr ? program : program_.get();
   const Clock::time_point t = Clock::now();
-  ZL_RETURN_IF_ERROR(program_->begin(inputs, &hidden_));
+  ZL_RETURN_IF_ERROR(p->begin(inputs, &hidden_));
   record->phase1_ms = ms_since(t);
 
   if (sender_ && (config_.early_forwarding || backprop())) {  // a backprop schedule sends at the marker
@@ -317,21 +319,21 @@ Status StageRunner::begin_micro_batch(int64_t mb, const StageInputs& inputs, Mic
     const Status sent = send_hidden(mb, inputs, hidden_);
     record->send_ms = ms_since(send_start);
     if (!sent.ok()) {
-      abandon_step();
+      abandon_step(p);
       return sent;
     }
   }
   if (mb == config_.hold_at_micro_batch) {
     const Status held = hold(mb);
-    abandon_step();
+    abandon_step(p);
     return held;
   }
   return Status();
 }
 
-void StageRunner::abandon_step() {
+void StageRunner::abandon_step(StageProgram* program) {
   // The method is parked at the marker: stop it there before unwinding.
-  (void)program_->abandon();
+  (void)(program != nullptr ? program : program_.get())->abandon();
 }
 
 void StageRunner::write_micro_batch(MicroBatchRecord* record) {
@@ -362,7 +364,10 @@ void StageRunner::finish_run(int64_t micro_batches, double wall_s, double cpu_s)
                  {"peak_rss_mib", number_or_null(read_peak_rss_mib())},
                  {"optimizer_step", optimizer_->step_count()},
                  {"schedule", c.schedule}};
-    if (backprop()) line["max_weight_versions_kept"] = max_versions_kept_;
+    if (backprop()) {
+      line["max_weight_versions_kept"] = max_versions_kept_;
+      line["program_instances"] = instances_.size();  // keep_activations: one per micro-batch in flight
+    }
     if (sender_) {
       const SenderStats s = sender_->stats();
       line["sender"] = {{"transmissions", s.transmissions}, {"resends", s.resends}, {"connects", s.connects},

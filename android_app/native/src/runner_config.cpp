@@ -159,6 +159,11 @@ const Field kFields[] = {
      ZL_REF(schedule)},
     {"grad_wire_dtype", FieldType::kString, false, false,
      "How GRAD frames carry grad_hidden upstream: bf16 (half the bytes) or f32 (exact).", ZL_REF(grad_wire_dtype)},
+    {"keep_activations", FieldType::kBoolean, false, false,
+     "gpipe, 1f1b or async, a stage before the last: keep each micro-batch's forward (its activations) until its "
+     "gradient comes, one program instance per micro-batch in flight, instead of running the forward again in the "
+     "backward. Less compute, more memory.",
+     ZL_REF(keep_activations)},
 };
 
 #undef ZL_REF

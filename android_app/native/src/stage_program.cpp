@@ -122,9 +122,28 @@ Status check_program_size(const std::string& path) {
 
 }  // namespace
 
+// Module's own deprecated members (debug_buffer_, Method::mutable_input) are named by the subclass's implicit
+// constructor, destructor and planned_input.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+/// A Module that lets a suspended method's planned input be written: Method::set_input refuses mid-execution, and
+/// the method copied the input into its own planned buffer when execute() began.
+class StageModule : public Module {
+ public:
+  using Module::Module;
+  /// The data of input `index` of the loaded `method` as the method reads it, or nullptr.
+  float* planned_input(const std::string& method, size_t index) {
+    const auto it = methods_.find(method);
+    if (it == methods_.end() || !it->second.method) return nullptr;
+    EValue& value = it->second.method->mutable_input(index);  // ExecuTorch's only access to it mid-execution
+    return value.isTensor() ? value.toTensor().mutable_data_ptr<float>() : nullptr;
+  }
+};
+#pragma GCC diagnostic pop
+
 /// ExecuTorch state, out of the public header.
 struct StageProgram::Impl {
-  std::unique_ptr<Module> module;
+  std::unique_ptr<StageModule> module;
   std::vector<int64_t> ids;     // (B, S)
   std::vector<float> hidden;    // (B, S, D)
   std::vector<int64_t> mask;    // (B, S)
@@ -174,7 +193,7 @@ Status StageProgramLoader::load_module() {
   // `weight_has_gradient` in exir/memory_planning.py): AdamW writes there, and
   // the frozen constants can stay a read-only map of the file.
   ZL_RETURN_IF_ERROR(check_program_size(path));
-  impl.module.reset(new Module(path, options.map_file ? Module::LoadMode::Mmap : Module::LoadMode::File));
+  impl.module.reset(new StageModule(path, options.map_file ? Module::LoadMode::Mmap : Module::LoadMode::File));
   const Error error = impl.module->load();
   if (error != Error::Ok) {
     return Status(StatusCode::kInvalidArgument,
@@ -527,6 +546,25 @@ Result<StageStepResult> StageProgram::finish() {
     if (!marker_error_.empty()) return Status(StatusCode::kInternal, "program " + path_ + ": " + marker_error_);
   }
   return collect(nullptr);
+}
+
+Result<StageStepResult> StageProgram::finish(const float* grad_hidden) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!takes_gradient() || grad_hidden == nullptr) {
+      return Status(StatusCode::kInvalidArgument, "finish(grad_hidden) on a program that takes no gradient");
+    }
+    if (state_ != State::kSuspended) {
+      return Status(StatusCode::kInvalidArgument, "finish(grad_hidden) without a begin() suspended at the marker");
+    }
+    // The worker is parked in the marker kernel: the method's memory is not being touched.
+    float* planned = impl_->module->planned_input(kMethod, 3);
+    if (planned == nullptr) {
+      return Status(StatusCode::kInternal, "program " + path_ + ": no grad_hidden input to write");
+    }
+    std::memcpy(planned, grad_hidden, impl_->grad_hidden.size() * sizeof(float));
+  }
+  return finish();
 }
 
 Status StageProgram::abandon() {

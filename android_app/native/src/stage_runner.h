@@ -123,6 +123,9 @@ class StageRunner {
   // loop_backprop(): a backprop schedule's operations (backprop_loop.cpp).
   bool backprop() const { return schedule_ != PipelineSchedule::kZeroLock; }
   Status check_program_kind() const;
+  Status load_instances();  // keep_activations: the program instances, one per micro-batch in flight
+  /// An idle instance with `weights` (nullptr: program_'s current ones) copied in.
+  Result<StageProgram*> take_instance(int64_t mb, const std::vector<std::vector<float>>* weights);
   Status loop_backprop();
   Status forward_op(int64_t mb);
   Status backward_op(int64_t mb, MicroBatchRecord* record, StageStepResult* result);
@@ -133,10 +136,11 @@ class StageRunner {
   Status send_grad(int64_t mb, const float* grad_input);
   Status run_micro_batch(int64_t mb, MicroBatchRecord* record, StageStepResult* result);
   Status take_input(int64_t mb, InputEntry* entry, StageInputs* inputs, double* queue_ms);
-  Status begin_micro_batch(int64_t mb, const StageInputs& inputs, MicroBatchRecord* record);
+  Status begin_micro_batch(int64_t mb, const StageInputs& inputs, MicroBatchRecord* record,
+                           StageProgram* program = nullptr);
   Status send_hidden(int64_t mb, const StageInputs& inputs, const std::vector<float>& hidden);
   Status hold(int64_t mb);
-  void abandon_step();
+  void abandon_step(StageProgram* program = nullptr);
   void write_micro_batch(MicroBatchRecord* record);
   Status end_window(int64_t window, int64_t last_mb, const WindowSums& sums);
   /// kUnrecoverable naming the stage, `window`, `what` went non-finite and the last good checkpoint kept.
@@ -180,7 +184,13 @@ class StageRunner {
   struct InFlight {
     InputEntry entry;  // stages > 0: the input received (stage 0 re-reads its shard)
     double queue_ms = 0, forward_ms = 0, send_ms = 0;
+    StageProgram* kept = nullptr;  // keep_activations: the instance suspended at this micro-batch's marker
   };
+  // keep_activations (docs/design.md §4.10): one instance of the program per micro-batch in flight, each parked at
+  // its marker from the forward to the backward on a copy of the weights it forwarded with; program_ holds the
+  // weights AdamW steps and runs nothing.
+  std::vector<std::unique_ptr<StageProgram>> instances_;
+  std::vector<StageProgram*> idle_instances_;
   std::map<int64_t, InFlight> in_flight_;
   WeightVersions versions_;
   std::vector<float> grad_hidden_;  // the gradient taken for the current backward (B*S*D), reused

@@ -56,6 +56,7 @@ Status StageRunner::setup() {
   // checkpoint, the input log and the listening port of the stage it replaces.
   if (standby_ != nullptr) ZL_RETURN_IF_ERROR(stand_by());
   ZL_RETURN_IF_ERROR(restore());
+  ZL_RETURN_IF_ERROR(load_instances());
 
   if (!c.is_first_stage()) ZL_RETURN_IF_ERROR(start_receiver());
   if (!c.is_last_stage()) ZL_RETURN_IF_ERROR(start_sender());

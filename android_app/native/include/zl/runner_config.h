@@ -65,6 +65,11 @@ struct RunnerConfig {
   /// backprop with a backprop program (pipeline_schedule.h, docs/design.md §4.10).
   std::string schedule = "zerolock";
   std::string grad_wire_dtype = "bf16";  ///< GRAD frames upstream: bf16 (half the bytes) or f32
+  /// A backprop schedule's stage before the last keeps each micro-batch's
+  /// forward suspended at the marker until its gradient comes, instead of
+  /// running the forward again in the backward: one program instance (its
+  /// planned memory) per micro-batch in flight (docs/design.md §4.10).
+  bool keep_activations = false;
 
   /// How num_micro_batches fall into windows of window_size.
   WindowPlan window_plan() const { return WindowPlan(num_micro_batches, window_size); }

@@ -113,6 +113,16 @@ class StageProgram {
   /// runs the whole method) and returns losses and gradients.
   Result<StageStepResult> finish();
 
+  /// Phase 2 of a backprop program's step whose gradient arrived after
+  /// begin() (a stage before the last that keeps its activations,
+  /// docs/design.md §4.10): writes `grad_hidden` (B*S*D float32) into the
+  /// suspended method's grad_hidden input, then resumes it as finish() does.
+  /// The exporter orders the graph so that nothing before the marker reads
+  /// grad_hidden, so phase 1 ran as it would have with these values, and the
+  /// step is the one run() gives on the same inputs. Fails without a
+  /// suspended begin() or on a program that takes no gradient.
+  Result<StageStepResult> finish(const float* grad_hidden);
+
   /// Ends the step begun by begin() without phase 2: the method suspended at
   /// the marker stops there (its kernel fails it with
   /// zl::kPipelineMarkerStopped, which is what was asked, not an error). The

@@ -216,17 +216,16 @@ def table(results: list[dict], base: dict | None) -> str:
 
 def ratios(results: list[dict]) -> list[str]:
     """ZeroLock's (torch runtime) records/s and peak training RSS against each backprop pipeline's."""
+    from zl_study.study_tables import ratio_line
+
     by = {r["pipeline"]: r for r in results}
     zl = by.get("zerolock")
     lines = []
     for other in (*BASELINES, RUNNER):
         if zl is None or other not in by:
             continue
-        o = by[other]
-        mem = " / ".join(f"{a / b:.2f}" if a and b else "-"
-                         for a, b in zip(zl["train_peak_rss_mib"], o["train_peak_rss_mib"]))
-        lines.append(f"zerolock vs {other}: records/s {zl['records_per_s'] / o['records_per_s']:.2f}x, "
-                     f"peak RSS in training per rank {mem}x")
+        lines.append(ratio_line(f"zerolock vs {other}", zl, by[other], "records_per_s", "train_peak_rss_mib",
+                                "peak RSS in training per rank"))
     return lines
 
 

@@ -94,6 +94,8 @@ def table(results: list[dict]) -> str:
 def ratios(results: list[dict]) -> list[str]:
     """async's (and async-keep's) records/s against 1f1b's and the held-still default's, and its peak PSS against the
     others', per link profile."""
+    from zl_study.study_tables import ratio_line
+
     lines = []
     for profile in PROFILES:
         by = {r["pipeline"]: r for r in results if r["profile"] == profile}
@@ -104,11 +106,8 @@ def ratios(results: list[dict]) -> list[str]:
             for other in ("1f1b", "1f1b-keep", "async", "gpipe", "zerolock-held", "zerolock-all"):
                 if other not in by or other == subject:
                     continue
-                o = by[other]
-                mem = " / ".join(f"{x / y:.2f}" if x and y else "-"
-                                 for x, y in zip(a["peak_pss_mib"], o["peak_pss_mib"]))
-                lines.append(f"{profile}: {subject} vs {other}: records/s "
-                             f"{a['records_per_s'] / o['records_per_s']:.2f}x, peak PSS per stage {mem}x")
+                lines.append(ratio_line(f"{profile}: {subject} vs {other}", a, by[other], "records_per_s",
+                                        "peak_pss_mib", "peak PSS per stage"))
     return lines
 
 

@@ -193,3 +193,10 @@ def plot(study: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def ratio_line(label: str, subject: dict, other: dict, rate: str, memory: str, memory_name: str) -> str:
+    """One line of a benchmark's side-by-side ratios: `subject`'s `rate` over `other`'s, and its per-stage `memory`
+    list over the other's element by element ("-" where either is missing)."""
+    mem = " / ".join(f"{x / y:.2f}" if x and y else "-" for x, y in zip(subject[memory], other[memory]))
+    return f"{label}: records/s {subject[rate] / other[rate]:.2f}x, {memory_name} {mem}x"

@@ -2,7 +2,7 @@
 
     model (float32, adapter merged)  ->  torchao weight quantization (int8 | int4 | none)
       ->  transformers' static-cache wrapper  ->  torch.export (prompt length dynamic)
-      ->  to_edge_transform_and_lower(XnnpackPartitioner)  ->  to_executorch  ->  FILE.pte
+      ->  tanh GELU written out  ->  to_edge_transform_and_lower(XnnpackPartitioner)  ->  to_executorch  ->  FILE.pte
 
 The program has one method, `forward(input_ids (1, S) int64, cache_position (S,) int64) -> logits (1, S, V)`, the
 signature of `transformers.integrations.executorch.TorchExportableModuleForDecoderOnlyLM` (what optimum-executorch
@@ -91,11 +91,6 @@ def export_program(model: torch.nn.Module, out: Path, quantize: str = "none", ma
         max_seq_len: positions of the KV cache: prompt plus generated tokens, at most.
         eos_ids, bos_id: the tokenizer's, recorded for the LLM runners (`get_eos_ids`, `get_bos_id`).
     """
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.backends.xnnpack._passes.convert_to_linear import ConvertToLinearPass
-    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.passes import MemoryPlanningPass
-    from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
     from transformers import GenerationConfig
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
@@ -115,22 +110,57 @@ def export_program(model: torch.nn.Module, out: Path, quantize: str = "none", ma
                                   dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}}, strict=True)
     metadata = program_metadata(model.config, max_seq_len, eos_ids, bos_id)
     log.info("lowering to XNNPACK (%s)", quantize)
-    edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()],
-                                       compile_config=EdgeCompileConfig(_check_ir_validity=False),
-                                       constant_methods=metadata)
-    # As executorch's LLMEdgeManager.to_executorch: linears left outside XNNPACK run as op_linear (not transpose +
-    # mm), quantized embeddings become quantized_decomposed::embedding_{byte,4bit} (quant fusion), inputs are not
-    # planned into the arena (the runner passes its own), and sizes follow the dynamic prompt length.
-    edge = edge.transform([ConvertToLinearPass()])
-    program = edge.to_executorch(ExecutorchBackendConfig(
-        extract_delegate_segments=True, do_quant_fusion_and_const_prop=True,
-        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
-        sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass()))
+    program = lower_to_executorch(exported, metadata)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     tmp.write_bytes(program.buffer)
     os.replace(tmp, out)
     return ProgramInfo(out, out.stat().st_size, quantize, max_seq_len, time.perf_counter() - start, metadata)
+
+
+def lower_to_executorch(exported: torch.export.ExportedProgram, constant_methods: dict | None = None):
+    """`exported` delegated to XNNPACK and made an ExecuTorch program (an `ExecutorchProgramManager`: `.buffer` is
+    the .pte's bytes), with `constant_methods` beside its methods."""
+    from executorch.backends.xnnpack._passes.convert_to_linear import ConvertToLinearPass
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
+
+    edge = to_edge_transform_and_lower(tanh_gelu_written_out(exported), partitioner=[XnnpackPartitioner()],
+                                       compile_config=EdgeCompileConfig(_check_ir_validity=False),
+                                       constant_methods=constant_methods)
+    # As executorch's LLMEdgeManager.to_executorch: linears left outside XNNPACK run as op_linear (not transpose +
+    # mm), quantized embeddings become quantized_decomposed::embedding_{byte,4bit} (quant fusion), inputs are not
+    # planned into the arena (the runner passes its own), and sizes follow the dynamic prompt length.
+    edge = edge.transform([ConvertToLinearPass()])
+    return edge.to_executorch(ExecutorchBackendConfig(
+        extract_delegate_segments=True, do_quant_fusion_and_const_prop=True,
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+        sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass()))
+
+
+def tanh_gelu_written_out(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """`exported` with every tanh-approximated GELU replaced by the ops of its formula,
+    0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) (PyTorch's own decomposition); exact GELUs are kept.
+
+    XNNPACK's GELU in executorch 1.5 drops `approximate` and computes the exact (erf) GELU, up to 4.7e-4 away per
+    activation: Gemma's gelu_pytorch_tanh, through 18 layers, put Gemma 3 270M's logits 5.3e-3 (relative) from the
+    model. Written out, every op (mul, add, tanh) still runs in the delegate. Upstream fix: pytorch/executorch#22851
+    (a newer runtime, which phones may not have).
+    """
+    from torch._decomp import get_decompositions
+
+    gelu = torch.ops.aten.gelu.default
+    reference = get_decompositions([gelu])[gelu]
+
+    def tanh_only(x: torch.Tensor, approximate: str = "none"):
+        # NotImplemented: keep this GELU as it is (the tracer then records aten.gelu itself).
+        return reference(x, approximate=approximate) if approximate == "tanh" else NotImplemented
+
+    if not any(n.target is gelu for n in exported.graph.nodes):
+        return exported
+    return exported.run_decompositions({gelu: tanh_only})
 
 
 def program_metadata(config, max_seq_len: int, eos_ids: tuple[int, ...], bos_id: int | None) -> dict:

@@ -19,7 +19,7 @@ console = Console()
 err_console = Console(stderr=True)
 log = logging.getLogger(__name__)
 
-CHECK_ROWS = 8  # dev rows (else built-in prompts) the check compares on
+CHECK_ROWS = 8  # dev rows (else built-in prompts) the check compares on, by default
 CHECK_NEW_TOKENS = 16  # greedy tokens compared per row
 _FALLBACK_PROMPTS = ("Q: What is the capital of France?\nA:", "The best thing about phones is",
                      "Once upon a time, there was")
@@ -40,6 +40,8 @@ class ExportModelArgs:
                                                     "(capped at the model's context).", flag="--max-seq-len")
     check: bool = setting(True, "Run the program with ExecuTorch's runtime here and compare it with the PEFT model "
                                 "on the run's dev rows (logits, NLL, greedy continuations).", flag="--check/--no-check")
+    check_rows: int = setting(CHECK_ROWS, "Dev rows the check compares on (each a prefill in both and two greedy "
+                                          "continuations: seconds a row on a 135M model).", flag="--check-rows")
     force: bool = setting(False, "Replace --out (and tokenizer files beside it) if they exist.", flag="--force")
 
     def validate(self) -> None:
@@ -49,6 +51,9 @@ class ExportModelArgs:
             ZLError: naming the flag, the value and the fix.
         """
         check_fields(self)
+        if self.check_rows < 1:
+            raise ZLError(f"--check-rows {self.check_rows}: must be at least 1, e.g. --check-rows {CHECK_ROWS}; "
+                          "--no-check skips the check.")
         if self.max_seq_len < 2:
             raise ZLError(f"--max-seq-len {self.max_seq_len}: must be at least 2 (a prompt token and a new one), "
                           f"e.g. --max-seq-len {DEFAULT_MAX_SEQ_LEN}.")
@@ -60,8 +65,9 @@ EXPORT_MODEL_DOC = """Merge a run's adapter into its base model; write an ExecuT
 The program (KV cache, prompt prefilled in one call, XNNPACK delegate) is
 what ExecuTorch's LLM runners load, with the tokenizer.json written next to
 it. It is then run here with ExecuTorch's runtime and compared with the PEFT
-model on the run's dev rows: logits (float: equal within 1e-3), NLL and
-greedy continuations.
+model on the run's dev rows (--check-rows): logits (float: equal within
+1e-3), NLL over all tokens and over the answer tokens, and greedy
+continuations.
 
 Examples:
 
@@ -104,7 +110,7 @@ def run_export_model(args: ExportModelArgs) -> None:
                   f"{info.seconds:.0f} s", highlight=False, soft_wrap=True)
     console.print("tokenizer: " + ", ".join(str(f) for f in files), highlight=False, soft_wrap=True)
     if args.check:
-        _check(args.run, out, model_name, seed, adapter_dir, tokenizer, args.quantize)
+        _check(args.run, out, model_name, seed, adapter_dir, tokenizer, args.quantize, args.check_rows)
     console.print(f"next: zl generate --run {args.run} --program {out} \"Hello\"", highlight=False, soft_wrap=True)
 
 
@@ -120,7 +126,8 @@ def _check_out(out: Path, force: bool) -> None:
         raise ZLError(f"--out {out}: exists; pass --force to replace it, or another --out.")
 
 
-def _check(run: Path, out: Path, model_name: str, seed: int, adapter_dir: Path, tokenizer, quantize: str) -> None:
+def _check(run: Path, out: Path, model_name: str, seed: int, adapter_dir: Path, tokenizer, quantize: str,
+           check_rows: int) -> None:
     """Run the program with ExecuTorch's runtime and compare it with the PEFT model (reloaded: merging spent it)."""
     from zl_device.results.adapter import load_adapter
     from zl_device.results.program_runner import ProgramRunner, compare_with_model
@@ -128,19 +135,23 @@ def _check(run: Path, out: Path, model_name: str, seed: int, adapter_dir: Path, 
 
     with err_console.status(f"checking {out} against the PEFT model"):
         runner = ProgramRunner(out)
-        rows, prompts, where = _check_prompts(run, tokenizer, runner.max_seq_len - CHECK_NEW_TOKENS)
+        rows, prompts, where = _check_prompts(run, tokenizer, runner.max_seq_len - CHECK_NEW_TOKENS, check_rows)
         tuned = load_adapter(load_model(model_name, seed=seed).model, adapter_dir)
         result = compare_with_model(runner, tuned, rows, CHECK_NEW_TOKENS, tokenizer.eos_token_id, prompts)
     ok = result.max_relative_error <= 1e-3 or quantize != "none"
+    answers = "" if result.answer_nll_change is None else (
+        f", on the {result.answer_tokens} answer tokens {result.answer_nll_model:.4f} -> "
+        f"{result.answer_nll_program:.4f} ({result.answer_nll_change:+.4f})")
     console.print(f"check on {result.prompts} {where} (ExecuTorch runtime vs PEFT): logits max relative error "
                   f"{result.max_relative_error:.2e}{'' if ok else ' [red](over 1e-3)[/]'}, NLL {result.nll_model:.4f} "
-                  f"-> {result.nll_program:.4f} nats/token ({result.nll_change:+.4f}), greedy continuations "
-                  f"identical on {result.greedy_agree}/{result.prompts}", highlight=False, soft_wrap=True)
+                  f"-> {result.nll_program:.4f} nats/token ({result.nll_change:+.4f}){answers}, greedy "
+                  f"continuations identical on {result.greedy_agree}/{result.prompts}", highlight=False,
+                  soft_wrap=True)
 
 
-def _check_prompts(run: Path, tokenizer, room: int) -> tuple[list[list[int]], list[list[int]], str]:
-    """What to check on: the run's dev rows (else its training rows), each cut to `room` tokens, with their prompt
-    parts to generate from; else built-in prompts. Returns (rows, prompts, what they are)."""
+def _check_prompts(run: Path, tokenizer, room: int, count: int) -> tuple[list[list[int]], list[list[int]], str]:
+    """What to check on: the first `count` of the run's dev rows (else its training rows), each cut to `room` tokens,
+    with their prompt parts to generate from; else built-in prompts. Returns (rows, prompts, what they are)."""
     from zl_device.formats.run_layout import RunLayout
     from zl_device.results.generation import split_row
     from zl_export.shard import load_shard
@@ -152,7 +163,7 @@ def _check_prompts(run: Path, tokenizer, room: int) -> tuple[list[list[int]], li
             continue
         shard = load_shard(path)
         rows, prompts = [], []
-        for r in range(min(CHECK_ROWS, shard.rows)):
+        for r in range(min(count, shard.rows)):
             ids = shard.input_ids[r, : int(shard.attention_mask[r].sum())].tolist()[:room]
             try:
                 prompt = split_row(shard, r)[0][:room]

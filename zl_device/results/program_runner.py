@@ -91,39 +91,59 @@ class Comparison:
     nll_program: float
     greedy_agree: int  # prompts whose greedy continuations are identical
     continuations: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (model, program) per prompt
+    # The same over the answer tokens only (a row's tokens after its prompt, what training scored); None where no
+    # row has a prompt shorter than itself (built-in prompts, plain text).
+    answer_nll_model: float | None = None
+    answer_nll_program: float | None = None
+    answer_tokens: int = 0
 
     @property
     def nll_change(self) -> float:
         return self.nll_program - self.nll_model
+
+    @property
+    def answer_nll_change(self) -> float | None:
+        return None if self.answer_tokens == 0 else self.answer_nll_program - self.answer_nll_model
 
 
 @torch.no_grad()
 def compare_with_model(runner: ProgramRunner, model: torch.nn.Module, rows: list[list[int]], max_new_tokens: int,
                        eos_id: int, prompts: list[list[int]] | None = None) -> Comparison:
     """Prefill each row in the program and in `model` (eager, no cache) and compare every position's logits and the
-    rows' NLL; then compare greedy continuations of `max_new_tokens` from each prompt (the model's with
-    transformers' `generate`).
+    rows' NLL (over every token, and over the answer tokens: those after a row's prompt); then compare greedy
+    continuations of `max_new_tokens` from each prompt (the model's with transformers' `generate`).
 
     Args:
         rows: token ids, each at least two tokens (the first is not predicted, so the NLL needs a second).
-        prompts: where generation starts, one per row (e.g. a row's prompt part); default: the rows.
+        prompts: where generation starts, one per row (e.g. a row's prompt part, a prefix of the row); default: the
+            rows.
     """
     from zl_device.results.generation import generate_ids
 
     class _Ids:  # what generate_ids needs of a tokenizer
         eos_token_id = pad_token_id = eos_id
 
+    def nll(logits: torch.Tensor, ids: list[int], start: int) -> float:  # of ids[start:], start >= 1
+        return float(torch.nn.functional.cross_entropy(logits[start - 1:-1], torch.tensor(ids[start:]),
+                                                       reduction="sum"))
+
     worst, nll_model, nll_program, tokens, agree, pairs = 0.0, 0.0, 0.0, 0, 0, []
+    answer_model, answer_program, answer_tokens = 0.0, 0.0, 0
     for ids, prompt in zip(rows, prompts or rows):
         expected = model(torch.tensor([ids])).logits[0]  # (S, V)
         got = runner.logits(ids)
         worst = max(worst, float((got - expected).abs().max() / expected.abs().max()))
-        target = torch.tensor(ids[1:])
-        nll_model += float(torch.nn.functional.cross_entropy(expected[:-1], target, reduction="sum"))
-        nll_program += float(torch.nn.functional.cross_entropy(got[:-1], target, reduction="sum"))
+        nll_model += nll(expected, ids, 1)
+        nll_program += nll(got, ids, 1)
         tokens += len(ids) - 1
+        if 1 <= len(prompt) < len(ids) and ids[:len(prompt)] == prompt:
+            answer_model += nll(expected, ids, len(prompt))
+            answer_program += nll(got, ids, len(prompt))
+            answer_tokens += len(ids) - len(prompt)
         (reference,) = generate_ids(model, _Ids, [prompt], max_new_tokens)
         mine = runner.generate(prompt, max_new_tokens, eos_id)
         agree += reference == mine
         pairs.append((reference, mine))
-    return Comparison(len(rows), worst, nll_model / tokens, nll_program / tokens, agree, pairs)
+    answers = (answer_model / answer_tokens, answer_program / answer_tokens) if answer_tokens else (None, None)
+    return Comparison(len(rows), worst, nll_model / tokens, nll_program / tokens, agree, pairs, *answers,
+                      answer_tokens)

@@ -139,6 +139,28 @@ def test_measure_skips_the_warm_up_and_takes_the_send_without_back_pressure():
     assert measure(1, lines[:2]) is None  # nothing past the warm-up
 
 
+def test_a_backprop_stages_wait_for_its_gradient_is_not_its_cost():
+    """Under a backprop schedule a micro-batch's total_ms holds the wait for its gradient (grad_wait_ms): the
+    downstream stages' time. It is not the stage's own: measured, it would hand the stage fewer layers the longer
+    the others take."""
+    lines = [mb(i, 10, 20, send=2) for i in range(2)]
+    lines += [{**mb(i, 10, 20, send=2, extra=1.0 + 300.0), "grad_wait_ms": 300.0} for i in range(2, 5)]
+    m = measure(3, lines)
+    assert m.other_ms == pytest.approx(2 + 1)
+
+
+def test_the_schedule_is_in_the_calibration_key():
+    """A backprop stage runs another program than a ZeroLock one (and with --keep-activations one forward less):
+    a plan for one does not take the other's figures."""
+    from zl_device.devices.registry import parse_devices
+
+    spec_ = parse_devices("local:3")
+    runs = [settings(stage_lr=(1.0,)), settings(schedule="async"), settings(schedule="async", keep_activations=True)]
+    for k in range(3):
+        keys = [json.dumps(cal.cache_key(s, spec_, k, None), sort_keys=True) for s in runs]
+        assert len(set(keys)) == 3, k
+
+
 def cost(fixed_ms, per_layer_ms, pss_fixed=100.0, pss_per_layer=10.0) -> StageCost:
     half = Linear(fixed_ms / 2, per_layer_ms / 2)
     return StageCost(half, half, Linear(0.0, 0.0), Linear(pss_fixed, pss_per_layer))

@@ -21,7 +21,8 @@ is measured too.
 
 A calibration is cached per device, stage position, role and settings ($ZL_CACHE_DIR/calibrations/<key>.json: key =
 the device -- a local device's name, quota, host and runner build; a phone's serial and mode -- the stage index and
-count, whether the stage runs forward only, the model, the data and every option that changes a stage's work); a plan
+count, whether the stage runs forward only, the model, the data and every option that changes a stage's work, the
+schedule among them: a backprop stage runs another program, and with --keep-activations one forward less); a plan
 whose every stage is cached runs nothing and loads no model. `zl plan --recalibrate` measures again (a phone's new
 runner build, a hotter day).
 """
@@ -146,6 +147,7 @@ def cache_key(s: TrainSettings, spec: DevicesSpec, stage: int, quota: float | No
             "model": model_identity(s.split.model), "data": data_identity(s),
             "rows": to_json(s.rows), "export": to_json(s.export), "threads": s.threads, "load_mode": s.load_mode,
             "accumulator_snapshots": s.accumulator_snapshots, "in_flight": s.in_flight,
+            "schedule": s.schedule, "keep_activations": s.keep_activations, "grad_dtype": s.grad_dtype,
             "micro_batches": ROUND_MICRO_BATCHES}
 
 

@@ -7,7 +7,8 @@ telemetry (docs/design.md §4.7) gives per micro-batch `phase1_ms` (input to the
     phase1, phase2   medians over the micro-batches after the warm-up
     other            the smallest send_ms (sealing the hidden state; a larger one waited on back-pressure, which is
                      the downstream stage's time, not this one's) + the median of what total_ms has beyond input,
-                     phases and send (accumulating the gradients)
+                     phases, send and, under a backprop schedule, the wait for the gradient (another stage's time;
+                     §4.10): accumulating the gradients
     pss              the highest PSS the stage reached (MiB)
 
 Two rounds at different layer counts give each quantity as `fixed + per_layer x n` (least squares over the
@@ -70,7 +71,7 @@ def measure(layers: int, lines: list[dict], warmup: int = WARMUP_MICRO_BATCHES) 
 
     sends = [num(r, "send_ms") for r in steady]
     rest = [max(0.0, num(r, "total_ms") - num(r, "queue_ms") - num(r, "send_ms") - num(r, "phase1_ms")
-                - num(r, "phase2_ms")) for r in steady]
+                - num(r, "phase2_ms") - num(r, "grad_wait_ms")) for r in steady]
     pss = [float(r["pss_mib"]) for r in lines if r.get("type") in ("micro_batch", "window") and r.get("pss_mib")]
     return Measured(layers=layers,
                     phase1_ms=statistics.median(num(r, "phase1_ms") for r in steady),

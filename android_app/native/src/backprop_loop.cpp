@@ -46,13 +46,8 @@ Status StageRunner::load_instances() {
   const RunnerConfig& c = config_;
   if (!c.keep_activations || !backprop() || program_->is_last()) return Status();
   const int64_t depth = max_in_flight(schedule_ops(schedule_, c.stage_index, c.num_stages, plan_, start_mb_));
-  StageProgramOptions options;
-  options.program_path = c.program;
-  options.manifest_path = c.manifest;
-  options.threads = c.threads;
-  options.map_file = c.load_mode != "file";
   for (int64_t i = 0; i < depth; ++i) {
-    ZL_ASSIGN_OR_RETURN(std::unique_ptr<StageProgram> instance, StageProgram::load(options));
+    ZL_ASSIGN_OR_RETURN(std::unique_ptr<StageProgram> instance, StageProgram::load(program_options()));
     idle_instances_.push_back(instance.get());
     instances_.push_back(std::move(instance));
   }
@@ -130,17 +125,16 @@ Status StageRunner::forward_op(int64_t mb) {
   const int64_t version = forward_version(schedule_, c.stage_index, c.num_stages, plan_, mb);
   ZL_ASSIGN_OR_RETURN(const std::vector<std::vector<float>>* stashed, weights_of(version, mb));
   versions_.forwarded(mb, version);
-  if (!program_->is_last() && !instances_.empty()) {
-    ZL_ASSIGN_OR_RETURN(f.kept, take_instance(mb, stashed));
+  if (!program_->is_last()) {
     MicroBatchRecord timing;
-    ZL_RETURN_IF_ERROR(begin_micro_batch(mb, inputs, &timing, f.kept));  // parked at the marker until backward(mb)
-    f.forward_ms = timing.phase1_ms;
-    f.send_ms = timing.send_ms;
-  } else if (!program_->is_last()) {
-    const WeightSwap swap(program_->parameters(), stashed);
-    MicroBatchRecord timing;
-    ZL_RETURN_IF_ERROR(begin_micro_batch(mb, inputs, &timing));  // grad_hidden zeros: it stops at the marker, sends
-    ZL_RETURN_IF_ERROR(program_->abandon());
+    if (!instances_.empty()) {
+      ZL_ASSIGN_OR_RETURN(f.kept, take_instance(mb, stashed));
+      ZL_RETURN_IF_ERROR(begin_micro_batch(mb, inputs, &timing, f.kept));  // parked at the marker until backward(mb)
+    } else {
+      const WeightSwap swap(program_->parameters(), stashed);
+      ZL_RETURN_IF_ERROR(begin_micro_batch(mb, inputs, &timing));  // grad_hidden zeros: it stops at the marker, sends
+      ZL_RETURN_IF_ERROR(program_->abandon());
+    }
     f.forward_ms = timing.phase1_ms;
     f.send_ms = timing.send_ms;
   }

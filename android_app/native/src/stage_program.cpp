@@ -122,8 +122,7 @@ Status check_program_size(const std::string& path) {
 
 }  // namespace
 
-// Module's own deprecated members (debug_buffer_, Method::mutable_input) are named by the subclass's implicit
-// constructor, destructor and planned_input.
+// Method::mutable_input is deprecated, and it is ExecuTorch's only access to a planned input mid-execution.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 /// A Module that lets a suspended method's planned input be written: Method::set_input refuses mid-execution, and
@@ -551,9 +550,10 @@ Result<StageStepResult> StageProgram::finish() {
 Result<StageStepResult> StageProgram::finish(const float* grad_hidden) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!takes_gradient() || grad_hidden == nullptr) {
+    if (!takes_gradient()) {
       return Status(StatusCode::kInvalidArgument, "finish(grad_hidden) on a program that takes no gradient");
     }
+    if (grad_hidden == nullptr) return Status(StatusCode::kInvalidArgument, "finish(grad_hidden) without a gradient");
     if (state_ != State::kSuspended) {
       return Status(StatusCode::kInvalidArgument, "finish(grad_hidden) without a begin() suspended at the marker");
     }

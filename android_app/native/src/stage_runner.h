@@ -103,6 +103,7 @@ class StageRunner {
   // setup(): everything before the first micro-batch, in this order.
   Status setup();
   Status load_program();
+  StageProgramOptions program_options() const;  // the config's program, for program_ and every instance
   Status stand_by();
   Status restore();
   Status restore_weight_versions(int64_t window);

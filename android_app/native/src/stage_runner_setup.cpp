@@ -81,12 +81,7 @@ Status StageRunner::load_program() {
   // Which kernel variants this CPU gets (docs/design.md §4.1, kernel paths).
   log(LogLevel::kInfo, "kernel path: %s (cpu features: %s)", kernel_path_name(kernel_path()),
       cpu_features_str(cpu_features()).c_str());
-  StageProgramOptions program_options;
-  program_options.program_path = c.program;
-  program_options.manifest_path = c.manifest;
-  program_options.threads = c.threads;
-  program_options.map_file = c.load_mode != "file";
-  ZL_ASSIGN_OR_RETURN(program_, StageProgram::load(program_options));
+  ZL_ASSIGN_OR_RETURN(program_, StageProgram::load(program_options()));
   if (program_->stage_index() != c.stage_index || program_->is_last() != c.is_last_stage()) {
     return Status(StatusCode::kInvalidArgument,
                   "program " + c.program + " is stage " + std::to_string(program_->stage_index()) +
@@ -94,6 +89,15 @@ Status StageRunner::load_program() {
                       std::to_string(c.stage_index) + " of " + std::to_string(c.num_stages));
   }
   return check_program_kind();
+}
+
+StageProgramOptions StageRunner::program_options() const {
+  StageProgramOptions options;
+  options.program_path = config_.program;
+  options.manifest_path = config_.manifest;
+  options.threads = config_.threads;
+  options.map_file = config_.load_mode != "file";
+  return options;
 }
 
 Status StageRunner::stand_by() {

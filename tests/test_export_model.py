@@ -3,7 +3,8 @@ program with a KV cache; run with ExecuTorch's runtime it gives the PEFT model's
 greedy continuations; `zl generate --program` shows it next to the adapter; bad input is one line, exit 2.
 
 The default suite exports tiny-random (Llama) once in float; the quantized programs, the other tiny families,
-SmolLM2 and Gemma 3 270M are `slow`."""
+SmolLM2 and Gemma 3 270M are `slow`. The KV cache is written in place by ExecuTorch's LLM ops (zl_export/kv_cache.py)
+where the model's attention allows, else transformers' static cache."""
 
 import json
 
@@ -98,6 +99,83 @@ def test_float_program_gives_the_peft_models_logits_and_greedy_continuations(exp
     runner.logits(ids[:-1])
     step = runner.logits(ids[-1:], len(ids) - 1)[-1]
     assert torch.allclose(step, runner.logits(ids)[-1], rtol=0, atol=1e-5)
+
+
+def program_ops(path) -> set[str]:
+    """The operators the program's `forward` calls (outside the XNNPACK delegate), as `namespace::name.overload`."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    pte = deserialize_pte_binary(path.read_bytes())
+    plan = next(p for p in getattr(pte, "program", pte).execution_plan if p.name == "forward")
+    return {o.name + (f".{o.overload}" if o.overload else "") for o in plan.operators}
+
+
+def test_the_program_writes_its_kv_cache_in_place(exported, tmp_path):
+    """The default program writes each token's K and V into the cache with llama::update_cache and attends over the
+    filled positions with llama::custom_sdpa (ExecuTorch's LLM export); `--kv-cache static` keeps transformers'
+    static cache (plain ATen ops, the whole cache copied per token) and gives the same logits."""
+    from zl_device.results.program_runner import ProgramRunner
+    from zl_export.tokenizer import ByteTokenizer
+
+    run, out = exported
+    ops = program_ops(out)
+    assert {"llama::update_cache.out", "llama::custom_sdpa.out"} <= ops, ops
+    assert not any("index_copy" in o or "index_put" in o for o in ops), ops
+    static = tmp_path / "static.pte"
+    result = invoke("export-model", run, "--out", static, "--quantize", "none", "--max-seq-len", SEQ,
+                    "--kv-cache", "static", "--no-check")
+    assert result.exit_code == 0, result.output
+    assert f"KV cache of {SEQ} positions (static)" in " ".join(result.stdout.split())
+    static_ops = program_ops(static)
+    assert not any(o.startswith("llama::") for o in static_ops) and any("index" in o for o in static_ops), static_ops
+    ids = ByteTokenizer().encode(PROMPTS[0])
+    in_place, copied = ProgramRunner(out), ProgramRunner(static)
+    prefill = [r.logits(ids[:-1]) for r in (in_place, copied)]
+    step = [r.logits(ids[-1:], len(ids) - 1) for r in (in_place, copied)]
+    assert torch.allclose(prefill[0], prefill[1], rtol=0, atol=1e-5)
+    assert torch.allclose(step[0], step[1], rtol=0, atol=1e-5)
+
+
+TINY_FULL_WINDOW = {"sliding_window": SEQ}  # a window as long as the cache: every position seen, as without one
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("LLAMA", {}), ("QWEN2", {}), ("QWEN3", {}), ("PHI3", TINY_FULL_WINDOW),
+    ("GEMMA3", {**TINY_FULL_WINDOW, "attn_logit_softcapping": None})])
+def test_the_in_place_cache_decodes_as_the_models_own_forward(family, overrides):
+    """Prefill then token-by-token decoding through the in-place decoder (eagerly: the ops' reference kernels) gives
+    the model's own full-sequence logits, for every family whose attention the ops express; the model's attention
+    is its own again afterwards."""
+    from zl_export import model_family
+    from zl_export.kv_cache import InPlaceCacheDecoder, cache_ops_refusal
+
+    fam = getattr(model_family, family)
+    model = fam.build_random({**fam.tiny, **overrides}, seed=0)
+    assert cache_ops_refusal(model, SEQ) is None
+    ids = torch.randint(3, model.config.vocab_size, (1, SEQ - 8), generator=torch.Generator().manual_seed(0))
+    prompt = ids.shape[1] - 10
+    with torch.no_grad():
+        reference = model(ids).logits  # (1, S, V)
+        decoder = InPlaceCacheDecoder(model, SEQ)
+        logits = [decoder(ids[:, :prompt], torch.arange(prompt))]
+        logits += [decoder(ids[:, i:i + 1], torch.tensor([i])) for i in range(prompt, ids.shape[1])]
+        decoder.restore()
+    assert (torch.cat(logits, 1) - reference).abs().max() < 1e-5 * reference.abs().max()
+    assert model.config._attn_implementation == "eager"
+
+
+def test_attention_the_cache_ops_cannot_express_keeps_the_static_cache():
+    """A sliding window shorter than the cache, or soft-capped attention logits (the tiny Gemma 3 has both), is
+    named as the reason for the static cache; a window as long as the cache is not one."""
+    from zl_export.kv_cache import cache_ops_refusal
+    from zl_export.model_family import GEMMA3, PHI3
+
+    gemma = GEMMA3.build_random(GEMMA3.tiny, seed=0)
+    assert cache_ops_refusal(gemma, SEQ) == ("its layers attend over a sliding window of 4 positions, shorter than "
+                                             f"the cache of {SEQ}")
+    assert cache_ops_refusal(gemma, 4) == "its attention soft-caps logits (attn_logit_softcapping 5.0)"
+    phi3 = PHI3.build_random(PHI3.tiny, seed=0)
+    assert "window of 6 positions" in cache_ops_refusal(phi3, 7) and cache_ops_refusal(phi3, 6) is None
 
 
 def test_tokenizer_files_next_to_the_program_give_the_same_ids(exported):
@@ -263,6 +341,9 @@ def test_other_families_export(tmp_path, model):
     result = invoke("export-model", run, "--out", tmp_path / "m.pte", "--quantize", "none", "--max-seq-len", SEQ)
     assert result.exit_code == 0, result.output
     assert "greedy continuations identical on 3/3" in result.stdout
+    # Phi-3's window of 6 and Gemma 3's of 4 are shorter than the cache: those keep the static cache.
+    cache = "static" if model in ("tiny-random-phi3", "tiny-random-gemma3") else "in-place"
+    assert f"KV cache of {SEQ} positions ({cache})" in " ".join(result.stdout.split())
 
 
 @pytest.mark.slow

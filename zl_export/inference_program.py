@@ -1,14 +1,15 @@
 """An ExecuTorch inference program of a (merged) model: text generation with a KV cache, for phones.
 
     model (float32, adapter merged)  ->  torchao weight quantization (int8 | int4 | none)
-      ->  transformers' static-cache wrapper  ->  torch.export (prompt length dynamic)
+      ->  a KV cache written in place (zl_export/kv_cache.py: llama::update_cache + custom_sdpa; transformers'
+          static cache where a model's attention needs it)  ->  torch.export (prompt length dynamic)
       ->  tanh GELU written out  ->  to_edge_transform_and_lower(XnnpackPartitioner)  ->  to_executorch  ->  FILE.pte
 
 The program has one method, `forward(input_ids (1, S) int64, cache_position (S,) int64) -> logits (1, S, V)`, the
 signature of `transformers.integrations.executorch.TorchExportableModuleForDecoderOnlyLM` (what optimum-executorch
 exports and the ExecuTorch LLM runners call): the S tokens are written into the KV cache at `cache_position`, so a
 prompt is prefilled in one call and each new token is one call at the next position. Its constant methods
-(`get_max_seq_len`, `get_eos_ids`, ...: `METADATA`) are the ones the runners read.
+(`get_max_seq_len`, `get_eos_ids`, ...: `program_metadata`) are the ones the runners read.
 
 Quantization (torchao source transforms through executorch's `quantize_model_`, so XNNPACK gets the patterns it
 fuses):
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from zl_base.errors import ZLError
+from zl_export.kv_cache import InPlaceCacheDecoder, cache_ops_refusal
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,9 @@ QUANTIZATIONS = ("none", "int8", "int4")
 _SCHEMES = {"int8": ("8da8w", "8w"), "int4": ("8da4w", "4w")}
 GROUP_SIZE = 32  # int4: input channels per scale; every quantized weight's inner size must be a multiple
 DEFAULT_MAX_SEQ_LEN = 512
+# --kv-cache: written in place by ExecuTorch's LLM ops (zl_export/kv_cache.py), or transformers' static cache (a copy
+# of the cache per token, slower; plain ATen ops, for a runtime built without ExecuTorch's LLM custom ops).
+KV_CACHES = ("in-place", "static")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what the runners read, next to the program
 
 
@@ -53,6 +58,7 @@ class ProgramInfo:
     max_seq_len: int
     seconds: float
     metadata: dict
+    kv_cache: str = "in-place"  # what the program holds (KV_CACHES): "static" where the model needed it
 
 
 def merged_model(peft_model: torch.nn.Module) -> torch.nn.Module:
@@ -81,7 +87,7 @@ def check_quantization(model: torch.nn.Module, quantize: str, family: str) -> No
 
 
 def export_program(model: torch.nn.Module, out: Path, quantize: str = "none", max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-                   eos_ids: tuple[int, ...] = (), bos_id: int | None = None) -> ProgramInfo:
+                   eos_ids: tuple[int, ...] = (), bos_id: int | None = None, kv_cache: str = "in-place") -> ProgramInfo:
     """Quantize `model` (in place), export it with a KV cache of `max_seq_len` positions, lower it to XNNPACK and
     write the program to `out` (under a temporary name, renamed when complete).
 
@@ -90,6 +96,8 @@ def export_program(model: torch.nn.Module, out: Path, quantize: str = "none", ma
         quantize: one of QUANTIZATIONS (checked by `check_quantization` first).
         max_seq_len: positions of the KV cache: prompt plus generated tokens, at most.
         eos_ids, bos_id: the tokenizer's, recorded for the LLM runners (`get_eos_ids`, `get_bos_id`).
+        kv_cache: one of KV_CACHES; "in-place" falls back to "static" (logged) for a model whose attention the
+            in-place ops cannot express (`cache_ops_refusal`). `ProgramInfo.kv_cache` says which was written.
     """
     from transformers import GenerationConfig
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
@@ -98,24 +106,38 @@ def export_program(model: torch.nn.Module, out: Path, quantize: str = "none", ma
     model.eval().requires_grad_(False)
     if quantize != "none":
         _quantize(model, quantize)
-    model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static",
-                                               cache_config={"batch_size": 1, "max_cache_len": max_seq_len})
-    wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_seq_len)
+    refusal = cache_ops_refusal(model, max_seq_len) if kv_cache == "in-place" else "--kv-cache static"
+    if refusal is None:
+        wrapper = InPlaceCacheDecoder(model, max_seq_len)
+    else:
+        log.info("KV cache: transformers' static cache (a copy of the cache per token): %s", refusal)
+        model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static",
+                                                   cache_config={"batch_size": 1, "max_cache_len": max_seq_len})
+        wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_seq_len)
     example = torch.zeros((1, 2), dtype=torch.int64)  # (1, S): a prompt of S tokens; S is dynamic
     seq = torch.export.Dim("seq_len", min=1, max=max_seq_len - 1)
-    with torch.no_grad():
-        # strict: non-strict export lifts the cache's tensors as constants aliasing its buffers, which
-        # run_decompositions then refuses (torch 2.13, transformers 5.24).
-        exported = wrapper.export(input_ids=example, cache_position=torch.arange(2),
-                                  dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}}, strict=True)
-    metadata = program_metadata(model.config, max_seq_len, eos_ids, bos_id)
+    kwargs = {"input_ids": example, "cache_position": torch.arange(2)}
+    dynamic = {"input_ids": {1: seq}, "cache_position": {0: seq}}
+    try:
+        with torch.no_grad():
+            # strict: non-strict export lifts the cache's tensors as constants aliasing its buffers, which
+            # run_decompositions then refuses (torch 2.13, transformers 5.24).
+            if refusal is None:
+                exported = torch.export.export(wrapper, (), kwargs, dynamic_shapes=dynamic, strict=True)
+            else:
+                exported = wrapper.export(**kwargs, dynamic_shapes=dynamic, strict=True)
+    finally:
+        if refusal is None:
+            wrapper.restore()
+    metadata = program_metadata(model.config, max_seq_len, eos_ids, bos_id, in_place_cache=refusal is None)
     log.info("lowering to XNNPACK (%s)", quantize)
     program = lower_to_executorch(exported, metadata)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     tmp.write_bytes(program.buffer)
     os.replace(tmp, out)
-    return ProgramInfo(out, out.stat().st_size, quantize, max_seq_len, time.perf_counter() - start, metadata)
+    return ProgramInfo(out, out.stat().st_size, quantize, max_seq_len, time.perf_counter() - start, metadata,
+                       "in-place" if refusal is None else "static")
 
 
 def lower_to_executorch(exported: torch.export.ExportedProgram, constant_methods: dict | None = None):
@@ -163,16 +185,17 @@ def tanh_gelu_written_out(exported: torch.export.ExportedProgram) -> torch.expor
     return exported.run_decompositions({gelu: tanh_only})
 
 
-def program_metadata(config, max_seq_len: int, eos_ids: tuple[int, ...], bos_id: int | None) -> dict:
+def program_metadata(config, max_seq_len: int, eos_ids: tuple[int, ...], bos_id: int | None,
+                     in_place_cache: bool = True) -> dict:
     """The constant methods ExecuTorch's LLM runners read (names as examples/models/llama/export_llama_lib.py and
-    optimum-executorch write them)."""
+    optimum-executorch write them); `use_sdpa_with_kv_cache` says the program attends with llama::custom_sdpa."""
     metadata = {
         "get_max_seq_len": max_seq_len,
         "get_max_context_len": max_seq_len,
         "get_vocab_size": int(config.vocab_size),
         "get_n_layers": int(config.num_hidden_layers),
         "use_kv_cache": True,
-        "use_sdpa_with_kv_cache": False,
+        "use_sdpa_with_kv_cache": in_place_cache,
         "enable_dynamic_shape": True,
         "get_eos_ids": list(eos_ids),
     }

@@ -13,7 +13,7 @@ from rich.markup import escape
 from zl_base.errors import ZLError
 from zl.options import settings_command
 from zl_base.settings import REQUIRED, check_fields, setting
-from zl_export.inference_program import DEFAULT_MAX_SEQ_LEN, QUANTIZATIONS
+from zl_export.inference_program import DEFAULT_MAX_SEQ_LEN, KV_CACHES, QUANTIZATIONS
 
 console = Console()
 err_console = Console(stderr=True)
@@ -38,6 +38,10 @@ class ExportModelArgs:
                             choices=QUANTIZATIONS)
     max_seq_len: int = setting(DEFAULT_MAX_SEQ_LEN, "KV cache positions: prompt plus generated tokens, at most "
                                                     "(capped at the model's context).", flag="--max-seq-len")
+    kv_cache: str = setting("in-place", "KV cache: in-place (written by ExecuTorch's LLM ops update_cache and "
+                                        "custom_sdpa, as its LLM runners expect) or static (plain ATen ops, for a "
+                                        "runtime built without them; copies the cache every token).",
+                            flag="--kv-cache", choices=KV_CACHES)
     check: bool = setting(True, "Run the program with ExecuTorch's runtime here and compare it with the PEFT model "
                                 "on the run's dev rows (logits, NLL, greedy continuations).", flag="--check/--no-check")
     check_rows: int = setting(CHECK_ROWS, "Dev rows the check compares on (each a prefill in both and two greedy "
@@ -103,10 +107,10 @@ def run_export_model(args: ExportModelArgs) -> None:
     bos = getattr(tokenizer, "bos_token_id", None)
     with err_console.status(f"exporting {model_name} ({args.quantize}) to {out}: torch.export, XNNPACK, "
                             "to_executorch (a minute or more)"):
-        info = export_program(model, out, args.quantize, max_seq_len, (tokenizer.eos_token_id,), bos)
+        info = export_program(model, out, args.quantize, max_seq_len, (tokenizer.eos_token_id,), bos, args.kv_cache)
     files = write_tokenizer_files(tokenizer, out.parent, args.force)
     console.print(f"[bold]{escape(str(out))}[/]: {model_name} + {adapter_dir} merged, {args.quantize} weights, "
-                  f"KV cache of {max_seq_len} positions, {info.bytes / 2**20:.1f} MiB, exported in "
+                  f"KV cache of {max_seq_len} positions ({info.kv_cache}), {info.bytes / 2**20:.1f} MiB, exported in "
                   f"{info.seconds:.0f} s", highlight=False, soft_wrap=True)
     console.print("tokenizer: " + ", ".join(str(f) for f in files), highlight=False, soft_wrap=True)
     if args.check:

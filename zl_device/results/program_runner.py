@@ -22,6 +22,7 @@ class ProgramRunner:
 
     def __init__(self, path: Path | str):
         import executorch.kernels.quantized  # noqa: F401 (registers quantized_decomposed::embedding_* kernels)
+        from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401 (llama::update_cache, custom_sdpa)
         from executorch.runtime import Runtime
 
         path = Path(path)

@@ -262,6 +262,22 @@ def test_generative_data_is_scored_by_nll_and_generations_paired_per_row(tmp_pat
     assert "| ROUGE-L (F × 100) |" in md and "## Generations" in md and "reference:" in md
 
 
+def test_a_prompt_templates_newline_typed_or_escaped_is_one_study(tmp_path):
+    """`--prompt-template "A\\nB"` and the same with a real newline render the same prompts (render_template expands
+    the escape), so a seed run with either spelling joins the others' table; another template does not."""
+    data = tmp_path / "rows.csv"
+    data.write_text("title,description\nt,d\n")
+    common = ["--train", str(data), "--dev", str(data), "--format", "prompt_completion", "--completion-column", "title"]
+
+    def fingerprint(template: str) -> str:
+        s, found = study_tool.build(study_tool.parse_args([*common, "--prompt-template", template, "--arms", "async"]))
+        return s.fingerprint(found[0], 1024, 2)
+
+    escaped = fingerprint("Article: {description}\\nHeadline:")
+    assert fingerprint("Article: {description}\nHeadline:") == escaped
+    assert fingerprint("Article: {description} Headline:") != escaped
+
+
 def test_zl_default_is_zl_trains_default():
     """`zl train` holds the stages before the last still (--stage-lr 0,..,0,1), so the study's zl-default does too,
     on the study's split; zl-all-stages keeps every stage training with the same loss and frozen dtype."""

@@ -136,6 +136,11 @@ class StudySettings:
                             ("held_out", self.held_out is None)):
             if unset:  # studies cached before generative data keep their fingerprints
                 del fields[name]
+        if "columns" in fields and self.columns.prompt_template is not None:
+            # A newline typed into --prompt-template and one written \n are the same prompt (render_template expands
+            # the escape): both spellings are one study, in the escaped one's fingerprint.
+            escaped = self.columns.prompt_template.replace("\n", "\\n").replace("\t", "\\t")
+            fields["columns"] = str({**asdict(self.columns), "prompt_template": escaped})
         fields["seed"] = str(seed)
         if arm.kind == "base":  # scoring only: the training settings and the seed do not matter
             fields = {k: fields[k] for k in ("model", "dev", "data_format", "truncate", "seq_len", "eval_limit",

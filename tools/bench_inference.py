@@ -12,10 +12,15 @@ decode tokens/s (--new-tokens greedy tokens, one call each, from the KV cache). 
     .venv/bin/python tools/bench_inference.py --work runs/bench-inference --reuse   # time the programs again
     .venv/bin/python tools/bench_inference.py --reuse --dev runs/demo-data/dev.safetensors --rows 16   # + accuracy
     nice -n 10 .venv/bin/python tools/bench_inference.py --programs runs/export-demo-async   # a run's programs
+    nice -n 10 .venv/bin/python tools/bench_inference.py --variants eager,int8,int8-static --max-seq-len 512
 
 With --programs DIR it exports nothing and times the programs `zl export-model` wrote there as
 model-<quantization>.pte (e.g. a trained run's, with their --max-seq-len); --model is then their base, whose eager
 model is the row they are compared with.
+
+A variant named QUANTIZATION-static (e.g. int8-static) is that program exported with `--kv-cache static`
+(transformers' static cache, a copy of the whole cache per token) instead of the in-place cache, so that the two
+are timed side by side. --max-seq-len sizes every program's cache (default: the prompt plus the new tokens).
 
 With --dev SHARD (a `zl data` shard of the model), each program is also compared with the eager model on the
 shard's first --rows rows (`compare_with_model`: logits' max relative error, NLL of the rows, greedy continuations
@@ -38,7 +43,7 @@ for _name in ("torchao", "torch.utils._pytree", "executorch"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("eager", "none", "int8", "int4")
+VARIANTS = ("eager", "none", "int8", "int4")  # and QUANTIZATION-static: the same with --kv-cache static
 
 
 def status_kib(field: str = "VmRSS") -> int:
@@ -97,16 +102,19 @@ def measure(variant: str, model_name: str, program: Path | None, prompt_tokens: 
             peak - baseline, "prefill_tok_s": prompt_tokens / prefill, "decode_tok_s": new_tokens / decode}
 
 
-def export(model_name: str, work: Path, quantize: str, max_seq_len: int, reuse: bool) -> Path:
-    """The program of `model_name` at `quantize` in `work` (exported unless --reuse finds it)."""
+def export(model_name: str, work: Path, variant: str, max_seq_len: int, reuse: bool) -> Path:
+    """The program of `model_name` for `variant` (a quantization, -static for the static cache) in `work` (exported
+    unless --reuse finds it)."""
     from zl_export.inference_program import export_program
     from zl_export.model_source import load_model
 
-    out = work / f"{model_name}-{quantize}-{max_seq_len}.pte"
+    out = work / f"{model_name}-{variant}-{max_seq_len}.pte"
     if reuse and out.is_file():
         return out
     loaded = load_model(model_name)
-    info = export_program(loaded.model, out, quantize, max_seq_len, (loaded.tokenizer.eos_token_id,))
+    quantize, static = variant.removesuffix("-static"), variant.endswith("-static")
+    info = export_program(loaded.model, out, quantize, max_seq_len, (loaded.tokenizer.eos_token_id,),
+                          kv_cache="static" if static else "in-place")
     print(f"exported {out} ({info.bytes / 2**20:.1f} MiB) in {info.seconds:.0f} s", file=sys.stderr, flush=True)
     return out
 
@@ -114,9 +122,11 @@ def export(model_name: str, work: Path, quantize: str, max_seq_len: int, reuse: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="Model to export and time (its base weights).")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="Of eager,none,int8,int4.")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="Of eager,none,int8,int4 and none-static, int8-static, int4-static.")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="Prompt length of the prefill.")
     parser.add_argument("--new-tokens", type=int, default=64, help="Tokens decoded after it.")
+    parser.add_argument("--max-seq-len", type=int, help="KV cache positions of the exported programs (default: "
+                        "--prompt-tokens + --new-tokens + 1).")
     parser.add_argument("--rounds", type=int, default=3, help="Runs of every variant, interleaved; best kept.")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-inference", help="Where programs go.")
     parser.add_argument("--reuse", action="store_true", help="Time the programs already in --work.")
@@ -132,7 +142,10 @@ def main() -> None:
         print(json.dumps(measure(args.one, args.model, args.program, args.prompt_tokens, args.new_tokens)))
         return
     variants = [v for v in args.variants.split(",") if v]
-    max_seq_len = args.prompt_tokens + args.new_tokens + 1
+    max_seq_len = args.max_seq_len or args.prompt_tokens + args.new_tokens + 1
+    if max_seq_len <= args.prompt_tokens + args.new_tokens:
+        parser.error(f"--max-seq-len {max_seq_len}: the cache must hold the prompt and the new tokens, at least "
+                     f"{args.prompt_tokens + args.new_tokens + 1}.")
     if args.programs:
         programs = {v: args.programs / f"model-{v}.pte" for v in variants if v != "eager"}
         missing = [str(p) for p in programs.values() if not p.is_file()]
@@ -156,7 +169,7 @@ def main() -> None:
                 **{k: min(old[k], row[k]) for k in ("load_s",)},
                 **{k: max(old[k], row[k]) for k in ("peak_rss_kib", "peak_above_imports_kib")}}
     if best:
-        print_speed_table(args, variants, best)
+        print_speed_table(args, variants, best, None if args.programs else max_seq_len)
     accuracy = accuracy_table(args.model, programs, args.dev, args.rows, args.new_tokens) if args.dev else {}
     if args.json_out:
         args.json_out.write_text(json.dumps({"model": args.model, "prompt_tokens": args.prompt_tokens,
@@ -164,18 +177,19 @@ def main() -> None:
                                              "results": best, "accuracy": accuracy}, indent=2) + "\n")
 
 
-def print_speed_table(args, variants: list[str], best: dict[str, dict]) -> None:
+def print_speed_table(args, variants: list[str], best: dict[str, dict], max_seq_len: int | None) -> None:
     """The speed table: one row per variant, decode speed also as a multiple of eager's."""
     eager = best.get("eager")
-    print(f"{args.model}, prompt {args.prompt_tokens} tokens, {args.new_tokens} decoded, 1 thread, best of "
+    cache = f", KV cache of {max_seq_len} positions" if max_seq_len else ""
+    print(f"{args.model}, prompt {args.prompt_tokens} tokens, {args.new_tokens} decoded{cache}, 1 thread, best of "
           f"{args.rounds}")
-    print(f"{'variant':<8} {'size MiB':>9} {'load s':>7} {'peak RSS MiB':>13} {'above imports':>14} "
+    print(f"{'variant':<12} {'size MiB':>9} {'load s':>7} {'peak RSS MiB':>13} {'above imports':>14} "
           f"{'prefill tok/s':>14} {'decode tok/s':>13} {'decode vs eager':>16}")
     for v in variants:
         r = best[v]
         size = f"{r['bytes'] / 2**20:.1f}" if r["bytes"] else "-"
         ratio = f"{r['decode_tok_s'] / eager['decode_tok_s']:.2f}x" if eager else "-"
-        print(f"{v:<8} {size:>9} {r['load_s']:>7.2f} {r['peak_rss_kib'] / 1024:>13.0f} "
+        print(f"{v:<12} {size:>9} {r['load_s']:>7.2f} {r['peak_rss_kib'] / 1024:>13.0f} "
               f"{r['peak_above_imports_kib'] / 1024:>14.0f} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
               f"{ratio:>16}")
 

@@ -326,7 +326,7 @@ def test_a_stage_paused_for_heat_ends_with_the_adapter_of_a_run_without_pauses(t
         settings = TrainSettings(split=ModelSplit("tiny-random"), window=4, samples=48, out=out,
                                  link_profile="constrained",
                                  export_cache=tmp_path / "cache", data=str(data), rows=DataSettings(seq_len=32),
-                                 eval_limit=4, timeout_s=300, **kw)
+                                 eval_limit=4, timeout_s=300, schedule="zerolock", **kw)
         return run_training(settings, say=lambda line: None, on_update=on_update)
 
     clean = train(tmp_path / "clean")

@@ -56,7 +56,8 @@ def _train(name: str, runtime: str, out: Path, data: Path):
     settings = TrainSettings(split=ModelSplit(name), samples=SAMPLES, window=WINDOW, out=out,
                              export_cache=out.parent / "export-cache", rows=DataSettings(seq_len=24), data=str(data),
                              eval_data=str(data), eval_limit=8, timeout_s=600,
-                             stage_lr=(1.0,),  # every stage trains (generative data would hold all but the last still)
+                             stage_lr=(1.0,), schedule="zerolock",  # every stage on its local loss (generative
+                             # data would hold all but the last still under zerolock, and choose async without it)
                              **extra)
     return run_training(settings, say=lambda line: None)
 

@@ -385,7 +385,7 @@ def settings(**kw) -> TrainSettings:
     kw.setdefault("split", ModelSplit("tiny-random"))
     kw.setdefault("devices", "local:3")
     kw.setdefault("stage_lr", (1.0,))  # every stage trains: the costs below count both phases
-    return TrainSettings(rows=DataSettings(seq_len=32), **kw)
+    return TrainSettings(rows=DataSettings(seq_len=32), **{"schedule": "zerolock", **kw})
 
 
 def seed_cache(s: TrainSettings, speeds: list[float]) -> None:

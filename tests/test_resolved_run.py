@@ -126,3 +126,43 @@ def test_the_launch_and_the_torch_job_take_the_role_from_the_resolved_run(tmp_pa
     older = {k: v for k, v in vars(job).items() if k != "roles"}  # a job written before roles: the same rule
     assert TorchJob(**older).roles == job.roles
     assert not replace(job, forward_only_at_lr0=False).forward_only(0)
+
+
+def test_the_schedule_default_follows_the_data(tmp_path):
+    """No --schedule: async on generative rows (every stage on the final loss's gradient, level with backprop on
+    headlines), zerolock on label words; the recovery mode follows the chosen schedule unless --recovery was given,
+    and the checks that depend on the schedule run on the chosen one."""
+    from zl_device.run.train_data import data_is_generative
+    from zl_device.run.train_job import default_schedule
+    from zl_export.data_columns import DataColumns
+    from zl_export.data_settings import DataSettings
+
+    unset = settings()
+    assert unset.schedule is None and not unset.backprop and unset.recovery is None
+    assert settings(keep_activations=True).validate() is None  # the data may still choose a backprop schedule
+    generative, words = unset.with_schedule_for(True), unset.with_schedule_for(False)
+    assert (generative.schedule, generative.recovery, generative.with_default_stage_lr().stage_lr) == (
+        "async", "global", (1.0,))
+    assert (words.schedule, words.recovery, words.with_default_stage_lr().stage_lr) == (
+        "zerolock", "local", (0.0, 0.0, 1.0))
+    assert settings(schedule="gpipe").with_schedule_for(False).schedule == "gpipe"  # a given schedule stays
+    given = settings(recovery="local").with_schedule_for(True)
+    assert given.recovery == "local"
+    with pytest.raises(ZLError, match="--schedule async --recovery local"):
+        given.validate()
+    with pytest.raises(ZLError, match="--keep-activations --schedule zerolock"):
+        settings(keep_activations=True).with_schedule_for(False).validate()
+
+    news = tmp_path / "news.csv"
+    news.write_text("title,description\nRocket lands,A booster landed.\nRates unchanged,The bank held rates.\n")
+    rows = DataSettings(columns=DataColumns(prompt_template="Text: {description}\\nTitle:", completion_column="title"))
+    labels = tmp_path / "labels.csv"
+    labels.write_text("text,label\nRocket lands,science\nRates unchanged,business\n")
+    assert data_is_generative(settings(data=str(news), rows=rows))
+    assert not data_is_generative(settings(data=str(labels))) and not data_is_generative(settings())  # the demo
+    assert not data_is_generative(settings(data=str(tmp_path / "missing.csv")))  # open_run names it next
+    said = []
+    assert default_schedule(settings(data=str(news), rows=rows), said.append).schedule == "async"
+    assert len(said) == 1 and said[0].startswith("schedule: async (the default on generative data)")
+    assert "headlines-smollm2-135m-1024-async" in said[0]
+    assert default_schedule(settings(data=str(labels)), said.append).schedule == "zerolock" and len(said) == 1

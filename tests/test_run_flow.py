@@ -28,7 +28,7 @@ def test_the_run_event_is_one_line_for_both_runtimes():
     from zl_device.run.train_settings import TrainSettings
     from zl_export.options import ModelSplit
 
-    s = TrainSettings(samples=10, window=4, split=ModelSplit(num_stages=2))
+    s = TrainSettings(samples=10, window=4, split=ModelSplit(num_stages=2), schedule="zerolock")
     run = Run(s, ResolvedRun.of(s, 64, 4), RunLayout("."), None, None, print)
     record = RunRecord([], 1_000, 5_000, "ab" * 16, ["rank-0", "rank-1"], {"launch_s": 1.5})
     event = run_event(run, record)

@@ -165,13 +165,13 @@ def test_what_backprop_schedules_do_not_do_yet_is_a_clear_error(tmp_path, data_f
 
 def test_keeping_activations_under_zerolock_is_a_clear_error(tmp_path, data_file):
     with pytest.raises(ZLError, match="--keep-activations --schedule zerolock: a ZeroLock stage finishes"):
-        settings(tmp_path / "run", data_file, keep_activations=True).validate()
+        settings(tmp_path / "run", data_file, schedule="zerolock", keep_activations=True).validate()
 
 
 def test_backprop_schedules_train_every_stage_by_default(tmp_path, data_file):
     """--stage-lr's default holds the stages before the last still under zerolock only; a backprop schedule trains
     every stage, on either runtime, and restarts every stage together."""
-    zerolock = settings(tmp_path / "z", data_file).with_default_stage_lr()
+    zerolock = settings(tmp_path / "z", data_file, schedule="zerolock").with_default_stage_lr()
     assert zerolock.stage_lr == (0.0, 0.0, 1.0) and zerolock.recovery == "local"
     for schedule in ("gpipe", "1f1b", "async", "pipedream"):
         s = settings(tmp_path / schedule, data_file, schedule=schedule).with_default_stage_lr()

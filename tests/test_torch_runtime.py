@@ -432,7 +432,8 @@ def test_options_the_torch_runtime_lacks_are_clear_errors(tmp_path, change, prob
     with pytest.raises(ZLError, match=problem):
         check_torch_settings(TrainSettings(runtime="torch", **change))
     check_torch_settings(TrainSettings(runtime="torch"))  # the defaults are fine
-    assert TrainSettings(runtime="torch").recovery == "global" and TrainSettings().recovery == "local"
+    assert TrainSettings(runtime="torch").recovery == "global" and TrainSettings(schedule="zerolock").recovery == "local"
+    assert TrainSettings().recovery is None  # until the data chooses the schedule (TrainSettings.with_schedule_for)
 
 
 def test_a_restarted_attempt_resumes_without_the_injected_failure():

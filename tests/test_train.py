@@ -48,6 +48,7 @@ def train(out: Path, cache: Path, **kw):
     # Every stage trains (the default holds all but the last still): a failure anywhere then loses training
     # state that recovery must restore bit for bit.
     kw.setdefault("stage_lr", (1.0,))
+    kw.setdefault("schedule", "zerolock")  # the data is generative rows, on which the default would be async
     settings = TrainSettings(split=ModelSplit("tiny-random"), window=WINDOW, out=out, export_cache=cache,
                              eval_limit=16, **kw)
     # The demo task needs 64 tokens for the byte tokenizer; with seq_len 32 use a small prompt/completion file.
@@ -569,7 +570,7 @@ def test_a_stopped_zl_train_stops_its_runners_and_resume_finishes_the_run(export
     log = (tmp_path / "zl.out").open("wb")
     host = subprocess.Popen(
         [sys.executable, "-c", "from zl.cli import main; main()", "train", "--model", "tiny-random", "--seq-len", "32",
-         "--data", str(data_file), "--samples", "800", "--window", str(WINDOW), "--stage-lr", "1", "--out", str(out)],
+         "--data", str(data_file), "--samples", "800", "--window", str(WINDOW), "--stage-lr", "1", "--schedule", "zerolock", "--out", str(out)],
         cwd=REPO, stdout=log, stderr=subprocess.PIPE)
     wait_for_a_window(host, out / "devices" / "local-2" / "checkpoints", 300)
     pids = [int((out / "devices" / f"local-{k}" / "runner.pid").read_text()) for k in range(3)]

@@ -71,7 +71,8 @@ def settings(args, out: Path, runtime: str):
                          export=ExportOptions(micro_batch=args.micro_batch, frozen_dtype=args.frozen_dtype),
                          runtime=runtime, launcher="torchrun" if runtime == "torch" else "spawn", threads=args.threads, seed=args.seed,
                          devices=f"local:{args.ranks}", eval_limit=args.eval_limit, timeout_s=args.timeout,
-                         stage_lr=(1.0,))  # every stage trains, as every layer does under the backprop schedules
+                         stage_lr=(1.0,),  # every stage trains, as every layer does under the backprop schedules
+                         schedule="zerolock")  # the runner's arm is ZeroLock's (zl train's default on generative rows is async)
 
 
 def prepare(args, out: Path) -> Path:

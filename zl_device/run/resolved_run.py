@@ -50,7 +50,7 @@ class ResolvedRun:
     def of(cls, s: TrainSettings, seq_len: int, max_targets: int) -> ResolvedRun:
         """The run of settings `s` (its split resolved) with the data's `seq_len` and `max_targets`."""
         multipliers, windows = run_stage_lr(s), s.windows()
-        return cls(schedule_name(s.schedule), seq_len, max_targets, multipliers, _specs(s, multipliers), windows,
+        return cls(schedule_name(s.schedule_or_zerolock), seq_len, max_targets, multipliers, _specs(s, multipliers), windows,
                    s.optimizer.for_windows(windows.num_windows))
 
     def export_options(self, s: TrainSettings) -> ExportOptions:
@@ -108,7 +108,7 @@ def run_stage_specs(s: TrainSettings, num_stages: int | None = None) -> tuple[St
 
 def _specs(s: TrainSettings, multipliers: tuple[float, ...]) -> tuple[StageSpec, ...]:
     """The stages at --lr x `multipliers` on the settings' schedule."""
-    return stage_specs([s.optimizer.lr * m for m in multipliers], schedule_name(s.schedule))
+    return stage_specs([s.optimizer.lr * m for m in multipliers], schedule_name(s.schedule_or_zerolock))
 
 
 def resolve_run(s: TrainSettings, tokenizer, layout: RunLayout, say) -> tuple[ResolvedRun, Path, Path | None]:
@@ -122,7 +122,8 @@ def resolve_run(s: TrainSettings, tokenizer, layout: RunLayout, say) -> tuple[Re
     Raises:
         ZLError: as the data step (prepare_data); a resumed run's rows that do not fit its programs' target slots.
     """
-    from zl_device.run.train_data import choose_stage_lr, prepare_data, run_max_targets, run_seq_len
+    from zl_device.run.train_data import (choose_stage_lr, prepare_data, run_max_targets, run_seq_len,
+                                         shard_is_generative)
 
     saved = ResolvedRun.load(layout) if s.resume else None
     if saved is not None:
@@ -131,6 +132,7 @@ def resolve_run(s: TrainSettings, tokenizer, layout: RunLayout, say) -> tuple[Re
         return saved, shard, dev
     seq_len = run_seq_len(s, tokenizer)
     shard, dev = prepare_data(s, tokenizer, seq_len, layout.data, say)
+    s = s.with_schedule_for(shard_is_generative(shard))  # where run_training has not chosen it (a plan's rounds)
     chosen, note = choose_stage_lr(s, shard)  # --stage-lr's default, and what the studies say of the choice
     if note is not None:
         say(note)

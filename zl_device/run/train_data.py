@@ -37,6 +37,23 @@ def shard_is_generative(shard: Path) -> bool:
     return not shard_meta(shard).get("label_token_ids")
 
 
+def data_is_generative(s: TrainSettings) -> bool:
+    """Whether the training data is generative rows (prompt/completion, chat) rather than label words, read but not
+    tokenized: the demo task is label words; a shard says so itself (shard_is_generative); a .csv/.jsonl file by its
+    format. A missing file counts as label words (the run's own check refuses it by name next); one that cannot be
+    read raises the data step's ZLError."""
+    if s.data == DEMO:
+        return False
+    path = Path(s.data).expanduser()
+    if not path.is_file():
+        return False
+    if path.suffix == ".safetensors":
+        return shard_is_generative(path)
+    from zl_export import data as zdata
+
+    return not zdata.load_task(path, s.rows.format, None, s.rows.columns).label_words
+
+
 def check_samples(s: TrainSettings) -> None:
     """--samples goes over the training rows at most MAX_EPOCHS times (before the run starts: a run of 10**12
     samples would train until killed).
@@ -95,11 +112,12 @@ def choose_stage_lr(s: TrainSettings, shard: Path) -> tuple[TrainSettings, str |
                 "trains. In every study this matched or beat every stage training on its own readout "
                 "(--stage-lr 1), on label words and on generative data (docs/studies/README.md).")
         if shard_is_generative(shard):  # where the held stages cost quality and end-to-end gradients win it back
-            said += (" On generative data it stays behind whole-model backprop; --schedule async trains every stage "
-                     "on the final loss's gradient and came level with backprop, at about half the records/s "
+            said += (" On generative data it stays behind whole-model backprop; --schedule async (the default there) "
+                     "trains every stage on the final loss's gradient and came level with backprop, at about half the "
+                     "records/s "
                      "(study headlines-smollm2-135m-1024-async).")
         return chosen, said
-    if all(stage_role(chosen.stage_lr_of(k), k, stages, s.schedule) == FORWARD for k in range(stages - 1)):
+    if all(stage_role(chosen.stage_lr_of(k), k, stages, s.schedule_or_zerolock) == FORWARD for k in range(stages - 1)):
         return chosen, None
     if shard_is_generative(shard):
         return chosen, ("note: generative data with the stages before the last training on their own readouts: in "

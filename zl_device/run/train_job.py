@@ -54,6 +54,8 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     fails before its stages started leaves nothing (`kept_if_resumable`)."""
     if s.resume:
         s = resumed_settings(s)
+    elif s.schedule is None:
+        s = default_schedule(s, say)
     runtime = RUNTIMES[s.runtime]()
     runtime.check(s)
     start = time.time()
@@ -65,6 +67,19 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
         resolved, shard, dev = resolve_run(s, model.tokenizer, layout, say)
         run = Run(s, resolved, layout, spec, model, say, export_progress)
         return _run(runtime, run, shard, dev, start, on_update)
+
+
+def default_schedule(s: TrainSettings, say) -> TrainSettings:
+    """`s` with --schedule's default chosen for its data (TrainSettings.with_schedule_for), said in one line."""
+    from zl_device.run.train_data import data_is_generative
+
+    generative = data_is_generative(s)
+    chosen = s.with_schedule_for(generative)
+    if generative:
+        say(f"schedule: {chosen.schedule} (the default on generative data): every stage trains on the final loss's "
+            "gradient, level with whole-model backprop where holding the stages before the last still stays "
+            "behind (study headlines-smollm2-135m-1024-async); --schedule zerolock is faster and lighter.")
+    return chosen
 
 
 def _run(runtime: Runtime, run: Run, shard: Path, dev: Path | None, start: float, on_update) -> TrainResult:
@@ -230,6 +245,8 @@ def resumed_settings(s: TrainSettings) -> TrainSettings:
     if not is_unfinished(run_dir):
         raise ZLError(f"--resume --out {run_dir}: that run finished (its report is written); nothing to resume.")
     settings = from_json(TrainSettings, json.loads(saved.read_text()), str(saved))
+    if settings.schedule is None:  # saved before --schedule existed (a run records the schedule its data chose)
+        settings = replace(settings, schedule="zerolock")
     if settings.stage_lr is None and not RunLayout(run_dir).resolved.is_file():
         settings = replace(settings, stage_lr=started_stage_lr(RunLayout(run_dir), settings))
     return replace(settings, out=run_dir, resume=True, inject_failure=None)

@@ -400,6 +400,7 @@ Receiver::Receiver(ReceiverOptions options)
       log_(options_.log_dir, derive_frame_key(options_.key, KeyPurpose::kInputLog, options_.stage),
            input_log_expectation(options_.expect)),
       reader_(options_.expect.max_frame_bytes),
+      up_shaper_(options_.profile),
       next_micro_batch_(options_.first_micro_batch),
       local_backoff_(options_.local_error_backoff_initial, options_.local_error_backoff_max) {}
 
@@ -498,7 +499,7 @@ Status Receiver::send_grad(const Frame& grad, std::chrono::milliseconds timeout)
                                                       ", micro-batch " + std::to_string(grad.micro_batch) + ")");
     }
   }
-  ZL_RETURN_IF_ERROR(encoded_frame_size(grad, e.max_frame_bytes).status());
+  ZL_ASSIGN_OR_RETURN(const size_t wire_bytes, encoded_frame_size(grad, e.max_frame_bytes));
   std::unique_lock<std::mutex> lock(mutex_);
   const bool room = grad_room_.wait_for(lock, timeout, [this] {
     return stopping_ || grad_outbox_.size() < std::max<size_t>(options_.max_grads_queued, 1);
@@ -509,7 +510,7 @@ Status Receiver::send_grad(const Frame& grad, std::chrono::milliseconds timeout)
                                             " GRAD frames still not written upstream after " +
                                             std::to_string(timeout.count()) + " ms; upstream disconnected?");
   }
-  grad_outbox_.push_back(grad);
+  grad_outbox_.push_back(OutboundGrad{grad, wire_bytes, SteadyClock::now(), std::nullopt});
   lock.unlock();
   wake();
   return Status();
@@ -527,13 +528,19 @@ Status Receiver::flush_grads(std::chrono::milliseconds timeout) {
   return Status();
 }
 
-void Receiver::write_grads() {
+std::optional<SteadyClock::time_point> Receiver::write_grads() {
   while (conn_.valid()) {
     Frame grad;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (grad_outbox_.empty()) return;
-      grad = grad_outbox_.front();
+      if (grad_outbox_.empty()) return std::nullopt;
+      OutboundGrad& next = grad_outbox_.front();
+      if (!next.deliver_at) {
+        // On the wire from when it was queued, or from when this connection came (it waited for one).
+        next.deliver_at = up_shaper_.schedule(next.wire_bytes, std::max(next.queued_at, connected_at_));
+      }
+      if (SteadyClock::now() < *next.deliver_at) return next.deliver_at;
+      grad = next.frame;
     }
     // In the data-up direction's sequence, between the ACKs.
     const Status s = write_up(conn_.fd(), session_.stamp(std::move(grad)));
@@ -542,7 +549,7 @@ void Receiver::write_grads() {
       log(LogLevel::kWarn, "receiver: cannot send GRAD: %s", s.message().c_str());
       conn_.close();
       reader_.clear();
-      return;
+      return std::nullopt;
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -551,6 +558,7 @@ void Receiver::write_grads() {
     }
     grad_room_.notify_all();
   }
+  return std::nullopt;
 }
 
 Status Receiver::write_up(int fd, const Frame& frame) {
@@ -795,6 +803,13 @@ void Receiver::promote_candidate(size_t index, const DecodeResult& first, const 
   conn_ = std::move(c.sock);
   reader_ = std::move(c.reader);
   session_ = *c.session;
+  // A new connection's wire is empty: the GRADs still queued go out on it from now.
+  connected_at_ = SteadyClock::now();
+  up_shaper_.reset();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (OutboundGrad& g : grad_outbox_) g.deliver_at.reset();
+  }
   session_.accepted = first.frame.seq;
   candidates_.erase(candidates_.begin() + static_cast<std::ptrdiff_t>(index));
   handle_decoded(first);
@@ -905,7 +920,11 @@ void Receiver::run() {
                        std::chrono::duration_cast<std::chrono::milliseconds>(paused_until_ - now).count()) + 1;
     }
     if (room && conn_.valid()) serve_connection();
-    write_grads();  // gradients go upstream whether or not there is room for DATA
+    // Gradients go upstream whether or not there is room for DATA; one not yet due on the shaped wire cuts the wait.
+    if (const std::optional<SteadyClock::time_point> due = write_grads()) {
+      const auto wait = std::chrono::ceil<std::chrono::milliseconds>(*due - SteadyClock::now()).count();
+      timeout_ms = std::min<int>(timeout_ms, static_cast<int>(std::max<int64_t>(wait, 0)));
+    }
     timeout_ms = sweep_candidates(now, timeout_ms);
 
     fill_poll_set(room, &fds);

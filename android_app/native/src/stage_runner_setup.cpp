@@ -130,6 +130,8 @@ Status StageRunner::start_receiver() {
   options.log_dir = c.input_log_dir;
   options.max_pending = static_cast<size_t>(c.in_flight_depth);
   options.first_micro_batch = static_cast<uint64_t>(start_mb_);
+  // The link's emulated network holds both ways: the GRADs this stage sends up are shaped as its DATA going down.
+  ZL_ASSIGN_OR_RETURN(options.profile, link_profile_from_name(c.link_profile));
   if (restored_window_) options.committed_window = static_cast<uint64_t>(*restored_window_);
   receiver_.reset(new Receiver(options));
   ZL_RETURN_IF_ERROR_WITH_PREFIX(receiver_->start(), "listen " + c.listen + ": ");

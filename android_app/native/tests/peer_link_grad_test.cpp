@@ -225,5 +225,43 @@ TEST(PeerLinkGradTest, SendGradChecksTheFrameAndBoundsItsQueue) {
   EXPECT_NE(s.message().find("needs the hidden shape"), std::string::npos) << s.message();
 }
 
+// A link's emulated network holds both ways: GRADs going up wait out the
+// profile's latency and serialize at its bandwidth, as DATA going down does.
+TEST(PeerLinkGradTest, GradsGoingUpAreShapedByTheLinkProfile) {
+  TempDir dir;
+  ReceiverOptions options = receiver_options(dir.path());
+  ASSERT_OK_AND_ASSIGN(options.profile, link_profile_from_name("constrained"));
+  Receiver receiver(options);
+  ASSERT_TRUE(receiver.start().ok());
+  Sender sender(grad_sender_options(receiver.port(), 2));
+  ASSERT_TRUE(sender.start().ok());
+  forward(&sender, &receiver, 2);
+  auto t0 = SteadyClock::now();
+  ASSERT_TRUE(receiver.send_grad(grad_frame(0, 0), 1000ms).ok());
+  ASSERT_TRUE(sender.next_grad(2000ms).ok());
+  EXPECT_GE(SteadyClock::now() - t0, 30ms);  // one-way latency of `constrained`
+  ASSERT_TRUE(receiver.flush_grads(2000ms).ok());
+
+  // Bandwidth: 3 f32 GRADs of ~243 bytes each at 64 kbit/s need >= 3 * 30 ms on the wire, queued behind each other.
+  TempDir slow_dir;
+  ReceiverOptions slow = receiver_options(slow_dir.path());
+  slow.profile.name = "test";
+  slow.profile.bandwidth_bits_per_s = 64'000;
+  Receiver narrow(slow);
+  ASSERT_TRUE(narrow.start().ok());
+  Sender up(grad_sender_options(narrow.port(), 3));
+  ASSERT_TRUE(up.start().ok());
+  forward(&up, &narrow, 3);
+  const size_t grad_bytes = value_or_fail(encoded_frame_size(grad_frame(0, 0, DType::kFloat32), kDefaultMaxFrameBytes));
+  ASSERT_GE(grad_bytes * 8 * 1000 / 64'000, 30u);
+  t0 = SteadyClock::now();
+  for (uint64_t mb = 0; mb < 3; ++mb) ASSERT_TRUE(narrow.send_grad(grad_frame(0, mb, DType::kFloat32), 1000ms).ok());
+  for (uint64_t mb = 0; mb < 3; ++mb) {
+    ASSERT_OK_AND_ASSIGN(const GradEntry e, up.next_grad(2000ms));
+    EXPECT_EQ(e.micro_batch, mb);
+  }
+  EXPECT_GE(SteadyClock::now() - t0, 90ms);
+}
+
 }  // namespace
 }  // namespace zl

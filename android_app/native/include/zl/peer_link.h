@@ -260,6 +260,11 @@ struct ReceiverOptions {
   /// GRAD frames given to send_grad() and not yet written upstream (they
   /// wait while the upstream is disconnected); send_grad() blocks beyond it.
   size_t max_grads_queued = 4;
+  /// Shaping of the GRAD frames this end writes upstream, as
+  /// SenderOptions::profile shapes the DATA frames going down: a link's
+  /// latency and bandwidth hold both ways. ACKs (under 200 bytes, one per
+  /// entry) go at once. Default: none.
+  LinkProfile profile;
   /// The server's half of each new session (16 bytes). Default: random
   /// (randombytes_buf); zl_frame_tool's fuzz mode injects known values.
   std::function<void(uint8_t* out, size_t size)> session_random;
@@ -363,7 +368,8 @@ class Receiver {
   void reject_on(Socket* sock, FrameReader* reader, const std::string& reason, SessionState* session);
   // Seals `frame` under the data-up key and writes it to `fd`, counting its bytes.
   Status write_up(int fd, const Frame& frame);
-  void write_grads();  // the queued GRAD frames, on conn_ (I/O thread)
+  // The queued GRAD frames due by now, on conn_ (I/O thread). Returns when the next one is due, if one waits.
+  std::optional<SteadyClock::time_point> write_grads();
   void count_received(size_t bytes);
   size_t pending_locked() const;
   void wake();
@@ -380,7 +386,16 @@ class Receiver {
   mutable std::mutex mutex_;
   std::condition_variable arrived_;
   std::condition_variable grad_room_;  // a queued GRAD was written (or stop)
-  std::deque<Frame> grad_outbox_;      // send_grad() -> the I/O thread, at most max_grads_queued
+  // A GRAD given to send_grad(), until written.
+  struct OutboundGrad {
+    Frame frame;
+    size_t wire_bytes = 0;
+    SteadyClock::time_point queued_at;
+    std::optional<SteadyClock::time_point> deliver_at;  // set once scheduled on the (shaped) wire
+  };
+  std::deque<OutboundGrad> grad_outbox_;  // send_grad() -> the I/O thread, at most max_grads_queued
+  LinkShaper up_shaper_;                  // I/O thread only: the GRADs' wire (options_.profile)
+  SteadyClock::time_point connected_at_{};  // I/O thread only: when conn_ became the upstream
   uint64_t next_micro_batch_ = 0;
   ReceiverStats stats_;
   bool stopping_ = false;

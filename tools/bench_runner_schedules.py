@@ -1,7 +1,7 @@
 """The runner's schedules side by side: ZeroLock held still and training, gpipe, 1f1b and async (issue 39, E2).
 
 Runs one `zl train` job (the same split, data, LoRA, windows, optimizer and seed) once per schedule on the
-ExecuTorch runner, 3 local devices by default, once per link profile (the runner's sender-side emulation:
+ExecuTorch runner, 3 local devices by default, once per link profile (the runner's emulation, both ways:
 `local`, i.e. idle, and `constrained`, 30 ms and 50 Mbit/s), and reads each stage's telemetry:
 
     records/s          samples over the span from the first runner ready to the last done

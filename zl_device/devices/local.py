@@ -4,7 +4,7 @@
 for phones in tests and benchmarks: optional CPU pinning (so three stages do
 not share cores the way they would not share a phone's), a CPU quota per
 device (`--cpu-quota 1.0,0.5,0.75`: unequal phones, cpu_quota.py), and a link
-profile the stage configs pass to the runner's sender-side shaping.
+profile the stage configs pass to the runner's link shaping (of DATA down and GRAD up).
 
 A local device may run another build than this host's: `--runner PATH` is the binary deploy
 puts in its folder, `--runner-prefix CMD` the command it is started under. With the static

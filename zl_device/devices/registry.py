@@ -177,7 +177,7 @@ def open_devices(
         run_dir: local devices live in RUN_DIR/devices/local-<i> (required for local).
         runner: local only: the command to start instead of zl_runner (tests).
         pin_cpus: local only: give each device its own share of this host's CPUs.
-        link_profile: the sender-side link emulation of stages on these devices (default local: none; phones
+        link_profile: the link emulation of what stages on these devices send (default local: none; phones
             already have a real link, a profile adds its delay on top).
         check_abi: phones: fail unless arm64-v8a.
         client: an adbutils client (default: connect to the adb server, starting it).

@@ -123,7 +123,7 @@ const Field kFields[] = {
     {"optimizer.schedule.min_lr_ratio", FieldType::kNumber, false, false, "Floor as a fraction of lr, in [0, 1].",
      ZL_REF(optimizer.schedule.min_lr_ratio)},
     {"link_profile", FieldType::kString, false, false,
-     "Sender-side link emulation: local, wifi (2 ms, 1000 Mbps), mobile (10 ms, 200 Mbps), constrained (30 ms, 50 Mbps).",
+     "Link emulation of what this stage sends (DATA down, GRAD up): local, wifi (2 ms, 1000 Mbps), mobile (10 ms, 200 Mbps), constrained (30 ms, 50 Mbps).",
      ZL_REF(link_profile)},
     {"threads", FieldType::kInteger, false, false, "ExecuTorch CPU threads; 0 = runtime default.", ZL_REF(threads)},
     {"load_mode", FieldType::kString, false, false,

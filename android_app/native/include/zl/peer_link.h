@@ -61,7 +61,7 @@ struct SenderOptions {
   uint32_t stage = 0;              ///< this (upstream) stage's index k: the link k -> k+1
   std::optional<RunId> run_id;     ///< if set, ACKs from another run are rejected
   size_t max_in_flight = 2;        ///< D: un-acknowledged entries allowed on the link
-  LinkProfile profile;             ///< sender-side shaping (default: none)
+  LinkProfile profile;             ///< shaping of the DATA going down (default: none)
   std::chrono::milliseconds connect_timeout{2000};
   std::chrono::milliseconds backoff_initial{20};  ///< first retry delay, doubled per failure
   std::chrono::milliseconds backoff_max{2000};

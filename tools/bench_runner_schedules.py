@@ -9,6 +9,9 @@ ExecuTorch runner, 3 local devices by default, once per link profile (the runner
     bytes per record   down (DATA frames and their headers, sender bytes_sent) and up (ACKs and GRAD frames,
                        receiver bytes_sent), per sample, summed over the links
     grad delay         the largest number of micro-batches a stage sent between a DATA entry and its GRAD
+    busy per stage     its phase 1 + phase 2 time over its span from ready to done: what is left is waiting
+                       (for input, for a gradient, on back-pressure) and the window ends
+    grad wait          a stage's median wait for the gradient a backward needed (the link's round trip not hidden)
 
 The schedules: `zerolock-held` (zl train's default: the stages before the last forward only), `zerolock-all`
 (--stage-lr 1: every stage on its local loss), `gpipe`, `1f1b`, `async` (every stage on the final loss's gradient,
@@ -47,8 +50,6 @@ PROFILES = ("local", "constrained")
 
 def run_one(args, name: str, profile: str, out: Path) -> dict:
     """One `zl train` of `name` on `profile` links; its figures from the stages' telemetry."""
-    from zl_device.formats.metrics_log import stage_lines
-    from zl_device.formats.run_layout import RunLayout
     from zl_device.run.train_job import run_training
     from zl_device.run.train_settings import TrainSettings
     from zl_export.data_settings import DataSettings
@@ -62,32 +63,50 @@ def run_one(args, name: str, profile: str, out: Path) -> dict:
                       stage_lr=stage_lr, keep_activations=keep, link_profile=profile, grad_dtype=args.grad_dtype,
                       cpu_quota=(args.cpu_quota,) if args.cpu_quota else None, timeout_s=args.timeout)
     result = run_training(s, say=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
-    lines = stage_lines(RunLayout(result.run_dir), args.ranks)
+    return {"pipeline": name, "profile": profile, **run_figures(result.run_dir, args.ranks, result.samples)}
+
+
+def run_figures(run_dir: Path, ranks: int, samples: int) -> dict:
+    """A finished run's figures from its stages' telemetry (each stage's last attempt)."""
+    from zl_device.formats.metrics_log import stage_lines
+    from zl_device.formats.run_layout import RunLayout
+
+    lines = stage_lines(RunLayout(run_dir), ranks)
     lines = [rank[max(i for i, r in enumerate(rank) if r["type"] == "start"):] for rank in lines]  # last attempt
-    start = min(r["ready_unix_ms"] for rank in lines for r in rank if r["type"] == "start")
+    starts = [next(r for r in rank if r["type"] == "start") for rank in lines]
     done = [next(r for r in rank if r["type"] == "done") for rank in lines]
-    wall_s = (max(d["t_unix_ms"] for d in done) - start) / 1e3
+    wall_s = (max(d["t_unix_ms"] for d in done) - min(r["ready_unix_ms"] for r in starts)) / 1e3
     pss = [max((r["pss_mib"] for r in rank if r.get("pss_mib") is not None), default=None) for rank in lines]
     down = sum(d["sender"]["bytes_sent"] for d in done if "sender" in d)
     up = sum(d["receiver"]["bytes_sent"] for d in done if "receiver" in d)
     windows = [r for r in lines[-1] if r["type"] == "window"]
-    return {"pipeline": name, "profile": profile, "samples": result.samples, "wall_s": wall_s,
-            "records_per_s": result.samples / wall_s, "peak_pss_mib": pss,
+    busy, grad_wait = [], []
+    for rank, start, end in zip(lines, starts, done):
+        mbs = [r for r in rank if r["type"] == "micro_batch"]
+        compute_ms = sum((r.get("phase1_ms") or 0) + (r.get("phase2_ms") or 0) for r in mbs)
+        busy.append(compute_ms / max(end["t_unix_ms"] - start["ready_unix_ms"], 1))
+        waits = sorted(r["grad_wait_ms"] for r in mbs if r.get("grad_wait_ms") is not None)
+        grad_wait.append(waits[len(waits) // 2] if waits else None)
+    return {"samples": samples, "wall_s": wall_s, "records_per_s": samples / wall_s, "peak_pss_mib": pss,
             "peak_rss_mib": [d["peak_rss_mib"] for d in done],
-            "bytes_down_per_record": down / result.samples, "bytes_up_per_record": up / result.samples,
+            "bytes_down_per_record": down / samples, "bytes_up_per_record": up / samples,
             "max_grad_delay": [d["sender"].get("max_grad_delay") for d in done if "sender" in d],
+            "busy": busy, "median_grad_wait_ms": grad_wait,
             "last_stage_first_loss": windows[0]["mean_loss"], "last_stage_last_loss": windows[-1]["mean_loss"]}
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| link | schedule | records/s | wall (s) | peak PSS per stage (MiB) | bytes/record down | bytes/record up "
-            "| max grad delay (mb) | last stage loss, first -> last window |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| link | schedule | records/s | wall (s) | peak PSS per stage (MiB) | busy per stage | grad wait (ms) "
+            "| bytes/record down | bytes/record up | max grad delay (mb) | last stage loss, first -> last window |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         pss = " / ".join("-" if m is None else f"{m:.0f}" for m in r["peak_pss_mib"])
+        busy = " / ".join(f"{b:.0%}" for b in r["busy"])
+        wait = " / ".join("-" if w is None else f"{w:.0f}" for w in r["median_grad_wait_ms"])
         delay = " / ".join(str(d) for d in r["max_grad_delay"] if d) or "-"
         rows.append(f"| {r['profile']} | {r['pipeline']} | {r['records_per_s']:.3f} | {r['wall_s']:.1f} | {pss} | "
-                    f"{r['bytes_down_per_record']:,.0f} | {r['bytes_up_per_record']:,.0f} | {delay} | "
-                    f"{r['last_stage_first_loss']:.3f} -> {r['last_stage_last_loss']:.3f} |")
+                    f"{busy} | {wait} | {r['bytes_down_per_record']:,.0f} | {r['bytes_up_per_record']:,.0f} | "
+                    f"{delay} | {r['last_stage_first_loss']:.3f} -> {r['last_stage_last_loss']:.3f} |")
     return "\n".join(rows)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -100,11 +101,12 @@ def table(results: list[dict]) -> str:
             "| bytes/record down | bytes/record up | max grad delay (mb) | last stage loss, first -> last window |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        name = r["pipeline"] if r.get("round") is None else f"{r['pipeline']} (round {r['round'] + 1})"
         pss = " / ".join("-" if m is None else f"{m:.0f}" for m in r["peak_pss_mib"])
         busy = " / ".join(f"{b:.0%}" for b in r["busy"])
         wait = " / ".join("-" if w is None else f"{w:.0f}" for w in r["median_grad_wait_ms"])
         delay = " / ".join(str(d) for d in r["max_grad_delay"] if d) or "-"
-        rows.append(f"| {r['profile']} | {r['pipeline']} | {r['records_per_s']:.3f} | {r['wall_s']:.1f} | {pss} | "
+        rows.append(f"| {r['profile']} | {name} | {r['records_per_s']:.3f} | {r['wall_s']:.1f} | {pss} | "
                     f"{busy} | {wait} | {r['bytes_down_per_record']:,.0f} | {r['bytes_up_per_record']:,.0f} | "
                     f"{delay} | {r['last_stage_first_loss']:.3f} -> {r['last_stage_last_loss']:.3f} |")
     return "\n".join(rows)
@@ -112,21 +114,31 @@ def table(results: list[dict]) -> str:
 
 def ratios(results: list[dict]) -> list[str]:
     """async's (and async-keep's) records/s against 1f1b's and the held-still default's, and its peak PSS against the
-    others', per link profile."""
+    others', per link profile and round; with several rounds, also the median of each records/s ratio over them."""
     from zl_study.study_tables import ratio_line
 
     lines = []
-    for profile in PROFILES:
-        by = {r["pipeline"]: r for r in results if r["profile"] == profile}
-        for subject in ("async", "async-keep"):
-            a = by.get(subject)
-            if a is None:
-                continue
-            for other in ("1f1b", "1f1b-keep", "async", "gpipe", "zerolock-held", "zerolock-all"):
-                if other not in by or other == subject:
+    rounds = sorted({r.get("round") or 0 for r in results})
+    by_pair: dict[str, list[float]] = {}
+    for profile in dict.fromkeys(r["profile"] for r in results):
+        for n in rounds:
+            by = {r["pipeline"]: r for r in results if r["profile"] == profile and (r.get("round") or 0) == n}
+            for subject in ("async", "async-keep"):
+                a = by.get(subject)
+                if a is None:
                     continue
-                lines.append(ratio_line(f"{profile}: {subject} vs {other}", a, by[other], "records_per_s",
-                                        "peak_pss_mib", "peak PSS per stage"))
+                for other in ("1f1b", "1f1b-keep", "async", "gpipe", "zerolock-held", "zerolock-all"):
+                    if other not in by or other == subject:
+                        continue
+                    pair = f"{profile}: {subject} vs {other}"
+                    label = pair if len(rounds) == 1 else f"{pair} (round {n + 1})"
+                    lines.append(ratio_line(label, a, by[other], "records_per_s", "peak_pss_mib",
+                                            "peak PSS per stage"))
+                    by_pair.setdefault(pair, []).append(a["records_per_s"] / by[other]["records_per_s"])
+    if len(rounds) > 1:
+        for pair, values in by_pair.items():
+            shown = ", ".join(f"{v:.2f}x" for v in values)
+            lines.append(f"{pair}: records/s median {statistics.median(values):.2f}x over {len(values)} rounds ({shown})")
     return lines
 
 
@@ -155,6 +167,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out", type=Path, default=None, help="Working directory (default: a temporary one).")
     parser.add_argument("--timeout", type=float, default=3600.0, help="Seconds per run.")
     parser.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="Run every schedule this many times, round by round (each round every profile and "
+                             "schedule in turn), and report each round's ratios and their median: a shared host's "
+                             "speed drifts within a sitting, and neighbouring runs compare best.")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
     profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
@@ -162,11 +178,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--schedules {args.schedules}: choose from {','.join(SCHEDULES)}")
     args.ranks = len(args.stages.split(",")) if args.stages else args.num_stages
     out = args.out or Path(tempfile.mkdtemp(prefix="zl-bench-schedules-"))
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
     results = []
-    for profile in profiles:  # one sitting: every schedule on one profile, then the next
-        for name in names:
-            print(f"{name} on {profile} links ...", file=sys.stderr, flush=True)
-            results.append(run_one(args, name, profile, out / f"{profile}-{name}"))
+    for n in range(args.rounds):  # one sitting: every schedule on one profile, then the next; then again
+        for profile in profiles:
+            for name in names:
+                print(f"{name} on {profile} links (round {n + 1} of {args.rounds}) ...", file=sys.stderr, flush=True)
+                suffix = "" if args.rounds == 1 else f"-{n + 1}"
+                r = run_one(args, name, profile, out / f"{profile}-{name}{suffix}")
+                results.append(r if args.rounds == 1 else {**r, "round": n})
     print(table(results))
     for line in ratios(results):
         print(line)

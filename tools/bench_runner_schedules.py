@@ -86,8 +86,8 @@ def run_figures(run_dir: Path, ranks: int, samples: int) -> dict:
         mbs = [r for r in rank if r["type"] == "micro_batch"]
         compute_ms = sum((r.get("phase1_ms") or 0) + (r.get("phase2_ms") or 0) for r in mbs)
         busy.append(compute_ms / max(end["t_unix_ms"] - start["ready_unix_ms"], 1))
-        waits = sorted(r["grad_wait_ms"] for r in mbs if r.get("grad_wait_ms") is not None)
-        grad_wait.append(waits[len(waits) // 2] if waits else None)
+        waits = [r["grad_wait_ms"] for r in mbs if r.get("grad_wait_ms") is not None]
+        grad_wait.append(statistics.median(waits) if waits else None)
     return {"samples": samples, "wall_s": wall_s, "records_per_s": samples / wall_s, "peak_pss_mib": pss,
             "peak_rss_mib": [d["peak_rss_mib"] for d in done],
             "bytes_down_per_record": down / samples, "bytes_up_per_record": up / samples,

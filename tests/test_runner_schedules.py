@@ -154,6 +154,25 @@ def test_bf16_gradients_on_the_wire_stay_close_to_f32(runs):
     assert 0 < worst < 5e-2, worst
 
 
+def test_the_schedule_benchmark_reads_each_stage_and_each_way_off_a_finished_run(runs):
+    """tools/bench_runner_schedules.py's figures, from the stages' telemetry: GRAD frames go up (bf16 on the wire about
+    half the bytes of f32, the DATA going down unchanged), every stage was busy part of its span, and the stages
+    before the last waited for gradients that the last never waits for."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from bench_runner_schedules import run_figures
+
+    f32, bf16 = (run_figures(runs("gpipe", **kw), 3, SAMPLES) for kw in ({}, dict(grad_dtype="bf16")))
+    for f in (f32, bf16):
+        assert f["records_per_s"] == pytest.approx(SAMPLES / f["wall_s"])
+        assert all(0 < b <= 1 for b in f["busy"]), f["busy"]
+        assert not f["median_grad_wait_ms"][-1] and all(w is not None for w in f["median_grad_wait_ms"][:-1]), f
+        assert len(f["max_grad_delay"]) == 2 and len(f["peak_rss_mib"]) == 3
+    assert bf16["bytes_down_per_record"] == f32["bytes_down_per_record"] > 0
+    assert 0.45 < bf16["bytes_up_per_record"] / f32["bytes_up_per_record"] < 0.6, (bf16, f32)
+
+
 @pytest.mark.parametrize("change, problem", [
     (dict(recovery="local"), "--schedule gpipe --recovery local: a stage restarted alone would need the gradients"),
     (dict(standby=True), "--schedule gpipe --standby: hot standbys take over ZeroLock stages only"),

@@ -355,6 +355,27 @@ def test_a_plan_made_with_other_stages_held_still_is_refused(tmp_path):
         resolve_stages(replace(on_held, stage_lr=(0.0, 1.0, 1.0)), say=lambda line: None)
 
 
+def test_a_plan_timed_under_another_schedule_is_refused(tmp_path):
+    """A backprop stage runs another program than a ZeroLock one (and without --keep-activations a second forward),
+    so a plan keeps the schedule its stages were timed under, and a run under another is named, with the fix."""
+    path = write_plan(a_plan(schedule="async"), tmp_path / "async.json")  # every stage trains, as async's do
+    assert read_plan(path).schedule == "async" and not read_plan(path).keep_activations
+    s = TrainSettings(split=ModelSplit("tiny-random", stages=str(path)), cpu_quota=(1.0, 0.5, 0.75), schedule="async")
+    assert resolve_stages(s, say=lambda line: None)[0].split.stages == "0-1,2-2,3-3"
+    assert resolve_stages(replace(s, schedule="pipedream"), say=lambda line: None)[0].split.stages == "0-1,2-2,3-3"
+    with pytest.raises(ZLError, match=r"^--stages .*async.json: the plan was timed under --schedule async, this run "
+                                      r"trains with --schedule async --keep-activations, so the split would pace it "
+                                      r"wrongly\. Run `zl plan --schedule async --keep-activations` with this run's "
+                                      r"other options, or pass the plan's stages yourself \(--stages 0-1,2-2,3-3\)\.$"):
+        resolve_stages(replace(s, keep_activations=True), say=lambda line: None)
+    held = [replace(p, forward_only=p.stage < 2) for p in a_plan().per_stage]  # zerolock's default: 0, 1 held
+    zerolock = write_plan(a_plan(per_stage=held, schedule="zerolock"), tmp_path / "zerolock.json")
+    with pytest.raises(ZLError, match=r"timed under --schedule zerolock, this run trains with --schedule 1f1b, .*"
+                                      r"Run `zl plan --schedule 1f1b` with"):
+        resolve_stages(replace(s, schedule="1f1b", split=ModelSplit("tiny-random", stages=str(zerolock))),
+                       say=lambda line: None)
+
+
 def test_export_takes_a_plan_file(tmp_path):
     from zl_device.plan.plan_file import split_of_plan
     from zl_export.options import ExportOptions

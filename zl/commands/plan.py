@@ -24,10 +24,12 @@ Examples:
   zl train --devices local:3 --cpu-quota 1.0,0.5,0.75 --seq-len 128 --stages auto     # plan, then train
 
   zl plan --devices R58M123,R58M456,R58M789 --link-mbps 200 --memory-limit 1500 --out runs/phones-plan.json
+
+  zl plan --schedule async --devices local:3 --cpu-quota 0.5 --out runs/async-plan.json     # timed under async
 """
 
 #: TrainSettings fields that say how a run trains or recovers, not what a stage computes: not `zl plan`'s.
-NOT_PLANNED = ("eval_data", "samples", "window", "runtime", "launcher", "schedule", "out", "recovery", "max_restarts",
+NOT_PLANNED = ("eval_data", "samples", "window", "runtime", "launcher", "out", "recovery", "max_restarts",
                "inject_failure", "spares", "standby", "keep_device_files", "seed", "optimizer",
                "eval_limit", "timeout_s", "resume", "link_timeout_s", "stall_timeout_s", "policy")
 
@@ -62,8 +64,10 @@ def plan_table(plan) -> Table:
     all: with sealing the hidden state and accumulating, which the plan file lists as "other_ms") and PSS against
     the device's budget (MiB). A stage held still (forward only) shows "held" for its phase 2."""
     quota = plan.cpu_quota or [None] * len(plan.per_stage)
+    schedule = "" if plan.schedule is None else f", --schedule {plan.schedule}" + (
+        " --keep-activations" if plan.keep_activations else "")
     table = Table(title=f"plan: {plan.model} ({plan.num_layers} layers), seq {plan.seq_len}, micro-batch "
-                        f"{plan.micro_batch}, {plan.frozen_dtype}; ms per micro-batch, MiB")
+                        f"{plan.micro_batch}, {plan.frozen_dtype}{schedule}; ms per micro-batch, MiB")
     for col in ("stage", "device", "layers", "phase 1", "phase 2", "total", "PSS", "budget"):
         table.add_column(col, justify="right", no_wrap=True)
     for p, q in zip(plan.per_stage, quota):

@@ -3,6 +3,7 @@
     {"format": "zl-plan", "version": 1, "stages": "0-12,13-20,21-29",
      "model": ..., "num_layers": ..., "seq_len": ..., "micro_batch": ..., "frozen_dtype": ..., "max_targets": ...,
      "devices": "local:3", "device_names": [...], "mode": "binary", "cpu_quota": [1.0, 0.5, 0.75] | null,
+     "schedule": "async", "keep_activations": false,
      "predicted_slowest_ms": ..., "link": {"mbps": null, "entry_bytes": ..., "ms": 0.0},
      "per_stage": [{"stage", "device", "layers": [first, last], "phase1_ms", "phase2_ms", "other_ms", "total_ms",
                     "pss_mib", "budget_mib", "forward_only"}, ...],
@@ -11,6 +12,11 @@
 A `forward_only` stage (held still by `--stage-lr` 0, docs/design.md §4.3) runs no phase 2: its total_ms is
 phase1_ms + other_ms, and its phase2_ms (what it would take with phase 2) is listed but not counted. Plans written
 before the field existed have none: every stage counts its phase 2.
+
+`schedule` and `keep_activations` are what the stages were timed under (`zl plan --schedule`, or the schedule the
+data chooses): a backprop stage runs another program than a ZeroLock one, its upstream stages a second forward unless
+activations are kept, so a split balanced for one paces another wrongly (docs/design.md §4.10). Plans written before
+these fields have none (null): only their held stages are checked against a run.
 
 `zl train --stages plan.json` and `zl export --stages plan.json` take its `stages`, after checking that the plan
 was made for the model (and, for `zl train`, the devices, quotas and shapes) they are given: a split predicted for
@@ -83,6 +89,8 @@ class Plan:
     even_stages: str | None = None
     even_slowest_ms: float | None = None
     calibration: list[dict] = field(default_factory=list)  # per device: cache file, rounds measured, fit
+    schedule: str | None = None  # the schedule the stages were timed under; None: a plan from before the field
+    keep_activations: bool = False
 
     @property
     def slowest_ms(self) -> float:
@@ -95,6 +103,7 @@ class Plan:
             "num_layers": self.num_layers, "seq_len": self.seq_len, "micro_batch": self.micro_batch,
             "frozen_dtype": self.frozen_dtype, "max_targets": self.max_targets, "devices": self.devices,
             "device_names": self.device_names, "mode": self.mode, "cpu_quota": self.cpu_quota,
+            "schedule": self.schedule, "keep_activations": self.keep_activations,
             "predicted_slowest_ms": self.slowest_ms,
             "link": {"mbps": self.link_mbps, "entry_bytes": self.entry_bytes, "ms": self.link_ms},
             "per_stage": [{**asdict(p), "layers": list(p.layers), "total_ms": p.total_ms} for p in self.per_stage],
@@ -124,7 +133,8 @@ class Plan:
                        entry_bytes=int(link.get("entry_bytes", 0)), link_ms=float(link.get("ms", 0.0)),
                        even_stages=even["stages"] if even else None,
                        even_slowest_ms=even["predicted_slowest_ms"] if even else None,
-                       calibration=list(data.get("calibration", [])))
+                       calibration=list(data.get("calibration", [])), schedule=data.get("schedule"),
+                       keep_activations=bool(data.get("keep_activations", False)))
         except (KeyError, TypeError, ValueError) as e:
             raise ZLError(f"{where}: a plan with a missing or malformed field ({e}); run `zl plan` again.") from None
 

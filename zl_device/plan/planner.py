@@ -22,6 +22,7 @@ from pathlib import Path
 from zl_base.errors import ZLError
 from zl_base.settings import check_fields, setting
 from zl_device.devices.registry import LOCAL, DevicesSpec, check_cpu_quota_fits, check_mode, parse_devices
+from zl_device.formats.schedules import schedule_name
 from zl_device.plan.calibrate import calibrate, check_stage_count, device_names, forward_only_stages
 from zl_device.plan.costs import StageCost
 from zl_device.plan.plan_file import AUTO, Plan, StagePrediction, check_plan_matches, is_plan_file, read_plan
@@ -129,13 +130,21 @@ def make_plan(s: TrainSettings, p: PlanSettings, say=print, export_progress=None
                 devices=s.devices, device_names=names, mode=s.mode, cpu_quota=quotas if s.cpu_quota else None,
                 per_stage=per_stage, link_mbps=p.link_mbps, entry_bytes=cal.entry_bytes(s.export.micro_batch),
                 link_ms=link_ms, even_stages=even.spec, even_slowest_ms=max(even.slowest_ms, link_ms),
-                calibration=calibration)
+                calibration=calibration, schedule=schedule_name(s.schedule), keep_activations=s.keep_activations)
 
 
 def check_plan_holds(plan: Plan, s: TrainSettings, where: str) -> None:
-    """Raise ZLError when the plan was made with other stages held still (forward only) than the run holds: its
+    """Raise ZLError when the plan was timed under another schedule than the run's (a backprop stage runs another
+    program, and without --keep-activations a second forward), or with other stages held still (forward only): its
     split balances the stages' costs for that, so it would pace this run wrongly (an old plan, made before
-    `--stage-lr`'s default held the stages before the last still, held none)."""
+    `--stage-lr`'s default held the stages before the last still, held none; one from before plans kept their
+    schedule is checked for its held stages only)."""
+    fix = f"or pass the plan's stages yourself (--stages {plan.stages})"
+    if plan.schedule is not None:
+        planned, run = _timed_under(plan.schedule, plan.keep_activations), _timed_under(s.schedule, s.keep_activations)
+        if planned != run:
+            raise ZLError(f"{where}: the plan was timed under {planned}, this run trains with {run}, so the split would "
+                          f"pace it wrongly. Run `zl plan {run}` with this run's other options, {fix}.")
     planned = [p.forward_only for p in plan.per_stage]
     held = forward_only_stages(s, len(planned))
     if planned == held:
@@ -147,7 +156,12 @@ def check_plan_holds(plan: Plan, s: TrainSettings, where: str) -> None:
     run = "--stage-lr's default" if s.stage_lr is None else "--stage-lr " + ",".join(f"{m:g}" for m in s.stage_lr)
     raise ZLError(f"{where}: the plan was made with stages held still (forward only): {shown(planned)}; this run "
                   f"({run}) holds {shown(held)}, so the split would pace it wrongly. Run `zl plan` with this run's "
-                  f"--stage-lr, or pass the plan's stages yourself (--stages {plan.stages}).")
+                  f"--stage-lr, {fix}.")
+
+
+def _timed_under(schedule: str, keep_activations: bool) -> str:
+    """A schedule as a plan's timing depends on it: its name, and whether a backprop stage keeps its activations."""
+    return f"--schedule {schedule_name(schedule)}" + (" --keep-activations" if keep_activations else "")
 
 
 def cost_fn(costs: list[StageCost], forward_only: list[bool] | None = None):

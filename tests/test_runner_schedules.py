@@ -197,6 +197,21 @@ def test_backprop_schedules_train_every_stage_by_default(tmp_path, data_file):
         assert s.backprop and s.stage_lr == (1.0,) and s.recovery == "global"
 
 
+def test_a_backprop_schedule_on_the_even_split_is_told_to_plan_it(tmp_path, data_file):
+    """The even split leaves a backprop schedule's last stage waiting on the upstream ones (they run their forward
+    again): zl train says so and names --stages auto, only where that holds."""
+    from zl_device.run.train_job import even_split_hint
+    from zl_export.options import ModelSplit
+
+    hint = even_split_hint(settings(tmp_path, data_file, schedule="async"))
+    assert hint.startswith("split: even; under --schedule async the stages before the last also run their forward "
+                           "again") and "`--stages auto` plans the split for this schedule" in hint
+    for kw in (dict(schedule="zerolock"), dict(schedule="async", keep_activations=True), dict(schedule=None),
+               dict(schedule="1f1b", split=ModelSplit("tiny-random", stages="0-0,1-1,2-3")),
+               dict(schedule="gpipe", runtime="torch")):
+        assert even_split_hint(settings(tmp_path, data_file, **kw)) is None, kw
+
+
 @pytest.mark.parametrize("schedule, keep", [("gpipe", False), ("async", False), ("async", True)])
 def test_a_killed_stage_restarts_every_stage_to_the_uninterrupted_adapter(runs, data_file, tmp_path, schedule, keep):
     """Stage 1 killed in the middle of window 1 (after a forward, its gradient owed): every stage rolls back to the

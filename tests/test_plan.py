@@ -360,6 +360,9 @@ def test_a_plan_timed_under_another_schedule_is_refused(tmp_path):
     so a plan keeps the schedule its stages were timed under, and a run under another is named, with the fix."""
     path = write_plan(a_plan(schedule="async"), tmp_path / "async.json")  # every stage trains, as async's do
     assert read_plan(path).schedule == "async" and not read_plan(path).keep_activations
+    from zl.commands.plan import plan_table
+    assert plan_table(read_plan(path)).title.endswith("bf16, --schedule async; ms per micro-batch, MiB")
+    assert plan_table(a_plan()).title.endswith("bf16; ms per micro-batch, MiB")  # a plan from before the field
     s = TrainSettings(split=ModelSplit("tiny-random", stages=str(path)), cpu_quota=(1.0, 0.5, 0.75), schedule="async")
     assert resolve_stages(s, say=lambda line: None)[0].split.stages == "0-1,2-2,3-3"
     assert resolve_stages(replace(s, schedule="pipedream"), say=lambda line: None)[0].split.stages == "0-1,2-2,3-3"

@@ -10,7 +10,7 @@ from rich.table import Table
 from zl.options import settings_command
 from zl.paths import check_out_file
 from zl_base.settings import nested
-from zl_device.plan.planner import PlanSettings
+from zl_device.plan.planner import PlanSettings, timed_under
 from zl_device.run.train_settings import TrainSettings
 
 EXAMPLE = """
@@ -64,8 +64,7 @@ def plan_table(plan) -> Table:
     all: with sealing the hidden state and accumulating, which the plan file lists as "other_ms") and PSS against
     the device's budget (MiB). A stage held still (forward only) shows "held" for its phase 2."""
     quota = plan.cpu_quota or [None] * len(plan.per_stage)
-    schedule = "" if plan.schedule is None else f", --schedule {plan.schedule}" + (
-        " --keep-activations" if plan.keep_activations else "")
+    schedule = "" if plan.schedule is None else ", " + timed_under(plan.schedule, plan.keep_activations)
     table = Table(title=f"plan: {plan.model} ({plan.num_layers} layers), seq {plan.seq_len}, micro-batch "
                         f"{plan.micro_batch}, {plan.frozen_dtype}{schedule}; ms per micro-batch, MiB")
     for col in ("stage", "device", "layers", "phase 1", "phase 2", "total", "PSS", "budget"):

@@ -141,7 +141,7 @@ def check_plan_holds(plan: Plan, s: TrainSettings, where: str) -> None:
     schedule is checked for its held stages only)."""
     fix = f"or pass the plan's stages yourself (--stages {plan.stages})"
     if plan.schedule is not None:
-        planned, run = _timed_under(plan.schedule, plan.keep_activations), _timed_under(s.schedule, s.keep_activations)
+        planned, run = timed_under(plan.schedule, plan.keep_activations), timed_under(s.schedule, s.keep_activations)
         if planned != run:
             raise ZLError(f"{where}: the plan was timed under {planned}, this run trains with {run}, so the split would "
                           f"pace it wrongly. Run `zl plan {run}` with this run's other options, {fix}.")
@@ -159,8 +159,9 @@ def check_plan_holds(plan: Plan, s: TrainSettings, where: str) -> None:
                   f"--stage-lr, {fix}.")
 
 
-def _timed_under(schedule: str, keep_activations: bool) -> str:
-    """A schedule as a plan's timing depends on it: its name, and whether a backprop stage keeps its activations."""
+def timed_under(schedule: str, keep_activations: bool) -> str:
+    """A schedule as a plan's timing depends on it, in flags: its name, and whether a backprop stage keeps its
+    activations."""
     return f"--schedule {schedule_name(schedule)}" + (" --keep-activations" if keep_activations else "")
 
 

@@ -112,6 +112,24 @@ def test_gpipe_on_the_runner_is_whole_model_backprop(runs, one_torch_thread):
     assert [d["receiver"]["grads_sent"] for d in done[1:]] == [SAMPLES // BATCH] * 2
 
 
+def test_one_device_is_whole_model_backprop_under_every_schedule(runs, one_torch_thread):
+    """`--num-stages 1`, the baseline a pipeline is measured against: the one stage is first and last (token ids in,
+    the model's loss out, no link), so every schedule trains it on the true loss: zerolock, gpipe, 1f1b and async
+    train the same adapter bit for bit, and it is eager whole-model backprop's."""
+    from zl_export.options import ModelSplit
+
+    one = ModelSplit("tiny-random", None, 1)
+    dirs = {schedule: runs(schedule, split=one) for schedule in ("zerolock", "gpipe", "1f1b", "async")}
+    want = adapter(dirs["gpipe"])
+    for schedule, run_dir in dirs.items():
+        assert json.loads((run_dir / "manifest.json").read_text())["stages"][0]["layers"] == [0, 3]
+        got = adapter(run_dir)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), schedule
+    assert worst_relative(want, eager_reference(dirs["gpipe"], stale=False)) < 1e-3
+    report = (dirs["async"] / "report.md").read_text()
+    assert "in 1 stage (the whole model on one device)" in report
+
+
 def test_1f1b_trains_the_same_weights_as_gpipe(runs):
     """1F1B only reorders each window's forwards and backwards: bit for bit gpipe's adapter."""
     got, want = adapter(runs("1f1b")), adapter(runs("gpipe"))

@@ -100,7 +100,7 @@ def test_shared_options_carry_their_checks_into_every_tree():
 
     for bad, problem in [(TrainSettings(rows=DataSettings(seq_len=10**8)), "^--seq-len 100000000: at most 8192"),
                          (TrainSettings(split=ModelSplit(stages="")), "^--stages '': an empty stage spec"),
-                         (TrainSettings(split=ModelSplit(num_stages=1)), "^--num-stages 1: a pipeline needs at least 2"),
+                         (TrainSettings(split=ModelSplit(num_stages=0)), "^--num-stages 0: needs at least 1 stage"),
                          (TrainSettings(devices="local:65"), "^--devices local:65: at most 64 local devices"),
                          (ExportArgs(options=ExportOptions(seq_len=10**8)), "^--seq-len 100000000: at most 8192"),
                          (ExportArgs(split=ModelSplit(stages=" ")), "^--stages ' ': an empty stage spec"),

@@ -12,6 +12,12 @@ def test_tinyllama_paper_split():
     assert format_spec(stages) == "0-6,7-13,14-21"
 
 
+def test_one_stage_is_the_whole_model_on_one_device():
+    """The one-device baseline: `--stages 0-21` or `--num-stages 1` is one stage of every layer."""
+    assert parse_spec("0-21", 22) == balanced_split(22, 1) == [parse_spec("0-21", 22)[0]]
+    assert (balanced_split(22, 1)[0].first, balanced_split(22, 1)[0].last) == (0, 21)
+
+
 def test_single_layer_ranges_and_spaces():
     assert format_spec(parse_spec(" 0 , 1-2 ,3", 4)) == "0-0,1-2,3-3"
 
@@ -33,7 +39,6 @@ def test_balanced_split(num_layers, k, sizes):
         ("0-7,7-13,14-21", "overlaps stage 0"),
         ("0-6,13-7,14-21", "descending"),
         ("0-6,7-13,14-22", "beyond the model's last layer 21"),
-        ("0-21", "single stage"),
         ("0-6,,14-21", "empty stage range"),
         ("", "empty stage range"),
         ("0-6,7-13,14-x", "not of the form FIRST-LAST"),
@@ -51,7 +56,7 @@ def test_bad_specs_name_the_problem_and_the_layer_count(spec, problem):
     assert repr(spec) in message
 
 
-@pytest.mark.parametrize(("num_layers", "k", "problem"), [(22, 1, "at least 2 stages"), (4, 5, "only 4 layers")])
+@pytest.mark.parametrize(("num_layers", "k", "problem"), [(22, 0, "at least 1 stage"), (4, 5, "only 4 layers")])
 def test_bad_balanced_splits(num_layers, k, problem):
     with pytest.raises(ZLError, match=problem):
         balanced_split(num_layers, k)

@@ -35,8 +35,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-#: name -> (zl train --schedule, --stage-lr or None for its default, --keep-activations)
-SCHEDULES: dict[str, tuple[str, tuple[float, ...] | None, bool]] = {
+#: name -> (zl train --schedule or None for its default, --stage-lr or None for its default, --keep-activations)
+SCHEDULES: dict[str, tuple[str | None, tuple[float, ...] | None, bool]] = {
+    "default": (None, None, False),  # what zl train picks for the data: async on generative rows, else zerolock-held
     "zerolock-held": ("zerolock", None, False),
     "zerolock-all": ("zerolock", (1.0,), False),
     "gpipe": ("gpipe", None, False),

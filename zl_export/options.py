@@ -59,9 +59,10 @@ def check_stage_spec(spec: str | None, name: str = "--stages") -> None:
 
 
 def check_num_stages(count: int, name: str = "--num-stages") -> None:
-    """Raise ZLError for fewer than 2 stages (more stages than layers needs the model: `stages.balanced_split`)."""
-    if count < 2:
-        raise ZLError(f"{name} {count}: a pipeline needs at least 2 stages. Use {name} 2 or more (the default is 3).")
+    """Raise ZLError for fewer than 1 stage (more stages than layers needs the model: `stages.balanced_split`)."""
+    if count < 1:
+        raise ZLError(f"{name} {count}: needs at least 1 stage (1: the whole model on one device). Use {name} 1 or "
+                      "more (the default is 3).")
 
 
 @dataclass(frozen=True)

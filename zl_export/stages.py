@@ -29,19 +29,26 @@ def format_spec(stages: list[StageRange]) -> str:
     return ",".join(str(s) for s in stages)
 
 
+def stages_phrase(num_stages: int) -> str:
+    """`3 stages`, or `1 stage (one device)`: what a run of `num_stages` is, in a line for the user."""
+    return "1 stage (the whole model on one device)" if num_stages == 1 else f"{num_stages} stages"
+
+
 def balanced_split(num_layers: int, num_stages: int) -> list[StageRange]:
     """Split `num_layers` into `num_stages` consecutive ranges differing by at most one layer.
 
     Earlier stages get the extra layers (stage 0 also carries the embedding
-    lookup, later stages nothing more, so this keeps the spread small).
+    lookup, later stages nothing more, so this keeps the spread small). One
+    stage is the whole model on one device: the baseline a pipeline is measured
+    against.
 
     Raises:
-        ZLError: fewer than 2 stages, or more stages than layers.
+        ZLError: fewer than 1 stage, or more stages than layers.
     """
-    if num_stages < 2:
+    if num_stages < 1:
         raise ZLError(
-            f"--num-stages {num_stages}: a pipeline needs at least 2 stages. "
-            "Use --num-stages 2 or more (the default is 3)."
+            f"--num-stages {num_stages}: needs at least 1 stage (1: the whole model on one device). "
+            "Use --num-stages 1 or more (the default is 3)."
         )
     if num_stages > num_layers:
         raise ZLError(
@@ -62,8 +69,7 @@ def parse_spec(spec: str, num_layers: int) -> list[StageRange]:
 
     Raises:
         ZLError: a malformed range, an empty or descending range, a gap, an
-            overlap, a layer beyond the model, incomplete coverage, or a single
-            stage. The message names the range and the model's layer count.
+            overlap, a layer beyond the model, or incomplete coverage. The message names the range and the model's layer count.
     """
     hint = (
         f"The model has {num_layers} layers (0-{num_layers - 1}); write consecutive inclusive ranges "
@@ -118,6 +124,4 @@ def parse_spec(spec: str, num_layers: int) -> list[StageRange]:
             f"--stages {spec!r}: the last stage ends at layer {stages[-1].last}, so layers "
             f"{stages[-1].last + 1}-{num_layers - 1} belong to no stage. {hint}."
         )
-    if len(stages) < 2:
-        raise ZLError(f"--stages {spec!r}: a single stage is not a pipeline; split it into 2 or more. {hint}.")
     return stages

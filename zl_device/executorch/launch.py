@@ -27,6 +27,7 @@ from zl_device.formats.run_layout import CHECKPOINTS_DIR, MANIFEST, METRICS, Run
 from zl_device.formats.stage_spec import StageSpec
 from zl_device.formats.windows import WindowPlan
 from zl_export.manifest import Manifest
+from zl_export.stages import stages_phrase
 
 
 class LaunchSettings(Protocol):
@@ -175,7 +176,7 @@ def _deploy_and_coordinate(s: LaunchSettings, run_plan: RunPlan, stage_devices, 
         deployed[injection.stage]["hold_at_micro_batch"] = injection.hold_micro_batch(windows)
     for k, cfg in deployed.items():
         RunLayout(run_dir).stage_config(k).write_text(json.dumps(cfg, indent=2) + "\n")
-    say(f"deploy: {num_stages} stages to {', '.join(d.name for d in stage_devices)}"
+    say(f"deploy: {stages_phrase(num_stages)} to {', '.join(d.name for d in stage_devices)}"
         + (f" (spares: {', '.join(d.name for d in spares)})" if spares else "")
         + (" in the app" if s.mode == "app" else ""))
     results = deploy(stage_devices, export_dir, deployed)

@@ -66,6 +66,7 @@ from zl_base.errors import ZLError
 from zl_device.formats.metrics_log import MetricsLog, read_metrics
 from zl_device.formats.run_layout import PLOTS_DIR, REPORT_JSON, REPORT_MD, RunLayout
 from zl_export.manifest import Manifest, read_manifest
+from zl_export.stages import stages_phrase
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +359,7 @@ def render_markdown(report: dict, with_plots: bool = True) -> str:
     out = ["# Run report", ""]
     model = report.get("model")
     if model:
-        out += [f"Model {model['name']} ({model['num_layers']} layers) in {model['num_stages']} stages; "
+        out += [f"Model {model['name']} ({model['num_layers']} layers) in {stages_phrase(model['num_stages'])}; "
                 f"seq_len {model['seq_len']}, micro-batch {model['micro_batch']}.", ""]
         if model.get("program_mib"):
             sizes = " / ".join(f"{m:,.0f}" for m in model["program_mib"])

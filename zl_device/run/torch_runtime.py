@@ -31,6 +31,7 @@ from zl_device.run.train_settings import TrainSettings
 from zl_device.torch.job import TorchJob
 from zl_device.torch.launcher import launch_ranks, recovery_events, torchrun_instructions, training_span
 from zl_export.manifest import Manifest, read_manifest
+from zl_export.stages import stages_phrase
 
 
 class TorchRuntime(Runtime):
@@ -64,7 +65,7 @@ class TorchRuntime(Runtime):
                 say(line)
             return False
         windows = run.windows
-        say(f"run: {job.num_stages} stages as torch.distributed ranks on this host, "
+        say(f"run: {stages_phrase(job.num_stages)} as torch.distributed ranks on this host, "
             f"{job.num_micro_batches * job.micro_batch} samples, {windows.num_micro_batches} micro-batches in "
             f"{windows.num_windows} windows of {windows.window_size}")
         watch = RankWatch(layout.stages, job.num_stages)

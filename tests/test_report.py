@@ -207,7 +207,8 @@ def test_markdown_has_the_numbers(tmp_path):
     s0, s1 = report["stages"]
     assert f"| {s0['temperature_c']:.1f} |" in md
     (row,) = [line for line in md.splitlines() if line.startswith("| 1 | 2–3 | 6 |")]
-    assert row.endswith(f"| {s1['peak_pss_mib']:.1f} | n/a |")  # stage 1 has no temperature sensor
+    assert row.endswith(f"| {s1['peak_pss_mib']:.1f} | n/a |")
+    assert f"| {s1['busy_share']:.0%} | {s1['peak_pss_mib']:.1f} |" in row  # stage 1 has no temperature sensor
     assert "| 16.0 | 12 | 0.7500 |" in md
     assert "## Recovery" in md
     assert "| 1 | exited with status -9 | 2 / 5 | 1500 | 2 / 1 | 4096 | n/a | 2300.0 | n/a |" in md  # older events
@@ -399,4 +400,28 @@ def test_report_of_real_runner_telemetry(tmp_path):
         assert stage["windows"] == 4 and stage["temperature_c"] is None
     assert [(s["restarts"], s["replayed_micro_batches"]) for s in report["stages"]] == [(0, 0), (1, 2), (0, 0)]
     assert report["run"]["wall_s_source"] == "telemetry" and report["run"]["samples"] == 16
-    assert "- stage 1: 1 restart(s), 2 micro-batch(es) replayed" in (run_dir / "report.md").read_text()
+    md = (run_dir / "report.md").read_text()
+    assert "- stage 1: 1 restart(s), 2 micro-batch(es) replayed" in md
+    shares = [s["busy_share"] for s in report["stages"]]
+    assert all(0 < b <= 1 for b in shares), shares
+    assert all(f"| {b:.0%} |" in md for b in shares) and "The busiest stage sets the pipeline's pace" in md
+
+
+def test_busy_share_is_compute_over_each_runs_span_from_ready_to_its_last_line():
+    """A stage's busy share: phase 1 + 2 of every micro-batch line (a replay is work done too) over the span of each
+    of its runs, from the start line's ready_unix_ms to that run's last line; the time between a crash and the
+    restart is no one's, so it is in neither."""
+    from zl_device.results.report import _busy_share
+
+    def mb(mb: int, t: int) -> dict:
+        return {"type": "micro_batch", "micro_batch": mb, "t_unix_ms": t, "phase1_ms": 10.0, "phase2_ms": 30.0,
+                "total_ms": 100.0}
+
+    one_run = [{"type": "start", "ready_unix_ms": 0}, mb(0, 100), mb(1, 200), {"type": "done", "t_unix_ms": 400}]
+    assert _busy_share(one_run) == pytest.approx(80 / 400)
+    restarted = [*one_run[:3], {"type": "start", "ready_unix_ms": 10_000}, mb(1, 10_100), mb(2, 10_200)]
+    assert _busy_share(restarted) == pytest.approx(160 / (200 + 200))
+    no_ready = [{"type": "start"}, mb(0, 1_000), mb(1, 1_100)]  # the first micro-batch's start instead
+    assert _busy_share(no_ready) == pytest.approx(80 / 200)
+    assert _busy_share([{"type": "start", "ready_unix_ms": 0}, {"type": "window", "t_unix_ms": 5}]) is None
+

@@ -76,7 +76,8 @@ class ModelSplit:
                                        "covering every layer); or a plan file from `zl plan` (plan.json); zl train "
                                        "also takes `auto` (plan the split on the devices first).",
                                  check=check_stage_spec)
-    num_stages: int = setting(3, "Balanced split into this many stages (used when --stages is not given).",
+    num_stages: int = setting(3, "Balanced split into this many stages (used when --stages is not given); 1: the "
+                                 "whole model on one device, the baseline a pipeline is measured against.",
                               check=check_num_stages)
 
     def validate(self) -> None:

@@ -24,6 +24,8 @@ Examples:
 
   zl train --inject-failure 1@2 --recovery local --out runs/fail-local
 
+  zl train --num-stages 1 --out runs/one     # the whole model on one device: the baseline K devices are measured against
+
   zl train --model tinyllama-random --stages 0-6,7-13,14-21 --seq-len 128 --samples 16 --window 4 --data demo
 
   zl train --devices R58M123,R58M456,R58M789 --mode app --out runs/phones

@@ -16,15 +16,20 @@ PHASES = (("phase1_ms", "phase 1 (to the marker)"), ("phase2_ms", "phase 2 (read
 
 def plot_latency(stages: list[dict], path: Path) -> Path:
     """Grouped bars: median phase-1 / phase-2 / queue time per stage, whiskers up to the p95. A forward-only stage
-    (held still by lr 0) has a phase 2 of 0 ms and says so under its name.
+    (held still by lr 0) has a phase 2 of 0 ms and says so under its name. Beside them, where the report has it,
+    each stage's share of its time busy and waiting (`busy_share`): the pipeline's balance at a glance.
 
     Args:
-        stages: `report["stages"]` (each with `index` and `{median, p95}` per key of PHASES).
+        stages: `report["stages"]` (each with `index`, `{median, p95}` per key of PHASES, optional `busy_share`).
         path: the PNG to write.
     """
-    fig = Figure(figsize=(max(5.0, 1.6 * len(stages) + 2.5), 4.0), dpi=100)
+    shares = [s.get("busy_share") for s in stages]
+    with_shares = any(x is not None for x in shares)
+    fig = Figure(figsize=(max(5.0, 1.6 * len(stages) + 2.5) + (4.0 if with_shares else 0.0), 4.0), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(1, 2, 1) if with_shares else fig.add_subplot()
+    if with_shares:
+        _plot_busy(fig.add_subplot(1, 2, 2), stages, shares)
     width = 0.8 / len(PHASES)
     for j, (key, label) in enumerate(PHASES):
         xs, medians, above = [], [], []
@@ -44,6 +49,23 @@ def plot_latency(stages: list[dict], path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path)
     return Path(path)
+
+
+def _plot_busy(ax, stages: list[dict], shares: list[float | None]) -> None:
+    """Stacked horizontal bars per stage: busy (phase 1 + phase 2) and waiting, as shares of its span."""
+    ys = range(len(stages))
+    busy = [x or 0.0 for x in shares]
+    ax.barh(ys, busy, color="tab:purple", label="busy (phase 1 + 2)")
+    ax.barh(ys, [1.0 - b if x is not None else 0.0 for b, x in zip(busy, shares)], left=busy, color="tab:gray",
+            alpha=0.5, label="waiting (input, gradient, link), window ends")
+    for y, x in zip(ys, shares):
+        ax.text(0.02, y, "n/a" if x is None else f"{x:.0%}", va="center", fontsize="small")
+    ax.set_yticks(ys, [f"stage {s['index']}" for s in stages])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("share of the stage's time, ready to done")
+    ax.set_title("Busy and waiting per stage")
+    ax.legend(fontsize="small", loc="lower right")
 
 
 def plot_loss(curves: dict[int, dict], path: Path) -> Path:

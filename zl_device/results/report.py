@@ -21,6 +21,11 @@ What the numbers mean:
   the run whose gradients went into the committed window; the earlier lines
   are counted in `replayed_micro_batches` and left out of the statistics.
   Window lines likewise keep the last line per (stage, window).
+- `stages[i].busy_share`: the stage's phase 1 + phase 2 time (every micro-batch line, replays included) over
+  its span: from each runner start's `ready_unix_ms` (program loaded, links up; else its first micro-batch's
+  start) to that run's last line, summed over its runs. The rest of the span is waiting: for input, for a
+  gradient, on a full link, and the window ends. Null without micro-batch lines (the torch runtime's
+  window-stepping schedules).
 - `peak_pss_mib` and `temperature_c` are the maxima over all of the stage's
   micro-batch and window lines (replays included: a peak is a peak);
   `temperature_median_c` is the median. A stage with no sensor has null —
@@ -233,6 +238,7 @@ def _stage(index: int, metrics: MetricsLog, layers: list[int] | None) -> tuple[d
         "schedule": metrics.schedule(index),
         **{key: latency_stats([r.get(key) for r in kept]) for key in LATENCY_KEYS},
         "checkpoint_ms": latency_stats([w.get("checkpoint_ms") for w in windows]),
+        "busy_share": _busy_share(lines),
         "peak_pss_mib": max(pss) if pss else None,
         "temperature_c": max(temps) if temps else None,
         "temperature_median_c": float(np.median(temps)) if temps else None,
@@ -250,6 +256,29 @@ def _stage(index: int, metrics: MetricsLog, layers: list[int] | None) -> tuple[d
         "window_mean_loss": [w["mean_loss"] for w in windows if w["window"] in ends and w.get("mean_loss") is not None],
     }
     return summary, curve, replays_by_run
+
+
+def _busy_share(lines: list[dict]) -> float | None:
+    """Phase 1 + phase 2 over the stage's span, summed over its runs (report.py's docstring); None without any
+    micro-batch line."""
+    busy_ms = span_ms = 0.0
+    begin = end = None
+    if not any(line["type"] == "micro_batch" for line in lines):
+        return None
+    for line in [*lines, {"type": "start"}]:  # a final start closes the last run's span
+        if line["type"] == "start":
+            if begin is not None and end is not None:
+                span_ms += max(end - begin, 0.0)
+            begin, end = line.get("ready_unix_ms"), None
+            continue
+        t = line.get("t_unix_ms")
+        if line["type"] == "micro_batch":
+            busy_ms += (line.get("phase1_ms") or 0.0) + (line.get("phase2_ms") or 0.0)
+            if begin is None and t is not None:
+                begin = t - (line.get("total_ms") or 0.0)
+        if t is not None and begin is not None:
+            end = t
+    return min(busy_ms / span_ms, 1.0) if span_ms > 0 else None
 
 
 def _model(manifest: Manifest | None) -> dict | None:
@@ -349,6 +378,10 @@ def _num(value, digits: int = 1) -> str:
     return f"{value:.{digits}f}"
 
 
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
+
+
 def _pair(stats: dict) -> str:
     return f"{_num(stats['median'])} / {_num(stats['p95'])}"
 
@@ -372,16 +405,19 @@ def render_markdown(report: dict, with_plots: bool = True) -> str:
     out += ["## Stages", "",
             "Times in ms, median / p95 over each stage's micro-batches; a replayed micro-batch counts once "
             "(its last run).", "",
-            "| stage | layers | micro-batches | phase 1 | phase 2 | queue | send | total | peak PSS (MiB) | "
+            "| stage | layers | micro-batches | phase 1 | phase 2 | queue | send | total | busy | peak PSS (MiB) | "
             "temperature (°C) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in stages:
         layers = f"{s['layers'][0]}–{s['layers'][1]}" if s["layers"] else "n/a"
         phase2 = "none (forward only)" if s.get("forward_only") else _pair(s["phase2_ms"])
         out.append(f"| {s['index']} | {layers} | {s['micro_batches']} | {_pair(s['phase1_ms'])} | "
                    f"{phase2} | {_pair(s['queue_ms'])} | {_pair(s['send_ms'])} | "
-                   f"{_pair(s['total_ms'])} | {_num(s['peak_pss_mib'])} | {_num(s['temperature_c'])} |")
-    out += ["", "Temperature: the highest reading (battery on Android, CPU thermal zone on Linux); n/a where the "
+                   f"{_pair(s['total_ms'])} | {_share(s.get('busy_share'))} | {_num(s['peak_pss_mib'])} | "
+                   f"{_num(s['temperature_c'])} |")
+    out += ["", "Busy: phase 1 + phase 2 over the stage's time from ready to done; the rest it waited (for input, "
+            "for a gradient, on a full link) or ended windows. The busiest stage sets the pipeline's pace and the "
+            "others wait on it: `zl plan` (or `--stages`) moves layers from it to them.", "", "Temperature: the highest reading (battery on Android, CPU thermal zone on Linux); n/a where the "
             "device has no sensor.", "", "## Loss", ""]
     # Under a backprop schedule a stage before the last differentiates <h, grad_hidden>, no loss of its own (§3.8).
     linked = [s for s in stages[:-1] if s.get("schedule", "zerolock") != "zerolock"]

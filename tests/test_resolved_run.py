@@ -108,13 +108,15 @@ def test_the_launch_and_the_torch_job_take_the_role_from_the_resolved_run(tmp_pa
     r = ResolvedRun.of(s, 32, 4)
     manifest = SimpleNamespace(stages=[SimpleNamespace(file=f"stage_{k}.pte") for k in range(3)])
     addresses = SimpleNamespace(stages=[SimpleNamespace(stage=k, config_fields=dict) for k in range(3)])
+    devices = [SimpleNamespace(kind="local", cpu_quota=0.5)] * 3
     configs = stage_configs(s, r, manifest, tmp_path, tmp_path / "train.safetensors", addresses, tmp_path / "run.key",
-                            "ab" * 16)
+                            "ab" * 16, devices)
+    assert [configs[k]["threads"] for k in range(3)] == [1, 1, 1]
     assert [configs[k]["role"] for k in range(3)] == ["forward", "forward", "train"]
     assert [configs[k]["optimizer"]["lr"] for k in range(3)] == [0.0, 0.0, r.optimizer.lr]
     assert configs[0]["optimizer"]["schedule"]["warmup_steps"] == 1  # the resolved (windowed) optimizer's
     backprop = stage_configs(s, ResolvedRun.of(settings(samples=8, schedule="async"), 32, 4), manifest, tmp_path,
-                             tmp_path / "train.safetensors", addresses, tmp_path / "run.key", "ab" * 16)
+                             tmp_path / "train.safetensors", addresses, tmp_path / "run.key", "ab" * 16, devices)
     for wire in RUNNER_NAMES.values():  # the written-down wire names are the ones the configs use
         node = backprop[0]
         for part in wire.split("."):
@@ -166,3 +168,22 @@ def test_the_schedule_default_follows_the_data(tmp_path):
     assert len(said) == 1 and said[0].startswith("schedule: async (the default on generative data)")
     assert "headlines-smollm2-135m-1024-async" in said[0]
     assert default_schedule(settings(data=str(labels)), said.append).schedule == "zerolock" and len(said) == 1
+
+
+def test_each_device_gets_its_own_thread_count_unless_threads_is_given(monkeypatch):
+    """--threads' default: a local device its CPU quota rounded up, or this host's CPUs shared among the stages; a
+    phone 0, which its runner turns into its performance cores (zl/cpu_cores.h); a given --threads everywhere."""
+    from types import SimpleNamespace
+
+    from zl_device.executorch.launch import device_threads, threads_line
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    local = lambda quota=None: SimpleNamespace(kind="local", cpu_quota=quota)  # noqa: E731
+    assert [device_threads(local(q), None, 3) for q in (0.5, 1.0, 1.5, 4.0)] == [1, 1, 2, 4]
+    assert device_threads(local(), None, 3) == 2 and device_threads(local(), None, 1) == 8
+    assert device_threads(local(), None, 16) == 1
+    assert device_threads(SimpleNamespace(kind="adb"), None, 3) == 0
+    assert device_threads(SimpleNamespace(kind="adb"), 3, 3) == device_threads(local(0.5), 3, 3) == 3
+    assert threads_line([0, 0], None).startswith("threads per stage: the device's performance cores / the device's")
+    assert threads_line([2, 2, 2], 2) == "threads per stage: 2 / 2 / 2 (--threads)"
+

@@ -10,6 +10,7 @@ stay up while the caller runs the coordinator; both go when it leaves.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 from collections.abc import Iterator, Sequence
@@ -45,7 +46,7 @@ class LaunchSettings(Protocol):
     stall_timeout_s: float
     timeout_s: float
     in_flight: int
-    threads: int
+    threads: int | None  # None: each device's own (device_threads)
     load_mode: str
     accumulator_snapshots: bool
     grad_dtype: str  # bf16 | f32
@@ -170,7 +171,7 @@ def _deploy_and_coordinate(s: LaunchSettings, run_plan: RunPlan, stage_devices, 
 
     num_stages, windows = len(manifest.stages), run_plan.windows
     s.policy.check_devices(stage_devices)  # a device the policy cannot read fails before any config is written
-    configs = stage_configs(s, run_plan, manifest, export_dir, shard, plan, key_file, run_id)
+    configs = stage_configs(s, run_plan, manifest, export_dir, shard, plan, key_file, run_id, stage_devices)
     deployed = {k: dict(cfg) for k, cfg in configs.items()}
     if injection:
         deployed[injection.stage]["hold_at_micro_batch"] = injection.hold_micro_batch(windows)
@@ -179,6 +180,7 @@ def _deploy_and_coordinate(s: LaunchSettings, run_plan: RunPlan, stage_devices, 
     say(f"deploy: {stages_phrase(num_stages)} to {', '.join(d.name for d in stage_devices)}"
         + (f" (spares: {', '.join(d.name for d in spares)})" if spares else "")
         + (" in the app" if s.mode == "app" else ""))
+    say(threads_line([configs[k]["threads"] for k in sorted(configs)], s.threads))
     results = deploy(stage_devices, export_dir, deployed)
     # On a device the runner's files sit in its working folder under RUN_DIR's names (`log_path`, `checkpoint_dir`).
     plans = [StagePlan(k, d, r.config, METRICS, CHECKPOINTS_DIR, entry_bytes(manifest, k))
@@ -200,11 +202,34 @@ def _deploy_and_coordinate(s: LaunchSettings, run_plan: RunPlan, stage_devices, 
     return Launched(coordinator, run_id, windows)
 
 
+def device_threads(device: Device, threads: int | None, num_stages: int) -> int:
+    """The runner config's "threads" on `device`: --threads when given; else a local device's --cpu-quota rounded up
+    (more threads than its CPUs would only wait on each other), or, uncapped, this host's CPUs shared among the
+    stages; a phone gets 0, its performance cores, which the runner counts itself (zl/cpu_cores.h)."""
+    if threads is not None:
+        return threads
+    if device.kind != "local":
+        return 0
+    quota = getattr(device, "cpu_quota", None)
+    if quota is not None:
+        return max(1, math.ceil(quota))
+    return max(1, (os.cpu_count() or 1) // num_stages)
+
+
+def threads_line(threads: Sequence[int], given: int | None) -> str:
+    """The live view's line on the threads each stage's kernels get."""
+    shown = " / ".join("the device's performance cores" if t == 0 else str(t) for t in threads)
+    why = "--threads" if given is not None else "each device's own: a local device's CPU quota or its share of " \
+                                               "this host, a phone's performance cores"
+    return f"threads per stage: {shown} ({why})"
+
+
 def stage_configs(s: LaunchSettings, run_plan: RunPlan, manifest: Manifest, export_dir: Path, shard: Path, plan,
-                  key_file: Path, run_id: str) -> dict[int, dict]:
+                  key_file: Path, run_id: str, stage_devices: Sequence[Device]) -> dict[int, dict]:
     """The runner config of every stage (host paths; deploy pushes the files and rewrites them), from its
     `StageSpec`: the one place a setting gets its runner-JSON name where that differs (stage_spec.RUNNER_NAMES)."""
     num_stages, windows, optimizer = len(manifest.stages), run_plan.windows, run_plan.optimizer
+    threads = [device_threads(d, s.threads, num_stages) for d in stage_devices]
     configs = {}
     for addresses in plan.stages:
         k = addresses.stage
@@ -223,7 +248,7 @@ def stage_configs(s: LaunchSettings, run_plan: RunPlan, manifest: Manifest, expo
             # Global recovery rolls every stage back to the last window all committed: keep them all.
             "keep_last": windows.num_windows + 1 if s.recovery == "global" else 2,
             "log_path": METRICS,
-            "threads": s.threads,
+            "threads": threads[k],
             "load_mode": s.load_mode,
             "accumulator_snapshots": s.accumulator_snapshots,
             "optimizer": optimizer.config(spec.lr),

@@ -239,6 +239,8 @@ def _stage(index: int, metrics: MetricsLog, layers: list[int] | None) -> tuple[d
         **{key: latency_stats([r.get(key) for r in kept]) for key in LATENCY_KEYS},
         "checkpoint_ms": latency_stats([w.get("checkpoint_ms") for w in windows]),
         "busy_share": _busy_share(lines),
+        # The threads its kernels split work over (the runner's last start line; null before runners said so).
+        "threads": next((line.get("threads") for line in reversed(lines) if line["type"] == "start"), None),
         "peak_pss_mib": max(pss) if pss else None,
         "temperature_c": max(temps) if temps else None,
         "temperature_median_c": float(np.median(temps)) if temps else None,
@@ -417,7 +419,11 @@ def render_markdown(report: dict, with_plots: bool = True) -> str:
                    f"{_num(s['temperature_c'])} |")
     out += ["", "Busy: phase 1 + phase 2 over the stage's time from ready to done; the rest it waited (for input, "
             "for a gradient, on a full link) or ended windows. The busiest stage sets the pipeline's pace and the "
-            "others wait on it: `zl plan` (or `--stages`) moves layers from it to them.", "", "Temperature: the highest reading (battery on Android, CPU thermal zone on Linux); n/a where the "
+            "others wait on it: `zl plan` (or `--stages`) moves layers from it to them.", ""]
+    if any(s.get("threads") is not None for s in stages):
+        out += ["Threads per stage (its kernels' pool): "
+                + " / ".join("n/a" if s.get("threads") is None else str(s["threads"]) for s in stages) + ".", ""]
+    out += ["Temperature: the highest reading (battery on Android, CPU thermal zone on Linux); n/a where the "
             "device has no sensor.", "", "## Loss", ""]
     # Under a backprop schedule a stage before the last differentiates <h, grad_hidden>, no loss of its own (§3.8).
     linked = [s for s in stages[:-1] if s.get("schedule", "zerolock") != "zerolock"]

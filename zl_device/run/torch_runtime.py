@@ -134,7 +134,7 @@ def torch_job(s: TrainSettings, resolved: ResolvedRun, layout: RunLayout, shard:
                     lr=[st.lr for st in resolved.stages], roles=[st.role for st in resolved.stages],
                     weight_decay=optimizer.weight_decay, schedule=optimizer.schedule,
                     checkpoint_dir=str(layout.checkpoints), metrics_dir=str(layout.stages),
-                    threads=s.threads, in_flight=s.in_flight, link_timeout_s=s.link_timeout_s,
+                    threads=s.threads or 1, in_flight=s.in_flight, link_timeout_s=s.link_timeout_s,
                     micro_batch=s.export.micro_batch, pipeline=resolved.schedule,
                     # Neighbours commit at most a window apart, so K+1 windows hold one every stage has (resume).
                     keep_last=resolved.num_stages + 1)

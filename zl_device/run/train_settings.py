@@ -48,6 +48,13 @@ LOAD_MODES = ("mmap", "file")
 MAX_EPOCHS = 100
 
 
+def check_threads(threads: int | None, flag: str = "--threads") -> None:
+    """--threads, when given, is at least 1 (leave it out for each device's own count)."""
+    if threads is not None and threads < 1:
+        raise ZLError(f"{flag} {threads}: at least 1 thread per runner; leave {flag} out and each device uses its "
+                      "own count (a phone's performance cores, a local device's --cpu-quota).")
+
+
 @dataclass
 class TrainSettings:
     """Everything `zl train` takes."""
@@ -119,7 +126,10 @@ class TrainSettings:
                                                        "last stage and 1 on it (e.g. 0,0,1), which in every "
                                                        "study matched or beat every stage training on its local "
                                                        "loss (--stage-lr 1; docs/studies/README.md).")
-    threads: int = setting(1, "ExecuTorch threads per runner.")
+    threads: int | None = setting(None, "ExecuTorch threads per runner. Default: each device's own: on a phone its "
+                                        "performance cores (those outside its slowest cluster), on a local device "
+                                        "its --cpu-quota rounded up, else this host's CPUs shared among the "
+                                        "stages; the torch runtime: 1 per rank.", check=check_threads)
     load_mode: str = setting("mmap", "How runners hold the frozen weights: mmap (mapped from the program file: "
                                      "file-backed pages the OS can reclaim) or file (read into heap memory).",
                              choices=LOAD_MODES)

@@ -19,10 +19,12 @@
 #include <optional>
 #include <string>
 
+#include "zl/cpu_cores.h"
 #include "zl/cpu_features.h"
 #include "zl/log.h"
 #include "zl/runner.h"
 #include "zl/runner_config.h"
+#include "zl/thread_pool.h"
 
 #include "zl/executorch_version.h"
 
@@ -84,8 +86,12 @@ std::optional<int> parse_args(int argc, char** argv, Args* args) {
     } else if (arg == "--version") {
       // One line a deployer can check on the device (which binary, which
       // runtime, which kernel path this CPU gets and, on arm64, the
-      // extensions its hwcaps name).
-      std::printf("zl_runner %s executorch %s %s %s kernels=%s%s\n", ZL_VERSION, ZL_RUNNER_ET_VERSION,
+      // extensions its hwcaps name; the threads "threads": 0 gives here, 1
+      // in a build without ExecuTorch's thread pool).
+      const std::string threads = zl::has_thread_pool()
+                                      ? std::to_string(zl::device_default_threads())
+                                      : std::string("1(no-pool)");
+      std::printf("zl_runner %s executorch %s %s %s kernels=%s%s threads=%s\n", ZL_VERSION, ZL_RUNNER_ET_VERSION,
 #if defined(__aarch64__)
                   "aarch64",
 #elif defined(__x86_64__)
@@ -100,10 +106,11 @@ std::optional<int> parse_args(int argc, char** argv, Args* args) {
 #endif
                   zl::kernel_path_name(zl::kernel_path()),
 #if defined(__aarch64__)
-                  (" cpu=" + zl::cpu_features_str(zl::cpu_features())).c_str());
+                  (" cpu=" + zl::cpu_features_str(zl::cpu_features())).c_str(),
 #else
-                  "");
+                  "",
 #endif
+                  threads.c_str());
       return 0;
     } else if (arg == "--config" && i + 1 < argc) {
       args->config_path = argv[++i];

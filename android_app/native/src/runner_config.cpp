@@ -125,7 +125,7 @@ const Field kFields[] = {
     {"link_profile", FieldType::kString, false, false,
      "Link emulation of what this stage sends (DATA down, GRAD up): local, wifi (2 ms, 1000 Mbps), mobile (10 ms, 200 Mbps), constrained (30 ms, 50 Mbps).",
      ZL_REF(link_profile)},
-    {"threads", FieldType::kInteger, false, false, "ExecuTorch CPU threads; 0 = runtime default.", ZL_REF(threads)},
+    {"threads", FieldType::kInteger, false, false, "ExecuTorch CPU threads; 0 = the device's performance cores (those outside its slowest cluster).", ZL_REF(threads)},
     {"load_mode", FieldType::kString, false, false,
      "How the program's frozen weights are held: mmap (mapped from the file, reclaimable) or file (read into heap).",
      ZL_REF(load_mode)},

@@ -15,6 +15,7 @@
 #include <zl/thread_pool.h>
 #include <zl/widen.h>
 
+#include "zl/cpu_cores.h"
 #include "zl/durable_file.h"
 #include "zl/log.h"
 #include "zl/stage_manifest.h"
@@ -47,17 +48,22 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return text + "]";
 }
 
-void apply_thread_count(int64_t threads) {
-  if (threads == 0) return;  // the runtime's default (one thread per core)
+// Sizes the pool to `threads` (0: the device's performance cores) and returns
+// the threads the kernels then split their work over.
+int64_t apply_thread_count(int64_t threads) {
+  const int64_t wanted = threads == 0 ? device_default_threads() : threads;
   if (!has_thread_pool()) {
-    log(LogLevel::kWarn, "ExecuTorch thread pool unavailable; 'threads' = %lld ignored",
-        static_cast<long long>(threads));
-    return;
+    if (wanted > 1) {
+      log(LogLevel::kWarn, "ExecuTorch thread pool unavailable in this build; %lld threads asked, 1 used",
+          static_cast<long long>(wanted));
+    }
+    return 1;
   }
-  if (!reset_thread_pool(static_cast<uint32_t>(threads))) {
+  if (!reset_thread_pool(static_cast<uint32_t>(wanted))) {
     log(LogLevel::kWarn, "could not resize the ExecuTorch thread pool to %lld threads",
-        static_cast<long long>(threads));
+        static_cast<long long>(wanted));
   }
+  return parallel_thread_count();
 }
 
 // Registers zl's float32 kernels (docs/design.md §4.9) unless
@@ -368,7 +374,6 @@ Result<std::unique_ptr<StageProgram>> StageProgram::load(const StageProgramOptio
   if (!widen_kernel_linked()) return Status(StatusCode::kInternal, "the zerolock::widen kernel is not linked");
   std::unique_ptr<StageProgram> program(new StageProgram);
   program->path_ = path;
-  program->threads_ = options.threads;
   const std::string manifest_path =
       options.manifest_path.empty() ? dir_of(path) + "/manifest.json" : options.manifest_path;
   ZL_ASSIGN_OR_RETURN(const ManifestStage stage, read_manifest_stage(manifest_path, base_of(path)));
@@ -384,13 +389,14 @@ Result<std::unique_ptr<StageProgram>> StageProgram::load(const StageProgramOptio
   ZL_RETURN_IF_ERROR(loader.bind_parameters(*meta));
   loader.allocate_input_buffers();
 
-  apply_thread_count(options.threads);
+  program->threads_ = apply_thread_count(options.threads);
   program->worker_ = std::thread(&StageProgram::worker_main, program.get());
-  log(LogLevel::kInfo, "stage program %s (%s): stage %lld, layers %lld-%lld, B=%lld S=%lld D=%lld, %zu LoRA tensors%s",
+  log(LogLevel::kInfo, "stage program %s (%s): stage %lld, layers %lld-%lld, B=%lld S=%lld D=%lld, %zu LoRA tensors, %lld thread(s)%s",
       path.c_str(), options.map_file ? "mapped" : "read into heap", static_cast<long long>(program->stage_index_), static_cast<long long>(program->first_layer_),
       static_cast<long long>(program->last_layer_), static_cast<long long>(program->batch_),
       static_cast<long long>(program->seq_len_), static_cast<long long>(program->hidden_size_),
-      program->params_.size(), program->is_last_ ? " (last stage: no marker)" : "");
+      program->params_.size(), static_cast<long long>(program->threads_),
+      program->is_last_ ? " (last stage: no marker)" : "");
   return program;
 }
 

@@ -186,6 +186,7 @@ void StageRunner::write_start_line() {
                 {"ready_unix_ms", unix_ms_now()},
                 {"resumed_from_snapshot", resumed_accumulated_},
                 {"forward_only", forward_only_},
+                {"threads", program_ ? json(program_->threads()) : json(nullptr)},
                 {"config", runner_config_to_json(c)}};
   (void)telemetry_->write_json(start);
 }

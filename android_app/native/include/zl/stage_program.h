@@ -50,8 +50,9 @@ struct StageProgramOptions {
   /// The export's manifest.json (PEFT names, layer range); empty = the
   /// manifest.json next to the program.
   std::string manifest_path;
-  /// ExecuTorch CPU threads: 0 = runtime default, n >= 1 = resize the
-  /// process-wide pool to n (one pool per process).
+  /// ExecuTorch CPU threads: 0 = the device's performance cores
+  /// (zl/cpu_cores.h), n >= 1 = n; the process-wide pool is resized to it
+  /// (one pool per process).
   int64_t threads = 0;
   /// true: map the program file (ExecuTorch's Mmap mode), so the frozen
   /// weights are file-backed pages the kernel can drop and read again; false:
@@ -143,6 +144,9 @@ class StageProgram {
   const std::vector<TrainableParam>& parameters() const { return params_; }
 
   int64_t stage_index() const { return stage_index_; }
+  /// The threads the kernels split their work over (1 in a build without
+  /// ExecuTorch's thread pool).
+  int64_t threads() const { return threads_; }
   int64_t first_layer() const { return first_layer_; }
   int64_t last_layer() const { return last_layer_; }
   bool is_first() const { return is_first_; }
@@ -193,7 +197,7 @@ class StageProgram {
 
   std::unique_ptr<Impl> impl_;  // ExecuTorch objects (kept out of this header)
   std::string path_;
-  int64_t threads_ = 0;
+  int64_t threads_ = 1;
   int64_t stage_index_ = 0;
   int64_t first_layer_ = 0;
   int64_t last_layer_ = 0;

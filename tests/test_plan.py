@@ -19,7 +19,7 @@ from zl_device.plan import calibrate as cal
 from zl_device.plan.costs import Linear, Measured, StageCost, measure
 from zl_device.plan.plan_file import Plan, StagePrediction, check_plan_matches, read_plan, write_plan
 from zl_device.plan.planner import PlanSettings, choose_split, make_plan, mem_available_mib, resolve_stages
-from zl_device.plan.split import best_split
+from zl_device.run.split import best_split
 from zl_device.run.train_settings import TrainSettings
 from zl_export.data_settings import DataSettings
 from zl_export.options import ModelSplit
@@ -499,3 +499,50 @@ def test_the_cli_says_a_bad_quota_in_one_line_with_exit_2(tmp_path):
     train = subprocess.run([sys.executable, "-m", "zl.cli", "train", "--model", "tiny-random", "--cpu-quota", "2,1",
                             "--out", str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True)
     assert train.returncode == 2 and "--cpu-quota 2,1: 2 values for 3 local devices" in train.stderr
+
+
+# --- the default split without --stages (zl_device/plan/default_split.py) -------------------------------------
+
+
+SMOLLM2 = dict(num_layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152)
+
+
+def test_the_default_split_balances_a_backprop_schedule_as_zl_plan_measured_it():
+    """SmolLM2, seq 128, 4 target slots, 3 stages under async: the stages before the last run 4 forwards' worth per
+    layer, the last 3 plus its head, so 0-8,9-17,18-29, the split `zl plan --schedule async` chose from measured
+    rounds (docs/benchmarks.md); with --keep-activations (3 per layer everywhere) the even split is already the best;
+    one stage has nothing to balance."""
+    from zl_device.formats.stage_spec import stage_specs
+    from zl_device.run.default_split import ModelShape, default_split
+
+    shape = ModelShape(**SMOLLM2)
+    best, even = default_split(shape, stage_specs([2e-3] * 3, "async"), 128, 4)
+    assert best.spec == "0-8,9-17,18-29" and even.spec == "0-9,10-19,20-29"
+    assert even.slowest_ms / best.slowest_ms == pytest.approx(40 / (36 + 2 * shape.head_macs(4) / shape.layer_macs(128)))
+    assert default_split(shape, stage_specs([2e-3] * 3, "async"), 128, 4, keep_activations=True) is None
+    assert default_split(shape, stage_specs([2e-3], "async"), 128, 4) is None
+
+
+def test_the_default_split_stays_even_where_stages_are_held_still():
+    """ZeroLock's default holds the stages before the last still: balancing would take layers off the one stage
+    that trains (13/13/4 of 30), so the default stays even and only the hint names that split."""
+    from zl_device.formats.stage_spec import stage_specs
+    from zl_device.run.default_split import ModelShape, balanced_and_even, default_split
+
+    shape, held = ModelShape(**SMOLLM2), stage_specs([0.0, 0.0, 2e-3], "zerolock")
+    assert default_split(shape, held, 128, 4) is None
+    best, even = balanced_and_even(shape, held, 128, 4)
+    assert best.counts == (13, 13, 4) and even.counts == (10, 10, 10)
+
+
+def test_model_shape_reads_every_family_config():
+    """The cost model's view of a config: head_dim where the family sets it (Qwen3), else hidden / heads."""
+    from zl_device.run.default_split import ModelShape
+    from zl_export.model_source import load_config
+
+    for name in ("tiny-random", "tiny-random-qwen2", "tiny-random-qwen3", "tiny-random-phi3", "tiny-random-gemma3"):
+        config = load_config(name)
+        shape = ModelShape.of(config)
+        assert shape.num_layers == config.num_hidden_layers and shape.vocab == config.vocab_size, name
+        assert shape.layer_macs(64) > shape.layer_macs(32) > 0 and shape.head_macs(4) > 0, name
+    assert ModelShape.of(load_config("tiny-random-qwen3")).head_dim == load_config("tiny-random-qwen3").head_dim

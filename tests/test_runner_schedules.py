@@ -215,19 +215,12 @@ def test_backprop_schedules_train_every_stage_by_default(tmp_path, data_file):
         assert s.backprop and s.stage_lr == (1.0,) and s.recovery == "global"
 
 
-def test_a_backprop_schedule_on_the_even_split_is_told_to_plan_it(tmp_path, data_file):
-    """The even split leaves a backprop schedule's last stage waiting on the upstream ones (they run their forward
-    again): zl train says so and names --stages auto, only where that holds."""
-    from zl_device.run.train_job import even_split_hint
-    from zl_export.options import ModelSplit
-
-    hint = even_split_hint(settings(tmp_path, data_file, schedule="async"))
-    assert hint.startswith("split: even; under --schedule async the stages before the last also run their forward "
-                           "again") and "`--stages auto` plans the split for this schedule" in hint
-    for kw in (dict(schedule="zerolock"), dict(schedule="async", keep_activations=True), dict(schedule=None),
-               dict(schedule="1f1b", split=ModelSplit("tiny-random", stages="0-0,1-1,2-3")),
-               dict(schedule="gpipe", runtime="torch")):
-        assert even_split_hint(settings(tmp_path, data_file, **kw)) is None, kw
+def test_without_stages_a_backprop_schedule_gets_the_split_its_predicted_costs_balance(runs):
+    """No --stages under a backprop schedule: the stages before the last run their forward twice, so the default split
+    gives them fewer layers (zl_device/plan/default_split.py); tiny-random's 4 layers: 0-0,1-1,2-3, not the even
+    0-1,2-2,3-3."""
+    layers = [st["layers"] for st in json.loads((runs("async") / "manifest.json").read_text())["stages"]]
+    assert layers == [[0, 0], [1, 1], [2, 3]]
 
 
 @pytest.mark.parametrize("schedule, keep", [("gpipe", False), ("async", False), ("async", True)])

@@ -228,6 +228,21 @@ def _keep_stage_only(model: torch.nn.Module, first: int, last: int, embedding: b
         model.model.embed_tokens.to("meta")
 
 
+def load_config(spec: str = DEFAULT_MODEL):
+    """The transformers config of `spec` without loading its weights (a GGUF's conversion is cached on first use).
+
+    Raises:
+        ZLError: as load_model.
+    """
+    kind, path = resolve(spec)
+    if kind == "random":
+        import transformers
+
+        family, overrides = RANDOM_MODELS[spec]
+        return getattr(transformers, family.config_class)(**overrides)
+    return _checked_config(_hf_source(spec, kind, path), spec)
+
+
 def load_tokenizer(spec: str = DEFAULT_MODEL) -> Tokenizer:
     """The tokenizer of `spec` without loading its weights (the GGUF conversion is cached on first use)."""
     kind, path = resolve(spec)

@@ -6,7 +6,7 @@
    position, measured on the device or read from the cache.
 2. Budget each device's memory: --memory-limit, else MEMORY_SHARE of what it has available now (/proc/meminfo
    MemAvailable; local devices share this host's, split evenly between them).
-3. Choose the split (split.py): the slowest stage as fast as it can be, every stage within its budget. The link
+3. Choose the split (zl_device/run/split.py): the slowest stage as fast as it can be, every stage within its budget. The link
    between stages carries one hidden state per micro-batch (B x S x D float32 and the mask and labels); with
    --link-mbps it is a pace of its own (a stage's sender works beside its compute, so the link limits only when it
    is slower than every stage). Without it the link is taken as free: local devices talk over loopback, and a
@@ -26,7 +26,7 @@ from zl_device.formats.schedules import schedule_name
 from zl_device.plan.calibrate import calibrate, check_stage_count, device_names, forward_only_stages
 from zl_device.plan.costs import StageCost
 from zl_device.plan.plan_file import AUTO, Plan, StagePrediction, check_plan_matches, is_plan_file, read_plan
-from zl_device.plan.split import Split, best_split, evaluate
+from zl_device.run.split import Split, best_split, evaluate
 from zl_device.run.train_data import data_is_generative
 from zl_device.run.train_settings import TrainSettings
 
@@ -172,7 +172,7 @@ def cost_fn(costs: list[StageCost], forward_only: list[bool] | None = None):
 
 def choose_split(costs: list[StageCost], num_layers: int, budgets: list[float | None], names: list[str],
                  forward_only: list[bool] | None = None) -> Split:
-    """The best split within the budgets (split.py); a `forward_only` stage costs no phase 2.
+    """The best split within the budgets (run/split.py); a `forward_only` stage costs no phase 2.
 
     Raises:
         ZLError: no split fits: the device that cannot hold even one layer, or the one that needs the least extra

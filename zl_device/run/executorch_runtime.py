@@ -37,8 +37,9 @@ class ExecuTorchRuntime(Runtime):
         self.shard = shard
         # A backprop schedule runs programs that take grad_hidden and give grad_input (docs/design.md §3.8).
         program = ProgramSettings(kind="backprop") if s.backprop else None
-        self.export_dir, self.manifest = export_cached(s, run.resolved.export_options(s), run.model.loaded, run.say,
-                                                       run.export_progress, calibration=shard, program=program)
+        exported = with_default_split(run)
+        self.export_dir, self.manifest = export_cached(exported, run.resolved.export_options(s), run.model.loaded,
+                                                       run.say, run.export_progress, calibration=shard, program=program)
         shutil.copyfile(self.export_dir / MANIFEST, run.layout.manifest)
         return self.manifest
 
@@ -109,3 +110,35 @@ def forget_device_files(s, devices, say) -> None:
         return
     if removed:
         say(f"devices: removed the run key, data shard and input logs ({len(removed)} paths)")
+
+
+def with_default_split(run: Run):
+    """The run's settings with the split its stages get: --stages as given; without it the stages' predicted costs
+    balanced where every stage trains (zl_device/run/default_split.py, docs/design.md §14.1), said in one line; else
+    the even split, with a line on what balancing it would cost where stages are held still."""
+    from dataclasses import replace
+
+    from zl_device.formats.stage_spec import FORWARD
+    from zl_device.run.default_split import ModelShape, balanced_and_even, default_split
+    from zl_export.model_source import load_config
+
+    s, resolved = run.settings, run.resolved
+    if s.split.stages is not None:
+        return s
+    shape = ModelShape.of(load_config(s.split.model))
+    args = (shape, resolved.stages, resolved.seq_len, resolved.max_targets, s.keep_activations)
+    found = default_split(*args)
+    if found is not None:
+        best, even = found
+        run.say(f"split: {best.spec}, the stages' predicted costs balanced under --schedule {resolved.schedule} "
+                f"(slowest stage {even.slowest_ms / best.slowest_ms:.2f}x faster than the even {even.spec}); "
+                "--stages sets another, `zl plan` measures the devices")
+        return replace(s, split=replace(s.split, stages=best.spec))
+    held = balanced_and_even(*args)
+    if held is not None:
+        best, even = held
+        trained = sum(b - a + 1 for (a, b), spec in zip(best.ranges, resolved.stages) if spec.role != FORWARD)
+        run.say(f"split: even ({even.spec}); the stages held still wait on the trained one. --stages {best.spec} "
+                f"would pace them evenly (predicted {even.slowest_ms / best.slowest_ms:.2f}x faster) but train "
+                f"{trained} layers instead of {even.counts[-1]}; or train every stage: --schedule async")
+    return s

@@ -56,8 +56,6 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
         s = resumed_settings(s)
     elif s.schedule is None:
         s = default_schedule(s, say)
-    if not s.resume and (hint := even_split_hint(s)):
-        say(hint)
     runtime = RUNTIMES[s.runtime]()
     runtime.check(s)
     start = time.time()
@@ -82,17 +80,6 @@ def default_schedule(s: TrainSettings, say) -> TrainSettings:
             "gradient, level with whole-model backprop where holding the stages before the last still stays "
             "behind (study headlines-smollm2-135m-1024-async); --schedule zerolock is faster and lighter.")
     return chosen
-
-
-def even_split_hint(s: TrainSettings) -> str | None:
-    """A line for a backprop schedule on the runner on the even split (no --stages): its stages before the last run
-    the forward again in the backward (unless --keep-activations), so the last stage idles there, and `--stages auto`
-    plans the split under the run's schedule (docs/design.md §4.10, §14). None where it does not apply."""
-    if not s.backprop or s.keep_activations or s.split.stages is not None or s.runtime != ExecuTorchRuntime.name:
-        return None
-    return (f"split: even; under --schedule {s.schedule} the stages before the last also run their forward again, "
-            "so the last stage waits on them: `--stages auto` plans the split for this schedule (SmolLM2, async: "
-            "1.5x 1F1B's records/s on the planned split, 1.2x on the even one; docs/benchmarks.md).")
 
 
 def _run(runtime: Runtime, run: Run, shard: Path, dev: Path | None, start: float, on_update) -> TrainResult:

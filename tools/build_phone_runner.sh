@@ -227,4 +227,32 @@ nice -n 10 env -i "$(command -v qemu-aarch64)" -cpu cortex-a53 "$STEP" --export-
 cmp -s "$OUT/step_arm64.safetensors" "$OUT/step_arm64_a53.safetensors" ||
   die "the step's outputs differ between -cpu max and -cpu cortex-a53 ($OUT/step_arm64*.safetensors)"
 echo "  bit-identical to -cpu max"
+
+# The thread pool (docs/design.md §4.11): the same step split over 4 threads
+# gives the numbers of 1 (qemu runs guest threads on host threads).
+if [ "$THREADPOOL" = ON ]; then
+  say "the same step on 4 threads (log: $OUT/step_arm64_t4.log)"
+  nice -n 10 env -i "$(command -v qemu-aarch64)" "$STEP" --export-dir "$EXPORT" --threads 4 \
+    --out "$OUT/step_arm64_t4.safetensors" >"$OUT/step_arm64_t4.log" 2>&1 ||
+    { cat "$OUT/step_arm64_t4.log"; die "aarch64 step on 4 threads"; }
+  compare=$("$VENV_PY" "$ROOT/tools/compare_step.py" "$OUT/step_arm64.safetensors" "$OUT/step_arm64_t4.safetensors" \
+    "${ZL_LOSS_RTOL:-1e-5}" "${ZL_GRAD_ATOL:-1e-6}") || { echo "$compare"; die "4 threads differ from 1 beyond the limits"; }
+  echo "$compare" | sed 's/^/  /'
+  # ZL_THREADS_PROGRAM=<a real stage .pte>: its step time on 1 and 2 threads
+  # (tiny-random's kernels take microseconds: too small to split).
+  if [ -n "${ZL_THREADS_PROGRAM:-}" ]; then
+    BENCH=$OUT/zl/android_app/native/zl_stage_bench
+    for t in 1 2; do
+      say "zl_stage_bench on $t thread(s): $ZL_THREADS_PROGRAM (log: $OUT/bench_t$t.log)"
+      env -i "$(command -v qemu-aarch64)" "$BENCH" --program "$ZL_THREADS_PROGRAM" --steps 4 --threads $t \
+        >"$OUT/bench_t$t.log" 2>&1 || { tail "$OUT/bench_t$t.log"; die "zl_stage_bench --threads $t"; }
+    done
+    "$VENV_PY" - "$OUT/bench_t1.log" "$OUT/bench_t2.log" <<'PY'
+import json, statistics, sys
+steps = [[json.loads(l) for l in open(p) if l.startswith('{"event": "step"')] for p in sys.argv[1:]]
+ms = [statistics.median(s["ms"] for s in run[1:]) for run in steps]  # step 0 faults the program's pages in
+print(f"  step: 1 thread {ms[0]:.0f} ms, 2 threads {ms[1]:.0f} ms ({ms[1] / ms[0]:.2f}x)")
+PY
+  fi
+fi
 say "OK"

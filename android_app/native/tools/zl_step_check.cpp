@@ -4,14 +4,16 @@
 // produced written to one safetensors file. tools/check_arm64.sh runs it built
 // for x86 and, under qemu, built for aarch64, and compares the two files.
 //
-//   zl_step_check --export-dir DIR --out step.safetensors
+//   zl_step_check --export-dir DIR --out step.safetensors [--threads 1]
 //
 // Inputs are deterministic and need no data shard: tokens (i*37 + 11) % 250,
 // the last 3 positions padded, labels ignored on the first 2 positions and on
 // padding; lora_B set to 0.01*cos(0.7 i) (with PEFT's B = 0 every lora_A
 // gradient is exactly 0 and would compare equal whatever the arithmetic).
 // Stage k > 0 gets stage k-1's hidden state, as in the pipeline. One ExecuTorch
-// thread, so the kernels' work split does not depend on the machine.
+// thread by default; --threads N splits the kernels' work over N, which must
+// give the same numbers (zl's GEMM panels are cut alike for any count,
+// docs/design.md §4.9; build_phone_runner.sh compares 1 and 4 under qemu).
 //
 // Output tensors, for each stage k:
 //   "stage<k>.loss", "stage<k>.task_loss", "stage<k>.consistency_loss"  F64 []
@@ -20,6 +22,7 @@
 // The losses also go to stdout, one line per stage.
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -32,7 +35,7 @@
 namespace {
 
 constexpr const char* kUsage =
-    "usage: zl_step_check --export-dir DIR --out STEP.safetensors\n"
+    "usage: zl_step_check --export-dir DIR --out STEP.safetensors [--threads N]\n"
     "Runs one step of every stage_<k>.pte in DIR in pipeline order on fixed inputs\n"
     "and writes losses, hidden states and LoRA gradients. See zl_step_check.cpp.\n";
 
@@ -56,10 +59,11 @@ zl::Status invalid(const std::string& message) { return zl::Status(zl::StatusCod
 
 /// One step of stage `k` (program `path`) on the fixed inputs, with
 /// `upstream_hidden` (stage k-1's hidden state) for k > 0.
-zl::Result<StageNumbers> step_stage(const std::string& path, int k, const std::vector<float>& upstream_hidden) {
+zl::Result<StageNumbers> step_stage(const std::string& path, int k, const std::vector<float>& upstream_hidden,
+                                    int64_t threads) {
   zl::StageProgramOptions options;
   options.program_path = path;
-  options.threads = 1;
+  options.threads = threads;
   ZL_ASSIGN_OR_RETURN(const std::unique_ptr<zl::StageProgram> program, zl::StageProgram::load(options));
   if (program->stage_index() != k) return invalid(path + ": manifest says stage " + std::to_string(program->stage_index()));
 
@@ -128,6 +132,14 @@ int main(int argc, char** argv) {
   if (const int exit_code = zl::parse_tool_args(argc, argv, "zl_step_check", kUsage, {"export-dir", "out"}, &args); exit_code >= 0) {
     return exit_code;
   }
+  int64_t threads = 1;
+  if (args.count("threads")) {
+    char* end = nullptr;
+    threads = std::strtoll(args["threads"].c_str(), &end, 10);
+    if (end == args["threads"].c_str() || *end != '\0' || threads < 1) {
+      return fail("--threads '" + args["threads"] + "': a thread count of at least 1, e.g. --threads 4");
+    }
+  }
 
   std::vector<StageNumbers> stages;
   std::vector<float> upstream_hidden;
@@ -137,7 +149,7 @@ int main(int argc, char** argv) {
       if (k == 0) return fail("no stage_0.pte in '" + args["export-dir"] + "'; run `zl export` first");
       break;
     }
-    zl::Result<StageNumbers> numbers = step_stage(path, k, upstream_hidden);
+    zl::Result<StageNumbers> numbers = step_stage(path, k, upstream_hidden, threads);
     if (!numbers.ok()) return fail(numbers.status().message());
     std::printf("stage %d: loss %.9g task_loss %.9g consistency_loss %.9g (%zu gradients)\n", k, numbers->loss,
                 numbers->task_loss, numbers->consistency_loss, numbers->grads.size());

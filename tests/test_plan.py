@@ -546,3 +546,30 @@ def test_model_shape_reads_every_family_config():
         assert shape.num_layers == config.num_hidden_layers and shape.vocab == config.vocab_size, name
         assert shape.layer_macs(64) > shape.layer_macs(32) > 0 and shape.head_macs(4) > 0, name
     assert ModelShape.of(load_config("tiny-random-qwen3")).head_dim == load_config("tiny-random-qwen3").head_dim
+
+
+def test_zl_train_says_which_split_it_takes_and_what_balancing_a_held_still_run_would_cost():
+    """`with_default_split` (ExecuTorch runtime, no --stages): under async TinyLlama's 22 layers get a balanced split,
+    said in one line and given to the export; under the held-still default the split stays even, and the line names
+    the balanced one and the trained layers it would give up; --stages is taken as given."""
+    from types import SimpleNamespace
+
+    from zl_device.formats.stage_spec import stage_specs
+    from zl_device.run.executorch_runtime import with_default_split
+
+    def run(schedule, lrs, stages=None):
+        said: list[str] = []
+        s = TrainSettings(split=ModelSplit("tinyllama-random", stages))
+        resolved = SimpleNamespace(stages=stage_specs(lrs, schedule), seq_len=128, max_targets=4, schedule=schedule)
+        return with_default_split(SimpleNamespace(settings=s, resolved=resolved, say=said.append)), said
+
+    balanced, (line,) = run("async", [2e-3] * 3)
+    assert balanced.split.stages and balanced.split.stages != "0-7,8-14,15-21"
+    assert line.startswith(f"split: {balanced.split.stages}, the stages' predicted costs balanced under --schedule "
+                           "async") and "than the even 0-7,8-14,15-21" in line
+    held, (line,) = run("zerolock", [0.0, 0.0, 2e-3])
+    assert held.split.stages is None
+    assert line.startswith("split: even (0-7,8-14,15-21); the stages held still wait on the trained one. --stages ")
+    assert "layers instead of 7; or train every stage: --schedule async" in line
+    given, said = run("async", [2e-3] * 3, stages="0-6,7-13,14-21")
+    assert given.split.stages == "0-6,7-13,14-21" and not said

@@ -97,15 +97,21 @@ def run_figures(run_dir: Path, ranks: int, samples: int) -> dict:
             "last_stage_first_loss": windows[0]["mean_loss"], "last_stage_last_loss": windows[-1]["mean_loss"]}
 
 
+def cells(r: dict) -> tuple[str, str, str, str]:
+    """A run's schedule (with its round), peak PSS, busy share and grad wait per stage, as table cells."""
+    name = r["pipeline"] if r.get("round") is None else f"{r['pipeline']} (round {r['round'] + 1})"
+    pss = " / ".join("-" if m is None else f"{m:.0f}" for m in r["peak_pss_mib"])
+    busy = " / ".join(f"{b:.0%}" for b in r["busy"])
+    wait = " / ".join("-" if w is None else f"{w:.0f}" for w in r["median_grad_wait_ms"])
+    return name, pss, busy, wait
+
+
 def table(results: list[dict]) -> str:
     rows = ["| link | schedule | records/s | wall (s) | peak PSS per stage (MiB) | busy per stage | grad wait (ms) "
             "| bytes/record down | bytes/record up | max grad delay (mb) | last stage loss, first -> last window |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        name = r["pipeline"] if r.get("round") is None else f"{r['pipeline']} (round {r['round'] + 1})"
-        pss = " / ".join("-" if m is None else f"{m:.0f}" for m in r["peak_pss_mib"])
-        busy = " / ".join(f"{b:.0%}" for b in r["busy"])
-        wait = " / ".join("-" if w is None else f"{w:.0f}" for w in r["median_grad_wait_ms"])
+        name, pss, busy, wait = cells(r)
         delay = " / ".join(str(d) for d in r["max_grad_delay"] if d) or "-"
         rows.append(f"| {r['profile']} | {name} | {r['records_per_s']:.3f} | {r['wall_s']:.1f} | {pss} | "
                     f"{busy} | {wait} | {r['bytes_down_per_record']:,.0f} | {r['bytes_up_per_record']:,.0f} | "
@@ -143,11 +149,10 @@ def ratios(results: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every run of a runner benchmark takes (tools/bench_scaling.py too): the model, data, budget, runner
+    settings and where the results go."""
     parser.add_argument("--model", default="tiny-random", help="--model of zl train (e.g. smollm2-135m).")
-    parser.add_argument("--stages", default=None, help="Layer ranges per stage, e.g. 0-9,10-19,20-29.")
-    parser.add_argument("--num-stages", type=int, default=3, help="Balanced split (without --stages).")
     parser.add_argument("--data", default="demo", help="demo, a .csv/.jsonl file or a shard, as zl train --data.")
     parser.add_argument("--format", default="auto", help="Format of a .csv/.jsonl --data, as zl train --format.")
     parser.add_argument("--truncate", action="store_true", help="Cut over-long prompts from the left (zl train "
@@ -161,13 +166,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--cpu-quota", type=float, default=None,
                         help="CPUs per local device (zl train --cpu-quota), e.g. 0.5 for 3 devices on 2 cores: "
                              "leave the host some CPU, or stages busy at once slow each other (docs/benchmarks.md).")
+    parser.add_argument("--out", type=Path, default=None, help="Working directory (default: a temporary one).")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="Seconds per run.")
+    parser.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser)
+    parser.add_argument("--stages", default=None, help="Layer ranges per stage, e.g. 0-9,10-19,20-29.")
+    parser.add_argument("--num-stages", type=int, default=3, help="Balanced split (without --stages).")
     parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
                         help=f"From {','.join(SCHEDULES)} (-keep: --keep-activations).")
     parser.add_argument("--profiles", default=",".join(PROFILES), help="Link profiles: local, wifi, mobile, "
                                                                         "constrained (the runner's emulation).")
-    parser.add_argument("--out", type=Path, default=None, help="Working directory (default: a temporary one).")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="Seconds per run.")
-    parser.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
     parser.add_argument("--rounds", type=int, default=1,
                         help="Run every schedule this many times, round by round (each round every profile and "
                              "schedule in turn), and report each round's ratios and their median: a shared host's "

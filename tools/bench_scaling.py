@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_runner_schedules import SCHEDULES, run_one  # noqa: E402  (tools/ is not a package)
+from bench_runner_schedules import SCHEDULES, add_run_arguments, cells, run_one  # noqa: E402  (tools/ is not a package)
 
 DEFAULT_KS = (1, 2, 3)
 DEFAULT_SCHEDULES = ("default", "async", "1f1b")
@@ -53,9 +54,10 @@ def parse_splits(values: list[str]) -> dict[int, str]:
 
 def run_k(args, k: int, name: str, profile: str, out: Path) -> dict:
     """One `zl train` of schedule `name` on `k` local devices over `profile` links."""
-    spec = args.splits.get(k)
-    per_k = argparse.Namespace(**{**vars(args), "stages": spec, "num_stages": k, "ranks": k})
-    return {"k": k, "stages": spec or "even", **run_one(per_k, name, profile, out)}
+    per_k = argparse.Namespace(**{**vars(args), "stages": args.splits.get(k), "num_stages": k, "ranks": k})
+    figures = run_one(per_k, name, profile, out)
+    layers = [st["layers"] for st in json.loads((out / "manifest.json").read_text())["stages"]]
+    return {"k": k, "stages": ",".join(f"{a}-{b}" for a, b in layers), **figures}
 
 
 def ratio_rows(results: list[dict]) -> list[dict]:
@@ -85,10 +87,7 @@ def table(results: list[dict]) -> str:
             "| grad wait (ms) | bytes/record down | bytes/record up | loss, first -> last window |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        name = r["pipeline"] if r.get("round") is None else f"{r['pipeline']} (round {r['round'] + 1})"
-        pss = " / ".join("-" if m is None else f"{m:.0f}" for m in r["peak_pss_mib"])
-        busy = " / ".join(f"{b:.0%}" for b in r["busy"])
-        wait = " / ".join("-" if w is None else f"{w:.0f}" for w in r["median_grad_wait_ms"])
+        name, pss, busy, wait = cells(r)
         link = "-" if r["k"] == 1 else r["profile"]
         rows.append(f"| {r['k']} | {r['stages']} | {link} | {name} | {r['records_per_s']:.3f} | {r['wall_s']:.1f} | "
                     f"{pss} | {busy} | {wait} | {r['bytes_down_per_record']:,.0f} | "
@@ -127,24 +126,11 @@ def ratio_lines(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny-random", help="--model of zl train (e.g. smollm2-135m).")
+    add_run_arguments(parser)
     parser.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)),
                         help="Device counts to run; 1 (the baseline) is added when missing.")
     parser.add_argument("--split", action="append", default=[], metavar="K=SPEC",
-                        help="The split of K devices, e.g. --split 3=0-8,9-17,18-29 (repeatable; default: even).")
-    parser.add_argument("--data", default="demo", help="demo, a .csv/.jsonl file or a shard, as zl train --data.")
-    parser.add_argument("--format", default="auto", help="Format of a .csv/.jsonl --data, as zl train --format.")
-    parser.add_argument("--truncate", action="store_true", help="Cut over-long prompts from the left (zl train "
-                        "--truncate), e.g. AG News at --seq-len 128.")
-    parser.add_argument("--samples", type=int, default=32, help="Training samples (micro-batches of 1).")
-    parser.add_argument("--window", type=int, default=4, help="Micro-batches per AdamW step.")
-    parser.add_argument("--seq-len", type=int, default=64, help="Tokens per sample.")
-    parser.add_argument("--threads", type=int, default=1, help="ExecuTorch threads per runner.")
-    parser.add_argument("--seed", type=int, default=0, help="LoRA init, data order, random-weight models.")
-    parser.add_argument("--grad-dtype", default="bf16", choices=("bf16", "f32"), help="GRAD frames on the wire.")
-    parser.add_argument("--cpu-quota", type=float, default=None,
-                        help="CPUs per device, the same for every K (zl train --cpu-quota), e.g. 0.5 on a 2-core host: "
-                             "K devices use K times it, which must fit the host for the figures to mean anything.")
+                        help="The split of K devices, e.g. --split 3=0-8,9-17,18-29 (repeatable; default: zl train's).")
     parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
                         help=f"From {','.join(SCHEDULES)} (default: what zl train picks for the data; "
                              "-keep: --keep-activations).")
@@ -152,9 +138,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                             "constrained (the runner's emulation).")
     parser.add_argument("--rounds", type=int, default=1, help="Run everything this many times, round by round; "
                         "ratios are taken within a round (a shared host's speed drifts within a sitting).")
-    parser.add_argument("--out", type=Path, default=None, help="Working directory (default: a temporary one).")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="Seconds per run.")
-    parser.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
     profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
@@ -166,13 +149,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--ks {args.ks}: device counts like 1,2,3")
     if ks[0] < 1 or args.rounds < 1:
         parser.error("--ks: counts of at least 1; --rounds: at least 1")
-    if args.cpu_quota is not None:
-        import os
-
-        if args.cpu_quota * ks[-1] > (os.cpu_count() or 1):
-            print(f"note: {ks[-1]} devices at --cpu-quota {args.cpu_quota:g} ask for more than this host's "
-                  f"{os.cpu_count()} CPUs; the largest K's figures are slowed by the host, not the pipeline",
-                  file=sys.stderr)
+    if args.cpu_quota is not None and args.cpu_quota * ks[-1] > (os.cpu_count() or 1):
+        print(f"note: {ks[-1]} devices at --cpu-quota {args.cpu_quota:g} ask for more than this host's "
+              f"{os.cpu_count()} CPUs; the largest K's figures are slowed by the host, not the pipeline",
+              file=sys.stderr)
     args.splits = parse_splits(args.split)
     out = args.out or Path(tempfile.mkdtemp(prefix="zl-bench-scaling-"))
     results = []

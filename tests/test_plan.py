@@ -573,3 +573,18 @@ def test_zl_train_says_which_split_it_takes_and_what_balancing_a_held_still_run_
     assert "layers instead of 7; or train every stage: --schedule async" in line
     given, said = run("async", [2e-3] * 3, stages="0-6,7-13,14-21")
     assert given.split.stages == "0-6,7-13,14-21" and not said
+
+
+def test_a_calibration_rounds_split_is_never_replaced_by_the_default_one():
+    """A calibration round's programs run layers 0..n-1 on every stage (CalibrationSplit): zl train's default split
+    leaves them alone, also under a backprop schedule, where it balances a training split."""
+    from types import SimpleNamespace
+
+    from zl_device.formats.stage_spec import stage_specs
+    from zl_device.run.executorch_runtime import with_default_split
+
+    said: list[str] = []
+    s = TrainSettings(split=cal.CalibrationSplit(model="tinyllama-random", num_stages=3, layers=2))
+    resolved = SimpleNamespace(stages=stage_specs([2e-3] * 3, "async"), seq_len=128, max_targets=4, schedule="async")
+    assert with_default_split(SimpleNamespace(settings=s, resolved=resolved, say=said.append)) is s and not said
+    assert ModelSplit("tiny-random").chosen_by_default and not ModelSplit("tiny-random", "0-1,2-3").chosen_by_default

@@ -100,6 +100,12 @@ class ModelSplit:
         """The split as the export cache key records it: the spec, or balanced:N."""
         return self.stages or f"balanced:{self.num_stages}"
 
+    @property
+    def chosen_by_default(self) -> bool:
+        """No layer ranges given: `zl train` may choose them (zl_device/run/default_split.py). A split whose ranges
+        are its own (a calibration round's, zl_device/plan/calibrate.py) says False."""
+        return self.stages is None
+
 
 @dataclass(frozen=True)
 class LoraSettings:

@@ -74,6 +74,10 @@ class CalibrationSplit(ModelSplit):
     def key(self) -> str:
         return f"calibration:{self.num_stages}x{self.layers}"
 
+    @property
+    def chosen_by_default(self) -> bool:
+        return False  # its ranges are its own: zl train's default split must not replace them
+
 
 @dataclass
 class Calibration:

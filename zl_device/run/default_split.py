@@ -20,7 +20,8 @@ measures the devices; this needs nothing), a stage's cost per micro-batch is pre
 
 These ratios reproduce what was measured: held stages 43-44 ms against the trained last stage's 132 ms on the
 README's run (even split; 1 : 3), and `zl plan --schedule async`'s calibrated 0-8/9-17/18-29 for SmolLM2 (9 x 4 = 12 x
-3). `best_split` then minimises the slowest stage exactly.
+3). `best_split` then minimises the slowest stage exactly (its `Split.slowest_ms` and `total_ms` hold these predicted
+costs here, in multiply-accumulates, not milliseconds: only their ratios are read).
 
 The split is balanced only where every stage trains. Under ZeroLock's default the stages before the last are held
 still: balancing would move layers off the trained last stage (13/13/4 of SmolLM2's 30), so fewer layers would learn

@@ -123,7 +123,7 @@ def with_default_split(run: Run):
     from zl_export.model_source import load_config
 
     s, resolved = run.settings, run.resolved
-    if s.split.stages is not None:
+    if not s.split.chosen_by_default:
         return s
     shape = ModelShape.of(load_config(s.split.model))
     args = (shape, resolved.stages, resolved.seq_len, resolved.max_targets, s.keep_activations)

@@ -9,19 +9,24 @@ measures the devices; this needs nothing), a stage's cost per micro-batch is pre
 
     L        one decoder layer's forward, in multiply-accumulates per sample: S x (the q, k, v, o and MLP projections
              + 2 x S x heads x head_dim for the attention scores and their weighted sum)
-    c        what the stage runs per layer, in forwards (measured on the runner, SmolLM2-135M, docs/benchmarks.md):
-               held still (lr 0)                          1   the forward only
-               trained (ZeroLock; the last stage)         3   forward, then the backward through frozen weights
-               upstream under gpipe / 1f1b / async        4   forward; when the gradient comes, forward again and
-                                                              backward (3 with --keep-activations: no second forward)
+    c        what the stage runs per layer, in forwards, measured on the runner (SmolLM2-135M, stages of 10 layers at
+             0.5 CPU, bf16 frozen weights, docs/benchmarks.md "K devices against one": a forward 29-30 ms, the
+             backward 38 ms):
+               held still (lr 0)                          1    the forward only
+               trained (ZeroLock; the last stage)         2.3  forward, then the backward through frozen weights
+               upstream under gpipe / 1f1b / async        3.3  forward; when the gradient comes, forward again and
+                                                               backward (2.3 with --keep-activations: no second
+                                                               forward)
     head(k)  the readout (final norm, LM head) where the stage has one (the last stage; a ZeroLock stage training on
-             its local loss): T x hidden x vocab for its T target slots, twice when it trains (forward and the
-             gradient through it)
+             its local loss), per pass hidden x vocab x (T + 28): the T target slots' products, and a pass over the
+             whole head's frozen weights (widened from bf16, read) that costs about 28 multiply-accumulates per
+             weight, fitted to the last stage's 113 ms beyond its layers; twice where the stage trains (forward and
+             the gradient through it)
 
-These ratios reproduce what was measured: held stages 43-44 ms against the trained last stage's 132 ms on the
-README's run (even split; 1 : 3), and `zl plan --schedule async`'s calibrated 0-8/9-17/18-29 for SmolLM2 (9 x 4 = 12 x
-3). `best_split` then minimises the slowest stage exactly (its `Split.slowest_ms` and `total_ms` hold these predicted
-costs here, in multiply-accumulates, not milliseconds: only their ratios are read).
+These reproduce what was measured: held stages 43-44 ms against the trained last stage's 132 ms on the README's
+run (even split), and `zl plan --schedule async`'s calibrated 0-8/9-17/18-29 for SmolLM2. `best_split` then minimises
+the slowest stage exactly (its `Split.slowest_ms` and `total_ms` hold these predicted costs here, in
+multiply-accumulates, not milliseconds: only their ratios are read).
 
 The split is balanced only where every stage trains. Under ZeroLock's default the stages before the last are held
 still: balancing would move layers off the trained last stage (13/13/4 of SmolLM2's 30), so fewer layers would learn
@@ -39,7 +44,9 @@ from zl_device.formats.stage_spec import FORWARD, StageSpec
 from zl_device.run.split import Split, best_split, evaluate
 
 #: Forwards per layer by what a stage runs (module docstring).
-HELD, TRAINED, BACKPROP_UPSTREAM, BACKPROP_UPSTREAM_KEPT = 1.0, 3.0, 4.0, 3.0
+HELD, TRAINED, BACKPROP_UPSTREAM, BACKPROP_UPSTREAM_KEPT = 1.0, 2.3, 3.3, 2.3
+#: A pass over the LM head's frozen weights, in multiply-accumulates per weight (module docstring).
+HEAD_PASS_PER_WEIGHT = 28
 
 
 @dataclass(frozen=True)
@@ -71,8 +78,9 @@ class ModelShape:
         return seq_len * (projections + 2 * seq_len * q)
 
     def head_macs(self, readout_positions: int) -> float:
-        """The LM head's forward at `readout_positions` per sample."""
-        return readout_positions * self.hidden * self.vocab
+        """One pass through the readout per sample: the LM head's products at `readout_positions`, and the pass over
+        its weights."""
+        return (readout_positions + HEAD_PASS_PER_WEIGHT) * self.hidden * self.vocab
 
 
 def stage_costs(shape: ModelShape, specs: Sequence[StageSpec], seq_len: int, readout_positions: int,

@@ -29,12 +29,13 @@ def test_the_scaling_benchmark_runs_one_device_and_a_pipeline_side_by_side(tmp_p
     assert row["pss_ratio"] == pytest.approx(max(two["peak_pss_mib"]) / one["peak_pss_mib"][0])
     printed = capsys.readouterr().out
     assert sum(line.startswith("| ") for line in printed.splitlines()) == 3  # header and the two runs
-    assert "K=2 async on local links: records/s" in printed and "the one-device peak" in printed
+    assert "K=2 async on local links, split 0-1,2-3: records/s" in printed and "the one-device peak" in printed
 
 
-@pytest.mark.parametrize("value", ["3=0-9,10-29", "x=0-29", "3"])
+@pytest.mark.parametrize("value", ["3=0-9,10-29", "x=0-29", "3", "3=uneven"])
 def test_a_split_that_does_not_match_its_device_count_is_refused(value):
     bench = load_tool("bench_scaling")
     with pytest.raises(SystemExit, match="--split"):
         bench.parse_splits([value])
-    assert bench.parse_splits(["2=0-1,2-3"]) == {2: "0-1,2-3"}
+    assert bench.parse_splits(["2=0-1,2-3", "2=even", "2=default"]) == {2: ["0-1,2-3", "even", None]}
+    assert bench.even_spec("tiny-random", 3) == "0-1,2-2,3-3"

@@ -41,23 +41,37 @@ GOAL_SPEEDUP_3 = 2.4  # issue 52: 3 devices under async at 80% of linear
 GOAL_PSS_RATIO = 0.45  # issue 52: each device's peak PSS against the one-device peak
 
 
-def parse_splits(values: list[str]) -> dict[int, str]:
-    """`--split 3=0-8,9-17,18-29` (repeatable) -> {3: "0-8,9-17,18-29"}; the stage count must match K."""
-    splits = {}
+def parse_splits(values: list[str]) -> dict[int, list[str | None]]:
+    """`--split 3=0-8,9-17,18-29` (repeatable) -> {3: ["0-8,9-17,18-29"]}: the splits K devices run, each side by
+    side in every round. SPEC is K layer ranges, `even` (the same layer count per stage) or `default` (zl train's
+    choice without --stages, the K's default when no --split names it)."""
+    splits: dict[int, list[str | None]] = {}
     for value in values:
         k, sep, spec = value.partition("=")
-        if not sep or not k.strip().isdigit() or len(spec.split(",")) != int(k):
-            raise SystemExit(f"--split {value!r}: write K=SPEC with K ranges, e.g. --split 3=0-8,9-17,18-29")
-        splits[int(k)] = spec.strip()
+        spec = spec.strip()
+        if not sep or not k.strip().isdigit() or (spec not in ("even", "default") and len(spec.split(",")) != int(k)):
+            raise SystemExit(f"--split {value!r}: write K=SPEC with K ranges, `even` or `default`, e.g. "
+                             "--split 3=0-8,9-17,18-29 --split 3=even")
+        splits.setdefault(int(k), []).append(None if spec == "default" else spec)
     return splits
 
 
-def run_k(args, k: int, name: str, profile: str, out: Path) -> dict:
-    """One `zl train` of schedule `name` on `k` local devices over `profile` links."""
-    per_k = argparse.Namespace(**{**vars(args), "stages": args.splits.get(k), "num_stages": k, "ranks": k})
+def even_spec(model: str, k: int) -> str:
+    """The even split of `model` into `k` stages, as --stages writes it."""
+    from zl_export.model_source import load_config
+    from zl_export.stages import balanced_split, format_spec
+
+    return format_spec(balanced_split(load_config(model).num_hidden_layers, k))
+
+
+def run_k(args, k: int, spec: str | None, name: str, profile: str, out: Path) -> dict:
+    """One `zl train` of schedule `name` on `k` local devices over `profile` links, split by `spec` (None: zl
+    train's default; `even`)."""
+    stages = even_spec(args.model, k) if spec == "even" else spec
+    per_k = argparse.Namespace(**{**vars(args), "stages": stages, "num_stages": k, "ranks": k})
     figures = run_one(per_k, name, profile, out)
     layers = [st["layers"] for st in json.loads((out / "manifest.json").read_text())["stages"]]
-    return {"k": k, "stages": ",".join(f"{a}-{b}" for a, b in layers), **figures}
+    return {"k": k, "stages": ",".join(f"{a}-{b}" for a, b in layers), "split_asked": spec or "default", **figures}
 
 
 def ratio_rows(results: list[dict]) -> list[dict]:
@@ -75,7 +89,8 @@ def ratio_rows(results: list[dict]) -> list[dict]:
         base = same or best
         peak = max(p for p in r["peak_pss_mib"] if p is not None)
         rows.append({"round": r.get("round"), "k": r["k"], "pipeline": r["pipeline"], "profile": r["profile"],
-                     "stages": r["stages"], "speedup": r["records_per_s"] / base["records_per_s"],
+                     "stages": r["stages"], "split_asked": r.get("split_asked"),
+                     "speedup": r["records_per_s"] / base["records_per_s"],
                      "speedup_vs_best": r["records_per_s"] / best["records_per_s"],
                      "pss_ratio": peak / base["peak_pss_mib"][0], "efficiency": r["records_per_s"] /
                      base["records_per_s"] / r["k"]})
@@ -102,25 +117,26 @@ def ratio_lines(rows: list[dict]) -> list[str]:
     lines = []
     for r in rows:
         at = "" if r["round"] is None else f" (round {r['round'] + 1})"
-        lines.append(f"K={r['k']} {r['pipeline']} on {r['profile']} links{at}: records/s {r['speedup']:.2f}x one "
-                     f"device's ({r['efficiency']:.0%} of linear; {r['speedup_vs_best']:.2f}x the fastest one-device "
+        lines.append(f"K={r['k']} {r['pipeline']} on {r['profile']} links, split {r['stages']}{at}: records/s "
+                     f"{r['speedup']:.2f}x one device's ({r['efficiency']:.0%} of linear; {r['speedup_vs_best']:.2f}x the fastest one-device "
                      f"run), largest peak PSS per device {r['pss_ratio']:.2f}x the one-device peak")
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["k"], r["pipeline"], r["profile"]), []).append(r)
-    for (k, name, profile), rs in groups.items():
+        groups.setdefault((r["k"], r["pipeline"], r["profile"], r["stages"]), []).append(r)
+    for (k, name, profile, stages), rs in groups.items():
         speedup = statistics.median(r["speedup"] for r in rs)
         pss = max(r["pss_ratio"] for r in rs)
         if len(rs) > 1:
-            lines.append(f"K={k} {name} on {profile} links: records/s median {speedup:.2f}x over {len(rs)} rounds")
+            lines.append(f"K={k} {name} on {profile} links, split {stages}: records/s median {speedup:.2f}x over "
+                         f"{len(rs)} rounds")
         if k == 3 and name == "async":
             verdict = "met" if speedup >= GOAL_SPEEDUP_3 else "not met"
-            lines.append(f"goal, 3 devices under async on {profile} links >= {GOAL_SPEEDUP_3}x one device: "
-                         f"{speedup:.2f}x, {verdict}")
+            lines.append(f"goal, 3 devices under async on {profile} links, split {stages}, >= {GOAL_SPEEDUP_3}x one "
+                         f"device: {speedup:.2f}x, {verdict}")
         if k >= 3:
             verdict = "met" if pss <= GOAL_PSS_RATIO else "not met"
-            lines.append(f"goal, K={k} {name} on {profile} links, every device's peak PSS <= {GOAL_PSS_RATIO}x one "
-                         f"device's: {pss:.2f}x, {verdict}")
+            lines.append(f"goal, K={k} {name} on {profile} links, split {stages}, every device's peak PSS <= "
+                         f"{GOAL_PSS_RATIO}x one device's: {pss:.2f}x, {verdict}")
     return lines
 
 
@@ -130,7 +146,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)),
                         help="Device counts to run; 1 (the baseline) is added when missing.")
     parser.add_argument("--split", action="append", default=[], metavar="K=SPEC",
-                        help="The split of K devices, e.g. --split 3=0-8,9-17,18-29 (repeatable; default: zl train's).")
+                        help="A split of K devices: ranges, `even` or `default` (zl train's), e.g. --split 3=even "
+                             "--split 3=default to run both side by side (repeatable; default: zl train's).")
     parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
                         help=f"From {','.join(SCHEDULES)} (default: what zl train picks for the data; "
                              "-keep: --keep-activations).")
@@ -160,10 +177,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for k in ks:
             for profile in profiles[:1] if k == 1 else profiles:
                 for name in names:
-                    print(f"K={k} {name} on {profile} links (round {n + 1} of {args.rounds}) ...", file=sys.stderr,
-                          flush=True)
-                    r = run_k(args, k, name, profile, out / f"round{n + 1}-k{k}-{profile}-{name}")
-                    results.append(r if args.rounds == 1 else {**r, "round": n})
+                    for j, spec in enumerate(args.splits.get(k, [None]) if k > 1 else [None]):
+                        print(f"K={k} {name} on {profile} links, split {spec or 'default'} (round {n + 1} of "
+                              f"{args.rounds}) ...", file=sys.stderr, flush=True)
+                        tag = "" if j == 0 else f"-split{j}"
+                        r = run_k(args, k, spec, name, profile, out / f"round{n + 1}-k{k}-{profile}-{name}{tag}")
+                        results.append(r if args.rounds == 1 else {**r, "round": n})
     rows = ratio_rows(results)
     print(table(results))
     for line in ratio_lines(rows):

@@ -118,8 +118,9 @@ def ratio_lines(rows: list[dict]) -> list[str]:
     for r in rows:
         at = "" if r["round"] is None else f" (round {r['round'] + 1})"
         lines.append(f"K={r['k']} {r['pipeline']} on {r['profile']} links, split {r['stages']}{at}: records/s "
-                     f"{r['speedup']:.2f}x one device's ({r['efficiency']:.0%} of linear; {r['speedup_vs_best']:.2f}x the fastest one-device "
-                     f"run), largest peak PSS per device {r['pss_ratio']:.2f}x the one-device peak")
+                     f"{r['speedup']:.2f}x one device's ({r['efficiency']:.0%} of linear; "
+                     f"{r['speedup_vs_best']:.2f}x the fastest one-device run), largest peak PSS per device "
+                     f"{r['pss_ratio']:.2f}x the one-device peak")
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["k"], r["pipeline"], r["profile"], r["stages"]), []).append(r)

@@ -5,6 +5,7 @@
 // members) are weak: without the library get_threadpool's address is null.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
@@ -15,6 +16,7 @@ namespace executorch::extension::threadpool {
 class ThreadPool {
  public:
   __attribute__((weak)) bool _unsafe_reset_threadpool(uint32_t num_threads);
+  __attribute__((weak)) size_t get_thread_count() const;
 };
 __attribute__((weak)) ThreadPool* get_threadpool();
 }  // namespace executorch::extension::threadpool
@@ -29,13 +31,20 @@ inline bool reset_thread_pool(uint32_t threads) {
   return pool != nullptr && pool->_unsafe_reset_threadpool(threads);
 }
 
-/// The threads parallel_for spreads work over (one before ExecuTorch 1.5.1,
-/// where the phone build has no thread pool and no get_thread_count()).
+/// The threads parallel_for spreads work over. Before ExecuTorch 1.5.1 there
+/// is no get_thread_count(): the pool says it where the build has one
+/// (ET_USE_THREADPOOL), and parallel_for runs inline (one thread) where not.
 inline int64_t parallel_thread_count() {
-#if ZL_EXECUTORCH_BEFORE_1_5_1
-  return 1;
-#else
+#if !ZL_EXECUTORCH_BEFORE_1_5_1
   return executorch::extension::get_thread_count();
+#elif defined(ET_USE_THREADPOOL)
+  namespace tp = executorch::extension::threadpool;
+  auto* pool = &tp::get_threadpool != nullptr ? tp::get_threadpool() : nullptr;
+  return pool != nullptr && &tp::ThreadPool::get_thread_count != nullptr
+             ? static_cast<int64_t>(pool->get_thread_count())
+             : 1;
+#else
+  return 1;
 #endif
 }
 

@@ -9,8 +9,12 @@
 #   ZL_EXECUTORCH_SRC=~/src/executorch tools/build_phone_runner.sh --test   # build, then the proofs below
 #
 # ZL_EXECUTORCH_SRC: an ExecuTorch checkout (v1.5.1 tag, with its
-# third-party/flatbuffers submodule; no other submodule is used). This script
-# downloads nothing and never writes into that checkout.
+# third-party/flatbuffers submodule; for the thread pool also
+# backends/xnnpack/third-party/{pthreadpool,cpuinfo,FXdiv}, with a cpuinfo
+# from before its commit 7607ca5 or one that fixes it: from there on it
+# dereferences a null L2 table on a CPU it does not know, e.g. under qemu on
+# an x86 host). This script downloads nothing and never writes into that
+# checkout.
 #
 # What it builds, into build-phone/ (ignored; delete it to start over):
 #   et-src/executorch/  a symlink mirror of the checkout whose kernels/portable/cpu
@@ -26,7 +30,8 @@
 # zl_runner --version` runs and names the kernel path each `-cpu` gets
 # (cortex-a53, cortex-a76: baseline; max: bf16); ctest runs every suite under
 # qemu-aarch64 (no -L) on -cpu max and on -cpu cortex-a53; one 3-stage step
-# equals x86's, and is bit-identical on both CPUs.
+# equals x86's, and is bit-identical on both CPUs and (with the thread pool)
+# on 4 threads; ZL_THREADS_PROGRAM=<stage .pte> also times it on 1 and 2.
 #
 # Debian packages: gcc-aarch64-linux-gnu g++-aarch64-linux-gnu
 # libc6-dev-arm64-cross qemu-user libsodium-dev:arm64 libgtest-dev:arm64

@@ -70,7 +70,8 @@ class DeviceInfo:
     note: str = ""  # what to do when state is not "ready", or extra detail
     app: str = ""  # versionName of the installed com.zerolock.zl app (phones); "" when not installed
     # `zl_runner --version` of the runner it holds, e.g. "zl_runner 0.1.0 executorch 1.5.0 aarch64 static
-    # kernels=bf16 cpu=fp16,dotprod,bf16,i8mm" (the kernel path this device's CPU gets, docs/design.md §4.1)
+    # kernels=bf16 cpu=fp16,dotprod,bf16,i8mm threads=4" (the kernel path this device's CPU gets, docs/design.md §4.1,
+    # and the threads a stage's pool gets there, §4.11)
     runner: str = ""
 
 

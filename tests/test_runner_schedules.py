@@ -155,8 +155,9 @@ def test_keeping_activations_trains_the_same_weights(runs, schedule):
     """--keep-activations parks each forward at its marker until its gradient comes, instead of running the forward
     again in the backward: the same forward on the same weight version, so the adapter is the same bit for bit, with
     one program instance per micro-batch in flight on the stages before the last."""
-    kept = runs(schedule, keep_activations=True)
-    got, want = adapter(kept), adapter(runs(schedule))
+    plain = runs(schedule)  # its default split; --keep-activations would get another (docs/design.md §14.1)
+    kept = runs(schedule, keep_activations=True, split=split_of(plain))
+    got, want = adapter(kept), adapter(plain)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
     done = [json.loads(line) for k in range(3)
@@ -232,7 +233,7 @@ def test_a_killed_stage_restarts_every_stage_to_the_uninterrupted_adapter(runs, 
     from zl_device.run.train_job import run_training
 
     run = run_training(settings(tmp_path / "run", data_file, schedule=schedule, inject_failure="1@1",
-                                keep_activations=keep), say=lambda line: None)
+                                keep_activations=keep, split=split_of(runs(schedule))), say=lambda line: None)
     events = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e["stage"] for e in events if e["type"] == "failure"] == [1]
     got, want = adapter(run.run_dir), adapter(runs(schedule))
@@ -314,9 +315,20 @@ def test_every_family_keeps_activations_to_the_same_adapter(model, data_file, tm
 
 
 def _split(model: str):
+    """One split for the plain and the kept run: without --stages --keep-activations gets another default split
+    (docs/design.md §14.1), and under async the split decides which layers run on stale weights."""
     from zl_export.options import ModelSplit
 
-    return ModelSplit(model)
+    return ModelSplit(model, "0-8,9-17,18-29" if model == "smollm2-135m" else "0-0,1-1,2-3")
+
+
+def split_of(run_dir: Path):
+    """The split a finished run trained on, as --stages: to run another setting on the same one."""
+    from zl_export.options import ModelSplit
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    stages = ",".join(f"{a}-{b}" for a, b in (st["layers"] for st in manifest["stages"]))
+    return ModelSplit(manifest["model"]["name"], stages)
 
 
 def test_a_stage_that_stops_is_blamed_not_the_ones_waiting_for_its_gradients(runs, data_file, tmp_path, monkeypatch):

@@ -23,11 +23,17 @@ __attribute__((weak)) ThreadPool* get_threadpool();
 
 namespace zl {
 
+/// ExecuTorch's thread pool, or null in a build without one (the weak
+/// get_threadpool is unresolved) or where it could not start.
+inline executorch::extension::threadpool::ThreadPool* thread_pool() {
+  namespace tp = executorch::extension::threadpool;
+  return &tp::get_threadpool != nullptr ? tp::get_threadpool() : nullptr;
+}
+
 /// Resizes ExecuTorch's thread pool to `threads`; false when this build has
 /// no pool or the pool refused.
 inline bool reset_thread_pool(uint32_t threads) {
-  namespace tp = executorch::extension::threadpool;
-  auto* pool = &tp::get_threadpool != nullptr ? tp::get_threadpool() : nullptr;
+  auto* pool = thread_pool();
   return pool != nullptr && pool->_unsafe_reset_threadpool(threads);
 }
 
@@ -39,7 +45,7 @@ inline int64_t parallel_thread_count() {
   return executorch::extension::get_thread_count();
 #elif defined(ET_USE_THREADPOOL)
   namespace tp = executorch::extension::threadpool;
-  auto* pool = &tp::get_threadpool != nullptr ? tp::get_threadpool() : nullptr;
+  auto* pool = thread_pool();
   return pool != nullptr && &tp::ThreadPool::get_thread_count != nullptr
              ? static_cast<int64_t>(pool->get_thread_count())
              : 1;
@@ -49,9 +55,6 @@ inline int64_t parallel_thread_count() {
 }
 
 /// True when this build has ExecuTorch's thread pool.
-inline bool has_thread_pool() {
-  namespace tp = executorch::extension::threadpool;
-  return &tp::get_threadpool != nullptr && tp::get_threadpool() != nullptr;
-}
+inline bool has_thread_pool() { return thread_pool() != nullptr; }
 
 }  // namespace zl

@@ -73,6 +73,13 @@ def exported(tmp_path_factory):
     result = invoke("export-model", run, "--out", out, "--quantize", "none", "--max-seq-len", SEQ)
     assert result.exit_code == 0, result.output
     assert "check on 3 built-in prompts" in result.stdout and "greedy continuations identical on 3/3" in result.stdout
+    from zl_export.program_record import check_program  # what `zl generate` and `zl deploy` check it against
+
+    record = check_program(out)
+    assert (record.model, record.quantize, record.max_seq_len, record.kv_cache) == ("tiny-random", "none", SEQ,
+                                                                                  "in-place")
+    assert {"forward", "get_max_seq_len", "get_eos_ids"} <= set(record.methods)
+    assert [t.name for t in record.tokenizer] == ["tokenizer.json", "tokenizer_config.json"]
     return run, out
 
 
@@ -382,20 +389,22 @@ def test_deploy_pushes_the_program_and_its_tokenizer_to_every_device(tmp_path):
     from zl_device.devices.deploy import deploy_program
     from zl_device.devices.registry import open_devices
     from zl_export.inference_program import write_tokenizer_files
+    from zl_export.program_record import NEEDED_METHODS, write_program_record
     from zl_export.tokenizer import ByteTokenizer
 
     program = tmp_path / "out" / "model.pte"
     program.parent.mkdir()
     program.write_bytes(b"\0" * (2 << 20))  # big enough to be hashed before pushing
-    write_tokenizer_files(ByteTokenizer(), program.parent)
+    files = write_tokenizer_files(ByteTokenizer(), program.parent)
+    write_program_record(program, "tiny-random", "none", 48, "in-place", list(NEEDED_METHODS), files)
     app = typer.Typer(add_completion=False)
     app.command("deploy")(deploy_command)
     app.command("unused")(lambda: None)
     result = CliRunner().invoke(app, ["deploy", "--devices", "local:2", "--run-dir", str(tmp_path / "run"),
                                       "--program", str(program)])
     assert result.exit_code == 0, result.output
-    assert "local-1: program: pushed 3 files (2.0 MiB) (model.pte, tokenizer.json, tokenizer_config.json)" in (
-        " ".join(result.stdout.split()))
+    assert ("local-1: program: pushed 4 files (2.0 MiB) (model.pte, model.pte.json, tokenizer.json, "
+            "tokenizer_config.json)") in " ".join(result.stdout.split())
     for k in range(2):
         work = tmp_path / "run" / "devices" / f"local-{k}"
         assert (work / "model.pte").read_bytes() == program.read_bytes()

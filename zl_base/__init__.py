@@ -1,6 +1,8 @@
 """The base layer of zl: what every part imports and nothing of zl's own is imported by.
 
-- `zl_base.errors`: `ZLError`, the one user-error type, and `read_json_file` (a JSON file or that error);
+- `zl_base.errors`: `ZLError`, the one user-error type;
+- `zl_base.json_reader`: `read_json_file` and `typed`, the one typed reader of the JSON files zl reads back;
+- `zl_base.files`: `file_sha256`;
 - `zl_base.settings`: settings trees (nested dataclasses whose fields carry their default, flag, help and check);
 - `zl_base.entry`: `run_cli`, how a zl command line runs (logging, ZLError as one line, exit status 2);
 - `__version__`, the package's version (pyproject.toml reads it from here).

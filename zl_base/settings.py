@@ -211,36 +211,22 @@ def to_json(obj: Any) -> dict[str, Any]:
     return out
 
 
-def from_json(cls: type, data: dict[str, Any], where: str = "settings", *, others: bool = False) -> Any:
-    """The tree `cls` from `to_json`'s output. Fields the data lacks keep their defaults.
+def from_json(cls: type, data: Any, where: str = "settings", *, others: bool = False,
+              fix: str = "it was damaged, or written by another version of zl") -> Any:
+    """The tree `cls` from `to_json`'s output, every field checked against its type and range by the typed reader
+    (zl_base/json_reader.py `typed`). Fields the data lacks keep their defaults.
 
     Args:
         others: the data may hold other keys besides the fields (a manifest's notes); they are left aside.
+        fix: what an error says to do.
 
     Raises:
-        ZLError: the data has a field `cls` does not (it was written by another version of zl), unless `others`.
+        ZLError: the data has a field `cls` does not (unless `others`), or a field of the wrong type or range; the
+            message names `where` and the field.
     """
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - names)
-    if unknown and not others:
-        raise ZLError(f"{where}: unknown field(s) {', '.join(unknown)} for {cls.__name__}; it was written by another "
-                      "version of zl.")
-    kwargs = {}
-    for name, value in data.items():
-        if name not in names:
-            continue
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = from_json(tp, value, where, others=others)
-            continue
-        base, _, is_tuple = _shape(tp)
-        if isinstance(value, list) and is_tuple:
-            value = tuple(value)
-        elif value is not None and base is not str and isinstance(value, str):
-            value = base(value)  # a Path
-        kwargs[name] = value
-    return cls(**kwargs)
+    from zl_base.json_reader import typed
+
+    return typed(cls, data, where, fix, others=others)
 
 
 def parse_list(text: str, item: type, name: str) -> tuple:

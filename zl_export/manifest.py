@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from zl_base import __version__
-from zl_base.errors import ZLError, read_json_file
+from zl_base.errors import ZLError
+from zl_base.json_reader import read_json_file
 from zl_export.options import PROGRAM_KINDS, ExportOptions, ProgramSettings
 from zl_export.stages import StageRange
 

@@ -6,7 +6,6 @@ says how they were made (see `write_shard`), among it the BOS id the rows start
 with (`Shard.bos_token_id`, checked against the model's tokenizer by `check_matches`).
 """
 
-import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -16,7 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zl_base.errors import ZLError, read_json_file
+from zl_base.errors import ZLError
+from zl_base.json_reader import read_json_file
+from zl_base.files import file_sha256
 
 if TYPE_CHECKING:
     from zl_export.tokenizer import Tokenizer
@@ -28,14 +29,6 @@ TENSOR_NAMES = ("input_ids", "attention_mask", "labels")
 def sidecar_path(shard: Path | str) -> Path:
     """`DIR/train.safetensors` -> `DIR/train.json`."""
     return Path(shard).with_suffix(".json")
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_shard(path: Path | str, tensors: dict[str, torch.Tensor], meta: dict) -> None:

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from zl_base.errors import ZLError, read_json_file
+from zl_base.errors import ZLError
+from zl_base.json_reader import read_json_file
 from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.run_layout import RunLayout
 from zl_device.torch.eager_training import Budget, TrainLog

@@ -92,6 +92,7 @@ def run_export_model(args: ExportModelArgs) -> None:
     from zl_export.inference_program import (check_quantization, check_tokenizer_files, export_program, merged_model,
                                              write_tokenizer_files)
     from zl_export.model_source import load_model
+    from zl_export.program_record import write_program_record
 
     out = args.out
     args.validate()
@@ -109,6 +110,8 @@ def run_export_model(args: ExportModelArgs) -> None:
                             "to_executorch (a minute or more)"):
         info = export_program(model, out, args.quantize, max_seq_len, (tokenizer.eos_token_id,), bos, args.kv_cache)
     files = write_tokenizer_files(tokenizer, out.parent, args.force)
+    write_program_record(out, model_name, args.quantize, max_seq_len, info.kv_cache,
+                         ["forward", *info.metadata], files)
     console.print(f"[bold]{escape(str(out))}[/]: {model_name} + {adapter_dir} merged, {args.quantize} weights, "
                   f"KV cache of {max_seq_len} positions ({info.kv_cache}), {info.bytes / 2**20:.1f} MiB, exported in "
                   f"{info.seconds:.0f} s", highlight=False, soft_wrap=True)

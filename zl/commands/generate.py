@@ -189,8 +189,10 @@ def _program_runner(program: Path | None):
     if program is None:
         return None
     from zl_device.results.program_runner import ProgramRunner
+    from zl_export.program_record import check_program
 
-    with err_console.status(f"loading {program}"):
+    with err_console.status(f"checking and loading {program}"):
+        check_program(program)
         return ProgramRunner(program)
 
 

@@ -24,7 +24,6 @@ into OUT/checkpoints/stage_<k>/.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zl_base.errors import ZLError
+from zl_base.files import file_sha256
 from zl_device.formats.checkpoints import DEFAULT_LAYOUT
 from zl_device.formats.run_layout import MANIFEST, METRICS, RunLayout, stage_config_index, stage_config_name
 from zl_device.devices.backend import (
@@ -116,14 +116,6 @@ def runner_binary_for(device: Device) -> Path:
 
         return host_runner_binary()
     return android_runner_binary()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
@@ -248,15 +240,15 @@ def deploy_program(devices: Sequence[Device], program: Path, force: bool = False
     a model can run it (ExecuTorch's LLM runner reads the pair). Unchanged files are skipped as for stages.
 
     Raises:
-        ZLError: a missing program, or too little free space on a device.
+        ZLError: a program that is not the one `zl export-model` wrote, or without its tokenizer files
+            (`check_program`), or too little free space on a device.
     """
-    from zl_export.inference_program import TOKENIZER_FILES
+    from zl_export.program_record import check_program, record_path
 
     program = Path(program)
-    if not program.is_file():
-        raise ZLError(f"--program {program}: no such file; pass the .pte `zl export-model` wrote.")
-    files = {program.name: (program, 0o644)}
-    files.update({n: (program.parent / n, 0o644) for n in TOKENIZER_FILES if (program.parent / n).is_file()})
+    record = check_program(program)
+    files = {program.name: (program, 0o644), record_path(program).name: (record_path(program), 0o644)}
+    files.update({t.name: (program.parent / t.name, 0o644) for t in record.tokenizer})
     results = []
     for device in devices:
         result = DeployResult(device.name, None)

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Annotated
 
+from zl_base.json_reader import Bounds
 from zl_base.settings import check_fields, setting
+
+_AT_LEAST_0 = Bounds(0)  # the ranges a file read back is checked against (zl_base/json_reader.py)
+_Beta = Annotated[float, Bounds(0, below=1)]
 
 SCHEDULE_KINDS = ("constant", "warmup_cosine")
 
@@ -24,16 +29,16 @@ class OptimizerSettings:
     (`from_config`).
     """
 
-    lr: float = setting(2e-3, "AdamW learning rate (warm-up, then cosine to 10%).")
-    weight_decay: float = setting(0.0, "AdamW's decoupled weight decay.", cli=False)
-    betas: tuple[float, ...] = setting((0.9, 0.999), "AdamW's moment decays (beta1, beta2).", cli=False)
-    eps: float = setting(1e-8, "Added to the square root of AdamW's second moment.", cli=False)
+    lr: Annotated[float, _AT_LEAST_0] = setting(2e-3, "AdamW learning rate (warm-up, then cosine to 10%).")
+    weight_decay: Annotated[float, _AT_LEAST_0] = setting(0.0, "AdamW's decoupled weight decay.", cli=False)
+    betas: tuple[_Beta, _Beta] = setting((0.9, 0.999), "AdamW's moment decays (beta1, beta2).", cli=False)
+    eps: Annotated[float, Bounds(above=0)] = setting(1e-8, "Added to the square root of AdamW's second moment.", cli=False)
     schedule_kind: str = setting("warmup_cosine", "constant, or warmup_cosine: linear warm-up over the first "
                                                   "windows, then a cosine down to min_lr_ratio x lr.",
                                  choices=SCHEDULE_KINDS, cli=False)
-    warmup_windows: int = setting(2, "Windows of linear LR warm-up (capped at the run's windows - 1).", cli=False)
-    min_lr_ratio: float = setting(0.1, "Where the cosine ends, as a fraction of the lr.", cli=False)
-    total_steps: int = setting(0, "Optimizer steps the cosine spans; 0: the run's windows.", cli=False)
+    warmup_windows: Annotated[int, _AT_LEAST_0] = setting(2, "Windows of linear LR warm-up (capped at the run's windows - 1).", cli=False)
+    min_lr_ratio: Annotated[float, Bounds(0, 1)] = setting(0.1, "Where the cosine ends, as a fraction of the lr.", cli=False)
+    total_steps: Annotated[int, _AT_LEAST_0] = setting(0, "Optimizer steps the cosine spans; 0: the run's windows.", cli=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))

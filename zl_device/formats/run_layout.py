@@ -3,6 +3,7 @@
     RUN_DIR/manifest.json                  the export's manifest (--runtime torch: built without an export)
     RUN_DIR/train_settings.json            the run's settings as given; `zl train --resume` continues with them
     RUN_DIR/resolved_run.json              what the run worked out from them and the data (run/resolved_run.py)
+    RUN_DIR/started_run.json               both as the run started: --resume refuses a run whose files differ
     RUN_DIR/UNFINISHED.txt                 until the run finishes: how to continue it (older runs: .zl-incomplete)
     RUN_DIR/run.key, stage_<k>.json        the run key (deleted when the run finishes) and the runner configs
     RUN_DIR/torch_job.json                 --runtime torch: what every rank needs
@@ -35,6 +36,7 @@ CHECKPOINTS_DIR = "checkpoints"
 RUN_KEY = "run.key"
 SETTINGS_FILE = "train_settings.json"
 RESOLVED_FILE = "resolved_run.json"
+STARTED_FILE = "started_run.json"
 INCOMPLETE_MARKER = "UNFINISHED.txt"
 LEGACY_INCOMPLETE_MARKER = ".zl-incomplete"
 TORCH_JOB = "torch_job.json"
@@ -86,6 +88,11 @@ class RunLayout:
     @property
     def resolved(self) -> Path:
         return self.root / RESOLVED_FILE
+
+    @property
+    def started(self) -> Path:
+        """The run's settings and resolved run as it started, which its checkpoints were trained with."""
+        return self.root / STARTED_FILE
 
     @property
     def markers(self) -> tuple[Path, Path]:

@@ -14,7 +14,9 @@ them, and `stage_configs` and `OptimizerSettings.config` are the only places tha
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
+from zl_base.json_reader import Bounds
 from zl_device.formats.schedules import SCHEDULES, is_backprop
 
 #: A stage's role. train: it steps its LoRA weights (its learning rate may still be 0 in a backprop schedule,
@@ -45,9 +47,9 @@ def stage_role(lr: float, stage: int, num_stages: int, schedule: str) -> str:
 class StageSpec:
     """One stage of a resolved run: what both runtimes' stage configs are made from."""
 
-    index: int
-    num_stages: int
-    lr: float  # peak learning rate: --lr x its --stage-lr multiplier
+    index: Annotated[int, Bounds(0)]
+    num_stages: Annotated[int, Bounds(1)]
+    lr: Annotated[float, Bounds(0)]  # peak learning rate: --lr x its --stage-lr multiplier
     role: str  # TRAIN | FORWARD
     schedule: str  # zerolock | gpipe | 1f1b | async (the schedule's own name, an alias resolved)
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Annotated
+
+from zl_base.json_reader import Bounds
 
 
 @dataclass(frozen=True)
 class WindowPlan:
     """`num_micro_batches` micro-batches in windows of `window_size`."""
 
-    num_micro_batches: int
-    window_size: int
+    num_micro_batches: Annotated[int, Bounds(0)]
+    window_size: Annotated[int, Bounds(1)]  # a file read back is checked against these (zl_base/json_reader.py)
 
     @staticmethod
     def for_samples(samples: int, micro_batch: int, window_size: int) -> WindowPlan:

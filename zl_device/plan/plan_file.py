@@ -28,8 +28,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Annotated, Any
 
-from zl_base.errors import ZLError, read_json_file
+from zl_base.errors import ZLError
+from zl_base.json_reader import Bounds, read_json_file, shown, typed
+from zl_export.options import MAX_SEQ_LEN
 
 PLAN_FORMAT = "zl-plan"
 PLAN_VERSION = 1
@@ -113,30 +116,80 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, data: dict, where: str = "plan") -> Plan:
-        """Raises ZLError: not a plan of this version, or a field missing."""
+    def from_json(cls, data: Any, where: str = "plan") -> Plan:
+        """Raises ZLError: not a plan of this version, or a field missing, mistyped or out of range (named)."""
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise ZLError(f"{where}: not a plan written by `zl plan` (no \"format\": \"{PLAN_FORMAT}\"); make one with "
                           "`zl plan --out plan.json`.")
         if data.get("version") != PLAN_VERSION:
-            raise ZLError(f"{where}: plan version {data.get('version')}, this zl reads version {PLAN_VERSION}; run "
-                          "`zl plan` again.")
-        try:
-            stages = [StagePrediction(**{**{k: v for k, v in p.items() if k != "total_ms"},
-                                         "layers": tuple(p["layers"])}) for p in data["per_stage"]]
-            link, even = data.get("link") or {}, data.get("even_split")
-            return cls(stages=data["stages"], model=data["model"], num_layers=int(data["num_layers"]),
-                       seq_len=int(data["seq_len"]), micro_batch=int(data["micro_batch"]),
-                       frozen_dtype=data["frozen_dtype"], max_targets=data.get("max_targets"),
-                       devices=data["devices"], device_names=list(data["device_names"]), mode=data["mode"],
-                       cpu_quota=data.get("cpu_quota"), per_stage=stages, link_mbps=link.get("mbps"),
-                       entry_bytes=int(link.get("entry_bytes", 0)), link_ms=float(link.get("ms", 0.0)),
-                       even_stages=even["stages"] if even else None,
-                       even_slowest_ms=even["predicted_slowest_ms"] if even else None,
-                       calibration=list(data.get("calibration", [])), schedule=data.get("schedule"),
-                       keep_activations=bool(data.get("keep_activations", False)))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ZLError(f"{where}: a plan with a missing or malformed field ({e}); run `zl plan` again.") from None
+            raise ZLError(f"{where}: plan version {shown(data.get('version'))}, this zl reads version {PLAN_VERSION}; "
+                          "run `zl plan` again.")
+        f = typed(_PlanFile, data, where, "make it again with `zl plan`")
+        stages = [StagePrediction(**{k: v for k, v in asdict(p).items() if k != "total_ms"}) for p in f.per_stage]
+        link, even = f.link or _LinkRecord(), f.even_split
+        return cls(stages=f.stages, model=f.model, num_layers=f.num_layers, seq_len=f.seq_len,
+                   micro_batch=f.micro_batch, frozen_dtype=f.frozen_dtype, max_targets=f.max_targets,
+                   devices=f.devices, device_names=list(f.device_names), mode=f.mode,
+                   cpu_quota=None if f.cpu_quota is None else list(f.cpu_quota), per_stage=stages,
+                   link_mbps=link.mbps, entry_bytes=link.entry_bytes, link_ms=link.ms,
+                   even_stages=even.stages if even else None, even_slowest_ms=even.predicted_slowest_ms if even else None,
+                   calibration=list(f.calibration), schedule=f.schedule, keep_activations=f.keep_activations)
+
+
+# plan.json as written (Plan.to_json), for the typed reader: every field's type and range
+_Ms = Annotated[float, Bounds(0)]
+_Count = Annotated[int, Bounds(0)]
+
+
+@dataclass(frozen=True)
+class _StageRecord:
+    stage: _Count
+    device: str
+    layers: tuple[_Count, _Count]
+    phase1_ms: _Ms
+    phase2_ms: _Ms
+    other_ms: _Ms
+    pss_mib: _Ms | None
+    budget_mib: _Ms | None
+    forward_only: bool = False
+    total_ms: _Ms | None = None
+
+
+@dataclass(frozen=True)
+class _LinkRecord:
+    mbps: Annotated[float, Bounds(0)] | None = None
+    entry_bytes: _Count = 0
+    ms: _Ms = 0.0
+
+
+@dataclass(frozen=True)
+class _EvenRecord:
+    stages: str
+    predicted_slowest_ms: _Ms | None = None
+
+
+@dataclass(frozen=True)
+class _PlanFile:
+    format: str
+    version: int
+    stages: str
+    model: str
+    num_layers: Annotated[int, Bounds(1, 100_000)]
+    seq_len: Annotated[int, Bounds(2, MAX_SEQ_LEN)]
+    micro_batch: Annotated[int, Bounds(1, 100_000)]
+    frozen_dtype: str
+    devices: str
+    device_names: tuple[str, ...]
+    mode: str
+    per_stage: tuple[_StageRecord, ...]
+    max_targets: _Count | None = None
+    cpu_quota: tuple[Annotated[float, Bounds(0.01, 4096)] | None, ...] | None = None
+    schedule: str | None = None
+    keep_activations: bool = False
+    predicted_slowest_ms: _Ms | None = None
+    link: _LinkRecord | None = None
+    even_split: _EvenRecord | None = None
+    calibration: tuple[dict[str, Any], ...] = ()
 
 
 def write_plan(plan: Plan, path: Path) -> Path:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from zl_base.errors import ZLError
+from zl_export.program_record import NEEDED_METHODS
 
 
 class ProgramRunner:
@@ -31,11 +32,16 @@ class ProgramRunner:
         start = time.perf_counter()
         try:
             program = Runtime.get().load_program(str(path))
+            missing = [m for m in NEEDED_METHODS if m not in program.method_names]
+            if missing:
+                raise ZLError(f"--program {path}: the program has no method {', '.join(missing)}, so it is no "
+                              "inference program of `zl export-model` (a stage program of `zl export` trains); "
+                              "export one with `zl export-model`.")
             self.max_seq_len = int(program.load_method("get_max_seq_len").execute([])[0])
             self.eos_ids = [int(i) for i in program.load_method("get_eos_ids").execute([])]
             self.vocab_size = int(program.load_method("get_vocab_size").execute([])[0])
             self._forward = program.load_method("forward")
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, KeyError) as e:
             raise ZLError(f"--program {path}: not an inference program of `zl export-model` ({e}); export it "
                           "again.") from e
         self.load_seconds = time.perf_counter() - start

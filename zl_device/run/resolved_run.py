@@ -16,15 +16,17 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Annotated, Any
 
 from zl_base.errors import ZLError
+from zl_base.json_reader import Bounds, first_difference, read_json_file, shown, typed
 from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.run_layout import RunLayout
-from zl_device.formats.schedules import schedule_name
+from zl_device.formats.schedules import SCHEDULES, schedule_name
 from zl_device.formats.stage_spec import StageSpec, stage_specs
 from zl_device.formats.windows import WindowPlan
 from zl_device.run.train_settings import TrainSettings
-from zl_export.options import ExportOptions
+from zl_export.options import MAX_SEQ_LEN, ExportOptions
 
 #: resolved_run.json's format; a file of another version is refused by `load` (the run cannot be resumed by it).
 RESOLVED_VERSION = 1
@@ -64,17 +66,34 @@ class ResolvedRun:
                 "optimizer": {**asdict(self.optimizer), "betas": list(self.optimizer.betas)}}
 
     @classmethod
-    def from_json(cls, data: dict, source: str) -> ResolvedRun:
-        """Raises ZLError naming `source` for a file of another version or a missing or malformed field."""
-        try:
-            if data.get("version") != RESOLVED_VERSION:
-                raise ValueError(f"version {data.get('version')!r}, this zl reads {RESOLVED_VERSION}")
-            return cls(str(data["schedule"]), int(data["seq_len"]), int(data["max_targets"]),
-                       tuple(float(m) for m in data["stage_lr"]), tuple(StageSpec(**st) for st in data["stages"]),
-                       WindowPlan(**data["windows"]), OptimizerSettings(**data["optimizer"]))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ZLError(f"{source}: not a resolved run this zl can read ({type(e).__name__}: {e}); resume the run "
-                          "with the zl that started it, or start it again without --resume.") from None
+    def from_json(cls, data: Any, source: str) -> ResolvedRun:
+        """Raises ZLError naming `source` and the field: a file of another version, or a field missing, mistyped,
+        out of range or at odds with the others (stages and multipliers one per stage, in order, on the schedule)."""
+        fix = "restore it, or start the run again without --resume"
+        if not isinstance(data, dict) or data.get("version") != RESOLVED_VERSION:
+            found = shown(data.get("version")) if isinstance(data, dict) else f"a {type(data).__name__}"
+            raise ZLError(f"{source}: not a resolved run this zl reads (version {found}, this zl reads "
+                          f"{RESOLVED_VERSION}); resume the run with the zl that started it, or start it again "
+                          "without --resume.")
+        f = typed(_ResolvedFile, data, source, fix)
+        n = len(f.stages)
+        problem = None
+        if f.schedule not in SCHEDULES:
+            problem = f'"schedule" is {shown(f.schedule)}, expected one of {", ".join(SCHEDULES)}'
+        elif n == 0 or len(f.stage_lr) != n:
+            problem = f'"stage_lr" has {len(f.stage_lr)} multiplier(s) for {n} stage(s)'
+        elif any(st.num_stages != n for st in f.stages):
+            said = next(st.num_stages for st in f.stages if st.num_stages != n)
+            problem = f'"stages" has {n} entries, and one says the run has {said} stages'
+        else:
+            for k, st in enumerate(f.stages):
+                if (st.index, st.num_stages, st.schedule) != (k, n, f.schedule):
+                    problem = (f'"stages[{k}]" is stage {st.index} of {st.num_stages} on {st.schedule}, expected stage '
+                               f"{k} of {n} on {f.schedule}")
+                    break
+        if problem is not None:
+            raise ZLError(f"{source}: {problem}; {fix}.")
+        return cls(f.schedule, f.seq_len, f.max_targets, f.stage_lr, f.stages, f.windows, f.optimizer)
 
     def save(self, layout: RunLayout) -> None:
         layout.resolved.write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -85,11 +104,57 @@ class ResolvedRun:
         path = layout.resolved
         if not path.is_file():
             return None
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ZLError(f"{path}: unreadable ({e}); restore it, or start the run again without --resume.") from None
+        data = read_json_file(path, str(path), missing="", invalid="restore it, or start the run again without "
+                                                                  "--resume.")
         return cls.from_json(data, str(path))
+
+
+@dataclass(frozen=True)
+class _ResolvedFile:
+    """resolved_run.json as `ResolvedRun.to_json` writes it, with each field's type and range (the typed reader)."""
+
+    version: int
+    schedule: str
+    seq_len: Annotated[int, Bounds(2, MAX_SEQ_LEN)]
+    max_targets: Annotated[int, Bounds(0, MAX_SEQ_LEN)]
+    stage_lr: tuple[Annotated[float, Bounds(0)], ...]
+    stages: tuple[StageSpec, ...]
+    windows: WindowPlan
+    optimizer: OptimizerSettings
+
+
+def record_start(layout: RunLayout) -> None:
+    """Write RUN_DIR/started_run.json: train_settings.json and resolved_run.json as the run starts, what its
+    checkpoints are trained with. `--resume` checks both files against it (`check_as_started`), so an edited file
+    (a learning rate, a window, AdamW's eps) is refused instead of silently training another adapter."""
+    record = {"train_settings": json.loads(layout.settings.read_text()),
+              "resolved_run": json.loads(layout.resolved.read_text())}
+    tmp = layout.started.with_name(f".{layout.started.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(layout.started)
+
+
+def check_as_started(layout: RunLayout, key: str, path: Path, current: Any) -> None:
+    """Raise ZLError when `current`, the JSON value of `path` (RUN_DIR's train_settings.json, key "train_settings",
+    or resolved_run.json, "resolved_run"), differs from what the run started with (`record_start`). A run started
+    before zl recorded it passes.
+
+    Raises:
+        ZLError: '--resume: <path> "<field>" is X, the run started with Y ...', or an unreadable record.
+    """
+    if not layout.started.is_file():
+        return
+    fix = "restore it from a copy of the run directory, or start the run again without --resume"
+    record = typed(dict[str, Any], read_json_file(layout.started, str(layout.started), missing="", invalid=fix + "."),
+                   str(layout.started), fix)
+    if key not in record:
+        raise ZLError(f'{layout.started}: "{key}" is missing; {fix}.')
+    found = first_difference(current, record[key])
+    if found is not None:
+        field, now, then = found
+        raise ZLError(f'--resume: {path} "{field or "(the file)"}" is {shown(now)}, the run started with '
+                      f"{shown(then)} (its checkpoints were trained with it, {layout.started.name}); put it back, or "
+                      "start a new run with the settings you want (zl train --out NEW_DIR ...).")
 
 
 def run_stage_lr(s: TrainSettings, num_stages: int | None = None) -> tuple[float, ...]:
@@ -127,6 +192,10 @@ def resolve_run(s: TrainSettings, tokenizer, layout: RunLayout, say) -> tuple[Re
 
     saved = ResolvedRun.load(layout) if s.resume else None
     if saved is not None:
+        check_as_started(layout, "resolved_run", layout.resolved, json.loads(layout.resolved.read_text()))
+        if saved.num_stages != s.split.count:
+            raise ZLError(f'{layout.resolved}: "stages" has {saved.num_stages} stage(s), the run has {s.split.count} '
+                          f"({s.split.stages or s.split.count}); restore it, or start the run again without --resume.")
         shard, dev = prepare_data(replace(s, export=replace(s.export, max_targets=saved.max_targets)), tokenizer,
                                   saved.seq_len, layout.data, say)
         return saved, shard, dev
@@ -138,4 +207,5 @@ def resolve_run(s: TrainSettings, tokenizer, layout: RunLayout, say) -> tuple[Re
         say(note)
     resolved = ResolvedRun.of(chosen, seq_len, run_max_targets(chosen, shard, say))
     resolved.save(layout)
+    record_start(layout)
     return resolved, shard, dev

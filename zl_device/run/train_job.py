@@ -27,7 +27,7 @@ from zl_base.settings import to_json
 from zl_device.formats.injection import Injection
 from zl_device.formats.run_layout import INCOMPLETE_MARKER, SETTINGS_FILE, RunLayout
 from zl_device.run.executorch_runtime import ExecuTorchRuntime
-from zl_device.run.resolved_run import resolve_run
+from zl_device.run.resolved_run import check_as_started, resolve_run
 from zl_device.run.runtime import Run, RunModel, Runtime, run_event
 from zl_device.run.torch_runtime import TorchRuntime
 from zl_device.run.train_settings import TrainSettings
@@ -235,6 +235,7 @@ def resumed_settings(s: TrainSettings) -> TrainSettings:
     Raises:
         ZLError: RUN_DIR holds no unfinished run.
     """
+    from zl_base.json_reader import read_json_file
     from zl_base.settings import from_json
 
     run_dir = Path(s.out).expanduser().resolve()
@@ -244,12 +245,20 @@ def resumed_settings(s: TrainSettings) -> TrainSettings:
                       "pass the --out of the run to continue.")
     if not is_unfinished(run_dir):
         raise ZLError(f"--resume --out {run_dir}: that run finished (its report is written); nothing to resume.")
-    settings = from_json(TrainSettings, json.loads(saved.read_text()), str(saved))
+    fix = "restore it, or start the run again without --resume"
+    data = read_json_file(saved, str(saved), missing="", invalid=fix + ".")
+    settings = from_json(TrainSettings, data, str(saved), fix=fix)
+    check_as_started(RunLayout(run_dir), "train_settings", saved, data)
     if settings.schedule is None:  # saved before --schedule existed (a run records the schedule its data chose)
         settings = replace(settings, schedule="zerolock")
     if settings.stage_lr is None and not RunLayout(run_dir).resolved.is_file():
         settings = replace(settings, stage_lr=started_stage_lr(RunLayout(run_dir), settings))
-    return replace(settings, out=run_dir, resume=True, inject_failure=None)
+    settings = replace(settings, out=run_dir, resume=True, inject_failure=None)
+    try:
+        settings.validate()
+    except ZLError as e:  # a range only the flags' checks know (they name the flag)
+        raise ZLError(f"{saved}: {e} {fix[0].upper()}{fix[1:]}.") from None
+    return settings
 
 
 def reopen_run(s: TrainSettings, say):

@@ -348,6 +348,21 @@ def test_a_stage_that_stops_is_blamed_not_the_ones_waiting_for_its_gradients(run
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_a_stage_that_diverges_stops_itself_before_its_gradient_reaches_upstream(data_file, tmp_path):
+    """Issue 56 item 5: the last stage at a huge lr steps into weights whose next forward is not finite; it stops
+    as a damaged run naming itself, and sends no non-finite gradient upstream (which stage 1 would have used and
+    been blamed for; a gradient that arrives non-finite anyway is refused on receipt, grad_frame_test.cpp)."""
+    from zl_device.run.train_job import run_training
+
+    out = tmp_path / "run"
+    with pytest.raises(ZLError, match=r"stage 2 on local-2 stopped with exit status 2 .*stage 2 window 1: its gradient "
+                                      r"for stage 1 \(micro-batch 2\) holds -?nan at element \d+; not sent, a damaged run"):
+        run_training(settings(out, data_file, schedule="async", stage_lr=(1.0, 1.0, 1e30)), say=lambda line: None)
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if (
+        out / "metrics.jsonl").is_file() else []
+    assert not [e for e in events if e["type"] == "failure" and e["stage"] != 2], events
+
+
 @pytest.mark.parametrize("done, live, blamed", [
     ([1, 1, 3], [True] * 3, 1),  # stage 1 parked in a forward: stage 2 finished what it had sent
     ([0, 1, 3], [True] * 3, 1),  # ... and stage 0 had not yet used the gradient stage 1 sent

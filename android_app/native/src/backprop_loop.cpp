@@ -178,11 +178,23 @@ Status StageRunner::take_grad(int64_t mb, double* wait_ms) {
   }
   ZL_ASSIGN_OR_RETURN(grad_hidden_, grad_hidden_f32(grad.frame, program_->batch(), program_->seq_len(),
                                                     program_->hidden_size()));
+  // Refused on receipt, before it reaches this stage's weights, and blamed on the stage that sent it (a runner of
+  // this version checks before it sends, in send_grad; a finite float32 past bfloat16's range arrives as inf).
+  const std::string bad = non_finite_grad(grad_hidden_, static_cast<uint32_t>(c.stage_index + 1), grad.micro_batch);
+  if (!bad.empty()) return damaged_run(static_cast<int64_t>(window), bad);
   return Status();
 }
 
 Status StageRunner::send_grad(int64_t mb, const float* grad_input) {
   const RunnerConfig& c = config_;
+  const int64_t numel = program_->batch() * program_->seq_len() * program_->hidden_size();
+  const int64_t bad = first_non_finite(grad_input, numel);
+  if (bad >= 0) {  // this stage diverged: say so here, rather than let stage k-1 step on it
+    return damaged_run(plan_.window_of(mb), "its gradient for stage " + std::to_string(c.stage_index - 1) +
+                                                " (micro-batch " + std::to_string(mb) + ") holds " +
+                                                std::to_string(grad_input[bad]) + " at element " +
+                                                std::to_string(bad) + "; not sent");
+  }
   ZL_ASSIGN_OR_RETURN(const Frame frame,
                       make_grad_frame(run_id_, static_cast<uint32_t>(c.stage_index),
                                       static_cast<uint64_t>(plan_.window_of(mb)), static_cast<uint64_t>(mb),

@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -699,6 +700,17 @@ Result<Frame> make_grad_frame(const RunId& run_id, uint32_t stage, uint64_t wind
 
 std::string check_grad_frame(const Frame& frame, int64_t batch, int64_t seq_len, int64_t hidden_size) {
   return check_grad_tensor(frame, batch, seq_len, hidden_size);
+}
+
+std::string non_finite_grad(const std::vector<float>& grad, uint32_t from_stage, uint64_t micro_batch) {
+  for (size_t i = 0; i < grad.size(); ++i) {
+    if (std::isfinite(grad[i])) continue;
+    const std::string sender = "stage " + std::to_string(from_stage);
+    return "the gradient " + sender + " sent for micro-batch " + std::to_string(micro_batch) + " holds " +
+           std::to_string(grad[i]) + " at element " + std::to_string(i) + " (" + sender +
+           " diverged; refused on receipt)";
+  }
+  return {};
 }
 
 Result<std::vector<float>> grad_hidden_f32(const Frame& frame, int64_t batch, int64_t seq_len,

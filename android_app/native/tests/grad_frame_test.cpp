@@ -110,5 +110,35 @@ TEST(GradFrameTest, AGradThatIsNotBSDFloatIsRefused) {
   EXPECT_FALSE(make_grad_frame(test_run(), 1, 0, 0, 0, s, d, grad.data()).ok());
 }
 
+// Issue 56 item 5: a gradient that is not finite is refused on receipt, blaming its sender; a finite float32
+// past bfloat16's range (which the sender's own check lets through) arrives as inf on the bf16 wire.
+TEST(GradFrameTest, ANonFiniteGradientIsRefusedOnReceiptNamingTheSender) {
+  constexpr int64_t b = 1, s = 2, d = 4;
+  std::vector<float> grad(b * s * d, 1.0e-3f);
+  const auto received = [&](DType wire) {
+    const Frame f = value_or_fail(make_grad_frame(test_run(), 2, 0, 9, b, s, d, grad.data(), wire));
+    FrameExpectation expect;
+    expect.batch = b;
+    expect.seq_len = s;
+    expect.hidden_size = d;
+    const std::vector<uint8_t> bytes = value_or_fail(encode_frame(f, test_key()));
+    const DecodeResult r = decode_frame(bytes.data(), bytes.size(), test_key(), expect);
+    EXPECT_TRUE(r.ok()) << r.reason;  // a valid frame: its values are the receiver's business
+    return value_or_fail(grad_hidden_f32(r.frame, b, s, d));
+  };
+  for (const DType wire : {DType::kBFloat16, DType::kFloat32}) EXPECT_EQ(non_finite_grad(received(wire), 2, 9), "");
+  grad[5] = std::numeric_limits<float>::quiet_NaN();
+  for (const DType wire : {DType::kBFloat16, DType::kFloat32}) {
+    const std::string why = non_finite_grad(received(wire), 2, 9);
+    EXPECT_NE(why.find("the gradient stage 2 sent for micro-batch 9 holds "), std::string::npos) << why;
+    EXPECT_NE(why.find("nan at element 5 (stage 2 diverged; refused on receipt)"), std::string::npos) << why;
+  }
+  grad[5] = 3.4e38f;  // finite in float32
+  EXPECT_EQ(non_finite_grad(received(DType::kFloat32), 2, 9), "");
+  EXPECT_NE(non_finite_grad(received(DType::kBFloat16), 2, 9).find("holds inf at element 5"), std::string::npos);
+  grad[5] = -std::numeric_limits<float>::infinity();
+  EXPECT_NE(non_finite_grad(received(DType::kFloat32), 2, 9).find("holds -inf at element 5"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace zl

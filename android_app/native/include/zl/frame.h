@@ -258,6 +258,13 @@ Result<Frame> make_grad_frame(const RunId& run_id, uint32_t stage, uint64_t wind
 /// accepts in a GRAD), else why not.
 std::string check_grad_frame(const Frame& frame, int64_t batch, int64_t seq_len, int64_t hidden_size);
 
+/// "" when every value of `grad` (a GRAD's grad_hidden as float32, from
+/// grad_hidden_f32) is finite; else which is not, blaming the stage that
+/// sent it, `from_stage`, for micro-batch `micro_batch`. A receiver refuses
+/// such a gradient before it reaches its weights (a finite float32 past
+/// bfloat16's range arrives as inf on the bf16 wire).
+std::string non_finite_grad(const std::vector<float>& grad, uint32_t from_stage, uint64_t micro_batch);
+
 /// A GRAD frame's grad_hidden as float32 (bf16 widened exactly), B*S*D
 /// elements row-major. kInvalidArgument naming what was seen when the frame
 /// is not a GRAD, or its tensor is missing, not bfloat16/float32, or not

@@ -4,7 +4,8 @@ An `EmulatedPhone` quacks like an adbutils device (`serial`, `shell`, `sync.push
 iter_directory/read_text`, `forward/reverse/..._remove_all`) and is backed by a real folder on this host,
 its root: device paths under /sdcard, /storage and /data map to ROOT/sdcard/..., ROOT/data/... Shell
 commands run in a real `sh` with those paths rewritten and a PATH that puts the phone's Android commands
-first (`am`, `pidof`, `dumpsys`, `pm`, `getprop`, `ip`: one busybox-style script, PHONE_COMMANDS); the rest
+first (`am`, `pidof`, `dumpsys`, `pm`, `getprop`, `ip`, `settings`, `input`: one busybox-style script,
+PHONE_COMMANDS); the rest
 (`cat`, `rm`, `mv`, `mkdir`, `stat`, `df`, `sha256sum`, `kill`) are this host's. Output has the root cut out
 again, so the host sees device paths, as from a phone.
 
@@ -161,13 +162,24 @@ case "$(basename "$0")" in
       ro.product.cpu.abilist) echo arm64-v8a,armeabi-v7a,armeabi ;;
       ro.build.version.release) echo 14 ;;
     esac ;;
+  settings)  # Android's settings provider: one file per setting under the phone's state ("null": none)
+    file="$ZLEMU_STATE/settings/$2/$3"
+    case "$1" in
+      get) cat "$file" 2>/dev/null || echo null ;;
+      put) mkdir -p "$(dirname "$file")" && printf '%s\n' "$4" > "$file" ;;
+      delete) rm -f "$file" ;;
+      *) echo "emulated settings: unsupported: $*" >&2; exit 1 ;;
+    esac ;;
+  input)
+    [ "$1" = keyevent ] || { echo "emulated input: unsupported: $*" >&2; exit 1; }
+    echo "$2" >> "$ZLEMU_STATE/keyevents" ;;
   ip)
     [ "$*" = "-f inet addr show wlan0" ] || { echo "emulated ip: unsupported: $*" >&2; exit 1; }
     printf '47: wlan0: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 1500 qdisc mq state UP group default qlen 3000\n'
     printf '    inet %s/8 brd 127.255.255.255 scope global wlan0\n' "$ZLEMU_WIFI_IP" ;;
 esac
 """
-_COMMANDS = ("am", "pidof", "dumpsys", "pm", "getprop", "ip")
+_COMMANDS = ("am", "pidof", "dumpsys", "pm", "getprop", "ip", "settings", "input")
 
 
 @dataclass(frozen=True)
@@ -263,6 +275,17 @@ class EmulatedPhone:
         # whose float order the tests compare bit for bit with local devices: a phone's runner must use the same
         # ones as the local runners, which inherit the host's environment.
         self._env.update({k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")})
+
+    def setting(self, namespace: str, key: str) -> str | None:
+        """A value of Android's settings on this phone (`settings get`); None: not set."""
+        path = self.state / "settings" / namespace / key
+        return path.read_text().strip() if path.is_file() else None
+
+    def put_setting(self, namespace: str, key: str, value: str) -> None:
+        """What the phone's owner set (`settings put`)."""
+        path = self.state / "settings" / namespace / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(value + "\n")
 
     def local(self, device_path: str) -> Path:
         """The host path of a device path (/sdcard/x -> ROOT/sdcard/x)."""

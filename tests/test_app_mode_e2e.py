@@ -96,6 +96,8 @@ def test_app_mode_on_emulated_phones_trains_like_local_devices(clean_run, export
     for k, phone in enumerate(phones):
         assert_ran_in_the_app(phone, k, starts=1)
         assert (result.run_dir / "logs" / phone.serial / "runner.exit").read_text() == "0\n"
+        # The app's service holds a wake lock: the phone's sleep settings are not touched (binary mode's are).
+        assert not [c for c in phone.commands if "settings " in c or "keyevent" in c], phone.commands
     run = next(e for e in events_of(result.run_dir) if e["type"] == "run")
     assert run["devices"] == list(SERIALS) and run["control_heartbeats"] == [True, True, True]
     assert not [e for e in events_of(result.run_dir) if e["type"] in ("failure", "restart")]

@@ -60,8 +60,16 @@ def test_binary_mode_standby_takes_over_a_killed_stage_on_a_phone(clean_run, exp
     """As tests/test_train.py's hot standby test, on phones: the replacement of the killed stage (every stage,
     under global recovery) is the standby that loaded its program before the failure, told over `adb shell` to
     take over; it is the phone's runner from then on (runner.pid, runner.exit); the adapter is the clean run's."""
+    phones[0].put_setting("system", "screen_off_timeout", "30000")  # its owner's: 30 s
     result = train(tmp_path / "run", export_cache, data=str(data_file), devices=",".join(SERIALS), mode="binary",
                    inject_failure="1@2", recovery=recovery, standby=True)
+    for phone in phones:  # kept awake for the run (issue 56 item 6), and given its own settings back at the end
+        awake = [c for c in phone.commands if "settings put global stay_on_while_plugged_in 7" in c]
+        assert len(awake) == 1 and "settings put system screen_off_timeout 2147483647" in awake[0], phone.commands
+        assert (phone.state / "keyevents").read_text() == "KEYCODE_WAKEUP\n"
+        assert phone.setting("global", "stay_on_while_plugged_in") is None  # it had none
+        assert phone.setting("system", "screen_off_timeout") == ("30000" if phone is phones[0] else None)
+        assert not phone.local(f"{WORKDIR}/{zadb.AWAKE_FILE}").exists()
     events = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     failure = next(e for e in events if e["type"] == "failure")
     assert failure["stage"] == 1 and failure["reason"] == "exited with status -9", failure
@@ -96,3 +104,32 @@ def test_binary_mode_standby_takes_over_a_killed_stage_on_a_phone(clean_run, exp
     assert got.keys() == clean.keys()
     for name, t in clean.items():
         assert torch.equal(got[name], t), name
+
+
+def test_a_phone_kept_awake_gets_its_settings_back_when_the_run_fails_or_zl_was_killed(phones, tmp_path):
+    """`kept_awake` puts each phone's own values back when the run inside fails; a zl killed before it could
+    leaves them saved on the phone, and the next run restores from those, not from the values zl had set."""
+    from zl_device.devices.adb import AWAKE_FILE, AdbDevice
+    from zl_device.executorch.launch import kept_awake
+
+    client = emulated_client(phones)
+    devices = [AdbDevice(s, client) for s in SERIALS[:2]]
+    phones[0].put_setting("global", "stay_on_while_plugged_in", "3")
+    phones[0].put_setting("system", "screen_off_timeout", "60000")
+    said = []
+    with pytest.raises(RuntimeError, match="the run failed"), kept_awake(devices, said.append):
+        assert phones[0].setting("system", "screen_off_timeout") == "2147483647"
+        assert phones[1].setting("global", "stay_on_while_plugged_in") == "7"
+        raise RuntimeError("the run failed")
+    assert said == ["phones: zlemu-0, zlemu-1 kept awake (stays on while powered, no screen timeout) for the run; "
+                    "their own settings come back when it ends"]
+    assert (phones[0].setting("global", "stay_on_while_plugged_in"), phones[0].setting("system", "screen_off_timeout"),
+            phones[1].setting("system", "screen_off_timeout")) == ("3", "60000", None)
+
+    devices[0].keep_awake()  # ... and zl was killed here: no restore
+    assert phones[0].local(f"{WORKDIR}/{AWAKE_FILE}").is_file()
+    with kept_awake(devices[:1], said.append):  # the next run
+        pass
+    assert phones[0].setting("system", "screen_off_timeout") == "60000"  # the owner's, not 2147483647
+    assert phones[0].setting("global", "stay_on_while_plugged_in") == "3"
+    assert not phones[0].local(f"{WORKDIR}/{AWAKE_FILE}").exists()

@@ -363,6 +363,52 @@ def test_a_stage_that_diverges_stops_itself_before_its_gradient_reaches_upstream
     assert not [e for e in events if e["type"] == "failure" and e["stage"] != 2], events
 
 
+def _stop_at_the_hold(monkeypatch):
+    """--inject-failure's hold, then SIGSTOP instead of SIGKILL: the stage stays, frozen, heartbeats and all."""
+    import signal
+
+    from zl_device.executorch.coordinator import Coordinator
+
+    inject = Coordinator._maybe_inject
+
+    def stop_instead(self):
+        if self.injection is None or self._injected:
+            return inject(self)
+        device = self.plans[self.injection.stage].device
+        device.kill_runner = lambda: device.signal_runner(signal.SIGSTOP)  # shadows the method once
+        try:
+            inject(self)
+        finally:
+            del device.kill_runner
+
+    monkeypatch.setattr(Coordinator, "_maybe_inject", stop_instead)
+
+
+#: Issue 56 item 4: every schedule, every stage frozen (SIGSTOP); the re-probe's case, 1f1b stage 1, by default.
+FROZEN = [pytest.param(schedule, stage, marks=() if (schedule, stage) == ("1f1b", 1) else (pytest.mark.slow,))
+          for schedule in ("zerolock", "gpipe", "1f1b", "async") for stage in range(3)]
+
+
+@pytest.mark.parametrize("schedule, stage", FROZEN)
+def test_a_frozen_stage_is_blamed_under_every_schedule(runs, data_file, tmp_path, monkeypatch, schedule, stage):
+    """A stage stopped with SIGSTOP at its hold (in the middle of window 1) sends no heartbeats; with the stall
+    timeout below the heartbeat timeout, the stall is seen first. Under 1f1b the micro-batch counts can be level
+    (the flush), and the count rule blamed stage 2, which was waiting (the re-probe); the silent stage is the one
+    blamed now, and recovery ends with the uninterrupted run's adapter."""
+    from zl_device.run.train_job import run_training
+
+    _stop_at_the_hold(monkeypatch)
+    run = run_training(settings(tmp_path / "run", data_file, schedule=schedule, inject_failure=f"{stage}@1",
+                                stall_timeout_s=10.0, heartbeat_timeout_s=120.0, timeout_s=240,
+                                split=split_of(runs(schedule))), say=lambda line: None)
+    events = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    failures = [e for e in events if e["type"] == "failure"]
+    assert [f["stage"] for f in failures] == [stage], failures
+    assert failures[0]["reason"].startswith("stalled") and "stopped or frozen" in failures[0]["reason"], failures
+    got, want = adapter(run.run_dir), adapter(runs(schedule))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("done, live, blamed", [
     ([1, 1, 3], [True] * 3, 1),  # stage 1 parked in a forward: stage 2 finished what it had sent
     ([0, 1, 3], [True] * 3, 1),  # ... and stage 0 had not yet used the gradient stage 1 sent

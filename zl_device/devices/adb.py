@@ -13,6 +13,7 @@ Every adb failure becomes a `ZLError` that names the phone and the fix.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -49,6 +50,13 @@ from zl_device.devices.backend import (
 log = logging.getLogger(__name__)
 
 REMOTE_ROOT = "/data/local/tmp/zerolock"
+# What `keep_awake` sets for a run in --mode binary, where nothing else keeps a phone awake: a process started over
+# `adb shell` holds no wake lock, so a phone whose screen goes off suspends its stage. Stay on while powered (USB,
+# AC or wireless: 7, what `svc power stayon true` writes), and no screen timeout for an unplugged one.
+AWAKE_SETTINGS = (("global", "stay_on_while_plugged_in", "7"), ("system", "screen_off_timeout", "2147483647"))
+# In the workdir while a run holds the phone awake: its own values of AWAKE_SETTINGS, to put back. A zl that could
+# not (killed) leaves it, and the next run restores from it, not from the values that zl had set.
+AWAKE_FILE = "awake_settings.json"
 REQUIRED_ABI = "arm64-v8a"
 DEFAULT_PORT = 5037
 _SHELL_TIMEOUT_S = 30.0
@@ -318,6 +326,35 @@ class AdbDevice(Device):
 
     def address(self) -> str | None:
         return parse_wifi_ip(self.shell("ip -f inet addr show wlan0 2>/dev/null", "read its Wi-Fi address"))
+
+    def keep_awake(self) -> str | None:
+        saved = self.read_text(AWAKE_FILE)
+        if not saved:
+            said = self.shell("; ".join(f"settings get {ns} {key}" for ns, key, _ in AWAKE_SETTINGS),
+                              "read its sleep settings").split()
+            if len(said) != len(AWAKE_SETTINGS):
+                raise ZLError(f"{self.name}: `settings get` answered {said!r}; is the phone unlocked and adb "
+                              "authorized? Run `adb shell settings get system screen_off_timeout` to see.")
+            self.write_text(AWAKE_FILE, json.dumps({f"{ns} {key}": v for (ns, key, _), v in zip(AWAKE_SETTINGS, said)}))
+        self.shell("; ".join([f"settings put {ns} {key} {v}" for ns, key, v in AWAKE_SETTINGS]
+                             + ["input keyevent KEYCODE_WAKEUP"]), "keep it awake")
+        return "kept awake (stays on while powered, no screen timeout)"
+
+    def restore_sleep(self) -> None:
+        saved = self.read_text(AWAKE_FILE)
+        if not saved:
+            return
+        try:
+            values = json.loads(saved)
+        except ValueError:
+            values = {}
+        commands = []
+        for ns, key, _ in AWAKE_SETTINGS:
+            value = str(values.get(f"{ns} {key}", "null"))
+            ok = value.isdigit()  # both settings are numbers; "null": the phone had none, so none again
+            commands.append(f"settings put {ns} {key} {value}" if ok else f"settings delete {ns} {key}")
+        self.shell("; ".join(commands), "restore its sleep settings")
+        self.remove(AWAKE_FILE)
 
     def runner_version(self) -> str | None:
         if not self.runs_runner_binary:  # the app carries its runtime; no zl_runner in its folder

@@ -139,6 +139,12 @@ class AppDevice(AdbDevice):
     def __init__(self, serial: str, client, workdir: str = APP_WORKDIR, link_profile: str = "local"):
         super().__init__(serial, client, workdir=workdir, link_profile=link_profile)
 
+    def keep_awake(self) -> str | None:
+        return None  # the app's foreground service holds a wake lock for the run (RunnerService.kt)
+
+    def restore_sleep(self) -> None:
+        return None
+
     # --- no hot standby: the app's service runs one runner (docs/design.md §5.5) ------------------------
 
     supports_standby = False

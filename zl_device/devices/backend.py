@@ -187,6 +187,14 @@ class Device(ABC):
         """
         return None
 
+    def keep_awake(self) -> str | None:
+        """Keep the device from sleeping while a run's stages are on it (`restore_sleep` undoes it). Returns what
+        was done, as a phrase for the live view; None when there is nothing to do (a local device)."""
+        return None
+
+    def restore_sleep(self) -> None:
+        """Put back what `keep_awake` changed; nothing when it changed nothing."""
+
     def runner_version(self) -> str | None:
         """`zl_runner --version` of the runner in the workdir, run there as stages are (one line: zl's version,
         ExecuTorch's, the architecture, static or dynamic); None when none is there or it does not answer."""

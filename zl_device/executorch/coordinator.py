@@ -203,6 +203,7 @@ class Coordinator(HealthChecks, Recovery, Pauses, DeviceFiles):
         payload = e.payload if isinstance(e.payload, dict) else {}
         s = self.status[e.stage]
         s.last_sign_of_life = e.t
+        s.control_seen = True
         if e.type == FrameType.HEARTBEAT:
             s.heartbeat_seen = True
             s.progressed(int(payload.get("micro_batches_done", 0)), e.t)

@@ -28,6 +28,13 @@ from zl_device.executorch.pauses import EXIT_STOPPED
 
 log = logging.getLogger(__name__)
 
+# A stage whose heartbeats (every second, from the runner's timer thread) stopped this long while the pipeline
+# stalls is the stage that stopped -- SIGSTOP, a frozen phone, a hung process -- whatever the micro-batch counts
+# say (`silent_stage`): under a flushed schedule the counts of every stage can be level at a window's edge, and
+# the count rule then blamed a starved neighbour (issue 56). Well under `heartbeat_timeout_s`, which fails such a
+# stage by itself when no stall is seen first.
+SILENT_S = 3.0  # three heartbeats missed
+
 # A pass of the coordinator's loop that began this much later than it should have means the host itself did not run
 # (a laptop starved by other work, suspended or swapping): heartbeats sent meanwhile are queued, not missing, so
 # that time is no stage's silence (`_forgive_host_gap`).
@@ -96,19 +103,35 @@ class HealthChecks:
                 continue
             done = [st.micro_batches_done if live[i] else self.windows.num_micro_batches
                     for i, st in enumerate(self.status)]
-            blamed = stalled_backprop_stage(done, live) if self.backprop else stalled_stage(done, live, k)
+            silent = silent_stage(self.status, live, now)
+            if silent is not None:
+                blamed = silent
+            else:
+                blamed = stalled_backprop_stage(done, live) if self.backprop else stalled_stage(done, live, k)
             b = self.status[blamed]
             if not live[blamed] or now - b.last_progress < self.stall_timeout_s:
                 continue
             if b.state == "paused":
                 continue  # the stall leads to a stage a device policy holds: waiting for it is no failure
             still = now - b.last_progress
-            log.warning("stage %d made no progress for %.0f s at micro-batch %d with its input there: restarting it",
-                        blamed, still, b.micro_batches_done)
+            why = (f"silent for {now - b.last_sign_of_life:.0f} s: stopped or frozen" if silent is not None else
+                   "alive; input available")
+            log.warning("stage %d made no progress for %.0f s at micro-batch %d (%s): restarting it", blamed, still,
+                        b.micro_batches_done, why)
             self.plans[blamed].device.kill_runner()
             self._failed(blamed, now, f"stalled: no progress for {still:.0f} s at micro-batch "
-                                      f"{b.micro_batches_done} (alive; input available)", stalled_s=still)
+                                      f"{b.micro_batches_done} ({why})", stalled_s=still)
             return
+
+
+def silent_stage(status: Sequence, live: Sequence[bool], now: float, silent_s: float = SILENT_S) -> int | None:
+    """The live stage whose control frames stopped longest ago, more than `silent_s` seconds ago (`SILENT_S`); None
+    while every live stage whose runner has connected (`control_seen`) still beats. A stage restarting is not
+    counted (its new runner sends nothing until it has loaded), nor one without a control connection, whose only
+    signs of life are its telemetry lines. `status`: each stage's `StageStatus`."""
+    quiet = [(now - s.last_sign_of_life, k) for k, s in enumerate(status)
+             if live[k] and s.state != "restarting" and s.control_seen and now - s.last_sign_of_life > silent_s]
+    return max(quiet)[1] if quiet else None
 
 
 def stalled_backprop_stage(done: Sequence[int], live: Sequence[bool]) -> int:

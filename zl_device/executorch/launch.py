@@ -10,6 +10,7 @@ stay up while the caller runs the coordinator; both go when it leaves.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -29,6 +30,8 @@ from zl_device.formats.stage_spec import StageSpec
 from zl_device.formats.windows import WindowPlan
 from zl_export.manifest import Manifest
 from zl_export.stages import stages_phrase
+
+log = logging.getLogger(__name__)
 
 
 class LaunchSettings(Protocol):
@@ -98,12 +101,38 @@ def launch(s: LaunchSettings, run_plan: RunPlan, devices: Sequence[Device], loca
                        num_stages=num_stages) as control:
         plan = address_plan(stage_devices, control.address[1], local)
         try:
-            yield _deploy_and_coordinate(s, run_plan, stage_devices, spares, run_dir, export_dir, manifest, shard,
-                                         plan, key_file, run_id, control, injection, say)
+            launched = _deploy_and_coordinate(s, run_plan, stage_devices, spares, run_dir, export_dir, manifest,
+                                              shard, plan, key_file, run_id, control, injection, say)
+            with kept_awake(stage_devices + spares, say):
+                yield launched
         finally:
             if plan.tunnels:
                 for device in devices:
                     device.remove_tunnels()
+
+
+@contextmanager
+def kept_awake(devices: Sequence[Device], say) -> Iterator[None]:
+    """Keep every device awake while the run is on it (`Device.keep_awake`: phones in --mode binary, whose runner
+    holds no wake lock), and put each one's own settings back when the run ends, fails or is stopped; says so."""
+    done: list[Device] = []
+    awake: dict[str, str] = {}  # device name -> what was done
+    try:
+        for device in devices:
+            phrase = device.keep_awake()
+            done.append(device)
+            if phrase is not None:
+                awake[device.name] = phrase
+        if awake:
+            say(f"phones: {', '.join(awake)} {next(iter(awake.values()))} for the run; their own settings come "
+                "back when it ends")
+        yield
+    finally:
+        for device in done:
+            try:
+                device.restore_sleep()
+            except ZLError as e:  # a phone gone: the settings stay saved on it, the next run restores them
+                log.warning("%s: could not restore its sleep settings (%s); the next run on it will", device.name, e)
 
 
 def control_bind_host(stage_devices: Sequence[Device], local: bool) -> str:

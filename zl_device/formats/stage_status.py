@@ -24,6 +24,7 @@ class StageStatus:
     last_sign_of_life: float = field(default_factory=time.monotonic)
     last_progress: float = field(default_factory=time.monotonic)  # a micro-batch done, a window committed, a start
     heartbeat_seen: bool = False
+    control_seen: bool = False  # its runner's control frames come (REGISTER, then a HEARTBEAT every second)
     commit_times: dict[int, float] = field(default_factory=dict)  # window -> time.monotonic() of its commit
     pause_reason: str | None = None  # the limit a device policy holds it for: pausing, then paused (§5.8)
     paused_since: float | None = None  # time.monotonic() its runner stopped for the pause

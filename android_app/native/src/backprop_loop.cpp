@@ -125,6 +125,9 @@ Status StageRunner::forward_op(int64_t mb) {
   const int64_t version = forward_version(schedule_, c.stage_index, c.num_stages, plan_, mb);
   ZL_ASSIGN_OR_RETURN(const std::vector<std::vector<float>>* stashed, weights_of(version, mb));
   versions_.forwarded(mb, version);
+  if (program_->is_last() && mb == c.hold_at_micro_batch) {
+    return hold(mb);  // failure injection: its input taken, its loss and gradient not (the last stage sends nothing)
+  }
   if (!program_->is_last()) {
     MicroBatchRecord timing;
     if (!instances_.empty()) {

@@ -312,3 +312,37 @@ def test_a_training_stage_program_in_the_program_runner_is_one_line(tmp_path):
     with pytest.raises(ZLError, match=f"^--program {path}: the program has no method get_max_seq_len, get_eos_ids, "
                                       "get_vocab_size, so it is no inference program of `zl export-model`"):
         ProgramRunner(path)
+
+
+# --- the other files --resume and zl merge read back -------------------------------------------------------------
+
+
+def test_a_damaged_stage_config_torch_job_or_checkpoint_progress_is_one_line(tmp_path):
+    from zl_device.executorch.launch import saved_run_key
+    from zl_device.results.adapter import _read_progress
+    from zl_device.torch.job import TorchJob
+
+    (tmp_path / "run.key").write_text("00" * 32 + "\n")
+    for text, problem in (("[1]", 'the file is \\[1\\], expected an object'), ('{"run_id": 7}', '"run_id" is 7, '
+                                                                                                 "expected a string"),
+                          ("{", "not valid JSON")):
+        (tmp_path / "stage_0.json").write_text(text)
+        with pytest.raises(ZLError, match=f"stage_0.json: {problem}.*; restore it \\(each device holds a copy\\)"):
+            saved_run_key(tmp_path)
+    (tmp_path / "stage_0.json").write_text('{"run_id": "ab", "program": "x"}')
+    assert saved_run_key(tmp_path)[1] == "ab"
+
+    job = tmp_path / "torch_job.json"
+    TorchJob("tiny-random", "m.json", "s.safetensors", "ab", 2, 8, 1, [0.002] * 3, 0.0, {"kind": "constant"}, "c",
+             "m").save(job)
+    assert TorchJob.load(job).num_stages == 3
+    _edit(job, lambda d: d.update(lr="fast"))
+    with pytest.raises(ZLError, match=r"torch_job.json \(torch_job.json\): \"lr\" is \"fast\", expected a list of "
+                                      r"numbers; `zl train --runtime torch` writes one"):
+        TorchJob.load(job)
+
+    progress = tmp_path / "progress.json"
+    progress.write_text("[]")
+    with pytest.raises(ZLError, match=r"checkpoint file .*progress.json: the file is \[\], expected an object; the "
+                                      "checkpoint is corrupt, merge another --window."):
+        _read_progress(progress, 0, 0)

@@ -87,9 +87,13 @@ def data_records(rng: random.Random, b: int = B, s: int = S, d: int = D) -> list
             record(2, b"labels", (b, s), labels)]
 
 
-def grad_records(rng: random.Random, code: int = 5, b: int = B, s: int = S, d: int = D) -> list[bytes]:
-    """A GRAD frame's one record: grad_hidden [B,S,D], bfloat16 (code 5, the default on the wire) or float32 (1)."""
+def grad_records(rng: random.Random, code: int = 5, b: int = B, s: int = S, d: int = D,
+                 poison: float | None = None) -> list[bytes]:
+    """A GRAD frame's one record: grad_hidden [B,S,D], bfloat16 (code 5, the default on the wire) or float32 (1);
+    with `poison`, that value at a random element (NaN, inf, or a float32 past bfloat16's range)."""
     grad = np.array([rng.uniform(-1e-3, 1e-3) for _ in range(b * s * d)], np.float32)
+    if poison is not None:
+        grad[rng.randrange(grad.size)] = poison
     raw = frames.to_bfloat16(grad).tobytes() if code == 5 else grad.tobytes()
     return [record(code, b"grad_hidden", (b, s, d), raw)]
 
@@ -216,6 +220,11 @@ def corpus() -> list[tuple[bytes, str]]:
                  [record(1, b"grad_hidden", (B, S, D), bytes(2 * B * S * D))]):  # bf16 bytes, f32
         out.append((signed(4, b"", recs), "bad"))
     out.append((signed(4, b'{"a":NaN}', grad_records(rng)), "bad"))
+    # GRAD values that are not finite (issue 56): valid frames, which a runner refuses on receipt (non_finite_grad),
+    # both decoders naming the same element; 3.4e38 is finite in float32 and inf once narrowed to bfloat16.
+    for poison in (float("nan"), float("inf"), float("-inf"), 3.4e38, -3.4e38) * 4:
+        for code in (5, 1):
+            out.append((signed(4, b"", grad_records(rng, code, poison=poison)), "any"))
     out.append((signed(4, b"", grad_records(rng), stage=1), "bad"))
     out.append((signed(4, b"", grad_records(rng), seq=0), "bad"))
     # Session and sequence: another connection's session, none, and a sequence number already used (0: the HELLO's).
@@ -322,6 +331,23 @@ def cpp_summary(spec: dict) -> dict:
     return out
 
 
+def non_finite_at(f: frames.Frame) -> int | None:
+    """The first element of a GRAD's grad_hidden (widened to float32) that is not finite; None: all are, or no GRAD."""
+    if f.type != FrameType.GRAD:
+        return None
+    bad = np.flatnonzero(~np.isfinite(frames.grad_hidden(f, (B, S, D)).reshape(-1)))
+    return int(bad[0]) if bad.size else None
+
+
+def refusal_names(refusal: str | None, f: frames.Frame) -> int | None:
+    """The element the C++ receiver's refusal (`non_finite_grad`, zl_frame_tool's "grad_refusal") names, after
+    checking that it blames the sender, the frame's stage; None: no refusal."""
+    if refusal is None:
+        return None
+    assert f"the gradient stage {f.stage} sent for micro-batch {f.micro_batch} holds " in refusal, refusal
+    return int(refusal.split(" at element ")[1].split(" ")[0])
+
+
 def reencode(f: frames.Frame, wire: bytes) -> bytes:
     """What a key holder's encoder writes for `f` with the original JSON bytes and nonce."""
     json_len = struct.unpack_from("<I", wire, 56)[0]
@@ -385,6 +411,8 @@ def test_corpus_is_big_and_varied(fuzz_corpus):
     accepted = {frames._DTYPE_NAMES[frames._DTYPE_CODES[r.tensors["grad_hidden"].dtype]]
                 for r, _ in grads if not isinstance(r, dict)}
     assert accepted == {"bfloat16", "float32"}
+    poisoned = [r for r, _ in grads if not isinstance(r, dict) and non_finite_at(r) is not None]
+    assert len(poisoned) >= 30  # NaN, inf, -inf in both dtypes, and the float32 max narrowed to bf16 inf
     grad_errors = {r["error"] for r, _ in grads if isinstance(r, dict)}
     assert {"bad_mac", "unexpected_tensor", "bad_tensor", "length_mismatch", "truncated", "replay"} <= grad_errors
     assert len(grads) > 1000
@@ -425,6 +453,8 @@ def test_cpp_and_python_decoders_agree_on_every_frame(fuzz_corpus, tmp_path):
         assert label != "bad", f"frame {i} was built invalid but C++ accepted it"
         if cpp_summary(cpp) != summary(py):
             disagreements.append((i, cpp_summary(cpp), summary(py)))
+        if refusal_names(cpp.get("grad_refusal"), py) != non_finite_at(py):
+            disagreements.append((i, cpp.get("grad_refusal"), non_finite_at(py)))
     assert not disagreements, f"{len(disagreements)} disagreements, first: {disagreements[:5]}"
 
 

@@ -409,6 +409,22 @@ def test_a_frozen_stage_is_blamed_under_every_schedule(runs, data_file, tmp_path
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, stage", [(sc, k) for sc in ("zerolock", "gpipe", "1f1b", "async") for k in range(3)])
+def test_a_killed_stage_is_found_and_recovered_under_every_schedule(runs, data_file, tmp_path, schedule, stage):
+    """The live fault matrix's other half (issue 56 item 7): SIGKILL of each stage at its hold, every schedule; the
+    failure names it and the run ends with the uninterrupted run's adapter."""
+    from zl_device.run.train_job import run_training
+
+    run = run_training(settings(tmp_path / "run", data_file, schedule=schedule, inject_failure=f"{stage}@1",
+                                split=split_of(runs(schedule))), say=lambda line: None)
+    events = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    failures = [e for e in events if e["type"] == "failure"]
+    assert [f["stage"] for f in failures] == [stage] and failures[0]["reason"].startswith("exited"), failures
+    got, want = adapter(run.run_dir), adapter(runs(schedule))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("done, live, blamed", [
     ([1, 1, 3], [True] * 3, 1),  # stage 1 parked in a forward: stage 2 finished what it had sent
     ([0, 1, 3], [True] * 3, 1),  # ... and stage 0 had not yet used the gradient stage 1 sent

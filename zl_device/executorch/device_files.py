@@ -52,8 +52,9 @@ class DeviceFiles:
             return 0
         text = plan.device.read_text(self.layout.device_progress(plan.checkpoint_dir, w))
         try:
-            return int(json.loads(text or "{}").get("micro_batches_done", self.windows.done_after(w)))
-        except ValueError:
+            done = json.loads(text or "{}").get("micro_batches_done", self.windows.done_after(w))
+            return done if isinstance(done, int) and not isinstance(done, bool) else self.windows.done_after(w)
+        except (ValueError, AttributeError, RecursionError):  # damaged: the runner refuses it itself on --resume
             return self.windows.done_after(w)
 
     def _resume_point_mb(self, plan: StagePlan) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from zl_base.errors import ZLError
+from zl_base.json_reader import read_json_file, typed
 from zl_device.devices.backend import Device
 from zl_device.executorch.device_policy import DevicePolicy
 from zl_device.formats.lr_schedule import OptimizerSettings
@@ -164,7 +165,16 @@ def saved_run_key(run_dir: Path) -> tuple[Path, str]:
     if not key_file.is_file() or not config.is_file():
         raise ZLError(f"--resume --out {run_dir}: no run.key or stage_0.json there, so the run never started its "
                       "stages; start it again without --resume.")
-    return key_file, json.loads(config.read_text())["run_id"]
+    fix = "restore it (each device holds a copy), or start the run again without --resume"
+    data = read_json_file(config, str(config), missing=fix + ".", invalid=fix + ".")
+    return key_file, typed(_RunIdOnly, data, str(config), fix, others=True).run_id
+
+
+@dataclass(frozen=True)
+class _RunIdOnly:
+    """What `saved_run_key` reads of a runner config."""
+
+    run_id: str
 
 
 def write_secret(path: Path, text: str) -> None:

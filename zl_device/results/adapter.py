@@ -26,10 +26,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from zl_base.errors import ZLError
+from zl_base.json_reader import read_json_file, typed
 from zl_device.formats.checkpoints import DEFAULT_LAYOUT, CheckpointLayout
 from zl_device.formats.tensor_files import check_finite, read_tensors
 from zl_export.lora import adapter_config
@@ -229,10 +231,9 @@ def _read_progress(path: Path, k: int, window: int) -> dict:
             f"checkpoint file {path} is missing, so the checkpoint is incomplete (the runner writes it with every "
             "window); copy the whole window directory, or merge another --window."
         )
-    try:
-        progress = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ZLError(f"checkpoint file {path}: not valid JSON ({e.msg}); the checkpoint is corrupt, merge another --window.") from e
+    fix = "the checkpoint is corrupt, merge another --window"
+    progress = typed(dict[str, Any], read_json_file(path, f"checkpoint file {path}", missing=fix + ".",
+                                                    invalid=fix + "."), f"checkpoint file {path}", fix)
     if progress.get("format") != "zl-checkpoint":
         raise ZLError(f"checkpoint file {path}: format {progress.get('format')!r}, expected 'zl-checkpoint'.")
     if progress.get("stage") != k:

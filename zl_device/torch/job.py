@@ -74,12 +74,12 @@ class TorchJob:
 
     @staticmethod
     def load(path: Path | str) -> TorchJob:
+        from zl_base.json_reader import read_json_file, typed
+
         path = Path(path)
-        try:
-            return TorchJob(**json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError, TypeError) as e:
-            raise ZLError(f"{path}: not a readable {TORCH_JOB} ({e}); `zl train --runtime torch` writes one into "
-                          "its run directory.") from e
+        fix = "`zl train --runtime torch` writes one into its run directory; restore it, or start the run again"
+        data = read_json_file(path, str(path), missing=fix + ".", invalid=fix + ".")
+        return typed(TorchJob, data, f"{path} ({TORCH_JOB})", fix)
 
 
 def for_attempt(job: TorchJob, attempt: int) -> TorchJob:

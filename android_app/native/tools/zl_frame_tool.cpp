@@ -27,7 +27,8 @@
 // A corpus is a sequence of [u32 little-endian length][that many bytes].
 // decode-batch prints one line per corpus entry: the decode result as above,
 // with each tensor's data as "nbytes" and "digest" (keyed BLAKE2b-256 under
-// the all-zero key) instead of "data_hex". With --expect-sessions C, entry i
+// the all-zero key) instead of "data_hex", and for a GRAD "grad_refusal": why
+// a runner refuses its values on receipt (non_finite_grad), or null. With --expect-sessions C, entry i
 // is decoded as the first frame after the handshake of its own connection:
 // session C || i (u64 little-endian) || 8 zero bytes, sequence numbers from 1.
 // receive-batch starts a live Receiver (stage K+1, link K -> K+1) on
@@ -310,6 +311,12 @@ int decode_batch(const std::map<std::string, std::string>& args, const zl::Frame
                                    {"shape", t.shape},
                                    {"nbytes", t.data.size()},
                                    {"digest", zl::to_hex(digest.data(), digest.size())}});
+      }
+      if (r.frame.type == zl::FrameType::kGrad && expect.batch > 0) {  // what a runner's take_grad refuses
+        const auto grad = zl::grad_hidden_f32(r.frame, expect.batch, expect.seq_len, expect.hidden_size);
+        const std::string refusal =
+            grad.ok() ? zl::non_finite_grad(*grad, r.frame.stage, r.frame.micro_batch) : grad.status().message();
+        spec["grad_refusal"] = refusal.empty() ? json(nullptr) : json(refusal);
       }
       out += safe_dump(spec);
     }

@@ -86,7 +86,7 @@ def check_program(program: Path, flag: str = "--program") -> ProgramRecord:
             read; a program, or a tokenizer file, missing or not the one exported; a program without the methods
             `zl generate` calls.
     """
-    fix = f"export it again with `zl export-model --run RUN_DIR --out {program}`"
+    fix = "export one with `zl export-model RUN_DIR --out model.pte`"
     if not program.is_file():
         raise ZLError(f"{flag} {program}: no such file; pass the .pte `zl export-model` wrote.")
     record_file = record_path(program)
@@ -99,6 +99,7 @@ def check_program(program: Path, flag: str = "--program") -> ProgramRecord:
     if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT or data.get("version") != RECORD_VERSION:
         raise ZLError(f"{label}: not a record of `zl export-model` version {RECORD_VERSION}; {fix}.")
     record = typed(ProgramRecord, data, label, fix)
+    fix = f"export it again with `zl export-model RUN_DIR --out {program}`"  # it was one once
     missing = [m for m in NEEDED_METHODS if m not in record.methods]
     if missing:
         raise ZLError(f"{flag} {program}: the program has no method {', '.join(missing)}, so it does not generate "

@@ -57,6 +57,36 @@ def parse_messages(value: object, where: str) -> list[dict[str, str]]:
     return messages
 
 
+#: ShareGPT's speakers (`from`) -> roles; torchtune's sharegpt style and TRL read the same.
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+_SHAREGPT_EXAMPLE = '{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}'
+
+
+def sharegpt_messages(value: object, where: str) -> list[dict[str, str]]:
+    """A ShareGPT row's `conversations` ([{from: human|gpt|system, value}, ...]) as `messages`, then checked as a
+    chat row's are (`parse_messages`).
+
+    Raises:
+        ZLError: naming the row and the turn: not a list of {from, value} strings, an unknown speaker, or what
+            `parse_messages` refuses.
+    """
+    if not isinstance(value, list) or not value:
+        raise ZLError(f"{where}: 'conversations' is {_kind(value)}, expected a list of turns like "
+                      f"{_SHAREGPT_EXAMPLE}.")
+    messages = []
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict) or not isinstance(turn.get("from"), str) or not isinstance(turn.get("value"),
+                                                                                                 str):
+            raise ZLError(f"{where}: turn {i} is {_kind(turn)}, expected an object with a string 'from' and 'value', "
+                          f"like {_SHAREGPT_EXAMPLE}.")
+        role = SHAREGPT_ROLES.get(turn["from"].strip().lower())
+        if role is None:
+            raise ZLError(f"{where}: turn {i} is from {turn['from']!r}; expected one of "
+                          f"{', '.join(SHAREGPT_ROLES)}. Rename the speaker or drop the turn.")
+        messages.append({"role": role, "content": turn["value"]})
+    return parse_messages(messages, where)
+
+
 def parse_prompt_messages(value: object, where: str) -> list[dict[str, str]]:
     """A prompt's `messages` (`zl generate`), checked as `parse_messages` checks a row's turns, but ending in the
     non-empty user turn the model is to answer.

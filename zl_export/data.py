@@ -15,7 +15,8 @@ A shard is what stage 0 of a pipeline (and `zl eval`) reads:
   format, prompt template and, for classification, the label words that
   `zl eval` scores.
 
-Input formats (`--format`, detected from the columns by default; reading: zl_export/records.py):
+Input formats (`--format`, detected from the columns by default), in CSV, JSONL, Parquet or Arrow files (reading:
+zl_export/records.py):
 
 - `prompt_completion`: columns `prompt`, `completion`; both taken verbatim.
   `--prompt-column`, `--completion-column` and `--prompt-template` (several
@@ -23,6 +24,10 @@ Input formats (`--format`, detected from the columns by default; reading: zl_exp
 - `chat`: JSONL `{"messages": [{"role": ..., "content": ...}, ...]}`; the last
   (assistant) turn is the completion, the turns before it the prompt, rendered
   with the tokenizer's chat template or a plain fallback: zl_export/chat.py.
+- `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}`; the turns become
+  `messages` (human: user, gpt: assistant) and are read as `chat` rows.
+- `alpaca`: columns `instruction`, `output` and an optional `input`; the prompt is ALPACA_PROMPT (without an
+  input: ALPACA_PROMPT_NO_INPUT), the completion the output; recorded as prompt/completion rows.
 - `text_label`: columns `text`, `label`; the prompt is TEXT_LABEL_TEMPLATE, the
   completion the label word.
 - `agnews`: AG-News CSV (`label,title,description`, labels 1-4); the prompt
@@ -51,7 +56,7 @@ from zl_base.errors import ZLError
 from zl_export import chat
 from zl_export.data_columns import DataColumns, column_rows
 from zl_export.data_settings import FORMATS
-from zl_export.records import Record, json_kind, read_records  # noqa: F401 (Record re-exported)
+from zl_export.records import Record, at_row, json_kind, read_records  # noqa: F401 (Record re-exported)
 from zl_export.shard import Shard, file_sha256, load_shard, sidecar_path, target_counts, write_shard  # noqa: F401 (re-exported)
 from zl_export.tokenizer import Tokenizer, bos_ids, encode_prompt
 
@@ -61,9 +66,19 @@ IGNORE_INDEX = -100
 REQUIRED_COLUMNS = {
     "prompt_completion": ("prompt", "completion"),
     "chat": ("messages",),
+    "sharegpt": ("conversations",),
+    "alpaca": ("instruction", "output"),  # and "input", optional
     "text_label": ("text", "label"),
     "agnews": ("label", "title", "description"),
 }
+
+# Alpaca's prompts (tatsu-lab/stanford_alpaca, as torchtune's AlpacaToMessages and TRL render them): with the row's
+# `input`, and without one (an empty or absent input). `--prompt-template` instead: any template over the columns.
+ALPACA_PROMPT = ("Below is an instruction that describes a task, paired with an input that provides further "
+                 "context. Write a response that appropriately completes the request.\n\n"
+                 "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_PROMPT_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately "
+                          "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
 
 # The question comes last, so `--truncate` (which cuts the prompt from the
 # left) drops the start of the text, never the question. The label word is the
@@ -154,31 +169,49 @@ def load_task(path: Path, fmt: str = "auto", labels: list[str] | None = None, co
             f"--input {path}: --format {fmt} needs the columns {', '.join(REQUIRED_COLUMNS[fmt])}, but the file has "
             f"{', '.join(columns) or '(none)'} (missing: {', '.join(missing)}). Rename the columns or pick another --format."
         )
-    if fmt == "chat":
+    if fmt in ("chat", "sharegpt"):  # a ShareGPT row is a chat row in other words: rendered, and recorded, as one
+        parse = chat.parse_messages if fmt == "chat" else chat.sharegpt_messages
         examples = []
         for line, row in records:
-            messages = chat.parse_messages(row.get("messages"), f"{path} line {line}")
+            messages = parse(row.get(REQUIRED_COLUMNS[fmt][0]), at_row(path, line))
             examples.append(Example(line, chat.plain_prompt(messages), messages[-1]["content"], messages=messages))
-        return Task(examples, fmt, None)
+        return Task(examples, "chat", None)
     for line, row in records:
         for col in REQUIRED_COLUMNS[fmt]:
             value = row.get(col, "")
             if col == "label" and isinstance(value, int) and not isinstance(value, bool):
                 row[col] = value = str(value)  # a class id written as a number (AG News 1-4): its digits are exact
             if not isinstance(value, str):
-                raise ZLError(f"{path} line {line}: column {col!r} is a JSON {json_kind(value)}; expected text. Put "
+                raise ZLError(f"{at_row(path, line)}: column {col!r} is a JSON {json_kind(value)}; expected text. Put "
                               f"the text in a string (\"...\"), or pick another --format.")
             if not row.get(col, "").strip():
                 raise ZLError(
-                    f"{path} line {line}: column {col!r} is empty; every row needs a non-empty "
+                    f"{at_row(path, line)}: column {col!r} is empty; every row needs a non-empty "
                     f"{', '.join(REQUIRED_COLUMNS[fmt])}. Fill in or delete the row."
                 )
     if fmt == "prompt_completion":
         examples = [Example(line, r["prompt"], r["completion"]) for line, r in records]
         return Task(examples, fmt, None)
+    if fmt == "alpaca":
+        return _alpaca_task(path, records)
     if fmt == "text_label":
         return _text_label_task(path, records, labels)
     return _agnews_task(path, records)
+
+
+def _alpaca_task(path: Path, records) -> Task:
+    """Alpaca rows (their instruction and output checked already): the prompt ALPACA_PROMPT with the row's input,
+    ALPACA_PROMPT_NO_INPUT without one, the output the completion. Recorded as prompt/completion rows."""
+    examples = []
+    for line, row in records:
+        given = row.get("input")
+        if given is not None and not isinstance(given, str):
+            raise ZLError(f"{at_row(path, line)}: column 'input' is a JSON {json_kind(given)}; expected text (or "
+                          "empty, or absent). Put the text in a string.")
+        values = {"instruction": row["instruction"], "input": given or ""}
+        template = ALPACA_PROMPT if values["input"].strip() else ALPACA_PROMPT_NO_INPUT
+        examples.append(Example(line, template.format(**values), row["output"]))
+    return Task(examples, "prompt_completion", None)
 
 
 def _agnews_headerless(path: Path) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
@@ -208,7 +241,7 @@ def _text_label_task(path: Path | str, records, labels: list[str] | None, templa
     unknown = [w for w in found if w not in words]
     if unknown:
         line = next(n for n, r in records if r["label"].strip() == unknown[0])
-        raise ZLError(f"{path} line {line}: label {unknown[0]!r} is not in --labels {','.join(words)}; add it to --labels.")
+        raise ZLError(f"{at_row(path, line)}: label {unknown[0]!r} is not in --labels {','.join(words)}; add it to --labels.")
     if template is None:
         template = TEXT_LABEL_TEMPLATE if len(words) <= MAX_LISTED_CHOICES else TEXT_LABEL_TEMPLATE_MANY
     prompt_of = lambda r: template.format(text=r["text"].strip(), choices=choices_text(words))  # noqa: E731
@@ -242,7 +275,7 @@ def _agnews_task(path: Path, records) -> Task:
         key = value if value in AGNEWS_LABELS else _AGNEWS_NAMES.get(value.lower())
         if key is None:
             raise ZLError(
-                f"{path} line {line}: AG News label {value!r} is not one of 1-4 (World, Sports, Business, Sci/Tech). "
+                f"{at_row(path, line)}: AG News label {value!r} is not one of 1-4 (World, Sports, Business, Sci/Tech). "
                 "Check the file, or use --format text_label for other labels."
             )
         prompt = AGNEWS_TEMPLATE.format(
@@ -336,7 +369,7 @@ def tokenize(
         if on_progress is not None:
             on_progress(1)
         if ex.messages is not None:
-            text, how = chat.render_prompt(tokenizer, ex.messages, f"{source} line {ex.line}")
+            text, how = chat.render_prompt(tokenizer, ex.messages, at_row(source, ex.line))
             ex = Example(ex.line, text, ex.completion, ex.label, ex.messages)
             rendered.add(how)
         prompt = encode_prompt(tokenizer, ex.prompt)  # (BOS +) prompt text
@@ -400,13 +433,13 @@ def _too_long_error(too_long: list[tuple[Example, int, int]], seq_len: int, sour
     longest = max(head + p + c for _, p, c in too_long)
     if head + c >= seq_len:  # --truncate would drop this row: say so
         return ZLError(
-            f"{source} line {ex.line}: the completion alone is {c} tokens (with end-of-sequence){_after_bos(head)}, "
+            f"{at_row(source, ex.line)}: the completion alone is {c} tokens (with end-of-sequence){_after_bos(head)}, "
             f"which leaves no room for the prompt in --seq-len {seq_len}{more}. Raise --seq-len to at least "
             f"{longest}, shorten the completion, or pass --truncate to drop such rows (and cut long prompts from the "
             "left)."
         )
     return ZLError(
-        f"{source} line {ex.line}: {head + p + c} tokens ({'beginning-of-sequence 1, ' * head}prompt {p}, completion "
+        f"{at_row(source, ex.line)}: {head + p + c} tokens ({'beginning-of-sequence 1, ' * head}prompt {p}, completion "
         f"{c - 1}, end-of-sequence 1) do not fit --seq-len {seq_len}{more}. Raise --seq-len to at least {longest}, or "
         "pass --truncate to cut prompts from the left and keep the completions."
     )

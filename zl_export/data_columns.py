@@ -15,7 +15,7 @@ from pathlib import Path
 
 from zl_base.errors import ZLError
 from zl_base.settings import setting
-from zl_export.records import json_kind
+from zl_export.records import at_row, json_kind
 
 
 @dataclass(frozen=True)
@@ -114,22 +114,22 @@ def column_rows(path: Path, columns: list[str], records, cols: DataColumns) -> l
     for line, r in records:
         for name in cols.needed():
             if not isinstance(r.get(name, ""), str):
-                raise ZLError(f"{path} line {line}: column {name!r} is a JSON {json_kind(r[name])}; expected text. "
+                raise ZLError(f"{at_row(path, line)}: column {name!r} is a JSON {json_kind(r[name])}; expected text. "
                               "Put the text in a string (\"...\"), or pick another column.")
         completion = r.get(cols.completion, "")
         if not completion.strip():
-            raise ZLError(f"{path} line {line}: column {cols.completion!r} is empty (no completion); every row needs "
+            raise ZLError(f"{at_row(path, line)}: column {cols.completion!r} is empty (no completion); every row needs "
                           "one. Fill in or delete the row.")
         if cols.prompt_template is not None:
             fields = template_fields(cols.prompt_template)
             if not any(r.get(f, "").strip() for f in fields):
-                raise ZLError(f"{path} line {line}: the template's columns {', '.join(fields)} are all empty (no "
+                raise ZLError(f"{at_row(path, line)}: the template's columns {', '.join(fields)} are all empty (no "
                               "prompt). Fill in or delete the row.")
             prompt = render_template(cols.prompt_template, {f: r.get(f, "") for f in fields})
         else:
             prompt = r.get(cols.prompt, "")
             if not prompt.strip():
-                raise ZLError(f"{path} line {line}: column {cols.prompt!r} is empty (no prompt). Fill in or delete "
+                raise ZLError(f"{at_row(path, line)}: column {cols.prompt!r} is empty (no prompt). Fill in or delete "
                               "the row.")
         rows.append((line, prompt, completion))
     return rows

@@ -13,17 +13,19 @@ from zl_base.settings import check_fields, nested, setting
 from zl_export.data_columns import DataColumns
 from zl_export.options import MAX_SEQ_LEN, check_seq_len
 
-#: The formats of a .csv/.jsonl file (zl_export/data.py reads each).
-FORMATS = ("auto", "prompt_completion", "chat", "text_label", "agnews")
+#: The formats of a data file (zl_export/data.py reads each).
+FORMATS = ("auto", "prompt_completion", "chat", "sharegpt", "alpaca", "text_label", "agnews")
 
 
 @dataclass(frozen=True)
 class DataSettings:
     """Which columns of which format are read, and how long a sample is."""
 
-    format: str = setting("auto", "Format of a .csv/.jsonl file: auto (from the columns), prompt_completion "
-                                  "(prompt,completion), chat (messages), text_label (text,label) or agnews "
-                                  "(label,title,description with labels 1-4).", flag="--format -f")
+    format: str = setting("auto", "Format of a .csv/.jsonl/.parquet/.arrow file: auto (from the columns), "
+                                  "prompt_completion (prompt,completion), chat (messages), sharegpt (conversations "
+                                  "of from/value turns), alpaca (instruction, optional input, output), text_label "
+                                  "(text,label) or agnews (label,title,description with labels 1-4).",
+                          flag="--format -f")
     columns: DataColumns = nested(DataColumns)  # --prompt-column, --completion-column, --prompt-template
     truncate: bool = setting(False, "Rows longer than --seq-len: cut the prompt from the left and drop rows whose "
                                     "completion alone does not fit, with counts printed (default: fail, naming the "

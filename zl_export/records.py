@@ -1,4 +1,8 @@
-"""Reading training data files: the rows of a CSV (with header) or JSONL file, with their line numbers.
+"""Reading training data files: the rows of a CSV (with header), JSONL, Parquet or Arrow file (or a Hugging Face
+`datasets.save_to_disk` directory), with their line numbers (row numbers, from 1, in Parquet and Arrow: `at_row`).
+
+Parquet and Arrow are read with pyarrow, not by hand, and their rows are checked as JSONL rows are (a value is any
+JSON-like value: text, a number, a list of turns, ...), column names matched as CSV headers are.
 
 Every problem is a one-line ZLError naming the file and line: a missing file, an unknown extension, text that is
 not UTF-8, a NUL byte, a ragged CSV row, a malformed or too deeply nested JSON line (the nesting is measured in
@@ -19,20 +23,42 @@ from zl_base.json_nesting import nests_deeper_than
 Record = dict[str, object]
 
 
+#: What --input / --data take: text files, and the columnar files Hugging Face datasets are stored and shared in.
+SUFFIXES = (".csv", ".jsonl", ".ndjson", ".parquet", ".arrow")
+_TABULAR = (".parquet", ".arrow")
+
+
+def is_tabular(path: Path | str) -> bool:
+    """A Parquet or Arrow file, or a `datasets.save_to_disk` directory: rows, not lines."""
+    path = Path(path)
+    return path.suffix.lower() in _TABULAR or path.is_dir()
+
+
+def at_row(path: Path | str, line: int) -> str:
+    """Where a row is, as errors name it: "data.jsonl line 7", "train.parquet row 7"."""
+    return f"{path} {'row' if is_tabular(path) else 'line'} {line}"
+
+
 def read_records(path: Path) -> tuple[list[str], list[tuple[int, Record]]]:
-    """Rows of a CSV (with header) or JSONL file as (line, {column: value}).
+    """Rows of a CSV (with header), JSONL, Parquet or Arrow file, or of a `datasets.save_to_disk` directory, as
+    (line or row number, {column: value}).
 
     Raises:
-        ZLError: missing or empty file, unknown extension, malformed JSON lines.
+        ZLError: missing or empty file, unknown extension, malformed JSON lines, an unreadable Parquet/Arrow file.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ZLError(f"--input {path}: no such file. Pass a .csv or .jsonl file, or `demo` for the built-in task.")
+    if not path.exists():
+        raise ZLError(f"--input {path}: no such file. Pass a .csv, .jsonl, .parquet or .arrow file, a directory "
+                      "of `datasets.save_to_disk`, or `demo` for the built-in task.")
     suffix = path.suffix.lower()
-    if suffix not in (".csv", ".jsonl", ".ndjson"):
-        raise ZLError(f"--input {path}: unknown file type {suffix or '(none)'!r}; expected .csv or .jsonl.")
+    if path.is_file() and suffix not in SUFFIXES:
+        raise ZLError(f"--input {path}: unknown file type {suffix or '(none)'!r}; expected .csv, .jsonl, .parquet "
+                      "or .arrow.")
     try:
-        columns, records = _read_csv(path) if suffix == ".csv" else _read_jsonl(path)
+        if is_tabular(path):
+            columns, records = _read_tabular(path)
+        else:
+            columns, records = _read_csv(path) if suffix == ".csv" else _read_jsonl(path)
     except UnicodeDecodeError as e:
         raise ZLError(f"--input {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start} of a "
                       "block); save it as UTF-8 CSV/JSONL.") from None
@@ -47,9 +73,9 @@ _CSV_FIELD_LIMIT = 128 * 1024  # the csv module's default field_size_limit, stat
 _JSONL_MAX_DEPTH = 32
 
 
-def _check_cells(path: Path, line: int, cells: list[str]) -> None:
+def _check_cells(path: Path, line: int, cells: list[str], where: str | None = None) -> None:
     if any("\0" in c for c in cells):
-        raise ZLError(f"{path} line {line}: a NUL byte; the file looks binary. Save it as UTF-8 text.")
+        raise ZLError(f"{where or at_row(path, line)}: a NUL byte; the file looks binary. Save it as UTF-8 text.")
 
 
 def _read_csv(path: Path) -> tuple[list[str], list[tuple[int, Record]]]:
@@ -74,6 +100,62 @@ def _read_csv(path: Path) -> tuple[list[str], list[tuple[int, Record]]]:
                 records.append((start, dict(zip(columns, cells))))
             start = reader.line_num + 1
     return columns, records
+
+
+def _arrow_files(path: Path) -> list[Path]:
+    """The Arrow files of a `datasets.save_to_disk` directory, in order (its state.json lists them), or `path`."""
+    if not path.is_dir():
+        return [path]
+    state = path / "state.json"
+    named = []
+    if state.is_file():
+        try:
+            named = [path / f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ZLError(f"--input {path}: {state.name} is not a `datasets` state file ({e}); save the dataset "
+                          "again with save_to_disk, or pass one of its .arrow files.") from None
+    files = named or sorted(path.glob("*.arrow"))
+    if not files:
+        raise ZLError(f"--input {path}: a directory without .arrow files; pass a directory written by "
+                      "`datasets.Dataset.save_to_disk` (the split's own, e.g. DIR/train), or a data file.")
+    return files
+
+
+def _read_table(path: Path):
+    """The pyarrow Table of a Parquet or Arrow (IPC stream, as `datasets` writes, or file) file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if path.suffix.lower() == ".parquet":
+            return pq.read_table(path)
+        with pa.memory_map(str(path)) as source:
+            try:
+                return pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                return pa.ipc.open_file(source).read_all()
+    except (pa.ArrowException, OSError) as e:
+        kind = "Parquet" if path.suffix.lower() == ".parquet" else "Arrow"
+        raise ZLError(f"--input {path}: not a readable {kind} file ({str(e).splitlines()[0][:200]}); write it "
+                      "again (pandas `to_parquet`, `datasets` `to_parquet` or `save_to_disk`).") from None
+
+
+def _read_tabular(path: Path) -> tuple[list[str], list[tuple[int, Record]]]:
+    """Rows of a Parquet or Arrow file or `datasets` directory, numbered from 1 across its files, checked as JSONL
+    rows are."""
+    columns: dict[str, None] = {}
+    records: list[tuple[int, Record]] = []
+    for file in _arrow_files(path):
+        for obj in _read_table(file).to_pylist():
+            number = len(records) + 1
+            where = at_row(path, number)
+            row = _row(obj, where)
+            _check_cells(path, number, list(row) + [v for v in row.values() if isinstance(v, str)], where)
+            check_text(list(row) + list(row.values()), where)
+            columns.update(dict.fromkeys(row))
+            records.append((number, row))
+    return list(columns), records
 
 
 def _read_jsonl(path: Path) -> tuple[list[str], list[tuple[int, Record]]]:

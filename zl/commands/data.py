@@ -22,7 +22,9 @@ EXAMPLE = (
     "\n\nEach row becomes prompt + completion + end-of-sequence tokens, right-padded to --seq-len; the loss covers "
     "the completion and end-of-sequence only. Formats: prompt_completion (JSONL/CSV prompt, completion; other columns "
     "with --prompt-column, --completion-column, --prompt-template), chat (JSONL messages: the last assistant turn is "
-    "learned, the turns before it are the prompt, in the tokenizer's chat template), text_label, agnews."
+    "learned, the turns before it are the prompt, in the tokenizer's chat template), sharegpt (conversations of "
+    "from/value turns, read as chat), alpaca (instruction, optional input, output, in the Alpaca prompt), "
+    "text_label, agnews. Files: .csv, .jsonl, .parquet, .arrow, or a `datasets.save_to_disk` directory."
     """
 
 Examples:
@@ -30,6 +32,10 @@ Examples:
   zl data --input qa.jsonl --max-targets 32 --out runs/qa-data
 
   zl data --input chats.jsonl --format chat --seq-len 256 --truncate --out runs/chat-data
+
+  zl data --input alpaca_data.parquet --out runs/alpaca-data       # Alpaca rows, Parquet (format detected)
+
+  zl data --input ~/datasets/sharegpt/train --seq-len 512 --truncate --out runs/sg   # datasets.save_to_disk
 
   zl data --input news.csv --prompt-template "Text: {description}\\nTitle:" --completion-column title --out runs/titles
 
@@ -45,7 +51,8 @@ class DataArgs:
     """`zl data`'s options."""
 
     out: Path | None = setting(None, "Directory for SPLIT.safetensors and SPLIT.json (created).", flag="--out -o")
-    input: str | None = setting(None, "A .csv or .jsonl file, or `demo` for the built-in demo task.",
+    input: str | None = setting(None, "A .csv, .jsonl, .parquet or .arrow file, a `datasets.save_to_disk` directory, "
+                                      "or `demo` for the built-in demo task.",
                                 flag="--input -i")
     demo: bool = setting(False, "Same as --input demo: write the demo task's train and dev shards.", flag="--demo")
     rows: DataSettings = nested(DataSettings)  # --format, the column options, --truncate, --seq-len: as `zl train`
@@ -67,7 +74,8 @@ class DataArgs:
         if self.demo and self.input not in (None, "demo"):
             raise ZLError(f"--demo and --input {self.input} both given; pass one of them.")
         if self.input is None and not self.demo:
-            raise ZLError("no input: pass --input FILE (.csv or .jsonl), or --demo for the built-in demo task.")
+            raise ZLError("no input: pass --input FILE (.csv, .jsonl, .parquet or .arrow), or --demo for the built-in "
+                          "demo task.")
         if self.out is None:
             raise ZLError("no --out: pass the directory for the shards, e.g. --out runs/data.")
         if self.is_demo and self.rows.format not in ("auto", "text_label"):

@@ -17,7 +17,7 @@ from rich.markup import escape
 
 from zl_base.errors import ZLError
 from zl_device.formats.run_layout import RunLayout
-from zl_export.records import check_text, json_line
+from zl_export.records import check_text, is_tabular, json_kind, json_line
 from zl.options import settings_command
 from zl.paths import check_out_file
 from zl_base.settings import setting
@@ -67,7 +67,8 @@ class GenerateArgs:
                                       "otherwise: its generations there say nothing of it).", flag="--force-base")
     file: Path | None = setting(None, "Prompts from a file: one per line, or JSONL (.jsonl, or lines starting with "
                                       "'{') with a \"prompt\" field or a \"messages\" conversation ending in a user "
-                                      "turn per line; - reads stdin.", flag="--file -f")
+                                      "turn per line (ShareGPT's \"conversations\" and Alpaca's \"instruction\" "
+                                      "too); the same rows from .parquet/.arrow; - reads stdin.", flag="--file -f")
     chat: bool | None = setting(None, "Render each prompt as one user turn, as `zl data` renders chat rows (the "
                                       "tokenizer's chat template, assistant turn opened; the plain <|user|> fallback "
                                       "without one), or send it verbatim. Default: as the run's training data was "
@@ -358,7 +359,9 @@ def read_prompts(arguments: list[str], file: Path | None, stdin=None) -> list[Pr
     """The prompts: the arguments, then those of --file (or of stdin when there are neither).
 
     A file (or stdin) holds one prompt per line (blank lines skipped), or JSONL with a "prompt" field or a
-    "messages" conversation ending in a user turn per line: a .jsonl/.ndjson file, or lines that all start with "{".
+    "messages" conversation ending in a user turn per line: a .jsonl/.ndjson file, or lines that all start with "{"
+    (`_prompt_of`: ShareGPT's "conversations" and Alpaca's "instruction" rows too); a Parquet or Arrow file, or a
+    `datasets.save_to_disk` directory, holds such rows.
 
     Raises:
         ZLError: an empty prompt, an unreadable file, a bad JSONL line (with its number), or no prompt at all.
@@ -370,7 +373,9 @@ def read_prompts(arguments: list[str], file: Path | None, stdin=None) -> list[Pr
             raise ZLError(f"prompt argument {i} is empty; give each prompt some text, e.g. zl generate --run RUN "
                           "\"Q: What is 2+2?\\nA:\".")
         prompts.append(Prompt(text, f"prompt argument {i}"))
-    if file is not None and str(file) != "-":
+    if file is not None and str(file) != "-" and is_tabular(file) and file.exists():
+        prompts += _read_rows(file)
+    elif file is not None and str(file) != "-":
         text = _read_file(file)
         prompts += _parse(text, f"--file {file}", file.suffix.lower() in JSONL_SUFFIXES or _looks_jsonl(text))
     elif str(file) == "-" or (not arguments and not stdin.isatty()):
@@ -401,8 +406,6 @@ def _read_file(path: Path) -> str:
 
 
 def _parse(text: str, where: str, jsonl: bool) -> list[Prompt]:
-    from zl_export.chat import parse_prompt_messages
-
     prompts = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -411,18 +414,49 @@ def _parse(text: str, where: str, jsonl: bool) -> list[Prompt]:
             prompts.append(Prompt(line, f"{where} line {number}"))
             continue
         row = json_line(line, f"{where} line {number}")  # nesting, duplicate keys, JSON: one line each
-        if isinstance(row, dict) and "messages" in row:
-            messages = parse_prompt_messages(row["messages"], f"{where} line {number}")
-            prompts.append(Prompt(messages[-1]["content"], f"{where} line {number}", messages))
-            continue
-        prompt = row.get("prompt") if isinstance(row, dict) else None
-        if not isinstance(prompt, str) or not prompt.strip():
-            found = "no \"prompt\" field or \"messages\"" if not isinstance(row, dict) or "prompt" not in row else (
-                "an empty \"prompt\"" if isinstance(prompt, str) else f"a \"prompt\" of type {type(prompt).__name__}")
-            raise ZLError(f"{where} line {number}: {found}; expected {{\"prompt\": \"some text\"}} or "
-                          "{\"messages\": [{\"role\": \"user\", \"content\": \"some text\"}]} on every line.")
-        prompts.append(Prompt(prompt, f"{where} line {number}"))
+        prompts.append(_prompt_of(row, f"{where} line {number}"))
     return prompts
+
+
+def _read_rows(path: Path) -> list[Prompt]:
+    """A Parquet or Arrow file, or a `datasets.save_to_disk` directory: a prompt per row, as JSONL lines are read."""
+    from zl_export.records import at_row, read_records
+
+    _, records = read_records(path)
+    # A table has every column in every row: a null there is a field the row does not have
+    return [_prompt_of({k: v for k, v in row.items() if v is not None}, f"--file {at_row(path, number)}")
+            for number, row in records]
+
+
+def _prompt_of(row: object, where: str) -> Prompt:
+    """The prompt of one JSONL line or table row: its "prompt"; a "messages" conversation (or ShareGPT's
+    "conversations") ending in the user turn to answer; or an Alpaca row's "instruction" (and "input") in the Alpaca
+    prompt, as `zl data` renders it for training."""
+    from zl_export.chat import SHAREGPT_ROLES, parse_prompt_messages
+
+    if isinstance(row, dict) and isinstance(row.get("conversations"), list) and "messages" not in row:
+        row = {"messages": [{"role": SHAREGPT_ROLES.get(str(t.get("from", "")).strip().lower(), t.get("from")),
+                             "content": t.get("value")} if isinstance(t, dict) else t
+                            for t in row["conversations"]]}
+    if isinstance(row, dict) and "messages" in row:
+        messages = parse_prompt_messages(row["messages"], where)
+        return Prompt(messages[-1]["content"], where, messages)
+    if isinstance(row, dict) and "prompt" not in row and isinstance(row.get("instruction"), str):
+        from zl_export.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
+
+        given = row.get("input")
+        if given is not None and not isinstance(given, str):
+            raise ZLError(f"{where}: \"input\" is a JSON {json_kind(given)}; expected text (or empty, or absent).")
+        template = ALPACA_PROMPT if (given or "").strip() else ALPACA_PROMPT_NO_INPUT
+        return Prompt(template.format(instruction=row["instruction"], input=given or ""), where)
+    prompt = row.get("prompt") if isinstance(row, dict) else None
+    if not isinstance(prompt, str) or not prompt.strip():
+        found = "no \"prompt\" field or \"messages\"" if not isinstance(row, dict) or "prompt" not in row else (
+            "an empty \"prompt\"" if isinstance(prompt, str) else f"a \"prompt\" of type {type(prompt).__name__}")
+        raise ZLError(f"{where}: {found}; expected {{\"prompt\": \"some text\"}}, {{\"messages\": [{{\"role\": "
+                      "\"user\", \"content\": \"some text\"}]}, ShareGPT's \"conversations\" or Alpaca's "
+                      "\"instruction\" on every line.")
+    return Prompt(prompt, where)
 
 
 def _check_lengths(texts: list[str], encoded: list[list[int]], max_new_tokens: int, config, model: str) -> None:

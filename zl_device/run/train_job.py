@@ -197,8 +197,9 @@ def open_run(s: TrainSettings, say=print):
     if RUNTIMES[s.runtime].uses_devices:
         check_device_count(s, spec, s.split.count)
     for flag, value in (("--data", s.data), ("--eval-data", s.eval_data)):
-        if value is not None and value != DEMO and not Path(value).expanduser().is_file():
-            raise ZLError(f"{flag} {value}: no such file; pass `demo`, a .csv/.jsonl file or a .safetensors shard.")
+        if value is not None and value != DEMO and not Path(value).expanduser().exists():
+            raise ZLError(f"{flag} {value}: no such file; pass `demo`, a .csv/.jsonl/.parquet/.arrow file, a "
+                          "`datasets.save_to_disk` directory or a .safetensors shard.")
     check_samples(s)
     if leftovers:
         aside = _free_name(run_dir, "unfinished")

@@ -60,7 +60,8 @@ class TrainSettings:
     """Everything `zl train` takes."""
 
     split: ModelSplit = nested(ModelSplit)
-    data: str = setting(DEMO, "`demo` (the built-in task), a .csv/.jsonl file or a shard (.safetensors).")
+    data: str = setting(DEMO, "`demo` (the built-in task), a .csv/.jsonl/.parquet/.arrow file, a "
+                              "`datasets.save_to_disk` directory, or a shard (.safetensors).")
     eval_data: str | None = setting(None, "Dev data for the evaluation (the demo task brings its own).")
     rows: DataSettings = nested(DataSettings)  # --format, the column options, --truncate, --seq-len: as `zl data`
     samples: int = setting(256, f"Training samples (the shard repeats when it has fewer rows, at most "

@@ -511,7 +511,8 @@ def test_torchrun_entry_point_needs_torchrun_and_a_job(tmp_path, monkeypatch, ca
     assert main([str(tmp_path / "torch_job.json")]) == 2
     assert "start the ranks with torchrun" in capsys.readouterr().err
     (tmp_path / "torch_job.json").write_text("{}")
-    with pytest.raises(ZLError, match="not a readable torch_job.json"):
+    with pytest.raises(ZLError, match=r"torch_job.json \(torch_job.json\): \"model\" is missing; `zl train "
+                                      r"--runtime torch` writes one"):
         TorchJob.load(tmp_path / "torch_job.json")
 
 

@@ -82,8 +82,8 @@ def run_measured(cmd: list[str], interval_s: float = 0.005) -> tuple[list[dict],
     return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")], peak
 
 
-def export_one(loaded, split: str, stage: int, dtype: str, seq: int, args, out: Path) -> dict:
-    """Export stage `stage` of `split` with frozen weights as `dtype`; returns its manifest entry."""
+def export_one(loaded, split: str, stage: int, dtype: str, seq: int, args, out: Path):
+    """Export stage `stage` of `split` with frozen weights as `dtype`; returns its manifest entry (`StageEntry`)."""
     from zl_export.exporter import build_stage_modules, export_stage, write_program
     from zl_export.frozen_weights import restore_frozen_weights
     from zl_export.manifest import build_manifest, write_manifest
@@ -101,22 +101,27 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, args, out: 
     finally:
         restore_frozen_weights(peft_model)
         peft_model.unload()
-    return entry.to_json()  # as `reusable` reads it back (one stage, index `stage`: no whole export to read)
+    return entry
 
 
-def reusable(out: Path, args, dtype: str, seq: int) -> dict | None:
-    """The manifest entry of the program an earlier run left in `out`, if it was exported with these options."""
+def reusable(out: Path, args, dtype: str, seq: int):
+    """The manifest entry (`StageEntry`) of the program an earlier run left in `out`, if it was exported with these
+    options."""
+    from zl_base.errors import ZLError
+    from zl_export.manifest import read_manifest
+
     try:
-        manifest = json.loads((out / "manifest.json").read_text())
-    except (OSError, ValueError):
+        manifest = read_manifest(out / "manifest.json")
+    except ZLError:
         return None
-    same = (manifest.get("model", {}).get("name") == args.model and manifest.get("frozen_dtype") == dtype and manifest.get("seq_len") == seq
-            and manifest.get("max_targets") == args.max_targets and manifest.get("lora", {}).get("rank") == args.lora_rank
-            and (args.lora_targets is None or tuple(manifest.get("lora", {}).get("targets", ())) == args.lora_targets)
-            and len(manifest.get("stages", [])) == 1 and (out / manifest["stages"][0]["file"]).is_file()
-            and manifest["stages"][0].get("index") == args.stage
-            and "-".join(map(str, manifest["stages"][0].get("layers", []))) == args.stages.split(",")[args.stage])
-    return manifest["stages"][0] if same else None
+    opts = manifest.options
+    entry = manifest.stages[0]
+    same = (manifest.model.name == args.model and opts.frozen_dtype == dtype and opts.seq_len == seq
+            and opts.max_targets == args.max_targets and opts.lora.rank == args.lora_rank
+            and (args.lora_targets is None or tuple(opts.lora.targets) == args.lora_targets)
+            and len(manifest.stages) == 1 and entry.file is not None and (out / entry.file).is_file()
+            and entry.index == args.stage and "-".join(map(str, entry.layers)) == args.stages.split(",")[args.stage])
+    return entry if same else None
 
 
 def main() -> None:
@@ -166,16 +171,16 @@ def main() -> None:
                 out.mkdir(parents=True, exist_ok=True)
                 entry = reusable(out, args, dtype, seq) if args.reuse else None
                 if entry is not None:
-                    programs[(seq, dtype)] = (out / entry["file"], entry["size_bytes"] / MIB / MIB)
-                    print(f"reusing {out / entry['file']}", file=sys.stderr)
+                    programs[(seq, dtype)] = (out / entry.file, entry.size_bytes / MIB / MIB)
+                    print(f"reusing {out / entry.file}", file=sys.stderr)
                     continue
                 if loaded is None:
                     print(f"loading {args.model} ...", file=sys.stderr)
                     loaded = load_model(args.model, seed=0)
                 t0 = time.perf_counter()
                 entry = export_one(loaded, args.stages, args.stage, dtype, seq, args, out)
-                programs[(seq, dtype)] = (out / entry["file"], entry["size_bytes"] / MIB / MIB)
-                print(f"export {dtype} seq {seq}: {entry['size_bytes'] / MIB / MIB:,.0f} MiB in "
+                programs[(seq, dtype)] = (out / entry.file, entry.size_bytes / MIB / MIB)
+                print(f"export {dtype} seq {seq}: {entry.size_bytes / MIB / MIB:,.0f} MiB in "
                       f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
         del loaded
         # Rounds over every (program, mode), so that a busy spell of the machine hits all of them alike; the

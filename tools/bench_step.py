@@ -228,9 +228,8 @@ def _export(module, peft_model, opts: ExportOptions, cfg, folder: Path, rewrite:
     finally:
         exporter._matmuls_to_linear = saved
     print(f"exported seq {opts.seq_len}, max_targets {opts.max_targets}{'' if rewrite else ', no linear rewrite'}: "
-          f"{entry['size_bytes'] / 2**20:.1f} MiB in {entry['export_s']:.1f} s", flush=True)
-    pte = folder / entry["file"]
-    return pte, [o["name"] for o in entry["outputs"]]
+          f"{entry.size_bytes / 2**20:.1f} MiB in {entry.export_s:.1f} s", flush=True)
+    return folder / entry.file, entry.output_names
 
 
 def _time(module, programs: dict, readouts: dict, inputs: tuple, threads: int, repeats: int) -> dict:

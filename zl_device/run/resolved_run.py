@@ -126,7 +126,10 @@ class _ResolvedFile:
 def record_start(layout: RunLayout) -> None:
     """Write RUN_DIR/started_run.json: train_settings.json and resolved_run.json as the run starts, what its
     checkpoints are trained with. `--resume` checks both files against it (`check_as_started`), so an edited file
-    (a learning rate, a window, AdamW's eps) is refused instead of silently training another adapter."""
+    (a learning rate, a window, AdamW's eps) is refused instead of silently training another adapter. A layout
+    without settings (a calibration round's work folder, zl_device/plan/calibrate.py) is no run to resume: nothing."""
+    if not layout.settings.is_file():
+        return
     record = {"train_settings": json.loads(layout.settings.read_text()),
               "resolved_run": json.loads(layout.resolved.read_text())}
     tmp = layout.started.with_name(f".{layout.started.name}.tmp")

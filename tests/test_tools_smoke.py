@@ -51,11 +51,11 @@ def test_bench_step(tmp_path):
 
 def test_bench_memory(tmp_path):
     out = run_tool("bench_memory", "--model", "tiny-random", "--stages", "0-1,2-3", "--steps", "2", "--rounds", "1",
-                   "--dtypes", "fp32,int8", "--load-modes", "mmap", "--json", tmp_path / "m.json")
+                   "--dtypes", "int8", "--load-modes", "mmap", "--json", tmp_path / "m.json")
     rows = json.loads((tmp_path / "m.json").read_text())
     rows = rows["rows"] if isinstance(rows, dict) else rows
-    assert len(rows) == 2 and all(r.get("peak_pss_mib", 0) > 0 for r in rows), rows
-    assert "int8" in out and "fp32" in out
+    assert len(rows) == 1 and rows[0].get("peak_pss_mib", 0) > 0, rows
+    assert "int8" in out
 
 
 def test_bench_inference(tmp_path):

@@ -416,3 +416,43 @@ def test_deploy_pushes_the_program_and_its_tokenizer_to_every_device(tmp_path):
         result = CliRunner().invoke(app, ["deploy", "--devices", "local:2", "--run-dir", str(tmp_path / "run"),
                                           *args])
         assert isinstance(result.exception, ZLError) and message in str(result.exception), result.output
+
+
+@pytest.mark.parametrize("tunings", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_shared_base_and_small_adapter_programs_give_the_merged_programs_logits(exported, tmp_path, tunings):
+    """Issue 55 item 3, `--shared-base`: tunings of one base export into one folder as small programs and one
+    base.ptd, the same bytes for every one (slow: two tunings); a program with it gives the merged program's logits
+    (float, 1e-5), and `zl generate --program` and `zl deploy --program` take it (the data file checked and pushed
+    with it)."""
+    from zl_device.devices.deploy import deploy_program
+    from zl_device.devices.registry import open_devices
+    from zl_device.results.program_runner import ProgramRunner
+    from zl_export.program_record import check_program
+
+    run, merged = exported
+    phone = tmp_path / "phone"
+    sources = [(run, "a.pte"), (random_run(tmp_path / "other", seed=7), "b.pte")][:tunings]
+    for source, name in sources:
+        result = invoke("export-model", source, "--out", phone / name, "--quantize", "none", "--shared-base",
+                        "--max-seq-len", SEQ)
+        assert result.exit_code == 0, result.output
+        assert "LoRA unmerged, the base's weights in" in " ".join(result.stdout.split())
+    base = phone / "base.ptd"
+    assert all(check_program(phone / name).data_file == "base.ptd" for _, name in sources)
+    assert (phone / "a.pte").stat().st_size < base.stat().st_size / 3  # the graph and the LoRA weights only
+    ids = list(range(20, 40))
+    want = ProgramRunner(merged).logits(ids)
+    got = ProgramRunner(phone / "a.pte", base).logits(ids)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    if tunings == 2:  # the second export found base.ptd there and left it: the same bytes
+        theirs = ProgramRunner(phone / "b.pte", base).logits(ids)
+        assert float((theirs - want).abs().max() / want.abs().max()) > 1e-3  # another tuning, the same base
+    result = invoke("generate", "--run", run, "--program", phone / "a.pte", "-n", "5", PROMPTS[0])
+    assert result.exit_code == 0, result.output
+    pushed = deploy_program(open_devices("local:1", tmp_path / "dev"), phone / "a.pte")[0].pushed
+    assert "base.ptd" in pushed and "a.pte" in pushed
+    with pytest.raises(ZLError, match="its base weights .*base.ptd: its sha256 is not the one exported"):
+        base.write_bytes(bytes(reversed(base.read_bytes())))
+        check_program(phone / "a.pte")
+    result = invoke("export-model", run, "--out", tmp_path / "q.pte", "--shared-base")  # int8 by default
+    assert isinstance(result.exception, ZLError) and "float only for now" in str(result.exception)

@@ -59,6 +59,7 @@ class ProgramInfo:
     seconds: float
     metadata: dict
     kv_cache: str = "in-place"  # what the program holds (KV_CACHES): "static" where the model needed it
+    data: Path | None = None  # --shared-base: the base weights' data file (base.ptd) the program loads with it
 
 
 def merged_model(peft_model: torch.nn.Module) -> torch.nn.Module:
@@ -86,8 +87,20 @@ def check_quantization(model: torch.nn.Module, quantize: str, family: str) -> No
                           f"not a multiple of int4's group of {GROUP_SIZE}; use --quantize int8 or none.")
 
 
+#: --shared-base: the frozen base weights' data file beside the program, and how a LoRA weight is told from them.
+SHARED_BASE = "base"  # -> base.ptd
+
+
+def is_lora_weight(name: str) -> bool:
+    """A LoRA weight of a PEFT model's layer (kept in the program), by its name (`...q_proj.lora_A.default.weight`,
+    or a graph placeholder's `p_..._q_proj_lora_a_default_weight`); anything else is the base's."""
+    lowered = name.lower()
+    return "lora_a" in lowered or "lora_b" in lowered
+
+
 def export_program(model: torch.nn.Module, out: Path, quantize: str = "none", max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-                   eos_ids: tuple[int, ...] = (), bos_id: int | None = None, kv_cache: str = "in-place") -> ProgramInfo:
+                   eos_ids: tuple[int, ...] = (), bos_id: int | None = None, kv_cache: str = "in-place",
+                   shared_base: bool = False) -> ProgramInfo:
     """Quantize `model` (in place), export it with a KV cache of `max_seq_len` positions, lower it to XNNPACK and
     write the program to `out` (under a temporary name, renamed when complete).
 
@@ -98,6 +111,9 @@ def export_program(model: torch.nn.Module, out: Path, quantize: str = "none", ma
         eos_ids, bos_id: the tokenizer's, recorded for the LLM runners (`get_eos_ids`, `get_bos_id`).
         kv_cache: one of KV_CACHES; "in-place" falls back to "static" (logged) for a model whose attention the
             in-place ops cannot express (`cache_ops_refusal`). `ProgramInfo.kv_cache` says which was written.
+        shared_base: `model` is a PEFT model's LoRA-carrying model, unmerged; every weight but the LoRA ones goes to
+            `out.parent / "base.ptd"` (ExecuTorch's program-data separation), the same bytes for every adapter of
+            that base, and the program keeps the graph and the LoRA weights (`ProgramInfo.data`).
     """
     from transformers import GenerationConfig
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
@@ -126,23 +142,54 @@ def export_program(model: torch.nn.Module, out: Path, quantize: str = "none", ma
                 exported = torch.export.export(wrapper, (), kwargs, dynamic_shapes=dynamic, strict=True)
             else:
                 exported = wrapper.export(**kwargs, dynamic_shapes=dynamic, strict=True)
+            if shared_base:  # the XNNPACK delegate's weights are tagged on the unlifted graph, then exported again
+                from executorch.exir.passes.external_constants_pass import delegate_external_constants_pass_unlifted
+
+                unlifted = exported.module()
+                delegate_external_constants_pass_unlifted(unlifted, _base_tag)
+                exported = torch.export.export(unlifted, (), kwargs, dynamic_shapes=dynamic, strict=True)
     finally:
         if refusal is None:
             wrapper.restore()
     metadata = program_metadata(model.config, max_seq_len, eos_ids, bos_id, in_place_cache=refusal is None)
     log.info("lowering to XNNPACK (%s)", quantize)
-    program = lower_to_executorch(exported, metadata)
+    program = lower_to_executorch(exported, metadata, external=_base_tag_of_placeholder if shared_base else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     tmp.write_bytes(program.buffer)
+    data = None
+    if shared_base:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=".base-") as staged:
+            program.write_tensor_data_to_file(staged)
+            data = out.parent / f"{SHARED_BASE}.ptd"
+            written = Path(staged) / data.name
+            if data.exists() and data.read_bytes() != written.read_bytes():
+                raise ZLError(f"--out: {data} exists and holds another base's weights (another model or --quantize); "
+                              "write the program to another directory, or remove it.")
+            os.replace(written, data)
     os.replace(tmp, out)
     return ProgramInfo(out, out.stat().st_size, quantize, max_seq_len, time.perf_counter() - start, metadata,
-                       "in-place" if refusal is None else "static")
+                       "in-place" if refusal is None else "static", data)
 
 
-def lower_to_executorch(exported: torch.export.ExportedProgram, constant_methods: dict | None = None):
+def _base_tag(node) -> str | None:
+    """A delegated constant's data file (`delegate_external_constants_pass_unlifted`): the base's, or None for a
+    LoRA weight, which stays in the program."""
+    return None if is_lora_weight(str(node.target)) else SHARED_BASE
+
+
+def _base_tag_of_placeholder(node) -> str | None:
+    """The same for a constant the delegate left to the program (`ExecutorchBackendConfig.external_constants`)."""
+    return None if is_lora_weight(node.name) or is_lora_weight(str(node.target)) else SHARED_BASE
+
+
+def lower_to_executorch(exported: torch.export.ExportedProgram, constant_methods: dict | None = None,
+                        external=None):
     """`exported` delegated to XNNPACK and made an ExecuTorch program (an `ExecutorchProgramManager`: `.buffer` is
-    the .pte's bytes), with `constant_methods` beside its methods."""
+    the .pte's bytes), with `constant_methods` beside its methods; `external(node)` names the data file of a
+    constant kept outside the program (None: inside)."""
     from executorch.backends.xnnpack._passes.convert_to_linear import ConvertToLinearPass
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
@@ -159,7 +206,7 @@ def lower_to_executorch(exported: torch.export.ExportedProgram, constant_methods
     return edge.to_executorch(ExecutorchBackendConfig(
         extract_delegate_segments=True, do_quant_fusion_and_const_prop=True,
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
-        sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass()))
+        sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(), external_constants=external or False))
 
 
 def tanh_gelu_written_out(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -4,7 +4,8 @@
     model-int8.pte.json     its record: {"format": "zl-inference-program", "version": 1, "model": ..., "quantize":
                             ..., "max_seq_len": ..., "kv_cache": ..., "methods": ["forward", "get_max_seq_len", ...],
                             "program": {"name", "sha256", "size_bytes"}, "tokenizer": [{"name", "sha256",
-                            "size_bytes"}, ...]}
+                            "size_bytes"}, ...], "data": {"name": "base.ptd", ...} (--shared-base only)}
+    base.ptd                --shared-base: the base's frozen weights, shared by every adapter program of that base
     tokenizer.json, tokenizer_config.json   what the LLM runners read beside it
 
 `zl generate --program` and `zl deploy --program` run `check_program` first: a program without its record (a
@@ -55,9 +56,18 @@ class ProgramRecord:
     methods: tuple[str, ...]
     program: FileRecord
     tokenizer: tuple[FileRecord, ...]
+    data: FileRecord | None = None  # --shared-base: the base's weights (base.ptd), loaded with the program
+
+    @property
+    def data_file(self) -> str | None:
+        """The data file's name beside the program, or None (the weights are in the program)."""
+        return None if self.data is None else self.data.name
 
     def to_json(self) -> dict:
-        return {**asdict(self), "methods": list(self.methods), "tokenizer": [asdict(t) for t in self.tokenizer]}
+        out = {**asdict(self), "methods": list(self.methods), "tokenizer": [asdict(t) for t in self.tokenizer]}
+        if self.data is None:
+            del out["data"]
+        return out
 
 
 def record_path(program: Path) -> Path:
@@ -66,10 +76,12 @@ def record_path(program: Path) -> Path:
 
 
 def write_program_record(program: Path, model: str, quantize: str, max_seq_len: int, kv_cache: str,
-                         methods: list[str], tokenizer_files: list[Path]) -> Path:
-    """Write FILE.pte.json for the program at `program` (written) and its tokenizer files; returns its path."""
+                         methods: list[str], tokenizer_files: list[Path], data: Path | None = None) -> Path:
+    """Write FILE.pte.json for the program at `program` (written), its tokenizer files and its data file (the
+    shared base's weights, --shared-base); returns its path."""
     record = ProgramRecord(RECORD_FORMAT, RECORD_VERSION, model, quantize, max_seq_len, kv_cache, tuple(methods),
-                           FileRecord.of(program), tuple(FileRecord.of(f) for f in tokenizer_files))
+                           FileRecord.of(program), tuple(FileRecord.of(f) for f in tokenizer_files),
+                           None if data is None else FileRecord.of(data))
     path = record_path(program)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(record.to_json(), indent=2) + "\n")
@@ -111,6 +123,10 @@ def check_program(program: Path, flag: str = "--program") -> ProgramRecord:
         path = program.parent / tokenizer.name
         _check_file(path, tokenizer, f"{flag} {program}: its tokenizer file {path}",
                     f"put back the {tokenizer.name} it was exported with, or {fix}")
+    if record.data is not None:  # the shared base: another base's weights would load without a word
+        path = program.parent / record.data.name
+        _check_file(path, record.data, f"{flag} {program}: its base weights {path}",
+                    f"put back the {record.data.name} it was exported with, or {fix}")
     return record
 
 

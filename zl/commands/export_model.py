@@ -46,6 +46,11 @@ class ExportModelArgs:
                                 "on the run's dev rows (logits, NLL, greedy continuations).", flag="--check/--no-check")
     check_rows: int = setting(CHECK_ROWS, "Dev rows the check compares on (each a prefill in both and two greedy "
                                           "continuations: seconds a row on a 135M model).", flag="--check-rows")
+    shared_base: bool = setting(False, "Keep the LoRA weights unmerged in a small program and write the base's "
+                                       "weights once to base.ptd beside it, the same file for every adapter of that "
+                                       "base (ExecuTorch's program-data separation): a phone holds one base and a "
+                                       "small program per tuning. Float only (--quantize none).",
+                                flag="--shared-base/--no-shared-base")
     force: bool = setting(False, "Replace --out (and tokenizer files beside it) if they exist.", flag="--force")
 
     def validate(self) -> None:
@@ -61,6 +66,11 @@ class ExportModelArgs:
         if self.max_seq_len < 2:
             raise ZLError(f"--max-seq-len {self.max_seq_len}: must be at least 2 (a prompt token and a new one), "
                           f"e.g. --max-seq-len {DEFAULT_MAX_SEQ_LEN}.")
+        if self.shared_base and self.quantize != "none":
+            raise ZLError(f"--shared-base with --quantize {self.quantize}: the shared base is float only for now "
+                          "(torchao would quantize the LoRA layers with the base's, and the adapter program would "
+                          "no longer load with a base another adapter wrote); add --quantize none, or drop "
+                          "--shared-base for a merged quantized program.")
         _check_out(self.out, self.force)
 
 
@@ -81,6 +91,8 @@ Examples:
 
   zl export-model runs/r1 --out runs/r1/model.pte --quantize none --force
 
+  zl export-model runs/r1 --out phone/r1.pte --quantize none --shared-base   # + phone/base.ptd, shared
+
 Then: zl generate --run runs/r1 --program runs/r1/model-int8.pte "Hello"
 """
 
@@ -100,7 +112,9 @@ def run_export_model(args: ExportModelArgs) -> None:
     with err_console.status(f"loading {model_name} and {adapter_dir}"):
         loaded = load_model(model_name, seed=seed)
         check_tokenizer_files(loaded.tokenizer, out.parent, args.force)  # before minutes of exporting, not after
-        model = merged_model(load_adapter(loaded.model, adapter_dir))
+        tuned = load_adapter(loaded.model, adapter_dir)
+        # --shared-base: the LoRA layers stay (their weights in the program, the base's in base.ptd)
+        model = tuned.base_model.model.eval().requires_grad_(False) if args.shared_base else merged_model(tuned)
         check_quantization(model, args.quantize, loaded.family.name)
     limit = int(getattr(model.config, "max_position_embeddings", args.max_seq_len) or args.max_seq_len)
     max_seq_len = min(args.max_seq_len, limit)
@@ -108,16 +122,19 @@ def run_export_model(args: ExportModelArgs) -> None:
     bos = getattr(tokenizer, "bos_token_id", None)
     with err_console.status(f"exporting {model_name} ({args.quantize}) to {out}: torch.export, XNNPACK, "
                             "to_executorch (a minute or more)"):
-        info = export_program(model, out, args.quantize, max_seq_len, (tokenizer.eos_token_id,), bos, args.kv_cache)
+        info = export_program(model, out, args.quantize, max_seq_len, (tokenizer.eos_token_id,), bos, args.kv_cache,
+                              shared_base=args.shared_base)
     files = write_tokenizer_files(tokenizer, out.parent, args.force)
     write_program_record(out, model_name, args.quantize, max_seq_len, info.kv_cache,
-                         ["forward", *info.metadata], files)
-    console.print(f"[bold]{escape(str(out))}[/]: {model_name} + {adapter_dir} merged, {args.quantize} weights, "
+                         ["forward", *info.metadata], files, info.data)
+    how = (f"LoRA unmerged, the base's weights in {info.data} ({info.data.stat().st_size / 2**20:.1f} MiB, shared "
+           "by every adapter of this base)") if info.data is not None else "merged"
+    console.print(f"[bold]{escape(str(out))}[/]: {model_name} + {adapter_dir} {how}, {args.quantize} weights, "
                   f"KV cache of {max_seq_len} positions ({info.kv_cache}), {info.bytes / 2**20:.1f} MiB, exported in "
                   f"{info.seconds:.0f} s", highlight=False, soft_wrap=True)
     console.print("tokenizer: " + ", ".join(str(f) for f in files), highlight=False, soft_wrap=True)
     if args.check:
-        _check(args.run, out, model_name, seed, adapter_dir, tokenizer, args.quantize, args.check_rows)
+        _check(args.run, out, model_name, seed, adapter_dir, tokenizer, args.quantize, args.check_rows, info.data)
     console.print(f"next: zl generate --run {args.run} --program {out} \"Hello\"", highlight=False, soft_wrap=True)
 
 
@@ -134,14 +151,14 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def _check(run: Path, out: Path, model_name: str, seed: int, adapter_dir: Path, tokenizer, quantize: str,
-           check_rows: int) -> None:
+           check_rows: int, data: Path | None = None) -> None:
     """Run the program with ExecuTorch's runtime and compare it with the PEFT model (reloaded: merging spent it)."""
     from zl_device.results.adapter import load_adapter
     from zl_device.results.program_runner import ProgramRunner, compare_with_model
     from zl_export.model_source import load_model
 
     with err_console.status(f"checking {out} against the PEFT model"):
-        runner = ProgramRunner(out)
+        runner = ProgramRunner(out, data)
         rows, prompts, where = _check_prompts(run, tokenizer, runner.max_seq_len - CHECK_NEW_TOKENS, check_rows)
         tuned = load_adapter(load_model(model_name, seed=seed).model, adapter_dir)
         result = compare_with_model(runner, tuned, rows, CHECK_NEW_TOKENS, tokenizer.eos_token_id, prompts)

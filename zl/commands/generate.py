@@ -193,8 +193,8 @@ def _program_runner(program: Path | None):
     from zl_export.program_record import check_program
 
     with err_console.status(f"checking and loading {program}"):
-        check_program(program)
-        return ProgramRunner(program)
+        record = check_program(program)
+        return ProgramRunner(program, None if record.data_file is None else program.parent / record.data_file)
 
 
 def _stream(model, tokenizer, ids: list[int], max_new_tokens: int, decoding, name: str) -> tuple[str, int]:

@@ -249,6 +249,8 @@ def deploy_program(devices: Sequence[Device], program: Path, force: bool = False
     record = check_program(program)
     files = {program.name: (program, 0o644), record_path(program).name: (record_path(program), 0o644)}
     files.update({t.name: (program.parent / t.name, 0o644) for t in record.tokenizer})
+    if record.data_file is not None:  # --shared-base: pushed once per base, skipped by sha256 after
+        files[record.data_file] = (program.parent / record.data_file, 0o644)
     results = []
     for device in devices:
         result = DeployResult(device.name, None)

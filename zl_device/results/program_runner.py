@@ -19,9 +19,10 @@ from zl_export.program_record import NEEDED_METHODS
 
 
 class ProgramRunner:
-    """One loaded program (`forward(input_ids (1, S), cache_position (S,)) -> logits (1, S, V)`)."""
+    """One loaded program (`forward(input_ids (1, S), cache_position (S,)) -> logits (1, S, V)`); with `data_path`,
+    the data file holding its base's weights (`zl export-model --shared-base`)."""
 
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, data_path: Path | str | None = None):
         import executorch.kernels.quantized  # noqa: F401 (registers quantized_decomposed::embedding_* kernels)
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401 (llama::update_cache, custom_sdpa)
         from executorch.runtime import Runtime
@@ -31,7 +32,7 @@ class ProgramRunner:
             raise ZLError(f"--program {path}: no such file; pass a .pte written by `zl export-model`.")
         start = time.perf_counter()
         try:
-            program = Runtime.get().load_program(str(path))
+            program = Runtime.get().load_program(str(path), data_path=None if data_path is None else str(data_path))
             missing = [m for m in NEEDED_METHODS if m not in program.method_names]
             if missing:
                 raise ZLError(f"--program {path}: the program has no method {', '.join(missing)}, so it is no "

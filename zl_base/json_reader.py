@@ -100,6 +100,12 @@ def read_json_file(path: Path, label: str, *, missing: str, invalid: str) -> Any
     return loads(raw, label, invalid)
 
 
+def read_typed(path: Path, tp: Any, label: str, fix: str, *, others: bool = False) -> Any:
+    """The file at `path` as type `tp`: `read_json_file` then `typed`, every error naming `label` and ending in
+    `fix` (no such file, not JSON, a field of the wrong type or range)."""
+    return typed(tp, read_json_file(path, label, missing=fix + ".", invalid=fix + "."), label, fix, others=others)
+
+
 def typed(tp: Any, value: Any, label: str, fix: str, path: str = "", *, others: bool = False) -> Any:
     """`value` (a JSON value) as type `tp`, checked all the way down (module docstring).
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from zl_base.errors import ZLError
-from zl_base.json_reader import read_json_file, typed
+from zl_base.json_reader import read_typed
 from zl_device.devices.backend import Device
 from zl_device.executorch.device_policy import DevicePolicy
 from zl_device.formats.lr_schedule import OptimizerSettings
@@ -166,8 +166,7 @@ def saved_run_key(run_dir: Path) -> tuple[Path, str]:
         raise ZLError(f"--resume --out {run_dir}: no run.key or stage_0.json there, so the run never started its "
                       "stages; start it again without --resume.")
     fix = "restore it (each device holds a copy), or start the run again without --resume"
-    data = read_json_file(config, str(config), missing=fix + ".", invalid=fix + ".")
-    return key_file, typed(_RunIdOnly, data, str(config), fix, others=True).run_id
+    return key_file, read_typed(config, _RunIdOnly, str(config), fix, others=True).run_id
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from zl_base.errors import ZLError
-from zl_base.json_reader import read_json_file, typed
+from zl_base.json_reader import read_typed
 from zl_device.formats.checkpoints import DEFAULT_LAYOUT, CheckpointLayout
 from zl_device.formats.tensor_files import check_finite, read_tensors
 from zl_export.lora import adapter_config
@@ -232,8 +232,7 @@ def _read_progress(path: Path, k: int, window: int) -> dict:
             "window); copy the whole window directory, or merge another --window."
         )
     fix = "the checkpoint is corrupt, merge another --window"
-    progress = typed(dict[str, Any], read_json_file(path, f"checkpoint file {path}", missing=fix + ".",
-                                                    invalid=fix + "."), f"checkpoint file {path}", fix)
+    progress = read_typed(path, dict[str, Any], f"checkpoint file {path}", fix)
     if progress.get("format") != "zl-checkpoint":
         raise ZLError(f"checkpoint file {path}: format {progress.get('format')!r}, expected 'zl-checkpoint'.")
     if progress.get("stage") != k:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from zl_base.errors import ZLError
-from zl_base.json_reader import Bounds, first_difference, read_json_file, shown, typed
+from zl_base.json_reader import Bounds, first_difference, read_json_file, read_typed, shown, typed
 from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.run_layout import RunLayout
 from zl_device.formats.schedules import SCHEDULES, schedule_name
@@ -123,15 +123,15 @@ class _ResolvedFile:
     optimizer: OptimizerSettings
 
 
-def record_start(layout: RunLayout) -> None:
-    """Write RUN_DIR/started_run.json: train_settings.json and resolved_run.json as the run starts, what its
-    checkpoints are trained with. `--resume` checks both files against it (`check_as_started`), so an edited file
-    (a learning rate, a window, AdamW's eps) is refused instead of silently training another adapter. A layout
-    without settings (a calibration round's work folder, zl_device/plan/calibrate.py) is no run to resume: nothing."""
+def record_start(layout: RunLayout, resolved: ResolvedRun) -> None:
+    """Write RUN_DIR/started_run.json: train_settings.json and `resolved` (resolved_run.json) as the run starts,
+    what its checkpoints are trained with. `--resume` checks both files against it (`check_as_started`), so an
+    edited file (a learning rate, a window, AdamW's eps) is refused instead of silently training another adapter. A
+    layout without settings (a calibration round's work folder, zl_device/plan/calibrate.py) is no run to resume:
+    nothing."""
     if not layout.settings.is_file():
         return
-    record = {"train_settings": json.loads(layout.settings.read_text()),
-              "resolved_run": json.loads(layout.resolved.read_text())}
+    record = {"train_settings": json.loads(layout.settings.read_text()), "resolved_run": resolved.to_json()}
     tmp = layout.started.with_name(f".{layout.started.name}.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(layout.started)
@@ -148,8 +148,7 @@ def check_as_started(layout: RunLayout, key: str, path: Path, current: Any) -> N
     if not layout.started.is_file():
         return
     fix = "restore it from a copy of the run directory, or start the run again without --resume"
-    record = typed(dict[str, Any], read_json_file(layout.started, str(layout.started), missing="", invalid=fix + "."),
-                   str(layout.started), fix)
+    record = read_typed(layout.started, dict[str, Any], str(layout.started), fix)
     if key not in record:
         raise ZLError(f'{layout.started}: "{key}" is missing; {fix}.')
     found = first_difference(current, record[key])
@@ -195,7 +194,8 @@ def resolve_run(s: TrainSettings, tokenizer, layout: RunLayout, say) -> tuple[Re
 
     saved = ResolvedRun.load(layout) if s.resume else None
     if saved is not None:
-        check_as_started(layout, "resolved_run", layout.resolved, json.loads(layout.resolved.read_text()))
+        # as read (typed: an edit that reads is kept, a value that does not is refused before)
+        check_as_started(layout, "resolved_run", layout.resolved, saved.to_json())
         if saved.num_stages != s.split.count:
             raise ZLError(f'{layout.resolved}: "stages" has {saved.num_stages} stage(s), the run has {s.split.count} '
                           f"({s.split.stages or s.split.count}); restore it, or start the run again without --resume.")
@@ -210,5 +210,5 @@ def resolve_run(s: TrainSettings, tokenizer, layout: RunLayout, say) -> tuple[Re
         say(note)
     resolved = ResolvedRun.of(chosen, seq_len, run_max_targets(chosen, shard, say))
     resolved.save(layout)
-    record_start(layout)
+    record_start(layout, resolved)
     return resolved, shard, dev

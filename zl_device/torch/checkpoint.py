@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from zl_base.errors import ZLError
-from zl_base.json_reader import read_json_file, typed
+from zl_base.json_reader import read_typed
 from zl_device.formats.checkpoints import DEFAULT_LAYOUT
 from zl_device.formats.tensor_files import check_finite, read_tensors
 
@@ -83,9 +83,7 @@ def read_checkpoint(where: Path, run_id: str, stage: int) -> tuple[dict[str, tor
 
     layout = DEFAULT_LAYOUT
     fix = "the checkpoint is damaged; start the run again without --resume"
-    progress = typed(dict[str, Any], read_json_file(where / layout.progress_file, f"{where / layout.progress_file}",
-                                                    missing=fix + ".", invalid=fix + "."),
-                     str(where / layout.progress_file), fix)
+    progress = read_typed(where / layout.progress_file, dict[str, Any], str(where / layout.progress_file), fix)
     if progress.get("run_id") != run_id or progress.get("stage") != stage:
         raise ZLError(f"{where}: a checkpoint of run {progress.get('run_id')} stage {progress.get('stage')}, not of "
                       f"this run ({run_id}) stage {stage}; resume only the run directory that wrote it.")

@@ -74,12 +74,11 @@ class TorchJob:
 
     @staticmethod
     def load(path: Path | str) -> TorchJob:
-        from zl_base.json_reader import read_json_file, typed
+        from zl_base.json_reader import read_typed
 
         path = Path(path)
         fix = "`zl train --runtime torch` writes one into its run directory; restore it, or start the run again"
-        data = read_json_file(path, str(path), missing=fix + ".", invalid=fix + ".")
-        return typed(TorchJob, data, f"{path} ({TORCH_JOB})", fix)
+        return read_typed(path, TorchJob, f"{path} ({TORCH_JOB})", fix)
 
 
 def for_attempt(job: TorchJob, attempt: int) -> TorchJob:

@@ -241,7 +241,8 @@ def _text_label_task(path: Path | str, records, labels: list[str] | None, templa
     unknown = [w for w in found if w not in words]
     if unknown:
         line = next(n for n, r in records if r["label"].strip() == unknown[0])
-        raise ZLError(f"{at_row(path, line)}: label {unknown[0]!r} is not in --labels {','.join(words)}; add it to --labels.")
+        raise ZLError(f"{at_row(path, line)}: label {unknown[0]!r} is not in --labels {','.join(words)}; add it to "
+                      "--labels.")
     if template is None:
         template = TEXT_LABEL_TEMPLATE if len(words) <= MAX_LISTED_CHOICES else TEXT_LABEL_TEMPLATE_MANY
     prompt_of = lambda r: template.format(text=r["text"].strip(), choices=choices_text(words))  # noqa: E731

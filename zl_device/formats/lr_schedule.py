@@ -32,13 +32,17 @@ class OptimizerSettings:
     lr: Annotated[float, _AT_LEAST_0] = setting(2e-3, "AdamW learning rate (warm-up, then cosine to 10%).")
     weight_decay: Annotated[float, _AT_LEAST_0] = setting(0.0, "AdamW's decoupled weight decay.", cli=False)
     betas: tuple[_Beta, _Beta] = setting((0.9, 0.999), "AdamW's moment decays (beta1, beta2).", cli=False)
-    eps: Annotated[float, Bounds(above=0)] = setting(1e-8, "Added to the square root of AdamW's second moment.", cli=False)
+    eps: Annotated[float, Bounds(above=0)] = setting(1e-8, "Added to the square root of AdamW's second moment.",
+                                                     cli=False)
     schedule_kind: str = setting("warmup_cosine", "constant, or warmup_cosine: linear warm-up over the first "
                                                   "windows, then a cosine down to min_lr_ratio x lr.",
                                  choices=SCHEDULE_KINDS, cli=False)
-    warmup_windows: Annotated[int, _AT_LEAST_0] = setting(2, "Windows of linear LR warm-up (capped at the run's windows - 1).", cli=False)
-    min_lr_ratio: Annotated[float, Bounds(0, 1)] = setting(0.1, "Where the cosine ends, as a fraction of the lr.", cli=False)
-    total_steps: Annotated[int, _AT_LEAST_0] = setting(0, "Optimizer steps the cosine spans; 0: the run's windows.", cli=False)
+    warmup_windows: Annotated[int, _AT_LEAST_0] = setting(2, "Windows of linear LR warm-up (capped at the run's "
+                                                             "windows - 1).", cli=False)
+    min_lr_ratio: Annotated[float, Bounds(0, 1)] = setting(0.1, "Where the cosine ends, as a fraction of the lr.",
+                                                           cli=False)
+    total_steps: Annotated[int, _AT_LEAST_0] = setting(0, "Optimizer steps the cosine spans; 0: the run's windows.",
+                                                       cli=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))

@@ -132,7 +132,8 @@ class Plan:
                    devices=f.devices, device_names=list(f.device_names), mode=f.mode,
                    cpu_quota=None if f.cpu_quota is None else list(f.cpu_quota), per_stage=stages,
                    link_mbps=link.mbps, entry_bytes=link.entry_bytes, link_ms=link.ms,
-                   even_stages=even.stages if even else None, even_slowest_ms=even.predicted_slowest_ms if even else None,
+                   even_stages=even.stages if even else None,
+                   even_slowest_ms=even.predicted_slowest_ms if even else None,
                    calibration=list(f.calibration), schedule=f.schedule, keep_activations=f.keep_activations)
 
 

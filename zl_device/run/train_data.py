@@ -39,9 +39,9 @@ def shard_is_generative(shard: Path) -> bool:
 
 def data_is_generative(s: TrainSettings) -> bool:
     """Whether the training data is generative rows (prompt/completion, chat) rather than label words, read but not
-    tokenized: the demo task is label words; a shard says so itself (shard_is_generative); a data file (.csv, .jsonl, .parquet,
-    .arrow) by its format. A missing file counts as label words (the run's own check refuses it by name next); one that cannot be
-    read raises the data step's ZLError."""
+    tokenized: the demo task is label words; a shard says so itself (shard_is_generative); a data file (.csv,
+    .jsonl, .parquet, .arrow) by its format. A missing file counts as label words (the run's own check refuses it by
+    name next); one that cannot be read raises the data step's ZLError."""
     if s.data == DEMO:
         return False
     path = Path(s.data).expanduser()

@@ -70,6 +70,16 @@ def sharegpt_messages(value: object, where: str) -> list[dict[str, str]]:
         ZLError: naming the row and the turn: not a list of {from, value} strings, an unknown speaker, or what
             `parse_messages` refuses.
     """
+    return parse_messages(sharegpt_turns(value, where), where)
+
+
+def sharegpt_turns(value: object, where: str) -> list[dict[str, str]]:
+    """`conversations` as `messages` turns ({role, content}), not yet checked as a conversation (a training row's
+    ends in the assistant turn, `parse_messages`; a prompt's in the user turn, `parse_prompt_messages`).
+
+    Raises:
+        ZLError: not a list of {from, value} strings, or an unknown speaker.
+    """
     if not isinstance(value, list) or not value:
         raise ZLError(f"{where}: 'conversations' is {_kind(value)}, expected a list of turns like "
                       f"{_SHAREGPT_EXAMPLE}.")
@@ -84,7 +94,7 @@ def sharegpt_messages(value: object, where: str) -> list[dict[str, str]]:
             raise ZLError(f"{where}: turn {i} is from {turn['from']!r}; expected one of "
                           f"{', '.join(SHAREGPT_ROLES)}. Rename the speaker or drop the turn.")
         messages.append({"role": role, "content": turn["value"]})
-    return parse_messages(messages, where)
+    return messages
 
 
 def parse_prompt_messages(value: object, where: str) -> list[dict[str, str]]:

@@ -432,12 +432,11 @@ def _prompt_of(row: object, where: str) -> Prompt:
     """The prompt of one JSONL line or table row: its "prompt"; a "messages" conversation (or ShareGPT's
     "conversations") ending in the user turn to answer; or an Alpaca row's "instruction" (and "input") in the Alpaca
     prompt, as `zl data` renders it for training."""
-    from zl_export.chat import SHAREGPT_ROLES, parse_prompt_messages
+    from zl_export.chat import parse_prompt_messages, sharegpt_turns
 
-    if isinstance(row, dict) and isinstance(row.get("conversations"), list) and "messages" not in row:
-        row = {"messages": [{"role": SHAREGPT_ROLES.get(str(t.get("from", "")).strip().lower(), t.get("from")),
-                             "content": t.get("value")} if isinstance(t, dict) else t
-                            for t in row["conversations"]]}
+    if isinstance(row, dict) and "conversations" in row and "messages" not in row:
+        messages = parse_prompt_messages(sharegpt_turns(row["conversations"], where), where)
+        return Prompt(messages[-1]["content"], where, messages)
     if isinstance(row, dict) and "messages" in row:
         messages = parse_prompt_messages(row["messages"], where)
         return Prompt(messages[-1]["content"], where, messages)

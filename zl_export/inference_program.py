@@ -153,7 +153,7 @@ def export_program(model: torch.nn.Module, out: Path, quantize: str = "none", ma
             wrapper.restore()
     metadata = program_metadata(model.config, max_seq_len, eos_ids, bos_id, in_place_cache=refusal is None)
     log.info("lowering to XNNPACK (%s)", quantize)
-    program = lower_to_executorch(exported, metadata, external=_base_tag_of_placeholder if shared_base else None)
+    program = lower_to_executorch(exported, metadata, external=_base_tag if shared_base else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     tmp.write_bytes(program.buffer)
@@ -175,13 +175,9 @@ def export_program(model: torch.nn.Module, out: Path, quantize: str = "none", ma
 
 
 def _base_tag(node) -> str | None:
-    """A delegated constant's data file (`delegate_external_constants_pass_unlifted`): the base's, or None for a
-    LoRA weight, which stays in the program."""
-    return None if is_lora_weight(str(node.target)) else SHARED_BASE
-
-
-def _base_tag_of_placeholder(node) -> str | None:
-    """The same for a constant the delegate left to the program (`ExecutorchBackendConfig.external_constants`)."""
+    """A constant's data file: the base's, or None for a LoRA weight, which stays in the program. For the
+    delegate's constants (a get_attr, `delegate_external_constants_pass_unlifted`) and the ones it left to the
+    program (a placeholder, `ExecutorchBackendConfig.external_constants`) alike."""
     return None if is_lora_weight(node.name) or is_lora_weight(str(node.target)) else SHARED_BASE
 
 

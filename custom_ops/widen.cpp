@@ -1,4 +1,4 @@
-// The `zerolock::widen.out` ExecuTorch kernel (AOT side: widen.py).
+// The `zerolock::widen.out` and `zerolock::widen_int4.out` ExecuTorch kernels (AOT side: widen.py).
 #include <zl/widen.h>
 
 #include <cstdint>
@@ -30,6 +30,25 @@ void widen_int8(const int8_t* in, float* out, size_t n) {
 
 void widen_half(const executorch::aten::Half* in, float* out, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
+}
+
+/// One row's groups: a 16-entry table per group (the nibble's value times the
+/// group's scale), then two lookups a byte.
+void widen_int4_rows(const uint8_t* packed, const float* scales, float* out, size_t rows, size_t groups,
+                     size_t group) {
+  float table[16];
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t g = 0; g < groups; ++g) {
+      const float scale = *scales++;
+      for (int k = 0; k < 16; ++k) table[k] = static_cast<float>(k - 8) * scale;
+      for (size_t j = 0; j < group / 2; ++j) {
+        const uint8_t byte = *packed++;
+        out[0] = table[byte & 0xF];
+        out[1] = table[byte >> 4];
+        out += 2;
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -68,6 +87,41 @@ Tensor& widen_out(KernelRuntimeContext& ctx, const Tensor& weight, Tensor& out) 
   return out;
 }
 
+Tensor& widen_int4_out(KernelRuntimeContext& ctx, const Tensor& packed, const Tensor& scales, Tensor& out) {
+  ET_KERNEL_CHECK_MSG(ctx, out.scalar_type() == ScalarType::Float, InvalidArgument, out,
+                      "widen_int4: out must be float32, got %s", executorch::runtime::toString(out.scalar_type()));
+  ET_KERNEL_CHECK_MSG(ctx, packed.scalar_type() == ScalarType::Byte && scales.scalar_type() == ScalarType::Float,
+                      InvalidArgument, out, "widen_int4: packed must be uint8 and scales float32, got %s and %s",
+                      executorch::runtime::toString(packed.scalar_type()),
+                      executorch::runtime::toString(scales.scalar_type()));
+  const ssize_t dims = packed.dim();
+  bool same_rows = dims >= 1 && scales.dim() == dims;
+  for (ssize_t d = 0; same_rows && d + 1 < dims; ++d) same_rows = packed.size(d) == scales.size(d);
+  const size_t bytes = same_rows ? static_cast<size_t>(packed.size(dims - 1)) : 0;
+  const size_t groups = same_rows ? static_cast<size_t>(scales.size(dims - 1)) : 0;
+  ET_KERNEL_CHECK_MSG(ctx, same_rows && groups > 0 && (2 * bytes) % groups == 0 && (2 * bytes / groups) % 2 == 0,
+                      InvalidArgument, out,
+                      "widen_int4: packed (%zd dims, %zu bytes a row) and scales (%zd dims, %zu a row) do not match",
+                      dims, bytes, static_cast<ssize_t>(scales.dim()), groups);
+  executorch::aten::SizesType sizes[executorch::runtime::kTensorDimensionLimit];
+  for (ssize_t d = 0; d < dims; ++d) sizes[d] = packed.size(d);
+  sizes[dims - 1] = static_cast<executorch::aten::SizesType>(2 * bytes);
+  ET_KERNEL_CHECK_MSG(ctx,
+                      executorch::runtime::resize_tensor(out, {sizes, static_cast<size_t>(dims)}) == Error::Ok,
+                      InvalidArgument, out, "widen_int4: cannot resize out (numel %zd) to %zu columns a row",
+                      static_cast<ssize_t>(out.numel()), 2 * bytes);
+  ET_KERNEL_CHECK_MSG(ctx,
+                      executorch::runtime::tensor_is_default_dim_order(packed) &&
+                          executorch::runtime::tensor_is_default_dim_order(scales) &&
+                          executorch::runtime::tensor_is_default_dim_order(out),
+                      InvalidArgument, out, "widen_int4: packed, scales and out must be contiguous");
+  const size_t rows = bytes == 0 ? 0 : static_cast<size_t>(packed.numel()) / bytes;
+  widen_int4_rows(packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(), out.mutable_data_ptr<float>(),
+                  rows, groups, 2 * bytes / groups);
+  return out;
+}
+
 }  // namespace zl
 
 EXECUTORCH_LIBRARY(zerolock, "widen.out", zl::widen_out);
+EXECUTORCH_LIBRARY(zerolock, "widen_int4.out", zl::widen_int4_out);

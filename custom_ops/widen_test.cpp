@@ -1,4 +1,4 @@
-// Tests of the `zerolock::widen.out` kernel: one per dtype and failure mode.
+// Tests of the `zerolock::widen.out` and `zerolock::widen_int4.out` kernels: one per dtype and failure mode.
 #include <zl/widen.h>
 
 #include <cstdint>
@@ -72,9 +72,72 @@ TEST(Widen, RefusesAnOutOfAnotherSize) {
   EXPECT_EQ(ctx.failure_state(), Error::InvalidArgument);
 }
 
+/// The byte holding columns 2j (q_low) and 2j + 1 (q_high), each q in [-8, 7].
+uint8_t pack(int q_low, int q_high) { return static_cast<uint8_t>((q_low + 8) | ((q_high + 8) << 4)); }
+
+TEST(WidenInt4, UnpacksLowNibbleFirstAndScalesEachGroup) {
+  // 2 rows x 8 columns, groups of 4: scales 0.5, -2 (row 0) and 1, 0.25 (row 1).
+  std::vector<uint8_t> packed = {pack(-8, 7), pack(0, 1), pack(2, -3), pack(4, -5),
+                                 pack(1, 2),  pack(3, 4), pack(-1, -2), pack(-3, -4)};
+  std::vector<float> scales = {0.5f, -2.0f, 1.0f, 0.25f};
+  const std::vector<float> expected = {-4, 3.5, 0, 0.5, -4, 6, -8, 10, 1, 2, 3, 4, -0.25, -0.5, -0.75, -1};
+  auto p = make_tensor_ptr({2, 4}, packed.data(), ScalarType::Byte);
+  auto s = make_tensor_ptr({2, 2}, scales);
+  auto out = make_tensor_ptr({2, 8}, std::vector<float>(16, 99.0f));
+  KernelRuntimeContext ctx;
+  zl::widen_int4_out(ctx, *p, *s, *out);
+  ASSERT_EQ(ctx.failure_state(), Error::Ok);
+  for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(out->const_data_ptr<float>()[i], expected[i]) << i;
+}
+
+TEST(WidenInt4, TakesLookedUpRowsOfAnyRank) {
+  // An embedding's looked-up rows: (B=1, S=2, D/2=2) bytes, (1, 2, 1) scales -> (1, 2, 4).
+  std::vector<uint8_t> packed = {pack(1, -1), pack(2, -2), pack(7, -8), pack(0, 3)};
+  std::vector<float> scales = {2.0f, -1.0f};
+  auto p = make_tensor_ptr({1, 2, 2}, packed.data(), ScalarType::Byte);
+  auto s = make_tensor_ptr({1, 2, 1}, scales);
+  auto out = make_tensor_ptr({1, 2, 4}, std::vector<float>(8, 99.0f));
+  KernelRuntimeContext ctx;
+  zl::widen_int4_out(ctx, *p, *s, *out);
+  ASSERT_EQ(ctx.failure_state(), Error::Ok);
+  const std::vector<float> expected = {2, -2, 4, -4, -7, 8, 0, -3};
+  for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(out->const_data_ptr<float>()[i], expected[i]) << i;
+}
+
+TEST(WidenInt4, RefusesScalesThatDoNotMatch) {
+  std::vector<uint8_t> packed(8, pack(0, 0));
+  auto p = make_tensor_ptr({2, 4}, packed.data(), ScalarType::Byte);
+  KernelRuntimeContext rows_ctx;  // 3 rows of scales for 2 rows of weights
+  auto three_rows = make_tensor_ptr({3, 1}, std::vector<float>(3, 1.0f));
+  auto out = make_tensor_ptr({2, 8}, std::vector<float>(16));
+  zl::widen_int4_out(rows_ctx, *p, *three_rows, *out);
+  EXPECT_EQ(rows_ctx.failure_state(), Error::InvalidArgument);
+  KernelRuntimeContext odd_ctx;  // 8 columns in 8 groups: a group of 1 would split a byte
+  auto eight = make_tensor_ptr({2, 8}, std::vector<float>(16, 1.0f));
+  zl::widen_int4_out(odd_ctx, *p, *eight, *out);
+  EXPECT_EQ(odd_ctx.failure_state(), Error::InvalidArgument);
+  KernelRuntimeContext dtype_ctx;  // int8 where the packed bytes belong
+  std::vector<int8_t> q(8);
+  auto as_int8 = make_tensor_ptr({2, 4}, q.data(), ScalarType::Char);
+  auto one = make_tensor_ptr({2, 1}, std::vector<float>(2, 1.0f));
+  zl::widen_int4_out(dtype_ctx, *as_int8, *one, *out);
+  EXPECT_EQ(dtype_ctx.failure_state(), Error::InvalidArgument);
+}
+
+TEST(WidenInt4, RefusesAnOutOfAnotherSize) {
+  std::vector<uint8_t> packed(8, pack(1, 1));
+  auto p = make_tensor_ptr({2, 4}, packed.data(), ScalarType::Byte);
+  auto s = make_tensor_ptr({2, 1}, std::vector<float>(2, 1.0f));
+  auto out = make_tensor_ptr({2, 4}, std::vector<float>(8));  // static shape: 8 values, not 16
+  KernelRuntimeContext ctx;
+  zl::widen_int4_out(ctx, *p, *s, *out);
+  EXPECT_EQ(ctx.failure_state(), Error::InvalidArgument);
+}
+
 TEST(Widen, IsRegisteredWithTheRuntime) {
   EXPECT_TRUE(zl::widen_kernel_linked());
   EXPECT_TRUE(executorch::runtime::registry_has_op_function("zerolock::widen.out"));
+  EXPECT_TRUE(executorch::runtime::registry_has_op_function("zerolock::widen_int4.out"));
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-"""`--frozen-dtype bf16|int8`: programs with compact frozen weights against an eager float32 model holding the
+"""`--frozen-dtype bf16|int8|int4`: programs with compact frozen weights against an eager float32 model holding the
 same (dequantized) weights, through test_export's independent Hugging Face reference."""
 
 import pytest
@@ -10,7 +10,8 @@ from test_export import _reference, _test_batch
 from zl_base.errors import ZLError
 from zl_export import exporter, frozen_weights
 from zl_export.exporter import build_stage_modules, export_stage, write_program
-from zl_export.frozen_weights import CompactEmbedding, CompactLinear, dequantized, quantize_rows
+from zl_export.frozen_weights import (INT4_GROUP, CompactEmbedding, CompactLinear, dequantized, quantize_groups,
+                                      quantize_rows)
 from zl_export.lora import attach_lora
 from zl_export.manifest import build_manifest
 from zl_export.model_source import load_model
@@ -57,13 +58,40 @@ def test_quantize_rows_bounds_the_error_by_half_a_step():
     assert (dequantized(w, "int8")[3] == 0).all()
 
 
+def test_quantize_groups_packs_two_a_byte_and_bounds_the_error_by_half_a_step():
+    w = torch.randn(5, 4 * INT4_GROUP) * torch.linspace(0.01, 3.0, 4 * INT4_GROUP)
+    w[2] = 0.0  # an all-zero row (its groups) must not divide by zero
+    w[4, :INT4_GROUP] = torch.linspace(-1.0, 2.0, INT4_GROUP)  # the peak positive: its scale is negative
+    packed, s = quantize_groups(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 2 * INT4_GROUP) and s.shape == (5, 4)
+    q = torch.stack([(packed & 0xF).long() - 8, (packed >> 4).long() - 8], dim=-1).flatten(-2)  # low nibble first
+    step = s.repeat_interleave(INT4_GROUP, dim=1)  # (5, I): each column's scale
+    back = q.float() * step
+    assert torch.equal(dequantized(w, "int4"), back)  # the op widens as the format says
+    groups = w.reshape(5, 4, INT4_GROUP)
+    peak = groups.abs().argmax(-1, keepdim=True)
+    torch.testing.assert_close(back.reshape(5, 4, INT4_GROUP).gather(-1, peak), groups.gather(-1, peak))  # exact
+    # Half a step, but for values of the peak's opposite sign near its magnitude: +8 steps clamp to 7.
+    clamped = (w / step).round() > 7
+    assert ((back - w).abs() <= step.abs() / 2 + 1e-6)[~clamped].all() and ((back - w).abs() <= step.abs())[clamped].all()
+    assert q.min() == -8 and (back[2] == 0).all()
+    assert (s[4, 0] < 0) and back[4, INT4_GROUP - 1] == 2.0
+
+
+def test_int4_refuses_a_weight_of_a_size_its_groups_do_not_divide():
+    with pytest.raises(ValueError, match=r"int4 stores 32 input channels per scale.*\(8, 40\).*--frozen-dtype int8"):
+        frozen_weights.compact_frozen_weights(nn.Sequential(nn.Linear(40, 8)).requires_grad_(False), "int4")
+
+
 # Slow, ~50 s of export each: bf16, since test_tied_head's bf16 case checks a bf16 program (its head chunked) against
 # the float32 twin of the dequantized weights through the same kind of reference, and test_export's programs are bf16
 # (the default); int8 unchunked, since int8-chunked holds one-chunk weights (the attention projections) beside
-# chunked ones (the MLP's, the LM head).
+# chunked ones (the MLP's, the LM head); int8-chunked, since int4-chunked goes through the same chunking and
+# widen_per_use with the other kernel (and the C++ tests check zerolock::widen on int8).
 @pytest.mark.parametrize("dtype,chunk", [pytest.param("bf16", None, marks=pytest.mark.slow),
-                                         pytest.param("int8", None, marks=pytest.mark.slow), ("int8", 64 * 100)],
-                         ids=["bf16", "int8", "int8-chunked"])
+                                         pytest.param("int8", None, marks=pytest.mark.slow),
+                                         pytest.param("int8", 64 * 100, marks=pytest.mark.slow), ("int4", 64 * 100)],
+                         ids=["bf16", "int8", "int8-chunked", "int4-chunked"])
 def test_compact_programs_match_eager_of_the_same_weights(tmp_path, monkeypatch, dtype, chunk):
     native_library_or_skip()
     if chunk:  # the LM head (320 x 64) in 4 row chunks of <= 100 rows, as TinyLlama's is
@@ -112,7 +140,10 @@ def test_compact_programs_are_smaller_and_plan_no_extra_memory(tmp_path, monkeyp
         buffer = export_stage(modules[0], peft, opts, loaded.config.vocab_size).buffer
         pte = deserialize_pte_binary(buffer)
         plan = (pte.program if hasattr(pte, "program") else pte).execution_plan[0]
+        frozen[dtype] = sum(b.numel() for n, b in modules[0].named_buffers() if n.rsplit(".", 1)[-1].startswith("weight_"))
         return len(buffer), sum(plan.non_const_buffer_sizes)
+
+    frozen = {}  # dtype -> elements of stage 0's compact weight tensors
 
     cfg = load_model("tiny-random").config
     largest = cfg.vocab_size * cfg.hidden_size * 4  # the LM head widened to float32, bytes
@@ -123,6 +154,11 @@ def test_compact_programs_are_smaller_and_plan_no_extra_memory(tmp_path, monkeyp
     assert int8_size < 0.6 * fp32_size
     # At most one widened weight (the LM head) lives next to the activations.
     assert int8_planned <= fp32_planned + largest
+    int4_size, int4_planned = export("int4")
+    # int4 packs two weights a byte and adds a float32 scale per 32: 0.375 bytes a weight less than int8's one.
+    weights = frozen["int8"]
+    assert frozen["int4"] == weights // 2 and int8_size - int4_size >= 0.36 * weights
+    assert int4_planned <= fp32_planned + largest
     monkeypatch.setattr(exporter, "widen_per_use", lambda ep: 0)
     _, unsplit_planned = export("int8")
     # Stage 0 has two layers: without widen_per_use their widened weights stay alive from forward to backward.
@@ -141,7 +177,7 @@ def test_restore_gives_back_the_float32_model():
 
 
 def test_unknown_frozen_dtype_is_refused():
-    with pytest.raises(ZLError, match="--frozen-dtype 'fp8'.*fp32, bf16, int8"):
+    with pytest.raises(ZLError, match="--frozen-dtype 'fp8'.*fp32, bf16, int8, int4"):
         _opts("fp8").validate()
 
 
@@ -153,8 +189,8 @@ def test_the_frozen_dtype_changes_the_export_cache_key():
     from zl_export.options import ModelSplit
 
     s = TrainSettings(split=ModelSplit(model="tiny-random"))
-    keys = {export_key(s, replace(_opts("fp32"), frozen_dtype=d)) for d in ("fp32", "bf16", "int8")}
-    assert len(keys) == 3
+    keys = {export_key(s, replace(_opts("fp32"), frozen_dtype=d)) for d in ("fp32", "bf16", "int8", "int4")}
+    assert len(keys) == 4
 
 
 def saved_bytes(fn) -> tuple[torch.Tensor, int]:
@@ -171,7 +207,7 @@ def saved_bytes(fn) -> tuple[torch.Tensor, int]:
     return out, total
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("chunk", [None, 64 * 48])  # one chunk; 3 chunks of 16 rows
 def test_widening_again_in_backward_keeps_no_float32_weight_and_computes_the_same(monkeypatch, dtype, chunk):
     if chunk:
@@ -191,10 +227,9 @@ def test_widening_again_in_backward_keeps_no_float32_weight_and_computes_the_sam
     assert torch.equal(y0, y1)
     torch.testing.assert_close(g1, g0, rtol=1e-6, atol=1e-6)
     assert saved_once >= 48 * 64 * 4  # the float32 widening, kept until the backward
-    compact_bytes = 48 * 64 * (2 if dtype == "bf16" else 1) + (48 * 4 if dtype == "int8" else 0)
+    compact_bytes = {"bf16": 48 * 64 * 2, "int8": 48 * 64 + 48 * 4, "int4": 48 * 32 + 48 * 2 * 4}[dtype]
     assert saved_again <= compact_bytes  # only the compact weight (and scale)
-    model = nn.Sequential(CompactLinear(linear, dtype), nn.ReLU(), CompactLinear(linear.__class__(48, 64, bias=False),
-                                                                                 dtype))
+    model = nn.Sequential(CompactLinear(nn.Linear(64, 64, bias=False), dtype), nn.ReLU(), CompactLinear(linear, dtype))
     assert frozen_weights.compact_for_training(model) == 2 and all(m.widen_again for m in model
                                                                         if isinstance(m, CompactLinear))
 
@@ -215,3 +250,15 @@ def test_compact_for_training_lets_the_float32_originals_go():
     assert all(r() is None for r in originals)  # the stage holds its frozen weights once, compact
     with pytest.raises(ValueError, match="let go of its float32 original"):
         frozen_weights.restore_frozen_weights(model)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("chunk", [None, 64 * 30])  # one chunk; 4 chunks of 30 rows (the last of 10)
+def test_compact_embedding_looks_up_the_dequantized_rows(monkeypatch, dtype, chunk):
+    if chunk:
+        monkeypatch.setattr(frozen_weights, "CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(0)
+    embedding = nn.Embedding(100, 64)
+    ids = torch.tensor([[0, 29, 30, 59, 60], [99, 1, 31, 90, 0]])
+    got = CompactEmbedding(embedding, dtype)(ids)
+    torch.testing.assert_close(got, nn.functional.embedding(ids, dequantized(embedding.weight, dtype)), rtol=0, atol=0)

@@ -1,20 +1,26 @@
-"""Frozen weights in fewer bytes: bf16, or int8 with a scale per output channel (docs/design.md §3.6).
+"""Frozen weights in fewer bytes: bf16, int8 with a scale per output channel, or int4 with a scale per group of
+32 input channels (docs/design.md §3.6).
 
 Only LoRA (and translator) parameters train; every other linear weight, the
 LM head and the token embedding are constants of the stage program, and they
 are most of its bytes (TinyLlama stage 0-6: 1.7 GB as float32). With
-`--frozen-dtype bf16|int8` they are stored compact and widened to float32 per
-use inside the program:
+`--frozen-dtype bf16|int8|int4` they are stored compact and widened to float32
+per use inside the program:
 
     bf16: y = x @ W.float().T
     int8: y = (x @ Q.float().T) * s     W ≈ Q * s[:, None], Q = round(W / s), s = max|W_row| / 127
+    int4: y = x @ (Q * s_g).T           per group g of 32 columns of a row: s_g = m / -8, m its value of largest
+                                        magnitude (so m is exactly -8 s_g), Q = round(W / s_g) in [-8, 7]
 
-The scale is per output channel, so it applies to the matmul's output (V
-multiplies, not V × D). A weight is stored in row chunks (`compact_rows`); a
-tied embedding and LM head share the same chunk tensors, so the table is held
-once, in stage 0's program too. LoRA weights, gradients, activations and
-AdamW state stay float32. The eager model and the program compute the same
-quantized model: `zl export --check` and the tests compare them.
+The int8 scale is per output channel, so it applies to the matmul's output (V
+multiplies, not V × D); an int4 group scale is applied while widening
+(`zerolock::widen_int4`), two values packed in a byte, 0.625 bytes a weight
+with its float32 scales (int8: 1, bf16: 2). A weight is stored in row chunks
+(`compact_rows`); a tied embedding and LM head share the same chunk tensors,
+so the table is held once, in stage 0's program too. LoRA weights,
+gradients, activations and AdamW state stay float32. The eager model and the
+program compute the same quantized model: `zl export --check` and the tests
+compare them.
 
 In the joint graph a widened weight would live from the forward to the
 backward (the input gradient needs it again) and memory planning would keep
@@ -34,11 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from custom_ops import widen
+from custom_ops import widen, widen_int4
 from zl_export.options import FROZEN_DTYPES
 # A widened weight of more elements than this is widened in row chunks (the LM head: 32,000 × 2,048 would be a
 # 262 MB float32 temporary; 4 chunks of 8,000 rows are 66 MB each).
 CHUNK_ELEMENTS = 1 << 24
+INT4_GROUP = 32  # int4: input channels per scale (llama.cpp's Q4_0 and ExecuTorch's 8da4w use 32 too)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,25 +56,55 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 per group of INT4_GROUP columns: (packed (O, I/2) uint8, s (O, I/INT4_GROUP) float32) with W ≈ Q * s per
+    group. A group's value of largest magnitude m gets Q = -8 exactly (s = m / -8), the rest round into [-8, 7], as
+    llama.cpp's Q4_0 does; an all-zero group gets s = 1. Byte j holds columns 2j (low nibble) and 2j + 1 as Q + 8."""
+    rows, columns = weight.shape
+    if columns % INT4_GROUP:
+        raise ValueError(f"--frozen-dtype int4 stores {INT4_GROUP} input channels per scale, and a weight of shape "
+                         f"{tuple(weight.shape)} has {columns}; use --frozen-dtype int8 for this model")
+    groups = weight.detach().float().reshape(rows, columns // INT4_GROUP, INT4_GROUP)
+    peak = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)  # (O, I/G), signed
+    scale = torch.where(peak != 0, peak / -8.0, torch.ones_like(peak))
+    q = torch.round(groups / scale.unsqueeze(-1)).clamp(-8, 7).to(torch.int16).reshape(rows, columns) + 8
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+    return packed.contiguous(), scale.contiguous()
+
+
 def dequantized(weight: torch.Tensor, dtype: str) -> torch.Tensor:
     """The float32 weight the program computes with when `weight` is stored as `dtype` (the eager reference)."""
     if dtype == "fp32":
         return weight.detach().float().clone()
     if dtype == "bf16":
         return weight.detach().to(torch.bfloat16).float()
+    if dtype == "int4":
+        return widen_int4(*quantize_groups(weight))
     q, s = quantize_rows(weight)
     return q.float() * s[:, None]
 
 
+def widened(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Compact rows as float32: int4 (uint8, packed) with its group scales applied; bf16/int8 without (an int8 scale
+    is per output channel and goes on the matmul's output)."""
+    return widen_int4(weight, scale) if weight.dtype == torch.uint8 else widen(weight)
+
+
+def output_scale(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | None:
+    """The scale per output channel to apply after the matmul: int8's, or None (bf16; int4 applies its own)."""
+    return None if weight.dtype == torch.uint8 else scale
+
+
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """x @ widen(W).T, times the int8 scale per output channel (None for bf16)."""
-    y = F.linear(x, widen(weight))
+    """x @ widened(W).T, times the int8 scale per output channel (None for bf16 and int4)."""
+    y = F.linear(x, widened(weight, scale))
+    scale = output_scale(weight, scale)
     return y if scale is None else y * scale
 
 
 class WidenedLinear(torch.autograd.Function):
-    """y = x @ widen(W).T, times the int8 scale s per output: autograd saves the compact W (and s), not its float32
-    widening, and the backward widens W again for the input gradient dx = (dy * s) @ widen(W). W is frozen, so it
+    """y = x @ widened(W).T, times the int8 scale s per output: autograd saves the compact W (and s), not its float32
+    widening, and the backward widens W again for the input gradient dx = (dy * s) @ widened(W). W is frozen, so it
     gets no gradient and x need not be saved."""
 
     @staticmethod
@@ -78,16 +115,19 @@ class WidenedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         weight, scale = ctx.saved_tensors
-        if scale is not None:
-            grad = grad * scale
-        return grad @ widen(weight), None, None
+        per_output = output_scale(weight, scale)
+        if per_output is not None:
+            grad = grad * per_output
+        return grad @ widened(weight, scale), None, None
 
 
 def compact_rows(weight: torch.Tensor, dtype: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """`weight` (O, I) as `dtype` ("bf16" or "int8") in row chunks of ≤ CHUNK_ELEMENTS: per chunk (compact rows,
-    int8 scale per row or None). The scale is per row, so chunking does not change a value."""
+    """`weight` (O, I) as `dtype` ("bf16", "int8" or "int4") in row chunks of ≤ CHUNK_ELEMENTS: per chunk (compact
+    rows, their scales: int8 per row, int4 per row and group, bf16 None). A scale covers part of one row, so
+    chunking does not change a value."""
     rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))
-    return [quantize_rows(part) if dtype == "int8" else (part.to(torch.bfloat16).contiguous(), None)
+    quantize = {"int8": quantize_rows, "int4": quantize_groups}.get(dtype)
+    return [quantize(part) if quantize else (part.to(torch.bfloat16).contiguous(), None)
             for part in weight.detach().split(rows, dim=0)]
 
 
@@ -102,7 +142,7 @@ def _register_chunks(module: nn.Module, chunks: list[tuple[torch.Tensor, torch.T
 
 
 class CompactLinear(nn.Module):
-    """A frozen `nn.Linear` stored as bf16 or int8 + per-row scale, in row chunks of ≤ CHUNK_ELEMENTS
+    """A frozen `nn.Linear` stored as bf16, int8 + per-row scale or int4 + group scales, in row chunks of ≤ CHUNK_ELEMENTS
     (`compact_rows`); a bias (Qwen2's q/k/v projections) stays float32 (O values) and is added after the widened
     matmul. `chunks` gives the compact rows to use (shared with a tied embedding; default: made from `linear`).
 
@@ -130,7 +170,7 @@ class CompactLinear(nn.Module):
 
 
 class CompactEmbedding(nn.Module):
-    """A frozen `nn.Embedding` stored as bf16 or int8 + per-row scale, in the row chunks of a `CompactLinear` of the
+    """A frozen `nn.Embedding` stored as bf16, int8 or int4 (with their scales), in the row chunks of a `CompactLinear` of the
     same table; only the looked-up rows are widened. An embedding that scales its rows (Gemma's `embed_scale`,
     sqrt(D)) keeps doing so.
 
@@ -156,8 +196,11 @@ class CompactEmbedding(nn.Module):
             # table stays out of range in the last chunk, so the lookup refuses it as an unchunked one would.
             local = ids if first == 0 else (ids - first).clamp(min=0)
             local = local.clamp(max=table.shape[0] - 1) if i + 1 < self.chunks else local
-            part = widen(F.embedding(local, table))  # (B, S, D)
-            part = part if scale is None else part * scale[local].unsqueeze(-1)
+            if table.dtype == torch.uint8:  # int4: the looked-up rows and their group scales, widened together
+                part = widen_int4(F.embedding(local, table), F.embedding(local, scale))  # (B, S, D)
+            else:
+                part = widen(F.embedding(local, table))  # (B, S, D)
+                part = part if scale is None else part * scale[local].unsqueeze(-1)
             # Chunk by chunk in order: the last chunk starting at or before an id holds it.
             rows = part if rows is None else torch.where((ids >= first).unsqueeze(-1), part, rows)
         return rows if self.embed_scale is None else rows * self.embed_scale
@@ -242,17 +285,20 @@ def full_precision(model: nn.Module):
             setattr(parent, name, child)
 
 
+WIDENINGS = (torch.ops.zerolock.widen.default, torch.ops.zerolock.widen_int4.default)
+
+
 def widen_per_use(ep: torch.export.ExportedProgram) -> int:
     """Give every use of a widened constant its own `zerolock::widen` right before it; returns the copies added.
 
-    A widening (`zerolock::widen` of a bf16/int8 constant) used by the forward matmul and again by the
+    A widening (`zerolock::widen` of a bf16/int8 constant, `zerolock::widen_int4` of an int4 one) used by the forward matmul and again by the
     backward's input gradient would otherwise stay alive in planned memory between the two.
     """
     graph, added = ep.graph, 0
     constants = {n for n in graph.nodes if n.op == "placeholder"
                  and n.target in {**ep.graph_signature.inputs_to_buffers, **ep.graph_signature.inputs_to_parameters}}
     for node in list(graph.nodes):
-        if not (node.op == "call_function" and node.target == torch.ops.zerolock.widen.default
+        if not (node.op == "call_function" and node.target in WIDENINGS
                 and node.args and node.args[0] in constants and len(node.users) > 1):
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}

@@ -20,7 +20,7 @@ FIRST_TARGETS = ("embedding", "none")
 GATES = ("none", "target_prob")
 TRANSLATOR_INITS = ("identity", "lens")
 # How the frozen weights are stored in a program (zl_export/frozen_weights.py, docs/design.md §3.6).
-FROZEN_DTYPES = ("fp32", "bf16", "int8")
+FROZEN_DTYPES = ("fp32", "bf16", "int8", "int4")
 # Target slots per sample when --max-targets is not given and no data is at hand (`zl export`): classification
 # completions (label word + EOS, the demo task and AG News: 1-3 tokens) fit with room to spare.
 DEFAULT_MAX_TARGETS = 16
@@ -255,8 +255,9 @@ class ExportOptions:
     loss: LossConfig = nested(LossConfig)
     seed: int = setting(0, "Seeds the LoRA initialisation (and random-weight models).")
     frozen_dtype: str = setting("bf16", "How the frozen weights (projections, LM head, embedding) are stored: bf16 "
-                                        "(half the bytes of fp32, as accurate on AG News), fp32, or int8 with a "
-                                        "float32 scale per output channel; widened to float32 per use. LoRA "
+                                        "(half the bytes of fp32, as accurate on AG News), fp32, int8 with a "
+                                        "float32 scale per output channel, or int4 with one per 32 input "
+                                        "channels (0.31x fp32's bytes); widened to float32 per use. LoRA "
                                         "weights, gradients and AdamW state stay float32.",
                                 choices=FROZEN_DTYPES)
     max_targets: int | None = setting(None, f"Target tokens per sample the programs read out (the LM head runs on "

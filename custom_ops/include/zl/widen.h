@@ -1,6 +1,8 @@
 // `zerolock::widen.out`: a compact frozen weight (bf16, fp16, int8 or
 // float32) converted to float32, one tight loop per dtype (see
-// custom_ops/widen.py for why not `_to_dim_order_copy`).
+// custom_ops/widen.py for why not `_to_dim_order_copy`);
+// `zerolock::widen_int4.out`: int4 rows packed two to a byte, times their
+// group scales, to float32.
 #pragma once
 
 #include <executorch/runtime/core/exec_aten/exec_aten.h>
@@ -13,6 +15,17 @@ namespace zl {
 /// non-contiguous tensor or a weight dtype other than bf16/fp16/int8/fp32.
 executorch::aten::Tensor& widen_out(executorch::runtime::KernelRuntimeContext& ctx,
                                     const executorch::aten::Tensor& weight, executorch::aten::Tensor& out);
+
+/// `out` (float32, resized to `packed`'s shape with twice the last size) =
+/// the int4 values of `packed` (uint8, byte j of a row: column 2j in the low
+/// nibble, 2j + 1 in the high one, each stored as q + 8) times `scales`
+/// (float32, the same leading sizes, one per group of columns; the group
+/// size is the columns over the scales' last size, and even). Fails the
+/// context (InvalidArgument) for other dtypes, shapes that do not match, a
+/// non-contiguous tensor or an `out` that cannot take the result.
+executorch::aten::Tensor& widen_int4_out(executorch::runtime::KernelRuntimeContext& ctx,
+                                         const executorch::aten::Tensor& packed,
+                                         const executorch::aten::Tensor& scales, executorch::aten::Tensor& out);
 
 /// Always true. Referencing it keeps widen.cpp, and with it the kernel's
 /// static registration, in binaries that link zl_custom_ops statically

@@ -54,10 +54,10 @@ class BackpropStage(StageModule):
     """Layers `stage.first..stage.last` of `model` as a link of end-to-end backprop (the module docstring)."""
 
     def __init__(self, model: nn.Module, stage: StageRange, num_stages: int, loss: LossConfig, seed: int = 0,
-                 max_targets: int = 0, local_weight: float = 0.0):
+                 max_targets: int = 0, local_weight: float = 0.0, recompute: bool = False):
         """
         Args:
-            model, stage, num_stages, loss, seed, max_targets: as `StageModule`'s (the local loss's settings matter
+            model, stage, num_stages, loss, seed, max_targets, recompute: as `StageModule`'s (the local loss's settings matter
                 only with a local weight; the last stage's loss is always the true CE).
             local_weight: w, the weight of the stage's local loss added to the surrogate (not on the last stage).
 
@@ -67,7 +67,7 @@ class BackpropStage(StageModule):
         check_local_weight(local_weight)
         is_last = stage.index == num_stages - 1
         super().__init__(model, stage, num_stages, loss, seed=seed, max_targets=max_targets,
-                         readout=is_last or local_weight > 0)
+                         readout=is_last or local_weight > 0, recompute=recompute)
         self.local_weight = 0.0 if is_last else float(local_weight)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,

@@ -18,6 +18,7 @@ import torch
 
 from zl_base.errors import ZLError
 from zl_export.frozen_weights import compact_frozen_weights, restore_frozen_weights, widen_per_use
+from zl_export.recompute import recompute_in_backward
 from zl_export.backprop_stage import BackpropStage
 from zl_export.lora import attach_lora, peft_names
 from zl_export.manifest import StageEntry, stage_entry
@@ -64,10 +65,10 @@ def build_stage_modules(
     compact_frozen_weights(peft_model, opts.frozen_dtype)  # in place: bf16/int8 frozen weights (fp32: unchanged)
     if program is not None and program.kind == "backprop":
         modules = [BackpropStage(peft_model, s, len(stages), opts.loss, seed=opts.seed, max_targets=opts.target_slots,
-                                 local_weight=program.local_weight).eval() for s in stages]
+                                 local_weight=program.local_weight, recompute=opts.recompute).eval() for s in stages]
     else:
-        modules = [StageModule(peft_model, s, len(stages), opts.loss, seed=opts.seed,
-                               max_targets=opts.target_slots).eval() for s in stages]
+        modules = [StageModule(peft_model, s, len(stages), opts.loss, seed=opts.seed, max_targets=opts.target_slots,
+                               recompute=opts.recompute).eval() for s in stages]
     hidden = base_model.config.hidden_size
     if opts.loss.translator_rank > hidden:
         raise ZLError(f"--translator-rank {opts.loss.translator_rank}: more than the model's hidden size {hidden}; "
@@ -148,6 +149,7 @@ def export_stage(
     ep = export(module, inputs, strict=False)
     on_phase("joint graph")
     joint = _export_forward_backward(ep, joint_loss_index=module.loss_output_index)
+    recompute_in_backward(joint)  # before the input gradient joins the outputs: it tells forward from backward
     input_gradients_as_outputs(joint)
     _rewrite_empty_permuted(joint)
     _matmuls_to_linear(joint)

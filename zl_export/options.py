@@ -264,6 +264,10 @@ class ExportOptions:
                                             f"these slots only); 0 reads out every position. Default: "
                                             f"{DEFAULT_MAX_TARGETS}; `zl train`: its training data's largest target "
                                             f"count, rounded up to {TARGET_SLOT_STEP}.")
+    recompute: bool = setting(False, "Activation recomputation: the programs keep each layer's input, not its "
+                                     "activations, through the forward and compute the layer again in the "
+                                     "backward (the same gradients; less memory, a longer step). ExecuTorch "
+                                     "programs only; the torch runtime keeps the activations.")
 
     @property
     def target_slots(self) -> int:

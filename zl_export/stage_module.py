@@ -34,6 +34,7 @@ from torch import nn
 from custom_ops import pipeline_marker
 from zl_export.local_loss import LossConfig, local_loss, shift_targets
 from zl_export.model_family import causal_lm, family_of
+from zl_export.recompute import chunked_cross_entropy, needs_chunks, recompute_from
 from zl_export.stages import StageRange
 from zl_export.translator import ReadoutTranslator
 
@@ -75,7 +76,7 @@ class StageModule(nn.Module):
     """Layers `stage.first..stage.last` of `model` with the stage's local loss."""
 
     def __init__(self, model: nn.Module, stage: StageRange, num_stages: int, loss: LossConfig, seed: int = 0,
-                 max_targets: int = 0, readout: bool = True):
+                 max_targets: int = 0, readout: bool = True, recompute: bool = False):
         """
         Args:
             model: a `*ForCausalLM` of a supported family, possibly wrapped by PEFT (LoRA modules
@@ -85,6 +86,8 @@ class StageModule(nn.Module):
             loss: the local loss's settings (α of this stage, KL direction, translator, ...).
             seed: seeds the readout translator (with the stage index folded in).
             max_targets: target slots per sample read out (0: every position, the full readout).
+            recompute: mark each layer's input as the start of a region the export computes again in the backward
+                (zl_export/recompute.py) instead of keeping the layer's activations.
             readout: own the frozen final norm and LM head (and the translator); without them (an upstream stage of
                 the backprop program with no local loss, zl_export/backprop_stage.py) they are not in the module,
                 so not in its program either.
@@ -103,6 +106,7 @@ class StageModule(nn.Module):
         # none at α = 1 (its weight would be 0; the stage then reports consistency_loss 0 and saves a readout).
         self.has_prev_target = not (self.is_first and loss.first_target == "none") and self.alpha < 1.0
         self.max_targets = max_targets
+        self.recompute = recompute
         self.gather_targets = False
         self.embed_tokens = lm.model.embed_tokens if self.is_first else None
         self.layers = nn.ModuleList(lm.model.layers[stage.first : stage.last + 1])
@@ -111,6 +115,7 @@ class StageModule(nn.Module):
         self.rotary_keys = [self.family.rotary_key(config, i) for i in layers]  # None: the one rotary table
         self.rotary_emb = lm.model.rotary_emb
         self.hidden_size = config.hidden_size  # D
+        self.vocab_size = config.vocab_size  # V
         cap = self.family.final_softcap(config)
         self.norm = lm.model.norm if readout else None
         self.lm_head = None if not readout else lm.lm_head if cap is None else SoftCappedHead(lm.lm_head, cap)
@@ -134,6 +139,7 @@ class StageModule(nn.Module):
                   for k in set(self.rotary_keys)}  # (cos, sin), each (B, S, head_dim)
         h = h_in
         for layer, window, key in zip(self.layers, self.windows, self.rotary_keys):
+            h = recompute_from(h) if self.recompute else h  # (B, S, D): kept; the layer is computed again
             h = layer(h, attention_mask=masks[window], position_ids=position_ids, position_embeddings=tables[key])
         return h_in, h
 
@@ -155,14 +161,23 @@ class StageModule(nn.Module):
         state h (B, S, D) over Ω: on the last stage, the pipeline's true loss, which the backprop program and the
         torch runtime's backprop schedules differentiate (zl_export/backprop_stage.py, zl_device/torch/backprop.py)."""
         targets, valid, h = self.select_targets(labels, h)
-        return local_loss(self.lm_head(self.norm(h)), None, targets, valid, 1.0, self.loss_cfg)[0]
+        return self.readout_cross_entropy(self.norm(h), targets, valid)
+
+    def readout_cross_entropy(self, normed: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """() CE over `valid` of the LM head's readout of `normed` (…, D): at once, or in pieces of the vocabulary when
+        the (…, V) logits would be large (every position of a big vocabulary; zl_export/recompute.py), where the
+        export also computes each piece again in the backward instead of keeping its logits."""
+        if needs_chunks(targets.numel(), self.vocab_size):
+            return chunked_cross_entropy(normed, self.lm_head, targets, valid)
+        return local_loss(self.lm_head(normed), None, targets, valid, 1.0, self.loss_cfg)[0]
 
     def loss_terms(self, h_in: torch.Tensor, h: torch.Tensor, labels: torch.Tensor):
         """(loss, task_loss, consistency_loss) of the stage from its input and output hidden states."""
         targets, valid, h_in, h = self.select_targets(labels, h_in, h)
         normed = self.readout_input(h)  # (…, D)
-        if not self.has_prev_target:
-            return local_loss(self.lm_head(normed), None, targets, valid, self.alpha, self.loss_cfg)
+        if not self.has_prev_target:  # the CE alone (its weight α does not apply without a consistency term)
+            task = self.readout_cross_entropy(normed, targets, valid)
+            return task, task, torch.zeros((), dtype=task.dtype)
         # sg(p_{k-1}): the plain readout of the detached input.
         prev_normed = self.norm(h_in.detach())
         if self.gather_targets or self.max_targets > 0:

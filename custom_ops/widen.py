@@ -88,5 +88,6 @@ def widen(weight: torch.Tensor) -> torch.Tensor:
 
 
 def widen_int4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Packed int4 rows (…, I/2) uint8 with their group scales (…, I/G) float32 as float32 (…, I), without gradient."""
+    """Packed int4 rows (…, I/2) uint8 with their group scales (…, I/G) float32 as float32 (…, I), without
+    gradient."""
     return torch.ops.zerolock.widen_int4(packed, scales)

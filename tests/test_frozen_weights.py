@@ -73,7 +73,8 @@ def test_quantize_groups_packs_two_a_byte_and_bounds_the_error_by_half_a_step():
     torch.testing.assert_close(back.reshape(5, 4, INT4_GROUP).gather(-1, peak), groups.gather(-1, peak))  # exact
     # Half a step, but for values of the peak's opposite sign near its magnitude: +8 steps clamp to 7.
     clamped = (w / step).round() > 7
-    assert ((back - w).abs() <= step.abs() / 2 + 1e-6)[~clamped].all() and ((back - w).abs() <= step.abs())[clamped].all()
+    err = (back - w).abs()
+    assert (err <= step.abs() / 2 + 1e-6)[~clamped].all() and (err <= step.abs())[clamped].all()
     assert q.min() == -8 and (back[2] == 0).all()
     assert (s[4, 0] < 0) and back[4, INT4_GROUP - 1] == 2.0
 
@@ -140,7 +141,8 @@ def test_compact_programs_are_smaller_and_plan_no_extra_memory(tmp_path, monkeyp
         buffer = export_stage(modules[0], peft, opts, loaded.config.vocab_size).buffer
         pte = deserialize_pte_binary(buffer)
         plan = (pte.program if hasattr(pte, "program") else pte).execution_plan[0]
-        frozen[dtype] = sum(b.numel() for n, b in modules[0].named_buffers() if n.rsplit(".", 1)[-1].startswith("weight_"))
+        frozen[dtype] = sum(b.numel() for n, b in modules[0].named_buffers()
+                            if n.rsplit(".", 1)[-1].startswith("weight_"))
         return len(buffer), sum(plan.non_const_buffer_sizes)
 
     frozen = {}  # dtype -> elements of stage 0's compact weight tensors

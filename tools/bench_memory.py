@@ -20,6 +20,7 @@ without exporting them (never deleting DIR).
 """
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -82,29 +83,30 @@ def run_measured(cmd: list[str], interval_s: float = 0.005) -> tuple[list[dict],
     return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")], peak
 
 
-def export_one(loaded, split: str, stage: int, dtype: str, seq: int, args, out: Path):
-    """Export stage `stage` of `split` with frozen weights as `dtype`; returns its manifest entry (`StageEntry`)."""
+def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: bool, args, out: Path):
+    """Export stage `stage` of `split` with frozen weights as `dtype` (and `--recompute`, the program kind of
+    --program); returns its manifest entry (`StageEntry`)."""
     from zl_export.exporter import build_stage_modules, export_stage, write_program
     from zl_export.frozen_weights import restore_frozen_weights
     from zl_export.manifest import build_manifest, write_manifest
-    from zl_export.options import ExportOptions, LoraSettings, LossConfig
+    from zl_export.options import ExportOptions, LoraSettings, LossConfig, ProgramSettings
     from zl_export.stages import parse_spec
 
     opts = ExportOptions(seq_len=seq, micro_batch=1, lora=LoraSettings(args.lora_rank, 2.0 * args.lora_rank,
                                                                        args.lora_targets).for_family(loaded.family),
-                         loss=LossConfig(), max_targets=args.max_targets, frozen_dtype=dtype)
+                         loss=LossConfig(), max_targets=args.max_targets, frozen_dtype=dtype, recompute=recompute)
     stages = parse_spec(split, loaded.config.num_hidden_layers)
-    peft_model, modules = build_stage_modules(loaded.model, stages, opts)
+    peft_model, modules = build_stage_modules(loaded.model, stages, opts, program=ProgramSettings(kind=args.program))
     try:
         entry = write_program(export_stage(modules[stage], peft_model, opts, loaded.config.vocab_size), out)
-        write_manifest(build_manifest(loaded, opts, [entry]), out)
+        write_manifest(build_manifest(loaded, opts, [entry], program=ProgramSettings(kind=args.program)), out)
     finally:
         restore_frozen_weights(peft_model)
         peft_model.unload()
     return entry
 
 
-def reusable(out: Path, args, dtype: str, seq: int):
+def reusable(out: Path, args, dtype: str, seq: int, recompute: bool):
     """The manifest entry (`StageEntry`) of the program an earlier run left in `out`, if it was exported with these
     options."""
     from zl_base.errors import ZLError
@@ -117,6 +119,7 @@ def reusable(out: Path, args, dtype: str, seq: int):
     opts = manifest.options
     entry = manifest.stages[0]
     same = (manifest.model.name == args.model and opts.frozen_dtype == dtype and opts.seq_len == seq
+            and opts.recompute == recompute and manifest.program.kind == args.program
             and opts.max_targets == args.max_targets and opts.lora.rank == args.lora_rank
             and (args.lora_targets is None or tuple(opts.lora.targets) == args.lora_targets)
             and len(manifest.stages) == 1 and entry.file is not None and (out / entry.file).is_file()
@@ -131,6 +134,9 @@ def main() -> None:
     ap.add_argument("--stage", type=int, default=0, help="which stage of the split to measure")
     ap.add_argument("--seq-len", default="128", help="comma-separated sequence lengths")
     ap.add_argument("--dtypes", default="fp32,bf16,int8", help="comma-separated --frozen-dtype values")
+    ap.add_argument("--recompute", default="off", help="comma-separated: off, on (--recompute) or both ways")
+    ap.add_argument("--program", default="zerolock", choices=("zerolock", "backprop"),
+                    help="the stage program's kind (backprop: what --schedule async/gpipe/1f1b trains)")
     ap.add_argument("--load-modes", default="mmap,file", help="comma-separated runner load modes")
     ap.add_argument("--steps", type=int, default=4, help="training steps per run (the first is a warm-up)")
     ap.add_argument("--rounds", type=int, default=2, help="runs of every program and mode, interleaved")
@@ -159,64 +165,71 @@ def main() -> None:
     load_library()
     seqs = [int(v) for v in args.seq_len.split(",")]
     dtypes = [v for v in args.dtypes.split(",") if v]
+    recomputes = [{"off": False, "on": True}[v] for v in args.recompute.split(",") if v]
     modes = [v for v in args.load_modes.split(",") if v]
     work = args.work or Path(tempfile.mkdtemp(prefix="zl_bench_memory_"))
     loaded = None
-    programs = {}  # (seq, dtype) -> (path, .pte MiB)
+    programs = {}  # (seq, dtype, recompute) -> (path, .pte MiB)
     rows: dict[tuple, dict] = {}
     try:
-        for seq in seqs:
-            for dtype in dtypes:
-                out = work / f"{dtype}_s{seq}"
-                out.mkdir(parents=True, exist_ok=True)
-                entry = reusable(out, args, dtype, seq) if args.reuse else None
-                if entry is not None:
-                    programs[(seq, dtype)] = (out / entry.file, entry.size_bytes / MIB / MIB)
-                    print(f"reusing {out / entry.file}", file=sys.stderr)
-                    continue
-                if loaded is None:
-                    print(f"loading {args.model} ...", file=sys.stderr)
-                    loaded = load_model(args.model, seed=0)
-                t0 = time.perf_counter()
-                entry = export_one(loaded, args.stages, args.stage, dtype, seq, args, out)
-                programs[(seq, dtype)] = (out / entry.file, entry.size_bytes / MIB / MIB)
-                print(f"export {dtype} seq {seq}: {entry.size_bytes / MIB / MIB:,.0f} MiB in "
-                      f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        for seq, dtype, recompute in itertools.product(seqs, dtypes, recomputes):
+            out = work / f"{dtype}_s{seq}{'_recompute' if recompute else ''}"
+            out.mkdir(parents=True, exist_ok=True)
+            entry = reusable(out, args, dtype, seq, recompute) if args.reuse else None
+            if entry is not None:
+                programs[(seq, dtype, recompute)] = (out / entry.file, entry.size_bytes / MIB / MIB)
+                print(f"reusing {out / entry.file}", file=sys.stderr)
+                continue
+            if loaded is None:
+                print(f"loading {args.model} ...", file=sys.stderr)
+                loaded = load_model(args.model, seed=0)
+            t0 = time.perf_counter()
+            entry = export_one(loaded, args.stages, args.stage, dtype, seq, recompute, args, out)
+            programs[(seq, dtype, recompute)] = (out / entry.file, entry.size_bytes / MIB / MIB)
+            print(f"export {dtype} seq {seq}{' recompute' if recompute else ''}: "
+                  f"{entry.size_bytes / MIB / MIB:,.0f} MiB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         del loaded
         # Rounds over every (program, mode), so that a busy spell of the machine hits all of them alike; the
         # table keeps each one's highest PSS and fastest step.
         for r in range(args.rounds):
-            for (seq, dtype), (path, pte_mib) in programs.items():
+            for (seq, dtype, recompute), (path, pte_mib) in programs.items():
                 for mode in modes:
                     lines, peak = run_measured([str(bench), "--program", str(path), "--load-mode", mode,
                                                 "--steps", str(args.steps), "--threads", str(args.threads)])
                     steps = [ln["ms"] for ln in lines if ln.get("event") == "step"]
-                    row = rows.setdefault((seq, dtype, mode), {
-                        "seq": seq, "dtype": dtype, "load_mode": mode, "peak_pss_mib": 0.0, "step_ms": float("inf"),
+                    row = rows.setdefault((seq, dtype, recompute, mode), {
+                        "seq": seq, "dtype": dtype, "recompute": recompute, "load_mode": mode, "peak_pss_mib": 0.0,
+                        "step_ms": float("inf"),
                         "pte_mib": pte_mib,
                         "first_loss": next(ln["loss"] for ln in lines if ln.get("event") == "step")})
                     if peak.get("Pss", 0) / MIB > row["peak_pss_mib"]:
                         row.update(peak_pss_mib=peak.get("Pss", 0) / MIB, anon_mib=peak.get("Pss_Anon", 0) / MIB,
                                    file_mib=peak.get("Pss_File", 0) / MIB)
                     row["step_ms"] = min(row["step_ms"], min(steps[1:] or steps))
-                    print(f"round {r + 1}: {dtype} seq {seq} {mode}: peak PSS {peak.get('Pss', 0) / MIB:,.0f} MiB, "
+                    print(f"round {r + 1}: {dtype} seq {seq}{' recompute' if recompute else ''} {mode}: peak PSS {peak.get('Pss', 0) / MIB:,.0f} MiB, "
                           f"fastest step {min(steps[1:] or steps):,.0f} ms", file=sys.stderr)
     finally:
         if not (args.keep or args.reuse):  # --reuse: the folder holds programs of earlier runs
             shutil.rmtree(work, ignore_errors=True)
     rows = list(rows.values())
 
-    base = {(r["seq"], r["load_mode"]): r["step_ms"] for r in rows if r["dtype"] == "fp32"}
+    base = {(r["seq"], r["load_mode"], r["recompute"]): r["step_ms"] for r in rows if r["dtype"] == "fp32"}
+    kept = {(r["seq"], r["dtype"], r["load_mode"]): r["step_ms"] for r in rows if not r["recompute"]}
     targets = ",".join(args.lora_targets) if args.lora_targets else "every projection"
     print(f"\n{args.model} stage {args.stage} of {args.stages}, micro-batch 1, r={args.lora_rank} on {targets}, "
-          f"{args.threads} thread(s), {args.steps} steps x {args.rounds} rounds\n")
-    print("| seq | frozen dtype | load mode | peak PSS (MiB) | anonymous | file-backed | step (ms) | vs fp32 | .pte (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"{args.threads} thread(s), {args.steps} steps x {args.rounds} rounds, {args.program} program, "
+          f"{args.max_targets or 'every position'} read out\n")
+    print("| seq | frozen dtype | recompute | load mode | peak PSS (MiB) | anonymous | file-backed | step (ms) "
+          "| vs fp32 | vs kept | .pte (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ref = base.get((r["seq"], r["load_mode"]))
+        ref = base.get((r["seq"], r["load_mode"], r["recompute"]))
         ratio = f"{r['step_ms'] / ref:.2f}x" if ref else "-"
-        print(f"| {r['seq']} | {r['dtype']} | {r['load_mode']} | {r['peak_pss_mib']:,.0f} | {r['anon_mib']:,.0f} | "
-              f"{r['file_mib']:,.0f} | {r['step_ms']:,.0f} | {ratio} | {r['pte_mib']:,.0f} |")
+        ref = kept.get((r["seq"], r["dtype"], r["load_mode"])) if r["recompute"] else None
+        vs_kept = f"{r['step_ms'] / ref:.2f}x" if ref else "-"
+        print(f"| {r['seq']} | {r['dtype']} | {'on' if r['recompute'] else 'off'} | {r['load_mode']} | "
+              f"{r['peak_pss_mib']:,.0f} | {r['anon_mib']:,.0f} | {r['file_mib']:,.0f} | {r['step_ms']:,.0f} | "
+              f"{ratio} | {vs_kept} | {r['pte_mib']:,.0f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -57,8 +57,8 @@ class BackpropStage(StageModule):
                  max_targets: int = 0, local_weight: float = 0.0, recompute: bool = False):
         """
         Args:
-            model, stage, num_stages, loss, seed, max_targets, recompute: as `StageModule`'s (the local loss's settings matter
-                only with a local weight; the last stage's loss is always the true CE).
+            model, stage, num_stages, loss, seed, max_targets, recompute: as `StageModule`'s (the local loss's
+                settings matter only with a local weight; the last stage's loss is always the true CE).
             local_weight: w, the weight of the stage's local loss added to the surrogate (not on the last stage).
 
         Raises:

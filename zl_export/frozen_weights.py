@@ -142,9 +142,10 @@ def _register_chunks(module: nn.Module, chunks: list[tuple[torch.Tensor, torch.T
 
 
 class CompactLinear(nn.Module):
-    """A frozen `nn.Linear` stored as bf16, int8 + per-row scale or int4 + group scales, in row chunks of ≤ CHUNK_ELEMENTS
-    (`compact_rows`); a bias (Qwen2's q/k/v projections) stays float32 (O values) and is added after the widened
-    matmul. `chunks` gives the compact rows to use (shared with a tied embedding; default: made from `linear`).
+    """A frozen `nn.Linear` stored as bf16, int8 + per-row scale or int4 + group scales, in row chunks of
+    ≤ CHUNK_ELEMENTS (`compact_rows`); a bias (Qwen2's q/k/v projections) stays float32 (O values) and is added
+    after the widened matmul. `chunks` gives the compact rows to use (shared with a tied embedding; default: made
+    from `linear`).
 
     `widen_again = True` (eager only; `compact_for_training`): the backward widens the weight again instead of
     autograd keeping the forward's float32 copy. The export keeps it False and gets the same from `widen_per_use`.
@@ -170,8 +171,8 @@ class CompactLinear(nn.Module):
 
 
 class CompactEmbedding(nn.Module):
-    """A frozen `nn.Embedding` stored as bf16, int8 or int4 (with their scales), in the row chunks of a `CompactLinear` of the
-    same table; only the looked-up rows are widened. An embedding that scales its rows (Gemma's `embed_scale`,
+    """A frozen `nn.Embedding` stored as bf16, int8 or int4 (with their scales), in the row chunks of a
+    `CompactLinear` of the same table; only the looked-up rows are widened. An embedding that scales its rows (Gemma's `embed_scale`,
     sqrt(D)) keeps doing so.
 
     Stored like the head, a tied embedding (Gemma 3, Qwen2.5, SmolLM2: `lm_head.weight is embed_tokens.weight`) uses
@@ -291,8 +292,9 @@ WIDENINGS = (torch.ops.zerolock.widen.default, torch.ops.zerolock.widen_int4.def
 def widen_per_use(ep: torch.export.ExportedProgram) -> int:
     """Give every use of a widened constant its own `zerolock::widen` right before it; returns the copies added.
 
-    A widening (`zerolock::widen` of a bf16/int8 constant, `zerolock::widen_int4` of an int4 one) used by the forward matmul and again by the
-    backward's input gradient would otherwise stay alive in planned memory between the two.
+    A widening (`zerolock::widen` of a bf16/int8 constant, `zerolock::widen_int4` of an int4 one) used by the
+    forward matmul and again by the backward's input gradient would otherwise stay alive in planned memory between
+    the two.
     """
     graph, added = ep.graph, 0
     constants = {n for n in graph.nodes if n.op == "placeholder"

@@ -11,7 +11,9 @@
 - a Hugging Face hub id (`TinyLlama/TinyLlama-1.1B-Chat-v1.0`) or a local model
   directory: loaded with `transformers` as is.
 - `tinyllama-random`: the TinyLlama-1.1B architecture with seeded random
-  weights, for memory and latency figures.
+  weights, for memory and latency figures; likewise `gemma3-270m-random`
+  (Gemma 3 270M), `llama3.2-3b-random` (Llama-3.2-3B) and `qwen2.5-3b-random`
+  (Qwen2.5-3B), models no phone trains alone in float.
 - `tiny-random`: a tiny Llama with seeded random weights, for fast tests; `tiny-random-qwen2`,
   `tiny-random-qwen3`, `tiny-random-phi3`, `tiny-random-gemma3` likewise for the other families
   (zl_export/model_family.py).
@@ -37,7 +39,7 @@ import torch
 
 from zl_base.errors import ZLError
 from zl_export import gguf_file
-from zl_export.model_family import FAMILIES, LLAMA, ModelFamily, family_of
+from zl_export.model_family import FAMILIES, GEMMA3, LLAMA, QWEN2, ModelFamily, family_of
 from zl_export.options import DEFAULT_MODEL
 from zl_export.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -64,9 +66,31 @@ TINYLLAMA_CONFIG = dict(
     rope_theta=10000.0,
     tie_word_embeddings=False,
 )
+# The published configs' shapes (config.json of google/gemma-3-270m, meta-llama/Llama-3.2-3B, Qwen/Qwen2.5-3B).
+GEMMA3_270M_CONFIG = dict(
+    vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512, rms_norm_eps=1e-6,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3, tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+)
+LLAMA32_3B_CONFIG = dict(
+    vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)
+QWEN25_3B_CONFIG = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+    num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
 TINY_CONFIG = LLAMA.tiny
 # Built-in random models: (family, config).
 RANDOM_MODELS = {"tinyllama-random": (LLAMA, TINYLLAMA_CONFIG), "tiny-random": (LLAMA, TINY_CONFIG),
+                 "gemma3-270m-random": (GEMMA3, GEMMA3_270M_CONFIG), "llama3.2-3b-random": (LLAMA, LLAMA32_3B_CONFIG),
+                 "qwen2.5-3b-random": (QWEN2, QWEN25_3B_CONFIG),
                  **{f"tiny-random-{f.key.split('_')[0]}": (f, f.tiny) for f in FAMILIES if f is not LLAMA}}
 BUILTIN_MODELS = (DEFAULT_MODEL, *RANDOM_MODELS, GEMMA3_270M)
 

@@ -175,7 +175,8 @@ def recompute_in_backward(ep: torch.export.ExportedProgram) -> int:
             if node.op == "placeholder":
                 from_constants[node] = node not in user_inputs
             else:
-                from_constants[node] = node.op == "call_function" and all(constant_only(a) for a in node.all_input_nodes)
+                from_constants[node] = node.op == "call_function" and all(
+                    constant_only(a) for a in node.all_input_nodes)
         return from_constants[node]
 
     copied = 0

@@ -164,8 +164,8 @@ class StageModule(nn.Module):
         return self.readout_cross_entropy(self.norm(h), targets, valid)
 
     def readout_cross_entropy(self, normed: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """() CE over `valid` of the LM head's readout of `normed` (…, D): at once, or in pieces of the vocabulary when
-        the (…, V) logits would be large (every position of a big vocabulary; zl_export/recompute.py), where the
+        """() CE over `valid` of the LM head's readout of `normed` (…, D): at once, or in pieces of the vocabulary
+        when the (…, V) logits would be large (every position of a big vocabulary; zl_export/recompute.py), where the
         export also computes each piece again in the backward instead of keeping its logits."""
         if needs_chunks(targets.numel(), self.vocab_size):
             return chunked_cross_entropy(normed, self.lm_head, targets, valid)

@@ -25,6 +25,21 @@ def test_tinyllama_random_has_the_real_shape():
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (32, 4, 32000)
 
 
+@pytest.mark.parametrize("name,family,params", [("gemma3-270m-random", "gemma3_text", 268.1e6),
+                                                 ("llama3.2-3b-random", "llama", 3212.7e6),
+                                                 ("qwen2.5-3b-random", "qwen2", 3085.9e6)])
+def test_shape_faithful_models_have_the_published_size(name, family, params):
+    """The published parameter counts (Gemma 3 270M: 268M; Llama-3.2-3B: 3.21B; Qwen2.5-3B: 3.09B, tied heads
+    counted once), from the configs alone: the weights are built on the meta device."""
+    import transformers
+
+    config = model_source.load_config(name)
+    assert config.model_type == family
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert abs(sum(p.numel() for p in model.parameters()) - params) < 0.001 * params
+
+
 def test_unknown_name():
     with pytest.raises(ZLError, match="not a built-in model.*smollm2-135m, tinyllama-random, tiny-random"):
         resolve("tinyllama")

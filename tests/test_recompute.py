@@ -51,6 +51,15 @@ def test_pieces_give_the_cross_entropy_and_gradient_of_the_whole_readout(monkeyp
     torch.testing.assert_close(grad_got, grad_want, rtol=1e-5, atol=1e-7)
 
 
+def test_the_readout_goes_in_pieces_for_large_logits_or_under_recompute():
+    from zl_export.recompute import needs_chunks
+
+    assert not needs_chunks(128, 49152, recompute=False)  # SmolLM2, every position at seq 128: 24 MiB of logits
+    assert needs_chunks(128, 49152, recompute=True)
+    assert needs_chunks(256, 262144, recompute=False)  # Gemma 3 at seq 256: 256 MiB
+    assert not needs_chunks(16, 262144, recompute=True)  # 16 target slots: one piece
+
+
 class _Toy(nn.Module):
     """Two 'layers' marked for recomputation and a readout in two marked pieces."""
 

@@ -6,7 +6,7 @@ forward to its last use. For the readout of every position that is the (N, V) lo
 vocabulary, 256 MiB per copy, several copies. Two pieces fix it:
 
 - `chunked_cross_entropy` computes the readout's cross-entropy in pieces of the vocabulary (an online log-sum-exp):
-  no (N, V) tensor exists, each piece's logits are ≤ LOSS_CHUNK_ELEMENTS floats. Each piece starts at
+  no (N, V) tensor exists, each piece's logits are ≤ LOSS_CHUNK_ELEMENTS floats (`needs_chunks` says when). Each piece starts at
   `recompute_from(x)`, an identity op that marks where recomputation may start.
 - `recompute_in_backward(ep)`, a pass over the joint graph: each `recompute_from` node opens a region (the forward
   nodes it reaches without passing another one); a large tensor of the region that the backward uses is computed
@@ -27,9 +27,13 @@ from torch import nn
 
 from zl_export.frozen_weights import CompactLinear, widened_linear
 
-# A piece of the readout's logits holds at most this many floats (16 MiB); the readout is computed in pieces only
-# when its (N, V) logits would be more than that.
+# A piece of the readout's logits holds at most this many floats (16 MiB). The readout is computed in pieces when
+# its (N, V) logits would be more than LARGE_READOUT_ELEMENTS (64 MiB: Gemma 3's 262k vocabulary at seq 64 and up,
+# SmolLM2's at seq 512), or more than one piece under --recompute: computing each piece again costs one more LM head
+# matmul a step (SmolLM2's last stage at seq 128: about a fifth of its step), which a run pays only for much memory
+# or when it asked for memory over time.
 LOSS_CHUNK_ELEMENTS = 1 << 22
+LARGE_READOUT_ELEMENTS = 1 << 24
 
 
 @torch.library.custom_op("zerolock::recompute_from", mutates_args=())
@@ -108,9 +112,10 @@ def chunked_cross_entropy(normed: torch.Tensor, head: nn.Module, targets: torch.
     return (nll * valid).sum() / valid.sum().clamp(min=1.0)
 
 
-def needs_chunks(positions: int, vocab_size: int) -> bool:
-    """Whether a readout of `positions` rows over `vocab_size` is computed in pieces (its logits > one piece)."""
-    return positions * vocab_size > LOSS_CHUNK_ELEMENTS
+def needs_chunks(positions: int, vocab_size: int, recompute: bool) -> bool:
+    """Whether a readout of `positions` rows over `vocab_size` is computed in pieces: logits of more than
+    LARGE_READOUT_ELEMENTS, or under `--recompute` (`recompute`) of more than one piece."""
+    return positions * vocab_size > (LOSS_CHUNK_ELEMENTS if recompute else LARGE_READOUT_ELEMENTS)
 
 
 def _forward_nodes(ep: torch.export.ExportedProgram) -> set[torch.fx.Node]:

@@ -165,9 +165,10 @@ class StageModule(nn.Module):
 
     def readout_cross_entropy(self, normed: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """() CE over `valid` of the LM head's readout of `normed` (…, D): at once, or in pieces of the vocabulary
-        when the (…, V) logits would be large (every position of a big vocabulary; zl_export/recompute.py), where the
-        export also computes each piece again in the backward instead of keeping its logits."""
-        if needs_chunks(targets.numel(), self.vocab_size):
+        when the (…, V) logits would be large (every position of a big vocabulary) or more than a piece under
+        --recompute (`needs_chunks`), where the export also computes each piece again in the backward instead of
+        keeping its logits (zl_export/recompute.py)."""
+        if needs_chunks(targets.numel(), self.vocab_size, self.recompute):
             return chunked_cross_entropy(normed, self.lm_head, targets, valid)
         return local_loss(self.lm_head(normed), None, targets, valid, 1.0, self.loss_cfg)[0]
 

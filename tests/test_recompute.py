@@ -182,3 +182,31 @@ def test_programs_with_pieces_and_recomputation_train_as_the_plain_one(tmp_path,
     # Planned memory (tiny-random: 817 KB): recomputing the two layers saves 27% (most of the rest is the readout's
     # (64, 320) logits and their gradient), the pieces then another 20%.
     assert layers_bytes < 0.8 * plain_bytes and both_bytes < 0.6 * plain_bytes, (plain_bytes, layers_bytes, both_bytes)
+
+
+def test_a_zerolock_stage_with_its_consistency_term_recomputes_bit_for_bit(tmp_path):
+    """Stage 0 of the zerolock programs (α 0.5: its readout and the embedding's, a KL term; the hidden state goes out
+    through the marker) with and without --recompute: the same outputs and gradients."""
+    native_library_or_skip()
+    results = {}
+    for layers in (False, True):
+        loaded = load_model("tiny-random", seed=3)
+        opts = ExportOptions(seq_len=16, micro_batch=2, lora=LoraSettings(4, 8.0, ("q_proj", "v_proj")),
+                             loss=LossConfig(alpha=(0.5,), translator_rank=0), seed=5, recompute=layers)
+        peft, modules = build_stage_modules(loaded.model, parse_spec("0-1,2-3", 4), opts)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(11)
+            for name, p in peft.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        x, mask, labels = example_inputs(modules[0], opts, loaded.config.vocab_size, seed=7)
+        out = tmp_path / f"stage0-{int(layers)}"
+        out.mkdir()
+        entry = write_program(export_stage(modules[0], peft, opts, loaded.config.vocab_size), out)
+        results[layers] = TrainingProgram(out / entry.file, entry.output_names).step(x, mask, labels)
+    plain, layers = results[False], results[True]
+    assert plain.outputs.keys() == layers.outputs.keys() >= {"hidden", "loss", "consistency_loss"}
+    for name in plain.outputs:
+        assert torch.equal(layers.outputs[name], plain.outputs[name]), name
+    for name in plain.gradients:
+        assert torch.equal(layers.gradients[name], plain.gradients[name]), name

@@ -159,7 +159,7 @@ def recompute_in_backward(ep: torch.export.ExportedProgram) -> int:
                and n.target == torch.ops.zerolock.recompute_from.default]
     if not markers:
         return 0
-    forward = _forward_nodes(ep)
+    forward, marked = _forward_nodes(ep), set(markers)
     order = {n: i for i, n in enumerate(graph.nodes)}
     owner: dict[torch.fx.Node, torch.fx.Node | None] = {}  # node -> its region's marker (None: reached from two)
     for marker in markers:
@@ -170,7 +170,7 @@ def recompute_in_backward(ep: torch.export.ExportedProgram) -> int:
                 continue
             seen.add(node)
             owner[node] = marker if owner.get(node, marker) is marker else None
-            stack.extend(u for u in node.users if u in forward and u not in markers)
+            stack.extend(u for u in node.users if u in forward and u not in marked)
     inputs = {n for n in graph.nodes if n.op == "placeholder"}
     user_inputs = {n for n in inputs if n.name in set(ep.graph_signature.user_inputs)}
     from_constants: dict[torch.fx.Node, bool] = {}

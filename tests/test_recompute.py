@@ -184,6 +184,7 @@ def test_programs_with_pieces_and_recomputation_train_as_the_plain_one(tmp_path,
     assert layers_bytes < 0.8 * plain_bytes and both_bytes < 0.6 * plain_bytes, (plain_bytes, layers_bytes, both_bytes)
 
 
+@pytest.mark.slow  # ~50 s; the backprop programs above take the same pass through ExecuTorch in the default suite
 def test_a_zerolock_stage_with_its_consistency_term_recomputes_bit_for_bit(tmp_path):
     """Stage 0 of the zerolock programs (α 0.5: its readout and the embedding's, a KL term; the hidden state goes out
     through the marker) with and without --recompute: the same outputs and gradients."""

@@ -58,6 +58,19 @@ def test_bench_memory(tmp_path):
     assert "int8" in out
 
 
+def test_bench_memory_recompute_on_the_last_stage_and_reuse(tmp_path):
+    args = ("--model", "tiny-random", "--stages", "0-1,2-3", "--stage", "1", "--program", "backprop", "--max-targets",
+            "0", "--seq-len", "32", "--steps", "2", "--rounds", "1", "--dtypes", "int4", "--recompute", "on",
+            "--load-modes", "mmap", "--work", tmp_path / "work")
+    run_tool("bench_memory", *args, "--keep")
+    proc = subprocess.run([PYTHON, str(REPO / "tools" / "bench_memory.py"), *map(str, args), "--reuse", "--json",
+                           tmp_path / "m.json"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("reusing") == 1 and "export" not in proc.stderr, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "m.json").read_text())
+    assert [r["recompute"] for r in rows] == [True] and rows[0]["peak_pss_mib"] > 0, rows
+
+
 def test_bench_inference(tmp_path):
     out = run_tool("bench_inference", "--model", "tiny-random", "--rounds", "1", "--variants", "eager,none",
                    "--prompt-tokens", "8", "--new-tokens", "4", "--work", tmp_path / "work", "--json-out",

@@ -85,7 +85,7 @@ def run_measured(cmd: list[str], interval_s: float = 0.005) -> tuple[list[dict],
 
 def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: bool, args, out: Path):
     """Export stage `stage` of `split` with frozen weights as `dtype` (and `--recompute`, the program kind of
-    --program); returns its manifest entry (`StageEntry`)."""
+    --program) into `out`, with its `RECORD` for --reuse; returns the program's (file name, size in bytes)."""
     from zl_export.exporter import build_stage_modules, export_stage, write_program
     from zl_export.frozen_weights import restore_frozen_weights
     from zl_export.manifest import build_manifest, write_manifest
@@ -99,32 +99,39 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: 
     peft_model, modules = build_stage_modules(loaded.model, stages, opts, program=ProgramSettings(kind=args.program))
     try:
         entry = write_program(export_stage(modules[stage], peft_model, opts, loaded.config.vocab_size), out)
+        # zl_stage_bench reads the PEFT names there
         write_manifest(build_manifest(loaded, opts, [entry], program=ProgramSettings(kind=args.program)), out)
     finally:
         restore_frozen_weights(peft_model)
         peft_model.unload()
-    return entry
+    record = {**wanted(args, dtype, seq, recompute), "lora_targets": list(opts.lora.targets), "file": entry.file,
+              "size_bytes": entry.size_bytes}
+    (out / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    return entry.file, entry.size_bytes
+
+
+# What an export left in its folder, for --reuse: the options it was made with, the program's file and size (the
+# manifest beside it holds one stage, which `read_manifest` refuses for any stage but 0).
+RECORD = "bench_program.json"
+
+
+def wanted(args, dtype: str, seq: int, recompute: bool) -> dict:
+    """The options that make a program, as its RECORD holds them."""
+    return {"model": args.model, "stages": args.stages, "stage": args.stage, "program": args.program,
+            "frozen_dtype": dtype, "seq_len": seq, "recompute": recompute, "max_targets": args.max_targets,
+            "lora_rank": args.lora_rank}
 
 
 def reusable(out: Path, args, dtype: str, seq: int, recompute: bool):
-    """The manifest entry (`StageEntry`) of the program an earlier run left in `out`, if it was exported with these
-    options."""
-    from zl_base.errors import ZLError
-    from zl_export.manifest import read_manifest
-
+    """(file name, size in bytes) of the program an earlier run left in `out`, if it was made with these options."""
     try:
-        manifest = read_manifest(out / "manifest.json")
-    except ZLError:
+        record = json.loads((out / RECORD).read_text())
+        same = {k: record[k] for k in wanted(args, dtype, seq, recompute)} == wanted(args, dtype, seq, recompute)
+        same = same and (args.lora_targets is None or tuple(record["lora_targets"]) == args.lora_targets)
+        path = out / record["file"]
+        return (record["file"], record["size_bytes"]) if same and path.is_file() else None
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    opts = manifest.options
-    entry = manifest.stages[0]
-    same = (manifest.model.name == args.model and opts.frozen_dtype == dtype and opts.seq_len == seq
-            and opts.recompute == recompute and manifest.program.kind == args.program
-            and opts.max_targets == args.max_targets and opts.lora.rank == args.lora_rank
-            and (args.lora_targets is None or tuple(opts.lora.targets) == args.lora_targets)
-            and len(manifest.stages) == 1 and entry.file is not None and (out / entry.file).is_file()
-            and entry.index == args.stage and "-".join(map(str, entry.layers)) == args.stages.split(",")[args.stage])
-    return entry if same else None
 
 
 def main() -> None:
@@ -175,19 +182,19 @@ def main() -> None:
         for seq, dtype, recompute in itertools.product(seqs, dtypes, recomputes):
             out = work / f"{dtype}_s{seq}{'_recompute' if recompute else ''}"
             out.mkdir(parents=True, exist_ok=True)
-            entry = reusable(out, args, dtype, seq, recompute) if args.reuse else None
-            if entry is not None:
-                programs[(seq, dtype, recompute)] = (out / entry.file, entry.size_bytes / MIB / MIB)
-                print(f"reusing {out / entry.file}", file=sys.stderr)
+            found = reusable(out, args, dtype, seq, recompute) if args.reuse else None
+            if found is not None:
+                programs[(seq, dtype, recompute)] = (out / found[0], found[1] / MIB / MIB)
+                print(f"reusing {out / found[0]}", file=sys.stderr)
                 continue
             if loaded is None:
                 print(f"loading {args.model} ...", file=sys.stderr)
                 loaded = load_model(args.model, seed=0)
             t0 = time.perf_counter()
-            entry = export_one(loaded, args.stages, args.stage, dtype, seq, recompute, args, out)
-            programs[(seq, dtype, recompute)] = (out / entry.file, entry.size_bytes / MIB / MIB)
+            name, size = export_one(loaded, args.stages, args.stage, dtype, seq, recompute, args, out)
+            programs[(seq, dtype, recompute)] = (out / name, size / MIB / MIB)
             print(f"export {dtype} seq {seq}{' recompute' if recompute else ''}: "
-                  f"{entry.size_bytes / MIB / MIB:,.0f} MiB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+                  f"{size / MIB / MIB:,.0f} MiB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         del loaded
         # Rounds over every (program, mode), so that a busy spell of the machine hits all of them alike; the
         # table keeps each one's highest PSS and fastest step.

@@ -290,26 +290,44 @@ WIDENINGS = (torch.ops.zerolock.widen.default, torch.ops.zerolock.widen_int4.def
 
 
 def widen_per_use(ep: torch.export.ExportedProgram) -> int:
-    """Give every use of a widened constant its own `zerolock::widen` right before it; returns the copies added.
+    """Give every use of a widened constant its own `zerolock::widen` right before it; returns the nodes added.
 
     A widening (`zerolock::widen` of a bf16/int8 constant, `zerolock::widen_int4` of an int4 one) used by the
     forward matmul and again by the backward's input gradient would otherwise stay alive in planned memory between
-    the two.
+    the two. A widening of a slice of a constant (a readout piece smaller than the head's chunk,
+    zl_export/recompute.py) is copied with the slices it reads, so that no slice stays alive either.
     """
     graph, added = ep.graph, 0
     constants = {n for n in graph.nodes if n.op == "placeholder"
                  and n.target in {**ep.graph_signature.inputs_to_buffers, **ep.graph_signature.inputs_to_parameters}}
+    derived: dict[torch.fx.Node, bool] = {}
+
+    def from_constants(node: torch.fx.Node) -> bool:
+        if node not in derived:
+            derived[node] = node in constants or node.op == "call_function" and all(
+                from_constants(a) for a in node.all_input_nodes)
+        return derived[node]
+
     for node in list(graph.nodes):
-        if not (node.op == "call_function" and node.target in WIDENINGS
-                and node.args and node.args[0] in constants and len(node.users) > 1):
+        if not (node.op == "call_function" and node.target in WIDENINGS and len(node.users) > 1
+                and node.all_input_nodes and all(from_constants(a) for a in node.all_input_nodes)):
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
+        chain, stack = set(), [node]  # the widening and the slices (views) of constants it reads
+        while stack:
+            n = stack.pop()
+            if n.op == "call_function" and n not in chain:
+                chain.add(n)
+                stack.extend(n.all_input_nodes)
         for user in sorted(node.users, key=order.get)[1:]:
+            copies: dict[torch.fx.Node, torch.fx.Node] = {}
             with graph.inserting_before(user):
-                copy = graph.call_function(node.target, node.args, dict(node.kwargs))
-            copy.meta = dict(node.meta)
-            user.replace_input_with(node, copy)
-            added += 1
+                for n in sorted(chain, key=order.get):
+                    args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: copies.get(a, a))
+                    copies[n] = graph.call_function(n.target, args, kwargs)
+                    copies[n].meta = dict(n.meta)
+            user.replace_input_with(node, copies[node])
+            added += len(copies)
     graph.lint()
     ep.graph_module.recompile()
     return added

@@ -264,3 +264,31 @@ def test_compact_embedding_looks_up_the_dequantized_rows(monkeypatch, dtype, chu
     ids = torch.tensor([[0, 29, 30, 59, 60], [99, 1, 31, 90, 0]])
     got = CompactEmbedding(embedding, dtype)(ids)
     torch.testing.assert_close(got, nn.functional.embedding(ids, dequantized(embedding.weight, dtype)), rtol=0, atol=0)
+
+
+def test_widen_per_use_copies_a_widened_slice_with_its_slice():
+    """A readout piece smaller than the head's chunk widens a slice of the constant (zl_export/recompute.py): the
+    backward's input gradient gets its own slice and widening, so nothing of the forward's is kept for it."""
+    from torch.export import export
+    from torch.export.experimental import _export_forward_backward
+
+    from custom_ops import widen
+    from zl_export.exporter import _matmuls_to_linear
+
+    class Piece(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("head", torch.randn(12, 8).to(torch.bfloat16))
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return (torch.tanh(nn.functional.linear(x @ self.w, widen(self.head[2:9]))) ** 2).sum(),
+
+    joint = _export_forward_backward(export(Piece(), (torch.randn(4, 8),), strict=False), joint_loss_index=0)
+    _matmuls_to_linear(joint)
+    widenings = [n for n in joint.graph.nodes if n.target == torch.ops.zerolock.widen.default]
+    assert len(widenings) == 1 and len(widenings[0].users) == 2  # the forward's linear and the backward's mm
+    assert frozen_weights.widen_per_use(joint) == 2  # a slice and a widening for the second use
+    slices = [n for n in joint.graph.nodes if n.target == torch.ops.aten.slice.Tensor]
+    widenings = [n for n in joint.graph.nodes if n.target == torch.ops.zerolock.widen.default]
+    assert len(slices) == len(widenings) == 2 and all(len(n.users) == 1 for n in slices + widenings)

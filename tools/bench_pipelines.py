@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--truncate", action="store_true", help="Cut over-long prompts from the left (zl train "
                         "--truncate), e.g. the demo task under a byte tokenizer (tinyllama-random) at --seq-len 128.")
     parser.add_argument("--samples", type=int, default=64, help="Training samples.")
-    parser.add_argument("--frozen-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
+    parser.add_argument("--frozen-dtype", default="fp32", choices=("fp32", "bf16", "int8", "int4"),
                         help="Frozen weights of every pipeline (zl train --frozen-dtype; default fp32, the same "
                              "weights as the backprop baselines' usual setting).")
     parser.add_argument("--window", type=int, default=8, help="Micro-batches per AdamW step (the pipelines' m).")

@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="per-operator breakdown of each program (first thread count)")
     ap.add_argument("--compare-linear", action="store_true",
                     help="also export the full-readout program without the matmul->linear rewrite and time it alongside")
-    ap.add_argument("--frozen-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
+    ap.add_argument("--frozen-dtype", default="fp32", choices=("fp32", "bf16", "int8", "int4"),
                     help="frozen weights of the programs (zl export --frozen-dtype; default fp32: the matrix products "
                          "alone, as the speed issue timed them; bf16/int8 add the widening)")
     ap.add_argument("--kernels", type=_names, default=list(KERNELS),

@@ -49,6 +49,16 @@ def test_pieces_give_the_cross_entropy_and_gradient_of_the_whole_readout(monkeyp
     (grad_want,) = torch.autograd.grad(want, normed)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad_got, grad_want, rtol=1e-5, atol=1e-7)
+    if head_kind.startswith("int4"):  # eager training (the torch runtime): the same, each piece widened again
+        from test_frozen_weights import saved_bytes
+
+        saved_once = saved_bytes(lambda: chunked_cross_entropy(normed, head, targets, valid))[1]
+        frozen_weights.compact_for_training(head)
+        loss, saved_again = saved_bytes(lambda: chunked_cross_entropy(normed, head, targets, valid))
+        (grad_again,) = torch.autograd.grad(loss, normed)
+        torch.testing.assert_close(grad_again, grad_got, rtol=1e-6, atol=1e-8)
+        # autograd no longer keeps each piece's float32 rows (200 x 64 floats in all), only their compact bytes
+        assert saved_again < saved_once - 0.7 * 200 * 64 * 4, (saved_once, saved_again)
 
 
 def test_the_readout_goes_in_pieces_for_large_logits_or_under_recompute():

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zl_export.frozen_weights import CompactLinear, widened_linear
+from zl_export.frozen_weights import CompactLinear, WidenedLinear, widened_linear
 
 # A piece of the readout's logits holds at most this many floats (16 MiB). The readout is computed in pieces when
 # its (N, V) logits would be more than LARGE_READOUT_ELEMENTS (64 MiB: Gemma 3's 262k vocabulary at seq 64 and up,
@@ -66,6 +66,8 @@ def head_pieces(head: nn.Module, positions: int) -> list[tuple[int, int, Piece]]
         pieces.append((first, rows, fn if cap is None else lambda x, fn=fn: torch.tanh(fn(x) / cap) * cap))
 
     if isinstance(inner, CompactLinear):
+        # eager training (compact_for_training): autograd keeps each piece's compact rows, not their widening
+        linear = WidenedLinear.apply if inner.widen_again else widened_linear
         for i in range(inner.chunks):
             weight, scale = getattr(inner, f"weight_{i}"), getattr(inner, f"scale_{i}", None)
             start = i * inner.chunk_rows
@@ -74,7 +76,7 @@ def head_pieces(head: nn.Module, positions: int) -> list[tuple[int, int, Piece]]
                 w, s = (weight, scale) if (a, b) == (0, weight.shape[0]) else (
                     weight[a:b], None if scale is None else scale[a:b])
                 bias = None if inner.bias is None else inner.bias[start + a:start + b]
-                add(start + a, b - a, lambda x, w=w, s=s, bias=bias: _plus(widened_linear(x, w, s), bias))
+                add(start + a, b - a, lambda x, w=w, s=s, bias=bias: _plus(linear(x, w, s), bias))
     elif isinstance(inner, nn.Linear):
         for a in range(0, inner.out_features, rows_per_piece):
             b = min(inner.out_features, a + rows_per_piece)

@@ -6,8 +6,8 @@ forward to its last use. For the readout of every position that is the (N, V) lo
 vocabulary, 256 MiB per copy, several copies. Two pieces fix it:
 
 - `chunked_cross_entropy` computes the readout's cross-entropy in pieces of the vocabulary (an online log-sum-exp):
-  no (N, V) tensor exists, each piece's logits are ≤ LOSS_CHUNK_ELEMENTS floats (`needs_chunks` says when). Each piece starts at
-  `recompute_from(x)`, an identity op that marks where recomputation may start.
+  no (N, V) tensor exists, each piece's logits are ≤ LOSS_CHUNK_ELEMENTS floats (`needs_chunks` says when). Each
+  piece starts at `recompute_from(x)`, an identity op that marks where recomputation may start.
 - `recompute_in_backward(ep)`, a pass over the joint graph: each `recompute_from` node opens a region (the forward
   nodes it reaches without passing another one); a large tensor of the region that the backward uses is computed
   again, from the region's start, right before the region's first backward use, and the backward uses that copy.

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import native_library_or_skip
+from test_frozen_weights import _perturb_lora_b, saved_bytes
 from zl_export import frozen_weights, recompute
 from zl_export.backprop_stage import backprop_step
 from zl_export.exporter import build_stage_modules, example_inputs, export_stage, write_program
@@ -50,8 +51,6 @@ def test_pieces_give_the_cross_entropy_and_gradient_of_the_whole_readout(monkeyp
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad_got, grad_want, rtol=1e-5, atol=1e-7)
     if head_kind.startswith("int4"):  # eager training (the torch runtime): the same, each piece widened again
-        from test_frozen_weights import saved_bytes
-
         saved_once = saved_bytes(lambda: chunked_cross_entropy(normed, head, targets, valid))[1]
         frozen_weights.compact_for_training(head)
         loss, saved_again = saved_bytes(lambda: chunked_cross_entropy(normed, head, targets, valid))
@@ -156,11 +155,7 @@ def _last_stage_program(tmp_path: Path, pieces: bool, recompute_layers: bool, mo
                          max_targets=0, recompute=recompute_layers)
     peft, modules = build_stage_modules(loaded.model, parse_spec("0-1,2-3", 4), opts,
                                         program=ProgramSettings(kind="backprop"))
-    with torch.no_grad():  # B = 0 at init would make every lora_A gradient 0
-        gen = torch.Generator().manual_seed(11)
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    _perturb_lora_b(peft)
     module = modules[-1]
     x, mask, labels = example_inputs(module, opts, loaded.config.vocab_size, seed=7)
     eager = backprop_step(module, x, mask, labels)
@@ -205,11 +200,7 @@ def test_a_zerolock_stage_with_its_consistency_term_recomputes_bit_for_bit(tmp_p
         opts = ExportOptions(seq_len=16, micro_batch=2, lora=LoraSettings(4, 8.0, ("q_proj", "v_proj")),
                              loss=LossConfig(alpha=(0.5,), translator_rank=0), seed=5, recompute=layers)
         peft, modules = build_stage_modules(loaded.model, parse_spec("0-1,2-3", 4), opts)
-        with torch.no_grad():
-            gen = torch.Generator().manual_seed(11)
-            for name, p in peft.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        _perturb_lora_b(peft)
         x, mask, labels = example_inputs(modules[0], opts, loaded.config.vocab_size, seed=7)
         out = tmp_path / f"stage0-{int(layers)}"
         out.mkdir()

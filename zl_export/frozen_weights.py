@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from custom_ops import widen, widen_int4
+from zl_export.graph_edit import computed_from, copy_before
 from zl_export.options import FROZEN_DTYPES
 # A widened weight of more elements than this is widened in row chunks (the LM head: 32,000 × 2,048 would be a
 # 262 MB float32 temporary; 4 chunks of 8,000 rows are 66 MB each).
@@ -172,8 +173,8 @@ class CompactLinear(nn.Module):
 
 class CompactEmbedding(nn.Module):
     """A frozen `nn.Embedding` stored as bf16, int8 or int4 (with their scales), in the row chunks of a
-    `CompactLinear` of the same table; only the looked-up rows are widened. An embedding that scales its rows (Gemma's `embed_scale`,
-    sqrt(D)) keeps doing so.
+    `CompactLinear` of the same table; only the looked-up rows are widened. An embedding that scales its rows
+    (Gemma's `embed_scale`, sqrt(D)) keeps doing so.
 
     Stored like the head, a tied embedding (Gemma 3, Qwen2.5, SmolLM2: `lm_head.weight is embed_tokens.weight`) uses
     the head's chunks (`chunks`, from `compact_frozen_weights`): the table is held once in memory and in stage 0's
@@ -300,14 +301,7 @@ def widen_per_use(ep: torch.export.ExportedProgram) -> int:
     graph, added = ep.graph, 0
     constants = {n for n in graph.nodes if n.op == "placeholder"
                  and n.target in {**ep.graph_signature.inputs_to_buffers, **ep.graph_signature.inputs_to_parameters}}
-    derived: dict[torch.fx.Node, bool] = {}
-
-    def from_constants(node: torch.fx.Node) -> bool:
-        if node not in derived:
-            derived[node] = node in constants or node.op == "call_function" and all(
-                from_constants(a) for a in node.all_input_nodes)
-        return derived[node]
-
+    from_constants = computed_from(constants)
     for node in list(graph.nodes):
         if not (node.op == "call_function" and node.target in WIDENINGS and len(node.users) > 1
                 and node.all_input_nodes and all(from_constants(a) for a in node.all_input_nodes)):
@@ -320,12 +314,7 @@ def widen_per_use(ep: torch.export.ExportedProgram) -> int:
                 chain.add(n)
                 stack.extend(n.all_input_nodes)
         for user in sorted(node.users, key=order.get)[1:]:
-            copies: dict[torch.fx.Node, torch.fx.Node] = {}
-            with graph.inserting_before(user):
-                for n in sorted(chain, key=order.get):
-                    args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: copies.get(a, a))
-                    copies[n] = graph.call_function(n.target, args, kwargs)
-                    copies[n].meta = dict(n.meta)
+            copies = copy_before(graph, chain, user, order)
             user.replace_input_with(node, copies[node])
             added += len(copies)
     graph.lint()

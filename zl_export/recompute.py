@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zl_export.frozen_weights import CompactLinear, WidenedLinear, widened_linear
+from zl_export.graph_edit import computed_from, copy_before
 
 # A piece of the readout's logits holds at most this many floats (16 MiB). The readout is computed in pieces when
 # its (N, V) logits would be more than LARGE_READOUT_ELEMENTS (64 MiB: Gemma 3's 262k vocabulary at seq 64 and up,
@@ -173,24 +174,17 @@ def recompute_in_backward(ep: torch.export.ExportedProgram) -> int:
             seen.add(node)
             owner[node] = marker if owner.get(node, marker) is marker else None
             stack.extend(u for u in node.users if u in forward and u not in marked)
-    inputs = {n for n in graph.nodes if n.op == "placeholder"}
-    user_inputs = {n for n in inputs if n.name in set(ep.graph_signature.user_inputs)}
-    from_constants: dict[torch.fx.Node, bool] = {}
-
-    def constant_only(node: torch.fx.Node) -> bool:
-        if node not in from_constants:
-            if node.op == "placeholder":
-                from_constants[node] = node not in user_inputs
-            else:
-                from_constants[node] = node.op == "call_function" and all(
-                    constant_only(a) for a in node.all_input_nodes)
-        return from_constants[node]
+    regions: dict[torch.fx.Node, list[torch.fx.Node]] = {m: [] for m in markers}
+    for node, marker in owner.items():
+        if marker is not None:
+            regions[marker].append(node)
+    user_inputs = set(ep.graph_signature.user_inputs)
+    constant_only = computed_from({n for n in graph.nodes if n.op == "placeholder" and n.name not in user_inputs})
 
     copied = 0
     for marker in markers:
         limit = _numel(marker) / 4
-        region = [n for n, m in owner.items() if m is marker]
-        saved = [n for n in region if n is not marker and _numel(n) >= limit and n.op == "call_function"
+        saved = [n for n in regions[marker] if n is not marker and _numel(n) >= limit and n.op == "call_function"
                  and _backward_users(n, forward)]
         if not saved:
             continue
@@ -206,18 +200,11 @@ def recompute_in_backward(ep: torch.export.ExportedProgram) -> int:
                 in_region = owner.get(arg) is marker and not (_numel(arg) < limit and _backward_users(arg, forward))
                 if (in_region or (arg.op == "call_function" and constant_only(arg))) and arg is not marker:
                     stack.append(arg)
-        copies: dict[torch.fx.Node, torch.fx.Node] = {}
-        with graph.inserting_before(first_use):
-            for node in sorted(needed, key=order.get):
-                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: copies.get(a, a))
-                copy = graph.call_function(node.target, args, kwargs)
-                copy.meta = dict(node.meta)
-                copies[node] = copy
-                copied += 1
+        copies = copy_before(graph, needed, first_use, order)
+        copied += len(copies)
         for node in saved:
             for user in _backward_users(node, forward):
-                if user not in copies.values():
-                    user.replace_input_with(node, copies[node])
+                user.replace_input_with(node, copies[node])
     for marker in markers:  # x itself: the program never runs the marker
         marker.replace_all_uses_with(marker.args[0])
         graph.erase_node(marker)

@@ -198,7 +198,9 @@ def _fake_run_dir(root: Path, demo_data: Path, seq_len: int = 64, stage_lr: tupl
             shutil.copyfile(demo_data / f"{split}{ext}", run / "data" / f"{split}{ext}")
     for k, multiplier in enumerate(stage_lr):
         (run / f"stage_{k}.json").write_text(json.dumps({
-            "stage_index": k, "window_size": 4, "num_micro_batches": 10, "threads": 1,
+            "program": f"stage_{k}.pte", "stage_index": k, "num_stages": len(stage_lr), "run_key_file": "run.key",
+            "run_id": "ab" * 16, "checkpoint_dir": "checkpoints", "window_size": 4, "num_micro_batches": 10,
+            "threads": 1,
             "optimizer": {"lr": 3e-3 * multiplier, "weight_decay": 0.0, "betas": [0.8, 0.99],
                           "schedule": {"kind": "warmup_cosine", "warmup_steps": 1, "min_lr_ratio": 0.2}},
             "data_shard": "/elsewhere/train.safetensors"}))

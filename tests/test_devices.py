@@ -34,7 +34,8 @@ from zl_export.manifest import write_manifest
 from manifest_fixtures import fake_manifest
 
 # A stand-in for zl_runner: reads --config, prints the "listening" event, writes telemetry and checkpoint
-# folders like the real one, then behaves as the config's "dummy" field says. SIGTERM exits 3 (as zl_runner).
+# folders like the real one, then behaves as the config's "dummy" field (or $ZL_DUMMY_RUNNER, for configs that go
+# through deploy, which refuses a field the runner does not know) says. SIGTERM exits 3 (as zl_runner).
 DUMMY_RUNNER = r'''
 import json, os, signal, sys, time
 args = sys.argv[1:]
@@ -55,7 +56,7 @@ if ckpt:
     for sub in ("window_1", ".tmp-window_2", "input_log"):
         os.makedirs(os.path.join(ckpt, sub), exist_ok=True)
         open(os.path.join(ckpt, sub, "adapter.safetensors"), "w").write(sub)
-mode = config.get("dummy", "sleep")
+mode = config.get("dummy", os.environ.get("ZL_DUMMY_RUNNER", "sleep"))  # deploy checks configs: env then
 if mode.startswith("exit:"):
     sys.exit(int(mode[5:]))
 time.sleep(120)
@@ -273,13 +274,20 @@ def make_export(root: Path, stages: int = 2) -> Path:
     return export
 
 
+def stage_config(k: int, stages: int = 3) -> dict:
+    """The fields a runner config needs but the one `deploy` fills (the program); the run key is a device path, which
+    deploy leaves as it is."""
+    return {"stage_index": k, "num_stages": stages, "run_key_file": "/data/local/tmp/run.key", "run_id": "ab" * 16,
+            "window_size": 2, "num_micro_batches": 4, "checkpoint_dir": "ckpt"}
+
+
 def make_configs(root: Path, stages: int = 2, **extra) -> Path:
     folder = root / "configs"
     folder.mkdir()
     (folder / "run.key").write_text("5a" * 32 + "\n")
     (folder / "train.safetensors").write_bytes(b"shard")
     for k in range(stages):
-        cfg = {"stage_index": k, "num_stages": stages, "run_key_file": "run.key", "checkpoint_dir": "ckpt",
+        cfg = {**stage_config(k, stages), "run_key_file": "run.key", "checkpoint_dir": "ckpt",
                "log_path": "metrics.jsonl", **extra}
         if k == 0:
             cfg["data_shard"] = "train.safetensors"
@@ -287,8 +295,9 @@ def make_configs(root: Path, stages: int = 2, **extra) -> Path:
     return folder
 
 
-def test_deploy_and_pull_local_devices(tmp_path, dummy):
-    export, configs = make_export(tmp_path), make_configs(tmp_path, dummy="exit:0")
+def test_deploy_and_pull_local_devices(tmp_path, dummy, monkeypatch):
+    monkeypatch.setenv("ZL_DUMMY_RUNNER", "exit:0")
+    export, configs = make_export(tmp_path), make_configs(tmp_path)
     runner = tmp_path / "fake_runner"
     runner.write_bytes(b"#!/bin/sh\n")
     devs = open_devices("local:3", tmp_path / "run", runner=dummy)
@@ -363,9 +372,11 @@ def test_deploy_errors(tmp_path, monkeypatch):
     with pytest.raises(ZLError, match="has 3 stages but --devices gives 2 device"):
         zdeploy.deploy(devs, export, runner=runner)
     with pytest.raises(ZLError, match="is for stage 1, but local-0 gets stage 0"):
-        zdeploy.deploy_stage(devs[0], export, 0, {"stage_index": 1}, runner=runner)
+        zdeploy.deploy_stage(devs[0], export, 0, stage_config(1), runner=runner)
+    with pytest.raises(ZLError, match=r'stage config: "window_size" is 0, expected at least 1; fix the stage config'):
+        zdeploy.deploy_stage(devs[0], export, 0, {**stage_config(0), "window_size": 0}, runner=runner)
     with pytest.raises(ZLError, match="data_shard=missing.bin: no such file"):
-        zdeploy.deploy_stage(devs[0], export, 0, {"stage_index": 0, "data_shard": "missing.bin"}, runner=runner)
+        zdeploy.deploy_stage(devs[0], export, 0, {**stage_config(0), "data_shard": "missing.bin"}, runner=runner)
     from zl_export import data as zdata
     from zl_export.tokenizer import ByteTokenizer
 
@@ -375,7 +386,7 @@ def test_deploy_errors(tmp_path, monkeypatch):
     zdata.save(tmp_path / "five.safetensors", tokenized, task, ByteTokenizer(), "tiny-random", {"path": str(rows)})
     manifest = json.loads((export / "manifest.json").read_text())
     (export / "manifest.json").write_text(json.dumps({**manifest, "max_targets": 4}))
-    shard_cfg = {"stage_index": 0, "data_shard": str(tmp_path / "five.safetensors")}
+    shard_cfg = {**stage_config(0), "data_shard": str(tmp_path / "five.safetensors")}
     other = open_devices("local:1", tmp_path / "other")[0]
     with pytest.raises(ZLError, match=r"five\.safetensors row 0: 5 target tokens, more than the programs' 4 target "
                                       r"slots; pass --max-targets 5 or more"):

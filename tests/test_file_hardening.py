@@ -323,14 +323,18 @@ def test_a_damaged_stage_config_torch_job_or_checkpoint_progress_is_one_line(tmp
     from zl_device.torch.job import TorchJob
 
     (tmp_path / "run.key").write_text("00" * 32 + "\n")
-    for text, problem in (("[1]", 'the file is \\[1\\], expected an object'), ('{"run_id": 7}', '"run_id" is 7, '
-                                                                                                 "expected a string"),
+    config = {"program": "x", "stage_index": 0, "num_stages": 2, "run_key_file": "run.key", "run_id": "ab" * 16,
+              "window_size": 2, "num_micro_batches": 4, "checkpoint_dir": "checkpoints"}
+    for text, problem in (("[1]", 'the file is \\[1\\], expected an object'),
+                          (json.dumps({**config, "run_id": 7}), '"run_id" is 7, expected a string'),
+                          (json.dumps({**config, "run_id": "ab"}),
+                           "the file is not a valid RunnerConfig \\(run_id 'ab' is not 32 hex"),
                           ("{", "not valid JSON")):
         (tmp_path / "stage_0.json").write_text(text)
         with pytest.raises(ZLError, match=f"stage_0.json: {problem}.*; restore it \\(each device holds a copy\\)"):
             saved_run_key(tmp_path)
-    (tmp_path / "stage_0.json").write_text('{"run_id": "ab", "program": "x"}')
-    assert saved_run_key(tmp_path)[1] == "ab"
+    (tmp_path / "stage_0.json").write_text(json.dumps(config))
+    assert saved_run_key(tmp_path)[1] == "ab" * 16
 
     job = tmp_path / "torch_job.json"
     TorchJob("tiny-random", "m.json", "s.safetensors", "ab", 2, 8, 1, [0.002] * 3, 0.0, {"kind": "constant"}, "c",

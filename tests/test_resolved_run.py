@@ -99,7 +99,7 @@ def test_the_launch_and_the_torch_job_take_the_role_from_the_resolved_run(tmp_pa
 
     from zl_device.executorch.launch import stage_configs
     from zl_device.formats.run_layout import RunLayout
-    from zl_device.formats.stage_spec import RUNNER_NAMES
+    from zl_device.formats.runner_config import SETTING_NAMES
     from zl_device.run.resolved_run import ResolvedRun
     from zl_device.run.torch_runtime import torch_job
     from zl_device.torch.job import TorchJob
@@ -111,16 +111,16 @@ def test_the_launch_and_the_torch_job_take_the_role_from_the_resolved_run(tmp_pa
     devices = [SimpleNamespace(kind="local", cpu_quota=0.5)] * 3
     configs = stage_configs(s, r, manifest, tmp_path, tmp_path / "train.safetensors", addresses, tmp_path / "run.key",
                             "ab" * 16, devices)
-    assert [configs[k]["threads"] for k in range(3)] == [1, 1, 1]
-    assert [configs[k]["role"] for k in range(3)] == ["forward", "forward", "train"]
-    assert [configs[k]["optimizer"]["lr"] for k in range(3)] == [0.0, 0.0, r.optimizer.lr]
-    assert configs[0]["optimizer"]["schedule"]["warmup_steps"] == 1  # the resolved (windowed) optimizer's
+    assert [configs[k].threads for k in range(3)] == [1, 1, 1]
+    assert [configs[k].role for k in range(3)] == ["forward", "forward", "train"]
+    assert [configs[k].optimizer.lr for k in range(3)] == [0.0, 0.0, r.optimizer.lr]
+    assert configs[0].optimizer.schedule.warmup_steps == 1  # the resolved (windowed) optimizer's
     backprop = stage_configs(s, ResolvedRun.of(settings(samples=8, schedule="async"), 32, 4), manifest, tmp_path,
                              tmp_path / "train.safetensors", addresses, tmp_path / "run.key", "ab" * 16, devices)
-    for wire in RUNNER_NAMES.values():  # the written-down wire names are the ones the configs use
+    for wire in SETTING_NAMES.values():  # the written-down wire names are the ones the configs use
         node = backprop[0]
         for part in wire.split("."):
-            node = node[part]
+            node = getattr(node, part)
 
     job = torch_job(s, r, RunLayout(tmp_path), tmp_path / "train.safetensors")
     assert job.roles == ["forward", "forward", "train"] and [job.forward_only(k) for k in range(3)] == [

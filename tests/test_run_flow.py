@@ -94,6 +94,7 @@ def test_a_resume_of_a_run_older_than_its_resolved_run_reads_the_stage_lr_off_it
     with the multipliers its stages' configs hold (a run with one reads it back: tests/test_resolved_run.py)."""
     from zl_base.settings import to_json
     from zl_device.formats.run_layout import RunLayout
+    from zl_device.formats.runner_config import OptimizerConfig, RunnerConfig
     from zl_device.run.train_job import resumed_settings
     from zl_device.run.train_settings import TrainSettings
 
@@ -103,12 +104,15 @@ def test_a_resume_of_a_run_older_than_its_resolved_run_reads_the_stage_lr_off_it
     layout.settings.write_text(json.dumps(to_json(started)))
     lr = started.optimizer.lr
     for k, m in enumerate((1.0, 1.0, 2.0)):  # every stage trained, the last at twice the lr
-        layout.stage_config(k).write_text(json.dumps({"optimizer": {"lr": lr * m}}))
+        config = RunnerConfig(program=f"stage_{k}.pte", stage_index=k, num_stages=3, run_key_file="run.key",
+                              run_id="ab" * 16, window_size=2, num_micro_batches=8, checkpoint_dir="checkpoints",
+                              optimizer=OptimizerConfig(lr=lr * m))
+        layout.stage_config(k).write_text(json.dumps(config.to_json()))
     assert resumed_settings(TrainSettings(resume=True, out=tmp_path)).stage_lr == (1.0, 1.0, 2.0)
 
     layout.stage_config(1).write_text('{"optimizer": ')  # a config cut short
-    with pytest.raises(ZLError, match=r"^--resume --out .*: .*stage_1.json is not a runner config with an optimizer "
-                                      r"lr \(JSONDecodeError: .*\); restore the file \(each device holds a copy\)"):
+    with pytest.raises(ZLError, match=r"^--resume --out .*: runner config .*stage_1.json: .*JSON.*; restore the file "
+                                      r"\(each device holds a copy\)"):
         resumed_settings(TrainSettings(resume=True, out=tmp_path))
     layout.resolved.write_text("{}")  # a run with a resolved run: its configs are not read
     assert resumed_settings(TrainSettings(resume=True, out=tmp_path)).stage_lr is None

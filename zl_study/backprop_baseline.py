@@ -40,6 +40,7 @@ from zl_base.errors import ZLError
 from zl_base.json_reader import read_json_file
 from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.run_layout import RunLayout
+from zl_device.formats.runner_config import read_runner_config
 from zl_device.torch.eager_training import Budget, TrainLog
 from zl_device.torch.eager_training import train_backprop as eager_train_backprop
 from zl_export.manifest import read_manifest
@@ -160,18 +161,15 @@ def run_lr(layout: RunLayout) -> float:
     Raises:
         ZLError: the settings hold no lr, or (without settings) no stage config has a positive one.
     """
-    def optimizer_lr(path: Path) -> float:
-        try:
-            return float(_read_json(path, "")["optimizer"]["lr"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ZLError(f"--run-dir {layout.root}: {path} holds no optimizer lr ({type(e).__name__}: {e}); was it "
-                          "written by `zl train`? Pass the run's --lr.") from None
-
     if layout.settings.is_file():
-        return optimizer_lr(layout.settings)
+        try:
+            return float(_read_json(layout.settings, "")["optimizer"]["lr"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ZLError(f"--run-dir {layout.root}: {layout.settings} holds no optimizer lr ({type(e).__name__}: "
+                          f"{e}); was it written by `zl train`? Pass the run's --lr.") from None
     lrs = []
     while (config := layout.stage_config(len(lrs))).is_file():
-        lrs.append(optimizer_lr(config))
+        lrs.append(read_runner_config(config, "pass the run's --lr (was the file written by `zl train`?)").optimizer.lr)
     trained = [lr for lr in lrs if lr > 0]
     if not trained:
         raise ZLError(f"--run-dir {layout.root}: no {layout.settings.name} and no stage config with a positive lr "
@@ -196,20 +194,15 @@ def settings_from_run_dir(run_dir: Path | str, lr: float | None = None) -> Basel
     if not run_dir.is_dir():
         raise ZLError(f"--run-dir {run_dir}: no such directory; pass the --out directory of a `zl train` run.")
     layout = RunLayout(run_dir)
-    hint = f"is {run_dir} the --out directory of a `zl train` run that got as far as deploying?"
-    stage0 = _read_json(layout.stage_config(0), hint)
+    hint = f"pass the --out directory of a `zl train` run that got as far as deploying (is {run_dir} one?)"
+    stage0 = read_runner_config(layout.stage_config(0), hint)
     manifest = read_manifest(layout.manifest)
     opts = manifest.options
-    try:
-        window = int(stage0["window_size"])
-        num_micro_batches = int(stage0["num_micro_batches"])
-        optimizer = OptimizerSettings.from_config(stage0["optimizer"])  # what a field leaves out: the runner's default
-    except (KeyError, TypeError, ValueError) as e:
-        raise ZLError(f"--run-dir {run_dir}: stage_0.json lacks field {e} (or it has the wrong type); was it written "
-                      "by `zl train`?") from e
+    window, num_micro_batches = stage0.window_size, stage0.num_micro_batches
+    optimizer = OptimizerSettings.from_config(stage0.optimizer)  # what the file leaves out: the runner's default
     train = layout.train_shard
-    if not train.is_file() and stage0.get("data_shard"):
-        train = Path(stage0["data_shard"])
+    if not train.is_file() and stage0.data_shard:
+        train = Path(stage0.data_shard)
     dev = layout.dev_shard
     return BaselineSettings(
         model=manifest.model.name,

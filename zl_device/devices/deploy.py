@@ -29,14 +29,16 @@ import logging
 import os
 import posixpath
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zl_base.errors import ZLError
 from zl_base.files import file_sha256
+from zl_base.json_reader import read_json_file
 from zl_device.formats.checkpoints import DEFAULT_LAYOUT
 from zl_device.formats.run_layout import MANIFEST, METRICS, RunLayout, stage_config_index, stage_config_name
+from zl_device.formats.runner_config import INPUT, RunnerConfig, path_fields
 from zl_device.devices.backend import (
     RUNNER_EXIT,
     RUNNER_NAME,
@@ -56,7 +58,6 @@ log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 #: Runner config fields that name host files to push next to the config.
-PATH_FIELDS = ("program", "manifest", "data_shard", "run_key_file")
 #: Room left free for checkpoints, input logs and telemetry beyond the pushed files, bytes.
 DISK_MARGIN = 64 << 20
 #: Files at least this big are hashed on both sides before pushing (smaller ones are just pushed).
@@ -131,23 +132,28 @@ class DeployResult:
     runner_sha256: str | None = None  # sha256 of zl_runner as the device holds it (None: none, or unreadable)
 
 
-def _load_config(config: Path | Mapping, base: Path) -> tuple[dict, Path]:
+def _load_config(config: Path | Mapping | RunnerConfig, base: Path, program: str) -> tuple[RunnerConfig, Path]:
+    """A stage config and the folder its relative paths resolve against; one without "program" gets `program`."""
+    if isinstance(config, RunnerConfig):
+        return config, base
+    fix = "fix the stage config (`zl_runner --help` lists its fields)"
     if isinstance(config, Mapping):
-        return dict(config), base
-    path = Path(config)
-    try:
-        return json.loads(path.read_text()), path.parent
-    except FileNotFoundError as e:
-        raise ZLError(f"{path}: no such stage config.") from e
-    except json.JSONDecodeError as e:
-        raise ZLError(f"{path}: not valid JSON ({e}).") from e
+        label = "stage config"
+    else:
+        path = Path(config)
+        label, base = f"stage config {path}", path.parent
+        config = read_json_file(path, label, missing="no such file; pass the stage_<k>.json that `zl train` wrote",
+                                invalid=fix)
+    if isinstance(config, dict):
+        config = {"program": program, **config}
+    return RunnerConfig.from_json(config, label, fix), base
 
 
 def deploy_stage(
     device: Device,
     export_dir: Path,
     stage: int | None,
-    config: Path | Mapping | None = None,
+    config: Path | Mapping | RunnerConfig | None = None,
     runner: Path | None = None,
     manifest: Manifest | dict | None = None,
     force: bool = False,
@@ -158,9 +164,10 @@ def deploy_stage(
     on `device`.
 
     Args:
-        config: the stage's runner config, a JSON file or a dict; relative paths in it resolve against the
-            file's folder (a dict: against `export_dir`). Host files it names are pushed next to it and the
-            fields rewritten to their names; paths that do not exist on the host are kept (device paths).
+        config: the stage's runner config, a JSON file, its JSON object or a `RunnerConfig`, checked before
+            anything is pushed; relative paths in it resolve against the file's folder (else `export_dir`). Host
+            files it names are pushed next to it and the fields rewritten to their names; paths that do not exist
+            on the host are kept (device paths).
         runner: the runner binary (default: the build for this device's kind); devices that do not run the
             binary (`--mode app`) take none.
         manifest: the export's manifest, when the caller has read it already (launch.py passes its JSON object).
@@ -188,13 +195,13 @@ def deploy_stage(
         program = entries[stage].file
         files[program] = (export_dir / program, 0o644)
         if config is not None:
-            cfg, base = _load_config(config, export_dir)
-            if cfg.get("stage_index", stage) != stage:
-                raise ZLError(f"config {config if not isinstance(config, Mapping) else ''} is for stage "
-                              f"{cfg.get('stage_index')}, but {device.name} gets stage {stage}; pass stage {stage}'s.")
-            cfg.setdefault("program", program)
-            for key in PATH_FIELDS:
-                value = cfg.get(key)
+            cfg, base = _load_config(config, export_dir, program)
+            if cfg.stage_index != stage:
+                raise ZLError(f"config {config if not isinstance(config, (Mapping, RunnerConfig)) else ''} is for "
+                              f"stage {cfg.stage_index}, but {device.name} gets stage {stage}; pass stage {stage}'s.")
+            on_device = {}
+            for key in path_fields(INPUT):
+                value = getattr(cfg, key)
                 if not value:
                     continue
                 host = (base / value) if not os.path.isabs(value) else Path(value)
@@ -203,7 +210,7 @@ def deploy_stage(
                         _check_shard_fits(host, manifest)
                     if key == "run_key_file" and not device.workdir_is_private:
                         device.hold_run_key(host)  # passed with each START, into the app's private storage
-                        cfg[key] = os.path.basename(value)
+                        on_device[key] = os.path.basename(value)
                         continue
                     name = os.path.basename(value)
                     if name in files and files[name][0].resolve() != host.resolve():
@@ -211,10 +218,10 @@ def deploy_stage(
                                       "rename one of them.")
                     # The run key is owner-only on the device too (created so by push, not chmod-ed after).
                     files[name] = (host, 0o600 if key == "run_key_file" else 0o644)
-                    cfg[key] = name
+                    on_device[key] = name
                 elif not os.path.isabs(value) and value not in files:
                     raise ZLError(f"config field {key}={value}: no such file under {base}; fix the stage config.")
-            config_text = json.dumps(cfg, indent=2) + "\n"
+            config_text = json.dumps(replace(cfg, **on_device).to_json(), indent=2) + "\n"
 
     for name, (host, _) in files.items():
         if not host.is_file():
@@ -308,7 +315,7 @@ def _check_shard_fits(shard: Path, manifest: Manifest) -> None:
 def deploy(
     devices: Sequence[Device],
     export_dir: Path,
-    configs: Mapping[int, Path | Mapping] | Path | None = None,
+    configs: Mapping[int, Path | Mapping | RunnerConfig] | Path | None = None,
     runner: Path | None = None,
     force: bool = False,
     on_file: FileCallback | None = None,

@@ -16,17 +16,17 @@ import os
 import secrets
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
 from zl_base.errors import ZLError
-from zl_base.json_reader import read_typed
 from zl_device.devices.backend import Device
 from zl_device.executorch.device_policy import DevicePolicy
 from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.schedules import is_backprop
 from zl_device.formats.run_layout import CHECKPOINTS_DIR, MANIFEST, METRICS, RunLayout
+from zl_device.formats.runner_config import RunnerConfig, read_runner_config
 from zl_device.formats.stage_spec import StageSpec
 from zl_device.formats.windows import WindowPlan
 from zl_export.manifest import Manifest
@@ -166,14 +166,7 @@ def saved_run_key(run_dir: Path) -> tuple[Path, str]:
         raise ZLError(f"--resume --out {run_dir}: no run.key or stage_0.json there, so the run never started its "
                       "stages; start it again without --resume.")
     fix = "restore it (each device holds a copy), or start the run again without --resume"
-    return key_file, read_typed(config, _RunIdOnly, str(config), fix, others=True).run_id
-
-
-@dataclass(frozen=True)
-class _RunIdOnly:
-    """What `saved_run_key` reads of a runner config."""
-
-    run_id: str
+    return key_file, read_runner_config(config, fix).run_id
 
 
 def write_secret(path: Path, text: str) -> None:
@@ -210,15 +203,16 @@ def _deploy_and_coordinate(s: LaunchSettings, run_plan: RunPlan, stage_devices, 
     num_stages, windows = len(manifest.stages), run_plan.windows
     s.policy.check_devices(stage_devices)  # a device the policy cannot read fails before any config is written
     configs = stage_configs(s, run_plan, manifest, export_dir, shard, plan, key_file, run_id, stage_devices)
-    deployed = {k: dict(cfg) for k, cfg in configs.items()}
+    deployed = dict(configs)
     if injection:
-        deployed[injection.stage]["hold_at_micro_batch"] = injection.hold_micro_batch(windows)
+        deployed[injection.stage] = replace(configs[injection.stage],
+                                            hold_at_micro_batch=injection.hold_micro_batch(windows))
     for k, cfg in deployed.items():
-        RunLayout(run_dir).stage_config(k).write_text(json.dumps(cfg, indent=2) + "\n")
+        RunLayout(run_dir).stage_config(k).write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
     say(f"deploy: {stages_phrase(num_stages)} to {', '.join(d.name for d in stage_devices)}"
         + (f" (spares: {', '.join(d.name for d in spares)})" if spares else "")
         + (" in the app" if s.mode == "app" else ""))
-    say(threads_line([configs[k]["threads"] for k in sorted(configs)], s.threads))
+    say(threads_line([configs[k].threads for k in sorted(configs)], s.threads))
     results = deploy(stage_devices, export_dir, deployed)
     # On a device the runner's files sit in its working folder under RUN_DIR's names (`log_path`, `checkpoint_dir`).
     plans = [StagePlan(k, d, r.config, METRICS, CHECKPOINTS_DIR, entry_bytes(manifest, k))
@@ -263,45 +257,46 @@ def threads_line(threads: Sequence[int], given: int | None) -> str:
 
 
 def stage_configs(s: LaunchSettings, run_plan: RunPlan, manifest: Manifest, export_dir: Path, shard: Path, plan,
-                  key_file: Path, run_id: str, stage_devices: Sequence[Device]) -> dict[int, dict]:
+                  key_file: Path, run_id: str, stage_devices: Sequence[Device]) -> dict[int, RunnerConfig]:
     """The runner config of every stage (host paths; deploy pushes the files and rewrites them), from its
-    `StageSpec`: the one place a setting gets its runner-JSON name where that differs (stage_spec.RUNNER_NAMES)."""
+    `StageSpec`: the one place a setting gets its runner-config name where that differs
+    (runner_config.SETTING_NAMES)."""
     num_stages, windows, optimizer = len(manifest.stages), run_plan.windows, run_plan.optimizer
     threads = [device_threads(d, s.threads, num_stages) for d in stage_devices]
     configs = {}
     for addresses in plan.stages:
         k = addresses.stage
         spec = run_plan.stages[k]
-        cfg = {
-            "program": str(export_dir / manifest.stages[k].file),
-            "manifest": str(export_dir / MANIFEST),
-            "stage_index": k,
-            "num_stages": num_stages,
-            "run_key_file": str(key_file),
-            "run_id": run_id,
-            "window_size": windows.window_size,
-            "num_micro_batches": windows.num_micro_batches,
-            "in_flight_depth": s.in_flight,
-            "checkpoint_dir": CHECKPOINTS_DIR,
+        backprop = is_backprop(spec.schedule)
+        configs[k] = RunnerConfig(
+            program=str(export_dir / manifest.stages[k].file),
+            manifest=str(export_dir / MANIFEST),
+            stage_index=k,
+            num_stages=num_stages,
+            run_key_file=str(key_file),
+            run_id=run_id,
+            window_size=windows.window_size,
+            num_micro_batches=windows.num_micro_batches,
+            in_flight_depth=s.in_flight,
+            checkpoint_dir=CHECKPOINTS_DIR,
             # Global recovery rolls every stage back to the last window all committed: keep them all.
-            "keep_last": windows.num_windows + 1 if s.recovery == "global" else 2,
-            "log_path": METRICS,
-            "threads": threads[k],
-            "load_mode": s.load_mode,
-            "accumulator_snapshots": s.accumulator_snapshots,
-            "optimizer": optimizer.config(spec.lr),
-            "role": spec.role,  # train | forward (held still: phase 1 only); the runner never infers it from the lr
-            **addresses.config_fields(),
-        }
-        if is_backprop(spec.schedule):  # configs of ZeroLock runs stay as they were
-            cfg.update(schedule=spec.schedule, grad_wire_dtype=s.grad_dtype, keep_activations=s.keep_activations)
-        if k == 0:
-            cfg["data_shard"] = str(shard)
-        if s.policy.active:
+            keep_last=windows.num_windows + 1 if s.recovery == "global" else 2,
+            log_path=METRICS,
+            threads=threads[k],
+            load_mode=s.load_mode,
+            accumulator_snapshots=s.accumulator_snapshots,
+            optimizer=optimizer.config(spec.lr),
+            role=spec.role,  # train | forward (held still: phase 1 only); the runner never infers it from the lr
+            schedule=spec.schedule,
+            # (ZeroLock runs keep the defaults, so their configs stay as they were)
+            grad_wire_dtype=s.grad_dtype if backprop else "bf16",
+            keep_activations=s.keep_activations and backprop,
+            data_shard=str(shard) if k == 0 else "",
             # A neighbour of a paused stage waits as long as the pause lasts, which may be longer than the runner's
             # 600 s input timeout; the coordinator, which knows a pause from a failure, watches it instead (§5.8).
-            cfg["input_timeout_s"] = 0
-        configs[k] = cfg
+            input_timeout_s=0 if s.policy.active else 600,
+            **addresses.config_fields(),
+        )
     return configs
 
 

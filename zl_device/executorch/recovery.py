@@ -27,11 +27,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zl_base.errors import ZLError
+from zl_base.json_reader import loads
 from zl_device.executorch.device_files import IN_FLIGHT_GRACE_S, StagePlan, stderr_tail
 from zl_device.formats.metrics_log import LineTail
+from zl_device.formats.runner_config import RunnerConfig
 
 log = logging.getLogger(__name__)
 
@@ -206,9 +208,13 @@ class Recovery:
     def _clear_hold(self, plan: StagePlan) -> None:
         """Drop hold_at_micro_batch from the stage's config on its device, so the restart runs through."""
         text = plan.device.read_text(plan.config)
-        cfg = json.loads(text) if text else {}
-        if cfg.pop("hold_at_micro_batch", None) is not None:
-            plan.device.write_text(plan.config, json.dumps(cfg, indent=2) + "\n")
+        if not text:
+            return
+        label = f"{plan.device.name}:{plan.config}"
+        cfg = RunnerConfig.from_json(loads(text, label, "redeploy the stage"), label, "redeploy the stage")
+        if cfg.hold_at_micro_batch != -1:
+            plan.device.write_text(plan.config, json.dumps(replace(cfg, hold_at_micro_batch=-1).to_json(), indent=2)
+                                   + "\n")
 
     # --- hot standbys --------------------------------------------------------------------------------
 

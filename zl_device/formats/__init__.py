@@ -8,5 +8,8 @@
 - `checkpoints.py`: `CheckpointLayout`, where a stage's checkpoints live (the runner's layout);
 - `windows.py`: `WindowPlan`, the run's micro-batches in update windows;
 - `schedules.py`: the pipeline schedules' names;
-- `stage_spec.py`: `StageSpec`, a stage's role, learning rate and schedule, which both runtimes' configs derive from.
+- `schedule_table.py`: each schedule as data, every stage's list of forwards, backwards and steps (the runner's twin);
+- `stage_spec.py`: `StageSpec`, a stage's role, learning rate and schedule, which both runtimes' configs derive from;
+- `runner_config.py`: `RunnerConfig`, a stage's runner config, the twin of the C++ runner's field table;
+- `lr_schedule.py`: `OptimizerSettings`, AdamW and its learning-rate schedule, as `zl train` and the runner apply them.
 """

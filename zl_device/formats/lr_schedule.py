@@ -12,8 +12,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Annotated
 
-from zl_base.json_reader import Bounds
+from zl_base.json_reader import Bounds, typed
 from zl_base.settings import check_fields, setting
+from zl_device.formats.runner_config import LrScheduleConfig, OptimizerConfig
 
 _AT_LEAST_0 = Bounds(0)  # the ranges a file read back is checked against (zl_base/json_reader.py)
 _Beta = Annotated[float, Bounds(0, below=1)]
@@ -63,28 +64,21 @@ class OptimizerSettings:
         cosine (a run of 2 windows warms up over 1)."""
         return replace(self, warmup_windows=min(self.warmup_windows, max(0, num_windows - 1)))
 
-    def config(self, lr: float | None = None) -> dict:
+    def config(self, lr: float | None = None) -> OptimizerConfig:
         """A stage config's "optimizer" (runner_config.h), with the stage's `lr` (default: `self.lr`)."""
-        return {"lr": self.lr if lr is None else lr, "betas": list(self.betas), "eps": self.eps,
-                "weight_decay": self.weight_decay, "schedule": self.schedule}
+        return OptimizerConfig(lr=self.lr if lr is None else lr, betas=self.betas, eps=self.eps,
+                               weight_decay=self.weight_decay, schedule=LrScheduleConfig(**self.schedule))
 
     @classmethod
-    def from_config(cls, optimizer: dict) -> OptimizerSettings:
-        """The settings a stage config's "optimizer" holds; what it leaves out is the runner's default
-        (zl/adamw.h: lr 1e-4, weight decay 0.01; a constant schedule)."""
-        schedule = optimizer.get("schedule", {})
-        return cls(lr=float(optimizer.get("lr", RUNNER_DEFAULT_LR)),
-                   weight_decay=float(optimizer.get("weight_decay", RUNNER_DEFAULT_WEIGHT_DECAY)),
-                   betas=tuple(optimizer.get("betas", cls.betas)), eps=float(optimizer.get("eps", cls.eps)),
-                   schedule_kind=str(schedule.get("kind", "constant")),
-                   warmup_windows=int(schedule.get("warmup_steps", 0)),
-                   min_lr_ratio=float(schedule.get("min_lr_ratio", 0.0)),
-                   total_steps=int(schedule.get("total_steps", 0)))
-
-
-#: The runner's own defaults for a stage config without them (zl/adamw.h); `zl train` always writes its own.
-RUNNER_DEFAULT_LR = 1e-4
-RUNNER_DEFAULT_WEIGHT_DECAY = 0.01
+    def from_config(cls, optimizer: OptimizerConfig | dict) -> OptimizerSettings:
+        """The settings a stage config's "optimizer" (typed, or its JSON object) holds; what the file left out is
+        the runner's default (zl/adamw.h: lr 1e-4, weight decay 0.01; a constant schedule)."""
+        if not isinstance(optimizer, OptimizerConfig):
+            optimizer = typed(OptimizerConfig, optimizer, "optimizer", "fix the stage config's \"optimizer\"")
+        schedule = optimizer.schedule
+        return cls(lr=optimizer.lr, weight_decay=optimizer.weight_decay, betas=optimizer.betas, eps=optimizer.eps,
+                   schedule_kind=schedule.kind, warmup_windows=schedule.warmup_steps,
+                   min_lr_ratio=schedule.min_lr_ratio, total_steps=schedule.total_steps)
 
 
 def lr_factor(t: int, schedule: dict, total_steps: int) -> float:

@@ -6,9 +6,9 @@ its job (zl_device/torch/job.py `TorchJob`). Both read the role from the spec: n
 learning rate. `stage_role` is the one rule that assigns it, the rule the runner applies to a config without a
 role (RunnerConfig::forward_only, android_app/native/include/zl/runner_config.h).
 
-One name per concept, from the flag to the runner's JSON. The runner's JSON (runner_config.cpp) is a wire format
-older configs and phones' runners read, so a few of its keys spell a concept otherwise; `RUNNER_NAMES` lists
-them, and `stage_configs` and `OptimizerSettings.config` are the only places that write them.
+One name per concept, from the flag to the runner's config, but for the few keys of that wire format that spell a
+concept otherwise: `runner_config.SETTING_NAMES` lists them, and the typed `RunnerConfig` is the only place that
+writes them.
 """
 
 from __future__ import annotations
@@ -24,17 +24,6 @@ from zl_device.formats.schedules import SCHEDULES, is_backprop
 #: state on (ZeroLock's stages at lr 0 but the last).
 TRAIN, FORWARD = "train", "forward"
 ROLES = (TRAIN, FORWARD)
-
-#: Settings (zl train's flag / TrainSettings field) whose name in the runner's JSON differs, and that name.
-RUNNER_NAMES: dict[str, str] = {
-    "--window (window)": "window_size",
-    "in_flight (tests, experiments)": "in_flight_depth",
-    "--grad-dtype (grad_dtype)": "grad_wire_dtype",
-    "--stage-lr x --lr (StageSpec.lr)": "optimizer.lr",
-    "OptimizerSettings.schedule_kind": "optimizer.schedule.kind",
-    "OptimizerSettings.warmup_windows": "optimizer.schedule.warmup_steps",
-}
-
 
 def stage_role(lr: float, stage: int, num_stages: int, schedule: str) -> str:
     """The role of stage `stage` with learning rate `lr`: held still (FORWARD) when ZeroLock gives it lr 0 and it

@@ -88,8 +88,6 @@ class TorchRuntime(Runtime):
 
 def check_torch_settings(s: TrainSettings) -> None:
     """Options of the ExecuTorch runtime that `--runtime torch` does not have fail here, before anything runs."""
-    from zl_device.devices.registry import parse_devices
-
     unsupported = [(s.spares, "--spares"), (s.standby, "--standby"), (s.mode != "binary", "--mode"),
                    (s.recovery == "local", "--recovery local")]
     for value, name in unsupported:
@@ -97,7 +95,7 @@ def check_torch_settings(s: TrainSettings) -> None:
             raise ZLError(f"{name} is not supported with --runtime torch (a failed rank restarts every rank from the "
                           "latest window all stages checkpointed, as torch elastic does); drop it or use --runtime "
                           "executorch.")
-    if parse_devices(s.devices).kind != "local":
+    if s.devices_spec.kind != "local":
         raise ZLError(f"--devices {s.devices}: --runtime torch runs its stages as processes on this host (or under "
                       "torchrun, docs/design.md §13), not on phones; drop --devices or use --runtime executorch.")
 
@@ -132,7 +130,7 @@ def torch_job(s: TrainSettings, resolved: ResolvedRun, layout: RunLayout, shard:
                     run_id=secrets.token_hex(16), window_size=windows.window_size,
                     num_micro_batches=windows.num_micro_batches,
                     lr=[st.lr for st in resolved.stages], roles=[st.role for st in resolved.stages],
-                    weight_decay=optimizer.weight_decay, schedule=optimizer.schedule,
+                    weight_decay=optimizer.weight_decay, schedule=optimizer.config().schedule,
                     checkpoint_dir=str(layout.checkpoints), metrics_dir=str(layout.stages),
                     threads=s.threads or 1, in_flight=s.in_flight, link_timeout_s=s.link_timeout_s,
                     micro_batch=s.export.micro_batch, pipeline=resolved.schedule,

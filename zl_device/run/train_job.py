@@ -26,6 +26,7 @@ from zl_base.errors import ZLError
 from zl_base.settings import to_json
 from zl_device.formats.injection import Injection
 from zl_device.formats.run_layout import INCOMPLETE_MARKER, SETTINGS_FILE, RunLayout
+from zl_device.formats.runner_config import read_runner_config
 from zl_device.run.executorch_runtime import ExecuTorchRuntime
 from zl_device.run.resolved_run import check_as_started, resolve_run
 from zl_device.run.runtime import Run, RunModel, Runtime, run_event
@@ -178,7 +179,7 @@ def open_run(s: TrainSettings, say=print):
     Returns:
         (run_dir, the parsed --devices spec).
     """
-    from zl_device.devices.registry import check_mode, parse_devices
+    from zl_device.devices.registry import check_mode
     from zl_device.run.train_data import check_samples
     from zl_device.run.train_settings import DEMO
 
@@ -190,7 +191,7 @@ def open_run(s: TrainSettings, say=print):
         raise ZLError(f"--out {run_dir}: the directory exists and is not empty; pick a new run directory "
                       "(a run never overwrites another run's results).")
     s.validate()
-    spec = parse_devices(s.devices)
+    spec = s.devices_spec
     check_mode(spec, s.mode)
     if s.inject_failure:
         Injection.parse(s.inject_failure, s.split.count, s.windows().num_windows)
@@ -217,13 +218,12 @@ def started_stage_lr(layout: RunLayout, s: TrainSettings) -> tuple[float, ...] |
     lr over --lr), for a run started before zl wrote its resolved run (resolved_run.json) and whose settings do not
     record it either; None without configs (a torch run keeps its per-stage lrs in its own job file)."""
     lrs = []
+    fix = "restore the file (each device holds a copy), or start the run again without --resume"
     while (config := layout.stage_config(len(lrs))).is_file():
         try:
-            lrs.append(float(json.loads(config.read_text())["optimizer"]["lr"]) / s.optimizer.lr)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ZLError(f"--resume --out {layout.root}: {config} is not a runner config with an optimizer lr "
-                          f"({type(e).__name__}: {e}); restore the file (each device holds a copy), or start the run "
-                          "again without --resume.") from None
+            lrs.append(read_runner_config(config, fix).optimizer.lr / s.optimizer.lr)
+        except ZLError as e:
+            raise ZLError(f"--resume --out {layout.root}: {e}") from None
     return tuple(lrs) or None
 
 
@@ -269,7 +269,7 @@ def reopen_run(s: TrainSettings, say):
     Raises:
         ZLError: RUN_DIR lacks the runtime's `resume_needs` (the run never started its stages).
     """
-    from zl_device.devices.registry import check_mode, parse_devices
+    from zl_device.devices.registry import check_mode
 
     runtime, run_dir = RUNTIMES[s.runtime], Path(s.out)
     missing = [name for name in runtime.resume_needs if not (run_dir / name).exists()]
@@ -278,7 +278,7 @@ def reopen_run(s: TrainSettings, say):
                       "stages; start it again without --resume.")
     say(f"resume: {run_dir} {runtime.resumes_from}")
     s.validate()
-    spec = parse_devices(s.devices)
+    spec = s.devices_spec
     check_mode(spec, s.mode)
     return run_dir, spec
 

@@ -20,6 +20,7 @@ from zl_device.devices.registry import (
     MODES,
     RUNNER_HELP,
     RUNNER_PREFIX_HELP,
+    DevicesSpec,
     check_cpu_quota_fits,
     check_devices,
     check_runner,
@@ -158,6 +159,15 @@ class TrainSettings:
         if self.runner is not None:  # absolute in RUN_DIR's settings: `--resume` may run from another folder
             self.runner = Path(self.runner).expanduser().resolve()
 
+    @property
+    def devices_spec(self) -> DevicesSpec:
+        """--devices, parsed: the one place it is (the kind, the count, the serials).
+
+        Raises:
+            ZLError: a spec that does not parse.
+        """
+        return parse_devices(self.devices)
+
     def validate(self) -> None:
         """The checks that need no model or device; run before anything slow."""
         if not 0 <= self.stall_timeout_s < RUNNER_INPUT_TIMEOUT_S:
@@ -170,7 +180,7 @@ class TrainSettings:
         if self.samples < 1 or self.window < 1:
             raise ZLError(f"--samples {self.samples} --window {self.window}: both must be at least 1.")
         check_fields(self)  # the choices, --devices, --cpu-quota's range
-        spec = parse_devices(self.devices)
+        spec = self.devices_spec
         if self.cpu_quota is not None:
             if self.runtime == "torch":
                 raise ZLError("--cpu-quota caps local zl_runner devices; the torch runtime's ranks are not capped "

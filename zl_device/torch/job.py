@@ -11,9 +11,9 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from zl_base.errors import ZLError
 from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.run_layout import TORCH_JOB
+from zl_device.formats.runner_config import LrScheduleConfig, OptimizerConfig
 from zl_device.formats.stage_spec import FORWARD, stage_role
 
 
@@ -30,7 +30,7 @@ class TorchJob:
     micro_batch: int  # B, rows per micro-batch (the manifest's)
     lr: list[float]  # per stage: --lr x --stage-lr
     weight_decay: float
-    schedule: dict  # the runner's lr schedule (zl_device/formats/lr_schedule.py)
+    schedule: LrScheduleConfig  # the runner's lr schedule (a runner config's "optimizer"."schedule")
     checkpoint_dir: str  # RUN_DIR/checkpoints; stage k writes stage_<k>/window_NNNNNN/
     metrics_dir: str  # RUN_DIR/stages; stage k appends to stage_<k>/metrics.jsonl
     keep_last: int = 2
@@ -66,8 +66,8 @@ class TorchJob:
 
     def optimizer(self, stage: int) -> OptimizerSettings:
         """Stage `stage`'s AdamW and schedule, as a runner config's "optimizer" with the job's values."""
-        return OptimizerSettings.from_config({"lr": self.lr[stage], "weight_decay": self.weight_decay,
-                                              "schedule": self.schedule})
+        return OptimizerSettings.from_config(OptimizerConfig(lr=self.lr[stage], weight_decay=self.weight_decay,
+                                                             schedule=self.schedule))
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")

@@ -4,6 +4,7 @@
 //   zl_runner --config stage1.json --resume   restore the latest checkpoint even if "resume": false
 //   zl_runner --config stage1.json --standby  a hot standby: load, then wait for SIGUSR1 to take over
 //   zl_runner --help                          usage and every config field
+//   zl_runner --config-fields                 the config's field table as JSON (for tools that write configs)
 //   zl_runner --version                       zl's and ExecuTorch's versions, the build (static or not), the kernel path
 //
 // Stdout gets JSON event lines ({"event": "listening", "port": ...},
@@ -49,7 +50,7 @@ extern "C" void on_signal(int) { g_stop.store(true); }
 
 constexpr const char* kUsage =
     "usage: zl_runner --config FILE [--resume] [--standby] [--verbose]\n"
-    "       zl_runner --help | --version\n"
+    "       zl_runner --help | --version | --config-fields\n"
     "\n"
     "Runs one stage of a zl pipeline: reads its input (stage 0: the data shard; later\n"
     "stages: hidden states from upstream), trains the stage's LoRA parameters with its\n"
@@ -63,6 +64,7 @@ constexpr const char* kUsage =
     "                 only then take over as with --resume (checkpoint, input log, port);\n"
     "                 SIGINT/SIGTERM end it (exit 3). It never parks (hold_at_micro_batch)\n"
     "  --verbose      debug logging\n"
+    "  --config-fields  print the config's fields (path, type, required, default) as JSON\n"
     "\n"
     "Example:\n"
     "  zl_runner --config runs/demo/stage1.json --resume\n"
@@ -82,6 +84,9 @@ std::optional<int> parse_args(int argc, char** argv, Args* args) {
     if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
       std::fputs(zl::runner_config_help().c_str(), stdout);
+      return 0;
+    } else if (arg == "--config-fields") {
+      std::printf("%s\n", zl::runner_config_fields().dump(1).c_str());
       return 0;
     } else if (arg == "--version") {
       // One line a deployer can check on the device (which binary, which

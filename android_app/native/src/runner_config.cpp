@@ -417,6 +417,17 @@ std::string runner_config_help() {
   return text;
 }
 
+json runner_config_fields() {
+  const RunnerConfig defaults;
+  json rows = json::array();
+  for (const Field& f : kFields) {
+    json row = {{"path", f.path}, {"type", type_name(f.type)}, {"required", f.required}, {"is_path", f.is_path}};
+    if (!f.required && f.type != FieldType::kObject) row["default"] = get_field(f, defaults);
+    rows.push_back(std::move(row));
+  }
+  return rows;
+}
+
 json runner_config_to_json(const RunnerConfig& config) {
   json root = json::object();
   for (const Field& f : kFields) {

@@ -215,6 +215,32 @@ TEST(RunnerConfig, ToJsonRoundTrips) {
   EXPECT_EQ(zl::runner_config_to_json(again), zl::runner_config_to_json(c));
 }
 
+TEST(RunnerConfig, FieldTableAsDataMatchesHelpAndDefaults) {
+  const json rows = zl::runner_config_fields();
+  const json defaults = zl::runner_config_to_json(RunnerConfig{});
+  ASSERT_TRUE(rows.is_array());
+  int required = 0;
+  for (const json& row : rows) {
+    const std::string path = row.at("path");
+    EXPECT_NE(zl::runner_config_help().find(path), std::string::npos) << path;
+    if (row.at("required")) {
+      ++required;
+      EXPECT_FALSE(row.contains("default")) << path;
+    } else if (row.at("type") != "object") {
+      json node = defaults;  // the row's default is the effective config's value of a config without it
+      for (size_t start = 0, dot; start <= path.size(); start = dot + 1) {
+        dot = path.find('.', start);
+        if (dot == std::string::npos) dot = path.size();
+        node = node.at(path.substr(start, dot - start));
+      }
+      EXPECT_EQ(row.at("default"), node) << path;
+    }
+  }
+  EXPECT_EQ(required, 8);  // program, stage_index, num_stages, run_key_file, run_id, window_size, ...
+  EXPECT_EQ(rows.front().at("path"), "base_dir");
+  EXPECT_TRUE(rows[1].at("is_path"));  // program
+}
+
 TEST(RunnerConfig, LoadResolvesPathsAgainstTheFile) {
   zl_test::TempDir dir;
   zl_test::write_text(dir.file("conf/stage1.json"), middle_stage().dump());

@@ -112,6 +112,11 @@ Result<AdamWConfig> parse_optimizer_config(const nlohmann::json& optimizer);
 /// meaning, in the order of the field table.
 std::string runner_config_help();
 
+/// The field table as data, for tools that write configs (zl_device/formats/runner_config.py is checked
+/// against it): one object per row, {"path", "type", "required", "is_path", "default"} ("default" absent for
+/// required fields and object rows), in table order. `zl_runner --config-fields` prints it.
+nlohmann::json runner_config_fields();
+
 /// The effective configuration (all fields, defaults filled in), for logs.
 nlohmann::json runner_config_to_json(const RunnerConfig& config);
 

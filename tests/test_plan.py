@@ -412,15 +412,16 @@ def settings(**kw) -> TrainSettings:
     return TrainSettings(rows=DataSettings(seq_len=32), **{"schedule": "zerolock", **kw})
 
 
-def seed_cache(s: TrainSettings, speeds: list[float]) -> None:
-    """Cache entries as a calibration would write them: stage k costs 2 + speeds[k] ms per layer."""
+def seed_cache(s: TrainSettings, speeds: list[float], pss: tuple[float, float] = (50.0, 5.0)) -> None:
+    """Cache entries as a calibration would write them: stage k costs 2 + speeds[k] ms per layer, and holds
+    pss[0] + pss[1] x layers MiB."""
     from zl_device.devices.registry import check_cpu_quota_fits, parse_devices
 
     spec_ = parse_devices(s.devices)
     quotas = check_cpu_quota_fits(spec_, s.cpu_quota)
     for k, speed in enumerate(speeds):
         key = cal.cache_key(s, spec_, k, quotas[k])
-        rounds = [Measured(n, speed * n / 2, 2 + speed * n / 2, 0.0, 50.0 + 5 * n, 6) for n in (1, 3)]
+        rounds = [Measured(n, speed * n / 2, 2 + speed * n / 2, 0.0, pss[0] + pss[1] * n, 6) for n in (1, 3)]
         path = cal.cache_file(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"key": key, "num_layers": 4, "hidden_size": 64, "seq_len": 32, "max_targets": 4,
@@ -448,6 +449,7 @@ def test_a_second_plan_reads_the_cache_and_runs_nothing(cache, monkeypatch):
 
 def test_a_memory_limit_moves_layers_off_a_device(cache, monkeypatch):
     s = settings()
+    s = replace(s, export=replace(s.export, recompute=True))  # already recomputing: nothing more to try
     seed_cache(s, [10.0, 10.0, 10.0])  # PSS 50 + 5 n MiB
     monkeypatch.setattr(cal, "_measure", lambda *a, **k: pytest.fail("calibrated"))
     assert make_plan(s, PlanSettings()).stages == "0-0,1-1,2-3"  # equal devices: ties go to the later stages
@@ -455,6 +457,38 @@ def test_a_memory_limit_moves_layers_off_a_device(cache, monkeypatch):
     assert plan.stages == "0-0,1-2,3-3" and plan.per_stage[2].budget_mib == 58.0
     with pytest.raises(ZLError, match=r"local-0 \(stage 0\) needs 55 MiB for a single layer .* \(5 MiB short\)"):
         make_plan(s, PlanSettings(memory_limit=(50.0,)))
+
+
+def test_a_plan_turns_recompute_on_only_when_nothing_fits_without_it(cache, monkeypatch, tmp_path):
+    """Without --recompute every device needs 55 MiB for one layer; with it 32 MiB + 2 per layer, 1.3x slower.
+    A budget of 52 MiB fits only recomputing: the plan calibrates again with it, records it, and `zl train
+    --stages plan.json` trains with it (`zl export` asks for it); a budget that fits without it keeps it off."""
+    from zl_device.plan.plan_file import split_of_plan
+    from zl_export.options import ExportOptions
+
+    s = settings()
+    recomputing = replace(s, export=replace(s.export, recompute=True))
+    seed_cache(s, [10.0, 10.0, 10.0])
+    seed_cache(recomputing, [13.0, 13.0, 13.0], pss=(30.0, 2.0))
+    monkeypatch.setattr(cal, "_measure", lambda *a, **k: pytest.fail("calibrated"))
+    assert not make_plan(s, PlanSettings(memory_limit=(100.0,))).recompute
+    said = []
+    plan = make_plan(s, PlanSettings(memory_limit=(52.0,)), say=said.append)
+    assert plan.recompute and plan.stages == "0-0,1-1,2-3" and max(p.pss_mib for p in plan.per_stage) <= 52
+    assert plan.per_stage[0].total_ms == pytest.approx(15.0)  # the recomputing calibration's costs
+    assert any("needs 55 MiB for a single layer" in line and "Calibrating again with --recompute" in line
+               for line in said)
+    path = write_plan(plan, tmp_path / "plan.json")
+    assert read_plan(path).recompute
+    resolved, _ = resolve_stages(replace(s, split=ModelSplit("tiny-random", stages=str(path))), say=said.append)
+    assert resolved.export.recompute and resolved.split.stages == plan.stages
+    assert "with --recompute" in said[-1]
+    split = ModelSplit("tiny-random", stages=str(path))
+    with pytest.raises(ZLError, match=r"fits its devices' memory only with --recompute .*; add --recompute"):
+        split_of_plan(split, ExportOptions(seq_len=32))
+    assert split_of_plan(split, ExportOptions(seq_len=32, recompute=True)).stages == plan.stages
+    with pytest.raises(ZLError, match=r"needs 32 MiB for a single layer .* \(That is with --recompute"):
+        make_plan(s, PlanSettings(memory_limit=(31.0,)), say=said.append)
 
 
 def test_more_stages_than_layers_fails_before_any_export(cache):

@@ -65,6 +65,7 @@ def plan_table(plan) -> Table:
     the device's budget (MiB). A stage held still (forward only) shows "held" for its phase 2."""
     quota = plan.cpu_quota or [None] * len(plan.per_stage)
     schedule = "" if plan.schedule is None else ", " + timed_under(plan.schedule, plan.keep_activations)
+    schedule += ", --recompute" if plan.recompute else ""
     table = Table(title=f"plan: {plan.model} ({plan.num_layers} layers), seq {plan.seq_len}, micro-batch "
                         f"{plan.micro_batch}, {plan.frozen_dtype}{schedule}; ms per micro-batch, MiB")
     for col in ("stage", "device", "layers", "phase 1", "phase 2", "total", "PSS", "budget"):

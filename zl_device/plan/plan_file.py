@@ -3,7 +3,7 @@
     {"format": "zl-plan", "version": 1, "stages": "0-12,13-20,21-29",
      "model": ..., "num_layers": ..., "seq_len": ..., "micro_batch": ..., "frozen_dtype": ..., "max_targets": ...,
      "devices": "local:3", "device_names": [...], "mode": "binary", "cpu_quota": [1.0, 0.5, 0.75] | null,
-     "schedule": "async", "keep_activations": false,
+     "schedule": "async", "keep_activations": false, "recompute": false,
      "predicted_slowest_ms": ..., "link": {"mbps": null, "entry_bytes": ..., "ms": 0.0},
      "per_stage": [{"stage", "device", "layers": [first, last], "phase1_ms", "phase2_ms", "other_ms", "total_ms",
                     "pss_mib", "budget_mib", "forward_only"}, ...],
@@ -17,6 +17,10 @@ before the field existed have none: every stage counts its phase 2.
 data chooses): a backprop stage runs another program than a ZeroLock one, its upstream stages a second forward unless
 activations are kept, so a split balanced for one paces another wrongly (docs/design.md §4.10). Plans written before
 these fields have none (null): only their held stages are checked against a run.
+
+`recompute`: the split fits the devices' memory budgets only with `--recompute` (each layer recomputed in the
+backward, docs/design.md §3.9), which `zl plan` turns on when no split fits without it; `zl train --stages
+plan.json` then trains with it, `zl export --stages plan.json` asks for it.
 
 `zl train --stages plan.json` and `zl export --stages plan.json` take its `stages`, after checking that the plan
 was made for the model (and, for `zl train`, the devices, quotas and shapes) they are given: a split predicted for
@@ -94,6 +98,7 @@ class Plan:
     calibration: list[dict] = field(default_factory=list)  # per device: cache file, rounds measured, fit
     schedule: str | None = None  # the schedule the stages were timed under; None: a plan from before the field
     keep_activations: bool = False
+    recompute: bool = False  # the stages were timed (and fit) with --recompute
 
     @property
     def slowest_ms(self) -> float:
@@ -106,7 +111,7 @@ class Plan:
             "num_layers": self.num_layers, "seq_len": self.seq_len, "micro_batch": self.micro_batch,
             "frozen_dtype": self.frozen_dtype, "max_targets": self.max_targets, "devices": self.devices,
             "device_names": self.device_names, "mode": self.mode, "cpu_quota": self.cpu_quota,
-            "schedule": self.schedule, "keep_activations": self.keep_activations,
+            "schedule": self.schedule, "keep_activations": self.keep_activations, "recompute": self.recompute,
             "predicted_slowest_ms": self.slowest_ms,
             "link": {"mbps": self.link_mbps, "entry_bytes": self.entry_bytes, "ms": self.link_ms},
             "per_stage": [{**asdict(p), "layers": list(p.layers), "total_ms": p.total_ms} for p in self.per_stage],
@@ -134,7 +139,8 @@ class Plan:
                    link_mbps=link.mbps, entry_bytes=link.entry_bytes, link_ms=link.ms,
                    even_stages=even.stages if even else None,
                    even_slowest_ms=even.predicted_slowest_ms if even else None,
-                   calibration=list(f.calibration), schedule=f.schedule, keep_activations=f.keep_activations)
+                   calibration=list(f.calibration), schedule=f.schedule, keep_activations=f.keep_activations,
+                   recompute=f.recompute)
 
 
 # plan.json as written (Plan.to_json), for the typed reader: every field's type and range
@@ -187,6 +193,7 @@ class _PlanFile:
     cpu_quota: tuple[Annotated[float, Bounds(0.01, 4096)] | None, ...] | None = None
     schedule: str | None = None
     keep_activations: bool = False
+    recompute: bool = False
     predicted_slowest_ms: _Ms | None = None
     link: _LinkRecord | None = None
     even_split: _EvenRecord | None = None
@@ -253,4 +260,7 @@ def split_of_plan(split, opts):
     plan = read_plan(split.stages)
     check_plan_matches(plan, f"--stages {split.stages}", model=split.model, seq_len=opts.seq_len,
                        micro_batch=opts.micro_batch, frozen_dtype=opts.frozen_dtype)
+    if plan.recompute and not opts.recompute:
+        raise ZLError(f"--stages {split.stages}: the plan's split fits its devices' memory only with --recompute "
+                      "(`zl plan` turned it on); add --recompute.")
     return replace(split, stages=plan.stages)

@@ -5,7 +5,9 @@
 1. Calibrate (calibrate.py): each device's time per micro-batch and PSS as fixed + per-layer costs at its stage
    position, measured on the device or read from the cache.
 2. Budget each device's memory: --memory-limit, else MEMORY_SHARE of what it has available now (/proc/meminfo
-   MemAvailable; local devices share this host's, split evenly between them).
+   MemAvailable; local devices share this host's, split evenly between them). When no split fits, calibrate again
+   with --recompute (each layer recomputed in the backward, docs/design.md §3.9) and choose among those; the plan
+   records it and `zl train --stages plan.json` trains with it.
 3. Choose the split (zl_device/run/split.py): the slowest stage as fast as it can be, every stage within its budget. The link
    between stages carries one hidden state per micro-batch (B x S x D float32 and the mask and labels); with
    --link-mbps it is a pace of its own (a stage's sender works beside its compute, so the link limits only when it
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from zl_base.errors import ZLError
 from zl_base.settings import check_fields, setting
-from zl_device.devices.registry import LOCAL, DevicesSpec, check_cpu_quota_fits, check_mode, parse_devices
+from zl_device.devices.registry import LOCAL, DevicesSpec, check_cpu_quota_fits, check_mode
 from zl_device.formats.schedules import schedule_name
 from zl_device.plan.calibrate import calibrate, check_stage_count, device_names, forward_only_stages
 from zl_device.plan.costs import StageCost
@@ -82,7 +84,7 @@ def check_settings(s: TrainSettings, p: PlanSettings, flag: str = "--stages") ->
     if s.runtime != "executorch":
         raise ZLError(f"{flag} auto plans for the ExecuTorch runners on the devices; with --runtime {s.runtime} give "
                       "--stages or --num-stages.")
-    spec = parse_devices(s.devices)
+    spec = s.devices_spec
     check_mode(spec, s.mode)
     if spec.count < s.split.num_stages:
         raise ZLError(f"--devices {s.devices} gives {spec.count} device(s); a plan for {s.split.num_stages} stages "
@@ -113,7 +115,21 @@ def make_plan(s: TrainSettings, p: PlanSettings, say=print, export_progress=None
     check_stage_count(num_stages, cal.num_layers, s.split.model)
     budgets = memory_budgets(spec, names, p.memory_limit, s.mode)
     forward_only = forward_only_stages(s, num_stages)
-    best = choose_split(cal.costs, cal.num_layers, budgets, names, forward_only)
+    try:
+        best = choose_split(cal.costs, cal.num_layers, budgets, names, forward_only)
+    except ZLError as short:
+        if s.export.recompute or all(forward_only):
+            raise
+        # Recomputing each layer in the backward keeps its input instead of its activations (docs/design.md §3.9):
+        # far less memory for a slower step, so only when no split fits without it.
+        say(f"plan: {short} Calibrating again with --recompute (each layer recomputed in the backward: less memory, "
+            "a slower step).")
+        s = replace(s, export=replace(s.export, recompute=True))
+        cal = calibrate(s, spec, quotas, recalibrate=p.recalibrate, say=say, export_progress=export_progress)
+        try:
+            best = choose_split(cal.costs, cal.num_layers, budgets, names, forward_only)
+        except ZLError as e:
+            raise ZLError(f"{e} (That is with --recompute, which zl plan tried when nothing fit without it.)") from None
     link_ms = cal.entry_bytes(s.export.micro_batch) * 8 / (p.link_mbps * 1e3) if p.link_mbps else 0.0
     from zl_export.stages import balanced_split
 
@@ -130,7 +146,8 @@ def make_plan(s: TrainSettings, p: PlanSettings, say=print, export_progress=None
                 devices=s.devices, device_names=names, mode=s.mode, cpu_quota=quotas if s.cpu_quota else None,
                 per_stage=per_stage, link_mbps=p.link_mbps, entry_bytes=cal.entry_bytes(s.export.micro_batch),
                 link_ms=link_ms, even_stages=even.spec, even_slowest_ms=max(even.slowest_ms, link_ms),
-                calibration=calibration, schedule=schedule_name(s.schedule), keep_activations=s.keep_activations)
+                calibration=calibration, schedule=schedule_name(s.schedule), keep_activations=s.keep_activations,
+                recompute=s.export.recompute)
 
 
 def check_plan_holds(plan: Plan, s: TrainSettings, where: str) -> None:
@@ -248,13 +265,15 @@ def resolve_stages(s: TrainSettings, say=print, export_progress=None) -> tuple[T
         plan = make_plan(s, PlanSettings(), say, export_progress)
     else:
         plan = read_plan(stages)
-        spec = parse_devices(s.devices)
+        spec = s.devices_spec
         quotas = check_cpu_quota_fits(spec, s.cpu_quota)[:len(plan.per_stage)]
         check_plan_matches(plan, f"--stages {stages}", model=s.split.model, seq_len=s.rows.seq_len,
                            micro_batch=s.export.micro_batch, frozen_dtype=s.export.frozen_dtype, devices=s.devices,
                            mode=s.mode, cpu_quota=quotas if s.cpu_quota else None, checked_devices=True)
         check_plan_holds(plan, s.with_schedule_for(data_is_generative(s)), f"--stages {stages}")
     say(f"plan: --stages {plan.stages} (slowest stage {plan.slowest_ms:.0f} ms per micro-batch predicted"
-        + (f", even split {plan.even_stages}: {plan.even_slowest_ms:.0f} ms" if plan.even_stages else "") + ")")
+        + (f", even split {plan.even_stages}: {plan.even_slowest_ms:.0f} ms" if plan.even_stages else "") + ")"
+        + (" with --recompute: the split fits the devices' memory only with it" if plan.recompute else ""))
     rows = replace(s.rows, seq_len=plan.seq_len)  # the plan's: equal to the run's default, now explicit
-    return replace(s, split=replace(s.split, stages=plan.stages), rows=rows), plan
+    export = replace(s.export, recompute=s.export.recompute or plan.recompute)
+    return replace(s, split=replace(s.split, stages=plan.stages), rows=rows, export=export), plan

@@ -24,27 +24,6 @@ ONE_WINDOW = (4, 4)  # (micro-batches, window): 4 micro-batches, no step before 
 ASYNC = (6, 2)  # 3 windows of 2: with K = 3, stage 0 runs forwards of window w+1 before window w's step
 
 
-def test_pipedream_ops_are_1f1b_without_flush():
-    """Fast: each stage's op order, in-flight bound K-k, every micro-batch once forward then once backward."""
-    from zl_device.torch.schedules.pipedream import pipedream_ops
-
-    assert list(pipedream_ops(2, 3, 3)) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
-    assert list(pipedream_ops(0, 3, 4)) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2),
-                                            ("B", 3)]
-    for k in range(4):
-        ops = list(pipedream_ops(k, 4, 9))
-        assert sorted(ops) == sorted([("F", i) for i in range(9)] + [("B", i) for i in range(9)])
-        live, peak = set(), 0
-        for op, mb in ops:
-            if op == "F":
-                live.add(mb)
-                peak = max(peak, len(live))
-            else:
-                assert mb in live and mb == min(live), (k, ops)  # backwards in forward order
-                live.remove(mb)
-        assert peak == 4 - k
-
-
 def rank_main(rank: int, port: int, shard_path: str, out: str) -> None:
     """Spawned: PipeDream on fresh modules for each plan; gradients, trained weights, losses, memory counters."""
     import torch.distributed as dist

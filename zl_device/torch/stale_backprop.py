@@ -1,7 +1,7 @@
 """PipeDream's asynchronous schedule in one process: whole-model backprop on each stage's stashed weight version.
 
 What an asynchronous pipeline computes does not depend on timing, only on each
-stage's order of operations (schedules/pipedream.py `pipedream_ops`): stage k
+stage's order of operations (the async row of zl_device/formats/schedule_table.py): stage k
 of K runs w_k = K-1-k warm-up forwards, then one forward and one backward
 alternately, with no flush at window ends, and takes its AdamW step after the
 backward of its window's last micro-batch. So the forward of micro-batch j on
@@ -33,6 +33,7 @@ import torch
 
 from zl_base.errors import ZLError
 from zl_device.formats.lr_schedule import OptimizerSettings
+from zl_device.formats.schedule_table import forward_version
 from zl_device.formats.windows import WindowPlan
 from zl_device.torch.eager_training import Budget, TrainLog, train_backprop
 from zl_export.shard import Shard
@@ -42,9 +43,8 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 def stashed_version(stage: int, num_stages: int, mb: int, plan: WindowPlan) -> int:
     """The weight version (AdamW steps taken) stage `stage` of `num_stages` runs micro-batch `mb` on under
-    PipeDream's schedule: the steps it took before its forward of `mb` (module docstring)."""
-    warm = num_stages - 1 - stage
-    return plan.window_of(mb - warm) if mb >= warm else 0
+    PipeDream's schedule: the steps it took before its forward of `mb` (module docstring; the schedule table's)."""
+    return forward_version("async", stage, num_stages, plan, mb)
 
 
 def stage_parameters(model: torch.nn.Module, stage_layers: Sequence[range]) -> list[list[torch.nn.Parameter]]:

@@ -1,5 +1,6 @@
 // StageRunner under a backprop schedule (gpipe, 1f1b, async; docs/design.md
-// §4.10): the stage runs its operations in the order schedule_ops gives.
+// §4.10): the stage runs its operations in the order schedule_ops gives,
+// forwards, backwards and the optimizer step that ends each window.
 //
 //   forward(j)   take micro-batch j's input, run the program to the marker
 //                (grad_hidden zeros), send the hidden state downstream, stop
@@ -81,29 +82,32 @@ Status StageRunner::loop_backprop() {
   const Clock::time_point run_start = Clock::now();
   const double cpu_start = process_cpu_s();
   report_running();
-  for (const ScheduleOp& op : ops) {
-    const int64_t mb = op.micro_batch;
+  MicroBatchRecord record;  // the last backward's, reported once its window's step (if one follows) is committed
+  const auto loss = [&] { return program_->takes_gradient() ? std::nullopt : std::optional<double>(record.loss); };
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const int64_t mb = ops[i].micro_batch;
+    if (ops[i].kind == ScheduleOp::Kind::kStep) {  // right after the backward of the window's last micro-batch
+      // Micro-batches forwarded on the weights this step replaces still run their backward on them.
+      versions_.before_step(optimizer_->step_count(), program_->parameters());
+      max_versions_kept_ = std::max(max_versions_kept_, static_cast<int64_t>(versions_.num_kept()));
+      ZL_RETURN_IF_ERROR(end_window(plan_.window_of(mb), mb, sums));
+      sums = WindowSums();
+      report_done(mb, /*window_end=*/true, record, loss());
+      continue;
+    }
     if (stopping(stop_)) return stop_status("before micro-batch " + std::to_string(mb));
-    if (op.kind == ScheduleOp::Kind::kForward) {
+    if (ops[i].kind == ScheduleOp::Kind::kForward) {
       ZL_RETURN_IF_ERROR(forward_op(mb));
       continue;
     }
-    const int64_t window = plan_.window_of(mb);
-    MicroBatchRecord record;
+    record = MicroBatchRecord();
     StageStepResult result;
     ZL_RETURN_IF_ERROR(backward_op(mb, &record, &result));
     sums.add(result);
     write_micro_batch(&record);
-    const bool window_end = plan_.is_last_of_window(mb);
-    if (window_end) {
-      // Micro-batches forwarded on the weights this step replaces still run their backward on them.
-      versions_.before_step(optimizer_->step_count(), program_->parameters());
-      max_versions_kept_ = std::max(max_versions_kept_, static_cast<int64_t>(versions_.num_kept()));
-      ZL_RETURN_IF_ERROR(end_window(window, mb, sums));
-      sums = WindowSums();
-    }
     done = mb + 1;
-    report_done(mb, window_end, record, program_->takes_gradient() ? std::nullopt : std::optional<double>(record.loss));
+    const bool step_next = i + 1 < ops.size() && ops[i + 1].kind == ScheduleOp::Kind::kStep;
+    if (!step_next) report_done(mb, /*window_end=*/false, record, loss());
   }
   if (receiver_) {
     // The last gradients out before the run counts as done: the upstream still waits for them.

@@ -48,21 +48,29 @@ std::vector<ScheduleOp> schedule_ops(PipelineSchedule schedule, int64_t stage, i
   const int64_t warm = num_stages - 1 - stage;  // 0 on the last stage: its forward and backward are one execution
   if (schedule == PipelineSchedule::kAsync) {
     one_f_one_b(first_micro_batch, n, warm, &ops);
-    return ops;
+  } else {
+    for (int64_t w = plan.window_of(first_micro_batch); w < plan.num_windows(); ++w) {
+      const int64_t first = std::max(plan.first_micro_batch(w), first_micro_batch);
+      const int64_t end = plan.end_micro_batch(w);
+      // gpipe: every forward of the window first (the last stage has no warm-up under any schedule).
+      one_f_one_b(first, end, schedule == PipelineSchedule::kGPipe && warm > 0 ? end - first : warm, &ops);
+    }
   }
-  for (int64_t w = plan.window_of(first_micro_batch); w < plan.num_windows(); ++w) {
-    const int64_t first = std::max(plan.first_micro_batch(w), first_micro_batch);
-    const int64_t end = plan.end_micro_batch(w);
-    // gpipe: every forward of the window first (the last stage has no warm-up under any schedule).
-    one_f_one_b(first, end, schedule == PipelineSchedule::kGPipe && warm > 0 ? end - first : warm, &ops);
+  std::vector<ScheduleOp> with_steps;
+  with_steps.reserve(ops.size() + static_cast<size_t>(plan.num_windows()));
+  for (const ScheduleOp& op : ops) {
+    with_steps.push_back(op);
+    if (op.kind == Kind::kBackward && plan.is_last_of_window(op.micro_batch)) {
+      with_steps.push_back({Kind::kStep, op.micro_batch});
+    }
   }
-  return ops;
+  return with_steps;
 }
 
 int64_t max_in_flight(const std::vector<ScheduleOp>& ops) {
   int64_t now = 0, most = 0;
   for (const ScheduleOp& op : ops) {
-    now += op.kind == Kind::kForward ? 1 : -1;
+    if (op.kind != Kind::kStep) now += op.kind == Kind::kForward ? 1 : -1;
     most = std::max(most, now);
   }
   return most;

@@ -11,12 +11,14 @@
 namespace zl {
 namespace {
 
-/// "F0 F1 B0 ..." for readable expectations.
-std::string text(const std::vector<ScheduleOp>& ops) {
+/// "F0 F1 B0 ..." for readable expectations; `steps`: with "S<mb>" where a window's step is.
+std::string text(const std::vector<ScheduleOp>& ops, bool steps = false) {
   std::string out;
   for (const ScheduleOp& op : ops) {
+    if (op.kind == ScheduleOp::Kind::kStep && !steps) continue;
     if (!out.empty()) out += ' ';
-    out += (op.kind == ScheduleOp::Kind::kForward ? "F" : "B") + std::to_string(op.micro_batch);
+    const char* kind = op.kind == ScheduleOp::Kind::kForward ? "F" : op.kind == ScheduleOp::Kind::kBackward ? "B" : "S";
+    out += kind + std::to_string(op.micro_batch);
   }
   return out;
 }
@@ -26,6 +28,9 @@ TEST(PipelineScheduleTest, GPipeForwardsAWindowThenBackwardsIt) {
   EXPECT_EQ(text(schedule_ops(PipelineSchedule::kGPipe, 0, 3, plan)), "F0 F1 B0 B1 F2 F3 B2 B3 F4 B4");
   // The last stage's forward and backward are one execution: no warm-up under any schedule.
   EXPECT_EQ(text(schedule_ops(PipelineSchedule::kGPipe, 2, 3, plan)), "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4");
+  // The step is an operation: after the backward of each window's last micro-batch.
+  EXPECT_EQ(text(schedule_ops(PipelineSchedule::kGPipe, 0, 3, plan), true),
+            "F0 F1 B0 B1 S1 F2 F3 B2 B3 S3 F4 B4 S4");
 }
 
 TEST(PipelineScheduleTest, OneFOneBWarmsUpPerWindowAndFlushes) {
@@ -43,6 +48,9 @@ TEST(PipelineScheduleTest, AsyncNeverFlushes) {
   EXPECT_EQ(text(schedule_ops(PipelineSchedule::kAsync, 2, 3, plan)), "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5");
   // A restart from window 1's checkpoint warms up again from its first micro-batch.
   EXPECT_EQ(text(schedule_ops(PipelineSchedule::kAsync, 0, 3, plan, 2)), "F2 F3 F4 B2 F5 B3 B4 B5");
+  // Forwards of window 1 run before window 0's step (after B1): their backwards use the stashed version.
+  EXPECT_EQ(text(schedule_ops(PipelineSchedule::kAsync, 0, 3, plan), true),
+            "F0 F1 F2 B0 F3 B1 S1 F4 B2 F5 B3 S3 B4 B5 S5");
   EXPECT_TRUE(schedule_ops(PipelineSchedule::kZeroLock, 0, 3, plan).empty());
 }
 
@@ -52,7 +60,10 @@ TEST(PipelineScheduleTest, EveryMicroBatchOnceEachWayForwardFirst) {
       const WindowPlan plan(11, 3);
       std::vector<int> forward(11, 0), backward(11, 0);
       for (const ScheduleOp& op : schedule_ops(s, k, 4, plan)) {
-        if (op.kind == ScheduleOp::Kind::kForward) {
+        if (op.kind == ScheduleOp::Kind::kStep) {
+          ASSERT_EQ(backward[op.micro_batch], 1) << "a step follows its window's last backward";
+          ASSERT_TRUE(plan.is_last_of_window(op.micro_batch));
+        } else if (op.kind == ScheduleOp::Kind::kForward) {
           ++forward[op.micro_batch];
         } else {
           ASSERT_EQ(forward[op.micro_batch], 1) << pipeline_schedule_name(s) << " stage " << k;

@@ -8,7 +8,9 @@ output's cross-entropy, as for the other baselines. A stage takes its own
 AdamW step (the window's mean gradient, the runner's schedule) as soon as the
 backwards of its m micro-batches of the window are done, so stages step at
 different times and a micro-batch's forward on stage k may see an older
-weight version than its neighbours'.
+weight version than its neighbours'. The order of each stage's forwards,
+backwards and steps is the schedule table's async row
+(zl_device/formats/schedule_table.py), the runner's too.
 
 Weight stashing: a forward runs on a copy of the stage's current LoRA weights
 (the base is frozen, so LoRA is all that changes); the autograd graph keeps
@@ -32,13 +34,14 @@ hold up the sends queued behind it, so there each is posted when needed.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from zl_base.errors import ZLError
 from zl_device.formats.lr_schedule import OptimizerSettings
+from zl_device.formats.schedule_table import FORWARD, STEP, stage_actions
 from zl_device.formats.windows import WindowPlan
 from zl_device.torch.backprop import PipeStage, target_loss, window_rows
 from zl_device.torch.eager_training import runner_optimizer
@@ -50,18 +53,6 @@ TAG_HIDDEN, TAG_MASK, TAG_GRAD = 0, 1, 2
 
 # (ids, mask, labels) of one global micro-batch, each (B, S) int64; stage 0 and the last stage read them.
 Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def pipedream_ops(stage: int, num_stages: int, num_micro_batches: int) -> Iterator[tuple[str, int]]:
-    """Stage `stage`'s operations in order: ("F" | "B", global micro-batch), K-1-k forwards, then 1F1B, no flush."""
-    warm = min(num_stages - 1 - stage, num_micro_batches)
-    for mb in range(warm):
-        yield "F", mb
-    for mb in range(warm, num_micro_batches):
-        yield "F", mb
-        yield "B", mb - warm
-    for mb in range(num_micro_batches - warm, num_micro_batches):
-        yield "B", mb
 
 
 class PipeDreamStage:
@@ -111,7 +102,7 @@ class PipeDreamStage:
         if key not in self._posted:
             post(mb)
         posted_mb, buf, work = self._posted.pop(key)
-        assert posted_mb == mb, (key, posted_mb, mb)  # pipedream_ops takes each kind in micro-batch order
+        assert posted_mb == mb, (key, posted_mb, mb)  # stage_actions takes each kind in micro-batch order
         if ahead and mb + 1 < self.plan.num_micro_batches:
             post(mb + 1)
         self._wait(work, what, mb)
@@ -134,9 +125,23 @@ class PipeDreamStage:
         ahead = self.device.type == "cpu"  # gloo: post the next receive of a kind early (module docstring)
         grad_sum = [torch.zeros_like(p) for p in self.params]
         losses: list[float] = []
-        for op, mb in pipedream_ops(self.rank, self.world, plan.num_micro_batches):
+        for action in stage_actions("async", self.rank, self.world, plan):
             sends = [x for x in sends if not x[0].is_completed()]
-            if op == "F":
+            mb = action.micro_batch
+            if action.kind == STEP:  # after the backward of the window's last micro-batch
+                window = plan.window_of(mb)
+                for p, acc in zip(self.params, grad_sum):
+                    p.grad = acc / len(plan.micro_batches(window))  # the window's mean gradient
+                    acc.zero_()
+                lr = self.optimizer.param_groups[0]["lr"]
+                self.optimizer.step()
+                self.scheduler.step()
+                self.version += 1
+                if on_window is not None:
+                    on_window(window, sum(losses) / len(losses) if last else None, lr)
+                losses = []
+                continue
+            if action.kind == FORWARD:
                 if first:
                     x, mask, _ = (t.to(self.device) for t in batches(mb))  # (B, S) ids
                     if tuple(x.shape) != (b, s):
@@ -172,19 +177,6 @@ class PipeDreamStage:
             if not first:
                 gx = grads[-1].contiguous()  # (B, S, D)
                 sends.append((dist.isend(gx, self.rank - 1, tag=TAG_GRAD), gx, "gradient", mb))
-            window = plan.window_of(mb)
-            if mb == plan.micro_batches(window)[-1]:
-                count = len(plan.micro_batches(window))
-                for p, acc in zip(self.params, grad_sum):
-                    p.grad = acc / count  # the window's mean gradient
-                    acc.zero_()
-                lr = self.optimizer.param_groups[0]["lr"]
-                self.optimizer.step()
-                self.scheduler.step()
-                self.version += 1
-                if on_window is not None:
-                    on_window(window, sum(losses) / len(losses) if last else None, lr)
-                losses = []
         for work, _, what, mb in sends:
             self._wait(work, f"sending the {what}", mb)
 

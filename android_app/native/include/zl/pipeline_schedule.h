@@ -1,7 +1,9 @@
 // The order in which a stage runs its micro-batches' forwards and backwards
 // under the end-to-end backprop schedules (docs/design.md §4.10): one pure
-// function per stage, so the runner, its tests and the torch runtime's
-// single-process simulation (zl_device/torch/stale_backprop.py) agree on it.
+// function per stage. The source of these lists is the Python schedule table
+// (zl_device/formats/schedule_table.py), which the torch runtime runs;
+// tests/test_schedule_table.py checks through tools/zl_schedule_ops.cpp that
+// these functions give the same lists, versions and steps for every case.
 //
 //   gpipe   per window: every forward, then every backward, then the step
 //           (a flush per window: exact backprop, every stage on one version)
@@ -39,16 +41,18 @@ const char* pipeline_schedule_name(PipelineSchedule schedule);
 
 /// One operation of a stage: the forward (take the input, send the hidden
 /// state) or the backward (take the gradient, compute, send grad_input) of a
-/// micro-batch.
+/// micro-batch, or the optimizer step that ends a window (its micro_batch: the
+/// window's last), which follows that micro-batch's backward.
 struct ScheduleOp {
-  enum class Kind { kForward, kBackward };
+  enum class Kind { kForward, kBackward, kStep };
   Kind kind;
   int64_t micro_batch;
   bool operator==(const ScheduleOp& o) const { return kind == o.kind && micro_batch == o.micro_batch; }
 };
 
 /// Stage `stage` of `num_stages`'s operations for micro-batches
-/// [first_micro_batch, n) of `plan`, in order (the file comment).
+/// [first_micro_batch, n) of `plan`, in order (the file comment), a kStep
+/// after the backward of each window's last micro-batch.
 /// `first_micro_batch` is a window's first (a restart from its checkpoint).
 /// kZeroLock has no backward: an empty list.
 std::vector<ScheduleOp> schedule_ops(PipelineSchedule schedule, int64_t stage, int64_t num_stages,

@@ -16,13 +16,16 @@ def test_the_scaling_benchmark_runs_one_device_and_a_pipeline_side_by_side(tmp_p
     ratio row divides the pipeline by the one device."""
     bench = load_tool("bench_scaling")
     results = bench.main(["--ks", "2", "--samples", "8", "--window", "4", "--schedules", "async", "--profiles", "local",
-                          "--out", str(tmp_path / "bench"), "--json", str(tmp_path / "bench.json")])
+                          "--frozen-dtype", "int8", "--out", str(tmp_path / "bench"),
+                          "--json", str(tmp_path / "bench.json")])
     one, two = results
     assert (one["k"], two["k"]) == (1, 2) and one["samples"] == two["samples"] == 8
     assert len(one["peak_pss_mib"]) == 1 and len(two["peak_pss_mib"]) == 2
     assert one["bytes_down_per_record"] == one["bytes_up_per_record"] == 0
     assert two["bytes_down_per_record"] > 0 and two["bytes_up_per_record"] > 0
     assert two["last_stage_first_loss"] == pytest.approx(one["last_stage_first_loss"], rel=1e-4)
+    manifest = json.loads((tmp_path / "bench" / "round1-k2-local-async" / "manifest.json").read_text())
+    assert manifest["frozen_dtype"] == "int8"  # --frozen-dtype reaches the export
     saved = json.loads((tmp_path / "bench.json").read_text())
     (row,) = saved["ratios"]
     assert row["k"] == 2 and row["speedup"] == pytest.approx(two["records_per_s"] / one["records_per_s"])

@@ -35,6 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from zl_export.options import FROZEN_DTYPES  # noqa: E402  (after the repository is on the path)
+
 #: name -> (zl train --schedule or None for its default, --stage-lr or None for its default, --keep-activations)
 SCHEDULES: dict[str, tuple[str | None, tuple[float, ...] | None, bool]] = {
     "default": (None, None, False),  # what zl train picks for the data: async on generative rows, else zerolock-held
@@ -58,9 +60,11 @@ def run_one(args, name: str, profile: str, out: Path) -> dict:
     from zl_export.options import ExportOptions, ModelSplit
 
     schedule, stage_lr, keep = SCHEDULES[name]
+    export = ExportOptions(micro_batch=1, frozen_dtype=args.frozen_dtype, recompute=args.recompute)
     s = TrainSettings(split=ModelSplit(args.model, args.stages, args.num_stages), data=args.data,
-                      eval_data=None if args.data == "demo" else args.data, eval_limit=1, rows=DataSettings(format=args.format, seq_len=args.seq_len, truncate=args.truncate),
-                      samples=args.samples, window=args.window, out=out, export=ExportOptions(micro_batch=1),
+                      eval_data=None if args.data == "demo" else args.data, eval_limit=1,
+                      rows=DataSettings(format=args.format, seq_len=args.seq_len, truncate=args.truncate),
+                      samples=args.samples, window=args.window, out=out, export=export,
                       threads=args.threads, seed=args.seed, devices=f"local:{args.ranks}", schedule=schedule,
                       stage_lr=stage_lr, keep_activations=keep, link_profile=profile, grad_dtype=args.grad_dtype,
                       cpu_quota=(args.cpu_quota,) if args.cpu_quota else None, timeout_s=args.timeout)
@@ -163,6 +167,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="ExecuTorch threads per runner.")
     parser.add_argument("--seed", type=int, default=0, help="LoRA init, data order, random-weight models.")
     parser.add_argument("--grad-dtype", default="bf16", choices=("bf16", "f32"), help="GRAD frames on the wire.")
+    parser.add_argument("--frozen-dtype", default="bf16", choices=FROZEN_DTYPES,
+                        help="How the programs hold the frozen weights (zl train --frozen-dtype).")
+    parser.add_argument("--recompute", action="store_true", help="Recompute each layer in the backward (zl train "
+                        "--recompute): less memory, a slower step.")
     parser.add_argument("--cpu-quota", type=float, default=None,
                         help="CPUs per local device (zl train --cpu-quota), e.g. 0.5 for 3 devices on 2 cores: "
                              "leave the host some CPU, or stages busy at once slow each other (docs/benchmarks.md).")

@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
-#: Runner config fields that name host files to push next to the config.
 #: Room left free for checkpoints, input logs and telemetry beyond the pushed files, bytes.
 DISK_MARGIN = 64 << 20
 #: Files at least this big are hashed on both sides before pushing (smaller ones are just pushed).

@@ -118,17 +118,8 @@ class Validator {
   }
 
   bool object(int depth) {
-    if (depth > kMaxFrameJsonDepth) {
-      return bad("nesting deeper than " + std::to_string(kMaxFrameJsonDepth));
-    }
-    ++p_;  // '{'
     std::set<std::string> keys;
-    ws();
-    if (p_ != end_ && *p_ == '}') {
-      ++p_;
-      return true;
-    }
-    for (;;) {
+    return items(depth, '}', [&] {
       ws();
       if (p_ == end_ || *p_ != '"') return bad("expected an object key");
       std::string key;
@@ -140,43 +131,41 @@ class Validator {
       if (p_ == end_ || *p_ != ':') return bad("expected ':'");
       ++p_;
       ws();
-      if (!value(depth + 1)) return false;
-      ws();
-      if (p_ != end_ && *p_ == ',') {
-        ++p_;
-        continue;
-      }
-      if (p_ != end_ && *p_ == '}') {
-        ++p_;
-        return true;
-      }
-      return bad("expected ',' or '}'");
-    }
+      return value(depth + 1);
+    });
   }
 
   bool array(int depth) {
+    return items(depth, ']', [&] {
+      ws();
+      return value(depth + 1);
+    });
+  }
+
+  // An object's or array's items after its opening byte (at p_): none, or `item` then ',' or `close`, repeated.
+  template <typename Item>
+  bool items(int depth, char close, Item item) {
     if (depth > kMaxFrameJsonDepth) {
       return bad("nesting deeper than " + std::to_string(kMaxFrameJsonDepth));
     }
-    ++p_;  // '['
+    ++p_;  // '{' or '['
     ws();
-    if (p_ != end_ && *p_ == ']') {
+    if (p_ != end_ && *p_ == close) {
       ++p_;
       return true;
     }
     for (;;) {
-      ws();
-      if (!value(depth + 1)) return false;
+      if (!item()) return false;
       ws();
       if (p_ != end_ && *p_ == ',') {
         ++p_;
         continue;
       }
-      if (p_ != end_ && *p_ == ']') {
+      if (p_ != end_ && *p_ == close) {
         ++p_;
         return true;
       }
-      return bad("expected ',' or ']'");
+      return bad(std::string("expected ',' or '") + close + "'");
     }
   }
 

@@ -59,6 +59,8 @@ for arg in "$@"; do
 done
 say() { printf '\033[1m[phone]\033[0m %s\n' "$*"; }
 die() { printf '\033[1m[phone]\033[0m FAILED: %s\n' "$*" >&2; exit 1; }
+# shellcheck source=tools/x86_reference.sh
+. "$ROOT/tools/x86_reference.sh"
 [ -x "$VENV_PY" ] || die "no $VENV_PY; run setup.sh first (ExecuTorch's codegen runs with it)"
 ET_SRC=${ZL_EXECUTORCH_SRC:-}
 [ -n "$ET_SRC" ] || die "ZL_EXECUTORCH_SRC is not set; point it at an ExecuTorch v1.5.1 checkout (git clone -b v1.5.1 https://github.com/pytorch/executorch && git -C executorch submodule update --init third-party/flatbuffers)"
@@ -174,20 +176,8 @@ done
 
 # The x86 reference (zl_step_check and the kernel library the export loads)
 # against the venv's wheel, and a tiny-random 3-stage export, as
-# tools/check_arm64.sh makes them.
-ET_X86=$("$VENV_PY" -c 'import executorch, os; print(os.path.join(executorch.__path__[0], "share", "cmake"))')
-say "building the x86 zl_step_check in $OUT/x86 (log: $OUT/x86.log)"
-{ nice -n 10 cmake -S "$ROOT" -B "$OUT/x86" -DCMAKE_BUILD_TYPE=Release -DZL_BUILD_TESTS=OFF \
-    -DCMAKE_PREFIX_PATH="$ET_X86" &&
-  nice -n 10 cmake --build "$OUT/x86" -j"$JOBS" --target zl_step_check zl_custom_ops; } >"$OUT/x86.log" 2>&1 ||
-  { tail -30 "$OUT/x86.log"; die "x86 build (log: $OUT/x86.log)"; }
-EXPORT=$OUT/export
-if [ ! -f "$EXPORT/manifest.json" ]; then
-  say "exporting tiny-random, 3 stages, seq 16, into $EXPORT"
-  ZL_CUSTOM_OPS_LIB=$OUT/x86/custom_ops/libzl_custom_ops.so nice -n 10 "$VENV_PY" -m zl.cli export \
-    --model tiny-random --num-stages 3 --seq-len 16 --out "$EXPORT" --no-check >"$OUT/export.log" 2>&1 ||
-    { tail -20 "$OUT/export.log"; die "export (log: $OUT/export.log)"; }
-fi
+# tools/check_arm64.sh makes them (tools/x86_reference.sh).
+x86_reference
 
 # Without a thread pool the one test of the thread split has nothing to test
 # (it skips itself); leaving it out keeps "none skipped" meaningful.

@@ -33,6 +33,8 @@ QEMU=(qemu-aarch64 -L /usr/aarch64-linux-gnu -E LD_LIBRARY_PATH=/usr/aarch64-lin
 
 say() { printf '\033[1m[arm64]\033[0m %s\n' "$*"; }
 die() { printf '\033[1m[arm64]\033[0m FAILED: %s\n' "$*" >&2; exit 1; }
+# shellcheck source=tools/x86_reference.sh
+. "$ROOT/tools/x86_reference.sh"
 mkdir -p "$OUT"
 [ -x "$VENV_PY" ] || die "no $VENV_PY; run setup.sh first (the export and the comparison use it)"
 
@@ -80,23 +82,10 @@ for bin in android_app/native/zl_runner android_app/native/zl_step_check android
 done
 
 # 4. The x86 reference: zl_step_check (and the kernel library the export
-#    loads) against the venv's x86 wheel, in its own build folder.
-ET_X86=$("$VENV_PY" -c 'import executorch, os; print(os.path.join(executorch.__path__[0], "share", "cmake"))')
-say "building the x86 zl_step_check in $OUT/x86 (log: $OUT/x86.log)"
-{ nice -n 10 cmake -S "$ROOT" -B "$OUT/x86" -DCMAKE_BUILD_TYPE=Release -DZL_BUILD_TESTS=OFF \
-    -DCMAKE_PREFIX_PATH="$ET_X86" &&
-  nice -n 10 cmake --build "$OUT/x86" -j"$JOBS" --target zl_step_check zl_custom_ops; } >"$OUT/x86.log" 2>&1 ||
-  { tail -30 "$OUT/x86.log"; die "x86 build (log: $OUT/x86.log)"; }
-
-# 5. A tiny-random export of 3 stages (first, middle, last), made on x86 as
-#    always; the same .pte files run on both sides.
-EXPORT=$OUT/export
-if [ ! -f "$EXPORT/manifest.json" ]; then
-  say "exporting tiny-random, 3 stages, seq 16, into $EXPORT"
-  ZL_CUSTOM_OPS_LIB=$OUT/x86/custom_ops/libzl_custom_ops.so nice -n 10 "$VENV_PY" -m zl.cli export \
-    --model tiny-random --num-stages 3 --seq-len 16 --out "$EXPORT" --no-check >"$OUT/export.log" 2>&1 ||
-    { tail -20 "$OUT/export.log"; die "export (log: $OUT/export.log)"; }
-fi
+#    loads) against the venv's x86 wheel, in its own build folder; 5. a
+#    tiny-random export of 3 stages (first, middle, last), made on x86 as
+#    always; the same .pte files run on both sides (tools/x86_reference.sh).
+x86_reference
 
 # 6. Both GoogleTest suites under qemu (ctest runs each test through the
 #    toolchain's emulator); ZL_TEST_EXPORT_DIR turns the StageProgram tests on,

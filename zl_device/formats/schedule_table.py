@@ -16,9 +16,10 @@ forward may run one step behind the step its backward lands in, and its backward
 (weight stashing, LoRA only); S carries the version it ends.
 
 The C++ runner generates the same lists from the same rules (android_app/native/src/pipeline_schedule.cpp
-`schedule_ops`, steps included, and `forward_version`) and runs them as they are (backprop_loop.cpp), and
-tests/test_schedule_table.py checks through `zl_schedule_ops` that both give identical lists for every backprop
-schedule, stage count, window size, run length and restart point. The torch runtime's PipeDream ranks
+`schedule_ops`, steps included, and `forward_version`) and runs them as they are (backprop_loop.cpp; runner.cpp
+for zerolock, where a held stage's B is the stop at the marker), and tests/test_schedule_table.py checks through
+`zl_schedule_ops` that both give identical lists for every schedule, stage count, window size, run length and
+restart point. The torch runtime's PipeDream ranks
 (torch/schedules/pipedream.py) and its one-process simulation (torch/stale_backprop.py) run these lists.
 """
 
@@ -83,7 +84,8 @@ def stage_actions(schedule: str, stage: int, num_stages: int, plan: WindowPlan, 
                   forward_only: bool = False) -> list[Action]:
     """Stage `stage` of `num_stages`'s actions for micro-batches [first_micro_batch, n) of `plan` in order
     (`first_micro_batch`: a window's first, where a restart from its checkpoint begins). `forward_only`: a stage
-    held still (zerolock at lr 0, not the last) runs its forwards only.
+    held still (zerolock at lr 0, not the last) runs no backward (its method stops at the marker), and still ends
+    each window (its step moves nothing; it commits the window).
 
     Raises:
         KeyError: a schedule not in the table.
@@ -109,9 +111,8 @@ def stage_actions(schedule: str, stage: int, num_stages: int, plan: WindowPlan, 
             one_f_one_b(first_micro_batch, n, _warm_up(rule, stage, num_stages, n))
     actions = []
     for kind, mb in order:
-        if forward_only and kind == BACKWARD:
-            continue
-        actions.append(Action(kind, mb, forward_version(schedule, stage, num_stages, plan, mb)))
+        if not (forward_only and kind == BACKWARD):
+            actions.append(Action(kind, mb, forward_version(schedule, stage, num_stages, plan, mb)))
         last_of_window = mb == n - 1 or plan.window_of(mb + 1) != plan.window_of(mb)
         if kind == BACKWARD and last_of_window:
             actions.append(Action(STEP, mb, plan.window_of(mb)))

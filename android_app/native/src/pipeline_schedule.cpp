@@ -44,8 +44,9 @@ std::vector<ScheduleOp> schedule_ops(PipelineSchedule schedule, int64_t stage, i
                                      const WindowPlan& plan, int64_t first_micro_batch) {
   std::vector<ScheduleOp> ops;
   const int64_t n = plan.num_micro_batches();
-  if (schedule == PipelineSchedule::kZeroLock || first_micro_batch >= n) return ops;
-  const int64_t warm = num_stages - 1 - stage;  // 0 on the last stage: its forward and backward are one execution
+  if (first_micro_batch >= n) return ops;
+  // 0 on the last stage (its forward and backward are one execution) and under zerolock (phase 2 follows phase 1).
+  const int64_t warm = schedule == PipelineSchedule::kZeroLock ? 0 : num_stages - 1 - stage;
   if (schedule == PipelineSchedule::kAsync) {
     one_f_one_b(first_micro_batch, n, warm, &ops);
   } else {

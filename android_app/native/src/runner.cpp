@@ -214,33 +214,44 @@ Status StageRunner::end_window(int64_t window, int64_t last_mb, const WindowSums
 Status StageRunner::loop() {
   if (backprop()) return loop_backprop();
   const RunnerConfig& c = config_;
+  // The zerolock row of the schedule table: per micro-batch its forward (phase 1, the hidden state sent at the
+  // marker) and its backward (phase 2 on the local loss), back to back; the window's step after its last.
+  const std::vector<ScheduleOp> ops = schedule_ops(schedule_, c.stage_index, c.num_stages, plan_, start_mb_);
   WindowSums sums = resumed_sums_;  // empty unless an accumulator snapshot continued the window
   int64_t done = start_mb_;
   const Clock::time_point run_start = Clock::now();
   const double cpu_start = process_cpu_s();
   report_running();
-  for (int64_t mb = start_mb_; mb < c.num_micro_batches; ++mb) {
-    if (stopping(stop_)) return stop_status("before micro-batch " + std::to_string(mb));
-    const int64_t window = plan_.window_of(mb);
-    MicroBatchRecord record;
+  std::optional<ZeroLockStep> step;  // a micro-batch between its phase 1 and its phase 2
+  MicroBatchRecord record;           // the last micro-batch's; reported after its window's step when one follows
+  const auto loss = [&] { return forward_only_ ? std::nullopt : std::optional<double>(record.loss); };
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const int64_t mb = ops[i].micro_batch;
+    if (ops[i].kind == ScheduleOp::Kind::kStep) {
+      ZL_RETURN_IF_ERROR(end_window(plan_.window_of(mb), mb, sums));
+      sums = WindowSums();
+      report_done(mb, /*window_end=*/true, record, loss());
+      continue;
+    }
+    if (ops[i].kind == ScheduleOp::Kind::kForward) {
+      if (stopping(stop_)) return stop_status("before micro-batch " + std::to_string(mb));
+      record = MicroBatchRecord();
+      ZL_RETURN_IF_ERROR(phase_one(mb, &step.emplace(), &record));
+      continue;
+    }
     StageStepResult result;
-    ZL_RETURN_IF_ERROR(run_micro_batch(mb, &record, &result));
+    ZL_RETURN_IF_ERROR(phase_two(&*step, &record, &result));
+    step.reset();
     if (forward_only_) {
       sums.add_forward_only();
     } else {
       sums.add(result);
     }
     write_micro_batch(&record);
-
-    const bool window_end = plan_.is_last_of_window(mb);
-    if (window_end) {
-      ZL_RETURN_IF_ERROR(end_window(window, mb, sums));
-      sums = WindowSums();
-    } else {
-      snapshot_accumulator(mb, sums);
-    }
     done = mb + 1;
-    report_done(mb, window_end, record, forward_only_ ? std::nullopt : std::optional<double>(record.loss));
+    if (i + 1 < ops.size() && ops[i + 1].kind == ScheduleOp::Kind::kStep) continue;
+    snapshot_accumulator(mb, sums);
+    report_done(mb, /*window_end=*/false, record, loss());
   }
   finish_run(done - start_mb_, ms_since(run_start) / 1000.0, process_cpu_s() - cpu_start);
   return Status();
@@ -268,17 +279,18 @@ void StageRunner::report_done(int64_t mb, bool window_end, const MicroBatchRecor
   if (control_) control_->update_progress(mb + 1, window);
 }
 
-Status StageRunner::run_micro_batch(int64_t mb, MicroBatchRecord* record, StageStepResult* result) {
-  const Clock::time_point mb_start = Clock::now();
+Status StageRunner::phase_one(int64_t mb, ZeroLockStep* step, MicroBatchRecord* record) {
+  step->start = Clock::now();
   record->stage = config_.stage_index;
   record->window = plan_.window_of(mb);
   record->micro_batch = mb;
+  step->micro_batch = mb;
+  // A later stage's input lives in step->entry until its hidden state is sent.
+  ZL_RETURN_IF_ERROR(take_input(mb, &step->entry, &step->inputs, &record->queue_ms));
+  return begin_micro_batch(mb, step->inputs, record);
+}
 
-  InputEntry entry;  // a later stage's input lives here until its hidden state is sent
-  StageInputs inputs;
-  ZL_RETURN_IF_ERROR(take_input(mb, &entry, &inputs, &record->queue_ms));
-  ZL_RETURN_IF_ERROR(begin_micro_batch(mb, inputs, record));
-
+Status StageRunner::phase_two(ZeroLockStep* step, MicroBatchRecord* record, StageStepResult* result) {
   Clock::time_point t = Clock::now();
   if (forward_only_) {
     // lr 0: phase 2's gradients could not move the weights. The parked method
@@ -292,7 +304,7 @@ Status StageRunner::run_micro_batch(int64_t mb, MicroBatchRecord* record, StageS
 
   if (sender_ && !config_.early_forwarding) {
     t = Clock::now();
-    const Status sent = send_hidden(mb, inputs, hidden_);
+    const Status sent = send_hidden(step->micro_batch, step->inputs, hidden_);
     record->send_ms = ms_since(t);
     ZL_RETURN_IF_ERROR(sent);
   }
@@ -303,7 +315,7 @@ Status StageRunner::run_micro_batch(int64_t mb, MicroBatchRecord* record, StageS
     record->task_loss = result->task_loss;
     record->consistency_loss = result->consistency_loss;
   }
-  record->total_ms = ms_since(mb_start);
+  record->total_ms = ms_since(step->start);
   return Status();
 }
 

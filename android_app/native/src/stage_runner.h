@@ -116,7 +116,8 @@ class StageRunner {
   void write_start_line();
   Status start_control();
 
-  // loop(): per micro-batch, then per window; finish_run() after the last.
+  // loop(): the zerolock list of schedule_ops (per micro-batch phase 1, phase 2; the window's end after its last);
+  // finish_run() after the last.
   Status loop();
   void report_running();  // the progress board: running from start_mb_
   /// The progress board and the coordinator: micro-batch `mb` done (`loss`: none on a stage without one).
@@ -135,7 +136,17 @@ class StageRunner {
   /// The kept weights micro-batch `mb` runs on at `version` (nullptr: the current ones); kInternal if not kept.
   Result<const std::vector<std::vector<float>>*> weights_of(int64_t version, int64_t mb) const;
   Status send_grad(int64_t mb, const float* grad_input);
-  Status run_micro_batch(int64_t mb, MicroBatchRecord* record, StageStepResult* result);
+  /// zerolock: a micro-batch from its forward (phase 1: input taken, hidden state sent at the marker unless
+  /// early_forwarding is off) to its backward (phase 2 on the local loss, or the stop at the marker of a stage
+  /// held still; the late send; the gradient accumulated).
+  struct ZeroLockStep {
+    int64_t micro_batch = -1;
+    InputEntry entry;  // a later stage's input, until its hidden state is sent
+    StageInputs inputs;
+    Clock::time_point start;
+  };
+  Status phase_one(int64_t mb, ZeroLockStep* step, MicroBatchRecord* record);
+  Status phase_two(ZeroLockStep* step, MicroBatchRecord* record, StageStepResult* result);
   Status take_input(int64_t mb, InputEntry* entry, StageInputs* inputs, double* queue_ms);
   Status begin_micro_batch(int64_t mb, const StageInputs& inputs, MicroBatchRecord* record,
                            StageProgram* program = nullptr);

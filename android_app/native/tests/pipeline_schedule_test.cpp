@@ -51,7 +51,8 @@ TEST(PipelineScheduleTest, AsyncNeverFlushes) {
   // Forwards of window 1 run before window 0's step (after B1): their backwards use the stashed version.
   EXPECT_EQ(text(schedule_ops(PipelineSchedule::kAsync, 0, 3, plan), true),
             "F0 F1 F2 B0 F3 B1 S1 F4 B2 F5 B3 S3 B4 B5 S5");
-  EXPECT_TRUE(schedule_ops(PipelineSchedule::kZeroLock, 0, 3, plan).empty());
+  // ZeroLock: each micro-batch's phase 1 (F) and phase 2 on the local loss (B) back to back, on every stage.
+  EXPECT_EQ(text(schedule_ops(PipelineSchedule::kZeroLock, 0, 3, plan, 2), true), "F2 B2 F3 B3 S3 F4 B4 F5 B5 S5");
 }
 
 TEST(PipelineScheduleTest, EveryMicroBatchOnceEachWayForwardFirst) {

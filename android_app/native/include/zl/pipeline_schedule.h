@@ -1,6 +1,6 @@
-// The order in which a stage runs its micro-batches' forwards and backwards
-// under the end-to-end backprop schedules (docs/design.md §4.10): one pure
-// function per stage. The source of these lists is the Python schedule table
+// The order in which a stage runs its micro-batches' forwards, backwards and
+// window steps under every schedule (docs/design.md §4.10): one pure function
+// per stage, which the runner's loops execute as it is. The source of these lists is the Python schedule table
 // (zl_device/formats/schedule_table.py), which the torch runtime runs;
 // tests/test_schedule_table.py checks through tools/zl_schedule_ops.cpp that
 // these functions give the same lists, versions and steps for every case.
@@ -15,6 +15,9 @@
 //           the backward of a window's last micro-batch. A forward may run on
 //           weights one step older than the step its backward lands in, so the
 //           backward recomputes on the version its forward used (WeightVersions)
+//   zerolock per micro-batch its phase 1 (F: the hidden state sent at the
+//           marker) then its phase 2 on the local loss (B), the step after a
+//           window's last; nothing crosses a link upstream
 //
 // The last stage (k = K-1) has no warm-up under every schedule: its forward
 // and backward of a micro-batch are one execution of its program.
@@ -54,7 +57,6 @@ struct ScheduleOp {
 /// [first_micro_batch, n) of `plan`, in order (the file comment), a kStep
 /// after the backward of each window's last micro-batch.
 /// `first_micro_batch` is a window's first (a restart from its checkpoint).
-/// kZeroLock has no backward: an empty list.
 std::vector<ScheduleOp> schedule_ops(PipelineSchedule schedule, int64_t stage, int64_t num_stages,
                                      const WindowPlan& plan, int64_t first_micro_batch = 0);
 

@@ -267,7 +267,14 @@ def stage_configs(s: LaunchSettings, run_plan: RunPlan, manifest: Manifest, expo
     for addresses in plan.stages:
         k = addresses.stage
         spec = run_plan.stages[k]
-        backprop = is_backprop(spec.schedule)
+        # Only where they differ from the runner's defaults (RunnerConfig's): ZeroLock configs stay as they were.
+        differs: dict = {"data_shard": str(shard)} if k == 0 else {}
+        if is_backprop(spec.schedule):
+            differs.update(grad_wire_dtype=s.grad_dtype, keep_activations=s.keep_activations)
+        if s.policy.active:
+            # A neighbour of a paused stage waits as long as the pause lasts, which may be longer than the runner's
+            # 600 s input timeout; the coordinator, which knows a pause from a failure, watches it instead (§5.8).
+            differs["input_timeout_s"] = 0
         configs[k] = RunnerConfig(
             program=str(export_dir / manifest.stages[k].file),
             manifest=str(export_dir / MANIFEST),
@@ -288,13 +295,7 @@ def stage_configs(s: LaunchSettings, run_plan: RunPlan, manifest: Manifest, expo
             optimizer=optimizer.config(spec.lr),
             role=spec.role,  # train | forward (held still: phase 1 only); the runner never infers it from the lr
             schedule=spec.schedule,
-            # (ZeroLock runs keep the defaults, so their configs stay as they were)
-            grad_wire_dtype=s.grad_dtype if backprop else "bf16",
-            keep_activations=s.keep_activations and backprop,
-            data_shard=str(shard) if k == 0 else "",
-            # A neighbour of a paused stage waits as long as the pause lasts, which may be longer than the runner's
-            # 600 s input timeout; the coordinator, which knows a pause from a failure, watches it instead (§5.8).
-            input_timeout_s=0 if s.policy.active else 600,
+            **differs,
             **addresses.config_fields(),
         )
     return configs

@@ -210,8 +210,8 @@ class Recovery:
         text = plan.device.read_text(plan.config)
         if not text:
             return
-        label = f"{plan.device.name}:{plan.config}"
-        cfg = RunnerConfig.from_json(loads(text, label, "redeploy the stage"), label, "redeploy the stage")
+        label, fix = f"{plan.device.name}:{plan.config}", "redeploy the stage"
+        cfg = RunnerConfig.from_json(loads(text, label, fix), label, fix)
         if cfg.hold_at_micro_batch != -1:
             plan.device.write_text(plan.config, json.dumps(replace(cfg, hold_at_micro_batch=-1).to_json(), indent=2)
                                    + "\n")

@@ -130,8 +130,9 @@ class PipeDreamStage:
             mb = action.micro_batch
             if action.kind == STEP:  # after the backward of the window's last micro-batch
                 window = plan.window_of(mb)
+                count = len(plan.micro_batches(window))
                 for p, acc in zip(self.params, grad_sum):
-                    p.grad = acc / len(plan.micro_batches(window))  # the window's mean gradient
+                    p.grad = acc / count  # the window's mean gradient
                     acc.zero_()
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.optimizer.step()

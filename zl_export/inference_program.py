@@ -81,7 +81,9 @@ def check_quantization(model: torch.nn.Module, quantize: str, family: str) -> No
         raise ZLError(f"--quantize {quantize}: not one of {', '.join(QUANTIZATIONS)}; e.g. --quantize int8.")
     if quantize != "int4":
         return
-    for name, module in model.named_modules():
+    for name, module in model.named_modules():  # a LoRA layer's own linears stay float (--shared-base)
+        if is_lora_weight(name):
+            continue
         if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and module.weight.shape[-1] % GROUP_SIZE:
             raise ZLError(f"--quantize int4: {family}'s layer {name} has {module.weight.shape[-1]} input channels, "
                           f"not a multiple of int4's group of {GROUP_SIZE}; use --quantize int8 or none.")
@@ -113,7 +115,8 @@ def export_program(model: torch.nn.Module, out: Path, quantize: str = "none", ma
             in-place ops cannot express (`cache_ops_refusal`). `ProgramInfo.kv_cache` says which was written.
         shared_base: `model` is a PEFT model's LoRA-carrying model, unmerged; every weight but the LoRA ones goes to
             `out.parent / "base.ptd"` (ExecuTorch's program-data separation), the same bytes for every adapter of
-            that base, and the program keeps the graph and the LoRA weights (`ProgramInfo.data`).
+            that base, and the program keeps the graph and the LoRA weights (`ProgramInfo.data`). `quantize`
+            then quantizes the base's layers only: the LoRA weights stay float in the program.
     """
     from transformers import GenerationConfig
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
@@ -121,7 +124,7 @@ def export_program(model: torch.nn.Module, out: Path, quantize: str = "none", ma
     start = time.perf_counter()
     model.eval().requires_grad_(False)
     if quantize != "none":
-        _quantize(model, quantize)
+        _quantize(model, quantize, base_only=shared_base)
     refusal = cache_ops_refusal(model, max_seq_len) if kv_cache == "in-place" else "--kv-cache static"
     if refusal is None:
         wrapper = InPlaceCacheDecoder(model, max_seq_len)
@@ -247,8 +250,14 @@ def program_metadata(config, max_seq_len: int, eos_ids: tuple[int, ...], bos_id:
     return metadata
 
 
-def _quantize(model: torch.nn.Module, quantize: str) -> None:
-    """torchao weight quantization of the linear layers and the embedding, in place (`_SCHEMES`)."""
+def _quantize(model: torch.nn.Module, quantize: str, base_only: bool = False) -> None:
+    """torchao weight quantization of the linear layers and the embedding, in place (`_SCHEMES`).
+
+    base_only (--shared-base): a PEFT model's base layers only, each LoRA layer's own linears left float; the
+    quantized weights are then unwrapped into plain tensors (torchao's `unwrap_tensor_subclass`), so that the
+    export's constants are those tensors, which the data-file tags follow into base.ptd. (Left wrapped, the
+    lowering unwraps them into new constants that carry no tag, and the base's weights stay in the program.)
+    """
     from executorch.extension.llm.export.quantize import quantize_model_
 
     linear, embedding = _SCHEMES[quantize]
@@ -260,12 +269,32 @@ def _quantize(model: torch.nn.Module, quantize: str) -> None:
         # Tied (SmolLM2, Qwen2.5, Gemma 3): each side gets its own quantized copy, in its own layout.
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
     # quantize_model_ reports on stdout; a library's output goes to the log.
-    with contextlib.redirect_stdout(io.StringIO()) as said:
+    with contextlib.redirect_stdout(io.StringIO()) as said, _lora_layers_hidden(model, base_only):
         quantize_model_(model, qlinear_config=linear, qembedding_config=embedding,
                         qlinear_group_size=None if quantize == "int8" else GROUP_SIZE,
                         qembedding_group_size=None if quantize == "int8" else GROUP_SIZE)
     for line in said.getvalue().splitlines():
         log.info("%s", line.strip())
+    if base_only:
+        from torchao.utils import unwrap_tensor_subclass
+
+        unwrap_tensor_subclass(model)
+
+
+_LORA_CHILDREN = ("lora_A", "lora_B")  # a PEFT LoRA layer's own linears (its base_layer is the base's)
+
+
+@contextlib.contextmanager
+def _lora_layers_hidden(model: torch.nn.Module, hide: bool = True):
+    """`model` with each PEFT LoRA layer's own linears taken out of its module tree for the duration (put back
+    after), so that what walks the tree (torchao's quantize_) sees the base's layers alone."""
+    hidden = [(m, name, m._modules.pop(name)) for m in list(model.modules()) for name in _LORA_CHILDREN
+              if hide and isinstance(m._modules.get(name), torch.nn.ModuleDict)]
+    try:
+        yield
+    finally:
+        for module, name, child in hidden:
+            module._modules[name] = child
 
 
 def write_tokenizer_files(tokenizer, directory: Path, force: bool = False) -> list[Path]:

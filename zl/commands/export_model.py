@@ -49,7 +49,8 @@ class ExportModelArgs:
     shared_base: bool = setting(False, "Keep the LoRA weights unmerged in a small program and write the base's "
                                        "weights once to base.ptd beside it, the same file for every adapter of that "
                                        "base (ExecuTorch's program-data separation): a phone holds one base and a "
-                                       "small program per tuning. Float only (--quantize none).",
+                                       "small program per tuning. --quantize applies to the base; the LoRA "
+                                       "weights stay float.",
                                 flag="--shared-base/--no-shared-base")
     force: bool = setting(False, "Replace --out (and tokenizer files beside it) if they exist.", flag="--force")
 
@@ -66,11 +67,6 @@ class ExportModelArgs:
         if self.max_seq_len < 2:
             raise ZLError(f"--max-seq-len {self.max_seq_len}: must be at least 2 (a prompt token and a new one), "
                           f"e.g. --max-seq-len {DEFAULT_MAX_SEQ_LEN}.")
-        if self.shared_base and self.quantize != "none":
-            raise ZLError(f"--shared-base with --quantize {self.quantize}: the shared base is float only for now "
-                          "(torchao would quantize the LoRA layers with the base's, and the adapter program would "
-                          "no longer load with a base another adapter wrote); add --quantize none, or drop "
-                          "--shared-base for a merged quantized program.")
         _check_out(self.out, self.force)
 
 
@@ -91,7 +87,7 @@ Examples:
 
   zl export-model runs/r1 --out runs/r1/model.pte --quantize none --force
 
-  zl export-model runs/r1 --out phone/r1.pte --quantize none --shared-base   # + phone/base.ptd, shared
+  zl export-model runs/r1 --out phone/r1.pte --shared-base   # + phone/base.ptd (int8), shared
 
 Then: zl generate --run runs/r1 --program runs/r1/model-int8.pte "Hello"
 """

@@ -61,14 +61,18 @@ def test_bench_memory(tmp_path):
 def test_bench_memory_recompute_on_the_last_stage_and_reuse(tmp_path):
     args = ("--model", "tiny-random", "--stages", "0-1,2-3", "--stage", "1", "--program", "backprop", "--max-targets",
             "0", "--seq-len", "32", "--steps", "2", "--rounds", "1", "--dtypes", "int4", "--recompute", "on",
-            "--load-modes", "mmap", "--work", tmp_path / "work")
+            "--load-modes", "mmap", "--work", tmp_path / "work", "--readout-pieces", "22,12")
     run_tool("bench_memory", *args, "--keep")
     proc = subprocess.run([PYTHON, str(REPO / "tools" / "bench_memory.py"), *map(str, args), "--reuse", "--json",
                            tmp_path / "m.json"], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("reusing") == 1 and "export" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.count("reusing") == 2 and "export" not in proc.stderr, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "m.json").read_text())
-    assert [r["recompute"] for r in rows] == [True] and rows[0]["peak_pss_mib"] > 0, rows
+    assert [(r["recompute"], r["readout_piece"]) for r in rows] == [(True, 22), (True, 12)], rows
+    assert all(r["peak_pss_mib"] > 0 for r in rows), rows
+    # 32 x 258 logits: one piece of 2^22, three of 2^12; the same loss either way
+    assert rows[0]["pte_mib"] != rows[1]["pte_mib"], rows
+    assert abs(rows[0]["first_loss"] - rows[1]["first_loss"]) < 1e-4 * abs(rows[0]["first_loss"]), rows
 
 
 def test_bench_inference(tmp_path):

@@ -39,8 +39,12 @@ warnings.filterwarnings("ignore")
 for _name in ("torchao", "torch.utils._pytree", "executorch"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
+from zl_export.recompute import LOSS_CHUNK_ELEMENTS  # noqa: E402 (after the path)
+
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024.0
+# --readout-pieces: log2 of the logits a readout piece holds, zl's own by default (zl_export/recompute.py)
+DEFAULT_PIECE = LOSS_CHUNK_ELEMENTS.bit_length() - 1
 
 
 def smaps_rollup_kib(pid: int) -> dict[str, int]:
@@ -83,9 +87,12 @@ def run_measured(cmd: list[str], interval_s: float = 0.005) -> tuple[list[dict],
     return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")], peak
 
 
-def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: bool, args, out: Path):
+def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: bool, args, out: Path,
+               piece: int = DEFAULT_PIECE):
     """Export stage `stage` of `split` with frozen weights as `dtype` (and `--recompute`, the program kind of
-    --program) into `out`, with its `RECORD` for --reuse; returns the program's (file name, size in bytes)."""
+    --program, readout pieces of 2**`piece` logits where the readout goes in pieces) into `out`, with its `RECORD`
+    for --reuse; returns the program's (file name, size in bytes)."""
+    from zl_export import recompute as readout
     from zl_export.exporter import build_stage_modules, export_stage, write_program
     from zl_export.frozen_weights import restore_frozen_weights
     from zl_export.manifest import build_manifest, write_manifest
@@ -97,14 +104,16 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: 
                          loss=LossConfig(), max_targets=args.max_targets, frozen_dtype=dtype, recompute=recompute)
     stages = parse_spec(split, loaded.config.num_hidden_layers)
     peft_model, modules = build_stage_modules(loaded.model, stages, opts, program=ProgramSettings(kind=args.program))
+    saved_piece, readout.LOSS_CHUNK_ELEMENTS = readout.LOSS_CHUNK_ELEMENTS, 1 << piece
     try:
         entry = write_program(export_stage(modules[stage], peft_model, opts, loaded.config.vocab_size), out)
         # zl_stage_bench reads the PEFT names there
         write_manifest(build_manifest(loaded, opts, [entry], program=ProgramSettings(kind=args.program)), out)
     finally:
+        readout.LOSS_CHUNK_ELEMENTS = saved_piece
         restore_frozen_weights(peft_model)
         peft_model.unload()
-    record = {**wanted(args, dtype, seq, recompute), "lora_targets": list(opts.lora.targets), "file": entry.file,
+    record = {**wanted(args, dtype, seq, recompute, piece), "lora_targets": list(opts.lora.targets), "file": entry.file,
               "size_bytes": entry.size_bytes}
     (out / RECORD).write_text(json.dumps(record, indent=1) + "\n")
     return entry.file, entry.size_bytes
@@ -115,18 +124,19 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: 
 RECORD = "bench_program.json"
 
 
-def wanted(args, dtype: str, seq: int, recompute: bool) -> dict:
+def wanted(args, dtype: str, seq: int, recompute: bool, piece: int = DEFAULT_PIECE) -> dict:
     """The options that make a program, as its RECORD holds them."""
     return {"model": args.model, "stages": args.stages, "stage": args.stage, "program": args.program,
             "frozen_dtype": dtype, "seq_len": seq, "recompute": recompute, "max_targets": args.max_targets,
-            "lora_rank": args.lora_rank}
+            "lora_rank": args.lora_rank, "readout_piece": piece}
 
 
-def reusable(out: Path, args, dtype: str, seq: int, recompute: bool):
+def reusable(out: Path, args, dtype: str, seq: int, recompute: bool, piece: int = DEFAULT_PIECE):
     """(file name, size in bytes) of the program an earlier run left in `out`, if it was made with these options."""
     try:
-        record = json.loads((out / RECORD).read_text())
-        same = {k: record[k] for k in wanted(args, dtype, seq, recompute)} == wanted(args, dtype, seq, recompute)
+        record = {"readout_piece": DEFAULT_PIECE, **json.loads((out / RECORD).read_text())}  # older records: zl's
+        want = wanted(args, dtype, seq, recompute, piece)
+        same = {k: record[k] for k in want} == want
         same = same and (args.lora_targets is None or tuple(record["lora_targets"]) == args.lora_targets)
         path = out / record["file"]
         return (record["file"], record["size_bytes"]) if same and path.is_file() else None
@@ -142,6 +152,9 @@ def main() -> None:
     ap.add_argument("--seq-len", default="128", help="comma-separated sequence lengths")
     ap.add_argument("--dtypes", default="fp32,bf16,int8", help="comma-separated --frozen-dtype values")
     ap.add_argument("--recompute", default="off", help="comma-separated: off, on (--recompute) or both ways")
+    ap.add_argument("--readout-pieces", default=str(DEFAULT_PIECE),
+                    help="comma-separated log2 of the logits a readout piece holds where the readout goes in pieces "
+                         f"(zl's: {DEFAULT_PIECE}); smaller pieces, less memory, more pieces to export and run")
     ap.add_argument("--program", default="zerolock", choices=("zerolock", "backprop"),
                     help="the stage program's kind (backprop: what --schedule async/gpipe/1f1b trains)")
     ap.add_argument("--load-modes", default="mmap,file", help="comma-separated runner load modes")
@@ -173,39 +186,42 @@ def main() -> None:
     seqs = [int(v) for v in args.seq_len.split(",")]
     dtypes = [v for v in args.dtypes.split(",") if v]
     recomputes = [{"off": False, "on": True}[v] for v in args.recompute.split(",") if v]
+    pieces = [int(v) for v in args.readout_pieces.split(",") if v]
     modes = [v for v in args.load_modes.split(",") if v]
     work = args.work or Path(tempfile.mkdtemp(prefix="zl_bench_memory_"))
     loaded = None
-    programs = {}  # (seq, dtype, recompute) -> (path, .pte MiB)
+    programs = {}  # (seq, dtype, recompute, piece) -> (path, .pte MiB)
     rows: dict[tuple, dict] = {}
     try:
-        for seq, dtype, recompute in itertools.product(seqs, dtypes, recomputes):
-            out = work / f"{dtype}_s{seq}{'_recompute' if recompute else ''}"
+        for seq, dtype, recompute, piece in itertools.product(seqs, dtypes, recomputes, pieces):
+            out = work / (f"{dtype}_s{seq}{'_recompute' if recompute else ''}"
+                          f"{'' if piece == DEFAULT_PIECE else f'_p{piece}'}")
             out.mkdir(parents=True, exist_ok=True)
-            found = reusable(out, args, dtype, seq, recompute) if args.reuse else None
+            found = reusable(out, args, dtype, seq, recompute, piece) if args.reuse else None
             if found is not None:
-                programs[(seq, dtype, recompute)] = (out / found[0], found[1] / MIB / MIB)
+                programs[(seq, dtype, recompute, piece)] = (out / found[0], found[1] / MIB / MIB)
                 print(f"reusing {out / found[0]}", file=sys.stderr)
                 continue
             if loaded is None:
                 print(f"loading {args.model} ...", file=sys.stderr)
                 loaded = load_model(args.model, seed=0)
             t0 = time.perf_counter()
-            name, size = export_one(loaded, args.stages, args.stage, dtype, seq, recompute, args, out)
-            programs[(seq, dtype, recompute)] = (out / name, size / MIB / MIB)
-            print(f"export {dtype} seq {seq}{' recompute' if recompute else ''}: "
+            name, size = export_one(loaded, args.stages, args.stage, dtype, seq, recompute, args, out, piece)
+            programs[(seq, dtype, recompute, piece)] = (out / name, size / MIB / MIB)
+            print(f"export {dtype} seq {seq}{' recompute' if recompute else ''} pieces 2^{piece}: "
                   f"{size / MIB / MIB:,.0f} MiB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         del loaded
         # Rounds over every (program, mode), so that a busy spell of the machine hits all of them alike; the
         # table keeps each one's highest PSS and fastest step.
         for r in range(args.rounds):
-            for (seq, dtype, recompute), (path, pte_mib) in programs.items():
+            for (seq, dtype, recompute, piece), (path, pte_mib) in programs.items():
                 for mode in modes:
                     lines, peak = run_measured([str(bench), "--program", str(path), "--load-mode", mode,
                                                 "--steps", str(args.steps), "--threads", str(args.threads)])
                     steps = [ln["ms"] for ln in lines if ln.get("event") == "step"]
-                    row = rows.setdefault((seq, dtype, recompute, mode), {
-                        "seq": seq, "dtype": dtype, "recompute": recompute, "load_mode": mode, "peak_pss_mib": 0.0,
+                    row = rows.setdefault((seq, dtype, recompute, piece, mode), {
+                        "seq": seq, "dtype": dtype, "recompute": recompute, "readout_piece": piece,
+                        "load_mode": mode, "peak_pss_mib": 0.0,
                         "step_ms": float("inf"),
                         "pte_mib": pte_mib,
                         "first_loss": next(ln["loss"] for ln in lines if ln.get("event") == "step")})
@@ -213,28 +229,31 @@ def main() -> None:
                         row.update(peak_pss_mib=peak.get("Pss", 0) / MIB, anon_mib=peak.get("Pss_Anon", 0) / MIB,
                                    file_mib=peak.get("Pss_File", 0) / MIB)
                     row["step_ms"] = min(row["step_ms"], min(steps[1:] or steps))
-                    print(f"round {r + 1}: {dtype} seq {seq}{' recompute' if recompute else ''} {mode}: peak PSS {peak.get('Pss', 0) / MIB:,.0f} MiB, "
+                    print(f"round {r + 1}: {dtype} seq {seq}{' recompute' if recompute else ''} 2^{piece} {mode}: peak PSS {peak.get('Pss', 0) / MIB:,.0f} MiB, "
                           f"fastest step {min(steps[1:] or steps):,.0f} ms", file=sys.stderr)
     finally:
         if not (args.keep or args.reuse):  # --reuse: the folder holds programs of earlier runs
             shutil.rmtree(work, ignore_errors=True)
     rows = list(rows.values())
 
-    base = {(r["seq"], r["load_mode"], r["recompute"]): r["step_ms"] for r in rows if r["dtype"] == "fp32"}
-    kept = {(r["seq"], r["dtype"], r["load_mode"]): r["step_ms"] for r in rows if not r["recompute"]}
+    base = {(r["seq"], r["load_mode"], r["recompute"], r["readout_piece"]): r["step_ms"] for r in rows
+            if r["dtype"] == "fp32"}
+    kept = {(r["seq"], r["dtype"], r["load_mode"], r["readout_piece"]): r["step_ms"] for r in rows
+            if not r["recompute"]}
     targets = ",".join(args.lora_targets) if args.lora_targets else "every projection"
     print(f"\n{args.model} stage {args.stage} of {args.stages}, micro-batch 1, r={args.lora_rank} on {targets}, "
           f"{args.threads} thread(s), {args.steps} steps x {args.rounds} rounds, {args.program} program, "
           f"{args.max_targets or 'every position'} read out\n")
-    print("| seq | frozen dtype | recompute | load mode | peak PSS (MiB) | anonymous | file-backed | step (ms) "
-          "| vs fp32 | vs kept | .pte (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| seq | frozen dtype | recompute | readout piece | load mode | peak PSS (MiB) | anonymous | file-backed "
+          "| step (ms) | vs fp32 | vs kept | .pte (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ref = base.get((r["seq"], r["load_mode"], r["recompute"]))
+        ref = base.get((r["seq"], r["load_mode"], r["recompute"], r["readout_piece"]))
         ratio = f"{r['step_ms'] / ref:.2f}x" if ref else "-"
-        ref = kept.get((r["seq"], r["dtype"], r["load_mode"])) if r["recompute"] else None
+        ref = kept.get((r["seq"], r["dtype"], r["load_mode"], r["readout_piece"])) if r["recompute"] else None
         vs_kept = f"{r['step_ms'] / ref:.2f}x" if ref else "-"
-        print(f"| {r['seq']} | {r['dtype']} | {'on' if r['recompute'] else 'off'} | {r['load_mode']} | "
+        print(f"| {r['seq']} | {r['dtype']} | {'on' if r['recompute'] else 'off'} | 2^{r['readout_piece']} | "
+              f"{r['load_mode']} | "
               f"{r['peak_pss_mib']:,.0f} | {r['anon_mib']:,.0f} | {r['file_mib']:,.0f} | {r['step_ms']:,.0f} | "
               f"{ratio} | {vs_kept} | {r['pte_mib']:,.0f} |")
     if args.json:

@@ -65,25 +65,30 @@ def test_the_default_holds_the_upstream_stages_still_on_any_data_and_notes_what_
     generative rows points at --schedule async); a --stage-lr that trains the stages before the last gets the
     study's note for its kind of data, and stands."""
 
-    from zl_device.run.train_data import choose_stage_lr
+    from zl_device.run.resolved_run import run_stage_lr
+    from zl_device.run.resolved_run import stage_lr_note
     from zl_device.run.train_settings import TrainSettings
     from zl_export.options import ModelSplit
 
     prompt_completion_shard(tmp_path)
     generative = tmp_path / "pc.safetensors"
     labels = write_demo_data(tmp_path / "demo") / "train.safetensors"
+
+    def zerolock(**kw):
+        return TrainSettings(schedule="zerolock", **kw)
+
     for shard in (generative, labels):
-        chosen, note = choose_stage_lr(TrainSettings(), shard)
-        assert chosen.stage_lr == (0.0, 0.0, 1.0) and chosen.stage_lr_of(0) == 0 and chosen.stage_lr_of(2) > 0
+        assert run_stage_lr(zerolock()) == (0.0, 0.0, 1.0)
+        note = stage_lr_note(zerolock(), shard)
         assert note.startswith("--stage-lr 0,0,1 (the default)")
         assert ("--schedule async" in note and "headlines-smollm2-135m-1024-async" in note) == (shard == generative)
-        two = TrainSettings(split=ModelSplit(num_stages=2))
-        assert choose_stage_lr(two, shard)[0].stage_lr == (0.0, 1.0)
-        assert choose_stage_lr(TrainSettings(split=ModelSplit(num_stages=1)), shard) == (
-            TrainSettings(split=ModelSplit(num_stages=1), stage_lr=(1.0,)), None)
+        assert run_stage_lr(zerolock(split=ModelSplit(num_stages=2))) == (0.0, 1.0)
+        one = zerolock(split=ModelSplit(num_stages=1))
+        assert run_stage_lr(one) == (1.0,) and stage_lr_note(one, shard) is None
+        assert stage_lr_note(TrainSettings(schedule="async"), shard) is None  # every stage on the final gradient
         for given in ((0.0, 0.0, 1.0), (0.0, 0.5, 1.0), (1.0,)):
-            kept, note = choose_stage_lr(TrainSettings(stage_lr=given), shard)
-            assert kept.stage_lr == given  # the user's choice stands
+            note = stage_lr_note(zerolock(stage_lr=given), shard)
+            assert run_stage_lr(zerolock(stage_lr=given)) == (given * 3 if len(given) == 1 else given)  # it stands
             assert (note is None) == (given == (0.0, 0.0, 1.0))
             if note is not None:
                 assert "--stage-lr 0,0,1" in note

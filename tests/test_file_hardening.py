@@ -134,18 +134,18 @@ def _started_run(tmp_path, monkeypatch):
     """A run directory as `zl train` leaves it once its stages started: settings, resolved run, and the record of
     both. Returns (layout, settings to resume with)."""
     from zl_device.formats.run_layout import RunLayout
-    from zl_device.run import train_data
+    from zl_device.run import resolved_run, train_data
     from zl_device.run.resolved_run import resolve_run
     from zl_device.run.train_job import open_run
     from zl_device.run.train_settings import TrainSettings
 
-    s = replace(TrainSettings(), out=tmp_path / "run", samples=64)
+    s = replace(TrainSettings(schedule="zerolock"), out=tmp_path / "run", samples=64)
     run_dir, _ = open_run(s)
     layout = RunLayout(run_dir)
     monkeypatch.setattr(train_data, "prepare_data", lambda *a: (tmp_path / "train.safetensors", None))
     monkeypatch.setattr(train_data, "run_seq_len", lambda *a: 48)
     monkeypatch.setattr(train_data, "shard_is_generative", lambda shard: False)
-    monkeypatch.setattr(train_data, "choose_stage_lr", lambda s, shard: (s.with_default_stage_lr(s.split.count), None))
+    monkeypatch.setattr(resolved_run, "stage_lr_note", lambda s, shard: None)
     monkeypatch.setattr(train_data, "run_max_targets", lambda *a: 4)
     resolve_run(s, None, layout, lambda line: None)
     return layout, TrainSettings(resume=True, out=run_dir)
@@ -227,7 +227,7 @@ def test_a_resolved_run_for_another_stage_count_is_refused(tmp_path, monkeypatch
     from zl_device.run.resolved_run import ResolvedRun
 
     layout, again = _started_run(tmp_path, monkeypatch)
-    two = ResolvedRun.of(replace(again, split=replace(again.split, num_stages=2)), 48, 4)
+    two = ResolvedRun.of(replace(again, schedule="zerolock", split=replace(again.split, num_stages=2)), 48, 4)
     two.save(layout)
     layout.started.unlink()  # a run from before the record: the count is still checked
     with pytest.raises(ZLError, match=f'^{layout.resolved}: "stages" has 2 stage\\(s\\), the run has 3'):

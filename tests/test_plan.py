@@ -210,7 +210,7 @@ def test_the_plan_counts_the_stages_the_default_holds_still():
     run forward only, so their phase 2 must not be counted; a given --stage-lr wins."""
     from zl_device.plan.planner import forward_only_stages
 
-    auto = replace(TrainSettings(), split=ModelSplit(stages="auto", num_stages=3))
+    auto = replace(TrainSettings(schedule="zerolock"), split=ModelSplit(stages="auto", num_stages=3))
     assert forward_only_stages(auto, 3) == [True, True, False]
     assert forward_only_stages(auto, 4) == [True, True, True, False]
     assert forward_only_stages(replace(auto, stage_lr=(1.0,)), 3) == [False, False, False]

@@ -11,9 +11,11 @@ from zl_base.errors import ZLError
 
 
 def settings(**kw):
+    """Settings of a run on label words, whose schedule `zl train` chose (zerolock) unless `kw` gives one (None:
+    not chosen yet)."""
     from zl_device.run.train_settings import TrainSettings
 
-    return TrainSettings(**kw)
+    return TrainSettings(**{"schedule": "zerolock", **kw})
 
 
 def test_the_role_follows_one_rule_and_is_checked():
@@ -86,7 +88,7 @@ def test_a_resume_reads_the_resolved_run_back_instead_of_working_it_out_again(tm
         return tmp_path / "train.safetensors", None
 
     monkeypatch.setattr(train_data, "prepare_data", prepare_data)
-    monkeypatch.setattr(train_data, "choose_stage_lr", lambda *a: pytest.fail("resolved again"))
+    monkeypatch.setattr(resolved_run, "stage_lr_note", lambda *a: pytest.fail("resolved again"))
     got, shard, dev = resolve_run(settings(resume=True, out=tmp_path), None, layout, print)
     assert got == started and seen == {"seq_len": 48, "max_targets": 4}
     assert resolved_run.ResolvedRun.load(layout) == started
@@ -133,27 +135,29 @@ def test_the_launch_and_the_torch_job_take_the_role_from_the_resolved_run(tmp_pa
 def test_the_schedule_default_follows_the_data(tmp_path):
     """No --schedule: async on generative rows (every stage on the final loss's gradient, level with backprop on
     headlines), zerolock on label words; the recovery mode follows the chosen schedule unless --recovery was given,
-    and the checks that depend on the schedule run on the chosen one."""
-    from zl_device.run.train_data import data_is_generative
-    from zl_device.run.train_job import default_schedule
+    and the checks that depend on the schedule run on the chosen one. Nothing reads a schedule before it is
+    chosen: no placeholder stands in for it."""
+    from zl_device.run.resolved_run import ResolvedRun, run_stage_lr
+    from zl_device.run.train_data import data_is_generative, resolve_schedule
     from zl_export.data_columns import DataColumns
     from zl_export.data_settings import DataSettings
 
-    unset = settings()
-    assert unset.schedule is None and not unset.backprop and unset.recovery is None
-    assert settings(keep_activations=True).validate() is None  # the data may still choose a backprop schedule
+    unset = settings(schedule=None)
+    assert unset.schedule is None and unset.recovery is None
+    for asked in (lambda: unset.backprop, lambda: run_stage_lr(unset), lambda: ResolvedRun.of(unset, 32, 4)):
+        with pytest.raises(RuntimeError, match="before it was chosen for the data"):
+            asked()
+    assert settings(schedule=None, keep_activations=True).validate() is None  # the data may choose a backprop one
     generative, words = unset.with_schedule_for(True), unset.with_schedule_for(False)
-    assert (generative.schedule, generative.recovery, generative.with_default_stage_lr().stage_lr) == (
-        "async", "global", (1.0,))
-    assert (words.schedule, words.recovery, words.with_default_stage_lr().stage_lr) == (
-        "zerolock", "local", (0.0, 0.0, 1.0))
+    assert (generative.schedule, generative.recovery, run_stage_lr(generative)) == ("async", "global", (1.0,) * 3)
+    assert (words.schedule, words.recovery, run_stage_lr(words)) == ("zerolock", "local", (0.0, 0.0, 1.0))
     assert settings(schedule="gpipe").with_schedule_for(False).schedule == "gpipe"  # a given schedule stays
-    given = settings(recovery="local").with_schedule_for(True)
+    given = settings(schedule=None, recovery="local").with_schedule_for(True)
     assert given.recovery == "local"
     with pytest.raises(ZLError, match="--schedule async --recovery local"):
         given.validate()
     with pytest.raises(ZLError, match="--keep-activations --schedule zerolock"):
-        settings(keep_activations=True).with_schedule_for(False).validate()
+        settings(schedule=None, keep_activations=True).with_schedule_for(False).validate()
 
     news = tmp_path / "news.csv"
     news.write_text("title,description\nRocket lands,A booster landed.\nRates unchanged,The bank held rates.\n")
@@ -164,10 +168,13 @@ def test_the_schedule_default_follows_the_data(tmp_path):
     assert not data_is_generative(settings(data=str(labels))) and not data_is_generative(settings())  # the demo
     assert not data_is_generative(settings(data=str(tmp_path / "missing.csv")))  # open_run names it next
     said = []
-    assert default_schedule(settings(data=str(news), rows=rows), said.append).schedule == "async"
+    assert resolve_schedule(settings(schedule=None, data=str(news), rows=rows), said.append).schedule == "async"
     assert len(said) == 1 and said[0].startswith("schedule: async (the default on generative data)")
     assert "headlines-smollm2-135m-1024-async" in said[0]
-    assert default_schedule(settings(data=str(labels)), said.append).schedule == "zerolock" and len(said) == 1
+    assert resolve_schedule(settings(schedule=None, data=str(labels)), said.append).schedule == "zerolock"
+    assert len(said) == 1
+    assert resolve_schedule(settings(schedule=None, data=str(news), rows=rows)).schedule == "async"
+    assert len(said) == 1  # no say: no line
 
 
 def test_each_device_gets_its_own_thread_count_unless_threads_is_given(monkeypatch):

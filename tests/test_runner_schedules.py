@@ -209,11 +209,13 @@ def test_keeping_activations_under_zerolock_is_a_clear_error(tmp_path, data_file
 def test_backprop_schedules_train_every_stage_by_default(tmp_path, data_file):
     """--stage-lr's default holds the stages before the last still under zerolock only; a backprop schedule trains
     every stage, on either runtime, and restarts every stage together."""
-    zerolock = settings(tmp_path / "z", data_file, schedule="zerolock").with_default_stage_lr()
-    assert zerolock.stage_lr == (0.0, 0.0, 1.0) and zerolock.recovery == "local"
+    from zl_device.run.resolved_run import run_stage_lr
+
+    zerolock = settings(tmp_path / "z", data_file, schedule="zerolock")
+    assert run_stage_lr(zerolock) == (0.0, 0.0, 1.0) and zerolock.recovery == "local"
     for schedule in ("gpipe", "1f1b", "async", "pipedream"):
-        s = settings(tmp_path / schedule, data_file, schedule=schedule).with_default_stage_lr()
-        assert s.backprop and s.stage_lr == (1.0,) and s.recovery == "global"
+        s = settings(tmp_path / schedule, data_file, schedule=schedule)
+        assert s.backprop and run_stage_lr(s) == (1.0, 1.0, 1.0) and s.recovery == "global"
 
 
 def test_without_stages_a_backprop_schedule_gets_the_split_its_predicted_costs_balance(runs):

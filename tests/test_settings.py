@@ -242,8 +242,10 @@ def test_the_optimizer_defaults_live_in_one_node():
     from zl_device.formats.lr_schedule import OptimizerSettings
 
     assert eager_training.OptimizerSettings is OptimizerSettings
-    s = TrainSettings().with_default_stage_lr()
-    assert s.optimizer == OptimizerSettings() and s.stage_lr_of(2) == OptimizerSettings().lr
+    from zl_device.run.resolved_run import run_stage_specs
+
+    s = TrainSettings(schedule="zerolock")
+    assert s.optimizer == OptimizerSettings() and run_stage_specs(s)[2].lr == OptimizerSettings().lr
     assert [leaf.flag for leaf in leaves(OptimizerSettings)] == ["--lr"]
     two_windows = s.optimizer.for_windows(2)
     assert two_windows.schedule == {"kind": "warmup_cosine", "warmup_steps": 1, "min_lr_ratio": 0.1}

@@ -29,7 +29,7 @@ from zl_device.plan.calibrate import calibrate, check_stage_count, device_names,
 from zl_device.plan.costs import StageCost
 from zl_device.plan.plan_file import AUTO, Plan, StagePrediction, check_plan_matches, is_plan_file, read_plan
 from zl_device.run.split import Split, best_split, evaluate
-from zl_device.run.train_data import data_is_generative
+from zl_device.run.train_data import resolve_schedule
 from zl_device.run.train_settings import TrainSettings
 
 #: The share of a device's available memory a stage may plan to use: the rest is the OS's, other apps' and the
@@ -107,7 +107,7 @@ def make_plan(s: TrainSettings, p: PlanSettings, say=print, export_progress=None
     if s.split.stages is not None and s.split.stages.strip() != AUTO:
         raise ZLError(f"zl plan chooses the stages itself; drop --stages {s.split.stages} (give --num-stages).")
     spec = check_settings(s, p)
-    s = s.with_schedule_for(data_is_generative(s))  # calibrate the schedule the run will train with
+    s = resolve_schedule(s, say)  # calibrate the schedule the run will train with
     num_stages = s.split.num_stages
     quotas = check_cpu_quota_fits(spec, s.cpu_quota)[:num_stages]
     names = device_names(spec)[:num_stages]
@@ -261,6 +261,7 @@ def resolve_stages(s: TrainSettings, say=print, export_progress=None) -> tuple[T
     stages = s.split.stages
     if s.resume or stages is None or (stages.strip() != AUTO and not is_plan_file(stages)):
         return s, None
+    s = resolve_schedule(s, say)  # the plan is for the schedule the run trains with
     if stages.strip() == AUTO:
         plan = make_plan(s, PlanSettings(), say, export_progress)
     else:
@@ -270,7 +271,7 @@ def resolve_stages(s: TrainSettings, say=print, export_progress=None) -> tuple[T
         check_plan_matches(plan, f"--stages {stages}", model=s.split.model, seq_len=s.rows.seq_len,
                            micro_batch=s.export.micro_batch, frozen_dtype=s.export.frozen_dtype, devices=s.devices,
                            mode=s.mode, cpu_quota=quotas if s.cpu_quota else None, checked_devices=True)
-        check_plan_holds(plan, s.with_schedule_for(data_is_generative(s)), f"--stages {stages}")
+        check_plan_holds(plan, s, f"--stages {stages}")
     say(f"plan: --stages {plan.stages} (slowest stage {plan.slowest_ms:.0f} ms per micro-batch predicted"
         + (f", even split {plan.even_stages}: {plan.even_slowest_ms:.0f} ms" if plan.even_stages else "") + ")"
         + (" with --recompute: the split fits the devices' memory only with it" if plan.recompute else ""))

@@ -23,9 +23,9 @@ from zl_base.json_reader import Bounds, first_difference, read_json_file, read_t
 from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.run_layout import RunLayout
 from zl_device.formats.schedules import SCHEDULES, schedule_name
-from zl_device.formats.stage_spec import StageSpec, stage_specs
+from zl_device.formats.stage_spec import FORWARD, StageSpec, stage_role, stage_specs
 from zl_device.formats.windows import WindowPlan
-from zl_device.run.train_settings import TrainSettings
+from zl_device.run.train_settings import TrainSettings, default_stage_lr
 from zl_export.options import MAX_SEQ_LEN, ExportOptions
 
 #: resolved_run.json's format; a file of another version is refused by `load` (the run cannot be resumed by it).
@@ -52,7 +52,7 @@ class ResolvedRun:
     def of(cls, s: TrainSettings, seq_len: int, max_targets: int) -> ResolvedRun:
         """The run of settings `s` (its split resolved) with the data's `seq_len` and `max_targets`."""
         multipliers, windows = run_stage_lr(s), s.windows()
-        return cls(schedule_name(s.schedule_or_zerolock), seq_len, max_targets, multipliers, _specs(s, multipliers), windows,
+        return cls(schedule_name(s.chosen_schedule), seq_len, max_targets, multipliers, _specs(s, multipliers), windows,
                    s.optimizer.for_windows(windows.num_windows))
 
     def export_options(self, s: TrainSettings) -> ExportOptions:
@@ -160,10 +160,17 @@ def check_as_started(layout: RunLayout, key: str, path: Path, current: Any) -> N
 
 
 def run_stage_lr(s: TrainSettings, num_stages: int | None = None) -> tuple[float, ...]:
-    """--stage-lr as one multiplier per stage of the split (or of `num_stages` stages): its default when not given
-    (TrainSettings.with_default_stage_lr), one value given for every stage."""
+    """--stage-lr as one multiplier per stage of the split (or of `num_stages` stages), the one place its default is
+    worked out: when not given, under a backprop schedule every stage trains, under ZeroLock the stages before the
+    last are held still and the last trains (default_stage_lr); one value given is every stage's.
+
+    Raises:
+        RuntimeError: --schedule's default not chosen yet (train_data.resolve_schedule comes first).
+    """
     n = s.split.count if num_stages is None else num_stages
-    given = s.with_default_stage_lr(n).stage_lr
+    given = s.stage_lr
+    if given is None:
+        given = (1.0,) if s.backprop else default_stage_lr(n)
     return tuple(float(m) for m in given) * n if len(given) == 1 else tuple(float(m) for m in given)
 
 
@@ -175,7 +182,43 @@ def run_stage_specs(s: TrainSettings, num_stages: int | None = None) -> tuple[St
 
 def _specs(s: TrainSettings, multipliers: tuple[float, ...]) -> tuple[StageSpec, ...]:
     """The stages at --lr x `multipliers` on the settings' schedule."""
-    return stage_specs([s.optimizer.lr * m for m in multipliers], schedule_name(s.schedule_or_zerolock))
+    return stage_specs([s.optimizer.lr * m for m in multipliers], schedule_name(s.chosen_schedule))
+
+
+def stage_lr_note(s: TrainSettings, shard: Path) -> str | None:
+    """A line to say about --stage-lr on the data in `shard` (generative rows or label words), or None: its default,
+    which holds the stages before the last still, or which study (docs/studies/README.md) to read when the user's
+    --stage-lr trains them. Messages cite studies by name, not their figures. (The multipliers themselves are
+    worked out in one place, run_stage_lr.)"""
+    from zl_device.run.train_data import shard_is_generative
+
+    stages = s.split.count
+    if stages < 2 or s.backprop:  # a backprop schedule trains every stage on the final loss's gradient
+        return None
+    held = ",".join(f"{m:g}" for m in default_stage_lr(stages))
+    if s.stage_lr is None:
+        said = (f"--stage-lr {held} (the default): the stages before the last run forward only and the last stage "
+                "trains. In every study this matched or beat every stage training on its own readout "
+                "(--stage-lr 1), on label words and on generative data (docs/studies/README.md).")
+        if shard_is_generative(shard):  # where the held stages cost quality and end-to-end gradients win it back
+            said += (" On generative data it stays behind whole-model backprop; --schedule async (the default there) "
+                     "trains every stage on the final loss's gradient and came level with backprop, at about half the "
+                     "records/s "
+                     "(study headlines-smollm2-135m-1024-async).")
+        return said
+    multipliers = run_stage_lr(s)
+    if all(stage_role(s.optimizer.lr * multipliers[k], k, stages, s.chosen_schedule) == FORWARD
+           for k in range(stages - 1)):
+        return None
+    if shard_is_generative(shard):
+        return ("note: generative data with the stages before the last training on their own readouts: in "
+                "the study headlines-smollm2-135m-1024-local-losses that left the model worse than the base "
+                f"model, while the last stage alone (--stage-lr {held}, the default) came close to whole-model "
+                "backprop. See docs/studies/README.md.")
+    return ("note: the stages before the last train on their own readouts. On AG News label words that tied "
+            f"holding them still (--stage-lr {held}, the default) on SmolLM2-135M and lost clearly on Gemma 3 "
+            "270M (studies agnews-smollm2-135m-1024-local-losses, agnews-gemma3-270m-1024). See "
+            "docs/studies/README.md.")
 
 
 def resolve_run(s: TrainSettings, tokenizer, layout: RunLayout, say) -> tuple[ResolvedRun, Path, Path | None]:
@@ -189,8 +232,7 @@ def resolve_run(s: TrainSettings, tokenizer, layout: RunLayout, say) -> tuple[Re
     Raises:
         ZLError: as the data step (prepare_data); a resumed run's rows that do not fit its programs' target slots.
     """
-    from zl_device.run.train_data import (choose_stage_lr, prepare_data, run_max_targets, run_seq_len,
-                                         shard_is_generative)
+    from zl_device.run.train_data import prepare_data, run_max_targets, run_seq_len
 
     saved = ResolvedRun.load(layout) if s.resume else None
     if saved is not None:
@@ -204,11 +246,10 @@ def resolve_run(s: TrainSettings, tokenizer, layout: RunLayout, say) -> tuple[Re
         return saved, shard, dev
     seq_len = run_seq_len(s, tokenizer)
     shard, dev = prepare_data(s, tokenizer, seq_len, layout.data, say)
-    s = s.with_schedule_for(shard_is_generative(shard))  # where run_training has not chosen it (a plan's rounds)
-    chosen, note = choose_stage_lr(s, shard)  # --stage-lr's default, and what the studies say of the choice
+    note = stage_lr_note(s, shard)  # what the studies say of --stage-lr or its default
     if note is not None:
         say(note)
-    resolved = ResolvedRun.of(chosen, seq_len, run_max_targets(chosen, shard, say))
+    resolved = ResolvedRun.of(s, seq_len, run_max_targets(s, shard, say))
     resolved.save(layout)
     record_start(layout, resolved)
     return resolved, shard, dev

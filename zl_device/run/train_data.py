@@ -8,8 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zl_base.errors import ZLError
-from zl_device.formats.stage_spec import FORWARD, stage_role
-from zl_device.run.train_settings import DEMO, MAX_EPOCHS, TrainSettings, default_stage_lr
+from zl_device.run.train_settings import DEMO, MAX_EPOCHS, TrainSettings
 from zl_export.tokenizer import Tokenizer
 
 
@@ -97,37 +96,19 @@ def run_max_targets(s: TrainSettings, shard: Path, say) -> int:
     return slots
 
 
-def choose_stage_lr(s: TrainSettings, shard: Path) -> tuple[TrainSettings, str | None]:
-    """The run's settings with --stage-lr's default resolved when it was not given
-    (TrainSettings.with_default_stage_lr), and a line to say about it: the default, which holds the stages before
-    the last still, or which study (docs/studies/README.md) to read when the user's --stage-lr trains them on the
-    data in `shard` (generative rows or label words). Messages cite studies by name, not their figures."""
-    stages = s.split.count
-    chosen = s.with_default_stage_lr()
-    if stages < 2 or s.backprop:  # a backprop schedule trains every stage on the final loss's gradient
-        return chosen, None
-    held = ",".join(f"{m:g}" for m in default_stage_lr(stages))
-    if s.stage_lr is None:
-        said = (f"--stage-lr {held} (the default): the stages before the last run forward only and the last stage "
-                "trains. In every study this matched or beat every stage training on its own readout "
-                "(--stage-lr 1), on label words and on generative data (docs/studies/README.md).")
-        if shard_is_generative(shard):  # where the held stages cost quality and end-to-end gradients win it back
-            said += (" On generative data it stays behind whole-model backprop; --schedule async (the default there) "
-                     "trains every stage on the final loss's gradient and came level with backprop, at about half the "
-                     "records/s "
-                     "(study headlines-smollm2-135m-1024-async).")
-        return chosen, said
-    if all(stage_role(chosen.stage_lr_of(k), k, stages, s.schedule_or_zerolock) == FORWARD for k in range(stages - 1)):
-        return chosen, None
-    if shard_is_generative(shard):
-        return chosen, ("note: generative data with the stages before the last training on their own readouts: in "
-                        "the study headlines-smollm2-135m-1024-local-losses that left the model worse than the base "
-                        f"model, while the last stage alone (--stage-lr {held}, the default) came close to whole-model "
-                        "backprop. See docs/studies/README.md.")
-    return chosen, ("note: the stages before the last train on their own readouts. On AG News label words that tied "
-                    f"holding them still (--stage-lr {held}, the default) on SmolLM2-135M and lost clearly on Gemma 3 "
-                    "270M (studies agnews-smollm2-135m-1024-local-losses, agnews-gemma3-270m-1024). See "
-                    "docs/studies/README.md.")
+def resolve_schedule(s: TrainSettings, say=None) -> TrainSettings:
+    """`s` with --schedule's default chosen for the run's data (TrainSettings.with_schedule_for: async on
+    generative rows, zerolock on label words), said in one line when `say` is given: the one place the default
+    meets the data. `zl train` and `zl plan` call it first; what runs after reads `chosen_schedule`."""
+    if s.schedule is not None:
+        return s
+    generative = data_is_generative(s)
+    chosen = s.with_schedule_for(generative)
+    if generative and say is not None:
+        say(f"schedule: {chosen.schedule} (the default on generative data): every stage trains on the final loss's "
+            "gradient, level with whole-model backprop where holding the stages before the last still stays "
+            "behind (study headlines-smollm2-135m-1024-async); --schedule zerolock is faster and lighter.")
+    return chosen
 
 
 def prepare_data(s: TrainSettings, tokenizer: Tokenizer, seq_len: int, data_dir: Path, say) -> tuple[Path, Path | None]:

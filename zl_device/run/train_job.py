@@ -31,6 +31,7 @@ from zl_device.run.executorch_runtime import ExecuTorchRuntime
 from zl_device.run.resolved_run import check_as_started, resolve_run
 from zl_device.run.runtime import Run, RunModel, Runtime, run_event
 from zl_device.run.torch_runtime import TorchRuntime
+from zl_device.run.train_data import resolve_schedule
 from zl_device.run.train_settings import TrainSettings
 
 #: --runtime -> the runtime that runs the stages (their names are TrainSettings.runtime's choices).
@@ -55,8 +56,8 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
     fails before its stages started leaves nothing (`kept_if_resumable`)."""
     if s.resume:
         s = resumed_settings(s)
-    elif s.schedule is None:
-        s = default_schedule(s, say)
+    else:
+        s = resolve_schedule(s, say)  # zl train's CLI chose it already; tools' settings may leave it to the data
     runtime = RUNTIMES[s.runtime]()
     runtime.check(s)
     start = time.time()
@@ -68,19 +69,6 @@ def run_training(s: TrainSettings, say=print, on_update=None, export_progress=No
         resolved, shard, dev = resolve_run(s, model.tokenizer, layout, say)
         run = Run(s, resolved, layout, spec, model, say, export_progress)
         return _run(runtime, run, shard, dev, start, on_update)
-
-
-def default_schedule(s: TrainSettings, say) -> TrainSettings:
-    """`s` with --schedule's default chosen for its data (TrainSettings.with_schedule_for), said in one line."""
-    from zl_device.run.train_data import data_is_generative
-
-    generative = data_is_generative(s)
-    chosen = s.with_schedule_for(generative)
-    if generative:
-        say(f"schedule: {chosen.schedule} (the default on generative data): every stage trains on the final loss's "
-            "gradient, level with whole-model backprop where holding the stages before the last still stays "
-            "behind (study headlines-smollm2-135m-1024-async); --schedule zerolock is faster and lighter.")
-    return chosen
 
 
 def _run(runtime: Runtime, run: Run, shard: Path, dev: Path | None, start: float, on_update) -> TrainResult:

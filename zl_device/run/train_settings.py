@@ -153,9 +153,9 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         # Each runtime's own default; a backprop schedule's stages restart together. Under --schedule's default it
-        # waits for the schedule the data chooses (with_schedule_for).
+        # waits for the schedule the data chooses (train_data.resolve_schedule).
         if self.recovery is None and (self.schedule is not None or self.runtime == "torch"):
-            self.recovery = "global" if self.runtime == "torch" or self.backprop else "local"
+            self.recovery = "global" if self.runtime == "torch" or is_backprop(self.schedule) else "local"
         if self.runner is not None:  # absolute in RUN_DIR's settings: `--resume` may run from another folder
             self.runner = Path(self.runner).expanduser().resolve()
 
@@ -198,7 +198,7 @@ class TrainSettings:
             raise ZLError("--max-temperature, --min-battery and --require-charging pause stages on their devices; "
                           "--runtime torch runs its ranks on this host without them. Drop them, or use --runtime "
                           "executorch.")
-        if self.backprop and self.runtime == "executorch":
+        if self.schedule is not None and self.backprop and self.runtime == "executorch":  # else once resolved
             if self.recovery == "local":
                 raise ZLError(f"--schedule {self.schedule} --recovery local: a stage restarted alone would need the "
                               "gradients its downstream already sent; backprop schedules restart every stage from "
@@ -233,38 +233,30 @@ class TrainSettings:
                           f"every stage or exactly {stages}.")
 
     @property
-    def backprop(self) -> bool:
-        """An end-to-end backprop schedule (gpipe, 1f1b, async): every stage trains on the final loss's gradient.
-        False while --schedule's default waits for the data (with_schedule_for)."""
-        return is_backprop(self.schedule_or_zerolock)
+    def chosen_schedule(self) -> str:
+        """--schedule, given or chosen for the data.
+
+        Raises:
+            RuntimeError: its default not chosen yet (train_data.resolve_schedule comes before anything asks).
+        """
+        if self.schedule is None:
+            raise RuntimeError("--schedule's default asked for before it was chosen for the data "
+                               "(zl_device.run.train_data.resolve_schedule)")
+        return self.schedule
 
     @property
-    def schedule_or_zerolock(self) -> str:
-        """--schedule, or zerolock while its default has not seen the data: what `backprop` says too, so settings
-        built without data (tests, tools) keep ZeroLock's behaviour; `zl train` and `zl plan` choose first."""
-        return "zerolock" if self.schedule is None else self.schedule
+    def backprop(self) -> bool:
+        """An end-to-end backprop schedule (gpipe, 1f1b, async): every stage trains on the final loss's gradient
+        (raises as `chosen_schedule` before --schedule's default is chosen)."""
+        return is_backprop(self.chosen_schedule)
 
     def with_schedule_for(self, generative: bool) -> TrainSettings:
-        """These settings with --schedule's default resolved for the data: SCHEDULE_BY_DATA's choice for generative
-        rows or label words, and the recovery mode that schedule defaults to (unless --recovery was given)."""
+        """These settings with --schedule's default chosen for data that is generative or not (SCHEDULE_BY_DATA),
+        and the recovery mode that schedule defaults to (unless --recovery was given): the rule, which
+        train_data.resolve_schedule applies to the run's data."""
         if self.schedule is not None:
             return self
         return replace(self, schedule=SCHEDULE_BY_DATA[generative])
-
-    def stage_lr_of(self, stage: int) -> float:
-        """The learning rate of stage `stage`: --lr times its multiplier (--stage-lr, or its default once resolved)."""
-        if self.stage_lr is None:
-            raise RuntimeError("stage_lr_of before --stage-lr's default was resolved (with_default_stage_lr)")
-        return self.optimizer.lr * (self.stage_lr[0] if len(self.stage_lr) == 1 else self.stage_lr[stage])
-
-    def with_default_stage_lr(self, num_stages: int | None = None) -> TrainSettings:
-        """These settings with --stage-lr's default when it was not given: under ZeroLock the stages before the last
-        held still and the last training (default_stage_lr), under a backprop schedule every stage training; for
-        the split's stage count (known only once it is resolved) or `num_stages`."""
-        if self.stage_lr is not None:
-            return self
-        stages = self.split.count if num_stages is None else num_stages
-        return replace(self, stage_lr=(1.0,) if self.backprop else default_stage_lr(stages))
 
     def windows(self) -> WindowPlan:
         """The run's micro-batches (--samples in micro-batches of --micro-batch) in windows of --window."""

@@ -10,7 +10,7 @@ from zl_base.entry import run_cli
 
 app = typer.Typer(
     name="zl",
-    help="ZeroLock: fine-tune LLMs with LoRA on a pipeline of devices, without backpropagation across them.",
+    help="ZeroLock: fine-tune LLMs with LoRA on a pipeline of devices (phones), no stage waiting on another.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

@@ -51,11 +51,14 @@ def test_bench_step(tmp_path):
 
 def test_bench_memory(tmp_path):
     out = run_tool("bench_memory", "--model", "tiny-random", "--stages", "0-1,2-3", "--steps", "2", "--rounds", "1",
-                   "--dtypes", "int8", "--load-modes", "mmap", "--json", tmp_path / "m.json")
+                   "--dtypes", "int8", "--load-modes", "mmap", "--widen-chunks", "24,11", "--json", tmp_path / "m.json")
     rows = json.loads((tmp_path / "m.json").read_text())
     rows = rows["rows"] if isinstance(rows, dict) else rows
-    assert len(rows) == 1 and rows[0].get("peak_pss_mib", 0) > 0, rows
+    assert [r["widen_chunk"] for r in rows] == [24, 11] and all(r.get("peak_pss_mib", 0) > 0 for r in rows), rows
     assert "int8" in out
+    # weights in chunks of 2^11 elements (32 of tiny-random's 64-wide rows): another program, the same step
+    assert rows[0]["pte_mib"] != rows[1]["pte_mib"], rows
+    assert abs(rows[0]["first_loss"] - rows[1]["first_loss"]) < 1e-4 * abs(rows[0]["first_loss"]), rows
 
 
 def test_bench_memory_recompute_on_the_last_stage_and_reuse(tmp_path):

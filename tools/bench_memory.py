@@ -39,12 +39,15 @@ warnings.filterwarnings("ignore")
 for _name in ("torchao", "torch.utils._pytree", "executorch"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-from zl_export.recompute import LOSS_CHUNK_ELEMENTS  # noqa: E402 (after the path)
+from zl_export.frozen_weights import CHUNK_ELEMENTS  # noqa: E402 (after the path)
+from zl_export.recompute import LOSS_CHUNK_ELEMENTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024.0
-# --readout-pieces: log2 of the logits a readout piece holds, zl's own by default (zl_export/recompute.py)
+# --readout-pieces: log2 of the logits a readout piece holds, zl's own by default (zl_export/recompute.py);
+# --widen-chunks: log2 of the elements a frozen weight is stored and widened in at once (zl_export/frozen_weights.py)
 DEFAULT_PIECE = LOSS_CHUNK_ELEMENTS.bit_length() - 1
+DEFAULT_CHUNK = CHUNK_ELEMENTS.bit_length() - 1
 
 
 def smaps_rollup_kib(pid: int) -> dict[str, int]:
@@ -88,10 +91,12 @@ def run_measured(cmd: list[str], interval_s: float = 0.005) -> tuple[list[dict],
 
 
 def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: bool, args, out: Path,
-               piece: int = DEFAULT_PIECE):
+               piece: int = DEFAULT_PIECE, chunk: int = DEFAULT_CHUNK):
     """Export stage `stage` of `split` with frozen weights as `dtype` (and `--recompute`, the program kind of
-    --program, readout pieces of 2**`piece` logits where the readout goes in pieces) into `out`, with its `RECORD`
-    for --reuse; returns the program's (file name, size in bytes)."""
+    --program, readout pieces of 2**`piece` logits where the readout goes in pieces, frozen weights in chunks of
+    2**`chunk` elements) into `out`, with its `RECORD` for --reuse; returns the program's (file name, size in
+    bytes)."""
+    from zl_export import frozen_weights
     from zl_export import recompute as readout
     from zl_export.exporter import build_stage_modules, export_stage, write_program
     from zl_export.frozen_weights import restore_frozen_weights
@@ -103,7 +108,12 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: 
                                                                        args.lora_targets).for_family(loaded.family),
                          loss=LossConfig(), max_targets=args.max_targets, frozen_dtype=dtype, recompute=recompute)
     stages = parse_spec(split, loaded.config.num_hidden_layers)
-    peft_model, modules = build_stage_modules(loaded.model, stages, opts, program=ProgramSettings(kind=args.program))
+    saved_chunk, frozen_weights.CHUNK_ELEMENTS = frozen_weights.CHUNK_ELEMENTS, 1 << chunk  # read as modules build
+    try:
+        peft_model, modules = build_stage_modules(loaded.model, stages, opts,
+                                                  program=ProgramSettings(kind=args.program))
+    finally:
+        frozen_weights.CHUNK_ELEMENTS = saved_chunk
     saved_piece, readout.LOSS_CHUNK_ELEMENTS = readout.LOSS_CHUNK_ELEMENTS, 1 << piece
     try:
         entry = write_program(export_stage(modules[stage], peft_model, opts, loaded.config.vocab_size), out)
@@ -113,7 +123,7 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: 
         readout.LOSS_CHUNK_ELEMENTS = saved_piece
         restore_frozen_weights(peft_model)
         peft_model.unload()
-    record = {**wanted(args, dtype, seq, recompute, piece), "lora_targets": list(opts.lora.targets), "file": entry.file,
+    record = {**wanted(args, dtype, seq, recompute, piece, chunk), "lora_targets": list(opts.lora.targets), "file": entry.file,
               "size_bytes": entry.size_bytes}
     (out / RECORD).write_text(json.dumps(record, indent=1) + "\n")
     return entry.file, entry.size_bytes
@@ -124,18 +134,21 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: 
 RECORD = "bench_program.json"
 
 
-def wanted(args, dtype: str, seq: int, recompute: bool, piece: int = DEFAULT_PIECE) -> dict:
+def wanted(args, dtype: str, seq: int, recompute: bool, piece: int = DEFAULT_PIECE,
+           chunk: int = DEFAULT_CHUNK) -> dict:
     """The options that make a program, as its RECORD holds them."""
     return {"model": args.model, "stages": args.stages, "stage": args.stage, "program": args.program,
             "frozen_dtype": dtype, "seq_len": seq, "recompute": recompute, "max_targets": args.max_targets,
-            "lora_rank": args.lora_rank, "readout_piece": piece}
+            "lora_rank": args.lora_rank, "readout_piece": piece, "widen_chunk": chunk}
 
 
-def reusable(out: Path, args, dtype: str, seq: int, recompute: bool, piece: int = DEFAULT_PIECE):
+def reusable(out: Path, args, dtype: str, seq: int, recompute: bool, piece: int = DEFAULT_PIECE,
+             chunk: int = DEFAULT_CHUNK):
     """(file name, size in bytes) of the program an earlier run left in `out`, if it was made with these options."""
     try:
-        record = {"readout_piece": DEFAULT_PIECE, **json.loads((out / RECORD).read_text())}  # older records: zl's
-        want = wanted(args, dtype, seq, recompute, piece)
+        # older records: zl's own sizes
+        record = {"readout_piece": DEFAULT_PIECE, "widen_chunk": DEFAULT_CHUNK, **json.loads((out / RECORD).read_text())}
+        want = wanted(args, dtype, seq, recompute, piece, chunk)
         same = {k: record[k] for k in want} == want
         same = same and (args.lora_targets is None or tuple(record["lora_targets"]) == args.lora_targets)
         path = out / record["file"]
@@ -155,6 +168,9 @@ def main() -> None:
     ap.add_argument("--readout-pieces", default=str(DEFAULT_PIECE),
                     help="comma-separated log2 of the logits a readout piece holds where the readout goes in pieces "
                          f"(zl's: {DEFAULT_PIECE}); smaller pieces, less memory, more pieces to export and run")
+    ap.add_argument("--widen-chunks", default=str(DEFAULT_CHUNK),
+                    help="comma-separated log2 of the elements a frozen weight is stored and widened in at once "
+                         f"(zl's: {DEFAULT_CHUNK}); smaller chunks, smaller float32 transients, more matmuls")
     ap.add_argument("--program", default="zerolock", choices=("zerolock", "backprop"),
                     help="the stage program's kind (backprop: what --schedule async/gpipe/1f1b trains)")
     ap.add_argument("--load-modes", default="mmap,file", help="comma-separated runner load modes")
@@ -187,40 +203,43 @@ def main() -> None:
     dtypes = [v for v in args.dtypes.split(",") if v]
     recomputes = [{"off": False, "on": True}[v] for v in args.recompute.split(",") if v]
     pieces = [int(v) for v in args.readout_pieces.split(",") if v]
+    chunks = [int(v) for v in args.widen_chunks.split(",") if v]
     modes = [v for v in args.load_modes.split(",") if v]
     work = args.work or Path(tempfile.mkdtemp(prefix="zl_bench_memory_"))
     loaded = None
-    programs = {}  # (seq, dtype, recompute, piece) -> (path, .pte MiB)
+    programs = {}  # (seq, dtype, recompute, piece, chunk) -> (path, .pte MiB)
     rows: dict[tuple, dict] = {}
     try:
-        for seq, dtype, recompute, piece in itertools.product(seqs, dtypes, recomputes, pieces):
+        for seq, dtype, recompute, piece, chunk in itertools.product(seqs, dtypes, recomputes, pieces, chunks):
             out = work / (f"{dtype}_s{seq}{'_recompute' if recompute else ''}"
-                          f"{'' if piece == DEFAULT_PIECE else f'_p{piece}'}")
+                          f"{'' if piece == DEFAULT_PIECE else f'_p{piece}'}"
+                          f"{'' if chunk == DEFAULT_CHUNK else f'_c{chunk}'}")
             out.mkdir(parents=True, exist_ok=True)
-            found = reusable(out, args, dtype, seq, recompute, piece) if args.reuse else None
+            found = reusable(out, args, dtype, seq, recompute, piece, chunk) if args.reuse else None
             if found is not None:
-                programs[(seq, dtype, recompute, piece)] = (out / found[0], found[1] / MIB / MIB)
+                programs[(seq, dtype, recompute, piece, chunk)] = (out / found[0], found[1] / MIB / MIB)
                 print(f"reusing {out / found[0]}", file=sys.stderr)
                 continue
             if loaded is None:
                 print(f"loading {args.model} ...", file=sys.stderr)
                 loaded = load_model(args.model, seed=0)
             t0 = time.perf_counter()
-            name, size = export_one(loaded, args.stages, args.stage, dtype, seq, recompute, args, out, piece)
-            programs[(seq, dtype, recompute, piece)] = (out / name, size / MIB / MIB)
-            print(f"export {dtype} seq {seq}{' recompute' if recompute else ''} pieces 2^{piece}: "
+            name, size = export_one(loaded, args.stages, args.stage, dtype, seq, recompute, args, out, piece, chunk)
+            programs[(seq, dtype, recompute, piece, chunk)] = (out / name, size / MIB / MIB)
+            print(f"export {dtype} seq {seq}{' recompute' if recompute else ''} pieces 2^{piece} chunks 2^{chunk}: "
                   f"{size / MIB / MIB:,.0f} MiB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         del loaded
         # Rounds over every (program, mode), so that a busy spell of the machine hits all of them alike; the
         # table keeps each one's highest PSS and fastest step.
         for r in range(args.rounds):
-            for (seq, dtype, recompute, piece), (path, pte_mib) in programs.items():
+            for (seq, dtype, recompute, piece, chunk), (path, pte_mib) in programs.items():
                 for mode in modes:
                     lines, peak = run_measured([str(bench), "--program", str(path), "--load-mode", mode,
                                                 "--steps", str(args.steps), "--threads", str(args.threads)])
                     steps = [ln["ms"] for ln in lines if ln.get("event") == "step"]
-                    row = rows.setdefault((seq, dtype, recompute, piece, mode), {
+                    row = rows.setdefault((seq, dtype, recompute, piece, chunk, mode), {
                         "seq": seq, "dtype": dtype, "recompute": recompute, "readout_piece": piece,
+                        "widen_chunk": chunk,
                         "load_mode": mode, "peak_pss_mib": 0.0,
                         "step_ms": float("inf"),
                         "pte_mib": pte_mib,
@@ -229,30 +248,32 @@ def main() -> None:
                         row.update(peak_pss_mib=peak.get("Pss", 0) / MIB, anon_mib=peak.get("Pss_Anon", 0) / MIB,
                                    file_mib=peak.get("Pss_File", 0) / MIB)
                     row["step_ms"] = min(row["step_ms"], min(steps[1:] or steps))
-                    print(f"round {r + 1}: {dtype} seq {seq}{' recompute' if recompute else ''} 2^{piece} {mode}: peak PSS {peak.get('Pss', 0) / MIB:,.0f} MiB, "
+                    print(f"round {r + 1}: {dtype} seq {seq}{' recompute' if recompute else ''} 2^{piece}/2^{chunk} {mode}: peak PSS {peak.get('Pss', 0) / MIB:,.0f} MiB, "
                           f"fastest step {min(steps[1:] or steps):,.0f} ms", file=sys.stderr)
     finally:
         if not (args.keep or args.reuse):  # --reuse: the folder holds programs of earlier runs
             shutil.rmtree(work, ignore_errors=True)
     rows = list(rows.values())
 
-    base = {(r["seq"], r["load_mode"], r["recompute"], r["readout_piece"]): r["step_ms"] for r in rows
-            if r["dtype"] == "fp32"}
-    kept = {(r["seq"], r["dtype"], r["load_mode"], r["readout_piece"]): r["step_ms"] for r in rows
+    base = {(r["seq"], r["load_mode"], r["recompute"], r["readout_piece"], r["widen_chunk"]): r["step_ms"]
+            for r in rows if r["dtype"] == "fp32"}
+    kept = {(r["seq"], r["dtype"], r["load_mode"], r["readout_piece"], r["widen_chunk"]): r["step_ms"] for r in rows
             if not r["recompute"]}
     targets = ",".join(args.lora_targets) if args.lora_targets else "every projection"
     print(f"\n{args.model} stage {args.stage} of {args.stages}, micro-batch 1, r={args.lora_rank} on {targets}, "
           f"{args.threads} thread(s), {args.steps} steps x {args.rounds} rounds, {args.program} program, "
           f"{args.max_targets or 'every position'} read out\n")
-    print("| seq | frozen dtype | recompute | readout piece | load mode | peak PSS (MiB) | anonymous | file-backed "
-          "| step (ms) | vs fp32 | vs kept | .pte (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| seq | frozen dtype | recompute | readout piece | widen chunk | load mode | peak PSS (MiB) | anonymous "
+          "| file-backed | step (ms) | vs fp32 | vs kept | .pte (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ref = base.get((r["seq"], r["load_mode"], r["recompute"], r["readout_piece"]))
+        grain = (r["readout_piece"], r["widen_chunk"])
+        ref = base.get((r["seq"], r["load_mode"], r["recompute"], *grain))
         ratio = f"{r['step_ms'] / ref:.2f}x" if ref else "-"
-        ref = kept.get((r["seq"], r["dtype"], r["load_mode"], r["readout_piece"])) if r["recompute"] else None
+        ref = kept.get((r["seq"], r["dtype"], r["load_mode"], *grain)) if r["recompute"] else None
         vs_kept = f"{r['step_ms'] / ref:.2f}x" if ref else "-"
         print(f"| {r['seq']} | {r['dtype']} | {'on' if r['recompute'] else 'off'} | 2^{r['readout_piece']} | "
+              f"2^{r['widen_chunk']} | "
               f"{r['load_mode']} | "
               f"{r['peak_pss_mib']:,.0f} | {r['anon_mib']:,.0f} | {r['file_mib']:,.0f} | {r['step_ms']:,.0f} | "
               f"{ratio} | {vs_kept} | {r['pte_mib']:,.0f} |")

@@ -23,7 +23,7 @@ from zl_base.json_reader import Bounds, first_difference, read_json_file, read_t
 from zl_device.formats.lr_schedule import OptimizerSettings
 from zl_device.formats.run_layout import RunLayout
 from zl_device.formats.schedules import SCHEDULES, schedule_name
-from zl_device.formats.stage_spec import FORWARD, StageSpec, stage_role, stage_specs
+from zl_device.formats.stage_spec import StageSpec, stage_specs
 from zl_device.formats.windows import WindowPlan
 from zl_device.run.train_settings import TrainSettings, default_stage_lr
 from zl_export.options import MAX_SEQ_LEN, ExportOptions
@@ -206,9 +206,7 @@ def stage_lr_note(s: TrainSettings, shard: Path) -> str | None:
                      "records/s "
                      "(study headlines-smollm2-135m-1024-async).")
         return said
-    multipliers = run_stage_lr(s)
-    if all(stage_role(s.optimizer.lr * multipliers[k], k, stages, s.chosen_schedule) == FORWARD
-           for k in range(stages - 1)):
+    if all(spec.forward_only for spec in run_stage_specs(s)[:-1]):
         return None
     if shard_is_generative(shard):
         return ("note: generative data with the stages before the last training on their own readouts: in "

@@ -269,7 +269,8 @@ def _quantize(model: torch.nn.Module, quantize: str, base_only: bool = False) ->
         # Tied (SmolLM2, Qwen2.5, Gemma 3): each side gets its own quantized copy, in its own layout.
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
     # quantize_model_ reports on stdout; a library's output goes to the log.
-    with contextlib.redirect_stdout(io.StringIO()) as said, _lora_layers_hidden(model, base_only):
+    hidden = _lora_layers_hidden(model) if base_only else contextlib.nullcontext()
+    with contextlib.redirect_stdout(io.StringIO()) as said, hidden:
         quantize_model_(model, qlinear_config=linear, qembedding_config=embedding,
                         qlinear_group_size=None if quantize == "int8" else GROUP_SIZE,
                         qembedding_group_size=None if quantize == "int8" else GROUP_SIZE)
@@ -281,15 +282,14 @@ def _quantize(model: torch.nn.Module, quantize: str, base_only: bool = False) ->
         unwrap_tensor_subclass(model)
 
 
-_LORA_CHILDREN = ("lora_A", "lora_B")  # a PEFT LoRA layer's own linears (its base_layer is the base's)
-
-
 @contextlib.contextmanager
-def _lora_layers_hidden(model: torch.nn.Module, hide: bool = True):
-    """`model` with each PEFT LoRA layer's own linears taken out of its module tree for the duration (put back
-    after), so that what walks the tree (torchao's quantize_) sees the base's layers alone."""
-    hidden = [(m, name, m._modules.pop(name)) for m in list(model.modules()) for name in _LORA_CHILDREN
-              if hide and isinstance(m._modules.get(name), torch.nn.ModuleDict)]
+def _lora_layers_hidden(model: torch.nn.Module):
+    """`model` with each PEFT LoRA layer's own linears (its `lora_A`, `lora_B`: `is_lora_weight`; its base_layer is
+    the base's) taken out of its module tree for the duration (put back after), so that what walks the tree
+    (torchao's quantize_) sees the base's layers alone."""
+    hidden = [(m, name, m._modules.pop(name)) for m in list(model.modules())
+              for name in [n for n, child in m.named_children()
+                           if is_lora_weight(n) and isinstance(child, torch.nn.ModuleDict)]]
     try:
         yield
     finally:

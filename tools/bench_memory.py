@@ -96,6 +96,8 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: 
     --program, readout pieces of 2**`piece` logits where the readout goes in pieces, frozen weights in chunks of
     2**`chunk` elements) into `out`, with its `RECORD` for --reuse; returns the program's (file name, size in
     bytes)."""
+    from unittest.mock import patch
+
     from zl_export import frozen_weights
     from zl_export import recompute as readout
     from zl_export.exporter import build_stage_modules, export_stage, write_program
@@ -108,19 +110,15 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: 
                                                                        args.lora_targets).for_family(loaded.family),
                          loss=LossConfig(), max_targets=args.max_targets, frozen_dtype=dtype, recompute=recompute)
     stages = parse_spec(split, loaded.config.num_hidden_layers)
-    saved_chunk, frozen_weights.CHUNK_ELEMENTS = frozen_weights.CHUNK_ELEMENTS, 1 << chunk  # read as modules build
-    try:
+    with patch.object(frozen_weights, "CHUNK_ELEMENTS", 1 << chunk):  # read as the modules are built
         peft_model, modules = build_stage_modules(loaded.model, stages, opts,
                                                   program=ProgramSettings(kind=args.program))
-    finally:
-        frozen_weights.CHUNK_ELEMENTS = saved_chunk
-    saved_piece, readout.LOSS_CHUNK_ELEMENTS = readout.LOSS_CHUNK_ELEMENTS, 1 << piece
     try:
-        entry = write_program(export_stage(modules[stage], peft_model, opts, loaded.config.vocab_size), out)
+        with patch.object(readout, "LOSS_CHUNK_ELEMENTS", 1 << piece):  # read as the pieces are traced
+            entry = write_program(export_stage(modules[stage], peft_model, opts, loaded.config.vocab_size), out)
         # zl_stage_bench reads the PEFT names there
         write_manifest(build_manifest(loaded, opts, [entry], program=ProgramSettings(kind=args.program)), out)
     finally:
-        readout.LOSS_CHUNK_ELEMENTS = saved_piece
         restore_frozen_weights(peft_model)
         peft_model.unload()
     record = {**wanted(args, dtype, seq, recompute, piece, chunk), "lora_targets": list(opts.lora.targets), "file": entry.file,

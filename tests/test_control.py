@@ -375,15 +375,15 @@ def test_time_the_coordinator_did_not_run_is_no_stage_silence():
                              stop_runner=lambda timeout_s: None, read_text=lambda path: "")
     c = Coordinator([StagePlan(0, device, "stage_0.json", "metrics.jsonl", "ckpt", 0)], WindowPlan(8, 4),
                     control=SimpleNamespace(events=queue.Queue()), heartbeat_timeout_s=30.0, max_restarts=0)
-    c._read_telemetry = lambda k, remote=False: None
+    c.table.read_telemetry = lambda k, remote=False: None
     s = c.status[0]
     s.state, s.heartbeat_seen = "running", True
     s.last_sign_of_life = time.monotonic() - 37.0  # its last heartbeat came just before the host stopped
-    c._forgive_host_gap(37.0)
+    c.health.forgive_host_gap(37.0)
     c._check_health()
     assert killed == [] and s.state == "running"
     s.last_sign_of_life = time.monotonic() - 37.0
-    c._forgive_host_gap(HOST_GAP_S / 2)  # the loop's ordinary lateness forgives nothing
+    c.health.forgive_host_gap(HOST_GAP_S / 2)  # the loop's ordinary lateness forgives nothing
     with pytest.raises(ZLError, match="stage 0 failed 1 times \\(heartbeat timeout\\)"):
         c._check_health()
     assert killed == ["kill"]

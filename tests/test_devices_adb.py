@@ -542,7 +542,7 @@ def test_adb_take_over_is_three_round_trips_and_app_mode_has_no_standby():
     def coordinator(device):
         return Coordinator([StagePlan(0, device, "stage_0.json", "metrics.jsonl", "ckpt", 1)], None, standby=True)
 
-    assert coordinator(dev).standby  # binary mode: accepted
+    assert coordinator(dev).recovery.standby  # binary mode: accepted
     with pytest.raises(ZLError, match=r"--standby: P2 cannot keep a hot standby \(local devices and phones in "
                                       r"--mode binary can; the app runs one runner\); run without --standby, or "
                                       r"with --mode binary"):

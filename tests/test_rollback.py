@@ -1,4 +1,4 @@
-"""Global recovery's rollback (zl_device/executorch/recovery.py `_roll_back`, docs/design.md §7) on local device folders:
+"""Global recovery's rollback (zl_device/executorch/recovery.py `Recovery.roll_back`, docs/design.md §7) on local device folders:
 checkpoints and input-log entries after the last window every stage committed are removed, nothing at or before it."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_rollback_removes_checkpoints_and_input_log_entries_after_the_common_win
     plans = [_stage(tmp_path, 0, [0, 1, 2], []), _stage(tmp_path, 1, [0, 1], [2, 3, 4]),
              _stage(tmp_path, 2, [1, 2, 3], [4])]
     coordinator = Coordinator(plans, WindowPlan(32, 4), recovery="global")
-    common, replayed, _ = coordinator._roll_back()
+    common, replayed, _ = coordinator.recovery.roll_back()
     assert common == 1
     for k in range(3):
         folder = tmp_path / f"local-{k}" / "checkpoints"

@@ -502,7 +502,7 @@ def test_resume_after_a_failure_with_no_restarts_left_ends_identical(clean_run, 
     inject, stop_all = Coordinator._maybe_inject, Coordinator.stop_all
 
     def kill_after_window_1(self):
-        if self._held and not self._injected:
+        if self.table.hold_seen and not self._injected:
             wait_for("stage 0 never committed window 1", lambda: (stage_0 / "window_000001").is_dir())
         inject(self)
 

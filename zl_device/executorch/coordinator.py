@@ -1,10 +1,12 @@
 """The coordinator: runs a deployed pipeline to the end (docs/design.md §5).
 
-It starts every stage, then loops: the control channel's frames and the stages' telemetry into their status
-(`StageStatus`), the injected failure, the health checks (health.py), the device policies' pauses (pauses.py),
-the recovery of failed stages (recovery.py), the display. What it reads and prunes of the stages' files on their
-devices is device_files.py's. Each concern is a mixin of `Coordinator`, over its state (`plans`, `status`,
-`windows`, `events`); this module keeps the flow.
+It starts every stage, then loops over what happened since its last pass: the control channel's frames and the
+stages' telemetry into the stage table (stage_table.py), the injected failure, the health checks (health.py:
+each returns a `Verdict`, "stage k failed because ..."), the device policies' pauses (pauses.py: a state machine
+per stage), the recovery of failed stages (recovery.py), the display. The parts share the table and nothing
+else: none calls another; this loop hands a verdict to the part that acts on it, a paused stage back in range to
+the recovery's restart, a restart's windows to the pauses. What they read and prune of the stages' files on
+their devices is device_files.py's.
 
 Failure injection (`Injection`, zl_device/formats/injection.py): SIGKILL a stage half-way through a given
 window, as a crash would; for experiments and tests. To make the point
@@ -30,17 +32,16 @@ from collections.abc import Callable, Sequence
 from zl_base.errors import ZLError
 from zl_device.devices.backend import Device
 from zl_device.executorch.control import ControlServer
-from zl_device.executorch.device_files import DeviceFiles, StagePlan
+from zl_device.executorch.device_files import DeviceFiles
 from zl_device.executorch.device_policy import DevicePolicy
-from zl_device.executorch.health import HealthChecks
-from zl_device.executorch.pauses import Pause, Pauses
-from zl_device.executorch.recovery import MAX_RESTARTS, RECOVERY_MODES, Failure, Recovery
+from zl_device.executorch.health import Health, Verdict
+from zl_device.executorch.pauses import EXIT_STOPPED, Pauses
+from zl_device.executorch.recovery import MAX_RESTARTS, Recovery
+from zl_device.executorch.stage_table import StagePlan, StageTable
 from zl_device.formats import frames
-from zl_device.formats.checkpoints import DEFAULT_LAYOUT
 from zl_device.formats.frames import FrameType
 from zl_device.formats.injection import Injection
-from zl_device.formats.metrics_log import LineTail
-from zl_device.formats.stage_status import StageStatus, fold_telemetry
+from zl_device.formats.stage_status import StageStatus
 from zl_device.formats.windows import WindowPlan
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ POLL_S = 0.05
 __all__ = ["Coordinator", "StagePlan"]
 
 
-class Coordinator(HealthChecks, Recovery, Pauses, DeviceFiles):
+class Coordinator:
     """Runs the stages in `plans` to completion; see the module docstring."""
 
     def __init__(
@@ -71,43 +72,31 @@ class Coordinator(HealthChecks, Recovery, Pauses, DeviceFiles):
         policy: DevicePolicy | None = None,
         backprop: bool = False,
     ):
-        if recovery not in RECOVERY_MODES:
-            raise ZLError(f"--recovery {recovery!r}: expected one of {', '.join(RECOVERY_MODES)}.")
-        self.plans = list(plans)
-        self.windows = windows
-        self.layout = DEFAULT_LAYOUT
+        self.table = StageTable(plans, windows)
+        files = DeviceFiles(windows)
+        self.health = Health(self.table, heartbeat_timeout_s, stall_timeout_s, backprop)
+        self.recovery = Recovery(self.table, files, recovery, spares, redeploy, standby, max_restarts)
+        self.pauses = Pauses(self.table, files, policy)
         self.control = control
-        self.recovery = recovery
         self.injection = injection
-        self.spares = list(spares)
-        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.timeout_s = timeout_s
-        self.stall_timeout_s = stall_timeout_s  # 0: no stall detection
-        self.backprop = backprop  # a backprop schedule: a stage's progress waits on its downstream's gradients
-        self.redeploy = redeploy  # puts stage k's program and config on a spare before it takes over
         self.resume = resume  # `zl train --resume`: the stages continue from their checkpoints
-        self.standby = standby  # keep a hot standby per stage (see the module docstring)
-        self.max_restarts = max_restarts  # restarts of one stage before the run gives up
-        self.policy = policy if policy is not None and policy.active else None  # None: devices are not watched
-        if standby:
-            lacking = [p.device.name for p in self.plans if not p.device.supports_standby]
-            if lacking:
-                raise ZLError(f"--standby: {', '.join(lacking)} cannot keep a hot standby (local devices and phones "
-                              f"in --mode binary can; the app runs one runner); run without --standby, or with "
-                              f"--mode binary.")
-        self.status = [StageStatus(p.index, p.device.name) for p in self.plans]
-        self.events: list[dict] = []  # coordinator events for metrics.jsonl
-        self._tails = [LineTail() for _ in self.plans]  # each stage's telemetry file as read so far
         self._injected = False
-        self._held = False
         self._last_remote_poll = 0.0
-        self._failures: list[Failure] = []
         self._kill_t: float | None = None  # when the injected failure's SIGKILL was sent
-        self._standby_wanted: set[int] = set()  # stages whose standby took over (or died): start one when calm
-        self._pauses: dict[int, Pause] = {}  # stage -> its pause, from the limit crossed until it runs again
-        self._next_read = [0.0] * len(self.plans)  # when each stage's device is read next (time.monotonic())
-        self._unreadable: set[int] = set()  # stages whose device's last reading failed (logged once)
         self.held_s = 0.0  # time some stage was paused: not counted against timeout_s
+
+    @property
+    def plans(self) -> list[StagePlan]:
+        return self.table.plans
+
+    @property
+    def status(self) -> list[StageStatus]:
+        return self.table.status
+
+    @property
+    def events(self) -> list[dict]:
+        return self.table.events
 
     def run(self, on_update: Callable[[list[StageStatus]], None] | None = None) -> list[dict]:
         """Start every stage (last first, so listeners are up early) and supervise until all are done.
@@ -117,44 +106,49 @@ class Coordinator(HealthChecks, Recovery, Pauses, DeviceFiles):
 
         Raises:
             ZLError: a runner that fails for a reason a restart cannot fix (bad config, exit status 2), one
-                that keeps failing, or the run timing out.
+                that keeps failing, or the run timing out; every runner is stopped first.
         """
+        try:
+            return self._run(on_update)
+        except ZLError:
+            self.stop_all()
+            raise
+
+    def _run(self, on_update: Callable[[list[StageStatus]], None] | None) -> list[dict]:
         start = time.monotonic()
         if self.resume:
-            self._resume_all()
+            self.recovery.resume_all()
         else:
             for plan in reversed(self.plans):
                 plan.device.start_runner(plan.config, resume=False)
-        if self.standby:
-            self._standby_wanted = set(range(len(self.plans)))
-            self._start_standbys()
+        self.recovery.want_standbys()
         for s in self.status:
             s.last_progress = time.monotonic()
         tick = time.monotonic()
         while True:
-            self._forgive_host_gap(time.monotonic() - tick - POLL_S)
+            self.health.forgive_host_gap(time.monotonic() - tick - POLL_S)
             self._drain_control()
             for k in range(len(self.plans)):
-                self._read_telemetry(k)
+                self.table.read_telemetry(k)
             self._maybe_inject()
             self._check_health()
-            self._apply_policy()
-            self._check_recovered()
+            for resume in self.pauses.step(time.monotonic()):
+                self.pauses.resumed(resume, took_over=self.recovery.replace(resume.stage))
+            self.recovery.check_recovered()
             if on_update:
                 on_update(self.status)
             if all(s.state == "done" for s in self.status):
                 # Frames sent just before the runners exited (last commits, a final heartbeat) may be queued
                 # still: a phone's exit is seen over adb, not on the control channel.
                 self._drain_control()
-                self._check_recovered()
-                self._stop_standbys()
+                self.recovery.check_recovered()
+                self.recovery.stop_standbys()
                 return self.events
             now = time.monotonic()
             if any(s.state == "paused" for s in self.status):
                 self.held_s += now - tick
             tick = now
             if self.timeout_s and now - start - self.held_s > self.timeout_s:
-                self.stop_all()
                 held = f" (and {self.held_s:.0f} s paused)" if self.held_s else ""
                 raise ZLError(f"the run did not finish within {self.timeout_s:.0f} s{held}; stages: "
                               + ", ".join(f"{s.index}: {s.state} at micro-batch {s.micro_batches_done}"
@@ -163,9 +157,46 @@ class Coordinator(HealthChecks, Recovery, Pauses, DeviceFiles):
             time.sleep(POLL_S)
 
     def stop_all(self) -> None:
-        self._stop_standbys()
-        for plan in self.plans:
-            plan.device.stop_runner(timeout_s=5)
+        self.recovery.stop_standbys()
+        self.table.stop_runners()
+
+    # --- health: what the checks found, handed to the part that acts on it ---------------------------
+
+    def _check_health(self) -> None:
+        """Each stage's exit or silence, then the stalls, each acted on as soon as it is found: a restart changes
+        what the next stage's check sees (a global one restarts every runner)."""
+        now = time.monotonic()
+        for k in range(len(self.plans)):
+            verdict = self.health.check_stage(k, now)
+            if verdict is not None:
+                self._act_on(verdict, now)
+        verdict = self.health.check_stalls(now)
+        if verdict is not None:
+            self._act_on(verdict, now)
+
+    def _act_on(self, v: Verdict, now: float) -> None:
+        k = v.stage
+        if v.kind == "finished":
+            self.table.read_telemetry(k)
+            self.table.finished(k)
+            self.pauses.finished(k)
+        elif v.kind == "fatal":
+            self.status[k].state = "error"
+            raise ZLError(v.why)
+        elif v.code == EXIT_STOPPED and self.pauses.stopping(k):
+            self.pauses.stopped(k)
+        else:
+            if v.kill:
+                self.plans[k].device.kill_runner()
+            self._failed(k, now, v.why, v.stalled_s)
+
+    def _failed(self, k: int, now: float, why: str, stalled_s: float | None = None) -> None:
+        """Stage k failed: its recovery (the injected kill's time as the failure's, where it is the injected one),
+        then the pauses of the stages restarted are rearmed."""
+        injected = self.injection is not None and k == self.injection.stage and self._kill_t is not None
+        failure_t, self._kill_t = (self._kill_t, None) if injected else (None, self._kill_t)
+        for stage, committed in self.recovery.failed(k, now, why, stalled_s, failure_t).items():
+            self.pauses.rearm(stage, committed)
 
     # --- progress ------------------------------------------------------------------------------------
 
@@ -191,12 +222,12 @@ class Coordinator(HealthChecks, Recovery, Pauses, DeviceFiles):
     def _event_problem(self, e) -> str | None:
         """Why an event's numbers do not fit this run (None when they do). The control server checked the types
         and the ranges that hold for any run (control.frame_problem); these come from the run's window plan."""
-        total = self.windows.num_micro_batches
+        total = self.table.windows.num_micro_batches
         done = e.payload.get("micro_batches_done") if isinstance(e.payload, dict) else None
         if isinstance(done, int) and not isinstance(done, bool) and done > total:
             return f"micro_batches_done {done} is above the run's {total} micro-batches"
-        if e.type == FrameType.WINDOW_COMMITTED and not self.windows.exists(e.window):
-            return f"window {e.window} is not one of the run's windows 0-{self.windows.num_windows - 1}"
+        if e.type == FrameType.WINDOW_COMMITTED and not self.table.windows.exists(e.window):
+            return f"window {e.window} is not one of the run's windows 0-{self.table.windows.num_windows - 1}"
         return None
 
     def _control_event(self, e) -> None:
@@ -215,19 +246,6 @@ class Coordinator(HealthChecks, Recovery, Pauses, DeviceFiles):
             log.warning("stage %d reports: %s", e.stage,
                         reason if reason.isprintable() else frames.escape_bytes(reason.encode("utf-8", "replace"), 2000))
 
-    def _read_telemetry(self, k: int, remote: bool = False) -> None:
-        """New lines of a stage's telemetry file: tailed where its files are on this host (local devices); on
-        phones, which report through heartbeats, read over adb only when `remote` (at a failure: a heartbeat may
-        be a window behind)."""
-        plan = self.plans[k]
-        if not (plan.device.files_on_host or remote):
-            return
-        s, now = self.status[k], time.monotonic()
-        for record in self._tails[k].feed(plan.device.read_from(plan.log_path, self._tails[k].offset)):
-            fold_telemetry(s, record, now)
-            if record.get("type") == "hold":
-                self._held = True
-
     # --- failure injection ---------------------------------------------------------------------------
 
     def _maybe_inject(self) -> None:
@@ -240,11 +258,11 @@ class Coordinator(HealthChecks, Recovery, Pauses, DeviceFiles):
             self._last_remote_poll = time.monotonic()
             text = plan.device.read_text(plan.log_path) or ""
             # Parsed, not matched as text: the runner writes compact JSON ({"type":"hold",...}).
-            self._held = any(_telemetry_type(line) == "hold" for line in text.splitlines() if "hold" in line)
-        if self._held:
+            self.table.hold_seen = any(_telemetry_type(line) == "hold" for line in text.splitlines() if "hold" in line)
+        if self.table.hold_seen:
             self._injected = True
             log.info("injecting a failure: SIGKILL stage %d parked at micro-batch %d (window %d)", inj.stage,
-                     inj.hold_micro_batch(self.windows), inj.window)
+                     inj.hold_micro_batch(self.table.windows), inj.window)
             self._kill_t = time.monotonic()
             plan.device.kill_runner()
 

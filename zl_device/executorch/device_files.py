@@ -2,7 +2,8 @@
 checkpoints, its accumulator snapshot and its input log; where a restart continues from them, and the runner's
 error output.
 
-`DeviceFiles` is mixed into the `Coordinator` (coordinator.py): it works on its `plans`, `windows` and `layout`.
+`DeviceFiles` holds no state of its own: recovery.py and pauses.py ask it about a stage's files through the
+`StagePlan` they work on (stage_table.py).
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 
+from zl_base.json_reader import loads
 from zl_device.devices.backend import Device
-from zl_device.formats.checkpoints import snapshot_metadata
+from zl_device.executorch.stage_table import StagePlan
+from zl_device.formats.checkpoints import DEFAULT_LAYOUT, CheckpointLayout, snapshot_metadata
+from zl_device.formats.runner_config import RunnerConfig
+from zl_device.formats.windows import WindowPlan
 
 log = logging.getLogger(__name__)
 
@@ -23,31 +28,23 @@ log = logging.getLogger(__name__)
 IN_FLIGHT_GRACE_S = 3.0
 
 
-@dataclass
-class StagePlan:
-    """Where and how stage k runs: its device, its config's name on the device, its telemetry file there."""
-
-    index: int
-    device: Device
-    config: str  # remote config name, e.g. stage_1.json
-    log_path: str  # remote telemetry file, e.g. metrics.jsonl
-    checkpoint_dir: str  # remote checkpoint folder
-    input_bytes: int  # bytes of one input entry (hidden + mask + labels, or a shard row)
-
-
 class DeviceFiles:
     """A stage's checkpoints, accumulator snapshot and input log on its device (module docstring)."""
 
-    def _checkpoint_windows(self, plan: StagePlan) -> list[int]:
+    def __init__(self, windows: WindowPlan, layout: CheckpointLayout = DEFAULT_LAYOUT):
+        self.windows = windows
+        self.layout = layout
+
+    def checkpoint_windows(self, plan: StagePlan) -> list[int]:
         return self.layout.window_numbers(plan.device.listdir(plan.checkpoint_dir))
 
-    def _latest_checkpoint_window(self, plan: StagePlan) -> int:
-        windows = self._checkpoint_windows(plan)
+    def latest_checkpoint_window(self, plan: StagePlan) -> int:
+        windows = self.checkpoint_windows(plan)
         return windows[-1] if windows else -1
 
-    def _latest_checkpoint_mb(self, plan: StagePlan) -> int:
+    def latest_checkpoint_mb(self, plan: StagePlan) -> int:
         """micro_batches_done of the stage's latest checkpoint (0 without one)."""
-        w = self._latest_checkpoint_window(plan)
+        w = self.latest_checkpoint_window(plan)
         if w < 0:
             return 0
         text = plan.device.read_text(self.layout.device_progress(plan.checkpoint_dir, w))
@@ -57,12 +54,12 @@ class DeviceFiles:
         except (ValueError, AttributeError, RecursionError):  # damaged: the runner refuses it itself on --resume
             return self.windows.done_after(w)
 
-    def _resume_point_mb(self, plan: StagePlan) -> int:
+    def resume_point_mb(self, plan: StagePlan) -> int:
         """Where a restart of the stage continues: its accumulator snapshot's micro_batches_done when that continues
         the window after its latest checkpoint (the runner's check, accumulator_snapshot.h), else the
         checkpoint's."""
-        window = self._latest_checkpoint_window(plan)
-        committed = self._latest_checkpoint_mb(plan)
+        window = self.latest_checkpoint_window(plan)
+        committed = self.latest_checkpoint_mb(plan)
         path = self.layout.device_accumulator(plan.checkpoint_dir)
         meta = snapshot_metadata(_read_bytes(plan.device, path)) if plan.device.exists(path) else None
         try:
@@ -74,8 +71,8 @@ class DeviceFiles:
             usable = False
         return done if usable else committed
 
-    def _drop_snapshot_of_lost_sends(self, k: int, grace_s: float = 0.0) -> None:
-        """Remove stage k's accumulator snapshot when the next stage lacks an output of a micro-batch it covers, so
+    def drop_snapshot_of_lost_sends(self, plan: StagePlan, down: StagePlan | None, grace_s: float = 0.0) -> None:
+        """Remove the stage's accumulator snapshot when the next stage (`down`; None: it is the last) lacks an output of a micro-batch it covers, so
         that the restart replays the window from the checkpoint (exact, docs/design.md §7) and sends those again.
 
         A snapshot is written after a micro-batch's phase 2, not once downstream acknowledged its hidden state (that
@@ -90,15 +87,14 @@ class DeviceFiles:
         it died may still sit in the next stage's socket buffer, on its way to the log; wait up to this long for
         the missing entries to land before giving up the snapshot (on a loaded host the receiver can lag).
         """
-        if k + 1 >= len(self.plans):
+        if down is None:
             return  # the last stage sends nothing
-        plan, down = self.plans[k], self.plans[k + 1]
-        committed, resume_at = self._latest_checkpoint_mb(plan), self._resume_point_mb(plan)
+        committed, resume_at = self.latest_checkpoint_mb(plan), self.resume_point_mb(plan)
         if resume_at <= committed:
             return  # no usable snapshot: the restart replays from the checkpoint anyway
         deadline = time.monotonic() + grace_s
         while True:
-            held_below = self._latest_checkpoint_mb(down)
+            held_below = self.latest_checkpoint_mb(down)
             logged = {mb for name in down.device.listdir(self.layout.device_input_log(down.checkpoint_dir))
                       if (mb := input_log_entry_micro_batch(name)) is not None}
             missing = [mb for mb in range(committed, resume_at) if mb >= held_below and mb not in logged]
@@ -107,16 +103,16 @@ class DeviceFiles:
             time.sleep(0.05)
         if missing:
             log.info("stage %d: accumulator snapshot (micro-batches %d-%d) not used: stage %d never received "
-                     "micro-batch %d; replaying from the checkpoint (micro-batch %d)", k, committed, resume_at - 1,
-                     k + 1, missing[0], committed)
+                     "micro-batch %d; replaying from the checkpoint (micro-batch %d)", plan.index, committed,
+                     resume_at - 1, down.index, missing[0], committed)
             plan.device.remove(self.layout.device_accumulator(plan.checkpoint_dir))
 
-    def _remove_checkpoints_after(self, plan: StagePlan, window: int) -> None:
-        for w in self._checkpoint_windows(plan):
+    def remove_checkpoints_after(self, plan: StagePlan, window: int) -> None:
+        for w in self.checkpoint_windows(plan):
             if w > window:
                 plan.device.remove(self.layout.device_window(plan.checkpoint_dir, w))
 
-    def _remove_input_log_after(self, plan: StagePlan, window: int) -> None:
+    def remove_input_log_after(self, plan: StagePlan, window: int) -> None:
         """Input-log entries of windows after `window`: after a rollback upstream sends them again, and stale
         ones left in the log would count against the link's in-flight depth (the receiver stops reading)."""
         folder = self.layout.device_input_log(plan.checkpoint_dir)
@@ -124,6 +120,20 @@ class DeviceFiles:
             entry_window = input_log_entry_window(name)
             if entry_window is not None and entry_window > window:
                 plan.device.remove(f"{folder}/{name}")
+
+    def remove_accumulator(self, plan: StagePlan) -> None:
+        plan.device.remove(self.layout.device_accumulator(plan.checkpoint_dir))
+
+    def clear_hold(self, plan: StagePlan) -> None:
+        """Drop hold_at_micro_batch from the stage's config on its device, so the restart runs through."""
+        text = plan.device.read_text(plan.config)
+        if not text:
+            return
+        label, fix = f"{plan.device.name}:{plan.config}", "redeploy the stage"
+        cfg = RunnerConfig.from_json(loads(text, label, fix), label, fix)
+        if cfg.hold_at_micro_batch != -1:
+            plan.device.write_text(plan.config, json.dumps(replace(cfg, hold_at_micro_batch=-1).to_json(), indent=2)
+                                   + "\n")
 
 
 _INPUT_LOG_ENTRY = re.compile(r"entry-(\d+)-w(\d+)\.zlf")

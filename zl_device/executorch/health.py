@@ -12,19 +12,19 @@ A stage alive but without progress while its input is there has stalled (`stall_
 to the stage it comes from (`stalled_stage`). Time the host itself did not run is no stage's silence
 (`HOST_GAP_S`).
 
-`HealthChecks` is mixed into the `Coordinator` (coordinator.py): it works on its `plans` and `status`, and hands
-a failed stage to its recovery (`_failed`, recovery.py).
+`Health` reads the stage table (stage_table.py) and returns what it found about a stage (`Verdict`: finished,
+fatal, failed and why); the coordinator's loop hands a failed stage to the recovery (recovery.py), a stage that
+stopped for a pause to the pauses (pauses.py).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from zl_base.errors import ZLError
 from zl_device.executorch.device_files import stderr_tail
-from zl_device.executorch.pauses import EXIT_STOPPED
+from zl_device.executorch.stage_table import StageTable
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,33 @@ SILENT_S = 3.0  # three heartbeats missed
 
 # A pass of the coordinator's loop that began this much later than it should have means the host itself did not run
 # (a laptop starved by other work, suspended or swapping): heartbeats sent meanwhile are queued, not missing, so
-# that time is no stage's silence (`_forgive_host_gap`).
+# that time is no stage's silence (`Health.forgive_host_gap`).
 HOST_GAP_S = 5.0
 
 
-class HealthChecks:
-    """Exit statuses, heartbeats and stalls of the stages (module docstring)."""
+@dataclass(frozen=True)
+class Verdict:
+    """What the health checks found about one stage; the coordinator's loop acts on it (coordinator.py)."""
 
-    def _forgive_host_gap(self, gap_s: float) -> None:
+    stage: int
+    kind: str  # finished (exit 0) | fatal (exit 2: not retried) | failed (any other exit, silence, a stall)
+    why: str = ""  # failed: "exited with status -9", "heartbeat timeout", "stalled: ..."; fatal: the whole message
+    code: int | None = None  # the runner's exit status, where it exited
+    kill: bool = False  # its runner is still there (silent or stalled): the loop kills it before the recovery
+    stalled_s: float | None = None  # a stall: how long the stage made no progress
+
+
+class Health:
+    """Exit statuses, heartbeats and stalls of the stages in a `StageTable` (module docstring): each check returns
+    what it found (`Verdict`) and changes nothing but the clocks it forgives (`forgive_host_gap`)."""
+
+    def __init__(self, table: StageTable, heartbeat_timeout_s: float, stall_timeout_s: float, backprop: bool):
+        self.table = table
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.stall_timeout_s = stall_timeout_s  # 0: no stall detection
+        self.backprop = backprop  # a backprop schedule: a stage's progress waits on its downstream's gradients
+
+    def forgive_host_gap(self, gap_s: float) -> None:
         """Move every stage's heartbeat and progress clocks on by the `gap_s` seconds the coordinator did not run,
         when that is more than HOST_GAP_S: under load (all three stages of a run on a 2-core host with other jobs
         were once blamed together after a 37 s gap) a stage is judged only on the time the host watched it. A
@@ -52,42 +71,30 @@ class HealthChecks:
         if gap_s <= HOST_GAP_S:
             return
         log.warning("the coordinator did not run for %.1f s (host overloaded?); no stage is blamed for it", gap_s)
-        for s in self.status:
+        for s in self.table.status:
             s.last_sign_of_life += gap_s
             s.last_progress += gap_s
 
-    def _check_health(self) -> None:
-        now = time.monotonic()
-        for k, plan in enumerate(self.plans):
-            s = self.status[k]
-            if s.state in ("done", "error", "paused"):  # paused: no process to watch
-                continue
-            code = plan.device.exit_code()
-            if code == 0:
-                self._read_telemetry(k)
-                s.state = "done"
-                s.micro_batches_done = max(s.micro_batches_done, self.windows.num_micro_batches)
-                if self._pauses.pop(k, None) is not None:  # the window it was to finish was its last
-                    s.pause_reason = None
-                continue
-            pause = self._pauses.get(k)
-            if code == EXIT_STOPPED and pause is not None and pause.stop_t is not None:
-                self._paused(k, pause)
-                continue
-            if code == 2:
-                s.state = "error"
-                self.stop_all()
-                raise ZLError(f"stage {k} on {plan.device.name} stopped with exit status 2 (a bad configuration, or a "
-                              f"failure a restart cannot fix, so it is not retried): "
-                              f"{stderr_tail(plan.device)}")
-            timed_out = s.heartbeat_seen and now - s.last_sign_of_life > self.heartbeat_timeout_s
-            if code is not None or timed_out:
-                if timed_out and code is None:
-                    plan.device.kill_runner()
-                self._failed(k, now, "exited with status %s" % code if code is not None else "heartbeat timeout")
-        self._check_stalls(now)
+    def check_stage(self, k: int, now: float) -> Verdict | None:
+        """Stage k's runner: exited (0, 2 or another status) or silent past the heartbeat timeout; None while it
+        runs and beats, and for a stage done, given up on or paused (no process to watch)."""
+        plan, s = self.table.plans[k], self.table.status[k]
+        if s.state in ("done", "error", "paused"):
+            return None
+        code = plan.device.exit_code()
+        if code == 0:
+            return Verdict(k, "finished", code=0)
+        if code == 2:
+            return Verdict(k, "fatal", f"stage {k} on {plan.device.name} stopped with exit status 2 (a bad "
+                                       f"configuration, or a failure a restart cannot fix, so it is not retried): "
+                                       f"{stderr_tail(plan.device)}", code=2)
+        if code is not None:
+            return Verdict(k, "failed", f"exited with status {code}", code=code)
+        if s.heartbeat_seen and now - s.last_sign_of_life > self.heartbeat_timeout_s:
+            return Verdict(k, "failed", "heartbeat timeout", kill=True)
+        return None
 
-    def _check_stalls(self, now: float) -> None:
+    def check_stalls(self, now: float) -> Verdict | None:
         """A stage alive (heartbeats come from a timer thread) but without progress for `stall_timeout_s`.
 
         Its neighbours stop progressing too: the ones downstream starve, the ones upstream are held back by the
@@ -96,19 +103,19 @@ class HealthChecks:
         stage that still moves is left alone (docs/design.md §5.2).
         """
         if not self.stall_timeout_s:
-            return
-        live = [s.state not in ("done", "error", "failed") for s in self.status]
-        for k, s in enumerate(self.status):
+            return None
+        status, total = self.table.status, self.table.windows.num_micro_batches
+        live = [s.state not in ("done", "error", "failed") for s in status]
+        for k, s in enumerate(status):
             if not live[k] or now - s.last_progress < self.stall_timeout_s:
                 continue
-            done = [st.micro_batches_done if live[i] else self.windows.num_micro_batches
-                    for i, st in enumerate(self.status)]
-            silent = silent_stage(self.status, live, now)
+            done = [st.micro_batches_done if live[i] else total for i, st in enumerate(status)]
+            silent = silent_stage(status, live, now)
             if silent is not None:
                 blamed = silent
             else:
                 blamed = stalled_backprop_stage(done, live) if self.backprop else stalled_stage(done, live, k)
-            b = self.status[blamed]
+            b = status[blamed]
             if not live[blamed] or now - b.last_progress < self.stall_timeout_s:
                 continue
             if b.state == "paused":
@@ -118,10 +125,9 @@ class HealthChecks:
                    "alive; input available")
             log.warning("stage %d made no progress for %.0f s at micro-batch %d (%s): restarting it", blamed, still,
                         b.micro_batches_done, why)
-            self.plans[blamed].device.kill_runner()
-            self._failed(blamed, now, f"stalled: no progress for {still:.0f} s at micro-batch "
-                                      f"{b.micro_batches_done} ({why})", stalled_s=still)
-            return
+            return Verdict(blamed, "failed", f"stalled: no progress for {still:.0f} s at micro-batch "
+                                             f"{b.micro_batches_done} ({why})", kill=True, stalled_s=still)
+        return None
 
 
 def silent_stage(status: Sequence, live: Sequence[bool], now: float, silent_s: float = SILENT_S) -> int | None:

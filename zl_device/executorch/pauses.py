@@ -13,8 +13,9 @@ why the adapter is the one of a run without pauses. Each pause becomes a `pause`
     pausing --back in range before it stopped--> running
     paused --back in range--> restarting --> running
 
-`Pauses` is mixed into the `Coordinator` (coordinator.py): it works on its `plans`, `status`, `policy` and
-`events`; a paused stage restarts through `_replace` (recovery.py).
+`Pauses` works on the stage table (stage_table.py) and is fed by the coordinator's loop: `step` each pass (it
+returns the paused stages to start again, which the loop starts through the recovery's `replace`), `stopped`
+when a stage asked to stop exits 3, `rearm` after a restart, `finished` when a stage ends.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import time
 from dataclasses import dataclass
 
 from zl_base.errors import ZLError
-from zl_device.executorch.device_files import IN_FLIGHT_GRACE_S
-from zl_device.executorch.recovery import unix_ms
+from zl_device.devices.readings import DeviceReadings
+from zl_device.executorch.device_files import IN_FLIGHT_GRACE_S, DeviceFiles
+from zl_device.executorch.device_policy import DevicePolicy
+from zl_device.executorch.stage_table import StageTable, unix_ms
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +52,39 @@ class Pause:
     paused_unix_ms: int | None = None
 
 
-class Pauses:
-    """Pausing stages whose device crossed a policy's limit, and restarting them (module docstring)."""
+@dataclass(frozen=True)
+class Resume:
+    """A paused stage whose device is back in range: the loop starts it again (recovery.py's `replace`), then
+    records the pause (`Pauses.resumed`)."""
 
-    def _apply_policy(self) -> None:
+    stage: int
+    pause: Pause
+    readings: DeviceReadings
+    t: float  # time.monotonic() it was found back in range
+
+
+class Pauses:
+    """Pausing stages whose device crossed a policy's limit, and restarting them (module docstring): a state machine
+    per stage over the stage table, fed by the coordinator's loop."""
+
+    def __init__(self, table: StageTable, files: DeviceFiles, policy: DevicePolicy | None):
+        self.table, self.files = table, files
+        self.policy = policy if policy is not None and policy.active else None  # None: devices are not watched
+        self.pauses: dict[int, Pause] = {}  # stage -> its pause, from the limit crossed until it runs again
+        self._next_read = [0.0] * len(table)  # when each stage's device is read next (time.monotonic())
+        self._unreadable: set[int] = set()  # stages whose device's last reading failed (logged once)
+
+    def step(self, now: float) -> list[Resume]:
         """Stop a pausing stage once it committed its window; read each device when due, then pause a stage whose
         device crossed a limit, let a pausing one go on when its device is back in range before it stopped, and
-        restart a paused one whose device is."""
+        return the paused ones whose device is, for the loop to start again."""
         if self.policy is None:
-            return
-        now = time.monotonic()
-        for k, s in enumerate(self.status):
+            return []
+        resumes = []
+        for k, s in enumerate(self.table.status):
             if s.state in ("done", "error"):
                 continue
-            pause = self._pauses.get(k)
+            pause = self.pauses.get(k)
             if pause is not None and pause.paused_t is None and s.state == "running":
                 s.state = "pausing"  # requested while it was starting, or restarted since: it still is
             if pause is not None and pause.stop_t is None and s.last_committed_window > pause.after_window:
@@ -79,16 +101,34 @@ class Pauses:
                     self._request_pause(k, *breach)
             elif self.policy.holds(readings) is None:
                 if pause.paused_t is not None:
-                    self._resume(k, pause, readings)
+                    resumes.append(self._resuming(k, pause, readings))
                 elif pause.stop_t is None:  # back in range before its window ended: it just goes on
                     log.warning("stage %d on %s: back in range (%s); not pausing", k, s.device, readings.summary())
-                    del self._pauses[k]
+                    del self.pauses[k]
                     s.pause_reason = None
                     s.state = "running" if s.state == "pausing" else s.state
+        return resumes
 
-    def _read_device(self, k: int):
+    def stopping(self, k: int) -> bool:
+        """Stage k was asked to stop for its pause (SIGTERM sent): an exit with EXIT_STOPPED is that stop."""
+        pause = self.pauses.get(k)
+        return pause is not None and pause.stop_t is not None
+
+    def finished(self, k: int) -> None:
+        """Stage k's runner exited 0: the window it was to pause after was its last."""
+        if self.pauses.pop(k, None) is not None:
+            self.table.status[k].pause_reason = None
+
+    def rearm(self, k: int, committed: int) -> None:
+        """A pausing stage that failed, or was restarted by a global recovery, before it stopped: it is to pause
+        after the window it will be in once it runs again (`committed`: the last one it committed)."""
+        pause = self.pauses.get(k)
+        if pause is not None and pause.paused_t is None:
+            pause.stop_t, pause.after_window = None, committed
+
+    def _read_device(self, k: int) -> DeviceReadings | None:
         """Stage k's device's readings; None when they cannot be read now (logged once until they can again)."""
-        plan = self.plans[k]
+        plan = self.table.plans[k]
         try:
             readings = self.policy.read(plan.device)
         except ZLError as e:
@@ -101,8 +141,8 @@ class Pauses:
         return readings
 
     def _request_pause(self, k: int, kind: str, reason: str) -> None:
-        s = self.status[k]
-        self._pauses[k] = Pause(kind, reason, s.last_committed_window, time.monotonic(), unix_ms())
+        s = self.table.status[k]
+        self.pauses[k] = Pause(kind, reason, s.last_committed_window, time.monotonic(), unix_ms())
         s.pause_reason = reason
         if s.state == "running":
             s.state = "pausing"
@@ -115,46 +155,44 @@ class Pauses:
         the next window, or on a tiny model finished it too; it stops at its next check, and what it did after its
         last commit is in its accumulator snapshot or is redone (§7)."""
         pause.stop_t = time.monotonic()
-        self.plans[k].device.signal_runner(signal.SIGTERM)
+        self.table.plans[k].device.signal_runner(signal.SIGTERM)
 
-    def _paused(self, k: int, pause: Pause) -> None:
-        """Its runner stopped (exit 3): hold the stage. Its count goes back to where the restart will continue,
-        so the stall walk never takes an output it sent but the next stage lost with the connection for input
-        the next stage has (it would blame that stage)."""
-        plan, s = self.plans[k], self.status[k]
-        self._read_telemetry(k, remote=True)
+    def stopped(self, k: int) -> None:
+        """Its runner stopped for the pause (exit 3): hold the stage. Its count goes back to where the restart will
+        continue, so the stall walk never takes an output it sent but the next stage lost with the connection for
+        input the next stage has (it would blame that stage)."""
+        pause, plans, s = self.pauses[k], self.table.plans, self.table.status[k]
+        plan = plans[k]
+        self.table.read_telemetry(k, remote=True)
         # What it committed by the time the SIGTERM took effect: on a fast stage, more than the coordinator had seen.
-        pause.window = self._latest_checkpoint_window(plan)
-        self._drop_snapshot_of_lost_sends(k, grace_s=IN_FLIGHT_GRACE_S)
-        s.micro_batches_done = self._resume_point_mb(plan)
+        pause.window = self.files.latest_checkpoint_window(plan)
+        down = plans[k + 1] if k + 1 < len(plans) else None
+        self.files.drop_snapshot_of_lost_sends(plan, down, grace_s=IN_FLIGHT_GRACE_S)
+        s.micro_batches_done = self.files.resume_point_mb(plan)
         s.state = "paused"
         pause.paused_t, pause.paused_unix_ms = time.monotonic(), unix_ms()
         s.paused_since = pause.paused_t
         log.warning("stage %d on %s paused after window %d (%s)", k, s.device, pause.window, pause.reason)
 
-    def _resume(self, k: int, pause: Pause, readings) -> None:
-        """The device is back in range: the stage starts again from its checkpoint (or snapshot), as a restart."""
-        plan, s = self.plans[k], self.status[k]
-        now = time.monotonic()
+    def _resuming(self, k: int, pause: Pause, readings: DeviceReadings) -> Resume:
+        """The device is back in range: the stage is to start again from its checkpoint (or snapshot), as a
+        restart."""
+        s, now = self.table.status[k], time.monotonic()
         s.state, s.pause_reason, s.paused_since = "restarting", None, None
         s.last_sign_of_life = now
-        for st in self.status:  # the others waited for it: none is stalled until a full stall timeout from now
-            st.last_progress = max(st.last_progress, now)
-        took_over = self._replace(plan)
-        del self._pauses[k]
-        log.warning("stage %d on %s resumes (%s) after %.0f s paused", k, s.device, readings.summary(),
-                    now - pause.paused_t)
-        self.events.append({"type": "pause", "stage": k, "device": plan.device.name, "kind": pause.kind,
-                            "reason": pause.reason, "window": pause.window,
-                            "requested_unix_ms": pause.requested_unix_ms, "paused_unix_ms": pause.paused_unix_ms,
-                            "resumed_unix_ms": unix_ms(),
-                            "to_pause_ms": round((pause.paused_t - pause.requested_t) * 1e3, 1),
-                            "paused_ms": round((now - pause.paused_t) * 1e3, 1),
-                            "resumed_at": readings.summary(), "standby": took_over})
+        self.table.waiting_from(now)  # the others waited for it: none is stalled until a full stall timeout from now
+        del self.pauses[k]
+        return Resume(k, pause, readings, now)
 
-    def _rearm_pause(self, k: int, committed: int) -> None:
-        """A pausing stage that failed, or was restarted by a global recovery, before it stopped: it is to pause
-        after the window it will be in once it runs again."""
-        pause = self._pauses.get(k)
-        if pause is not None and pause.paused_t is None:
-            pause.stop_t, pause.after_window = None, committed
+    def resumed(self, r: Resume, took_over: bool) -> None:
+        """The loop started the stage of `r` again (its standby took over: `took_over`): the pause's event."""
+        pause, plan = r.pause, self.table.plans[r.stage]
+        log.warning("stage %d on %s resumes (%s) after %.0f s paused", r.stage, plan.device.name,
+                    r.readings.summary(), r.t - pause.paused_t)
+        self.table.events.append({
+            "type": "pause", "stage": r.stage, "device": plan.device.name, "kind": pause.kind,
+            "reason": pause.reason, "window": pause.window, "requested_unix_ms": pause.requested_unix_ms,
+            "paused_unix_ms": pause.paused_unix_ms, "resumed_unix_ms": unix_ms(),
+            "to_pause_ms": round((pause.paused_t - pause.requested_t) * 1e3, 1),
+            "paused_ms": round((r.t - pause.paused_t) * 1e3, 1), "resumed_at": r.readings.summary(),
+            "standby": took_over})

@@ -1,4 +1,4 @@
-"""The runner's AdamW (android_app/native/src/adamw.cpp) against torch.optim.AdamW, through `zl_adamw_check`.
+"""The runner's AdamW (runner/src/adamw.cpp) against torch.optim.AdamW, through `zl_adamw_check`.
 
 Both sides get the same initial parameters and per-micro-batch gradients; the
 runner accumulates a window's gradients and steps on their MEAN, the reference
@@ -9,7 +9,7 @@ must agree to 1e-6.
     cmake --build build -j2 --target zl_adamw_check
     .venv/bin/python -m pytest tests/test_adamw.py
 
-The binary is build/android_app/native/zl_adamw_check (override with
+The binary is build/runner/zl_adamw_check (override with
 $ZL_ADAMW_CHECK_BIN).
 """
 
@@ -33,7 +33,7 @@ SHAPES = {"layers.0.q_proj.lora_A.weight": (4, 16), "layers.0.q_proj.lora_B.weig
 
 
 def adamw_check_bin() -> Path:
-    default = REPO / "build" / "android_app" / "native" / "zl_adamw_check"
+    default = REPO / "build" / "runner" / "zl_adamw_check"
     return Path(os.environ.get("ZL_ADAMW_CHECK_BIN", default)).resolve()
 
 

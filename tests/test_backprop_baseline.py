@@ -92,7 +92,7 @@ def test_lambda_lr_steps_like_zl_train():
 
 def test_lrs_equal_the_runners(tmp_path):
     """The runner's own AdamW (`zl_adamw_check`) reports the lr of each step: the baseline's LambdaLR gives the same."""
-    binary = REPO / "build" / "android_app" / "native" / "zl_adamw_check"
+    binary = REPO / "build" / "runner" / "zl_adamw_check"
     if not binary.is_file():
         pytest.skip(f"{binary} not built; run `cmake --build build -j2 --target zl_adamw_check`")
     n, m = 11, 2

@@ -284,7 +284,7 @@ def test_the_report_shows_each_pause_and_does_not_count_it_as_a_restart(tmp_path
 
 # --- end to end ------------------------------------------------------------------------------------------------------
 
-RUNNER = Path(os.environ.get("ZL_RUNNER_BIN", REPO / "build" / "android_app" / "native" / "zl_runner"))
+RUNNER = Path(os.environ.get("ZL_RUNNER_BIN", REPO / "build" / "runner" / "zl_runner"))
 
 
 def set_readings(path: Path, **values) -> None:

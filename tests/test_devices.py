@@ -462,7 +462,7 @@ def test_real_runner_pipeline_on_local_devices(tmp_path):
     from conftest import REPO, native_library_or_skip
     from test_runner import OPTIMIZER, RUN_ID, RUN_KEY, SEQ_LEN, export_programs
 
-    runner = Path(os.environ.get("ZL_RUNNER_BIN", REPO / "build" / "android_app" / "native" / "zl_runner"))
+    runner = Path(os.environ.get("ZL_RUNNER_BIN", REPO / "build" / "runner" / "zl_runner"))
     if not runner.is_file():
         pytest.skip(f"{runner} not built (cmake --build build -j2 --target zl_runner, or set ZL_RUNNER_BIN)")
     native_library_or_skip()

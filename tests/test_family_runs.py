@@ -28,7 +28,7 @@ from conftest import REPO, native_library_or_skip
 MODELS = ("tiny-random-qwen2", "tiny-random-qwen3", "tiny-random-phi3", "tiny-random-gemma3")
 FAST = ("tiny-random-gemma3", "executorch")  # the one run of the default suite
 SAMPLES, WINDOW = 8, 4  # 2 windows
-RUNNER = REPO / "build" / "android_app" / "native" / "zl_runner"
+RUNNER = REPO / "build" / "runner" / "zl_runner"
 
 
 def _cases():

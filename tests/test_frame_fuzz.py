@@ -39,7 +39,7 @@ CLIENT_HALF = bytes.fromhex("c1a7e5a1f00dfeed0123456789abcdef")
 B, S, D = 1, 2, 4
 STAGE = 0
 REPO = Path(__file__).resolve().parent.parent
-FRAME_TOOL = Path(os.environ.get("ZL_FRAME_TOOL", REPO / "build" / "android_app" / "native" / "zl_frame_tool"))
+FRAME_TOOL = Path(os.environ.get("ZL_FRAME_TOOL", REPO / "build" / "runner" / "zl_frame_tool"))
 EXPECT_ARGS = ["--expect-run", RUN.hex(), "--expect-stage", str(STAGE), "--expect-shape", f"{B},{S},{D}"]
 N_FRAMES = 10_240
 

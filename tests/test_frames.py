@@ -17,7 +17,7 @@ RUN_KEY = bytes(range(32))
 KEY = frames.derive_key(RUN_KEY, frames.KeyPurpose.DATA_DOWN, 1)  # a frame key: DATA from stage 1
 RUN = bytes.fromhex("00112233445566778899aabbccddeeff")
 REPO = Path(__file__).resolve().parent.parent
-FRAME_TOOL = Path(os.environ.get("ZL_FRAME_TOOL", REPO / "build" / "android_app" / "native" / "zl_frame_tool"))
+FRAME_TOOL = Path(os.environ.get("ZL_FRAME_TOOL", REPO / "build" / "runner" / "zl_frame_tool"))
 
 
 def data_frame() -> Frame:

@@ -1,6 +1,6 @@
 """The typed manifest (zl_export/manifest.py, docs/design.md §3.4): one stage-entry builder, one reader.
 
-The JSON stays what the C++ runner reads (android_app/native/src/stage_manifest.cpp): the round trip is checked
+The JSON stays what the C++ runner reads (runner/src/stage_manifest.cpp): the round trip is checked
 byte for byte and key for key; old manifests read with their defaults; a damaged one is one ZLError naming the file
 and the field.
 """

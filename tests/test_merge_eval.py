@@ -1,7 +1,7 @@
 """`zl merge` (stage checkpoints -> one PEFT adapter) and `zl eval` (accuracy and NLL), on a tiny random Llama.
 
 Stage checkpoints are written here the way the C++ runner writes them
-(android_app/native/include/zl/checkpoint.h): `stage_<k>/window_NNNNNN/` with
+(runner/include/zl/checkpoint.h): `stage_<k>/window_NNNNNN/` with
 `adapter.safetensors` (F32, PEFT names) and `progress.json`, for a manifest
 built by zl_export's own helpers for a 2-stage split of `tiny-random`.
 """

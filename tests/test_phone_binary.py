@@ -32,7 +32,7 @@ import phone_kernels  # noqa: E402
 from zl_base.errors import ZLError  # noqa: E402
 from zl_device.devices import deploy as zdeploy  # noqa: E402
 
-RUNNER = zdeploy.PHONE_RUNNER  # build-phone/zl/android_app/native/zl_runner
+RUNNER = zdeploy.PHONE_RUNNER  # build-phone/zl/runner/zl_runner
 QEMU = shutil.which("qemu-aarch64")
 needs_binary = pytest.mark.skipif(not RUNNER.is_file() or QEMU is None,
                                   reason="no build-phone/ static binary (tools/build_phone_runner.sh) or no qemu-aarch64")

@@ -20,7 +20,7 @@ from zl_base.errors import ZLError
 
 pytestmark = pytest.mark.slow
 
-RUNNER = Path(os.environ.get("ZL_RUNNER_BIN", REPO / "build" / "android_app" / "native" / "zl_runner"))
+RUNNER = Path(os.environ.get("ZL_RUNNER_BIN", REPO / "build" / "runner" / "zl_runner"))
 QUOTAS = (1.0, 0.15)
 
 

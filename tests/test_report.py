@@ -379,7 +379,7 @@ def test_cli(tmp_path):
     assert isinstance(result.exception, ZLError) and "not a directory" in str(result.exception)
 
 
-# Telemetry written by the real runner (build/android_app/native/zl_runner): tests/test_runner.py's
+# Telemetry written by the real runner (build/runner/zl_runner): tests/test_runner.py's
 # SIGKILL test, 3 stages of tiny-random, 16 micro-batches in windows of 4; stage 1 was killed after
 # micro-batch 9 and resumed from window 1, redoing 8 and 9. Start lines' configs are trimmed.
 RUNNER_RUN = Path(__file__).resolve().parent / "data" / "runner_kill_run"

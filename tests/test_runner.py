@@ -11,7 +11,7 @@ window, `torch.optim.AdamW` + `LambdaLR` with the runner's schedule.
     .venv/bin/python -m pytest tests/test_runner.py            # fast ones
     .venv/bin/python -m pytest tests/test_runner.py -m slow    # 2 stages, more windows
 
-The runner binary is build/android_app/native/zl_runner (override with
+The runner binary is build/runner/zl_runner (override with
 $ZL_RUNNER_BIN); the programs need the marker kernel (build/custom_ops, or
 $ZL_CUSTOM_OPS_LIB).
 """
@@ -44,7 +44,7 @@ PROCESS_TIMEOUT_S = 120
 
 
 def runner_bin() -> Path:
-    return Path(os.environ.get("ZL_RUNNER_BIN", REPO / "build" / "android_app" / "native" / "zl_runner")).resolve()
+    return Path(os.environ.get("ZL_RUNNER_BIN", REPO / "build" / "runner" / "zl_runner")).resolve()
 
 
 @pytest.fixture(scope="module")
@@ -366,8 +366,8 @@ def test_stage_program_gtests(export3):
 
 
 def jni_host_classes() -> tuple[Path, Path]:
-    """The JNI library and the compiled host-test classes (jni/CMakeLists.txt), or skip."""
-    jni_dir = runner_bin().parent / "jni"
+    """The JNI library and the compiled host-test classes (android_app/jni/CMakeLists.txt), or skip."""
+    jni_dir = runner_bin().parent.parent / "android_app" / "jni"  # the build tree mirrors the sources
     library, classes = jni_dir / "libzl_jni.so", jni_dir / "host_test_classes"
     if not library.is_file() or not (classes / "com" / "zerolock" / "zl" / "AppStageDriver.class").is_file():
         pytest.skip(f"{library} or its host-test classes not built (needs a JDK); run `cmake --build build -j2`")

@@ -1,5 +1,5 @@
 """The typed runner config (zl_device/formats/runner_config.py) against the C++ runner's field table
-(android_app/native/src/runner_config.cpp, printed by `zl_runner --config-fields`): same fields, JSON types,
+(runner/src/runner_config.cpp, printed by `zl_runner --config-fields`): same fields, JSON types,
 required fields, path fields and defaults; what Python writes reads back the same, and what the runner would
 refuse fails where the config is made."""
 

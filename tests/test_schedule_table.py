@@ -71,7 +71,7 @@ def test_every_micro_batch_once_forward_then_backward_and_one_step_per_window(sc
 
 @pytest.fixture(scope="module")
 def schedule_ops_bin() -> Path:
-    path = Path(os.environ.get("ZL_SCHEDULE_OPS_BIN", REPO / "build" / "android_app" / "native" / "zl_schedule_ops"))
+    path = Path(os.environ.get("ZL_SCHEDULE_OPS_BIN", REPO / "build" / "runner" / "zl_schedule_ops"))
     if not path.is_file():
         pytest.skip(f"{path} not built; run `cmake --build build -j2 --target zl_schedule_ops`")
     return path

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, native_library_or_skip
 
-RUNNER = Path(os.environ.get("ZL_RUNNER_BIN", REPO / "build" / "android_app" / "native" / "zl_runner"))
+RUNNER = Path(os.environ.get("ZL_RUNNER_BIN", REPO / "build" / "runner" / "zl_runner"))
 SAMPLES, WINDOW = 24, 4  # 6 windows
 
 

@@ -22,8 +22,8 @@ path costs against the bare binary:
 
     .venv/bin/python tools/bench_early_forwarding.py --export /tmp/zl3 --shard /tmp/zl3data/train.safetensors --app-stage 1
 
-The runner binary is build/android_app/native/zl_runner (or --runner / $ZL_RUNNER_BIN); the JNI library and
-the JVM classes are built next to it (android_app/native/jni, needs a JDK).
+The runner binary is build/runner/zl_runner (or --runner / $ZL_RUNNER_BIN); the JNI library and
+the JVM classes are built in the same build tree (build/android_app/jni, needs a JDK).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ FIELDS = ("phase1_ms", "phase2_ms", "queue_ms", "send_ms", "total_ms")
 
 
 def app_stage_command(runner: Path) -> list[str]:
-    """The JVM command that runs one stage through libzl_jni.so (AppStageDriver), built next to `runner`."""
-    jni = runner.parent / "jni"
+    """The JVM command that runs one stage through libzl_jni.so (AppStageDriver), built in the same build tree as
+    `runner` (build/runner/zl_runner: build/android_app/jni)."""
+    jni = runner.parent.parent / "android_app" / "jni"
     library, classes = jni / "libzl_jni.so", jni / "host_test_classes"
     if not library.is_file() or not (classes / "com" / "zerolock" / "zl" / "AppStageDriver.class").is_file():
         sys.exit(f"{library} or its JVM classes are not built (needs a JDK); run `cmake --build build -j2`")
@@ -124,7 +125,7 @@ def main() -> None:
     parser.add_argument("--export", type=Path, required=True, help="`zl export` output directory")
     parser.add_argument("--shard", type=Path, required=True, help="stage 0's data shard (.safetensors)")
     parser.add_argument("--runner", type=Path, default=Path(os.environ.get(
-        "ZL_RUNNER_BIN", REPO / "build" / "android_app" / "native" / "zl_runner")), help="zl_runner binary")
+        "ZL_RUNNER_BIN", REPO / "build" / "runner" / "zl_runner")), help="zl_runner binary")
     parser.add_argument("--micro-batches", type=int, default=64, help="micro-batches per run")
     parser.add_argument("--window-size", type=int, default=8, help="micro-batches per AdamW step")
     parser.add_argument("--depth", type=int, default=4, help="in_flight_depth D")

@@ -2,7 +2,7 @@
 
 Exports one stage (by default stage 0 of `tinyllama-random --stages 0-6,7-13,14-21`, micro-batch 1, LoRA r=8 on
 every projection, as `zl train`; `--lora-targets q_proj,v_proj` for fewer) once per `--frozen-dtype` and sequence length, then trains each program alone for `--steps` steps with the
-runner's StageProgram (build/android_app/native/zl_stage_bench, one ExecuTorch thread) in each load mode, reading
+runner's StageProgram (build/runner/zl_stage_bench, one ExecuTorch thread) in each load mode, reading
 /proc/<pid>/smaps_rollup every few milliseconds. It prints one table: peak PSS, its anonymous (heap, planned
 memory) and file-backed (mapped program) parts at the peak, the fastest step after the first (a warm-up; the
 fastest, because on a shared machine other processes only ever add time) and the program size. Step times of the
@@ -189,7 +189,7 @@ def main() -> None:
     if args.reuse and args.work is None:
         raise SystemExit("--reuse needs --work: the folder an earlier `--work DIR --keep` run exported into.")
 
-    bench = Path(os.environ.get("ZL_STAGE_BENCH_BIN", ROOT / "build/android_app/native/zl_stage_bench"))
+    bench = Path(os.environ.get("ZL_STAGE_BENCH_BIN", ROOT / "build/runner/zl_stage_bench"))
     if not bench.is_file():
         raise SystemExit(f"{bench}: no such binary; build it (cmake --build build --target zl_stage_bench) or set "
                          "ZL_STAGE_BENCH_BIN.")

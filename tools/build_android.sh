@@ -388,7 +388,7 @@ fi
 if (( NATIVE )); then
   NATIVE_TARGETS=(zl_runner)
   if (( ! APK )); then NATIVE_TARGETS+=(zl_jni); fi
-  cmake -S "$REPO_ROOT/android_app/native/android" -B "$BUILD_DIR" ${GENERATOR[@]+"${GENERATOR[@]}"} \
+  cmake -S "$REPO_ROOT/android_app" -B "$BUILD_DIR" ${GENERATOR[@]+"${GENERATOR[@]}"} \
     -DCMAKE_TOOLCHAIN_FILE="$TOOLCHAIN_FILE" \
     -DANDROID_ABI="$ABI" \
     -DANDROID_PLATFORM="$PLATFORM" \
@@ -403,12 +403,12 @@ if (( NATIVE )); then
     ${OPENBLAS_ARGS[@]+"${OPENBLAS_ARGS[@]}"}
 
   # Both targets are defined only once their sources exist (the stage loop in
-  # android_app/native/app and include/zl/runner.h); say so instead of make's
+  # runner/app and include/zl/runner.h); say so instead of make's
   # "No rule to make target".
   for target in "${NATIVE_TARGETS[@]}"; do
     grep -qx "$target" "$BUILD_DIR/zl_targets.txt" \
       || die "the configured project has no '$target' target" \
-        "zl_runner needs android_app/native/app/zl_runner_main.cpp; zl_jni needs android_app/native/include/zl/runner.h."
+        "zl_runner needs runner/app/zl_runner_main.cpp; zl_jni needs runner/include/zl/runner.h."
   done
   cmake --build "$BUILD_DIR" --target "${NATIVE_TARGETS[@]}" -j "${ZL_JOBS:-2}"
 
@@ -441,7 +441,7 @@ if (( APK )); then
   if [[ -x "$JDK_HOME/bin/jar" ]]; then
     "$JDK_HOME/bin/jar" tf "$APK_FILE" | grep -qx "lib/$ABI/libzl_jni.so" \
       || die "$APK_FILE has no lib/$ABI/libzl_jni.so" \
-        "The CMake build of android_app/native/android did not hand libzl_jni.so to Gradle; see the Gradle output above."
+        "The CMake build of android_app/CMakeLists.txt did not hand libzl_jni.so to Gradle; see the Gradle output above."
   fi
 fi
 

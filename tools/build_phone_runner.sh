@@ -2,7 +2,7 @@
 # The phone binary (issue 41): zl_runner, zl_step_check and the C++ test
 # suites as statically linked aarch64 Linux executables. They need nothing
 # from a phone but its kernel: `zl train --devices SERIAL --mode binary`
-# pushes build-phone/zl/android_app/native/zl_runner to /data/local/tmp, and
+# pushes build-phone/zl/runner/zl_runner to /data/local/tmp, and
 # the very same file runs here under `qemu-aarch64` with no sysroot.
 #
 #   ZL_EXECUTORCH_SRC=~/src/executorch tools/build_phone_runner.sh          # build
@@ -144,8 +144,8 @@ say "building zl for aarch64 in $OUT/zl (log: $OUT/zl.log)"
     -DZL_SODIUM_PREFIX="$SODIUM" -DZL_GEMM=eigen -DCMAKE_DISABLE_FIND_PACKAGE_Java=ON &&
   nice -n 10 cmake --build "$OUT/zl" -j"$JOBS"; } >"$OUT/zl.log" 2>&1 ||
   { tail -30 "$OUT/zl.log"; die "zl build (log: $OUT/zl.log)"; }
-RUNNER=$OUT/zl/android_app/native/zl_runner
-STEP=$OUT/zl/android_app/native/zl_step_check
+RUNNER=$OUT/zl/runner/zl_runner
+STEP=$OUT/zl/runner/zl_step_check
 for bin in "$RUNNER" "$STEP"; do
   file -b "$bin" | grep -q 'ARM aarch64.*statically linked' ||
     die "$bin is not a statically linked aarch64 executable: $(file -b "$bin")"
@@ -200,7 +200,7 @@ for run in "max bf16" "cortex-a53 baseline"; do
 done
 
 say "one step through the 3 stages: x86, and the static aarch64 binary under qemu (logs: $OUT/step_*.log)"
-nice -n 10 "$OUT/x86/android_app/native/zl_step_check" --export-dir "$EXPORT" \
+nice -n 10 "$OUT/x86/runner/zl_step_check" --export-dir "$EXPORT" \
   --out "$OUT/step_x86.safetensors" >"$OUT/step_x86.log" 2>&1 || { cat "$OUT/step_x86.log"; die "x86 step"; }
 nice -n 10 env -i "$(command -v qemu-aarch64)" -strace "$STEP" --export-dir "$EXPORT" \
   --out "$OUT/step_arm64.safetensors" >"$OUT/step_arm64.log" 2>"$OUT/step_arm64.strace" ||
@@ -236,7 +236,7 @@ if [ "$THREADPOOL" = ON ]; then
   # ZL_THREADS_PROGRAM=<a real stage .pte>: its step time on 1 and 2 threads
   # (tiny-random's kernels take microseconds: too small to split).
   if [ -n "${ZL_THREADS_PROGRAM:-}" ]; then
-    BENCH=$OUT/zl/android_app/native/zl_stage_bench
+    BENCH=$OUT/zl/runner/zl_stage_bench
     for t in 1 2; do
       say "zl_stage_bench on $t thread(s): $ZL_THREADS_PROGRAM (log: $OUT/bench_t$t.log)"
       env -i "$(command -v qemu-aarch64)" "$BENCH" --program "$ZL_THREADS_PROGRAM" --steps 4 --threads $t \

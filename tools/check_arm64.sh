@@ -75,7 +75,7 @@ say "building for aarch64 in $OUT/cmake (log: $OUT/cmake.log)"
     -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$ET_PKG/share/cmake" -DZL_GEMM=openblas &&
   nice -n 10 cmake --build "$OUT/cmake" -j"$JOBS"; } >"$OUT/cmake.log" 2>&1 ||
   { tail -30 "$OUT/cmake.log"; die "aarch64 build (log: $OUT/cmake.log)"; }
-for bin in android_app/native/zl_runner android_app/native/zl_step_check android_app/native/zl_runner_tests \
+for bin in runner/zl_runner runner/zl_step_check runner/zl_runner_tests \
            custom_ops/libzl_custom_ops.so custom_ops/zl_custom_ops_tests; do
   machine=$(aarch64-linux-gnu-readelf -h "$OUT/cmake/$bin" | awk -F: '/Machine/ {gsub(/^ +/, "", $2); print $2}')
   [ "$machine" = AArch64 ] || die "$OUT/cmake/$bin is built for '$machine', not AArch64"
@@ -102,9 +102,9 @@ fi
 
 # 7. One step through the 3 stages, x86 natively and aarch64 under qemu.
 say "one step, x86 and aarch64 (logs: $OUT/step_{x86,arm64}.log)"
-nice -n 10 "$OUT/x86/android_app/native/zl_step_check" --export-dir "$EXPORT" \
+nice -n 10 "$OUT/x86/runner/zl_step_check" --export-dir "$EXPORT" \
   --out "$OUT/step_x86.safetensors" >"$OUT/step_x86.log" 2>&1 || { cat "$OUT/step_x86.log"; die "x86 step"; }
-nice -n 10 "${QEMU[@]}" "$OUT/cmake/android_app/native/zl_step_check" --export-dir "$EXPORT" \
+nice -n 10 "${QEMU[@]}" "$OUT/cmake/runner/zl_step_check" --export-dir "$EXPORT" \
   --out "$OUT/step_arm64.safetensors" >"$OUT/step_arm64.log" 2>&1 || { cat "$OUT/step_arm64.log"; die "aarch64 step"; }
 
 # 8. The comparison (tools/compare_step.py): each stage's loss and CE within

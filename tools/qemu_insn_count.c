@@ -5,7 +5,7 @@
  *
  *   gcc -O2 -shared -fPIC tools/qemu_insn_count.c -o /tmp/libinsncount.so
  *   qemu-aarch64 -cpu cortex-a53 -plugin /tmp/libinsncount.so -d plugin \
- *     build-phone/zl/android_app/native/zl_step_check --export-dir build-phone/export --out /tmp/step.safetensors
+ *     build-phone/zl/runner/zl_step_check --export-dir build-phone/export --out /tmp/step.safetensors
  *   -> "insns: 37655371" on stderr at exit
  *
  * Debian's qemu-user runs plugins but ships neither qemu-plugin.h nor the

@@ -4,7 +4,7 @@
     StageEntry ── inputs / outputs: [TensorSpec], parameters: [ParameterEntry] (gradient order), program file
 
 Written by `zl export` and by `zl train --runtime torch` (no programs), read by the runner (C++,
-android_app/native/src/stage_manifest.cpp: the JSON keys stay as they are), `zl merge`, `zl report`, the train job.
+runner/src/stage_manifest.cpp: the JSON keys stay as they are), `zl merge`, `zl report`, the train job.
 `stage_entry` builds a stage's entry for both writers; `Manifest.from_json` / `read_manifest` are the one reader.
 Parameters are listed per stage in gradient order, under their PEFT names, so per-stage checkpoints merge into one
 `adapter_model.safetensors`.

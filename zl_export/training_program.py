@@ -1,7 +1,7 @@
 """Run a stage program in-process through ExecuTorch's Python runtime.
 
 Used by `zl export --check`, the tests and the benchmarks; the device side
-runs the same program from C++ (`android_app/native`).
+runs the same program from C++ (`runner/`).
 """
 
 import contextlib

@@ -4,7 +4,7 @@ Fine-tunes the whole model with PEFT LoRA (same rank, alpha, targets, seed
 and initialisation as the export, dropout 0) on the standard causal-LM loss
 of the final output, over exactly the micro-batches a ZeroLock run's stage 0
 reads (micro-batch mb takes shard rows [j*B, (j+1)*B) with
-j = mb mod floor(N/B), android_app/native/src/data_shard.cpp DataShard::micro_batch). The
+j = mb mod floor(N/B), runner/src/data_shard.cpp DataShard::micro_batch). The
 gradient is the MEAN over each window of m micro-batches (k for a short last
 window) and one `torch.optim.AdamW` step is taken per window, with the
 runner's learning-rate schedule (zl/lr_schedule.h) as a `LambdaLR`. Then it

@@ -1,5 +1,5 @@
 // The ZeroLock app shell: one module, `:app`, which also builds its native
-// library (libzl_jni.so) from android_app/native with CMake. The whole build,
+// library (libzl_jni.so) from runner/ and android_app/jni with CMake. The whole build,
 // with its prerequisite checks: tools/build_android.sh (android_app/README.md).
 pluginManagement {
     repositories {

@@ -126,7 +126,7 @@ class DeployArgs:
     configs: Path | None = setting(None, "Folder with stage_<k>.json runner configs; the files they name (data "
                                          "shard, run key) are pushed too.")
     run_dir: Path | None = setting(None, "Local devices only: their folders are RUN_DIR/devices/local-N.")
-    runner: Path | None = setting(None, "The zl_runner binary to push (default: build/android_app/native/zl_runner "
+    runner: Path | None = setting(None, "The zl_runner binary to push (default: build/runner/zl_runner "
                                         "for local devices; for phones the static build of "
                                         "tools/build_phone_runner.sh, else build-android/zl_runner).")
     force: bool = setting(False, "Push every file, even those whose sha256 already matches (and reinstall the app).",
@@ -140,7 +140,7 @@ Phones get /data/local/tmp/zerolock/; devices beyond the number of stages are sp
 Unchanged files are skipped by sha256. Each device's line ends with what its zl_runner says of itself
 (`zl_runner --version`: zl and ExecuTorch versions, architecture, static or dynamic) and the sha256 the
 device computes of it. Phones get --runner, else the static build of tools/build_phone_runner.sh
-(build-phone/zl/android_app/native/zl_runner), else build-android/zl_runner.
+(build-phone/zl/runner/zl_runner), else build-android/zl_runner.
 
 With --mode app, phones get the app com.zerolock.zl instead of zl_runner (reinstalled only when the APK changed).
 Their files go to the app's folder /sdcard/Android/data/com.zerolock.zl/files/, except the run key: that folder

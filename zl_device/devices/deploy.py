@@ -66,7 +66,7 @@ ANDROID_RUNNER_ENV = "ZL_ANDROID_RUNNER"
 
 #: tools/build_phone_runner.sh's static aarch64 zl_runner: needs nothing of the phone but its kernel, and is the
 #: build that ran the C++ suite and `zl train` under qemu-aarch64 (issue 41).
-PHONE_RUNNER = REPO / "build-phone" / "zl" / "android_app" / "native" / RUNNER_NAME
+PHONE_RUNNER = REPO / "build-phone" / "zl" / "runner" / RUNNER_NAME
 
 
 def android_runner_binary() -> Path:

@@ -49,12 +49,12 @@ _CHUNK = 1 << 20  # copy granularity for progress callbacks, bytes
 
 
 def host_runner_binary() -> Path:
-    """The host build of zl_runner: $ZL_RUNNER_BIN, else build/android_app/native/zl_runner.
+    """The host build of zl_runner: $ZL_RUNNER_BIN, else build/runner/zl_runner.
 
     Raises:
         ZLError: it is not built.
     """
-    path = Path(os.environ.get(RUNNER_ENV, REPO / "build" / "android_app" / "native" / RUNNER_NAME))
+    path = Path(os.environ.get(RUNNER_ENV, REPO / "build" / "runner" / RUNNER_NAME))
     if not path.is_file():
         raise ZLError(
             f"{path}: the host zl_runner is not built; run `bash setup.sh` or "
@@ -83,7 +83,7 @@ def local_runner_command(binary: Path | None, prefix: str | None) -> tuple[Path 
     binary = Path(binary).expanduser().resolve()
     if not binary.is_file() or not os.access(binary, os.X_OK):
         raise ZLError(f"--runner {binary}: no executable file there; build it (this host's: `bash setup.sh`; the "
-                      "phone's: `tools/build_phone_runner.sh`, into build-phone/zl/android_app/native/zl_runner) "
+                      "phone's: `tools/build_phone_runner.sh`, into build-phone/zl/runner/zl_runner) "
                       "or fix the path.")
     arch, host = elf_machine(binary), platform.machine()
     if not words and arch is not None and arch != host:
@@ -461,7 +461,7 @@ class LocalDevice(Device):
 
 
 # Thermal zones that measure the CPU package, as the runner's telemetry picks them
-# (android_app/native/src/telemetry.cpp): battery, wifi and ACPI "virtual" zones say nothing about load.
+# (runner/src/telemetry.cpp): battery, wifi and ACPI "virtual" zones say nothing about load.
 _ZONE_KEYS = ("cpu", "soc", "pkg", "package", "coretemp", "acpitz", "tsens")
 
 

@@ -30,7 +30,7 @@ MAX_LOCAL_DEVICES = 64
 LINK_PROFILES = ("local", "wifi", "mobile", "constrained")
 RUNNER_HELP = ("The zl_runner binary the devices run: local devices' (default: this host's build), or phones' in "
                "--mode binary (default: tools/build_phone_runner.sh's static arm64 build). E.g. the phone build "
-               "build-phone/zl/android_app/native/zl_runner on local devices, with --runner-prefix qemu-aarch64.")
+               "build-phone/zl/runner/zl_runner on local devices, with --runner-prefix qemu-aarch64.")
 RUNNER_PREFIX_HELP = ("Local devices: the command their runner is started under, e.g. qemu-aarch64 to run an arm64 "
                       "--runner on this host (quoted when it has arguments).")
 #: How a phone runs its stage: the zl_runner binary over `adb shell`, or the app's foreground service.

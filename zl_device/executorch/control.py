@@ -9,7 +9,7 @@ coordinator can send START and STOP. Frames are those of the data plane
 (zl_device/formats/frames.py), encrypted under the stage's control keys (derived
 from the run key, one per direction) and bound to the connection's session
 with increasing sequence numbers, so a recorded REGISTER or HEARTBEAT cannot
-be replayed (android_app/native/PROTOCOL.md §6). A frame that fails
+be replayed (runner/PROTOCOL.md §6). A frame that fails
 validation is logged with its reason and the connection is dropped, the
 server keeps serving; a verified frame with values out of range
 (frame_problem) is logged and dropped, the connection stays. Strangers

@@ -140,7 +140,7 @@ _INPUT_LOG_ENTRY = re.compile(r"entry-(\d+)-w(\d+)\.zlf")
 
 
 def input_log_entry_window(name: str) -> int | None:
-    """The window of an input-log file `entry-<micro_batch>-w<window>.zlf` (android_app/native/include/zl/input_log.h);
+    """The window of an input-log file `entry-<micro_batch>-w<window>.zlf` (runner/include/zl/input_log.h);
     None for any other name."""
     match = _INPUT_LOG_ENTRY.fullmatch(name)
     return int(match.group(2)) if match else None

@@ -1,7 +1,7 @@
 """The formats every part of a run shares: the leaf that devices/, run/, results/, torch/ and executorch/ import, importing none.
 
 - `run_layout.py`: `RunLayout`, every path of a run directory (docs/design.md §6);
-- `frames.py`: the frame codec, the twin of android_app/native/include/zl/frame.h;
+- `frames.py`: the frame codec, the twin of runner/include/zl/frame.h;
 - `metrics_log.py`: the telemetry lines of metrics.jsonl, their reader, the merge and the tail of a growing file;
 - `stage_status.py`: `StageStatus`, a stage as the live display and the coordinator see it, folded from its telemetry;
 - `injection.py`: `Injection`, `--inject-failure STAGE@WINDOW`;

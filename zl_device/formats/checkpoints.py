@@ -1,4 +1,4 @@
-"""Where a run's checkpoints live: the runner's layout (android_app/native checkpoint.h), in one place for Python.
+"""Where a run's checkpoints live: the runner's layout (runner/include/zl/checkpoint.h), in one place for Python.
 
     <checkpoint root>/stage_<k>/window_000012/adapter.safetensors   F32, PEFT names
     <checkpoint root>/stage_<k>/window_000012/optimizer.safetensors AdamW moments (`<name>.exp_avg`, `.exp_avg_sq`)
@@ -77,7 +77,7 @@ class CheckpointLayout:
         return posixpath.join(checkpoint_dir, self.input_log_dir)
 
     def device_accumulator(self, checkpoint_dir: str) -> str:
-        """The stage's accumulator snapshot on a device (the window in progress, android_app/native
+        """The stage's accumulator snapshot on a device (the window in progress, runner
         accumulator_snapshot.h)."""
         return posixpath.join(checkpoint_dir, self.accumulator_file)
 

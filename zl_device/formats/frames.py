@@ -1,4 +1,4 @@
-"""The frame codec in Python: the twin of android_app/native/include/zl/frame.h.
+"""The frame codec in Python: the twin of runner/include/zl/frame.h.
 
 The coordinator speaks the runners' wire format on the control channel
 (HELLO, REGISTER, HEARTBEAT, START, STOP, WINDOW_COMMITTED, ERROR). A frame is
@@ -20,7 +20,7 @@ u64 payload_length | name | rank x u64 dims | payload.
 
 Rejections raise FrameRejected with the same reason names as the C++
 decoder (`frame_error_name`), so logs from both sides read alike; both apply
-the one payload and tensor rule of android_app/native/PROTOCOL.md §5, in the
+the one payload and tensor rule of runner/PROTOCOL.md §5, in the
 same order, so they accept and reject exactly the same frames
 (tests/test_frames.py checks that on a generated corpus).
 """

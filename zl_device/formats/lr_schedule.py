@@ -1,4 +1,4 @@
-"""AdamW and the runner's learning-rate schedule (android_app/native/include/zl/adamw.h, zl/lr_schedule.h), in Python.
+"""AdamW and the runner's learning-rate schedule (runner/include/zl/adamw.h, zl/lr_schedule.h), in Python.
 
 `OptimizerSettings` is the one place the optimizer's defaults live: `zl train`'s settings tree nests it (--lr), the
 stage configs carry it (`config`, `from_config`), and the PyTorch references that must apply exactly the runner's

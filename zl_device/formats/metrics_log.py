@@ -16,7 +16,7 @@ only: the coordinator writes them there, and a per-stage file holds one
 runner's lines. Within one stage, line order is time order: the
 runner appends, so a merge must keep each stage's lines in their order.
 
-Runner lines (android_app/native/include/zl/telemetry.h, src/runner.cpp);
+Runner lines (runner/include/zl/telemetry.h, src/runner.cpp);
 times in ms, memory in MiB, temperature in °C; an unmeasured value is null:
 
     {"type": "start", "stage", "num_stages", "pid", "first_micro_batch",

@@ -1,5 +1,5 @@
 """The runner's config, typed: one JSON object per stage (`zl_runner --config stage_<k>.json`), the twin of
-android_app/native/include/zl/runner_config.h and its field table (runner_config.cpp).
+runner/include/zl/runner_config.h and its field table (runner_config.cpp).
 
 `RunnerConfig` is what `zl train` writes for each stage (zl_device/executorch/launch.py `stage_configs`), what
 `zl deploy` pushes (its host paths rewritten to the names the device holds), what recovery edits on a device, and

@@ -15,7 +15,7 @@ micro-batch. Each F and B carries the weight version (optimizer steps taken) its
 forward may run one step behind the step its backward lands in, and its backward recomputes on that version
 (weight stashing, LoRA only); S carries the version it ends.
 
-The C++ runner generates the same lists from the same rules (android_app/native/src/pipeline_schedule.cpp
+The C++ runner generates the same lists from the same rules (runner/src/pipeline_schedule.cpp
 `schedule_ops`, steps included, and `forward_version`) and runs them as they are (backprop_loop.cpp; runner.cpp
 for zerolock, where a held stage's B is the stop at the marker), and tests/test_schedule_table.py checks through
 `zl_schedule_ops` that both give identical lists for every schedule, stage count, window size, run length and

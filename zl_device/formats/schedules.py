@@ -1,7 +1,7 @@
 """The pipeline schedules' names, one list for both runtimes (docs/design.md §4.10).
 
 `zl train --schedule NAME` offers these; the torch runtime's table (zl_device/torch/schedules) has a class for each,
-the ExecuTorch runner's config takes the same names (android_app/native/include/zl/pipeline_schedule.h).
+the ExecuTorch runner's config takes the same names (runner/include/zl/pipeline_schedule.h).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 launch turns each into a runner config (zl_device/executorch/launch.py `stage_configs`) and the torch runtime into
 its job (zl_device/torch/job.py `TorchJob`). Both read the role from the spec: nothing downstream infers it from a
 learning rate. `stage_role` is the one rule that assigns it, the rule the runner applies to a config without a
-role (RunnerConfig::forward_only, android_app/native/include/zl/runner_config.h).
+role (RunnerConfig::forward_only, runner/include/zl/runner_config.h).
 
 One name per concept, from the flag to the runner's config, but for the few keys of that wire format that spell a
 concept otherwise: `runner_config.SETTING_NAMES` lists them, and the typed `RunnerConfig` is the only place that

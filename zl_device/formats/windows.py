@@ -3,7 +3,7 @@
     micro-batch:  0 1 2 3 | 4 5 6 7 | 8 9        (10 micro-batches, m = 4)
     window:       0       | 1       | 2          (3 windows; the last is short)
 
-The runner (android_app/native) does the same arithmetic in C++.
+The runner (runner/) does the same arithmetic in C++.
 """
 
 from __future__ import annotations

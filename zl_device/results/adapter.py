@@ -1,7 +1,7 @@
 """Merge per-stage LoRA checkpoints into one PEFT adapter (`zl merge`, docs/design.md §3, §6).
 
 Each stage runner checkpoints only its own LoRA parameters, under their PEFT
-names (android_app/native/include/zl/checkpoint.h):
+names (runner/include/zl/checkpoint.h):
 
     <checkpoints>/stage_<k>/window_000012/adapter.safetensors   F32, PEFT names
     <checkpoints>/stage_<k>/window_000012/progress.json         stage, window, run_id, progress

@@ -1,6 +1,6 @@
 """Training in PyTorch eager with exactly the runner's semantics: ZeroLock's pipeline and the backprop baselines.
 
-What "the runner's semantics" means (android_app/native/src/runner.cpp, data_shard.cpp, zl/window_plan.h,
+What "the runner's semantics" means (runner/src/runner.cpp, data_shard.cpp, zl/window_plan.h,
 zl/adamw.h):
 
 - micro-batch mb of stage 0 takes shard rows [j*B, (j+1)*B) with

@@ -1,5 +1,5 @@
 // The app module. Gradle builds libzl_jni.so itself (externalNativeBuild):
-// android_app/native/android/CMakeLists.txt, the same CMake entry that
+// android_app/CMakeLists.txt, the same CMake entry that
 // tools/build_android.sh uses for zl_runner, for arm64-v8a only, linked
 // statically against ExecuTorch and libsodium built for Android. Gradle
 // cannot find those two on its own; it takes their install prefixes from
@@ -144,7 +144,7 @@ android {
 
     externalNativeBuild {
         cmake {
-            path = file("../../native/android/CMakeLists.txt")
+            path = file("../../CMakeLists.txt")
             // ExecuTorch's installed package config needs CMake 3.24+. Gradle installs this
             // version into the SDK on first use (or: sdkmanager 'cmake;3.31.6'), or uses a
             // cmake of exactly this version found on PATH.

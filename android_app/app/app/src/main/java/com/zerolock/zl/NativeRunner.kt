@@ -3,8 +3,8 @@ package com.zerolock.zl
 import org.json.JSONObject
 
 /**
- * The whole native surface of the stage runner (android_app/native/jni/zl_jni.cpp),
- * over `zl::StageSession` (android_app/native/include/zl/stage_session.h).
+ * The whole native surface of the stage runner (android_app/jni/zl_jni.cpp),
+ * over `zl::StageSession` (runner/include/zl/stage_session.h).
  *
  * C++ owns the run: [startNative] starts it on a native thread of its own
  * (16 MiB stack) and returns; the run writes runner.pid, runner.out,

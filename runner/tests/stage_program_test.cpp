@@ -3,7 +3,7 @@
 //
 //   ZL_CUSTOM_OPS_LIB=build/custom_ops/libzl_custom_ops.so \
 //     .venv/bin/zl export --model tiny-random --num-stages 3 --seq-len 16 --out /tmp/zl3 --no-check
-//   ZL_TEST_EXPORT_DIR=/tmp/zl3 build/android_app/native/zl_runner_tests --gtest_filter='StageProgram*'
+//   ZL_TEST_EXPORT_DIR=/tmp/zl3 build/runner/zl_runner_tests --gtest_filter='StageProgram*'
 //
 // tests/test_runner.py does exactly this with its session export. Without
 // ZL_TEST_EXPORT_DIR the tests skip.

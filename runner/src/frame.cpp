@@ -1,4 +1,4 @@
-// Frame codec; see include/zl/frame.h and android_app/native/PROTOCOL.md for the layout.
+// Frame codec; see include/zl/frame.h and runner/PROTOCOL.md for the layout.
 #include "zl/frame.h"
 
 #include <sodium.h>

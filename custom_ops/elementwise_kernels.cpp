@@ -1,4 +1,4 @@
-// zl's float32 binary and reduction kernels (docs/design.md §4.9):
+// zl's float32 binary and reduction kernels (docs/design#kernels):
 // `mul`, `add` and `sub` of two tensors (alpha 1) for the broadcasts a stage
 // program makes (same shape; one operand repeating over the other's leading
 // dimensions, e.g. RMSNorm's weight or RoPE's cos/sin; one value per row,

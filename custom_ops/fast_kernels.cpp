@@ -1,6 +1,6 @@
 // zl's float32 linear/mm/bmm kernels on OpenBLAS's GEMM (or Eigen's, in a
 // build without OpenBLAS), and the registration of all of zl's fast kernels
-// (docs/design.md §4.9).
+// (docs/design#kernels).
 #include <zl/fast_kernels.h>
 #include <zl/thread_pool.h>
 

@@ -1,4 +1,4 @@
-// zl's float32 layout and elementwise kernels (docs/design.md §4.9):
+// zl's float32 layout and elementwise kernels (docs/design#kernels):
 // `permute_copy` and `expand_copy` as one strided copy that moves whole
 // rows (memcpy), fills broadcast rows, or transposes in cache-sized tiles,
 // where the portable kernels compute every element's coordinates;

@@ -1,6 +1,6 @@
 """Read a method's instruction sequence out of an emitted ExecuTorch program.
 
-The exporter uses this to check the stage contract (docs/design.md §3): the
+The exporter uses this to check the stage contract (docs/design#stage-program): the
 `zerolock::pipeline_marker.out` instruction comes before every readout, loss
 and backward instruction of `forward`. Reads the program flatbuffer lazily
 with ExecuTorch's generated schema classes, so constant data (hundreds of MB

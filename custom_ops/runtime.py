@@ -7,7 +7,7 @@ from a static initializer; loading it with RTLD_GLOBAL after the ExecuTorch
 pybindings puts the kernel into the same registry the pybindings use.
 
 The same library holds float32 `linear`/`mm`/`bmm` kernels on a GEMM
-compiled for this CPU (docs/design.md §4.9); `load_library` registers them
+compiled for this CPU (docs/design#kernels); `load_library` registers them
 too, as the runner does, unless `ZL_KERNELS=executorch` asks for
 ExecuTorch's own kernels (for comparisons).
 """

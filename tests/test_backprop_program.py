@@ -1,6 +1,6 @@
-"""The backprop program (zl_export/backprop_stage.py, docs/design.md §3.8): stage programs that take the gradient of
-their output hidden state and give their LoRA gradients and their input's, chained from the last stage back, equal
-whole-model backprop in eager PyTorch — the Hugging Face model with PEFT LoRA (B nonzero) and its own CE on the
+"""The backprop program (zl_export/backprop_stage.py, docs/design#backprop-program): stage programs that take the
+gradient of their output hidden state and give their LoRA gradients and their input's, chained from the last stage back,
+equal whole-model backprop in eager PyTorch — the Hugging Face model with PEFT LoRA (B nonzero) and its own CE on the
 targets, cut at the same layers with hooks: hidden states, the loss, every LoRA gradient and every input gradient.
 
 Default suite: every family's eager modules (full and Ω readout, fp32 and bf16), the upstream modules' missing

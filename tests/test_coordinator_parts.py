@@ -1,5 +1,5 @@
 """The coordinator's parts on their own (zl_device/executorch/: health.py, pauses.py, recovery.py over stage_table.py;
-docs/design.md §5): each takes what the loop hands it and returns what it found or what the loop is to do next;
+docs/design#coordinator): each takes what the loop hands it and returns what it found or what the loop is to do next;
 none acts for another. The runs that go through the whole loop are in test_train.py, test_device_policy.py and
 test_runner_schedules.py."""
 

@@ -1,4 +1,4 @@
-"""Device policies (docs/design.md §5.8): the readers, the pause/resume decisions, the coordinator's pause, the
+"""Device policies (docs/design#device-policies): the readers, the pause/resume decisions, the coordinator's pause, the
 report, the options; end to end, a stage paused for heat ends with the adapter of a run without pauses."""
 
 import json

@@ -329,7 +329,7 @@ def test_adb_runner_lifecycle_commands():
         missing.start_runner("stage_0.json")
 
 
-# --- hot standby in binary mode (docs/design.md §5.5) ------------------------------------------------------
+# --- hot standby in binary mode (docs/design#hot-standbys) -------------------------------------------------
 
 
 class HostSync:

@@ -2,7 +2,7 @@
 
 The reference runs the Hugging Face model itself (its own masks, rotary
 embedding and layer loop), cuts out one stage with hooks, and writes the loss
-of docs/design.md §1 with `F.cross_entropy` / `F.kl_div` — no code shared with
+of docs/design#product with `F.cross_entropy` / `F.kl_div` — no code shared with
 `StageModule` or `local_loss`.
 """
 

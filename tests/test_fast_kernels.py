@@ -1,6 +1,6 @@
-"""zl's fast kernels (custom_ops/fast_kernels.cpp, layout_kernels.cpp, elementwise_kernels.cpp; docs/design.md §4.9) inside real
-ExecuTorch programs: each operator they serve, at the shapes and argument forms the stage programs use and a few
-they do not, against PyTorch eager, and the choice between them and ExecuTorch's own kernels (`ZL_KERNELS`)."""
+"""zl's fast kernels (custom_ops/fast_kernels.cpp, layout_kernels.cpp, elementwise_kernels.cpp; docs/design#kernels)
+inside real ExecuTorch programs: each operator they serve, at the shapes and argument forms the stage programs use and a
+few they do not, against PyTorch eager, and the choice between them and ExecuTorch's own kernels (`ZL_KERNELS`)."""
 
 from __future__ import annotations
 

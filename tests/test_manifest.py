@@ -1,4 +1,4 @@
-"""The typed manifest (zl_export/manifest.py, docs/design.md §3.4): one stage-entry builder, one reader.
+"""The typed manifest (zl_export/manifest.py, docs/design#manifest): one stage-entry builder, one reader.
 
 The JSON stays what the C++ runner reads (runner/src/stage_manifest.cpp): the round trip is checked
 byte for byte and key for key; old manifests read with their defaults; a damaged one is one ZLError naming the file
@@ -48,7 +48,7 @@ def test_a_written_manifest_reads_back_equal_and_rewrites_byte_for_byte(built, t
     (tmp_path / "again").mkdir()
     write_manifest(again, tmp_path / "again")
     assert (tmp_path / "again" / MANIFEST).read_text() == text
-    # The keys and their order, as the runner and earlier versions read them (design §3.4).
+    # The keys and their order, as the runner and earlier versions read them (docs/design#manifest).
     data = json.loads(text)
     assert list(data) == ["format_version", "zl_version", "created", "model", "tokenizer", "seq_len", "micro_batch",
                           "lora", "loss", "seed", "frozen_dtype", "max_targets", "recompute", "stages", "program", "runtime"]

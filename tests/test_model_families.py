@@ -3,7 +3,7 @@ Hugging Face model, the stage modules compute what the Hugging Face model comput
 embedding scale and soft-capping, cut with hooks), LoRA targets go by the family's names, `zl export` programs equal
 that reference, and an unsupported architecture is one clean error.
 
-The reference writes the loss of docs/design.md §1 with `F.cross_entropy` / `F.kl_div` and reads out through the
+The reference writes the loss of docs/design#product with `F.cross_entropy` / `F.kl_div` and reads out through the
 model's own head with the config's soft-capping — no code shared with `StageModule` or `local_loss`.
 """
 

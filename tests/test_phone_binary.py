@@ -140,7 +140,7 @@ def test_runner_runs_under_qemu_with_nothing_from_the_host():
     ("max", "bf16", "fp16,dotprod,bf16,i8mm"),       # FEAT_BF16: Cortex-A510/A710/X2 and later
 ])
 def test_runner_picks_its_kernel_path_from_the_cpu(cpu: str, path: str, features: str):
-    """One binary, two kernel paths (docs/design.md §4.1): --version names the one the CPU's hwcaps select."""
+    """One binary, two kernel paths (docs/design#runner-process): --version names the one the CPU's hwcaps select."""
     proc = subprocess.run([QEMU, "-cpu", cpu, str(RUNNER), "--version"], env={}, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -175,7 +175,7 @@ def test_stage_cost_fits_two_rounds_and_round_trips():
 
 
 def test_a_forward_only_stage_costs_its_phase_1_and_send_and_gets_more_layers():
-    """A stage held still by lr 0 runs no phase 2 (docs/design.md §4.3): its time per micro-batch is phase 1 +
+    """A stage held still by lr 0 runs no phase 2 (docs/design#windows-and-adamw): its time per micro-batch is phase 1 +
     other, so the split hands it more layers; a forward-only run's own lines (phase2_ms 0, null losses) measure."""
     c = StageCost(Linear(1.0, 2.0), Linear(3.0, 4.0), Linear(0.5, 0.0), None)
     assert c.ms(5, forward_only=True) == pytest.approx(1 + 10 + 0.5)

@@ -1,5 +1,6 @@
-"""Global recovery's rollback (zl_device/executorch/recovery.py `Recovery.roll_back`, docs/design.md §7) on local device folders:
-checkpoints and input-log entries after the last window every stage committed are removed, nothing at or before it."""
+"""Global recovery's rollback (zl_device/executorch/recovery.py `Recovery.roll_back`, docs/design#recovery-in-detail) on
+local device folders: checkpoints and input-log entries after the last window every stage committed are removed, nothing
+at or before it."""
 
 from __future__ import annotations
 

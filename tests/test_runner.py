@@ -566,7 +566,7 @@ KILL_N, KILL_M = 16, 4
 def clean_adapters(runner, export3, shard, tmp_path_factory) -> list[dict[str, torch.Tensor]]:
     """The failure-free run the kill tests compare with (16 micro-batches, windows of 4), its programs read into heap
     memory (`load_mode: file`): the kill runs map them (the default), so equal adapters also show that a mapped
-    program trains bit-identically to a heap-loaded one (docs/design.md §3.6)."""
+    program trains bit-identically to a heap-loaded one (docs/design#frozen-weights)."""
     heap = {k: {"load_mode": "file"} for k in range(3)}
     return make_pipeline(runner, export3, shard, tmp_path_factory.mktemp("clean"), "clean",
                          num_micro_batches=KILL_N, window_size=KILL_M, overrides=heap).run()

@@ -1,5 +1,6 @@
-"""`zl train --schedule gpipe | 1f1b | async` on the ExecuTorch runner (docs/design.md §4.10): every stage trains on
-the final loss's gradient, sent upstream in GRAD frames, with the export's backprop programs (§3.8).
+"""`zl train --schedule gpipe | 1f1b | async` on the ExecuTorch runner (docs/design#backprop-schedules): every stage
+trains on the final loss's gradient, sent upstream in GRAD frames, with the export's backprop programs
+(docs/design#backprop-program).
 
 The references are eager PyTorch in one process on the same model (its frozen weights stored as the programs'),
 micro-batches, LoRA initialisation and AdamW schedule: whole-model backprop (`train_backprop`) for gpipe and 1f1b,
@@ -155,7 +156,7 @@ def test_keeping_activations_trains_the_same_weights(runs, schedule):
     """--keep-activations parks each forward at its marker until its gradient comes, instead of running the forward
     again in the backward: the same forward on the same weight version, so the adapter is the same bit for bit, with
     one program instance per micro-batch in flight on the stages before the last."""
-    plain = runs(schedule)  # its default split; --keep-activations would get another (docs/design.md §14.1)
+    plain = runs(schedule)  # its default split; --keep-activations would get another (docs/design#default-split)
     kept = runs(schedule, keep_activations=True, split=split_of(plain))
     got, want = adapter(kept), adapter(plain)
     assert got.keys() == want.keys()
@@ -318,7 +319,7 @@ def test_every_family_keeps_activations_to_the_same_adapter(model, data_file, tm
 
 def _split(model: str):
     """One split for the plain and the kept run: without --stages --keep-activations gets another default split
-    (docs/design.md §14.1), and under async the split decides which layers run on stale weights."""
+    (docs/design#default-split), and under async the split decides which layers run on stale weights."""
     from zl_export.options import ModelSplit
 
     return ModelSplit(model, "0-8,9-17,18-29" if model == "smollm2-135m" else "0-0,1-1,2-3")

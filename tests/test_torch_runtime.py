@@ -113,8 +113,8 @@ def test_torch_runtime_adapter_equals_the_eager_reference(torch_run, one_torch_t
 @pytest.mark.slow
 def test_torch_stages_at_lr_0_run_forward_only(data_file, tmp_path, one_torch_thread):
     """`--stage-lr 0,0,1` on torch ranks: ranks 0 and 1 run phase 1 and send, no readout or backward (the runner's
-    forward-only stage, docs/design.md §4.3), with the runner's telemetry shape; the adapter and the last stage's
-    window losses equal the eager reference's, whose upstream stages compute phase 2 at lr 0."""
+    forward-only stage, docs/design#windows-and-adamw), with the runner's telemetry shape; the adapter and the last
+    stage's window losses equal the eager reference's, whose upstream stages compute phase 2 at lr 0."""
     from zl_device.formats.metrics_log import read_lines
     from zl_device.run.train_job import run_training
 
@@ -367,7 +367,7 @@ def test_torch_checkpoints_merge_like_the_runners(tmp_path):
 
 def test_an_optimizer_file_marked_zero_reads_as_zero_moments(tmp_path):
     """The runner stores a held stage's moments (all zero) as an optimizer file without tensors, marked
-    moments: zero (docs/design.md §4.5): read_checkpoint gives zeros of the adapter's shapes."""
+    moments: zero (docs/design#checkpoints-on-disk): read_checkpoint gives zeros of the adapter's shapes."""
     from safetensors.torch import save_file
 
     from zl_device.torch.checkpoint import read_checkpoint

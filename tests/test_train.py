@@ -245,7 +245,7 @@ def test_loss_variants_train_through_the_runner_as_in_eager(export_cache, data_f
 
 def test_by_default_the_upstream_stages_run_forward_only_and_do_not_train(export_cache, data_file, tmp_path):
     """No --stage-lr: its default, 0,0,1, for which the upstream runners run phase 1 and forward, nothing more
-    (docs/design.md §4.3): their
+    (docs/design#windows-and-adamw): their
     lines say forward_only with no phase-2 time and no loss, their checkpoints keep the exported LoRA weights (B at
     its zeros) and AdamW moments that are zeros, so not written, the report says they were held still. The eager
     path, whose upstream stages compute their phase 2 at lr 0, gives the same adapter and the same last-stage

@@ -12,7 +12,7 @@ W5: every arm, ...), so a host busy with other jobs slows all arms alike:
     local-no-snapshots  --recovery local --no-accumulator-snapshots  (the window replayed from the checkpoint)
 
 Local recovery continues the failed stage's window from its accumulator
-snapshot (docs/design.md §7); global recovery removes the snapshots and
+snapshot (docs/design#recovery-in-detail); global recovery removes the snapshots and
 replays every stage from the common checkpoint.
 
 plus, first in every round, one failure-free run: the reference of that

@@ -15,8 +15,8 @@ ExecuTorch runner, 3 local devices by default, once per link profile (the runner
 
 The schedules: `zerolock-held` (zl train's default: the stages before the last forward only), `zerolock-all`
 (--stage-lr 1: every stage on its local loss), `gpipe`, `1f1b`, `async` (every stage on the final loss's gradient,
-docs/design.md §4.10), and on request `1f1b-keep` and `async-keep` (the same with --keep-activations: no second
-forward in the backward, one program instance per micro-batch in flight). It prints a table per link profile and
+docs/design#backprop-schedules), and on request `1f1b-keep` and `async-keep` (the same with --keep-activations: no
+second forward in the backward, one program instance per micro-batch in flight). It prints a table per link profile and
 the ratios the issue asks for (async against 1f1b and against the held-still default).
 
     .venv/bin/python tools/bench_runner_schedules.py --model smollm2-135m --samples 64 --window 4 --seq-len 128 \\

@@ -103,8 +103,8 @@ SELECTED=$("$VENV_PY" "$ROOT/tools/phone_kernels.py" tree "$ET_SRC" "$ET_MIRROR"
 #    own (the marker, widen, the fast kernels). FLATCC_EXECUTABLE: flatcc only serves devtools' etdump
 #    (off), so ExecuTorch need not build it for the host.
 ET_INSTALL=$OUT/et-install
-# ExecuTorch's thread pool (zl's GEMM splits its panels over it, docs/design.md
-# §4.9) needs the pthreadpool and cpuinfo submodules; without them the
+# ExecuTorch's thread pool (zl's GEMM splits its panels over it,
+# docs/design#kernels) needs the pthreadpool and cpuinfo submodules; without them the
 # kernels run on one thread (zl/thread_pool.h's weak references stay null).
 THREADPOOL=OFF
 if [ -f "$ET_SRC/backends/xnnpack/third-party/pthreadpool/CMakeLists.txt" ] &&
@@ -162,7 +162,7 @@ version=$(env -i "$(command -v qemu-aarch64)" "$RUNNER" --version) || die "qemu-
 echo "  $version"
 case "$version" in *"aarch64 static"*) ;; *) die "--version does not say 'aarch64 static': $version" ;; esac
 
-# The kernel path each class of phone CPU gets (docs/design.md §4.1): qemu's
+# The kernel path each class of phone CPU gets (docs/design#runner-process): qemu's
 # -cpu sets the hwcaps the binary reads. cortex-a53: armv8.0; cortex-a76:
 # armv8.2 with dotprod and fp16, no bf16; max: everything (bf16, i8mm).
 say "the kernel path per CPU (qemu-aarch64 -cpu)"
@@ -223,7 +223,7 @@ cmp -s "$OUT/step_arm64.safetensors" "$OUT/step_arm64_a53.safetensors" ||
   die "the step's outputs differ between -cpu max and -cpu cortex-a53 ($OUT/step_arm64*.safetensors)"
 echo "  bit-identical to -cpu max"
 
-# The thread pool (docs/design.md §4.11): the same step split over 4 threads
+# The thread pool (docs/design#one-device-and-threads): the same step split over 4 threads
 # gives the numbers of 1 (qemu runs guest threads on host threads).
 if [ "$THREADPOOL" = ON ]; then
   say "the same step on 4 threads (log: $OUT/step_arm64_t4.log)"

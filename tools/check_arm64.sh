@@ -11,7 +11,7 @@
 #   ZL_SKIP_APT=1 tools/check_arm64.sh   # do not apt-get; fail if packages are missing
 #
 # Not Android (glibc, not bionic; GCC, not the NDK's clang) and emulated
-# speed means nothing: see docs/design.md §12.2, "arm64 check".
+# speed means nothing: see docs/design#arm64-check, "arm64 check".
 #
 # Everything goes to build-arm64/ (ignored): wheels/, et/ (the unpacked
 # aarch64 wheel), cmake/ (the aarch64 build), x86/ (the x86 zl_step_check),

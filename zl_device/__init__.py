@@ -1,4 +1,4 @@
-"""The host side of a run, in layers (docs/design.md §2):
+"""The host side of a run, in layers (docs/design#parts):
 
 - `formats`: what every part shares (run-directory layout, frames, telemetry log, stage status, checkpoint layout,
   window plan, optimizer and LR schedule), importing no other part;

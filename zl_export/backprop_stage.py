@@ -1,6 +1,6 @@
 """A stage as one link of end-to-end backprop: it takes the gradient of its output and gives its input's.
 
-The backprop program (`zl export --program backprop`, docs/design.md §3.8) is this module exported as today's
+The backprop program (`zl export --program backprop`, docs/design#backprop-program) is this module exported as today's
 programs are (zl_export/exporter.py). From the stage's input — stage 0: input_ids (B,S); stage k > 0: the hidden
 state it received (B,S,D), stashed since its forward — and `grad_hidden` (B,S,D), the gradient of the final loss
 with respect to its output hidden state h_out, it computes the LoRA gradients of
@@ -20,8 +20,8 @@ whole-model backprop cut at the stage boundaries.
 
 An upstream stage without a local loss (w = 0) needs no readout, so its module owns no final norm, LM head or
 translator and its program holds none of their bytes. `hidden` still comes out of the pipeline marker, so the
-program's phase 1 is the chunk forward (§3.3): a runner can forward a micro-batch with it, park it, and run the
-whole step later, when the gradient arrives, recomputing the forward from the stashed input.
+program's phase 1 is the chunk forward (docs/design#marker): a runner can forward a micro-batch with it, park it, and
+run the whole step later, when the gradient arrives, recomputing the forward from the stashed input.
 
 `grad_input` is the gradient of a user input: `torch.export`'s joint graph computes it when the example input
 requires grad, and the exporter moves it among the user outputs (`exporter.input_gradients_as_outputs`), so the
@@ -77,7 +77,7 @@ class BackpropStage(StageModule):
         h_in, h = self.chunk(x, attention_mask)  # (B, S, D) each
         if self.is_last:
             return (self.task_loss(h, labels),)
-        hidden_out = pipeline_marker(h.detach())  # (B, S, D): phase 1 ends here (§3.3)
+        hidden_out = pipeline_marker(h.detach())  # (B, S, D): phase 1 ends here (docs/design#marker)
         loss = backprop_objective(h, grad_hidden)
         if self.local_weight == 0.0:
             return hidden_out, loss

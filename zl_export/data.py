@@ -3,7 +3,7 @@
 A shard is what stage 0 of a pipeline (and `zl eval`) reads:
 
 - `NAME.safetensors`: `input_ids`, `attention_mask`, `labels`, each int64 [N, S]
-  in the stage program's convention (docs/design.md §3): right padding with the
+  in the stage program's convention (docs/design#stage-program): right padding with the
   tokenizer's pad id, mask 1 on tokens, labels aligned with the ids (position i
   predicts labels[i+1]) and -100 on prompt tokens and padding, so the loss
   covers the completion and its end-of-sequence token only. A row is

@@ -1,4 +1,4 @@
-"""Export each pipeline stage as an ExecuTorch training program (docs/design.md §3).
+"""Export each pipeline stage as an ExecuTorch training program (docs/design#stage-program).
 
     torch.export (ATen)  ->  _export_forward_backward (joint fwd+bwd, loss = `loss`)
     ->  rewrite empty_permuted  ->  to_edge  ->  to_executorch  ->  stage_<k>.pte
@@ -6,7 +6,7 @@
 The emitted program returns user outputs, then the LoRA gradients, then the
 LoRA parameters (ExecuTorch's training convention, sliced by the
 `__et_training_*` index methods). A backprop program (zl_export/backprop_stage.py,
-§3.8) also returns its input's gradient, as the last user output.
+docs/design#backprop-program) also returns its input's gradient, as the last user output.
 """
 
 import time

@@ -1,5 +1,5 @@
 """Frozen weights in fewer bytes: bf16, int8 with a scale per output channel, or int4 with a scale per group of
-32 input channels (docs/design.md §3.6).
+32 input channels (docs/design#frozen-weights).
 
 Only LoRA (and translator) parameters train; every other linear weight, the
 LM head and the token embedding are constants of the stage program, and they

@@ -1,4 +1,4 @@
-"""What a GGUF file holds, read from its header before anything is dequantized (docs/design.md §3.7).
+"""What a GGUF file holds, read from its header before anything is dequantized (docs/design#model-families).
 
 transformers converts a GGUF to float32 by reading the whole file, and fails late and at length on one it cannot
 convert: an architecture zl does not split comes out as a model zl refuses after the conversion, a quantization the

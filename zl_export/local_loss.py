@@ -1,4 +1,4 @@
-"""The ZeroLock local loss of one stage (docs/design.md §1).
+"""The ZeroLock local loss of one stage (docs/design#product).
 
     p_k = softmax(T_k(Norm(h_k)) · W_lmᵀ)                       T_k: readout translator (identity unless enabled)
     L_k = α_k · CE(p_k, y) + (1-α_k) · g · KL(p_k ‖ sg(p_{k-1}))   (kl_rev, the paper's Eq. 5)

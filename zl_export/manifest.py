@@ -1,4 +1,4 @@
-"""`manifest.json`: what an export directory holds (docs/design.md §3.4), as typed values.
+"""`manifest.json`: what an export directory holds (docs/design#manifest), as typed values.
 
     Manifest ── model: ModelInfo, options: ExportOptions, program: ProgramSettings, stages: [StageEntry]
     StageEntry ── inputs / outputs: [TensorSpec], parameters: [ParameterEntry] (gradient order), program file
@@ -117,7 +117,7 @@ class StageEntry:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """The manifest's `model`: the exported model and its family (§3.7)."""
+    """The manifest's `model`: the exported model and its family (docs/design#model-families)."""
 
     name: str
     source: str

@@ -1,4 +1,4 @@
-"""What differs between the model families zl splits, said once per family (docs/design.md §3.7).
+"""What differs between the model families zl splits, said once per family (docs/design#model-families).
 
 Every supported family is a Hugging Face `*ForCausalLM` with the same outline, which the stage split relies on:
 

@@ -22,7 +22,7 @@ Every architecture must be one of the supported families (`model_family.FAMILIES
 (architecture, quantization: zl_export/gguf_file.py) before anything is dequantized.
 
 Every model is loaded in float32 with eager attention: SDPA's backward brings
-operators the ExecuTorch training export cannot lower (docs/design.md §3.1).
+operators the ExecuTorch training export cannot lower (docs/design#how-programs-are-made).
 """
 
 import hashlib

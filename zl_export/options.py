@@ -19,7 +19,7 @@ CONSISTENCY_KINDS = ("kl_rev", "kl_fwd")
 FIRST_TARGETS = ("embedding", "none")
 GATES = ("none", "target_prob")
 TRANSLATOR_INITS = ("identity", "lens")
-# How the frozen weights are stored in a program (zl_export/frozen_weights.py, docs/design.md §3.6).
+# How the frozen weights are stored in a program (zl_export/frozen_weights.py, docs/design#frozen-weights).
 FROZEN_DTYPES = ("fp32", "bf16", "int8", "int4")
 # Target slots per sample when --max-targets is not given and no data is at hand (`zl export`): classification
 # completions (label word + EOS, the demo task and AG News: 1-3 tokens) fit with room to spare.
@@ -27,7 +27,7 @@ DEFAULT_MAX_TARGETS = 16
 # `zl train` fits the slots to its training data: its largest target count rounded up to a multiple of this, so
 # similar data shares one cached export while the readout stays within a few positions of what the loss needs.
 TARGET_SLOT_STEP = 4
-# What a stage program computes (docs/design.md §3.8): ZeroLock's local step, or a link of end-to-end backprop.
+# What a stage program computes (docs/design#backprop-program): ZeroLock's local step, or a link of end-to-end backprop.
 PROGRAM_KINDS = ("zerolock", "backprop")
 # The longest --seq-len any command takes, checked before anything is tokenized or allocated: the longest context
 # of the built-in models (SmolLM2-135M: 8192 positions; TinyLlama 2048, tiny-random 512), and already far beyond
@@ -220,7 +220,7 @@ def check_local_weight(weight: float, name: str = "--local-weight") -> None:
 
 @dataclass(frozen=True)
 class ProgramSettings:
-    """Which program every stage gets (docs/design.md §3.8); recorded in manifest.json under "program"."""
+    """Which program every stage gets (docs/design#backprop-program); recorded in manifest.json under "program"."""
 
     kind: str = setting("zerolock", "What each stage program computes: zerolock (its local loss, the runner's "
                                     "programs) or backprop (takes the gradient of its output hidden state, "

@@ -86,7 +86,7 @@ def export_pipeline(split: ModelSplit, out: Path, opts: ExportOptions, check: bo
     """Export every stage of `split` into `out` (stage_<k>.pte, manifest.json).
 
     Args:
-        program: which program each stage gets (docs/design.md §3.8); default: zerolock, the runner's.
+        program: which program each stage gets (docs/design#backprop-program); default: zerolock, the runner's.
         calibration: a shard whose first rows fit the readout lenses (`translator_init="lens"`); default: the
             built-in demo task's rows under the model's tokenizer.
         loaded: the model, when the caller has loaded it already (with seed `opts.seed`); its LoRA layers are

@@ -1,5 +1,5 @@
 """Recomputation in the backward: parts of a stage's forward that the joint graph would keep alive until the backward
-are computed again there instead (docs/design.md §3.9).
+are computed again there instead (docs/design#recomputation).
 
 In the joint graph (`_export_forward_backward`) every tensor the backward needs stays in planned memory from the
 forward to its last use. For the readout of every position that is the (N, V) logits: at seq 256 on Gemma 3's 262k

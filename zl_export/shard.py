@@ -1,7 +1,7 @@
 """Shards: the tokenized samples stage 0 and `zl eval` read, and their JSON sidecar.
 
 `NAME.safetensors` holds `input_ids`, `attention_mask`, `labels`, int64
-[N, S] (docs/design.md §3 conventions, see zl_export.data); `NAME.json` next to it
+[N, S] (docs/design#stage-program conventions, see zl_export.data); `NAME.json` next to it
 says how they were made (see `write_shard`), among it the BOS id the rows start
 with (`Shard.bos_token_id`, checked against the model's tokenizer by `check_matches`).
 """
@@ -157,7 +157,8 @@ class Shard:
 
 
 def target_counts(labels: torch.Tensor) -> torch.Tensor:
-    """(N,) int64: target tokens per row (labels other than -100 after the first position: Ω of docs/design.md §1.1)."""
+    """(N,) int64: target tokens per row (labels other than -100 after the first position: Ω of
+    docs/design#local-loss)."""
     return (labels[:, 1:] != -100).sum(dim=1)
 
 
@@ -179,7 +180,7 @@ def fitted_target_slots(labels: torch.Tensor) -> tuple[int, int]:
 def check_target_slots(labels: torch.Tensor, slots: int, where: Callable[[int], str]) -> None:
     """Raise ZLError when a row has more target tokens than the programs' `slots` (0: no limit).
 
-    A stage program reads out only the first `slots` targets of each sample (docs/design.md §1.4) and cannot tell
+    A stage program reads out only the first `slots` targets of each sample (docs/design#omega-readout) and cannot tell
     that a sample had more, so this host-side check is what keeps targets from being dropped silently.
 
     Args:

@@ -4,7 +4,7 @@ The module owns layers `first..last` of a (PEFT-wrapped) causal LM of a
 supported family (zl_export/model_family.py), the rotary embedding, and —
 frozen — the final norm and LM head for the readout (soft-capped where the
 config says so); stage 0 also owns the token embedding. Its forward follows the program
-contract of docs/design.md §3:
+contract of docs/design#stage-program:
 
     inputs : input_ids (B,S) int64 | hidden (B,S,D) f32, attention_mask (B,S) int64, labels (B,S) int64
     outputs: hidden (B,S,D) f32 [not on the last stage], loss, task_loss, consistency_loss
@@ -15,7 +15,7 @@ loss and backward instruction of the exported program.
 
 A readout is a (D × V) matmul per position, so where it runs sets the cost:
 
-- `max_targets = T > 0` (the exported default, docs/design.md §1.4): the program
+- `max_targets = T > 0` (the exported default, docs/design#omega-readout): the program
   picks the first T target positions of each sample with a one-hot selection
   computed from `labels` inside the program (static shapes: (B, T, S) @
   (B, S, D)) and reads out only those, with a validity mask for empty slots.
@@ -205,12 +205,12 @@ class StageModule(nn.Module):
 
     @property
     def input_names(self) -> list[str]:
-        """The program's inputs, in order (docs/design.md §3.2)."""
+        """The program's inputs, in order (docs/design#program-inputs-outputs)."""
         return ["input_ids" if self.is_first else "hidden", "attention_mask", "labels"]
 
     @property
     def output_names(self) -> list[str]:
-        """The program's user outputs, in order (docs/design.md §3.2)."""
+        """The program's user outputs, in order (docs/design#program-inputs-outputs)."""
         return ([] if self.is_last else ["hidden"]) + ["loss", "task_loss", "consistency_loss"]
 
     @property

@@ -1,7 +1,7 @@
 """One training step of every stage through ExecuTorch, next to the same step in PyTorch eager.
 
 Stage k>0 takes the hidden state that stage k-1 produced in the same runtime,
-as in the pipeline; with backprop programs (§3.8) stage k<K-1 also takes the
+as in the pipeline; with backprop programs (docs/design#backprop-program) stage k<K-1 also takes the
 gradient stage k+1 gave in the same runtime. Used by `zl export --check` and by
 the tests.
 """
@@ -87,9 +87,10 @@ def check_pipeline(
 
 
 def check_backprop_pipeline(export_dir: Path, manifest: Manifest, modules: list, first_inputs: tuple) -> list[StageCheck]:
-    """One micro-batch of end-to-end backprop through the backprop programs (§3.8), next to the same chain in eager
-    (`BackpropStage`, `backprop_step`): each runtime chains its own hidden states forward and gradients back
-    (`backprop_chain`). Arguments as `check_pipeline`'s; the times are the backward pass's step of each stage."""
+    """One micro-batch of end-to-end backprop through the backprop programs (docs/design#backprop-program), next to the
+    same chain in eager (`BackpropStage`, `backprop_step`): each runtime chains its own hidden states forward and
+    gradients back (`backprop_chain`). Arguments as `check_pipeline`'s; the times are the backward pass's step of each
+    stage."""
     from zl_export.backprop_stage import backprop_chain, backprop_step
 
     programs = [TrainingProgram(Path(export_dir) / e.file, e.output_names) for e in manifest.stages]

@@ -27,7 +27,7 @@ class Arm:
     loss: dict = field(default_factory=dict)  # LossConfig fields (zerolock)
     stage_lr: tuple[float, ...] = (1.0,)  # learning-rate multiplier per stage (zerolock)
     note: str = ""
-    frozen_dtype: str = "fp32"  # how the frozen weights are stored (zerolock; `--frozen-dtype`, docs/design.md §3.6)
+    frozen_dtype: str = "fp32"  # the frozen weights' storage (zerolock; `--frozen-dtype`, docs/design#frozen-weights)
     lora: dict = field(default_factory=dict)  # LoraSettings fields that differ from the study's (zerolock)
     lr: float | None = None  # peak learning rate of this arm (None: the study's --lr), e.g. a stable one for backprop
 

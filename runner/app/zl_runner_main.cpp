@@ -1,4 +1,4 @@
-// zl_runner: one pipeline stage as a process (docs/design.md §4).
+// zl_runner: one pipeline stage as a process (docs/design#runner).
 //
 //   zl_runner --config stage1.json            run (resuming if the config says so, the default)
 //   zl_runner --config stage1.json --resume   restore the latest checkpoint even if "resume": false

@@ -1,5 +1,5 @@
-// StageRunner under a backprop schedule (gpipe, 1f1b, async; docs/design.md
-// §4.10): the stage runs its operations in the order schedule_ops gives,
+// StageRunner under a backprop schedule (gpipe, 1f1b, async;
+// docs/design#backprop-schedules): the stage runs its operations in the order schedule_ops gives,
 // forwards, backwards and the optimizer step that ends each window.
 //
 //   forward(j)   take micro-batch j's input, run the program to the marker

@@ -66,7 +66,7 @@ int64_t apply_thread_count(int64_t threads) {
   return parallel_thread_count();
 }
 
-// Registers zl's float32 kernels (docs/design.md §4.9) unless
+// Registers zl's float32 kernels (docs/design#kernels) unless
 // ZL_KERNELS=executorch asks for ExecuTorch's own. Before the program
 // loads: the runtime binds each instruction to a kernel at method load.
 Status use_fast_kernels() {
@@ -90,7 +90,7 @@ Status use_fast_kernels() {
                   result.error + "; set ZL_KERNELS=executorch to run on ExecuTorch's own kernels");
   }
   if (result.kernels > 0) {
-    log(LogLevel::kInfo, "kernels: zl's fast kernels (%d registered, GEMM on %s; docs/design.md §4.9)",
+    log(LogLevel::kInfo, "kernels: zl's fast kernels (%d registered, GEMM on %s; docs/design#kernels)",
         result.kernels, gemm_backend().c_str());
   }
   return Status();
@@ -227,7 +227,8 @@ Status StageProgramLoader::check_inputs(const MethodMeta& meta) {
   program.backprop_ = stage.program_kind == "backprop";
   program.is_last_ = !stage.has_hidden_output;
   program.local_loss_ = program.backprop_ && !program.is_last_ && stage.local_weight > 0;
-  // A backprop program takes grad_hidden after (x, attention_mask, labels), but on the last stage (§3.8).
+  // A backprop program takes grad_hidden after (x, attention_mask, labels), but on the last stage
+  // (docs/design#backprop-program).
   const size_t expected = program.backprop_ && !program.is_last_ ? 4 : 3;
   if (meta.num_inputs() != expected) {
     return Status(StatusCode::kInvalidArgument,
@@ -617,8 +618,8 @@ Result<StageStepResult> StageProgram::collect(std::vector<float>* hidden_from_ou
     return Status(StatusCode::kInternal, "program " + path_ + ": 'forward' returned " +
                                              std::to_string(outputs.size()) + " outputs");
   }
-  // User outputs (§3.2): [hidden,] loss, task_loss, consistency_loss; a
-  // backprop program's (§3.8): [hidden,] loss, [local_loss,] [grad_input].
+  // User outputs (docs/design#program-inputs-outputs): [hidden,] loss, task_loss, consistency_loss; a
+  // backprop program's (docs/design#backprop-program): [hidden,] loss, [local_loss,] [grad_input].
   const size_t loss_at = is_last_ ? 0 : 1;
   const size_t num_losses = backprop_ ? (local_loss_ ? 2 : 1) : 3;
   double losses[3] = {0, 0, 0};

@@ -169,7 +169,7 @@ class StageRunner {
   const std::atomic<bool>* stop_;
   ProgressBoard* progress_;
   const Standby* standby_;  // null unless a hot standby (runner.h)
-  // Setup times for the start line (docs/design.md §4.7), on the system clock.
+  // Setup times for the start line (docs/design#telemetry), on the system clock.
   int64_t setup_start_unix_ms_ = 0;
   int64_t program_loaded_unix_ms_ = 0;
   double program_load_ms_ = 0;
@@ -190,7 +190,7 @@ class StageRunner {
   std::unique_ptr<AccumulatorSnapshotWriter> snapshots_;
   WindowSums resumed_sums_;                    // the window so far, from an accumulator snapshot
   int64_t resumed_accumulated_ = 0;            // micro-batches that snapshot held (0: none used)
-  const bool forward_only_;                    // config_.forward_only(): phase 1 only (docs/design.md §4.3)
+  const bool forward_only_;                    // config_.forward_only(): phase 1 only (docs/design#windows-and-adamw)
   const PipelineSchedule schedule_;            // config_.schedule (validated with the config)
   // A backprop schedule's micro-batches forwarded, their backward not run yet.
   struct InFlight {
@@ -198,9 +198,9 @@ class StageRunner {
     double queue_ms = 0, forward_ms = 0, send_ms = 0;
     StageProgram* kept = nullptr;  // keep_activations: the instance suspended at this micro-batch's marker
   };
-  // keep_activations (docs/design.md §4.10): one instance of the program per micro-batch in flight, each parked at
-  // its marker from the forward to the backward on a copy of the weights it forwarded with; program_ holds the
-  // weights AdamW steps and runs nothing.
+  // keep_activations (docs/design#backprop-schedules): one instance of the program per micro-batch in flight, each
+  // parked at its marker from the forward to the backward on a copy of the weights it forwarded with; program_ holds
+  // the weights AdamW steps and runs nothing.
   std::vector<std::unique_ptr<StageProgram>> instances_;
   std::vector<StageProgram*> idle_instances_;
   std::map<int64_t, InFlight> in_flight_;

@@ -78,7 +78,7 @@ Status StageRunner::setup() {
 
 Status StageRunner::load_program() {
   const RunnerConfig& c = config_;
-  // Which kernel variants this CPU gets (docs/design.md §4.1, kernel paths).
+  // Which kernel variants this CPU gets (docs/design#runner-process, kernel paths).
   log(LogLevel::kInfo, "kernel path: %s (cpu features: %s)", kernel_path_name(kernel_path()),
       cpu_features_str(cpu_features()).c_str());
   ZL_ASSIGN_OR_RETURN(program_, StageProgram::load(program_options()));
@@ -273,7 +273,7 @@ Status StageRunner::restore_weight_versions(int64_t window) {
 }
 
 // An accumulator snapshot of the window after the restored checkpoint
-// continues it where the stage stopped (docs/design.md §7): the gradient sum
+// continues it where the stage stopped (docs/design#recovery-in-detail): the gradient sum
 // of its first micro-batches, bit for bit what accumulate() had made of them.
 // Anything else (none, torn, another window) leaves the replay from the
 // checkpoint, which is exact too.
@@ -314,7 +314,7 @@ void StageRunner::resume_accumulator(int64_t window) {
       static_cast<long long>(snapshot.accumulated));
 }
 
-// The newest checkpoint does not load (docs/design.md §7, "A corrupt newest
+// The newest checkpoint does not load (docs/design#recovery-in-detail, "A corrupt newest
 // checkpoint"). Resuming from an older one is exact only if every input after
 // it can still be replayed locally: stage 0 re-reads its shard, a stage k>0
 // needs its input log to hold every micro-batch from the older checkpoint to

@@ -105,7 +105,7 @@ TEST_F(StageProgramTest, ExposesLoraParametersUnderPeftNames) {
     EXPECT_FALSE(p->is_last());
     ASSERT_FALSE(p->parameters().empty());
     for (const zl::TrainableParam& param : p->parameters()) {
-      // A readout translator (docs/design.md §1.3) is trained too, under its own names, not PEFT's.
+      // A readout translator (docs/design#loss-variants) is trained too, under its own names, not PEFT's.
       const std::string translator = "zl.translator.stage_" + std::to_string(stage) + ".";
       if (param.name.rfind(translator, 0) == 0) {
         EXPECT_NE(param.data, nullptr);

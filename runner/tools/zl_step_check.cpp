@@ -13,7 +13,7 @@
 // Stage k > 0 gets stage k-1's hidden state, as in the pipeline. One ExecuTorch
 // thread by default; --threads N splits the kernels' work over N, which must
 // give the same numbers (zl's GEMM panels are cut alike for any count,
-// docs/design.md §4.9; build_phone_runner.sh compares 1 and 4 under qemu).
+// docs/design#kernels; build_phone_runner.sh compares 1 and 4 under qemu).
 //
 // Output tensors, for each stage k:
 //   "stage<k>.loss", "stage<k>.task_loss", "stage<k>.consistency_loss"  F64 []

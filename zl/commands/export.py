@@ -148,7 +148,8 @@ class RichExportProgress(ExportProgress):
         return console.status("one training step per stage: ExecuTorch and PyTorch eager")
 
     def checked(self, checks) -> None:
-        # A backprop program's step (§3.8) reports its loss (on upstream stages <h, grad_hidden>), no CE or KL.
+        # A backprop program's step (docs/design#backprop-program) reports its loss (on upstream stages <h,
+        # grad_hidden>), no CE or KL.
         table = Table(title="one training step on a demo-task sample: ExecuTorch runtime vs PyTorch eager")
         # With --frozen-dtype bf16/int8, eager computes with the same compact weights; "loss fp32" is eager with
         # the float32 weights, the price of the compact ones.

@@ -5,7 +5,7 @@ root needed). The runner runs there as a background process of `adb shell`:
 `nohup` keeps it alive when the shell session ends, a wrapper shell writes
 its pid to runner.pid and its exit status to runner.exit, and its output
 goes to runner.out / runner.err. A hot standby (`zl train --standby`,
-docs/design.md §5.5) runs the same way with its pid in standby.pid; taking
+docs/design#hot-standbys) runs the same way with its pid in standby.pid; taking
 over moves that pid into runner.pid (see `AdbDevice._wrapped`).
 
 Every adb failure becomes a `ZLError` that names the phone and the fix.
@@ -533,7 +533,7 @@ class AdbDevice(Device):
     def wait(self, timeout_s: float, poll_s: float = 0.2) -> bool:
         return super().wait(timeout_s, poll_s)
 
-    # --- hot standby (docs/design.md §5.5) -------------------------------------------------------------
+    # --- hot standby (docs/design#hot-standbys) --------------------------------------------------------
 
     supports_standby = True
 

@@ -145,7 +145,7 @@ class AppDevice(AdbDevice):
     def restore_sleep(self) -> None:
         return None
 
-    # --- no hot standby: the app's service runs one runner (docs/design.md §5.5) ------------------------
+    # --- no hot standby: the app's service runs one runner (docs/design#hot-standbys) -------------------
 
     supports_standby = False
     has_standby = Device.has_standby

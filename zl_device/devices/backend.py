@@ -1,4 +1,4 @@
-"""The `Device` interface every backend implements (docs/design.md §5).
+"""The `Device` interface every backend implements (docs/design#coordinator).
 
 A device is a working directory plus at most one runner in it: a folder and
 a `zl_runner` child process on this host (`local`), a folder under
@@ -10,7 +10,7 @@ SSH board, say) is one more subclass.
 
 Paths on the device are POSIX strings; a relative one is relative to the
 device's `workdir`. Exit codes follow Python's `subprocess` convention:
-0..255 is the runner's status (docs/design.md §4.1: 0 done, 1 failed, 2 bad config,
+0..255 is the runner's status (docs/design#runner-process: 0 done, 1 failed, 2 bad config,
 3 stopped), -N means killed by signal N.
 """
 
@@ -33,7 +33,7 @@ RUNNER_STDERR = "runner.err"
 RUNNER_PID = "runner.pid"
 #: The runner's exit status once it ended (adb backend; written by the wrapper shell).
 RUNNER_EXIT = "runner.exit"
-#: Process id of the hot standby waiting to take over this device's stage (docs/design.md §5.5).
+#: Process id of the hot standby waiting to take over this device's stage (docs/design#hot-standbys).
 STANDBY_PID = "standby.pid"
 #: The standby's exit status when it ended before taking over (adb backend; written by the wrapper shell).
 STANDBY_EXIT = "standby.exit"
@@ -70,8 +70,8 @@ class DeviceInfo:
     note: str = ""  # what to do when state is not "ready", or extra detail
     app: str = ""  # versionName of the installed com.zerolock.zl app (phones); "" when not installed
     # `zl_runner --version` of the runner it holds, e.g. "zl_runner 0.1.0 executorch 1.5.0 aarch64 static
-    # kernels=bf16 cpu=fp16,dotprod,bf16,i8mm threads=4" (the kernel path this device's CPU gets, docs/design.md §4.1,
-    # and the threads a stage's pool gets there, §4.11)
+    # kernels=bf16 cpu=fp16,dotprod,bf16,i8mm threads=4" (the kernel path this device's CPU gets,
+    # docs/design#runner-process, and the threads a stage's pool gets there, docs/design#one-device-and-threads)
     runner: str = ""
 
 
@@ -246,7 +246,7 @@ class Device(ABC):
             self.wait(timeout_s)
         return self.exit_code()
 
-    # --- hot standby (docs/design.md §5.5) -------------------------------------------------------------
+    # --- hot standby (docs/design#hot-standbys) --------------------------------------------------------
 
     #: Whether this backend can keep a hot standby runner (`zl_runner --standby`) beside the running one.
     supports_standby = False

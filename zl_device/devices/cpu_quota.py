@@ -255,7 +255,7 @@ def _say_fallback_once(why: str) -> None:
     global _fallback_said
     if not _fallback_said:
         log.warning("--cpu-quota: %s; capping local devices with a SIGSTOP/SIGCONT duty cycle instead (wall time, "
-                    "coarser: docs/design.md, Planning)", why)
+                    "coarser: docs/design#planning)", why)
         _fallback_said = True
 
 

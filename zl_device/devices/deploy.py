@@ -299,7 +299,7 @@ def _push_files(device: Device, files: dict[str, tuple[Path, int]], result: Depl
 
 
 def _check_shard_fits(shard: Path, manifest: Manifest) -> None:
-    """Raise ZLError for a shard row with more targets than the programs' slots (docs/design.md §1.4).
+    """Raise ZLError for a shard row with more targets than the programs' slots (docs/design#omega-readout).
 
     The programs cannot tell that a sample had more targets than they read out, so this is checked before
     the shard reaches a device (exports without `max_targets` read out every position: nothing to check).
@@ -390,7 +390,8 @@ def pull(devices: Sequence[Device], out_dir: Path, checkpoints: bool = True, inp
             ckpt = cfg.get("checkpoint_dir")
             if checkpoints and ckpt and device.exists(ckpt):
                 target = layout.stage_checkpoints(stage)
-                # The accumulator snapshot (a window in progress, docs/design.md §7) goes with the input logs.
+                # The accumulator snapshot (a window in progress, docs/design#recovery-in-detail) goes with the input
+                # logs.
                 exclude = (".tmp-*",) + (() if input_logs else (DEFAULT_LAYOUT.input_log_dir,
                                                                   f"{DEFAULT_LAYOUT.accumulator_file}*"))
                 result.bytes_pulled += device.pull(ckpt, target, exclude=exclude)

@@ -315,7 +315,7 @@ class LocalDevice(Device):
         cap = self._caps.get(self._proc.pid) if self._proc is not None else None
         return cap.mechanism if cap else None
 
-    # --- hot standby (docs/design.md §5.5) -------------------------------------------------------------
+    # --- hot standby (docs/design#hot-standbys) --------------------------------------------------------
 
     supports_standby = True
 

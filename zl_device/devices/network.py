@@ -1,4 +1,4 @@
-"""Which address each stage listens on, sends to and reports to (docs/design.md §5, data plane).
+"""Which address each stage listens on, sends to and reports to (docs/design#coordinator, data plane).
 
 Stage k runs on devices[k]; it listens on port `stage_port + k` of its device
 and sends to stage k+1. Three ways to connect them:

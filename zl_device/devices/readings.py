@@ -1,4 +1,5 @@
-"""What a device says about its heat and power: the inputs of `zl train`'s device policies (docs/design.md §5.8).
+"""What a device says about its heat and power: the inputs of `zl train`'s device policies
+(docs/design#device-policies).
 
 One reading (`DeviceReadings`) holds a temperature, the battery level, whether
 the device is on external power and Android's thermal status. Where each

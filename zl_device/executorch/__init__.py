@@ -1,5 +1,5 @@
 """The ExecuTorch runtime: a `zl train` job's stages as exported programs on the devices' `zl_runner`s
-(docs/design.md §4, §5).
+(docs/design#runner, #coordinator).
 
     launch.py         the launch step: run key, control server, address plan, stage configs, deploy, the coordinator
     coordinator.py    runs the deployed pipeline to its end: a loop over events (start, progress, failure
@@ -10,7 +10,7 @@
     device_files.py     the checkpoints, accumulator snapshot and input log a stage keeps on its device
     stage_table.py      the stages' plans and statuses, their telemetry, the coordinator's events
     control.py        the control server: authenticated control frames from the runners
-    device_policy.py  --max-temperature, --min-battery, --require-charging (docs/design.md §5.8)
+    device_policy.py  --max-temperature, --min-battery, --require-charging (docs/design#device-policies)
     export_cache.py   the export step: the stage programs for a run's options, exported once and cached
 
 It builds on zl_device/devices and zl_device/formats (and zl_export); the

@@ -1,4 +1,4 @@
-"""The coordinator: runs a deployed pipeline to the end (docs/design.md §5).
+"""The coordinator: runs a deployed pipeline to the end (docs/design#coordinator).
 
 It starts every stage, then loops over what happened since its last pass: the control channel's frames and the
 stages' telemetry into the stage table (stage_table.py), the injected failure, the health checks (health.py:

@@ -1,5 +1,5 @@
-"""The files a stage keeps on its device, as the coordinator reads and prunes them (docs/design.md §7): its window
-checkpoints, its accumulator snapshot and its input log; where a restart continues from them, and the runner's
+"""The files a stage keeps on its device, as the coordinator reads and prunes them (docs/design#recovery-in-detail): its
+window checkpoints, its accumulator snapshot and its input log; where a restart continues from them, and the runner's
 error output.
 
 `DeviceFiles` holds no state of its own: recovery.py and pauses.py ask it about a stage's files through the
@@ -72,16 +72,17 @@ class DeviceFiles:
         return done if usable else committed
 
     def drop_snapshot_of_lost_sends(self, plan: StagePlan, down: StagePlan | None, grace_s: float = 0.0) -> None:
-        """Remove the stage's accumulator snapshot when the next stage (`down`; None: it is the last) lacks an output of a micro-batch it covers, so
-        that the restart replays the window from the checkpoint (exact, docs/design.md §7) and sends those again.
+        """Remove the stage's accumulator snapshot when the next stage (`down`; None: it is the last) lacks an output
+        of a micro-batch it covers, so that the restart replays the window from the checkpoint (exact,
+        docs/design#recovery-in-detail) and sends those again.
 
         A snapshot is written after a micro-batch's phase 2, not once downstream acknowledged its hidden state (that
-        holds only at a commit, §4.4): sent entries still un-acknowledged live in the sender's memory and die with
-        its process. A restart continuing from the snapshot never computes them again, and the next stage would
-        wait for them forever (the run of `--max-restarts 0 --inject-failure 1@1`, then `--resume`: stage 0 went
-        on to a snapshot of micro-batches 8-10, stage 1 had logged up to 7). Checked after the kill, against what
-        the next stage holds durably: everything below its latest checkpoint, plus its input log. A next stage
-        that commits meanwhile only makes that look smaller, so a race costs a replay, never a hang.
+        holds only at a commit, docs/design#window-end): sent entries still un-acknowledged live in the sender's
+        memory and die with its process. A restart continuing from the snapshot never computes them again, and the
+        next stage would wait for them forever (the run of `--max-restarts 0 --inject-failure 1@1`, then `--resume`:
+        stage 0 went on to a snapshot of micro-batches 8-10, stage 1 had logged up to 7). Checked after the kill,
+        against what the next stage holds durably: everything below its latest checkpoint, plus its input log. A
+        next stage that commits meanwhile only makes that look smaller, so a race costs a replay, never a hang.
 
         `grace_s`: while the next stage still runs (a local restart), an output the killed stage sent just before
         it died may still sit in the next stage's socket buffer, on its way to the log; wait up to this long for

@@ -1,4 +1,5 @@
-"""`zl train`'s device policies: pause a device that is too hot, too flat or off its charger (docs/design.md §5.8).
+"""`zl train`'s device policies: pause a device that is too hot, too flat or off its charger
+(docs/design#device-policies).
 
 The coordinator reads every stage's device every `read_every_s` seconds
 (zl_device/devices/readings.py) and asks this policy two questions:

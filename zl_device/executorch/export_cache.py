@@ -61,7 +61,7 @@ def export_cached(s: ExportSettings, opts: ExportOptions, load, say, progress=No
         load: returns the run's `LoadedModel` (called only when there is something to export).
         progress: a zl_export.pipeline.ExportProgress that sees the export, if there is one.
         calibration: the training shard, to fit lens translators on.
-        program: which program every stage gets (docs/design.md §3.8); default: zerolock.
+        program: which program every stage gets (docs/design#backprop-program); default: zerolock.
     """
     from zl_export.manifest import load_export
     from zl_export.model_source import cache_dir

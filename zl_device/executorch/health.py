@@ -1,4 +1,4 @@
-"""When a stage has failed, as the coordinator sees it (docs/design.md §5.1, §5.2).
+"""When a stage has failed, as the coordinator sees it (docs/design#control-channel, #failure-detection).
 
 Membership: every stage's runner registers and sends heartbeats on the
 control channel (zl_device/executorch/control.py); on local devices the coordinator
@@ -100,7 +100,7 @@ class Health:
         Its neighbours stop progressing too: the ones downstream starve, the ones upstream are held back by the
         in-flight limit. So the stage blamed is not the first one found without progress but the one its stall
         leads to (`stalled_stage`), and only when that one itself has made no progress for as long: a slow
-        stage that still moves is left alone (docs/design.md §5.2).
+        stage that still moves is left alone (docs/design#failure-detection).
         """
         if not self.stall_timeout_s:
             return None

@@ -273,7 +273,8 @@ def stage_configs(s: LaunchSettings, run_plan: RunPlan, manifest: Manifest, expo
             differs.update(grad_wire_dtype=s.grad_dtype, keep_activations=s.keep_activations)
         if s.policy.active:
             # A neighbour of a paused stage waits as long as the pause lasts, which may be longer than the runner's
-            # 600 s input timeout; the coordinator, which knows a pause from a failure, watches it instead (§5.8).
+            # 600 s input timeout; the coordinator, which knows a pause from a failure, watches it instead
+            # (docs/design#device-policies).
             differs["input_timeout_s"] = 0
         configs[k] = RunnerConfig(
             program=str(export_dir / manifest.stages[k].file),

@@ -1,4 +1,5 @@
-"""Device policies' pauses (docs/design.md §5.8): the state machine of a stage from a limit crossed to its restart.
+"""Device policies' pauses (docs/design#device-policies): the state machine of a stage from a limit crossed to its
+restart.
 
 The policy (`policy`, `zl train --max-temperature/--min-battery/--require-charging`): every
 `policy.read_every_s` the coordinator reads each stage's device (zl_device/devices/readings.py).
@@ -33,7 +34,7 @@ from zl_device.executorch.stage_table import StageTable, unix_ms
 
 log = logging.getLogger(__name__)
 
-#: The runner's exit status when it stopped on request (docs/design.md §4.1): a paused stage's.
+#: The runner's exit status when it stopped on request (docs/design#runner-process): a paused stage's.
 EXIT_STOPPED = 3
 
 
@@ -153,7 +154,7 @@ class Pauses:
         """The stage committed the window it was in (zl train checkpoints every window): stop its runner. By the
         time the coordinator sees a commit (its loop, a phone's control frame: milliseconds) the stage has begun
         the next window, or on a tiny model finished it too; it stops at its next check, and what it did after its
-        last commit is in its accumulator snapshot or is redone (§7)."""
+        last commit is in its accumulator snapshot or is redone (docs/design#recovery-in-detail)."""
         pause.stop_t = time.monotonic()
         self.table.plans[k].device.signal_runner(signal.SIGTERM)
 

@@ -1,4 +1,5 @@
-"""How the coordinator recovers a failed stage (docs/design.md §5, §7), and its hot standbys (§5.5).
+"""How the coordinator recovers a failed stage (docs/design#coordinator, #recovery-in-detail), and its hot standbys
+(docs/design#hot-standbys).
 
 Recovery:
 - `local` (ZeroLock's stage-local recovery): only the failed stage is
@@ -10,7 +11,7 @@ Recovery:
   window all stages committed (newer checkpoints are deleted) and restarted
   with --resume, so every stage replays from that window.
 
-Hot standbys (`standby`, `zl train --standby`; docs/design.md §5.5): next to
+Hot standbys (`standby`, `zl train --standby`; docs/design#hot-standbys): next to
 each stage's runner a second `zl_runner --standby` has its program mapped,
 its method loaded and its optimizer built, and waits. A restart (either
 mode) tells it to take over instead of starting a process that loads its
@@ -164,7 +165,8 @@ class Recovery:
 
     def roll_back(self) -> tuple[int, int, int]:
         """Every stage back to the last window all of them committed: newer checkpoints and the input-log entries
-        past it removed (docs/design.md §7). Returns (that window, micro-batches to replay, their bytes)."""
+        past it removed (docs/design#recovery-in-detail). Returns (that window, micro-batches to replay, their
+        bytes)."""
         windows = self.table.windows
         common = min(self.files.latest_checkpoint_window(p) for p in self.table.plans)
         replayed_total, bytes_total = 0, 0

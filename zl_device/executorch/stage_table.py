@@ -1,4 +1,4 @@
-"""The coordinator's one table of stages (docs/design.md §5): where each stage runs (`StagePlan`), how it is doing
+"""The coordinator's one table of stages (docs/design#coordinator): where each stage runs (`StagePlan`), how it is doing
 (`StageStatus`), the run's window plan, and the events its parts record for metrics.jsonl.
 
 Every part of the coordinator (health.py, recovery.py, pauses.py) reads and updates this table and nothing of the

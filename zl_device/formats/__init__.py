@@ -1,6 +1,6 @@
 """The formats every part of a run shares: the leaf that devices/, run/, results/, torch/ and executorch/ import, importing none.
 
-- `run_layout.py`: `RunLayout`, every path of a run directory (docs/design.md §6);
+- `run_layout.py`: `RunLayout`, every path of a run directory (docs/design#run-outputs);
 - `frames.py`: the frame codec, the twin of runner/include/zl/frame.h;
 - `metrics_log.py`: the telemetry lines of metrics.jsonl, their reader, the merge and the tail of a growing file;
 - `stage_status.py`: `StageStatus`, a stage as the live display and the coordinator see it, folded from its telemetry;

@@ -38,9 +38,11 @@ class CheckpointLayout:
     optimizer_file: str = "optimizer.safetensors"
     progress_file: str = "progress.json"
     input_log_dir: str = "input_log"  # the runner's input_log_dir default, under checkpoint_dir
-    accumulator_file: str = "accumulator.safetensors"  # the runner's accumulator snapshot (docs/design.md §7)
+    #: the runner's accumulator snapshot (docs/design#recovery-in-detail)
+    accumulator_file: str = "accumulator.safetensors"
     #: An optimizer file that holds no tensor because its moments are all zero (a stage held still that never
-    #: stepped, docs/design.md §4.5) says so in this metadata key and value (the runner's kZeroMomentsKey/Value).
+    #: stepped, docs/design#checkpoints-on-disk) says so in this metadata key and value (the runner's
+    #: kZeroMomentsKey/Value).
     zero_moments: tuple[str, str] = ("moments", "zero")
 
     def stage_root(self, root: Path, k: int) -> Path:

@@ -1,6 +1,6 @@
 """A run's telemetry: the JSON lines of `metrics.jsonl`, where they live and what each kind holds.
 
-Where the lines are (both layouts are read, docs/design.md §6):
+Where the lines are (both layouts are read, docs/design#run-outputs):
 
 - `RUN_DIR/metrics.jsonl` — the merged log: every runner's lines plus the
   coordinator's events, as the orchestrator writes it at the end of a run;
@@ -28,7 +28,7 @@ times in ms, memory in MiB, temperature in °C; an unmeasured value is null:
      "mean_loss", "mean_task_loss", "mean_consistency_loss", "lr", "step",
      "checkpoint_ms" (null when no checkpoint was due), "pss_mib", "temperature_c", "forward_only"}
 
-`forward_only: true` marks a stage held still by lr 0 (docs/design.md §4.3):
+`forward_only: true` marks a stage held still by lr 0 (docs/design#windows-and-adamw):
 it runs phase 1 and the send only, so its micro-batch lines have phase2_ms 0
 and null losses, and its window lines null mean losses (the step still
 counts). Lines written before the field existed lack it: read it as false
@@ -43,15 +43,15 @@ Coordinator events (written by the coordinator into the merged file;
         every stage. Extra keys (run_id, num_stages, window_size, ...) are kept.
     {"type": "failure", "stage", "t_unix_ms", "detected_after_ms", "window", "micro_batch", "reason"}
         reason: "exited with status N", "heartbeat timeout", or "stalled: no progress for S s at micro-batch
-        I (alive; input available)" (docs/design.md §5.2)
+        I (alive; input available)" (docs/design#failure-detection)
         the stage was declared failed at t_unix_ms, detected_after_ms after its
         last sign of life (heartbeat or exit); window / micro_batch: the
         micro-batch the stage had in flight and its window.
     {"type": "restart", "stage", "t_unix_ms", "replayed_micro_batches", "replay_bytes", "device", "standby"}
         the replacement runner was started; it replays replayed_micro_batches
         micro-batches (replay_bytes bytes of input log or shard) after its
-        latest checkpoint. standby: a hot standby took over (docs/design.md
-        §5.5) instead of a new process (global: every stage's did).
+        latest checkpoint. standby: a hot standby took over
+        (docs/design#hot-standbys) instead of a new process (global: every stage's did).
     {"type": "recovered", "stage", "t_unix_ms", "recovery_ms", "since_failure_ms", "downstream_stage", "window"}
         the downstream stage (the stage itself when it is the last) committed
         `window`, the window in flight at the failure; recovery_ms = from the
@@ -59,7 +59,7 @@ Coordinator events (written by the coordinator into the merged file;
         injected failure's SIGKILL, else its detection) to that commit.
     {"type": "pause", "stage", "device", "kind", "reason", "window", "requested_unix_ms", "paused_unix_ms",
      "resumed_unix_ms", "to_pause_ms", "paused_ms", "resumed_at", "standby"}
-        a device policy held the stage (docs/design.md §5.8), written when it resumed: kind is temperature,
+        a device policy held the stage (docs/design#device-policies), written when it resumed: kind is temperature,
         thermal_status, battery or charging, reason the limit crossed ("61.0 °C ≥ 45 °C (--max-temperature)");
         the stage stopped after committing `window`; to_pause_ms = from the limit crossed (requested) to the
         stop (the rest of its window), paused_ms = from the stop to the restart; resumed_at: the readings
@@ -125,8 +125,8 @@ class MetricsLog:
         return [r for r in self.runner.get(stage, []) if r["type"] == kind]
 
     def forward_only(self, stage: int) -> bool:
-        """Whether `stage` ran phase 1 only (held still by lr 0, docs/design.md §4.3): every one of its micro-batch
-        lines says so; without any, its last start line. A line without the field counts as false."""
+        """Whether `stage` ran phase 1 only (held still by lr 0, docs/design#windows-and-adamw): every one of its
+        micro-batch lines says so; without any, its last start line. A line without the field counts as false."""
         mbs = self.of_type(stage, "micro_batch")
         if mbs:
             return all(r.get("forward_only") is True for r in mbs)

@@ -1,4 +1,4 @@
-"""Every path of a run directory, built in one place (docs/design.md §6).
+"""Every path of a run directory, built in one place (docs/design#run-outputs).
 
     RUN_DIR/manifest.json                  the export's manifest (--runtime torch: built without an export)
     RUN_DIR/train_settings.json            the run's settings as given; `zl train --resume` continues with them

@@ -1,4 +1,4 @@
-"""The pipeline schedules' names, one list for both runtimes (docs/design.md §4.10).
+"""The pipeline schedules' names, one list for both runtimes (docs/design#backprop-schedules).
 
 `zl train --schedule NAME` offers these; the torch runtime's table (zl_device/torch/schedules) has a class for each,
 the ExecuTorch runner's config takes the same names (runner/include/zl/pipeline_schedule.h).

@@ -1,4 +1,5 @@
-"""A stage as a run plans it: its place, its role, its learning rate and schedule (docs/design.md §4.3, §4.10).
+"""A stage as a run plans it: its place, its role, its learning rate and schedule (docs/design#windows-and-adamw,
+#backprop-schedules).
 
 `zl train` resolves its run once (zl_device/run/resolved_run.py) into one `StageSpec` per stage; the ExecuTorch
 launch turns each into a runner config (zl_device/executorch/launch.py `stage_configs`) and the torch runtime into
@@ -50,7 +51,7 @@ class StageSpec:
 
     @property
     def forward_only(self) -> bool:
-        """Held still: phase 1 only (docs/design.md §4.3)."""
+        """Held still: phase 1 only (docs/design#windows-and-adamw)."""
         return self.role == FORWARD
 
     @property

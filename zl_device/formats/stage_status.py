@@ -18,7 +18,7 @@ class StageStatus:
     micro_batches_done: int = 0  # by this stage's telemetry / heartbeats
     last_committed_window: int = -1
     last_loss: float | None = None
-    forward_only: bool = False  # held still by lr 0: runs phase 1 only, has no loss to show (docs/design.md §4.3)
+    forward_only: bool = False  # held still by lr 0: phase 1 only, no loss to show (docs/design#windows-and-adamw)
     pss_mib: float | None = None  # latest reading (peaks and temperatures are the report's, from telemetry)
     restarts: int = 0
     last_sign_of_life: float = field(default_factory=time.monotonic)
@@ -26,7 +26,7 @@ class StageStatus:
     heartbeat_seen: bool = False
     control_seen: bool = False  # its runner's control frames come (REGISTER, then a HEARTBEAT every second)
     commit_times: dict[int, float] = field(default_factory=dict)  # window -> time.monotonic() of its commit
-    pause_reason: str | None = None  # the limit a device policy holds it for: pausing, then paused (§5.8)
+    pause_reason: str | None = None  # the policy limit holding it: pausing, then paused (docs/design#device-policies)
     paused_since: float | None = None  # time.monotonic() its runner stopped for the pause
 
     def progressed(self, micro_batches_done: int, t: float) -> None:

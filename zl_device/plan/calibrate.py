@@ -14,8 +14,8 @@ how many layers it runs, not which (every layer has the same shape), so two smal
 $ZL_CACHE_DIR/exports) serve every later plan of this model and export options, whatever the devices.
 
 A round runs each stage as the run will: a stage the run holds still (`--stage-lr` 0, by default every stage but
-the last; `forward_only_stages`) runs forward only (docs/design.md §4.3), so what is measured of it is a held stage's
-phase 1, send and PSS (no readout, so none of the LM head's pages; no optimizer state), not a trained one's: on
+the last; `forward_only_stages`) runs forward only (docs/design#windows-and-adamw), so what is measured of it is a held
+stage's phase 1, send and PSS (no readout, so none of the LM head's pages; no optimizer state), not a trained one's: on
 Gemma 3 270M a held stage peaked at 207 MiB where the trained one reached 534. The others train, and their phase 2
 is measured too.
 
@@ -137,8 +137,9 @@ def data_identity(s: TrainSettings) -> dict:
 
 
 def forward_only_stages(s: TrainSettings, num_stages: int) -> list[bool]:
-    """Which of `num_stages` stages run phase 1 only: the roles the run resolves (`run_stage_specs`, docs/design.md
-    §4.3); without a --stage-lr, its default: under ZeroLock the stages before the last run forward only."""
+    """Which of `num_stages` stages run phase 1 only: the roles the run resolves (`run_stage_specs`,
+    docs/design#windows-and-adamw); without a --stage-lr, its default: under ZeroLock the stages before the last run
+    forward only."""
     from zl_device.run.resolved_run import run_stage_specs
 
     return [spec.forward_only for spec in run_stage_specs(s, num_stages)]

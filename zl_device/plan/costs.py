@@ -1,14 +1,14 @@
 """What a device's stage costs, per micro-batch, as a function of its layer count: measured, then fitted.
 
 A calibration round (calibrate.py) runs every device's stage with n layers for a few micro-batches; the runner's
-telemetry (docs/design.md §4.7) gives per micro-batch `phase1_ms` (input to the marker: the layers' forward),
+telemetry (docs/design#telemetry) gives per micro-batch `phase1_ms` (input to the marker: the layers' forward),
 `phase2_ms` (readout, loss, backward), `send_ms`, `queue_ms`, `total_ms` and `pss_mib`. From each round:
 
     phase1, phase2   medians over the micro-batches after the warm-up
     other            the smallest send_ms (sealing the hidden state; a larger one waited on back-pressure, which is
                      the downstream stage's time, not this one's) + the median of what total_ms has beyond input,
                      phases, send and, under a backprop schedule, the wait for the gradient (another stage's time;
-                     §4.10): accumulating the gradients
+                     docs/design#backprop-schedules): accumulating the gradients
     pss              the highest PSS the stage reached (MiB)
 
 Two rounds at different layer counts give each quantity as `fixed + per_layer x n` (least squares over the
@@ -18,7 +18,7 @@ Gemma 3's sliding-window layers are cheaper than its global ones only beyond the
 host) is taken as zero, the mean as the fixed part. Not counted: the AdamW step, flush and checkpoint at each
 window end (once per window, not per micro-batch).
 
-A stage held still by lr 0 runs phase 1 and the send only (docs/design.md §4.3): its time is phase1 + other
+A stage held still by lr 0 runs phase 1 and the send only (docs/design#windows-and-adamw): its time is phase1 + other
 (`StageCost.ms(n, forward_only=True)`; other's accumulation share, which such a stage skips, is a fraction of a
 millisecond). Calibration rounds train (lr > 0), so their phase 2 is measured; the lines of a forward-only run
 have phase2_ms 0, which `measure` takes as it is.

@@ -9,17 +9,17 @@
                     "pss_mib", "budget_mib", "forward_only"}, ...],
      "even_split": {"stages": ..., "predicted_slowest_ms": ...} | null, "calibration": [...]}
 
-A `forward_only` stage (held still by `--stage-lr` 0, docs/design.md §4.3) runs no phase 2: its total_ms is
+A `forward_only` stage (held still by `--stage-lr` 0, docs/design#windows-and-adamw) runs no phase 2: its total_ms is
 phase1_ms + other_ms, and its phase2_ms (what it would take with phase 2) is listed but not counted. Plans written
 before the field existed have none: every stage counts its phase 2.
 
 `schedule` and `keep_activations` are what the stages were timed under (`zl plan --schedule`, or the schedule the
 data chooses): a backprop stage runs another program than a ZeroLock one, its upstream stages a second forward unless
-activations are kept, so a split balanced for one paces another wrongly (docs/design.md §4.10). Plans written before
-these fields have none (null): only their held stages are checked against a run.
+activations are kept, so a split balanced for one paces another wrongly (docs/design#backprop-schedules). Plans written
+before these fields have none (null): only their held stages are checked against a run.
 
 `recompute`: the split fits the devices' memory budgets only with `--recompute` (each layer recomputed in the
-backward, docs/design.md §3.9), which `zl plan` turns on when no split fits without it; `zl train --stages
+backward, docs/design#recomputation), which `zl plan` turns on when no split fits without it; `zl train --stages
 plan.json` then trains with it, `zl export --stages plan.json` asks for it.
 
 `zl train --stages plan.json` and `zl export --stages plan.json` take its `stages`, after checking that the plan
@@ -63,7 +63,7 @@ class StagePrediction:
     other_ms: float
     pss_mib: float | None
     budget_mib: float | None
-    forward_only: bool = False  # held still by lr 0: no phase 2 (docs/design.md §4.3)
+    forward_only: bool = False  # held still by lr 0: no phase 2 (docs/design#windows-and-adamw)
 
     @property
     def total_ms(self) -> float:

@@ -6,7 +6,7 @@
    position, measured on the device or read from the cache.
 2. Budget each device's memory: --memory-limit, else MEMORY_SHARE of what it has available now (/proc/meminfo
    MemAvailable; local devices share this host's, split evenly between them). When no split fits, calibrate again
-   with --recompute (each layer recomputed in the backward, docs/design.md §3.9) and choose among those; the plan
+   with --recompute (each layer recomputed in the backward, docs/design#recomputation) and choose among those; the plan
    records it and `zl train --stages plan.json` trains with it.
 3. Choose the split (zl_device/run/split.py): the slowest stage as fast as it can be, every stage within its budget. The link
    between stages carries one hidden state per micro-batch (B x S x D float32 and the mask and labels); with
@@ -120,7 +120,7 @@ def make_plan(s: TrainSettings, p: PlanSettings, say=print, export_progress=None
     except ZLError as short:
         if s.export.recompute or all(forward_only):
             raise
-        # Recomputing each layer in the backward keeps its input instead of its activations (docs/design.md §3.9):
+        # Recomputing each layer in the backward keeps its input instead of its activations (docs/design#recomputation):
         # far less memory for a slower step, so only when no split fits without it.
         say(f"plan: {short} Calibrating again with --recompute (each layer recomputed in the backward: less memory, "
             "a slower step).")

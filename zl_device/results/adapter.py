@@ -1,4 +1,4 @@
-"""Merge per-stage LoRA checkpoints into one PEFT adapter (`zl merge`, docs/design.md §3, §6).
+"""Merge per-stage LoRA checkpoints into one PEFT adapter (`zl merge`, docs/design#stage-program, #run-outputs).
 
 Each stage runner checkpoints only its own LoRA parameters, under their PEFT
 names (runner/include/zl/checkpoint.h):

@@ -261,7 +261,7 @@ def _completion_nll_rows(model: torch.nn.Module, batch: Shard) -> tuple[list[flo
         length = int(batch.attention_mask.sum(1).max())
         ids, mask = batch.input_ids[:, :length], batch.attention_mask[:, :length]  # (B, L)
         hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, L, d)
-        # Position i predicts labels[i + 1] (Hugging Face convention, docs/design.md §3).
+        # Position i predicts labels[i + 1] (Hugging Face convention, docs/design#stage-program).
         targets = batch.labels[:, 1:length]  # (B, L-1)
         rows, cols = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
         logp = torch.log_softmax(head(hidden[rows, cols]).float(), dim=-1)  # (K, V)

@@ -1,4 +1,4 @@
-"""The run report (docs/design.md §6): `report.json`, `report.md` and `plots/` from a run's telemetry.
+"""The run report (docs/design#run-outputs): `report.json`, `report.md` and `plots/` from a run's telemetry.
 
 `build_report(run_dir)` returns the report as a dict; `write_report(run_dir)`
 writes `report.json`, `report.md`, `plots/latency.png` and `plots/loss.png`
@@ -12,7 +12,7 @@ What the numbers mean:
   (linear interpolation) compute them; null values (unmeasured) are left out,
   and a statistic of no values is null.
 - `stages[i].forward_only`: the stage was held still by lr 0 and ran phase 1
-  only (docs/design.md §4.3; `MetricsLog.forward_only`). Its lines' phase2_ms
+  only (docs/design#windows-and-adamw; `MetricsLog.forward_only`). Its lines' phase2_ms
   are 0, so are its phase-2 statistics (its busy time is phase 1 + send), and
   it has no losses; report.md says "held still (lr 0), forward only" instead
   of empty loss columns.
@@ -45,7 +45,7 @@ What the numbers mean:
   its n-th `start` line) that an earlier run had already done.
 
 `pauses`: one entry per `pause` event (a device policy held the stage,
-docs/design.md §5.8): stage, device, kind, reason, the window it stopped
+docs/design#device-policies): stage, device, kind, reason, the window it stopped
 after, `to_pause_ms` (limit crossed → stopped: the rest of its window) and
 `paused_ms` (stopped → restarted), what the readings were when it resumed.
 `run.paused_s` is the time at least one stage was paused (the union of the
@@ -398,7 +398,8 @@ def render_markdown(report: dict, with_plots: bool = True) -> str:
                 f"seq_len {model['seq_len']}, micro-batch {model['micro_batch']}.", ""]
         if model.get("program_mib"):
             sizes = " / ".join(f"{m:,.0f}" for m in model["program_mib"])
-            out += [f"Frozen weights {model['frozen_dtype']}; stage programs {sizes} MiB (docs/design.md §3.6).", ""]
+            out += [f"Frozen weights {model['frozen_dtype']}; stage programs {sizes} MiB "
+                    "(docs/design#frozen-weights).", ""]
     out += ["## Run", "", "| wall time (s) | samples | records/s |", "|---|---|---|",
             f"| {_num(run['wall_s'])} | {_num(run['samples'])} | {_num(run['records_per_s'], 4)} |", ""]
     if run["wall_s_source"] == "telemetry":
@@ -425,7 +426,8 @@ def render_markdown(report: dict, with_plots: bool = True) -> str:
                 + " / ".join("n/a" if s.get("threads") is None else str(s["threads"]) for s in stages) + ".", ""]
     out += ["Temperature: the highest reading (battery on Android, CPU thermal zone on Linux); n/a where the "
             "device has no sensor.", "", "## Loss", ""]
-    # Under a backprop schedule a stage before the last differentiates <h, grad_hidden>, no loss of its own (§3.8).
+    # Under a backprop schedule a stage before the last differentiates <h, grad_hidden>, no loss of its own
+    # (docs/design#backprop-program).
     linked = [s for s in stages[:-1] if s.get("schedule", "zerolock") != "zerolock"]
     trained = [s for s in stages if not s.get("forward_only") and s not in linked]
     if trained:
@@ -437,13 +439,13 @@ def render_markdown(report: dict, with_plots: bool = True) -> str:
     for s in linked:
         out.append(f"- stage {s['index']}: trained on the final loss's gradient ({s['schedule']} schedule), "
                    "which has no loss of its own there; the last stage's loss is the pipeline's "
-                   "(docs/design.md §4.10).")
+                   "(docs/design#backprop-schedules).")
     if linked:
         out.append("")
     held = [s for s in stages if s.get("forward_only")]
     for s in held:
         out.append(f"- stage {s['index']}: held still (lr 0), forward only: its weights did not move, so it ran "
-                   "no readout, loss or backward (docs/design.md §4.3).")
+                   "no readout, loss or backward (docs/design#windows-and-adamw).")
     if held:
         out.append("")
     if report.get("eval"):
@@ -538,8 +540,8 @@ def _pauses_markdown(pauses: list[dict], paused_s: float | None) -> list[str]:
     out = ["## Pauses", "",
            "A device policy (`--max-temperature`, `--min-battery`, `--require-charging`) held these stages: each "
            "finished its window, stopped, and started again from its checkpoint once its device was back in range "
-           "(docs/design.md §5.8). Until paused: from the limit crossed to the stop; paused: from the stop to the "
-           "restart." + (f" Some stage was paused for {paused_s:.1f} s in all, which the wall time includes."
+           "(docs/design#device-policies). Until paused: from the limit crossed to the stop; paused: from the stop to "
+           "the restart." + (f" Some stage was paused for {paused_s:.1f} s in all, which the wall time includes."
                          if paused_s is not None else ""), "",
            "| stage | device | why | stopped after window | until paused (ms) | paused (s) | resumed at |",
            "|---|---|---|---|---|---|---|"]

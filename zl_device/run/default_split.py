@@ -1,5 +1,5 @@
 """The split `zl train` uses without `--stages`: the stages' expected costs balanced, from the model's shape and what
-each stage runs (docs/design.md §14.1).
+each stage runs (docs/design#default-split).
 
 A pipeline trains at the pace of its slowest stage (split.py), so the even split (`balanced_split`: the same layer
 count per stage) leaves a stage idle wherever its layers cost less than another's. Without a calibration (`zl plan`

@@ -23,7 +23,7 @@ from zl_export.options import ProgramSettings
 
 
 class ExecuTorchRuntime(Runtime):
-    """The stage programs on the devices, run by the coordinator (docs/design.md §4, §5)."""
+    """The stage programs on the devices, run by the coordinator (docs/design#runner, #coordinator)."""
 
     name = "executorch"
     uses_devices = True
@@ -35,7 +35,7 @@ class ExecuTorchRuntime(Runtime):
 
         s = run.settings
         self.shard = shard
-        # A backprop schedule runs programs that take grad_hidden and give grad_input (docs/design.md §3.8).
+        # A backprop schedule runs programs that take grad_hidden and give grad_input (docs/design#backprop-program).
         program = ProgramSettings(kind="backprop") if s.backprop else None
         exported = with_default_split(run)
         self.export_dir, self.manifest = export_cached(exported, run.resolved.export_options(s), run.model.loaded,
@@ -114,8 +114,8 @@ def forget_device_files(s, devices, say) -> None:
 
 def with_default_split(run: Run):
     """The run's settings with the split its stages get: --stages as given; without it the stages' predicted costs
-    balanced where every stage trains (zl_device/run/default_split.py, docs/design.md §14.1), said in one line; else
-    the even split, with a line on what balancing it would cost where stages are held still."""
+    balanced where every stage trains (zl_device/run/default_split.py, docs/design#default-split), said in one line;
+    else the even split, with a line on what balancing it would cost where stages are held still."""
     from dataclasses import replace
 
     from zl_device.formats.stage_spec import FORWARD

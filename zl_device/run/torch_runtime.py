@@ -8,7 +8,7 @@
               recovery events come from the telemetry
 
 The run directory has what a runner run leaves for `zl merge`, `zl eval` and
-`zl report` (docs/design.md §6, §13): manifest.json (stages, parameters,
+`zl report` (docs/design#run-outputs, #torch-runtime): manifest.json (stages, parameters,
 shapes; `"runtime": "torch"`, no `file` per stage), data/, torch_job.json,
 stages/stage_<k>/metrics.jsonl, metrics.jsonl (with the `run` event),
 checkpoints/stage_<k>/window_NNNNNN/, adapter/, eval.json, report.*.
@@ -35,7 +35,7 @@ from zl_export.stages import stages_phrase
 
 
 class TorchRuntime(Runtime):
-    """The stages as torch.distributed ranks in PyTorch eager (zl_device/torch/, docs/design.md §13)."""
+    """The stages as torch.distributed ranks in PyTorch eager (zl_device/torch/, docs/design#torch-runtime)."""
 
     name = "torch"
     uses_devices = False  # one rank per stage on this host, whatever --devices says
@@ -97,7 +97,8 @@ def check_torch_settings(s: TrainSettings) -> None:
                           "executorch.")
     if s.devices_spec.kind != "local":
         raise ZLError(f"--devices {s.devices}: --runtime torch runs its stages as processes on this host (or under "
-                      "torchrun, docs/design.md §13), not on phones; drop --devices or use --runtime executorch.")
+                      "torchrun, docs/design#torch-runtime), not on phones; drop --devices or use --runtime "
+                      "executorch.")
 
 
 def write_manifest(s: TrainSettings, opts, loaded, shard: Path, run_dir: Path) -> Manifest:

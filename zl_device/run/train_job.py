@@ -9,7 +9,7 @@ between the ExecuTorch runtime (executorch_runtime.py: export, deploy, the
 coordinator) and the torch runtime (torch_runtime.py: a manifest and a job, the
 ranks) is behind `Runtime` (runtime.py), chosen by --runtime from `RUNTIMES`.
 A run directory ends up holding what formats/run_layout.py lists
-(docs/design.md §6).
+(docs/design#run-outputs).
 """
 
 from __future__ import annotations

@@ -74,16 +74,16 @@ class TrainSettings:
     cpu_quota: tuple[float, ...] | None = setting(None, "CPUs each local device may use, one value for all or one per "
                                                   "device, e.g. 1.0,0.5,0.75: unequal phones on one host (a cgroup "
                                                   "cap where this host allows one, else a SIGSTOP/SIGCONT duty "
-                                                  "cycle; docs/design.md, Planning).", check=check_cpu_quota)
+                                                  "cycle; docs/design#planning).", check=check_cpu_quota)
     runner: Path | None = setting(None, RUNNER_HELP)
     runner_prefix: str | None = setting(None, RUNNER_PREFIX_HELP)
     runtime: str = setting("executorch", "executorch: the stage programs on the devices (zl_runner); torch: one "
                                          "torch.distributed rank per stage on this host, in PyTorch eager, no export "
-                                         "(docs/design.md §13).", choices=RUNTIMES)
-    schedule: str | None = setting(None, "How the stages train (docs/design.md §4.10): zerolock (each stage on "
-                                         "its own local loss, no gradient crosses a link; with --stage-lr's default "
-                                         "only the last stage trains), or end-to-end backprop, every stage on the "
-                                         "final loss's gradient sent upstream: gpipe (a flush per window: exact "
+                                         "(docs/design#torch-runtime).", choices=RUNTIMES)
+    schedule: str | None = setting(None, "How the stages train (docs/design#backprop-schedules): zerolock (each "
+                                         "stage on its own local loss, no gradient crosses a link; with --stage-lr's "
+                                         "default only the last stage trains), or end-to-end backprop, every stage on "
+                                         "the final loss's gradient sent upstream: gpipe (a flush per window: exact "
                                          "backprop), 1f1b (the same numbers, fewer inputs held), async (PipeDream: "
                                          "no flush, a stage's first micro-batches of a window on weights one step "
                                          "old; `pipedream` is its other name). Default: by the data, async on "
@@ -94,8 +94,8 @@ class TrainSettings:
     keep_activations: bool = setting(False, "Backprop schedules on the ExecuTorch runtime: a stage before the last "
                                             "keeps each micro-batch's forward until its gradient comes instead of "
                                             "running the forward again (one program instance per micro-batch in "
-                                            "flight: less compute, more memory; docs/design.md §4.10). The torch "
-                                            "runtime always keeps them.", flag="--keep-activations")
+                                            "flight: less compute, more memory; docs/design#backprop-schedules). The "
+                                            "torch runtime always keeps them.", flag="--keep-activations")
     launcher: str = setting("spawn", "--runtime torch: spawn runs one process per stage on this host; torchrun only "
                                      "prepares --out and prints the torchrun command that starts the ranks (multi-GPU, "
                                      "multi-node), then `zl merge` and `zl report`.", choices=LAUNCHERS)
@@ -112,13 +112,14 @@ class TrainSettings:
                                    "its program mapped and its method loaded, it takes over a failed stage from its "
                                    "checkpoint without a cold start; costs a second process (method memory) per stage.",
                             flag="--standby")
-    policy: DevicePolicy = nested(DevicePolicy)  # --max-temperature, --min-battery, --require-charging (§5.8)
+    #: --max-temperature, --min-battery, --require-charging (docs/design#device-policies)
+    policy: DevicePolicy = nested(DevicePolicy)
     keep_device_files: bool = setting(False, "Leave the run key, data shard and input logs on the devices when the "
                                              "run ends (by default they are deleted once a finished run's results "
                                              "are pulled; a failed run keeps them for --resume).")
     accumulator_snapshots: bool = setting(True, "Runners save the window's gradient sum after every micro-batch "
                                                 "(in the background), so a restarted stage continues its window "
-                                                "instead of recomputing it (docs/design.md §7).")
+                                                "instead of recomputing it (docs/design#recovery-in-detail).")
     seed: int = setting(0, "Seeds LoRA init, data order and the demo task.")
     export: ExportOptions = nested(ExportOptions, skip=("seq_len", "seed"))  # the run's: --seq-len, --seed above
     optimizer: OptimizerSettings = nested(OptimizerSettings)  # --lr; the rest are not on the command line
@@ -282,7 +283,7 @@ def default_stage_lr(stages: int) -> tuple[float, ...]:
     once lost badly: a tie on AG News label words with SmolLM2-135M (agnews-smollm2-135m-1024-local-losses), a clear
     loss with Gemma 3 270M (agnews-gemma3-270m-1024), and worse than the base model on AG News headlines
     (headlines-smollm2-135m-1024-local-losses). Holding them still is also faster per step (docs/benchmarks.md).
-    `--stage-lr 1` trains every stage on its local loss (docs/design.md §4.3)."""
+    `--stage-lr 1` trains every stage on its local loss (docs/design#windows-and-adamw)."""
     if stages < 2:
         return (1.0,)
     return (0.0,) * (stages - 1) + (1.0,)

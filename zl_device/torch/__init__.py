@@ -1,4 +1,4 @@
-"""The torch runtime: a `zl train` job's stages as torch.distributed ranks in PyTorch eager (docs/design.md §13).
+"""The torch runtime: a `zl train` job's stages as torch.distributed ranks in PyTorch eager (docs/design#torch-runtime).
 
     job.py            TorchJob (RUN_DIR/torch_job.json): what every rank reads
     launcher.py       one process per stage on this host, restarts after a failure; torchrun's command

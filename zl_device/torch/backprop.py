@@ -5,7 +5,7 @@ The baselines train the same stages, LoRA, data order, micro-batches, windows
 and optimizer as ZeroLock, but end to end: the loss is the final output's
 cross-entropy on the target positions (eager_training.causal_lm_loss's), the
 backprop program's true loss (`StageModule.task_loss`, zl_export/backprop_stage.py,
-docs/design.md §3.8), and its gradient flows back through every stage. Micro-batches keep the full
+docs/design#backprop-program), and its gradient flows back through every stage. Micro-batches keep the full
 sequence length S (a pipelining stage has fixed shapes); right padding and
 causal attention leave the loss as with the padding cut. Stage 0 and the last
 stage both read the shard: ids and mask go in at stage 0, labels are the last

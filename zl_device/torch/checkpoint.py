@@ -1,4 +1,4 @@
-"""A torch rank's checkpoints, in the runner's format (docs/design.md §4.5), so `zl merge` reads them.
+"""A torch rank's checkpoints, in the runner's format (docs/design#checkpoints-on-disk), so `zl merge` reads them.
 
     <root>/stage_<k>/window_000012/adapter.safetensors    the stage's trainable tensors, manifest names, F32
                                   /optimizer.safetensors  "<name>.exp_avg", "<name>.exp_avg_sq", F32
@@ -73,7 +73,7 @@ def read_checkpoint(where: Path, run_id: str, stage: int) -> tuple[dict[str, tor
                                                                    dict]:
     """(tensors, AdamW moments, progress) of the window checkpoint `where` (a window_NNNNNN directory). An
     optimizer file marked as all-zero moments without tensors (the runner writes one for a stage held still,
-    docs/design.md §4.5) reads as zeros of the tensors' shapes.
+    docs/design#checkpoints-on-disk) reads as zeros of the tensors' shapes.
 
     Raises:
         ZLError: the checkpoint is of another run or stage, a file is unreadable, or a weight or moment is nan or

@@ -139,8 +139,8 @@ class StageStep:
     schedule). The readouts run on the target positions only (`gather_targets`).
 
     `forward_only` (a stage held still by lr 0, not the last: the runner's RunnerConfig::forward_only,
-    docs/design.md §4.3): `begin` runs without autograd and there is no `finish`, since its gradients could not
-    move the weights; `end_window` only advances the schedule.
+    docs/design#windows-and-adamw): `begin` runs without autograd and there is no `finish`, since its gradients could
+    not move the weights; `end_window` only advances the schedule.
     """
 
     def __init__(self, module: torch.nn.Module, lr: float, opt: OptimizerSettings, num_windows: int,
@@ -235,8 +235,8 @@ def train_zerolock(
     if shard.rows < budget.micro_batch:
         raise ZLError(f"shard {shard.path} has {shard.rows} rows, fewer than one micro-batch of {budget.micro_batch}.")
     lrs = [opt.lr * (stage_lr[0] if len(stage_lr) == 1 else stage_lr[k]) for k in range(len(modules))]
-    # A stage held still (lr 0) before the last runs forward only, as the runtimes run it (docs/design.md §4.3):
-    # its phase 2 could not change anything. Its window losses are None.
+    # A stage held still (lr 0) before the last runs forward only, as the runtimes run it
+    # (docs/design#windows-and-adamw): its phase 2 could not change anything. Its window losses are None.
     steps = [StageStep(module, spec.lr, opt, budget.num_windows, forward_only=spec.forward_only)
              for module, spec in zip(modules, stage_specs(lrs, "zerolock"))]
     log = TrainLog()

@@ -1,10 +1,11 @@
-"""The rank harness of the torch runtime: one stage of a torch job as one torch.distributed rank (docs/design.md §13).
+"""The rank harness of the torch runtime: one stage of a torch job as one torch.distributed rank
+(docs/design#torch-runtime).
 
 Rank k joins the process group, builds stage k's `StageModule` in PyTorch eager
 (the same modules and LoRA initialisation as the export,
 zl_export.exporter.build_stage_modules), and trains it under the job's schedule
 (schedules/: ZeroLock, or a backprop baseline) through its `Rank` (stage_io.py),
-which writes the runner's telemetry and checkpoints (docs/design.md §4.5, §4.7),
+which writes the runner's telemetry and checkpoints (docs/design#checkpoints-on-disk, #telemetry),
 so `zl merge` and `zl report` read them unchanged.
 
 `zl train --runtime torch` writes RUN_DIR/torch_job.json and starts one process
@@ -14,7 +15,7 @@ there; `main`, also `python -m zl_device.torch`):
 
     torchrun --standalone --nproc-per-node 3 --max-restarts 3 -m zl_device.torch RUN_DIR/torch_job.json
 
-Recovery is torch elastic's (docs/design.md §13): when a rank fails, the
+Recovery is torch elastic's (docs/design#torch-runtime): when a rank fails, the
 launcher (zl's, or torchrun's agent with `--max-restarts`) stops every rank and
 starts them all again; a restarted rank (`for_attempt`) resumes from the latest
 window every stage checkpointed and replays from there.

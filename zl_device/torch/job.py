@@ -39,7 +39,7 @@ class TorchJob:
     link_timeout_s: float = 600.0
     backend: str = "auto"  # auto: nccl when CUDA is there, else gloo
     pipeline: str = "zerolock"  # the schedule: a name in zl_device/torch/schedules SCHEDULES (zerolock, gpipe, ...)
-    resume: bool = False  # start after the latest window every stage has checkpointed (docs/design.md §13)
+    resume: bool = False  # start after the latest window every stage has checkpointed (docs/design#torch-runtime)
     fail_at: list[int] | None = None  # [stage, micro-batch]: that stage SIGKILLs itself there (--inject-failure)
     # ZeroLock's micro-batches cut to their longest row (eager takes any length); False: the full seq_len, the
     # work the runner's programs and the backprop baselines' fixed-shape stages do (tools/bench_pipelines.py).

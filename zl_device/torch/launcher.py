@@ -1,4 +1,4 @@
-"""Starting a torch job's ranks on this host and restarting them after a failure (docs/design.md §13).
+"""Starting a torch job's ranks on this host and restarting them after a failure (docs/design#torch-runtime).
 
 `launch_ranks` is zl's launcher (`zl train --runtime torch`, tools/bench_pipelines.py): one process per stage
 (torch.multiprocessing spawn, harness.spawned), every rank restarted after a failure as torch elastic restarts a
@@ -34,8 +34,8 @@ def launch_ranks(job_path: Path, world: int, timeout_s: float, max_restarts: int
     returns the (start, end) Unix times of the run and its failures. `on_poll()` is called about once a second,
     `on_restart(failure)` before the ranks start again after one.
 
-    Recovery is torch elastic's (docs/design.md §13): a rank that dies (a signal, an exit, an exception other than
-    a `ZLError`) ends the others at once, and all ranks start again, up to `max_restarts` times, resuming from the
+    Recovery is torch elastic's (docs/design#torch-runtime): a rank that dies (a signal, an exit, an exception other
+    than a `ZLError`) ends the others at once, and all ranks start again, up to `max_restarts` times, resuming from the
     latest window every stage checkpointed (`job.for_attempt`). A `ZLError` in a rank (a bad job, a
     neighbour past --link-timeout) is not retried; a run past `timeout_s` is stopped.
 
@@ -151,7 +151,7 @@ def training_span(run_dir: Path, num_stages: int, since_ms: int = 0) -> tuple[in
 
 
 def recovery_events(run_dir: Path, num_stages: int, windows: WindowPlan, failures: list[RankFailure]) -> list[dict]:
-    """The coordinator's `failure`, `restart` and `recovered` events (docs/design.md §4.7) of the ranks' restarts,
+    """The coordinator's `failure`, `restart` and `recovered` events (docs/design#telemetry) of the ranks' restarts,
     from their telemetry, so that `zl report` shows the recoveries as it does the runners'. A global recovery:
     the restart is every rank's; recovered is when the stage downstream of the failed one (itself, if last)
     commits the window that was in flight at the failure."""

@@ -1,7 +1,7 @@
 """The data-plane link of `--runtime torch`: stage k's hidden states to stage k+1 over torch.distributed p2p.
 
 One DATA entry per micro-batch, as three point-to-point messages (the runner's
-DATA frame, docs/design.md §4.6, without MAC or input log):
+DATA frame, docs/design#data-plane-link, without MAC or input log):
 
     header  (2,) int64         [micro-batch id, L]   L = the micro-batch's length after cutting the padding
     ints    (2, B, L) int64    attention mask, labels

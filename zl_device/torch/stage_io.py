@@ -1,8 +1,8 @@
 """What a schedule trains through on its rank: the stage, the plan, and the stage's I/O in the runner's formats.
 
 `Rank` is the one place a torch rank writes: its telemetry lines (the runner's
-kinds, docs/design.md §4.7: `start`, `micro_batch`, `window`, `done`), its
-window checkpoints (§4.5, checkpoint.py) and, after a restart, reads its
+kinds, docs/design#telemetry: `start`, `micro_batch`, `window`, `done`), its
+window checkpoints (docs/design#checkpoints-on-disk, checkpoint.py) and, after a restart, reads its
 checkpoint back (`resume`). Every schedule (schedules/) writes the same lines
 and checkpoints through it, so `zl merge` and `zl report` read any of them.
 
@@ -41,7 +41,8 @@ from zl_export.shard import Shard
 
 
 class Telemetry:
-    """JSON lines appended to a stage's metrics.jsonl, flushed per line (the runner's telemetry, §4.7)."""
+    """JSON lines appended to a stage's metrics.jsonl, flushed per line (the runner's telemetry,
+docs/design#telemetry)."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,7 +95,7 @@ class Rank:
     @property
     def forward_only(self) -> bool:
         """A stage held still (its role in the job) with the job's `forward_only_at_lr0`: ZeroLock runs its phase 1
-        only, as the runner does (RunnerConfig::forward_only, docs/design.md §4.3)."""
+        only, as the runner does (RunnerConfig::forward_only, docs/design#windows-and-adamw)."""
         return self.job.forward_only(self.index)
 
     @property

@@ -73,7 +73,7 @@ val zlEigen = zlFolder(
     listOf("Eigen/Core"),
     default = "/usr/include/eigen3",
 )
-// Optional: OpenBLAS for the GEMM of zl's kernels (docs/design.md §4.9); without it, Eigen's.
+// Optional: OpenBLAS for the GEMM of zl's kernels (docs/design#kernels); without it, Eigen's.
 val zlOpenblasPrefix: File? = zlSetting("zl.openblasPrefix", "ZL_OPENBLAS_ANDROID_PREFIX")?.let {
     zlFolder("zl.openblasPrefix", "ZL_OPENBLAS_ANDROID_PREFIX", "the install prefix of OpenBLAS built for arm64-v8a",
         listOf("lib/libopenblas.a"))

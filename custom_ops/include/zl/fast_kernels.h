@@ -1,4 +1,4 @@
-// Fast float32 kernels for the stage programs (docs/design.md §4.9).
+// Fast float32 kernels for the stage programs (docs/design#kernels).
 //
 // A stage step spends most of its time in `aten::linear.out`, `aten::mm.out`
 // and `aten::bmm.out`. ExecuTorch's optimized kernels run them on a GEMM

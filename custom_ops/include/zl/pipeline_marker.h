@@ -4,9 +4,9 @@
 // (B, S, D) float32 into its `out` tensor before any readout, loss or
 // backward instruction runs. Right after the copy it calls the hook installed
 // on the executing thread, so the stage runner can send the hidden state
-// downstream while the method goes on ("early forwarding", docs/design.md §3-4).
+// downstream while the method goes on ("early forwarding", docs/design#stage-program, #runner).
 // The hook may also end the method there (a stage held still by lr 0 needs
-// only phase 1, docs/design.md §4.3): the kernel then fails the method with
+// only phase 1, docs/design#windows-and-adamw): the kernel then fails the method with
 // kPipelineMarkerStopped, which the caller of `execute` takes as "stopped at
 // the marker", not as an error.
 #pragma once
@@ -48,7 +48,7 @@ constexpr executorch::runtime::Error kPipelineMarkerStopped =
 /// and unchanged until the method that owns it runs again, but the hook must
 /// not keep a reference past the current `execute` call. The hook runs inside
 /// the kernel: the method waits for it (the stage runner parks it there until
-/// phase 2 is due, docs/design.md §4.2).
+/// phase 2 is due, docs/design#per-micro-batch).
 using PipelineMarkerHook = PipelineMarkerAction (*)(
     const executorch::aten::Tensor& hidden,
     void* user_data);

@@ -1,5 +1,5 @@
 // ExecuTorch's CPU thread pool, which parallel_for (and zl's fast kernels,
-// docs/design.md §4.9) run on. The wheel ships libexecutorch_threadpool.so
+// docs/design#kernels) run on. The wheel ships libexecutorch_threadpool.so
 // without its header, and an Android build may leave the pool out, so these
 // declarations (matching the library's exported symbols, non-virtual
 // members) are weak: without the library get_threadpool's address is null.

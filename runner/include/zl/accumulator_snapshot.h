@@ -1,4 +1,4 @@
-// Accumulator snapshots (docs/design.md §7, "Accumulator snapshots"): after
+// Accumulator snapshots (docs/design#recovery-in-detail, "Accumulator snapshots"): after
 // every micro-batch but a window's last, the window's gradient sum so far is
 // saved to <checkpoint_dir>/accumulator.safetensors by a background thread,
 // so a restart continues the window from it instead of replaying every
@@ -8,7 +8,7 @@
 //
 // File: one F32 tensor per LoRA parameter, named as the parameter, holding
 // the sum of the window's micro-batch gradients, or no tensor at all for a
-// stage that runs forward only (§4.3: its sums are zeros, and writing them
+// stage that runs forward only (docs/design#windows-and-adamw: its sums are zeros, and writing them
 // cost it numel floats a micro-batch); string metadata: format
 // "zl-accumulator", version "1", run_id, stage, window, micro_batches_done
 // (the next micro-batch to run), accumulated (micro-batches in the sum),

@@ -25,7 +25,7 @@
 // State is allocated when first needed: the accumulator at the first
 // accumulate(), the moments at the first step() (or a restore() of moments
 // that are not all zero). Until then they read as zeros. A stage held still
-// by lr 0 (docs/design.md §4.3) accumulates and steps never, so it carries
+// by lr 0 (docs/design#windows-and-adamw) accumulates and steps never, so it carries
 // none of the 3 x numel floats (the moments and the accumulator).
 #pragma once
 
@@ -87,7 +87,7 @@ class AdamW {
   Result<double> step();
 
   /// Counts one optimizer step that changes nothing: for a window of a stage
-  /// held still (lr 0, docs/design.md §4.3), which computes no gradients.
+  /// held still (lr 0, docs/design#windows-and-adamw), which computes no gradients.
   /// The step count, and with it the schedule, advances as step() would
   /// (checkpoints record it); parameters and moments stay as they are (a real
   /// step at lr 0 leaves the parameters too, but moves the moments). Fails
@@ -99,7 +99,7 @@ class AdamW {
   void clear_accumulator();
 
   /// The window's gradient sum of parameter `i` so far (numel floats), for
-  /// accumulator snapshots (docs/design.md §7).
+  /// accumulator snapshots (docs/design#recovery-in-detail).
   const float* grad_sum(size_t i) const { return state_or_zeros(grad_sum_, i); }
   /// Sets the accumulator to a snapshot: `accumulated` micro-batches whose
   /// gradients sum to `grad_sums[i]` (numel(param(i)) floats each), exactly

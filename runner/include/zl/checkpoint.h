@@ -7,7 +7,7 @@
 //   <dir>/window_000012/optimizer.safetensors  "<name>.exp_avg", "<name>.exp_avg_sq", F32;
 //                                              or no tensor and metadata "moments": "zero" when
 //                                              the optimizer never stepped (a stage held still
-//                                              by lr 0, docs/design.md §4.3: zeros, not written)
+//                                              by lr 0, docs/design#windows-and-adamw: zeros, not written)
 //   <dir>/window_000012/progress.json          see CheckpointProgress
 //   <dir>/window_000012/weight_versions.safetensors   optional: "v<version>/<name>", F32, the older
 //                                              weight versions micro-batches in flight still run on
@@ -120,7 +120,7 @@ class CheckpointStore {
   /// changes, when there is none. A newest checkpoint that fails validation is an error (its
   /// message says which file); older ones are not tried here, because
   /// whether one is an exact fallback depends on the stage's inputs
-  /// (StageRunner::fall_back, docs/design.md §7).
+  /// (StageRunner::fall_back, docs/design#recovery-in-detail).
   Result<std::optional<CheckpointProgress>> load_latest(AdamW* optimizer) const;
 
   /// Restores checkpoint `window` into `optimizer` and returns its progress.

@@ -1,5 +1,5 @@
 // Where a stage's checkpoints live on disk: the one place that knows the
-// names (docs/design.md §4; the Python side mirrors them in its own module).
+// names (docs/design#runner; the Python side mirrors them in its own module).
 //
 //   <root>/window_000012/adapter.safetensors     a complete checkpoint of window 12
 //   <root>/window_000012/optimizer.safetensors

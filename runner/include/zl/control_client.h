@@ -1,4 +1,4 @@
-// The stage's end of the control channel (docs/design.md §5): one TCP connection
+// The stage's end of the control channel (docs/design#coordinator): one TCP connection
 // from a runner to the coordinator, the frames of the data plane (frame.h)
 // sealed with this stage's control keys (derived from the run key; one per
 // direction). The coordinator's frames carry stage kCoordinatorStage.
@@ -26,7 +26,7 @@
 //   WINDOW_COMMITTED  header window = the window id, micro_batch = micro_batches_done
 //     {"mean_loss": ..., "mean_task_loss": ..., "mean_consistency_loss": ...,
 //      "micro_batches_done": 12, "checkpoint_ms": 41.0 | null, "checkpointed": true}
-//     (the losses are null for a forward-only stage, docs/design.md §4.3)
+//     (the losses are null for a forward-only stage, docs/design#windows-and-adamw)
 //   ERROR             {"reason": "..."}
 //
 // Delivery: frames queued while the coordinator is unreachable go out, in

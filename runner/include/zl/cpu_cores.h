@@ -3,7 +3,7 @@
 //
 // A phone's cores come in clusters of one maximum frequency each (e.g. 1
 // prime + 3 big + 4 little). zl's GEMM splits its panels evenly over the
-// pool's threads (docs/design.md §4.9), so a step takes as long as its
+// pool's threads (docs/design#kernels), so a step takes as long as its
 // slowest thread: a little core would set the pace, while the lone prime
 // core alone would leave the big cores idle. So: every usable core whose
 // cpufreq/cpuinfo_max_freq is above the lowest one (4 on 1+3+4, 2 on 2+6,

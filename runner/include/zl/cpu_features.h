@@ -1,5 +1,5 @@
 // Which arm64 extensions the CPU has, and which of zl's kernel paths the
-// process runs (chosen once, at first use). docs/design.md §4.1 "Kernel
+// process runs (chosen once, at first use). docs/design#runner-process "Kernel
 // paths" lists what each extension would change and why only FEAT_BF16
 // gets a path.
 #pragma once

@@ -1,4 +1,4 @@
-// Durable inbound log of a stage (docs/design.md §4): every DATA entry from
+// Durable inbound log of a stage (docs/design#runner): every DATA entry from
 // upstream is stored here before it is acknowledged, and stays until the
 // window it belongs to is committed. After a crash the stage restores its
 // checkpoint and replays the entries after it from this log.

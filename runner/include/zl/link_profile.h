@@ -1,5 +1,5 @@
 // Link profiles: emulation of a network between two stages, applied by the
-// end that writes (docs/design.md §4.6): the Sender shapes DATA going down, the
+// end that writes (docs/design#data-plane-link): the Sender shapes DATA going down, the
 // Receiver the GRADs going up. A profile adds a one-way latency and serializes
 // frames at a bandwidth, so a run on loopback or USB behaves like Wi-Fi or mobile.
 #pragma once

@@ -1,4 +1,4 @@
-// The data-plane link between neighbouring stages (docs/design.md §4):
+// The data-plane link between neighbouring stages (docs/design#runner):
 //
 //   stage k  Sender  --DATA-->  Receiver  stage k+1
 //                    <--ACK---            (ACK only after the entry is in the

@@ -1,5 +1,5 @@
 // The order in which a stage runs its micro-batches' forwards, backwards and
-// window steps under every schedule (docs/design.md §4.10): one pure function
+// window steps under every schedule (docs/design#backprop-schedules): one pure function
 // per stage, which the runner's loops execute as it is. The source of these lists is the Python schedule table
 // (zl_device/formats/schedule_table.py), which the torch runtime runs;
 // tests/test_schedule_table.py checks through tools/zl_schedule_ops.cpp that

@@ -1,4 +1,4 @@
-// The stage runner's main loop (docs/design.md §4): one call runs this stage of
+// The stage runner's main loop (docs/design#runner): one call runs this stage of
 // the pipeline from its latest checkpoint (or the start) to the end of the
 // run. Used by the `zl_runner` executable and by the Android JNI bridge.
 //
@@ -91,7 +91,7 @@ inline int stage_exit_code(const Status& status, bool stop_requested) {
   return 1;
 }
 
-/// A hot standby (docs/design.md §5.5, `zl_runner --standby`): a replacement
+/// A hot standby (docs/design#hot-standbys, `zl_runner --standby`): a replacement
 /// that has its program mapped and its method loaded (memory planned, kernels
 /// bound), its optimizer built and (stage 0) its shard read before the stage
 /// it replaces fails, so a recovery pays none of that. With `standby` set,

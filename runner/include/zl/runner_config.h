@@ -58,17 +58,18 @@ struct RunnerConfig {
   /// train | forward (held still: lr 0, not the last, zerolock); empty in a
   /// config written before roles were: the role then follows from the lr.
   std::string role;
-  bool accumulator_snapshots = true;  ///< save the window's gradient sum per micro-batch (docs/design.md §7)
+  /// Save the window's gradient sum per micro-batch (docs/design#recovery-in-detail).
+  bool accumulator_snapshots = true;
   int64_t seed = 0;               ///< for anything random in the runner (data order)
   int64_t hold_at_micro_batch = -1;  ///< failure injection: park after sending this micro-batch; -1 = never
   /// zerolock: the local-loss step (two phases); gpipe | 1f1b | async: end-to-end
-  /// backprop with a backprop program (pipeline_schedule.h, docs/design.md §4.10).
+  /// backprop with a backprop program (pipeline_schedule.h, docs/design#backprop-schedules).
   std::string schedule = "zerolock";
   std::string grad_wire_dtype = "bf16";  ///< GRAD frames upstream: bf16 (half the bytes) or f32
   /// A backprop schedule's stage before the last keeps each micro-batch's
   /// forward suspended at the marker until its gradient comes, instead of
   /// running the forward again in the backward: one program instance (its
-  /// planned memory) per micro-batch in flight (docs/design.md §4.10).
+  /// planned memory) per micro-batch in flight (docs/design#backprop-schedules).
   bool keep_activations = false;
 
   /// How num_micro_batches fall into windows of window_size.
@@ -80,7 +81,7 @@ struct RunnerConfig {
   /// A stage held still (role forward: `zl train --stage-lr 0,0,1` gives it
   /// lr 0 and it is not the last): its weights never move, so it runs phase 1
   /// only, sends the hidden state and skips the readout, loss and backward
-  /// (docs/design.md §4.3). The last stage always computes its loss.
+  /// (docs/design#windows-and-adamw). The last stage always computes its loss.
   /// forward_only_at_lr0: false keeps phase 2 (for its losses). A config
   /// without a role (older runs) is held by the same rule on its lr that
   /// zl_device/formats/stage_spec.py stage_role applies; validate() refuses a

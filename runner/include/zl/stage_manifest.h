@@ -27,7 +27,7 @@ struct ManifestStage {
   bool has_hidden_output = false;  ///< false on the last stage (no marker, no downstream)
   std::vector<Param> params;       ///< in gradient order
   /// The manifest's "program": what every stage's program computes
-  /// (docs/design.md §3.8): "zerolock" (a local step; manifests from before
+  /// (docs/design#backprop-program): "zerolock" (a local step; manifests from before
   /// the field) or "backprop" (a gradient in, a gradient out).
   std::string program_kind = "zerolock";
   double local_weight = 0;  ///< backprop: the weight of an upstream stage's local loss

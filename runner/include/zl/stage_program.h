@@ -1,4 +1,4 @@
-// One stage's ExecuTorch training program, run in two phases (docs/design.md §3-4).
+// One stage's ExecuTorch training program, run in two phases (docs/design#stage-program, #runner).
 //
 //   begin(inputs)  runs `forward` on the program's worker thread until the
 //                  `zerolock::pipeline_marker` kernel fires; the marker hook
@@ -9,7 +9,7 @@
 //   abandon()      instead of finish(): ends the method at the marker (the
 //                  hook tells the kernel to stop it, zl::kPipelineMarkerStopped);
 //                  no phase 2, no losses, no gradients. For a stage held still
-//                  (lr 0, docs/design.md §4.3), and for a step that must not go
+//                  (lr 0, docs/design#windows-and-adamw), and for a step that must not go
 //                  on (a failed send, a stop).
 //
 // So the runner can send the hidden state downstream while phase 2 has not
@@ -57,7 +57,7 @@ struct StageProgramOptions {
   /// true: map the program file (ExecuTorch's Mmap mode), so the frozen
   /// weights are file-backed pages the kernel can drop and read again; false:
   /// read every segment into heap memory (LoadMode::File). The LoRA weights
-  /// are in the method's planned memory either way (docs/design.md §3.6).
+  /// are in the method's planned memory either way (docs/design#frozen-weights).
   bool map_file = true;
 };
 
@@ -70,14 +70,14 @@ struct StageInputs {
   const int64_t* attention_mask = nullptr;  ///< (B, S) int64, 1 = token, 0 = padding
   const int64_t* labels = nullptr;          ///< (B, S) int64, -100 = ignored
   /// (B, S, D) float32, the gradient of the stage's output: a backprop
-  /// program's fourth input on stages before the last (docs/design.md §3.8).
+  /// program's fourth input on stages before the last (docs/design#backprop-program).
   /// nullptr gives zeros, for a forward that stops at the marker.
   const float* grad_hidden = nullptr;
 };
 
 /// What one finished step yields.
 struct StageStepResult {
-  double loss = 0;              ///< α·CE + (1-α)·KL, the differentiated one (backprop: §3.8's loss)
+  double loss = 0;              ///< α·CE + (1-α)·KL, the differentiated one (backprop: docs/design#backprop-program)
   double task_loss = 0;         ///< CE (backprop: the last stage's CE, an upstream stage's local loss or 0)
   double consistency_loss = 0;  ///< KL (backprop: 0)
   /// A backprop program on stages > 0: the gradient of the stage's input
@@ -116,7 +116,7 @@ class StageProgram {
 
   /// Phase 2 of a backprop program's step whose gradient arrived after
   /// begin() (a stage before the last that keeps its activations,
-  /// docs/design.md §4.10): writes `grad_hidden` (B*S*D float32) into the
+  /// docs/design#backprop-schedules): writes `grad_hidden` (B*S*D float32) into the
   /// suspended method's grad_hidden input, then resumes it as finish() does.
   /// The exporter orders the graph so that nothing before the marker reads
   /// grad_hidden, so phase 1 ran as it would have with these values, and the
@@ -178,7 +178,7 @@ class StageProgram {
 
   StageProgram();
   /// The outputs before the gradients: [hidden,] and the losses; a backprop
-  /// program's [hidden,] loss, [local_loss,] [grad_input] (docs/design.md §3.8).
+  /// program's [hidden,] loss, [local_loss,] [grad_input] (docs/design#backprop-program).
   size_t user_outputs() const {
     if (!backprop_) return is_last_ ? 3 : 4;
     return (is_last_ ? 0 : 1) + 1 + (local_loss_ ? 1 : 0) + (is_first_ ? 0 : 1);

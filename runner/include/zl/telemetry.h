@@ -1,5 +1,5 @@
 // Runner telemetry: JSON lines, one record per micro-batch and one per update
-// window (docs/design.md §4), plus the probes for memory (PSS) and temperature.
+// window (docs/design#runner), plus the probes for memory (PSS) and temperature.
 //
 // Micro-batch line (times in milliseconds, memory in MiB, temperature in °C):
 //   {"type": "micro_batch", "t_unix_ms": ..., "stage": 1, "window": 3, "micro_batch": 14,
@@ -9,8 +9,8 @@
 //   {"type": "window", "t_unix_ms": ..., "stage": 1, "window": 3, "micro_batches": 4,
 //    "mean_loss": ..., "mean_task_loss": ..., "mean_consistency_loss": ...,
 //    "lr": ..., "step": 4, "checkpoint_ms": ..., "pss_mib": ..., "temperature_c": ...}
-// Both carry "forward_only": true for a stage held still by lr 0 (docs/design.md
-// §4.3), which runs phase 1 only: its phase2_ms is 0 and its losses null.
+// Both carry "forward_only": true for a stage held still by lr 0
+// (docs/design#windows-and-adamw), which runs phase 1 only: its phase2_ms is 0 and its losses null.
 // A value that was not measured (no sensor, no smaps_rollup, a NaN loss) is
 // written as null — never a made-up number.
 #pragma once
@@ -45,7 +45,7 @@ struct MicroBatchRecord {
   std::optional<double> temperature_c;
   /// Phase 1 only (a stage held still by lr 0): phase2_ms 0, losses not computed (null).
   bool forward_only = false;
-  /// Backprop schedules (docs/design.md §4.10): waiting for the micro-batch's
+  /// Backprop schedules (docs/design#backprop-schedules): waiting for the micro-batch's
   /// gradient from downstream, and the weight version (optimizer steps) its
   /// forward and backward ran on; unset under zerolock.
   std::optional<double> grad_wait_ms;

@@ -1,4 +1,4 @@
-// How a run's micro-batches fall into update windows (docs/design.md §4): ids
+// How a run's micro-batches fall into update windows (docs/design#runner): ids
 // 0..n-1, window w holds [w*m, min((w+1)*m, n)), so every window has m
 // micro-batches but the last, which may be short. One AdamW step per window.
 // The one place this arithmetic is written; the runner, the config

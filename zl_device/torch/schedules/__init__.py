@@ -3,7 +3,7 @@
 A torch job's `pipeline` names the schedule its ranks run (harness.py);
 `zl train --runtime torch --schedule NAME` and tools/bench_pipelines.py offer
 every name here. Adding a schedule is one new file in this folder with a
-`Schedule` subclass and one row below (docs/design.md §13.1 shows the example).
+`Schedule` subclass and one row below (docs/design#backprop-baselines shows the example).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""PipeDream on the same ranks: asynchronous 1F1B across windows with weight stashing (docs/design.md §13.1).
+"""PipeDream on the same ranks: asynchronous 1F1B across windows with weight stashing (docs/design#backprop-baselines).
 
 The third backprop baseline (gpipe.py has GPipe and 1F1B), as the
 PipeDream paper (Narayanan et al., SOSP 2019) runs it: stage k of K starts
@@ -171,7 +171,8 @@ class PipeDreamStage:
             upstream = None if last else self._recv("gradient", (b, s, d), dtype, self.rank + 1, TAG_GRAD,
                                                     "gradient", mb, ahead)
             inputs = weights if first else [*weights, x]
-            # on the stashed weights; upstream, the backprop program's objective <h, grad_hidden> (§3.8)
+            # on the stashed weights; upstream, the backprop program's objective <h, grad_hidden>
+            # (docs/design#backprop-program)
             grads = torch.autograd.grad(out if last else backprop_objective(out, upstream), inputs)
             for acc, g in zip(grad_sum, grads):
                 acc += g

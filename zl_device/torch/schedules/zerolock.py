@@ -1,7 +1,7 @@
 """ZeroLock on torch ranks: every stage trains on its own local loss; hidden states go forward, nothing comes back.
 
 Rank k trains stage k with `StageStep`, the step `train_zerolock` runs, so the
-result equals the single-process eager reference (docs/design.md §13). Per
+result equals the single-process eager reference (docs/design#torch-runtime). Per
 micro-batch: input (stage 0: its shard rows; else the entry from rank k-1,
 link.py) -> phase 1 -> `isend` to rank k+1 -> phase 2 (local loss, backward)
 while the send goes on (early forwarding). Per window: AdamW step, flush (rank
@@ -9,7 +9,7 @@ k+1 holds every entry of the window, as the runner commits only what
 downstream holds), commit.
 
 A stage held still (lr 0, not the last; `Rank.forward_only`) runs phase 1 and
-the send only, as the runner does (docs/design.md §4.3): its lines say
+the send only, as the runner does (docs/design#windows-and-adamw): its lines say
 `forward_only: true`, with phase2_ms 0 and null losses.
 """
 

@@ -6,8 +6,8 @@ import org.json.JSONObject
 
 /**
  * The phone's heat and power, as `zl train`'s device policies
- * (`--max-temperature`, `--min-battery`, `--require-charging`; docs/design.md
- * §5.8) read them in `--mode app`. [RunnerService] takes them once a second
+ * (`--max-temperature`, `--min-battery`, `--require-charging`;
+ * docs/design#device-policies) read them in `--mode app`. [RunnerService] takes them once a second
  * while a stage runs, from BatteryManager's sticky ACTION_BATTERY_CHANGED and
  * `PowerManager.getThermalStatus()`, and writes them to [FILE] in the app's
  * files folder; the host reads that file over adb together with the phone's

@@ -194,3 +194,20 @@ def test_each_device_gets_its_own_thread_count_unless_threads_is_given(monkeypat
     assert threads_line([0, 0], None).startswith("threads per stage: the device's performance cores / the device's")
     assert threads_line([2, 2, 2], 2) == "threads per stage: 2 / 2 / 2 (--threads)"
 
+
+
+@pytest.mark.parametrize("split, spares, devices", [
+    ({}, 0, "local:3"),  # the default 3 stages
+    ({"stages": "0-5,6-11,12-16,17-21"}, 0, "local:4"),
+    ({"num_stages": 1}, 0, "local:1"),  # the one-device baseline opens no idle devices
+    ({"num_stages": 2}, 1, "local:3"),
+    ({"stages": "auto"}, 0, "local:3"),  # the plan chooses the stages for the devices: --num-stages' 3
+])
+def test_without_devices_a_run_gets_one_local_device_per_stage_and_per_spare(split, spares, devices):
+    """`zl train --stages 0-5,6-11,12-16,17-21` on its own used to stop with "--devices local:3 gives 3 device(s);
+    4 stages need 4"; the default follows the split. What it resolved to is the setting RUN_DIR keeps."""
+    from zl_export.options import ModelSplit
+
+    s = settings(split=ModelSplit(**split), spares=spares)
+    assert s.devices == devices and s.devices_spec.count == int(devices.split(":")[1])
+    assert settings(split=ModelSplit(stages="0-1,2-3"), devices="local:5").devices == "local:5"  # given: kept

@@ -8,6 +8,7 @@ become samples (`DataSettings`) is shared with `zl data`; the optimizer
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -68,8 +69,9 @@ class TrainSettings:
     samples: int = setting(256, f"Training samples (the shard repeats when it has fewer rows, at most "
                                 f"{MAX_EPOCHS} times).")
     window: int = setting(4, "Update window m: micro-batches per AdamW step.")
-    devices: str = setting("local:3", f"local:N (N up to {MAX_LOCAL_DEVICES}), or phone serials SERIAL1,SERIAL2,... "
-                                      "(see `zl devices`).", check=check_devices)
+    devices: str | None = setting(None, f"local:N (N up to {MAX_LOCAL_DEVICES}), or phone serials "
+                                        "SERIAL1,SERIAL2,... (see `zl devices`). Default: one local device per stage "
+                                        "and per --spares (local:3 for the default 3 stages).", check=check_devices)
     mode: str = setting("binary", MODE_HELP, choices=MODES)
     cpu_quota: tuple[float, ...] | None = setting(None, "CPUs each local device may use, one value for all or one per "
                                                   "device, e.g. 1.0,0.5,0.75: unequal phones on one host (a cgroup "
@@ -157,6 +159,11 @@ class TrainSettings:
         # waits for the schedule the data chooses (train_data.resolve_schedule).
         if self.recovery is None and (self.schedule is not None or self.runtime == "torch"):
             self.recovery = "global" if self.runtime == "torch" or is_backprop(self.schedule) else "local"
+        if self.devices is None:  # one local device per stage and per spare: --stages 0-5,6-11,12-16,17-21 gets 4
+            stages = self.split.stages
+            ranges = stages is not None and re.fullmatch(r"[\d\s,-]+", stages) is not None  # not auto, not a plan
+            count = self.split.count if ranges else self.split.num_stages
+            self.devices = f"local:{max(count, 1) + max(self.spares, 0)}"  # a bad count is --num-stages' to refuse
         if self.runner is not None:  # absolute in RUN_DIR's settings: `--resume` may run from another folder
             self.runner = Path(self.runner).expanduser().resolve()
 

@@ -162,13 +162,11 @@ class Pauses:
         """Its runner stopped for the pause (exit 3): hold the stage. Its count goes back to where the restart will
         continue, so the stall walk never takes an output it sent but the next stage lost with the connection for
         input the next stage has (it would blame that stage)."""
-        pause, plans, s = self.pauses[k], self.table.plans, self.table.status[k]
-        plan = plans[k]
+        pause, plan, s = self.pauses[k], self.table.plans[k], self.table.status[k]
         self.table.read_telemetry(k, remote=True)
         # What it committed by the time the SIGTERM took effect: on a fast stage, more than the coordinator had seen.
         pause.window = self.files.latest_checkpoint_window(plan)
-        down = plans[k + 1] if k + 1 < len(plans) else None
-        self.files.drop_snapshot_of_lost_sends(plan, down, grace_s=IN_FLIGHT_GRACE_S)
+        self.files.drop_snapshot_of_lost_sends(plan, self.table.downstream(k), grace_s=IN_FLIGHT_GRACE_S)
         s.micro_batches_done = self.files.resume_point_mb(plan)
         s.state = "paused"
         pause.paused_t, pause.paused_unix_ms = time.monotonic(), unix_ms()

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from zl_base.errors import ZLError
 from zl_device.devices.backend import Device
 from zl_device.executorch.device_files import IN_FLIGHT_GRACE_S, DeviceFiles, stderr_tail
-from zl_device.executorch.stage_table import StagePlan, StageTable, unix_ms
+from zl_device.executorch.stage_table import StageTable, unix_ms
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class Recovery:
             self.redeploy(spare, k)  # its config carries no hold_at_micro_batch (see launch.py)
             self.table.move(k, spare)
         self.files.clear_hold(plan)
-        self.files.drop_snapshot_of_lost_sends(plan, self._downstream(k), grace_s=IN_FLIGHT_GRACE_S)
+        self.files.drop_snapshot_of_lost_sends(plan, self.table.downstream(k), grace_s=IN_FLIGHT_GRACE_S)
         committed = self.files.resume_point_mb(plan)
         replayed = max(0, s.micro_batches_done - committed)
         s.micro_batches_done = committed
@@ -206,7 +206,7 @@ class Recovery:
         else:
             common = None
             for k, plan in enumerate(plans):
-                self.files.drop_snapshot_of_lost_sends(plan, self._downstream(k))
+                self.files.drop_snapshot_of_lost_sends(plan, self.table.downstream(k))
             points = [self.files.resume_point_mb(p) for p in plans]
             replayed = sum(max(0, s.micro_batches_done - at) for s, at in zip(status, points))
             replay_bytes = sum(max(0, s.micro_batches_done - at) * p.input_bytes
@@ -237,9 +237,6 @@ class Recovery:
                 self.failures.remove(f)  # the failure hit after the last window: nothing left to recover
         if self.standby_wanted and not self.failures:
             self.start_standbys()
-
-    def _downstream(self, k: int) -> StagePlan | None:
-        return self.table.plans[k + 1] if k + 1 < len(self.table.plans) else None
 
     # --- hot standbys --------------------------------------------------------------------------------
 

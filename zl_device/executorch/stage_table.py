@@ -56,6 +56,10 @@ class StageTable:
             if record.get("type") == "hold":
                 self.hold_seen = True
 
+    def downstream(self, k: int) -> StagePlan | None:
+        """The plan of the stage after stage k; None after the last."""
+        return self.plans[k + 1] if k + 1 < len(self.plans) else None
+
     def move(self, k: int, device: Device) -> None:
         """Stage k runs on `device` from now on (a spare took it over): its telemetry is read there from the start."""
         self.plans[k].device = device

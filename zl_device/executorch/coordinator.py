@@ -128,8 +128,7 @@ class Coordinator:
         while True:
             self.health.forgive_host_gap(time.monotonic() - tick - POLL_S)
             self._drain_control()
-            for k in range(len(self.plans)):
-                self.table.read_telemetry(k)
+            self.table.read_all_telemetry()
             self._maybe_inject()
             self._check_health()
             for resume in self.pauses.step(time.monotonic()):

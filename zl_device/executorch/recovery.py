@@ -144,8 +144,7 @@ class Recovery:
         plans, status = self.table.plans, self.table.status
         for plan in plans:
             plan.device.kill_runner()
-        for k in range(len(plans)):
-            self.table.read_telemetry(k, remote=True)
+        self.table.read_all_telemetry(remote=True)
         common, replayed_total, bytes_total = self.roll_back()
         status[failed].restarts += 1
         t, t_unix_ms = time.monotonic(), unix_ms()  # when the restart is issued (see _restart)
@@ -199,8 +198,7 @@ class Recovery:
                 log.warning("stage %d on %s: a runner of the previous zl train is still running; stopping it",
                             plan.index, plan.device.name)
                 plan.device.stop_runner(timeout_s=10)
-        for k in range(len(plans)):
-            self.table.read_telemetry(k, remote=True)
+        self.table.read_all_telemetry(remote=True)
         if self.mode == "global":
             common, replayed, replay_bytes = self.roll_back()
         else:

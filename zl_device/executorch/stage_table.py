@@ -56,6 +56,11 @@ class StageTable:
             if record.get("type") == "hold":
                 self.hold_seen = True
 
+    def read_all_telemetry(self, remote: bool = False) -> None:
+        """`read_telemetry` of every stage."""
+        for k in range(len(self.plans)):
+            self.read_telemetry(k, remote)
+
     def downstream(self, k: int) -> StagePlan | None:
         """The plan of the stage after stage k; None after the last."""
         return self.plans[k + 1] if k + 1 < len(self.plans) else None

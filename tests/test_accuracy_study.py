@@ -292,13 +292,18 @@ def test_zl_default_is_zl_trains_default():
 def test_the_async_arm_is_backprop_on_stashed_weight_versions(demo_data, tmp_path):
     """kind async trains backprop's LoRA on the asynchronous schedule: the first window (no step taken yet) is
     backprop's to the bit; after it, stage 0 runs a micro-batch per window on weights one step old, so the losses
-    part (window 4, 2 stages: micro-batch 4 of window 1 on stage 0's version 0)."""
+    part (window 4, 2 stages: micro-batch 4 of window 1 on stage 0's version 0). With `frozen_dtype=int4` the same
+    schedule trains over int4 frozen weights (the issue-53 study of a 4-bit base under async)."""
     args = ["--model", "tiny-random", "--train", str(demo_data / "train.safetensors"), "--dev",
             str(demo_data / "dev.safetensors"), "--samples", "12", "--seeds", "0", "--num-stages", "2",
-            "--eval-limit", "4", "--threads", "1", "--out", str(tmp_path), "--arms", "backprop,async"]
+            "--eval-limit", "4", "--threads", "1", "--out", str(tmp_path), "--arms", "backprop,async",
+            "--arm", "async-int4:kind=async;frozen_dtype=int4"]
     runs = {r["arm"]: r for r in study_tool.run(args)["results"]}
     sync, stale = runs["backprop"]["window_losses"], runs["async"]["window_losses"]
     assert len(sync) == len(stale) == 3
     assert stale[0] == sync[0]
     assert stale[1:] != sync[1:]
-    assert runs["async"]["trainable"] == runs["backprop"]["trainable"]
+    assert runs["async"]["trainable"] == runs["backprop"]["trainable"] == runs["async-int4"]["trainable"]
+    int4 = runs["async-int4"]["window_losses"]
+    assert len(int4) == 3 and int4[0] != stale[0]  # other frozen weights, the same LoRA init and rows
+    assert [x[-1] for x in int4[0:1]] == pytest.approx([x[-1] for x in stale[0:1]], rel=0.1)

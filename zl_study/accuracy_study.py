@@ -16,8 +16,9 @@ it trains and scores on the dev rows (all of them by default):
                     --stage-lr: the stages before the last held still, the last training);
                     zl-all-stages is the default loss with every stage training
 
-An arm with `frozen_dtype` bf16 or int8 (zl-translator-bf16, zl-translator-int8, or `frozen_dtype=` in
---arm) trains and is scored with the frozen weights stored that way (`zl export --frozen-dtype`); one with
+An arm with `frozen_dtype` bf16, int8 or int4 (zl-translator-bf16, zl-translator-int8, or `frozen_dtype=` in
+--arm, of any kind: `kind=async;frozen_dtype=int4`) trains and is scored with the frozen weights stored that way
+(`zl export --frozen-dtype`); one with
 `lora_targets=q_proj/k_proj/...` or `lora_rank=` in --arm trains with LoRA settings of its own (ZeroLock or
 backprop; the built-in arms keep the study's --lora-*). `lr=` gives an arm a peak learning rate of its own and `kind=backprop`,
 `kind=backprop-last` or `kind=async` makes an --arm a backprop arm; `--reference NAME` pairs every arm with that one instead of
@@ -215,6 +216,7 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
     from zl_device.torch.stale_backprop import train_stale_backprop
     from zl_study.early_exit import EarlyExitModel
     from zl_device.results.evaluate import evaluate
+    from zl_export.frozen_weights import compact_frozen_weights
     from zl_export.lora import attach_lora
 
     budget = Budget(samples, s.window, s.micro_batch)
@@ -240,6 +242,7 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
         trained = peft_model
     elif arm.kind in ("backprop", "backprop-last", "async"):
         trained = attach_lora(model, arm.lora_settings(s.lora), seed=seed)  # the same initial LoRA weights as the export
+        compact_frozen_weights(trained, arm.frozen_dtype)  # trained and scored on them, as a zerolock arm (fp32: as is)
         if arm.kind == "backprop-last":
             freeze_lora_below(trained, split[-1].first)
         result["trainable"] = sum(p.numel() for p in trained.parameters() if p.requires_grad)

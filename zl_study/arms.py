@@ -27,7 +27,7 @@ class Arm:
     loss: dict = field(default_factory=dict)  # LossConfig fields (zerolock)
     stage_lr: tuple[float, ...] = (1.0,)  # learning-rate multiplier per stage (zerolock)
     note: str = ""
-    frozen_dtype: str = "fp32"  # the frozen weights' storage (zerolock; `--frozen-dtype`, docs/design#frozen-weights)
+    frozen_dtype: str = "fp32"  # the frozen weights' storage, any kind (`--frozen-dtype`, docs/design#frozen-weights)
     lora: dict = field(default_factory=dict)  # LoraSettings fields that differ from the study's (zerolock)
     lr: float | None = None  # peak learning rate of this arm (None: the study's --lr), e.g. a stable one for backprop
 
@@ -150,11 +150,10 @@ def parse_arm(spec: str) -> Arm:
         else:
             raise ZLError(f"--arm {spec!r}: unknown key {key!r}; use kind, lr, stage_lr, frozen_dtype, lora_targets, "
                           f"lora_rank or one of {', '.join(fields)}.")
-    zerolock_only = [k for k, v in (("stage_lr", stage_lr != (1.0,)), ("frozen_dtype", frozen_dtype != "fp32"),
-                                    ("loss fields", bool(loss))) if v]
+    zerolock_only = [k for k, v in (("stage_lr", stage_lr != (1.0,)), ("loss fields", bool(loss))) if v]
     if kind != "zerolock" and zerolock_only:
         raise ZLError(f"--arm {spec!r}: {', '.join(zerolock_only)} set for a {kind} arm; they are ZeroLock settings "
-                      f"(a backprop arm takes kind, lr, lora_targets and lora_rank).")
+                      f"(a backprop arm takes kind, lr, frozen_dtype, lora_targets and lora_rank).")
     arm = Arm(name, kind, loss, stage_lr, note=body, frozen_dtype=frozen_dtype, lora=lora, lr=lr)
     arm.lora_settings(LoraSettings()).validate()
     arm.loss_config().validate()

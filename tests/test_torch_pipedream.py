@@ -1,4 +1,5 @@
-"""PipeDream (zl_device/torch/schedules/pipedream.py): asynchronous 1F1B with weight stashing on three gloo ranks.
+"""PipeDream (zl_device/torch/schedules/backprop_ranks.py, the schedule table's async row): asynchronous 1F1B with
+weight stashing on three gloo ranks.
 
 - one window: no stage steps before every backward is done, so the gradient is
   single-process backprop's (rtol 1e-5);
@@ -10,58 +11,22 @@
 Slow: the ranks are spawned processes.
 """
 
-import datetime
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from test_torch_pipeline import BATCH, SEQ, STAGES, build, load_all, spawn_stages
+from test_torch_pipeline import BATCH, STAGES, build, load_all, spawn_stages
 
 ONE_WINDOW = (4, 4)  # (micro-batches, window): 4 micro-batches, no step before the last backward
 ASYNC = (6, 2)  # 3 windows of 2: with K = 3, stage 0 runs forwards of window w+1 before window w's step
 
 
-def rank_main(rank: int, port: int, shard_path: str, out: str) -> None:
-    """Spawned: PipeDream on fresh modules for each plan; gradients, trained weights, losses, memory counters."""
-    import torch.distributed as dist
-
-    from zl_device.torch.eager_training import OptimizerSettings
-    from zl_device.torch.schedules.pipedream import PipeDreamStage
-    from zl_device.torch.backprop import window_rows
-    from zl_device.formats.windows import WindowPlan
-    from zl_export.shard import load_shard
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(STAGES),
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        shard = load_shard(shard_path)
-        for name, (n, m) in (("one", ONE_WINDOW), ("async", ASYNC)):
-            _, modules, names = build()
-            plan = WindowPlan(n, m)
-            pipe = PipeDreamStage(modules[rank], rank, len(STAGES), torch.device("cpu"), 5e-3, OptimizerSettings(),
-                                  plan, timeout_s=120)
-            windows = []
-            pipe.run(lambda mb: window_rows(shard, range(mb, mb + 1), BATCH),
-                     (BATCH, SEQ, modules[rank].norm.weight.shape[-1]),
-                     lambda w, loss, lr: windows.append([w, loss, lr]))
-            save_file({names[id(p)]: p.grad.clone() for p in pipe.params}, f"{out}/{name}_grad_{rank}.safetensors")
-            save_file({names[id(p)]: p.detach().clone() for p in pipe.params},
-                      f"{out}/{name}_params_{rank}.safetensors")
-            Path(f"{out}/{name}_run_{rank}.json").write_text(json.dumps(
-                {"windows": windows, "in_flight_max": pipe.in_flight_max,
-                 "stash_versions_max": pipe.stash_versions_max}))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def pipedream(tmp_path_factory):
-    return spawn_stages(rank_main, tmp_path_factory.mktemp("pipedream"))
+    return spawn_stages([("one", "async", *ONE_WINDOW), ("async", "async", *ASYNC)],
+                        tmp_path_factory.mktemp("pipedream"))
 
 
 def simulate(shard, num_micro_batches: int, window: int, stash: bool):

@@ -1,9 +1,12 @@
-"""The backprop baselines (zl_device/torch/schedules/gpipe.py): GPipe and 1F1B on three gloo ranks, tiny-random
-(PipeDream: test_torch_pipedream.py; the bench test runs all four pipelines).
+"""The backprop baselines (zl_device/torch/schedules/backprop_ranks.py): GPipe and 1F1B on three gloo ranks, each
+rank running its list from the schedule table, tiny-random (PipeDream: test_torch_pipedream.py; the bench test runs
+all four pipelines).
 
 Each schedule's mean gradient over a window must equal single-process backprop
 of the same micro-batches (`causal_lm_loss`, the full PEFT model); a short last
-window gets its own schedule; both schedules train to the same LoRA weights.
+window drains as its own; both schedules train to the same LoRA weights, and
+each rank holds the micro-batches its list keeps in flight (GPipe: the window;
+1F1B: K-k).
 Slow: the ranks are spawned processes (~40 s on a loaded 2-core host).
 """
 
@@ -52,14 +55,15 @@ def build(seed: int = 0):
     return peft_model, modules, names
 
 
-def rank_main(rank: int, port: int, shard_path: str, out: str) -> None:
-    """Spawned: each schedule on fresh modules: window 0's gradients, then both windows trained."""
+def rank_main(rank: int, port: int, shard_path: str, out: str, runs: list[tuple[str, str, int, int]]) -> None:
+    """Spawned: for each (name, schedule, micro-batches, window) of `runs`, the schedule's `ScheduledStage` on fresh
+    modules over the whole plan: window 0's gradient, the trained weights, each window's (loss, lr), memory."""
     import torch.distributed as dist
 
-    from zl_device.torch.eager_training import OptimizerSettings
-    from zl_device.torch.backprop import window_rows
-    from zl_device.torch.schedules.gpipe import PipelinedStage
     from zl_device.formats.windows import WindowPlan
+    from zl_device.torch.backprop import window_rows
+    from zl_device.torch.eager_training import OptimizerSettings
+    from zl_device.torch.schedules.backprop_ranks import ScheduledStage
     from zl_export.shard import load_shard
 
     torch.set_num_threads(1)
@@ -67,40 +71,49 @@ def rank_main(rank: int, port: int, shard_path: str, out: str) -> None:
                             timeout=datetime.timedelta(seconds=120))
     try:
         shard = load_shard(shard_path)
-        plan = WindowPlan(MICRO_BATCHES, WINDOW)
-        for kind in ("gpipe", "1f1b"):
+        for name, kind, n, m in runs:
             _, modules, names = build()
-            pipe = PipelinedStage(modules[rank], rank, len(STAGES), torch.device("cpu"), kind, 5e-3,
-                                  OptimizerSettings(), plan.num_windows)
-            losses = []
-            for w in range(plan.num_windows):
-                window = plan.micro_batches(w)
-                losses.append(pipe.backward_window(*window_rows(shard, window, BATCH), len(window)))
+            plan = WindowPlan(n, m)
+            pipe = ScheduledStage(modules[rank], rank, len(STAGES), torch.device("cpu"), kind, 5e-3,
+                                  OptimizerSettings(), plan, timeout_s=120)
+            windows = []
+
+            def weights(what: str, grad: bool = False) -> None:
+                save_file({names[id(p)]: (p.grad if grad else p).detach().clone() for p in pipe.params},
+                          f"{out}/{name}_{what}_{rank}.safetensors")
+
+            def on_window(w, loss, lr):
                 if w == 0:
-                    save_file({names[id(p)]: p.grad.clone() for p in pipe.params}, f"{out}/{kind}_grad_{rank}.safetensors")
-                pipe.step()
-            save_file({names[id(p)]: p.detach().clone() for p in pipe.params}, f"{out}/{kind}_params_{rank}.safetensors")
-            Path(f"{out}/{kind}_losses_{rank}.json").write_text(json.dumps(losses))
+                    weights("grad", grad=True)  # the window's mean gradient
+                windows.append([w, loss, lr])
+
+            pipe.run(lambda mb: window_rows(shard, range(mb, mb + 1), BATCH),
+                     (BATCH, SEQ, modules[rank].norm.weight.shape[-1]), on_window)
+            weights("params")
+            Path(f"{out}/{name}_run_{rank}.json").write_text(json.dumps(
+                {"windows": windows, "in_flight_max": pipe.in_flight_max,
+                 "stash_versions_max": pipe.stash_versions_max}))
             dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def spawn_stages(rank_main, out: Path) -> tuple[Path, Path]:
-    """Run `rank_main(rank, port, shard, out)` as one process per stage on a fresh shard in `out`; (out, shard)."""
+def spawn_stages(runs: list[tuple[str, str, int, int]], out: Path) -> tuple[Path, Path]:
+    """`rank_main` as one process per stage on a fresh shard in `out`; (out, shard)."""
     import torch.multiprocessing as mp
 
     from zl_device.devices.network import free_port_base
 
     shard = make_shard(out / "train.safetensors")
-    mp.start_processes(rank_main, args=(free_port_base(1), str(shard), str(out)), nprocs=len(STAGES), join=True,
+    mp.start_processes(rank_main, args=(free_port_base(1), str(shard), str(out), runs), nprocs=len(STAGES), join=True,
                        start_method="spawn")
     return out, shard
 
 
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory):
-    return spawn_stages(rank_main, tmp_path_factory.mktemp("pipelined"))
+    return spawn_stages([(kind, kind, MICRO_BATCHES, WINDOW) for kind in ("gpipe", "1f1b")],
+                        tmp_path_factory.mktemp("pipelined"))
 
 
 def load_all(out: Path, kind: str, what: str) -> dict[str, torch.Tensor]:
@@ -128,8 +141,13 @@ def test_pipelined_gradient_equals_single_process_backprop(pipelined, kind, one_
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-8, msg=lambda m: f"{name}: {m}")
     assert sum(float(g.abs().sum()) for g in want.values()) > 0
-    losses = json.loads((out / f"{kind}_losses_{len(STAGES) - 1}.json").read_text())
+    run = [json.loads((out / f"{kind}_run_{k}.json").read_text()) for k in range(len(STAGES))]
+    losses = [loss for _, loss, _ in run[-1]["windows"]]
     assert len(losses) == 2 and all(loss > 0 for loss in losses)
+    assert all(loss is None for r in run[:-1] for _, loss, _ in r["windows"])
+    # The memory each list bounds: GPipe holds the window (4), 1F1B K-k (a window's step between: one version).
+    assert [r["in_flight_max"] for r in run] == ([4, 4, 1] if kind == "gpipe" else [3, 2, 1])
+    assert [r["stash_versions_max"] for r in run] == [1, 1, 1]
 
 
 @pytest.mark.slow

@@ -42,12 +42,14 @@ def settings(out: Path, data_file: Path, **kw):
     from zl_export.data_settings import DataSettings
     from zl_export.options import ExportOptions, LossConfig, ModelSplit
 
-    # Per-stage α, a gated KL, lens translators and a per-stage lr: everything a stage's step depends on.
+    # ZeroLock's local losses (not the schedule generative data gets by default): per-stage α, a gated KL, lens
+    # translators and a per-stage lr, everything a stage's step depends on.
     loss = LossConfig(alpha=(0.5, 0.7, 1.0), first_target="none", gate="target_prob", translator_rank=2,
                       translator_init="lens")
     base = dict(split=ModelSplit("tiny-random"), samples=SAMPLES, window=WINDOW, out=out, rows=DataSettings(seq_len=32),
                 data=str(data_file), eval_data=str(data_file), eval_limit=8, timeout_s=600, runtime="torch",
-                link_timeout_s=120, stage_lr=(1.0, 1.0, 2.0), export=ExportOptions(micro_batch=BATCH, loss=loss))
+                link_timeout_s=120, stage_lr=(1.0, 1.0, 2.0), schedule="zerolock",
+                export=ExportOptions(micro_batch=BATCH, loss=loss))
     return TrainSettings(**{**base, **kw})
 
 

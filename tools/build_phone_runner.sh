@@ -59,8 +59,8 @@ for arg in "$@"; do
 done
 say() { printf '\033[1m[phone]\033[0m %s\n' "$*"; }
 die() { printf '\033[1m[phone]\033[0m FAILED: %s\n' "$*" >&2; exit 1; }
-# shellcheck source=tools/x86_reference.sh
-. "$ROOT/tools/x86_reference.sh"
+# shellcheck source=tools/arm64_common.sh
+. "$ROOT/tools/arm64_common.sh"
 [ -x "$VENV_PY" ] || die "no $VENV_PY; run setup.sh first (ExecuTorch's codegen runs with it)"
 ET_SRC=${ZL_EXECUTORCH_SRC:-}
 [ -n "$ET_SRC" ] || die "ZL_EXECUTORCH_SRC is not set; point it at an ExecuTorch v1.5.1 checkout (git clone -b v1.5.1 https://github.com/pytorch/executorch && git -C executorch submodule update --init third-party/flatbuffers)"
@@ -76,17 +76,7 @@ T0=$(date +%s)
 #    arm64 static archives of libsodium and GoogleTest (multiarch).
 APT_PKGS=(gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
           libsodium-dev:arm64 libgtest-dev:arm64 nlohmann-json3-dev libeigen3-dev file)
-missing=()
-for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-if [ ${#missing[@]} -gt 0 ]; then
-  [ "${ZL_SKIP_APT:-0}" = 1 ] && die "missing Debian packages: ${missing[*]} (ZL_SKIP_APT=1)"
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-  say "installing ${missing[*]}"
-  dpkg --print-foreign-architectures | grep -qx arm64 || $SUDO dpkg --add-architecture arm64
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >"$OUT/apt.log" 2>&1 ||
-    { tail -20 "$OUT/apt.log"; die "apt-get install (log: $OUT/apt.log)"; }
-fi
+debian_packages "${APT_PKGS[@]}"
 
 # 2. The ExecuTorch mirror with only the portable kernels the programs call.
 say "selecting the portable kernels of $(grep -cv '^#' "$OPS") operators ($OPS)"
@@ -176,7 +166,7 @@ done
 
 # The x86 reference (zl_step_check and the kernel library the export loads)
 # against the venv's wheel, and a tiny-random 3-stage export, as
-# tools/check_arm64.sh makes them (tools/x86_reference.sh).
+# tools/check_arm64.sh makes them (tools/arm64_common.sh x86_reference).
 x86_reference
 
 # Without a thread pool the one test of the thread split has nothing to test

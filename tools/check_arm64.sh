@@ -33,25 +33,15 @@ QEMU=(qemu-aarch64 -L /usr/aarch64-linux-gnu -E LD_LIBRARY_PATH=/usr/aarch64-lin
 
 say() { printf '\033[1m[arm64]\033[0m %s\n' "$*"; }
 die() { printf '\033[1m[arm64]\033[0m FAILED: %s\n' "$*" >&2; exit 1; }
-# shellcheck source=tools/x86_reference.sh
-. "$ROOT/tools/x86_reference.sh"
+# shellcheck source=tools/arm64_common.sh
+. "$ROOT/tools/arm64_common.sh"
 mkdir -p "$OUT"
 [ -x "$VENV_PY" ] || die "no $VENV_PY; run setup.sh first (the export and the comparison use it)"
 
 # 1. Debian packages: the cross compiler, qemu, and the arm64 builds of what
 #    the runner links (libsodium, GoogleTest, OpenBLAS) through multiarch.
 APT_PKGS=(gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user libsodium-dev:arm64 libgtest-dev:arm64 libopenblas-dev:arm64 nlohmann-json3-dev)
-missing=()
-for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-if [ ${#missing[@]} -gt 0 ]; then
-  [ "${ZL_SKIP_APT:-0}" = 1 ] && die "missing Debian packages: ${missing[*]} (ZL_SKIP_APT=1)"
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-  say "installing ${missing[*]}"
-  dpkg --print-foreign-architectures | grep -qx arm64 || $SUDO dpkg --add-architecture arm64
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >"$OUT/apt.log" 2>&1 ||
-    { tail -20 "$OUT/apt.log"; die "apt-get install (log: $OUT/apt.log)"; }
-fi
+debian_packages "${APT_PKGS[@]}"
 
 # 2. The aarch64 ExecuTorch wheel: headers, lib/*.so and the CMake package.
 #    Downloaded, never installed (the venv keeps its x86 wheel).
@@ -84,7 +74,7 @@ done
 # 4. The x86 reference: zl_step_check (and the kernel library the export
 #    loads) against the venv's x86 wheel, in its own build folder; 5. a
 #    tiny-random export of 3 stages (first, middle, last), made on x86 as
-#    always; the same .pte files run on both sides (tools/x86_reference.sh).
+#    always; the same .pte files run on both sides (tools/arm64_common.sh x86_reference).
 x86_reference
 
 # 6. Both GoogleTest suites under qemu (ctest runs each test through the

@@ -19,8 +19,8 @@ The C++ runner generates the same lists from the same rules (runner/src/pipeline
 `schedule_ops`, steps included, and `forward_version`) and runs them as they are (backprop_loop.cpp; runner.cpp
 for zerolock, where a held stage's B is the stop at the marker), and tests/test_schedule_table.py checks through
 `zl_schedule_ops` that both give identical lists for every schedule, stage count, window size, run length and
-restart point. The torch runtime's PipeDream ranks
-(torch/schedules/pipedream.py) and its one-process simulation (torch/stale_backprop.py) run these lists.
+restart point. The torch runtime's ranks run these lists too (torch/schedules/backprop_ranks.py for gpipe, 1f1b and
+async; torch/schedules/zerolock.py), as does the one-process simulation of async (torch/stale_backprop.py).
 """
 
 from __future__ import annotations

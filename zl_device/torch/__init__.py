@@ -5,7 +5,8 @@
     harness.py        a rank: process group, its stage built, the schedule run; torchrun's entry point (__main__.py)
     stage_io.py       Rank: what a schedule trains through; telemetry lines and window checkpoints, resume
     schedules/        every pipeline schedule behind one interface (base.py), in one table (__init__.py):
-                      ZeroLock (zerolock.py), GPipe and 1F1B (gpipe.py), PipeDream (pipedream.py)
+                      ZeroLock (zerolock.py); GPipe, 1F1B and PipeDream (backprop_ranks.py: the schedule
+                      table's lists, as the runner runs them)
     link.py           ZeroLock's data-plane link (hidden states over p2p, early forwarding, back-pressure)
     checkpoint.py     window checkpoints in the runner's format
     backprop.py       what the backprop baselines share (the stage as a pipelining stage, the end-to-end loss)

@@ -1,4 +1,4 @@
-"""What the backprop baselines share (schedules/gpipe.py, schedules/pipedream.py): the stage as a pipelining
+"""What the backprop baselines share (schedules/backprop_ranks.py): the stage as a pipeline
 stage, the end-to-end loss, and a window's rows at the full sequence length.
 
 The baselines train the same stages, LoRA, data order, micro-batches, windows
@@ -6,7 +6,7 @@ and optimizer as ZeroLock, but end to end: the loss is the final output's
 cross-entropy on the target positions (eager_training.causal_lm_loss's), the
 backprop program's true loss (`StageModule.task_loss`, zl_export/backprop_stage.py,
 docs/design#backprop-program), and its gradient flows back through every stage. Micro-batches keep the full
-sequence length S (a pipelining stage has fixed shapes); right padding and
+sequence length S (the links carry fixed shapes); right padding and
 causal attention leave the loss as with the padding cut. Stage 0 and the last
 stage both read the shard: ids and mask go in at stage 0, labels are the last
 stage's loss target.
@@ -22,7 +22,7 @@ from zl_export.shard import Shard
 
 
 class PipeStage(nn.Module):
-    """A StageModule's layers as a pipelining stage: (ids | hidden, mask) -> (hidden, mask); the last stage returns
+    """A StageModule's layers as a pipeline stage: (ids | hidden, mask) -> (hidden, mask); the last stage returns
     its output hidden state (B, S, D), which the loss reads out (`target_loss`)."""
 
     def __init__(self, stage_module: nn.Module):

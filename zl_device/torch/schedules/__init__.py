@@ -2,8 +2,12 @@
 
 A torch job's `pipeline` names the schedule its ranks run (harness.py);
 `zl train --runtime torch --schedule NAME` and tools/bench_pipelines.py offer
-every name here. Adding a schedule is one new file in this folder with a
-`Schedule` subclass and one row below (docs/design#backprop-baselines shows the example).
+every name here. The three backprop schedules are rows of the schedule table
+(zl_device/formats/schedule_table.py) that one executor runs (backprop_ranks.py):
+one that only reorders forwards, backwards and steps is a row there, a
+one-line subclass and a row below. A schedule of another kind is one new file
+in this folder with a `Schedule` subclass and one row below
+(docs/design#backprop-baselines shows the example).
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ if TYPE_CHECKING:
 #: measured against. Imported when a schedule is asked for, so `zl train --schedule`'s choices cost no torch import.
 SCHEDULES: dict[str, str] = {
     "zerolock": "zerolock:ZeroLock",
-    "gpipe": "gpipe:GPipe",
-    "1f1b": "gpipe:OneFOneB",
-    "async": "pipedream:PipeDream",
+    "gpipe": "backprop_ranks:GPipe",
+    "1f1b": "backprop_ranks:OneFOneB",
+    "async": "backprop_ranks:PipeDream",
 }
 
 

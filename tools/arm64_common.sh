@@ -1,9 +1,24 @@
-# Sourced by tools/check_arm64.sh and tools/build_phone_runner.sh: the x86 side both compare an aarch64 build with.
-# Expects ROOT, OUT, JOBS, VENV_PY and the caller's say/die; sets EXPORT.
+# Sourced by tools/check_arm64.sh and tools/build_phone_runner.sh: what both need around an aarch64 build.
+# Expects ROOT, OUT, JOBS, VENV_PY and the caller's say/die; x86_reference sets EXPORT.
 #
+#   debian_packages PKG...   install the Debian packages not installed yet (adding the arm64 architecture for
+#                   multiarch ones; sudo unless root); with ZL_SKIP_APT=1 a missing one is an error instead
 #   x86_reference   build zl_step_check (and the kernel library the export loads) against the venv's x86
 #                   wheel in $OUT/x86, then export tiny-random into 3 stages (first, middle, last; seq 16) in
 #                   $OUT/export unless it is there: the same .pte files run on both sides.
+
+debian_packages() {
+  local p missing=() SUDO=""
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  [ "${ZL_SKIP_APT:-0}" = 1 ] && die "missing Debian packages: ${missing[*]} (ZL_SKIP_APT=1)"
+  [ "$(id -u)" = 0 ] || SUDO=sudo
+  say "installing ${missing[*]}"
+  dpkg --print-foreign-architectures | grep -qx arm64 || $SUDO dpkg --add-architecture arm64
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >"$OUT/apt.log" 2>&1 ||
+    { tail -20 "$OUT/apt.log"; die "apt-get install (log: $OUT/apt.log)"; }
+}
 
 x86_reference() {
   local et_x86

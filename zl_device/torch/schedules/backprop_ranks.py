@@ -1,34 +1,37 @@
-"""PipeDream on the same ranks: asynchronous 1F1B across windows with weight stashing (docs/design#backprop-baselines).
+"""The backprop schedules on the ranks: GPipe, 1F1B and PipeDream (docs/design#backprop-baselines), each rank running
+its stage's list of actions from the schedule table (zl_device/formats/schedule_table.py), as the runner does.
 
-The third backprop baseline (gpipe.py has GPipe and 1F1B), as the
-PipeDream paper (Narayanan et al., SOSP 2019) runs it: stage k of K starts
-with K-1-k forwards, then alternates one forward and one backward over the
-whole run, with no flush at window ends; the last stage's loss is the final
-output's cross-entropy, as for the other baselines. A stage takes its own
-AdamW step (the window's mean gradient, the runner's schedule) as soon as the
-backwards of its m micro-batches of the window are done, so stages step at
-different times and a micro-batch's forward on stage k may see an older
-weight version than its neighbours'. The order of each stage's forwards,
-backwards and steps is the schedule table's async row
-(zl_device/formats/schedule_table.py), the runner's too.
+The comparison ZeroLock is measured against (tools/bench_pipelines.py): the same stages, LoRA, data order,
+micro-batches, windows and optimizer as a `--runtime torch` run, trained end to end on the final output's
+cross-entropy (backprop.py). A schedule is its row of the table; one executor (`ScheduledStage`) runs any row's
+lists, so the three differ only in the order of their forwards, backwards and steps:
 
-Weight stashing: a forward runs on a copy of the stage's current LoRA weights
-(the base is frozen, so LoRA is all that changes); the autograd graph keeps
-that copy, so the micro-batch's backward on this stage uses the weights its
-forward used, even after the stage has stepped since. One copy per weight
-version, shared by the micro-batches that ran forward on it. A stage holds at
-most K-k micro-batches' activations and as many stashed versions
-(`in_flight_max`, `stash_versions_max` on the `done` line).
+- GPipe (`gpipe`): all m forwards of a window, then all m backwards, then the step (a flush per window);
+- 1F1B (`1f1b`): after K-1-k forwards, one forward then one backward, so stage k keeps at most K-k micro-batches'
+  activations instead of m; the window still drains before its step (a window of fewer micro-batches than the
+  warm-up runs as GPipe, which is what the warm-up would do anyway);
+- PipeDream (`async`), as the PipeDream paper (Narayanan et al., SOSP 2019) runs it: 1F1B without the flush, over
+  the whole run's micro-batches. A stage takes its AdamW step (the window's mean gradient, the runner's schedule)
+  as soon as the backwards of its window's micro-batches are done, so stages step at different times and a
+  micro-batch's forward on stage k may see an older weight version than its neighbours'.
 
-Link: plain `isend`/`irecv` of fixed shapes — forward hidden (B, S, D) and
-mask (B, S) int64 to k+1, the gradient of the hidden state (B, S, D) back to
-k-1. Sends never block the schedule (kept until complete); every receive
-waits at most `timeout_s`. On gloo, which moves a message only once its
-receive is posted, the next forward's and the next backward's receives are
-posted as soon as the previous one of the kind has been taken (`_recv`), so
-transfers overlap compute as the ZeroLock link's receiving thread lets them
-(link.py); on NCCL a receive waiting in a neighbour pair's stream would
-hold up the sends queued behind it, so there each is posted when needed.
+Every step is the mean gradient over the window's micro-batches (`.grad` = their sum / m), then one AdamW step with
+the runner's lr schedule. The translator a ZeroLock loss may add gets no gradient here and is committed as
+initialised.
+
+Weight stashing: a forward runs on a copy of the stage's current LoRA weights (the base is frozen, so LoRA is all
+that changes); the autograd graph keeps that copy, so the micro-batch's backward on this stage uses the weights its
+forward used, even after the stage has stepped since. One copy per weight version, shared by the micro-batches
+that ran forward on it (under a flush, one per window: the copy is the current weights). A stage holds at most as
+many micro-batches' activations as its list has in flight (`max_in_flight`: K-k under 1F1B and PipeDream, m under
+GPipe) and, under PipeDream, two weight versions (`in_flight_max`, `stash_versions_max` on the `done` line).
+
+Link: plain `isend`/`irecv` of fixed shapes — forward hidden (B, S, D) and mask (B, S) int64 to k+1, the gradient
+of the hidden state (B, S, D) back to k-1. Sends never block the schedule (kept until complete); every receive
+waits at most `timeout_s`. On gloo, which moves a message only once its receive is posted, the next forward's and
+the next backward's receives are posted as soon as the previous one of the kind has been taken (`_recv`), so
+transfers overlap compute as the ZeroLock link's receiving thread lets them (link.py); on NCCL a receive waiting in
+a neighbour pair's stream would hold up the sends queued behind it, so there each is posted when needed.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from torch import nn
 
 from zl_base.errors import ZLError
 from zl_device.formats.lr_schedule import OptimizerSettings
-from zl_device.formats.schedule_table import FORWARD, STEP, stage_actions
+from zl_device.formats.schedule_table import FORWARD, SCHEDULE_TABLE, STEP, stage_actions
 from zl_device.formats.windows import WindowPlan
 from zl_device.torch.backprop import PipeStage, target_loss, window_rows
 from zl_device.torch.eager_training import runner_optimizer
@@ -55,15 +58,23 @@ TAG_HIDDEN, TAG_MASK, TAG_GRAD = 0, 1, 2
 Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-class PipeDreamStage:
-    """One rank of a PipeDream pipeline over stage `module`'s layers, for a whole run of `plan`'s windows."""
+#: The table's rows whose final-loss gradient crosses the ranks: what `ScheduledStage` runs.
+KINDS = tuple(name for name, rule in SCHEDULE_TABLE.items() if rule.backprop)
 
-    def __init__(self, module: nn.Module, rank: int, world: int, device: torch.device, lr: float,
+
+class ScheduledStage:
+    """One rank of a backprop pipeline over stage `module`'s layers, running its list of actions under `schedule`
+    (a row of the schedule table) for a whole run of `plan`'s windows."""
+
+    def __init__(self, module: nn.Module, rank: int, world: int, device: torch.device, schedule: str, lr: float,
                  opt: OptimizerSettings, plan: WindowPlan, timeout_s: float = 600.0):
+        if schedule not in KINDS:
+            raise ValueError(f"schedule {schedule!r}: expected one of {KINDS}")
         module.train()  # LoRA dropout is 0; train mode only so nothing skips autograd
         self.module, self.rank, self.world, self.device, self.plan = module, rank, world, device, plan
+        self.schedule = schedule
         self.pipe = PipeStage(module)
-        # LoRA only, as GPipe/1F1B: a readout translator is ZeroLock's and gets no gradient here.
+        # LoRA only: a readout translator is ZeroLock's and gets no gradient here.
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and "lora_" in n]
         self.names = [f"stage.{n}" for n, _ in named]  # PipeStage's names, for functional_call
         self.params = [p for _, p in named]
@@ -86,7 +97,7 @@ class PipeDreamStage:
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as e:
-            raise ZLError(f"pipedream stage {self.rank}: {what} of micro-batch {mb} did not complete within "
+            raise ZLError(f"{self.schedule} stage {self.rank}: {what} of micro-batch {mb} did not complete within "
                           f"{self.timeout.total_seconds():.0f} s ({e}); a neighbouring stage hung or died.") from e
 
     def _recv(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int, what: str, mb: int,
@@ -110,14 +121,15 @@ class PipeDreamStage:
 
     def run(self, batches: Batches | None, hidden_shape: tuple[int, int, int],
             on_window: Callable[[int, float | None, float], None] | None = None) -> None:
-        """Train the whole plan. `batches` (stage 0 and the last stage) gives a micro-batch's full-length rows;
-        `hidden_shape` is (B, S, D); `on_window(window, mean loss on the last stage else None, lr)` follows each of
-        this stage's AdamW steps. After the run `.grad` holds the last window's mean gradient."""
+        """Train the whole plan: this stage's list of actions (`stage_actions`), each as it comes. `batches` (stage 0
+        and the last stage) gives a micro-batch's full-length rows; `hidden_shape` is (B, S, D); `on_window(window,
+        mean loss on the last stage else None, lr)` follows each of this stage's AdamW steps, when `.grad` holds
+        that window's mean gradient (and still does after the run, the last window's)."""
         import torch.distributed as dist
 
         first, last = self.rank == 0, self.rank == self.world - 1
         if (first or last) and batches is None:
-            raise ZLError(f"pipedream stage {self.rank}: the first and last stages need the micro-batches.")
+            raise ZLError(f"{self.schedule} stage {self.rank}: the first and last stages need the micro-batches.")
         plan, (b, s, d) = self.plan, hidden_shape
         dtype = self.module.norm.weight.dtype
         in_flight: dict[int, tuple] = {}  # mb -> (input, output or loss, stashed version, stashed weights)
@@ -125,7 +137,7 @@ class PipeDreamStage:
         ahead = self.device.type == "cpu"  # gloo: post the next receive of a kind early (module docstring)
         grad_sum = [torch.zeros_like(p) for p in self.params]
         losses: list[float] = []
-        for action in stage_actions("async", self.rank, self.world, plan):
+        for action in stage_actions(self.schedule, self.rank, self.world, plan):
             sends = [x for x in sends if not x[0].is_completed()]
             mb = action.micro_batch
             if action.kind == STEP:  # after the backward of the window's last micro-batch
@@ -146,7 +158,7 @@ class PipeDreamStage:
                 if first:
                     x, mask, _ = (t.to(self.device) for t in batches(mb))  # (B, S) ids
                     if tuple(x.shape) != (b, s):
-                        raise ZLError(f"pipedream stage 0: micro-batch {mb} has shape {tuple(x.shape)}, expected "
+                        raise ZLError(f"{self.schedule} stage 0: micro-batch {mb} has shape {tuple(x.shape)}, expected "
                                       f"(B, S) = {(b, s)} (the manifest's micro_batch and seq_len); the shard and "
                                       "manifest disagree: prepare the run again.")
                 else:
@@ -183,13 +195,12 @@ class PipeDreamStage:
             self._wait(work, f"sending the {what}", mb)
 
 
-class PipeDream(CrossRankBackprop):
-    """PipeDream on the ranks: `PipeDreamStage` over the whole run; a stage commits a window at its own step."""
-
-    name = "async"
+class TableBackprop(CrossRankBackprop):
+    """A backprop schedule on the ranks: `ScheduledStage` over the whole run under the table's row `name`; a stage
+    commits a window at its own step (under a flush every stage steps once the window has drained)."""
 
     def __init__(self, rank: Rank):
-        super().__init__(rank, PipeDreamStage(rank.module, rank.index, rank.world, rank.device, rank.lr,
+        super().__init__(rank, ScheduledStage(rank.module, rank.index, rank.world, rank.device, self.name, rank.lr,
                                               rank.optimizer_settings, rank.plan, timeout_s=rank.job.link_timeout_s))
 
     def train(self, first_window: int) -> dict:
@@ -199,3 +210,21 @@ class PipeDream(CrossRankBackprop):
         self.pipe.run(batches, hidden_shape,
                       lambda w, loss, lr: rank.commit(w, self.optimizer, self.scheduler.last_epoch, lr, mean_loss=loss))
         return {"in_flight_max": self.pipe.in_flight_max, "stash_versions_max": self.pipe.stash_versions_max}
+
+
+class GPipe(TableBackprop):
+    """GPipe: per window all forwards, then all backwards, then every stage's step."""
+
+    name = "gpipe"
+
+
+class OneFOneB(TableBackprop):
+    """1F1B: GPipe's windows, with one forward then one backward after a warm-up."""
+
+    name = "1f1b"
+
+
+class PipeDream(TableBackprop):
+    """PipeDream: 1F1B over the whole run, no flush, weight stashing."""
+
+    name = "async"

@@ -118,12 +118,17 @@ def test_a_resume_of_a_run_older_than_its_resolved_run_reads_the_stage_lr_off_it
     assert resumed_settings(TrainSettings(resume=True, out=tmp_path)).stage_lr is None
 
 
-def test_every_schedule_is_in_the_table_under_its_name():
-    from zl_device.torch.schedules import SCHEDULES, schedule_named
+def test_the_torch_runtime_runs_every_schedule_of_the_table_under_its_name():
+    from zl_device.formats.schedules import SCHEDULES
+    from zl_device.torch.schedules import schedule_named
+    from zl_device.torch.schedules.backprop_ranks import TableBackprop
     from zl_device.torch.schedules.base import Schedule
 
     assert list(SCHEDULES) == ["zerolock", "gpipe", "1f1b", "async"]
     classes = {name: schedule_named(name) for name in SCHEDULES}
+    # Every backprop row runs on the one executor of the table's lists, under its own name, one class each.
+    assert [name for name, cls in classes.items() if issubclass(cls, TableBackprop)] == ["gpipe", "1f1b", "async"]
+    assert schedule_named("gpipe") is classes["gpipe"]
     assert all(issubclass(cls, Schedule) and cls.name == name for name, cls in classes.items())
     assert [name for name, cls in classes.items() if cls.resumable] == ["zerolock"]
     with pytest.raises(ZLError, match="pipeline 'zero-bubble': expected one of zerolock, gpipe, 1f1b, async"):
@@ -132,7 +137,7 @@ def test_every_schedule_is_in_the_table_under_its_name():
 
 
 def test_bench_pipelines_offers_every_schedule():
-    from zl_device.torch.schedules import SCHEDULES
+    from zl_device.formats.schedules import SCHEDULES
 
     bench_pipelines = load_tool("bench_pipelines")
 

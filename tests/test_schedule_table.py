@@ -4,6 +4,7 @@ backprop schedule, stage count, window size, run length and restart point."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_schedule_has_its_row():
-    assert tuple(SCHEDULE_TABLE) == SCHEDULES
+    assert SCHEDULES == ("zerolock", "gpipe", "1f1b", "async")  # the names both runtimes and `zl train` take
     assert [name for name, rule in SCHEDULE_TABLE.items() if not rule.backprop] == ["zerolock"]
     assert [name for name, rule in SCHEDULE_TABLE.items() if not rule.flush] == ["async"]
 
@@ -75,6 +76,14 @@ def schedule_ops_bin() -> Path:
     if not path.is_file():
         pytest.skip(f"{path} not built; run `cmake --build build -j2 --target zl_schedule_ops`")
     return path
+
+
+def test_the_runner_holds_the_same_table(schedule_ops_bin):
+    """The C++ rows (runner/src/pipeline_schedule.cpp `pipeline_schedules`) are the Python rows, field for field, in
+    order: a schedule added on one side only fails here."""
+    out = subprocess.run([str(schedule_ops_bin), "--table"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    assert json.loads(out) == [dataclasses.asdict(rule) for rule in SCHEDULE_TABLE.values()]
 
 
 def test_the_runner_runs_the_same_lists(schedule_ops_bin):

@@ -3,8 +3,8 @@
 Prepares one run as `zl train --runtime torch --launcher torchrun` does (data,
 manifest, RUN_DIR/torch_job.json), then runs its ranks once per pipeline —
 `zerolock` (local losses, no backward across stages), `gpipe`, `1f1b` and
-`async` (end-to-end backprop; every schedule of zl_device/torch/schedules
-SCHEDULES) — with the same split, LoRA, data order, micro-batches
+`async` (end-to-end backprop; every schedule of the schedule table,
+zl_device/formats/schedules.py SCHEDULES) — with the same split, LoRA, data order, micro-batches
 of the full --seq-len, windows and optimizer, one process per stage
 (torch.multiprocessing spawn, gloo); and `zerolock-et`, the same job as `zl train` runs it by default: the
 exported stage programs on `zl_runner`s, one per stage on this host. Every
@@ -49,7 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from zl_device.torch.schedules import SCHEDULES  # noqa: E402
+from zl_device.formats.schedules import SCHEDULES  # noqa: E402
 
 RUNNER = "zerolock-et"  # the ExecuTorch runner: `zl train`'s default runtime
 TRIMMED = "zerolock-trimmed"  # `zl train --runtime torch` as it runs by default: micro-batches cut to their longest row

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 namespace zl {
 namespace {
@@ -19,43 +20,52 @@ void one_f_one_b(int64_t first, int64_t end, int64_t warm, std::vector<ScheduleO
   for (int64_t mb = end - warm; mb < end; ++mb) ops->push_back({Kind::kBackward, mb});
 }
 
+/// The forwards stage `stage` runs ahead of its first backward over `window_len` micro-batches (the file comment
+/// of the header, and the Python table's `_warm_up`).
+int64_t warm_up(const PipelineSchedule& schedule, int64_t stage, int64_t num_stages, int64_t window_len) {
+  if (stage == num_stages - 1 || schedule.warm_up == PipelineSchedule::WarmUp::kNone) return 0;
+  return schedule.warm_up == PipelineSchedule::WarmUp::kWindow ? window_len : num_stages - 1 - stage;
+}
+
 }  // namespace
 
+const std::vector<PipelineSchedule>& pipeline_schedules() {
+  using WarmUp = PipelineSchedule::WarmUp;
+  static const std::vector<PipelineSchedule> table = {
+      {"zerolock", /*backprop=*/false, /*flush=*/true, WarmUp::kNone},
+      {"gpipe", /*backprop=*/true, /*flush=*/true, WarmUp::kWindow},
+      {"1f1b", /*backprop=*/true, /*flush=*/true, WarmUp::kPipeline},
+      {"async", /*backprop=*/true, /*flush=*/false, WarmUp::kPipeline},
+  };
+  return table;
+}
+
 Result<PipelineSchedule> parse_pipeline_schedule(const std::string& name) {
-  if (name == "zerolock") return PipelineSchedule::kZeroLock;
-  if (name == "gpipe") return PipelineSchedule::kGPipe;
-  if (name == "1f1b") return PipelineSchedule::kOneFOneB;
-  if (name == "async") return PipelineSchedule::kAsync;
-  return Status(StatusCode::kInvalidArgument,
-                "schedule '" + name + "'; expected zerolock (local losses), gpipe, 1f1b or async (end-to-end backprop)");
-}
-
-const char* pipeline_schedule_name(PipelineSchedule schedule) {
-  switch (schedule) {
-    case PipelineSchedule::kZeroLock: return "zerolock";
-    case PipelineSchedule::kGPipe: return "gpipe";
-    case PipelineSchedule::kOneFOneB: return "1f1b";
-    case PipelineSchedule::kAsync: return "async";
+  for (const PipelineSchedule& s : pipeline_schedules()) {
+    if (name == s.name) return s;
   }
-  return "?";
+  std::string names;
+  const std::vector<PipelineSchedule>& table = pipeline_schedules();
+  for (size_t i = 0; i < table.size(); ++i) {
+    names += std::string(i == 0 ? "" : i + 1 == table.size() ? " or " : ", ") + table[i].name;
+  }
+  return Status(StatusCode::kInvalidArgument, "schedule '" + name + "'; expected " + names +
+                                                  " (zerolock: local losses; the others: end-to-end backprop)");
 }
 
-std::vector<ScheduleOp> schedule_ops(PipelineSchedule schedule, int64_t stage, int64_t num_stages,
+std::vector<ScheduleOp> schedule_ops(const PipelineSchedule& schedule, int64_t stage, int64_t num_stages,
                                      const WindowPlan& plan, int64_t first_micro_batch) {
   std::vector<ScheduleOp> ops;
   const int64_t n = plan.num_micro_batches();
   if (first_micro_batch >= n) return ops;
-  // 0 on the last stage (its forward and backward are one execution) and under zerolock (phase 2 follows phase 1).
-  const int64_t warm = schedule == PipelineSchedule::kZeroLock ? 0 : num_stages - 1 - stage;
-  if (schedule == PipelineSchedule::kAsync) {
-    one_f_one_b(first_micro_batch, n, warm, &ops);
-  } else {
+  if (schedule.flush) {
     for (int64_t w = plan.window_of(first_micro_batch); w < plan.num_windows(); ++w) {
       const int64_t first = std::max(plan.first_micro_batch(w), first_micro_batch);
       const int64_t end = plan.end_micro_batch(w);
-      // gpipe: every forward of the window first (the last stage has no warm-up under any schedule).
-      one_f_one_b(first, end, schedule == PipelineSchedule::kGPipe && warm > 0 ? end - first : warm, &ops);
+      one_f_one_b(first, end, warm_up(schedule, stage, num_stages, end - first), &ops);
     }
+  } else {
+    one_f_one_b(first_micro_batch, n, warm_up(schedule, stage, num_stages, n), &ops);
   }
   std::vector<ScheduleOp> with_steps;
   with_steps.reserve(ops.size() + static_cast<size_t>(plan.num_windows()));
@@ -77,9 +87,9 @@ int64_t max_in_flight(const std::vector<ScheduleOp>& ops) {
   return most;
 }
 
-int64_t forward_version(PipelineSchedule schedule, int64_t stage, int64_t num_stages, const WindowPlan& plan,
+int64_t forward_version(const PipelineSchedule& schedule, int64_t stage, int64_t num_stages, const WindowPlan& plan,
                         int64_t micro_batch) {
-  const int64_t warm = schedule == PipelineSchedule::kAsync ? num_stages - 1 - stage : 0;
+  const int64_t warm = schedule.flush ? 0 : warm_up(schedule, stage, num_stages, plan.num_micro_batches());
   return micro_batch >= warm ? plan.window_of(micro_batch - warm) : 0;
 }
 

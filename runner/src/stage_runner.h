@@ -93,7 +93,7 @@ class StageRunner {
         progress_(progress),
         standby_(standby),
         forward_only_(config.forward_only()),
-        schedule_(parse_pipeline_schedule(config.schedule).value_or(PipelineSchedule::kZeroLock)) {}
+        schedule_(parse_pipeline_schedule(config.schedule).value_or(pipeline_schedules().front())) {}
 
   /// Loads, restores and connects (setup), runs the remaining micro-batches
   /// (loop), then reports the outcome to the coordinator and stops the links.
@@ -123,7 +123,7 @@ class StageRunner {
   /// The progress board and the coordinator: micro-batch `mb` done (`loss`: none on a stage without one).
   void report_done(int64_t mb, bool window_end, const MicroBatchRecord& record, std::optional<double> loss);
   // loop_backprop(): a backprop schedule's operations (backprop_loop.cpp).
-  bool backprop() const { return schedule_ != PipelineSchedule::kZeroLock; }
+  bool backprop() const { return schedule_.backprop; }
   Status check_program_kind() const;
   Status load_instances();  // keep_activations: the program instances, one per micro-batch in flight
   /// An idle instance with `weights` (nullptr: program_'s current ones) copied in.

@@ -10,6 +10,11 @@
 // with the version forward_version gives (a backward runs on its forward's),
 // and S<mb>@<window> for the optimizer step that ends a window (the steps
 // taken before it).
+//
+//   zl_schedule_ops --table
+//   [{"name": "zerolock", "backprop": false, "flush": true, "warm_up": "none"}, ...]
+//
+// The runner's schedule table (pipeline_schedules()), row for row as the Python ScheduleRule writes it.
 #include <cstdio>
 #include <iostream>
 #include <iterator>
@@ -20,8 +25,18 @@
 #include "zl/pipeline_schedule.h"
 #include "zl/window_plan.h"
 
-int main() {
+int main(int argc, char** argv) {
   using nlohmann::json;
+  if (argc == 2 && std::string(argv[1]) == "--table") {
+    using WarmUp = zl::PipelineSchedule::WarmUp;
+    json rows = json::array();
+    for (const zl::PipelineSchedule& s : zl::pipeline_schedules()) {
+      const char* warm = s.warm_up == WarmUp::kNone ? "none" : s.warm_up == WarmUp::kPipeline ? "pipeline" : "window";
+      rows.push_back({{"name", s.name}, {"backprop", s.backprop}, {"flush", s.flush}, {"warm_up", warm}});
+    }
+    std::printf("%s\n", rows.dump().c_str());
+    return 0;
+  }
   const std::string text((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
   const json cases = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!cases.is_array()) {

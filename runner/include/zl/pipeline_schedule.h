@@ -1,9 +1,11 @@
 // The order in which a stage runs its micro-batches' forwards, backwards and
 // window steps under every schedule (docs/design#backprop-schedules): one pure function
 // per stage, which the runner's loops execute as it is. The source of these lists is the Python schedule table
-// (zl_device/formats/schedule_table.py), which the torch runtime runs;
-// tests/test_schedule_table.py checks through tools/zl_schedule_ops.cpp that
-// these functions give the same lists, versions and steps for every case.
+// (zl_device/formats/schedule_table.py), which the torch runtime runs; its rows
+// stand here again (`pipeline_schedules`), field for field, and the lists are made
+// from a row by the same rules. tests/test_schedule_table.py checks through
+// tools/zl_schedule_ops.cpp that both tables hold the same rows and that these
+// functions give the same lists, versions and steps for every case.
 //
 //   gpipe   per window: every forward, then every backward, then the step
 //           (a flush per window: exact backprop, every stage on one version)
@@ -35,12 +37,24 @@
 
 namespace zl {
 
-/// The runner config's "schedule".
-enum class PipelineSchedule { kZeroLock, kGPipe, kOneFOneB, kAsync };
+/// One schedule: a row of the schedule table, the Python `ScheduleRule` field for field.
+struct PipelineSchedule {
+  /// How far a stage's forwards run ahead of its first backward: none (a forward and its backward back to
+  /// back), pipeline (the K-1-k forwards the stages below need), window (every forward of the window). The
+  /// last stage never runs ahead: its forward and backward are one execution.
+  enum class WarmUp { kNone, kPipeline, kWindow };
+  const char* name;  // the runner config's "schedule"
+  bool backprop;     // the final loss's gradient crosses the links (else each stage steps on its local loss)
+  bool flush;        // each window's forwards and backwards all finish before its step (exact backprop)
+  WarmUp warm_up;
+  bool operator==(const PipelineSchedule& o) const { return std::string(name) == o.name; }
+};
 
-/// "zerolock" | "gpipe" | "1f1b" | "async"; kInvalidArgument naming the value otherwise.
+/// Every schedule, in the Python table's order (zerolock first).
+const std::vector<PipelineSchedule>& pipeline_schedules();
+
+/// The row named `name` ("zerolock" | "gpipe" | "1f1b" | "async"); kInvalidArgument naming the value otherwise.
 Result<PipelineSchedule> parse_pipeline_schedule(const std::string& name);
-const char* pipeline_schedule_name(PipelineSchedule schedule);
 
 /// One operation of a stage: the forward (take the input, send the hidden
 /// state) or the backward (take the gradient, compute, send grad_input) of a
@@ -54,10 +68,12 @@ struct ScheduleOp {
 };
 
 /// Stage `stage` of `num_stages`'s operations for micro-batches
-/// [first_micro_batch, n) of `plan`, in order (the file comment), a kStep
-/// after the backward of each window's last micro-batch.
+/// [first_micro_batch, n) of `plan`, in order (the file comment), made from
+/// `schedule`'s row: with a flush, window by window, each a warm-up then one
+/// forward and one backward alternately; without, the same over the whole run;
+/// a kStep after the backward of each window's last micro-batch.
 /// `first_micro_batch` is a window's first (a restart from its checkpoint).
-std::vector<ScheduleOp> schedule_ops(PipelineSchedule schedule, int64_t stage, int64_t num_stages,
+std::vector<ScheduleOp> schedule_ops(const PipelineSchedule& schedule, int64_t stage, int64_t num_stages,
                                      const WindowPlan& plan, int64_t first_micro_batch = 0);
 
 /// The most micro-batches forwarded and not yet backwarded at once in `ops`:
@@ -66,10 +82,10 @@ int64_t max_in_flight(const std::vector<ScheduleOp>& ops);
 
 /// The weight version (optimizer steps taken) the forward of `micro_batch`
 /// runs on under `schedule`: the steps before it in schedule_ops' order of an
-/// uninterrupted run. async: window_of(mb - (K-1-k)) (0 in the first warm-up);
-/// gpipe and 1f1b: the micro-batch's own window. A restart re-runs its first
+/// uninterrupted run. Without a flush (async): window_of(mb - warm-up)
+/// (0 in the first warm-up); with one: the micro-batch's own window. A restart re-runs its first
 /// forwards on the older versions its checkpoint kept.
-int64_t forward_version(PipelineSchedule schedule, int64_t stage, int64_t num_stages, const WindowPlan& plan,
+int64_t forward_version(const PipelineSchedule& schedule, int64_t stage, int64_t num_stages, const WindowPlan& plan,
                         int64_t micro_batch);
 
 /// A stage's older weight versions while a micro-batch forwarded on them

@@ -37,6 +37,7 @@ a neighbour pair's stream would hold up the sends queued behind it, so there eac
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable
 
 import torch
@@ -212,19 +213,14 @@ class TableBackprop(CrossRankBackprop):
         return {"in_flight_max": self.pipe.in_flight_max, "stash_versions_max": self.pipe.stash_versions_max}
 
 
-class GPipe(TableBackprop):
-    """GPipe: per window all forwards, then all backwards, then every stage's step."""
+@functools.cache
+def table_schedule(name: str) -> type[TableBackprop]:
+    """The torch runtime's schedule for the table's backprop row `name` (gpipe, 1f1b, async): `TableBackprop` under
+    that name.
 
-    name = "gpipe"
-
-
-class OneFOneB(TableBackprop):
-    """1F1B: GPipe's windows, with one forward then one backward after a warm-up."""
-
-    name = "1f1b"
-
-
-class PipeDream(TableBackprop):
-    """PipeDream: 1F1B over the whole run, no flush, weight stashing."""
-
-    name = "async"
+    Raises:
+        ValueError: not a backprop row.
+    """
+    if name not in KINDS:
+        raise ValueError(f"schedule {name!r}: expected one of {KINDS}")
+    return type(f"TableBackprop[{name}]", (TableBackprop,), {"name": name, "__doc__": TableBackprop.__doc__})

@@ -15,15 +15,7 @@ namespace zl {
 namespace {
 
 using namespace std::chrono_literals;
-using testing::data_frame;
-using testing::kB;
-using testing::kD;
-using testing::kS;
-using testing::receiver_options;
-using testing::TempDir;
-using testing::test_key;
-using testing::test_run;
-using testing::value_or_fail;
+using namespace testing;  // zl::testing: the ends of peer_link_test_support.h
 
 SenderOptions grad_sender_options(uint16_t port, size_t g, size_t d = 4) {
   SenderOptions o = testing::sender_options(port, d);

@@ -27,15 +27,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using std::chrono::milliseconds;
-using testing::data_frame;
-using testing::TempDir;
-using testing::test_key;
-using testing::test_run;
-using testing::value_or_fail;
-
-using testing::kB;
-using testing::kD;
-using testing::kS;
+using namespace testing;  // zl::testing: the ends of peer_link_test_support.h
 constexpr size_t kMiB = size_t{1} << 20;
 
 ReceiverOptions receiver_options(const std::string& log_dir) {
@@ -104,29 +96,6 @@ bool closed_by_peer_within(int fd, milliseconds timeout) {
     if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return true;
   }
 }
-
-// The keys of the link 0 -> 1 at its upstream (client) end.
-LinkKeys upstream_keys() { return link_keys(test_key(), Channel::kData, 0, LinkEnd::kClient); }
-
-// A raw upstream connection, after the client handshake unless `handshake` is false.
-struct RawUpstream {
-  Socket sock;
-  SessionState session;
-  Frame hello;  // what a recording of this connection's HELLO replays
-  explicit RawUpstream(uint16_t port, bool handshake = true) {
-    sock = value_or_fail(connect_tcp("127.0.0.1", port, 1000ms));
-    if (!handshake) return;
-    session.id = value_or_fail(client_handshake(sock.fd(), upstream_keys(), test_run(), 0, {}, 2000ms));
-  }
-  /// Sends `f` in the session; the receiver's answer (an ACK), or why none came.
-  DecodeResult send_and_reply(const Frame& f, Status* status) {
-    *status = write_frame(sock.fd(), session.stamp(f), upstream_keys().send);
-    if (!status->ok()) return DecodeResult{};
-    Result<DecodeResult> r = read_frame(sock.fd(), upstream_keys().receive, {}, 2000ms);
-    *status = r.status();
-    return r.ok() ? std::move(r).value() : DecodeResult{};
-  }
-};
 
 TEST(PeerLinkPreAuthTest, ThreeConnectionsAnnouncing64MiBDoNotGrowTheStage) {
   TempDir dir;

@@ -24,54 +24,12 @@ namespace {
 
 using namespace std::chrono_literals;
 using std::chrono::milliseconds;
-using testing::data_frame;
-using testing::TempDir;
-using testing::test_key;
-using testing::test_run;
-using testing::value_or_fail;
-
-using testing::kB;
-using testing::kD;
-using testing::kS;
-using testing::accept_handshake;
-using testing::downstream_keys;
-using testing::receiver_options;
-using testing::sender_options;
+using namespace testing;  // zl::testing: the ends of peer_link_test_support.h
 
 bool file_exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;
 }
-
-// The keys of the link 0 -> 1 at its upstream (client) and downstream (server) end.
-LinkKeys upstream_keys() { return link_keys(test_key(), Channel::kData, 0, LinkEnd::kClient); }
-
-// Plays an upstream by hand: one raw connection to the receiver, after the
-// handshake (unless `handshake` is false) frames stamped with its session.
-struct RawUpstream {
-  Socket sock;
-  SessionState session;
-  LinkKeys keys = upstream_keys();
-  std::vector<uint8_t> sent;  // every byte written, for replay tests
-  explicit RawUpstream(uint16_t port, bool handshake = true) {
-    sock = value_or_fail(connect_tcp("127.0.0.1", port, 1000ms));
-    if (handshake) session.id = value_or_fail(client_handshake(sock.fd(), keys, test_run(), 0, {}, 2000ms));
-  }
-  void send_bytes(const std::vector<uint8_t>& b) {
-    sent.insert(sent.end(), b.begin(), b.end());
-    ASSERT_TRUE(send_all(sock.fd(), b.data(), b.size()).ok());
-  }
-  /// `f` stamped with the session and the next sequence number, sealed under `key`.
-  std::vector<uint8_t> sealed(const Frame& f, const FrameKey* key = nullptr) {
-    return value_or_fail(encode_frame(session.stamp(f), key ? *key : keys.send));
-  }
-  void send(const Frame& f) { send_bytes(sealed(f)); }
-  DecodeResult reply(Status* status) {
-    Result<DecodeResult> r = read_frame(sock.fd(), keys.receive, {}, 2000ms);
-    *status = r.status();
-    return r.ok() ? std::move(r).value() : DecodeResult{};
-  }
-};
 
 TEST(PeerLinkTest, DeliversEntriesInMicroBatchOrder) {
   TempDir dir;

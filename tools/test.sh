@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 .venv/bin/lint-imports --no-cache --no-logo
 cmake --build build -j"$(nproc)" >/dev/null
 ctest --test-dir build --output-on-failure -j2
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q --durations=25 "$@"  # the 25 slowest tests last, to keep the suite short

@@ -71,7 +71,12 @@ def test_non_llama_architecture(tmp_path):
 
 
 def test_unreachable_hub_id_says_to_use_a_local_directory(monkeypatch):
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub read the variable when first imported (by an earlier test): without this it retries the
+    # hub for ~23 s first.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ZLError, match="download the model once and pass its local directory"):
         load_model("nobody-zl-test/not-a-model")
 

@@ -30,7 +30,6 @@ of --new-tokens from each row's prompt part identical or not).
 import argparse
 import json
 import logging
-import os
 import subprocess
 import sys
 import time

@@ -306,4 +306,4 @@ def test_the_async_arm_is_backprop_on_stashed_weight_versions(demo_data, tmp_pat
     assert runs["async"]["trainable"] == runs["backprop"]["trainable"] == runs["async-int4"]["trainable"]
     int4 = runs["async-int4"]["window_losses"]
     assert len(int4) == 3 and int4[0] != stale[0]  # other frozen weights, the same LoRA init and rows
-    assert [x[-1] for x in int4[0:1]] == pytest.approx([x[-1] for x in stale[0:1]], rel=0.1)
+    assert int4[0][-1] == pytest.approx(stale[0][-1], rel=0.1)  # the last stage's first window: close, not equal

@@ -32,15 +32,15 @@ void widen_half(const executorch::aten::Half* in, float* out, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
 }
 
-/// One row's groups: a 16-entry table per group (the nibble's value times the
-/// group's scale), then two lookups a byte.
-void widen_int4_rows(const uint8_t* packed, const float* scales, float* out, size_t rows, size_t groups,
+/// One row's groups: a 16-entry table per group (each nibble's value), then
+/// two lookups a byte. `Params` gives group g's table entry for nibble k.
+template <typename Params>
+void widen_int4_rows(const uint8_t* packed, const Params& params, float* out, size_t rows, size_t groups,
                      size_t group) {
   float table[16];
   for (size_t r = 0; r < rows; ++r) {
     for (size_t g = 0; g < groups; ++g) {
-      const float scale = *scales++;
-      for (int k = 0; k < 16; ++k) table[k] = static_cast<float>(k - 8) * scale;
+      params.fill(r * groups + g, table);
       for (size_t j = 0; j < group / 2; ++j) {
         const uint8_t byte = *packed++;
         out[0] = table[byte & 0xF];
@@ -50,6 +50,25 @@ void widen_int4_rows(const uint8_t* packed, const float* scales, float* out, siz
     }
   }
 }
+
+/// llama.cpp's Q4_1 grid (what the exporter writes): float16 (scale, minimum)
+/// pairs, nibble k is k * scale + minimum.
+struct AffineParams {
+  const executorch::aten::Half* pairs;
+  void fill(size_t group, float* table) const {
+    const float scale = static_cast<float>(pairs[2 * group]), minimum = static_cast<float>(pairs[2 * group + 1]);
+    for (int k = 0; k < 16; ++k) table[k] = static_cast<float>(k) * scale + minimum;
+  }
+};
+
+/// The symmetric grid of programs exported before the affine one: a float32
+/// scale per group, nibble k is (k - 8) * scale.
+struct SymmetricParams {
+  const float* scales;
+  void fill(size_t group, float* table) const {
+    for (int k = 0; k < 16; ++k) table[k] = static_cast<float>(k - 8) * scales[group];
+  }
+};
 
 }  // namespace
 
@@ -87,22 +106,27 @@ Tensor& widen_out(KernelRuntimeContext& ctx, const Tensor& weight, Tensor& out) 
   return out;
 }
 
-Tensor& widen_int4_out(KernelRuntimeContext& ctx, const Tensor& packed, const Tensor& scales, Tensor& out) {
+Tensor& widen_int4_out(KernelRuntimeContext& ctx, const Tensor& packed, const Tensor& params, Tensor& out) {
   ET_KERNEL_CHECK_MSG(ctx, out.scalar_type() == ScalarType::Float, InvalidArgument, out,
                       "widen_int4: out must be float32, got %s", executorch::runtime::toString(out.scalar_type()));
-  ET_KERNEL_CHECK_MSG(ctx, packed.scalar_type() == ScalarType::Byte && scales.scalar_type() == ScalarType::Float,
-                      InvalidArgument, out, "widen_int4: packed must be uint8 and scales float32, got %s and %s",
+  const bool affine = params.scalar_type() == ScalarType::Half;
+  const bool symmetric = params.scalar_type() == ScalarType::Float;
+  ET_KERNEL_CHECK_MSG(ctx, packed.scalar_type() == ScalarType::Byte && (affine || symmetric), InvalidArgument, out,
+                      "widen_int4: packed must be uint8 and params float16 (or float32 scales), got %s and %s",
                       executorch::runtime::toString(packed.scalar_type()),
-                      executorch::runtime::toString(scales.scalar_type()));
+                      executorch::runtime::toString(params.scalar_type()));
   const ssize_t dims = packed.dim();
-  bool same_rows = dims >= 1 && scales.dim() == dims;
-  for (ssize_t d = 0; same_rows && d + 1 < dims; ++d) same_rows = packed.size(d) == scales.size(d);
+  bool same_rows = dims >= 1 && params.dim() == dims;
+  for (ssize_t d = 0; same_rows && d + 1 < dims; ++d) same_rows = packed.size(d) == params.size(d);
   const size_t bytes = same_rows ? static_cast<size_t>(packed.size(dims - 1)) : 0;
-  const size_t groups = same_rows ? static_cast<size_t>(scales.size(dims - 1)) : 0;
-  ET_KERNEL_CHECK_MSG(ctx, same_rows && groups > 0 && (2 * bytes) % groups == 0 && (2 * bytes / groups) % 2 == 0,
+  const size_t per_row = same_rows ? static_cast<size_t>(params.size(dims - 1)) : 0;
+  const size_t groups = affine ? per_row / 2 : per_row;  // affine: a (scale, minimum) pair per group
+  ET_KERNEL_CHECK_MSG(ctx,
+                      same_rows && groups > 0 && (!affine || per_row % 2 == 0) && (2 * bytes) % groups == 0 &&
+                          (2 * bytes / groups) % 2 == 0,
                       InvalidArgument, out,
-                      "widen_int4: packed (%zd dims, %zu bytes a row) and scales (%zd dims, %zu a row) do not match",
-                      dims, bytes, static_cast<ssize_t>(scales.dim()), groups);
+                      "widen_int4: packed (%zd dims, %zu bytes a row) and params (%zd dims, %zu a row) do not match",
+                      dims, bytes, static_cast<ssize_t>(params.dim()), per_row);
   executorch::aten::SizesType sizes[executorch::runtime::kTensorDimensionLimit];
   for (ssize_t d = 0; d < dims; ++d) sizes[d] = packed.size(d);
   sizes[dims - 1] = static_cast<executorch::aten::SizesType>(2 * bytes);
@@ -112,12 +136,18 @@ Tensor& widen_int4_out(KernelRuntimeContext& ctx, const Tensor& packed, const Te
                       static_cast<ssize_t>(out.numel()), 2 * bytes);
   ET_KERNEL_CHECK_MSG(ctx,
                       executorch::runtime::tensor_is_default_dim_order(packed) &&
-                          executorch::runtime::tensor_is_default_dim_order(scales) &&
+                          executorch::runtime::tensor_is_default_dim_order(params) &&
                           executorch::runtime::tensor_is_default_dim_order(out),
-                      InvalidArgument, out, "widen_int4: packed, scales and out must be contiguous");
+                      InvalidArgument, out, "widen_int4: packed, params and out must be contiguous");
   const size_t rows = bytes == 0 ? 0 : static_cast<size_t>(packed.numel()) / bytes;
-  widen_int4_rows(packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(), out.mutable_data_ptr<float>(),
-                  rows, groups, 2 * bytes / groups);
+  const uint8_t* in = packed.const_data_ptr<uint8_t>();
+  float* dst = out.mutable_data_ptr<float>();
+  if (affine) {
+    widen_int4_rows(in, AffineParams{params.const_data_ptr<executorch::aten::Half>()}, dst, rows, groups,
+                    2 * bytes / groups);
+  } else {
+    widen_int4_rows(in, SymmetricParams{params.const_data_ptr<float>()}, dst, rows, groups, 2 * bytes / groups);
+  }
   return out;
 }
 

@@ -1,4 +1,4 @@
-// Tests of the `zerolock::widen.out` and `zerolock::widen_int4.out` kernels: one per dtype and failure mode.
+// Tests of the `zerolock::widen.out` and `zerolock::widen_int4.out` kernels: one per dtype, grid and failure mode.
 #include <zl/widen.h>
 
 #include <cstdint>
@@ -72,10 +72,62 @@ TEST(Widen, RefusesAnOutOfAnotherSize) {
   EXPECT_EQ(ctx.failure_state(), Error::InvalidArgument);
 }
 
+/// The byte holding columns 2j (q_low) and 2j + 1 (q_high), each q in [0, 15].
+uint8_t nibbles(int q_low, int q_high) { return static_cast<uint8_t>(q_low | (q_high << 4)); }
+
+/// Float16 (scale, minimum) pairs, each value exact in float16.
+std::vector<executorch::aten::Half> half_pairs(const std::vector<float>& values) {
+  std::vector<executorch::aten::Half> out;
+  for (float v : values) out.emplace_back(v);
+  return out;
+}
+
+TEST(WidenInt4, UnpacksLowNibbleFirstOntoEachGroupsGrid) {
+  // 2 rows x 8 columns, groups of 4: (scale, minimum) (0.5, -4), (-2, 1) in row 0, (1, 0), (0.25, -1) in row 1.
+  std::vector<uint8_t> packed = {nibbles(0, 15), nibbles(8, 9), nibbles(2, 3), nibbles(4, 0),
+                                 nibbles(1, 2), nibbles(3, 4), nibbles(0, 15), nibbles(4, 8)};
+  std::vector<executorch::aten::Half> params = half_pairs({0.5f, -4.0f, -2.0f, 1.0f, 1.0f, 0.0f, 0.25f, -1.0f});
+  const std::vector<float> expected = {-4, 3.5, 0, 0.5, -3, -5, -7, 1, 1, 2, 3, 4, -1, 2.75, 0, 1};
+  auto p = make_tensor_ptr({2, 4}, packed.data(), ScalarType::Byte);
+  auto s = make_tensor_ptr({2, 4}, params.data(), ScalarType::Half);
+  auto out = make_tensor_ptr({2, 8}, std::vector<float>(16, 99.0f));
+  KernelRuntimeContext ctx;
+  zl::widen_int4_out(ctx, *p, *s, *out);
+  ASSERT_EQ(ctx.failure_state(), Error::Ok);
+  for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(out->const_data_ptr<float>()[i], expected[i]) << i;
+}
+
+TEST(WidenInt4, TakesLookedUpRowsOfAnyRank) {
+  // An embedding's looked-up rows: (B=1, S=2, D/2=2) bytes, (1, 2, 2) pairs -> (1, 2, 4).
+  std::vector<uint8_t> packed = {nibbles(1, 0), nibbles(2, 15), nibbles(7, 8), nibbles(0, 3)};
+  std::vector<executorch::aten::Half> params = half_pairs({2.0f, -1.0f, -1.0f, 0.5f});
+  auto p = make_tensor_ptr({1, 2, 2}, packed.data(), ScalarType::Byte);
+  auto s = make_tensor_ptr({1, 2, 2}, params.data(), ScalarType::Half);
+  auto out = make_tensor_ptr({1, 2, 4}, std::vector<float>(8, 99.0f));
+  KernelRuntimeContext ctx;
+  zl::widen_int4_out(ctx, *p, *s, *out);
+  ASSERT_EQ(ctx.failure_state(), Error::Ok);
+  const std::vector<float> expected = {1, -1, 3, 29, -6.5, -7.5, 0.5, -2.5};
+  for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(out->const_data_ptr<float>()[i], expected[i]) << i;
+}
+
+TEST(WidenInt4, RefusesAnOddNumberOfHalfParams) {
+  std::vector<uint8_t> packed(8, nibbles(0, 0));
+  std::vector<executorch::aten::Half> params = half_pairs({1.0f, 0.0f, 1.0f, 0.0f, 1.0f, 0.0f});
+  auto p = make_tensor_ptr({2, 4}, packed.data(), ScalarType::Byte);
+  auto s = make_tensor_ptr({2, 3}, params.data(), ScalarType::Half);  // a pair and a half a row
+  auto out = make_tensor_ptr({2, 8}, std::vector<float>(16));
+  KernelRuntimeContext ctx;
+  zl::widen_int4_out(ctx, *p, *s, *out);
+  EXPECT_EQ(ctx.failure_state(), Error::InvalidArgument);
+}
+
+// Programs exported before the affine grid hold float32 scales, one per group, and nibbles q + 8, q in [-8, 7].
+
 /// The byte holding columns 2j (q_low) and 2j + 1 (q_high), each q in [-8, 7].
 uint8_t pack(int q_low, int q_high) { return static_cast<uint8_t>((q_low + 8) | ((q_high + 8) << 4)); }
 
-TEST(WidenInt4, UnpacksLowNibbleFirstAndScalesEachGroup) {
+TEST(WidenInt4Symmetric, UnpacksLowNibbleFirstAndScalesEachGroup) {
   // 2 rows x 8 columns, groups of 4: scales 0.5, -2 (row 0) and 1, 0.25 (row 1).
   std::vector<uint8_t> packed = {pack(-8, 7), pack(0, 1), pack(2, -3), pack(4, -5),
                                  pack(1, 2),  pack(3, 4), pack(-1, -2), pack(-3, -4)};
@@ -90,7 +142,7 @@ TEST(WidenInt4, UnpacksLowNibbleFirstAndScalesEachGroup) {
   for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(out->const_data_ptr<float>()[i], expected[i]) << i;
 }
 
-TEST(WidenInt4, TakesLookedUpRowsOfAnyRank) {
+TEST(WidenInt4Symmetric, TakesLookedUpRowsOfAnyRank) {
   // An embedding's looked-up rows: (B=1, S=2, D/2=2) bytes, (1, 2, 1) scales -> (1, 2, 4).
   std::vector<uint8_t> packed = {pack(1, -1), pack(2, -2), pack(7, -8), pack(0, 3)};
   std::vector<float> scales = {2.0f, -1.0f};

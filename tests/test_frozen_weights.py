@@ -61,22 +61,29 @@ def test_quantize_rows_bounds_the_error_by_half_a_step():
 def test_quantize_groups_packs_two_a_byte_and_bounds_the_error_by_half_a_step():
     w = torch.randn(5, 4 * INT4_GROUP) * torch.linspace(0.01, 3.0, 4 * INT4_GROUP)
     w[2] = 0.0  # an all-zero row (its groups) must not divide by zero
-    w[4, :INT4_GROUP] = torch.linspace(-1.0, 2.0, INT4_GROUP)  # the peak positive: its scale is negative
-    packed, s = quantize_groups(w)
-    assert packed.dtype == torch.uint8 and packed.shape == (5, 2 * INT4_GROUP) and s.shape == (5, 4)
-    q = torch.stack([(packed & 0xF).long() - 8, (packed >> 4).long() - 8], dim=-1).flatten(-2)  # low nibble first
-    step = s.repeat_interleave(INT4_GROUP, dim=1)  # (5, I): each column's scale
-    back = q.float() * step
+    w[3, :INT4_GROUP] = 0.3  # a constant group: scale 0, every value its minimum
+    packed, params = quantize_groups(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 2 * INT4_GROUP)
+    assert params.dtype == torch.float16 and params.shape == (5, 2 * 4)
+    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).float()  # low nibble first, in [0, 15]
+    scale, minimum = (params[:, k::2].float().repeat_interleave(INT4_GROUP, dim=1) for k in (0, 1))  # (5, I) each
+    back = q * scale + minimum
     assert torch.equal(dequantized(w, "int4"), back)  # the op widens as the format says
-    groups = w.reshape(5, 4, INT4_GROUP)
-    peak = groups.abs().argmax(-1, keepdim=True)
-    torch.testing.assert_close(back.reshape(5, 4, INT4_GROUP).gather(-1, peak), groups.gather(-1, peak))  # exact
-    # Half a step, but for values of the peak's opposite sign near its magnitude: +8 steps clamp to 7.
-    clamped = (w / step).round() > 7
-    err = (back - w).abs()
-    assert (err <= step.abs() / 2 + 1e-6)[~clamped].all() and (err <= step.abs())[clamped].all()
-    assert q.min() == -8 and (back[2] == 0).all()
-    assert (s[4, 0] < 0) and back[4, INT4_GROUP - 1] == 2.0
+    assert q.min() == 0 and q.max() == 15 and (scale >= 0).all()
+    # Each value within half a step of its own, plus what float16 rounds off the minimum and the scale (15 steps).
+    slack = minimum.abs() * 2 ** -11 + 15 * scale * 2 ** -11 + 1e-7
+    assert ((back - w).abs() <= scale / 2 + slack).all()
+    groups, back_groups = w.reshape(5, 4, INT4_GROUP), back.reshape(5, 4, INT4_GROUP)
+    torch.testing.assert_close(back_groups.amin(-1), groups.amin(-1), rtol=2 ** -10, atol=1e-7)  # the ends, up to
+    torch.testing.assert_close(back_groups.amax(-1), groups.amax(-1), rtol=2 ** -9, atol=1e-6)  # float16 rounding
+    assert (back[2] == 0).all() and (params[3, :2] == torch.tensor([0.0, 0.3], dtype=torch.float16)).all()
+
+
+def test_quantize_groups_refuses_values_float16_cannot_carry():
+    w = torch.zeros(2, INT4_GROUP)
+    w[1, 3] = 1e5
+    with pytest.raises(ValueError, match=r"float16 group parameters cannot carry.*1e\+05.*int8 or bf16"):
+        quantize_groups(w)
 
 
 def test_int4_refuses_a_weight_of_a_size_its_groups_do_not_divide():

@@ -1,5 +1,5 @@
-"""Frozen weights in fewer bytes: bf16, int8 with a scale per output channel, or int4 with a scale per group of
-32 input channels (docs/design#frozen-weights).
+"""Frozen weights in fewer bytes: bf16, int8 with a scale per output channel, or int4 with a scale and a minimum per
+group of 32 input channels (docs/design#frozen-weights).
 
 Only LoRA (and translator) parameters train; every other linear weight, the
 LM head and the token embedding are constants of the stage program, and they
@@ -9,13 +9,14 @@ per use inside the program:
 
     bf16: y = x @ W.float().T
     int8: y = (x @ Q.float().T) * s     W ≈ Q * s[:, None], Q = round(W / s), s = max|W_row| / 127
-    int4: y = x @ (Q * s_g).T           per group g of 32 columns of a row: s_g = m / -8, m its value of largest
-                                        magnitude (so m is exactly -8 s_g), Q = round(W / s_g) in [-8, 7]
+    int4: y = x @ (Q * s_g + m_g).T     per group g of 32 columns of a row (llama.cpp's Q4_1): m_g its minimum,
+                                        s_g = (its maximum - m_g) / 15, both float16, Q = round((W - m_g) / s_g)
+                                        in [0, 15]
 
 The int8 scale is per output channel, so it applies to the matmul's output (V
-multiplies, not V × D); an int4 group scale is applied while widening
-(`zerolock::widen_int4`), two values packed in a byte, 0.625 bytes a weight
-with its float32 scales (int8: 1, bf16: 2). A weight is stored in row chunks
+multiplies, not V × D); an int4 group's scale and minimum are applied while
+widening (`zerolock::widen_int4`), two values packed in a byte, 0.625 bytes a
+weight with its float16 pairs (int8: 1, bf16: 2). A weight is stored in row chunks
 (`compact_rows`); a tied embedding and LM head share the same chunk tensors,
 so the table is held once, in stage 0's program too. LoRA weights,
 gradients, activations and AdamW state stay float32. The eager model and the
@@ -46,7 +47,7 @@ from zl_export.options import FROZEN_DTYPES
 # A widened weight of more elements than this is widened in row chunks (the LM head: 32,000 × 2,048 would be a
 # 262 MB float32 temporary; 4 chunks of 8,000 rows are 66 MB each).
 CHUNK_ELEMENTS = 1 << 24
-INT4_GROUP = 32  # int4: input channels per scale (llama.cpp's Q4_0 and ExecuTorch's 8da4w use 32 too)
+INT4_GROUP = 32  # int4: input channels per scale and minimum (llama.cpp's Q4_1 and ExecuTorch's 8da4w use 32 too)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,19 +59,30 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 per group of INT4_GROUP columns: (packed (O, I/2) uint8, s (O, I/INT4_GROUP) float32) with W ≈ Q * s per
-    group. A group's value of largest magnitude m gets Q = -8 exactly (s = m / -8), the rest round into [-8, 7], as
-    llama.cpp's Q4_0 does; an all-zero group gets s = 1. Byte j holds columns 2j (low nibble) and 2j + 1 as Q + 8."""
+    """int4 per group of INT4_GROUP columns, llama.cpp's Q4_1 grid: (packed (O, I/2) uint8, params (O, 2 I/INT4_GROUP)
+    float16) with W ≈ Q * s + m per group, params holding each group's (s, m). m is the group's minimum and
+    s = (maximum - m) / 15, both rounded to float16 before Q = round((W - m) / s) is taken in [0, 15], so a group's
+    minimum and maximum come back to within float16's rounding and the rest to within half a step; a constant group
+    gets s = 0 (every Q = 0). Byte j holds columns 2j (low nibble) and 2j + 1."""
     rows, columns = weight.shape
     if columns % INT4_GROUP:
         raise ValueError(f"--frozen-dtype int4 stores {INT4_GROUP} input channels per scale, and a weight of shape "
                          f"{tuple(weight.shape)} has {columns}; use --frozen-dtype int8 for this model")
     groups = weight.detach().float().reshape(rows, columns // INT4_GROUP, INT4_GROUP)
-    peak = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)  # (O, I/G), signed
-    scale = torch.where(peak != 0, peak / -8.0, torch.ones_like(peak))
-    q = torch.round(groups / scale.unsqueeze(-1)).clamp(-8, 7).to(torch.int16).reshape(rows, columns) + 8
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (O, I/G)
+    if not (torch.isfinite(low).all() and torch.isfinite(high).all()
+            and max(-float(low.min()), float(high.max())) <= torch.finfo(torch.float16).max):
+        raise ValueError(f"--frozen-dtype int4: a weight of shape {tuple(weight.shape)} holds values that float16 "
+                         f"group parameters cannot carry (largest magnitude {groups.abs().max():.3g}); "
+                         f"use --frozen-dtype int8 or bf16 for this model")
+    minimum = low.to(torch.float16)
+    scale = ((high - minimum.float()).clamp(min=0) / 15).to(torch.float16)  # a minimum rounded up: not below 0
+    step = scale.float().unsqueeze(-1)
+    shifted = groups - minimum.float().unsqueeze(-1)
+    q = torch.where(step > 0, torch.round(shifted / torch.where(step > 0, step, 1.0)), 0.0).clamp(0, 15)
+    q = q.to(torch.int16).reshape(rows, columns)
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
-    return packed.contiguous(), scale.contiguous()
+    return packed.contiguous(), torch.stack([scale, minimum], dim=-1).reshape(rows, -1).contiguous()
 
 
 def dequantized(weight: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -86,8 +98,8 @@ def dequantized(weight: torch.Tensor, dtype: str) -> torch.Tensor:
 
 
 def widened(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Compact rows as float32: int4 (uint8, packed) with its group scales applied; bf16/int8 without (an int8 scale
-    is per output channel and goes on the matmul's output)."""
+    """Compact rows as float32: int4 (uint8, packed) with its groups' scales and minimums applied; bf16/int8 without
+    (an int8 scale is per output channel and goes on the matmul's output)."""
     return widen_int4(weight, scale) if weight.dtype == torch.uint8 else widen(weight)
 
 
@@ -124,8 +136,8 @@ class WidenedLinear(torch.autograd.Function):
 
 def compact_rows(weight: torch.Tensor, dtype: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """`weight` (O, I) as `dtype` ("bf16", "int8" or "int4") in row chunks of ≤ CHUNK_ELEMENTS: per chunk (compact
-    rows, their scales: int8 per row, int4 per row and group, bf16 None). A scale covers part of one row, so
-    chunking does not change a value."""
+    rows, their scales: int8 one per row, int4 a (scale, minimum) pair per row and group, bf16 None). A scale covers
+    part of one row, so chunking does not change a value."""
     rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))
     quantize = {"int8": quantize_rows, "int4": quantize_groups}.get(dtype)
     return [quantize(part) if quantize else (part.to(torch.bfloat16).contiguous(), None)
@@ -143,7 +155,7 @@ def _register_chunks(module: nn.Module, chunks: list[tuple[torch.Tensor, torch.T
 
 
 class CompactLinear(nn.Module):
-    """A frozen `nn.Linear` stored as bf16, int8 + per-row scale or int4 + group scales, in row chunks of
+    """A frozen `nn.Linear` stored as bf16, int8 + per-row scale or int4 + group scales and minimums, in row chunks of
     ≤ CHUNK_ELEMENTS (`compact_rows`); a bias (Qwen2's q/k/v projections) stays float32 (O values) and is added
     after the widened matmul. `chunks` gives the compact rows to use (shared with a tied embedding; default: made
     from `linear`).
@@ -198,7 +210,7 @@ class CompactEmbedding(nn.Module):
             # table stays out of range in the last chunk, so the lookup refuses it as an unchunked one would.
             local = ids if first == 0 else (ids - first).clamp(min=0)
             local = local.clamp(max=table.shape[0] - 1) if i + 1 < self.chunks else local
-            if table.dtype == torch.uint8:  # int4: the looked-up rows and their group scales, widened together
+            if table.dtype == torch.uint8:  # int4: the looked-up rows and their groups' parameters, widened together
                 part = widen_int4(F.embedding(local, table), F.embedding(local, scale))  # (B, S, D)
             else:
                 part = widen(F.embedding(local, table))  # (B, S, D)

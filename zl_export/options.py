@@ -256,9 +256,10 @@ class ExportOptions:
     seed: int = setting(0, "Seeds the LoRA initialisation (and random-weight models).")
     frozen_dtype: str = setting("bf16", "How the frozen weights (projections, LM head, embedding) are stored: bf16 "
                                         "(half the bytes of fp32, as accurate on AG News), fp32, int8 with a "
-                                        "float32 scale per output channel, or int4 with one per 32 input "
-                                        "channels (0.31x fp32's bytes); widened to float32 per use. LoRA "
-                                        "weights, gradients and AdamW state stay float32.",
+                                        "float32 scale per output channel, or int4 with a float16 scale and "
+                                        "minimum per 32 input channels (0.31x fp32's bytes); widened to "
+                                        "float32 per use. LoRA weights, gradients and AdamW state stay "
+                                        "float32.",
                                 choices=FROZEN_DTYPES)
     max_targets: int | None = setting(None, f"Target tokens per sample the programs read out (the LM head runs on "
                                             f"these slots only); 0 reads out every position. Default: "

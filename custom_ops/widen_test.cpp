@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -82,44 +84,47 @@ std::vector<executorch::aten::Half> half_pairs(const std::vector<float>& values)
   return out;
 }
 
-TEST(WidenInt4, UnpacksLowNibbleFirstOntoEachGroupsGrid) {
-  // 2 rows x 8 columns, groups of 4: (scale, minimum) (0.5, -4), (-2, 1) in row 0, (1, 0), (0.25, -1) in row 1.
-  std::vector<uint8_t> packed = {nibbles(0, 15), nibbles(8, 9), nibbles(2, 3), nibbles(4, 0),
-                                 nibbles(1, 2), nibbles(3, 4), nibbles(0, 15), nibbles(4, 8)};
-  std::vector<executorch::aten::Half> params = half_pairs({0.5f, -4.0f, -2.0f, 1.0f, 1.0f, 0.0f, 0.25f, -1.0f});
-  const std::vector<float> expected = {-4, 3.5, 0, 0.5, -3, -5, -7, 1, 1, 2, 3, 4, -1, 2.75, 0, 1};
-  auto p = make_tensor_ptr({2, 4}, packed.data(), ScalarType::Byte);
-  auto s = make_tensor_ptr({2, 4}, params.data(), ScalarType::Half);
-  auto out = make_tensor_ptr({2, 8}, std::vector<float>(16, 99.0f));
+/// `zerolock::widen_int4.out` of `packed` (shape `sizes`) with `params` (shape `param_sizes`, float16 pairs or
+/// float32 scales) into a float32 out of the widened shape: the context's state and the out's values.
+template <typename Param>
+std::pair<Error, std::vector<float>> widen_int4(std::vector<uint8_t> packed,
+                                                std::vector<executorch::aten::SizesType> sizes,
+                                                std::vector<Param> params,
+                                                std::vector<executorch::aten::SizesType> param_sizes) {
+  const ScalarType param_type = std::is_same_v<Param, float> ? ScalarType::Float : ScalarType::Half;
+  auto p = make_tensor_ptr(sizes, packed.data(), ScalarType::Byte);
+  auto s = make_tensor_ptr(param_sizes, params.data(), param_type);
+  sizes.back() *= 2;
+  auto out = make_tensor_ptr(sizes, std::vector<float>(2 * packed.size(), 99.0f));
   KernelRuntimeContext ctx;
   zl::widen_int4_out(ctx, *p, *s, *out);
-  ASSERT_EQ(ctx.failure_state(), Error::Ok);
-  for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(out->const_data_ptr<float>()[i], expected[i]) << i;
+  const float* values = out->const_data_ptr<float>();
+  return {ctx.failure_state(), std::vector<float>(values, values + out->numel())};
+}
+
+TEST(WidenInt4, UnpacksLowNibbleFirstOntoEachGroupsGrid) {
+  // 2 rows x 8 columns, groups of 4: (scale, minimum) (0.5, -4), (-2, 1) in row 0, (1, 0), (0.25, -1) in row 1.
+  const auto [state, out] =
+      widen_int4({nibbles(0, 15), nibbles(8, 9), nibbles(2, 3), nibbles(4, 0), nibbles(1, 2), nibbles(3, 4),
+                  nibbles(0, 15), nibbles(4, 8)},
+                 {2, 4}, half_pairs({0.5f, -4.0f, -2.0f, 1.0f, 1.0f, 0.0f, 0.25f, -1.0f}), {2, 4});
+  ASSERT_EQ(state, Error::Ok);
+  EXPECT_EQ(out, (std::vector<float>{-4, 3.5, 0, 0.5, -3, -5, -7, 1, 1, 2, 3, 4, -1, 2.75, 0, 1}));
 }
 
 TEST(WidenInt4, TakesLookedUpRowsOfAnyRank) {
   // An embedding's looked-up rows: (B=1, S=2, D/2=2) bytes, (1, 2, 2) pairs -> (1, 2, 4).
-  std::vector<uint8_t> packed = {nibbles(1, 0), nibbles(2, 15), nibbles(7, 8), nibbles(0, 3)};
-  std::vector<executorch::aten::Half> params = half_pairs({2.0f, -1.0f, -1.0f, 0.5f});
-  auto p = make_tensor_ptr({1, 2, 2}, packed.data(), ScalarType::Byte);
-  auto s = make_tensor_ptr({1, 2, 2}, params.data(), ScalarType::Half);
-  auto out = make_tensor_ptr({1, 2, 4}, std::vector<float>(8, 99.0f));
-  KernelRuntimeContext ctx;
-  zl::widen_int4_out(ctx, *p, *s, *out);
-  ASSERT_EQ(ctx.failure_state(), Error::Ok);
-  const std::vector<float> expected = {1, -1, 3, 29, -6.5, -7.5, 0.5, -2.5};
-  for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(out->const_data_ptr<float>()[i], expected[i]) << i;
+  const auto [state, out] = widen_int4({nibbles(1, 0), nibbles(2, 15), nibbles(7, 8), nibbles(0, 3)}, {1, 2, 2},
+                                       half_pairs({2.0f, -1.0f, -1.0f, 0.5f}), {1, 2, 2});
+  ASSERT_EQ(state, Error::Ok);
+  EXPECT_EQ(out, (std::vector<float>{1, -1, 3, 29, -6.5, -7.5, 0.5, -2.5}));
 }
 
 TEST(WidenInt4, RefusesAnOddNumberOfHalfParams) {
-  std::vector<uint8_t> packed(8, nibbles(0, 0));
-  std::vector<executorch::aten::Half> params = half_pairs({1.0f, 0.0f, 1.0f, 0.0f, 1.0f, 0.0f});
-  auto p = make_tensor_ptr({2, 4}, packed.data(), ScalarType::Byte);
-  auto s = make_tensor_ptr({2, 3}, params.data(), ScalarType::Half);  // a pair and a half a row
-  auto out = make_tensor_ptr({2, 8}, std::vector<float>(16));
-  KernelRuntimeContext ctx;
-  zl::widen_int4_out(ctx, *p, *s, *out);
-  EXPECT_EQ(ctx.failure_state(), Error::InvalidArgument);
+  // A pair and a half a row.
+  const auto [state, out] = widen_int4(std::vector<uint8_t>(8, nibbles(0, 0)), {2, 4},
+                                       half_pairs({1.0f, 0.0f, 1.0f, 0.0f, 1.0f, 0.0f}), {2, 3});
+  EXPECT_EQ(state, Error::InvalidArgument);
 }
 
 // Programs exported before the affine grid hold float32 scales, one per group, and nibbles q + 8, q in [-8, 7].
@@ -129,31 +134,19 @@ uint8_t pack(int q_low, int q_high) { return static_cast<uint8_t>((q_low + 8) | 
 
 TEST(WidenInt4Symmetric, UnpacksLowNibbleFirstAndScalesEachGroup) {
   // 2 rows x 8 columns, groups of 4: scales 0.5, -2 (row 0) and 1, 0.25 (row 1).
-  std::vector<uint8_t> packed = {pack(-8, 7), pack(0, 1), pack(2, -3), pack(4, -5),
-                                 pack(1, 2),  pack(3, 4), pack(-1, -2), pack(-3, -4)};
-  std::vector<float> scales = {0.5f, -2.0f, 1.0f, 0.25f};
-  const std::vector<float> expected = {-4, 3.5, 0, 0.5, -4, 6, -8, 10, 1, 2, 3, 4, -0.25, -0.5, -0.75, -1};
-  auto p = make_tensor_ptr({2, 4}, packed.data(), ScalarType::Byte);
-  auto s = make_tensor_ptr({2, 2}, scales);
-  auto out = make_tensor_ptr({2, 8}, std::vector<float>(16, 99.0f));
-  KernelRuntimeContext ctx;
-  zl::widen_int4_out(ctx, *p, *s, *out);
-  ASSERT_EQ(ctx.failure_state(), Error::Ok);
-  for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(out->const_data_ptr<float>()[i], expected[i]) << i;
+  const auto [state, out] = widen_int4({pack(-8, 7), pack(0, 1), pack(2, -3), pack(4, -5), pack(1, 2), pack(3, 4),
+                                        pack(-1, -2), pack(-3, -4)},
+                                       {2, 4}, std::vector<float>{0.5f, -2.0f, 1.0f, 0.25f}, {2, 2});
+  ASSERT_EQ(state, Error::Ok);
+  EXPECT_EQ(out, (std::vector<float>{-4, 3.5, 0, 0.5, -4, 6, -8, 10, 1, 2, 3, 4, -0.25, -0.5, -0.75, -1}));
 }
 
 TEST(WidenInt4Symmetric, TakesLookedUpRowsOfAnyRank) {
   // An embedding's looked-up rows: (B=1, S=2, D/2=2) bytes, (1, 2, 1) scales -> (1, 2, 4).
-  std::vector<uint8_t> packed = {pack(1, -1), pack(2, -2), pack(7, -8), pack(0, 3)};
-  std::vector<float> scales = {2.0f, -1.0f};
-  auto p = make_tensor_ptr({1, 2, 2}, packed.data(), ScalarType::Byte);
-  auto s = make_tensor_ptr({1, 2, 1}, scales);
-  auto out = make_tensor_ptr({1, 2, 4}, std::vector<float>(8, 99.0f));
-  KernelRuntimeContext ctx;
-  zl::widen_int4_out(ctx, *p, *s, *out);
-  ASSERT_EQ(ctx.failure_state(), Error::Ok);
-  const std::vector<float> expected = {2, -2, 4, -4, -7, 8, 0, -3};
-  for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(out->const_data_ptr<float>()[i], expected[i]) << i;
+  const auto [state, out] = widen_int4({pack(1, -1), pack(2, -2), pack(7, -8), pack(0, 3)}, {1, 2, 2},
+                                       std::vector<float>{2.0f, -1.0f}, {1, 2, 1});
+  ASSERT_EQ(state, Error::Ok);
+  EXPECT_EQ(out, (std::vector<float>{2, -2, 4, -4, -7, 8, 0, -3}));
 }
 
 TEST(WidenInt4, RefusesScalesThatDoNotMatch) {

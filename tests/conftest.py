@@ -53,6 +53,15 @@ def demo_data(tmp_path_factory) -> Path:
     return write_demo_data(tmp_path_factory.mktemp("demo"))
 
 
+def widen_chunks(monkeypatch, elements: int) -> None:
+    """Frozen weights of every dtype stored and widened in row chunks of <= `elements` (zl_export/frozen_weights.py's
+    CHUNK_ELEMENTS and INT4_CHUNK_ELEMENTS)."""
+    from zl_export import frozen_weights
+
+    monkeypatch.setattr(frozen_weights, "CHUNK_ELEMENTS", elements)
+    monkeypatch.setattr(frozen_weights, "INT4_CHUNK_ELEMENTS", elements)
+
+
 def native_library_or_skip() -> None:
     """Skip when the marker kernel is not built (run `bash setup.sh`)."""
     from custom_ops.runtime import DEFAULT_PATH, ENV_VAR

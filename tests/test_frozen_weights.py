@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import native_library_or_skip
+from conftest import native_library_or_skip, widen_chunks
 from test_export import _reference, _test_batch
 from zl_base.errors import ZLError
 from zl_export import exporter, frozen_weights
@@ -42,9 +42,8 @@ def _fp32_twin(opts: ExportOptions, peft_q: nn.Module) -> nn.Module:
     with torch.no_grad():
         for name, p in twin.named_parameters():
             p.copy_(lora[name] if "lora_" in name else p)
-        for module in twin.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)) and not module.weight.requires_grad:
-                module.weight.copy_(dequantized(module.weight, opts.frozen_dtype))
+        for _, _, module, stored in frozen_weights.frozen_modules(twin, opts.frozen_dtype, opts.embedding_dtype):
+            module.weight.copy_(dequantized(module.weight, stored))
     return twin
 
 
@@ -95,24 +94,26 @@ def test_int4_refuses_a_weight_of_a_size_its_groups_do_not_divide():
 # the float32 twin of the dequantized weights through the same kind of reference, and test_export's programs are bf16
 # (the default); int8 unchunked, since int8-chunked holds one-chunk weights (the attention projections) beside
 # chunked ones (the MLP's, the LM head); int8-chunked, since int4-chunked goes through the same chunking and
-# widen_per_use with the other kernel (and the C++ tests check zerolock::widen on int8).
-@pytest.mark.parametrize("dtype,chunk", [pytest.param("bf16", None, marks=pytest.mark.slow),
-                                         pytest.param("int8", None, marks=pytest.mark.slow),
-                                         pytest.param("int8", 64 * 100, marks=pytest.mark.slow), ("int4", 64 * 100)],
-                         ids=["bf16", "int8", "int8-chunked", "int4-chunked"])
-def test_compact_programs_match_eager_of_the_same_weights(tmp_path, monkeypatch, dtype, chunk):
+# widen_per_use with the other kernel (and the C++ tests check zerolock::widen on int8); int4 layers with bf16 tables
+# (--embedding-dtype), both kernels in one program.
+@pytest.mark.parametrize("dtype,chunk,tables", [pytest.param("bf16", None, None, marks=pytest.mark.slow),
+                                                pytest.param("int8", None, None, marks=pytest.mark.slow),
+                                                pytest.param("int8", 64 * 100, None, marks=pytest.mark.slow),
+                                                ("int4", 64 * 100, None), ("int4", None, "bf16")],
+                         ids=["bf16", "int8", "int8-chunked", "int4-chunked", "int4-bf16-tables"])
+def test_compact_programs_match_eager_of_the_same_weights(tmp_path, monkeypatch, dtype, chunk, tables):
     native_library_or_skip()
     if chunk:  # the LM head (320 x 64) in 4 row chunks of <= 100 rows, as TinyLlama's is
-        monkeypatch.setattr(frozen_weights, "CHUNK_ELEMENTS", chunk)
+        widen_chunks(monkeypatch, chunk)
     loaded = load_model("tiny-random", seed=3)
-    opts = _opts(dtype)
+    opts = _opts(dtype, embedding_dtype=tables)
     peft_q, modules = build_stage_modules(loaded.model, parse_spec(SPEC, 4), opts)
-    assert isinstance(modules[0].embed_tokens, CompactEmbedding)
+    assert isinstance(modules[0].embed_tokens, CompactEmbedding) and modules[0].embed_tokens.dtype == (tables or dtype)
     assert isinstance(modules[0].lm_head, CompactLinear) and modules[0].lm_head.chunks == (4 if chunk else 1)
     _perturb_lora_b(peft_q)
     entries = [write_program(export_stage(m, peft_q, opts, loaded.config.vocab_size), tmp_path) for m in modules]
     manifest = build_manifest(loaded, opts, entries)
-    assert manifest.options.frozen_dtype == dtype
+    assert (manifest.options.frozen_dtype, manifest.options.embedding_dtype) == (dtype, tables)
     twin = _fp32_twin(opts, peft_q)
     input_ids, mask, labels = _test_batch(modules, opts, loaded.config.vocab_size)
     hidden, fp32_gap = None, 0.0
@@ -199,7 +200,8 @@ def test_the_frozen_dtype_changes_the_export_cache_key():
 
     s = TrainSettings(split=ModelSplit(model="tiny-random"))
     keys = {export_key(s, replace(_opts("fp32"), frozen_dtype=d)) for d in ("fp32", "bf16", "int8", "int4")}
-    assert len(keys) == 4
+    keys.add(export_key(s, _opts("int4", embedding_dtype="bf16")))
+    assert len(keys) == 5
 
 
 def saved_bytes(fn) -> tuple[torch.Tensor, int]:
@@ -220,7 +222,7 @@ def saved_bytes(fn) -> tuple[torch.Tensor, int]:
 @pytest.mark.parametrize("chunk", [None, 64 * 48])  # one chunk; 3 chunks of 16 rows
 def test_widening_again_in_backward_keeps_no_float32_weight_and_computes_the_same(monkeypatch, dtype, chunk):
     if chunk:
-        monkeypatch.setattr(frozen_weights, "CHUNK_ELEMENTS", chunk)
+        widen_chunks(monkeypatch, chunk)
     torch.manual_seed(0)
     linear = nn.Linear(64, 48, bias=False)
     x = torch.randn(2, 5, 64)
@@ -261,11 +263,42 @@ def test_compact_for_training_lets_the_float32_originals_go():
         frozen_weights.restore_frozen_weights(model)
 
 
+@pytest.mark.parametrize("family", ["tiny-random", "tiny-random-qwen2"])  # the LM head untied; tied to the embedding
+def test_embedding_dtype_stores_the_embedding_and_head_apart(family):
+    """`--embedding-dtype bf16` beside `--frozen-dtype int4`: the token embedding and the LM head (tied: one set of
+    chunks) bf16, every projection int4, LoRA untouched."""
+    loaded = load_model(family, seed=3)
+    peft = attach_lora(loaded.model, LoraSettings(4, 8.0, ("q_proj", "v_proj")), seed=0)
+    frozen = [(name, m) for name, m in peft.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))
+              and not m.weight.requires_grad]
+    assert frozen_weights.compact_frozen_weights(peft, "int4", "bf16") == len(frozen)
+    stored = {name: m.dtype for name, m in peft.named_modules() if isinstance(m, (CompactLinear, CompactEmbedding))}
+    tables = {n for n in stored if n.endswith(("embed_tokens", "lm_head"))}
+    assert len(tables) == 2 and {stored[n] for n in tables} == {"bf16"}
+    assert len(stored) == len(frozen) and {d for n, d in stored.items() if n not in tables} == {"int4"}
+    embed, head = (peft.get_submodule(n) for n in sorted(tables, key=lambda n: n.endswith("lm_head")))
+    assert (embed.weight_0 is head.weight_0) == loaded.config.tie_word_embeddings
+    assert all(p.dtype == torch.float32 for n, p in peft.named_parameters() if "lora_" in n)
+    # fp32 tables: left as they are, the rest compact
+    frozen_weights.restore_frozen_weights(peft)
+    assert frozen_weights.compact_frozen_weights(peft, "int8", "fp32") == len(frozen) - 2
+    assert isinstance(peft.get_submodule(sorted(tables)[0]), (nn.Linear, nn.Embedding))
+    with pytest.raises(ValueError, match="frozen dtype 'int2'"):
+        frozen_weights.compact_frozen_weights(peft, "int8", "int2")
+
+
+def test_unknown_embedding_dtype_is_refused():
+    with pytest.raises(ZLError, match="--embedding-dtype 'fp8'.*fp32, bf16, int8, int4"):
+        _opts("int4", embedding_dtype="fp8").validate()
+    assert _opts("int4", embedding_dtype="bf16").frozen_storage == "int4, embedding and head bf16"
+    assert _opts("int4", embedding_dtype="int4").frozen_storage == _opts("int4").frozen_storage == "int4"
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("chunk", [None, 64 * 30])  # one chunk; 4 chunks of 30 rows (the last of 10)
 def test_compact_embedding_looks_up_the_dequantized_rows(monkeypatch, dtype, chunk):
     if chunk:
-        monkeypatch.setattr(frozen_weights, "CHUNK_ELEMENTS", chunk)
+        widen_chunks(monkeypatch, chunk)
     torch.manual_seed(0)
     embedding = nn.Embedding(100, 64)
     ids = torch.tensor([[0, 29, 30, 59, 60], [99, 1, 31, 90, 0]])

@@ -295,7 +295,7 @@ def a_plan(**kw) -> Plan:
 
 
 def test_the_plan_file_round_trips_and_reports_the_slowest_stage(tmp_path):
-    plan = a_plan(link_mbps=100.0, link_ms=20.0)
+    plan = a_plan(link_mbps=100.0, link_ms=20.0, embedding_dtype="int8")
     path = write_plan(plan, tmp_path / "p" / "plan.json")
     back = read_plan(path)
     assert back.to_json() == plan.to_json()
@@ -323,6 +323,14 @@ def test_a_plan_for_other_settings_is_refused_with_its_stages_as_the_fix():
     with pytest.raises(ZLError, match=r"made for --cpu-quota 1,0.5,0.75, this command has --cpu-quota none"):
         check_plan_matches(plan, "--stages p.json", model="tiny-random", devices="local:3", cpu_quota=None,
                            checked_devices=True)
+    # --embedding-dtype: unset is as --frozen-dtype, on either side
+    check_plan_matches(plan, "--stages p.json", model="tiny-random", frozen_dtype="bf16", embedding_dtype="bf16")
+    with pytest.raises(ZLError, match=r"made for --embedding-dtype bf16, this command has --embedding-dtype int8"):
+        check_plan_matches(plan, "--stages p.json", model="tiny-random", frozen_dtype="bf16", embedding_dtype="int8")
+    mixed = a_plan(frozen_dtype="int4", embedding_dtype="bf16")
+    check_plan_matches(mixed, "--stages p.json", model="tiny-random", frozen_dtype="int4", embedding_dtype="bf16")
+    with pytest.raises(ZLError, match=r"made for --embedding-dtype bf16, this command has --embedding-dtype int4"):
+        check_plan_matches(mixed, "--stages p.json", model="tiny-random", frozen_dtype="int4")
 
 
 def test_train_takes_a_plan_file(tmp_path):

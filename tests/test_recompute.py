@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import native_library_or_skip
+from conftest import native_library_or_skip, widen_chunks
 from test_frozen_weights import _perturb_lora_b, saved_bytes
 from zl_export import frozen_weights, recompute
 from zl_export.backprop_stage import backprop_step
@@ -30,7 +30,7 @@ def _full_ce(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -
 @pytest.mark.parametrize("head_kind", ["linear-bias", "bf16", "int8", "int4", "int4-softcap"])
 def test_pieces_give_the_cross_entropy_and_gradient_of_the_whole_readout(monkeypatch, head_kind):
     torch.manual_seed(0)
-    monkeypatch.setattr(frozen_weights, "CHUNK_ELEMENTS", 64 * 70)  # storage chunks of 70 rows: 70, 70, 60
+    widen_chunks(monkeypatch, 64 * 70)  # storage chunks of 70 rows: 70, 70, 60
     monkeypatch.setattr(recompute, "LOSS_CHUNK_ELEMENTS", 6 * 32)  # pieces of 32 rows: a chunk in 3, straddling
     linear = nn.Linear(64, 200, bias=head_kind == "linear-bias").requires_grad_(False)
     head = linear if head_kind == "linear-bias" else CompactLinear(linear, head_kind.split("-")[0])

@@ -222,6 +222,10 @@ def test_markdown_names_the_frozen_dtype_and_program_sizes(tmp_path):
         st["size_bytes"] = size
     (run / "manifest.json").write_text(json.dumps(manifest))
     assert "Frozen weights int8; stage programs 3 / 1,536 MiB" in render_markdown(build_report(run))
+    manifest["embedding_dtype"] = "bf16"  # --embedding-dtype
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    assert "Frozen weights int8, embedding and head bf16; stage programs" in render_markdown(build_report(run))
+    del manifest["embedding_dtype"]
     del manifest["frozen_dtype"]  # an export from before --frozen-dtype: float32
     (run / "manifest.json").write_text(json.dumps(manifest))
     assert "Frozen weights fp32;" in render_markdown(build_report(run))

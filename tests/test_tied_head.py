@@ -13,9 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import native_library_or_skip
+from conftest import native_library_or_skip, widen_chunks
 from test_model_families import _reference, assert_step_equals
-from zl_export import frozen_weights
 from zl_export.exporter import build_stage_modules, example_inputs, export_stage, write_program
 from zl_export.frozen_weights import CompactEmbedding, dequantized, quantize_rows
 from zl_export.lora import attach_lora
@@ -66,7 +65,7 @@ def _fp32_twin(opts: ExportOptions, peft_model: nn.Module) -> nn.Module:
 def test_stage_0_holds_the_tied_table_once_and_computes_the_reference(tmp_path, monkeypatch, dtype,
                                                                        one_torch_thread):
     native_library_or_skip()
-    monkeypatch.setattr(frozen_weights, "CHUNK_ELEMENTS", CHUNK)
+    widen_chunks(monkeypatch, CHUNK)
     loaded = load_model(NAME, seed=3)
     table = loaded.model.model.embed_tokens.weight
     assert loaded.model.lm_head.weight is table
@@ -106,7 +105,7 @@ def test_stage_0_holds_the_tied_table_once_and_computes_the_reference(tmp_path, 
 def test_a_chunked_embedding_looks_up_every_row_as_the_whole_table(monkeypatch, dtype):
     """Ids at both ends of every chunk (100-row chunks of a 250-row table: the last one short) read the row of the
     dequantized table, Gemma's √D scale applied; an id past the table is refused as by nn.Embedding."""
-    monkeypatch.setattr(frozen_weights, "CHUNK_ELEMENTS", 16 * 100)
+    widen_chunks(monkeypatch, 16 * 100)
     torch.manual_seed(0)
     embedding = nn.Embedding(250, 16)
     embedding.embed_scale = torch.tensor(4.0)

@@ -39,15 +39,22 @@ warnings.filterwarnings("ignore")
 for _name in ("torchao", "torch.utils._pytree", "executorch"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-from zl_export.frozen_weights import CHUNK_ELEMENTS  # noqa: E402 (after the path)
+from zl_export.frozen_weights import chunk_elements  # noqa: E402 (after the path)
+from zl_export.options import FROZEN_DTYPES  # noqa: E402
 from zl_export.recompute import LOSS_CHUNK_ELEMENTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024.0
 # --readout-pieces: log2 of the logits a readout piece holds, zl's own by default (zl_export/recompute.py);
-# --widen-chunks: log2 of the elements a frozen weight is stored and widened in at once (zl_export/frozen_weights.py)
+# --widen-chunks: log2 of the elements a frozen weight is stored and widened in at once, zl's per dtype by default
+# (zl_export/frozen_weights.py; records from before int4's own chunks: 2^24 for every dtype)
 DEFAULT_PIECE = LOSS_CHUNK_ELEMENTS.bit_length() - 1
-DEFAULT_CHUNK = CHUNK_ELEMENTS.bit_length() - 1
+OLD_CHUNK = 24
+
+
+def zl_chunk(dtype: str) -> int:
+    """log2 of the elements zl stores a `dtype` weight's row chunks in."""
+    return chunk_elements(dtype).bit_length() - 1
 
 
 def smaps_rollup_kib(pid: int) -> dict[str, int]:
@@ -91,7 +98,7 @@ def run_measured(cmd: list[str], interval_s: float = 0.005) -> tuple[list[dict],
 
 
 def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: bool, args, out: Path,
-               piece: int = DEFAULT_PIECE, chunk: int = DEFAULT_CHUNK):
+               piece: int = DEFAULT_PIECE, chunk: int | None = None):
     """Export stage `stage` of `split` with frozen weights as `dtype` (and `--recompute`, the program kind of
     --program, readout pieces of 2**`piece` logits where the readout goes in pieces, frozen weights in chunks of
     2**`chunk` elements) into `out`, with its `RECORD` for --reuse; returns the program's (file name, size in
@@ -108,9 +115,12 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: 
 
     opts = ExportOptions(seq_len=seq, micro_batch=1, lora=LoraSettings(args.lora_rank, 2.0 * args.lora_rank,
                                                                        args.lora_targets).for_family(loaded.family),
-                         loss=LossConfig(), max_targets=args.max_targets, frozen_dtype=dtype, recompute=recompute)
+                         loss=LossConfig(), max_targets=args.max_targets, frozen_dtype=dtype, recompute=recompute,
+                         embedding_dtype=args.embedding_dtype)
     stages = parse_spec(split, loaded.config.num_hidden_layers)
-    with patch.object(frozen_weights, "CHUNK_ELEMENTS", 1 << chunk):  # read as the modules are built
+    chunk = zl_chunk(dtype) if chunk is None else chunk
+    with (patch.object(frozen_weights, "CHUNK_ELEMENTS", 1 << chunk),  # read as the modules are built
+          patch.object(frozen_weights, "INT4_CHUNK_ELEMENTS", 1 << chunk)):
         peft_model, modules = build_stage_modules(loaded.model, stages, opts,
                                                   program=ProgramSettings(kind=args.program))
     try:
@@ -133,19 +143,21 @@ RECORD = "bench_program.json"
 
 
 def wanted(args, dtype: str, seq: int, recompute: bool, piece: int = DEFAULT_PIECE,
-           chunk: int = DEFAULT_CHUNK) -> dict:
+           chunk: int | None = None) -> dict:
     """The options that make a program, as its RECORD holds them."""
     return {"model": args.model, "stages": args.stages, "stage": args.stage, "program": args.program,
             "frozen_dtype": dtype, "seq_len": seq, "recompute": recompute, "max_targets": args.max_targets,
-            "lora_rank": args.lora_rank, "readout_piece": piece, "widen_chunk": chunk}
+            "lora_rank": args.lora_rank, "readout_piece": piece, "widen_chunk": zl_chunk(dtype) if chunk is None else chunk,
+            "embedding_dtype": args.embedding_dtype}
 
 
 def reusable(out: Path, args, dtype: str, seq: int, recompute: bool, piece: int = DEFAULT_PIECE,
-             chunk: int = DEFAULT_CHUNK):
+             chunk: int | None = None):
     """(file name, size in bytes) of the program an earlier run left in `out`, if it was made with these options."""
     try:
         # older records: zl's own sizes
-        record = {"readout_piece": DEFAULT_PIECE, "widen_chunk": DEFAULT_CHUNK, **json.loads((out / RECORD).read_text())}
+        record = {"readout_piece": DEFAULT_PIECE, "widen_chunk": OLD_CHUNK, "embedding_dtype": None,
+                  **json.loads((out / RECORD).read_text())}
         want = wanted(args, dtype, seq, recompute, piece, chunk)
         same = {k: record[k] for k in want} == want
         same = same and (args.lora_targets is None or tuple(record["lora_targets"]) == args.lora_targets)
@@ -162,13 +174,16 @@ def main() -> None:
     ap.add_argument("--stage", type=int, default=0, help="which stage of the split to measure")
     ap.add_argument("--seq-len", default="128", help="comma-separated sequence lengths")
     ap.add_argument("--dtypes", default="fp32,bf16,int8", help="comma-separated --frozen-dtype values")
+    ap.add_argument("--embedding-dtype", default=None, choices=FROZEN_DTYPES,
+                    help="the embedding's and LM head's storage, for every --dtypes (default: as each)")
     ap.add_argument("--recompute", default="off", help="comma-separated: off, on (--recompute) or both ways")
     ap.add_argument("--readout-pieces", default=str(DEFAULT_PIECE),
                     help="comma-separated log2 of the logits a readout piece holds where the readout goes in pieces "
                          f"(zl's: {DEFAULT_PIECE}); smaller pieces, less memory, more pieces to export and run")
-    ap.add_argument("--widen-chunks", default=str(DEFAULT_CHUNK),
+    ap.add_argument("--widen-chunks", default="",
                     help="comma-separated log2 of the elements a frozen weight is stored and widened in at once "
-                         f"(zl's: {DEFAULT_CHUNK}); smaller chunks, smaller float32 transients, more matmuls")
+                         f"(zl's: {zl_chunk('int4')} for int4, {zl_chunk('bf16')} for the others); smaller chunks, "
+                         "smaller float32 transients, more matmuls")
     ap.add_argument("--program", default="zerolock", choices=("zerolock", "backprop"),
                     help="the stage program's kind (backprop: what --schedule async/gpipe/1f1b trains)")
     ap.add_argument("--load-modes", default="mmap,file", help="comma-separated runner load modes")
@@ -201,7 +216,7 @@ def main() -> None:
     dtypes = [v for v in args.dtypes.split(",") if v]
     recomputes = [{"off": False, "on": True}[v] for v in args.recompute.split(",") if v]
     pieces = [int(v) for v in args.readout_pieces.split(",") if v]
-    chunks = [int(v) for v in args.widen_chunks.split(",") if v]
+    chunks = [int(v) for v in args.widen_chunks.split(",") if v] or [None]  # None: zl's, per dtype
     modes = [v for v in args.load_modes.split(",") if v]
     work = args.work or Path(tempfile.mkdtemp(prefix="zl_bench_memory_"))
     loaded = None
@@ -209,9 +224,11 @@ def main() -> None:
     rows: dict[tuple, dict] = {}
     try:
         for seq, dtype, recompute, piece, chunk in itertools.product(seqs, dtypes, recomputes, pieces, chunks):
+            chunk = zl_chunk(dtype) if chunk is None else chunk
             out = work / (f"{dtype}_s{seq}{'_recompute' if recompute else ''}"
                           f"{'' if piece == DEFAULT_PIECE else f'_p{piece}'}"
-                          f"{'' if chunk == DEFAULT_CHUNK else f'_c{chunk}'}")
+                          f"{'' if chunk == zl_chunk(dtype) else f'_c{chunk}'}"
+                          f"{'' if args.embedding_dtype is None else f'_e{args.embedding_dtype}'}")
             out.mkdir(parents=True, exist_ok=True)
             found = reusable(out, args, dtype, seq, recompute, piece, chunk) if args.reuse else None
             if found is not None:
@@ -260,7 +277,8 @@ def main() -> None:
     targets = ",".join(args.lora_targets) if args.lora_targets else "every projection"
     print(f"\n{args.model} stage {args.stage} of {args.stages}, micro-batch 1, r={args.lora_rank} on {targets}, "
           f"{args.threads} thread(s), {args.steps} steps x {args.rounds} rounds, {args.program} program, "
-          f"{args.max_targets or 'every position'} read out\n")
+          f"{args.max_targets or 'every position'} read out"
+          + (f", embedding and head {args.embedding_dtype}" if args.embedding_dtype else "") + "\n")
     print("| seq | frozen dtype | recompute | readout piece | widen chunk | load mode | peak PSS (MiB) | anonymous "
           "| file-backed | step (ms) | vs fp32 | vs kept | .pte (MiB) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -62,7 +62,7 @@ def build_stage_modules(
     # A model that went through here before (its LoRA unloaded) still holds compact frozen weights: float32 first.
     restore_frozen_weights(base_model)
     peft_model = attach_lora(base_model, opts.lora, seed=opts.seed)
-    compact_frozen_weights(peft_model, opts.frozen_dtype)  # in place: bf16/int8/int4 frozen weights (fp32: unchanged)
+    compact_frozen_weights(peft_model, opts.frozen_dtype, opts.embedding_dtype)  # in place (fp32: as is)
     if program is not None and program.kind == "backprop":
         modules = [BackpropStage(peft_model, s, len(stages), opts.loss, seed=opts.seed, max_targets=opts.target_slots,
                                  local_weight=program.local_weight, recompute=opts.recompute).eval() for s in stages]

@@ -47,6 +47,10 @@ from zl_export.options import FROZEN_DTYPES
 # A widened weight of more elements than this is widened in row chunks (the LM head: 32,000 × 2,048 would be a
 # 262 MB float32 temporary; 4 chunks of 8,000 rows are 66 MB each).
 CHUNK_ELEMENTS = 1 << 24
+# int4's chunks (`chunk_elements`): a float32 widening is 6.4x its int4 bytes, so where the frozen weights are stored
+# for memory the transient is kept to 4 MiB (TinyLlama's last stage at seq 256 with --recompute: -40 MiB peak, a
+# step 1.00-1.03x; docs/benchmarks.md, "Memory").
+INT4_CHUNK_ELEMENTS = 1 << 20
 INT4_GROUP = 32  # int4: input channels per scale and minimum (llama.cpp's Q4_1 and ExecuTorch's 8da4w use 32 too)
 
 
@@ -134,11 +138,16 @@ class WidenedLinear(torch.autograd.Function):
         return grad @ widened(weight, scale), None, None
 
 
+def chunk_elements(dtype: str) -> int:
+    """The most elements a row chunk of a `dtype` weight holds: INT4_CHUNK_ELEMENTS for int4, else CHUNK_ELEMENTS."""
+    return INT4_CHUNK_ELEMENTS if dtype == "int4" else CHUNK_ELEMENTS
+
+
 def compact_rows(weight: torch.Tensor, dtype: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """`weight` (O, I) as `dtype` ("bf16", "int8" or "int4") in row chunks of ≤ CHUNK_ELEMENTS: per chunk (compact
-    rows, their scales: int8 one per row, int4 a (scale, minimum) pair per row and group, bf16 None). A scale covers
-    part of one row, so chunking does not change a value."""
-    rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))
+    """`weight` (O, I) as `dtype` ("bf16", "int8" or "int4") in row chunks of ≤ `chunk_elements(dtype)`: per chunk
+    (compact rows, their scales: int8 one per row, int4 a (scale, minimum) pair per row and group, bf16 None). A
+    scale covers part of one row, so chunking does not change a value."""
+    rows = max(1, chunk_elements(dtype) // max(1, weight.shape[1]))
     quantize = {"int8": quantize_rows, "int4": quantize_groups}.get(dtype)
     return [quantize(part) if quantize else (part.to(torch.bfloat16).contiguous(), None)
             for part in weight.detach().split(rows, dim=0)]
@@ -156,7 +165,7 @@ def _register_chunks(module: nn.Module, chunks: list[tuple[torch.Tensor, torch.T
 
 class CompactLinear(nn.Module):
     """A frozen `nn.Linear` stored as bf16, int8 + per-row scale or int4 + group scales and minimums, in row chunks of
-    ≤ CHUNK_ELEMENTS (`compact_rows`); a bias (Qwen2's q/k/v projections) stays float32 (O values) and is added
+    ≤ `chunk_elements` (`compact_rows`); a bias (Qwen2's q/k/v projections) stays float32 (O values) and is added
     after the widened matmul. `chunks` gives the compact rows to use (shared with a tied embedding; default: made
     from `linear`).
 
@@ -243,32 +252,50 @@ def _original(child: nn.Module) -> nn.Module:
     return child._original[0]
 
 
-def compact_frozen_weights(model: nn.Module, dtype: str) -> int:
+def frozen_modules(model: nn.Module, dtype: str, embedding_dtype: str | None = None):
+    """Every frozen `nn.Linear` and `nn.Embedding` of `model` with the dtype it is stored in: (parent, name, module,
+    dtype).
+
+    The vocabulary's tables, the token embedding and the LM head (tied or not: a frozen linear whose weight is an
+    embedding's, or of an embedding's shape, V x D), take `embedding_dtype` when given (`--embedding-dtype`); every
+    other module `dtype`. Trainable linears (LoRA, translators) are left out.
+    """
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not (isinstance(child, (nn.Linear, nn.Embedding)) and not child.weight.requires_grad):
+                continue
+            table = isinstance(child, nn.Embedding) or tuple(child.weight.shape) in shapes
+            yield parent, name, child, (embedding_dtype or dtype) if table else dtype
+
+
+def compact_frozen_weights(model: nn.Module, dtype: str, embedding_dtype: str | None = None) -> int:
     """Replace every frozen `nn.Linear` and `nn.Embedding` of `model` (in place) by its compact form.
 
     Call after LoRA is attached (PEFT wraps the original `nn.Linear`s; their `base_layer`s are replaced here).
     Trainable linears (LoRA, translators) are left alone. Modules that share a weight (a tied embedding and LM
     head) share its compact chunks: one copy in memory and in the program, as the float32 model has.
 
+    Args:
+        embedding_dtype: the token embedding's and LM head's storage when not `dtype` (`frozen_modules`).
+
     Returns:
-        how many modules were replaced (0 for "fp32").
+        how many modules were replaced (those stored as "fp32" are not).
     """
-    if dtype not in FROZEN_DTYPES:
-        raise ValueError(f"frozen dtype {dtype!r}: expected one of {', '.join(FROZEN_DTYPES)}")
-    if dtype == "fp32":
-        return 0
+    for d in (dtype, embedding_dtype):
+        if d is not None and d not in FROZEN_DTYPES:
+            raise ValueError(f"frozen dtype {d!r}: expected one of {', '.join(FROZEN_DTYPES)}")
     count, made = 0, {}  # id(float32 weight) -> (weight, its compact chunks)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not (isinstance(child, (nn.Linear, nn.Embedding)) and not child.weight.requires_grad):
-                continue
-            # A weight shared by two modules (a tied embedding and LM head) gets one set of compact chunks. `made`
-            # keeps the weight too, so its id cannot be reused by another tensor meanwhile.
-            if id(child.weight) not in made:
-                made[id(child.weight)] = (child.weight, compact_rows(child.weight, dtype))
-            compact = CompactLinear if isinstance(child, nn.Linear) else CompactEmbedding
-            setattr(parent, name, compact(child, dtype, made[id(child.weight)][1]))
-            count += 1
+    for parent, name, child, stored in list(frozen_modules(model, dtype, embedding_dtype)):
+        if stored == "fp32":
+            continue
+        # A weight shared by two modules (a tied embedding and LM head) gets one set of compact chunks. `made`
+        # keeps the weight too, so its id cannot be reused by another tensor meanwhile.
+        if id(child.weight) not in made:
+            made[id(child.weight)] = (child.weight, compact_rows(child.weight, stored))
+        compact = CompactLinear if isinstance(child, nn.Linear) else CompactEmbedding
+        setattr(parent, name, compact(child, stored, made[id(child.weight)][1]))
+        count += 1
     return count
 
 

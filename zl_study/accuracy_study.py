@@ -18,7 +18,7 @@ it trains and scores on the dev rows (all of them by default):
 
 An arm with `frozen_dtype` bf16, int8 or int4 (zl-translator-bf16, zl-translator-int8, or `frozen_dtype=` in
 --arm, of any kind: `kind=async;frozen_dtype=int4`) trains and is scored with the frozen weights stored that way
-(`zl export --frozen-dtype`); one with
+(`zl export --frozen-dtype`; `embedding_dtype=bf16` stores the embedding and LM head apart, `--embedding-dtype`); one with
 `lora_targets=q_proj/k_proj/...` or `lora_rank=` in --arm trains with LoRA settings of its own (ZeroLock or
 backprop; the built-in arms keep the study's --lora-*). `lr=` gives an arm a peak learning rate of its own and `kind=backprop`,
 `kind=backprop-last` or `kind=async` makes an --arm a backprop arm; `--reference NAME` pairs every arm with that one instead of
@@ -153,6 +153,8 @@ class StudySettings:
             del arm_fields["lora"]
         if arm.lr is None:  # or a learning rate of their own
             del arm_fields["lr"]
+        if arm.embedding_dtype is None:  # or an embedding stored apart
+            del arm_fields["embedding_dtype"]
         blob = {"v": STUDY_VERSION, "arm": arm_fields, "samples": samples if arm.kind != "base" else 0, **fields}
         return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -201,7 +203,7 @@ def zerolock_modules(arm: Arm, s: StudySettings, model, split, train, seed: int)
 
     opts = ExportOptions(seq_len=s.seq_len, micro_batch=s.micro_batch, lora=arm.lora_settings(s.lora),
                          loss=arm.loss_config(), max_targets=fitted_target_slots(train.labels)[1], seed=seed,
-                         frozen_dtype=arm.frozen_dtype)
+                         frozen_dtype=arm.frozen_dtype, embedding_dtype=arm.embedding_dtype)
     return build_stage_modules(model, split, opts, calibration_batches(train))
 
 
@@ -242,7 +244,8 @@ def run_arm(arm: Arm, samples: int, seed: int, s: StudySettings, base_model, spl
         trained = peft_model
     elif arm.kind in ("backprop", "backprop-last", "async"):
         trained = attach_lora(model, arm.lora_settings(s.lora), seed=seed)  # the same initial LoRA weights as the export
-        compact_frozen_weights(trained, arm.frozen_dtype)  # trained and scored on them, as a zerolock arm (fp32: as is)
+        # trained and scored on them, as a zerolock arm (fp32: as is)
+        compact_frozen_weights(trained, arm.frozen_dtype, arm.embedding_dtype)
         if arm.kind == "backprop-last":
             freeze_lora_below(trained, split[-1].first)
         result["trainable"] = sum(p.numel() for p in trained.parameters() if p.requires_grad)

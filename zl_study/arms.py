@@ -30,6 +30,7 @@ class Arm:
     frozen_dtype: str = "fp32"  # the frozen weights' storage, any kind (`--frozen-dtype`, docs/design#frozen-weights)
     lora: dict = field(default_factory=dict)  # LoraSettings fields that differ from the study's (zerolock)
     lr: float | None = None  # peak learning rate of this arm (None: the study's --lr), e.g. a stable one for backprop
+    embedding_dtype: str | None = None  # the token embedding's and LM head's storage when not frozen_dtype's
 
     def loss_config(self) -> LossConfig:
         return LossConfig(**self.loss)
@@ -75,6 +76,7 @@ def _default_arm(name: str = "zl-default", stage_lr: tuple[float, ...] = (1.0,),
     loss = {f: getattr(defaults.loss, f) for f in LossConfig.__dataclass_fields__}
     lrs = "" if stage_lr == (1.0,) else f", stage lr {'/'.join(f'{m:g}' for m in stage_lr)}"
     return Arm(name, "zerolock", loss, stage_lr=stage_lr, frozen_dtype=defaults.frozen_dtype,
+               embedding_dtype=defaults.embedding_dtype,
                note=f"{what}: α {','.join(f'{x:g}' for x in defaults.loss.alpha)}, translator rank "
                     f"{defaults.loss.translator_rank} ({defaults.loss.translator_init}), frozen weights "
                     f"{defaults.frozen_dtype}{lrs}")
@@ -118,7 +120,7 @@ def parse_arm(spec: str) -> Arm:
     name = name.strip()
     if not name or name in ARMS:
         raise ZLError(f"--arm {spec!r}: give a new name before ':' (built-in arms: {', '.join(ARMS)}).")
-    kind, lr, loss, stage_lr, frozen_dtype, lora = "zerolock", None, {}, (1.0,), "fp32", {}
+    kind, lr, loss, stage_lr, frozen_dtype, embedding_dtype, lora = "zerolock", None, {}, (1.0,), "fp32", None, {}
     fields = LossConfig.__dataclass_fields__
     for item in filter(None, (p.strip() for p in body.split(";"))):
         key, eq, value = item.partition("=")
@@ -137,6 +139,8 @@ def parse_arm(spec: str) -> Arm:
             stage_lr = parse_list(value, float, f"--arm {name} stage_lr")
         elif key == "frozen_dtype":
             frozen_dtype = value.strip()
+        elif key == "embedding_dtype":
+            embedding_dtype = value.strip()
         elif key == "lora_targets":
             lora["targets"] = tuple(v.strip() for v in value.split("/") if v.strip())
         elif key == "lora_rank":
@@ -148,17 +152,20 @@ def parse_arm(spec: str) -> Arm:
         elif key in fields:
             loss[key] = value.strip()
         else:
-            raise ZLError(f"--arm {spec!r}: unknown key {key!r}; use kind, lr, stage_lr, frozen_dtype, lora_targets, "
-                          f"lora_rank or one of {', '.join(fields)}.")
+            raise ZLError(f"--arm {spec!r}: unknown key {key!r}; use kind, lr, stage_lr, frozen_dtype, embedding_dtype, "
+                          f"lora_targets, lora_rank or one of {', '.join(fields)}.")
     zerolock_only = [k for k, v in (("stage_lr", stage_lr != (1.0,)), ("loss fields", bool(loss))) if v]
     if kind != "zerolock" and zerolock_only:
         raise ZLError(f"--arm {spec!r}: {', '.join(zerolock_only)} set for a {kind} arm; they are ZeroLock settings "
-                      f"(a backprop arm takes kind, lr, frozen_dtype, lora_targets and lora_rank).")
-    arm = Arm(name, kind, loss, stage_lr, note=body, frozen_dtype=frozen_dtype, lora=lora, lr=lr)
+                      f"(a backprop arm takes kind, lr, frozen_dtype, embedding_dtype, lora_targets and "
+                      f"lora_rank).")
+    arm = Arm(name, kind, loss, stage_lr, note=body, frozen_dtype=frozen_dtype, lora=lora, lr=lr,
+              embedding_dtype=embedding_dtype)
     arm.lora_settings(LoraSettings()).validate()
     arm.loss_config().validate()
-    if frozen_dtype not in FROZEN_DTYPES:
-        raise ZLError(f"--arm {spec!r}: frozen_dtype {frozen_dtype!r}; expected one of {', '.join(FROZEN_DTYPES)}.")
+    for key, value in (("frozen_dtype", frozen_dtype), ("embedding_dtype", embedding_dtype)):
+        if value is not None and value not in FROZEN_DTYPES:
+            raise ZLError(f"--arm {spec!r}: {key} {value!r}; expected one of {', '.join(FROZEN_DTYPES)}.")
     return arm
 
 

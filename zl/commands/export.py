@@ -29,6 +29,8 @@ Examples:
   zl export --stages runs/plan.json --seq-len 128      # the split `zl plan` chose
 
   zl export --program backprop --model tiny-random     # programs that take grad_hidden and give grad_input
+
+  zl export --frozen-dtype int4 --embedding-dtype bf16  # 4-bit layers, the embedding and LM head in bf16
 """
 
 console = Console()

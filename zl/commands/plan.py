@@ -66,8 +66,10 @@ def plan_table(plan) -> Table:
     quota = plan.cpu_quota or [None] * len(plan.per_stage)
     schedule = "" if plan.schedule is None else ", " + timed_under(plan.schedule, plan.keep_activations)
     schedule += ", --recompute" if plan.recompute else ""
+    tables = plan.embedding_dtype
+    frozen = plan.frozen_dtype + ("" if tables in (None, plan.frozen_dtype) else f", embedding and head {tables}")
     table = Table(title=f"plan: {plan.model} ({plan.num_layers} layers), seq {plan.seq_len}, micro-batch "
-                        f"{plan.micro_batch}, {plan.frozen_dtype}{schedule}; ms per micro-batch, MiB")
+                        f"{plan.micro_batch}, {frozen}{schedule}; ms per micro-batch, MiB")
     for col in ("stage", "device", "layers", "phase 1", "phase 2", "total", "PSS", "budget"):
         table.add_column(col, justify="right", no_wrap=True)
     for p, q in zip(plan.per_stage, quota):

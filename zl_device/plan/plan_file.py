@@ -99,6 +99,7 @@ class Plan:
     schedule: str | None = None  # the schedule the stages were timed under; None: a plan from before the field
     keep_activations: bool = False
     recompute: bool = False  # the stages were timed (and fit) with --recompute
+    embedding_dtype: str | None = None  # --embedding-dtype; None: as frozen_dtype (and plans from before it)
 
     @property
     def slowest_ms(self) -> float:
@@ -109,7 +110,7 @@ class Plan:
         return {
             "format": PLAN_FORMAT, "version": PLAN_VERSION, "stages": self.stages, "model": self.model,
             "num_layers": self.num_layers, "seq_len": self.seq_len, "micro_batch": self.micro_batch,
-            "frozen_dtype": self.frozen_dtype, "max_targets": self.max_targets, "devices": self.devices,
+            "frozen_dtype": self.frozen_dtype, "embedding_dtype": self.embedding_dtype, "max_targets": self.max_targets, "devices": self.devices,
             "device_names": self.device_names, "mode": self.mode, "cpu_quota": self.cpu_quota,
             "schedule": self.schedule, "keep_activations": self.keep_activations, "recompute": self.recompute,
             "predicted_slowest_ms": self.slowest_ms,
@@ -133,7 +134,8 @@ class Plan:
         stages = [StagePrediction(**{k: v for k, v in asdict(p).items() if k != "total_ms"}) for p in f.per_stage]
         link, even = f.link or _LinkRecord(), f.even_split
         return cls(stages=f.stages, model=f.model, num_layers=f.num_layers, seq_len=f.seq_len,
-                   micro_batch=f.micro_batch, frozen_dtype=f.frozen_dtype, max_targets=f.max_targets,
+                   micro_batch=f.micro_batch, frozen_dtype=f.frozen_dtype, embedding_dtype=f.embedding_dtype,
+                   max_targets=f.max_targets,
                    devices=f.devices, device_names=list(f.device_names), mode=f.mode,
                    cpu_quota=None if f.cpu_quota is None else list(f.cpu_quota), per_stage=stages,
                    link_mbps=link.mbps, entry_bytes=link.entry_bytes, link_ms=link.ms,
@@ -190,6 +192,7 @@ class _PlanFile:
     mode: str
     per_stage: tuple[_StageRecord, ...]
     max_targets: _Count | None = None
+    embedding_dtype: str | None = None
     cpu_quota: tuple[Annotated[float, Bounds(0.01, 4096)] | None, ...] | None = None
     schedule: str | None = None
     keep_activations: bool = False
@@ -218,17 +221,21 @@ def read_plan(path: Path | str, flag: str = "--stages") -> Plan:
 
 
 def check_plan_matches(plan: Plan, where: str, *, model: str, seq_len: int | None = None,
-                       micro_batch: int | None = None, frozen_dtype: str | None = None, devices: str | None = None,
+                       micro_batch: int | None = None, frozen_dtype: str | None = None,
+                       embedding_dtype: str | None = None, devices: str | None = None,
                        mode: str | None = None, cpu_quota: list[float | None] | None = None,
                        checked_devices: bool = False) -> None:
     """Raise ZLError when the plan was made for another model, shape or set of devices than the command's.
 
     Args:
+        embedding_dtype: compared (as frozen_dtype where None, on both sides) when frozen_dtype is given.
         checked_devices: compare devices, mode and quotas too (zl train; zl export has no devices).
     """
     fix = f"run `zl plan` for these settings, or pass its stages yourself (--stages {plan.stages})"
     pairs = [("--model", plan.model, model), ("--seq-len", plan.seq_len, seq_len),
              ("--micro-batch", plan.micro_batch, micro_batch), ("--frozen-dtype", plan.frozen_dtype, frozen_dtype)]
+    if frozen_dtype is not None:
+        pairs.append(("--embedding-dtype", plan.embedding_dtype or plan.frozen_dtype, embedding_dtype or frozen_dtype))
     if checked_devices:
         pairs += [("--devices", plan.devices, devices), ("--mode", plan.mode, mode),
                   ("--cpu-quota", _shown_quota(plan.cpu_quota), _shown_quota(cpu_quota))]
@@ -259,7 +266,8 @@ def split_of_plan(split, opts):
         return split
     plan = read_plan(split.stages)
     check_plan_matches(plan, f"--stages {split.stages}", model=split.model, seq_len=opts.seq_len,
-                       micro_batch=opts.micro_batch, frozen_dtype=opts.frozen_dtype)
+                       micro_batch=opts.micro_batch, frozen_dtype=opts.frozen_dtype,
+                       embedding_dtype=opts.embedding_dtype)
     if plan.recompute and not opts.recompute:
         raise ZLError(f"--stages {split.stages}: the plan's split fits its devices' memory only with --recompute "
                       "(`zl plan` turned it on); add --recompute.")

@@ -142,7 +142,8 @@ def make_plan(s: TrainSettings, p: PlanSettings, say=print, export_progress=None
                     "rounds": [m.to_json() for m in cal.rounds[k]], "fit": cal.costs[k].to_json()}
                    for k in range(num_stages)]
     return Plan(stages=best.spec, model=s.split.model, num_layers=cal.num_layers, seq_len=cal.seq_len,
-                micro_batch=s.export.micro_batch, frozen_dtype=s.export.frozen_dtype, max_targets=cal.max_targets,
+                micro_batch=s.export.micro_batch, frozen_dtype=s.export.frozen_dtype,
+                embedding_dtype=s.export.embedding_dtype, max_targets=cal.max_targets,
                 devices=s.devices, device_names=names, mode=s.mode, cpu_quota=quotas if s.cpu_quota else None,
                 per_stage=per_stage, link_mbps=p.link_mbps, entry_bytes=cal.entry_bytes(s.export.micro_batch),
                 link_ms=link_ms, even_stages=even.spec, even_slowest_ms=max(even.slowest_ms, link_ms),
@@ -269,7 +270,8 @@ def resolve_stages(s: TrainSettings, say=print, export_progress=None) -> tuple[T
         spec = s.devices_spec
         quotas = check_cpu_quota_fits(spec, s.cpu_quota)[:len(plan.per_stage)]
         check_plan_matches(plan, f"--stages {stages}", model=s.split.model, seq_len=s.rows.seq_len,
-                           micro_batch=s.export.micro_batch, frozen_dtype=s.export.frozen_dtype, devices=s.devices,
+                           micro_batch=s.export.micro_batch, frozen_dtype=s.export.frozen_dtype,
+                           embedding_dtype=s.export.embedding_dtype, devices=s.devices,
                            mode=s.mode, cpu_quota=quotas if s.cpu_quota else None, checked_devices=True)
         check_plan_holds(plan, s, f"--stages {stages}")
     say(f"plan: --stages {plan.stages} (slowest stage {plan.slowest_ms:.0f} ms per micro-batch predicted"

@@ -289,6 +289,7 @@ def _model(manifest: Manifest | None) -> dict | None:
     opts = manifest.options  # exports before --frozen-dtype stored float32 weights: fp32
     return {"name": manifest.model.name, "num_layers": manifest.model.num_layers, "seq_len": opts.seq_len,
             "micro_batch": opts.micro_batch, "num_stages": manifest.num_stages, "frozen_dtype": opts.frozen_dtype,
+            "embedding_dtype": opts.embedding_dtype or opts.frozen_dtype, "frozen_storage": opts.frozen_storage,
             "program_mib": ([st.size_bytes / 2**20 for st in manifest.stages]
                             if all(st.size_bytes is not None for st in manifest.stages) else None)}
 
@@ -398,7 +399,7 @@ def render_markdown(report: dict, with_plots: bool = True) -> str:
                 f"seq_len {model['seq_len']}, micro-batch {model['micro_batch']}.", ""]
         if model.get("program_mib"):
             sizes = " / ".join(f"{m:,.0f}" for m in model["program_mib"])
-            out += [f"Frozen weights {model['frozen_dtype']}; stage programs {sizes} MiB "
+            out += [f"Frozen weights {model.get('frozen_storage', model['frozen_dtype'])}; stage programs {sizes} MiB "
                     "(docs/design#frozen-weights).", ""]
     out += ["## Run", "", "| wall time (s) | samples | records/s |", "|---|---|---|",
             f"| {_num(run['wall_s'])} | {_num(run['samples'])} | {_num(run['records_per_s'], 4)} |", ""]

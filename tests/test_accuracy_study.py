@@ -124,6 +124,7 @@ def test_a_finished_arm_is_not_trained_again_but_a_changed_setting_is(study, dem
     (["--arm", "zl-x:alpha=1.5"], "--alpha 1.5: α weighs CE against KL"),
     (["--arm", "zl-x:colour=red"], "unknown key 'colour'"),
     (["--arm", "zl-x:frozen_dtype=fp8"], "frozen_dtype 'fp8'; expected one of fp32, bf16, int8"),
+    (["--arm", "zl-x:frozen_dtype=int4;embedding_dtype=int2"], "embedding_dtype 'int2'; expected one of fp32, bf16"),
     (["--arm", "zl-x:alpha=0.5/0.5/0.5"], "--alpha 0.5,0.5,0.5: 3 values for 2 stages"),
     (["--samples", "0"], "--samples 0: must be at least 1"),
     (["--seeds", "0,0"], "--seeds 0,0: give distinct seeds"),
@@ -297,7 +298,8 @@ def test_the_async_arm_is_backprop_on_stashed_weight_versions(demo_data, tmp_pat
     args = ["--model", "tiny-random", "--train", str(demo_data / "train.safetensors"), "--dev",
             str(demo_data / "dev.safetensors"), "--samples", "12", "--seeds", "0", "--num-stages", "2",
             "--eval-limit", "4", "--threads", "1", "--out", str(tmp_path), "--arms", "backprop,async",
-            "--arm", "async-int4:kind=async;frozen_dtype=int4"]
+            "--arm", "async-int4:kind=async;frozen_dtype=int4",
+            "--arm", "async-int4-emb:kind=async;frozen_dtype=int4;embedding_dtype=bf16"]
     runs = {r["arm"]: r for r in study_tool.run(args)["results"]}
     sync, stale = runs["backprop"]["window_losses"], runs["async"]["window_losses"]
     assert len(sync) == len(stale) == 3
@@ -307,3 +309,6 @@ def test_the_async_arm_is_backprop_on_stashed_weight_versions(demo_data, tmp_pat
     int4 = runs["async-int4"]["window_losses"]
     assert len(int4) == 3 and int4[0] != stale[0]  # other frozen weights, the same LoRA init and rows
     assert int4[0][-1] == pytest.approx(stale[0][-1], rel=0.1)  # the last stage's first window: close, not equal
+    # --embedding-dtype bf16: the same int4 layers, other tables, so other losses from the first window on
+    mixed = runs["async-int4-emb"]
+    assert mixed["window_losses"][0] != int4[0] and mixed["fingerprint"] != runs["async-int4"]["fingerprint"]

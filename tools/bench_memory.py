@@ -20,6 +20,7 @@ without exporting them (never deleting DIR).
 """
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -118,9 +119,9 @@ def export_one(loaded, split: str, stage: int, dtype: str, seq: int, recompute: 
                          loss=LossConfig(), max_targets=args.max_targets, frozen_dtype=dtype, recompute=recompute,
                          embedding_dtype=args.embedding_dtype)
     stages = parse_spec(split, loaded.config.num_hidden_layers)
-    chunk = zl_chunk(dtype) if chunk is None else chunk
-    with (patch.object(frozen_weights, "CHUNK_ELEMENTS", 1 << chunk),  # read as the modules are built
-          patch.object(frozen_weights, "INT4_CHUNK_ELEMENTS", 1 << chunk)):
+    # read as the modules are built; zl's own chunks (None) per dtype, so int4 layers beside bf16 tables keep theirs
+    elements = {} if chunk is None else {"CHUNK_ELEMENTS": 1 << chunk, "INT4_CHUNK_ELEMENTS": 1 << chunk}
+    with patch.multiple(frozen_weights, **elements) if elements else contextlib.nullcontext():
         peft_model, modules = build_stage_modules(loaded.model, stages, opts,
                                                   program=ProgramSettings(kind=args.program))
     try:
@@ -144,11 +145,12 @@ RECORD = "bench_program.json"
 
 def wanted(args, dtype: str, seq: int, recompute: bool, piece: int = DEFAULT_PIECE,
            chunk: int | None = None) -> dict:
-    """The options that make a program, as its RECORD holds them."""
+    """The options that make a program, as its RECORD holds them (`chunk` None: each dtype's own, zl's)."""
     return {"model": args.model, "stages": args.stages, "stage": args.stage, "program": args.program,
             "frozen_dtype": dtype, "seq_len": seq, "recompute": recompute, "max_targets": args.max_targets,
-            "lora_rank": args.lora_rank, "readout_piece": piece, "widen_chunk": zl_chunk(dtype) if chunk is None else chunk,
-            "embedding_dtype": args.embedding_dtype}
+            "lora_rank": args.lora_rank, "readout_piece": piece,
+            "widen_chunk": zl_chunk(dtype) if chunk is None else chunk,
+            "own_chunks": chunk is None, "embedding_dtype": args.embedding_dtype}
 
 
 def reusable(out: Path, args, dtype: str, seq: int, recompute: bool, piece: int = DEFAULT_PIECE,
@@ -156,7 +158,7 @@ def reusable(out: Path, args, dtype: str, seq: int, recompute: bool, piece: int 
     """(file name, size in bytes) of the program an earlier run left in `out`, if it was made with these options."""
     try:
         # older records: zl's own sizes
-        record = {"readout_piece": DEFAULT_PIECE, "widen_chunk": OLD_CHUNK, "embedding_dtype": None,
+        record = {"readout_piece": DEFAULT_PIECE, "widen_chunk": OLD_CHUNK, "own_chunks": True, "embedding_dtype": None,
                   **json.loads((out / RECORD).read_text())}
         want = wanted(args, dtype, seq, recompute, piece, chunk)
         same = {k: record[k] for k in want} == want
@@ -223,14 +225,14 @@ def main() -> None:
     programs = {}  # (seq, dtype, recompute, piece, chunk) -> (path, .pte MiB)
     rows: dict[tuple, dict] = {}
     try:
-        for seq, dtype, recompute, piece, chunk in itertools.product(seqs, dtypes, recomputes, pieces, chunks):
-            chunk = zl_chunk(dtype) if chunk is None else chunk
+        for seq, dtype, recompute, piece, given in itertools.product(seqs, dtypes, recomputes, pieces, chunks):
+            chunk = zl_chunk(dtype) if given is None else given  # the table's "widen chunk": the dtype's own
             out = work / (f"{dtype}_s{seq}{'_recompute' if recompute else ''}"
                           f"{'' if piece == DEFAULT_PIECE else f'_p{piece}'}"
-                          f"{'' if chunk == zl_chunk(dtype) else f'_c{chunk}'}"
+                          f"{'' if given is None else f'_c{given}'}"
                           f"{'' if args.embedding_dtype is None else f'_e{args.embedding_dtype}'}")
             out.mkdir(parents=True, exist_ok=True)
-            found = reusable(out, args, dtype, seq, recompute, piece, chunk) if args.reuse else None
+            found = reusable(out, args, dtype, seq, recompute, piece, given) if args.reuse else None
             if found is not None:
                 programs[(seq, dtype, recompute, piece, chunk)] = (out / found[0], found[1] / MIB / MIB)
                 print(f"reusing {out / found[0]}", file=sys.stderr)
@@ -239,7 +241,7 @@ def main() -> None:
                 print(f"loading {args.model} ...", file=sys.stderr)
                 loaded = load_model(args.model, seed=0)
             t0 = time.perf_counter()
-            name, size = export_one(loaded, args.stages, args.stage, dtype, seq, recompute, args, out, piece, chunk)
+            name, size = export_one(loaded, args.stages, args.stage, dtype, seq, recompute, args, out, piece, given)
             programs[(seq, dtype, recompute, piece, chunk)] = (out / name, size / MIB / MIB)
             print(f"export {dtype} seq {seq}{' recompute' if recompute else ''} pieces 2^{piece} chunks 2^{chunk}: "
                   f"{size / MIB / MIB:,.0f} MiB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)

@@ -18,7 +18,8 @@ it trains and scores on the dev rows (all of them by default):
 
 An arm with `frozen_dtype` bf16, int8 or int4 (zl-translator-bf16, zl-translator-int8, or `frozen_dtype=` in
 --arm, of any kind: `kind=async;frozen_dtype=int4`) trains and is scored with the frozen weights stored that way
-(`zl export --frozen-dtype`; `embedding_dtype=bf16` stores the embedding and LM head apart, `--embedding-dtype`); one with
+(`zl export --frozen-dtype`; `embedding_dtype=bf16` stores the embedding and LM head apart,
+`--embedding-dtype`); one with
 `lora_targets=q_proj/k_proj/...` or `lora_rank=` in --arm trains with LoRA settings of its own (ZeroLock or
 backprop; the built-in arms keep the study's --lora-*). `lr=` gives an arm a peak learning rate of its own and `kind=backprop`,
 `kind=backprop-last` or `kind=async` makes an --arm a backprop arm; `--reference NAME` pairs every arm with that one instead of

@@ -152,8 +152,8 @@ def parse_arm(spec: str) -> Arm:
         elif key in fields:
             loss[key] = value.strip()
         else:
-            raise ZLError(f"--arm {spec!r}: unknown key {key!r}; use kind, lr, stage_lr, frozen_dtype, embedding_dtype, "
-                          f"lora_targets, lora_rank or one of {', '.join(fields)}.")
+            raise ZLError(f"--arm {spec!r}: unknown key {key!r}; use kind, lr, stage_lr, frozen_dtype, "
+                          f"embedding_dtype, lora_targets, lora_rank or one of {', '.join(fields)}.")
     zerolock_only = [k for k, v in (("stage_lr", stage_lr != (1.0,)), ("loss fields", bool(loss))) if v]
     if kind != "zerolock" and zerolock_only:
         raise ZLError(f"--arm {spec!r}: {', '.join(zerolock_only)} set for a {kind} arm; they are ZeroLock settings "

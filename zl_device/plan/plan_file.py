@@ -110,7 +110,8 @@ class Plan:
         return {
             "format": PLAN_FORMAT, "version": PLAN_VERSION, "stages": self.stages, "model": self.model,
             "num_layers": self.num_layers, "seq_len": self.seq_len, "micro_batch": self.micro_batch,
-            "frozen_dtype": self.frozen_dtype, "embedding_dtype": self.embedding_dtype, "max_targets": self.max_targets, "devices": self.devices,
+            "frozen_dtype": self.frozen_dtype, "embedding_dtype": self.embedding_dtype,
+            "max_targets": self.max_targets, "devices": self.devices,
             "device_names": self.device_names, "mode": self.mode, "cpu_quota": self.cpu_quota,
             "schedule": self.schedule, "keep_activations": self.keep_activations, "recompute": self.recompute,
             "predicted_slowest_ms": self.slowest_ms,

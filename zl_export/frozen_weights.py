@@ -143,11 +143,12 @@ def chunk_elements(dtype: str) -> int:
     return INT4_CHUNK_ELEMENTS if dtype == "int4" else CHUNK_ELEMENTS
 
 
-def compact_rows(weight: torch.Tensor, dtype: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """`weight` (O, I) as `dtype` ("bf16", "int8" or "int4") in row chunks of ≤ `chunk_elements(dtype)`: per chunk
-    (compact rows, their scales: int8 one per row, int4 a (scale, minimum) pair per row and group, bf16 None). A
-    scale covers part of one row, so chunking does not change a value."""
-    rows = max(1, chunk_elements(dtype) // max(1, weight.shape[1]))
+def compact_rows(weight: torch.Tensor, dtype: str, elements: int | None = None,
+                 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """`weight` (O, I) as `dtype` ("bf16", "int8" or "int4") in row chunks of ≤ `elements` (default
+    `chunk_elements(dtype)`): per chunk (compact rows, their scales: int8 one per row, int4 a (scale, minimum) pair
+    per row and group, bf16 None). A scale covers part of one row, so chunking does not change a value."""
+    rows = max(1, (elements or chunk_elements(dtype)) // max(1, weight.shape[1]))
     quantize = {"int8": quantize_rows, "int4": quantize_groups}.get(dtype)
     return [quantize(part) if quantize else (part.to(torch.bfloat16).contiguous(), None)
             for part in weight.detach().split(rows, dim=0)]
@@ -277,7 +278,8 @@ def compact_frozen_weights(model: nn.Module, dtype: str, embedding_dtype: str | 
     head) share its compact chunks: one copy in memory and in the program, as the float32 model has.
 
     Args:
-        embedding_dtype: the token embedding's and LM head's storage when not `dtype` (`frozen_modules`).
+        embedding_dtype: the token embedding's and LM head's storage when not `dtype` (`frozen_modules`); they are
+            stored in `dtype`'s chunks (`chunk_elements`).
 
     Returns:
         how many modules were replaced (those stored as "fp32" are not).
@@ -292,7 +294,9 @@ def compact_frozen_weights(model: nn.Module, dtype: str, embedding_dtype: str | 
         # A weight shared by two modules (a tied embedding and LM head) gets one set of compact chunks. `made`
         # keeps the weight too, so its id cannot be reused by another tensor meanwhile.
         if id(child.weight) not in made:
-            made[id(child.weight)] = (child.weight, compact_rows(child.weight, stored))
+            # chunked as the export's --frozen-dtype chooses: bf16 tables beside int4 layers widen in int4's small
+            # chunks too (SmolLM2's last stage at seq 256: a 36 MiB float32 slice of the head otherwise)
+            made[id(child.weight)] = (child.weight, compact_rows(child.weight, stored, chunk_elements(dtype)))
         compact = CompactLinear if isinstance(child, nn.Linear) else CompactEmbedding
         setattr(parent, name, compact(child, stored, made[id(child.weight)][1]))
         count += 1

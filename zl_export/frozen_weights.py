@@ -288,15 +288,21 @@ def compact_frozen_weights(model: nn.Module, dtype: str, embedding_dtype: str | 
         if d is not None and d not in FROZEN_DTYPES:
             raise ValueError(f"frozen dtype {d!r}: expected one of {', '.join(FROZEN_DTYPES)}")
     count, made = 0, {}  # id(float32 weight) -> (weight, its compact chunks)
-    for parent, name, child, stored in list(frozen_modules(model, dtype, embedding_dtype)):
+    frozen = list(frozen_modules(model, dtype, embedding_dtype))
+    matmuls = {id(m.weight) for _, _, m, _ in frozen if isinstance(m, nn.Linear)}
+    for parent, name, child, stored in frozen:
         if stored == "fp32":
             continue
         # A weight shared by two modules (a tied embedding and LM head) gets one set of compact chunks. `made`
         # keeps the weight too, so its id cannot be reused by another tensor meanwhile.
         if id(child.weight) not in made:
-            # chunked as the export's --frozen-dtype chooses: bf16 tables beside int4 layers widen in int4's small
-            # chunks too (SmolLM2's last stage at seq 256: a 36 MiB float32 slice of the head otherwise)
-            made[id(child.weight)] = (child.weight, compact_rows(child.weight, stored, chunk_elements(dtype)))
+            # Chunked as the export's --frozen-dtype chooses: bf16 tables beside int4 layers widen in int4's small
+            # chunks too (SmolLM2's last stage at seq 256: a 36 MiB float32 slice of the head otherwise). An
+            # embedding no matmul shares widens only the rows it looks up: small chunks would only make every lookup
+            # gather from more of them, paging in each one's ends (TinyLlama's stage 0: +25 MiB file-backed at 2^20).
+            own = isinstance(child, nn.Embedding) and id(child.weight) not in matmuls
+            elements = CHUNK_ELEMENTS if own else chunk_elements(dtype)
+            made[id(child.weight)] = (child.weight, compact_rows(child.weight, stored, elements))
         compact = CompactLinear if isinstance(child, nn.Linear) else CompactEmbedding
         setattr(parent, name, compact(child, stored, made[id(child.weight)][1]))
         count += 1

@@ -26,7 +26,7 @@ class ExportSettings(Protocol):
     export_cache: Path | None  # the cache folder; None: $ZL_CACHE_DIR/exports
 
 
-EXPORT_CACHE_VERSION = 6  # bump when the exporter's output changes for the same options (6: int4 exports in 2^20 chunks)
+EXPORT_CACHE_VERSION = 7  # bump when the exporter's output changes for the same options (7: int4 exports in 2^20 chunks)
 
 
 def export_key(s: ExportSettings, opts: ExportOptions, calibration: Path | None = None,

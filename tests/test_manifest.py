@@ -51,7 +51,8 @@ def test_a_written_manifest_reads_back_equal_and_rewrites_byte_for_byte(built, t
     # The keys and their order, as the runner and earlier versions read them (docs/design#manifest).
     data = json.loads(text)
     assert list(data) == ["format_version", "zl_version", "created", "model", "tokenizer", "seq_len", "micro_batch",
-                          "lora", "loss", "seed", "frozen_dtype", "max_targets", "recompute", "stages", "program", "runtime"]
+                          "lora", "loss", "seed", "frozen_dtype", "embedding_dtype", "max_targets", "recompute", "stages",
+                          "program", "runtime"]
     assert data["lora"] == {"rank": 8, "alpha": 16.0, "targets": list(again.options.lora.targets), "dropout": 0.0}
     assert data["program"] == {"kind": "backprop", "local_weight": 0.5} and data["max_targets"] == 4
     assert list(data["stages"][0]) == ["index", "layers", "inputs", "outputs", "parameters"]  # no program file

@@ -112,8 +112,8 @@ def test_shared_options_carry_their_checks_into_every_tree():
 def test_export_and_train_keep_their_flags_and_defaults():
     assert [leaf.flag for leaf in leaves(ExportOptions)] == [
         "--seq-len", "--micro-batch", "--lora-rank", "--lora-alpha", "--lora-targets", "--alpha", "--consistency",
-        "--first-target", "--gate", "--translator-rank", "--translator-init", "--loss", "--seed", "--frozen-dtype", "--max-targets",
-        "--recompute/--no-recompute"]
+        "--first-target", "--gate", "--translator-rank", "--translator-init", "--loss", "--seed", "--frozen-dtype",
+        "--embedding-dtype", "--max-targets", "--recompute/--no-recompute"]
     assert ExportOptions() == ExportOptions(128, 1, LoraSettings(8, 16.0, None), LossConfig((1.0,), "kl_rev", translator_rank=32), 0)
     flags = [leaf.flag for leaf in leaves(TrainSettings)]
     assert flags.count("--seq-len") == flags.count("--seed") == 1  # the run's own, not the export's

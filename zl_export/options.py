@@ -266,7 +266,7 @@ class ExportOptions:
                                                 "bf16` keeps the layers at int4's bytes and the vocabulary's tables "
                                                 "at bf16's accuracy (SmolLM2 on headlines: int4 everywhere costs "
                                                 "+1.2% NLL, this brings it level; the tables then take 2 bytes a "
-                                                "weight instead of 0.625 on the first and last stages). Default: as "
+                                                "weight instead of 0.625 on the stages holding them). Default: as "
                                                 "--frozen-dtype.",
                                           choices=FROZEN_DTYPES)
     max_targets: int | None = setting(None, f"Target tokens per sample the programs read out (the LM head runs on "

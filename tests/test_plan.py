@@ -371,6 +371,7 @@ def test_a_plan_timed_under_another_schedule_is_refused(tmp_path):
     from zl.commands.plan import plan_table
     assert plan_table(read_plan(path)).title.endswith("bf16, --schedule async; ms per micro-batch, MiB")
     assert plan_table(a_plan()).title.endswith("bf16; ms per micro-batch, MiB")  # a plan from before the field
+    assert "int4, embedding and head bf16;" in plan_table(a_plan(frozen_dtype="int4", embedding_dtype="bf16")).title
     s = TrainSettings(split=ModelSplit("tiny-random", stages=str(path)), cpu_quota=(1.0, 0.5, 0.75), schedule="async")
     assert resolve_stages(s, say=lambda line: None)[0].split.stages == "0-1,2-2,3-3"
     assert resolve_stages(replace(s, schedule="pipedream"), say=lambda line: None)[0].split.stages == "0-1,2-2,3-3"

@@ -211,6 +211,13 @@ class LossConfig:
         return from_json(cls, loss, "manifest.json loss", others=True)
 
 
+def frozen_storage(frozen_dtype: str, embedding_dtype: str | None) -> str:
+    """`--frozen-dtype` and `--embedding-dtype` as the report and `zl plan` print them: `int4`, or `int4, embedding
+    and head bf16`."""
+    same = embedding_dtype in (None, frozen_dtype)
+    return frozen_dtype if same else f"{frozen_dtype}, embedding and head {embedding_dtype}"
+
+
 def check_local_weight(weight: float, name: str = "--local-weight") -> None:
     """Raise ZLError unless --local-weight is 0 or positive and finite."""
     if not (0.0 <= weight < float("inf")):
@@ -280,10 +287,8 @@ class ExportOptions:
 
     @property
     def frozen_storage(self) -> str:
-        """How the frozen weights are stored, as reports print it: `int4`, or `int4, embedding and head bf16`."""
-        tables = self.embedding_dtype
-        same = tables in (None, self.frozen_dtype)
-        return self.frozen_dtype if same else f"{self.frozen_dtype}, embedding and head {tables}"
+        """How the frozen weights are stored, as reports print it (`frozen_storage`)."""
+        return frozen_storage(self.frozen_dtype, self.embedding_dtype)
 
     @property
     def target_slots(self) -> int:

@@ -12,6 +12,7 @@ from zl.paths import check_out_file
 from zl_base.settings import nested
 from zl_device.plan.planner import PlanSettings, timed_under
 from zl_device.run.train_settings import TrainSettings
+from zl_export.options import frozen_storage
 
 EXAMPLE = """
 
@@ -66,8 +67,7 @@ def plan_table(plan) -> Table:
     quota = plan.cpu_quota or [None] * len(plan.per_stage)
     schedule = "" if plan.schedule is None else ", " + timed_under(plan.schedule, plan.keep_activations)
     schedule += ", --recompute" if plan.recompute else ""
-    tables = plan.embedding_dtype
-    frozen = plan.frozen_dtype + ("" if tables in (None, plan.frozen_dtype) else f", embedding and head {tables}")
+    frozen = frozen_storage(plan.frozen_dtype, plan.embedding_dtype)
     table = Table(title=f"plan: {plan.model} ({plan.num_layers} layers), seq {plan.seq_len}, micro-batch "
                         f"{plan.micro_batch}, {frozen}{schedule}; ms per micro-batch, MiB")
     for col in ("stage", "device", "layers", "phase 1", "phase 2", "total", "PSS", "budget"):

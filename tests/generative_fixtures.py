@@ -91,3 +91,28 @@ def memorized_adapter(out: Path, shard, steps: int = 1000, seed: int = 0) -> Pat
     save_file({names[id(p)]: p.detach().contiguous() for p in params}, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps(adapter_config(settings, "tiny-random")))
     return out
+
+
+def random_run(run: Path, model: str = "tiny-random", seed: int = 0) -> Path:
+    """A finished run as far as `zl export-model` looks (test_export_model.py, tools/check_llm_runner.py):
+    RUN/adapter, a rank-4 LoRA on every projection whose B is random (PEFT starts it at zero, which would make
+    merging a no-op)."""
+    from safetensors.torch import save_file
+
+    from zl_export.lora import adapter_config, attach_lora, peft_names
+    from zl_export.model_source import load_model
+    from zl_export.options import LoraSettings
+
+    loaded = load_model(model, seed=0)
+    settings = LoraSettings(4, 8.0, loaded.family.default_lora_targets)
+    peft_model = attach_lora(loaded.model, settings, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    names = peft_names(peft_model)
+    for p in peft_model.parameters():
+        if p.requires_grad:
+            tensors[names[id(p)]] = (torch.randn(p.shape, generator=generator) * 0.05).contiguous()
+    (run / "adapter").mkdir(parents=True)
+    save_file(tensors, str(run / "adapter" / "adapter_model.safetensors"))
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps(adapter_config(settings, model)))
+    return run

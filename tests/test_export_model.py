@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 import typer
-from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from zl.commands.export_model import export_model_command
 from zl.commands.generate import generate_command
+from generative_fixtures import random_run
 from zl_base.errors import ZLError
 
 pytestmark = [
@@ -29,28 +29,6 @@ APP.command("export-model")(export_model_command)
 APP.command("generate")(generate_command)
 PROMPTS = ["Q: colour of the sky?\nA:", "Hello there, how are you", "x"]
 SEQ = 48  # KV cache positions of the test programs: small, so exports stay quick
-
-
-def random_run(run, model: str = "tiny-random", seed: int = 0):
-    """A finished run as far as export-model looks: RUN/adapter, a rank-4 LoRA on every projection whose B is
-    random (PEFT starts it at zero, which would make merging a no-op)."""
-    from zl_export.lora import adapter_config, attach_lora, peft_names
-    from zl_export.model_source import load_model
-    from zl_export.options import LoraSettings
-
-    loaded = load_model(model, seed=0)
-    settings = LoraSettings(4, 8.0, loaded.family.default_lora_targets)
-    peft_model = attach_lora(loaded.model, settings, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    names = peft_names(peft_model)
-    for p in peft_model.parameters():
-        if p.requires_grad:
-            tensors[names[id(p)]] = (torch.randn(p.shape, generator=generator) * 0.05).contiguous()
-    (run / "adapter").mkdir(parents=True)
-    save_file(tensors, str(run / "adapter" / "adapter_model.safetensors"))
-    (run / "adapter" / "adapter_config.json").write_text(json.dumps(adapter_config(settings, model)))
-    return run
 
 
 def invoke(*args):
@@ -382,16 +360,20 @@ def test_pretrained_models_export(tmp_path, model, quantize):
     print(result.stdout)
 
 
-def test_deploy_pushes_the_program_and_its_tokenizer_to_every_device(tmp_path):
+def test_deploy_pushes_the_program_and_its_tokenizer_to_every_device(tmp_path, monkeypatch):
     """`zl deploy --program` (issue 42 item 4): the program and tokenizer files go into each device's workdir next
-    to the training files; unchanged big files are skipped the second time."""
+    to the training files; unchanged big files are skipped the second time. (With llama_main built it goes too:
+    test_llm_runner.py; here none is.)"""
     from zl.commands.devices import deploy_command
+    from zl_device.devices import deploy
     from zl_device.devices.deploy import deploy_program
     from zl_device.devices.registry import open_devices
     from zl_export.inference_program import write_tokenizer_files
     from zl_export.program_record import NEEDED_METHODS, write_program_record
     from zl_export.tokenizer import ByteTokenizer
 
+    monkeypatch.setattr(deploy, "HOST_LLAMA_MAIN", tmp_path / "not-built")
+    monkeypatch.delenv(deploy.HOST_LLAMA_MAIN_ENV, raising=False)
     program = tmp_path / "out" / "model.pte"
     program.parent.mkdir()
     program.write_bytes(b"\0" * (2 << 20))  # big enough to be hashed before pushing

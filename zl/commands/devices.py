@@ -202,9 +202,32 @@ def run_deploy(args: DeployArgs) -> None:
         unchanged = f", {len(r.unchanged)} unchanged" if r.unchanged else ""
         typer.echo(f"{r.device}: program: pushed {len(r.pushed)} files ({r.bytes_pushed / 2**20:.1f} MiB){unchanged}"
                    f" ({', '.join(r.pushed + r.unchanged)})")
+    note = _llm_runner_note(opened, programs, args.program) if programs else ""
+    if note:
+        typer.echo(note)
     if configs is not None and any(not d.workdir_is_private for d in opened):
         typer.echo("run key: not pushed (the app's folder is shared storage); START a stage with "
                    "`--es run_key <the key file's 64 hex characters>` (android_app/README.md).")
+
+
+def _llm_runner_note(devices, results, program: Path) -> str:
+    """How to run the pushed program with ExecuTorch's llama_main on the first device that got it, or how to build
+    llama_main when none did; "" when no device runs binaries of its own (the app)."""
+    from zl_device.devices.deploy import LLAMA_MAIN, LLM_RUNNER_HINT
+    from zl_export.program_record import check_program
+
+    for device, result in zip(devices, results):
+        if result.llm_runner is None:
+            continue
+        data = check_program(program).data_file
+        run = (f"cd {device.workdir} && ./{LLAMA_MAIN} --model_path={program.name} --tokenizer_path=tokenizer.json"
+               + (f" --data_paths={data}" if data else "") + " --temperature=0 --prompt='Hello'")
+        where = f"adb -s {device.name} shell \"{run}\"" if device.kind == "adb" else run
+        return f"{LLAMA_MAIN} (ExecuTorch's LLM runner) is there too; run the program on {device.name}: {where}"
+    if not any(d.runs_runner_binary for d in devices):
+        return ""
+    return (f"{LLAMA_MAIN} (ExecuTorch's LLM runner) is not built, so none was pushed; build it with "
+            f"{LLM_RUNNER_HINT} and deploy again.")
 
 
 def _runner_note(result) -> str:

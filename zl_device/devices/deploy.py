@@ -69,6 +69,31 @@ ANDROID_RUNNER_ENV = "ZL_ANDROID_RUNNER"
 PHONE_RUNNER = REPO / "build-phone" / "zl" / "runner" / RUNNER_NAME
 
 
+#: ExecuTorch's LLM runner, built by tools/build_llm_runner.sh: for this host, and static for phones (aarch64).
+LLAMA_MAIN = "llama_main"
+HOST_LLAMA_MAIN = REPO / "build-llm" / "x86_64" / LLAMA_MAIN
+PHONE_LLAMA_MAIN = REPO / "build-llm" / "aarch64" / LLAMA_MAIN
+LLAMA_MAIN_ENV, HOST_LLAMA_MAIN_ENV = "ZL_LLAMA_MAIN", "ZL_HOST_LLAMA_MAIN"
+LLM_RUNNER_HINT = "`ZL_EXECUTORCH_SRC=<ExecuTorch checkout> tools/build_llm_runner.sh`"
+
+
+def llm_runner_binary(phone: bool) -> Path | None:
+    """The llama_main build for a phone (aarch64, `phone`) or for this host: $ZL_LLAMA_MAIN / $ZL_HOST_LLAMA_MAIN
+    when set, else tools/build_llm_runner.sh's build when it is there, else None (not built: nothing to push).
+
+    Raises:
+        ZLError: the variable names no file.
+    """
+    env = LLAMA_MAIN_ENV if phone else HOST_LLAMA_MAIN_ENV
+    if env in os.environ:
+        path = Path(os.environ[env])
+        if not path.is_file():
+            raise ZLError(f"{env}={path}: no such file; build llama_main with {LLM_RUNNER_HINT} or unset {env}.")
+        return path
+    path = PHONE_LLAMA_MAIN if phone else HOST_LLAMA_MAIN
+    return path if path.is_file() else None
+
+
 def android_runner_binary() -> Path:
     """The arm64-v8a runner phones get in `--mode binary`: $ZL_ANDROID_RUNNER, else the static build of
     tools/build_phone_runner.sh (PHONE_RUNNER), else the NDK build $ZL_ANDROID_BUILD_DIR/zl_runner (default
@@ -129,6 +154,7 @@ class DeployResult:
     runtime: RuntimeInstall | None = None  # the app, where the device runs one (`--mode app`)
     runner: str | None = None  # `zl_runner --version` of the runner now on the device (zl, ExecuTorch, arch)
     runner_sha256: str | None = None  # sha256 of zl_runner as the device holds it (None: none, or unreadable)
+    llm_runner: Path | None = None  # the llama_main build `deploy_program` put beside the program (None: none built)
 
 
 def _load_config(config: Path | Mapping | RunnerConfig, base: Path, program: str) -> tuple[RunnerConfig, Path]:
@@ -239,6 +265,21 @@ def deploy_stage(
     return result
 
 
+def llm_runner_for(device: Device) -> Path | None:
+    """ExecuTorch's llama_main for `device`, when tools/build_llm_runner.sh built it: the static aarch64 build for
+    a phone that runs binaries from its workdir, the host build for a local device; None otherwise (the app runs
+    no binaries of its own workdir).
+
+    Raises:
+        ZLError: the build (or $ZL_LLAMA_MAIN) for a phone is not an AArch64 executable.
+    """
+    if not device.runs_runner_binary:
+        return None
+    phone = device.kind != "local"
+    path = llm_runner_binary(phone)
+    return check_phone_runner(path, LLM_RUNNER_HINT) if phone and path is not None else path
+
+
 def deploy_program(devices: Sequence[Device], program: Path, force: bool = False,
                    on_file: FileCallback | None = None, on_bytes: ByteCallback | None = None) -> list[DeployResult]:
     """Put an inference program of `zl export-model` and the tokenizer files beside it (tokenizer.json,
@@ -260,7 +301,10 @@ def deploy_program(devices: Sequence[Device], program: Path, force: bool = False
     results = []
     for device in devices:
         result = DeployResult(device.name, None)
-        _push_files(device, files, result, force, on_file, on_bytes)
+        runner = llm_runner_for(device)
+        _push_files(device, {**files, **({LLAMA_MAIN: (runner, 0o755)} if runner else {})}, result, force, on_file,
+                    on_bytes)
+        result.llm_runner = runner
         log.info("%s: program, pushed %s, unchanged %s", device.name, result.pushed, result.unchanged)
         results.append(result)
     return results

@@ -161,3 +161,34 @@ def test_deploy_program_pushes_llama_main_and_says_how_to_run_it(tmp_path, monke
     assert result.exit_code == 0, result.output
     assert ("llama_main (ExecuTorch's LLM runner) is not built, so none was pushed; build it with "
             "`ZL_EXECUTORCH_SRC=<ExecuTorch checkout> tools/build_llm_runner.sh`") in " ".join(result.stdout.split())
+
+
+HOST = ROOT / "build-llm" / "x86_64" / "llama_main"
+PHONE = ROOT / "build-llm" / "aarch64" / "llama_main"
+
+
+@pytest.fixture(scope="module")
+def tiny_programs(tmp_path_factory):
+    sys.path.insert(0, str(ROOT))
+    from tools.check_llm_runner import tiny_programs as export
+
+    return export(tmp_path_factory.mktemp("programs"))
+
+
+def check(runner: Path, programs: list[Path], emulator: list[str], capsys) -> None:
+    from tools.check_llm_runner import PROMPTS, check_program
+
+    for program in programs:
+        assert check_program(program, runner, emulator, list(PROMPTS), 12, 1), capsys.readouterr().out
+
+
+@pytest.mark.skipif(not HOST.is_file(), reason="no build-llm/x86_64/llama_main (tools/build_llm_runner.sh)")
+def test_host_llama_main_continues_as_the_python_runtime(tiny_programs, capsys):
+    check(HOST, tiny_programs, [], capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PHONE.is_file() or not shutil.which("qemu-aarch64"),
+                    reason="no build-llm/aarch64/llama_main (tools/build_llm_runner.sh) or no qemu-aarch64")
+def test_phone_llama_main_under_qemu_continues_as_the_python_runtime(tiny_programs, capsys):
+    check(PHONE, tiny_programs, ["env", "-i", "qemu-aarch64"], capsys)

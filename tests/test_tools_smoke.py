@@ -79,11 +79,21 @@ def test_bench_memory_recompute_on_the_last_stage_and_reuse(tmp_path):
 
 
 def test_bench_inference(tmp_path):
+    """With a stand-in for ExecuTorch's llama_main (a script that prints what it prints), whose row is read from its
+    statistics line; the real one is timed where tools/build_llm_runner.sh built it."""
+    fake = tmp_path / "llama_main"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in --prompt=*) p="${a#--prompt=}" ;; esac; done\n'
+                    'printf "%s and more\\n" "$p"\n'
+                    'echo \'PyTorchObserver {"prompt_tokens": 8, "generated_tokens": 4, "model_load_start_ms": 0, '
+                    '"model_load_end_ms": 10, "inference_start_ms": 20, "prompt_eval_end_ms": 28, '
+                    '"inference_end_ms": 40}\'\n')
+    fake.chmod(0o755)
     out = run_tool("bench_inference", "--model", "tiny-random", "--rounds", "1", "--variants", "eager,none",
                    "--prompt-tokens", "8", "--new-tokens", "4", "--work", tmp_path / "work", "--json-out",
-                   tmp_path / "i.json")
+                   tmp_path / "i.json", "--llama-main", fake)
     table = json.loads((tmp_path / "i.json").read_text())
     assert "eager" in out and "none" in out and table, out
+    assert table["results"]["none llama_main"]["decode_tok_s"] == pytest.approx(4 / 0.012), out
 
 
 def test_bench_early_forwarding(export3, tmp_path):

@@ -13,6 +13,7 @@ decode tokens/s (--new-tokens greedy tokens, one call each, from the KV cache). 
     .venv/bin/python tools/bench_inference.py --reuse --dev runs/demo-data/dev.safetensors --rows 16   # + accuracy
     nice -n 10 .venv/bin/python tools/bench_inference.py --programs runs/export-demo-async   # a run's programs
     nice -n 10 .venv/bin/python tools/bench_inference.py --variants eager,int8,int8-static --max-seq-len 512
+    nice -n 10 .venv/bin/python tools/bench_inference.py --llama-main build-llm/x86_64/llama_main   # + ExecuTorch's runner
 
 With --programs DIR it exports nothing and times the programs `zl export-model` wrote there as
 model-<quantization>.pte (e.g. a trained run's, with their --max-seq-len); --model is then their base, whose eager
@@ -21,6 +22,12 @@ model is the row they are compared with.
 A variant named QUANTIZATION-static (e.g. int8-static) is that program exported with `--kv-cache static`
 (transformers' static cache, a copy of the whole cache per token) instead of the in-place cache, so that the two
 are timed side by side. --max-seq-len sizes every program's cache (default: the prompt plus the new tokens).
+
+With --llama-main PATH (ExecuTorch's LLM runner, tools/build_llm_runner.sh's host build) every program is also
+timed in it, in the same rounds, one thread (`--cpu_threads 1`): a row "VARIANT llama_main" with its own figures
+(its PyTorchObserver line: prefill over the prompt, decode over the tokens after the first; the peak RSS of its
+process). Its prompt is text of about --prompt-tokens tokens (the count it reports is in the JSON) and it decodes
+--new-tokens ignoring end of sequence: the same work as the Python rows, in C++ without the Python calls between.
 
 With --dev SHARD (a `zl data` shard of the model), each program is also compared with the eager model on the
 shard's first --rows rows (`compare_with_model`: logits' max relative error, NLL of the rows, greedy continuations
@@ -118,6 +125,33 @@ def export(model_name: str, work: Path, variant: str, max_seq_len: int, reuse: b
     return out
 
 
+def measure_llama_main(runner: Path, program: Path, prompt: str, new_tokens: int) -> dict:
+    """One program in ExecuTorch's llama_main (its tokenizer.json beside it), one thread: the row's figures."""
+    from zl_device.results.llm_runner import llama_main_command, run_llama_main
+
+    got = run_llama_main(llama_main_command(runner, program, program.parent / "tokenizer.json", prompt, new_tokens,
+                                            threads=1, ignore_eos=True), prompt)
+    return {"variant": "llama_main", "bytes": program.stat().st_size, "load_s": got.load_s,
+            "peak_rss_kib": got.peak_rss_kib, "peak_above_imports_kib": None, "prefill_tok_s": got.prefill_tok_s,
+            "decode_tok_s": got.decode_tok_s, "prompt_tokens": got.prompt_tokens,
+            "generated_tokens": got.generated_tokens}
+
+
+def llama_main_prompt(model_name: str, programs: dict[str, Path], prompt_tokens: int) -> str:
+    """Text of about `prompt_tokens` tokens for llama_main, and the tokenizer files it reads beside every program
+    (written where `zl export-model` did not)."""
+    from zl_export.inference_program import write_tokenizer_files
+    from zl_export.model_source import load_tokenizer
+
+    tokenizer = load_tokenizer(model_name)
+    for folder in {p.parent for p in programs.values()}:
+        if not (folder / "tokenizer.json").is_file():
+            write_tokenizer_files(tokenizer, folder)
+    sentence = "The quick brown fox jumps over the lazy dog while the phone trains its adapter. "
+    ids = tokenizer.encode(sentence * (prompt_tokens // 4 + 1))[:prompt_tokens]
+    return tokenizer.decode(ids)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="Model to export and time (its base weights).")
@@ -134,6 +168,8 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path, help="Also write the table as JSON.")
     parser.add_argument("--dev", type=Path, help="A shard to compare each program with the eager model on.")
     parser.add_argument("--rows", type=int, default=16, help="--dev rows compared.")
+    parser.add_argument("--llama-main", type=Path, help="ExecuTorch's llama_main (tools/build_llm_runner.sh's host "
+                        "build): every program is timed in it too.")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one variant (JSON on stdout)
     parser.add_argument("--program", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -153,6 +189,9 @@ def main() -> None:
                          f"--out {args.programs}/model-<quantization>.pte`, or pick --variants.")
     else:
         programs = {v: export(args.model, args.work, v, max_seq_len, args.reuse) for v in variants if v != "eager"}
+    if args.llama_main and not args.llama_main.is_file():
+        parser.error(f"--llama-main {args.llama_main}: no such file; build it with tools/build_llm_runner.sh")
+    prompt = llama_main_prompt(args.model, programs, args.prompt_tokens) if args.llama_main else ""
     best: dict[str, dict] = {}
     for _ in range(args.rounds):
         for v in variants:
@@ -161,19 +200,27 @@ def main() -> None:
             if v in programs:
                 command += ["--program", str(programs[v])]
             done = subprocess.run(command, capture_output=True, text=True, check=True)
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-            old = best.get(v)
-            best[v] = row if old is None else {
-                **row, **{k: max(old[k], row[k]) for k in ("prefill_tok_s", "decode_tok_s")},
-                **{k: min(old[k], row[k]) for k in ("load_s",)},
-                **{k: max(old[k], row[k]) for k in ("peak_rss_kib", "peak_above_imports_kib")}}
+            keep_best(best, v, json.loads(done.stdout.strip().splitlines()[-1]))
+            if args.llama_main and v in programs:
+                keep_best(best, f"{v} llama_main", measure_llama_main(args.llama_main, programs[v], prompt,
+                                                                      args.new_tokens))
     if best:
-        print_speed_table(args, variants, best, None if args.programs else max_seq_len)
+        print_speed_table(args, list(best), best, None if args.programs else max_seq_len)
     accuracy = accuracy_table(args.model, programs, args.dev, args.rows, args.new_tokens) if args.dev else {}
     if args.json_out:
         args.json_out.write_text(json.dumps({"model": args.model, "prompt_tokens": args.prompt_tokens,
                                              "new_tokens": args.new_tokens, "rounds": args.rounds,
                                              "results": best, "accuracy": accuracy}, indent=2) + "\n")
+
+
+def keep_best(best: dict[str, dict], name: str, row: dict) -> None:
+    """Fold one round's row into best[name]: the fastest speeds and load, the highest memory (other processes only
+    ever add time; a peak is a peak)."""
+    old = best.get(name)
+    best[name] = row if old is None else {
+        **row, **{k: max(old[k], row[k]) for k in ("prefill_tok_s", "decode_tok_s")},
+        **{k: min(old[k], row[k]) for k in ("load_s",)},
+        **{k: max(old[k] or 0, row[k] or 0) or None for k in ("peak_rss_kib", "peak_above_imports_kib")}}
 
 
 def print_speed_table(args, variants: list[str], best: dict[str, dict], max_seq_len: int | None) -> None:
@@ -182,15 +229,15 @@ def print_speed_table(args, variants: list[str], best: dict[str, dict], max_seq_
     cache = f", KV cache of {max_seq_len} positions" if max_seq_len else ""
     print(f"{args.model}, prompt {args.prompt_tokens} tokens, {args.new_tokens} decoded{cache}, 1 thread, best of "
           f"{args.rounds}")
-    print(f"{'variant':<12} {'size MiB':>9} {'load s':>7} {'peak RSS MiB':>13} {'above imports':>14} "
+    print(f"{'variant':<16} {'size MiB':>9} {'load s':>7} {'peak RSS MiB':>13} {'above imports':>14} "
           f"{'prefill tok/s':>14} {'decode tok/s':>13} {'decode vs eager':>16}")
     for v in variants:
         r = best[v]
         size = f"{r['bytes'] / 2**20:.1f}" if r["bytes"] else "-"
         ratio = f"{r['decode_tok_s'] / eager['decode_tok_s']:.2f}x" if eager else "-"
-        print(f"{v:<12} {size:>9} {r['load_s']:>7.2f} {r['peak_rss_kib'] / 1024:>13.0f} "
-              f"{r['peak_above_imports_kib'] / 1024:>14.0f} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
-              f"{ratio:>16}")
+        above = f"{r['peak_above_imports_kib'] / 1024:.0f}" if r["peak_above_imports_kib"] is not None else "-"
+        print(f"{v:<16} {size:>9} {r['load_s']:>7.2f} {r['peak_rss_kib'] / 1024:>13.0f} {above:>14} "
+              f"{r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} {ratio:>16}")
 
 
 def accuracy_table(model_name: str, programs: dict[str, Path], shard_path: Path, rows: int, new_tokens: int) -> dict:

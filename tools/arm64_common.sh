@@ -3,6 +3,8 @@
 #
 #   debian_packages PKG...   install the Debian packages not installed yet (adding the arm64 architecture for
 #                   multiarch ones; sudo unless root); with ZL_SKIP_APT=1 a missing one is an error instead
+#   executorch_src FILE HINT   $ZL_EXECUTORCH_SRC, absolute, into ET_SRC (and the venv checked: ExecuTorch's kernel
+#                   codegen runs with it); dies unless it is set (HINT says how to get one) and holds FILE
 #   x86_reference   build zl_step_check (and the kernel library the export loads) against the venv's x86
 #                   wheel in $OUT/x86, then export tiny-random into 3 stages (first, middle, last; seq 16) in
 #                   $OUT/export unless it is there: the same .pte files run on both sides.
@@ -18,6 +20,14 @@ debian_packages() {
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >"$OUT/apt.log" 2>&1 ||
     { tail -20 "$OUT/apt.log"; die "apt-get install (log: $OUT/apt.log)"; }
+}
+
+executorch_src() {
+  [ -x "$VENV_PY" ] || die "no $VENV_PY; run setup.sh first (ExecuTorch's kernel codegen runs with it)"
+  ET_SRC=${ZL_EXECUTORCH_SRC:-}
+  [ -n "$ET_SRC" ] || die "ZL_EXECUTORCH_SRC is not set; point it at $2"
+  ET_SRC=$(cd "$ET_SRC" && pwd)
+  [ -f "$ET_SRC/$1" ] || die "ZL_EXECUTORCH_SRC=$ET_SRC has no $1; is it an ExecuTorch checkout?"
 }
 
 x86_reference() {

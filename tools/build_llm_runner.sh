@@ -41,11 +41,12 @@
 # assemble them). ExecuTorch's CMake writes flatcc's runtime library into the
 # checkout's third-party/flatcc/lib; nothing else is written there.
 #
-# --test then, for each architecture built: `file` says the aarch64 one is
-# statically linked; on a tiny-random program of `zl export-model` (float and
-# int8) tools/check_llm_runner.py compares llama_main's greedy continuation
+# --test then, for each architecture built (`file` has said the aarch64 one is
+# statically linked): on tiny-random programs of `zl export-model` (float and
+# int8) tools/check_llm_runner.py compares llama_main's greedy continuations
 # with the Python runtime's (`zl generate --program`'s), the aarch64 binary
-# under `env -i qemu-aarch64` with no sysroot.
+# under `env -i qemu-aarch64` with no sysroot, whose -strace must show no file
+# opened under /etc, /usr or /lib.
 #
 # Debian packages: gcc-aarch64-linux-gnu g++-aarch64-linux-gnu
 # libc6-dev-arm64-cross qemu-user file (installed when missing and run as
@@ -72,21 +73,15 @@ say() { printf '\033[1m[llama_main]\033[0m %s\n' "$*"; }
 die() { printf '\033[1m[llama_main]\033[0m FAILED: %s\n' "$*" >&2; exit 1; }
 # shellcheck source=tools/arm64_common.sh
 . "$ROOT/tools/arm64_common.sh"
-[ -x "$VENV_PY" ] || die "no $VENV_PY; run setup.sh first (ExecuTorch's kernel codegen runs with it)"
-ET_SRC=${ZL_EXECUTORCH_SRC:-}
-[ -n "$ET_SRC" ] || die "ZL_EXECUTORCH_SRC is not set; point it at an ExecuTorch checkout with its submodules (see --help)"
-ET_SRC=$(cd "$ET_SRC" && pwd)
-[ -f "$ET_SRC/examples/models/llama/main.cpp" ] ||
-  die "ZL_EXECUTORCH_SRC=$ET_SRC has no examples/models/llama/main.cpp; is it an ExecuTorch checkout?"
-missing=()
-for f in third-party/flatbuffers/CMakeLists.txt third-party/flatcc/CMakeLists.txt third-party/gflags/CMakeLists.txt \
-         third-party/json/CMakeLists.txt third-party/pocketfft/pocketfft_hdronly.h \
-         third-party/ao/torchao/csrc/cpu/shared_kernels/internal/packed_weights_header.h \
-         kernels/optimized/third-party/eigen/blas/single.cpp \
-         backends/xnnpack/third-party/{XNNPACK,pthreadpool,cpuinfo,FXdiv,FP16}/CMakeLists.txt \
-         extension/llm/tokenizers/CMakeLists.txt \
-         extension/llm/tokenizers/third-party/{abseil-cpp,re2,sentencepiece,pcre2,json}/CMakeLists.txt; do
-  [ -e "$ET_SRC/$f" ] || missing+=("${f%/*}")
+executorch_src examples/models/llama/main.cpp "an ExecuTorch checkout with its submodules (see --help)"
+missing=()  # submodule:a file it holds
+for spec in third-party/{flatbuffers,flatcc,gflags,json}:CMakeLists.txt third-party/pocketfft:pocketfft_hdronly.h \
+            third-party/ao:torchao/csrc/cpu/shared_kernels/internal/packed_weights_header.h \
+            kernels/optimized/third-party/eigen:blas/single.cpp \
+            backends/xnnpack/third-party/{XNNPACK,pthreadpool,cpuinfo,FXdiv,FP16}:CMakeLists.txt \
+            extension/llm/tokenizers:CMakeLists.txt \
+            extension/llm/tokenizers/third-party/{abseil-cpp,re2,sentencepiece,pcre2,json}:CMakeLists.txt; do
+  [ -e "$ET_SRC/${spec%%:*}/${spec#*:}" ] || missing+=("${spec%%:*}")
 done
 [ ${#missing[@]} -eq 0 ] || die "ZL_EXECUTORCH_SRC=$ET_SRC lacks the submodules ${missing[*]}; check them out with the
   git command in --help (tools/build_llm_runner.sh --help)"
@@ -136,9 +131,16 @@ build_arch() {  # build_arch ARCH: ExecuTorch, then llama_main, into $OUT/ARCH
     nice -n 10 "$CMAKE" --build "$et" -j"$JOBS" --target install; } >"$dir/et.log" 2>&1 ||
     { tail -30 "$dir/et.log"; die "$arch: ExecuTorch build (log: $dir/et.log)"; }
   # examples/models/llama finds gflags at <build>/third-party/gflags, three levels above its own build folder.
+  # Its runner library is SHARED on Linux (STATIC only on Android and Apple), which a static executable cannot
+  # link: for aarch64, CMake is told the platform has no shared libraries, so it builds that library static.
+  local llama=("${cross[@]}")
+  if [ "$arch" = aarch64 ]; then
+    echo 'set_property(GLOBAL PROPERTY TARGET_SUPPORTS_SHARED_LIBS FALSE)' >"$dir/static-only.cmake"
+    llama+=(-DCMAKE_PROJECT_INCLUDE="$dir/static-only.cmake")
+  fi
   say "$arch: llama_main in $et/examples/models/llama (log: $dir/llama.log)"
   { nice -n 10 "$CMAKE" -S "$ET_SRC/examples/models/llama" -B "$et/examples/models/llama" "${GENERATOR[@]}" \
-      "${LAUNCHER[@]}" "${cross[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$et" \
+      "${LAUNCHER[@]}" "${llama[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$et" \
       -DPYTHON_EXECUTABLE="$VENV_PY" -Dexecutorch_DIR="$et/lib/cmake/ExecuTorch" -DBUILD_TESTING=OFF \
       -DEXECUTORCH_ENABLE_LOGGING=ON &&
     nice -n 10 "$CMAKE" --build "$et/examples/models/llama" -j"$JOBS" --target llama_main; } >"$dir/llama.log" 2>&1 ||
@@ -160,8 +162,18 @@ CHECK=$OUT/check
 for arch in $ARCHES; do
   emulator=()
   [ "$arch" = aarch64 ] && emulator=(--emulator "env -i qemu-aarch64")
-  say "$arch: llama_main against the Python runtime (tools/check_llm_runner.py)"
+  say "$arch: llama_main against the Python runtime (tools/check_llm_runner.py; programs in $CHECK)"
   nice -n 10 "$VENV_PY" "$ROOT/tools/check_llm_runner.py" --work "$CHECK" --runner "$OUT/$arch/llama_main" \
     "${emulator[@]}" || die "$arch: llama_main's continuations differ from the Python runtime's"
+  if [ "$arch" = aarch64 ]; then
+    # With an empty environment and no -L, qemu hands the binary nothing of this host; -strace lists every file it
+    # opens, none of which may be under /etc, /usr or /lib (a phone has none of them to offer).
+    opened=$(cd "$CHECK" && env -i qemu-aarch64 -strace "$OUT/aarch64/llama_main" --model_path=model-none.pte \
+      --tokenizer_path=tokenizer.json --prompt=Hi --temperature=0 --max_new_tokens=2 2>&1 |
+      grep -oE 'open(at)?\([^"]*"[^"]*"' | grep -oE '"[^"]*"' | tr -d '"' | sort -u)
+    ! grep -qE '^/(etc|usr|lib)' <<<"$opened" ||
+      die "aarch64 llama_main opened host files under qemu: $(grep -E '^/(etc|usr|lib)' <<<"$opened" | paste -sd' ')"
+    say "aarch64: under env -i qemu-aarch64 it opens only $(paste -sd' ' <<<"$opened")"
+  fi
 done
 say "all checks passed"

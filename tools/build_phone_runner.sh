@@ -61,11 +61,7 @@ say() { printf '\033[1m[phone]\033[0m %s\n' "$*"; }
 die() { printf '\033[1m[phone]\033[0m FAILED: %s\n' "$*" >&2; exit 1; }
 # shellcheck source=tools/arm64_common.sh
 . "$ROOT/tools/arm64_common.sh"
-[ -x "$VENV_PY" ] || die "no $VENV_PY; run setup.sh first (ExecuTorch's codegen runs with it)"
-ET_SRC=${ZL_EXECUTORCH_SRC:-}
-[ -n "$ET_SRC" ] || die "ZL_EXECUTORCH_SRC is not set; point it at an ExecuTorch v1.5.1 checkout (git clone -b v1.5.1 https://github.com/pytorch/executorch && git -C executorch submodule update --init third-party/flatbuffers)"
-ET_SRC=$(cd "$ET_SRC" && pwd)
-[ -f "$ET_SRC/runtime/executor/program.cpp" ] || die "ZL_EXECUTORCH_SRC=$ET_SRC has no runtime/executor/program.cpp; is it an ExecuTorch checkout?"
+executorch_src runtime/executor/program.cpp "an ExecuTorch v1.5.1 checkout (git clone -b v1.5.1 https://github.com/pytorch/executorch && git -C executorch submodule update --init third-party/flatbuffers)"
 [ -f "$ET_SRC/third-party/flatbuffers/CMakeLists.txt" ] ||
   die "ZL_EXECUTORCH_SRC=$ET_SRC has no third-party/flatbuffers; run: git -C $ET_SRC submodule update --init third-party/flatbuffers"
 [ -f "$OPS" ] || die "ZL_PHONE_OPS=$OPS does not exist"

@@ -139,9 +139,10 @@ def check_program(program: Path, runner: Path, emulator: list[str], prompts: lis
     if record.quantize == "none":
         print(f"  identical on {identical}/{len(prompts)} prompts (a float program must be identical on every one)")
         return identical == len(prompts)
-    print(f"  identical on {identical}/{len(prompts)} prompts; where they part ({len(prompts) - identical}), llama_main "
-          f"took another of the Python runtime's 10 best tokens on {flips} (activations quantized on the fly round "
-          "apart across XNNPACK builds and CPUs)")
+    parted = "" if identical == len(prompts) else (
+        f"; where they part ({len(prompts) - identical}), llama_main took another of the Python runtime's 10 best "
+        f"tokens on {flips} (activations quantized on the fly round apart across XNNPACK builds and CPUs)")
+    print(f"  identical on {identical}/{len(prompts)} prompts{parted}")
     return identical + flips == len(prompts)
 
 

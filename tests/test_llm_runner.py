@@ -192,3 +192,21 @@ def test_host_llama_main_continues_as_the_python_runtime(tiny_programs, capsys):
                     reason="no build-llm/aarch64/llama_main (tools/build_llm_runner.sh) or no qemu-aarch64")
 def test_phone_llama_main_under_qemu_continues_as_the_python_runtime(tiny_programs, capsys):
     check(PHONE, tiny_programs, ["env", "-i", "qemu-aarch64"], capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HOST.is_file(), reason="no build-llm/x86_64/llama_main (tools/build_llm_runner.sh)")
+def test_smollm2_programs_in_llama_main(tmp_path, capsys):
+    """Real weights (SmolLM2-135M with a random adapter), float and int8: the host build against the Python runtime
+    (float identical, int8 measured), and the phone build's float under qemu where it is built."""
+    from tools.check_llm_runner import tiny_programs
+    from zl_export import model_source
+
+    try:
+        model_source.resolve("smollm2-135m")
+    except ZLError as e:
+        pytest.skip(str(e))
+    programs = tiny_programs(tmp_path, "smollm2-135m", ("none", "int8"))
+    check(HOST, programs, [], capsys)
+    if PHONE.is_file() and shutil.which("qemu-aarch64"):
+        check(PHONE, programs[:1], ["env", "-i", "qemu-aarch64"], capsys)

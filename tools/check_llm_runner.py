@@ -42,12 +42,14 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ("Once upon a time", "The capital of France is", "def fib(n):")
 
 
-def tiny_programs(work: Path) -> list[Path]:
-    """A tiny-random run with an adapter, exported float and int8 (`zl export-model`) into `work`, unless there."""
+def tiny_programs(work: Path, model: str = "tiny-random", quantizations: tuple[str, ...] = ("none", "int8"),
+                  max_seq_len: int = 64) -> list[Path]:
+    """A run of `model` with a seeded random adapter (the suite's `random_run`), exported by `zl export-model` at
+    each of `quantizations` into `work` as model-Q.pte, unless there."""
     sys.path.insert(0, str(ROOT / "tests"))
     from generative_fixtures import random_run  # the suite's tiny run: a seeded random adapter
 
-    programs = [work / "model-none.pte", work / "model-int8.pte"]
+    programs = [work / f"model-{q}.pte" for q in quantizations]
     if all(p.is_file() for p in programs):
         return programs
     import subprocess
@@ -56,11 +58,10 @@ def tiny_programs(work: Path) -> list[Path]:
 
     run = work / "run"
     if not (run / "adapter").is_dir():
-        random_run(run)
-    for program in programs:
-        quantize = program.stem.split("-")[1]
+        random_run(run, model)
+    for program, quantize in zip(programs, quantizations):
         command, env = checkout_zl(["export-model", str(run), "--out", str(program), "--quantize", quantize,
-                                    "--max-seq-len", "64", "--force"])
+                                    "--max-seq-len", str(max_seq_len), "--force"])
         subprocess.run(command, env=env, check=True)
     return programs
 

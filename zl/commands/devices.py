@@ -146,8 +146,10 @@ With --mode app, phones get the app com.zerolock.zl instead of zl_runner (reinst
 Their files go to the app's folder /sdcard/Android/data/com.zerolock.zl/files/, except the run key: that folder
 is shared storage, so the key goes with the START intent (`--es run_key`) into the app's private storage.
 
-With --program FILE.pte (from `zl export-model`), every device also gets that
-inference program and the tokenizer.json beside it, for ExecuTorch's LLM runner.
+With --program FILE.pte (from `zl export-model`), every device also gets that inference program and the
+tokenizer.json beside it, and ExecuTorch's LLM runner llama_main where tools/build_llm_runner.sh built it (phones
+in binary mode: build-llm/aarch64/llama_main or $ZL_LLAMA_MAIN; local devices: build-llm/x86_64/llama_main or
+$ZL_HOST_LLAMA_MAIN); the last line says how to run it there.
 
 Examples:
 

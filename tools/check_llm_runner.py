@@ -7,7 +7,7 @@
 
 For each program (by default a tiny-random run's, exported by `zl export-model` in float and int8 into --work) and
 each prompt, greedy: the continuation of the Python runtime (`ProgramRunner`, what `zl generate --program` runs) as
-token ids, the bytes llama_main prints for those ids (`printed_text`: its `safe_printf` of each piece), and what
+token ids, the bytes llama_main prints for those ids (`TokenizerPieces`: its `safe_printf` of each piece), and what
 llama_main printed; the prompt's token count must agree too. llama_main samples over the tokenizer's ids only (its
 sampler takes the tokenizer's vocab_size), so the Python side's argmax is over the same ids; where the model's
 vocabulary is larger (tiny-random: 320 against 258 byte tokens) the column "zl generate" says whether the
@@ -66,13 +66,6 @@ def tiny_programs(work: Path, model: str = "tiny-random", quantizations: tuple[s
     return programs
 
 
-def tokenizer_size(tokenizer_json: Path) -> int:
-    """The ids a tokenizer.json knows (its vocabulary and added tokens): the size of llama_main's sampler, which
-    takes the tokenizer's vocab_size (extension/llm/runner/llm_runner_helper.cpp), not the model's."""
-    spec = json.loads(tokenizer_json.read_text())
-    return len(set(spec["model"]["vocab"].values()) | {t["id"] for t in spec.get("added_tokens", [])})
-
-
 def greedy(python, ids: list[int], new_tokens: int, vocab: int) -> list[int]:
     """Greedy ids after `ids` over the first `vocab` logits, as llama_main picks them: every new token, the end of
     sequence included (it prints that one, then stops); the prefill's first token is not checked for it."""
@@ -93,7 +86,7 @@ def check_program(program: Path, runner: Path, emulator: list[str], prompts: lis
     """One program: every prompt through both runtimes; prints a table. Passes (returns True) when a float program's
     continuations are identical on every prompt; a quantized one's when each is identical or parts at a token among
     the Python runtime's 10 best there (`first_difference`), its prompt counted alike."""
-    from zl_device.results.llm_runner import llama_main_command, printed_pieces, run_llama_main
+    from zl_device.results.llm_runner import TokenizerPieces, llama_main_command, run_llama_main
     from zl_device.results.program_runner import ProgramRunner
     from zl_export.model_source import load_tokenizer
     from zl_export.program_record import check_program as read_record
@@ -106,7 +99,8 @@ def check_program(program: Path, runner: Path, emulator: list[str], prompts: lis
     python = ProgramRunner(program, data)
     print(f"{program} ({record.model}, {record.quantize}, KV cache {record.max_seq_len}): llama_main "
           f"{runner}{' under ' + ' '.join(emulator) if emulator else ''}, {threads} thread(s)")
-    vocab = tokenizer_size(tokenizer_json)
+    table = TokenizerPieces(tokenizer_json)
+    vocab = table.size  # llama_main's sampler is the tokenizer's size
     if vocab < python.vocab_size:
         print(f"  (llama_main samples over the tokenizer's {vocab} ids, the model has {python.vocab_size}: the Python "
               "side's greedy is taken over the same ids; 'zl generate' says whether that changed its continuation)")
@@ -115,11 +109,13 @@ def check_program(program: Path, runner: Path, emulator: list[str], prompts: lis
     same_rows, flips = [], 0
     for prompt in prompts:
         ids = encode_prompt(tokenizer, prompt)
-        zl_generate = python.generate(ids, new_tokens)
         new = greedy(python, ids, new_tokens, vocab)
-        cut = len(zl_generate)  # zl generate stops before an end of sequence; llama_main prints it
-        same_as_zl = new[:cut] == zl_generate and (len(new) == cut or new[cut] in python.eos_ids)
-        pieces = printed_pieces(tokenizer_json, new, set(python.eos_ids))
+        same_as_zl = True  # the same argmax over all ids: zl generate's continuation, up to its end of sequence
+        if vocab < python.vocab_size:
+            zl_generate = python.generate(ids, new_tokens)
+            cut = len(zl_generate)  # zl generate stops before an end of sequence; llama_main prints it
+            same_as_zl = new[:cut] == zl_generate and (len(new) == cut or new[cut] in python.eos_ids)
+        pieces = table.pieces(new, set(python.eos_ids))
         expected = b"".join(pieces)
         command = llama_main_command(runner, program, tokenizer_json, prompt, new_tokens, threads, data,
                                      num_bos=1 if bos_ids(tokenizer) and ids[:1] == bos_ids(tokenizer) else 0,
@@ -131,7 +127,7 @@ def check_program(program: Path, runner: Path, emulator: list[str], prompts: lis
         print(f"  {prompt[:28]!s:<28} {got.prompt_tokens:>6} {got.generated_tokens:>4} {'yes' if same else 'NO':>5} "
               f"{'yes' if same_as_zl else 'no':>10} {got.decode_tok_s:>13.1f}  {shown[:50]}")
         if not same:
-            where, tie = first_difference(python, tokenizer_json, ids, new, pieces, got.text, vocab)
+            where, tie = first_difference(python, table, ids, new, pieces, got.text)
             flips += tie and got.prompt_tokens == len(ids)
             print(f"    python: {len(ids)} prompt tokens, {len(new)} new: {expected!r}\n"
                   f"    llama_main: {got.prompt_tokens} prompt tokens, {got.generated_tokens} new: {got.text!r}\n"
@@ -147,13 +143,11 @@ def check_program(program: Path, runner: Path, emulator: list[str], prompts: lis
     return identical + flips == len(prompts)
 
 
-def first_difference(python, tokenizer_json: Path, ids: list[int], new: list[int], pieces: list[bytes], text: bytes,
-                     vocab: int) -> tuple[str, bool]:
+def first_difference(python, table, ids: list[int], new: list[int], pieces: list[bytes],
+                     text: bytes) -> tuple[str, bool]:
     """Where llama_main's text leaves the Python continuation: the new token whose piece holds the first byte that
     differs, and the rank of llama_main's token there among the Python runtime's 10 best (the candidate whose piece
     it printed, longest first) with its logit against the best. Returns (what to print, whether it is among them)."""
-    from zl_device.results.llm_runner import printed_text
-
     common = next((k for k, (a, b) in enumerate(zip(b"".join(pieces), text)) if a != b),
                   min(len(text), sum(map(len, pieces))))
     printed = 0
@@ -161,9 +155,9 @@ def first_difference(python, tokenizer_json: Path, ids: list[int], new: list[int
         if printed + len(piece) > common:
             break
         printed += len(piece)
-    logits = python.logits(ids + new[:k])[-1][:vocab]
+    logits = python.logits(ids + new[:k])[-1][:table.size]
     top = logits.topk(10)
-    candidates = [(rank, int(i), printed_text(tokenizer_json, [int(i)])) for rank, i in enumerate(top.indices, 1)]
+    candidates = [(rank, int(i), table.text([int(i)])) for rank, i in enumerate(top.indices, 1)]
     taken = [c for c in candidates if c[2] and text[printed:].startswith(c[2])]
     where = (f"first difference at new token {k + 1} of {len(new)}: the Python runtime's best there is id "
              f"{int(top.indices[0])} ({float(top.values[0]):.4f})")

@@ -216,12 +216,11 @@ def _llm_runner_note(devices, results, program: Path) -> str:
     """How to run the pushed program with ExecuTorch's llama_main on the first device that got it, or how to build
     llama_main when none did; "" when no device runs binaries of its own (the app)."""
     from zl_device.devices.deploy import LLAMA_MAIN, LLM_RUNNER_HINT
-    from zl_export.program_record import check_program
 
     for device, result in zip(devices, results):
         if result.llm_runner is None:
             continue
-        data = check_program(program).data_file
+        data = result.program_data
         run = (f"cd {device.workdir} && ./{LLAMA_MAIN} --model_path={program.name} --tokenizer_path=tokenizer.json"
                + (f" --data_paths={data}" if data else "") + " --temperature=0 --prompt='Hello'")
         where = f"adb -s {device.name} shell \"{run}\"" if device.kind == "adb" else run

@@ -155,6 +155,7 @@ class DeployResult:
     runner: str | None = None  # `zl_runner --version` of the runner now on the device (zl, ExecuTorch, arch)
     runner_sha256: str | None = None  # sha256 of zl_runner as the device holds it (None: none, or unreadable)
     llm_runner: Path | None = None  # the llama_main build `deploy_program` put beside the program (None: none built)
+    program_data: str | None = None  # the program's data file beside it (`--shared-base`), for running it
 
 
 def _load_config(config: Path | Mapping | RunnerConfig, base: Path, program: str) -> tuple[RunnerConfig, Path]:
@@ -304,7 +305,7 @@ def deploy_program(devices: Sequence[Device], program: Path, force: bool = False
         runner = llm_runner_for(device)
         _push_files(device, {**files, **({LLAMA_MAIN: (runner, 0o755)} if runner else {})}, result, force, on_file,
                     on_bytes)
-        result.llm_runner = runner
+        result.llm_runner, result.program_data = runner, record.data_file
         log.info("%s: program, pushed %s, unchanged %s", device.name, result.pushed, result.unchanged)
         results.append(result)
     return results

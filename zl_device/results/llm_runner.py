@@ -7,8 +7,9 @@ runs one on a prompt and reads what it printed back:
 
 - `run_llama_main`: one greedy generation; the continuation it printed and the timings of its `PyTorchObserver`
   line (prompt and generated tokens, load, prefill and decode speed), and the process's peak RSS.
-- `printed_text`: the bytes llama_main prints for token ids (its `safe_printf` of each decoded piece), so that its
-  output can be compared with another runtime's token ids exactly, byte tokens of random models included.
+- `TokenizerPieces` (`printed_text` for one call): the bytes llama_main prints for token ids (its `safe_printf` of
+  each decoded piece), so that its output can be compared with another runtime's token ids exactly, byte tokens of
+  random models included.
 """
 
 from __future__ import annotations
@@ -118,29 +119,42 @@ def parse_output(stdout: bytes, prompt: str, rss_kib: int, seconds: float, comma
         peak_rss_kib=rss_kib, seconds=seconds, command=command)
 
 
-def printed_pieces(tokenizer_json: Path, ids: list[int], eos_ids: set[int] | frozenset = frozenset()) -> list[bytes]:
-    """What llama_main prints for each of the generated `ids`: the token's piece (its bytes, through the
-    tokenizer's byte-level alphabet; a special token's content), nothing for a single byte that is neither printable
-    nor space (`safe_printf`, extension/llm/runner/util.h, drops those), and a newline after an end of sequence that
-    stops the loop (any but the first token: text_token_generator.h prints one there)."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+class TokenizerPieces:
+    """A tokenizer.json read once, for what llama_main prints of token ids. `size` is the ids it knows (vocabulary
+    and added tokens): the size of llama_main's sampler, which takes the tokenizer's vocab_size
+    (extension/llm/runner/llm_runner_helper.cpp), not the model's."""
 
-    spec = json.loads(Path(tokenizer_json).read_text())
-    vocab = {i: t for t, i in spec["model"]["vocab"].items()}
-    vocab.update({t["id"]: t["content"] for t in spec.get("added_tokens", [])})
-    specials = {t["id"] for t in spec.get("added_tokens", [])}
-    byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
-    to_byte = {c: b for b, c in bytes_to_unicode().items()}
-    out = []
-    for k, i in enumerate(ids):
-        token = vocab[i]
-        piece = bytes(to_byte[c] for c in token) if byte_level and i not in specials else token.encode()
-        if len(piece) == 1 and not (0x20 <= piece[0] <= 0x7E or 0x09 <= piece[0] <= 0x0D):  # C's isprint, isspace
-            piece = b""
-        out.append(piece + (b"\n" if k > 0 and i in eos_ids else b""))
-    return out
+    def __init__(self, tokenizer_json: Path):
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        spec = json.loads(Path(tokenizer_json).read_text())
+        self._tokens = {i: t for t, i in spec["model"]["vocab"].items()}
+        self._tokens.update({t["id"]: t["content"] for t in spec.get("added_tokens", [])})
+        self._specials = {t["id"] for t in spec.get("added_tokens", [])}
+        self._byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
+        self._to_byte = {c: b for b, c in bytes_to_unicode().items()}
+        self.size = len(self._tokens)
+
+    def pieces(self, ids: list[int], eos_ids: set[int] | frozenset = frozenset()) -> list[bytes]:
+        """What llama_main prints for each of the generated `ids`: the token's piece (its bytes, through the
+        tokenizer's byte-level alphabet; a special token's content), nothing for a single byte that is neither
+        printable nor space (`safe_printf`, extension/llm/runner/util.h, drops those), and a newline after an end of
+        sequence that stops the loop (any but the first token: text_token_generator.h prints one there)."""
+        out = []
+        for k, i in enumerate(ids):
+            token = self._tokens[i]
+            plain = self._byte_level and i not in self._specials
+            piece = bytes(self._to_byte[c] for c in token) if plain else token.encode()
+            if len(piece) == 1 and not (0x20 <= piece[0] <= 0x7E or 0x09 <= piece[0] <= 0x0D):  # C's isprint, isspace
+                piece = b""
+            out.append(piece + (b"\n" if k > 0 and i in eos_ids else b""))
+        return out
+
+    def text(self, ids: list[int], eos_ids: set[int] | frozenset = frozenset()) -> bytes:
+        """`pieces` joined: llama_main's output for `ids` between the echoed prompt and its final newline."""
+        return b"".join(self.pieces(ids, eos_ids))
 
 
 def printed_text(tokenizer_json: Path, ids: list[int], eos_ids: set[int] | frozenset = frozenset()) -> bytes:
-    """`printed_pieces` joined: llama_main's output for `ids` between the echoed prompt and its final newline."""
-    return b"".join(printed_pieces(tokenizer_json, ids, eos_ids))
+    """What llama_main prints for `ids` (`TokenizerPieces.text`), the tokenizer read for this call alone."""
+    return TokenizerPieces(tokenizer_json).text(ids, eos_ids)
